@@ -1,0 +1,247 @@
+"""The tool SDK (``@tool``, ``ToolSpec``, the registry) and the activities that expose tools.
+
+A tool is a function taking one pydantic argument model and a :class:`ToolContext`, with a
+declared effect. The effect decides the retry rule in the workflow and the approval default::
+
+    class RefundArgs(BaseModel):
+        order_id: str
+        amount_cents: int
+
+    @tool(effect=ToolEffect.IDEMPOTENT)
+    def issue_refund(args: RefundArgs, ctx: ToolContext) -> dict:
+        ...  # send ctx.idempotency_key to the target system
+
+Tools raise :class:`ToolError` for failures they understand: ``permanent=True`` for bad input
+or a 4xx (never retried), otherwise a transient error the workflow may retry (if the effect
+allows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from pydantic import BaseModel, ValidationError
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from workflows.models import CatalogRequest, ToolCall, ToolCatalog, ToolEffect, ToolInfo, ToolOutcome
+
+# Observations are cut to this many characters before they enter workflow history, so history
+# does not grow with the size of tool results. The digest covers the full result.
+MAX_OBSERVATION_CHARS = 4000
+
+
+class ToolError(Exception):
+    """A failure the tool understands. ``code`` shows on the timeline as the error code."""
+
+    def __init__(self, message: str, *, code: str = "tool_error", permanent: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.permanent = permanent
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool knows about the call it is serving."""
+
+    run_id: str
+    tenant: str
+    tool_call_id: str
+    # Stable across retries, worker crashes and continue-as-new: send it to the target system.
+    idempotency_key: str
+    attempt: int
+
+
+ToolFn = Callable[[Any, ToolContext], Any]
+LookupFn = Callable[[ToolContext], Any]
+
+
+@dataclass
+class ToolSpec:
+    name: str
+    fn: ToolFn
+    args_model: type[BaseModel]
+    effect: ToolEffect
+    requires_approval: bool
+    timeout_seconds: float
+    max_retries: int
+    description: str
+    lookup_fn: LookupFn | None = None
+
+    def lookup(self, fn: LookupFn) -> LookupFn:
+        """Register the function that finds a previous effect by idempotency key.
+
+        Required for ``reconcilable`` tools: on a retry the runtime calls it first and returns
+        what it finds (anything but ``None``) instead of acting again.
+        """
+        self.lookup_fn = fn
+        return fn
+
+    def info(self) -> ToolInfo:
+        return ToolInfo(
+            name=self.name,
+            description=self.description,
+            effect=self.effect,
+            requires_approval=self.requires_approval,
+            args_schema=self.args_model.model_json_schema(),
+            timeout_seconds=self.timeout_seconds,
+            max_retries=self.max_retries,
+        )
+
+    def __call__(self, args: Any, ctx: ToolContext) -> Any:
+        return self.fn(args, ctx)
+
+
+@dataclass
+class ToolRegistry:
+    tools: dict[str, ToolSpec] = field(default_factory=dict)
+
+    def register(self, spec: ToolSpec) -> ToolSpec:
+        existing = self.tools.get(spec.name)
+        if existing is not None and existing.fn is not spec.fn:
+            raise ValueError(f"tool {spec.name!r} is registered twice; give one of them name=...")
+        self.tools[spec.name] = spec
+        return spec
+
+    def get(self, name: str) -> ToolSpec | None:
+        return self.tools.get(name)
+
+    def catalog(self) -> ToolCatalog:
+        return ToolCatalog(tools=[spec.info() for spec in self.tools.values()])
+
+    def check(self) -> None:
+        """Fail at worker start, not mid-run, on a tool that cannot honour its effect."""
+        for spec in self.tools.values():
+            if spec.effect == ToolEffect.RECONCILABLE and spec.lookup_fn is None:
+                raise ValueError(
+                    f"tool {spec.name!r} is reconcilable but has no lookup: add "
+                    f"@{spec.name}.lookup on a function (ctx) -> previous result or None"
+                )
+
+
+# Tools register here on import; worker.py imports the configured tool modules.
+REGISTRY = ToolRegistry()
+
+
+def load_tool_modules(modules: Iterable[str], registry: ToolRegistry = REGISTRY) -> ToolRegistry:
+    for name in modules:
+        name = name.strip()
+        if not name:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise SystemExit(f"cannot import tool module {name!r}: {e}") from e
+    registry.check()
+    return registry
+
+
+def tool(
+    *,
+    effect: ToolEffect | str,
+    requires_approval: bool | None = None,
+    timeout: float = 30.0,
+    max_retries: int = 3,
+    name: str | None = None,
+    registry: ToolRegistry | None = None,
+) -> Callable[[ToolFn], ToolSpec]:
+    """Declare a tool. ``requires_approval`` defaults to "the tool writes" (effect != read_only)."""
+    effect = ToolEffect(effect)
+
+    def decorate(fn: ToolFn) -> ToolSpec:
+        params = list(inspect.signature(fn).parameters)
+        hints = get_type_hints(fn)
+        model = hints.get(params[0]) if params else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise TypeError(
+                f"tool {fn.__name__}: the first parameter must be annotated with a pydantic model"
+            )
+        spec = ToolSpec(
+            name=name or fn.__name__,
+            fn=fn,
+            args_model=model,
+            effect=effect,
+            requires_approval=(
+                effect != ToolEffect.READ_ONLY if requires_approval is None else requires_approval
+            ),
+            timeout_seconds=timeout,
+            max_retries=max_retries,
+            description=inspect.cleandoc(fn.__doc__ or ""),
+        )
+        return (registry or REGISTRY).register(spec)
+
+    return decorate
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    # Sync tools (most HTTP clients) run in a thread so they never block the worker's loop.
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def bounded_observation(result: Any) -> ToolOutcome:
+    if isinstance(result, BaseModel):
+        result = result.model_dump(mode="json")
+    text = json.dumps(result, sort_keys=True, default=str)
+    return ToolOutcome(
+        observation=text[:MAX_OBSERVATION_CHARS],
+        digest=hashlib.sha256(text.encode()).hexdigest(),
+        size=len(text),
+        truncated=len(text) > MAX_OBSERVATION_CHARS,
+    )
+
+
+class ToolActivities:
+    """The activities that expose a registry's tools to the workflow."""
+
+    def __init__(self, registry: ToolRegistry = REGISTRY) -> None:
+        self.registry = registry
+
+    @activity.defn(name="tool_catalog")
+    async def tool_catalog(self, request: CatalogRequest) -> ToolCatalog:
+        return self.registry.catalog()
+
+    @activity.defn(name="execute_tool")
+    async def execute_tool(self, call: ToolCall) -> ToolOutcome:
+        spec = self.registry.get(call.tool)
+        if spec is None:
+            raise ApplicationError(
+                f"tool {call.tool!r} is not registered on this worker; start the worker with "
+                f"the module that defines it (--tools / TETHER_TOOLS)",
+                type="unknown_tool",
+                non_retryable=True,
+            )
+        try:
+            args = spec.args_model.model_validate(call.args)
+        except ValidationError as e:
+            raise ApplicationError(
+                f"invalid arguments for {spec.name}: {e.errors()[0]['msg']}",
+                type="invalid_arguments",
+                non_retryable=True,
+            ) from None
+        ctx = ToolContext(
+            run_id=call.run_id,
+            tenant=call.tenant,
+            tool_call_id=call.tool_call_id,
+            idempotency_key=call.idempotency_key,
+            attempt=call.attempt,
+        )
+        try:
+            if spec.effect == ToolEffect.RECONCILABLE and call.attempt > 1 and spec.lookup_fn:
+                # A previous attempt may have acted before we lost its answer: find it first.
+                previous = await _call(spec.lookup_fn, ctx)
+                if previous is not None:
+                    activity.logger.info("reconciled %s by key %s", spec.name, ctx.idempotency_key)
+                    return bounded_observation(previous)
+            result = await _call(spec.fn, args, ctx)
+        except ToolError as e:
+            raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
+        return bounded_observation(result)

@@ -1,0 +1,121 @@
+"""Tools that call the billing example service, one per effect class.
+
+- ``get_order``: read_only.
+- ``issue_refund``: idempotent: the service dedupes refunds by the ``Idempotency-Key`` header.
+- ``post_ledger_entry``: reconcilable: the ledger is not idempotent, but an entry can be found
+  again by its key, so a retry looks it up before writing.
+- ``send_email``: unsafe: a second call sends a second email, so it runs at most once.
+
+The service URL comes from ``BILLING_URL`` (default ``http://127.0.0.1:8765``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from activities.tools import ToolContext, ToolError, tool
+from workflows.models import ToolEffect
+
+ORDER_ID = r"^[A-Z]-\d{4}$"
+HTTP_TIMEOUT_SECONDS = 10.0
+
+
+def billing_url() -> str:
+    return os.environ.get("BILLING_URL", "http://127.0.0.1:8765").rstrip("/")
+
+
+# Talk to 127.0.0.1 directly even when the environment sets an HTTP proxy.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def call(method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
+    """One HTTP call; maps failures to permanent (4xx) or retryable (5xx, network) errors."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        billing_url() + path,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with _opener.open(request, timeout=HTTP_TIMEOUT_SECONDS) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            detail = json.loads(e.read() or b"{}")
+        except json.JSONDecodeError:
+            detail = {}
+        code = detail.get("error") or f"http_{e.code}"
+        message = f"{method} {path} -> {e.code} {detail.get('message', e.reason)}"
+        # 408 and 429 are the client errors worth retrying; every other 4xx is our input.
+        permanent = 400 <= e.code < 500 and e.code not in (408, 429)
+        raise ToolError(message, code=code, permanent=permanent) from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        reason = getattr(e, "reason", e)
+        raise ToolError(
+            f"{method} {path}: billing service unreachable at {billing_url()} ({reason})",
+            code="unreachable",
+        ) from None
+
+
+class OrderRef(BaseModel):
+    order_id: str = Field(pattern=ORDER_ID, description="order id, e.g. A-1001")
+
+
+@tool(effect=ToolEffect.READ_ONLY, timeout=15)
+def get_order(args: OrderRef, ctx: ToolContext) -> dict:
+    """Look up an order: customer, total and status."""
+    return call("GET", f"/orders/{urllib.parse.quote(args.order_id)}")
+
+
+class RefundArgs(BaseModel):
+    order_id: str = Field(pattern=ORDER_ID)
+    amount_cents: int = Field(gt=0, le=10_000_000, description="refund amount in cents")
+    reason: str = Field(min_length=1, max_length=500)
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=15, max_retries=4)
+def issue_refund(args: RefundArgs, ctx: ToolContext) -> dict:
+    """Refund (part of) an order to the customer's payment method."""
+    return call(
+        "POST", "/refunds", args.model_dump(), headers={"Idempotency-Key": ctx.idempotency_key}
+    )
+
+
+class LedgerArgs(BaseModel):
+    order_id: str = Field(pattern=ORDER_ID)
+    amount_cents: int = Field(ge=-10_000_000, le=10_000_000)
+    memo: str = Field(min_length=1, max_length=500)
+
+
+@tool(effect=ToolEffect.RECONCILABLE, timeout=15, max_retries=4)
+def post_ledger_entry(args: LedgerArgs, ctx: ToolContext) -> dict:
+    """Post an entry to the accounting ledger, keyed by the tool call's idempotency key."""
+    return call("POST", "/ledger", {"key": ctx.idempotency_key, **args.model_dump()})
+
+
+@post_ledger_entry.lookup
+def find_ledger_entry(ctx: ToolContext) -> dict | None:
+    entries = call("GET", "/ledger?" + urllib.parse.urlencode({"key": ctx.idempotency_key}))
+    found = entries.get("entries") or []
+    return found[0] if found else None
+
+
+class EmailArgs(BaseModel):
+    to: str = Field(pattern=r"^[^@\s]+@[^@\s]+$", max_length=254)
+    subject: str = Field(min_length=1, max_length=200)
+    body: str = Field(min_length=1, max_length=10_000)
+
+
+@tool(effect=ToolEffect.UNSAFE, timeout=15)
+def send_email(args: EmailArgs, ctx: ToolContext) -> dict:
+    """Send an email to a customer. Not idempotent: never retried blindly."""
+    # The reference only lets operators (and tests) count calls; the service does not dedupe.
+    return call("POST", "/emails", args.model_dump(), headers={"X-Request-Ref": ctx.idempotency_key})

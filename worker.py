@@ -1,0 +1,106 @@
+"""Run a Tether worker: the AgentRun workflow, the planner and tool activities, and the
+configured tool modules.
+
+    python worker.py [--tools examples.billing.tools] [--task-queue tether]
+
+Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
+TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); the defaults are localhost:7233 and
+namespace ``default``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConfig
+from temporalio.worker import Worker
+
+from activities import planning
+from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
+from workflows.agent_run import AgentRun
+
+DEFAULT_TASK_QUEUE = "tether"
+DEFAULT_TOOLS = "examples.billing.tools"
+
+
+def task_queue() -> str:
+    return os.environ.get("TETHER_TASK_QUEUE", DEFAULT_TASK_QUEUE)
+
+
+async def connect(**overrides: Any) -> Client:
+    """Connect with Temporal's environment configuration and the pydantic data converter."""
+    config: dict[str, Any] = dict(ClientConfig.load_client_connect_config())
+    config.setdefault("target_host", "localhost:7233")
+    config.setdefault("namespace", "default")
+    config.update(overrides)
+    return await Client.connect(**config, data_converter=pydantic_data_converter)
+
+
+def create_worker(
+    client: Client,
+    *,
+    task_queue: str = DEFAULT_TASK_QUEUE,
+    registry: ToolRegistry = REGISTRY,
+    **options: Any,
+) -> Worker:
+    """The one way to build a Tether worker (the CLI, tests and benchmarks all use it)."""
+    tools = ToolActivities(registry)
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[AgentRun],
+        activities=[tools.tool_catalog, tools.execute_tool, planning.plan],
+        graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
+        **options,
+    )
+
+
+async def serve(tool_modules: Sequence[str], queue: str) -> None:
+    registry = load_tool_modules(tool_modules)
+    try:
+        client = await connect()
+    except RuntimeError as e:
+        raise SystemExit(
+            f"cannot reach Temporal ({e}); start one with `make dev-server` "
+            f"or set TEMPORAL_ADDRESS"
+        ) from None
+    worker = create_worker(client, task_queue=queue, registry=registry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with worker:
+        print(
+            f"worker ready on task queue {queue!r} with tools: "
+            f"{', '.join(sorted(registry.tools)) or 'none'}",
+            flush=True,
+        )
+        await stop.wait()
+        print("worker shutting down: finishing tasks in flight", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tools",
+        default=os.environ.get("TETHER_TOOLS", DEFAULT_TOOLS),
+        help="comma-separated tool modules to load (env TETHER_TOOLS)",
+    )
+    parser.add_argument("--task-queue", default=task_queue(), help="env TETHER_TASK_QUEUE")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args.tools.split(","), args.task_queue))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Pydantic contracts shared by the workflow, the activities and the clients.
+
+JSON field names here are public API (see ARCHITECTURE.md). Every workflow, signal, query and
+activity takes exactly one of these models, so the pydantic data converter never has to guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workflows.states import Lifecycle, RunState, TransitionRecord
+
+__all__ = [
+    "ApprovalDecision",
+    "CatalogRequest",
+    "ExecutedStep",
+    "HandoffRequest",
+    "Limits",
+    "PendingApproval",
+    "Plan",
+    "PlanStep",
+    "PlannerInput",
+    "PlaybookStep",
+    "Proposal",
+    "ProposedStep",
+    "RunData",
+    "RunOutcome",
+    "RunRequest",
+    "RunSnapshot",
+    "ToolCall",
+    "ToolCatalog",
+    "ToolEffect",
+    "ToolInfo",
+    "ToolOutcome",
+    "TransitionRecord",
+    "canonical_json",
+]
+
+# Tenant and names end up in search attributes and the Web UI: keep them to plain identifiers.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
+
+
+class ToolEffect(str, Enum):
+    """What a tool does to the outside world. It decides the retry rule and the approval default."""
+
+    READ_ONLY = "read_only"  # no side effect
+    IDEMPOTENT = "idempotent"  # the target system dedupes by the idempotency key
+    RECONCILABLE = "reconcilable"  # not idempotent, but a previous effect can be looked up by key
+    UNSAFE = "unsafe"  # neither: runs at most once
+
+
+# ----------------------------------------------------------------------------- run input
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_steps: int = Field(20, ge=1, le=1000, description="tool calls a run may execute in all")
+    max_replans: int = Field(3, ge=0, le=100, description="proposals that may fail validation")
+    approval_ttl_seconds: float = Field(
+        24 * 3600, gt=0, le=366 * 24 * 3600, description="how long an approval request stays open"
+    )
+    on_expiry: Literal["expire", "replan"] = "expire"
+
+
+class PlaybookStep(BaseModel):
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunRequest(BaseModel):
+    """The one input of the ``AgentRun`` workflow."""
+
+    goal: str = Field(min_length=1, max_length=8000)
+    tenant: str = Field("default", pattern=NAME_PATTERN)
+    requested_by: str = Field(pattern=NAME_PATTERN)
+    planner: str = "playbook"
+    playbook: list[PlaybookStep] = Field(default_factory=list, max_length=1000)
+    limits: Limits = Field(default_factory=Limits)
+    # Set by the runtime only, when a run continues as new: the state it carries over.
+    carryover: RunData | None = None
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+class ToolInfo(BaseModel):
+    """A tool as the catalog snapshot describes it: enough to validate and to decide policy."""
+
+    name: str
+    description: str = ""
+    effect: ToolEffect
+    requires_approval: bool
+    args_schema: dict[str, Any]
+    timeout_seconds: float
+    max_retries: int
+
+
+class CatalogRequest(BaseModel):
+    tenant: str = "default"
+
+
+class ToolCatalog(BaseModel):
+    tools: list[ToolInfo] = Field(default_factory=list)
+
+    def get(self, name: str) -> ToolInfo | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+
+class ToolCall(BaseModel):
+    """Input of the ``execute_tool`` activity."""
+
+    tool: str
+    args: dict[str, Any]
+    tool_call_id: str
+    idempotency_key: str
+    run_id: str
+    tenant: str
+    # 1 for the first call the workflow schedules, 2.. for its retries (reconcilable tools look
+    # up their previous effect first when this is above 1).
+    attempt: int = 1
+
+
+class ToolOutcome(BaseModel):
+    """Output of ``execute_tool``: a bounded observation, so history does not grow with results."""
+
+    observation: str
+    digest: str
+    size: int
+    truncated: bool = False
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+class ProposedStep(BaseModel):
+    """A step as a planner proposes it. Untrusted: ``args`` may be anything, even a string."""
+
+    tool: str
+    args: Any = None
+
+
+class Proposal(BaseModel):
+    """What the planner proposes: steps to run, or an answer that finishes the run."""
+
+    steps: list[ProposedStep] = Field(default_factory=list)
+    answer: str | None = None
+
+
+class ExecutedStep(BaseModel):
+    tool_call_id: str
+    tool: str
+    args: dict[str, Any]
+    status: Literal["ok", "failed"]
+    observation: str = ""
+    digest: str = ""
+
+
+class PlannerInput(BaseModel):
+    goal: str
+    planner: str
+    playbook: list[PlaybookStep]
+    executed: list[ExecutedStep]
+    feedback: str | None = None
+    round: int = 1
+
+
+class PlanStep(BaseModel):
+    tool_call_id: str
+    tool: str
+    args: dict[str, Any]
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+class Plan(BaseModel):
+    steps: list[PlanStep]
+    plan_hash: str
+
+    @staticmethod
+    def hash_steps(steps: list[PlanStep]) -> str:
+        """sha256 of the canonical JSON of the tools and arguments, in order.
+
+        Tool call ids are left out on purpose: the hash names *what* will be done, so the same
+        proposal hashes the same after a replan.
+        """
+        payload = [{"tool": s.tool, "args": s.args} for s in steps]
+        return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- approvals
+
+
+class ApprovalDecision(BaseModel):
+    """Payload of the ``approve`` and ``reject`` signals."""
+
+    decision_id: str = Field(min_length=1, max_length=128)
+    approver: str = Field(min_length=1, max_length=128)
+    plan_hash: str = Field(min_length=1, max_length=128)
+    comment: str | None = Field(None, max_length=2000)
+    reason: str | None = Field(None, max_length=2000)
+
+
+class HandoffRequest(BaseModel):
+    """Payload of the ``handoff`` signal."""
+
+    by: str = Field(min_length=1, max_length=128)
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class PendingApproval(BaseModel):
+    plan_hash: str
+    expires_at: datetime
+    summary: str
+
+
+# ----------------------------------------------------------------------------- run state
+
+
+class RunData(BaseModel):
+    """Everything the workflow knows, in one structure: queried, and carried by continue-as-new."""
+
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle)
+    catalog: ToolCatalog | None = None
+    plan: Plan | None = None
+    next_step: int = 0  # index into plan.steps of the next step to execute
+    pending_approval: PendingApproval | None = None
+    approved_by: list[str] = Field(default_factory=list)
+    decisions_seen: list[str] = Field(default_factory=list)
+    executed: list[ExecutedStep] = Field(default_factory=list)
+    replans: int = 0
+    planning_rounds: int = 0
+    tool_calls: int = 0
+    retries: int = 0
+    feedback: str | None = None
+    last_error: str | None = None
+    answer: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+class RunSnapshot(BaseModel):
+    """Result of the ``snapshot`` query."""
+
+    run_id: str
+    tenant: str
+    state: RunState
+    previous_state: RunState | None
+    state_version: int
+    plan: Plan | None
+    pending_approval: PendingApproval | None
+    step: int
+    retries: int
+    last_error: str | None
+    approved_by: list[str]
+    answer: str | None
+    created_at: datetime | None
+    updated_at: datetime | None
+
+
+class RunOutcome(BaseModel):
+    """Result of the ``AgentRun`` workflow."""
+
+    run_id: str
+    state: RunState
+    answer: str | None
+    steps: list[ExecutedStep]
+    timeline: list[TransitionRecord]
+
+
+RunRequest.model_rebuild()

@@ -1,0 +1,195 @@
+"""The run lifecycle: states, the transition table as data, and the one guarded move.
+
+This module is the single source of truth for what a run may do next. It has no Temporal
+imports so it can be unit-tested directly and reused by tests, docs and the CLI. The workflow
+changes state only through :meth:`Lifecycle.move`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class RunState(str, Enum):
+    RECEIVED = "RECEIVED"
+    PLANNING = "PLANNING"
+    VALIDATED = "VALIDATED"
+    VALIDATION_FAILED = "VALIDATION_FAILED"
+    AWAITING_APPROVAL = "AWAITING_APPROVAL"
+    APPROVED = "APPROVED"
+    EXECUTING_TOOL = "EXECUTING_TOOL"
+    RETRY_WAIT = "RETRY_WAIT"
+    OBSERVING_RESULT = "OBSERVING_RESULT"
+    COMPLETED = "COMPLETED"
+    REJECTED = "REJECTED"
+    EXPIRED = "EXPIRED"
+    EXECUTION_FAILED = "EXECUTION_FAILED"
+    HANDED_OFF = "HANDED_OFF"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+
+
+S = RunState
+
+# The table from ARCHITECTURE.md. Everything not listed here is denied.
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    S.RECEIVED: frozenset({S.PLANNING, S.CANCELLED, S.FAILED}),
+    S.PLANNING: frozenset(
+        {S.VALIDATED, S.VALIDATION_FAILED, S.COMPLETED, S.HANDED_OFF, S.CANCELLED, S.FAILED}
+    ),
+    # Back to PLANNING only while the replan budget lasts (the workflow checks the budget).
+    S.VALIDATION_FAILED: frozenset({S.PLANNING, S.FAILED}),
+    # EXECUTING_TOOL directly when policy says the plan needs no approval.
+    S.VALIDATED: frozenset({S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.CANCELLED}),
+    # PLANNING when the approval expired and the run asked for on_expiry=replan.
+    S.AWAITING_APPROVAL: frozenset(
+        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.HANDED_OFF, S.CANCELLED}
+    ),
+    S.APPROVED: frozenset({S.EXECUTING_TOOL, S.CANCELLED}),
+    S.EXECUTING_TOOL: frozenset(
+        {S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.HANDED_OFF, S.CANCELLED}
+    ),
+    S.RETRY_WAIT: frozenset({S.EXECUTING_TOOL, S.EXECUTION_FAILED, S.CANCELLED}),
+    # EXECUTING_TOOL for the next step of the plan that was already approved.
+    S.OBSERVING_RESULT: frozenset({S.PLANNING, S.EXECUTING_TOOL, S.COMPLETED, S.CANCELLED}),
+    # Terminal states: no outgoing edge.
+    S.COMPLETED: frozenset(),
+    S.REJECTED: frozenset(),
+    S.EXPIRED: frozenset(),
+    S.EXECUTION_FAILED: frozenset(),
+    S.HANDED_OFF: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.FAILED: frozenset(),
+}
+
+TERMINAL: frozenset[RunState] = frozenset(s for s, out in TRANSITIONS.items() if not out)
+WORKING: frozenset[RunState] = frozenset(RunState) - TERMINAL
+
+
+def is_allowed(from_state: RunState, to_state: RunState) -> bool:
+    return to_state in TRANSITIONS[from_state]
+
+
+class IllegalTransition(Exception):
+    """A move the table denies. The workflow turns this into a non-retryable failure."""
+
+    def __init__(self, from_state: RunState, to_state: RunState, reason: str) -> None:
+        super().__init__(
+            f"illegal transition {from_state.value} -> {to_state.value} ({reason}); "
+            f"allowed from {from_state.value}: "
+            f"{sorted(s.value for s in TRANSITIONS[from_state]) or 'nothing (terminal)'}"
+        )
+        self.from_state = from_state
+        self.to_state = to_state
+
+
+class Refs(BaseModel):
+    """Identifiers a record points at. Never prompts, tool arguments or tool results."""
+
+    plan_hash: str | None = None
+    tool_call_id: str | None = None
+    idempotency_key: str | None = None
+    decision_id: str | None = None
+    error_code: str | None = None
+
+
+class TransitionRecord(BaseModel):
+    """One line of the audit timeline.
+
+    ``kind="transition"`` is a state change. ``kind="refused"`` records an event the runtime
+    turned down (a stale approval, a signal for a finished run): it changes no state, so it
+    carries the current state as both ends and does not bump ``state_version``.
+    """
+
+    from_state: RunState
+    to_state: RunState
+    at: datetime
+    actor: str
+    reason: str
+    state_version: int
+    refs: Refs = Field(default_factory=Refs)
+    kind: Literal["transition", "refused"] = "transition"
+
+
+class Lifecycle(BaseModel):
+    """A run's state and its timeline: one serializable structure, carried across continue-as-new."""
+
+    state: RunState = RunState.RECEIVED
+    previous_state: RunState | None = None
+    state_version: int = 0
+    timeline: list[TransitionRecord] = Field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def can_move(self, to_state: RunState) -> bool:
+        return is_allowed(self.state, to_state)
+
+    def move(
+        self, to_state: RunState, *, at: datetime, actor: str, reason: str, refs: Refs | None = None
+    ) -> TransitionRecord:
+        """The only way a run changes state: deny by default, bump the version, record it."""
+        if not is_allowed(self.state, to_state):
+            raise IllegalTransition(self.state, to_state, reason)
+        self.state_version += 1
+        record = TransitionRecord(
+            from_state=self.state,
+            to_state=to_state,
+            at=at,
+            actor=actor,
+            reason=reason,
+            state_version=self.state_version,
+            refs=refs or Refs(),
+        )
+        self.previous_state, self.state = self.state, to_state
+        self.timeline.append(record)
+        return record
+
+    def refuse(
+        self, *, at: datetime, actor: str, reason: str, refs: Refs | None = None
+    ) -> TransitionRecord:
+        """Record an event that was turned down. State and version stay as they are."""
+        record = TransitionRecord(
+            from_state=self.state,
+            to_state=self.state,
+            at=at,
+            actor=actor,
+            reason=reason,
+            state_version=self.state_version,
+            refs=refs or Refs(),
+            kind="refused",
+        )
+        self.timeline.append(record)
+        return record
+
+
+def is_legal_path(timeline: list[TransitionRecord]) -> bool:
+    """True when the transitions form one connected path through the table from RECEIVED,
+    with strictly increasing versions. Used by tests and by ``starter.py timeline`` checks."""
+    state, version = RunState.RECEIVED, 0
+    for record in timeline:
+        if record.kind != "transition":
+            continue
+        if record.from_state != state or not is_allowed(state, record.to_state):
+            return False
+        if record.state_version <= version:
+            return False
+        state, version = record.to_state, record.state_version
+    return True
+
+
+def mermaid() -> str:
+    """The state diagram, generated from the table (the README embeds it; a test keeps them equal)."""
+    lines = ["stateDiagram-v2", "    [*] --> RECEIVED"]
+    for from_state in RunState:
+        for to_state in sorted(TRANSITIONS[from_state], key=lambda s: list(RunState).index(s)):
+            lines.append(f"    {from_state.value} --> {to_state.value}")
+    for state in RunState:
+        if state in TERMINAL:
+            lines.append(f"    {state.value} --> [*]")
+    return "\n".join(lines)
