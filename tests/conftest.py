@@ -105,7 +105,7 @@ class Billing:
 
 
 @pytest.fixture(scope="session")
-def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
+def billing_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
     db = tmp_path_factory.mktemp("billing") / "billing.db"
     server = make_server(0, str(db))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -123,13 +123,13 @@ def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
         os.environ["BILLING_URL"] = previous
 
 
-@pytest.fixture(autouse=True)
-def _clear_faults(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "billing" in request.fixturenames:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        req = urllib.request.Request(request.getfixturevalue("billing").url + "/admin/faults", method="DELETE")
-        opener.open(req, timeout=5).close()
+@pytest.fixture
+def billing(billing_service: Billing) -> Iterator[Billing]:
+    """The session's billing service, with any injected faults cleared after the test."""
+    yield billing_service
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(billing_service.url + "/admin/faults", method="DELETE")
+    opener.open(req, timeout=5).close()
 
 
 def unique(prefix: str) -> str:
