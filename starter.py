@@ -34,7 +34,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
-from worker import connect, task_queue
+from worker import connect, target_host, task_queue
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import (
     ApprovalDecision,
@@ -64,10 +64,11 @@ async def _client() -> Client:
     try:
         return await connect()
     except RuntimeError as e:
-        first = str(e).splitlines()[0][:200]
+        text = str(e)
+        why = "connection refused" if "refused" in text.lower() else text.splitlines()[0][:160]
         raise CliError(
-            f"cannot reach Temporal ({first}); start it with `make dev-server` or set "
-            f"TEMPORAL_ADDRESS"
+            f"cannot reach Temporal at {target_host()} ({why}); start it with "
+            f"`make dev-server` or set TEMPORAL_ADDRESS"
         ) from None
 
 
@@ -220,6 +221,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
             on_expiry=args.on_expiry,
             max_steps=args.max_steps,
             max_replans=args.max_replans,
+            max_model_tokens=args.max_model_tokens,
         )
         request = RunRequest(
             goal=args.goal,
@@ -404,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-expiry", choices=["expire", "replan"], default="expire")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--max-replans", type=int, default=3)
+    p.add_argument("--max-model-tokens", type=int, default=None, metavar="N",
+                   help="model tokens the run may use in all (model planner; default: no limit)")
     p.add_argument("--wait", action="store_true",
                    help="wait until the run needs an approval or has ended, then print it")
     p.add_argument("--wait-timeout", type=float, default=60.0, metavar="SECONDS")

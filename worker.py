@@ -1,11 +1,12 @@
 """Run a Tether worker: the AgentRun workflow, the planner and tool activities, and the
 configured tool modules.
 
-    python worker.py [--tools examples.billing.tools] [--task-queue tether]
+    python worker.py [--tools examples.billing.tools] [--task-queue tether] [--metrics-port 9000]
 
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); the defaults are localhost:7233 and
-namespace ``default``.
+namespace ``default``. Payload encryption: set ``TETHER_ENCRYPTION_KEY_FILE`` (see
+``activities/codec.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from temporalio.envconfig import ClientConfig
 from temporalio.worker import Worker
 
 from activities import planning
+from activities.codec import EncryptionCodec, KeyFileError, data_converter_from_env
+from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from workflows.agent_run import AgentRun
 
@@ -37,13 +40,30 @@ def task_queue() -> str:
     return os.environ.get("TETHER_TASK_QUEUE", DEFAULT_TASK_QUEUE)
 
 
-async def connect(**overrides: Any) -> Client:
-    """Connect with Temporal's environment configuration and the pydantic data converter."""
+def connect_config(**overrides: Any) -> dict[str, Any]:
+    """Temporal's environment configuration (env vars, profiles), with our defaults."""
     config: dict[str, Any] = dict(ClientConfig.load_client_connect_config())
     config.setdefault("target_host", "localhost:7233")
     config.setdefault("namespace", "default")
     config.update(overrides)
-    return await Client.connect(**config, data_converter=pydantic_data_converter)
+    return config
+
+
+def target_host() -> str:
+    return connect_config()["target_host"]
+
+
+async def connect(**overrides: Any) -> Client:
+    """Connect with Temporal's environment configuration and Tether's data converter.
+
+    The converter is pydantic's; when ``TETHER_ENCRYPTION_KEY_FILE`` names a key file it also
+    encrypts every payload and failure message (``activities/codec.py``). Overrides (target_host,
+    namespace, runtime, interceptors, data_converter, ...) go to ``Client.connect``.
+    """
+    config = connect_config(**overrides)
+    if "data_converter" not in config:
+        config["data_converter"] = data_converter_from_env()
+    return await Client.connect(**config)
 
 
 def create_worker(
@@ -65,10 +85,25 @@ def create_worker(
     )
 
 
-async def serve(tool_modules: Sequence[str], queue: str) -> None:
+async def serve(
+    tool_modules: Sequence[str],
+    queue: str,
+    *,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+) -> None:
     registry = load_tool_modules(tool_modules)
+    extra: dict[str, Any] = {}
+    if metrics_port:
+        # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
+        extra["runtime"] = prometheus_runtime(f"{metrics_host}:{metrics_port}")
+    interceptors = tracing_interceptors()
+    if interceptors:
+        extra["interceptors"] = interceptors
     try:
-        client = await connect()
+        client = await connect(**extra)
+    except KeyFileError as e:
+        raise SystemExit(f"payload encryption: {e}") from None
     except RuntimeError as e:
         raise SystemExit(
             f"cannot reach Temporal ({e}); start one with `make dev-server` "
@@ -79,10 +114,13 @@ async def serve(tool_modules: Sequence[str], queue: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    codec = client.data_converter.payload_codec
     async with worker:
         print(
             f"worker ready on task queue {queue!r} with tools: "
-            f"{', '.join(sorted(registry.tools)) or 'none'}",
+            f"{', '.join(sorted(registry.tools)) or 'none'}; payload encryption "
+            + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
+            + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
         )
         await stop.wait()
@@ -97,9 +135,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="comma-separated tool modules to load (env TETHER_TOOLS)",
     )
     parser.add_argument("--task-queue", default=task_queue(), help="env TETHER_TASK_QUEUE")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("TETHER_METRICS_PORT") or 0) or None,
+        help="serve Prometheus metrics on this port (env TETHER_METRICS_PORT; default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=os.environ.get("TETHER_METRICS_HOST", "0.0.0.0"),
+        help="address the metrics endpoint binds (env TETHER_METRICS_HOST)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args.tools.split(","), args.task_queue))
+    asyncio.run(
+        serve(
+            args.tools.split(","),
+            args.task_queue,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.metrics import tool_call_metrics
 from workflows.models import CatalogRequest, ToolCall, ToolCatalog, ToolEffect, ToolInfo, ToolOutcome
 
 # Observations are cut to this many characters before they enter workflow history, so history
@@ -212,36 +213,39 @@ class ToolActivities:
     @activity.defn(name="execute_tool")
     async def execute_tool(self, call: ToolCall) -> ToolOutcome:
         spec = self.registry.get(call.tool)
-        if spec is None:
-            raise ApplicationError(
-                f"tool {call.tool!r} is not registered on this worker; start the worker with "
-                f"the module that defines it (--tools / TETHER_TOOLS)",
-                type="unknown_tool",
-                non_retryable=True,
+        effect = spec.effect.value if spec is not None else "unknown"
+        # Counts the call (and the retry, for attempt > 1) by tool, effect and outcome.
+        with tool_call_metrics(call.tool, effect, call.attempt):
+            if spec is None:
+                raise ApplicationError(
+                    f"tool {call.tool!r} is not registered on this worker; start the worker with "
+                    f"the module that defines it (--tools / TETHER_TOOLS)",
+                    type="unknown_tool",
+                    non_retryable=True,
+                )
+            try:
+                args = spec.args_model.model_validate(call.args)
+            except ValidationError as e:
+                raise ApplicationError(
+                    f"invalid arguments for {spec.name}: {e.errors()[0]['msg']}",
+                    type="invalid_arguments",
+                    non_retryable=True,
+                ) from None
+            ctx = ToolContext(
+                run_id=call.run_id,
+                tenant=call.tenant,
+                tool_call_id=call.tool_call_id,
+                idempotency_key=call.idempotency_key,
+                attempt=call.attempt,
             )
-        try:
-            args = spec.args_model.model_validate(call.args)
-        except ValidationError as e:
-            raise ApplicationError(
-                f"invalid arguments for {spec.name}: {e.errors()[0]['msg']}",
-                type="invalid_arguments",
-                non_retryable=True,
-            ) from None
-        ctx = ToolContext(
-            run_id=call.run_id,
-            tenant=call.tenant,
-            tool_call_id=call.tool_call_id,
-            idempotency_key=call.idempotency_key,
-            attempt=call.attempt,
-        )
-        try:
-            if spec.effect == ToolEffect.RECONCILABLE and call.attempt > 1 and spec.lookup_fn:
-                # A previous attempt may have acted before we lost its answer: find it first.
-                previous = await _call(spec.lookup_fn, ctx)
-                if previous is not None:
-                    activity.logger.info("reconciled %s by key %s", spec.name, ctx.idempotency_key)
-                    return bounded_observation(previous)
-            result = await _call(spec.fn, args, ctx)
-        except ToolError as e:
-            raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
-        return bounded_observation(result)
+            try:
+                if spec.effect == ToolEffect.RECONCILABLE and call.attempt > 1 and spec.lookup_fn:
+                    # A previous attempt may have acted before we lost its answer: find it first.
+                    previous = await _call(spec.lookup_fn, ctx)
+                    if previous is not None:
+                        activity.logger.info("reconciled %s by key %s", spec.name, ctx.idempotency_key)
+                        return bounded_observation(previous)
+                result = await _call(spec.fn, args, ctx)
+            except ToolError as e:
+                raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
+            return bounded_observation(result)

@@ -1,11 +1,15 @@
 """The demo behind `make demo`: a refund agent stops for approval, is approved, and finishes.
 
 Runs against the stack `examples.devstack up` started, through the same CLI a user types.
+`PLANNER=model` (`make demo PLANNER=model`) lets the configured model plan instead of the
+playbook: the worker needs TETHER_MODEL, OPENAI_BASE_URL and/or OPENAI_API_KEY in its
+environment (see docs/model-planner.md); bob approves each plan that writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -37,7 +41,58 @@ async def wait_for_end(run_id: str, timeout: float = 60.0) -> RunSnapshot:
         await asyncio.sleep(0.2)
 
 
+async def wait_settled(run_id: str, timeout: float = 180.0) -> RunSnapshot:
+    """Until the run waits for a human or has ended."""
+    client = await connect()
+    handle = client.get_workflow_handle(run_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = await handle.query("snapshot", result_type=RunSnapshot)
+        if snap.state in TERMINAL or snap.state == RunState.AWAITING_APPROVAL:
+            return snap
+        if time.monotonic() > deadline:
+            return snap
+        await asyncio.sleep(0.3)
+
+
+MODEL_GOAL = (
+    "Refund order A-1001 in full: it was damaged on arrival. Look the order up first, then "
+    "refund its total, post the matching negative ledger entry, and email the customer."
+)
+
+
+def main_model() -> int:
+    if not os.environ.get("TETHER_MODEL"):
+        print("PLANNER=model needs TETHER_MODEL (and OPENAI_BASE_URL / OPENAI_API_KEY) in the "
+              "environment of `make demo`, which starts the worker; see docs/model-planner.md. "
+              "A worker started earlier without them keeps running: `make down` first.",
+              file=sys.stderr)
+        return 2
+    run_id = f"refund-A-1001-{uuid.uuid4().hex[:6]}"
+    print(f"== alice asks the refund agent (model {os.environ['TETHER_MODEL']}) to refund A-1001")
+    step("start", ["start", "--goal", MODEL_GOAL, "--planner", "model", "--requested-by",
+                   "alice", "--id", run_id, "--wait", "--wait-timeout", "180"])
+    snap = asyncio.run(wait_settled(run_id))
+    approvals = 0
+    while snap.state == RunState.AWAITING_APPROVAL and approvals < 5:
+        approvals += 1
+        print(f"\n== the model's plan writes: bob reviews it and approves exactly this plan "
+              f"hash (approval {approvals})")
+        step("status", ["status", run_id])
+        step("approve", ["approve", run_id, "--by", "bob", "--comment", "checked the plan"])
+        snap = asyncio.run(wait_settled(run_id))
+    print(f"\n== the run ended in {snap.state.value}" if snap.state in TERMINAL
+          else f"\n== the run is {snap.state.value}")
+    step("status", ["status", run_id])
+    step("timeline", ["timeline", run_id])
+    print(f"\nThis run: http://localhost:8233/namespaces/default/workflows/{run_id}\n"
+          "The server, UI, billing service and worker keep running; `make down` stops them.")
+    return 0 if snap.state == RunState.COMPLETED else 1
+
+
 def main() -> int:
+    if os.environ.get("PLANNER", "playbook").strip() == "model":
+        return main_model()
     run_id = f"refund-A-1001-{uuid.uuid4().hex[:6]}"
     print("== alice asks the refund agent to refund order A-1001")
     step("start", ["start", "--goal", "Refund order A-1001 (damaged on arrival)",

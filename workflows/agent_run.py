@@ -25,6 +25,7 @@ from temporalio.common import (
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
+    from workflows import metrics as run_metrics
     from workflows import policy
     from workflows.models import (
         ApprovalDecision,
@@ -147,7 +148,26 @@ class AgentRun:
         data = self.data
         if self._take_handoff():
             return
+        max_tokens = self.request.limits.max_model_tokens
+        if max_tokens is not None and data.model_tokens >= max_tokens:
+            self._move(
+                S.FAILED,
+                actor="runtime",
+                reason=f"model token budget used up: {data.model_tokens} of "
+                f"max_model_tokens={max_tokens} used",
+                refs=Refs(error_code="model_token_budget"),
+            )
+            return
         data.planning_rounds += 1
+        # The planner's input carries tool results newest first up to 16,000 characters in all
+        # (older ones keep only their digest; activities/planning.py MODEL_CONTEXT_CHARS), so
+        # history does not grow with the size of tool results however long the run.
+        context, room = [], 16_000
+        for done in reversed(data.executed):
+            fits = len(done.observation) <= room
+            room = room - len(done.observation) if fits else 0
+            context.append(done if fits else done.model_copy(update={"observation": ""}))
+        context.reverse()
         self._publish()
         try:
             proposal = await workflow.execute_activity(
@@ -156,7 +176,7 @@ class AgentRun:
                     goal=self.request.goal,
                     planner=self.request.planner,
                     playbook=self.request.playbook,
-                    executed=data.executed,
+                    executed=context,
                     feedback=data.feedback,
                     round=data.planning_rounds,
                 ),
@@ -173,6 +193,17 @@ class AgentRun:
                 actor="planner",
                 reason=f"planner failed: {message}",
                 refs=Refs(error_code=code),
+            )
+            return
+        data.model_tokens += proposal.usage_tokens
+        if max_tokens is not None and data.model_tokens > max_tokens:
+            data.last_error = f"model_token_budget: {data.model_tokens} > {max_tokens}"
+            self._move(
+                S.FAILED,
+                actor="runtime",
+                reason=f"model token budget exceeded: {data.model_tokens} of "
+                f"max_model_tokens={max_tokens} used; the proposal was discarded",
+                refs=Refs(error_code="model_token_budget"),
             )
             return
         if self._take_handoff():
@@ -416,8 +447,10 @@ class AgentRun:
         if refusal is None and self._handoff is not None:
             refusal = "a handoff is already pending"
         if refusal is not None:
-            self.data.lifecycle.refuse(
-                at=workflow.now(), actor=f"operator:{request.by}", reason=f"handoff refused: {refusal}"
+            run_metrics.on_refusal(
+                self.data.lifecycle.refuse(
+                    at=workflow.now(), actor=f"operator:{request.by}", reason=f"handoff refused: {refusal}"
+                )
             )
             return
         self._handoff = request
@@ -440,6 +473,7 @@ class AgentRun:
             answer=data.answer,
             created_at=data.created_at,
             updated_at=data.updated_at,
+            model_tokens=data.model_tokens,
         )
 
     @workflow.query(name="timeline", description="The audit timeline (list of TransitionRecord).")
@@ -456,11 +490,13 @@ class AgentRun:
         if decision.decision_id not in data.decisions_seen:
             data.decisions_seen.append(decision.decision_id)
         if refusal is not None:
-            data.lifecycle.refuse(
-                at=workflow.now(),
-                actor=f"user:{decision.approver}",
-                reason=f"{kind} refused: {refusal}",
-                refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
+            run_metrics.on_refusal(
+                data.lifecycle.refuse(
+                    at=workflow.now(),
+                    actor=f"user:{decision.approver}",
+                    reason=f"{kind} refused: {refusal}",
+                    refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
+                )
             )
             return
         self._decision = (kind, decision)
@@ -476,6 +512,7 @@ class AgentRun:
             # Non-retryable: a bare exception would only fail the task and retry forever.
             raise ApplicationError(str(e), type="IllegalTransition", non_retryable=True) from None
         self.data.updated_at = record.at
+        run_metrics.on_transition(self.data.lifecycle, record)
 
     def _take_handoff(self, detail: str | None = None) -> bool:
         """Honour a pending handoff if the current state allows it."""

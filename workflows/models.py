@@ -67,6 +67,9 @@ class Limits(BaseModel):
         24 * 3600, gt=0, le=366 * 24 * 3600, description="how long an approval request stays open"
     )
     on_expiry: Literal["expire", "replan"] = "expire"
+    max_model_tokens: int | None = Field(
+        None, ge=1, description="model tokens (as the endpoint reports them) a run may use in all"
+    )
 
 
 class PlaybookStep(BaseModel):
@@ -151,6 +154,8 @@ class Proposal(BaseModel):
 
     steps: list[ProposedStep] = Field(default_factory=list)
     answer: str | None = None
+    # Tokens the planner call used, as the model endpoint reported them (0 for the playbook).
+    usage_tokens: int = 0
 
 
 class ExecutedStep(BaseModel):
@@ -245,6 +250,7 @@ class RunData(BaseModel):
     answer: str | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    model_tokens: int = 0  # sum of Proposal.usage_tokens over the run
 
 
 class RunSnapshot(BaseModel):
@@ -264,6 +270,7 @@ class RunSnapshot(BaseModel):
     answer: str | None
     created_at: datetime | None
     updated_at: datetime | None
+    model_tokens: int = 0
 
 
 class RunOutcome(BaseModel):

@@ -1,0 +1,79 @@
+"""The worker under test, in a process of its own so its RSS can be read from /proc.
+
+    python -m bench.worker_proc --address 127.0.0.1:PORT --task-queue Q [--tools bench.tools]
+        [--option max_cached_workflows=2000] [--autoscale-pollers]
+
+Built with ``worker.create_worker`` (the same settings as a production worker), plus the bare
+baseline workflow on the same worker, task queue and activities, so both paths share one
+process, one cache and one set of pollers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from typing import Any
+
+from temporalio.worker import PollerBehaviorAutoscaling, Worker
+
+from activities.tools import load_tool_modules
+from bench.bare import BareAgentLoop
+from worker import connect, create_worker
+
+
+def parse_options(pairs: list[str], autoscale: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    if autoscale:
+        options["workflow_task_poller_behavior"] = PollerBehaviorAutoscaling()
+        options["activity_task_poller_behavior"] = PollerBehaviorAutoscaling()
+    return options
+
+
+async def serve(args: argparse.Namespace) -> None:
+    registry = load_tool_modules(args.tools.split(","))
+    client = await connect(target_host=args.address, namespace="default")
+    options = parse_options(args.option, args.autoscale_pollers)
+    # create_worker's configuration, with the bare baseline registered next to AgentRun. (Core
+    # refuses two workers on one queue, so the template is built on a queue that is never
+    # polled: the worker that runs is created once, from its config.)
+    template = create_worker(
+        client, task_queue=f"{args.task_queue}-template", registry=registry, **options
+    )
+    config = template.config()
+    config["task_queue"] = args.task_queue
+    config["workflows"] = [*config["workflows"], BareAgentLoop]
+    worker = Worker(**config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with worker:
+        shown = {k: (type(v).__name__ if not isinstance(v, (int, float, str, bool)) else v)
+                 for k, v in options.items()}
+        print(f"bench worker ready on {args.task_queue} options={shown}", flush=True)
+        await stop.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--task-queue", required=True)
+    parser.add_argument("--tools", default="bench.tools")
+    parser.add_argument("--option", action="append", default=[],
+                        help="a Worker option as key=JSON value (repeatable)")
+    parser.add_argument("--autoscale-pollers", action="store_true",
+                        help="PollerBehaviorAutoscaling for workflow and activity pollers")
+    asyncio.run(serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

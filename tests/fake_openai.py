@@ -1,0 +1,172 @@
+"""A local OpenAI-compatible HTTP server for the model planner tests.
+
+A real HTTP server on 127.0.0.1 (a free port) that serves ``POST /v1/chat/completions`` from a
+per-test script of responses, in order, and records every request it got (path, headers, JSON
+body). The planner talks to it through the real ``openai`` client, over real HTTP: nothing is
+patched. When the script runs out it answers 400, so a test that under-scripts fails fast with
+a clear reason instead of hanging in retries.
+
+    with FakeOpenAI() as fake:
+        fake.script(tool_calls(call("get_order", {"order_id": "A-1001"})), text("Done."))
+        ... OPENAI_BASE_URL=fake.base_url ...
+        fake.requests[1].body["messages"]
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    at: float
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.body.get("messages", []) if isinstance(self.body, dict) else []
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return self.body.get("tools", []) if isinstance(self.body, dict) else []
+
+
+def usage(prompt: int = 100, completion: int = 20) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def call(name: str, args: dict[str, Any] | str, call_id: str | None = None) -> dict[str, Any]:
+    """One tool call; ``args`` as a dict is JSON-encoded, as a string it is sent verbatim."""
+    return {
+        "id": call_id or f"call_{uuid.uuid4().hex[:12]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+    }
+
+
+def _completion(message: dict[str, Any], finish: str, tokens: dict[str, int] | None) -> Reply:
+    return Reply(
+        200,
+        {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": "fake-model",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": tokens or usage(),
+        },
+    )
+
+
+def tool_calls(*calls: dict[str, Any], tokens: dict[str, int] | None = None) -> Reply:
+    return _completion({"role": "assistant", "content": None, "tool_calls": list(calls)}, "tool_calls", tokens)
+
+
+def text(content: str, tokens: dict[str, int] | None = None) -> Reply:
+    return _completion({"role": "assistant", "content": content}, "stop", tokens)
+
+
+def error(status: int, message: str, *, code: str | None = None, headers: dict[str, str] | None = None) -> Reply:
+    return Reply(
+        status,
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        headers or {},
+    )
+
+
+class FakeOpenAI:
+    def __init__(self) -> None:
+        self._replies: deque[Reply] = deque()
+        self._lock = threading.Lock()
+        self.requests: list[Recorded] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body: Any = json.loads(raw or b"null")
+                except json.JSONDecodeError:
+                    body = raw.decode(errors="replace")
+                fake._record(Recorded("POST", self.path, dict(self.headers.items()), body, time.monotonic()))
+                if self.path.rstrip("/") != "/v1/chat/completions":
+                    reply = error(404, f"no route {self.path}")
+                else:
+                    reply = fake._next()
+                self._send(reply)
+
+            def do_GET(self) -> None:  # noqa: N802
+                fake._record(Recorded("GET", self.path, dict(self.headers.items()), None, time.monotonic()))
+                self._send(error(404, f"no route {self.path}"))
+
+            def _send(self, reply: Reply) -> None:
+                data = json.dumps(reply.body).encode()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in reply.headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def script(self, *replies: Reply) -> None:
+        with self._lock:
+            self._replies.extend(replies)
+
+    @property
+    def remaining(self) -> int:
+        with self._lock:
+            return len(self._replies)
+
+    @property
+    def completions(self) -> list[Recorded]:
+        return [r for r in self.requests if r.path.rstrip("/") == "/v1/chat/completions"]
+
+    def _record(self, request: Recorded) -> None:
+        with self._lock:
+            self.requests.append(request)
+
+    def _next(self) -> Reply:
+        with self._lock:
+            if self._replies:
+                return self._replies.popleft()
+        return error(400, "fake server: no scripted response left", code="script_exhausted")
+
+    def __enter__(self) -> FakeOpenAI:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

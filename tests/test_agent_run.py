@@ -1,0 +1,288 @@
+"""The AgentRun workflow end to end on the time-skipping test server, with the real billing
+service behind the tools."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.testing import WorkflowEnvironment
+
+from tests.conftest import (
+    Billing,
+    make_request,
+    running_worker,
+    snapshot,
+    start_run,
+    timeline,
+    wait_for_state,
+)
+from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome
+from workflows.states import RunState, is_legal_path
+
+S = RunState
+
+READ_ONLY = [{"tool": "get_order", "args": {"order_id": "A-1001"}}]
+
+
+def refund(amount: int = 1500, order: str = "A-1002") -> dict:
+    return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": amount, "reason": "test"}}
+
+
+def approval(plan_hash: str, approver: str = "bob", decision_id: str | None = None) -> ApprovalDecision:
+    return ApprovalDecision(
+        decision_id=decision_id or uuid.uuid4().hex, approver=approver, plan_hash=plan_hash
+    )
+
+
+def path(outcome: RunOutcome) -> list[str]:
+    return [r.to_state.value for r in outcome.timeline if r.kind == "transition"]
+
+
+def refusals(outcome: RunOutcome) -> list[str]:
+    return [r.reason for r in outcome.timeline if r.kind == "refused"]
+
+
+def keys_of(outcome: RunOutcome, tool: str) -> list[str]:
+    ids = {s.tool_call_id for s in outcome.steps if s.tool == tool}
+    return sorted({r.refs.idempotency_key for r in outcome.timeline if r.refs.tool_call_id in ids})
+
+
+async def test_read_only_plan_completes_without_approval(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(READ_ONLY))
+        outcome = await handle.result()
+    assert outcome.state == S.COMPLETED
+    assert path(outcome) == ["PLANNING", "VALIDATED", "EXECUTING_TOOL", "OBSERVING_RESULT", "PLANNING", "COMPLETED"]
+    assert "AWAITING_APPROVAL" not in path(outcome)
+    assert is_legal_path(outcome.timeline)
+    assert '"total_cents": 4999' in outcome.steps[0].observation
+    # The audit timeline references ids; it never copies arguments or results.
+    assert "A-1001" not in "".join(r.model_dump_json() for r in outcome.timeline)
+
+
+async def test_write_plan_waits_then_approval_of_the_pending_hash_completes(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([READ_ONLY[0], refund()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert snap.pending_approval is not None and snap.plan is not None
+        assert snap.pending_approval.plan_hash == snap.plan.plan_hash
+        assert snap.step == 0, "no tool may run before the approval"
+        await handle.signal("approve", approval(snap.plan.plan_hash))
+        outcome = await handle.result()
+        approved_by = (await snapshot(handle)).approved_by
+    assert approved_by == ["bob"]
+    assert outcome.state == S.COMPLETED
+    assert path(outcome)[:4] == ["PLANNING", "VALIDATED", "AWAITING_APPROVAL", "APPROVED"]
+    approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
+    assert approved.actor == "user:bob" and approved.refs.plan_hash == snap.plan.plan_hash
+    assert [s.status for s in outcome.steps] == ["ok", "ok"]
+    assert len(billing.refunds(keys_of(outcome, "issue_refund")[0])) == 1
+
+
+async def test_refused_decisions_change_nothing_and_are_recorded(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        plan_hash = snap.plan.plan_hash
+        version = snap.state_version
+        await handle.signal("approve", approval("0" * 64, decision_id="stale"))
+        await handle.signal("reject", approval("f" * 64, decision_id="stale-reject"))
+        after = await snapshot(handle)
+        assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, version)
+        await handle.signal("approve", approval(plan_hash, decision_id="good"))
+        await handle.signal("approve", approval(plan_hash, decision_id="good"))  # repeated id
+        outcome = await handle.result()
+    assert outcome.state == S.COMPLETED
+    reasons = refusals(outcome)
+    assert any("approve refused: stale plan hash" in r for r in reasons)
+    assert any("reject refused: stale plan hash" in r for r in reasons)
+    assert any("duplicate decision_id good" in r for r in reasons)
+    assert path(outcome).count("APPROVED") == 1
+    assert is_legal_path(outcome.timeline)
+
+
+async def test_decision_for_a_run_not_awaiting_approval_is_refused(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval(snap.plan.plan_hash, decision_id="first"))
+        await wait_for_state(handle, "COMPLETED", "APPROVED", "EXECUTING_TOOL", "OBSERVING_RESULT", "PLANNING")
+        await handle.signal("approve", approval(snap.plan.plan_hash, decision_id="late"))
+        outcome = await handle.result()
+    late = [r for r in outcome.timeline if r.refs.decision_id == "late"]
+    assert outcome.state == S.COMPLETED
+    assert len(late) == 1 and late[0].kind == "refused"
+    assert "not AWAITING_APPROVAL" in late[0].reason or "duplicate" not in late[0].reason
+
+
+async def test_reject_ends_in_rejected_with_no_tool_executed(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    before = billing.get("/admin/stats")["requests"].get("POST /refunds", 0)
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([READ_ONLY[0], refund()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal(
+            "reject",
+            ApprovalDecision(decision_id="r1", approver="carol", plan_hash=snap.plan.plan_hash, reason="too much"),
+        )
+        outcome = await handle.result()
+    assert outcome.state == S.REJECTED
+    assert outcome.steps == []
+    assert outcome.timeline[-1].reason == "too much" and outcome.timeline[-1].actor == "user:carol"
+    assert billing.get("/admin/stats")["requests"].get("POST /refunds", 0) == before
+
+
+async def test_24h_approval_expires_in_well_under_a_second(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()], limits={"approval_ttl_seconds": 24 * 3600}))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        outcome = await handle.result()  # the test server skips the 24 h
+        elapsed = loop.time() - started
+    assert outcome.state == S.EXPIRED
+    assert outcome.timeline[-1].actor == "timer"
+    assert elapsed < 5, f"time skipping took {elapsed:.1f}s"
+    waiting = next(r for r in outcome.timeline if r.to_state == S.AWAITING_APPROVAL)
+    expired = outcome.timeline[-1]
+    assert (expired.at - waiting.at).total_seconds() == pytest.approx(24 * 3600, abs=5)
+
+
+async def test_expiry_replans_when_asked_and_the_budget_bounds_it(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(
+            ts_env.client,
+            worker,
+            make_request([refund()], limits={"approval_ttl_seconds": 3600, "on_expiry": "replan", "max_replans": 2}),
+        )
+        outcome = await handle.result()
+    p = path(outcome)
+    assert outcome.state == S.EXPIRED
+    # Two expiries replan (budget 2), the third one expires the run.
+    assert p.count("AWAITING_APPROVAL") == 3
+    assert [r.from_state for r in outcome.timeline if r.actor == "timer"] == [S.AWAITING_APPROVAL] * 3
+    assert p[-1] == "EXPIRED"
+
+
+@pytest.mark.parametrize(
+    ("steps", "limits", "expected"),
+    [
+        ([{"tool": "wire_money", "args": {}}], {}, "unknown tool 'wire_money'"),
+        ([{"tool": "issue_refund", "args": {"order_id": "nope"}}], {}, "invalid arguments"),
+        ([READ_ONLY[0]] * 3, {"max_steps": 2}, "step budget exhausted"),
+    ],
+    ids=["unknown-tool", "invalid-args", "step-budget"],
+)
+async def test_validation_failures_replan_within_budget_then_fail(
+    ts_env: WorkflowEnvironment, billing: Billing, steps: list, limits: dict, expected: str
+) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(steps, limits={"max_replans": 2, **limits}))
+        outcome = await handle.result()
+    assert outcome.state == S.FAILED
+    failures = [r for r in outcome.timeline if r.to_state == S.VALIDATION_FAILED]
+    assert len(failures) == 3  # the first proposal and two replans
+    assert all(expected in r.reason for r in failures)
+    assert "replan budget is used up (max_replans=2)" in outcome.timeline[-1].reason
+    assert outcome.steps == []
+
+
+async def test_idempotent_tool_retries_twice_and_refunds_once(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    # Both failures happen after the service committed: only the idempotency key prevents doubles.
+    billing.fail_next("refunds", 2, status=503, when="after_commit")
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund(1200)]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval(snap.plan.plan_hash))
+        outcome = await handle.result()
+        retries = (await snapshot(handle)).retries
+    assert retries == 2
+    assert outcome.state == S.COMPLETED
+    hops = [(a.to_state.value, b.to_state.value) for a, b in zip(outcome.timeline, outcome.timeline[1:])]
+    assert hops.count(("RETRY_WAIT", "EXECUTING_TOOL")) == 2
+    retry_waits = [r for r in outcome.timeline if r.to_state == S.RETRY_WAIT]
+    assert [r.refs.error_code for r in retry_waits] == ["injected_fault", "injected_fault"]
+    assert all(r.from_state == S.EXECUTING_TOOL for r in retry_waits)
+    (key,) = keys_of(outcome, "issue_refund")
+    assert len(billing.refunds(key)) == 1
+
+
+async def test_reconcilable_tool_looks_up_before_writing_again(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    billing.fail_next("ledger", 1, status=503, when="after_commit")
+    step = {"tool": "post_ledger_entry", "args": {"order_id": "A-1003", "amount_cents": -899, "memo": "t"}}
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([step]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval(snap.plan.plan_hash))
+        outcome = await handle.result()
+    assert outcome.state == S.COMPLETED
+    (key,) = keys_of(outcome, "post_ledger_entry")
+    # The retry found the committed entry by key instead of writing (which would be a 409).
+    assert len(billing.get(f"/ledger?key={key}")["entries"]) == 1
+    assert path(outcome).count("RETRY_WAIT") == 1
+
+
+async def test_permanent_error_fails_without_retry(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    before = billing.get("/admin/stats")["requests"].get("POST /refunds", 0)
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund(999_999, "A-1003")]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval(snap.plan.plan_hash))
+        outcome = await handle.result()
+        last_error = (await snapshot(handle)).last_error
+    assert last_error.startswith("amount_exceeds_total")
+    assert outcome.state == S.EXECUTION_FAILED
+    assert "RETRY_WAIT" not in path(outcome)
+    assert outcome.timeline[-1].refs.error_code == "amount_exceeds_total"
+    assert billing.get("/admin/stats")["requests"]["POST /refunds"] == before + 1
+
+
+async def test_unsafe_tool_with_unknown_outcome_is_handed_off_not_rerun(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    billing.fail_next("emails", 1, status=503, when="after_commit")
+    step = {"tool": "send_email", "args": {"to": "grace@example.com", "subject": "hi", "body": "refund sent"}}
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([step]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval(snap.plan.plan_hash))
+        outcome = await handle.result()
+    assert outcome.state == S.HANDED_OFF
+    last = outcome.timeline[-1]
+    assert last.from_state == S.EXECUTING_TOOL and "outcome unknown" in last.reason
+    assert last.refs.tool_call_id in last.reason
+    (key,) = keys_of(outcome, "send_email")
+    assert len(billing.get(f"/emails?request_ref={key}")["emails"]) == 1  # called once, not re-run
+
+
+async def test_handoff_signal_ends_a_waiting_run(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()]))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
+        outcome = await handle.result()
+    assert outcome.state == S.HANDED_OFF
+    assert outcome.timeline[-1].actor == "operator:dana"
+    assert "customer called" in outcome.timeline[-1].reason
+
+
+async def test_cancellation_ends_in_cancelled(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()]))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.cancel(reason="customer withdrew")
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        records = await timeline(handle)
+    assert records[-1].to_state == S.CANCELLED
+    assert "customer withdrew" in records[-1].reason
+    assert is_legal_path(records)

@@ -1,0 +1,218 @@
+"""On the real dev server: search attributes, the CLI end to end with its exit codes, and
+continue-as-new."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from tests.conftest import (
+    BIN,
+    Billing,
+    make_request,
+    running_worker,
+    snapshot,
+    start_run,
+    timeline,
+    unique,
+    wait_for_state,
+)
+from workflows.agent_run import SEARCH_ATTRIBUTES, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.models import ApprovalDecision, RunOutcome
+from workflows.states import RunState, is_legal_path
+
+ROOT = Path(__file__).resolve().parent.parent
+REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 700, "reason": "cli"}}]
+
+
+async def wait_listed(env: WorkflowEnvironment, query: str, run_id: str, present: bool = True) -> None:
+    """Visibility is eventually consistent: poll until the run shows up (or not)."""
+    for _ in range(100):
+        ids = [wf.id async for wf in env.client.list_workflows(query)]
+        if (run_id in ids) == present:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{run_id} {'not ' if present else ''}found by {query!r}")
+
+
+async def test_search_attributes_find_waiting_runs(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    tenant = unique("tenant")
+    async with running_worker(dev_env.client) as worker:
+        waiting = await start_run(dev_env.client, worker, make_request(REFUND, tenant=tenant))
+        done = await start_run(
+            dev_env.client, worker, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}], tenant=tenant)
+        )
+        await wait_for_state(waiting, "AWAITING_APPROVAL")
+        await done.result()
+        query = f"AgentRunState='AWAITING_APPROVAL' AND AgentTenant='{tenant}'"
+        await wait_listed(dev_env, query, waiting.id)
+        await wait_listed(dev_env, f"AgentRunState='COMPLETED' AND AgentTenant='{tenant}'", done.id)
+        ids = [wf.id async for wf in dev_env.client.list_workflows(query)]
+        assert done.id not in ids
+        description = await waiting.describe()
+        assert description.typed_search_attributes.get(TENANT_ATTRIBUTE) == tenant
+        assert description.typed_search_attributes.get(STATE_ATTRIBUTE) == "AWAITING_APPROVAL"
+        # Current details for the Web UI name the state and how to approve.
+        details = (await waiting.query("__temporal_workflow_metadata")).current_details
+        assert "AWAITING_APPROVAL" in details and "starter.py approve" in details
+        await waiting.cancel(reason="test done")
+
+
+class Cli:
+    def __init__(self, env: WorkflowEnvironment, worker: Worker) -> None:
+        self.env = {
+            **os.environ,
+            "TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
+            "TEMPORAL_NAMESPACE": env.client.namespace,
+            "TETHER_TASK_QUEUE": worker.task_queue,
+        }
+
+    async def __call__(self, *args: str, env: dict | None = None) -> tuple[int, str, str]:
+        # Async subprocess: the in-process worker keeps running while the CLI waits.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(ROOT / "starter.py"), *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**self.env, **(env or {})}, cwd=ROOT,
+        )
+        out, err = await proc.communicate()
+        return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
+    playbook = tmp_path / "refund.json"
+    playbook.write_text(json.dumps(REFUND))
+    tenant = unique("cli")
+    async with running_worker(dev_env.client) as worker:
+        cli = Cli(dev_env, worker)
+        run_id = unique("cli-run")
+        code, out, err = await cli(
+            "start", "--goal", "Refund A-1002", "--playbook", str(playbook), "--requested-by", "alice",
+            "--tenant", tenant, "--id", run_id, "--wait", "--json",
+        )
+        assert code == 0, err
+        started = json.loads(out)
+        assert started["state"] == "AWAITING_APPROVAL"
+        plan_hash = started["pending_approval"]["plan_hash"]
+
+        code, _, err = await cli("start", "--goal", "again", "--playbook", str(playbook),
+                                 "--requested-by", "alice", "--id", run_id)
+        assert code == 2 and "already exists" in err
+
+        code, out, _ = await cli("status", run_id)
+        assert code == 0 and "AWAITING_APPROVAL" in out and plan_hash in out
+
+        code, out, _ = await cli("list", "--state", "AWAITING_APPROVAL", "--tenant", tenant)
+        assert code == 0 and run_id in out
+
+        code, _, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", "0" * 64)
+        assert code == 1 and "stale plan hash" in err
+
+        code, out, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", plan_hash, "--comment", "ok")
+        assert code == 0, err
+        assert "issue_refund" in out and plan_hash in out and "APPROVED" in out
+        handle = dev_env.client.get_workflow_handle(run_id)
+        await handle.result()
+
+        code, _, err = await cli("approve", run_id, "--by", "bob")
+        assert code == 1 and "already finished" in err or "not awaiting approval" in err
+
+        code, out, _ = await cli("timeline", run_id, "--json")
+        records = json.loads(out)
+        assert code == 0 and records[-1]["to_state"] == "COMPLETED"
+        assert any(r["kind"] == "refused" for r in records) is False  # the stale hash never reached the run
+
+        # Reject, handoff and cancel through the CLI.
+        for verb, extra, final in (
+            ("reject", ["--by", "carol", "--reason", "no"], "REJECTED"),
+            ("handoff", ["--by", "dana", "--reason", "call the customer"], "HANDED_OFF"),
+            ("cancel", ["--reason", "withdrawn"], "CANCELLED"),
+        ):
+            rid = unique(verb)
+            code, _, err = await cli("start", "--goal", "g", "--playbook", str(playbook),
+                                     "--requested-by", "alice", "--id", rid, "--wait")
+            assert code == 0, err
+            code, _, err = await cli(verb, rid, *extra)
+            assert code == 0, err
+            snap = await wait_for_state(dev_env.client.get_workflow_handle(rid), final)
+            assert snap.state.value == final
+
+        code, _, err = await cli("cancel", run_id, "--reason", "late")
+        assert code == 1 and "already finished" in err
+
+    code, _, err = await cli("status", "no-such-run")
+    assert code == 2 and "unknown run 'no-such-run'" in err
+    code, _, err = await cli("start", "--goal", "g", "--requested-by", "alice")
+    assert code == 2 and "--playbook" in err
+    code, _, err = await cli("start", "--goal", "g", "--playbook", str(tmp_path / "missing.json"), "--requested-by", "a")
+    assert code == 2 and "not found" in err
+    code, _, err = await cli("list", "--state", "NAPPING")
+    assert code == 2 and "unknown state" in err
+    code, _, err = await cli("status", "x", env={"TEMPORAL_ADDRESS": "127.0.0.1:1"})
+    assert code == 2 and "cannot reach Temporal" in err and "make dev-server" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- continue-as-new
+
+CAN_THRESHOLD = 40
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def small_history_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A dev server that suggests continue-as-new after a few dozen events."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(BIN / "temporal"),
+        search_attributes=SEARCH_ATTRIBUTES,
+        data_converter=pydantic_data_converter,
+        dev_server_extra_args=[
+            "--headless",
+            "--dynamic-config-value",
+            f"limit.historyCount.suggestContinueAsNew={CAN_THRESHOLD}",
+        ],
+    )
+    yield env
+    await env.shutdown()
+
+
+async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
+    small_history_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    env = small_history_env
+    async with running_worker(env.client) as worker:
+        handle = await start_run(env.client, worker, make_request(REFUND, tenant="acme"))
+        first = await wait_for_state(handle, "AWAITING_APPROVAL")
+        first_run = (await handle.describe()).run_id
+        # Refused decisions grow the history until the server suggests continue-as-new.
+        for i in range(CAN_THRESHOLD):
+            await handle.signal("approve", ApprovalDecision(decision_id=f"stale-{i}", approver="eve", plan_hash="0" * 64))
+        for _ in range(100):
+            description = await handle.describe()
+            if description.run_id != first_run:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the run did not continue as new")
+        assert description.typed_search_attributes.get(STATE_ATTRIBUTE) == "AWAITING_APPROVAL"
+        assert description.typed_search_attributes.get(TENANT_ATTRIBUTE) == "acme"
+        latest = env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
+        carried = await snapshot(latest)
+        assert (carried.state, carried.state_version) == (RunState.AWAITING_APPROVAL, first.state_version)
+        assert carried.pending_approval == first.pending_approval
+        records = await timeline(latest)
+        assert sum(r.kind == "refused" for r in records) == CAN_THRESHOLD
+        # The approval still binds to the same plan, across runs.
+        await latest.signal("approve", ApprovalDecision(decision_id="ok", approver="bob", plan_hash=first.plan.plan_hash))
+        outcome = await latest.result()
+        assert outcome.state == RunState.COMPLETED
+        assert is_legal_path(outcome.timeline)
+        assert len({r.state_version for r in outcome.timeline if r.kind == "transition"}) == outcome.timeline[-1].state_version

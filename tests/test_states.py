@@ -1,0 +1,101 @@
+"""The transition table, checked as data: every pair of states, allowed or denied."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from workflows.states import (
+    TERMINAL,
+    TRANSITIONS,
+    IllegalTransition,
+    Lifecycle,
+    RunState,
+    is_allowed,
+    is_legal_path,
+    mermaid,
+)
+
+S = RunState
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+# ARCHITECTURE.md's table, written out independently: the code's table must equal it.
+CONTRACT = {
+    "RECEIVED": "PLANNING, CANCELLED, FAILED",
+    "PLANNING": "VALIDATED, VALIDATION_FAILED, COMPLETED, HANDED_OFF, CANCELLED, FAILED",
+    "VALIDATION_FAILED": "PLANNING, FAILED",
+    "VALIDATED": "AWAITING_APPROVAL, EXECUTING_TOOL, CANCELLED",
+    "AWAITING_APPROVAL": "APPROVED, REJECTED, EXPIRED, PLANNING, HANDED_OFF, CANCELLED",
+    "APPROVED": "EXECUTING_TOOL, CANCELLED",
+    "EXECUTING_TOOL": "OBSERVING_RESULT, RETRY_WAIT, EXECUTION_FAILED, HANDED_OFF, CANCELLED",
+    "RETRY_WAIT": "EXECUTING_TOOL, EXECUTION_FAILED, CANCELLED",
+    "OBSERVING_RESULT": "PLANNING, EXECUTING_TOOL, COMPLETED, CANCELLED",
+}
+ALLOWED = {(a, b) for a, targets in CONTRACT.items() for b in targets.split(", ")}
+ALL_PAIRS = list(itertools.product(RunState, RunState))
+
+
+def test_terminal_states_are_the_contracts() -> None:
+    assert {s.value for s in TERMINAL} == {
+        "COMPLETED", "REJECTED", "EXPIRED", "EXECUTION_FAILED", "HANDED_OFF", "CANCELLED", "FAILED"
+    }
+
+
+@pytest.mark.parametrize(("src", "dst"), ALL_PAIRS, ids=[f"{a.value}->{b.value}" for a, b in ALL_PAIRS])
+def test_every_pair_against_the_table(src: RunState, dst: RunState) -> None:
+    expected = (src.value, dst.value) in ALLOWED
+    assert is_allowed(src, dst) is expected
+    lifecycle = Lifecycle(state=src, state_version=5)
+    if expected:
+        record = lifecycle.move(dst, at=NOW, actor="runtime", reason="test")
+        assert (lifecycle.state, lifecycle.previous_state, lifecycle.state_version) == (dst, src, 6)
+        assert (record.from_state, record.to_state, record.state_version) == (src, dst, 6)
+        assert lifecycle.timeline == [record]
+    else:
+        with pytest.raises(IllegalTransition, match=f"{src.value} -> {dst.value}"):
+            lifecycle.move(dst, at=NOW, actor="runtime", reason="test")
+        # A denied move changes nothing and records nothing.
+        assert (lifecycle.state, lifecycle.state_version, lifecycle.timeline) == (src, 5, [])
+
+
+@pytest.mark.parametrize("state", sorted(TERMINAL, key=lambda s: s.value))
+def test_terminal_states_have_no_way_out(state: RunState) -> None:
+    assert TRANSITIONS[state] == frozenset()
+    assert all(not is_allowed(state, other) for other in RunState)
+
+
+def test_refusal_records_without_changing_state() -> None:
+    lifecycle = Lifecycle()
+    lifecycle.move(S.PLANNING, at=NOW, actor="runtime", reason="go")
+    record = lifecycle.refuse(at=NOW, actor="user:bob", reason="stale")
+    assert record.kind == "refused"
+    assert (record.from_state, record.to_state, record.state_version) == (S.PLANNING, S.PLANNING, 1)
+    assert (lifecycle.state, lifecycle.state_version) == (S.PLANNING, 1)
+    assert is_legal_path(lifecycle.timeline)
+
+
+def test_legal_path_check() -> None:
+    lifecycle = Lifecycle()
+    for state in (S.PLANNING, S.VALIDATED, S.EXECUTING_TOOL, S.OBSERVING_RESULT, S.COMPLETED):
+        lifecycle.move(state, at=NOW, actor="runtime", reason="step")
+    assert is_legal_path(lifecycle.timeline)
+    broken = list(lifecycle.timeline)
+    broken[2] = broken[2].model_copy(update={"to_state": S.COMPLETED})
+    assert not is_legal_path(broken)
+    repeated_version = list(lifecycle.timeline)
+    repeated_version[1] = repeated_version[1].model_copy(update={"state_version": 1})
+    assert not is_legal_path(repeated_version)
+
+
+def test_readme_diagram_is_generated_from_the_table() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```mermaid\n(.*?)```", readme, re.S)
+    assert blocks, "README.md has no mermaid diagram"
+    assert blocks[0].strip() == mermaid().strip(), (
+        "README's state diagram is out of date: paste `python -c 'from workflows.states import "
+        "mermaid; print(mermaid())'` into README.md"
+    )

@@ -1,0 +1,123 @@
+"""Pure validation and policy: a proposal is untrusted input."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from activities.tools import REGISTRY
+from workflows import policy
+from workflows.models import (
+    ApprovalDecision,
+    Limits,
+    PendingApproval,
+    Plan,
+    PlanStep,
+    Proposal,
+    ProposedStep,
+    RunData,
+    ToolEffect,
+)
+from workflows.states import Lifecycle, RunState
+from workflows.validation import validate_proposal
+
+import examples.billing.tools  # noqa: F401
+
+CATALOG = REGISTRY.catalog()
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def ids(n: int) -> str:
+    return f"tc-{n:03d}"
+
+
+def validate(*steps: ProposedStep, executed: int = 0, limits: Limits | None = None):
+    return validate_proposal(
+        Proposal(steps=list(steps)), CATALOG, executed_steps=executed, limits=limits or Limits(), new_id=ids
+    )
+
+
+def test_valid_plan_gets_ids_and_a_hash_of_tools_and_args() -> None:
+    result = validate(
+        ProposedStep(tool="get_order", args={"order_id": "A-1001"}),
+        ProposedStep(tool="issue_refund", args='{"order_id": "A-1001", "amount_cents": 100, "reason": "x"}'),
+    )
+    assert result.problems == []
+    assert [s.tool_call_id for s in result.plan.steps] == ["tc-001", "tc-002"]
+    assert result.plan.steps[1].args == {"order_id": "A-1001", "amount_cents": 100, "reason": "x"}
+    # Same tools and arguments, other ids: same hash. Other arguments: other hash.
+    same = [s.model_copy(update={"tool_call_id": "other"}) for s in result.plan.steps]
+    assert Plan.hash_steps(same) == result.plan.plan_hash
+    changed = [same[0], same[1].model_copy(update={"args": {**same[1].args, "amount_cents": 99999}})]
+    assert Plan.hash_steps(changed) != result.plan.plan_hash
+
+
+def test_unknown_tool() -> None:
+    result = validate(ProposedStep(tool="wire_money", args={}))
+    assert result.plan is None
+    assert "unknown tool 'wire_money'" in result.reason
+
+
+def test_invalid_arguments() -> None:
+    result = validate(ProposedStep(tool="issue_refund", args={"order_id": "A-1001", "amount_cents": -5, "reason": "x"}))
+    assert result.plan is None
+    assert "invalid arguments at amount_cents" in result.reason
+
+
+def test_malformed_json_arguments() -> None:
+    result = validate(ProposedStep(tool="get_order", args='{"order_id": '))
+    assert result.plan is None
+    assert "not valid JSON" in result.reason
+
+
+def test_step_budget() -> None:
+    step = ProposedStep(tool="get_order", args={"order_id": "A-1001"})
+    assert validate(step, step, executed=3, limits=Limits(max_steps=5)).plan is not None
+    result = validate(step, step, step, executed=3, limits=Limits(max_steps=5))
+    assert result.plan is None
+    assert "step budget exhausted" in result.reason
+
+
+def test_empty_proposal() -> None:
+    assert "no steps" in validate().reason
+
+
+def _awaiting(plan_hash: str = "h1") -> RunData:
+    return RunData(
+        lifecycle=Lifecycle(state=RunState.AWAITING_APPROVAL, state_version=3),
+        pending_approval=PendingApproval(plan_hash=plan_hash, expires_at=NOW + timedelta(hours=1), summary="s"),
+    )
+
+
+def decision(**kw) -> ApprovalDecision:
+    return ApprovalDecision(**{"decision_id": "d1", "approver": "bob", "plan_hash": "h1", **kw})
+
+
+def test_decision_rules() -> None:
+    data = _awaiting()
+    assert policy.decision_refusal(decision(), data, requested_by="alice", now=NOW) is None
+    assert "stale plan hash" in policy.decision_refusal(decision(plan_hash="h0"), data, requested_by="alice", now=NOW)
+    assert "expired" in policy.decision_refusal(decision(), data, requested_by="alice", now=NOW + timedelta(hours=2))
+    data.decisions_seen.append("d1")
+    assert "duplicate decision_id" in policy.decision_refusal(decision(), data, requested_by="alice", now=NOW)
+    planning = RunData(lifecycle=Lifecycle(state=RunState.PLANNING))
+    assert "not AWAITING_APPROVAL" in policy.decision_refusal(decision(), planning, requested_by="alice", now=NOW)
+
+
+def test_retry_rule_follows_the_effect() -> None:
+    rule = policy.after_tool_failure
+    for effect in (ToolEffect.READ_ONLY, ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE):
+        assert rule(effect, permanent=False, retries_done=0, max_retries=3)[0] == RunState.RETRY_WAIT
+        assert rule(effect, permanent=False, retries_done=3, max_retries=3)[0] == RunState.EXECUTION_FAILED
+        assert rule(effect, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
+    assert rule(ToolEffect.UNSAFE, permanent=False, retries_done=0, max_retries=3)[0] == RunState.HANDED_OFF
+    assert rule(ToolEffect.UNSAFE, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
+    assert policy.retry_delay_seconds(0) == 1 and policy.retry_delay_seconds(10) == policy.RETRY_MAX_SECONDS
+    assert policy.retry_delay_seconds(0, suggested=7) == 7
+
+
+def test_approval_needed_for_writes_only() -> None:
+    read = Plan(steps=[PlanStep(tool_call_id="a", tool="get_order", args={})], plan_hash="x")
+    write = Plan(steps=read.steps + [PlanStep(tool_call_id="b", tool="send_email", args={})], plan_hash="y")
+    assert not policy.needs_approval(read, CATALOG)
+    assert policy.steps_needing_approval(write, CATALOG) == ["send_email"]
+    assert policy.risk_summary(write, CATALOG) == "1 of 2 step(s) write: send_email (unsafe)"

@@ -1,0 +1,86 @@
+"""Run-level metrics, emitted from the workflow through ``workflow.metric_meter()``.
+
+Two hooks, called by ``AgentRun`` right after the lifecycle records something:
+
+- :func:`on_transition` (from ``AgentRun._move``): ``tether_runs_started`` when a run leaves
+  RECEIVED (once per run: a continued-as-new run carries its state, it never re-enters
+  RECEIVED), ``tether_runs_ended{state}`` on a terminal state, and
+  ``tether_approval_wait_seconds{outcome}`` when a run leaves AWAITING_APPROVAL (workflow time
+  from entering to leaving, so a replan-on-expiry or a handoff counts too).
+- :func:`on_refusal` (at each ``lifecycle.refuse`` call site): ``tether_decisions_refused
+  {kind, rule}``. ``kind`` is the reason's first word (approve, reject, handoff); ``rule`` is
+  looked up from the words after "refused: " in :data:`REFUSAL_RULES`, so labels stay a small,
+  fixed set ("other" for reasons not in the table).
+
+The meter is Temporal's replay-safe one: nothing is recorded while a worker replays history,
+so a restarted worker never counts a run twice. Labels are the meter's defaults (namespace,
+task_queue, workflow_type) plus the ones above: never tenants, run ids or reasons' free text.
+"""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+from workflows.states import TERMINAL, Lifecycle, RunState, TransitionRecord
+
+RUNS_STARTED = "tether_runs_started"
+RUNS_ENDED = "tether_runs_ended"
+APPROVAL_WAIT = "tether_approval_wait_seconds"
+DECISIONS_REFUSED = "tether_decisions_refused"
+
+# Leading words of a refusal reason (after "<kind> refused: ") -> rule label. The reasons come
+# from workflows/policy.py and AgentRun; a test checks every policy reason maps to a rule.
+REFUSAL_RULES: tuple[tuple[str, str], ...] = (
+    ("duplicate decision_id", "duplicate_decision"),
+    ("run is ", "not_awaiting_approval"),
+    ("stale plan hash", "stale_plan_hash"),
+    ("approval expired", "approval_expired"),
+    ("approver is empty", "empty_approver"),
+    ("another decision", "decision_already_accepted"),
+    ("run already ended", "run_ended"),
+    ("a handoff is already pending", "handoff_pending"),
+)
+
+
+def refusal_rule(reason: str) -> tuple[str, str]:
+    """(kind, rule) of a refusal reason such as ``"approve refused: stale plan hash ..."``."""
+    head, sep, detail = reason.partition(" refused: ")
+    kind = head.strip().split(" ")[-1] if sep and head.strip() else "other"
+    detail = detail if sep else reason
+    for prefix, rule in REFUSAL_RULES:
+        if detail.startswith(prefix):
+            return kind, rule
+    return kind, "other"
+
+
+def on_transition(lifecycle: Lifecycle, record: TransitionRecord) -> None:
+    meter = workflow.metric_meter()
+    if record.from_state == RunState.RECEIVED:
+        meter.create_counter(RUNS_STARTED, "Runs that left RECEIVED", "1").add(1)
+    if record.to_state in TERMINAL:
+        meter.create_counter(RUNS_ENDED, "Runs that reached a terminal state", "1").add(
+            1, {"state": record.to_state.value}
+        )
+    if record.from_state == RunState.AWAITING_APPROVAL:
+        entered = _entered_awaiting_approval(lifecycle, record)
+        if entered is not None:
+            waited = max((record.at - entered).total_seconds(), 0.0)
+            meter.create_histogram_float(
+                APPROVAL_WAIT, "Time a plan waited for a human decision", "s"
+            ).record(waited, {"outcome": record.to_state.value})
+
+
+def on_refusal(record: TransitionRecord) -> None:
+    kind, rule = refusal_rule(record.reason)
+    workflow.metric_meter().create_counter(
+        DECISIONS_REFUSED, "Signals the runtime turned down, by rule", "1"
+    ).add(1, {"kind": kind, "rule": rule})
+
+
+def _entered_awaiting_approval(lifecycle: Lifecycle, record: TransitionRecord):
+    for earlier in reversed(lifecycle.timeline):
+        if earlier is record or earlier.kind != "transition":
+            continue
+        if earlier.to_state == RunState.AWAITING_APPROVAL:
+            return earlier.at
+    return None
