@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import sys
 import uuid
@@ -34,7 +35,8 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
-from worker import connect, target_host, task_queue
+from worker import connect, exit_process, target_host, task_queue
+from workflows import policy
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import (
     ApprovalDecision,
@@ -276,6 +278,8 @@ async def _decide(args: argparse.Namespace, signal: str) -> int:
         comment=getattr(args, "comment", None),
         reason=getattr(args, "reason", None),
     )
+    if args.key:
+        decision.signature = sign_decision(Path(args.key), args.run, signal, decision)
     verb = "approving" if signal == "approve" else "rejecting"
     print(f"{verb} plan {decision.plan_hash} of run {args.run}:")
     print(f"  {snap.pending_approval.summary}")
@@ -295,6 +299,43 @@ async def _decide(args: argparse.Namespace, signal: str) -> int:
                 return OK
         await asyncio.sleep(0.2)
     print(f"decision {decision.decision_id} sent; the run has not processed it yet")
+    return OK
+
+
+def sign_decision(key_path: Path, run_id: str, kind: str, decision: ApprovalDecision) -> str:
+    """Ed25519 signature over (workflow id, plan hash, decision, decision id), base64."""
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    try:
+        key = load_pem_private_key(key_path.read_bytes(), password=None)
+    except FileNotFoundError:
+        raise CliError(f"key file not found: {key_path}") from None
+    except ValueError as e:
+        raise CliError(f"{key_path} is not a PEM private key ({e}); make one with `starter.py keygen`") from None
+    payload = policy.signature_payload(
+        workflow_id=run_id, plan_hash=decision.plan_hash, kind=kind, decision_id=decision.decision_id
+    )
+    return base64.b64encode(key.sign(payload)).decode()
+
+
+async def cmd_keygen(args: argparse.Namespace) -> int:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    path = Path(args.out)
+    if path.exists() and not args.force:
+        raise CliError(f"{path} exists; pass --force to overwrite")
+    key = Ed25519PrivateKey.generate()
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    path.chmod(0o600)
+    public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    print(f"private key written to {path} (keep it secret)")
+    print("add the public key to the approver in the policy file:")
+    print(f'public_key = "{base64.b64encode(public).decode()}"')
     return OK
 
 
@@ -420,11 +461,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--by", required=True, help="who decides")
         p.add_argument("--plan-hash", help="the plan you reviewed (default: the pending one)")
         p.add_argument("--decision-id", help="unique id of this decision (default: random)")
+        p.add_argument("--key", help="PEM Ed25519 private key: sign the decision (see keygen)")
         if name == "approve":
             p.add_argument("--comment")
         else:
             p.add_argument("--reason", required=True)
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("keygen", help="make an Ed25519 key pair for signed approvals")
+    p.add_argument("--out", required=True, help="where to write the private key (PEM)")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=cmd_keygen)
 
     p = sub.add_parser("cancel", help="cancel a run (Temporal cancellation)")
     p.add_argument("run")
@@ -465,4 +512,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -29,11 +29,24 @@ from temporalio.worker import Worker
 from activities import planning
 from activities.codec import EncryptionCodec, KeyFileError, data_converter_from_env
 from activities.metrics import prometheus_runtime, tracing_interceptors
+from activities.policy import PolicyActivities, PolicyFileError, PolicyStore
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from workflows.agent_run import AgentRun
 
 DEFAULT_TASK_QUEUE = "tether"
 DEFAULT_TOOLS = "examples.billing.tools"
+
+
+def exit_process(code: int | None) -> None:
+    """Exit without interpreter teardown, after flushing output.
+
+    The Temporal client's native threads can outlive the event loop and crash CPython's
+    finalization (SIGABRT, "PyGILState_Release ... must be current"; sdk-python issue #300),
+    which would turn a successful command into exit code 134.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def task_queue() -> str:
@@ -71,15 +84,27 @@ def create_worker(
     *,
     task_queue: str = DEFAULT_TASK_QUEUE,
     registry: ToolRegistry = REGISTRY,
+    policy: PolicyStore | None = None,
     **options: Any,
 ) -> Worker:
-    """The one way to build a Tether worker (the CLI, tests and benchmarks all use it)."""
+    """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
+
+    ``policy`` defaults to the built-in safe default (no policy file).
+    """
     tools = ToolActivities(registry)
+    rules = PolicyActivities(policy or PolicyStore(None))
     return Worker(
         client,
         task_queue=task_queue,
         workflows=[AgentRun],
-        activities=[tools.tool_catalog, tools.execute_tool, planning.plan],
+        activities=[
+            tools.tool_catalog,
+            tools.execute_tool,
+            planning.plan,
+            rules.policy_snapshot,
+            rules.check_decision,
+            rules.check_authority,
+        ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         **options,
     )
@@ -91,8 +116,13 @@ async def serve(
     *,
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
+    policy_path: str | None = None,
 ) -> None:
     registry = load_tool_modules(tool_modules)
+    try:
+        policy = PolicyStore.from_env(policy_path)
+    except PolicyFileError as e:
+        raise SystemExit(f"invalid policy: {e}") from None
     extra: dict[str, Any] = {}
     if metrics_port:
         # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
@@ -109,7 +139,7 @@ async def serve(
             f"cannot reach Temporal ({e}); start one with `make dev-server` "
             f"or set TEMPORAL_ADDRESS"
         ) from None
-    worker = create_worker(client, task_queue=queue, registry=registry)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -118,7 +148,7 @@ async def serve(
     async with worker:
         print(
             f"worker ready on task queue {queue!r} with tools: "
-            f"{', '.join(sorted(registry.tools)) or 'none'}; payload encryption "
+            f"{', '.join(sorted(registry.tools)) or 'none'}; policy {policy.source}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
@@ -146,6 +176,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=os.environ.get("TETHER_METRICS_HOST", "0.0.0.0"),
         help="address the metrics endpoint binds (env TETHER_METRICS_HOST)",
     )
+    parser.add_argument(
+        "--policy",
+        default=None,
+        help="TOML policy file (env TETHER_POLICY; default: every write needs one approval "
+        "from someone other than the requester)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(
@@ -154,9 +190,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.task_queue,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            policy_path=args.policy,
         )
     )
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status: int | str | None = main()
+    except SystemExit as e:  # configuration errors: one line, exit 1
+        status = e.code
+    if isinstance(status, str):
+        print(status, file=sys.stderr)
+        status = 1
+    exit_process(status)

@@ -74,6 +74,7 @@ class ToolSpec:
     timeout_seconds: float
     max_retries: int
     description: str
+    summary_fields: tuple[str, ...] = ()
     lookup_fn: LookupFn | None = None
 
     def lookup(self, fn: LookupFn) -> LookupFn:
@@ -94,6 +95,7 @@ class ToolSpec:
             args_schema=self.args_model.model_json_schema(),
             timeout_seconds=self.timeout_seconds,
             max_retries=self.max_retries,
+            summary_fields=list(self.summary_fields),
         )
 
     def __call__(self, args: Any, ctx: ToolContext) -> Any:
@@ -152,8 +154,13 @@ def tool(
     max_retries: int = 3,
     name: str | None = None,
     registry: ToolRegistry | None = None,
+    summary_fields: tuple[str, ...] = (),
 ) -> Callable[[ToolFn], ToolSpec]:
-    """Declare a tool. ``requires_approval`` defaults to "the tool writes" (effect != read_only)."""
+    """Declare a tool. ``requires_approval`` defaults to "the tool writes" (effect != read_only).
+
+    ``summary_fields`` names the arguments an approver sees in the risk summary (the target,
+    the amount); keep secrets and personal data out of it.
+    """
     effect = ToolEffect(effect)
 
     def decorate(fn: ToolFn) -> ToolSpec:
@@ -175,6 +182,7 @@ def tool(
             timeout_seconds=timeout,
             max_retries=max_retries,
             description=inspect.cleandoc(fn.__doc__ or ""),
+            summary_fields=tuple(summary_fields),
         )
         return (registry or REGISTRY).register(spec)
 

@@ -126,10 +126,10 @@ def _ts(event) -> float:
     return event.event_time.seconds + event.event_time.nanos / 1e9
 
 
-async def history_stats(batch: Batch) -> tuple[list[int], list[float], list[float], Counter]:
+async def history_stats(batch: Batch) -> tuple[list[int], list[float], list[float], Counter, list[int]]:
     """Events per run; approval latency (client signal -> tool start, and server signal event ->
-    tool start) in ms; event types of the first run."""
-    lengths, client_lat, server_lat = [], [], []
+    tool start) in ms; event types of the first run; history bytes per run."""
+    lengths, client_lat, server_lat, sizes = [], [], [], []
     kinds: Counter = Counter()
     sem = asyncio.Semaphore(20)
 
@@ -138,6 +138,7 @@ async def history_stats(batch: Batch) -> tuple[list[int], list[float], list[floa
             history = await h.fetch_history()
         events = history.events
         lengths.append(len(events))
+        sizes.append(sum(e.ByteSize() for e in events))
         if first:
             kinds.update(EventType.Name(e.event_type).removeprefix("EVENT_TYPE_") for e in events)
         if batch.variant != APPROVAL:
@@ -158,7 +159,7 @@ async def history_stats(batch: Batch) -> tuple[list[int], list[float], list[floa
         server_lat.append((_ts(started) - _ts(signaled)) * 1000)
 
     await asyncio.gather(*(one(h, i == 0) for i, h in enumerate(batch.handles)))
-    return lengths, client_lat, server_lat, kinds
+    return lengths, client_lat, server_lat, kinds, sizes
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -188,16 +189,24 @@ async def main_async(args: argparse.Namespace) -> None:
                 server_rss_max = max(server_rss_max, rss_mb(stack.server.pid))
                 print(f"  round {r + 1} {variant:<18} {b.runs / b.seconds:7.1f} runs/s "
                       f"({b.seconds:.2f}s)", flush=True)
+        # Approval latency without load: one run at a time.
+        quiet_c, quiet_s = [], []
+        for i in range(args.quiet_approvals):
+            b = await run_batch(stack, APPROVAL, 1, args.steps, f"q{stamp}{i:03d}")
+            _, c, s, _, _ = await history_stats(b)
+            quiet_c += c
+            quiet_s += s
         worker_peak = peak_rss_mb(stack.worker.pid)
         server_peak = peak_rss_mb(stack.server.pid)
 
         stats = {}
         for variant in VARIANTS:
             mine = [b for b in batches if b.variant == variant]
-            lengths, c_lat, s_lat, kinds = [], [], [], Counter()
+            lengths, c_lat, s_lat, kinds, sizes = [], [], [], Counter(), []
             for b in mine:
-                l, c, s, k = await history_stats(b)
+                l, c, s, k, z = await history_stats(b)
                 lengths += l
+                sizes += z
                 c_lat += c
                 s_lat += s
                 kinds = kinds or k
@@ -205,7 +214,7 @@ async def main_async(args: argparse.Namespace) -> None:
             secs = sum(b.seconds for b in mine)
             stats[variant] = dict(
                 runs=runs, secs=secs, rps=runs / secs, sps=runs * args.steps / secs,
-                events=statistics.mean(lengths), c_lat=c_lat, s_lat=s_lat, kinds=kinds,
+                events=statistics.mean(lengths), bytes=statistics.mean(sizes), c_lat=c_lat, s_lat=s_lat, kinds=kinds,
                 wcpu=sum(b.worker_cpu for b in mine) / (runs * args.steps) * 1000,
                 scpu=sum(b.server_cpu for b in mine) / (runs * args.steps) * 1000,
                 per_round=[b.runs / b.seconds for b in mine],
@@ -218,12 +227,12 @@ async def main_async(args: argparse.Namespace) -> None:
         rows.append([
             variant, s["runs"], f"{s['rps']:.1f}", f"{s['sps']:.1f}",
             f"{s['rps'] / bare['rps']:.2f}",
-            f"{s['events']:.0f}", f"{s['events'] / args.steps:.1f}",
+            f"{s['events']:.0f}", f"{s['events'] / args.steps:.1f}", f"{s['bytes'] / 1024:.1f}",
             f"{s['wcpu']:.1f}", f"{s['scpu']:.1f}",
         ])
     print()
     print(table(
-        ["variant", "runs", "runs/s", "steps/s", "vs bare", "events/run", "events/step",
+        ["variant", "runs", "runs/s", "steps/s", "vs bare", "events/run", "events/step", "history KiB/run",
          "worker CPU ms/step", "server CPU ms/step"],
         rows,
     ))
@@ -232,10 +241,15 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"governed/bare throughput per round: {', '.join(f'{x:.2f}' for x in ratios)} "
           f"(median {statistics.median(ratios):.2f})")
     a = stats[APPROVAL]
-    print(f"approval signal -> tool start ({len(a['c_lat'])} approvals): "
-          f"p50 {percentile(a['c_lat'], 50):.0f} ms, p99 {percentile(a['c_lat'], 99):.0f} ms, "
-          f"max {max(a['c_lat']):.0f} ms (from the client's send; from the server's signal event: "
+    print(f"approval signal -> tool start, under load ({len(a['c_lat'])} approvals, sent in "
+          f"bursts of {args.runs} while the batch runs): p50 {percentile(a['c_lat'], 50):.0f} ms, "
+          f"p99 {percentile(a['c_lat'], 99):.0f} ms (from the server's signal event: "
           f"p50 {percentile(a['s_lat'], 50):.0f} ms, p99 {percentile(a['s_lat'], 99):.0f} ms)")
+    if quiet_c:
+        print(f"approval signal -> tool start, one run at a time ({len(quiet_c)} approvals): "
+              f"p50 {percentile(quiet_c, 50):.0f} ms, p99 {percentile(quiet_c, 99):.0f} ms "
+              f"(from the server's signal event: p50 {percentile(quiet_s, 50):.0f} ms, "
+              f"p99 {percentile(quiet_s, 99):.0f} ms)")
     print(f"worker peak RSS {worker_peak:.0f} MiB (max sampled {worker_rss_max:.0f} MiB); "
           f"dev server peak RSS {server_peak:.0f} MiB")
     print()
@@ -249,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=50, help="concurrent runs per batch (N)")
     parser.add_argument("--steps", type=int, default=5, help="tool steps per run (M)")
     parser.add_argument("--rounds", type=int, default=3, help="batches per variant, interleaved")
+    parser.add_argument("--quiet-approvals", type=int, default=20,
+                        help="approvals measured one run at a time, after the rounds")
     parser.add_argument("--worker-option", action="append", default=[],
                         help="Worker option for the worker under test, KEY=JSON (repeatable)")
     parser.add_argument("--autoscale-pollers", action="store_true")

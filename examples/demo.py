@@ -15,7 +15,7 @@ import time
 import uuid
 
 import starter
-from worker import connect
+from worker import connect, exit_process
 from workflows.models import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
@@ -115,4 +115,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

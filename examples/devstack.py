@@ -59,6 +59,11 @@ def dev_server_command(
     ]
     for key in SEARCH_ATTRIBUTES:
         cmd += ["--search-attribute", f"{key.name}=Keyword"]
+    if os.environ.get("TETHER_ENCRYPTION_KEY_FILE"):
+        # Payloads are encrypted: the UI asks the codec server (`python -m activities.codec`,
+        # started by `make dev-server`) to decode them for the person looking.
+        codec_port = os.environ.get("TETHER_CODEC_PORT", "8081")
+        cmd += ["--ui-codec-endpoint", f"http://127.0.0.1:{codec_port}"]
     return cmd
 
 

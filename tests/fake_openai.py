@@ -35,7 +35,7 @@ class Reply:
 class Recorded:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: dict[str, str]  # names in lower case
     body: Any
     at: float
 
@@ -108,7 +108,7 @@ class FakeOpenAI:
                     body: Any = json.loads(raw or b"null")
                 except json.JSONDecodeError:
                     body = raw.decode(errors="replace")
-                fake._record(Recorded("POST", self.path, dict(self.headers.items()), body, time.monotonic()))
+                fake._record(Recorded("POST", self.path, {k.lower(): v for k, v in self.headers.items()}, body, time.monotonic()))
                 if self.path.rstrip("/") != "/v1/chat/completions":
                     reply = error(404, f"no route {self.path}")
                 else:
@@ -116,7 +116,7 @@ class FakeOpenAI:
                 self._send(reply)
 
             def do_GET(self) -> None:  # noqa: N802
-                fake._record(Recorded("GET", self.path, dict(self.headers.items()), None, time.monotonic()))
+                fake._record(Recorded("GET", self.path, {k.lower(): v for k, v in self.headers.items()}, None, time.monotonic()))
                 self._send(error(404, f"no route {self.path}"))
 
             def _send(self, reply: Reply) -> None:

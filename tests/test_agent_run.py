@@ -111,17 +111,17 @@ async def test_refused_decisions_change_nothing_and_are_recorded(
 async def test_decision_for_a_run_not_awaiting_approval_is_refused(
     ts_env: WorkflowEnvironment, billing: Billing
 ) -> None:
+    # A read-only run parked in RETRY_WAIT (time does not skip while we only query).
+    billing.fail_next("orders", 1, status=503)
     async with running_worker(ts_env.client) as worker:
-        handle = await start_run(ts_env.client, worker, make_request([refund()]))
-        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", approval(snap.plan.plan_hash, decision_id="first"))
-        await wait_for_state(handle, "COMPLETED", "APPROVED", "EXECUTING_TOOL", "OBSERVING_RESULT", "PLANNING")
-        await handle.signal("approve", approval(snap.plan.plan_hash, decision_id="late"))
+        handle = await start_run(ts_env.client, worker, make_request(READ_ONLY))
+        await wait_for_state(handle, "RETRY_WAIT")
+        await handle.signal("approve", approval("0" * 64, decision_id="late"))
         outcome = await handle.result()
     late = [r for r in outcome.timeline if r.refs.decision_id == "late"]
     assert outcome.state == S.COMPLETED
-    assert len(late) == 1 and late[0].kind == "refused"
-    assert "not AWAITING_APPROVAL" in late[0].reason or "duplicate" not in late[0].reason
+    assert len(late) == 1 and late[0].kind == "refused" and late[0].rule == "not_awaiting_approval"
+    assert "run is RETRY_WAIT, not AWAITING_APPROVAL" in late[0].reason
 
 
 async def test_reject_ends_in_rejected_with_no_tool_executed(ts_env: WorkflowEnvironment, billing: Billing) -> None:

@@ -94,13 +94,15 @@ def decision(**kw) -> ApprovalDecision:
 
 def test_decision_rules() -> None:
     data = _awaiting()
-    assert policy.decision_refusal(decision(), data, requested_by="alice", now=NOW) is None
-    assert "stale plan hash" in policy.decision_refusal(decision(plan_hash="h0"), data, requested_by="alice", now=NOW)
-    assert "expired" in policy.decision_refusal(decision(), data, requested_by="alice", now=NOW + timedelta(hours=2))
+    refusal = lambda d, **kw: policy.decision_refusal(d, data, now=kw.get("now", NOW))  # noqa: E731
+    assert refusal(decision()) is None
+    assert refusal(decision(plan_hash="h0")).rule == "stale_plan_hash"
+    assert refusal(decision(), now=NOW + timedelta(hours=2)).rule == "approval_expired"
     data.decisions_seen.append("d1")
-    assert "duplicate decision_id" in policy.decision_refusal(decision(), data, requested_by="alice", now=NOW)
+    assert refusal(decision()).rule == "duplicate_decision"
+    assert policy.decision_refusal(decision(), data, now=NOW, check_duplicate=False) is None
     planning = RunData(lifecycle=Lifecycle(state=RunState.PLANNING))
-    assert "not AWAITING_APPROVAL" in policy.decision_refusal(decision(), planning, requested_by="alice", now=NOW)
+    assert policy.decision_refusal(decision(), planning, now=NOW).rule == "not_awaiting_approval"
 
 
 def test_retry_rule_follows_the_effect() -> None:
@@ -115,9 +117,14 @@ def test_retry_rule_follows_the_effect() -> None:
     assert policy.retry_delay_seconds(0, suggested=7) == 7
 
 
-def test_approval_needed_for_writes_only() -> None:
-    read = Plan(steps=[PlanStep(tool_call_id="a", tool="get_order", args={})], plan_hash="x")
-    write = Plan(steps=read.steps + [PlanStep(tool_call_id="b", tool="send_email", args={})], plan_hash="y")
-    assert not policy.needs_approval(read, CATALOG)
-    assert policy.steps_needing_approval(write, CATALOG) == ["send_email"]
-    assert policy.risk_summary(write, CATALOG) == "1 of 2 step(s) write: send_email (unsafe)"
+def test_approval_needed_for_writes_only_by_default() -> None:
+    read = Plan(steps=[PlanStep(tool_call_id="a", tool="get_order", args={"order_id": "A-1001"})], plan_hash="x")
+    write = Plan(
+        steps=read.steps + [PlanStep(tool_call_id="b", tool="send_email", args={"to": "a@b.c", "subject": "Hi"})],
+        plan_hash="y",
+    )
+    assert not policy.review_plan(read, CATALOG, None).needs_approval
+    review = policy.review_plan(write, CATALOG, None)
+    assert (review.needs_approval, review.risk, review.approvals_required) == (True, "normal", 1)
+    # The risk summary names what writes and the declared fields, never personal data.
+    assert review.summary == "1 of 2 step(s) write: send_email (unsafe, subject=Hi)"

@@ -28,21 +28,31 @@ with workflow.unsafe.imports_passed_through():
     from workflows import metrics as run_metrics
     from workflows import policy
     from workflows.models import (
+        AcceptedApproval,
         ApprovalDecision,
+        AuthorityCheck,
         CatalogRequest,
+        DecisionCheck,
         ExecutedStep,
         HandoffRequest,
+        Limits,
         PendingApproval,
         PlannerInput,
+        PlanReview,
         PlanStep,
+        PolicySnapshot,
         Proposal,
+        Refusal,
         RunData,
         RunOutcome,
         RunRequest,
         RunSnapshot,
+        SnapshotRequest,
+        TenantPolicy,
         ToolCall,
         ToolCatalog,
         ToolOutcome,
+        Verdict,
     )
     from workflows.states import IllegalTransition, Refs, RunState, TransitionRecord
     from workflows.validation import validate_proposal
@@ -71,8 +81,9 @@ class AgentRun:
     def __init__(self, request: RunRequest) -> None:
         self.request = request
         self.data: RunData = request.carryover or RunData()
-        # Accepted by a signal handler, acted on by the main loop.
-        self._decision: tuple[DecisionKind, ApprovalDecision] | None = None
+        # Decisions that passed the cheap checks in the signal handler, in arrival order; the
+        # main loop checks each against the policy (an activity) and acts on it.
+        self._inbox: list[tuple[DecisionKind, ApprovalDecision]] = []
         self._handoff: HandoffRequest | None = None
         self._published: str | None = workflow.info().typed_search_attributes.get(
             STATE_ATTRIBUTE
@@ -115,8 +126,30 @@ class AgentRun:
                 start_to_close_timeout=CATALOG_TIMEOUT,
                 summary="tool catalog snapshot",
             )
+        if data.policy is None:
+            self._publish()
+            data.policy = await workflow.execute_activity(
+                "policy_snapshot",
+                SnapshotRequest(tenant=self.request.tenant),
+                result_type=PolicySnapshot,
+                start_to_close_timeout=CATALOG_TIMEOUT,
+                summary="policy snapshot",
+            )
         if data.lifecycle.state == S.RECEIVED:
-            self._move(S.PLANNING, actor="runtime", reason="run received")
+            # The policy's content hash goes on the timeline: a run's decisions stay explainable.
+            refs = Refs(policy_hash=data.policy.policy_hash)
+            if data.policy.policy is None:
+                self._move(
+                    S.FAILED,
+                    actor="runtime",
+                    reason=f"tenant {self.request.tenant!r} is not in the policy file "
+                    f"{data.policy.source}: add it under [tenants.{self.request.tenant}]",
+                    refs=refs,
+                )
+            else:
+                self._move(
+                    S.PLANNING, actor="runtime", reason=f"run received; policy {data.policy.source}", refs=refs
+                )
 
         while not data.lifecycle.terminal:
             self._maybe_continue_as_new()
@@ -130,11 +163,11 @@ class AgentRun:
             elif state == S.AWAITING_APPROVAL:
                 await self._await_decision()
             elif state == S.APPROVED:
-                self._move_to_step(reason="approved plan: executing")
+                await self._after_approved()
             elif state == S.EXECUTING_TOOL:
                 await self._execute_step()
             elif state == S.OBSERVING_RESULT:
-                self._after_observation()
+                await self._after_observation()
             else:
                 raise ApplicationError(
                     f"no handler for working state {state.value}",
@@ -215,9 +248,10 @@ class AgentRun:
         result = validate_proposal(
             proposal,
             data.catalog or ToolCatalog(),
-            executed_steps=data.tool_calls,
-            limits=self.request.limits,
+            executed_steps=len(data.executed),
+            limits=self.limits,
             new_id=lambda n: f"tc-{n:03d}-{workflow.uuid4().hex[:8]}",
+            tool_refusal=lambda tool: policy.tool_refusal(self.tenant_policy, tool),
         )
         if result.plan is None:
             data.feedback = result.reason
@@ -232,7 +266,7 @@ class AgentRun:
         )
 
     def _after_validation_failed(self) -> None:
-        limits = self.request.limits
+        limits = self.limits
         if policy.may_replan(self.data.replans, limits):
             self.data.replans += 1
             self._move(
@@ -250,25 +284,35 @@ class AgentRun:
 
     def _after_validated(self) -> None:
         data = self.data
-        assert data.plan is not None and data.catalog is not None
-        if not policy.needs_approval(data.plan, data.catalog):
-            self._move_to_step(reason="read-only plan: policy needs no approval")
+        assert data.plan is not None
+        review = self._review()
+        if not review.needs_approval:
+            self._move_to_step(reason=f"policy needs no approval: {review.summary}")
             return
-        ttl = timedelta(seconds=self.request.limits.approval_ttl_seconds)
+        self._request_approval(S.AWAITING_APPROVAL, reason=f"approval needed: {review.summary}")
+
+    def _review(self) -> PlanReview:
+        assert self.data.plan is not None
+        return policy.review_plan(self.data.plan, self.data.catalog or ToolCatalog(), self.tenant_policy)
+
+    def _request_approval(self, to: RunState, *, reason: str) -> None:
+        """Open a fresh approval request for the current plan (no approvals carried over)."""
+        data = self.data
+        assert data.plan is not None
+        review = self._review()
+        ttl = self.request.limits.approval_ttl_seconds
+        if review.ttl_seconds is not None:
+            ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
         data.pending_approval = PendingApproval(
             plan_hash=data.plan.plan_hash,
-            expires_at=workflow.now() + ttl,
-            summary=policy.risk_summary(data.plan, data.catalog),
+            expires_at=workflow.now() + timedelta(seconds=ttl),
+            summary=review.summary,
+            risk="high" if review.risk == "high" else "normal",
+            approvals_required=review.approvals_required,
+            roles=review.roles,
         )
         data.approved_by = []
-        self._move(
-            S.AWAITING_APPROVAL,
-            actor="runtime",
-            reason="plan writes: "
-            + ", ".join(policy.steps_needing_approval(data.plan, data.catalog))
-            + " need approval",
-            refs=Refs(plan_hash=data.plan.plan_hash),
-        )
+        self._move(to, actor="runtime", reason=reason, refs=Refs(plan_hash=data.plan.plan_hash))
 
     async def _await_decision(self) -> None:
         data = self.data
@@ -278,11 +322,11 @@ class AgentRun:
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
         remaining = (pending.expires_at - workflow.now()).total_seconds()
-        if remaining > 0 and self._decision is None and self._handoff is None:
+        if remaining > 0 and not self._inbox and self._handoff is None:
             self._publish()
             try:
                 await workflow.wait_condition(
-                    lambda: self._decision is not None
+                    lambda: bool(self._inbox)
                     or self._handoff is not None
                     or workflow.info().is_continue_as_new_suggested(),
                     timeout=timedelta(seconds=remaining),
@@ -291,25 +335,15 @@ class AgentRun:
             except asyncio.TimeoutError:
                 pass
         if self._take_handoff():
-            data.pending_approval = None
+            self._leave_approval()
             return
-        if self._decision is not None:
-            kind, decision = self._decision
-            self._decision = None
-            data.pending_approval = None
-            refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
-            actor = f"user:{decision.approver}"
-            if kind == "approve":
-                data.approved_by.append(decision.approver)
-                self._move(S.APPROVED, actor=actor, reason=decision.comment or "approved", refs=refs)
-            else:
-                self._move(S.REJECTED, actor=actor, reason=decision.reason or "rejected", refs=refs)
+        if self._inbox:
+            await self._settle_decision(*self._inbox.pop(0))
             return
         if workflow.now() < pending.expires_at:
             return  # woken to continue as new; the loop does that and comes back here
-        data.pending_approval = None
         refs = Refs(plan_hash=pending.plan_hash)
-        limits = self.request.limits
+        limits = self.limits
         if limits.on_expiry == "replan" and policy.may_replan(data.replans, limits):
             data.replans += 1
             self._move(
@@ -326,6 +360,109 @@ class AgentRun:
                 reason=f"approval expired at {pending.expires_at.isoformat()}",
                 refs=refs,
             )
+        self._leave_approval()
+
+    async def _settle_decision(self, kind: DecisionKind, decision: ApprovalDecision) -> None:
+        """Check a decision against the current policy (tenant, role, four-eyes, signature)."""
+        data = self.data
+        pending = data.pending_approval
+        assert pending is not None
+        refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
+        actor = f"user:{decision.approver}"
+        already = [a.approver for a in pending.approvals]
+        verdict = await workflow.execute_activity(
+            "policy_check_decision",
+            DecisionCheck(
+                tenant=self.request.tenant,
+                workflow_id=workflow.info().workflow_id,
+                kind=kind,
+                decision=decision,
+                requested_by=self.request.requested_by,
+                roles=pending.roles,
+                already_approved=already,
+            ),
+            result_type=Verdict,
+            start_to_close_timeout=CATALOG_TIMEOUT,
+            summary=f"policy check · {kind} by {decision.approver}",
+        )
+        # The run may have moved on (expiry, handoff) while the policy was consulted.
+        refusal = verdict.refusal or policy.decision_refusal(
+            decision, data, now=workflow.now(), check_duplicate=False
+        )
+        if refusal is not None:
+            self._refuse(actor, f"{kind} refused: {refusal.message}", refusal.rule, refs)
+            return
+        if kind == "reject":
+            self._move(S.REJECTED, actor=actor, reason=decision.reason or "rejected", refs=refs)
+            self._leave_approval()
+            return
+        pending.approvals.append(
+            AcceptedApproval(approver=decision.approver, decision_id=decision.decision_id, at=workflow.now())
+        )
+        data.approved_by = [a.approver for a in pending.approvals]
+        if len(pending.approvals) < pending.approvals_required:
+            data.lifecycle.accept(
+                at=workflow.now(),
+                actor=actor,
+                reason=f"approval {len(pending.approvals)}/{pending.approvals_required} accepted: "
+                f"{decision.comment or 'approved'}",
+                refs=refs,
+            )
+            return
+        self._move(S.APPROVED, actor=actor, reason=decision.comment or "approved", refs=refs)
+        self._leave_approval()
+
+    def _leave_approval(self) -> None:
+        """The run left AWAITING_APPROVAL: decisions still queued can no longer count."""
+        for kind, decision in self._inbox:
+            self._refuse(
+                f"user:{decision.approver}",
+                f"{kind} refused: run is {self.data.lifecycle.state.value}, not AWAITING_APPROVAL",
+                "not_awaiting_approval",
+                Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
+            )
+        self._inbox.clear()
+
+    async def _after_approved(self) -> None:
+        """Just before an approved plan's writes run: do its approvals still hold?"""
+        refusal = await self._authority_refusal(from_step=self.data.next_step)
+        if refusal is not None:
+            self._request_approval(
+                S.AWAITING_APPROVAL,
+                reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; "
+                f"a new approval is needed",
+            )
+            return
+        self._move_to_step(reason="approved plan: executing")
+
+    async def _authority_refusal(self, *, from_step: int) -> Refusal | None:
+        """Re-check, through the policy activity, the approvals of the plan's remaining writes."""
+        data = self.data
+        pending = data.pending_approval
+        if data.plan is None or pending is None:
+            return None
+        catalog = data.catalog or ToolCatalog()
+        tools = [
+            s.tool
+            for s in data.plan.steps[from_step:]
+            if (info := catalog.get(s.tool)) is None or info.effect.value != "read_only"
+        ]
+        if not tools:
+            return None
+        verdict = await workflow.execute_activity(
+            "policy_check_authority",
+            AuthorityCheck(
+                tenant=self.request.tenant,
+                approvals=[a.approver for a in pending.approvals],
+                tools=tools,
+                roles=pending.roles,
+                approvals_required=pending.approvals_required,
+            ),
+            result_type=Verdict,
+            start_to_close_timeout=CATALOG_TIMEOUT,
+            summary="policy re-check before writes",
+        )
+        return verdict.refusal
 
     def _move_to_step(self, *, reason: str) -> None:
         """Enter EXECUTING_TOOL for the plan's next step."""
@@ -345,8 +482,19 @@ class AgentRun:
         while True:
             if self._take_handoff(detail=f"tool call {step.tool_call_id} not started"):
                 return
+            max_calls = self.tenant_policy.budgets.max_tool_calls if self.tenant_policy else None
+            if max_calls is not None and data.tool_calls >= max_calls:
+                self._record_step(step, "failed", None)
+                self._move(
+                    S.EXECUTION_FAILED,
+                    actor="runtime",
+                    reason=f"tool call budget exhausted: {data.tool_calls} of max_tool_calls="
+                    f"{max_calls} used; tool call {step.tool_call_id} ({step.tool}) not started",
+                    refs=refs.model_copy(update={"error_code": "tool_call_budget"}),
+                )
+                return
             self._publish()
-            data.tool_calls += 1 if retries_done == 0 else 0
+            data.tool_calls += 1  # every call the workflow schedules, retries included
             handle = workflow.start_activity(
                 "execute_tool",
                 ToolCall(
@@ -424,38 +572,69 @@ class AgentRun:
             data.next_step += 1
             return
 
-    def _after_observation(self) -> None:
+    async def _after_observation(self) -> None:
         data = self.data
-        if data.plan is not None and data.next_step < len(data.plan.steps):
-            self._move_to_step(reason="next step of the approved plan")
-        else:
+        if data.plan is None or data.next_step >= len(data.plan.steps):
+            data.pending_approval = None
             self._move(S.PLANNING, actor="runtime", reason="plan executed: planning what is next")
+            return
+        refusal = await self._authority_refusal(from_step=data.next_step)
+        if refusal is not None:
+            # The rest of the plan needs a new plan and a new approval.
+            data.pending_approval = None
+            self._move(
+                S.PLANNING,
+                actor="runtime",
+                reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; "
+                f"replanning the remaining steps",
+            )
+            return
+        self._move_to_step(reason="next step of the approved plan")
 
     # ------------------------------------------------------------------ signals and queries
 
-    @workflow.signal(name="approve", description="Approve the pending plan (ApprovalDecision).")
+    @workflow.signal(
+        name="approve",
+        description="Approve the pending plan. Data (ApprovalDecision): {\"decision_id\": unique, "
+        "\"approver\": name, \"plan_hash\": the pending plan's hash, \"comment\": optional}. "
+        "Counts only for the pending plan hash, before the approval expires.",
+    )
     def approve(self, decision: ApprovalDecision) -> None:
         self._decide("approve", decision)
 
-    @workflow.signal(name="reject", description="Reject the pending plan (ApprovalDecision).")
+    @workflow.signal(
+        name="reject",
+        description="Reject the pending plan. Data (ApprovalDecision): {\"decision_id\": unique, "
+        "\"approver\": name, \"plan_hash\": the pending plan's hash, \"reason\": optional}.",
+    )
     def reject(self, decision: ApprovalDecision) -> None:
         self._decide("reject", decision)
 
-    @workflow.signal(name="handoff", description="Hand the run to a human (HandoffRequest).")
+    @workflow.signal(
+        name="handoff",
+        description="Hand the run to a human; it ends in HANDED_OFF. Data (HandoffRequest): "
+        "{\"by\": name, \"reason\": text}.",
+    )
     def handoff(self, request: HandoffRequest) -> None:
         refusal = policy.handoff_refusal(self.data)
+        rule = "run_ended"
         if refusal is None and self._handoff is not None:
-            refusal = "a handoff is already pending"
+            refusal, rule = "a handoff is already pending", "handoff_pending"
+        if refusal is None:
+            # Membership is checked against the policy snapshot the run took at start.
+            member = policy.handoff_member_refusal(self.tenant_policy, request.by)
+            if member is not None:
+                refusal, rule = member.message, member.rule
         if refusal is not None:
-            run_metrics.on_refusal(
-                self.data.lifecycle.refuse(
-                    at=workflow.now(), actor=f"operator:{request.by}", reason=f"handoff refused: {refusal}"
-                )
-            )
+            self._refuse(f"operator:{request.by}", f"handoff refused: {refusal}", rule, Refs())
             return
         self._handoff = request
 
-    @workflow.query(name="snapshot", description="The run's current state (RunSnapshot).")
+    @workflow.query(
+        name="snapshot",
+        description="Current state, plan and plan hash, pending approval with its expiry, steps, "
+        "retries and last error (RunSnapshot).",
+    )
     def snapshot(self) -> RunSnapshot:
         data = self.data
         return RunSnapshot(
@@ -476,30 +655,28 @@ class AgentRun:
             model_tokens=data.model_tokens,
         )
 
-    @workflow.query(name="timeline", description="The audit timeline (list of TransitionRecord).")
+    @workflow.query(
+        name="timeline",
+        description="Audit timeline: every transition and refused decision with actor, reason and "
+        "refs (list of TransitionRecord).",
+    )
     def timeline(self) -> list[TransitionRecord]:
         return self.data.lifecycle.timeline
 
     def _decide(self, kind: DecisionKind, decision: ApprovalDecision) -> None:
-        data = self.data
-        refusal = policy.decision_refusal(
-            decision, data, requested_by=self.request.requested_by, now=workflow.now()
-        )
-        if refusal is None and (self._decision is not None or self._handoff is not None):
-            refusal = "another decision for this plan was accepted first"
-        if decision.decision_id not in data.decisions_seen:
-            data.decisions_seen.append(decision.decision_id)
+        """Cheap, state-only checks now; the policy checks follow in the main loop."""
+        refusal = policy.decision_refusal(decision, self.data, now=workflow.now(), check_duplicate=True)
+        if decision.decision_id not in self.data.decisions_seen:
+            self.data.decisions_seen.append(decision.decision_id)
         if refusal is not None:
-            run_metrics.on_refusal(
-                data.lifecycle.refuse(
-                    at=workflow.now(),
-                    actor=f"user:{decision.approver}",
-                    reason=f"{kind} refused: {refusal}",
-                    refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
-                )
+            self._refuse(
+                f"user:{decision.approver}",
+                f"{kind} refused: {refusal.message}",
+                refusal.rule,
+                Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
             )
             return
-        self._decision = (kind, decision)
+        self._inbox.append((kind, decision))
 
     # ------------------------------------------------------------------ helpers
 
@@ -513,6 +690,19 @@ class AgentRun:
             raise ApplicationError(str(e), type="IllegalTransition", non_retryable=True) from None
         self.data.updated_at = record.at
         run_metrics.on_transition(self.data.lifecycle, record)
+
+    def _refuse(self, actor: str, reason: str, rule: str, refs: Refs) -> None:
+        record = self.data.lifecycle.refuse(at=workflow.now(), actor=actor, reason=reason, refs=refs, rule=rule)
+        run_metrics.on_refusal(record)
+
+    @property
+    def tenant_policy(self) -> TenantPolicy | None:
+        return self.data.policy.policy if self.data.policy else None
+
+    @property
+    def limits(self) -> Limits:
+        """The run's limits, tightened by the tenant's budgets."""
+        return policy.effective_limits(self.request.limits, self.tenant_policy)
 
     def _take_handoff(self, detail: str | None = None) -> bool:
         """Honour a pending handoff if the current state allows it."""
@@ -564,7 +754,7 @@ class AgentRun:
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
         if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL):
             return
-        if self._decision is not None or self._handoff is not None:
+        if self._inbox or self._handoff is not None:
             return
         self._publish()
         workflow.continue_as_new(
@@ -595,38 +785,54 @@ class AgentRun:
         workflow.set_current_details(self._details())
 
     def _details(self) -> str:
+        # The Web UI's "Current Details" (markdown). Names, effects, ids and the plan hash only:
+        # never tool arguments or results, which may hold personal data.
+        from datetime import datetime, timezone
+
+        def utc(moment: datetime) -> str:
+            return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
         data = self.data
         lc = data.lifecycle
         lines = [
-            f"**State:** `{lc.state.value}` (version {lc.state_version}) · tenant "
-            f"`{self.request.tenant}` · requested by `{self.request.requested_by}`",
-            f"**Steps executed:** {len(data.executed)} · retries {data.retries}",
+            f"**State:** `{lc.state.value}` (version {lc.state_version})",
+            "",
+            f"**Tenant** `{self.request.tenant}` · **requested by** `{self.request.requested_by}` · "
+            f"{len(data.executed)} step(s) executed · {data.retries} retries",
         ]
+        if data.approved_by:
+            lines += ["", "**Approved by** " + ", ".join(f"`{a}`" for a in data.approved_by)]
         if data.last_error:
-            lines.append(f"**Last error:** {data.last_error[:200]}")
+            lines += ["", f"**Last error:** {data.last_error[:200]}"]
         plan, catalog = data.plan, data.catalog or ToolCatalog()
         if plan is not None and not lc.terminal:
-            lines.append("")
-            lines.append(f"**Plan** `{plan.plan_hash}`")
+            lines += ["", f"**Plan** `{plan.plan_hash}`", ""]
             for i, step in enumerate(plan.steps, start=1):
                 info = catalog.get(step.tool)
                 effect = info.effect.value if info else "?"
-                mark = " ✓" if i <= data.next_step else ""
+                mark = " ✓ done" if i <= data.next_step else ""
                 lines.append(f"{i}. `{step.tool}` · {effect}{mark}")
         pending = data.pending_approval
         if pending is not None and lc.state == S.AWAITING_APPROVAL:
             wf_id = workflow.info().workflow_id
+            signal_input = (
+                f"{{\"decision_id\": \"<unique id>\", \"approver\": \"NAME\", "
+                f"\"plan_hash\": \"{pending.plan_hash}\"}}"
+            )
             lines += [
                 "",
-                f"**Waiting for approval** until {pending.expires_at.isoformat()} — {pending.summary}",
+                f"**Waiting for approval** until **{utc(pending.expires_at)}** — {pending.summary}",
                 "",
-                "Approve with:",
+                "**Approve with:**",
+                "",
                 f"`python starter.py approve {wf_id} --by NAME --plan-hash {pending.plan_hash}`",
                 "",
                 "or:",
+                "",
                 f"`temporal workflow signal --workflow-id {wf_id} --name approve --input "
-                f"'{{\"decision_id\": \"<unique id>\", \"approver\": \"NAME\", "
-                f"\"plan_hash\": \"{pending.plan_hash}\"}}'`",
+                f"'{signal_input}'`",
+                "",
+                "or here: **More Actions → Send a Signal → approve**, with the `--input` JSON as data.",
             ]
         if data.answer and lc.terminal:
             lines += ["", f"**Answer:** {data.answer[:500]}"]

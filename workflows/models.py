@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from workflows.states import Lifecycle, RunState, TransitionRecord
 
 __all__ = [
+    "AcceptedApproval",
     "ApprovalDecision",
     "CatalogRequest",
     "ExecutedStep",
@@ -103,6 +104,8 @@ class ToolInfo(BaseModel):
     args_schema: dict[str, Any]
     timeout_seconds: float
     max_retries: int
+    # Arguments worth showing an approver (the target, the amount); never secrets or personal data.
+    summary_fields: list[str] = Field(default_factory=list)
 
 
 class CatalogRequest(BaseModel):
@@ -212,6 +215,9 @@ class ApprovalDecision(BaseModel):
     plan_hash: str = Field(min_length=1, max_length=128)
     comment: str | None = Field(None, max_length=2000)
     reason: str | None = Field(None, max_length=2000)
+    # Ed25519 signature (base64) over policy.signature_payload(...), required for approvers whose
+    # public key the policy lists.
+    signature: str | None = Field(None, max_length=200)
 
 
 class HandoffRequest(BaseModel):
@@ -221,10 +227,153 @@ class HandoffRequest(BaseModel):
     reason: str = Field(min_length=1, max_length=2000)
 
 
+class AcceptedApproval(BaseModel):
+    approver: str
+    decision_id: str
+    at: datetime
+
+
 class PendingApproval(BaseModel):
     plan_hash: str
     expires_at: datetime
+    summary: str  # the risk summary: which tools write, to what, amounts
+    risk: Literal["normal", "high"] = "normal"
+    approvals_required: int = 1
+    roles: list[str] = Field(default_factory=list)  # roles that may approve this plan
+    approvals: list[AcceptedApproval] = Field(default_factory=list)  # accepted so far
+
+
+# ----------------------------------------------------------------------------- policy
+#
+# The organisation's rules, per tenant (the TOML policy file, read by activities/policy.py):
+# who approves, which tools, what is auto-approved, what counts as high risk, approval TTLs and
+# budgets. The decisions over these live in workflows/policy.py.
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Approver(_Strict):
+    roles: list[str] = Field(default_factory=lambda: ["approver"])
+    # Raw Ed25519 public key, base64. When set, this approver's decisions must be signed.
+    public_key: str | None = None
+
+
+class AmountRule(_Strict):
+    """Matches calls of ``tool``; with ``field``, only when the numeric argument is in range."""
+
+    tool: str
+    field: str | None = None
+    max: float | None = None  # auto_approve: at most this
+    above: float | None = None  # high_risk: more than this
+
+    def matches(self, tool: str, args: dict) -> bool:
+        if tool != self.tool:
+            return False
+        if self.field is None:
+            return True
+        value = args.get(self.field)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return False
+        if self.max is not None and value > self.max:
+            return False
+        if self.above is not None and value <= self.above:
+            return False
+        return True
+
+
+class AutoApprove(_Strict):
+    read_only: bool = True  # steps of read_only tools that do not ask for approval themselves
+    limits: list[AmountRule] = Field(default_factory=list)  # e.g. refunds up to 5000 cents
+
+
+class HighRisk(_Strict):
+    when: list[AmountRule] = Field(default_factory=list)
+    approvals: int = Field(2, ge=1, le=10)  # distinct approvers a high-risk plan needs
+    roles: list[str] = Field(default_factory=lambda: ["approver"])
+
+
+class ApprovalTtl(_Strict):
+    normal: float | None = Field(None, gt=0)
+    high: float | None = Field(None, gt=0)
+
+
+class Budgets(_Strict):
+    max_steps: int | None = Field(None, ge=1)
+    max_tool_calls: int | None = Field(None, ge=1)
+    max_replans: int | None = Field(None, ge=0)
+
+
+class TenantPolicy(_Strict):
+    tools: list[str] | None = None  # None: every tool the worker has
+    approvers: dict[str, Approver] | None = None  # None: anyone but the requester (four-eyes)
+    approval_roles: list[str] = Field(default_factory=lambda: ["approver"])
+    four_eyes: bool = True
+    auto_approve: AutoApprove = Field(default_factory=AutoApprove)
+    high_risk: HighRisk | None = None
+    approval_ttl_seconds: ApprovalTtl = Field(default_factory=ApprovalTtl)
+    budgets: Budgets = Field(default_factory=Budgets)
+
+
+class PolicyDocument(_Strict):
+    tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+
+
+class PolicySnapshot(BaseModel):
+    """The tenant's policy as a run starts: validation and approval rules use it all run long;
+    approvals and execution are re-checked against the current file by the policy activity."""
+
+    tenant: str
+    policy: TenantPolicy | None  # None: the tenant is not in the policy file
+    policy_hash: str
+    source: str
+
+
+class Refusal(BaseModel):
+    rule: str  # which rule refused: four_eyes, role, tenant_membership, signature, ...
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+class PlanReview(BaseModel):
+    """What policy says about a validated plan."""
+
+    needs_approval: bool
+    risk: Literal["none", "normal", "high"]
+    approvals_required: int
+    roles: list[str]
     summary: str
+    ttl_seconds: float | None = None  # the policy's TTL for this risk level, if it sets one
+
+
+class SnapshotRequest(BaseModel):
+    tenant: str
+
+
+class DecisionCheck(BaseModel):
+    tenant: str
+    workflow_id: str
+    kind: str  # approve | reject
+    decision: ApprovalDecision
+    requested_by: str
+    roles: list[str]
+    already_approved: list[str]
+
+
+class AuthorityCheck(BaseModel):
+    tenant: str
+    approvals: list[str]
+    tools: list[str]
+    roles: list[str]
+    approvals_required: int
+
+
+class Verdict(BaseModel):
+    refusal: Refusal | None = None
+    policy_hash: str
 
 
 # ----------------------------------------------------------------------------- run state
@@ -235,6 +384,7 @@ class RunData(BaseModel):
 
     lifecycle: Lifecycle = Field(default_factory=Lifecycle)
     catalog: ToolCatalog | None = None
+    policy: PolicySnapshot | None = None
     plan: Plan | None = None
     next_step: int = 0  # index into plan.steps of the next step to execute
     pending_approval: PendingApproval | None = None
@@ -243,7 +393,7 @@ class RunData(BaseModel):
     executed: list[ExecutedStep] = Field(default_factory=list)
     replans: int = 0
     planning_rounds: int = 0
-    tool_calls: int = 0
+    tool_calls: int = 0  # execute_tool activities scheduled, retries included
     retries: int = 0
     feedback: str | None = None
     last_error: str | None = None
@@ -283,4 +433,5 @@ class RunOutcome(BaseModel):
     timeline: list[TransitionRecord]
 
 
+RunData.model_rebuild()
 RunRequest.model_rebuild()

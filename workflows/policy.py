@@ -7,45 +7,45 @@ Each refusal is a short reason a person can act on; ``None`` means allowed.
 from __future__ import annotations
 
 from datetime import datetime
-
-from workflows.models import ApprovalDecision, Limits, Plan, RunData, ToolCatalog, ToolEffect
+from workflows.models import (
+    ApprovalDecision,
+    Limits,
+    Plan,
+    PlanReview,
+    Refusal,
+    RunData,
+    TenantPolicy,
+    ToolCatalog,
+    ToolEffect,
+    ToolInfo,
+    canonical_json,
+)
 from workflows.states import RunState
 
 
-def steps_needing_approval(plan: Plan, catalog: ToolCatalog) -> list[str]:
-    """Names of the plan's tools that ask for approval (writes, by default)."""
-    names = []
-    for step in plan.steps:
-        info = catalog.get(step.tool)
-        # A tool missing from the catalog cannot pass validation; treat it as a write anyway.
-        if info is None or info.requires_approval:
-            names.append(step.tool)
-    return names
-
-
-def needs_approval(plan: Plan, catalog: ToolCatalog) -> bool:
-    return bool(steps_needing_approval(plan, catalog))
-
-
 def decision_refusal(
-    decision: ApprovalDecision, data: RunData, *, requested_by: str, now: datetime
-) -> str | None:
-    """Why an approve/reject decision does not count, or None when it does."""
-    if decision.decision_id in data.decisions_seen:
-        return f"duplicate decision_id {decision.decision_id}: already handled"
+    decision: ApprovalDecision, data: RunData, *, now: datetime, check_duplicate: bool = True
+) -> Refusal | None:
+    """Why an approve/reject decision cannot count in the run's current state, or None.
+
+    Who may decide is :func:`approver_refusal`'s question, asked by the policy activity.
+    """
+    if check_duplicate and decision.decision_id in data.decisions_seen:
+        return Refusal(
+            rule="duplicate_decision",
+            message=f"duplicate decision_id {decision.decision_id}: already handled",
+        )
     state = data.lifecycle.state
     pending = data.pending_approval
     if state != RunState.AWAITING_APPROVAL or pending is None:
-        return f"run is {state.value}, not AWAITING_APPROVAL"
+        return Refusal(rule="not_awaiting_approval", message=f"run is {state.value}, not AWAITING_APPROVAL")
     if decision.plan_hash != pending.plan_hash:
-        return (
-            f"stale plan hash {decision.plan_hash[:12]}: the pending plan is "
-            f"{pending.plan_hash[:12]}"
+        return Refusal(
+            rule="stale_plan_hash",
+            message=f"stale plan hash {decision.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}",
         )
     if now >= pending.expires_at:
-        return f"approval expired at {pending.expires_at.isoformat()}"
-    if not decision.approver.strip():
-        return "approver is empty"
+        return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
     return None
 
 
@@ -100,13 +100,159 @@ def retry_delay_seconds(retries_done: int, suggested: float | None = None) -> fl
     return min(RETRY_BASE_SECONDS * 2**retries_done, RETRY_MAX_SECONDS)
 
 
-def risk_summary(plan: Plan, catalog: ToolCatalog) -> str:
-    """One line for approvers: how many steps write, with which effect."""
-    writes = []
-    for step in plan.steps:
-        info = catalog.get(step.tool)
-        if info is not None and info.effect != ToolEffect.READ_ONLY:
-            writes.append(f"{step.tool} ({info.effect.value})")
-    if not writes:
-        return f"{len(plan.steps)} step(s), all read-only"
-    return f"{len(writes)} of {len(plan.steps)} step(s) write: " + ", ".join(writes)
+# ----------------------------------------------------------------------------- the policy file
+#
+# The organisation's rules, per tenant: who approves, which tools, what is auto-approved, what
+# counts as high risk, approval TTLs and budgets. The file is read by an activity
+# (activities/policy.py); these models and the decisions below are pure.
+
+
+# No policy file: every write needs one approval from someone other than the requester.
+DEFAULT_TENANT_POLICY = TenantPolicy()
+
+
+def effective_limits(limits: Limits, tenant: TenantPolicy | None) -> Limits:
+    """The stricter of the run's own limits and the tenant's budgets."""
+    if tenant is None:
+        return limits
+    b = tenant.budgets
+    return limits.model_copy(
+        update={
+            "max_steps": min(limits.max_steps, b.max_steps or limits.max_steps),
+            "max_replans": min(limits.max_replans, b.max_replans if b.max_replans is not None else limits.max_replans),
+        }
+    )
+
+
+def tool_refusal(tenant: TenantPolicy | None, tool: str) -> str | None:
+    if tenant is not None and tenant.tools is not None and tool not in tenant.tools:
+        return f"tool {tool!r} is not allowed for this tenant"
+    return None
+
+
+def _step_needs_approval(tool: str, args: dict, info: ToolInfo | None, tenant: TenantPolicy) -> bool:
+    if info is None:
+        return True
+    if not info.requires_approval:
+        # The default rule: tools that do not write (and do not ask) run without approval,
+        # unless the tenant turned read-only auto-approval off.
+        return info.effect != ToolEffect.READ_ONLY or not tenant.auto_approve.read_only
+    return not any(rule.matches(tool, args) for rule in tenant.auto_approve.limits)
+
+
+def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
+    effect = info.effect.value if info else "?"
+    fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
+    return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
+
+
+def review_plan(plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None) -> PlanReview:
+    tenant = tenant or DEFAULT_TENANT_POLICY
+    gated = [s for s in plan.steps if _step_needs_approval(s.tool, s.args, catalog.get(s.tool), tenant)]
+    high = tenant.high_risk is not None and any(
+        rule.matches(s.tool, s.args) for s in plan.steps for rule in tenant.high_risk.when
+    )
+    writes = [
+        _describe_step(s.tool, s.args, catalog.get(s.tool))
+        for s in plan.steps
+        if (info := catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
+    ]
+    summary = (
+        f"{len(writes)} of {len(plan.steps)} step(s) write: " + "; ".join(writes)
+        if writes
+        else f"{len(plan.steps)} step(s), all read-only"
+    )
+    if not gated and not high:
+        return PlanReview(needs_approval=False, risk="none", approvals_required=0, roles=[], summary=summary)
+    if high:
+        assert tenant.high_risk is not None
+        return PlanReview(
+            needs_approval=True,
+            risk="high",
+            approvals_required=tenant.high_risk.approvals,
+            roles=tenant.high_risk.roles,
+            summary=f"HIGH RISK, {tenant.high_risk.approvals} approvals needed — {summary}",
+            ttl_seconds=tenant.approval_ttl_seconds.high,
+        )
+    return PlanReview(
+        needs_approval=True,
+        risk="normal",
+        approvals_required=1,
+        roles=tenant.approval_roles,
+        summary=summary,
+        ttl_seconds=tenant.approval_ttl_seconds.normal,
+    )
+
+
+def approver_refusal(
+    tenant: TenantPolicy | None,
+    *,
+    approver: str,
+    requested_by: str,
+    kind: str,
+    roles: list[str],
+    already_approved: list[str],
+) -> Refusal | None:
+    """May this person decide on this run's pending plan, under this tenant's policy?"""
+    if tenant is None:
+        return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
+    if tenant.approvers is not None:
+        member = tenant.approvers.get(approver)
+        if member is None:
+            return Refusal(
+                rule="tenant_membership", message=f"{approver} is not an approver of this tenant"
+            )
+        if not set(member.roles) & set(roles):
+            return Refusal(
+                rule="role",
+                message=f"{approver} has roles {sorted(member.roles)}; this plan needs one of "
+                f"{sorted(roles)}",
+            )
+    if kind == "approve" and tenant.four_eyes and approver == requested_by:
+        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+    if kind == "approve" and approver in already_approved:
+        return Refusal(
+            rule="distinct_approvers", message=f"{approver} already approved: a different approver is needed"
+        )
+    return None
+
+
+def handoff_member_refusal(tenant: TenantPolicy | None, by: str) -> Refusal | None:
+    if tenant is not None and tenant.approvers is not None and by not in tenant.approvers:
+        return Refusal(rule="tenant_membership", message=f"{by} is not a member of this tenant")
+    return None
+
+
+def authority_refusal(
+    tenant: TenantPolicy | None,
+    *,
+    approvals: list[str],
+    tools: list[str],
+    roles: list[str],
+    approvals_required: int,
+) -> Refusal | None:
+    """Do the approvals a plan got still hold, under the current policy, for these tools?"""
+    if tenant is None:
+        return Refusal(rule="tenant", message="the run's tenant was removed from the policy file")
+    for tool in tools:
+        if (why := tool_refusal(tenant, tool)) is not None:
+            return Refusal(rule="tool_withdrawn", message=why)
+    if tenant.approvers is not None:
+        valid = [
+            a for a in approvals
+            if a in tenant.approvers and set(tenant.approvers[a].roles) & set(roles)
+        ]
+        lost = [a for a in approvals if a not in valid]
+        if lost and len(valid) < approvals_required:
+            return Refusal(
+                rule="approver_revoked",
+                message=f"approval by {', '.join(lost)} no longer holds under the current policy",
+            )
+    return None
+
+
+def signature_payload(*, workflow_id: str, plan_hash: str, kind: str, decision_id: str) -> bytes:
+    """What an approver signs: the run, the exact plan, the decision and its id."""
+    return canonical_json(
+        {"workflow_id": workflow_id, "plan_hash": plan_hash, "decision": kind, "decision_id": decision_id}
+    ).encode()

@@ -49,7 +49,9 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.AWAITING_APPROVAL: frozenset(
         {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.HANDED_OFF, S.CANCELLED}
     ),
-    S.APPROVED: frozenset({S.EXECUTING_TOOL, S.CANCELLED}),
+    # AWAITING_APPROVAL when the approvals no longer hold at execution time (an approver lost
+    # the role, a tool was withdrawn from the tenant): the step does not run.
+    S.APPROVED: frozenset({S.EXECUTING_TOOL, S.AWAITING_APPROVAL, S.CANCELLED}),
     S.EXECUTING_TOOL: frozenset(
         {S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.HANDED_OFF, S.CANCELLED}
     ),
@@ -95,14 +97,17 @@ class Refs(BaseModel):
     idempotency_key: str | None = None
     decision_id: str | None = None
     error_code: str | None = None
+    policy_hash: str | None = None
 
 
 class TransitionRecord(BaseModel):
     """One line of the audit timeline.
 
     ``kind="transition"`` is a state change. ``kind="refused"`` records an event the runtime
-    turned down (a stale approval, a signal for a finished run): it changes no state, so it
-    carries the current state as both ends and does not bump ``state_version``.
+    turned down (a stale approval, a signal for a finished run), with the ``rule`` that refused
+    it; ``kind="accepted"`` records a decision that counted but did not change state yet (the
+    first of two required approvals). Neither changes state: they carry the current state as
+    both ends and do not bump ``state_version``.
     """
 
     from_state: RunState
@@ -112,7 +117,8 @@ class TransitionRecord(BaseModel):
     reason: str
     state_version: int
     refs: Refs = Field(default_factory=Refs)
-    kind: Literal["transition", "refused"] = "transition"
+    kind: Literal["transition", "refused", "accepted"] = "transition"
+    rule: str | None = None
 
 
 class Lifecycle(BaseModel):
@@ -151,9 +157,27 @@ class Lifecycle(BaseModel):
         return record
 
     def refuse(
+        self, *, at: datetime, actor: str, reason: str, refs: Refs | None = None, rule: str = "other"
+    ) -> TransitionRecord:
+        """Record an event that was turned down, and the rule that refused it. No state change."""
+        return self._note("refused", at=at, actor=actor, reason=reason, refs=refs, rule=rule)
+
+    def accept(
         self, *, at: datetime, actor: str, reason: str, refs: Refs | None = None
     ) -> TransitionRecord:
-        """Record an event that was turned down. State and version stay as they are."""
+        """Record a decision that counted without changing state (more approvals needed)."""
+        return self._note("accepted", at=at, actor=actor, reason=reason, refs=refs, rule=None)
+
+    def _note(
+        self,
+        kind: Literal["refused", "accepted"],
+        *,
+        at: datetime,
+        actor: str,
+        reason: str,
+        refs: Refs | None,
+        rule: str | None,
+    ) -> TransitionRecord:
         record = TransitionRecord(
             from_state=self.state,
             to_state=self.state,
@@ -162,7 +186,8 @@ class Lifecycle(BaseModel):
             reason=reason,
             state_version=self.state_version,
             refs=refs or Refs(),
-            kind="refused",
+            kind=kind,
+            rule=rule,
         )
         self.timeline.append(record)
         return record

@@ -57,6 +57,7 @@ def validate_proposal(
     executed_steps: int,
     limits: Limits,
     new_id: Callable[[int], str],
+    tool_refusal: Callable[[str], str | None] = lambda tool: None,
 ) -> Validation:
     """Check every proposed step; return a plan with fresh tool call ids, or the problems."""
     problems: list[str] = []
@@ -71,6 +72,9 @@ def validate_proposal(
         if info is None:
             known = ", ".join(sorted(t.name for t in catalog.tools)) or "none"
             problems.append(f"step {i}: unknown tool {proposed.tool[:80]!r} (known: {known})")
+            continue
+        if (refused := tool_refusal(info.name)) is not None:
+            problems.append(f"step {i}: {refused}")
             continue
         args, problem = _args_problem(proposed.args, info.args_schema)
         if problem:

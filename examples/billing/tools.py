@@ -81,7 +81,7 @@ class RefundArgs(BaseModel):
     reason: str = Field(min_length=1, max_length=500)
 
 
-@tool(effect=ToolEffect.IDEMPOTENT, timeout=15, max_retries=4)
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=15, max_retries=4, summary_fields=("order_id", "amount_cents"))
 def issue_refund(args: RefundArgs, ctx: ToolContext) -> dict:
     """Refund (part of) an order to the customer's payment method."""
     return call(
@@ -95,7 +95,9 @@ class LedgerArgs(BaseModel):
     memo: str = Field(min_length=1, max_length=500)
 
 
-@tool(effect=ToolEffect.RECONCILABLE, timeout=15, max_retries=4)
+@tool(
+    effect=ToolEffect.RECONCILABLE, timeout=15, max_retries=4, summary_fields=("order_id", "amount_cents")
+)
 def post_ledger_entry(args: LedgerArgs, ctx: ToolContext) -> dict:
     """Post an entry to the accounting ledger, keyed by the tool call's idempotency key."""
     return call("POST", "/ledger", {"key": ctx.idempotency_key, **args.model_dump()})
@@ -114,7 +116,7 @@ class EmailArgs(BaseModel):
     body: str = Field(min_length=1, max_length=10_000)
 
 
-@tool(effect=ToolEffect.UNSAFE, timeout=15)
+@tool(effect=ToolEffect.UNSAFE, timeout=15, summary_fields=("subject",))
 def send_email(args: EmailArgs, ctx: ToolContext) -> dict:
     """Send an email to a customer. Not idempotent: never retried blindly."""
     # The reference only lets operators (and tests) count calls; the service does not dedupe.

@@ -1,0 +1,37 @@
+# Tether's runtime image: the worker (default command), the codec server, the billing example
+# and the client CLI all run from it. Only runtime dependencies: no dev extra, no tests, no
+# Temporal dev-server binaries.
+#
+#   docker build -t tether:local .
+#   docker run --rm -e TEMPORAL_ADDRESS=host:7233 tether:local
+ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY worker.py starter.py ./
+COPY workflows ./workflows
+COPY activities ./activities
+COPY examples ./examples
+# A non-editable install into its own venv: the final stage copies only the venv.
+# `crypto` adds `cryptography` for payload encryption; add `otel` for tracing.
+ARG TETHER_EXTRAS=crypto
+RUN python -m venv /opt/tether \
+    && /opt/tether/bin/pip install ".[${TETHER_EXTRAS}]"
+
+FROM ${PYTHON_IMAGE}
+ENV PATH=/opt/tether/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN groupadd --system --gid 10001 tether \
+    && useradd --system --uid 10001 --gid tether --home-dir /app --shell /usr/sbin/nologin tether \
+    && mkdir -p /app /data /keys \
+    && chown tether:tether /app /data /keys \
+    && chmod 700 /keys
+COPY --from=build /opt/tether /opt/tether
+WORKDIR /app
+USER 10001:10001
+# Prometheus metrics (worker.py --metrics-port).
+EXPOSE 9000
+CMD ["python", "-m", "worker", "--metrics-port", "9000"]

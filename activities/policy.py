@@ -1,0 +1,194 @@
+"""The policy file and the activities that apply it.
+
+The file is TOML (``TETHER_POLICY`` or ``worker.py --policy PATH``; example:
+``examples/billing/policy.toml``). It is read here, never in workflow code; the decisions are the
+pure functions in ``workflows/policy.py``. The file is re-read when it changes, so revoking an
+approver takes effect for runs already under way (approvals are re-checked before writes run).
+
+Ed25519 signatures on decisions are verified here too (the ``cryptography`` package).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from workflows import policy
+from workflows.models import (
+    AuthorityCheck,
+    DecisionCheck,
+    PolicyDocument,
+    PolicySnapshot,
+    Refusal,
+    SnapshotRequest,
+    TenantPolicy,
+    Verdict,
+)
+
+DEFAULT_SOURCE = "built-in default (no policy file): every write needs one approval from someone other than the requester"
+
+
+class PolicyFileError(ValueError):
+    """An invalid policy file, with the line and key that are wrong."""
+
+
+_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'.]+)\s*=")
+
+
+def _locate(text: str, loc: tuple) -> int | None:
+    """The line (1-based) where the key at ``loc`` is written, best effort."""
+    wanted = [str(p) for p in loc if not isinstance(p, int)]
+    best, best_len = None, 0
+    table: list[str] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if m := _HEADER.match(line):
+            table = [p.strip().strip('"') for p in m.group(1).split(".")]
+            path = table
+        elif m := _KEY.match(line):
+            path = table + [p.strip().strip('"') for p in m.group(1).split(".")]
+        else:
+            continue
+        common = 0
+        for a, b in zip(path, wanted):
+            if a != b:
+                break
+            common += 1
+        if common > best_len or (common == best_len and common == len(path) and best is None):
+            best, best_len = number, common
+    return best
+
+
+def parse_policy(text: str, source: str = "policy") -> PolicyDocument:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyFileError(f"{source}: not valid TOML: {e}") from None
+    try:
+        return PolicyDocument.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        line = _locate(text, tuple(err["loc"]))
+        where = f"line {line}, " if line else ""
+        raise PolicyFileError(f"{source}: {where}key {key}: {err['msg']}") from None
+
+
+@dataclass
+class PolicyStore:
+    """The policy file, re-read when its modification time changes."""
+
+    path: Path | None
+    _cache: tuple[float, PolicyDocument, str] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls, path: str | None = None) -> PolicyStore:
+        chosen = path or os.environ.get("TETHER_POLICY") or None
+        store = cls(Path(chosen) if chosen else None)
+        store.load()  # fail at worker start on a bad file, naming the line and the key
+        return store
+
+    def load(self) -> tuple[PolicyDocument | None, str]:
+        """The document (None: no file, the built-in default applies) and its content hash."""
+        if self.path is None:
+            return None, hashlib.sha256(DEFAULT_SOURCE.encode()).hexdigest()
+        try:
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            raise PolicyFileError(f"policy file not found: {self.path}") from None
+        if self._cache is None or self._cache[0] != mtime:
+            text = self.path.read_text()
+            self._cache = (mtime, parse_policy(text, str(self.path)), hashlib.sha256(text.encode()).hexdigest())
+        return self._cache[1], self._cache[2]
+
+    def tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
+        document, digest = self.load()
+        if document is None:
+            return policy.DEFAULT_TENANT_POLICY, digest
+        return document.tenants.get(name), digest
+
+    @property
+    def source(self) -> str:
+        return str(self.path) if self.path else DEFAULT_SOURCE
+
+
+def verify_signature(public_key_b64: str, payload: bytes, signature_b64: str | None) -> str | None:
+    """Why a signature does not verify, or None when it does."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    if not signature_b64:
+        return "this approver's decisions must be signed (starter.py approve --key PATH)"
+    try:
+        key = Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key_b64))
+        key.verify(base64.b64decode(signature_b64, validate=True), payload)
+    except (InvalidSignature, ValueError):
+        return "the signature does not match this decision and plan"
+    return None
+
+
+# ----------------------------------------------------------------------------- activities
+
+
+class PolicyActivities:
+    def __init__(self, store: PolicyStore) -> None:
+        self.store = store
+
+    def _tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
+        try:
+            return self.store.tenant(name)
+        except PolicyFileError as e:
+            # Retryable on purpose: runs wait (and the worker logs why) until the file is fixed.
+            raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
+
+    @activity.defn(name="policy_snapshot")
+    async def policy_snapshot(self, request: SnapshotRequest) -> PolicySnapshot:
+        tenant, digest = self._tenant(request.tenant)
+        return PolicySnapshot(
+            tenant=request.tenant, policy=tenant, policy_hash=digest, source=self.store.source
+        )
+
+    @activity.defn(name="policy_check_decision")
+    async def check_decision(self, check: DecisionCheck) -> Verdict:
+        tenant, digest = self._tenant(check.tenant)
+        refusal = policy.approver_refusal(
+            tenant,
+            approver=check.decision.approver,
+            requested_by=check.requested_by,
+            kind=check.kind,
+            roles=check.roles,
+            already_approved=check.already_approved,
+        )
+        if refusal is None and tenant is not None and tenant.approvers is not None:
+            key = tenant.approvers[check.decision.approver].public_key
+            if key:
+                payload = policy.signature_payload(
+                    workflow_id=check.workflow_id,
+                    plan_hash=check.decision.plan_hash,
+                    kind=check.kind,
+                    decision_id=check.decision.decision_id,
+                )
+                if (why := verify_signature(key, payload, check.decision.signature)) is not None:
+                    refusal = Refusal(rule="signature", message=why)
+        return Verdict(refusal=refusal, policy_hash=digest)
+
+    @activity.defn(name="policy_check_authority")
+    async def check_authority(self, check: AuthorityCheck) -> Verdict:
+        tenant, digest = self._tenant(check.tenant)
+        refusal = policy.authority_refusal(
+            tenant,
+            approvals=check.approvals,
+            tools=check.tools,
+            roles=check.roles,
+            approvals_required=check.approvals_required,
+        )
+        return Verdict(refusal=refusal, policy_hash=digest)

@@ -1,0 +1,10 @@
+"""Marker file names shared by the chaos tools (worker side) and the harness (test side)."""
+
+from __future__ import annotations
+
+import re
+
+
+def marker_name(key: str, attempt: int, point: str) -> str:
+    """``<idempotency key>.<attempt>.<checkpoint>``, safe as a file name."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}.{attempt}.{point}"

@@ -1,0 +1,145 @@
+"""The long, randomized chaos run behind ``make chaos``.
+
+    python -m tests.chaos.run_chaos --kills 200 [--lanes 4] [--seed N]
+
+Starts its own dev server (SQLite file) and billing service (``--delay-ms``), then runs
+``kill_round`` (tests/chaos/harness.py, the same code as the pytest suite) in parallel lanes
+until at least ``--kills`` worker SIGKILLs happened. Each round picks at random: the kill point
+(before / during / after the external call, or a random moment), 1-2 runs per effect class,
+and 0-2 further kills of the restarted worker at random moments (mid-retry, mid-task). Prints
+a summary table per effect class and exits 1 on any violation of the chaos contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from tests.chaos.harness import EFFECTS, BillingProc, DevServer, RunResult, check_result, kill_round
+from workflows.states import RunState
+
+S = RunState
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.kills = 0
+        self.rounds = 0
+        self.results: list[RunResult] = []
+        self.violations: list[str] = []
+        self.errors: list[str] = []
+        self.kills_by_effect: Counter[str] = Counter()
+
+
+async def lane(n: int, target: int, tally: Tally, server: DevServer, billing: BillingProc, workdir: Path, seed: int) -> None:
+    rng = random.Random(seed * 1000 + n)
+    client = await server.client()
+    while tally.kills < target:
+        point = rng.choice(["before", "during", "after", None])
+        runs = rng.randint(1, 2)
+        extra = rng.choice([0, 0, 1, 2])
+        started = time.monotonic()
+        try:
+            round_ = await kill_round(
+                client, server.address, billing, workdir, point=point, runs_per_effect=runs,
+                extra_kills=extra, rng=rng,
+            )
+        except Exception as e:  # a round that could not finish is a failure, not a crash
+            tally.errors.append(f"lane {n} point={point}: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            continue
+        tally.rounds += 1
+        tally.kills += round_.kills
+        for effect in {r.effect for r in round_.results}:
+            tally.kills_by_effect[effect] += round_.kills
+        for result in round_.results:
+            tally.results.append(result)
+            try:
+                check_result(result)
+            except AssertionError as e:
+                tally.violations.append(f"{result.effect} {result.run_id}: {e}")
+        points = Counter(r.point for r in round_.results)
+        print(
+            f"lane {n} round {tally.rounds:>3}: point={point or 'random':<7} runs/effect={runs} "
+            f"kills={round_.kills} caught at {dict(points)} in {time.monotonic() - started:.0f}s "
+            f"(total kills {tally.kills})",
+            flush=True,
+        )
+
+
+def table(tally: Tally) -> str:
+    header = ("effect", "runs", "kills", "mid-call", "completed", "handed off", "other end",
+              "effects/key max", "duplicates", "repeated calls", "violations")
+    rows = [header]
+    by_effect: dict[str, list[RunResult]] = defaultdict(list)
+    for r in tally.results:
+        by_effect[r.effect].append(r)
+    for effect in EFFECTS:
+        rs = by_effect[effect]
+        writes_twice = sum(1 for r in rs if r.effects > 1)
+        rows.append((
+            effect,
+            str(len(rs)),
+            str(tally.kills_by_effect[effect]),
+            str(sum(1 for r in rs if r.point in ("before", "during", "after"))),
+            str(sum(1 for r in rs if r.state == S.COMPLETED)),
+            str(sum(1 for r in rs if r.state == S.HANDED_OFF)),
+            str(sum(1 for r in rs if r.state not in (S.COMPLETED, S.HANDED_OFF))),
+            str(max((r.effects for r in rs), default=0)),
+            str(writes_twice) if effect != "unsafe" else "-",
+            str(sum(1 for r in rs if r.attempts > 1 or r.effects > 1)) if effect == "unsafe" else "-",
+            str(sum(1 for v in tally.violations if v.startswith(effect + " "))),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="tether-chaos-"))
+    server, billing = DevServer(workdir), BillingProc(workdir)
+    tally = Tally()
+    started = time.monotonic()
+    try:
+        await asyncio.gather(server.start(), billing.ready())
+        print(f"chaos: dev server {server.address}, billing {billing.url}, logs in {workdir}", flush=True)
+        await asyncio.gather(
+            *(lane(n, args.kills, tally, server, billing, workdir, args.seed) for n in range(args.lanes))
+        )
+    finally:
+        billing.stop()
+        server.stop()
+    points = Counter(r.point for r in tally.results)
+    print()
+    print(f"chaos summary: {tally.kills} worker SIGKILLs in {tally.rounds} rounds, "
+          f"{len(tally.results)} runs, {time.monotonic() - started:.0f}s, seed {args.seed}")
+    print("first kill caught the tool call: " + ", ".join(f"{p} {n}" for p, n in sorted(points.items())))
+    print()
+    print(table(tally))
+    for v in tally.violations:
+        print(f"VIOLATION {v}")
+    for e in tally.errors:
+        print(f"ERROR {e}")
+    ok = not tally.violations and not tally.errors and tally.kills >= args.kills
+    print("\nchaos: " + ("OK" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=200, help="worker SIGKILLs to reach (default 200)")
+    parser.add_argument("--lanes", type=int, default=4, help="rounds running in parallel (default 4)")
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

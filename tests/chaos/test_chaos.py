@@ -1,0 +1,46 @@
+"""Chaos: SIGKILL the worker at the dangerous points of every write tool's call, restart it,
+and check what the run and the billing service say.
+
+Real processes: the dev server (a subprocess, SQLite file), the billing service (a subprocess
+with ``--delay-ms``, so a write's response comes well after its commit) and worker subprocesses
+(``worker.py --tools tests.chaos.chaos_tools``). Each round runs one idempotent, one
+reconcilable and one unsafe tool call on a worker of its own, holds every call at one point,
+kills the worker there, and restarts it:
+
+- ``before``: the activity started, the HTTP request was not sent yet;
+- ``during``: the service committed the write, its response is still delayed;
+- ``after``: the tool got its response, the activity has not completed yet.
+
+Then, per run: idempotent and reconcilable runs reach COMPLETED with exactly one effect per
+idempotency key; the unsafe tool was never called twice and, its outcome being unknown, the
+run is HANDED_OFF with a reason that names the tool call; and every timeline is a legal path
+with strictly increasing ``state_version`` and no unapproved write (``tests/invariants.py``).
+
+The three rounds run concurrently (about 25 s here, most of it Temporal noticing the dead
+worker: the tools' 3 s timeout, then its sticky queue's 10 s). ``make chaos`` runs the same
+rounds at random kill points, many times (``tests/chaos/run_chaos.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.chaos.conftest import Stack
+from tests.chaos.harness import EFFECTS, POINTS, check_result, kill_round
+
+
+async def test_sigkill_before_during_and_after_the_external_call(stack: Stack) -> None:
+    rounds = await asyncio.gather(
+        *(kill_round(stack.client, stack.server.address, stack.billing, stack.workdir, point=p) for p in POINTS)
+    )
+    seen = set()
+    for point, round_ in zip(POINTS, rounds):
+        assert round_.kills == 1
+        for result in round_.results:
+            assert result.point == point
+            check_result(result)
+            seen.add((result.effect, result.point))
+    assert seen == {(e, p) for e in EFFECTS for p in POINTS}
+    # Killed before the call, the email was never sent; killed during or after it, exactly once.
+    unsafe = {r.point: r.effects for round_ in rounds for r in round_.results if r.effect == "unsafe"}
+    assert unsafe == {"before": 0, "during": 1, "after": 1}

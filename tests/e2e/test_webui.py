@@ -1,0 +1,252 @@
+"""The Temporal Web UI, used the way a person uses it, in a real Chromium.
+
+Against a dev server of its own (UI on), with a worker in this process and the billing service:
+
+1. one run finishes on its own (read-only plan), one waits for approval (the refund playbook);
+2. the workflow list filtered by ``AgentRunState="AWAITING_APPROVAL"`` shows the waiting run and
+   not the finished one;
+3. the run page shows the static summary (goal, tenant) and the current details: state, the plan
+   as tool calls with their effect, the plan hash, who requested it, when approval expires and
+   the exact ``starter.py approve`` and ``temporal workflow signal`` commands; the timeline shows
+   the planner's activity summary and the approval-expiry timer;
+4. the approval goes out from the UI's "Send a Signal" dialog (from the CLI if this UI version
+   has no such dialog), and the page shows the run COMPLETED, with a summary
+   ``tool · effect · step n`` on every tool activity.
+
+Screenshots of the filtered list, the run page and its timeline land in ``TETHER_SCREENSHOT_DIR``
+(default ``build/e2e-screenshots``; ``make screenshots`` writes them to ``docs/``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import time
+import urllib.parse
+from datetime import timezone
+
+from temporalio.client import Client
+
+from tests.conftest import BIN, Billing, make_request, running_worker, start_run, unique, wait_for_state
+from tests.e2e.conftest import SCREENSHOT_DIR, UiEnv
+from workflows.models import RunOutcome
+from workflows.states import RunState
+
+WAITING_QUERY = 'AgentRunState="AWAITING_APPROVAL"'
+LOOKUP = [{"tool": "get_order", "args": {"order_id": "A-1001"}}]
+# The refund playbook: tool, effect, step.
+REFUND_STEPS = [
+    ("get_order", "read_only"),
+    ("issue_refund", "idempotent"),
+    ("post_ledger_entry", "reconcilable"),
+    ("send_email", "unsafe"),
+]
+APPROVER = "bob"
+# A 2-core CI box runs the dev server, the UI and Chromium at once: be patient, not flaky.
+EXPECT_TIMEOUT_MS = 10_000
+
+
+async def wait_visible(client: Client, query: str, run_id: str, timeout: float = 10.0) -> bool:
+    """Visibility is eventually consistent: give the list a moment before the browser asks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async for wf in client.list_workflows(query):
+            if wf.id == run_id:
+                return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, billing: Billing) -> None:
+    from playwright.async_api import expect
+
+    expect.set_options(timeout=EXPECT_TIMEOUT_MS)
+    page = browser_page
+    client = ui_env.env.client
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    tenant = "acme"  # the dev server is this test's own: nothing else lists here
+
+    async with running_worker(client) as worker:
+        # A run that needs nobody: it must not show up among the runs waiting for a person.
+        finished = await start_run(
+            client, worker, make_request(LOOKUP, goal="Look up order A-1001", tenant=tenant)
+        )
+        assert (await finished.result()).state == RunState.COMPLETED
+        handle = await start_run(client, worker, make_request(tenant=tenant))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert snap.plan is not None and snap.pending_approval is not None
+        plan_hash = snap.plan.plan_hash
+        expires = snap.pending_approval.expires_at.astimezone(timezone.utc).strftime(
+            "%Y-%m-%d %H:%M:%S UTC"
+        )
+        await wait_visible(client, WAITING_QUERY, handle.id)
+
+        # ---------------------------------------------------------------- the filtered list
+        list_url = (
+            f"{ui_env.ui_url}/namespaces/default/workflows?query="
+            + urllib.parse.quote(WAITING_QUERY)
+        )
+        await page.goto(list_url)
+        waiting_link = page.get_by_role("link", name=handle.id, exact=True)
+        await eventually(
+            page, expect(waiting_link).to_be_visible,
+            f"the waiting run {handle.id} is not in the Web UI's list filtered by {WAITING_QUERY}: "
+            f"is the AgentRunState search attribute upserted?",
+        )
+        assert await page.get_by_role("link", name=finished.id, exact=True).count() == 0, (
+            f"the finished run {finished.id} shows up among runs awaiting approval"
+        )
+        await show_run_columns(page)
+        row = page.get_by_role("row").filter(has=waiting_link)
+        await expect(row).to_contain_text("AWAITING_APPROVAL")
+        await expect(row).to_contain_text(tenant)
+        await page.screenshot(path=str(SCREENSHOT_DIR / "webui-awaiting-approval.png"))
+
+        # ---------------------------------------------------------------- the run page
+        await waiting_link.click()
+        await expect(page.get_by_role("heading", name=handle.id)).to_be_visible()
+        # Timeline (the default tab): the planner activity and the expiry timer carry summaries.
+        await expect(page.get_by_text("plan · playbook · round 1").first).to_be_visible()
+        await expect(page.get_by_text("approval expiry").first).to_be_visible()
+
+        await page.get_by_role("tab", name="User Metadata").click()
+        summary = rendered(page, "summary")
+        await expect(summary).to_contain_text(f"Refund order A-1001 · tenant {tenant}")
+        details = rendered(page, "current-details")
+        for expected in (
+            "AWAITING_APPROVAL",
+            plan_hash,
+            "requested by alice",
+            expires,
+            f"python starter.py approve {handle.id} --by NAME --plan-hash {plan_hash}",
+            f"temporal workflow signal --workflow-id {handle.id} --name approve --input",
+            *(f"{tool} · {effect}" for tool, effect in REFUND_STEPS),
+        ):
+            await expect(details, f"current details lack {expected!r}").to_contain_text(expected)
+        # What an approver must not read in the summaries: tool arguments (here an email address).
+        await expect(summary).not_to_contain_text("ada@example.com")
+        await expect(details).not_to_contain_text("ada@example.com")
+        # Tall enough for the whole of the current details.
+        await page.set_viewport_size({"width": 1440, "height": 1350})
+        await page.screenshot(path=str(SCREENSHOT_DIR / "webui-run-awaiting-approval.png"))
+        await page.set_viewport_size({"width": 1440, "height": 1000})
+
+        # ---------------------------------------------------------------- approve
+        decision = {
+            "decision_id": unique("ui"),
+            "approver": APPROVER,
+            "plan_hash": plan_hash,
+            "comment": "approved in the Web UI",
+        }
+        via = await signal_from_ui(page, "approve", decision)
+        if via is None:
+            via = "CLI"
+            subprocess.run(
+                [str(BIN / "temporal"), "workflow", "signal", "--address", ui_env.address,
+                 "--workflow-id", handle.id, "--name", "approve", "--input", json.dumps(decision)],
+                check=True, capture_output=True, timeout=30,
+            )
+        print(f"approval sent from the {via}")
+
+        outcome = await asyncio.wait_for(handle.result(), timeout=30)
+        assert isinstance(outcome, RunOutcome) and outcome.state == RunState.COMPLETED, outcome
+        approvals = [r for r in outcome.timeline if r.refs.decision_id == decision["decision_id"]]
+        assert approvals and approvals[0].actor == f"user:{APPROVER}", approvals
+
+        # ---------------------------------------------------------------- completed, in the UI
+        await page.reload()
+        await eventually(
+            page, lambda: expect(details).to_contain_text("COMPLETED"),
+            "the current details never showed COMPLETED",
+        )
+        await expect(details).to_contain_text(f"Approved by {APPROVER}")
+        await page.get_by_role("tab", name="Timeline").click()
+        status = page.get_by_text(re.compile(r"^\s*completed\s*$", re.I)).filter(visible=True)
+        await expect(status.first, "the run page does not show the run completed").to_be_visible()
+        for i, (tool, effect) in enumerate(REFUND_STEPS, 1):
+            await expect(
+                page.get_by_text(f"{tool} · {effect} · step {i}").first,
+                f"no activity summary for step {i} ({tool})",
+            ).to_be_visible()
+        await page.set_viewport_size({"width": 1440, "height": 1350})
+        await page.screenshot(path=str(SCREENSHOT_DIR / "webui-run-timeline.png"))
+
+
+async def eventually(page, check, message: str, tries: int = 3) -> None:
+    """Run a Playwright expectation; the UI does not poll everything, so reload between tries."""
+    for attempt in range(tries):
+        try:
+            await check()
+            return
+        except AssertionError as e:
+            if attempt == tries - 1:
+                raise AssertionError(f"{message}\n{e}") from None
+            await page.reload()
+
+
+def rendered(page, panel: str):
+    """A User Metadata panel: the UI renders each markdown field in an iframe of its own."""
+    return page.frame_locator(f"#user-metadata-{panel}").locator("body")
+
+
+async def show_run_columns(page) -> None:
+    """Show AgentRunState and AgentTenant in the list, as a person would (Configure Columns).
+
+    Cosmetic for the screenshot and for the row check below; the filter is what is tested.
+    """
+    from playwright.async_api import expect
+
+    configure = page.get_by_role("button", name="Configure Columns")
+    await configure.click()
+    for name in ("AgentRunState", "AgentTenant"):
+        add = page.get_by_role("button", name=f"Add {name} column")
+        if await add.count():
+            await add.click()
+    remove = page.get_by_role("button", name="Remove Run ID column")
+    if await remove.count():
+        await remove.click()
+    await page.get_by_role("button", name="Close Workflows Table configuration").click()
+    await expect(page.get_by_role("heading", name="Configure Workflows Table")).to_be_hidden()
+    await page.wait_for_timeout(500)  # the drawer fades out
+
+
+async def signal_from_ui(page, name: str, payload: dict) -> str | None:
+    """Send a signal from the run page's More Actions menu; None if this UI has no such dialog."""
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+    more = page.get_by_role("button", name="More Actions")
+    item = page.get_by_role("menuitem", name=re.compile(r"^\s*Send a Signal\s*$"))
+    try:
+        await more.click(timeout=EXPECT_TIMEOUT_MS)
+        await item.wait_for(state="visible", timeout=5_000)
+    except PlaywrightTimeout:
+        await page.keyboard.press("Escape")
+        return None
+    await item.click()
+    dialog = page.get_by_role("dialog").filter(has_text="Send a Signal")
+    await dialog.get_by_test_id("signal-select-button").click()
+    option = dialog.get_by_role("option").filter(has_text=re.compile(rf"^\s*{name}\b"))
+    # The dialog lists the workflow's signals with their descriptions (from the SDK's metadata).
+    await expect_text(option.first, "the pending plan")
+    await option.first.click()
+    await dialog.locator(".cm-content").click()
+    # insert_text: no key events, so the editor's bracket auto-closing stays out of it.
+    await page.keyboard.insert_text(json.dumps(payload))
+    # The editor reformats the JSON when it loses focus, which moves the Submit button: blur it
+    # first, then submit and wait for the signal request itself.
+    await dialog.get_by_text("Single JSON payload supported.").click()
+    await page.wait_for_timeout(300)
+    async with page.expect_response(
+        lambda r: f"/signal/{name}" in r.url and r.request.method == "POST", timeout=10_000
+    ) as response:
+        await dialog.get_by_test_id("confirm-modal-button").click()
+    assert (await response.value).ok, f"the UI's signal request failed: {(await response.value).status}"
+    return "Web UI signal dialog"
+
+
+async def expect_text(locator, text: str) -> None:
+    from playwright.async_api import expect
+
+    await expect(locator).to_contain_text(text)

@@ -1,0 +1,100 @@
+"""Timeline invariants, checked over every timeline the chaos, restart, late-event and hostile
+input suites produce.
+
+``check_timeline`` asserts that a run's audit timeline is
+
+1. a legal path through the transition table from RECEIVED (``workflows.states.is_legal_path``),
+   with strictly increasing ``state_version`` (each transition bumps it by exactly one);
+2. made of refusals that changed nothing: a ``refused`` record stays in the current state and
+   carries the current version;
+3. approval-gated: no EXECUTING_TOOL for a write step without an accepted approval
+   (an APPROVED transition with a decision id) of the *current* plan hash, i.e. the hash of the
+   most recent VALIDATED plan; a plan may skip approval (VALIDATED -> EXECUTING_TOOL) only when
+   every step it executes is a known read-only tool;
+4. settled once: at most one APPROVED per validated plan, and nothing after a terminal state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from workflows.models import Plan, RunOutcome
+from workflows.states import TERMINAL, RunState, TransitionRecord, is_legal_path
+
+S = RunState
+
+READ_ONLY_TOOLS = frozenset({"get_order", "chaos_get_order"})
+
+
+def tools_by_call(outcome: RunOutcome | None = None, plans: Iterable[Plan | None] = ()) -> dict[str, str]:
+    """tool_call_id -> tool name, from the steps a run executed and any plans seen."""
+    names: dict[str, str] = {}
+    for plan in plans:
+        for step in plan.steps if plan else []:
+            names[step.tool_call_id] = step.tool
+    for step in outcome.steps if outcome else []:
+        names[step.tool_call_id] = step.tool
+    return names
+
+
+def check_timeline(
+    records: list[TransitionRecord],
+    tools: Mapping[str, str] | None = None,
+    read_only: Iterable[str] = READ_ONLY_TOOLS,
+) -> None:
+    """Raise AssertionError naming the first broken invariant (see the module docstring)."""
+    read_only = frozenset(read_only)
+    tools = tools or {}
+    dump = "\n".join(
+        f"  v{r.state_version} {r.kind} {r.from_state.value}->{r.to_state.value} "
+        f"{r.actor}: {r.reason[:120]} {r.refs.model_dump(exclude_none=True)}"
+        for r in records
+    )
+    assert is_legal_path(records), f"not a legal path through the table:\n{dump}"
+
+    state, version = S.RECEIVED, 0
+    plan_hash: str | None = None  # the current plan: the latest VALIDATED one
+    gated = False  # the current plan went through AWAITING_APPROVAL
+    approved: str | None = None  # plan hash of the accepted approval of the current plan
+    approvals = 0
+    for r in records:
+        if r.kind == "refused":
+            assert r.from_state == r.to_state == state, f"a refusal moved the run: {r}\n{dump}"
+            assert r.state_version == version, f"a refusal bumped state_version: {r}\n{dump}"
+            continue
+        assert state not in TERMINAL, f"a transition after terminal {state.value}: {r}\n{dump}"
+        assert r.state_version == version + 1, f"state_version not strictly +1: {r}\n{dump}"
+        to = r.to_state
+        if to == S.VALIDATED:
+            plan_hash, gated, approved, approvals = r.refs.plan_hash, False, None, 0
+            assert plan_hash, f"VALIDATED without a plan hash: {r}\n{dump}"
+        elif to in (S.PLANNING, S.VALIDATION_FAILED):
+            plan_hash, gated, approved, approvals = None, False, None, 0
+        elif to == S.AWAITING_APPROVAL:
+            gated = True
+            assert r.refs.plan_hash == plan_hash, f"approval asked for another plan: {r}\n{dump}"
+        elif to == S.APPROVED:
+            approvals += 1
+            assert approvals == 1, f"a plan was approved twice: {r}\n{dump}"
+            assert r.refs.decision_id, f"APPROVED without a decision id: {r}\n{dump}"
+            assert r.actor.startswith("user:"), f"APPROVED by {r.actor}: {r}\n{dump}"
+            assert r.refs.plan_hash == plan_hash, (
+                f"APPROVED for plan {r.refs.plan_hash} while the current plan is {plan_hash}\n{dump}"
+            )
+            approved = r.refs.plan_hash
+        elif to == S.EXECUTING_TOOL:
+            assert plan_hash is not None, f"EXECUTING_TOOL without a validated plan: {r}\n{dump}"
+            assert r.refs.plan_hash == plan_hash, (
+                f"EXECUTING_TOOL for plan {r.refs.plan_hash}, current plan is {plan_hash}\n{dump}"
+            )
+            if gated:
+                assert approved == plan_hash, (
+                    f"EXECUTING_TOOL without an accepted approval of plan {plan_hash}: {r}\n{dump}"
+                )
+            else:
+                tool = tools.get(r.refs.tool_call_id or "")
+                assert tool in read_only, (
+                    f"EXECUTING_TOOL for {r.refs.tool_call_id} ({tool or 'unknown tool'}) without "
+                    f"approval: only read-only steps may skip it\n{dump}"
+                )
+        state, version = to, r.state_version

@@ -1,0 +1,244 @@
+"""Redelivered and late events: each one settles once or is refused with a record, and no run
+reaches EXECUTING_TOOL for a write step without an accepted approval of the current plan hash
+(``tests/invariants.py`` checks that over every timeline here).
+
+Already covered in tests/test_agent_run.py, not repeated: a repeated decision id (sent one
+after the other), a stale plan hash, a decision for a run that is no longer waiting.
+
+"An approval for an old plan after a replan" needs a replan that changes the plan: the playbook
+planner proposes the same steps again (same hash), so this uses the model planner against the
+local fake OpenAI endpoint (tests/fake_openai.py), scripted to propose a different refund after
+the first approval request expired (``on_expiry="replan"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import WorkflowEnvironment
+
+from tests.conftest import Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.fake_openai import FakeOpenAI, call, text, tool_calls
+from tests.invariants import check_timeline, tools_by_call
+from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome
+from workflows.states import RunState
+
+S = RunState
+
+
+def refund(amount: int = 300, order: str = "A-1002") -> dict:
+    return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": amount, "reason": "late"}}
+
+
+def approval(plan_hash: str, decision_id: str | None = None, approver: str = "bob") -> ApprovalDecision:
+    return ApprovalDecision(decision_id=decision_id or uuid.uuid4().hex, approver=approver, plan_hash=plan_hash)
+
+
+def path(records) -> list[str]:
+    return [r.to_state.value for r in records if r.kind == "transition"]
+
+
+def refusals(records) -> list[str]:
+    return [r.reason for r in records if r.kind == "refused"]
+
+
+async def settle(handle: WorkflowHandle) -> RunOutcome | None:
+    """The run's outcome, or None when it ended cancelled (the timeline is then queried)."""
+    try:
+        return await handle.result()
+    except WorkflowFailureError:
+        return None
+
+
+# ----------------------------------------------------------------------------- redelivery
+
+
+async def test_the_same_approval_delivered_twice_at_once_settles_once(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        decision = approval(snap.plan.plan_hash, decision_id="once")
+        # Both copies in flight together: they may land in the same workflow task.
+        await asyncio.gather(handle.signal("approve", decision), handle.signal("approve", decision))
+        outcome = await handle.result()
+    check_timeline(outcome.timeline, tools_by_call(outcome))
+    assert outcome.state == S.COMPLETED
+    assert path(outcome.timeline).count("APPROVED") == 1
+    assert [r.refs.decision_id for r in outcome.timeline if r.kind == "refused"] == ["once"]
+    assert "duplicate decision_id once" in refusals(outcome.timeline)[0]
+    key = next(r.refs.idempotency_key for r in outcome.timeline if r.refs.idempotency_key)
+    assert len(billing.refunds(key)) == 1
+
+
+async def test_racing_approve_and_reject_settle_once(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        h = snap.plan.plan_hash
+        await asyncio.gather(
+            handle.signal("approve", approval(h, "yes", "bob")),
+            handle.signal("reject", ApprovalDecision(decision_id="no", approver="carol", plan_hash=h, reason="no")),
+        )
+        outcome = await handle.result()
+    check_timeline(outcome.timeline, tools_by_call(outcome))
+    decided = [r for r in outcome.timeline if r.kind == "transition" and r.to_state in (S.APPROVED, S.REJECTED)]
+    refused = [r for r in outcome.timeline if r.kind == "refused"]
+    assert len(decided) == 1 and len(refused) == 1
+    assert {decided[0].refs.decision_id, refused[0].refs.decision_id} == {"yes", "no"}
+    assert outcome.state == (S.COMPLETED if decided[0].to_state == S.APPROVED else S.REJECTED)
+
+
+# ----------------------------------------------------------------------------- late
+
+
+async def test_approval_after_expiry_is_refused_and_nothing_runs(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    before = billing.get("/admin/stats")["requests"].get("POST /refunds", 0)
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()], limits={"approval_ttl_seconds": 60}))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await ts_env.sleep(61)  # the durable timer fires on skipped time
+        outcome = await handle.result()
+        with pytest.raises(RPCError) as refused:
+            await handle.signal("approve", approval(snap.plan.plan_hash))
+        records = await timeline(handle)
+    # The closed run refuses the late signal at the server: the sender gets the error.
+    assert refused.value.status == RPCStatusCode.NOT_FOUND and "completed" in refused.value.message.lower()
+    assert outcome.state == S.EXPIRED and records == outcome.timeline
+    check_timeline(records, tools_by_call(outcome))
+    assert "EXECUTING_TOOL" not in path(records) and outcome.steps == []
+    assert billing.get("/admin/stats")["requests"].get("POST /refunds", 0) == before
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> Iterator[FakeOpenAI]:
+    caplog.set_level(logging.INFO)
+    with FakeOpenAI() as server:
+        monkeypatch.setenv("TETHER_MODEL", "fake-model")
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "not-a-secret")
+        monkeypatch.setenv("TETHER_MODEL_TIMEOUT", "10")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        yield server
+
+
+async def test_approval_for_the_old_plan_after_a_replan_is_refused(
+    ts_env: WorkflowEnvironment, billing: Billing, fake: FakeOpenAI
+) -> None:
+    first = {"order_id": "A-1002", "amount_cents": 111, "reason": "first plan"}
+    second = {"order_id": "A-1002", "amount_cents": 222, "reason": "second plan"}
+    fake.script(
+        tool_calls(call("issue_refund", first)),
+        tool_calls(call("issue_refund", second)),
+        text("Refunded 2.22 EUR."),
+    )
+    request = make_request(
+        [], goal="Refund A-1002", planner="model",
+        limits={"approval_ttl_seconds": 60, "on_expiry": "replan", "max_replans": 1},
+    )
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, request)
+        old = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await ts_env.sleep(61)  # expires: back to PLANNING, the model proposes another refund
+        for _ in range(200):
+            new = await snapshot(handle)
+            if new.state == S.AWAITING_APPROVAL and new.plan.plan_hash != old.plan.plan_hash:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"no second plan: {new.state.value}")
+        version = new.state_version
+        await handle.signal("approve", approval(old.plan.plan_hash, "old-plan"))
+        after = await snapshot(handle)
+        assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, version)
+        await handle.signal("approve", approval(new.plan.plan_hash, "new-plan"))
+        outcome = await handle.result()
+    check_timeline(outcome.timeline, tools_by_call(outcome, [old.plan, new.plan]))
+    assert outcome.state == S.COMPLETED
+    (stale,) = [r for r in outcome.timeline if r.refs.decision_id == "old-plan"]
+    assert stale.kind == "refused" and "stale plan hash" in stale.reason
+    approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
+    assert approved.refs.decision_id == "new-plan" and approved.refs.plan_hash == new.plan.plan_hash
+    # Only the second plan's refund happened.
+    amounts = [r["amount_cents"] for s in outcome.steps for r in billing.refunds(f"{handle.id}:{s.tool_call_id}")]
+    assert amounts == [222]
+
+
+@pytest.mark.parametrize("order", ["approve-then-cancel", "cancel-then-approve", "together"])
+async def test_cancel_racing_an_approval_settles_once(
+    ts_env: WorkflowEnvironment, billing: Billing, order: str
+) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        approve = handle.signal("approve", approval(snap.plan.plan_hash, "racing"))
+        cancel = handle.cancel(reason="customer withdrew")
+        if order == "approve-then-cancel":
+            await approve
+            await cancel
+        elif order == "cancel-then-approve":
+            await cancel
+            await approve
+        else:
+            await asyncio.gather(approve, cancel)
+        outcome = await settle(handle)
+        records = await timeline(handle)
+        final = await snapshot(handle)
+    check_timeline(records, tools_by_call(outcome, [snap.plan]))
+    assert outcome is None and final.state == S.CANCELLED
+    assert [r.to_state for r in records if r.kind == "transition"].count(S.CANCELLED) == 1
+    assert "customer withdrew" in records[-1].reason
+    key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
+    refunds = billing.refunds(key)
+    if "EXECUTING_TOOL" in path(records):
+        # The approval won: the tool call settled before the run ended, and it is on record.
+        assert len(refunds) == 1 and records[-1].from_state == S.EXECUTING_TOOL
+    else:
+        assert refunds == [] and records[-1].from_state == S.AWAITING_APPROVAL
+        if any(r.refs.decision_id == "racing" for r in records):
+            assert refusals(records)  # an approval the run saw but did not act on is recorded
+
+
+async def test_handoff_after_completion_is_refused(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    read = {"tool": "get_order", "args": {"order_id": "A-1001"}}
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([read]))
+        outcome = await handle.result()
+        with pytest.raises(RPCError) as refused:
+            await handle.signal("handoff", HandoffRequest(by="dana", reason="too late"))
+        final = await snapshot(handle)
+    assert refused.value.status == RPCStatusCode.NOT_FOUND
+    assert outcome.state == S.COMPLETED and final.state == S.COMPLETED
+    assert final.state_version == outcome.timeline[-1].state_version
+    check_timeline(outcome.timeline, tools_by_call(outcome))
+
+
+async def test_handoff_while_a_tool_runs_settles_after_the_tool(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    # The refund's first call fails after the commit: the handoff arrives while the run waits to
+    # retry, and twice (a redelivery): it is honoured once, and never mid-call.
+    billing.fail_next("refunds", 1, status=503, when="after_commit")
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund(400)]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await wait_for_state(handle, "RETRY_WAIT", "OBSERVING_RESULT", "PLANNING", "COMPLETED")
+        request = HandoffRequest(by="dana", reason="customer called")
+        try:
+            await asyncio.gather(handle.signal("handoff", request), handle.signal("handoff", request))
+        except RPCError:
+            pass  # the run may already have completed: then the server refuses it
+        outcome = await handle.result()
+    check_timeline(outcome.timeline, tools_by_call(outcome, [snap.plan]))
+    assert outcome.state in (S.HANDED_OFF, S.COMPLETED)
+    assert path(outcome.timeline).count("HANDED_OFF") <= 1
+    key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
+    assert len(billing.refunds(key)) == 1  # committed once, whoever won

@@ -1,0 +1,198 @@
+"""Metrics: the worker's Prometheus endpoint, scraped during real runs on the dev server.
+
+A worker with a Prometheus runtime runs two refund runs (one approved after a stale decision
+was refused and one refund attempt failed once, one rejected); the scrape shows Temporal's SDK
+metrics and Tether's run-level metrics with exactly the values those runs produce. A second test
+starts ``worker.py --metrics-port`` as a process, the way the container does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+import worker
+from activities.metrics import prometheus_runtime
+from tests.conftest import make_request, running_worker, start_run, unique, wait_for_state
+from workflows.metrics import REFUSAL_RULES, refusal_rule
+from workflows.models import ApprovalDecision, RunOutcome
+from workflows.states import RunState
+
+ROOT = Path(__file__).resolve().parent.parent
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    with _opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            samples.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return samples
+
+
+def value(samples, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` (with or without a ``_total`` suffix) matching ``labels``."""
+    return sum(
+        v
+        for n, lab, v in samples
+        if n in (name, name + "_total") and all(lab.get(k) == want for k, want in labels.items())
+    )
+
+
+def test_refusal_rules_cover_the_policy_reasons() -> None:
+    reasons = {
+        "approve refused: duplicate decision_id d-1: already handled": ("approve", "duplicate_decision"),
+        "reject refused: run is COMPLETED, not AWAITING_APPROVAL": ("reject", "not_awaiting_approval"),
+        "approve refused: stale plan hash 0123456789ab: the pending plan is ba9876543210": (
+            "approve",
+            "stale_plan_hash",
+        ),
+        "approve refused: approval expired at 2025-01-01T00:00:00+00:00": ("approve", "approval_expired"),
+        "approve refused: approver is empty": ("approve", "empty_approver"),
+        "reject refused: another decision for this plan was accepted first": (
+            "reject",
+            "decision_already_accepted",
+        ),
+        "handoff refused: run already ended in COMPLETED": ("handoff", "run_ended"),
+        "handoff refused: a handoff is already pending": ("handoff", "handoff_pending"),
+        "approve refused: something new": ("approve", "other"),
+    }
+    for reason, expected in reasons.items():
+        assert refusal_rule(reason) == expected, reason
+    assert {rule for _, rule in REFUSAL_RULES} <= {r for _, r in reasons.values()}
+
+
+async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
+    port = free_port()
+    client = await worker.connect(
+        target_host=dev_env.client.service_client.config.target_host,
+        namespace=dev_env.client.namespace,
+        runtime=prometheus_runtime(f"127.0.0.1:{port}"),
+        data_converter=pydantic_data_converter,
+    )
+    billing.fail_next("refunds", 1)  # one retry of issue_refund
+    async with running_worker(client) as w:
+        tq = w.task_queue
+        approved = await start_run(client, w, make_request())
+        snap = await wait_for_state(approved, "AWAITING_APPROVAL")
+        assert snap.pending_approval is not None
+        await approved.signal(
+            "approve",
+            ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash="f" * 64),
+        )
+        await asyncio.sleep(0.6)  # the approval wait the histogram must show
+        await approved.signal(
+            "approve",
+            ApprovalDecision(
+                decision_id=uuid.uuid4().hex, approver="bob", plan_hash=snap.pending_approval.plan_hash
+            ),
+        )
+        assert (await approved.result()).state == RunState.COMPLETED
+
+        rejected = await start_run(client, w, make_request())
+        snap = await wait_for_state(rejected, "AWAITING_APPROVAL")
+        assert snap.pending_approval is not None
+        await rejected.signal(
+            "reject",
+            ApprovalDecision(
+                decision_id=uuid.uuid4().hex,
+                approver="carol",
+                plan_hash=snap.pending_approval.plan_hash,
+                reason="not this one",
+            ),
+        )
+        outcome: RunOutcome = await rejected.result()
+        assert outcome.state == RunState.REJECTED
+
+        samples = scrape(port)
+        q = {"task_queue": tq}
+        # Tether's run-level metrics.
+        assert value(samples, "tether_runs_started", **q) == 2
+        assert value(samples, "tether_runs_ended", state="COMPLETED", **q) == 1
+        assert value(samples, "tether_runs_ended", state="REJECTED", **q) == 1
+        assert value(samples, "tether_runs_ended", **q) == 2
+        assert value(samples, "tether_approval_wait_seconds_count", outcome="APPROVED", **q) == 1
+        assert value(samples, "tether_approval_wait_seconds_count", outcome="REJECTED", **q) == 1
+        wait_sum = value(samples, "tether_approval_wait_seconds_sum", outcome="APPROVED", **q)
+        assert 0.5 <= wait_sum < 30, wait_sum
+        # The human-scale buckets, not latency ones.
+        assert any(
+            n == "tether_approval_wait_seconds_bucket" and lab.get("le") in ("3600", "3600.0")
+            for n, lab, _ in samples
+        )
+        assert value(samples, "tether_decisions_refused", kind="approve", rule="stale_plan_hash", **q) == 1
+        assert value(samples, "tether_decisions_refused", **q) == 1
+        # Tool calls and retries by tool and effect (activity side).
+        calls = lambda tool, effect, outcome: value(  # noqa: E731
+            samples, "tether_tool_calls", tool=tool, effect=effect, outcome=outcome, **q
+        )
+        assert calls("get_order", "read_only", "ok") == 1
+        assert calls("issue_refund", "idempotent", "error") == 1
+        assert calls("issue_refund", "idempotent", "ok") == 1
+        assert calls("post_ledger_entry", "reconcilable", "ok") == 1
+        assert calls("send_email", "unsafe", "ok") == 1
+        assert value(samples, "tether_tool_calls", **q) == 5
+        assert value(samples, "tether_tool_retries", tool="issue_refund", effect="idempotent", **q) == 1
+        assert value(samples, "tether_tool_retries", **q) == 1
+        # Temporal's own SDK metrics come from the same endpoint.
+        assert value(samples, "temporal_workflow_completed", **q) >= 2
+        assert value(samples, "temporal_activity_execution_failed", **q) >= 1
+
+
+def test_worker_process_serves_metrics(dev_env, billing) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
+        "TEMPORAL_NAMESPACE": dev_env.client.namespace,
+        "TETHER_TASK_QUEUE": unique("tq-metrics"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("TETHER_ENCRYPTION_KEY_FILE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "worker.py", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        deadline = time.monotonic() + 20
+        while "worker ready" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "worker ready" in line, line
+        assert "payload encryption off" in line and f":{port}/metrics" in line
+        names: set[str] = set()
+        for _ in range(50):
+            names = {n for n, _, _ in scrape(port)}
+            if any(n.startswith("temporal_") for n in names):
+                break
+            time.sleep(0.1)
+        assert any(n.startswith("temporal_") for n in names), sorted(names)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
