@@ -31,6 +31,10 @@ RUN groupadd --system --gid 10001 tether \
     && chmod 700 /keys
 COPY --from=build /opt/tether /opt/tether
 WORKDIR /app
+# Data files the example stack reads (the code itself is in the venv): the billing policy for
+# the worker (TETHER_POLICY) and the playbook for `starter.py start --playbook`. Owned by root:
+# the service user can read them, not change them.
+COPY examples/billing/policy.toml examples/billing/refund.playbook.json /app/examples/billing/
 USER 10001:10001
 # Prometheus metrics (worker.py --metrics-port).
 EXPOSE 9000

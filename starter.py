@@ -136,15 +136,19 @@ def _format_snapshot(s: RunSnapshot) -> str:
 def _format_timeline(records: Sequence[TransitionRecord]) -> str:
     lines = []
     for r in records:
-        refs = ", ".join(f"{k}={v}" for k, v in r.refs.model_dump(exclude_none=True).items())
+        # Hashes shortened for reading; `timeline --json` has them in full.
+        refs = ", ".join(
+            f"{k}={v[:12] if k.endswith('_hash') else v}"
+            for k, v in r.refs.model_dump(exclude_none=True).items()
+        )
         arrow = (
             f"{r.from_state.value} -> {r.to_state.value}"
             if r.kind == "transition"
-            else f"REFUSED in {r.from_state.value}"
+            else f"{r.kind.upper()} in {r.from_state.value}"
         )
         lines.append(
             f"v{r.state_version:<3} {r.at.strftime('%H:%M:%S.%f')[:-3]}  {arrow:<42} "
-            f"{r.actor:<18} {r.reason}" + (f"  [{refs}]" if refs else "")
+            f"{r.actor:<18} {r.reason}" + (f"  [{r.rule}]" if r.rule else "") + (f"  [{refs}]" if refs else "")
         )
     return "\n".join(lines)
 
@@ -294,7 +298,7 @@ async def _decide(args: argparse.Namespace, signal: str) -> int:
         for record in reversed(await _timeline(handle)):
             if record.refs.decision_id == decision.decision_id:
                 if record.kind == "refused":
-                    raise CliError(f"refused: {record.reason}", REFUSED)
+                    raise CliError(f"{record.reason} [rule: {record.rule}]", REFUSED)
                 print(f"{record.to_state.value}: {record.reason} (decision {decision.decision_id})")
                 return OK
         await asyncio.sleep(0.2)

@@ -408,12 +408,11 @@ class ModelPlanner:
             "model planner: round %d, model %s at %s, %d tool(s), %d message(s)",
             request.round, model, endpoint, len(tools), len(messages),
         )
+        options: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             async with client:
                 completion = await client.chat.completions.create(
-                    model=model,
-                    messages=messages,
-                    tools=tools or openai.omit,
+                    model=model, messages=messages, **options
                 )
         except openai.APIStatusError as e:
             raise status_error(

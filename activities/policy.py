@@ -88,7 +88,7 @@ class PolicyStore:
     """The policy file, re-read when its modification time changes."""
 
     path: Path | None
-    _cache: tuple[float, PolicyDocument, str] | None = field(default=None, repr=False)
+    _cache: tuple[tuple[int, int, int], PolicyDocument, str] | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, path: str | None = None) -> PolicyStore:
@@ -102,12 +102,13 @@ class PolicyStore:
         if self.path is None:
             return None, hashlib.sha256(DEFAULT_SOURCE.encode()).hexdigest()
         try:
-            mtime = self.path.stat().st_mtime
+            stat = self.path.stat()
         except FileNotFoundError:
             raise PolicyFileError(f"policy file not found: {self.path}") from None
-        if self._cache is None or self._cache[0] != mtime:
+        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        if self._cache is None or self._cache[0] != version:
             text = self.path.read_text()
-            self._cache = (mtime, parse_policy(text, str(self.path)), hashlib.sha256(text.encode()).hexdigest())
+            self._cache = (version, parse_policy(text, str(self.path)), hashlib.sha256(text.encode()).hexdigest())
         return self._cache[1], self._cache[2]
 
     def tenant(self, name: str) -> tuple[TenantPolicy | None, str]:

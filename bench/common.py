@@ -142,7 +142,10 @@ async def bench_stack(
     workdir = Path(tempfile.mkdtemp(prefix="tether-bench-"))
     port, ui_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
-    cmd = dev_server_command(port, ui_port, workdir / "temporal.db") + ["--headless"]
+    # --http-port too: its default (port + 1000) may be taken by another process.
+    cmd = dev_server_command(port, ui_port, workdir / "temporal.db") + [
+        "--headless", "--http-port", str(free_port()),
+    ]
     for value in dynamic_config:
         cmd += ["--dynamic-config-value", value]
     server_log = workdir / "server.log"

@@ -240,6 +240,10 @@ async def main_async(args: argparse.Namespace) -> None:
     print()
     print(f"governed/bare throughput per round: {', '.join(f'{x:.2f}' for x in ratios)} "
           f"(median {statistics.median(ratios):.2f})")
+    cpu = {v: stats[v]["wcpu"] + stats[v]["scpu"] for v in VARIANTS}
+    print(f"CPU per step, worker + dev server: governed {cpu[GOVERNED]:.1f} ms, "
+          f"governed+approval {cpu[APPROVAL]:.1f} ms, bare {cpu[BARE]:.1f} ms -> when the box is "
+          f"CPU-bound, governed/bare throughput tends to {cpu[BARE] / cpu[GOVERNED]:.2f}")
     a = stats[APPROVAL]
     print(f"approval signal -> tool start, under load ({len(a['c_lat'])} approvals, sent in "
           f"bursts of {args.runs} while the batch runs): p50 {percentile(a['c_lat'], 50):.0f} ms, "

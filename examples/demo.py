@@ -22,11 +22,12 @@ from workflows.states import TERMINAL, RunState
 PLAYBOOK = "examples/billing/refund.playbook.json"
 
 
-def step(title: str, argv: list[str]) -> int:
+def step(title: str, argv: list[str], expect: int = 0) -> int:
     print(f"\n$ python starter.py {' '.join(argv)}", flush=True)
     code = starter.main(argv)
-    if code != 0:
-        raise SystemExit(f"demo step failed ({title}): exit code {code}")
+    sys.stderr.flush()
+    if code != expect:
+        raise SystemExit(f"demo step failed ({title}): exit code {code}, expected {expect}")
     return code
 
 
@@ -99,6 +100,8 @@ def main() -> int:
                    "--playbook", PLAYBOOK, "--requested-by", "alice", "--id", run_id, "--wait"])
     print("\n== the plan writes (refund, ledger, email): the run waits for a human")
     step("list", ["list", "--state", "AWAITING_APPROVAL"])
+    print("\n== alice tries to approve her own run: the policy (four-eyes) refuses, exit code 1")
+    step("self-approval", ["approve", run_id, "--by", "alice"], expect=1)
     print("\n== bob reviews the plan and approves exactly this plan hash")
     step("approve", ["approve", run_id, "--by", "bob", "--comment", "checked the order"])
     snap = asyncio.run(wait_for_end(run_id))

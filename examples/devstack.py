@@ -97,7 +97,14 @@ SERVICES = {
                  "--db", str(STATE_DIR / "billing.db")],
         lambda: http_ok(f"http://127.0.0.1:{BILLING_PORT}/health"),
     ),
-    "worker": Service("worker", lambda: [sys.executable, str(ROOT / "worker.py")], _worker_ready),
+    # The demo's worker applies the example policy (alice requests, bob approves) unless
+    # TETHER_POLICY names another file.
+    "worker": Service(
+        "worker",
+        lambda: [sys.executable, str(ROOT / "worker.py"), "--policy",
+                 os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")],
+        _worker_ready,
+    ),
 }
 
 

@@ -161,6 +161,10 @@ def test_worker_environment_and_scaling() -> None:
     assert "--address" not in worker["command"] and "--namespace" not in worker["command"]
     assert env["BILLING_URL"] == "http://billing:8765"
     assert env["TETHER_TASK_QUEUE"] == "tether"
+    # The policy file the worker reads is one the image ships (Dockerfile COPY into /app).
+    assert env["TETHER_POLICY"].startswith("/app/")
+    assert (ROOT / env["TETHER_POLICY"].removeprefix("/app/")).is_file()
+    assert env["TETHER_POLICY"].removeprefix("/app/") in (ROOT / "Dockerfile").read_text()
     # Encryption on, with the key from the keygen volume, read-only.
     key_file = env["TETHER_ENCRYPTION_KEY_FILE"]
     assert any(

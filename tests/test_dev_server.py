@@ -111,8 +111,12 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         code, out, _ = await cli("status", run_id)
         assert code == 0 and "AWAITING_APPROVAL" in out and plan_hash in out
 
+        other = await start_run(dev_env.client, worker, make_request(REFUND, tenant=unique("other")))
+        await wait_for_state(other, "AWAITING_APPROVAL")
         code, out, _ = await cli("list", "--state", "AWAITING_APPROVAL", "--tenant", tenant)
         assert code == 0 and run_id in out
+        assert other.id not in out, "list --tenant shows only that tenant's runs"
+        await other.cancel()
 
         code, _, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", "0" * 64)
         assert code == 1 and "stale plan hash" in err

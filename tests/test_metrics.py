@@ -196,3 +196,39 @@ def test_worker_process_serves_metrics(dev_env, billing) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+async def test_tracing_interceptor_when_otel_is_installed(dev_env, billing, monkeypatch) -> None:
+    """The `otel` extra: Temporal's TracingInterceptor spans client, workflow and activities."""
+    import pytest
+
+    sdk_trace = pytest.importorskip("opentelemetry.sdk.trace", reason="needs the otel extra")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from activities.metrics import tracing_interceptors
+
+    assert tracing_interceptors() == [] or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, sdk_trace.TracerProvider):
+        provider = sdk_trace.TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setenv("TETHER_OTEL", "1")
+    interceptors = tracing_interceptors()
+    assert len(interceptors) == 1
+    client = await worker.connect(
+        target_host=dev_env.client.service_client.config.target_host,
+        namespace=dev_env.client.namespace,
+        interceptors=interceptors,
+        data_converter=pydantic_data_converter,
+    )
+    async with running_worker(client) as w:
+        handle = await start_run(
+            client, w, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}])
+        )
+        assert (await handle.result()).state == RunState.COMPLETED
+    names = {span.name for span in exporter.get_finished_spans()}
+    assert {"StartWorkflow:AgentRun", "RunWorkflow:AgentRun", "RunActivity:execute_tool"} <= names, names

@@ -181,7 +181,7 @@ class AgentRun:
         data = self.data
         if self._take_handoff():
             return
-        max_tokens = self.request.limits.max_model_tokens
+        max_tokens = self.limits.max_model_tokens
         if max_tokens is not None and data.model_tokens >= max_tokens:
             self._move(
                 S.FAILED,
@@ -822,6 +822,15 @@ class AgentRun:
             lines += [
                 "",
                 f"**Waiting for approval** until **{utc(pending.expires_at)}** — {pending.summary}",
+                "",
+                f"**Approvals:** {len(pending.approvals)} of {pending.approvals_required}"
+                + (f" · risk **{pending.risk}**" if pending.risk != "normal" else "")
+                + (f" · roles {', '.join(f'`{r}`' for r in pending.roles)}" if pending.roles else "")
+                + (
+                    " · so far " + ", ".join(f"`{a.approver}`" for a in pending.approvals)
+                    if pending.approvals
+                    else ""
+                ),
                 "",
                 "**Approve with:**",
                 "",

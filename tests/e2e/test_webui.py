@@ -11,10 +11,11 @@ Against a dev server of its own (UI on), with a worker in this process and the b
    the planner's activity summary and the approval-expiry timer;
 4. the approval goes out from the UI's "Send a Signal" dialog (from the CLI if this UI version
    has no such dialog), and the page shows the run COMPLETED, with a summary
-   ``tool · effect · step n`` on every tool activity.
+   ``tool · effect · step n`` on every tool activity and the ``retry backoff`` timer of the
+   refund, which fails once on purpose.
 
 Screenshots of the filtered list, the run page and its timeline land in ``TETHER_SCREENSHOT_DIR``
-(default ``build/e2e-screenshots``; ``make screenshots`` writes them to ``docs/``).
+(default ``build/e2e-screenshots``; ``TETHER_SCREENSHOT_DIR=docs`` refreshes the README's).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
         await page.set_viewport_size({"width": 1440, "height": 1000})
 
         # ---------------------------------------------------------------- approve
+        # The refund fails once (503 before the write): the run retries it after a backoff timer.
+        billing.fail_next("refunds", 1, status=503)
         decision = {
             "decision_id": unique("ui"),
             "approver": APPROVER,
@@ -165,13 +168,24 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
         await page.get_by_role("tab", name="Timeline").click()
         status = page.get_by_text(re.compile(r"^\s*completed\s*$", re.I)).filter(visible=True)
         await expect(status.first, "the run page does not show the run completed").to_be_visible()
+        await expect(page.get_by_text("retry backoff").first, "no retry backoff timer").to_be_visible()
         for i, (tool, effect) in enumerate(REFUND_STEPS, 1):
             await expect(
                 page.get_by_text(f"{tool} · {effect} · step {i}").first,
                 f"no activity summary for step {i} ({tool})",
             ).to_be_visible()
+        # The timeline panel only: the Input/Result panes above it show tool observations, which
+        # may hold personal data (the example's customer email), and do not belong in docs.
         await page.set_viewport_size({"width": 1440, "height": 1350})
-        await page.screenshot(path=str(SCREENSHOT_DIR / "webui-run-timeline.png"))
+        heading = page.get_by_role("heading", name="Timeline", exact=True)
+        await heading.scroll_into_view_if_needed()
+        box = await heading.bounding_box()
+        assert box is not None
+        top, left = max(box["y"] - 16, 0), max(box["x"] - 24, 0)
+        await page.screenshot(
+            path=str(SCREENSHOT_DIR / "webui-run-timeline.png"),
+            clip={"x": left, "y": top, "width": 1440 - left, "height": min(1350 - top, 600)},
+        )
 
 
 async def eventually(page, check, message: str, tries: int = 3) -> None:
