@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+PLANNER ?= playbook
 
-.PHONY: install demo test dev-server worker down clean
+.PHONY: install demo test dev-server worker down clean screenshots
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,9 +15,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# PLANNER=model: the configured model plans (TETHER_MODEL, OPENAI_BASE_URL / OPENAI_API_KEY
+# must be set here, since this starts the worker; `make down` first if one is running).
 demo: $(STAMP)
 	$(PY) -m examples.devstack up
-	$(PY) -m examples.demo
+	PLANNER=$(PLANNER) $(PY) -m examples.demo
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -27,7 +30,11 @@ dev-server: $(STAMP)
 
 # A worker in the foreground (Ctrl-C stops it cleanly).
 worker: $(STAMP)
-	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(PY) worker.py
+	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(PY) worker.py --policy $${TETHER_POLICY:-examples/billing/policy.toml}
+
+# Refresh the README's Web UI screenshots (docs/*.png) from the browser test (needs chromium).
+screenshots: $(STAMP)
+	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q
 
 down:
 	@test -x $(PY) && $(PY) -m examples.devstack down || true
