@@ -14,11 +14,12 @@ COPY worker.py starter.py ./
 COPY workflows ./workflows
 COPY activities ./activities
 COPY examples ./examples
-# A non-editable install into its own venv: the final stage copies only the venv.
-# `crypto` adds `cryptography` for payload encryption; add `otel` for tracing.
-ARG TETHER_EXTRAS=crypto
+# A non-editable install into its own venv: the final stage copies only the venv. Runtime
+# dependencies only (cryptography, for the codec and signed approvals, is one of them); set
+# TETHER_EXTRAS=otel for tracing, or openai for the model planner.
+ARG TETHER_EXTRAS=""
 RUN python -m venv /opt/tether \
-    && /opt/tether/bin/pip install ".[${TETHER_EXTRAS}]"
+    && /opt/tether/bin/pip install ".${TETHER_EXTRAS:+[$TETHER_EXTRAS]}"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/tether/bin:$PATH \

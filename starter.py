@@ -35,6 +35,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.codec import KeyFileError
 from worker import connect, exit_process, target_host, task_queue
 from workflows import policy
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
@@ -65,6 +66,8 @@ class CliError(Exception):
 async def _client() -> Client:
     try:
         return await connect()
+    except KeyFileError as e:
+        raise CliError(f"payload encryption: {e}") from None
     except RuntimeError as e:
         text = str(e)
         why = "connection refused" if "refused" in text.lower() else text.splitlines()[0][:160]

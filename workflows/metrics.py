@@ -2,15 +2,15 @@
 
 Two hooks, called by ``AgentRun`` right after the lifecycle records something:
 
-- :func:`on_transition` (from ``AgentRun._move``): ``tether_runs_started`` when a run leaves
+- :func:`on_transition` (for every transition record): ``tether_runs_started`` when a run leaves
   RECEIVED (once per run: a continued-as-new run carries its state, it never re-enters
   RECEIVED), ``tether_runs_ended{state}`` on a terminal state, and
   ``tether_approval_wait_seconds{outcome}`` when a run leaves AWAITING_APPROVAL (workflow time
   from entering to leaving, so a replan-on-expiry or a handoff counts too).
-- :func:`on_refusal` (at each ``lifecycle.refuse`` call site): ``tether_decisions_refused
-  {kind, rule}``. ``kind`` is the reason's first word (approve, reject, handoff); ``rule`` is
-  looked up from the words after "refused: " in :data:`REFUSAL_RULES`, so labels stay a small,
-  fixed set ("other" for reasons not in the table).
+- :func:`on_refusal` (for every refused record): ``tether_decisions_refused{kind, rule}``.
+  ``kind`` is the reason's first word (approve, reject, handoff); ``rule`` is the record's own
+  ``rule`` when the runtime named one, else looked up from the words after "refused: " in
+  :data:`REFUSAL_RULES`, so labels stay a small, fixed set ("other" for reasons not in the table).
 
 The meter is Temporal's replay-safe one: nothing is recorded while a worker replays history,
 so a restarted worker never counts a run twice. Labels are the meter's defaults (namespace,
@@ -71,7 +71,10 @@ def on_transition(lifecycle: Lifecycle, record: TransitionRecord) -> None:
 
 
 def on_refusal(record: TransitionRecord) -> None:
-    kind, rule = refusal_rule(record.reason)
+    kind, derived = refusal_rule(record.reason)
+    # The record's own rule when the runtime named one; else the one its reason's words give.
+    named = getattr(record, "rule", None)
+    rule = named if named and named != "other" else derived
     workflow.metric_meter().create_counter(
         DECISIONS_REFUSED, "Signals the runtime turned down, by rule", "1"
     ).add(1, {"kind": kind, "rule": rule})

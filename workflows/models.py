@@ -387,6 +387,7 @@ class RunData(BaseModel):
     policy: PolicySnapshot | None = None
     plan: Plan | None = None
     next_step: int = 0  # index into plan.steps of the next step to execute
+    step_retries: int = 0  # retries the workflow scheduled for the current step
     pending_approval: PendingApproval | None = None
     approved_by: list[str] = Field(default_factory=list)
     decisions_seen: list[str] = Field(default_factory=list)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -133,7 +134,12 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM: unwind, so the dev server, billing and workers are stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=200, help="worker SIGKILLs to reach (default 200)")
     parser.add_argument("--lanes", type=int, default=4, help="rounds running in parallel (default 4)")

@@ -1,0 +1,521 @@
+"""The run's decision logic as pure functions over its state: what happens on each event.
+
+``AgentRun`` (workflows/agent_run.py) is the shell around this: it awaits activities, timers
+and signals, and hands each outcome to the :class:`Engine`, which decides the next state
+through the transition table. No Temporal, no I/O: time and ids are passed in. The property
+tests drive this same code with random event sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+from workflows import policy
+from workflows.models import (
+    AcceptedApproval,
+    ApprovalDecision,
+    AuthorityCheck,
+    ExecutedStep,
+    HandoffRequest,
+    Limits,
+    PendingApproval,
+    PlanReview,
+    PlanStep,
+    Proposal,
+    Refusal,
+    RunData,
+    RunRequest,
+    TenantPolicy,
+    ToolCall,
+    ToolCatalog,
+    ToolEffect,
+    ToolInfo,
+    ToolOutcome,
+)
+from workflows.states import Refs, RunState, TransitionRecord
+from workflows.validation import validate_proposal
+
+S = RunState
+DecisionKind = Literal["approve", "reject"]
+
+
+@dataclass(frozen=True)
+class ToolFailure:
+    """How a tool call failed, as the workflow saw it."""
+
+    code: str
+    message: str
+    permanent: bool  # the tool said a retry cannot help (bad input, 4xx)
+    suggested_delay: float | None = None  # e.g. from Retry-After
+
+
+class Engine:
+    """One run's decisions. Every state change goes through ``data.lifecycle.move``."""
+
+    def __init__(
+        self,
+        data: RunData,
+        request: RunRequest,
+        *,
+        workflow_id: str,
+        on_record: Callable[[TransitionRecord], None] = lambda record: None,
+    ) -> None:
+        self.data = data
+        self.request = request
+        self.workflow_id = workflow_id
+        self.on_record = on_record  # metrics and the like; called for every timeline record
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def state(self) -> RunState:
+        return self.data.lifecycle.state
+
+    @property
+    def tenant(self) -> TenantPolicy | None:
+        return self.data.policy.policy if self.data.policy else None
+
+    @property
+    def limits(self) -> Limits:
+        """The run's limits, tightened by the tenant's budgets."""
+        return policy.effective_limits(self.request.limits, self.tenant)
+
+    @property
+    def catalog(self) -> ToolCatalog:
+        return self.data.catalog or ToolCatalog()
+
+    def current_step(self) -> PlanStep | None:
+        plan = self.data.plan
+        if plan is None or self.data.next_step >= len(plan.steps):
+            return None
+        return plan.steps[self.data.next_step]
+
+    def tool_info(self, step: PlanStep) -> ToolInfo | None:
+        return self.catalog.get(step.tool)
+
+    def step_refs(self, step: PlanStep) -> Refs:
+        return Refs(
+            plan_hash=self.data.plan.plan_hash if self.data.plan else None,
+            tool_call_id=step.tool_call_id,
+            # The run's workflow id, not its run id: stable across continue-as-new.
+            idempotency_key=f"{self.workflow_id}:{step.tool_call_id}",
+        )
+
+    def review(self) -> PlanReview:
+        assert self.data.plan is not None
+        return policy.review_plan(self.data.plan, self.catalog, self.tenant)
+
+    # ------------------------------------------------------------------ records
+
+    def move(self, to: RunState, *, at: datetime, actor: str, reason: str, refs: Refs | None = None) -> None:
+        """Raises IllegalTransition for a move the table denies (the workflow makes that a
+        non-retryable failure)."""
+        record = self.data.lifecycle.move(to, at=at, actor=actor, reason=reason, refs=refs)
+        self.data.updated_at = record.at
+        self.on_record(record)
+
+    def refuse(self, *, at: datetime, actor: str, reason: str, rule: str, refs: Refs | None = None) -> None:
+        self.on_record(self.data.lifecycle.refuse(at=at, actor=actor, reason=reason, refs=refs, rule=rule))
+
+    # ------------------------------------------------------------------ start and planning
+
+    def received(self, at: datetime) -> None:
+        """The catalog and the policy snapshot are in: start planning, or fail."""
+        data = self.data
+        if data.created_at is None:
+            data.created_at = at
+        assert data.policy is not None
+        # The policy's content hash goes on the timeline: a run's decisions stay explainable.
+        refs = Refs(policy_hash=data.policy.policy_hash)
+        if data.policy.policy is None:
+            self.move(
+                S.FAILED,
+                at=at,
+                actor="runtime",
+                reason=f"tenant {self.request.tenant!r} is not in the policy file "
+                f"{data.policy.source}: add it under [tenants.{self.request.tenant}]",
+                refs=refs,
+            )
+        else:
+            self.move(S.PLANNING, at=at, actor="runtime", reason=f"run received; policy {data.policy.source}", refs=refs)
+
+    def token_budget_refusal(self) -> str | None:
+        max_tokens = self.request.limits.max_model_tokens
+        if max_tokens is not None and self.data.model_tokens >= max_tokens:
+            return f"model token budget used up: {self.data.model_tokens} of max_model_tokens={max_tokens} used"
+        return None
+
+    def planner_failed(self, failure: ToolFailure, at: datetime) -> None:
+        self.data.last_error = f"{failure.code}: {failure.message}"
+        self.move(
+            S.FAILED,
+            at=at,
+            actor="planner",
+            reason=f"planner failed: {failure.message}",
+            refs=Refs(error_code=failure.code),
+        )
+
+    def proposal(self, proposal: Proposal, *, at: datetime, new_id: Callable[[int], str]) -> None:
+        """The planner answered: finish, validate the plan, or record why it is not valid."""
+        data = self.data
+        data.model_tokens += proposal.usage_tokens
+        max_tokens = self.request.limits.max_model_tokens
+        if max_tokens is not None and data.model_tokens > max_tokens:
+            data.last_error = f"model_token_budget: {data.model_tokens} > {max_tokens}"
+            self.move(
+                S.FAILED,
+                at=at,
+                actor="runtime",
+                reason=f"model token budget exceeded: {data.model_tokens} of "
+                f"max_model_tokens={max_tokens} used; the proposal was discarded",
+                refs=Refs(error_code="model_token_budget"),
+            )
+            return
+        if proposal.answer is not None and not proposal.steps:
+            data.answer = proposal.answer
+            self.move(S.COMPLETED, at=at, actor="planner", reason="planner finished with an answer")
+            return
+        result = validate_proposal(
+            proposal,
+            self.catalog,
+            executed_steps=len(data.executed),
+            limits=self.limits,
+            new_id=new_id,
+            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
+        )
+        if result.plan is None:
+            data.feedback = result.reason
+            self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
+            return
+        data.plan, data.next_step, data.step_retries, data.feedback = result.plan, 0, 0, None
+        data.pending_approval = None
+        self.move(
+            S.VALIDATED,
+            at=at,
+            actor="runtime",
+            reason=f"plan of {len(result.plan.steps)} step(s) validated",
+            refs=Refs(plan_hash=result.plan.plan_hash),
+        )
+
+    def after_validation_failed(self, at: datetime) -> None:
+        limits = self.limits
+        if policy.may_replan(self.data.replans, limits):
+            self.data.replans += 1
+            self.move(
+                S.PLANNING,
+                at=at,
+                actor="runtime",
+                reason=f"replan {self.data.replans}/{limits.max_replans} with validation feedback",
+            )
+        else:
+            self.move(
+                S.FAILED,
+                at=at,
+                actor="runtime",
+                reason=f"validation failed and the replan budget is used up (max_replans={limits.max_replans})",
+            )
+
+    def after_validated(self, at: datetime) -> None:
+        review = self.review()
+        if not review.needs_approval:
+            self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
+            return
+        self.request_approval(at=at, reason=f"approval needed: {review.summary}")
+
+    # ------------------------------------------------------------------ approvals
+
+    def request_approval(self, *, at: datetime, reason: str) -> None:
+        """Open a fresh approval request for the current plan (no approvals carried over)."""
+        data = self.data
+        assert data.plan is not None
+        review = self.review()
+        ttl = self.request.limits.approval_ttl_seconds
+        if review.ttl_seconds is not None:
+            ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
+        data.pending_approval = PendingApproval(
+            plan_hash=data.plan.plan_hash,
+            expires_at=at + timedelta(seconds=ttl),
+            summary=review.summary,
+            risk="high" if review.risk == "high" else "normal",
+            approvals_required=review.approvals_required,
+            roles=review.roles,
+        )
+        data.approved_by = []
+        self.move(S.AWAITING_APPROVAL, at=at, actor="runtime", reason=reason, refs=Refs(plan_hash=data.plan.plan_hash))
+
+    def screen_decision(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> bool:
+        """The cheap, state-only checks a decision passes on arrival (signal handler).
+
+        Returns True when it may go on to the policy check; otherwise it is recorded as refused.
+        """
+        refusal = policy.decision_refusal(decision, self.data, now=at, check_duplicate=True)
+        if decision.decision_id not in self.data.decisions_seen:
+            self.data.decisions_seen.append(decision.decision_id)
+        if refusal is not None:
+            self._refuse_decision(kind, decision, refusal, at)
+            return False
+        return True
+
+    def settle_decision(
+        self, kind: DecisionKind, decision: ApprovalDecision, verdict: Refusal | None, at: datetime
+    ) -> None:
+        """Apply a decision the policy activity has judged (``verdict`` None: the approver may)."""
+        data = self.data
+        # The run may have moved on (expiry, handoff) while the policy was consulted.
+        refusal = verdict or policy.decision_refusal(decision, data, now=at, check_duplicate=False)
+        if refusal is not None:
+            self._refuse_decision(kind, decision, refusal, at)
+            return
+        pending = data.pending_approval
+        assert pending is not None
+        refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
+        actor = f"user:{decision.approver}"
+        if kind == "reject":
+            self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)
+            return
+        pending.approvals.append(AcceptedApproval(approver=decision.approver, decision_id=decision.decision_id, at=at))
+        data.approved_by = [a.approver for a in pending.approvals]
+        if len(pending.approvals) < pending.approvals_required:
+            self.on_record(
+                data.lifecycle.accept(
+                    at=at,
+                    actor=actor,
+                    reason=f"approval {len(pending.approvals)}/{pending.approvals_required} accepted: "
+                    f"{decision.comment or 'approved'}",
+                    refs=refs,
+                )
+            )
+            return
+        self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
+
+    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> None:
+        """A decision still queued when the run left AWAITING_APPROVAL."""
+        self._refuse_decision(
+            kind,
+            decision,
+            Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL"),
+            at,
+        )
+
+    def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None:
+        self.refuse(
+            at=at,
+            actor=f"user:{decision.approver}",
+            reason=f"{kind} refused: {refusal.message}",
+            rule=refusal.rule,
+            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
+        )
+
+    def expire(self, at: datetime) -> None:
+        """The approval timer fired."""
+        data = self.data
+        pending = data.pending_approval
+        assert pending is not None and at >= pending.expires_at
+        refs = Refs(plan_hash=pending.plan_hash)
+        limits = self.limits
+        if limits.on_expiry == "replan" and policy.may_replan(data.replans, limits):
+            data.replans += 1
+            self.move(
+                S.PLANNING,
+                at=at,
+                actor="timer",
+                reason=f"approval expired at {pending.expires_at.isoformat()}: replanning "
+                f"({data.replans}/{limits.max_replans})",
+                refs=refs,
+            )
+        else:
+            self.move(S.EXPIRED, at=at, actor="timer", reason=f"approval expired at {pending.expires_at.isoformat()}", refs=refs)
+        data.pending_approval = None
+
+    def authority_check(self, *, from_step: int) -> AuthorityCheck | None:
+        """What to re-check before the plan's remaining writes run (None: nothing writes)."""
+        data = self.data
+        pending = data.pending_approval
+        if data.plan is None or pending is None:
+            return None
+        tools = [
+            s.tool
+            for s in data.plan.steps[from_step:]
+            if (info := self.catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
+        ]
+        if not tools:
+            return None
+        return AuthorityCheck(
+            tenant=self.request.tenant,
+            approvals=[a.approver for a in pending.approvals],
+            tools=tools,
+            roles=pending.roles,
+            approvals_required=pending.approvals_required,
+        )
+
+    def after_approved(self, refusal: Refusal | None, at: datetime) -> None:
+        """Just before an approved plan's writes run: do its approvals still hold?"""
+        if refusal is not None:
+            self.request_approval(
+                at=at,
+                reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; a new approval is needed",
+            )
+            return
+        self.enter_step(at=at, reason="approved plan: executing")
+
+    def after_observation(self, refusal: Refusal | None, at: datetime) -> None:
+        """A step's result is in: the next step of the approved plan, or plan again."""
+        data = self.data
+        if self.current_step() is None:
+            data.pending_approval = None
+            self.move(S.PLANNING, at=at, actor="runtime", reason="plan executed: planning what is next")
+            return
+        if refusal is not None:
+            # The rest of the plan needs a new plan and a new approval.
+            data.pending_approval = None
+            self.move(
+                S.PLANNING,
+                at=at,
+                actor="runtime",
+                reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; replanning the remaining steps",
+            )
+            return
+        self.enter_step(at=at, reason="next step of the approved plan")
+
+    # ------------------------------------------------------------------ handoff and cancel
+
+    def screen_handoff(self, request: HandoffRequest, at: datetime) -> bool:
+        """May this handoff be honoured (at the next point the table allows)? Else refused."""
+        refusal: Refusal | None = None
+        if self.data.lifecycle.terminal:
+            refusal = Refusal(rule="run_ended", message=f"run already ended in {self.state.value}")
+        else:
+            # Membership is checked against the policy snapshot the run took at start.
+            refusal = policy.handoff_member_refusal(self.tenant, request.by)
+        if refusal is not None:
+            self.refuse(at=at, actor=f"operator:{request.by}", reason=f"handoff refused: {refusal.message}", rule=refusal.rule)
+            return False
+        return True
+
+    def take_handoff(self, request: HandoffRequest | None, at: datetime, detail: str | None = None) -> bool:
+        """Honour a pending handoff if the current state allows it."""
+        if request is None or not self.data.lifecycle.can_move(S.HANDED_OFF):
+            return False
+        reason = f"handed off by {request.by}: {request.reason}"
+        self.move(
+            S.HANDED_OFF,
+            at=at,
+            actor=f"operator:{request.by}",
+            reason=f"{reason} ({detail})" if detail else reason,
+        )
+        self.data.pending_approval = None
+        return True
+
+    def cancelled(self, reason: str | None, at: datetime) -> None:
+        self.move(S.CANCELLED, at=at, actor="runtime", reason=f"cancellation requested: {reason or 'no reason'}")
+
+    # ------------------------------------------------------------------ tools
+
+    def enter_step(self, *, at: datetime, reason: str) -> None:
+        """Enter EXECUTING_TOOL for the plan's next step."""
+        step = self.current_step()
+        assert step is not None
+        self.data.step_retries = 0
+        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=reason, refs=self.step_refs(step))
+
+    def next_tool_call(self, at: datetime) -> ToolCall | None:
+        """The call to schedule now, or None when the step may not run (the run has moved)."""
+        data = self.data
+        step = self.current_step()
+        assert step is not None and self.state == S.EXECUTING_TOOL
+        max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
+        if max_calls is not None and data.tool_calls >= max_calls:
+            self._record_step(step, "failed", None)
+            self.move(
+                S.EXECUTION_FAILED,
+                at=at,
+                actor="runtime",
+                reason=f"tool call budget exhausted: {data.tool_calls} of max_tool_calls="
+                f"{max_calls} used; tool call {step.tool_call_id} ({step.tool}) not started",
+                refs=self.step_refs(step).model_copy(update={"error_code": "tool_call_budget"}),
+            )
+            return None
+        data.tool_calls += 1  # every call the workflow schedules, retries included
+        refs = self.step_refs(step)
+        return ToolCall(
+            tool=step.tool,
+            args=step.args,
+            tool_call_id=step.tool_call_id,
+            idempotency_key=refs.idempotency_key or "",
+            run_id=self.workflow_id,
+            tenant=self.request.tenant,
+            attempt=data.step_retries + 1,
+        )
+
+    def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:
+        step = self.current_step()
+        assert step is not None
+        self._record_step(step, "ok", outcome)
+        self.data.last_error = None
+        self.data.next_step += 1
+        self.move(
+            S.OBSERVING_RESULT,
+            at=at,
+            actor="runtime",
+            reason=f"tool call {step.tool_call_id} ({step.tool}) succeeded",
+            refs=self.step_refs(step),
+        )
+
+    def tool_failed(self, failure: ToolFailure, at: datetime) -> float | None:
+        """Apply the retry rule. Returns the backoff in seconds when the call is to be retried."""
+        data = self.data
+        step = self.current_step()
+        assert step is not None
+        info = self.tool_info(step)
+        effect = info.effect if info else ToolEffect.UNSAFE
+        data.last_error = f"{failure.code}: {failure.message}"
+        next_state, why = policy.after_tool_failure(
+            effect,
+            permanent=failure.permanent,
+            retries_done=data.step_retries,
+            max_retries=info.max_retries if info else 0,
+        )
+        refs = self.step_refs(step).model_copy(update={"error_code": failure.code})
+        if next_state != S.RETRY_WAIT:
+            self._record_step(step, "failed", None)
+            self.move(
+                next_state,
+                at=at,
+                actor="runtime",
+                reason=f"tool call {step.tool_call_id} ({step.tool}) failed: {failure.message} — {why}",
+                refs=refs,
+            )
+            return None
+        delay = policy.retry_delay_seconds(data.step_retries, failure.suggested_delay)
+        data.step_retries += 1
+        data.retries += 1
+        self.move(S.RETRY_WAIT, at=at, actor="runtime", reason=f"{why} in {delay:g}s: {failure.message}", refs=refs)
+        return delay
+
+    def retry(self, at: datetime) -> None:
+        step = self.current_step()
+        assert step is not None
+        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=f"retry {self.data.step_retries}", refs=self.step_refs(step))
+
+    def tool_settled_on_cancel(self, outcome: ToolOutcome | None) -> None:
+        """A cancellation waited for the tool in flight: keep what it did."""
+        step = self.current_step()
+        assert step is not None
+        self._record_step(step, "ok" if outcome else "failed", outcome)
+        if outcome is not None:
+            self.data.next_step += 1
+
+    def _record_step(self, step: PlanStep, status: Literal["ok", "failed"], outcome: ToolOutcome | None) -> None:
+        self.data.executed.append(
+            ExecutedStep(
+                tool_call_id=step.tool_call_id,
+                tool=step.tool,
+                args=step.args,
+                status=status,
+                observation=outcome.observation if outcome else "",
+                digest=outcome.digest if outcome else "",
+            )
+        )
