@@ -24,9 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The embedded Temporal dev server (SQLite under .tether/, Web UI on :8233) and the billing service.
+# The embedded Temporal dev server (SQLite under .tether/, Web UI on :8233) and the billing
+# service; with TETHER_ENCRYPTION_KEY_FILE set, also the codec server the UI decodes through.
 dev-server: $(STAMP)
-	$(PY) -m examples.devstack up dev-server billing
+	$(PY) -m examples.devstack up dev-server billing codec
 
 # A worker in the foreground (Ctrl-C stops it cleanly).
 worker: $(STAMP)

@@ -89,6 +89,9 @@ def _worker_ready() -> bool:
     return pid is not None and log.exists() and "worker ready" in log.read_text(errors="replace")
 
 
+CODEC_PORT = int(os.environ.get("TETHER_CODEC_PORT", "8081"))
+KEY_FILE = os.environ.get("TETHER_ENCRYPTION_KEY_FILE")
+
 SERVICES = {
     "dev-server": Service("dev-server", dev_server_command, lambda: port_open(TEMPORAL_PORT)),
     "billing": Service(
@@ -99,6 +102,14 @@ SERVICES = {
     ),
     # The demo's worker applies the example policy (alice requests, bob approves) unless
     # TETHER_POLICY names another file.
+    # Only with payload encryption on: lets the Web UI decode payloads for the person looking.
+    "codec": Service(
+        "codec",
+        lambda: [sys.executable, "-m", "activities.codec", "--port", str(CODEC_PORT),
+                 "--key-file", str(KEY_FILE),
+                 "--origin", f"http://localhost:{UI_PORT}", "--origin", f"http://127.0.0.1:{UI_PORT}"],
+        lambda: port_open(CODEC_PORT),
+    ),
     "worker": Service(
         "worker",
         lambda: [sys.executable, str(ROOT / "worker.py"), "--policy",
@@ -118,6 +129,8 @@ def _pid(pidfile: Path) -> int | None:
 
 
 def start(service: Service) -> None:
+    if service.name == "codec" and not KEY_FILE:
+        return  # payload encryption is off: nothing to decode
     if _pid(service.pidfile) is not None and service.ready():
         print(f"{service.name}: already running")
         return

@@ -218,8 +218,10 @@ async def test_cli_on_unknown_and_finished_runs_gives_one_line_errors(
                 assert len(err.strip().splitlines()) == 1, (verb, err)
                 assert "already finished" in err or "not awaiting approval" in err, (verb, err)
         final = await snapshot(done)
+        records = await timeline(done)
     assert final.state == S.COMPLETED and final.state_version == outcome.timeline[-1].state_version
-    check_timeline(await timeline(done), tools_by_call(outcome))
+    assert records == outcome.timeline  # the refused calls never reached the finished run
+    check_timeline(records, tools_by_call(outcome))
 
 
 async def test_temporal_down_gives_one_line_errors(dev_env: WorkflowEnvironment, tmp_path: Path) -> None:

@@ -191,7 +191,7 @@ class Engine:
             self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
             return
         data.plan, data.next_step, data.step_retries, data.feedback = result.plan, 0, 0, None
-        data.pending_approval = None
+        data.pending_approval = data.approval = None
         self.move(
             S.VALIDATED,
             at=at,
@@ -243,6 +243,7 @@ class Engine:
             approvals_required=review.approvals_required,
             roles=review.roles,
         )
+        data.approval = None
         data.approved_by = []
         self.move(S.AWAITING_APPROVAL, at=at, actor="runtime", reason=reason, refs=Refs(plan_hash=data.plan.plan_hash))
 
@@ -274,6 +275,7 @@ class Engine:
         refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
         actor = f"user:{decision.approver}"
         if kind == "reject":
+            data.pending_approval = None
             self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)
             return
         pending.approvals.append(AcceptedApproval(approver=decision.approver, decision_id=decision.decision_id, at=at))
@@ -289,6 +291,8 @@ class Engine:
                 )
             )
             return
+        # The approval is now in force for this plan; nothing is pending any more.
+        data.approval, data.pending_approval = pending, None
         self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
 
     def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> None:
@@ -333,8 +337,8 @@ class Engine:
     def authority_check(self, *, from_step: int) -> AuthorityCheck | None:
         """What to re-check before the plan's remaining writes run (None: nothing writes)."""
         data = self.data
-        pending = data.pending_approval
-        if data.plan is None or pending is None:
+        approval = data.approval
+        if data.plan is None or approval is None:
             return None
         tools = [
             s.tool
@@ -345,10 +349,10 @@ class Engine:
             return None
         return AuthorityCheck(
             tenant=self.request.tenant,
-            approvals=[a.approver for a in pending.approvals],
+            approvals=[a.approver for a in approval.approvals],
             tools=tools,
-            roles=pending.roles,
-            approvals_required=pending.approvals_required,
+            roles=approval.roles,
+            approvals_required=approval.approvals_required,
         )
 
     def after_approved(self, refusal: Refusal | None, at: datetime) -> None:
@@ -365,12 +369,12 @@ class Engine:
         """A step's result is in: the next step of the approved plan, or plan again."""
         data = self.data
         if self.current_step() is None:
-            data.pending_approval = None
+            data.approval = None
             self.move(S.PLANNING, at=at, actor="runtime", reason="plan executed: planning what is next")
             return
         if refusal is not None:
             # The rest of the plan needs a new plan and a new approval.
-            data.pending_approval = None
+            data.approval = None
             self.move(
                 S.PLANNING,
                 at=at,
@@ -410,6 +414,7 @@ class Engine:
         return True
 
     def cancelled(self, reason: str | None, at: datetime) -> None:
+        self.data.pending_approval = None
         self.move(S.CANCELLED, at=at, actor="runtime", reason=f"cancellation requested: {reason or 'no reason'}")
 
     # ------------------------------------------------------------------ tools

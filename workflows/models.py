@@ -388,7 +388,8 @@ class RunData(BaseModel):
     plan: Plan | None = None
     next_step: int = 0  # index into plan.steps of the next step to execute
     step_retries: int = 0  # retries the workflow scheduled for the current step
-    pending_approval: PendingApproval | None = None
+    pending_approval: PendingApproval | None = None  # only while AWAITING_APPROVAL
+    approval: PendingApproval | None = None  # the approval in force while its plan executes
     approved_by: list[str] = Field(default_factory=list)
     decisions_seen: list[str] = Field(default_factory=list)
     executed: list[ExecutedStep] = Field(default_factory=list)

@@ -1,0 +1,240 @@
+"""Property-based tests over the run's decision logic (workflows/engine.py, the same code the
+workflow runs), driven by random sequences of events.
+
+The driver plays the workflow's part: it delivers each event at a point where the workflow
+could receive it (signals at any time, tool results while a tool runs, the expiry timer while
+waiting) and advances the transient states the way the workflow loop does. Every decision is
+the engine's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import examples.billing.tools  # noqa: F401  (registers the billing tools)
+from activities.tools import REGISTRY
+from workflows import policy
+from workflows.engine import Engine, ToolFailure
+from workflows.models import (
+    ApprovalDecision,
+    HandoffRequest,
+    PolicySnapshot,
+    Proposal,
+    ProposedStep,
+    Refusal,
+    RunData,
+    RunRequest,
+    ToolEffect,
+    ToolOutcome,
+)
+from workflows.states import TERMINAL, RunState, is_legal_path
+
+S = RunState
+CATALOG = REGISTRY.catalog()
+START = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+READ = ProposedStep(tool="get_order", args={"order_id": "A-1001"})
+REFUND = ProposedStep(tool="issue_refund", args={"order_id": "A-1001", "amount_cents": 100, "reason": "r"})
+LEDGER = ProposedStep(tool="post_ledger_entry", args={"order_id": "A-1001", "amount_cents": -100, "memo": "m"})
+EMAIL = ProposedStep(tool="send_email", args={"to": "a@b.c", "subject": "s", "body": "b"})
+PROPOSALS = {
+    "propose_read": Proposal(steps=[READ]),
+    "propose_writes": Proposal(steps=[READ, REFUND, LEDGER, EMAIL]),
+    "propose_unsafe": Proposal(steps=[EMAIL]),
+    "propose_other_amount": Proposal(steps=[REFUND.model_copy(update={"args": {**REFUND.args, "amount_cents": 99}})]),
+    "propose_invalid": Proposal(steps=[ProposedStep(tool="wire_money", args={})]),
+    "answer": Proposal(answer="done"),
+}
+# Weighted by repetition: runs should get far enough to execute tools often.
+EVENTS = [
+    *PROPOSALS, "propose_writes", "propose_unsafe",
+    "approve", "approve", "approve", "approve_old_plan", "approve_policy_refused", "duplicate", "reject",
+    "expire", "cancel", "handoff", "authority_revoked",
+    "tool_ok", "tool_ok", "tool_ok", "tool_retryable", "tool_retryable", "tool_permanent",
+    "tool_unknown", "tool_unknown",
+]
+WORKFLOW_AWAITS = {S.RECEIVED, S.PLANNING, S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.RETRY_WAIT}
+
+
+class Driver:
+    def __init__(self, on_expiry: str) -> None:
+        request = RunRequest(
+            goal="g", requested_by="alice", limits={"max_replans": 3, "max_steps": 12, "on_expiry": on_expiry}
+        )
+        data = RunData(
+            catalog=CATALOG,
+            policy=PolicySnapshot(tenant="default", policy=policy.DEFAULT_TENANT_POLICY, policy_hash="h", source="test"),
+        )
+        self.engine = Engine(data, request, workflow_id="wf")
+        self.now = START
+        self.handoff: HandoffRequest | None = None
+        self.revoked = False  # the next authority re-check finds an approver revoked
+        self.sent: Counter[str] = Counter()  # external calls per idempotency key
+        self.effects: dict[str, ToolEffect] = {}
+        self.step_tools: dict[str, str] = {}
+        self.hashes_seen: list[str] = []
+        self.decisions: list[ApprovalDecision] = []
+        self.ids = 0
+        self.engine.received(self.now)
+
+    @property
+    def state(self) -> RunState:
+        return self.engine.state
+
+    def tick(self, seconds: int = 1) -> datetime:
+        self.now += timedelta(seconds=seconds)
+        return self.now
+
+    def new_id(self, n: int) -> str:
+        self.ids += 1
+        return f"tc-{n:03d}-{self.ids}"
+
+    # The workflow loop's transient states and its handoff points.
+    def settle(self) -> None:
+        e = self.engine
+        while True:
+            if self.handoff and e.take_handoff(self.handoff, self.tick()):
+                self.handoff = None
+                continue
+            if self.state == S.VALIDATION_FAILED:
+                e.after_validation_failed(self.tick())
+            elif self.state == S.VALIDATED:
+                plan = e.data.plan
+                self.hashes_seen.append(plan.plan_hash)
+                self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
+                e.after_validated(self.tick())
+            elif self.state in (S.APPROVED, S.OBSERVING_RESULT):
+                # The workflow re-checks authority (an activity) when something still writes.
+                refusal = None
+                if e.authority_check(from_step=e.data.next_step) is not None and self.revoked:
+                    refusal, self.revoked = Refusal(rule="approver_revoked", message="gone"), False
+                if self.state == S.APPROVED:
+                    e.after_approved(refusal, self.tick())
+                else:
+                    e.after_observation(refusal, self.tick())
+            else:
+                return
+
+    def decision(self, plan_hash: str) -> ApprovalDecision:
+        d = ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=plan_hash)
+        self.decisions.append(d)
+        return d
+
+    def signal(self, kind: str, decision: ApprovalDecision, verdict: Refusal | None = None) -> None:
+        # A decision passes the handler's checks, then (in the loop) the policy activity.
+        if self.engine.screen_decision(kind, decision, self.tick()) and self.state == S.AWAITING_APPROVAL:
+            self.engine.settle_decision(kind, decision, verdict, self.tick())
+
+    def tool(self, event: str) -> None:
+        e = self.engine
+        if self.state == S.RETRY_WAIT:
+            e.retry(self.tick())  # the backoff timer fired
+            self.settle()
+            if self.state != S.EXECUTING_TOOL:
+                return
+        call = e.next_tool_call(self.tick())
+        if call is None:
+            return
+        effect = e.tool_info(e.current_step()).effect
+        self.effects[call.idempotency_key] = effect
+        self.sent[call.idempotency_key] += 1  # the call reaches the external system
+        if event == "tool_ok":
+            e.tool_succeeded(ToolOutcome(observation="{}", digest="d", size=2), self.tick())
+        else:
+            failure = {
+                "tool_retryable": ToolFailure("http_503", "unavailable", permanent=False),
+                "tool_permanent": ToolFailure("http_422", "bad input", permanent=True),
+                "tool_unknown": ToolFailure("timeout_start_to_close", "outcome unknown", permanent=False),
+            }[event]
+            e.tool_failed(failure, self.tick())
+
+    def apply(self, event: str) -> None:
+        e = self.engine
+        state = self.state
+        pending = e.data.pending_approval
+        if event in PROPOSALS:
+            if state == S.PLANNING:
+                e.proposal(PROPOSALS[event], at=self.tick(), new_id=self.new_id)
+        elif event == "approve" and pending:
+            self.signal("approve", self.decision(pending.plan_hash))
+        elif event == "approve_old_plan":
+            old = [h for h in self.hashes_seen if not pending or h != pending.plan_hash]
+            self.signal("approve", self.decision(old[0] if old else "0" * 64))
+        elif event == "approve_policy_refused" and pending:
+            self.signal("approve", self.decision(pending.plan_hash), Refusal(rule="four_eyes", message="no"))
+        elif event == "duplicate" and self.decisions:
+            self.signal("approve", self.decisions[-1])
+        elif event == "reject" and pending:
+            self.signal("reject", self.decision(pending.plan_hash))
+        elif event == "expire" and state == S.AWAITING_APPROVAL:
+            self.now = max(self.now, pending.expires_at)
+            e.expire(self.now)
+        elif event == "cancel" and state in WORKFLOW_AWAITS:
+            e.cancelled("test", self.tick())
+        elif event == "handoff":
+            request = HandoffRequest(by="dana", reason="r")
+            if self.handoff is None and e.screen_handoff(request, self.tick()):
+                self.handoff = request
+        elif event == "authority_revoked":
+            self.revoked = True
+        elif event.startswith("tool_") and state in (S.EXECUTING_TOOL, S.RETRY_WAIT):
+            self.tool(event)
+        self.settle()
+
+
+def writes_only_after_approval(driver: Driver) -> None:
+    """No EXECUTING_TOOL for a write step without an accepted approval of the current plan hash."""
+    approved: set[str] = set()
+    for record in driver.engine.data.lifecycle.timeline:
+        if record.kind != "transition":
+            continue
+        if record.to_state == S.VALIDATED:
+            approved.discard(record.refs.plan_hash)  # a new validation needs a new approval
+        if record.to_state == S.APPROVED:
+            approved.add(record.refs.plan_hash)
+        if record.from_state == S.APPROVED and record.to_state == S.AWAITING_APPROVAL:
+            approved.discard(record.refs.plan_hash)
+        if record.to_state == S.EXECUTING_TOOL:
+            tool = driver.step_tools[record.refs.tool_call_id]
+            if CATALOG.get(tool).requires_approval:
+                assert record.refs.plan_hash in approved, f"{tool} ran without an approval of its plan"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(st.sampled_from(EVENTS), max_size=60), on_expiry=st.sampled_from(["expire", "replan"]))
+def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry: str) -> None:
+    driver = Driver(on_expiry)
+    terminal_at: tuple[RunState, int, int] | None = None
+    for event in events:
+        driver.apply(event)
+        lc = driver.engine.data.lifecycle
+        if terminal_at is not None:
+            # Terminal states absorb: nothing changes state or version; only refusals are added.
+            assert (lc.state, lc.state_version) == terminal_at[:2]
+            assert all(r.kind == "refused" for r in lc.timeline[terminal_at[2]:])
+        elif lc.terminal:
+            terminal_at = (lc.state, lc.state_version, len(lc.timeline))
+    timeline = driver.engine.data.lifecycle.timeline
+    assert is_legal_path(timeline)
+    versions = [r.state_version for r in timeline if r.kind == "transition"]
+    assert versions == list(range(1, len(versions) + 1))
+    for key, calls in driver.sent.items():
+        if driver.effects[key] == ToolEffect.UNSAFE:
+            assert calls <= 1, f"unsafe tool called {calls} times for {key}"
+    writes_only_after_approval(driver)
+    if driver.state in TERMINAL:
+        assert driver.engine.data.pending_approval is None, "a finished run has nothing pending"
+
+
+def test_unsafe_unknown_outcome_hands_off_naming_the_call() -> None:
+    driver = Driver("expire")
+    for event in ("propose_unsafe", "approve", "tool_unknown"):
+        driver.apply(event)
+    last = driver.engine.data.lifecycle.timeline[-1]
+    assert driver.state == S.HANDED_OFF
+    assert last.refs.tool_call_id in last.reason and "outcome unknown" in last.reason
