@@ -1,0 +1,164 @@
+"""Record real histories of the main paths into tests/histories/*.json (`make record-histories`).
+
+Each path runs on a local dev server with the real billing service and a worker in this
+process; its event history is saved as JSON. tests/test_replay.py replays them all with
+Temporal's Replayer, so a workflow change that would break runs already in flight fails CI.
+Re-record only for a change that is compatible by design (see the README: "Changing workflow
+code safely").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+BIN = Path(sys.executable).parent
+
+
+def steps(*names: str) -> list[dict]:
+    catalog = {
+        "get": {"tool": "get_order", "args": {"order_id": "A-1001"}},
+        "refund": {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 700, "reason": "r"}},
+        "big_refund": {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 11000, "reason": "r"}},
+        "email": {"tool": "send_email", "args": {"to": "grace@example.com", "subject": "s", "body": "b"}},
+    }
+    return [catalog[n] for n in names]
+
+
+async def main() -> None:
+    # Imported here: the sandbox re-imports this module, and the workflow must not see them run.
+    from examples.billing.service import make_server
+    from tests.conftest import Billing, make_request, running_worker, start_run, wait_for_state
+    from workflows.agent_run import SEARCH_ATTRIBUTES
+    from workflows.models import ApprovalDecision, HandoffRequest
+
+    db = HERE / f".record-{uuid.uuid4().hex[:6]}.db"
+    server = make_server(0, str(db))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    billing = Billing(url=f"http://127.0.0.1:{server.server_address[1]}", db=db)
+    os.environ["BILLING_URL"] = billing.url
+
+    async def approve(handle: WorkflowHandle, approver: str = "bob") -> None:
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal(
+            "approve", ApprovalDecision(decision_id=uuid.uuid4().hex, approver=approver, plan_hash=snap.pending_approval.plan_hash)
+        )
+
+    async def approve_path(client: Client, h: WorkflowHandle) -> None:
+        await approve(h)
+
+    async def reject_path(client: Client, h: WorkflowHandle) -> None:
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        await h.signal("reject", ApprovalDecision(decision_id="r1", approver="bob", plan_hash=snap.pending_approval.plan_hash, reason="no"))
+
+    async def refused_then_approved(client: Client, h: WorkflowHandle) -> None:
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        plan_hash = snap.pending_approval.plan_hash
+        await h.signal("approve", ApprovalDecision(decision_id="stale", approver="bob", plan_hash="0" * 64))
+        await h.signal("approve", ApprovalDecision(decision_id="self", approver="alice", plan_hash=plan_hash))
+        await h.signal("approve", ApprovalDecision(decision_id="ok", approver="bob", plan_hash=plan_hash))
+        await h.signal("approve", ApprovalDecision(decision_id="ok", approver="bob", plan_hash=plan_hash))
+
+    async def nothing(client: Client, h: WorkflowHandle) -> None:
+        return None
+
+    async def replan_then_approve(client: Client, h: WorkflowHandle) -> None:
+        first = await wait_for_state(h, "AWAITING_APPROVAL")
+        for _ in range(100):  # the first request expires and the run replans...
+            snap = await wait_for_state(h, "AWAITING_APPROVAL", "PLANNING", "VALIDATED")
+            if snap.state_version > first.state_version + 2:
+                break
+            await asyncio.sleep(0.1)
+        await approve(h)  # ...the second request is approved
+
+    async def retry_path(client: Client, h: WorkflowHandle) -> None:
+        billing.fail_next("refunds", 2, status=503, when="after_commit")
+        await approve(h)
+
+    async def handoff_path(client: Client, h: WorkflowHandle) -> None:
+        await wait_for_state(h, "AWAITING_APPROVAL")
+        await h.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
+
+    async def cancel_path(client: Client, h: WorkflowHandle) -> None:
+        await wait_for_state(h, "AWAITING_APPROVAL")
+        await h.cancel(reason="withdrawn")
+
+    async def continue_as_new_path(client: Client, h: WorkflowHandle) -> None:
+        await wait_for_state(h, "AWAITING_APPROVAL")
+        first = (await h.describe()).run_id
+        for i in range(30):
+            await h.signal("approve", ApprovalDecision(decision_id=f"s{i}", approver="eve", plan_hash="0" * 64))
+        for _ in range(100):
+            if (await h.describe()).run_id != first:
+                break
+            await asyncio.sleep(0.1)
+        await approve(client.get_workflow_handle(h.id))
+
+    async def unsafe_path(client: Client, h: WorkflowHandle) -> None:
+        billing.fail_next("emails", 1, status=503, when="after_commit")
+        await approve(h)
+
+    paths: list[tuple[str, list[dict], dict, Callable[[Client, WorkflowHandle], Awaitable[None]]]] = [
+        ("read_only", steps("get"), {}, nothing),
+        ("approve", steps("get", "refund"), {}, approve_path),
+        ("reject", steps("refund"), {}, reject_path),
+        ("refused_then_approved", steps("refund"), {}, refused_then_approved),
+        ("expiry", steps("refund"), {"limits": {"approval_ttl_seconds": 1}}, nothing),
+        ("replan", steps("refund"), {"limits": {"approval_ttl_seconds": 3, "on_expiry": "replan", "max_replans": 1}}, replan_then_approve),
+        ("retry", steps("refund"), {}, retry_path),
+        ("handoff", steps("refund"), {}, handoff_path),
+        ("cancel", steps("refund"), {}, cancel_path),
+        ("validation_failed", [{"tool": "wire_money", "args": {}}], {"limits": {"max_replans": 1}}, nothing),
+        ("unsafe_unknown_outcome", steps("email"), {}, unsafe_path),
+        ("continue_as_new", steps("refund"), {}, continue_as_new_path),
+    ]
+
+    async def record(paths: list, extra_args: list[str]) -> None:
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=str(BIN / "temporal"),
+            search_attributes=SEARCH_ATTRIBUTES,
+            data_converter=pydantic_data_converter,
+            dev_server_extra_args=["--headless", *extra_args],
+        )
+        try:
+            async with running_worker(env.client) as worker:
+                for name, playbook, overrides, drive in paths:
+                    handle = await start_run(env.client, worker, make_request(playbook, **overrides), run_id=f"history-{name}")
+                    await drive(env.client, handle)
+                    try:
+                        await env.client.get_workflow_handle(handle.id).result()
+                    except Exception:
+                        pass  # cancelled
+                    # The continue-as-new path saves the first run: the one that continued.
+                    history = await env.client.get_workflow_handle(handle.id, run_id=handle.result_run_id).fetch_history()
+                    (HERE / f"{name}.json").write_text(history.to_json())
+                    print(f"recorded {name}: {len(history.events)} events, ends {history.events[-1].event_type}")
+        finally:
+            await env.shutdown()
+
+    try:
+        await record([p for p in paths if p[0] != "continue_as_new"], [])
+        # A server that suggests continue-as-new after a few dozen events.
+        await record(
+            [p for p in paths if p[0] == "continue_as_new"],
+            ["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"],
+        )
+    finally:
+        server.shutdown()
+        for stale in HERE.glob(".record-*.db*"):
+            stale.unlink()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

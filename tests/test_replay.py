@@ -1,0 +1,40 @@
+"""Replay the recorded histories of the main paths (tests/histories/*.json, written by
+`make record-histories`) against the current workflow code. A change that would break runs
+already in flight (a new activity, a reordered timer, a removed signal) fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from tests.histories.incompatible import ReorderedAgentRun
+from workflows.agent_run import AgentRun
+
+HISTORIES = sorted((Path(__file__).resolve().parent / "histories").glob("*.json"))
+PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new"}
+
+
+def load(path: Path) -> WorkflowHistory:
+    return WorkflowHistory.from_json(f"history-{path.stem}", path.read_text())
+
+
+def test_every_main_path_is_recorded() -> None:
+    assert PATHS <= {p.stem for p in HISTORIES}
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+async def test_history_replays_on_the_current_code(path: Path) -> None:
+    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(load(path), raise_on_replay_failure=False)
+    assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
+
+
+async def test_an_incompatible_change_fails_replay() -> None:
+    replayer = Replayer(workflows=[ReorderedAgentRun], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(load(HISTORIES[0]), raise_on_replay_failure=False)
+    assert result.replay_failure is not None
+    assert "nondetermin" in str(result.replay_failure).lower()
