@@ -31,29 +31,25 @@ def step(title: str, argv: list[str], expect: int = 0) -> int:
     return code
 
 
-async def wait_for_end(run_id: str, timeout: float = 60.0) -> RunSnapshot:
+async def wait_for(run_id: str, *, settled: bool, timeout: float) -> RunSnapshot:
+    """Until the run has ended (or, with ``settled``, also until it waits for a human)."""
     client = await connect()
     handle = client.get_workflow_handle(run_id)
     deadline = time.monotonic() + timeout
     while True:
         snap = await handle.query("snapshot", result_type=RunSnapshot)
-        if snap.state in TERMINAL or time.monotonic() > deadline:
+        done = snap.state in TERMINAL or (settled and snap.state == RunState.AWAITING_APPROVAL)
+        if done or time.monotonic() > deadline:
             return snap
         await asyncio.sleep(0.2)
 
 
-async def wait_settled(run_id: str, timeout: float = 180.0) -> RunSnapshot:
-    """Until the run waits for a human or has ended."""
-    client = await connect()
-    handle = client.get_workflow_handle(run_id)
-    deadline = time.monotonic() + timeout
-    while True:
-        snap = await handle.query("snapshot", result_type=RunSnapshot)
-        if snap.state in TERMINAL or snap.state == RunState.AWAITING_APPROVAL:
-            return snap
-        if time.monotonic() > deadline:
-            return snap
-        await asyncio.sleep(0.3)
+def wait_for_end(run_id: str, timeout: float = 60.0) -> RunSnapshot:
+    return asyncio.run(wait_for(run_id, settled=False, timeout=timeout))
+
+
+def wait_settled(run_id: str, timeout: float = 180.0) -> RunSnapshot:
+    return asyncio.run(wait_for(run_id, settled=True, timeout=timeout))
 
 
 MODEL_GOAL = (
@@ -73,7 +69,7 @@ def main_model() -> int:
     print(f"== alice asks the refund agent (model {os.environ['TETHER_MODEL']}) to refund A-1001")
     step("start", ["start", "--goal", MODEL_GOAL, "--planner", "model", "--requested-by",
                    "alice", "--id", run_id, "--wait", "--wait-timeout", "180"])
-    snap = asyncio.run(wait_settled(run_id))
+    snap = wait_settled(run_id)
     approvals = 0
     while snap.state == RunState.AWAITING_APPROVAL and approvals < 5:
         approvals += 1
@@ -81,7 +77,7 @@ def main_model() -> int:
               f"hash (approval {approvals})")
         step("status", ["status", run_id])
         step("approve", ["approve", run_id, "--by", "bob", "--comment", "checked the plan"])
-        snap = asyncio.run(wait_settled(run_id))
+        snap = wait_settled(run_id)
     print(f"\n== the run ended in {snap.state.value}" if snap.state in TERMINAL
           else f"\n== the run is {snap.state.value}")
     step("status", ["status", run_id])
@@ -104,7 +100,7 @@ def main() -> int:
     step("self-approval", ["approve", run_id, "--by", "alice"], expect=1)
     print("\n== bob reviews the plan and approves exactly this plan hash")
     step("approve", ["approve", run_id, "--by", "bob", "--comment", "checked the order"])
-    snap = asyncio.run(wait_for_end(run_id))
+    snap = wait_for_end(run_id)
     print(f"\n== the run ended in {snap.state.value}")
     step("status", ["status", run_id])
     step("timeline", ["timeline", run_id])

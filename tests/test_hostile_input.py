@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from tests.conftest import BIN, ROOT, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
 from tests.test_dev_server import Cli
-from workflows.models import RunOutcome, RunRequest
+from workflows.models import RunOutcome
 from workflows.states import RunState
 
 S = RunState
@@ -153,11 +153,6 @@ async def test_empty_playbook_and_unknown_tool_fail_the_run_with_a_reason(
     ],
     ids=["negative-limits", "1MB-goal", "missing-goal", "wrong-type"],
 )
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a start input that does not decode into RunRequest fails the first workflow task with "
-    "'Failed decoding arguments' and Temporal retries that task forever: the run is wedged RUNNING "
-    "instead of failing with the validation error (the worker itself stays up)"
-))
 async def test_raw_starts_that_bypass_the_model_do_not_wedge_the_worker(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, raw: object
 ) -> None:

@@ -215,11 +215,6 @@ async def test_cancel_racing_an_approval_settles_once(
     # below pin down deterministically.
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a cancellation that interrupts a non-tool activity (here policy_check_decision, queued by "
-    "the approval in the same workflow task) escapes AgentRun.run as ActivityError(CancelledError), "
-    "not asyncio.CancelledError: the run ends Temporal-cancelled with no CANCELLED transition"
-))
 async def test_cancel_and_approval_in_one_workflow_task_end_cancelled_on_the_timeline(
     dev_env: WorkflowEnvironment, billing: Billing
 ) -> None:

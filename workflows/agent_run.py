@@ -25,9 +25,11 @@ from temporalio.common import (
     SearchAttributePair,
     TypedSearchAttributes,
 )
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
+    from pydantic import ValidationError
+
     from workflows import metrics as run_metrics
     from workflows.engine import DecisionKind, Engine, ToolFailure
     from workflows.models import (
@@ -71,7 +73,9 @@ TOOL_RETRY = RetryPolicy(maximum_attempts=1)
 PLANNER_CONTEXT_CHARS = 16_000
 
 
-@workflow.defn(name="AgentRun")
+# A start input that does not validate as a RunRequest (say, from `temporal workflow start
+# --input`) fails the run with pydantic's message; otherwise its first task would retry forever.
+@workflow.defn(name="AgentRun", failure_exception_types=[ValidationError])
 class AgentRun:
     @workflow.init
     def __init__(self, request: RunRequest) -> None:
@@ -392,14 +396,21 @@ class AgentRun:
         retry: RetryPolicy | None = None,
     ) -> T:
         self._publish()
-        return await workflow.execute_activity(
-            name,
-            arg,
-            result_type=result_type,
-            start_to_close_timeout=timeout,
-            retry_policy=retry,
-            summary=summary,
-        )
+        try:
+            return await workflow.execute_activity(
+                name,
+                arg,
+                result_type=result_type,
+                start_to_close_timeout=timeout,
+                retry_policy=retry,
+                summary=summary,
+            )
+        except ActivityError as err:
+            # An activity the run's own cancellation cancelled: the run is being cancelled, not
+            # failing (this surfaces as ActivityError when the activity had not started yet).
+            if isinstance(err.cause, CancelledError):
+                raise asyncio.CancelledError() from err
+            raise
 
     def _take_handoff(self, detail: str | None = None) -> bool:
         request = self._handoff

@@ -16,8 +16,9 @@ idempotency key; the unsafe tool was never called twice and, its outcome being u
 run is HANDED_OFF with a reason that names the tool call; and every timeline is a legal path
 with strictly increasing ``state_version`` and no unapproved write (``tests/invariants.py``).
 
-The three rounds run concurrently (about 25 s here, most of it Temporal noticing the dead
-worker: the tools' 3 s timeout, then its sticky queue's 10 s). ``make chaos`` runs the same
+The three rounds run concurrently (20-35 s here, most of it Temporal noticing the dead
+worker: the tools' 3 s start_to_close timeout, then about 10 s more, which matches the SDK's
+default 10 s sticky-queue schedule-to-start timeout of the killed worker). ``make chaos`` runs the same
 rounds at random kill points, many times (``tests/chaos/run_chaos.py``).
 """
 
