@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 PLANNER ?= playbook
 
-.PHONY: install demo test dev-server worker down clean screenshots record-histories
+.PHONY: install demo test dev-server worker down clean screenshots record-histories chaos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ worker: $(STAMP)
 # Refresh the README's Web UI screenshots (docs/*.png) from the browser test (needs chromium).
 screenshots: $(STAMP)
 	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q
+
+# The long, randomized chaos run: >= 200 worker SIGKILLs at the dangerous points, summary table.
+chaos: $(STAMP)
+	$(PY) -m tests.chaos.run_chaos --kills 200
 
 # Re-record tests/histories/*.json (the replay suite's reference runs). Only for a workflow
 # change that is compatible by design: see README, "Changing workflow code safely".
