@@ -5,12 +5,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 PLANNER ?= playbook
+BENCH_ARGS ?=
 
-.PHONY: install demo test dev-server worker down clean screenshots record-histories chaos
+.PHONY: install demo test dev-server worker down clean screenshots record-histories chaos bench bench-waiting
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@# Bytecode up front: the workflow sandbox re-imports the workflow modules for every run,
+	@# and with PYTHONDONTWRITEBYTECODE set nothing would cache them (bench/PERFORMANCE.md).
+	$(PY) -m compileall -q workflows activities examples
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +40,16 @@ worker: $(STAMP)
 # Refresh the README's Web UI screenshots (docs/*.png) from the browser test (needs chromium).
 screenshots: $(STAMP)
 	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q
+
+# Governed vs bare Temporal loop, side by side on one dev server + one worker (bench/).
+bench: $(STAMP)
+	$(PY) -m compileall -q workflows activities
+	$(PY) -m bench.overhead $(BENCH_ARGS)
+
+# 10,000 runs waiting for approval (BENCH_ARGS="--runs 2000" for fewer), then drained.
+bench-waiting: $(STAMP)
+	$(PY) -m compileall -q workflows activities
+	$(PY) -m bench.waiting $(BENCH_ARGS)
 
 # The long, randomized chaos run: >= 200 worker SIGKILLs at the dangerous points, summary table.
 chaos: $(STAMP)

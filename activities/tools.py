@@ -105,19 +105,24 @@ class ToolSpec:
 @dataclass
 class ToolRegistry:
     tools: dict[str, ToolSpec] = field(default_factory=dict)
+    # Built once: JSON-schema generation is the costly part of every run's catalog snapshot.
+    _catalog: ToolCatalog | None = field(default=None, repr=False, compare=False)
 
     def register(self, spec: ToolSpec) -> ToolSpec:
         existing = self.tools.get(spec.name)
         if existing is not None and existing.fn is not spec.fn:
             raise ValueError(f"tool {spec.name!r} is registered twice; give one of them name=...")
         self.tools[spec.name] = spec
+        self._catalog = None
         return spec
 
     def get(self, name: str) -> ToolSpec | None:
         return self.tools.get(name)
 
     def catalog(self) -> ToolCatalog:
-        return ToolCatalog(tools=[spec.info() for spec in self.tools.values()])
+        if self._catalog is None:
+            self._catalog = ToolCatalog(tools=[spec.info() for spec in self.tools.values()])
+        return self._catalog.model_copy(deep=True)
 
     def check(self) -> None:
         """Fail at worker start, not mid-run, on a tool that cannot honour its effect."""

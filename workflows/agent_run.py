@@ -88,7 +88,10 @@ class AgentRun:
         # main loop checks each against the policy (an activity) and acts on it.
         self._inbox: list[tuple[DecisionKind, ApprovalDecision]] = []
         self._handoff: HandoffRequest | None = None
-        self._published: str | None = workflow.info().typed_search_attributes.get(STATE_ATTRIBUTE)
+        start_attributes = workflow.info().typed_search_attributes
+        self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
+        # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
+        self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == request.tenant
 
     # ------------------------------------------------------------------ main loop
 
@@ -114,11 +117,13 @@ class AgentRun:
         if data.catalog is None:
             # One snapshot per run: validation must not change under a run's feet.
             data.catalog = await self._activity(
-                "tool_catalog", CatalogRequest(tenant=self.request.tenant), ToolCatalog, "tool catalog snapshot"
+                "tool_catalog", CatalogRequest(tenant=self.request.tenant), ToolCatalog, "tool catalog snapshot",
+                local=True,
             )
         if data.policy is None:
             data.policy = await self._activity(
-                "policy_snapshot", SnapshotRequest(tenant=self.request.tenant), PolicySnapshot, "policy snapshot"
+                "policy_snapshot", SnapshotRequest(tenant=self.request.tenant), PolicySnapshot, "policy snapshot",
+                local=True,
             )
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
@@ -230,6 +235,7 @@ class AgentRun:
                 ),
                 Verdict,
                 f"policy check · {kind}",
+                local=True,
             )
             self._decide(lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now))
             return
@@ -242,7 +248,9 @@ class AgentRun:
         check = self.engine.authority_check(from_step=from_step)
         if check is None:
             return None
-        verdict = await self._activity("policy_check_authority", check, Verdict, "policy re-check before writes")
+        verdict = await self._activity(
+            "policy_check_authority", check, Verdict, "policy re-check before writes", local=True
+        )
         return verdict.refusal
 
     async def _execute_step(self) -> None:
@@ -394,10 +402,15 @@ class AgentRun:
         *,
         timeout: timedelta = SETUP_TIMEOUT,
         retry: RetryPolicy | None = None,
+        local: bool = False,
     ) -> T:
         self._publish()
+        # Local for the snapshots and policy checks: in-process reads that run inside the
+        # current workflow task and leave one marker event, instead of an activity task plus
+        # another workflow task (six events and two more server round trips; bench/overhead.py).
+        execute = workflow.execute_local_activity if local else workflow.execute_activity
         try:
-            return await workflow.execute_activity(
+            return await execute(
                 name,
                 arg,
                 result_type=result_type,
@@ -453,9 +466,11 @@ class AgentRun:
         """
         state = self.data.lifecycle.state.value
         if state != self._published:
-            workflow.upsert_search_attributes(
-                [STATE_ATTRIBUTE.value_set(state), TENANT_ATTRIBUTE.value_set(self.request.tenant)]
-            )
+            updates = [STATE_ATTRIBUTE.value_set(state)]
+            if not self._tenant_published:
+                updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))
+                self._tenant_published = True
+            workflow.upsert_search_attributes(updates)
             self._published = state
         workflow.set_current_details(self._details())
 
