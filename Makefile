@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@# Bytecode up front: the workflow sandbox re-imports the workflow modules for every run,
-	@# and with PYTHONDONTWRITEBYTECODE set nothing would cache them (bench/PERFORMANCE.md).
+	@# and with PYTHONDONTWRITEBYTECODE set nothing would cache them (README, "Performance").
 	$(PY) -m compileall -q workflows activities examples
 	touch $(STAMP)
 
