@@ -86,10 +86,14 @@ async def test_malformed_signals_change_nothing_and_the_worker_stays_up(
         assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, before.state_version)
         assert after.pending_approval == before.pending_approval and after.step == 0
         records = await timeline(handle)
-        # Undecodable payloads are dropped by the SDK (with a warning); decodable but stale ones
-        # are refused on the record; extra fields are ignored.
-        refused = {r.refs.decision_id for r in records if r.kind == "refused"}
+        # Malformed payloads are refused on the record (nothing else changes); decodable but
+        # stale ones are refused as stale; extra fields are ignored.
+        refused = {r.refs.decision_id for r in records if r.kind == "refused" and r.refs.decision_id}
         assert refused == {"extra-stale", "marker"}
+        malformed = [r for r in records if r.rule == "malformed_signal"]
+        assert len(malformed) == 4, [r.reason for r in malformed]  # wrong type, field type, missing, handoff
+        assert any("decision_id" in r.reason for r in malformed)
+        assert all(r.kind == "refused" and r.state_version == before.state_version for r in malformed)
         assert await task_failures(handle) == [], "a hostile signal failed a workflow task"
 
         # The run still works: a valid approval, extra fields and all, through the same CLI.

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import (
+    RawValue,
     RetryPolicy,
     SearchAttributeKey,
     SearchAttributePair,
@@ -55,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
 
 S = RunState
 T = TypeVar("T")
+M = TypeVar("M", ApprovalDecision, HandoffRequest)
 
 # Public: the Web UI and `temporal workflow list --query` filter on these.
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("AgentRunState")
@@ -312,23 +314,32 @@ class AgentRun:
         "\"approver\": name, \"plan_hash\": the pending plan's hash, \"comment\": optional}. "
         "Counts only for the pending plan hash, before the approval expires.",
     )
-    def approve(self, decision: ApprovalDecision) -> None:
-        self._screen("approve", decision)
+    def approve(self, payload: RawValue) -> None:
+        # Raw, then validated here: a malformed decision is refused on the timeline instead of
+        # being dropped by the SDK with only a worker log line. The payload is ApprovalDecision.
+        decision = self._decode("approve", payload, ApprovalDecision)
+        if decision is not None:
+            self._screen("approve", decision)
 
     @workflow.signal(
         name="reject",
         description="Reject the pending plan. Data (ApprovalDecision): {\"decision_id\": unique, "
         "\"approver\": name, \"plan_hash\": the pending plan's hash, \"reason\": optional}.",
     )
-    def reject(self, decision: ApprovalDecision) -> None:
-        self._screen("reject", decision)
+    def reject(self, payload: RawValue) -> None:
+        decision = self._decode("reject", payload, ApprovalDecision)
+        if decision is not None:
+            self._screen("reject", decision)
 
     @workflow.signal(
         name="handoff",
         description="Hand the run to a human; it ends in HANDED_OFF. Data (HandoffRequest): "
         "{\"by\": name, \"reason\": text}.",
     )
-    def handoff(self, request: HandoffRequest) -> None:
+    def handoff(self, payload: RawValue) -> None:
+        request = self._decode("handoff", payload, HandoffRequest)
+        if request is None:
+            return
         if self._handoff is not None:
             self.engine.refuse(
                 at=workflow.now(),
@@ -371,6 +382,19 @@ class AgentRun:
     )
     def timeline(self) -> list[TransitionRecord]:
         return self.data.lifecycle.timeline
+
+    def _decode(self, signal: str, payload: RawValue, model: type[M]) -> M | None:
+        try:
+            return workflow.payload_converter().from_payload(payload.payload, model)
+        except Exception as err:  # anything a sender can get wrong: type, fields, JSON
+            self.engine.refuse(
+                at=workflow.now(),
+                actor="unknown",
+                reason=f"{signal} refused: malformed payload, expected {model.__name__} "
+                f"({_first_error(err)})",
+                rule="malformed_signal",
+            )
+            return None
 
     def _screen(self, kind: DecisionKind, decision: ApprovalDecision) -> None:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
@@ -546,6 +570,14 @@ def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:
         room = room - len(done.observation) if fits else 0
         context.append(done if fits else done.model_copy(update={"observation": ""}))
     return list(reversed(context))
+
+
+def _first_error(err: Exception) -> str:
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "payload"
+        return f"{where}: {first['msg']}"[:200]
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def _failure(err: ActivityError) -> ToolFailure:
