@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from google.protobuf import json_format
-from temporalio.api.common.v1 import Payload, Payloads, WorkflowExecution
+from temporalio.api.common.v1 import Payload, WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import History
 from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryRequest

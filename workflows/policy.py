@@ -49,12 +49,6 @@ def decision_refusal(
     return None
 
 
-def handoff_refusal(data: RunData) -> str | None:
-    if data.lifecycle.terminal:
-        return f"run already ended in {data.lifecycle.state.value}"
-    return None
-
-
 def budget_refusal(executed_steps: int, proposed_steps: int, limits: Limits) -> str | None:
     """The step budget: tool calls already made plus the ones proposed."""
     if executed_steps + proposed_steps > limits.max_steps:
