@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
 from activities.tools import REGISTRY
 from workflows import policy
-from workflows.engine import Engine, ToolFailure
+import pytest
+
+from workflows.engine import Engine, IllegalState, ToolFailure
 from workflows.models import (
     ApprovalDecision,
     HandoffRequest,
@@ -238,3 +240,13 @@ def test_unsafe_unknown_outcome_hands_off_naming_the_call() -> None:
     last = driver.engine.data.lifecycle.timeline[-1]
     assert driver.state == S.HANDED_OFF
     assert last.refs.tool_call_id in last.reason and "outcome unknown" in last.reason
+
+
+def test_a_decision_the_engine_cannot_act_on_is_an_illegal_state_not_a_crash() -> None:
+    # The workflow turns IllegalState into a non-retryable failure of the run (AgentRun._decide);
+    # an assert or bare exception would retry the workflow task forever.
+    driver = Driver("expire")
+    with pytest.raises(IllegalState, match="nothing pending"):
+        driver.engine.expire(driver.tick())
+    with pytest.raises(IllegalState, match="no plan step"):
+        driver.engine.tool_succeeded(ToolOutcome(observation="", digest="", size=0), driver.tick())

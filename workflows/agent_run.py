@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from workflows import metrics as run_metrics
-    from workflows.engine import DecisionKind, Engine, ToolFailure
+    from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
         ApprovalDecision,
         CatalogRequest,
@@ -286,7 +286,7 @@ class AgentRun:
                     outcome = await handle
                 except ActivityError:
                     outcome = None
-                self.engine.tool_settled_on_cancel(outcome)
+                self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome))
                 raise
         except ActivityError as err:
             failure = _failure(err)
@@ -404,12 +404,13 @@ class AgentRun:
     # ------------------------------------------------------------------ helpers
 
     def _decide(self, step: Callable[[Any], T]) -> T:
-        """Run one engine decision at workflow time; a move the table denies fails the run."""
+        """Run one engine decision at workflow time; a move the table denies, or a state the
+        engine cannot act in, fails the run."""
         try:
             return step(workflow.now())
-        except IllegalTransition as e:
+        except (IllegalTransition, IllegalState) as e:
             # Non-retryable: a bare exception would only fail the task and retry forever.
-            raise ApplicationError(str(e), type="IllegalTransition", non_retryable=True) from None
+            raise ApplicationError(str(e), type=type(e).__name__, non_retryable=True) from None
 
     def _on_record(self, record: TransitionRecord) -> None:
         if record.kind == "refused":

@@ -42,6 +42,19 @@ S = RunState
 DecisionKind = Literal["approve", "reject"]
 
 
+class IllegalState(Exception):
+    """The run is in no shape for this decision (a bug, or carried-over state that does not fit).
+
+    The workflow fails the run on it, non-retryably: a bare exception would only fail the
+    workflow task and retry it forever.
+    """
+
+
+def _require(condition: object, what: str) -> None:
+    if not condition:
+        raise IllegalState(what)
+
+
 @dataclass(frozen=True)
 class ToolFailure:
     """How a tool call failed, as the workflow saw it."""
@@ -105,7 +118,7 @@ class Engine:
         )
 
     def review(self) -> PlanReview:
-        assert self.data.plan is not None
+        _require(self.data.plan is not None, "no validated plan to review")
         return policy.review_plan(self.data.plan, self.catalog, self.tenant)
 
     # ------------------------------------------------------------------ records
@@ -127,7 +140,7 @@ class Engine:
         data = self.data
         if data.created_at is None:
             data.created_at = at
-        assert data.policy is not None
+        _require(data.policy is not None, "no policy snapshot")
         # The policy's content hash goes on the timeline: a run's decisions stay explainable.
         refs = Refs(policy_hash=data.policy.policy_hash)
         if data.policy.policy is None:
@@ -230,7 +243,7 @@ class Engine:
     def request_approval(self, *, at: datetime, reason: str) -> None:
         """Open a fresh approval request for the current plan (no approvals carried over)."""
         data = self.data
-        assert data.plan is not None
+        _require(data.plan is not None, "no validated plan")
         review = self.review()
         ttl = self.request.limits.approval_ttl_seconds
         if review.ttl_seconds is not None:
@@ -271,7 +284,7 @@ class Engine:
             self._refuse_decision(kind, decision, refusal, at)
             return
         pending = data.pending_approval
-        assert pending is not None
+        _require(pending is not None, "no pending approval")
         refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
         actor = f"user:{decision.approver}"
         if kind == "reject":
@@ -317,7 +330,7 @@ class Engine:
         """The approval timer fired."""
         data = self.data
         pending = data.pending_approval
-        assert pending is not None and at >= pending.expires_at
+        _require(pending is not None and at >= pending.expires_at, "the approval timer fired with nothing pending, or before expiry")
         refs = Refs(plan_hash=pending.plan_hash)
         limits = self.limits
         if limits.on_expiry == "replan" and policy.may_replan(data.replans, limits):
@@ -422,7 +435,7 @@ class Engine:
     def enter_step(self, *, at: datetime, reason: str) -> None:
         """Enter EXECUTING_TOOL for the plan's next step."""
         step = self.current_step()
-        assert step is not None
+        _require(step is not None, "no plan step to execute")
         self.data.step_retries = 0
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=reason, refs=self.step_refs(step))
 
@@ -430,7 +443,7 @@ class Engine:
         """The call to schedule now, or None when the step may not run (the run has moved)."""
         data = self.data
         step = self.current_step()
-        assert step is not None and self.state == S.EXECUTING_TOOL
+        _require(step is not None and self.state == S.EXECUTING_TOOL, "no plan step to execute, or not in EXECUTING_TOOL")
         max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
         if max_calls is not None and data.tool_calls >= max_calls:
             self._record_step(step, "failed", None)
@@ -457,7 +470,7 @@ class Engine:
 
     def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:
         step = self.current_step()
-        assert step is not None
+        _require(step is not None, "no plan step to execute")
         self._record_step(step, "ok", outcome)
         self.data.last_error = None
         self.data.next_step += 1
@@ -473,7 +486,7 @@ class Engine:
         """Apply the retry rule. Returns the backoff in seconds when the call is to be retried."""
         data = self.data
         step = self.current_step()
-        assert step is not None
+        _require(step is not None, "no plan step to execute")
         info = self.tool_info(step)
         effect = info.effect if info else ToolEffect.UNSAFE
         data.last_error = f"{failure.code}: {failure.message}"
@@ -502,13 +515,13 @@ class Engine:
 
     def retry(self, at: datetime) -> None:
         step = self.current_step()
-        assert step is not None
+        _require(step is not None, "no plan step to execute")
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=f"retry {self.data.step_retries}", refs=self.step_refs(step))
 
     def tool_settled_on_cancel(self, outcome: ToolOutcome | None) -> None:
         """A cancellation waited for the tool in flight: keep what it did."""
         step = self.current_step()
-        assert step is not None
+        _require(step is not None, "no plan step to execute")
         self._record_step(step, "ok" if outcome else "failed", outcome)
         if outcome is not None:
             self.data.next_step += 1

@@ -143,8 +143,9 @@ def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
 def review_plan(plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None) -> PlanReview:
     tenant = tenant or DEFAULT_TENANT_POLICY
     gated = [s for s in plan.steps if _step_needs_approval(s.tool, s.args, catalog.get(s.tool), tenant)]
-    high = tenant.high_risk is not None and any(
-        rule.matches(s.tool, s.args) for s in plan.steps for rule in tenant.high_risk.when
+    high_risk = tenant.high_risk
+    high = high_risk is not None and any(
+        rule.matches(s.tool, s.args) for s in plan.steps for rule in high_risk.when
     )
     writes = [
         _describe_step(s.tool, s.args, catalog.get(s.tool))
@@ -158,14 +159,13 @@ def review_plan(plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None) -
     )
     if not gated and not high:
         return PlanReview(needs_approval=False, risk="none", approvals_required=0, roles=[], summary=summary)
-    if high:
-        assert tenant.high_risk is not None
+    if high and high_risk is not None:
         return PlanReview(
             needs_approval=True,
             risk="high",
-            approvals_required=tenant.high_risk.approvals,
-            roles=tenant.high_risk.roles,
-            summary=f"HIGH RISK, {tenant.high_risk.approvals} approvals needed — {summary}",
+            approvals_required=high_risk.approvals,
+            roles=high_risk.roles,
+            summary=f"HIGH RISK, {high_risk.approvals} approvals needed — {summary}",
             ttl_seconds=tenant.approval_ttl_seconds.high,
         )
     return PlanReview(
