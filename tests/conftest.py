@@ -27,7 +27,7 @@ import pytest
 import pytest_asyncio
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -159,6 +159,15 @@ def make_request(steps: list[dict] | None = None, **overrides: Any) -> RunReques
 
 async def start_run(client: Client, worker: Worker, request: RunRequest, run_id: str | None = None) -> WorkflowHandle:
     return await starter.start_run(client, request, run_id=run_id or unique("run"), queue=worker.task_queue)
+
+
+async def cancel_and_settle(handle: WorkflowHandle) -> None:
+    """Cancel a run and wait until it has ended, while its worker still runs."""
+    await handle.cancel(reason="test over")
+    try:
+        await handle.result()
+    except WorkflowFailureError:
+        pass  # cancelled, as asked
 
 
 async def snapshot(handle: WorkflowHandle) -> RunSnapshot:

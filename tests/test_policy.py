@@ -20,7 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.policy import PolicyFileError, PolicyStore, parse_policy
-from tests.conftest import ROOT, Billing, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.conftest import ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
 from workflows import policy
 from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome, TransitionRecord
 from workflows.states import RunState, is_legal_path
@@ -177,7 +177,7 @@ async def test_auto_approval_under_the_limit(ts_env: WorkflowEnvironment, billin
         outcome = await small.result()
         large = await start_run(ts_env.client, worker, make_request([refund(5001)]))
         await wait_for_state(large, "AWAITING_APPROVAL")
-        await large.cancel()
+        await cancel_and_settle(large)
     assert outcome.state == S.COMPLETED
     assert S.AWAITING_APPROVAL not in [r.to_state for r in outcome.timeline]
 
@@ -220,7 +220,7 @@ async def test_tool_withdrawn_after_approval_sends_the_run_back_to_approval(
         assert billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}") == []
         current = await snapshot(handle)
         assert current.state == S.AWAITING_APPROVAL and current.pending_approval.approvals == []
-        await handle.cancel()
+        await cancel_and_settle(handle)
 
 
 async def test_revoking_an_approver_between_approval_and_execution_stops_the_write(
