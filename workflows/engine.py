@@ -214,22 +214,31 @@ class Engine:
         )
 
     def after_validation_failed(self, at: datetime) -> None:
+        self._replan_or_end(
+            S.FAILED,
+            at=at,
+            actor="runtime",
+            why="validation failed",
+            end_reason=f"validation failed and the replan budget is used up "
+            f"(max_replans={self.limits.max_replans})",
+        )
+
+    def _replan_or_end(
+        self, end: RunState, *, at: datetime, actor: str, why: str, end_reason: str, refs: Refs | None = None
+    ) -> None:
+        """Back to PLANNING while the replan budget lasts, else end in ``end``."""
         limits = self.limits
-        if policy.may_replan(self.data.replans, limits):
-            self.data.replans += 1
-            self.move(
-                S.PLANNING,
-                at=at,
-                actor="runtime",
-                reason=f"replan {self.data.replans}/{limits.max_replans} with validation feedback",
-            )
-        else:
-            self.move(
-                S.FAILED,
-                at=at,
-                actor="runtime",
-                reason=f"validation failed and the replan budget is used up (max_replans={limits.max_replans})",
-            )
+        if not policy.may_replan(self.data.replans, limits):
+            self.move(end, at=at, actor=actor, reason=end_reason, refs=refs)
+            return
+        self.data.replans += 1
+        self.move(
+            S.PLANNING,
+            at=at,
+            actor=actor,
+            reason=f"{why}: replan {self.data.replans}/{limits.max_replans}",
+            refs=refs,
+        )
 
     def after_validated(self, at: datetime) -> None:
         review = self.review()
@@ -331,20 +340,12 @@ class Engine:
         data = self.data
         pending = data.pending_approval
         _require(pending is not None and at >= pending.expires_at, "the approval timer fired with nothing pending, or before expiry")
+        expired = f"approval expired at {pending.expires_at.isoformat()}"
         refs = Refs(plan_hash=pending.plan_hash)
-        limits = self.limits
-        if limits.on_expiry == "replan" and policy.may_replan(data.replans, limits):
-            data.replans += 1
-            self.move(
-                S.PLANNING,
-                at=at,
-                actor="timer",
-                reason=f"approval expired at {pending.expires_at.isoformat()}: replanning "
-                f"({data.replans}/{limits.max_replans})",
-                refs=refs,
-            )
+        if self.limits.on_expiry == "replan":
+            self._replan_or_end(S.EXPIRED, at=at, actor="timer", why=expired, end_reason=expired, refs=refs)
         else:
-            self.move(S.EXPIRED, at=at, actor="timer", reason=f"approval expired at {pending.expires_at.isoformat()}", refs=refs)
+            self.move(S.EXPIRED, at=at, actor="timer", reason=expired, refs=refs)
         data.pending_approval = None
 
     def authority_check(self, *, from_step: int) -> AuthorityCheck | None:
