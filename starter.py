@@ -47,6 +47,7 @@ from workflows.models import (
     RunOutcome,
     RunRequest,
     RunSnapshot,
+    first_error,
 )
 from workflows.states import TERMINAL, RunState, TransitionRecord
 
@@ -211,13 +212,7 @@ def _load_playbook(path: str | None) -> list[PlaybookStep]:
     try:
         return [PlaybookStep.model_validate(s) for s in steps]
     except ValidationError as e:
-        raise CliError(f"playbook {path}: {_first_error(e)}") from None
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "input"
-    return f"{where}: {err['msg']}"
+        raise CliError(f"playbook {path}: {first_error(e)}") from None
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
@@ -241,7 +236,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
             limits=limits,
         )
     except ValidationError as e:
-        raise CliError(f"invalid run request: {_first_error(e)}") from None
+        raise CliError(f"invalid run request: {first_error(e)}") from None
     run_id = args.id or f"run-{uuid.uuid4().hex[:12]}"
     client = await _client()
     try:

@@ -32,7 +32,15 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.metrics import tool_call_metrics
-from workflows.models import CatalogRequest, ToolCall, ToolCatalog, ToolEffect, ToolInfo, ToolOutcome
+from workflows.models import (
+    CatalogRequest,
+    ToolCall,
+    ToolCatalog,
+    ToolEffect,
+    ToolInfo,
+    ToolOutcome,
+    first_error,
+)
 
 # Observations are cut to this many characters before they enter workflow history, so history
 # does not grow with the size of tool results. The digest covers the full result.
@@ -240,7 +248,7 @@ class ToolActivities:
                 args = spec.args_model.model_validate(call.args)
             except ValidationError as e:
                 raise ApplicationError(
-                    f"invalid arguments for {spec.name}: {e.errors()[0]['msg']}",
+                    f"invalid arguments for {spec.name}: {first_error(e)}",
                     type="invalid_arguments",
                     non_retryable=True,
                 ) from None

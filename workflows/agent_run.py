@@ -51,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
         ToolCatalog,
         ToolOutcome,
         Verdict,
+        first_error,
     )
     from workflows.states import IllegalTransition, Refs, RunState, TransitionRecord
 
@@ -575,9 +576,7 @@ def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:
 
 def _first_error(err: Exception) -> str:
     if isinstance(err, ValidationError):
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "payload"
-        return f"{where}: {first['msg']}"[:200]
+        return first_error(err)
     return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 

@@ -12,7 +12,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workflows.states import Lifecycle, RunState, TransitionRecord
 
@@ -183,6 +183,13 @@ class PlanStep(BaseModel):
     tool_call_id: str
     tool: str
     args: dict[str, Any]
+
+
+def first_error(err: ValidationError) -> str:
+    """The first problem pydantic found, as ``where: what`` (one line, for users and timelines)."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "input"
+    return f"{where}: {first['msg']}"[:200]
 
 
 def canonical_json(value: Any) -> str:
