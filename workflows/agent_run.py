@@ -347,6 +347,7 @@ class AgentRun:
                 actor=f"operator:{request.by}",
                 reason="handoff refused: a handoff is already pending",
                 rule="handoff_pending",
+                refs=Refs(decision_id=request.decision_id),
             )
         elif self.engine.screen_handoff(request, workflow.now()):
             self._handoff = request

@@ -409,7 +409,13 @@ class Engine:
             # Membership is checked against the policy snapshot the run took at start.
             refusal = policy.handoff_member_refusal(self.tenant, request.by)
         if refusal is not None:
-            self.refuse(at=at, actor=f"operator:{request.by}", reason=f"handoff refused: {refusal.message}", rule=refusal.rule)
+            self.refuse(
+                at=at,
+                actor=f"operator:{request.by}",
+                reason=f"handoff refused: {refusal.message}",
+                rule=refusal.rule,
+                refs=Refs(decision_id=request.decision_id),
+            )
             return False
         return True
 
@@ -423,6 +429,7 @@ class Engine:
             at=at,
             actor=f"operator:{request.by}",
             reason=f"{reason} ({detail})" if detail else reason,
+            refs=Refs(decision_id=request.decision_id),
         )
         self.data.pending_approval = None
         return True

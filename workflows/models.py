@@ -232,6 +232,9 @@ class HandoffRequest(BaseModel):
 
     by: str = Field(min_length=1, max_length=128)
     reason: str = Field(min_length=1, max_length=2000)
+    # Lets the sender find the run's verdict on the timeline (refs.decision_id); optional for
+    # clients that only signal.
+    decision_id: str | None = Field(None, min_length=1, max_length=128)
 
 
 class AcceptedApproval(BaseModel):
