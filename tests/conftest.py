@@ -34,7 +34,7 @@ from temporalio.worker import Worker
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
 import starter
-from examples.billing.service import make_server
+from examples.billing.service import SEED_ORDERS, make_server
 from worker import create_worker
 from workflows.agent_run import SEARCH_ATTRIBUTES
 from workflows.models import RunRequest, RunSnapshot
@@ -97,6 +97,14 @@ class Billing:
         with opener.open(req, timeout=5) as r:
             return json.loads(r.read())
 
+    def put(self, path: str, body: dict) -> Any:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), method="PUT", headers={"Content-Type": "application/json"}
+        )
+        with opener.open(req, timeout=5) as r:
+            return json.loads(r.read())
+
     def fail_next(self, endpoint: str, count: int, status: int = 503, when: str = "before") -> None:
         self.post("/admin/faults", {"endpoint": endpoint, "count": count, "status": status, "when": when})
 
@@ -130,6 +138,10 @@ def billing(billing_service: Billing) -> Iterator[Billing]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(billing_service.url + "/admin/faults", method="DELETE")
     opener.open(req, timeout=5).close()
+    # Refunds count against what is left of an order: every test starts with the seed orders
+    # fully refundable.
+    for order_id, email, total, currency, _ in SEED_ORDERS:
+        billing_service.put(f"/admin/orders/{order_id}", {"customer_email": email, "total_cents": total, "currency": currency})
 
 
 def unique(prefix: str) -> str:

@@ -168,9 +168,23 @@ def test_refund_errors(billing):
     assert [r["idempotency_key"] for r in listing["refunds"]] == ["k-exact"]
 
 
-def test_refund_per_refund_limit_is_not_cumulative(billing):
-    assert billing.refund("a", order_id="A-1003", amount=899)[0] == 201
-    assert billing.refund("b", order_id="A-1003", amount=899)[0] == 201
+def test_split_refunds_cannot_add_up_past_the_order_total(billing):
+    # 4 x 249 = 996 > 899: the fourth refund is refused against what is left, not the total.
+    assert [billing.refund(f"s{i}", order_id="A-1003", amount=249)[0] for i in range(3)] == [201] * 3
+    status, _, body = billing.refund("s3", order_id="A-1003", amount=249)
+    assert status == 422 and body["error"] == "amount_exceeds_refundable"
+    assert "152" in body["message"]  # 899 - 747 left
+    assert billing.refund("s4", order_id="A-1003", amount=152)[0] == 201
+    # A replay of an earlier key still answers with the original refund.
+    assert billing.refund("s0", order_id="A-1003", amount=249)[0] == 201
+
+
+def test_replacing_an_order_starts_it_afresh(billing):
+    assert billing.refund("r1", order_id="A-1003", amount=899)[0] == 201
+    status, _, _ = billing.request("PUT", "/admin/orders/A-1003", {"customer_email": "l@x", "total_cents": 500})
+    assert status == 200
+    assert billing.refund("r2", order_id="A-1003", amount=500)[0] == 201
+    assert billing.refund("r3", order_id="A-1003", amount=1)[0] == 422
 
 
 def test_concurrent_same_key_creates_one_row(billing):

@@ -373,6 +373,20 @@ def create_refund(state: BillingState, req: Request) -> Response:
                         "amount_exceeds_total",
                         f"amount_cents {amount} exceeds order total {order['total_cents']}",
                     )
+                # Against what is left, not the order total: refunds split into small ones
+                # must not add up past what the customer paid.
+                refunded = conn.execute(
+                    "SELECT COALESCE(SUM(amount_cents), 0) FROM refunds WHERE order_id = ?",
+                    (order_id,),
+                ).fetchone()[0]
+                if amount > order["total_cents"] - refunded:
+                    raise ApiError(
+                        422,
+                        "amount_exceeds_refundable",
+                        f"amount_cents {amount} exceeds the refundable remainder "
+                        f"{order['total_cents'] - refunded} (order total {order['total_cents']}, "
+                        f"refunded {refunded})",
+                    )
                 cur = conn.execute(
                     "INSERT INTO refunds (order_id, amount_cents, reason, idempotency_key, created_at)"
                     " VALUES (?, ?, ?, ?, ?)",
@@ -471,6 +485,24 @@ def clear_faults(state: BillingState, req: Request) -> Response:
     return Response(200, {"cleared": state.clear_faults()})
 
 
+def put_order(state: BillingState, req: Request) -> Response:
+    """Create or replace an order (tests and demos that need a fresh refundable amount)."""
+    data = req.json_object()
+    order_id = req.params["id"]
+    email = require_str(data, "customer_email")
+    total = require_int(data, "total_cents", minimum=1)
+    currency = data.get("currency", "EUR")
+    with closing(state.connect()) as conn, write_transaction(conn):
+        conn.execute(
+            "INSERT OR REPLACE INTO orders (id, customer_email, total_cents, currency, status)"
+            " VALUES (?, ?, ?, ?, 'paid')",
+            (order_id, email, total, currency),
+        )
+        # A replaced order starts with nothing refunded.
+        conn.execute("DELETE FROM refunds WHERE order_id = ?", (order_id,))
+    return Response(200, {"order_id": order_id, "total_cents": total})
+
+
 def get_stats(state: BillingState, req: Request) -> Response:
     return Response(200, {"requests": state.request_counts()})
 
@@ -509,6 +541,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/emails", list_emails),
     Route("POST", "/ledger", create_ledger_entry, fault_endpoint="ledger", is_write=True),
     Route("GET", "/ledger", list_ledger),
+    Route("PUT", "/admin/orders/{id}", put_order),
     Route("POST", "/admin/faults", queue_faults),
     Route("DELETE", "/admin/faults", clear_faults),
     Route("GET", "/admin/stats", get_stats),
