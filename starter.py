@@ -277,11 +277,12 @@ async def _decide(args: argparse.Namespace, signal: str) -> int:
         decision_id=args.decision_id or uuid.uuid4().hex,
         approver=args.by,
         plan_hash=args.plan_hash or pending_hash,
+        request_id=snap.pending_approval.request_id,
         comment=getattr(args, "comment", None),
         reason=getattr(args, "reason", None),
     )
     if args.key:
-        decision.signature = sign_decision(Path(args.key), args.run, signal, decision)
+        decision.signature = sign_decision(Path(args.key), snap, signal, decision)
     verb = "approving" if signal == "approve" else "rejecting"
     print(f"{verb} plan {decision.plan_hash} of run {args.run}:")
     print(f"  {snap.pending_approval.summary}")
@@ -304,8 +305,8 @@ async def _decide(args: argparse.Namespace, signal: str) -> int:
     return OK
 
 
-def sign_decision(key_path: Path, run_id: str, kind: str, decision: ApprovalDecision) -> str:
-    """Ed25519 signature over (workflow id, plan hash, decision, decision id), base64."""
+def sign_decision(key_path: Path, snap: RunSnapshot, kind: str, decision: ApprovalDecision) -> str:
+    """Ed25519 signature over policy.signature_payload (run, request, plan, decision), base64."""
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
     try:
@@ -315,7 +316,14 @@ def sign_decision(key_path: Path, run_id: str, kind: str, decision: ApprovalDeci
     except ValueError as e:
         raise CliError(f"{key_path} is not a PEM private key ({e}); make one with `starter.py keygen`") from None
     payload = policy.signature_payload(
-        workflow_id=run_id, plan_hash=decision.plan_hash, kind=kind, decision_id=decision.decision_id
+        workflow_id=snap.run_id,
+        first_run_id=snap.first_run_id,
+        tenant=snap.tenant,
+        request_id=decision.request_id or "",
+        plan_hash=decision.plan_hash,
+        kind=kind,
+        decision_id=decision.decision_id,
+        signer=decision.approver,
     )
     return base64.b64encode(key.sign(payload)).decode()
 

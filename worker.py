@@ -26,6 +26,7 @@ from temporalio.envconfig import ClientConfig
 from temporalio.worker import Worker
 
 from activities import planning
+from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec, KeyFileError, data_converter_from_env
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore
@@ -84,6 +85,7 @@ def create_worker(
     task_queue: str = DEFAULT_TASK_QUEUE,
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
+    audit: AuditActivities | None = None,
     **options: Any,
 ) -> Worker:
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
@@ -92,6 +94,8 @@ def create_worker(
     """
     tools = ToolActivities(registry)
     rules = PolicyActivities(policy or PolicyStore(None))
+    # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
+    audit = audit or AuditActivities()
     return Worker(
         client,
         task_queue=task_queue,
@@ -103,6 +107,10 @@ def create_worker(
             rules.policy_snapshot,
             rules.check_decision,
             rules.check_authority,
+            rules.check_handoff,
+            audit.audit_append,
+            audit.carryover_seal,
+            audit.carryover_verify,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         **options,

@@ -25,6 +25,7 @@ plus the ``openai`` package's own variables (``OPENAI_ORG_ID``, ``OPENAI_PROJECT
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from urllib.parse import urlsplit
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from workflows.budgets import PROPOSAL_BYTES
 from workflows.models import ExecutedStep, PlannerInput, Proposal, ProposedStep, ToolCatalog, ToolEffect
 
 
@@ -58,7 +60,10 @@ class PlaybookPlanner:
                 "the playbook has no steps: pass --playbook PATH with a JSON list of "
                 '{"tool": ..., "args": {...}} steps'
             )
-        done = sum(1 for step in request.executed if step.status == "ok")
+        # steps_done counts every step; executed is only the recent window (older runs: None).
+        done = request.steps_done
+        if done is None:
+            done = sum(1 for step in request.executed if step.status == "ok")
         remaining = request.playbook[done:]
         if not remaining:
             tools = ", ".join(step.tool for step in request.executed)
@@ -460,6 +465,23 @@ async def plan(request: PlannerInput) -> Proposal:
             non_retryable=True,
         )
     try:
-        return await planner.propose(request)
+        proposal = await planner.propose(request)
     except PlannerError as e:
         raise ApplicationError(str(e), type="planner_error", non_retryable=True) from None
+    return bounded_proposal(proposal)
+
+
+def bounded_proposal(proposal: Proposal) -> Proposal:
+    """The proposal as it may enter history: over PROPOSAL_BYTES, only its size and digest.
+
+    Checked here, at the activity boundary, so an oversized answer never becomes a payload the
+    workflow has to carry (validation refuses it and the run plans again).
+    """
+    text = proposal.model_dump_json()
+    if len(text.encode()) <= PROPOSAL_BYTES:
+        return proposal
+    return Proposal(
+        usage_tokens=proposal.usage_tokens,
+        oversized_bytes=len(text.encode()),
+        oversized_digest=hashlib.sha256(text.encode()).hexdigest(),
+    )

@@ -24,8 +24,10 @@ from temporalio.exceptions import ApplicationError
 
 from workflows import policy
 from workflows.models import (
+    STRICT,
     AuthorityCheck,
     DecisionCheck,
+    HandoffCheck,
     PolicyDocument,
     PolicySnapshot,
     Refusal,
@@ -74,11 +76,14 @@ def parse_policy(text: str, source: str = "policy") -> PolicyDocument:
     except tomllib.TOMLDecodeError as e:
         raise PolicyFileError(f"{source}: not valid TOML: {e}") from None
     try:
-        return PolicyDocument.model_validate(raw)
+        return PolicyDocument.model_validate(raw, context=STRICT)
     except ValidationError as e:
         err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        line = _locate(text, tuple(err["loc"]))
+        loc = tuple(err["loc"])
+        if (unknown := re.search(r"unknown field\(s\): ([^,\s]+)", err["msg"])) is not None:
+            loc += (unknown.group(1),)  # point at the unknown key itself
+        key = ".".join(str(p) for p in loc)
+        line = _locate(text, loc)
         where = f"line {line}, " if line else ""
         raise PolicyFileError(f"{source}: {where}key {key}: {err['msg']}") from None
 
@@ -128,13 +133,44 @@ def verify_signature(public_key_b64: str, payload: bytes, signature_b64: str | N
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     if not signature_b64:
-        return "this approver's decisions must be signed (starter.py approve --key PATH)"
+        return "this approver's decisions must be signed (tether approve --key PATH)"
     try:
         key = Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key_b64))
         key.verify(base64.b64decode(signature_b64, validate=True), payload)
     except (InvalidSignature, ValueError):
-        return "the signature does not match this decision and plan"
+        return "the signature does not match this decision, its request and its run"
     return None
+
+
+def signature_refusal(
+    tenant: TenantPolicy | None, person: str, payload: bytes, signature: str | None, *, what: str
+) -> Refusal | None:
+    """Is ``person``'s signature over ``payload`` required here, and does it verify?
+
+    Required where the tenant requires signatures, and for anyone whose key the policy lists.
+    """
+    if tenant is None:
+        return None
+    member = tenant.approvers.get(person) if tenant.approvers is not None else None
+    key = member.public_key if member is not None else None
+    if key is None:
+        if tenant.require_signatures:
+            return Refusal(
+                rule="signature_required",
+                message=f"this tenant requires signed {what}s and the policy lists no key for {person}",
+            )
+        return None
+    if not signature:
+        return Refusal(rule="signature_required", message=f"{person}'s {what}s must be signed (--key PATH)")
+    if (why := verify_signature(key, payload, signature)) is not None:
+        return Refusal(rule="bad_signature", message=why)
+    return None
+
+
+def _has_key(tenant: TenantPolicy | None, person: str) -> bool:
+    """Does the policy list a key for this person (so a passed signature check verified them)?"""
+    member = tenant.approvers.get(person) if tenant is not None and tenant.approvers else None
+    return bool(member and member.public_key)
 
 
 # ----------------------------------------------------------------------------- activities
@@ -154,8 +190,26 @@ class PolicyActivities:
     @activity.defn(name="policy_snapshot")
     async def policy_snapshot(self, request: SnapshotRequest) -> PolicySnapshot:
         tenant, digest = self._tenant(request.tenant)
+        refusal, verified = None, False
+        if request.workflow_id and tenant is not None:
+            payload = policy.start_signature_payload(
+                workflow_id=request.workflow_id,
+                tenant=request.tenant,
+                requested_by=request.requested_by,
+                request_digest=request.request_digest,
+            )
+            refusal = signature_refusal(
+                tenant, request.requested_by, payload, request.requester_signature, what="run request"
+            )
+            # Verified only by a signature that checked out, never by the absence of a rule.
+            verified = refusal is None and _has_key(tenant, request.requested_by)
         return PolicySnapshot(
-            tenant=request.tenant, policy=tenant, policy_hash=digest, source=self.store.source
+            tenant=request.tenant,
+            policy=tenant,
+            policy_hash=digest,
+            source=self.store.source,
+            requester_refusal=refusal,
+            requester_verified=verified,
         )
 
     @activity.defn(name="policy_check_decision")
@@ -169,18 +223,45 @@ class PolicyActivities:
             roles=check.roles,
             already_approved=check.already_approved,
         )
-        if refusal is None and tenant is not None and tenant.approvers is not None:
-            key = tenant.approvers[check.decision.approver].public_key
-            if key:
-                payload = policy.signature_payload(
-                    workflow_id=check.workflow_id,
-                    plan_hash=check.decision.plan_hash,
-                    kind=check.kind,
-                    decision_id=check.decision.decision_id,
-                )
-                if (why := verify_signature(key, payload, check.decision.signature)) is not None:
-                    refusal = Refusal(rule="signature", message=why)
-        return Verdict(refusal=refusal, policy_hash=digest)
+        if refusal is None:
+            decision = check.decision
+            payload = policy.signature_payload(
+                workflow_id=check.workflow_id,
+                first_run_id=check.first_run_id,
+                tenant=check.tenant,
+                request_id=decision.request_id or "",
+                plan_hash=decision.plan_hash,
+                kind=check.kind,
+                decision_id=decision.decision_id,
+                signer=decision.approver,
+            )
+            refusal = signature_refusal(tenant, decision.approver, payload, decision.signature, what="decision")
+        verified = refusal is None and _has_key(tenant, check.decision.approver)
+        return Verdict(refusal=refusal, policy_hash=digest, verified=verified)
+
+    @activity.defn(name="policy_check_handoff")
+    async def check_handoff(self, check: HandoffCheck) -> Verdict:
+        """Screened again when the run takes the handoff: membership and signature, under the
+        current file (a handoff that arrived before the run's policy snapshot was not)."""
+        tenant, digest = self._tenant(check.tenant)
+        handoff = check.handoff
+        refusal = policy.handoff_member_refusal(tenant, handoff.by)
+        if tenant is None:
+            refusal = Refusal(rule="tenant", message="the run's tenant is not in the policy file")
+        if refusal is None:
+            payload = policy.signature_payload(
+                workflow_id=check.workflow_id,
+                first_run_id=check.first_run_id,
+                tenant=check.tenant,
+                request_id="",
+                plan_hash="",
+                kind="handoff",
+                decision_id=handoff.decision_id or "",
+                signer=handoff.by,
+            )
+            refusal = signature_refusal(tenant, handoff.by, payload, handoff.signature, what="handoff")
+        verified = refusal is None and _has_key(tenant, handoff.by)
+        return Verdict(refusal=refusal, policy_hash=digest, verified=verified)
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
@@ -191,5 +272,8 @@ class PolicyActivities:
             tools=check.tools,
             roles=check.roles,
             approvals_required=check.approvals_required,
+            steps=check.steps,
+            catalog=check.catalog,
+            spent=check.spent,
         )
         return Verdict(refusal=refusal, policy_hash=digest)

@@ -37,7 +37,7 @@ import starter
 from examples.billing.service import SEED_ORDERS, make_server
 from worker import create_worker
 from workflows.agent_run import SEARCH_ATTRIBUTES
-from workflows.models import RunRequest, RunSnapshot
+from workflows.models import STRICT, ApprovalDecision, RunRequest, RunSnapshot
 from workflows.states import TransitionRecord
 
 BIN = Path(sys.executable).parent
@@ -166,7 +166,8 @@ def make_request(steps: list[dict] | None = None, **overrides: Any) -> RunReques
     fields.update(overrides)
     if limits:
         fields["limits"] = limits
-    return RunRequest.model_validate(fields)
+    # Strict, as a client validates what a person typed: unknown keys are refused.
+    return RunRequest.model_validate(fields, context=STRICT)
 
 
 async def start_run(client: Client, worker: Worker, request: RunRequest, run_id: str | None = None) -> WorkflowHandle:
@@ -203,3 +204,18 @@ async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 
         if loop.time() > deadline:
             raise AssertionError(f"run {handle.id} is {snap.state.value}, expected one of {states}")
         await asyncio.sleep(0.05)
+
+
+def approval_for(
+    target: RunSnapshot | str, approver: str = "bob", decision_id: str | None = None, **fields: Any
+) -> ApprovalDecision:
+    """A decision for a run's pending approval request (a snapshot), or for a bare plan hash
+    (a string: no request id, as a stale or forged decision would have)."""
+    if isinstance(target, RunSnapshot):
+        pending = target.pending_approval
+        assert pending is not None, f"run {target.run_id} has no pending approval"
+        fields.setdefault("request_id", pending.request_id)
+        plan_hash = pending.plan_hash
+    else:
+        plan_hash = target
+    return ApprovalDecision(decision_id=decision_id or uuid.uuid4().hex, approver=approver, plan_hash=plan_hash, **fields)

@@ -11,6 +11,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.conftest import (
+    approval_for,
     Billing,
     make_request,
     running_worker,
@@ -19,7 +20,7 @@ from tests.conftest import (
     timeline,
     wait_for_state,
 )
-from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome
+from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -31,10 +32,8 @@ def refund(amount: int = 1500, order: str = "A-1002") -> dict:
     return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": amount, "reason": "test"}}
 
 
-def approval(plan_hash: str, approver: str = "bob", decision_id: str | None = None) -> ApprovalDecision:
-    return ApprovalDecision(
-        decision_id=decision_id or uuid.uuid4().hex, approver=approver, plan_hash=plan_hash
-    )
+def approval(target: RunSnapshot | str, approver: str = "bob", decision_id: str | None = None) -> ApprovalDecision:
+    return approval_for(target, approver, decision_id)
 
 
 def path(outcome: RunOutcome) -> list[str]:
@@ -58,7 +57,8 @@ async def test_read_only_plan_completes_without_approval(ts_env: WorkflowEnviron
     assert path(outcome) == ["PLANNING", "VALIDATED", "EXECUTING_TOOL", "OBSERVING_RESULT", "PLANNING", "COMPLETED"]
     assert "AWAITING_APPROVAL" not in path(outcome)
     assert is_legal_path(outcome.timeline)
-    assert '"total_cents": 4999' in outcome.steps[0].observation
+    # The result carries ids and digests; observations stay out of it (its size budget).
+    assert outcome.steps[0].observation == "" and len(outcome.steps[0].digest) == 64
     # The audit timeline references ids; it never copies arguments or results.
     assert "A-1001" not in "".join(r.model_dump_json() for r in outcome.timeline)
 
@@ -72,7 +72,7 @@ async def test_write_plan_waits_then_approval_of_the_pending_hash_completes(
         assert snap.pending_approval is not None and snap.plan is not None
         assert snap.pending_approval.plan_hash == snap.plan.plan_hash
         assert snap.step == 0, "no tool may run before the approval"
-        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await handle.signal("approve", approval(snap))
         outcome = await handle.result()
         approved_by = (await snapshot(handle)).approved_by
     assert approved_by == ["bob"]
@@ -96,8 +96,8 @@ async def test_refused_decisions_change_nothing_and_are_recorded(
         await handle.signal("reject", approval("f" * 64, decision_id="stale-reject"))
         after = await snapshot(handle)
         assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, version)
-        await handle.signal("approve", approval(plan_hash, decision_id="good"))
-        await handle.signal("approve", approval(plan_hash, decision_id="good"))  # repeated id
+        await handle.signal("approve", approval(snap, decision_id="good"))
+        await handle.signal("approve", approval(snap, decision_id="good"))  # repeated id
         outcome = await handle.result()
     assert outcome.state == S.COMPLETED
     reasons = refusals(outcome)
@@ -131,7 +131,7 @@ async def test_reject_ends_in_rejected_with_no_tool_executed(ts_env: WorkflowEnv
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal(
             "reject",
-            ApprovalDecision(decision_id="r1", approver="carol", plan_hash=snap.plan.plan_hash, reason="too much"),
+            approval_for(snap, "carol", "r1", reason="too much"),
         )
         outcome = await handle.result()
     assert outcome.state == S.REJECTED
@@ -202,7 +202,7 @@ async def test_idempotent_tool_retries_twice_and_refunds_once(ts_env: WorkflowEn
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund(1200)]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await handle.signal("approve", approval(snap))
         outcome = await handle.result()
         retries = (await snapshot(handle)).retries
     assert retries == 2
@@ -222,7 +222,7 @@ async def test_reconcilable_tool_looks_up_before_writing_again(ts_env: WorkflowE
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([step]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await handle.signal("approve", approval(snap))
         outcome = await handle.result()
     assert outcome.state == S.COMPLETED
     (key,) = keys_of(outcome, "post_ledger_entry")
@@ -236,7 +236,7 @@ async def test_permanent_error_fails_without_retry(ts_env: WorkflowEnvironment, 
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund(999_999, "A-1003")]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await handle.signal("approve", approval(snap))
         outcome = await handle.result()
         last_error = (await snapshot(handle)).last_error
     assert last_error.startswith("amount_exceeds_total")
@@ -254,7 +254,7 @@ async def test_unsafe_tool_with_unknown_outcome_is_handed_off_not_rerun(
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([step]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await handle.signal("approve", approval(snap))
         outcome = await handle.result()
     assert outcome.state == S.HANDED_OFF
     last = outcome.timeline[-1]

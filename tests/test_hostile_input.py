@@ -65,9 +65,20 @@ async def test_malformed_signals_change_nothing_and_the_worker_stays_up(
                 {"decision_id": 7, "approver": ["eve"], "plan_hash": plan_hash})),
             "missing fields": await signal(dev_env, handle, "approve", "--input", '{"approver": "eve"}'),
             "handoff wrong type": await signal(dev_env, handle, "handoff", "--input", '{"by": 5}'),
-            "extra fields, stale hash": await signal(dev_env, handle, "approve", "--input", json.dumps(
-                {"decision_id": "extra-stale", "approver": "eve", "plan_hash": "0" * 64, "approve_all": True})),
+            "extra fields": await signal(dev_env, handle, "approve", "--input", json.dumps(
+                {"decision_id": "extra", "approver": "eve", "plan_hash": "0" * 64, "approve_all": True})),
+            "stale hash": await signal(dev_env, handle, "approve", "--input", json.dumps(
+                {"decision_id": "stale", "approver": "eve", "plan_hash": "0" * 64})),
+            "no input": await signal(dev_env, handle, "approve"),
+            "reject, no input": await signal(dev_env, handle, "reject"),
+            "handoff, no input": await signal(dev_env, handle, "handoff"),
+            "null": await signal(dev_env, handle, "approve", "--input", "null"),
+            "a list": await signal(dev_env, handle, "approve", "--input", "[1, 2]"),
+            "two arguments": await signal(dev_env, handle, "approve", "--input", "{}", "--input", "{}"),
+            "invisible name": await signal(dev_env, handle, "approve", "--input", json.dumps(
+                {"decision_id": "zw", "approver": "bob\u200b", "plan_hash": plan_hash})),
             "unknown name": await signal(dev_env, handle, "approve_everything", "--input", "{}"),
+            "unknown name, no input": await signal(dev_env, handle, "approve_everything"),
             "10 MB": await signal(dev_env, handle, "approve", "--input-file", str(huge)),
         }
         # The server takes every signal but the 10 MB one, which it refuses to the sender.
@@ -86,19 +97,26 @@ async def test_malformed_signals_change_nothing_and_the_worker_stays_up(
         assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, before.state_version)
         assert after.pending_approval == before.pending_approval and after.step == 0
         records = await timeline(handle)
-        # Malformed payloads are refused on the record (nothing else changes); decodable but
-        # stale ones are refused as stale; extra fields are ignored.
+        # Malformed payloads are refused on the record (nothing else changes): the first few in
+        # full, the rest counted; decodable but stale ones are refused as stale.
         refused = {r.refs.decision_id for r in records if r.kind == "refused" and r.refs.decision_id}
-        assert refused == {"extra-stale", "marker"}
+        assert refused == {"stale", "marker"}
         malformed = [r for r in records if r.rule == "malformed_signal"]
-        assert len(malformed) == 4, [r.reason for r in malformed]  # wrong type, field type, missing, handoff
+        assert len(malformed) == 4, [r.reason for r in malformed]  # three, then "counted, not recorded"
+        assert "counted, not recorded" in malformed[-1].reason
+        assert after.refusals["malformed_signal unknown"] == 12, after.refusals
+        assert after.refusals["unknown_signal unknown"] == 2
         assert any("decision_id" in r.reason for r in malformed)
         assert all(r.kind == "refused" and r.state_version == before.state_version for r in malformed)
         assert await task_failures(handle) == [], "a hostile signal failed a workflow task"
+        # Queries answer whatever they are sent.
+        code, out = await temporal(dev_env, "workflow", "query", "--workflow-id", handle.id, "--name", "snapshot",
+                                   "--input", '"junk"')
+        assert code == 0 and "AWAITING_APPROVAL" in out, out
 
-        # The run still works: a valid approval, extra fields and all, through the same CLI.
+        # The run still works: a valid approval through the same CLI.
         code, out = await signal(dev_env, handle, "approve", "--input", json.dumps(
-            {"decision_id": "good", "approver": "bob", "plan_hash": plan_hash, "note": "extra"}))
+            {"decision_id": "good", "approver": "bob", "plan_hash": plan_hash, "request_id": before.pending_approval.request_id}))
         assert code == 0, out
         outcome = await asyncio.wait_for(handle.result(), 30)
         assert outcome.state == S.COMPLETED

@@ -25,10 +25,10 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, Wor
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from tests.conftest import Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
 from tests.invariants import check_timeline, tools_by_call
-from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome
+from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome
 from workflows.states import RunState
 
 S = RunState
@@ -38,8 +38,8 @@ def refund(amount: int = 300, order: str = "A-1002") -> dict:
     return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": amount, "reason": "late"}}
 
 
-def approval(plan_hash: str, decision_id: str | None = None, approver: str = "bob") -> ApprovalDecision:
-    return ApprovalDecision(decision_id=decision_id or uuid.uuid4().hex, approver=approver, plan_hash=plan_hash)
+def approval(target: RunSnapshot | str, decision_id: str | None = None, approver: str = "bob") -> ApprovalDecision:
+    return approval_for(target, approver, decision_id)
 
 
 def path(records) -> list[str]:
@@ -67,7 +67,7 @@ async def test_the_same_approval_delivered_twice_at_once_settles_once(
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund()]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        decision = approval(snap.plan.plan_hash, decision_id="once")
+        decision = approval(snap, decision_id="once")
         # Both copies in flight together: they may land in the same workflow task.
         await asyncio.gather(handle.signal("approve", decision), handle.signal("approve", decision))
         outcome = await handle.result()
@@ -84,10 +84,10 @@ async def test_racing_approve_and_reject_settle_once(ts_env: WorkflowEnvironment
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund()]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        h = snap.plan.plan_hash
+        h = snap
         await asyncio.gather(
             handle.signal("approve", approval(h, "yes", "bob")),
-            handle.signal("reject", ApprovalDecision(decision_id="no", approver="carol", plan_hash=h, reason="no")),
+            handle.signal("reject", approval_for(h, "carol", "no", reason="no")),
         )
         outcome = await handle.result()
     check_timeline(outcome.timeline, tools_by_call(outcome))
@@ -111,7 +111,7 @@ async def test_approval_after_expiry_is_refused_and_nothing_runs(
         await ts_env.sleep(61)  # the durable timer fires on skipped time
         outcome = await handle.result()
         with pytest.raises(RPCError) as refused:
-            await handle.signal("approve", approval(snap.plan.plan_hash))
+            await handle.signal("approve", approval(snap))
         records = await timeline(handle)
     # The closed run refuses the late signal at the server: the sender gets the error.
     assert refused.value.status == RPCStatusCode.NOT_FOUND and "completed" in refused.value.message.lower()
@@ -159,10 +159,10 @@ async def test_approval_for_the_old_plan_after_a_replan_is_refused(
         else:
             raise AssertionError(f"no second plan: {new.state.value}")
         version = new.state_version
-        await handle.signal("approve", approval(old.plan.plan_hash, "old-plan"))
+        await handle.signal("approve", approval(old, "old-plan"))
         after = await snapshot(handle)
         assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, version)
-        await handle.signal("approve", approval(new.plan.plan_hash, "new-plan"))
+        await handle.signal("approve", approval(new, "new-plan"))
         outcome = await handle.result()
     check_timeline(outcome.timeline, tools_by_call(outcome, [old.plan, new.plan]))
     assert outcome.state == S.COMPLETED
@@ -189,7 +189,7 @@ async def test_cancel_racing_an_approval_settles_once(
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund()]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        approve = _approve_or_refused(handle, approval(snap.plan.plan_hash, "racing"))
+        approve = _approve_or_refused(handle, approval(snap, "racing"))
         cancel = handle.cancel(reason="customer withdrew")
         if order == "approve-then-cancel":
             await approve
@@ -225,7 +225,7 @@ async def test_cancel_and_approval_in_one_workflow_task_end_cancelled_on_the_tim
         handle = await start_run(dev_env.client, worker, make_request([refund()]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
     # No worker polls now: both events land in the run's next workflow task, together.
-    await handle.signal("approve", approval(snap.plan.plan_hash, "together"))
+    await handle.signal("approve", approval(snap, "together"))
     await handle.cancel(reason="customer withdrew")
     async with running_worker(dev_env.client, task_queue=queue):
         assert await asyncio.wait_for(settle(handle), 30) is None
@@ -272,7 +272,7 @@ async def test_handoff_while_a_tool_runs_settles_after_the_tool(ts_env: Workflow
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund(400)]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await handle.signal("approve", approval(snap))
         await wait_for_state(handle, "RETRY_WAIT", "OBSERVING_RESULT", "PLANNING", "COMPLETED")
         request = HandoffRequest(by="dana", reason="customer called")
         try:

@@ -24,9 +24,9 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import worker
 from activities.metrics import prometheus_runtime
-from tests.conftest import make_request, running_worker, start_run, unique, wait_for_state
+from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from workflows.metrics import REFUSAL_RULES, refusal_rule
-from workflows.models import ApprovalDecision, RunOutcome
+from workflows.models import RunSnapshot, ApprovalDecision, RunOutcome
 from workflows.states import RunState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,9 +105,7 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
         await asyncio.sleep(0.6)  # the approval wait the histogram must show
         await approved.signal(
             "approve",
-            ApprovalDecision(
-                decision_id=uuid.uuid4().hex, approver="bob", plan_hash=snap.pending_approval.plan_hash
-            ),
+            approval_for(snap, "bob"),
         )
         assert (await approved.result()).state == RunState.COMPLETED
 
@@ -116,12 +114,7 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
         assert snap.pending_approval is not None
         await rejected.signal(
             "reject",
-            ApprovalDecision(
-                decision_id=uuid.uuid4().hex,
-                approver="carol",
-                plan_hash=snap.pending_approval.plan_hash,
-                reason="not this one",
-            ),
+            approval_for(snap, "carol", reason="not this one"),
         )
         outcome: RunOutcome = await rejected.result()
         assert outcome.state == RunState.REJECTED

@@ -32,9 +32,9 @@ from activities.planning import (
 )
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import OrderRef, RefundArgs
-from tests.conftest import Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
-from workflows.models import ApprovalDecision, ExecutedStep, PlannerInput, RunOutcome, ToolEffect
+from workflows.models import RunSnapshot, ApprovalDecision, ExecutedStep, PlannerInput, RunOutcome, ToolEffect
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -64,8 +64,8 @@ def model_request(goal: str = "Refund order A-1001 (damaged on arrival)", **over
     return make_request([], goal=goal, planner="model", **overrides)
 
 
-def approval(plan_hash: str, approver: str = "bob") -> ApprovalDecision:
-    return ApprovalDecision(decision_id=uuid.uuid4().hex, approver=approver, plan_hash=plan_hash)
+def approval(target: RunSnapshot | str, approver: str = "bob") -> ApprovalDecision:
+    return approval_for(target, approver)
 
 
 def path(outcome: RunOutcome) -> list[str]:
@@ -103,7 +103,7 @@ async def test_two_step_plan_with_approval_end_to_end(
         assert snap.plan is not None and [s.tool for s in snap.plan.steps] == ["get_order", "issue_refund"]
         assert snap.step == 0, "no tool runs before the approval"
         assert snap.model_tokens == 120
-        await handle.signal("approve", approval(snap.plan.plan_hash))
+        await handle.signal("approve", approval(snap))
         outcome = await handle.result()
         final = await snapshot(handle)
         await assert_no_secret(handle, caplog)
@@ -263,7 +263,7 @@ async def test_prompt_injection_in_a_tool_result_cannot_move_money_without_a_hum
         first = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert first.plan is not None
         approved_hash = first.plan.plan_hash
-        await handle.signal("approve", approval(approved_hash))
+        await handle.signal("approve", approval(first))
         # The approved plan runs, the model reads the injection and proposes the big refund.
         for _ in range(200):
             snap = await snapshot(handle)
@@ -276,7 +276,7 @@ async def test_prompt_injection_in_a_tool_result_cannot_move_money_without_a_hum
         new_hash = snap.plan.plan_hash
         assert new_hash != approved_hash and snap.pending_approval.plan_hash == new_hash
         # Replaying the earlier approval does not cover the new plan.
-        replay = approval(approved_hash)
+        replay = approval(first)
         await handle.signal("approve", replay)
         for _ in range(100):
             refused = [r for r in await timeline(handle) if r.refs.decision_id == replay.decision_id]
@@ -287,8 +287,7 @@ async def test_prompt_injection_in_a_tool_result_cannot_move_money_without_a_hum
         assert (await snapshot(handle)).state == S.AWAITING_APPROVAL
         assert [r["amount_cents"] for r in billing.get("/refunds?order_id=Z-9001")["refunds"]] == [4999]
         # A human looks at it and says no.
-        await handle.signal("reject", ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob",
-                                                       plan_hash=new_hash, reason="prompt injection"))
+        await handle.signal("reject", approval_for(snap, "bob", reason="prompt injection"))
         outcome = await handle.result()
         await assert_no_secret(handle, caplog)
     assert outcome.state == S.REJECTED

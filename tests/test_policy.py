@@ -20,9 +20,9 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.policy import PolicyFileError, PolicyStore, parse_policy
-from tests.conftest import ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
 from workflows import policy
-from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome, TransitionRecord
+from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome, TransitionRecord
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -85,8 +85,23 @@ async def policy_worker(env: WorkflowEnvironment, path: Path) -> AsyncIterator[W
         yield worker
 
 
-def decide(approver: str, plan_hash: str, decision_id: str | None = None, **kw: object) -> ApprovalDecision:
-    return ApprovalDecision(decision_id=decision_id or uuid.uuid4().hex, approver=approver, plan_hash=plan_hash, **kw)
+def sign(key: Ed25519PrivateKey, workflow_id: str, snap: RunSnapshot, kind: str, decision: ApprovalDecision) -> str:
+    """What `tether approve --key` sends: a signature over policy.signature_payload."""
+    payload = policy.signature_payload(
+        workflow_id=workflow_id,
+        first_run_id=snap.first_run_id,
+        tenant=snap.tenant,
+        request_id=decision.request_id or "",
+        plan_hash=decision.plan_hash,
+        kind=kind,
+        decision_id=decision.decision_id,
+        signer=decision.approver,
+    )
+    return base64.b64encode(key.sign(payload)).decode()
+
+
+def decide(approver: str, target: RunSnapshot | str, decision_id: str | None = None, **kw: object) -> ApprovalDecision:
+    return approval_for(target, approver, decision_id, **kw)
 
 
 async def records_for(handle: WorkflowHandle, decision_id: str) -> list[TransitionRecord]:
@@ -110,34 +125,31 @@ async def test_each_approval_rule_refuses_and_accepts(ts_env: WorkflowEnvironmen
     async with policy_worker(ts_env, policy_file) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund(6000)], requested_by="alice"))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        plan_hash = snap.plan.plan_hash
         cases = [
             ("mallory", "tenant_membership", "not an approver of this tenant"),
             ("dana", "role", "needs one of ['approver']"),
             ("alice", "four_eyes", "requested this run and may not approve it"),
-            ("frank", "signature", "must be signed"),
+            ("frank", "signature_required", "must be signed"),
         ]
         for approver, rule, text in cases:
-            decision = decide(approver, plan_hash)
+            decision = decide(approver, snap)
             await handle.signal("approve", decision)
             record = await settled(handle, decision.decision_id)
             assert record.kind == "refused" and record.rule == rule, record
             assert text in record.reason
-        bad = decide("frank", plan_hash, signature=base64.b64encode(b"x" * 64).decode())
+        bad = decide("frank", snap, signature=base64.b64encode(b"x" * 64).decode())
         await handle.signal("approve", bad)
-        assert (await settled(handle, bad.decision_id)).rule == "signature"
+        assert (await settled(handle, bad.decision_id)).rule == "bad_signature"
         after = await snapshot(handle)
         assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, snap.state_version)
-        # A valid signature over (workflow id, plan hash, decision, decision id) counts.
-        good = decide("frank", plan_hash)
-        good.signature = base64.b64encode(
-            FRANK.sign(policy.signature_payload(workflow_id=handle.id, plan_hash=plan_hash, kind="approve", decision_id=good.decision_id))
-        ).decode()
+        # A valid signature over the run, its request and plan, the decision and its signer counts.
+        good = decide("frank", snap)
+        good.signature = sign(FRANK, handle.id, snap, "approve", good)
         await handle.signal("approve", good)
         outcome = await handle.result()
     assert outcome.state == S.COMPLETED
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
-    assert approved.actor == "user:frank"
+    assert approved.actor == "user:frank (signed)"
     assert is_legal_path(outcome.timeline)
 
 
@@ -152,19 +164,19 @@ async def test_high_risk_needs_two_distinct_finance_approvers(
         assert (pending.risk, pending.approvals_required, pending.roles) == ("high", 2, ["finance"])
         assert "HIGH RISK" in pending.summary and "amount_cents=60000" in pending.summary
         assert (pending.expires_at - snap.updated_at).total_seconds() == pytest.approx(3600, abs=1)
-        bob = decide("bob", pending.plan_hash)
+        bob = decide("bob", snap)
         await handle.signal("approve", bob)
         assert (await settled(handle, bob.decision_id)).rule == "role"
-        first = decide("carol", pending.plan_hash)
+        first = decide("carol", snap)
         await handle.signal("approve", first)
         assert (await settled(handle, first.decision_id)).kind == "accepted"
         middle = await snapshot(handle)
         assert middle.state == S.AWAITING_APPROVAL
         assert [a.approver for a in middle.pending_approval.approvals] == ["carol"]
-        again = decide("carol", pending.plan_hash)
+        again = decide("carol", snap)
         await handle.signal("approve", again)
         assert (await settled(handle, again.decision_id)).rule == "distinct_approvers"
-        await handle.signal("approve", decide("erin", pending.plan_hash))
+        await handle.signal("approve", decide("erin", snap))
         outcome = await handle.result()
     assert outcome.state == S.EXECUTION_FAILED  # the order does not exist: a permanent 404
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
@@ -187,12 +199,12 @@ async def test_tenant_isolation(ts_env: WorkflowEnvironment, billing: Billing, p
         handle = await start_run(ts_env.client, worker, make_request([refund(6000)], tenant="acme", requested_by="zoe"))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         for signal in ("approve", "reject"):
-            d = decide("bob", snap.plan.plan_hash, reason="no")
+            d = decide("bob", snap, reason="no")
             await handle.signal(signal, d)
             record = await settled(handle, d.decision_id)
             assert record.rule == "tenant_membership" and record.reason.startswith(f"{signal} refused")
         await handle.signal("handoff", HandoffRequest(by="bob", reason="not mine"))
-        await handle.signal("approve", decide("gus", snap.plan.plan_hash))
+        await handle.signal("approve", decide("gus", snap))
         outcome = await handle.result()
     assert outcome.state == S.COMPLETED
     handoffs = [r for r in outcome.timeline if r.reason.startswith("handoff refused")]
@@ -207,7 +219,7 @@ async def test_tool_withdrawn_after_approval_sends_the_run_back_to_approval(
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         # Withdraw the tool from the tenant while the plan waits; the approver still may approve.
         policy_file.write_text(policy_file.read_text().replace('"issue_refund", "post_ledger_entry"', '"post_ledger_entry"', 1))
-        ok = decide("bob", snap.plan.plan_hash)
+        ok = decide("bob", snap)
         await handle.signal("approve", ok)
         for _ in range(200):
             timeline = await handle.query("timeline", result_type=list[TransitionRecord])
@@ -230,18 +242,18 @@ async def test_revoking_an_approver_between_approval_and_execution_stops_the_wri
     async with policy_worker(ts_env, policy_file) as worker:
         handle = await start_run(ts_env.client, worker, make_request([GET, refund(6000)]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", decide("bob", snap.plan.plan_hash))
+        await handle.signal("approve", decide("bob", snap))
         await wait_for_state(handle, "RETRY_WAIT")
         policy_file.write_text(policy_file.read_text().replace('bob = { roles = ["approver"] }', 'bob = { roles = ["retired"] }'))
         await ts_env.sleep(10)  # the backoff passes; the read step succeeds
         again = await wait_for_state(handle, "AWAITING_APPROVAL")
-        assert again.plan.plan_hash != snap.plan.plan_hash  # the remaining step, planned again
+        assert again != snap  # the remaining step, planned again
         timeline = await handle.query("timeline", result_type=list[TransitionRecord])
         stopped = next(r for r in timeline if "approver_revoked" in r.reason)
         assert stopped.from_state == S.OBSERVING_RESULT and "bob" in stopped.reason
         refund_ids = [s.tool_call_id for s in snap.plan.steps if s.tool == "issue_refund"]
         assert billing.refunds(f"{handle.id}:{refund_ids[0]}") == []
-        await handle.signal("approve", decide("carol", again.plan.plan_hash))
+        await handle.signal("approve", decide("carol", again))
         outcome = await handle.result()
     assert outcome.state == S.COMPLETED
     assert [s.tool for s in outcome.steps] == ["get_order", "issue_refund"]

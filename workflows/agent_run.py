@@ -14,7 +14,8 @@ I/O and no environment reads.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -32,12 +33,20 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from workflows import metrics as run_metrics
+    from workflows import policy
+    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
+        STRICT,
         ApprovalDecision,
+        AuditAck,
+        AuditBatch,
         CatalogRequest,
+        DecideRequest,
+        DecideResult,
         DecisionCheck,
         ExecutedStep,
+        HandoffCheck,
         HandoffRequest,
         PlannerInput,
         PolicySnapshot,
@@ -47,10 +56,12 @@ with workflow.unsafe.imports_passed_through():
         RunOutcome,
         RunRequest,
         RunSnapshot,
+        SealRequest,
         SnapshotRequest,
         ToolCatalog,
         ToolOutcome,
         Verdict,
+        canonical_json,
         first_error,
     )
     from workflows.states import IllegalTransition, Refs, RunState, TransitionRecord
@@ -74,46 +85,124 @@ TOOL_RETRY = RetryPolicy(maximum_attempts=1)
 # Observations handed back to the planner, newest first, in all (older ones keep only their
 # digest), so planner inputs in history do not grow with the size of tool results.
 PLANNER_CONTEXT_CHARS = 16_000
+# Records per audit_append call: each call's input stays far below the payload limit.
+AUDIT_BATCH = 200
+# New commands since the first release (audit sink, carried-state seal, handoff re-screening,
+# auto-approved re-checks) run only where this patch is set: histories written by the previous
+# version replay without them (docs/changing-workflows.md).
+PATCH_V2 = "tether-v2"
+DECIDE_HINT = "approve, reject (signals or the decide update), handoff"
 
 
-# A start input that does not validate as a RunRequest (say, from `temporal workflow start
-# --input`) fails the run with pydantic's message; otherwise its first task would retry forever.
-@workflow.defn(name="AgentRun", failure_exception_types=[ValidationError])
+@workflow.defn(name="AgentRun")
 class AgentRun:
+    # The start input arrives undecoded (*args): a missing, extra, malformed or forged input fails
+    # the run at once with a clear reason, never a workflow task that retries forever.
     @workflow.init
-    def __init__(self, request: RunRequest) -> None:
+    def __init__(self, *args: Any) -> None:
+        info = workflow.info()
+        self._start_error: str | None = None
+        self._carry_raw: Any = None
+        request = self._decode_start(args, continued=info.continued_run_id is not None)
         self.request = request
         self.data: RunData = request.carryover or RunData()
+        self.data.first_run_id = self.data.first_run_id or info.first_execution_run_id
         self.engine = Engine(
-            self.data, request, workflow_id=workflow.info().workflow_id, on_record=self._on_record
+            self.data,
+            request,
+            workflow_id=info.workflow_id,
+            on_record=self._on_record,
+            # Runs from before request ids (replayed histories) keep plan-hash-only requests.
+            new_request_id=lambda: str(workflow.uuid4()) if self._v2 else "",
         )
-        # Decisions that passed the cheap checks in the signal handler, in arrival order; the
-        # main loop checks each against the policy (an activity) and acts on it.
+        # Decisions that passed the cheap checks on arrival, in arrival order; the main loop
+        # checks each against the policy (an activity) and acts on it.
         self._inbox: list[tuple[DecisionKind, ApprovalDecision]] = []
         self._handoff: HandoffRequest | None = None
-        start_attributes = workflow.info().typed_search_attributes
+        # Records on their way to the audit sink, and the decide updates waiting for a verdict.
+        self._audit: list[TransitionRecord] = []
+        self._verdicts: dict[str, DecideResult | None] = {}
+        self._v2 = True
+        self._loops = 0
+        start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == request.tenant
 
+    def _decode_start(self, args: Sequence[Any], *, continued: bool) -> RunRequest:
+        placeholder = RunRequest(goal="(invalid start input)", requested_by="unknown")
+        if len(args) != 1 or not isinstance(args[0], dict):
+            self._start_error = f"the start input must be one RunRequest object, got {len(args)} argument(s)"
+            return placeholder
+        raw = args[0]
+        if raw.get("carryover") is not None and not continued:
+            # Carried state is trusted only from this run's own previous run (and its seal).
+            self._start_error = (
+                "a start input may not carry state (carryover): only a run continuing as new "
+                "carries state; start runs with a plain RunRequest"
+            )
+            return placeholder
+        try:
+            # Strict for what a client wrote; tolerant of a newer worker's fields when continued.
+            request = RunRequest.model_validate(raw, context=None if continued else STRICT)
+        except ValidationError as e:
+            self._start_error = f"invalid start input (RunRequest): {first_error(e)}"
+            return placeholder
+        self._carry_raw = raw.get("carryover")
+        return request
+
     # ------------------------------------------------------------------ main loop
 
     @workflow.run
-    async def run(self, request: RunRequest) -> RunOutcome:
+    async def run(self, *args: Any) -> RunOutcome:
+        if self._start_error is not None:
+            raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
+        self._v2 = workflow.patched(PATCH_V2)
         try:
+            await self._verify_carryover()
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
-            self._publish()
+            await self._finish()
             raise
-        self._publish()
+        await self._finish()
         return RunOutcome(
             run_id=workflow.info().workflow_id,
             state=self.data.lifecycle.state,
             answer=self.data.answer,
-            steps=self.data.executed,
+            # Ids, outcomes and digests: observations stay out of the result (its budget).
+            steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
             timeline=self.data.lifecycle.timeline,
         )
+
+    async def _finish(self) -> None:
+        """The run has ended: nothing may be left unsaid on the record, or unanswered."""
+        if self._handoff is not None:
+            self.engine.handoff_unhonoured(self._handoff, workflow.now())
+            self._handoff = None
+        if self._inbox:
+            self._flush_inbox()
+        await self._checkpoint()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+
+    async def _verify_carryover(self) -> None:
+        if self._carry_raw is None or not self._v2:
+            return
+        digest = hashlib.sha256(canonical_json(self._carry_raw).encode()).hexdigest()
+        valid = await self._activity(
+            "carryover_verify",
+            SealRequest(workflow_id=workflow.info().workflow_id, digest=digest, seal=self.request.carryover_seal),
+            bool,
+            "verify carried state",
+            local=True,
+        )
+        if not valid:
+            raise ApplicationError(
+                "the carried state does not bear this worker's seal: it was not written by this "
+                "run's previous run (or the workers do not share TETHER_STATE_KEY_FILE)",
+                type="carryover_unsealed",
+                non_retryable=True,
+            )
 
     async def _drive(self) -> None:
         data = self.data
@@ -124,22 +213,36 @@ class AgentRun:
                 local=True,
             )
         if data.policy is None:
+            request = self.request
             data.policy = await self._activity(
-                "policy_snapshot", SnapshotRequest(tenant=self.request.tenant), PolicySnapshot, "policy snapshot",
+                "policy_snapshot",
+                SnapshotRequest(
+                    tenant=request.tenant,
+                    workflow_id=workflow.info().workflow_id,
+                    requested_by=request.requested_by,
+                    request_digest=request.request_digest(),
+                    requester_signature=request.requester_signature,
+                ),
+                PolicySnapshot,
+                "policy snapshot",
                 local=True,
             )
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
 
         while not data.lifecycle.terminal:
-            self._maybe_continue_as_new()
+            await self._maybe_continue_as_new()
             state = data.lifecycle.state
             if state == S.PLANNING:
                 await self._plan()
             elif state == S.VALIDATION_FAILED:
                 self._decide(self.engine.after_validation_failed)
             elif state == S.VALIDATED:
-                self._decide(self.engine.after_validated)
+                refusal = None
+                if self._v2 and not self.engine.review().needs_approval:
+                    # Auto-approved by the run's snapshot: the current file must agree.
+                    refusal = await self._authority_refusal(from_step=0)
+                self._decide(lambda now: self.engine.after_validated(now, refusal))
             elif state == S.AWAITING_APPROVAL:
                 await self._await_decision()
             elif state == S.APPROVED:
@@ -149,7 +252,7 @@ class AgentRun:
                 await self._execute_step()
             elif state == S.OBSERVING_RESULT:
                 refusal = None
-                if self.engine.current_step() is not None:
+                if self.engine.current_step() is not None and (self._v2 or data.approval is not None):
                     refusal = await self._authority_refusal(from_step=data.next_step)
                 self._decide(lambda now: self.engine.after_observation(refusal, now))
             else:
@@ -163,7 +266,7 @@ class AgentRun:
 
     async def _plan(self) -> None:
         data = self.data
-        if self._take_handoff():
+        if await self._take_handoff():
             return
         budget = self.engine.token_budget_refusal()
         if budget is not None:
@@ -184,6 +287,7 @@ class AgentRun:
                     executed=_bounded_context(data.executed),
                     feedback=data.feedback,
                     round=data.planning_rounds,
+                    steps_done=sum(1 for s in data.executed if s.status == "ok"),
                 ),
                 Proposal,
                 f"plan · {self.request.planner} · round {data.planning_rounds}",
@@ -194,7 +298,7 @@ class AgentRun:
             failure = _failure(err)
             self._decide(lambda now: self.engine.planner_failed(failure, now))
             return
-        if self._take_handoff():
+        if await self._take_handoff():
             return
         self._decide(
             lambda now: self.engine.proposal(
@@ -210,7 +314,7 @@ class AgentRun:
             )
         remaining = (pending.expires_at - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
-            self._publish()
+            await self._checkpoint()
             try:
                 await workflow.wait_condition(
                     lambda: bool(self._inbox)
@@ -221,7 +325,7 @@ class AgentRun:
                 )
             except asyncio.TimeoutError:
                 pass
-        if self._take_handoff():
+        if await self._take_handoff():
             return
         if self._inbox:
             kind, decision = self._inbox.pop(0)
@@ -235,12 +339,17 @@ class AgentRun:
                     requested_by=self.request.requested_by,
                     roles=pending.roles,
                     already_approved=[a.approver for a in pending.approvals],
+                    first_run_id=self.data.first_run_id,
+                    requester_verified=self.data.requester_verified,
                 ),
                 Verdict,
                 f"policy check · {kind}",
                 local=True,
             )
-            self._decide(lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now))
+            self._decide(
+                lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now, verdict.verified)
+            )
+            self._answer(decision.decision_id)
             return
         if workflow.now() >= pending.expires_at:
             self._decide(self.engine.expire)
@@ -262,12 +371,12 @@ class AgentRun:
         if step is None or info is None:
             raise ApplicationError("no executable plan step", type="IllegalState", non_retryable=True)
         detail = f"tool call {step.tool_call_id} not started"
-        if self._take_handoff(detail=detail):
+        if await self._take_handoff(detail=detail):
             return
         call = self._decide(self.engine.next_tool_call)
         if call is None:
             return
-        self._publish()
+        await self._checkpoint()
         handle = workflow.start_activity(
             "execute_tool",
             call,
@@ -294,7 +403,7 @@ class AgentRun:
             delay = self._decide(lambda now: self.engine.tool_failed(failure, now))
             if delay is None:
                 return
-            self._publish()
+            await self._checkpoint()
             try:
                 await workflow.wait_condition(
                     lambda: self._handoff is not None,
@@ -308,56 +417,122 @@ class AgentRun:
         self._decide(lambda now: self.engine.tool_succeeded(outcome, now))
 
     # ------------------------------------------------------------------ signals and queries
+    #
+    # Every handler takes its arguments undecoded (*args) and validates them itself: none,
+    # several, null, a list or a huge string is refused on the timeline (malformed_signal),
+    # never a failed workflow task that would wedge the run.
 
     @workflow.signal(
         name="approve",
         description="Approve the pending plan. Data (ApprovalDecision): {\"decision_id\": unique, "
-        "\"approver\": name, \"plan_hash\": the pending plan's hash, \"comment\": optional}. "
-        "Counts only for the pending plan hash, before the approval expires.",
+        "\"approver\": name, \"plan_hash\": the pending plan's hash, \"request_id\": the pending "
+        "approval request's id, \"comment\": optional, \"signature\": where required}. Counts only "
+        "for the pending request, before it expires. The decide update answers at once.",
     )
-    def approve(self, payload: RawValue) -> None:
-        # Raw, then validated here: a malformed decision is refused on the timeline instead of
-        # being dropped by the SDK with only a worker log line. The payload is ApprovalDecision.
-        decision = self._decode("approve", payload, ApprovalDecision)
+    def approve(self, *args: Any) -> None:
+        decision = self._decode("approve", args, ApprovalDecision)
         if decision is not None:
             self._screen("approve", decision)
 
     @workflow.signal(
         name="reject",
         description="Reject the pending plan. Data (ApprovalDecision): {\"decision_id\": unique, "
-        "\"approver\": name, \"plan_hash\": the pending plan's hash, \"reason\": optional}.",
+        "\"approver\": name, \"plan_hash\": the pending plan's hash, \"request_id\": the pending "
+        "approval request's id, \"reason\": optional}.",
     )
-    def reject(self, payload: RawValue) -> None:
-        decision = self._decode("reject", payload, ApprovalDecision)
+    def reject(self, *args: Any) -> None:
+        decision = self._decode("reject", args, ApprovalDecision)
         if decision is not None:
             self._screen("reject", decision)
 
     @workflow.signal(
         name="handoff",
         description="Hand the run to a human; it ends in HANDED_OFF. Data (HandoffRequest): "
-        "{\"by\": name, \"reason\": text}.",
+        "{\"by\": name, \"reason\": text, \"decision_id\": optional, \"signature\": where required}.",
     )
-    def handoff(self, payload: RawValue) -> None:
-        request = self._decode("handoff", payload, HandoffRequest)
+    def handoff(self, *args: Any) -> None:
+        request = self._decode("handoff", args, HandoffRequest)
         if request is None:
             return
         if self._handoff is not None:
-            self.engine.refuse(
-                at=workflow.now(),
-                actor=f"operator:{request.by}",
-                reason="handoff refused: a handoff is already pending",
-                rule="handoff_pending",
-                refs=Refs(decision_id=request.decision_id),
+            self.engine.refuse_handoff(
+                request,
+                Refusal(rule="handoff_pending", message="a handoff is already pending"),
+                workflow.now(),
             )
         elif self.engine.screen_handoff(request, workflow.now()):
             self._handoff = request
 
+    @workflow.signal(dynamic=True)
+    def unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:
+        # Signal names are the sender's choice: one this run does not take is recorded, not dropped.
+        self.engine.refuse(
+            at=workflow.now(),
+            actor="unknown",
+            reason=f"signal {clip(name, 64)!r} refused: not a signal this run takes ({DECIDE_HINT})",
+            rule="unknown_signal",
+        )
+
+    @workflow.update(
+        name="decide",
+        description="Approve or reject the pending plan and get the verdict at once. Data "
+        "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\". "
+        "Malformed, stale, duplicate and not-awaiting decisions are refused before they reach "
+        "history; the answer (DecideResult) is the record the run wrote for the decision.",
+    )
+    async def decide(self, *args: Any) -> DecideResult:
+        decision = self._decide_payload(args)
+        kind: DecisionKind = decision.kind
+        plain = ApprovalDecision.model_validate(decision.model_dump(exclude={"kind"}))
+        self._verdicts[plain.decision_id] = None
+        if self.engine.screen_decision(kind, plain, workflow.now()):
+            self._inbox.append((kind, plain))
+        else:
+            self._answer(plain.decision_id)  # refused on arrival: the state moved since validation
+        await workflow.wait_condition(lambda: self._verdicts.get(plain.decision_id) is not None)
+        result = self._verdicts.pop(plain.decision_id)
+        return result if result is not None else DecideResult(
+            decision_id=plain.decision_id, outcome="refused", state=self.data.lifecycle.state, reason="no verdict"
+        )
+
+    @decide.validator
+    def _validate_decide(self, *args: Any) -> None:
+        # Runs before anything reaches history: what cannot count is refused to the sender only.
+        decision = self._decide_payload(args)
+        data = self.data
+        refusal = policy.decision_refusal(decision, data, now=workflow.now(), check_duplicate=True)
+        pending = data.pending_approval
+        if refusal is None and pending is not None:
+            refusal = policy.approver_refusal(
+                self.engine.tenant,
+                approver=decision.approver,
+                requested_by=self.request.requested_by,
+                kind=decision.kind,
+                roles=pending.roles,
+                already_approved=[a.approver for a in pending.approvals],
+            )
+        if refusal is not None:
+            raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
+
+    def _decide_payload(self, args: Sequence[Any]) -> DecideRequest:
+        if len(args) != 1:
+            raise ApplicationError(
+                f"decide refused [malformed]: expected one DecideRequest, got {len(args)} argument(s)",
+                type="malformed",
+            )
+        try:
+            return DecideRequest.model_validate(args[0], context=STRICT)
+        except ValidationError as e:
+            raise ApplicationError(
+                f"decide refused [malformed]: expected DecideRequest ({first_error(e)})", type="malformed"
+            ) from None
+
     @workflow.query(
         name="snapshot",
-        description="Current state, plan and plan hash, pending approval with its expiry, steps, "
-        "retries and last error (RunSnapshot).",
+        description="Current state, plan and plan hash, pending approval (with its request_id and "
+        "expiry), steps, retries, last error and refusal counts (RunSnapshot).",
     )
-    def snapshot(self) -> RunSnapshot:
+    def snapshot(self, *args: Any) -> RunSnapshot:
         data = self.data
         return RunSnapshot(
             run_id=workflow.info().workflow_id,
@@ -375,33 +550,60 @@ class AgentRun:
             created_at=data.created_at,
             updated_at=data.updated_at,
             model_tokens=data.model_tokens,
+            requested_by=self.request.requested_by,
+            requester_verified=data.requester_verified,
+            first_run_id=data.first_run_id,
+            refusals=data.lifecycle.refusals,
+            timeline_records=data.lifecycle.records,
         )
 
     @workflow.query(
         name="timeline",
-        description="Audit timeline: every transition and refused decision with actor, reason and "
-        "refs (list of TransitionRecord).",
+        description="Audit timeline: the first and the latest transitions and refused decisions, "
+        "with actor, reason and refs (list of TransitionRecord, bounded; `tether timeline --all` "
+        "adds the audit sink's full record).",
     )
-    def timeline(self) -> list[TransitionRecord]:
+    def timeline(self, *args: Any) -> list[TransitionRecord]:
         return self.data.lifecycle.timeline
 
-    def _decode(self, signal: str, payload: RawValue, model: type[M]) -> M | None:
-        try:
-            return workflow.payload_converter().from_payload(payload.payload, model)
-        except Exception as err:  # anything a sender can get wrong: type, fields, JSON
-            self.engine.refuse(
-                at=workflow.now(),
-                actor="unknown",
-                reason=f"{signal} refused: malformed payload, expected {model.__name__} "
-                f"({_first_error(err)})",
-                rule="malformed_signal",
-            )
-            return None
+    def _decode(self, signal: str, args: Sequence[Any], model: type[M]) -> M | None:
+        problem = None
+        if len(args) != 1:
+            problem = f"expected one {model.__name__}, got {len(args)} argument(s)"
+        else:
+            try:
+                return model.model_validate(args[0], context=STRICT)
+            except ValidationError as err:
+                problem = f"expected {model.__name__} ({first_error(err)})"
+        self.engine.refuse(
+            at=workflow.now(),
+            actor="unknown",
+            reason=f"{signal} refused: malformed payload, {problem}",
+            rule="malformed_signal",
+        )
+        return None
 
     def _screen(self, kind: DecisionKind, decision: ApprovalDecision) -> None:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
         if self.engine.screen_decision(kind, decision, workflow.now()):
             self._inbox.append((kind, decision))
+
+    def _answer(self, decision_id: str) -> None:
+        """Give a waiting decide update its verdict, from the record the run wrote for it."""
+        if decision_id not in self._verdicts:
+            return
+        record = next(
+            (r for r in reversed(self.data.lifecycle.timeline) if r.refs.decision_id == decision_id), None
+        )
+        if record is None:  # a refusal counted in a flood, not recorded
+            self._verdicts[decision_id] = DecideResult(
+                decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state,
+                reason="refused (counted, not recorded: see snapshot.refusals)", rule="flood",
+            )
+            return
+        self._verdicts[decision_id] = DecideResult(
+            decision_id=decision_id, outcome=record.kind, state=record.to_state, reason=record.reason, rule=record.rule
+        )
 
     # ------------------------------------------------------------------ helpers
 
@@ -415,6 +617,7 @@ class AgentRun:
             raise ApplicationError(str(e), type=type(e).__name__, non_retryable=True) from None
 
     def _on_record(self, record: TransitionRecord) -> None:
+        self._audit.append(record)
         if record.kind == "refused":
             run_metrics.on_refusal(record)
         elif record.kind == "transition":
@@ -430,11 +633,13 @@ class AgentRun:
         timeout: timedelta = SETUP_TIMEOUT,
         retry: RetryPolicy | None = None,
         local: bool = False,
+        checkpoint: bool = True,
     ) -> T:
-        self._publish()
-        # Local for the snapshots and policy checks: in-process reads that run inside the
-        # current workflow task and leave one marker event, instead of an activity task plus
-        # another workflow task (six events and two more server round trips; bench/overhead.py).
+        if checkpoint:
+            await self._checkpoint()
+        # Local for the snapshots, policy checks and the audit sink: in-process work that runs
+        # inside the current workflow task and leaves one marker event, instead of an activity
+        # task plus another workflow task (six events and two server round trips; bench/).
         execute = workflow.execute_local_activity if local else workflow.execute_activity
         try:
             return await execute(
@@ -452,31 +657,93 @@ class AgentRun:
                 raise asyncio.CancelledError() from err
             raise
 
-    def _take_handoff(self, detail: str | None = None) -> bool:
+    async def _take_handoff(self, detail: str | None = None) -> bool:
+        """Honour a pending handoff where the table allows, once the current policy file (and the
+        sender's signature, where required) says it may."""
         request = self._handoff
-        taken = self._decide(lambda now: self.engine.take_handoff(request, now, detail))
-        if taken:
-            self._handoff = None
-        return taken
+        if request is None or not self.engine.can_take_handoff():
+            return False
+        verdict = None
+        if self._v2:
+            verdict = await self._activity(
+                "policy_check_handoff",
+                HandoffCheck(
+                    tenant=self.request.tenant,
+                    workflow_id=workflow.info().workflow_id,
+                    first_run_id=self.data.first_run_id,
+                    handoff=request,
+                ),
+                Verdict,
+                "policy check · handoff",
+                local=True,
+            )
+        self._handoff = None
+        refusal, verified = (verdict.refusal, verdict.verified) if verdict else (None, False)
+        return self._decide(lambda now: self.engine.take_handoff(request, now, detail, refusal, verified))
 
     def _flush_inbox(self) -> None:
         """The run left AWAITING_APPROVAL: decisions still queued can no longer count."""
         for kind, decision in self._inbox:
             self.engine.refuse_unsettled(kind, decision, workflow.now())
+            self._answer(decision.decision_id)
         self._inbox.clear()
 
-    def _maybe_continue_as_new(self) -> None:
+    async def _flush_audit(self) -> None:
+        """Every record written so far, to the audit sink, in order (keyed by seq: a retry
+        never writes one twice)."""
+        if not self._v2:
+            self._audit.clear()
+            return
+        while self._audit:
+            batch, self._audit = self._audit[:AUDIT_BATCH], self._audit[AUDIT_BATCH:]
+            await self._activity(
+                "audit_append",
+                AuditBatch(workflow_id=workflow.info().workflow_id, first_run_id=self.data.first_run_id, records=batch),
+                AuditAck,
+                f"audit · {len(batch)} record(s)",
+                local=True,
+                checkpoint=False,
+            )
+
+    async def _checkpoint(self) -> None:
+        """Before the run waits: the audit sink has every record, and the state is visible."""
+        await self._flush_audit()
+        self._publish()
+
+    async def _maybe_continue_as_new(self) -> None:
         data = self.data
-        if not workflow.info().is_continue_as_new_suggested():
+        self._loops += 1
+        suggested = workflow.info().is_continue_as_new_suggested()
+        # The carried state is measured now and then (it costs a serialisation), not every loop.
+        size = len(data.model_dump_json()) if suggested or self._loops % 16 == 0 else 0
+        if not suggested and size < CARRY_CONTINUE_AT:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
-        if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL):
+        if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL, S.OBSERVING_RESULT):
             return
-        if self._inbox or self._handoff is not None:
+        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
             return
-        self._publish()
+        if size > CARRY_BUDGET:
+            # Cleanly, with the reason: a payload over the limit would fail every workflow task.
+            raise ApplicationError(
+                f"carried state is {size} bytes, over its {CARRY_BUDGET}-byte budget",
+                type="carry_budget",
+                non_retryable=True,
+            )
+        seal = None
+        if self._v2:
+            digest = hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest()
+            sealed = await self._activity(
+                "carryover_seal",
+                SealRequest(workflow_id=workflow.info().workflow_id, digest=digest),
+                SealRequest,
+                "seal carried state",
+                local=True,
+            )
+            seal = sealed.seal
+        await self._checkpoint()
         workflow.continue_as_new(
-            self.request.model_copy(update={"carryover": data}),
+            self.request.model_copy(update={"carryover": data, "carryover_seal": seal}),
             search_attributes=TypedSearchAttributes(
                 [
                     SearchAttributePair(STATE_ATTRIBUTE, data.lifecycle.state.value),
@@ -499,7 +766,7 @@ class AgentRun:
                 self._tenant_published = True
             workflow.upsert_search_attributes(updates)
             self._published = state
-        workflow.set_current_details(self._details())
+        workflow.set_current_details(clip(self._details(), DETAILS_CHARS))
 
     def _details(self) -> str:
         # The Web UI's "Current Details" (markdown). Names, effects, ids and the plan hash only:
@@ -511,34 +778,43 @@ class AgentRun:
 
         data = self.data
         lc = data.lifecycle
+        requester = f"`{self.request.requested_by}`" + (" (signed)" if data.requester_verified else " (claimed)")
         lines = [
             f"**State:** `{lc.state.value}` (version {lc.state_version})",
             "",
-            f"**Tenant** `{self.request.tenant}` · **requested by** `{self.request.requested_by}` · "
+            f"**Tenant** `{self.request.tenant}` · **requested by** {requester} · "
             f"{len(data.executed)} step(s) executed · {data.retries} retries",
         ]
+        if workflow.info().continued_run_id:
+            # A continued run has no static summary of its own (continue-as-new cannot set one).
+            lines += ["", f"**Goal:** {clip(self.request.goal, 300)}"]
         if data.approved_by:
             lines += ["", "**Approved by** " + ", ".join(f"`{a}`" for a in data.approved_by)]
         if data.last_error:
             lines += ["", f"**Last error:** {data.last_error[:200]}"]
+        if lc.refusals:
+            lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
         plan, catalog = data.plan, data.catalog or ToolCatalog()
         if plan is not None and not lc.terminal:
             lines += ["", f"**Plan** `{plan.plan_hash}`", ""]
-            for i, step in enumerate(plan.steps, start=1):
+            for i, step in enumerate(plan.steps[:30], start=1):
                 info = catalog.get(step.tool)
                 effect = info.effect.value if info else "?"
                 mark = " ✓ done" if i <= data.next_step else ""
                 lines.append(f"{i}. `{step.tool}` · {effect}{mark}")
+            if len(plan.steps) > 30:
+                lines.append(f"… and {len(plan.steps) - 30} more step(s)")
         pending = data.pending_approval
         if pending is not None and lc.state == S.AWAITING_APPROVAL:
             wf_id = workflow.info().workflow_id
             signal_input = (
                 f"{{\"decision_id\": \"<unique id>\", \"approver\": \"NAME\", "
-                f"\"plan_hash\": \"{pending.plan_hash}\"}}"
+                f"\"plan_hash\": \"{pending.plan_hash}\", \"request_id\": \"{pending.request_id}\"}}"
             )
             lines += [
                 "",
-                f"**Waiting for approval** until **{utc(pending.expires_at)}** — {pending.summary}",
+                f"**Waiting for approval** (request `{pending.request_id}`) until "
+                f"**{utc(pending.expires_at)}** — {clip(pending.summary, 1000)}",
                 "",
                 f"**Approvals:** {len(pending.approvals)} of {pending.approvals_required}"
                 + (f" · risk **{pending.risk}**" if pending.risk != "normal" else "")
@@ -551,7 +827,7 @@ class AgentRun:
                 "",
                 "**Approve with:**",
                 "",
-                f"`python starter.py approve {wf_id} --by NAME --plan-hash {pending.plan_hash}`",
+                f"`.venv/bin/tether approve {wf_id} --by NAME` (add `--key PATH` where approvals are signed)",
                 "",
                 "or:",
                 "",

@@ -8,12 +8,14 @@ tests drive this same code with random event sequences.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
 from workflows import policy
+from workflows.budgets import ANSWER_CHARS, DECISIONS_WINDOW, EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW, clip
 from workflows.models import (
     AcceptedApproval,
     ApprovalDecision,
@@ -75,11 +77,17 @@ class Engine:
         *,
         workflow_id: str,
         on_record: Callable[[TransitionRecord], None] = lambda record: None,
+        new_request_id: Callable[[], str] = lambda: "",
     ) -> None:
         self.data = data
         self.request = request
         self.workflow_id = workflow_id
-        self.on_record = on_record  # metrics and the like; called for every timeline record
+        self._on_record = on_record  # metrics, the audit sink; called for every record written
+        self.new_request_id = new_request_id  # one id per approval request (workflow.uuid4())
+
+    def on_record(self, record: TransitionRecord | None) -> None:
+        if record is not None:  # None: a refusal in a flood, counted but not recorded
+            self._on_record(record)
 
     # ------------------------------------------------------------------ facts
 
@@ -119,7 +127,11 @@ class Engine:
 
     def review(self) -> PlanReview:
         _require(self.data.plan is not None, "no validated plan to review")
-        return policy.review_plan(self.data.plan, self.catalog, self.tenant)
+        return policy.review_plan(self.data.plan, self.catalog, self.tenant, self.data.spent)
+
+    def actor(self, name: str, verified: bool = False) -> str:
+        """How a person shows on the timeline: verified identities say how."""
+        return f"user:{name} (signed)" if verified else f"user:{name}"
 
     # ------------------------------------------------------------------ records
 
@@ -143,7 +155,18 @@ class Engine:
         _require(data.policy is not None, "no policy snapshot")
         # The policy's content hash goes on the timeline: a run's decisions stay explainable.
         refs = Refs(policy_hash=data.policy.policy_hash)
-        if data.policy.policy is None:
+        data.requester_verified = data.policy.requester_verified
+        if data.policy.requester_refusal is not None:
+            refusal = data.policy.requester_refusal
+            data.last_error = f"{refusal.rule}: {refusal.message}"
+            self.move(
+                S.FAILED,
+                at=at,
+                actor=self.actor(self.request.requested_by),
+                reason=f"run request refused [{refusal.rule}]: {refusal.message}",
+                refs=refs.model_copy(update={"error_code": refusal.rule}),
+            )
+        elif data.policy.policy is None:
             self.move(
                 S.FAILED,
                 at=at,
@@ -187,8 +210,8 @@ class Engine:
                 refs=Refs(error_code="model_token_budget"),
             )
             return
-        if proposal.answer is not None and not proposal.steps:
-            data.answer = proposal.answer
+        if proposal.answer is not None and not proposal.steps and proposal.oversized_bytes is None:
+            data.answer = clip(proposal.answer, ANSWER_CHARS)
             self.move(S.COMPLETED, at=at, actor="planner", reason="planner finished with an answer")
             return
         result = validate_proposal(
@@ -200,7 +223,7 @@ class Engine:
             tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
         )
         if result.plan is None:
-            data.feedback = result.reason
+            data.feedback = result.reason  # bounded: the first problems, paths and rules only
             self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
             return
         data.plan, data.next_step, data.step_retries, data.feedback = result.plan, 0, 0, None
@@ -240,12 +263,14 @@ class Engine:
             refs=refs,
         )
 
-    def after_validated(self, at: datetime) -> None:
+    def after_validated(self, at: datetime, refusal: Refusal | None = None) -> None:
+        """``refusal``: the current policy file's word on a plan the snapshot would auto-approve."""
         review = self.review()
-        if not review.needs_approval:
+        if not review.needs_approval and refusal is None:
             self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
             return
-        self.request_approval(at=at, reason=f"approval needed: {review.summary}")
+        why = f"policy changed [{refusal.rule}]: {refusal.message}; " if refusal else ""
+        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}")
 
     # ------------------------------------------------------------------ approvals
 
@@ -259,6 +284,7 @@ class Engine:
             ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
         data.pending_approval = PendingApproval(
             plan_hash=data.plan.plan_hash,
+            request_id=self.new_request_id(),
             expires_at=at + timedelta(seconds=ttl),
             summary=review.summary,
             risk="high" if review.risk == "high" else "normal",
@@ -267,7 +293,13 @@ class Engine:
         )
         data.approval = None
         data.approved_by = []
-        self.move(S.AWAITING_APPROVAL, at=at, actor="runtime", reason=reason, refs=Refs(plan_hash=data.plan.plan_hash))
+        self.move(
+            S.AWAITING_APPROVAL,
+            at=at,
+            actor="runtime",
+            reason=f"{reason} (request {data.pending_approval.request_id})",
+            refs=Refs(plan_hash=data.plan.plan_hash),
+        )
 
     def screen_decision(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> bool:
         """The cheap, state-only checks a decision passes on arrival (signal handler).
@@ -275,15 +307,29 @@ class Engine:
         Returns True when it may go on to the policy check; otherwise it is recorded as refused.
         """
         refusal = policy.decision_refusal(decision, self.data, now=at, check_duplicate=True)
-        if decision.decision_id not in self.data.decisions_seen:
-            self.data.decisions_seen.append(decision.decision_id)
+        self._remember_decision(decision.decision_id)
         if refusal is not None:
             self._refuse_decision(kind, decision, refusal, at)
             return False
         return True
 
+    def _remember_decision(self, decision_id: str) -> None:
+        """A bounded window of ids, a count and a running digest of every id seen."""
+        data = self.data
+        if decision_id in data.decisions_seen:
+            return
+        data.decisions_seen.append(decision_id)
+        del data.decisions_seen[:-DECISIONS_WINDOW]
+        data.decisions_count += 1
+        data.decisions_digest = hashlib.sha256(f"{data.decisions_digest}\n{decision_id}".encode()).hexdigest()
+
     def settle_decision(
-        self, kind: DecisionKind, decision: ApprovalDecision, verdict: Refusal | None, at: datetime
+        self,
+        kind: DecisionKind,
+        decision: ApprovalDecision,
+        verdict: Refusal | None,
+        at: datetime,
+        verified: bool = False,
     ) -> None:
         """Apply a decision the policy activity has judged (``verdict`` None: the approver may)."""
         data = self.data
@@ -295,7 +341,7 @@ class Engine:
         pending = data.pending_approval
         _require(pending is not None, "no pending approval")
         refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
-        actor = f"user:{decision.approver}"
+        actor = self.actor(decision.approver, verified)
         if kind == "reject":
             data.pending_approval = None
             self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)
@@ -349,18 +395,31 @@ class Engine:
         data.pending_approval = None
 
     def authority_check(self, *, from_step: int) -> AuthorityCheck | None:
-        """What to re-check before the plan's remaining writes run (None: nothing writes)."""
+        """What to re-check against the current policy file before the plan's remaining writes
+        run, approved or auto-approved (None: nothing left writes)."""
         data = self.data
-        approval = data.approval
-        if data.plan is None or approval is None:
+        if data.plan is None:
             return None
-        tools = [
-            s.tool
-            for s in data.plan.steps[from_step:]
-            if (info := self.catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
+        remaining = data.plan.steps[from_step:]
+        writes = [
+            s for s in remaining if (info := self.catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
         ]
-        if not tools:
+        if not writes:
             return None
+        tools = [s.tool for s in writes]
+        approval = data.approval
+        if approval is None:
+            # Ran without approval: the current policy must still say so, for what is left.
+            return AuthorityCheck(
+                tenant=self.request.tenant,
+                approvals=[],
+                tools=tools,
+                roles=[],
+                approvals_required=0,
+                steps=remaining,
+                catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
+                spent=data.spent,
+            )
         return AuthorityCheck(
             tenant=self.request.tenant,
             approvals=[a.approver for a in approval.approvals],
@@ -380,7 +439,7 @@ class Engine:
         self.enter_step(at=at, reason="approved plan: executing")
 
     def after_observation(self, refusal: Refusal | None, at: datetime) -> None:
-        """A step's result is in: the next step of the approved plan, or plan again."""
+        """A step's result is in: the next step of the plan, or plan again."""
         data = self.data
         if self.current_step() is None:
             data.approval = None
@@ -388,51 +447,80 @@ class Engine:
             return
         if refusal is not None:
             # The rest of the plan needs a new plan and a new approval.
+            held = "approval no longer holds" if data.approval is not None else "policy changed"
             data.approval = None
             self.move(
                 S.PLANNING,
                 at=at,
                 actor="runtime",
-                reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; replanning the remaining steps",
+                reason=f"{held} [{refusal.rule}]: {refusal.message}; replanning the remaining steps",
             )
             return
-        self.enter_step(at=at, reason="next step of the approved plan")
+        self.enter_step(at=at, reason="next step of the plan")
 
     # ------------------------------------------------------------------ handoff and cancel
 
     def screen_handoff(self, request: HandoffRequest, at: datetime) -> bool:
-        """May this handoff be honoured (at the next point the table allows)? Else refused."""
+        """May this handoff be honoured (at the next point the table allows)? Else refused.
+
+        A cheap first look; the policy activity screens it again when the run takes it.
+        """
         refusal: Refusal | None = None
         if self.data.lifecycle.terminal:
             refusal = Refusal(rule="run_ended", message=f"run already ended in {self.state.value}")
         else:
-            # Membership is checked against the policy snapshot the run took at start.
+            # Membership against the run's snapshot, when it has one already.
             refusal = policy.handoff_member_refusal(self.tenant, request.by)
         if refusal is not None:
-            self.refuse(
-                at=at,
-                actor=f"operator:{request.by}",
-                reason=f"handoff refused: {refusal.message}",
-                rule=refusal.rule,
-                refs=Refs(decision_id=request.decision_id),
-            )
+            self.refuse_handoff(request, refusal, at)
             return False
         return True
 
-    def take_handoff(self, request: HandoffRequest | None, at: datetime, detail: str | None = None) -> bool:
-        """Honour a pending handoff if the current state allows it."""
-        if request is None or not self.data.lifecycle.can_move(S.HANDED_OFF):
+    def refuse_handoff(self, request: HandoffRequest, refusal: Refusal, at: datetime) -> None:
+        self.refuse(
+            at=at,
+            actor=f"operator:{request.by}",
+            reason=f"handoff refused: {refusal.message}",
+            rule=refusal.rule,
+            refs=Refs(decision_id=request.decision_id),
+        )
+
+    def can_take_handoff(self) -> bool:
+        return self.data.lifecycle.can_move(S.HANDED_OFF)
+
+    def take_handoff(
+        self,
+        request: HandoffRequest | None,
+        at: datetime,
+        detail: str | None = None,
+        verdict: Refusal | None = None,
+        verified: bool = False,
+    ) -> bool:
+        """Honour a pending handoff if the current state allows it and the policy check
+        (``verdict``, from the current file) passed; a refused one is recorded."""
+        if request is None or not self.can_take_handoff():
+            return False
+        if verdict is not None:
+            self.refuse_handoff(request, verdict, at)
             return False
         reason = f"handed off by {request.by}: {request.reason}"
         self.move(
             S.HANDED_OFF,
             at=at,
-            actor=f"operator:{request.by}",
+            actor=f"operator:{request.by}" + (" (signed)" if verified else ""),
             reason=f"{reason} ({detail})" if detail else reason,
             refs=Refs(decision_id=request.decision_id),
         )
         self.data.pending_approval = None
         return True
+
+    def handoff_unhonoured(self, request: HandoffRequest, at: datetime) -> None:
+        """The run ended before it could take an accepted handoff: say so on the record."""
+        self.refuse_handoff(
+            request,
+            Refusal(rule="run_ended", message=f"the run ended in {self.state.value} before the handoff could be honoured"),
+            at,
+        )
 
     def cancelled(self, reason: str | None, at: datetime) -> None:
         self.data.pending_approval = None
@@ -535,7 +623,8 @@ class Engine:
             self.data.next_step += 1
 
     def _record_step(self, step: PlanStep, status: Literal["ok", "failed"], outcome: ToolOutcome | None) -> None:
-        self.data.executed.append(
+        data = self.data
+        data.executed.append(
             ExecutedStep(
                 tool_call_id=step.tool_call_id,
                 tool=step.tool,
@@ -545,3 +634,14 @@ class Engine:
                 digest=outcome.digest if outcome else "",
             )
         )
+        if status == "ok":
+            policy.spend(data.spent, step.tool, step.args)
+        self._trim_executed()
+
+    def _trim_executed(self) -> None:
+        """Older steps keep only id, tool, status and digest: the carried state stays bounded."""
+        room = EXECUTED_OBSERVATION_CHARS
+        for i, done in enumerate(reversed(self.data.executed)):
+            room -= len(done.observation)
+            if i >= EXECUTED_WINDOW or room < 0:
+                done.args, done.observation = {}, ""

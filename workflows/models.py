@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+
+import rfc8785
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from workflows.identity import Name, normalize_name
 from workflows.states import Lifecycle, RunState, TransitionRecord
 
 __all__ = [
@@ -43,8 +46,30 @@ __all__ = [
     "canonical_json",
 ]
 
-# Tenant and names end up in search attributes and the Web UI: keep them to plain identifiers.
+# Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
+
+# Validate with this context to refuse unknown keys: client inputs and the policy file.
+STRICT = {"strict_keys": True}
+
+
+class Contract(BaseModel):
+    """A model that crosses a trust or version boundary.
+
+    Lenient by default: a run carried over by a newer worker version (one more field) or an
+    activity result from one must still load here. Strict where a person or a client wrote it:
+    validated with ``context=STRICT``, unknown keys are refused.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_keys(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, dict) and (info.context or {}).get("strict_keys"):
+            known = {f.alias or name for name, f in cls.model_fields.items()} | set(cls.model_fields)
+            unknown = sorted(str(k) for k in value if k not in known)
+            if unknown:
+                raise ValueError(f"unknown field(s): {', '.join(unknown)[:200]}")
+        return value
 
 
 class ToolEffect(str, Enum):
@@ -59,9 +84,7 @@ class ToolEffect(str, Enum):
 # ----------------------------------------------------------------------------- run input
 
 
-class Limits(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Limits(Contract):
     max_steps: int = Field(20, ge=1, le=1000, description="tool calls a run may execute in all")
     max_replans: int = Field(3, ge=0, le=100, description="proposals that may fail validation")
     approval_ttl_seconds: float = Field(
@@ -73,22 +96,32 @@ class Limits(BaseModel):
     )
 
 
-class PlaybookStep(BaseModel):
+class PlaybookStep(Contract):
     tool: str
     args: dict[str, Any] = Field(default_factory=dict)
 
 
-class RunRequest(BaseModel):
+class RunRequest(Contract):
     """The one input of the ``AgentRun`` workflow."""
 
     goal: str = Field(min_length=1, max_length=8000)
     tenant: str = Field("default", pattern=NAME_PATTERN)
-    requested_by: str = Field(pattern=NAME_PATTERN)
-    planner: str = "playbook"
+    requested_by: Name
+    planner: str = Field("playbook", max_length=64)
     playbook: list[PlaybookStep] = Field(default_factory=list, max_length=1000)
     limits: Limits = Field(default_factory=Limits)
-    # Set by the runtime only, when a run continues as new: the state it carries over.
+    # Ed25519 signature (base64) by the requester over policy.start_signature_payload(...):
+    # required where the tenant sets require_signatures, else the requester is only claimed.
+    requester_signature: str | None = Field(None, max_length=200)
+    # Set by the runtime only, when a run continues as new: the state it carries over, and the
+    # worker's seal over it. A start input that carries state is refused (docs/architecture.md).
     carryover: RunData | None = None
+    carryover_seal: str | None = Field(None, max_length=200)
+
+    def request_digest(self) -> str:
+        """sha256 over what the requester asks for (what a start signature covers)."""
+        body = self.model_dump(mode="json", include={"goal", "tenant", "planner", "playbook", "limits"})
+        return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- tools
@@ -159,9 +192,15 @@ class Proposal(BaseModel):
     answer: str | None = None
     # Tokens the planner call used, as the model endpoint reported them (0 for the playbook).
     usage_tokens: int = 0
+    # Set at the activity boundary when the planner's answer was over budget: its size and
+    # sha256, instead of the answer (validation refuses it; the run plans again).
+    oversized_bytes: int | None = None
+    oversized_digest: str | None = None
 
 
 class ExecutedStep(BaseModel):
+    # Older steps keep only id, tool, status and digest (args and observation emptied): the
+    # state a run carries stays bounded however long it runs (workflows/budgets.py).
     tool_call_id: str
     tool: str
     args: dict[str, Any]
@@ -177,6 +216,7 @@ class PlannerInput(BaseModel):
     executed: list[ExecutedStep]
     feedback: str | None = None
     round: int = 1
+    steps_done: int | None = None  # steps executed with status ok, in all (executed is a window)
 
 
 class PlanStep(BaseModel):
@@ -193,7 +233,14 @@ def first_error(err: ValidationError) -> str:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """RFC 8785 (JSON Canonicalization Scheme): one text for one value, whoever serialises it.
+
+    Raises ValueError for what JSON cannot say exactly (NaN, infinities, integers beyond 2**53).
+    """
+    try:
+        return rfc8785.dumps(value).decode()
+    except rfc8785.CanonicalizationError as e:
+        raise ValueError(f"not canonical JSON: {e}") from None
 
 
 class Plan(BaseModel):
@@ -214,27 +261,47 @@ class Plan(BaseModel):
 # ----------------------------------------------------------------------------- approvals
 
 
-class ApprovalDecision(BaseModel):
+class ApprovalDecision(Contract):
     """Payload of the ``approve`` and ``reject`` signals."""
 
     decision_id: str = Field(min_length=1, max_length=128)
-    approver: str = Field(min_length=1, max_length=128)
+    approver: Name
     plan_hash: str = Field(min_length=1, max_length=128)
+    # The approval request this decides (snapshot.pending_approval.request_id): a decision
+    # prepared for an earlier request, even of the same plan, does not count for a later one.
+    request_id: str | None = Field(None, min_length=1, max_length=128)
     comment: str | None = Field(None, max_length=2000)
     reason: str | None = Field(None, max_length=2000)
-    # Ed25519 signature (base64) over policy.signature_payload(...), required for approvers whose
-    # public key the policy lists.
+    # Ed25519 signature (base64) over policy.signature_payload(...), required where the tenant
+    # requires signatures and for approvers whose public key the policy lists.
     signature: str | None = Field(None, max_length=200)
 
 
-class HandoffRequest(BaseModel):
+class DecideRequest(ApprovalDecision):
+    """Payload of the ``decide`` Update: a decision and its kind, answered at once."""
+
+    kind: Literal["approve", "reject"]
+
+
+class DecideResult(BaseModel):
+    """The verdict the ``decide`` Update answers with: the record the run wrote for it."""
+
+    decision_id: str
+    outcome: Literal["transition", "accepted", "refused"]
+    state: RunState
+    reason: str
+    rule: str | None = None
+
+
+class HandoffRequest(Contract):
     """Payload of the ``handoff`` signal."""
 
-    by: str = Field(min_length=1, max_length=128)
+    by: Name
     reason: str = Field(min_length=1, max_length=2000)
     # Lets the sender find the run's verdict on the timeline (refs.decision_id); optional for
     # clients that only signal.
     decision_id: str | None = Field(None, min_length=1, max_length=128)
+    signature: str | None = Field(None, max_length=200)
 
 
 class AcceptedApproval(BaseModel):
@@ -245,6 +312,7 @@ class AcceptedApproval(BaseModel):
 
 class PendingApproval(BaseModel):
     plan_hash: str
+    request_id: str = ""  # one per approval request (workflow.uuid4()); decisions must name it
     expires_at: datetime
     summary: str  # the risk summary: which tools write, to what, amounts
     risk: Literal["normal", "high"] = "normal"
@@ -260,17 +328,13 @@ class PendingApproval(BaseModel):
 # budgets. The decisions over these live in workflows/policy.py.
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Approver(_Strict):
+class Approver(Contract):
     roles: list[str] = Field(default_factory=lambda: ["approver"])
     # Raw Ed25519 public key, base64. When set, this approver's decisions must be signed.
     public_key: str | None = None
 
 
-class AmountRule(_Strict):
+class AmountRule(Contract):
     """Matches calls of ``tool``; with ``field``, only when the numeric argument is in range."""
 
     tool: str
@@ -293,31 +357,34 @@ class AmountRule(_Strict):
         return True
 
 
-class AutoApprove(_Strict):
+class AutoApprove(Contract):
     read_only: bool = True  # steps of read_only tools that do not ask for approval themselves
     limits: list[AmountRule] = Field(default_factory=list)  # e.g. refunds up to 5000 cents
 
 
-class HighRisk(_Strict):
+class HighRisk(Contract):
     when: list[AmountRule] = Field(default_factory=list)
     approvals: int = Field(2, ge=1, le=10)  # distinct approvers a high-risk plan needs
     roles: list[str] = Field(default_factory=lambda: ["approver"])
 
 
-class ApprovalTtl(_Strict):
+class ApprovalTtl(Contract):
     normal: float | None = Field(None, gt=0)
     high: float | None = Field(None, gt=0)
 
 
-class Budgets(_Strict):
+class Budgets(Contract):
     max_steps: int | None = Field(None, ge=1)
     max_tool_calls: int | None = Field(None, ge=1)
     max_replans: int | None = Field(None, ge=0)
 
 
-class TenantPolicy(_Strict):
+class TenantPolicy(Contract):
     tools: list[str] | None = None  # None: every tool the worker has
     approvers: dict[str, Approver] | None = None  # None: anyone but the requester (four-eyes)
+    # Decisions, handoffs and the start's requested_by must carry a valid Ed25519 signature by a
+    # key listed here for that person; unsigned ones are refused (rule signature_required).
+    require_signatures: bool = False
     approval_roles: list[str] = Field(default_factory=lambda: ["approver"])
     four_eyes: bool = True
     auto_approve: AutoApprove = Field(default_factory=AutoApprove)
@@ -325,8 +392,22 @@ class TenantPolicy(_Strict):
     approval_ttl_seconds: ApprovalTtl = Field(default_factory=ApprovalTtl)
     budgets: Budgets = Field(default_factory=Budgets)
 
+    @field_validator("approvers", mode="before")
+    @classmethod
+    def _normalise_approver_names(cls, value: Any) -> Any:
+        # Names are compared normalised everywhere: 'Bob' in the file is the bob who signs.
+        if not isinstance(value, dict):
+            return value
+        out: dict[str, Any] = {}
+        for raw, approver in value.items():
+            name = normalize_name(str(raw))
+            if name in out:
+                raise ValueError(f"approvers {raw!r} and another name normalise to the same {name!r}")
+            out[name] = approver
+        return out
 
-class PolicyDocument(_Strict):
+
+class PolicyDocument(Contract):
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
 
 
@@ -338,6 +419,9 @@ class PolicySnapshot(BaseModel):
     policy: TenantPolicy | None  # None: the tenant is not in the policy file
     policy_hash: str
     source: str
+    # The start's requested_by, verified against its signature (None: no signature given).
+    requester_refusal: Refusal | None = None
+    requester_verified: bool = False
 
 
 class Refusal(BaseModel):
@@ -361,6 +445,11 @@ class PlanReview(BaseModel):
 
 class SnapshotRequest(BaseModel):
     tenant: str
+    # To verify the start's signature, when it has one.
+    workflow_id: str = ""
+    requested_by: str = ""
+    request_digest: str = ""
+    requester_signature: str | None = None
 
 
 class DecisionCheck(BaseModel):
@@ -371,6 +460,15 @@ class DecisionCheck(BaseModel):
     requested_by: str
     roles: list[str]
     already_approved: list[str]
+    first_run_id: str = ""
+    requester_verified: bool = False
+
+
+class HandoffCheck(BaseModel):
+    tenant: str
+    workflow_id: str
+    first_run_id: str
+    handoff: HandoffRequest
 
 
 class AuthorityCheck(BaseModel):
@@ -379,11 +477,25 @@ class AuthorityCheck(BaseModel):
     tools: list[str]
     roles: list[str]
     approvals_required: int
+    # Auto-approved plans (no approvals): the remaining steps, their catalog entries and what
+    # the run has done so far, to be reviewed again under the current policy file.
+    steps: list[PlanStep] = Field(default_factory=list)
+    catalog: ToolCatalog | None = None
+    spent: dict[str, float] = Field(default_factory=dict)
+
+
+class SealRequest(BaseModel):
+    """The carried state's sha256, sealed (HMAC) by the worker before continue-as-new."""
+
+    workflow_id: str
+    digest: str
+    seal: str | None = None  # given: verify it
 
 
 class Verdict(BaseModel):
     refusal: Refusal | None = None
     policy_hash: str
+    verified: bool = False  # the person's signature checked out against a key the policy lists
 
 
 # ----------------------------------------------------------------------------- run state
@@ -401,8 +513,16 @@ class RunData(BaseModel):
     pending_approval: PendingApproval | None = None  # only while AWAITING_APPROVAL
     approval: PendingApproval | None = None  # the approval in force while its plan executes
     approved_by: list[str] = Field(default_factory=list)
+    # The last DECISIONS_WINDOW decision ids, with a count and a running digest of all of them.
     decisions_seen: list[str] = Field(default_factory=list)
+    decisions_count: int = 0
+    decisions_digest: str = ""
     executed: list[ExecutedStep] = Field(default_factory=list)
+    # Sum of each numeric argument, per "tool.field", over executed steps that may have applied:
+    # auto-approval and high-risk limits apply to these sums, so they cannot be split.
+    spent: dict[str, float] = Field(default_factory=dict)
+    first_run_id: str = ""
+    requester_verified: bool = False
     replans: int = 0
     planning_rounds: int = 0
     tool_calls: int = 0  # execute_tool activities scheduled, retries included
@@ -433,6 +553,12 @@ class RunSnapshot(BaseModel):
     created_at: datetime | None
     updated_at: datetime | None
     model_tokens: int = 0
+    requested_by: str = ""
+    requester_verified: bool = False
+    first_run_id: str = ""
+    # Refused events per "rule actor", counted even where the timeline keeps only the first few.
+    refusals: dict[str, int] = Field(default_factory=dict)
+    timeline_records: int = 0  # records written in all (the timeline query returns a window)
 
 
 class RunOutcome(BaseModel):
@@ -447,3 +573,15 @@ class RunOutcome(BaseModel):
 
 RunData.model_rebuild()
 RunRequest.model_rebuild()
+
+
+class AuditBatch(BaseModel):
+    """Timeline records on their way to the audit sink (activities/audit.py)."""
+
+    workflow_id: str
+    first_run_id: str
+    records: list[TransitionRecord]
+
+
+class AuditAck(BaseModel):
+    last_seq: int

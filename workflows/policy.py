@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from datetime import datetime
 from workflows.models import (
+    AmountRule,
     ApprovalDecision,
     Limits,
     Plan,
     PlanReview,
+    PlanStep,
     Refusal,
     RunData,
     TenantPolicy,
@@ -20,7 +22,10 @@ from workflows.models import (
     ToolInfo,
     canonical_json,
 )
+from workflows.budgets import clip
 from workflows.states import RunState
+
+SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
 
 
 def decision_refusal(
@@ -30,19 +35,30 @@ def decision_refusal(
 
     Who may decide is :func:`approver_refusal`'s question, asked by the policy activity.
     """
-    if check_duplicate and decision.decision_id in data.decisions_seen:
+    pending = data.pending_approval
+    if check_duplicate and (
+        decision.decision_id in data.decisions_seen
+        or (pending is not None and any(a.decision_id == decision.decision_id for a in pending.approvals))
+    ):
         return Refusal(
             rule="duplicate_decision",
-            message=f"duplicate decision_id {decision.decision_id}: already handled",
+            message=f"duplicate decision_id {decision.decision_id[:64]}: already handled",
         )
     state = data.lifecycle.state
-    pending = data.pending_approval
     if state != RunState.AWAITING_APPROVAL or pending is None:
         return Refusal(rule="not_awaiting_approval", message=f"run is {state.value}, not AWAITING_APPROVAL")
     if decision.plan_hash != pending.plan_hash:
         return Refusal(
             rule="stale_plan_hash",
             message=f"stale plan hash {decision.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}",
+        )
+    if pending.request_id and decision.request_id != pending.request_id:
+        # Bound to one request, not only to a plan hash: the same plan proposed again later is
+        # a new request, and a decision prepared for the earlier one must not approve it.
+        return Refusal(
+            rule="stale_request",
+            message=f"decision for approval request {(decision.request_id or 'none')[:36]}: the "
+            f"pending request is {pending.request_id}",
         )
     if now >= pending.expires_at:
         return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
@@ -124,14 +140,43 @@ def tool_refusal(tenant: TenantPolicy | None, tool: str) -> str | None:
     return None
 
 
-def _step_needs_approval(tool: str, args: dict, info: ToolInfo | None, tenant: TenantPolicy) -> bool:
+def spend(spent: dict[str, float], tool: str, args: dict) -> None:
+    """Add a step that may have applied to the run's sums (per "tool.field", numeric fields)."""
+    for field, value in args.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            key = f"{tool}.{field}"
+            spent[key] = spent.get(key, 0) + value
+
+
+def _totals(steps: list[PlanStep], spent: dict[str, float]) -> dict[str, float]:
+    """What the run will have done per "tool.field" once these steps have run too."""
+    totals = dict(spent)
+    for step in steps:
+        spend(totals, step.tool, step.args)
+    return totals
+
+
+def _rule_holds(rule: AmountRule, tool: str, totals: dict[str, float]) -> bool:
+    """An amount rule judged on the run's sum for the field, never one call's share of it:
+    four refunds of 49.99 are one refund of 199.96 as far as the limits go."""
+    if tool != rule.tool:
+        return False
+    if rule.field is None:
+        return True
+    key = f"{tool}.{rule.field}"
+    if key not in totals:
+        return False
+    return rule.matches(tool, {rule.field: totals[key]})
+
+
+def _step_needs_approval(step: PlanStep, info: ToolInfo | None, tenant: TenantPolicy, totals: dict[str, float]) -> bool:
     if info is None:
         return True
     if not info.requires_approval:
         # The default rule: tools that do not write (and do not ask) run without approval,
         # unless the tenant turned read-only auto-approval off.
         return info.effect != ToolEffect.READ_ONLY or not tenant.auto_approve.read_only
-    return not any(rule.matches(tool, args) for rule in tenant.auto_approve.limits)
+    return not any(_rule_holds(rule, step.tool, totals) for rule in tenant.auto_approve.limits)
 
 
 def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
@@ -140,12 +185,16 @@ def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
 
 
-def review_plan(plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None) -> PlanReview:
+def review_plan(
+    plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None, spent: dict[str, float] | None = None
+) -> PlanReview:
+    """What policy says about ``plan``, given what the run has already done (``spent``)."""
     tenant = tenant or DEFAULT_TENANT_POLICY
-    gated = [s for s in plan.steps if _step_needs_approval(s.tool, s.args, catalog.get(s.tool), tenant)]
+    totals = _totals(plan.steps, spent or {})
+    gated = [s for s in plan.steps if _step_needs_approval(s, catalog.get(s.tool), tenant, totals)]
     high_risk = tenant.high_risk
     high = high_risk is not None and any(
-        rule.matches(s.tool, s.args) for s in plan.steps for rule in high_risk.when
+        _rule_holds(rule, s.tool, totals) for s in plan.steps for rule in high_risk.when
     )
     writes = [
         _describe_step(s.tool, s.args, catalog.get(s.tool))
@@ -157,6 +206,7 @@ def review_plan(plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None) -
         if writes
         else f"{len(plan.steps)} step(s), all read-only"
     )
+    summary = clip(summary, SUMMARY_CHARS)
     if not gated and not high:
         return PlanReview(needs_approval=False, risk="none", approvals_required=0, roles=[], summary=summary)
     if high and high_risk is not None:
@@ -224,13 +274,27 @@ def authority_refusal(
     tools: list[str],
     roles: list[str],
     approvals_required: int,
+    steps: list[PlanStep] | None = None,
+    catalog: ToolCatalog | None = None,
+    spent: dict[str, float] | None = None,
 ) -> Refusal | None:
-    """Do the approvals a plan got still hold, under the current policy, for these tools?"""
+    """Do the approvals a plan got still hold, under the current policy, for these tools?
+
+    For a plan that ran without approval (``approvals_required`` 0), ``steps`` are reviewed
+    again: a policy that now wants an approval for them stops the write.
+    """
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant was removed from the policy file")
     for tool in tools:
         if (why := tool_refusal(tenant, tool)) is not None:
             return Refusal(rule="tool_withdrawn", message=why)
+    if approvals_required == 0 and steps:
+        review = review_plan(Plan(steps=steps, plan_hash=""), catalog or ToolCatalog(), tenant, spent)
+        if review.needs_approval:
+            return Refusal(
+                rule="approval_needed",
+                message=f"under the current policy the remaining steps need approval ({review.summary})",
+            )
     if tenant.approvers is not None:
         valid = [
             a for a in approvals
@@ -245,8 +309,42 @@ def authority_refusal(
     return None
 
 
-def signature_payload(*, workflow_id: str, plan_hash: str, kind: str, decision_id: str) -> bytes:
-    """What an approver signs: the run, the exact plan, the decision and its id."""
+def signature_payload(
+    *,
+    workflow_id: str,
+    first_run_id: str,
+    tenant: str,
+    request_id: str,
+    plan_hash: str,
+    kind: str,
+    decision_id: str,
+    signer: str,
+) -> bytes:
+    """What a person signs for a decision: the run (its id and the first run's id, so a later
+    run under the same id is another run), the tenant, the approval request and its exact plan,
+    the kind of decision, its id and who decides. Handoffs sign with empty request and plan."""
     return canonical_json(
-        {"workflow_id": workflow_id, "plan_hash": plan_hash, "decision": kind, "decision_id": decision_id}
+        {
+            "workflow_id": workflow_id,
+            "first_run_id": first_run_id,
+            "tenant": tenant,
+            "request_id": request_id,
+            "plan_hash": plan_hash,
+            "decision": kind,
+            "decision_id": decision_id,
+            "signer": signer,
+        }
+    ).encode()
+
+
+def start_signature_payload(*, workflow_id: str, tenant: str, requested_by: str, request_digest: str) -> bytes:
+    """What a requester signs to start a run: its id, tenant, name and what it asks for."""
+    return canonical_json(
+        {
+            "workflow_id": workflow_id,
+            "tenant": tenant,
+            "decision": "start",
+            "requested_by": requested_by,
+            "request_digest": request_digest,
+        }
     ).encode()

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from workflows.budgets import REASON_CHARS, REFUSAL_KEYS, REFUSALS_RECORDED, TIMELINE_HEAD, TIMELINE_WINDOW, clip
+
 
 class RunState(str, Enum):
     RECEIVED = "RECEIVED"
@@ -119,15 +121,26 @@ class TransitionRecord(BaseModel):
     refs: Refs = Field(default_factory=Refs)
     kind: Literal["transition", "refused", "accepted"] = "transition"
     rule: str | None = None
+    # 1, 2, 3, ... over the whole run (across continue-as-new): the audit sink's key, and how a
+    # reader merges the workflow's window with the sink.
+    seq: int = 0
 
 
 class Lifecycle(BaseModel):
-    """A run's state and its timeline: one serializable structure, carried across continue-as-new."""
+    """A run's state and its timeline: one serializable structure, carried across continue-as-new.
+
+    The timeline kept here is bounded: the first TIMELINE_HEAD records and the latest ones, up
+    to TIMELINE_WINDOW; refusals of one rule from one actor past REFUSALS_RECORDED are counted in
+    ``refusals``, with one record saying so. Every record also goes to the audit sink.
+    """
 
     state: RunState = RunState.RECEIVED
     previous_state: RunState | None = None
     state_version: int = 0
     timeline: list[TransitionRecord] = Field(default_factory=list)
+    records: int = 0  # records written in all; the last one's seq
+    omitted: int = 0  # records dropped from the window (still in the audit sink)
+    refusals: dict[str, int] = Field(default_factory=dict)  # "rule actor" -> count
 
     @property
     def terminal(self) -> bool:
@@ -153,13 +166,28 @@ class Lifecycle(BaseModel):
             refs=refs or Refs(),
         )
         self.previous_state, self.state = self.state, to_state
-        self.timeline.append(record)
-        return record
+        return self._append(record)
 
     def refuse(
         self, *, at: datetime, actor: str, reason: str, refs: Refs | None = None, rule: str = "other"
-    ) -> TransitionRecord:
-        """Record an event that was turned down, and the rule that refused it. No state change."""
+    ) -> TransitionRecord | None:
+        """Record an event that was turned down, and the rule that refused it. No state change.
+
+        A flood is counted, not stored: past REFUSALS_RECORDED refusals of one rule from one
+        actor, one record says so and the rest only count (None is returned for those).
+        """
+        key = f"{rule} {actor}"
+        if key not in self.refusals and len(self.refusals) >= REFUSAL_KEYS:
+            key = f"{rule} *"  # many distinct senders: counted together
+        count = self.refusals.get(key, 0) + 1
+        self.refusals[key] = count
+        if count > REFUSALS_RECORDED + 1:
+            return None
+        if count == REFUSALS_RECORDED + 1:
+            reason = (
+                f"further refusals [{rule}] from {key.split(' ', 1)[1]} are counted, not recorded "
+                f"(snapshot.refusals); this one: {reason}"
+            )
         return self._note("refused", at=at, actor=actor, reason=reason, refs=refs, rule=rule)
 
     def accept(
@@ -189,7 +217,16 @@ class Lifecycle(BaseModel):
             kind=kind,
             rule=rule,
         )
+        return self._append(record)
+
+    def _append(self, record: TransitionRecord) -> TransitionRecord:
+        self.records += 1
+        record.seq = self.records
+        record.reason = clip(record.reason, REASON_CHARS)
         self.timeline.append(record)
+        if len(self.timeline) > TIMELINE_WINDOW:
+            del self.timeline[TIMELINE_HEAD]  # the oldest after the head; the sink has it
+            self.omitted += 1
         return record
 
 

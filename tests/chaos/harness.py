@@ -25,7 +25,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 import starter
 from examples.devstack import dev_server_command
 from tests.chaos.markers import marker_name
-from tests.conftest import Billing
+from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
 from workflows.models import ApprovalDecision, RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState
@@ -288,7 +288,7 @@ async def kill_round(
             keys[handle.id] = (f"{handle.id}:{tool_call_id}", tool_call_id)
         round_.mark("awaiting approval")
         for _, handle in runs:
-            await handle.signal("approve", ApprovalDecision(decision_id=uuid.uuid4().hex, approver="chaos-bob", plan_hash=(await handle.query("snapshot", result_type=RunSnapshot)).plan.plan_hash))
+            await handle.signal("approve", approval_for(await handle.query("snapshot", result_type=RunSnapshot), "chaos-bob"))
 
         def attempts(key: str) -> int:
             return sum(1 for a in range(1, 20) if _marker(chaos_dir, key, a, "before").exists())

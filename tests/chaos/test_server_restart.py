@@ -16,6 +16,7 @@ import starter
 from tests.chaos.conftest import Stack
 from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_worker
 from tests.invariants import check_timeline, tools_by_call
+from tests.conftest import approval_for
 from workflows.models import ApprovalDecision, Limits, RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState
 
@@ -37,7 +38,7 @@ def path(outcome: RunOutcome) -> list[str]:
 async def approve(handle) -> None:
     snap = await handle.query("snapshot", result_type=RunSnapshot)
     await handle.signal(
-        "approve", ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=snap.plan.plan_hash)
+        "approve", approval_for(snap, "bob")
     )
 
 

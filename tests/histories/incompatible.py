@@ -3,16 +3,18 @@ first activity. (Its own module: the workflow sandbox re-imports the module a wo
 
 from __future__ import annotations
 
+from typing import Any
+
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows.agent_run import AgentRun
-    from workflows.models import RunOutcome, RunRequest
+    from workflows.models import RunOutcome
 
 
 @workflow.defn(name="AgentRun")
 class ReorderedAgentRun(AgentRun):
     @workflow.run
-    async def run(self, request: RunRequest) -> RunOutcome:
+    async def run(self, *args: Any) -> RunOutcome:
         await workflow.sleep(1)
-        return await super().run(request)
+        return await super().run(*args)

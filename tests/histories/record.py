@@ -52,7 +52,7 @@ async def main() -> None:
     async def approve(handle: WorkflowHandle, approver: str = "bob") -> None:
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal(
-            "approve", ApprovalDecision(decision_id=uuid.uuid4().hex, approver=approver, plan_hash=snap.pending_approval.plan_hash)
+            "approve", approval_for(snap, approver)
         )
 
     async def approve_path(client: Client, h: WorkflowHandle) -> None:
@@ -60,15 +60,15 @@ async def main() -> None:
 
     async def reject_path(client: Client, h: WorkflowHandle) -> None:
         snap = await wait_for_state(h, "AWAITING_APPROVAL")
-        await h.signal("reject", ApprovalDecision(decision_id="r1", approver="bob", plan_hash=snap.pending_approval.plan_hash, reason="no"))
+        await h.signal("reject", approval_for(snap, "bob", "r1", reason="no"))
 
     async def refused_then_approved(client: Client, h: WorkflowHandle) -> None:
         snap = await wait_for_state(h, "AWAITING_APPROVAL")
         plan_hash = snap.pending_approval.plan_hash
         await h.signal("approve", ApprovalDecision(decision_id="stale", approver="bob", plan_hash="0" * 64))
-        await h.signal("approve", ApprovalDecision(decision_id="self", approver="alice", plan_hash=plan_hash))
-        await h.signal("approve", ApprovalDecision(decision_id="ok", approver="bob", plan_hash=plan_hash))
-        await h.signal("approve", ApprovalDecision(decision_id="ok", approver="bob", plan_hash=plan_hash))
+        await h.signal("approve", approval_for(snap, "alice", "self"))
+        await h.signal("approve", approval_for(snap, "bob", "ok"))
+        await h.signal("approve", approval_for(snap, "bob", "ok"))
 
     async def nothing(client: Client, h: WorkflowHandle) -> None:
         return None

@@ -1,0 +1,48 @@
+"""How large each thing the workflow writes may grow: one place, well under Temporal's limits.
+
+Temporal refuses any payload over 2 MiB (the workflow task then fails and retries forever) and
+terminates a run past 50 MB or 50,000 events of history. Each budget below is enforced where
+the thing is produced; docs/architecture.md lists them for users.
+"""
+
+from __future__ import annotations
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# Temporal's own limit for one payload, and what we allow ourselves for the largest ones.
+TEMPORAL_PAYLOAD_LIMIT = 2 * MIB
+CARRY_BUDGET = 1 * MIB  # the state a run carries into continue-as-new
+CARRY_CONTINUE_AT = 512 * KIB  # continue as new before the carried state gets near its budget
+RESULT_BUDGET = 1 * MIB  # RunOutcome
+QUERY_BUDGET = 1 * MIB  # each query answer
+DETAILS_CHARS = 8 * KIB  # the Web UI's current details (markdown)
+
+# The audit timeline the workflow keeps (every record also goes to the audit sink).
+TIMELINE_HEAD = 20  # the first records, kept for the run's start (policy hash, first plan)
+TIMELINE_WINDOW = 500  # records kept in all; older ones (after the head) are in the sink only
+REASON_CHARS = 600  # one record's reason
+# Refused events of one rule from one actor beyond this many are counted, not recorded.
+REFUSALS_RECORDED = 3
+REFUSAL_KEYS = 64  # distinct (rule, actor) counters; more actors are counted under "*"
+
+DECISIONS_WINDOW = 256  # decision ids remembered for duplicate detection (plus a digest of all)
+
+# Planner traffic.
+PROPOSAL_BYTES = 256 * KIB  # a proposal larger than this is refused at the activity boundary
+FEEDBACK_PROBLEMS = 5  # validation problems reported per round (paths and rules only)
+FEEDBACK_CHARS = 2000
+ANSWER_CHARS = 8000
+
+# Executed steps carried in full (with observations) for the planner's context; older steps
+# keep only their id, tool, outcome and digest.
+EXECUTED_WINDOW = 20
+EXECUTED_OBSERVATION_CHARS = 32 * KIB
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    tail = f"… (+{len(text) - limit} chars)"
+    return text[: max(limit - len(tail), 0)] + tail
