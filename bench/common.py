@@ -19,7 +19,7 @@ from typing import AsyncIterator, Sequence
 from temporalio.client import Client
 
 from examples.devstack import dev_server_command
-from worker import connect
+from client import connect
 
 ROOT = Path(__file__).resolve().parent.parent
 RESERVED_PORTS = {7233, 8233, 8765}  # the demo stack's: never used here

@@ -68,6 +68,8 @@ async def test_search_attributes_find_waiting_runs(dev_env: WorkflowEnvironment,
 
 
 class Cli:
+    """The installed ``tether`` script (.venv/bin/tether) in a subprocess, against ``env``."""
+
     def __init__(self, env: WorkflowEnvironment, worker: Worker) -> None:
         self.env = {
             **os.environ,
@@ -79,7 +81,7 @@ class Cli:
     async def __call__(self, *args: str, env: dict | None = None) -> tuple[int, str, str]:
         # Async subprocess: the in-process worker keeps running while the CLI waits.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "starter.py"), *args,
+            str(BIN / "tether"), *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**self.env, **(env or {})}, cwd=ROOT,
         )
