@@ -27,7 +27,7 @@ from temporalio.worker import Worker
 from activities import planning
 from activities.codec import EncryptionCodec
 from activities.metrics import prometheus_runtime, tracing_interceptors
-from activities.policy import PolicyActivities, PolicyFileError, PolicyStore
+from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
@@ -79,6 +79,11 @@ async def serve(
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
         raise SystemExit(f"invalid policy: {e}") from None
+    # The whole file against the tools this worker serves: a typo must not wait for a run.
+    # Tools from other sources (MCP catalogs) join registry.tools here when they are loaded.
+    problems = check_policy_file(policy.path, registry.tools) if policy.path else []
+    if problems:
+        raise SystemExit("invalid policy:\n" + "\n".join(problems))
     extra: dict[str, Any] = {}
     if metrics_port:
         # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
