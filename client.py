@@ -247,10 +247,14 @@ async def status(client: Client, run_id: str) -> RunStatus:
     snap = await snapshot(client, run_id)
     result = RunStatus(**snap.model_dump())
     if result.ended:
-        final = next((r for r in reversed(await timeline(client, run_id)) if r.kind == "transition"), None)
-        if final is not None:
+        moves = [r for r in await timeline(client, run_id) if r.kind == "transition"]
+        if moves:
+            final = moves[-1]
             result.end_reason = final.reason
             result.end_rule = final.rule or final.refs.error_code
+            if final.from_state == RunState.VALIDATION_FAILED and len(moves) > 1:
+                # "the replan budget is used up" says little without what failed validation.
+                result.end_reason += f"; last validation: {moves[-2].reason}"
     return result
 
 
