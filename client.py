@@ -169,6 +169,7 @@ class RunStatus(RunSnapshot):
 
     end_reason: str | None = None
     end_rule: str | None = None  # the rule or error code on that record, when it names one
+    end_actor: str | None = None  # who or what ended it (user:bob, operator:dana, runtime)
 
     @property
     def ended(self) -> bool:
@@ -252,6 +253,7 @@ async def status(client: Client, run_id: str) -> RunStatus:
             final = moves[-1]
             result.end_reason = final.reason
             result.end_rule = final.rule or final.refs.error_code
+            result.end_actor = final.actor
             if final.from_state == RunState.VALIDATION_FAILED and len(moves) > 1:
                 # "the replan budget is used up" says little without what failed validation.
                 result.end_reason += f"; last validation: {moves[-2].reason}"

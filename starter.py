@@ -73,7 +73,8 @@ def format_status(s: client.RunStatus) -> str:
         f"steps      {s.step} executed, {s.retries} retries",
     ]
     if s.end_reason and s.state != RunState.COMPLETED:
-        lines.append(f"why        {s.end_reason}" + (f" [rule: {s.end_rule}]" if s.end_rule else ""))
+        lines.append(f"why        {s.end_reason}" + (f" [rule: {s.end_rule}]" if s.end_rule else "")
+                     + (f" ({s.end_actor})" if s.end_actor else ""))
     if s.approved_by:
         lines.append(f"approved   by {', '.join(s.approved_by)}")
     if s.last_error:
