@@ -16,7 +16,7 @@ TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); payload encryption fro
     client = await connect()
     handle = await start_run(client, RunRequest(...), run_id="run-1")
     status = await wait_settled(client, "run-1", timeout=60)
-    verdict = await decide(client, "run-1", "approve", by="bob")
+    verdict = await decide(client, "run-1", "approve", DecisionInput(by="bob"))
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -291,35 +292,38 @@ def _refused(record: TransitionRecord | None) -> None:
         raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED)
 
 
+@dataclass(frozen=True)
+class DecisionInput:
+    """What a person decides on a pending plan (``plan_hash`` None: the pending one)."""
+
+    by: str
+    plan_hash: str | None = None
+    decision_id: str | None = None  # None: a random one
+    comment: str | None = None
+    reason: str | None = None
+    key: Path | None = None  # PEM Ed25519 private key: sign the decision
+
+
 def build_decision(
-    run_id: str,
-    kind: Literal["approve", "reject"],
-    pending: PendingApproval,
-    *,
-    by: str,
-    plan_hash: str | None = None,
-    decision_id: str | None = None,
-    comment: str | None = None,
-    reason: str | None = None,
-    key: Path | None = None,
+    run_id: str, kind: Literal["approve", "reject"], pending: PendingApproval, given: DecisionInput
 ) -> ApprovalDecision:
-    """The one place a decision is built and, with ``key``, signed (Ed25519 over
+    """The one place a decision is built and, with ``given.key``, signed (Ed25519 over
     ``policy.signature_payload``); the approval contract lives here for every client."""
     try:
         decision = ApprovalDecision(
-            decision_id=decision_id if decision_id is not None else uuid.uuid4().hex,
-            approver=by,
-            plan_hash=plan_hash or pending.plan_hash,
-            comment=comment,
-            reason=reason,
+            decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
+            approver=given.by,
+            plan_hash=given.plan_hash or pending.plan_hash,
+            comment=given.comment,
+            reason=given.reason,
         )
     except ValidationError as e:
         raise invalid("decision", e) from None
-    if key is not None:
+    if given.key is not None:
         payload = policy.signature_payload(
             workflow_id=run_id, plan_hash=decision.plan_hash, kind=kind, decision_id=decision.decision_id
         )
-        decision.signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
+        decision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
     return decision
 
 
@@ -342,13 +346,8 @@ async def decide(
     client: Client,
     run_id: str,
     kind: Literal["approve", "reject"],
+    given: DecisionInput,
     *,
-    by: str,
-    plan_hash: str | None = None,
-    decision_id: str | None = None,
-    comment: str | None = None,
-    reason: str | None = None,
-    key: Path | None = None,
     timeout: float = VERDICT_TIMEOUT,
 ) -> Verdict:
     """Approve or reject the run's pending plan; returns the run's record of the decision.
@@ -360,16 +359,13 @@ async def decide(
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
         raise TetherError(f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED)
-    if plan_hash and plan_hash != pending.plan_hash:
+    if given.plan_hash and given.plan_hash != pending.plan_hash:
         raise TetherError(
-            f"stale plan hash {plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}; "
+            f"stale plan hash {given.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}; "
             f"review it with `tether status {run_id}`",
             REFUSED,
         )
-    decision = build_decision(
-        run_id, kind, pending, by=by, plan_hash=plan_hash, decision_id=decision_id,
-        comment=comment, reason=reason, key=key,
-    )
+    decision = build_decision(run_id, kind, pending, given)
     try:
         await client.get_workflow_handle(run_id).signal(kind, decision)
     except RPCError as e:

@@ -157,7 +157,10 @@ async def cmd_start(args: argparse.Namespace) -> int:
     conn = await client.connect()
     await client.start_run(conn, request, run_id=run_id)
     if not args.wait:
-        _print_json({"run_id": run_id}) if args.json else print(f"started {run_id}")
+        if args.json:
+            _print_json({"run_id": run_id})
+        else:
+            print(f"started {run_id}")
         return OK
     status = await client.wait_settled(conn, run_id, args.wait_timeout)
     if args.json:
@@ -175,12 +178,12 @@ async def cmd_start(args: argparse.Namespace) -> int:
 
 
 async def _decide(args: argparse.Namespace, kind: str) -> int:
-    verdict = await client.decide(
-        await client.connect(), args.run, kind,  # type: ignore[arg-type]
+    given = client.DecisionInput(
         by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id,
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
         key=Path(args.key) if args.key else None,
     )
+    verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
     verb = "approved" if kind == "approve" else "rejected"
     print(f"{verb} plan {verdict.pending.plan_hash if verdict.pending else '-'} of run {args.run}:")
     if verdict.pending:
