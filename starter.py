@@ -45,6 +45,12 @@ OPTIONS = {
 }
 
 
+def invoked_as() -> str:
+    """The command as the user typed it (`.venv/bin/tether`), for hints that paste."""
+    typed = sys.argv[0] if sys.argv else ""
+    return typed if os.path.basename(typed) == PROG else PROG
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit 2), like every other error."""
 
@@ -85,7 +91,7 @@ def format_status(s: client.RunStatus) -> str:
     if s.pending_approval is not None:
         p = s.pending_approval
         lines.append(f"pending    approval until {p.expires_at.isoformat()}: {p.summary}")
-        lines.append(f"           approve: {PROG} approve {s.run_id} --by NAME")
+        lines.append(f"           approve: {invoked_as()} approve {s.run_id} --by NAME")
     if s.answer:
         lines.append(f"answer     {s.answer}")
     return "\n".join(lines)
@@ -197,7 +203,7 @@ def _print_verdict(verdict: client.Verdict) -> int:
     r = verdict.record
     if r is None:
         print(f"decision {verdict.decision_id} sent; the run has not recorded it yet "
-              f"(check `{PROG} timeline {verdict.run_id}`)")
+              f"(check `{invoked_as()} timeline {verdict.run_id}`)")
     elif r.kind == "accepted":
         print(f"accepted: {r.reason} (decision {verdict.decision_id})")
     else:

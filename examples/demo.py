@@ -18,6 +18,7 @@ from pathlib import Path
 import client
 import starter
 from client import exit_process
+from examples.devstack import UI_PORT
 from workflows.models import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
@@ -107,7 +108,7 @@ def main_model() -> int:
           else f"\n== the run is {snap.state.value}")
     step("status", ["status", run_id])
     step("timeline", ["timeline", run_id])
-    print(f"\nThis run: http://localhost:8233/namespaces/default/workflows/{run_id}\n"
+    print(f"\nThis run: http://localhost:{UI_PORT}/namespaces/default/workflows/{run_id}\n"
           "The server, UI, billing service and worker keep running; `make down` stops them.")
     next_steps(run_id)
     return 0 if snap.state == RunState.COMPLETED else 1
@@ -131,9 +132,9 @@ def main() -> int:
     step("status", ["status", run_id])
     step("timeline", ["timeline", run_id])
     print(
-        "\nWeb UI: http://localhost:8233/namespaces/default/workflows?query="
+        f"\nWeb UI: http://localhost:{UI_PORT}/namespaces/default/workflows?query="
         "AgentRunState%3D%22AWAITING_APPROVAL%22  (runs waiting for approval)\n"
-        f"This run: http://localhost:8233/namespaces/default/workflows/{run_id}\n"
+        f"This run: http://localhost:{UI_PORT}/namespaces/default/workflows/{run_id}\n"
         "The server, UI, billing service and worker keep running; `make down` stops them."
     )
     next_steps(run_id)
