@@ -25,13 +25,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
-from temporalio.client import WorkflowFailureError
+try:
+    from pydantic import ValidationError
+    from temporalio.client import WorkflowFailureError
 
-import client
-from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
-from workflows.models import Limits, PlaybookStep, RunRequest
-from workflows.states import RunState, TransitionRecord
+    import client
+    from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
+    from workflows.models import Limits, PlaybookStep, RunRequest
+    from workflows.states import RunState, TransitionRecord
+except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
+    print(f"error: {e.name} is not installed for {sys.executable}; run `make install`, then use "
+          ".venv/bin/tether", file=sys.stderr)
+    sys.exit(2)
 
 PROG = "tether"
 
@@ -445,7 +450,7 @@ def run() -> None:
         code: int | str | None = main()
     except SystemExit as e:  # argparse: --help (0) and usage errors (2)
         code = e.code
-    exit_process(code if isinstance(code, int) else USAGE)
+    exit_process(code if isinstance(code, int) or code is None else USAGE)
 
 
 if __name__ == "__main__":
