@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -189,3 +190,10 @@ async def test_demo_prints_commands_that_paste(dev_env: WorkflowEnvironment, bil
             )
             out, err = await shell.communicate()
             assert shell.returncode == 0 and out and not err, (command, out.decode(), err.decode())
+
+
+def test_starter_outside_the_virtualenv_says_how_to_run_it() -> None:
+    # -S: no site-packages, as with a system Python that lacks the dependencies.
+    proc = subprocess.run([sys.executable, "-S", "starter.py", "status", "x"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "is not installed" in one_line(proc.stderr) and ".venv/bin/tether" in proc.stderr
