@@ -67,3 +67,15 @@ def test_user_docs_stay_inside_the_repository_and_carry_no_history() -> None:
     for page in USER_DOCS:
         text = page.read_text()
         assert not re.search(r"Migration note|\bissue #?\d+\b", text, re.I), page
+
+
+def test_architecture_transition_table_is_the_codes() -> None:
+    from workflows.states import TRANSITIONS, RunState
+
+    text = (ROOT / "docs/architecture.md").read_text()
+    rows = re.findall(r"^\| ([A-Z_]+) \| (.+) \|$", text, re.M)
+    documented = {
+        RunState(src): {RunState(t.strip()) for t in re.sub(r"\([^)]*\)", "", targets).split(",")}
+        for src, targets in rows
+    }
+    assert documented == {s: set(out) for s, out in TRANSITIONS.items() if out}
