@@ -10,7 +10,7 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY worker.py starter.py ./
+COPY client.py worker.py starter.py ./
 COPY workflows ./workflows
 COPY activities ./activities
 COPY examples ./examples
@@ -33,7 +33,7 @@ RUN groupadd --system --gid 10001 tether \
 COPY --from=build /opt/tether /opt/tether
 WORKDIR /app
 # Data files the example stack reads (the code itself is in the venv): the billing policy for
-# the worker (TETHER_POLICY) and the playbook for `starter.py start --playbook`. Owned by root:
+# the worker (TETHER_POLICY) and the playbook for `tether start --playbook`. Owned by root:
 # the service user can read them, not change them.
 COPY examples/billing/policy.toml examples/billing/refund.playbook.json /app/examples/billing/
 USER 10001:10001

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@# Bytecode up front: the workflow sandbox re-imports the workflow modules for every run,
-	@# and with PYTHONDONTWRITEBYTECODE set nothing would cache them (README, "Performance").
+	@# and with PYTHONDONTWRITEBYTECODE set nothing would cache them (docs/performance.md).
 	$(PY) -m compileall -q workflows activities examples
 	touch $(STAMP)
 
@@ -37,7 +37,7 @@ dev-server: $(STAMP)
 worker: $(STAMP)
 	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(PY) worker.py --policy $${TETHER_POLICY:-examples/billing/policy.toml}
 
-# Refresh the README's Web UI screenshots (docs/*.png) from the browser test (needs chromium).
+# Refresh the Web UI screenshots (docs/*.png, shown in docs/web-ui.md) from the browser test (needs chromium).
 screenshots: $(STAMP)
 	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q
 
@@ -56,7 +56,7 @@ chaos: $(STAMP)
 	$(PY) -m tests.chaos.run_chaos --kills 200
 
 # Re-record tests/histories/*.json (the replay suite's reference runs). Only for a workflow
-# change that is compatible by design: see README, "Changing workflow code safely".
+# change that is compatible by design: see docs/changing-workflows.md.
 record-histories: $(STAMP)
 	$(PY) -m tests.histories.record
 

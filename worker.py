@@ -22,61 +22,18 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.envconfig import ClientConfig
 from temporalio.worker import Worker
 
 from activities import planning
 from activities.audit import AuditActivities
-from activities.codec import EncryptionCodec, KeyFileError, data_converter_from_env
+from activities.codec import EncryptionCodec
 from activities.metrics import prometheus_runtime, tracing_interceptors
-from activities.policy import PolicyActivities, PolicyFileError, PolicyStore
+from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
+from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
 
-DEFAULT_TASK_QUEUE = "tether"
 DEFAULT_TOOLS = "examples.billing.tools"
-
-
-def exit_process(code: int | None) -> None:
-    """Exit without interpreter teardown, after flushing output.
-
-    The Temporal client's native threads can outlive the event loop and crash CPython's
-    finalization (SIGABRT, "PyGILState_Release ... must be current"; sdk-python issue #300),
-    which would turn a successful command into exit code 134.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
-
-
-def task_queue() -> str:
-    return os.environ.get("TETHER_TASK_QUEUE", DEFAULT_TASK_QUEUE)
-
-
-def connect_config(**overrides: Any) -> dict[str, Any]:
-    """Temporal's environment configuration (env vars, profiles), with our defaults."""
-    config: dict[str, Any] = dict(ClientConfig.load_client_connect_config())
-    config.setdefault("target_host", "localhost:7233")
-    config.setdefault("namespace", "default")
-    config.update(overrides)
-    return config
-
-
-def target_host() -> str:
-    return connect_config()["target_host"]
-
-
-async def connect(**overrides: Any) -> Client:
-    """Connect with Temporal's environment configuration and Tether's data converter.
-
-    The converter is pydantic's; when ``TETHER_ENCRYPTION_KEY_FILE`` names a key file it also
-    encrypts every payload and failure message (``activities/codec.py``). Overrides (target_host,
-    namespace, runtime, interceptors, data_converter, ...) go to ``Client.connect``.
-    """
-    config = connect_config(**overrides)
-    if "data_converter" not in config:
-        config["data_converter"] = data_converter_from_env()
-    return await Client.connect(**config)
 
 
 def create_worker(
@@ -130,6 +87,11 @@ async def serve(
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
         raise SystemExit(f"invalid policy: {e}") from None
+    # The whole file against the tools this worker serves: a typo must not wait for a run.
+    # Tools from other sources (MCP catalogs) join registry.tools here when they are loaded.
+    problems = check_policy_file(policy.path, registry.tools) if policy.path else []
+    if problems:
+        raise SystemExit("invalid policy:\n" + "\n".join(problems))
     extra: dict[str, Any] = {}
     if metrics_port:
         # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
@@ -139,13 +101,8 @@ async def serve(
         extra["interceptors"] = interceptors
     try:
         client = await connect(**extra)
-    except KeyFileError as e:
-        raise SystemExit(f"payload encryption: {e}") from None
-    except RuntimeError as e:
-        raise SystemExit(
-            f"cannot reach Temporal ({e}); start one with `make dev-server` "
-            f"or set TEMPORAL_ADDRESS"
-        ) from None
+    except TetherError as e:
+        raise SystemExit(str(e)) from None
     worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import tomllib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +126,70 @@ class PolicyStore:
     @property
     def source(self) -> str:
         return str(self.path) if self.path else DEFAULT_SOURCE
+
+
+def _public_key_problem(value: str) -> str | None:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        return "not valid base64"
+    if len(raw) != 32:
+        return f"decodes to {len(raw)} bytes; a raw Ed25519 public key is 32 (`tether keygen` prints one)"
+    return None
+
+
+def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
+    """Everything wrong with a policy file as a whole, one line each (file, line, key), for
+    the worker to refuse to start on. Runtime reads (``PolicyStore``) only check the schema.
+
+    ``tool_names``: every tool the worker serves (its registry, and any other tool sources).
+    """
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, IsADirectoryError):
+        return [f"policy file not found: {path}"]
+    try:
+        document = parse_policy(text, str(path))
+    except PolicyFileError as e:
+        return [str(e)]
+
+    problems: list[str] = []
+
+    def problem(loc: tuple, message: str) -> None:
+        line = _locate(text, loc)
+        problems.append(f"{path}: {f'line {line}, ' if line else ''}key {'.'.join(map(str, loc))}: {message}")
+
+    if not document.tenants:
+        problems.append(f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing "
+                        "file, not an empty one, means the built-in default)")
+    raw_tenants = tomllib.loads(text).get("tenants", {})
+    known = set(tool_names)
+    for name, tenant in document.tenants.items():
+        at = ("tenants", name)
+        if not raw_tenants.get(name):
+            problem(at, "empty tenant: set tools and approvers (or remove it)")
+            continue
+        named = [(at + ("tools",), t) for t in tenant.tools or []]
+        named += [(at + ("auto_approve", "limits"), r.tool) for r in tenant.auto_approve.limits]
+        named += [(at + ("high_risk", "when"), r.tool) for r in (tenant.high_risk.when if tenant.high_risk else [])]
+        for loc, tool in named:
+            if tool not in known:
+                problem(loc, f"unknown tool {tool!r}; the worker has {', '.join(sorted(known)) or 'no tools'}")
+        if tenant.tools == []:
+            problem(at + ("tools",), "empty: this tenant may use no tool")
+        if tenant.approvers is None:
+            continue
+        for who, approver in tenant.approvers.items():
+            if approver.public_key is not None and (why := _public_key_problem(approver.public_key)):
+                problem(at + ("approvers", who, "public_key"), why)
+        held = {role for a in tenant.approvers.values() for role in a.roles}
+        wanted = [("approval_roles", r) for r in tenant.approval_roles]
+        wanted += [("high_risk", r) for r in (tenant.high_risk.roles if tenant.high_risk else [])]
+        for key, role in wanted:
+            if role not in held:
+                loc = at + (key,) if key == "approval_roles" else at + ("high_risk", "roles")
+                problem(loc, f"role {role!r} is held by no approver: no plan needing it could be approved")
+    return problems
 
 
 def verify_signature(public_key_b64: str, payload: bytes, signature_b64: str | None) -> str | None:

@@ -1,5 +1,5 @@
 """Benchmarks: what governance costs, measured against a bare Temporal agent loop.
 
 Scripts, not tests: ``python -m bench.overhead`` and ``python -m bench.waiting`` (see
-the README's "Performance" section).
+docs/performance.md).
 """

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Sequence
 from temporalio.client import Client
 
 from examples.devstack import dev_server_command
-from worker import connect
+from client import connect
 
 ROOT = Path(__file__).resolve().parent.parent
 RESERVED_PORTS = {7233, 8233, 8765}  # the demo stack's: never used here
@@ -90,7 +90,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table (pastes into the README as is)."""
+    """A markdown table (pastes into docs/performance.md as is)."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731

@@ -36,7 +36,7 @@ from bench.common import (
     rss_mb,
     table,
 )
-from starter import start_run
+from client import start_run
 from workflows.models import ApprovalDecision, Plan, PlanStep, RunRequest
 
 GOVERNED, APPROVAL, BARE = "governed", "governed+approval", "bare"

@@ -17,7 +17,7 @@ import uuid
 
 from bench.common import bench_stack, cpu_seconds, machine_line, peak_rss_mb, rss_mb, table
 from bench.overhead import plan_hash
-from starter import start_run
+from client import start_run
 from workflows.models import ApprovalDecision, RunRequest
 
 

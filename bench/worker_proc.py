@@ -21,7 +21,8 @@ from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
 from activities.tools import load_tool_modules
 from bench.bare import BareAgentLoop
-from worker import connect, create_worker
+from client import connect
+from worker import create_worker
 
 
 def parse_options(pairs: list[str], autoscale: bool) -> dict[str, Any]:

@@ -10,20 +10,41 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import sys
-import time
 import uuid
+from pathlib import Path
 
+import client
 import starter
-from worker import connect, exit_process
+from client import exit_process
+from examples.devstack import UI_PORT
 from workflows.models import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
 PLAYBOOK = "examples/billing/refund.playbook.json"
+GOAL = "Refund order A-1001 (damaged on arrival)"
+# Settings a pasted command needs when they differ from the defaults (another server, queue).
+CONNECTION_ENV = ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TETHER_TASK_QUEUE")
+
+
+def tether() -> str:
+    """The installed `tether` script, as a path that works from the repository root."""
+    script = Path(sys.executable).parent / "tether"
+    try:
+        return os.path.relpath(script)
+    except ValueError:
+        return str(script)
+
+
+def command(argv: list[str]) -> str:
+    """``argv`` as a line that pastes into a shell: quoted, with the connection it needs."""
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in CONNECTION_ENV if os.environ.get(k)]
+    return " ".join([*env, shlex.join([tether(), *argv])])
 
 
 def step(title: str, argv: list[str], expect: int = 0) -> int:
-    print(f"\n$ python starter.py {' '.join(argv)}", flush=True)
+    print(f"\n$ {shlex.join([tether(), *argv])}", flush=True)
     code = starter.main(argv)
     sys.stderr.flush()
     if code != expect:
@@ -31,25 +52,30 @@ def step(title: str, argv: list[str], expect: int = 0) -> int:
     return code
 
 
-async def wait_for(run_id: str, *, settled: bool, timeout: float) -> RunSnapshot:
-    """Until the run has ended (or, with ``settled``, also until it waits for a human)."""
-    client = await connect()
-    handle = client.get_workflow_handle(run_id)
-    deadline = time.monotonic() + timeout
-    while True:
-        snap = await handle.query("snapshot", result_type=RunSnapshot)
-        done = snap.state in TERMINAL or (settled and snap.state == RunState.AWAITING_APPROVAL)
-        if done or time.monotonic() > deadline:
-            return snap
-        await asyncio.sleep(0.2)
+async def _wait(run_id: str, *, settled: bool, timeout: float) -> RunSnapshot:
+    return await client.wait_settled(await client.connect(), run_id, timeout, approval_settles=settled)
 
 
 def wait_for_end(run_id: str, timeout: float = 60.0) -> RunSnapshot:
-    return asyncio.run(wait_for(run_id, settled=False, timeout=timeout))
+    return asyncio.run(_wait(run_id, settled=False, timeout=timeout))
 
 
 def wait_settled(run_id: str, timeout: float = 180.0) -> RunSnapshot:
-    return asyncio.run(wait_for(run_id, settled=True, timeout=timeout))
+    return asyncio.run(_wait(run_id, settled=True, timeout=timeout))
+
+
+def next_steps(run_id: str) -> None:
+    """The commands to try next, exactly as they paste (the demo's last words)."""
+    print("\nNext, try:")
+    for argv in (
+        ["status", run_id],
+        ["timeline", run_id],
+        ["list", "--state", "COMPLETED", "--limit", "5"],
+        ["start", "--goal", GOAL, "--playbook", PLAYBOOK, "--requested-by", "alice", "--wait"],
+    ):
+        print(f"  {command(argv)}")
+    print("The last one starts a run that waits for approval: approve it with\n"
+          f"  {tether()} approve RUN --by bob")
 
 
 MODEL_GOAL = (
@@ -82,8 +108,9 @@ def main_model() -> int:
           else f"\n== the run is {snap.state.value}")
     step("status", ["status", run_id])
     step("timeline", ["timeline", run_id])
-    print(f"\nThis run: http://localhost:8233/namespaces/default/workflows/{run_id}\n"
+    print(f"\nThis run: http://localhost:{UI_PORT}/namespaces/default/workflows/{run_id}\n"
           "The server, UI, billing service and worker keep running; `make down` stops them.")
+    next_steps(run_id)
     return 0 if snap.state == RunState.COMPLETED else 1
 
 
@@ -92,7 +119,7 @@ def main() -> int:
         return main_model()
     run_id = f"refund-A-1001-{uuid.uuid4().hex[:6]}"
     print("== alice asks the refund agent to refund order A-1001")
-    step("start", ["start", "--goal", "Refund order A-1001 (damaged on arrival)",
+    step("start", ["start", "--goal", GOAL,
                    "--playbook", PLAYBOOK, "--requested-by", "alice", "--id", run_id, "--wait"])
     print("\n== the plan writes (refund, ledger, email): the run waits for a human")
     step("list", ["list", "--state", "AWAITING_APPROVAL"])
@@ -105,11 +132,12 @@ def main() -> int:
     step("status", ["status", run_id])
     step("timeline", ["timeline", run_id])
     print(
-        "\nWeb UI: http://localhost:8233/namespaces/default/workflows?query="
+        f"\nWeb UI: http://localhost:{UI_PORT}/namespaces/default/workflows?query="
         "AgentRunState%3D%22AWAITING_APPROVAL%22  (runs waiting for approval)\n"
-        f"This run: http://localhost:8233/namespaces/default/workflows/{run_id}\n"
+        f"This run: http://localhost:{UI_PORT}/namespaces/default/workflows/{run_id}\n"
         "The server, UI, billing service and worker keep running; `make down` stops them."
     )
+    next_steps(run_id)
     return 0 if snap.state == RunState.COMPLETED else 1
 
 

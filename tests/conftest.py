@@ -33,7 +33,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
-import starter
+import client as tether_client
 from examples.billing.service import SEED_ORDERS, make_server
 from worker import create_worker
 from workflows.agent_run import SEARCH_ATTRIBUTES
@@ -171,7 +171,7 @@ def make_request(steps: list[dict] | None = None, **overrides: Any) -> RunReques
 
 
 async def start_run(client: Client, worker: Worker, request: RunRequest, run_id: str | None = None) -> WorkflowHandle:
-    return await starter.start_run(client, request, run_id=run_id or unique("run"), queue=worker.task_queue)
+    return await tether_client.start_run(client, request, run_id=run_id or unique("run"), queue=worker.task_queue)
 
 
 async def cancel_and_settle(handle: WorkflowHandle) -> None:

@@ -1,6 +1,6 @@
 """Payload encryption, end to end on the dev server.
 
-One refund run goes through ``worker.connect`` with ``TETHER_ENCRYPTION_KEY_FILE`` set (one
+One refund run goes through ``client.connect`` with ``TETHER_ENCRYPTION_KEY_FILE`` set (one
 refund attempt fails, so a failure is in history too). Then:
 
 - the raw history (read straight from the frontend, no codec) holds ciphertext for the input,
@@ -41,7 +41,7 @@ from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryRequest
 from temporalio.client import Client
 from temporalio.worker import Replayer
 
-import worker
+import client as tether_client
 from activities.codec import (
     ENCODING,
     KEY_FILE_ENV,
@@ -94,7 +94,7 @@ async def encrypted_run(dev_env, billing_service: Billing, keys: Keys) -> AsyncI
     previous = os.environ.get(KEY_FILE_ENV)
     os.environ[KEY_FILE_ENV] = str(keys.v1)
     try:
-        client = await worker.connect(
+        client = await tether_client.connect(
             target_host=dev_env.client.service_client.config.target_host,
             namespace=dev_env.client.namespace,
         )

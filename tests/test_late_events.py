@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-import starter
+import client as tether_client
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
@@ -242,7 +242,7 @@ async def test_cancel_before_the_run_starts_ends_cancelled_on_the_timeline(
 ) -> None:
     queue = f"late-{uuid.uuid4().hex[:8]}"
     request = make_request([refund()])
-    handle = await starter.start_run(ts_env.client, request, run_id=f"late-{uuid.uuid4().hex[:8]}", queue=queue)
+    handle = await tether_client.start_run(ts_env.client, request, run_id=f"late-{uuid.uuid4().hex[:8]}", queue=queue)
     await handle.cancel(reason="changed my mind")
     async with running_worker(ts_env.client, task_queue=queue):
         assert await asyncio.wait_for(settle(handle), 30) is None

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-import worker
+import client as tether_client
 from activities.metrics import prometheus_runtime
 from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from workflows.metrics import REFUSAL_RULES, refusal_rule
@@ -86,7 +86,7 @@ def test_refusal_rules_cover_the_policy_reasons() -> None:
 
 async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
     port = free_port()
-    client = await worker.connect(
+    client = await tether_client.connect(
         target_host=dev_env.client.service_client.config.target_host,
         namespace=dev_env.client.namespace,
         runtime=prometheus_runtime(f"127.0.0.1:{port}"),
@@ -212,7 +212,7 @@ async def test_tracing_interceptor_when_otel_is_installed(dev_env, billing, monk
     monkeypatch.setenv("TETHER_OTEL", "1")
     interceptors = tracing_interceptors()
     assert len(interceptors) == 1
-    client = await worker.connect(
+    client = await tether_client.connect(
         target_host=dev_env.client.service_client.config.target_host,
         namespace=dev_env.client.namespace,
         interceptors=interceptors,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import subprocess
 import sys
 import uuid
@@ -19,7 +20,8 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.policy import PolicyFileError, PolicyStore, parse_policy
+from activities.policy import PolicyFileError, PolicyStore, check_policy_file, parse_policy
+from activities.tools import REGISTRY
 from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
 from workflows import policy
 from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome, TransitionRecord
@@ -305,3 +307,45 @@ def test_example_policy_is_valid() -> None:
     document = parse_policy((ROOT / "examples/billing/policy.toml").read_text())
     assert document.tenants["default"].four_eyes
     assert "bob" in document.tenants["default"].approvers
+
+
+WHOLE_FILE_PROBLEMS = """[tenants.default]
+tools = ["get_order", "wire_money"]
+approval_roles = ["approver", "cfo"]
+[tenants.default.approvers]
+bob = { roles = ["approver"], public_key = "bm90IGEga2V5" }
+eve = { roles = ["approver"], public_key = "%%%" }
+[tenants.ghost]
+"""
+
+
+def test_policy_checked_whole_against_the_workers_tools(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(WHOLE_FILE_PROBLEMS)
+    problems = check_policy_file(path, REGISTRY.tools)
+    expected = [
+        ("line 2, key tenants.default.tools", "unknown tool 'wire_money'"),
+        ("line 5, key tenants.default.approvers.bob.public_key", "decodes to 9 bytes"),
+        ("line 6, key tenants.default.approvers.eve.public_key", "not valid base64"),
+        ("line 3, key tenants.default.approval_roles", "role 'cfo' is held by no approver"),
+        ("line 7, key tenants.ghost", "empty tenant"),
+    ]
+    assert len(problems) == len(expected), problems
+    for (where, what), line in zip(expected, problems):
+        assert line.startswith(f"{path}: {where}: ") and what in line, line
+    # The tool set is the caller's: a tool from another source (an MCP catalog) is known once passed.
+    assert not any("wire_money" in p for p in check_policy_file(path, {*REGISTRY.tools, "wire_money"}))
+    path.write_text("# nothing yet\n")
+    assert check_policy_file(path, REGISTRY.tools) == [
+        f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing file, "
+        "not an empty one, means the built-in default)"
+    ]
+    assert check_policy_file(ROOT / "examples/billing/policy.toml", REGISTRY.tools) == []
+    # The worker does not start (before connecting: the address is unreachable on purpose).
+    path.write_text(WHOLE_FILE_PROBLEMS)
+    proc = subprocess.run(
+        [sys.executable, "worker.py", "--policy", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "TEMPORAL_ADDRESS": "127.0.0.1:1"},
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == ["invalid policy:", *problems]

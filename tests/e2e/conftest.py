@@ -117,7 +117,7 @@ async def ui_env(chromium: str) -> AsyncIterator[UiEnv]:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def browser_page(chromium: str, tmp_path: Path) -> AsyncIterator["object"]:
-    """A fresh Chromium profile and one page, 1440x1000 (the size of the README screenshots)."""
+    """A fresh Chromium profile and one page, 1440x1000 (the size of the docs/ screenshots)."""
     from playwright.async_api import async_playwright
 
     async with async_playwright() as pw:

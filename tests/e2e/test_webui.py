@@ -15,7 +15,7 @@ Against a dev server of its own (UI on), with a worker in this process and the b
    refund, which fails once on purpose.
 
 Screenshots of the filtered list, the run page and its timeline land in ``TETHER_SCREENSHOT_DIR``
-(default ``build/e2e-screenshots``; ``TETHER_SCREENSHOT_DIR=docs`` refreshes the README's).
+(default ``build/e2e-screenshots``; ``TETHER_SCREENSHOT_DIR=docs`` refreshes docs/web-ui.md's).
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 Each path runs on a local dev server with the real billing service and a worker in this
 process; its event history is saved as JSON. tests/test_replay.py replays them all with
 Temporal's Replayer, so a workflow change that would break runs already in flight fails CI.
-Re-record only for a change that is compatible by design (see the README: "Changing workflow
-code safely").
+Re-record only for a change that is compatible by design (see docs/changing-workflows.md).
 """
 
 from __future__ import annotations
