@@ -25,7 +25,7 @@ from temporalio.client import Client
 from temporalio.envconfig import ClientConfig
 from temporalio.worker import Worker
 
-from activities import planning
+from activities import mcp, planning
 from activities.codec import EncryptionCodec, KeyFileError, data_converter_from_env
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore
@@ -116,12 +116,17 @@ async def serve(
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
     policy_path: str | None = None,
+    mcp_config_path: str | None = None,
 ) -> None:
     registry = load_tool_modules(tool_modules)
     try:
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
         raise SystemExit(f"invalid policy: {e}") from None
+    try:
+        mcp_config = mcp.config_from_env(mcp_config_path)
+    except mcp.McpConfigError as e:
+        raise SystemExit(f"invalid MCP config: {e}") from None
     extra: dict[str, Any] = {}
     if metrics_port:
         # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
@@ -138,6 +143,9 @@ async def serve(
             f"cannot reach Temporal ({e}); start one with `make dev-server` "
             f"or set TEMPORAL_ADDRESS"
         ) from None
+    # MCP servers' tools join the registry before the worker is built (a server that is down is
+    # logged and left out); their sessions close after the worker has finished its tasks.
+    mcp_servers = await mcp.start_servers(mcp_config, registry)
     worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -154,6 +162,8 @@ async def serve(
         )
         await stop.wait()
         print("worker shutting down: finishing tasks in flight", flush=True)
+    if mcp_servers is not None:
+        await mcp_servers.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -181,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="TOML policy file (env TETHER_POLICY; default: every write needs one approval "
         "from someone other than the requester)",
     )
+    parser.add_argument(
+        "--mcp-config",
+        default=None,
+        help="TOML file of MCP servers whose tools this worker offers (env TETHER_MCP_CONFIG; "
+        "see docs/mcp.md)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(
@@ -190,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             policy_path=args.policy,
+            mcp_config_path=args.mcp_config,
         )
     )
 

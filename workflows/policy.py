@@ -136,16 +136,23 @@ def _step_needs_approval(tool: str, args: dict, info: ToolInfo | None, tenant: T
 
 def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
     effect = info.effect.value if info else "?"
+    if info is not None and info.destructive:
+        effect += ", DESTRUCTIVE"
     fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
+
+
+def _destructive(info: ToolInfo | None) -> bool:
+    return info is None or info.destructive  # an unknown tool is assumed the worst
 
 
 def review_plan(plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None) -> PlanReview:
     tenant = tenant or DEFAULT_TENANT_POLICY
     gated = [s for s in plan.steps if _step_needs_approval(s.tool, s.args, catalog.get(s.tool), tenant)]
     high_risk = tenant.high_risk
-    high = high_risk is not None and any(
-        rule.matches(s.tool, s.args) for s in plan.steps for rule in high_risk.when
+    high = high_risk is not None and (
+        any(rule.matches(s.tool, s.args) for s in plan.steps for rule in high_risk.when)
+        or (high_risk.destructive and any(_destructive(catalog.get(s.tool)) for s in plan.steps))
     )
     writes = [
         _describe_step(s.tool, s.args, catalog.get(s.tool))
