@@ -1,6 +1,6 @@
 """An MCP server of our own for the fault cases, run as a stdio subprocess by tests/test_mcp.py:
 
-    python tests/mcp_fault_server.py STATE_DIR
+    python tests/mcp_fault_server.py STATE_DIR [--http PORT]   # stdio, or streamable HTTP on /mcp
 
 Built on the ``mcp`` package's server API (``MCPServer``), like the reference servers. Every call
 appends one line to ``STATE_DIR/calls`` (tool, idempotency key from the request ``_meta``, note)
@@ -10,6 +10,9 @@ switched per test by files in STATE_DIR:
 - ``slow``: ``record`` sleeps that many seconds (a worker can be killed meanwhile);
 - ``crash``: ``record`` exits the server process mid-call (no answer ever comes);
 - ``upsert`` crashes the server on its first call only (a retry reconnects and succeeds).
+
+- ``post`` applies its effect (a line in ``STATE_DIR/posted``), then crashes on its first call:
+  the answer is lost, the effect is not; ``find`` looks a post up by idempotency key.
 
 ``decline`` always answers ``isError`` with a Tether error code in the result's ``_meta``; ``fail``
 answers ``isError`` through the SDK's own ``ToolError``.
@@ -76,5 +79,29 @@ async def fail(ctx: Context) -> str:
     raise ToolError("this tool always fails")
 
 
+@server.tool(description="Posts a note (not idempotent; find it by key).", annotations=UNSAFE, structured_output=False)
+async def post(note: str, ctx: Context) -> str:
+    key = (ctx.request_context.meta or {}).get("io.tether/idempotency-key", "-")
+    first = count("post", ctx, note) == 1
+    with open(STATE / "posted", "a") as f:
+        f.write(f"{key} {note}\n")
+    if first:
+        os._exit(3)  # the effect is applied, its answer never arrives
+    return f"posted {note}"
+
+
+READ_ONLY = ToolAnnotations(read_only_hint=True)
+
+
+@server.tool(description="Finds a post by idempotency key.", annotations=READ_ONLY, structured_output=False)
+async def find(idempotency_key: str, ctx: Context) -> str:
+    count("find", ctx, idempotency_key)
+    posted = (STATE / "posted").read_text().splitlines() if (STATE / "posted").exists() else []
+    return next((f"found {line}" for line in posted if line.split(" ", 1)[0] == idempotency_key), "")
+
+
 if __name__ == "__main__":
-    server.run()
+    if "--http" in sys.argv:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[sys.argv.index("--http") + 1]))
+    else:
+        server.run()

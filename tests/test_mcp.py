@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import subprocess
 import sys
 import uuid
@@ -23,7 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities import planning
 from activities.mcp import McpServers, mcp_tools, parse_config
 from activities.tools import ToolRegistry
-from tests.chaos.harness import Proc
+from tests.chaos.harness import Proc, free_port
 from tests.conftest import ROOT, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.models import ApprovalDecision, RunOutcome, ToolEffect
@@ -73,6 +74,7 @@ def fault_server(state: Path, record_timeout: float = 10) -> str:
         f'[servers.faults]\ncommand = "{sys.executable}"\nargs = ["{FAULT_SERVER}", "{state}"]\n'
         "trust_annotations = true\ntimeout = 10\n"
         f"[servers.faults.tools.record]\ntimeout = {record_timeout}\n"
+        '[servers.faults.tools.post]\neffect = "reconcilable"\nlookup = "find"\n'
     )
 
 
@@ -208,6 +210,15 @@ async def test_fault_cases_error_results_crashes_and_timeouts(ts_env: WorkflowEn
         key = f"{handle.id}:{outcome.steps[0].tool_call_id}"  # the run's key reached the server in _meta
         assert [k for _, k, _ in calls(state, "upsert")] == [key, key]
 
+        # A reconcilable tool (the operator's word, with a lookup tool) whose answer is lost after
+        # its effect: the retry looks the effect up by key and returns it instead of posting again.
+        handle, outcome = await run("faults__post", {"note": "p1"})
+        key = f"{handle.id}:{outcome.steps[0].tool_call_id}"
+        assert outcome.state == S.COMPLETED and path(outcome).count("RETRY_WAIT") == 1
+        assert [k for _, k, _ in calls(state, "post")] == [key]
+        assert [k for _, k, _ in calls(state, "find")] == [key]
+        assert json.loads(outcome.steps[0].observation) == f"found {key} p1"
+
         # Crash mid-call of an unsafe tool: HANDED_OFF naming the call, never a second call.
         (state / "crash").touch()
         _, outcome = await run("faults__record", {"note": "crash"})
@@ -222,6 +233,26 @@ async def test_fault_cases_error_results_crashes_and_timeouts(ts_env: WorkflowEn
         _, outcome = await run("faults__record", {"note": "after"})
         assert outcome.state == S.COMPLETED and json.loads(outcome.steps[0].observation) == "recorded after"
         assert len(calls(state, "record")) == 2
+
+
+async def test_a_server_over_streamable_http(ts_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    state = tmp_path / "faults"
+    state.mkdir()
+    port = free_port()
+    server = Proc("mcp-http", [sys.executable, str(FAULT_SERVER), str(state), "--http", str(port)],
+                  tmp_path / "mcp-http.log", {**os.environ, "NO_PROXY": "127.0.0.1,localhost"})
+    try:
+        await server.wait_for_output("Uvicorn running")
+        toml = f'[servers.web]\nurl = "http://127.0.0.1:{port}/mcp"\ntrust_annotations = true\n'
+        async with mcp_registry(toml) as (registry, _), running_worker(ts_env.client, registry=registry) as worker:
+            assert registry.get("web__find").effect == E.READ_ONLY
+            handle = await start_run(ts_env.client, worker, make_request([{"tool": "web__record", "args": {"note": "hi"}}]))
+            await approve(handle)
+            outcome = await handle.result()
+    finally:
+        server.stop()
+    assert outcome.state == S.COMPLETED and json.loads(outcome.steps[0].observation) == "recorded hi"
+    assert [k for _, k, _ in calls(state, "record")] == [f"{handle.id}:{outcome.steps[0].tool_call_id}"]
 
 
 async def test_a_slow_unsafe_call_past_its_timeout_is_outcome_unknown(dev_env: WorkflowEnvironment, tmp_path: Path) -> None:
@@ -250,7 +281,7 @@ async def test_worker_killed_during_a_slow_unsafe_mcp_call_hands_off_without_a_s
     config.write_text(fault_server(state, record_timeout=4) + f'\n[servers.down]\ncommand = "{tmp_path / "nothing"}"\n')
     queue = unique("mcp-kill")
     address = dev_env.client.service_client.config.target_host
-    env = {**__import__("os").environ, "TEMPORAL_ADDRESS": address, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TEMPORAL_ADDRESS": address, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "worker.py", "--tools", "", "--task-queue", queue, "--mcp-config", str(config)]
     first = Proc("worker-1", cmd, tmp_path / "worker-1.log", env)
     second: Proc | None = None
