@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import sys
-import tomllib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from activities.policy import _locate  # the one line-locating helper for TOML config errors
+from activities.toml_config import parse_toml
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, ToolSpec, load_tool_modules
 from workflows.mcp_effects import Hints, effect_for
 from workflows.models import ToolEffect
@@ -135,18 +134,7 @@ class McpConfig(_Strict):
 
 def parse_config(text: str, source: str = "mcp config", base: Path | None = None) -> McpConfig:
     """The config, validated; relative ``cwd`` paths resolved against ``base``."""
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise McpConfigError(f"{source}: not valid TOML: {e}") from None
-    try:
-        config = McpConfig.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        line = _locate(text, tuple(err["loc"]))
-        where = f"line {line}, " if line else ""
-        raise McpConfigError(f"{source}: {where}key {key}: {err['msg']}") from None
+    config = parse_toml(text, McpConfig, source, McpConfigError)
     for server in config.servers.values():
         if server.cwd is not None and base is not None:
             server.cwd = str((base / server.cwd).resolve())
