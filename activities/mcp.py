@@ -31,16 +31,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import re
 import shutil
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from activities.toml_config import parse_toml
@@ -56,6 +58,11 @@ IDEMPOTENCY_META_KEY = "io.tether/idempotency-key"
 ERROR_CODE_META_KEY = "io.tether/error-code"
 RETRYABLE_META_KEY = "io.tether/retryable"
 
+# Tool listings are untrusted input that ends up in every run's catalog snapshot (one Temporal
+# payload, at most 2 MiB): descriptions are cut, and a server's schemas and descriptions together
+# are bounded (tools beyond the bound are left out, with a log line).
+MAX_DESCRIPTION_CHARS = 2000
+MAX_SERVER_CATALOG_CHARS = 256_000
 CONNECT_TIMEOUT_SECONDS = 20.0
 PING_TIMEOUT_SECONDS = 5.0
 # Names every model API accepts for a function (OpenAI: ^[a-zA-Z0-9_-]{1,64}$).
@@ -337,12 +344,20 @@ def tool_specs(name: str, config: ServerConfig, connection: Connection, tools: S
     published = {t.name for t in tools}
     for missing in sorted(set(config.tools) - published):
         log.warning("MCP server %r: the config names tool %r, which the server does not publish", name, missing)
-    specs = []
+    specs, budget = [], MAX_SERVER_CATALOG_CHARS
     for t in tools:
         full = f"{name}__{t.name}"
-        if not _TOOL_NAME.match(full):
-            log.warning("MCP server %r: tool %r left out: %r is not a valid tool name", name, t.name, full)
+        description = (t.description or t.title or "").strip()[:MAX_DESCRIPTION_CHARS]
+        size = len(json.dumps(t.input_schema)) + len(description)
+        problem = (
+            f"{full!r} is not a valid tool name" if not _TOOL_NAME.match(full)
+            else _schema_problem(t.input_schema)
+            or (f"the server's tools exceed {MAX_SERVER_CATALOG_CHARS} characters of schemas" if size > budget else None)
+        )
+        if problem:
+            log.warning("MCP server %r: tool %r left out: %s", name, t.name, problem)
             continue
+        budget -= size
         override = config.tools.get(t.name, ToolOverride())
         a = t.annotations
         hints = None if a is None else Hints(a.read_only_hint, a.idempotent_hint, a.destructive_hint)
@@ -372,7 +387,7 @@ def tool_specs(name: str, config: ServerConfig, connection: Connection, tools: S
                 ),
                 timeout_seconds=timeout,
                 max_retries=override.max_retries if override.max_retries is not None else config.max_retries,
-                description=(t.description or t.title or "").strip(),
+                description=description,
                 summary_fields=tuple(override.summary_fields),
                 lookup_fn=lookup,
                 source=f"mcp:{name}",
@@ -381,6 +396,28 @@ def tool_specs(name: str, config: ServerConfig, connection: Connection, tools: S
             )
         )
     return specs
+
+
+def _schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why a server's input schema cannot be a catalog entry: the workflow validates proposals
+    against it deterministically, so it must be a valid JSON schema that refers only to itself."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return f"invalid input schema: {e.message[:200]}"
+
+    def refs(node: Any) -> Iterator[Any]:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                yield node["$ref"]
+            for value in node.values():
+                yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    outside = next((r for r in refs(schema) if not (isinstance(r, str) and r.startswith("#"))), None)
+    return f"input schema refers outside itself ($ref {str(outside)[:100]!r})" if outside is not None else None
 
 
 async def list_tools(session: Any) -> list[Any]:
@@ -497,7 +534,8 @@ def format_tools(rows: list[dict[str, Any]]) -> str:
     )
 
 
-async def _tools_command(config: McpConfig, modules: Sequence[str]) -> int:
+async def print_tools(config: McpConfig, modules: Sequence[str] = ()) -> int:
+    """The `tools` listing (table on stdout); 1 when a server was unavailable."""
     # Tool modules register into the global registry as they are imported.
     registry = load_tool_modules(modules, REGISTRY) if modules else ToolRegistry()
     async with mcp_tools(config, registry) as servers:
@@ -523,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     modules = [m for m in args.tools.split(",") if m.strip()]
-    return asyncio.run(_tools_command(config, modules))
+    return asyncio.run(print_tools(config, modules))
 
 
 if __name__ == "__main__":

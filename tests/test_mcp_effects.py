@@ -116,3 +116,38 @@ def test_destructive_tools_show_in_the_risk_summary_and_match_high_risk() -> Non
     # Only destructive tools count: an additive write stays normal, a read needs no approval.
     assert review_plan(_plan("git__git_add"), _catalog(), strict).risk == "normal"
     assert not review_plan(_plan("git__git_status"), _catalog(), strict).needs_approval
+
+
+# ----------------------------------------------------------------------------- listings -> registry
+
+
+def test_untrusted_listings_are_bounded_and_checked_before_they_reach_the_catalog(caplog) -> None:
+    from mcp.types import Tool, ToolAnnotations
+
+    from activities import mcp
+
+    ok = {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"type": "string"}}}
+    config = parse_config(
+        '[servers.s]\ncommand = "x"\ntrust_annotations = true\n'
+        '[servers.s.tools.put]\neffect = "reconcilable"\nlookup = "missing"\n'
+        '[servers.s.tools.ghost]\neffect = "unsafe"\n'
+    ).servers["s"]
+    tools = [
+        Tool(name="good", description="d" * 5000, input_schema=ok, annotations=ToolAnnotations(read_only_hint=True)),
+        Tool(name="bad.name/x", input_schema={"type": "object"}),
+        Tool(name="broken", input_schema={"type": "objekt"}),
+        Tool(name="remote", input_schema={"type": "object", "properties": {"x": {"$ref": "https://evil.example/s.json"}}}),
+        Tool(name="huge", input_schema={"type": "object", "description": "h" * mcp.MAX_SERVER_CATALOG_CHARS}),
+        Tool(name="put", input_schema={"type": "object"}),
+    ]
+    specs = {s.name: s for s in mcp.tool_specs("s", config, mcp.Connection("s", config), tools)}
+    assert sorted(specs) == ["s__good", "s__put"]
+    assert specs["s__good"].effect == E.READ_ONLY and len(specs["s__good"].description) == mcp.MAX_DESCRIPTION_CHARS
+    # reconcilable without its lookup tool on the server: the safe class instead.
+    assert specs["s__put"].effect == E.UNSAFE and "'missing' is not published" in specs["s__put"].why
+    log = caplog.text
+    assert "'bad.name/x' left out: 's__bad.name/x' is not a valid tool name" in log
+    assert "'broken' left out: invalid input schema" in log
+    assert "'remote' left out: input schema refers outside itself" in log
+    assert "'huge' left out: the server's tools exceed" in log
+    assert "the config names tool 'ghost', which the server does not publish" in log
