@@ -67,6 +67,7 @@ CONNECT_TIMEOUT_SECONDS = 20.0
 PING_TIMEOUT_SECONDS = 5.0
 # Names every model API accepts for a function (OpenAI: ^[a-zA-Z0-9_-]{1,64}$).
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ERROR_CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # a server's error code, as the timeline shows it
 _SERVER_NAME = r"^[A-Za-z0-9][A-Za-z0-9-]*(_[A-Za-z0-9-]+)*$"  # no "__": it separates server and tool
 
 
@@ -214,6 +215,8 @@ class Connection:
         except BaseException as e:  # noqa: BLE001  (anyio groups wrap failures; report them all)
             if not ready.done():
                 ready.set_exception(McpUnavailable(_reason(e)))
+            elif not isinstance(e, asyncio.CancelledError):
+                log.warning("MCP server %r: session ended: %s", self.name, _reason(e))
             if isinstance(e, asyncio.CancelledError):
                 raise
 
@@ -238,10 +241,12 @@ class Connection:
                 raise
             return self._session
 
-    async def reset(self) -> None:
-        """Drop the session after a failure: the next call starts a new one."""
+    async def reset(self, session: Any = None) -> None:
+        """Drop the session (only if it is still ``session``, when given) after a failure: the
+        next call starts a new one."""
         async with self._lock:
-            await self._close()
+            if session is None or session is self._session:
+                await self._close()
 
     async def _close(self) -> None:
         task, self._task, self._session = self._task, None, None
@@ -304,18 +309,18 @@ async def call_tool(connection: Connection, tool: str, args: dict[str, Any], ctx
             raise ToolError(
                 f"no answer from {server} in {read_timeout:g}s: outcome unknown", code="mcp_timeout"
             ) from None
-        await connection.reset()
+        await connection.reset(session)
         raise ToolError(f"{server}: {e.message}: outcome unknown", code="mcp_connection_lost") from None
     except (OSError, RuntimeError, ValidationError) as e:
-        await connection.reset()
+        await connection.reset(session)
         raise ToolError(f"{server}: {_reason(e)}: outcome unknown", code="mcp_connection_lost") from None
     if result.is_error:
         meta = result.meta or {}
         code = meta.get(ERROR_CODE_META_KEY)
         message = str(_value(result)).strip() or "the tool reported an error"
         raise ToolError(
-            message[:500],
-            code=code if isinstance(code, str) and code else "mcp_tool_error",
+            message[:200],  # the server's words reach the timeline: bounded
+            code=code if isinstance(code, str) and _ERROR_CODE.match(code) else "mcp_tool_error",
             permanent=meta.get(RETRYABLE_META_KEY) is not True,
         )
     return _value(result)
