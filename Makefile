@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 PLANNER ?= playbook
 BENCH_ARGS ?=
 
-.PHONY: install demo test dev-server worker down clean screenshots record-histories chaos bench bench-waiting
+.PHONY: install demo demo-mcp test dev-server worker down clean screenshots record-histories chaos bench bench-waiting
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m examples.devstack up
 	PLANNER=$(PLANNER) $(PY) -m examples.demo
+
+# Tools from an MCP server (the reference git server) under approval, on a scratch repository
+# under .tether/ (examples/git/, docs/mcp.md).
+demo-mcp: $(STAMP)
+	$(PY) -m examples.git.demo
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -24,7 +24,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities import planning
+from activities import mcp, planning
 from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
 from activities.metrics import prometheus_runtime, tracing_interceptors
@@ -81,17 +81,17 @@ async def serve(
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
     policy_path: str | None = None,
+    mcp_config_path: str | None = None,
 ) -> None:
     registry = load_tool_modules(tool_modules)
     try:
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
         raise SystemExit(f"invalid policy: {e}") from None
-    # The whole file against the tools this worker serves: a typo must not wait for a run.
-    # Tools from other sources (MCP catalogs) join registry.tools here when they are loaded.
-    problems = check_policy_file(policy.path, registry.tools) if policy.path else []
-    if problems:
-        raise SystemExit("invalid policy:\n" + "\n".join(problems))
+    try:
+        mcp_config = mcp.config_from_env(mcp_config_path)
+    except mcp.McpConfigError as e:
+        raise SystemExit(f"invalid MCP config: {e}") from None
     extra: dict[str, Any] = {}
     if metrics_port:
         # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
@@ -103,6 +103,20 @@ async def serve(
         client = await connect(**extra)
     except TetherError as e:
         raise SystemExit(str(e)) from None
+    # MCP servers' tools join the registry before the worker is built (a server that is down is
+    # logged and left out); their sessions close after the worker has finished its tasks.
+    mcp_servers = await mcp.start_servers(mcp_config, registry)
+    # The whole file against the tools this worker serves, MCP catalogs included: a typo must
+    # not wait for a run. A down server's tools are only warned about (it may come back).
+    down = [f"{name}__" for name in (mcp_servers.unavailable if mcp_servers else {})]
+    problems = check_policy_file(policy.path, registry.tools) if policy.path else []
+    for problem in [p for p in problems if any(prefix in p for prefix in down)]:
+        logging.warning("policy names a tool of an MCP server that is down: %s", problem)
+    problems = [p for p in problems if not any(prefix in p for prefix in down)]
+    if problems:
+        if mcp_servers is not None:
+            await mcp_servers.aclose()
+        raise SystemExit("invalid policy:\n" + "\n".join(problems))
     worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -119,6 +133,8 @@ async def serve(
         )
         await stop.wait()
         print("worker shutting down: finishing tasks in flight", flush=True)
+    if mcp_servers is not None:
+        await mcp_servers.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -146,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="TOML policy file (env TETHER_POLICY; default: every write needs one approval "
         "from someone other than the requester)",
     )
+    parser.add_argument(
+        "--mcp-config",
+        default=None,
+        help="TOML file of MCP servers whose tools this worker offers (env TETHER_MCP_CONFIG; "
+        "see docs/mcp.md)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(
@@ -155,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             policy_path=args.policy,
+            mcp_config_path=args.mcp_config,
         )
     )
 

@@ -27,7 +27,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+import jsonschema
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -76,7 +78,9 @@ LookupFn = Callable[[ToolContext], Any]
 class ToolSpec:
     name: str
     fn: ToolFn
-    args_model: type[BaseModel]
+    # The argument model of a Python tool; None for a tool described by ``args_schema`` alone
+    # (MCP tools: the server's JSON schema), whose arguments reach ``fn`` as a validated dict.
+    args_model: type[BaseModel] | None
     effect: ToolEffect
     requires_approval: bool
     timeout_seconds: float
@@ -84,6 +88,10 @@ class ToolSpec:
     description: str
     summary_fields: tuple[str, ...] = ()
     lookup_fn: LookupFn | None = None
+    args_schema: dict[str, Any] | None = None
+    source: str = "python"  # or "mcp:<server>"
+    why: str = "declared"  # where the effect came from (`tools` shows it)
+    destructive: bool = False
 
     def lookup(self, fn: LookupFn) -> LookupFn:
         """Register the function that finds a previous effect by idempotency key.
@@ -100,10 +108,26 @@ class ToolSpec:
             description=self.description,
             effect=self.effect,
             requires_approval=self.requires_approval,
-            args_schema=self.args_model.model_json_schema(),
+            args_schema=self.args_schema if self.args_model is None else self.args_model.model_json_schema(),
             timeout_seconds=self.timeout_seconds,
             max_retries=self.max_retries,
             summary_fields=list(self.summary_fields),
+            destructive=self.destructive,
+            source=self.source,
+        )
+
+    def parse_args(self, raw: dict[str, Any]) -> Any:
+        """The arguments ``fn`` gets: the pydantic model, or the raw dict checked against
+        ``args_schema``. Raises pydantic's ValidationError either way (one error path)."""
+        if self.args_model is not None:
+            return self.args_model.model_validate(raw)
+        validator = jsonschema.Draft202012Validator(self.args_schema or {})
+        first = min(validator.iter_errors(raw), key=lambda e: list(map(str, e.absolute_path)), default=None)
+        if first is None:
+            return raw
+        error = PydanticCustomError("json_schema", "{message}", {"message": first.message[:200]})
+        raise ValidationError.from_exception_data(
+            self.name, [{"type": error, "loc": tuple(first.absolute_path), "input": first.instance}]
         )
 
     def __call__(self, args: Any, ctx: ToolContext) -> Any:
@@ -245,7 +269,7 @@ class ToolActivities:
                     non_retryable=True,
                 )
             try:
-                args = spec.args_model.model_validate(call.args)
+                args = spec.parse_args(call.args)
             except ValidationError as e:
                 raise ApplicationError(
                     f"invalid arguments for {spec.name}: {first_error(e)}",

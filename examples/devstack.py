@@ -1,7 +1,11 @@
 """The local stack behind `make demo`, `make dev-server` and `make down`.
 
-    python -m examples.devstack up [dev-server] [billing] [worker]
+    python -m examples.devstack up [dev-server] [billing] [worker] [mcp-worker]
     python -m examples.devstack down
+
+``mcp-worker`` (only when named; `make demo-mcp`) is a worker whose tools come from MCP servers:
+``--mcp-config`` from TETHER_MCP_CONFIG (default: examples/git/mcp.toml), on its own task queue
+(TETHER_MCP_TASK_QUEUE, default ``tether-mcp``), so it never takes the billing worker's runs.
 
 Each service runs in the background in its own session (it outlives `make`), with its pid and
 log under `.tether/`. `up` is idempotent: a service that is already answering is left alone.
@@ -73,6 +77,7 @@ class Service:
     command: Callable[[], list[str]]
     ready: Callable[[], bool]
     timeout: float = 60.0
+    default: bool = True  # started by a bare `up`
 
     @property
     def pidfile(self) -> Path:
@@ -83,10 +88,13 @@ class Service:
         return STATE_DIR / f"{self.name}.log"
 
 
-def _worker_ready() -> bool:
-    log = STATE_DIR / "worker.log"
-    pid = _pid(STATE_DIR / "worker.pid")
+def _worker_ready(name: str = "worker") -> bool:
+    log = STATE_DIR / f"{name}.log"
+    pid = _pid(STATE_DIR / f"{name}.pid")
     return pid is not None and log.exists() and "worker ready" in log.read_text(errors="replace")
+
+
+MCP_TASK_QUEUE = os.environ.get("TETHER_MCP_TASK_QUEUE", "tether-mcp")
 
 
 CODEC_PORT = int(os.environ.get("TETHER_CODEC_PORT", "8081"))
@@ -115,6 +123,14 @@ SERVICES = {
         lambda: [sys.executable, str(ROOT / "worker.py"), "--policy",
                  os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")],
         _worker_ready,
+    ),
+    "mcp-worker": Service(
+        "mcp-worker",
+        lambda: [sys.executable, str(ROOT / "worker.py"), "--tools", "", "--task-queue", MCP_TASK_QUEUE,
+                 "--mcp-config", os.environ.get("TETHER_MCP_CONFIG") or str(ROOT / "examples/git/mcp.toml"),
+                 "--policy", os.environ.get("TETHER_MCP_POLICY") or str(ROOT / "examples/git/policy.toml")],
+        lambda: _worker_ready("mcp-worker"),
+        default=False,
     ),
 }
 
@@ -182,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in args.services if n not in SERVICES]
     if unknown:
         parser.error(f"unknown service {unknown[0]!r}; choose from {', '.join(SERVICES)}")
-    names = args.services or list(SERVICES)
+    names = args.services or [n for n, s in SERVICES.items() if s.default or args.action == "down"]
     if args.action == "up":
         for name in names:
             start(SERVICES[name])

@@ -139,6 +139,11 @@ class ToolInfo(BaseModel):
     max_retries: int
     # Arguments worth showing an approver (the target, the amount); never secrets or personal data.
     summary_fields: list[str] = Field(default_factory=list)
+    # May destroy data (MCP destructiveHint; see workflows/mcp_effects.py): shown in the risk
+    # summary, and a policy's high_risk.destructive makes plans that call it high risk.
+    destructive: bool = False
+    # Where the tool comes from: "python" (a tool module) or "mcp:<server>".
+    source: str = ""
 
 
 class CatalogRequest(BaseModel):
@@ -364,6 +369,8 @@ class AutoApprove(Contract):
 
 class HighRisk(Contract):
     when: list[AmountRule] = Field(default_factory=list)
+    # Any step calling a destructive tool (MCP destructiveHint, or the operator's override).
+    destructive: bool = False
     approvals: int = Field(2, ge=1, le=10)  # distinct approvers a high-risk plan needs
     roles: list[str] = Field(default_factory=lambda: ["approver"])
 

@@ -181,8 +181,14 @@ def _step_needs_approval(step: PlanStep, info: ToolInfo | None, tenant: TenantPo
 
 def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
     effect = info.effect.value if info else "?"
+    if info is not None and info.destructive:
+        effect += ", DESTRUCTIVE"
     fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
+
+
+def _destructive(info: ToolInfo | None) -> bool:
+    return info is None or info.destructive  # an unknown tool is assumed the worst
 
 
 def review_plan(
@@ -193,8 +199,9 @@ def review_plan(
     totals = _totals(plan.steps, spent or {})
     gated = [s for s in plan.steps if _step_needs_approval(s, catalog.get(s.tool), tenant, totals)]
     high_risk = tenant.high_risk
-    high = high_risk is not None and any(
-        _rule_holds(rule, s.tool, totals) for s in plan.steps for rule in high_risk.when
+    high = high_risk is not None and (
+        any(_rule_holds(rule, s.tool, totals) for s in plan.steps for rule in high_risk.when)
+        or (high_risk.destructive and any(_destructive(catalog.get(s.tool)) for s in plan.steps))
     )
     writes = [
         _describe_step(s.tool, s.args, catalog.get(s.tool))
