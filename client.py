@@ -50,7 +50,6 @@ from workflows import policy
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import (
     NAME_PATTERN,
-    ApprovalDecision,
     DecideRequest,
     DecideResult,
     HandoffRequest,
@@ -275,6 +274,17 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
+
+
+async def full_timeline(client: Client, run_id: str, audit_dir: str | None = None) -> list[TransitionRecord]:
+    """Every record of the run, each once: the audit sink's (TETHER_AUDIT_DIR) merged with the
+    window the run keeps (the timeline query holds the first and the latest records only)."""
+    from activities.audit import JsonlAuditSink, merge_timeline
+
+    window = await timeline(client, run_id)
+    snap = await snapshot(client, run_id)
+    sink = JsonlAuditSink.from_env(audit_dir)
+    return merge_timeline(sink.read(run_id, snap.first_run_id), window)
 
 
 async def status(client: Client, run_id: str) -> RunStatus:

@@ -248,12 +248,32 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_timeline(args: argparse.Namespace) -> int:
-    records = await client.timeline(await client.connect(), args.run)
+    conn = await client.connect()
+    if getattr(args, "all", False):
+        records = await client.full_timeline(conn, args.run, args.audit_dir)
+    else:
+        records = await client.timeline(conn, args.run)
     if args.json:
         _print_json([r.model_dump(mode="json") for r in records])
     else:
         print(format_timeline(records))
     return OK
+
+
+async def cmd_tools(args: argparse.Namespace) -> int:
+    """The tools a worker with these options would serve, with each one's effect and why."""
+    from activities import mcp
+    from activities.tools import REGISTRY, load_tool_modules
+
+    modules = [m for m in args.tools.split(",") if m.strip()]
+    try:
+        config = mcp.config_from_env(args.mcp_config)
+    except mcp.McpConfigError as e:
+        raise client.TetherError(f"invalid MCP config: {e}", client.USAGE) from None
+    if config is None:
+        print(mcp.format_tools(mcp.describe_tools(load_tool_modules(modules, REGISTRY))))
+        return OK
+    return await mcp.print_tools(config, modules)
 
 
 async def cmd_list(args: argparse.Namespace) -> int:
@@ -358,6 +378,21 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _timeline_args(p: argparse.ArgumentParser) -> None:
+    _run_args(p)
+    p.add_argument("--all", action="store_true",
+                   help="every record, from the audit sink and the run (the run keeps a window)")
+    p.add_argument("--audit-dir", metavar="DIR", help="the worker's audit sink (env TETHER_AUDIT_DIR; default .tether/audit)")
+
+
+def _tools_args(p: argparse.ArgumentParser) -> None:
+    import os
+
+    p.add_argument("--tools", default=os.environ.get("TETHER_TOOLS", "examples.billing.tools"), metavar="MODULES",
+                   help="comma-separated tool modules (env TETHER_TOOLS)")
+    p.add_argument("--mcp-config", metavar="PATH", help="MCP servers' config (env TETHER_MCP_CONFIG)")
+
+
 def _list_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state", metavar="STATE", help="e.g. AWAITING_APPROVAL")
     p.add_argument("--tenant", metavar="NAME")
@@ -374,12 +409,13 @@ def _keygen_args(p: argparse.ArgumentParser) -> None:
 COMMANDS: list[Command] = [
     Command("start", "start a run", _start_args, cmd_start),
     Command("status", "a run's state, plan, pending approval, and why it ended", _run_args, cmd_status),
-    Command("timeline", "a run's audit timeline", _run_args, cmd_timeline),
+    Command("timeline", "a run's audit timeline", _timeline_args, cmd_timeline),
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
     Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
+    Command("tools", "the tools a worker serves: source, effect and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
 ]
 

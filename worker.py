@@ -43,6 +43,7 @@ def create_worker(
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
+    extra_workflows: Sequence[type] = (),
     **options: Any,
 ) -> Worker:
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
@@ -56,7 +57,7 @@ def create_worker(
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=[AgentRun],
+        workflows=[AgentRun, *extra_workflows],
         activities=[
             tools.tool_catalog,
             tools.execute_tool,

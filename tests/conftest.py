@@ -76,6 +76,27 @@ async def dev_env() -> AsyncIterator[WorkflowEnvironment]:
     await env.shutdown()
 
 
+# A dev server that suggests continue-as-new after this many events (small_history_env).
+CAN_THRESHOLD = 40
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def small_history_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A dev server that suggests continue-as-new after a few dozen events."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(BIN / "temporal"),
+        search_attributes=SEARCH_ATTRIBUTES,
+        data_converter=pydantic_data_converter,
+        dev_server_extra_args=[
+            "--headless",
+            "--dynamic-config-value",
+            f"limit.historyCount.suggestContinueAsNew={CAN_THRESHOLD}",
+        ],
+    )
+    yield env
+    await env.shutdown()
+
+
 @dataclass
 class Billing:
     url: str

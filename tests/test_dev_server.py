@@ -6,18 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest_asyncio
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.conftest import (
     approval_for,
     BIN,
+    CAN_THRESHOLD,
     Billing,
     make_request,
     running_worker,
@@ -27,8 +24,8 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
-from workflows.agent_run import SEARCH_ATTRIBUTES, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
-from workflows.models import RunSnapshot, ApprovalDecision, RunOutcome
+from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.models import ApprovalDecision, RunOutcome
 from workflows.states import RunState, is_legal_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,24 +163,6 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
 
 # ----------------------------------------------------------------------------- continue-as-new
 
-CAN_THRESHOLD = 40
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def small_history_env() -> AsyncIterator[WorkflowEnvironment]:
-    """A dev server that suggests continue-as-new after a few dozen events."""
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(BIN / "temporal"),
-        search_attributes=SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
-        dev_server_extra_args=[
-            "--headless",
-            "--dynamic-config-value",
-            f"limit.historyCount.suggestContinueAsNew={CAN_THRESHOLD}",
-        ],
-    )
-    yield env
-    await env.shutdown()
 
 
 async def test_continue_as_new_keeps_state_timeline_and_search_attributes(

@@ -12,7 +12,6 @@ import logging
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,9 +24,9 @@ from activities import planning
 from activities.mcp import McpServers, mcp_tools, parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
-from tests.conftest import ROOT, make_request, running_worker, snapshot, start_run, unique, wait_for_state
+from tests.conftest import ROOT, approval_for, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
-from workflows.models import ApprovalDecision, RunOutcome, ToolEffect
+from workflows.models import RunOutcome, ToolEffect
 from workflows.states import RunState, is_legal_path
 
 S, E = RunState, ToolEffect
@@ -96,7 +95,7 @@ async def approve(handle: WorkflowHandle) -> None:
     snap = await wait_for_state(handle, "AWAITING_APPROVAL")
     assert snap.plan is not None
     await handle.signal(
-        "approve", ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=snap.plan.plan_hash)
+        "approve", approval_for(snap, "bob")
     )
 
 

@@ -23,7 +23,9 @@ import pytest
 
 from workflows.engine import Engine, IllegalState, ToolFailure
 from workflows.models import (
+    AmountRule,
     ApprovalDecision,
+    AutoApprove,
     HandoffRequest,
     PolicySnapshot,
     Proposal,
@@ -31,6 +33,7 @@ from workflows.models import (
     Refusal,
     RunData,
     RunRequest,
+    TenantPolicy,
     ToolEffect,
     ToolOutcome,
 )
@@ -50,17 +53,31 @@ PROPOSALS = {
     "propose_unsafe": Proposal(steps=[EMAIL]),
     "propose_other_amount": Proposal(steps=[REFUND.model_copy(update={"args": {**REFUND.args, "amount_cents": 99}})]),
     "propose_invalid": Proposal(steps=[ProposedStep(tool="wire_money", args={})]),
+    # Four refunds under the auto-approval limit each, over it together.
+    "propose_split": Proposal(steps=[REFUND.model_copy(update={"args": {**REFUND.args, "amount_cents": 2000}})] * 4),
+    "propose_small": Proposal(steps=[REFUND.model_copy(update={"args": {**REFUND.args, "amount_cents": 2000}})]),
     "answer": Proposal(answer="done"),
 }
 # Weighted by repetition: runs should get far enough to execute tools often.
 EVENTS = [
     *PROPOSALS, "propose_writes", "propose_unsafe",
     "approve", "approve", "approve", "approve_old_plan", "approve_policy_refused", "duplicate", "reject",
+    "approve_earlier_request", "approve_as_requester", "propose_split", "propose_split", "propose_small",
+    "tool_ok", "tool_ok", "tool_ok",
     "expire", "cancel", "handoff", "authority_revoked",
     "tool_ok", "tool_ok", "tool_ok", "tool_retryable", "tool_retryable", "tool_permanent",
     "tool_unknown", "tool_unknown",
 ]
 WORKFLOW_AWAITS = {S.RECEIVED, S.PLANNING, S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.RETRY_WAIT}
+
+
+# Refunds up to 50.00 in all run without approval: the limit holds for sums, not calls.
+AUTO_LIMIT = 5000
+TENANT = TenantPolicy(
+    auto_approve=AutoApprove(limits=[AmountRule(tool="issue_refund", field="amount_cents", max=AUTO_LIMIT)])
+)
+# How a requester tries to pass as someone else: other spellings of the same name.
+ALICE_VARIANTS = ["Alice", "ALICE", "ａｌｉｃｅ", "alice"]
 
 
 class Driver:
@@ -70,9 +87,11 @@ class Driver:
         )
         data = RunData(
             catalog=CATALOG,
-            policy=PolicySnapshot(tenant="default", policy=policy.DEFAULT_TENANT_POLICY, policy_hash="h", source="test"),
+            policy=PolicySnapshot(tenant="default", policy=TENANT, policy_hash="h", source="test"),
         )
-        self.engine = Engine(data, request, workflow_id="wf")
+        self.engine = Engine(data, request, workflow_id="wf", new_request_id=lambda: uuid.uuid4().hex)
+        self.requests_seen: list[tuple[str, str]] = []  # (request id, plan hash) of every request
+        self.pending_when_sent: dict[str, str] = {}  # decision id -> request pending when it was sent
         self.now = START
         self.handoff: HandoffRequest | None = None
         self.revoked = False  # the next authority re-check finds an approver revoked
@@ -103,6 +122,9 @@ class Driver:
             if self.handoff and e.take_handoff(self.handoff, self.tick()):
                 self.handoff = None
                 continue
+            pending = e.data.pending_approval
+            if pending is not None and (pending.request_id, pending.plan_hash) not in self.requests_seen:
+                self.requests_seen.append((pending.request_id, pending.plan_hash))
             if self.state == S.VALIDATION_FAILED:
                 e.after_validation_failed(self.tick())
             elif self.state == S.VALIDATED:
@@ -122,14 +144,29 @@ class Driver:
             else:
                 return
 
-    def decision(self, plan_hash: str) -> ApprovalDecision:
-        d = ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=plan_hash)
+    def decision(self, plan_hash: str, approver: str = "bob", request_id: str | None = None) -> ApprovalDecision:
+        pending = self.engine.data.pending_approval
+        if request_id is None and pending is not None and pending.plan_hash == plan_hash:
+            request_id = pending.request_id
+        d = ApprovalDecision(decision_id=uuid.uuid4().hex, approver=approver, plan_hash=plan_hash, request_id=request_id)
         self.decisions.append(d)
         return d
 
     def signal(self, kind: str, decision: ApprovalDecision, verdict: Refusal | None = None) -> None:
-        # A decision passes the handler's checks, then (in the loop) the policy activity.
+        # A decision passes the handler's checks, then (in the loop) the policy activity, which
+        # applies the same pure approver rules to the (normalised) names.
+        if self.engine.data.pending_approval is not None:
+            self.pending_when_sent[decision.decision_id] = self.engine.data.pending_approval.request_id
         if self.engine.screen_decision(kind, decision, self.tick()) and self.state == S.AWAITING_APPROVAL:
+            pending = self.engine.data.pending_approval
+            verdict = verdict or policy.approver_refusal(
+                self.engine.tenant,
+                approver=decision.approver,
+                requested_by=self.engine.request.requested_by,
+                kind=kind,
+                roles=pending.roles,
+                already_approved=[a.approver for a in pending.approvals],
+            )
             self.engine.settle_decision(kind, decision, verdict, self.tick())
 
     def tool(self, event: str) -> None:
@@ -171,6 +208,14 @@ class Driver:
             self.signal("approve", self.decision(pending.plan_hash), Refusal(rule="four_eyes", message="no"))
         elif event == "duplicate" and self.decisions:
             self.signal("approve", self.decisions[-1])
+        elif event == "approve_earlier_request" and pending:
+            # Prepared for an earlier request, possibly of the very same plan.
+            earlier = [r for r in self.requests_seen if r[0] != pending.request_id]
+            if earlier:
+                request_id, plan_hash = earlier[-1]
+                self.signal("approve", self.decision(plan_hash, request_id=request_id))
+        elif event == "approve_as_requester" and pending:
+            self.signal("approve", self.decision(pending.plan_hash, approver=ALICE_VARIANTS[self.ids % 4]))
         elif event == "reject" and pending:
             self.signal("reject", self.decision(pending.plan_hash))
         elif event == "expire" and state == S.AWAITING_APPROVAL:
@@ -190,9 +235,22 @@ class Driver:
 
 
 def writes_only_after_approval(driver: Driver) -> None:
-    """No EXECUTING_TOOL for a write step without an accepted approval of the current plan hash."""
+    """No EXECUTING_TOOL for a write step without an accepted approval of the current plan hash
+    (by someone other than the requester, however spelled), except refunds the auto-approval
+    limit covers: and those add up to no more than the limit over the whole run."""
     approved: set[str] = set()
+    auto_refunded = 0
+    steps = {s.tool_call_id: s for s in (driver.engine.data.plan.steps if driver.engine.data.plan else [])}
+    executed = {s.tool_call_id: s for s in driver.engine.data.executed}
+    approvals = {r.refs.decision_id: r for r in driver.engine.data.lifecycle.timeline if r.to_state == S.APPROVED}
+    made_for = {d.decision_id: d.request_id for d in driver.decisions}
     for record in driver.engine.data.lifecycle.timeline:
+        if record.kind == "accepted" or (record.kind == "transition" and record.to_state == S.APPROVED):
+            assert record.actor != "user:alice", "the requester approved her own run"
+            decision_id = record.refs.decision_id
+            assert made_for[decision_id] == driver.pending_when_sent[decision_id], (
+                "a decision prepared for another approval request counted"
+            )
         if record.kind != "transition":
             continue
         if record.to_state == S.VALIDATED:
@@ -201,10 +259,37 @@ def writes_only_after_approval(driver: Driver) -> None:
             approved.add(record.refs.plan_hash)
         if record.from_state == S.APPROVED and record.to_state == S.AWAITING_APPROVAL:
             approved.discard(record.refs.plan_hash)
-        if record.to_state == S.EXECUTING_TOOL:
+        if record.to_state == S.EXECUTING_TOOL and record.from_state != S.RETRY_WAIT:
             tool = driver.step_tools[record.refs.tool_call_id]
-            if CATALOG.get(tool).requires_approval:
-                assert record.refs.plan_hash in approved, f"{tool} ran without an approval of its plan"
+            if not CATALOG.get(tool).requires_approval:
+                continue
+            if record.refs.plan_hash in approved:
+                continue
+            assert tool == "issue_refund", f"{tool} ran without an approval of its plan"
+            step = executed.get(record.refs.tool_call_id) or steps.get(record.refs.tool_call_id)
+            auto_refunded += step.args["amount_cents"] if step and step.args else 0
+    assert auto_refunded <= AUTO_LIMIT, f"{auto_refunded} refunded without approval, limit {AUTO_LIMIT}"
+    del approvals
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        # Split in one plan, and split across plans (the second small refund tips the sum over).
+        ["propose_split", "tool_ok", "tool_ok", "tool_ok", "tool_ok"],
+        ["propose_small", "tool_ok", "propose_small", "tool_ok", "propose_small", "tool_ok"],
+        # The same plan proposed again after an expiry: the earlier request's decision is stale.
+        ["propose_writes", "expire", "propose_writes", "approve_earlier_request", "tool_ok"],
+        ["propose_writes", "approve_as_requester", "approve_as_requester", "approve_as_requester", "tool_ok"],
+    ],
+    ids=["split-in-one-plan", "split-across-plans", "earlier-request", "requester-spellings"],
+)
+def test_directed_sequences_keep_the_invariants(events: list[str]) -> None:
+    driver = Driver("replan")
+    for event in events:
+        driver.apply(event)
+    writes_only_after_approval(driver)
+    assert is_legal_path(driver.engine.data.lifecycle.timeline)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

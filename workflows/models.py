@@ -7,14 +7,13 @@ activity takes exactly one of these models, so the pydantic data converter never
 from __future__ import annotations
 
 import hashlib
-import json
 
 import rfc8785
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from workflows.identity import Name, normalize_name
 from workflows.states import Lifecycle, RunState, TransitionRecord

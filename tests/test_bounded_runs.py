@@ -1,0 +1,211 @@
+"""Runs of any length, under any flood, finish (issue: bounded state, bounded payloads, safe
+upgrades). Real dev servers; the long versions run behind `make soak` (TETHER_SOAK=1)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.testing import WorkflowEnvironment
+
+from activities.audit import AuditActivities, JsonlAuditSink, merge_timeline
+from activities.tools import ToolContext, ToolRegistry, tool
+from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
+from tests.forger import Forger
+from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
+from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, SealRequest, ToolEffect, canonical_json
+from workflows.states import RunState, is_legal_path
+
+S = RunState
+SOAK = os.environ.get("TETHER_SOAK") == "1"
+REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 321, "reason": "flood"}}]
+
+
+async def query_seconds(handle: WorkflowHandle) -> float:
+    began = time.monotonic()
+    await snapshot(handle)
+    return time.monotonic() - began
+
+
+async def test_a_flood_of_refused_approvals_stays_bounded_and_the_run_completes(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    flood = 5000 if SOAK else 400
+    comment = "x" * 2000
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        stale = [approval_for("0" * 64, "eve", f"flood-{i}", comment=comment) for i in range(flood)]
+        latencies: list[float] = []
+        for start in range(0, flood, 50):
+            await asyncio.gather(*(handle.signal("approve", d) for d in stale[start : start + 50]))
+            if start % 500 == 0:
+                latencies.append(await query_seconds(handle))
+        for _ in range(600):
+            latest = await snapshot(handle)
+            if latest.refusals.get("stale_plan_hash user:eve") == flood:
+                break
+            await asyncio.sleep(0.05)
+        assert latest.refusals == {"stale_plan_hash user:eve": flood}
+        records = await timeline(handle)
+        answer = len(json.dumps([r.model_dump(mode="json") for r in records]))
+        snap_size = len(latest.model_dump_json())
+        refused = [r for r in records if r.kind == "refused"]
+        assert len(refused) == REFUSALS_RECORDED + 1 and "counted, not recorded" in refused[-1].reason
+        assert answer < QUERY_BUDGET and snap_size < QUERY_BUDGET
+        print(f"\nflood of {flood}: query p_max {max(latencies):.3f}s, timeline answer {answer} B, snapshot {snap_size} B")
+        await handle.signal("approve", approval_for(latest, "bob"))
+        outcome = await asyncio.wait_for(handle.result(follow_runs=True), 60)
+    assert outcome.state == S.COMPLETED
+    assert len(outcome.model_dump_json()) < RESULT_BUDGET
+    assert len(billing.refunds(next(r.refs.idempotency_key for r in outcome.timeline if r.refs.idempotency_key))) == 1
+
+
+class Page(BaseModel):
+    page: int
+
+
+LONG_TOOLS = ToolRegistry()
+
+
+@tool(effect=ToolEffect.READ_ONLY, registry=LONG_TOOLS, name="read_page", timeout=10)
+def read_page(args: Page, ctx: ToolContext) -> dict:
+    """A page of 4,000 characters, different on every page."""
+    return {"text": hashlib.sha256(str(args.page).encode()).hexdigest() * 62}
+
+
+async def test_a_long_read_only_run_completes_continuing_as_new(small_history_env: WorkflowEnvironment, dev_env: WorkflowEnvironment) -> None:
+    # Short here: a server that suggests continue-as-new every few dozen events. `make soak`
+    # runs 1,000 steps on the default settings.
+    env = dev_env if SOAK else small_history_env
+    steps = 1000 if SOAK else 60
+    playbook = [{"tool": "read_page", "args": {"page": i}} for i in range(steps)]
+    async with running_worker(env.client, registry=LONG_TOOLS) as worker:
+        handle = await start_run(env.client, worker, make_request(playbook, limits={"max_steps": steps}))
+        began = time.monotonic()
+        outcome = await asyncio.wait_for(handle.result(follow_runs=True), 900)
+        elapsed = time.monotonic() - began
+    assert outcome.state == S.COMPLETED, outcome.timeline[-3:]
+    assert len(outcome.steps) == steps and all(s.status == "ok" for s in outcome.steps)
+    size = len(outcome.model_dump_json())
+    assert size < RESULT_BUDGET
+    description = await env.client.get_workflow_handle(handle.id).describe()
+    assert description.run_id != handle.result_run_id, "the run never continued as new"
+    print(f"\n{steps} steps: {elapsed:.1f}s, result {size} B")
+
+
+async def test_an_oversized_proposal_is_refused_with_a_bounded_reason_and_the_run_goes_on(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    # ~600 KB of proposal from the playbook planner (its steps are the proposal): over budget.
+    big = [{"tool": "get_order", "args": {"order_id": "A-1001", "note": "n" * 6000}}] * 100
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(big, limits={"max_replans": 1, "max_steps": 200}))
+        outcome = await handle.result()
+    failed = [r for r in outcome.timeline if r.to_state == S.VALIDATION_FAILED]
+    assert len(failed) == 2 and outcome.state == S.FAILED  # refused, replanned, refused, ended
+    assert "over the 262144-byte budget" in failed[0].reason and len(failed[0].reason) < 600
+    assert len(outcome.model_dump_json()) < RESULT_BUDGET
+
+
+async def test_the_decide_update_refuses_what_cannot_count_before_history(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(REFUND, requested_by="alice"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        before = len((await handle.fetch_history()).events)
+        cases = {
+            "stale_plan_hash": DecideRequest(kind="approve", **approval_for("0" * 64, "bob").model_dump()),
+            "stale_request": DecideRequest(kind="approve", **{**approval_for(snap, "bob").model_dump(), "request_id": "r-old"}),
+            "four_eyes": DecideRequest(kind="approve", **approval_for(snap, "alice").model_dump()),
+        }
+        for rule, request in cases.items():
+            with pytest.raises(WorkflowUpdateFailedError) as refused:
+                await handle.execute_update("decide", request, result_type=DecideResult)
+            assert f"[{rule}]" in str(refused.value.cause)
+        with pytest.raises(WorkflowUpdateFailedError) as malformed:
+            await handle.execute_update("decide", {"kind": "approve"}, result_type=DecideResult)
+        assert "malformed" in str(malformed.value.cause)
+        history = await handle.fetch_history()
+        assert len(history.events) == before, "refused decisions reached history"
+        verdict = await handle.execute_update(
+            "decide", DecideRequest(kind="approve", **approval_for(snap, "bob", "ok").model_dump()), result_type=DecideResult
+        )
+        assert (verdict.outcome, verdict.state, verdict.decision_id) == ("transition", S.APPROVED, "ok")
+        with pytest.raises(WorkflowUpdateFailedError) as again:
+            await handle.execute_update(
+                "decide", DecideRequest(kind="approve", **approval_for(snap, "bob", "ok").model_dump()), result_type=DecideResult
+            )
+        assert "[duplicate_decision]" in str(again.value.cause) or "[not_awaiting_approval]" in str(again.value.cause)
+        outcome = await handle.result()
+    assert outcome.state == S.COMPLETED
+    accepted = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED]
+    assert accepted == []
+
+
+async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
+    # A newer worker version wrote the state, with fields this version does not know, and
+    # sealed it with the key the workers share: this version continues the run.
+    import examples.billing.tools  # noqa: F401
+    from activities.tools import REGISTRY
+    from workflows import policy as rules
+    from workflows.engine import Engine
+    from workflows.models import PolicySnapshot, Proposal, ProposedStep
+
+    key = b"k" * 64
+    audit = AuditActivities(sink=JsonlAuditSink(tmp_path / "audit"), state_key=key)
+    run_id = unique("newer")
+    request = make_request(REFUND)
+    data = RunData(
+        catalog=REGISTRY.catalog(),
+        policy=PolicySnapshot(tenant="default", policy=rules.DEFAULT_TENANT_POLICY, policy_hash="h", source="newer worker"),
+    )
+    engine = Engine(data, request, workflow_id=run_id, new_request_id=lambda: uuid.uuid4().hex)
+    now = __import__("datetime").datetime.now(__import__("datetime").timezone.utc)
+    engine.received(now)
+    engine.proposal(Proposal(steps=[ProposedStep(**REFUND[0])]), at=now, new_id=lambda n: f"tc-{n:03d}-newer")
+    engine.after_validated(now)
+    assert data.lifecycle.state == S.AWAITING_APPROVAL
+    carried = data.model_dump(mode="json")
+    carried["added_in_a_newer_version"] = {"anything": [1, 2, 3]}
+    carried["lifecycle"]["also_new"] = True
+    digest = hashlib.sha256(canonical_json(carried).encode()).hexdigest()
+    seal = (await audit.carryover_seal(SealRequest(workflow_id=run_id, digest=digest))).seal
+    newer = {**request.model_dump(mode="json"), "carryover": carried, "carryover_seal": seal, "new_option": 7}
+    async with running_worker(dev_env.client, audit=audit, extra_workflows=[Forger]) as worker:
+        await dev_env.client.start_workflow("Forger", newer, id=run_id, task_queue=worker.task_queue)
+        handle = dev_env.client.get_workflow_handle(run_id, result_type=RunOutcome)
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert snap.pending_approval.request_id == data.pending_approval.request_id
+        await handle.signal("approve", approval_for(snap, "bob"))
+        outcome = await asyncio.wait_for(handle.result(), 30)
+    assert outcome.state == S.COMPLETED
+    assert is_legal_path(outcome.timeline)
+
+
+async def test_the_audit_sink_holds_every_record_once_after_a_torn_write(tmp_path: Path) -> None:
+    from workflows.models import AuditBatch
+    from workflows.states import Lifecycle
+
+    lifecycle = Lifecycle()
+    at = __import__("datetime").datetime(2026, 1, 1, tzinfo=__import__("datetime").timezone.utc)
+    for i in range(5):
+        lifecycle.refuse(at=at, actor=f"user:u{i}", reason="r", rule=f"rule{i}")
+    sink = JsonlAuditSink(tmp_path)
+    batch = AuditBatch(workflow_id="wf/../x", first_run_id="r1", records=lifecycle.timeline[:3])
+    assert sink.append(batch) == 3
+    path = next(tmp_path.glob("*.jsonl"))
+    assert path.parent == tmp_path  # the id cannot climb out of the sink's folder
+    with open(path, "ab") as f:  # a worker killed in the middle of the next line
+        f.write(b'{"actor": "user:u3", "kind": "ref')
+    assert sink.append(AuditBatch(workflow_id="wf/../x", first_run_id="r1", records=lifecycle.timeline)) == 5
+    assert sink.append(AuditBatch(workflow_id="wf/../x", first_run_id="r1", records=lifecycle.timeline)) == 5
+    records = sink.read("wf/../x", "r1")
+    assert [r.seq for r in records] == [1, 2, 3, 4, 5]
+    assert [r.seq for r in merge_timeline(records, lifecycle.timeline[-2:])] == [1, 2, 3, 4, 5]
