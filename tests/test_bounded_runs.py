@@ -115,11 +115,23 @@ async def test_an_oversized_proposal_is_refused_with_a_bounded_reason_and_the_ru
     assert len(outcome.model_dump_json()) < RESULT_BUDGET
 
 
-async def test_the_decide_update_refuses_what_cannot_count_before_history(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+async def settled_history_length(handle: WorkflowHandle) -> int:
+    """The history's length once the run has finished its current workflow task."""
+    length = -1
+    while True:
+        now = len((await handle.fetch_history()).events)
+        if now == length:
+            return now
+        length = now
+        await asyncio.sleep(0.3)
+
+
+async def test_the_decide_update_refuses_what_cannot_count_before_history(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    ts_env = dev_env  # the dev server: rejected updates leave no history there, as in production
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request(REFUND, requested_by="alice"))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        before = len((await handle.fetch_history()).events)
+        before = await settled_history_length(handle)
         cases = {
             "stale_plan_hash": DecideRequest(kind="approve", **approval_for("0" * 64, "bob").model_dump()),
             "stale_request": DecideRequest(kind="approve", **{**approval_for(snap, "bob").model_dump(), "request_id": "r-old"}),
@@ -181,6 +193,10 @@ async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEn
     async with running_worker(dev_env.client, audit=audit, extra_workflows=[Forger]) as worker:
         await dev_env.client.start_workflow("Forger", newer, id=run_id, task_queue=worker.task_queue)
         handle = dev_env.client.get_workflow_handle(run_id, result_type=RunOutcome)
+        for _ in range(200):  # until the Forger has continued into AgentRun
+            if (await handle.describe()).workflow_type == "AgentRun":
+                break
+            await asyncio.sleep(0.05)
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.pending_approval.request_id == data.pending_approval.request_id
         await handle.signal("approve", approval_for(snap, "bob"))
