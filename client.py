@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -378,6 +379,37 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
         )
         decision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
     return decision
+
+
+def keygen(path: Path, *, force: bool = False) -> str:
+    """Write a new Ed25519 private key (PEM, 0600) to ``path`` and its public key (raw, base64)
+    to ``path.pub``; returns the public key, as the policy file lists it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    if path.exists() and not force:
+        raise TetherError(f"{path} exists; pass --force to overwrite")
+    key = Ed25519PrivateKey.generate()
+    public = base64.b64encode(
+        key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    ).decode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        path.with_name(path.name + ".pub").write_text(public + "\n")
+    except OSError as e:
+        raise TetherError(f"cannot write {path}: {e.strerror}") from None
+    return public
+
+
+def ensure_keys(folder: Path, names: Sequence[str]) -> None:
+    """Key pairs for these people under ``folder`` (NAME.pem, NAME.pem.pub), made if missing:
+    what `make demo` signs with, and what the example policy's signed tenant lists."""
+    for name in names:
+        if not (folder / f"{name}.pem").exists():
+            keygen(folder / f"{name}.pem")
 
 
 def load_private_key(path: Path) -> Any:

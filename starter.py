@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
 import sys
@@ -289,26 +288,12 @@ async def cmd_list(args: argparse.Namespace) -> int:
 
 
 async def cmd_keygen(args: argparse.Namespace) -> int:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     path = Path(args.out)
-    if path.exists() and not args.force:
-        raise TetherError(f"{path} exists; pass --force to overwrite")
-    key = Ed25519PrivateKey.generate()
-    try:
-        path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-    except OSError as e:
-        raise TetherError(f"cannot write {path}: {e.strerror}") from None
-    path.chmod(0o600)
-    public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    print(f"private key written to {path} (keep it secret)")
+    encoded = client.keygen(path, force=args.force)
+    public_path = path.with_name(path.name + ".pub")
+    print(f"private key written to {path} (keep it secret); public key to {public_path}")
     print("add the public key to the approver in the policy file:")
-    print(f'public_key = "{base64.b64encode(public).decode()}"')
+    print(f'public_key = "{encoded}"   # or: public_key_file = "{public_path}"')
     return OK
 
 

@@ -114,7 +114,10 @@ class PolicyStore:
         version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
         if self._cache is None or self._cache[0] != version:
             text = self.path.read_text()
-            self._cache = (version, parse_policy(text, str(self.path)), hashlib.sha256(text.encode()).hexdigest())
+            document = parse_policy(text, str(self.path))
+            complete = resolve_key_files(document, self.path, strict=False)
+            # A key file that is not there yet (keygen still to run) is looked for again next time.
+            self._cache = (version if complete else (0, 0, 0), document, hashlib.sha256(text.encode()).hexdigest())
         return self._cache[1], self._cache[2]
 
     def tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
@@ -126,6 +129,28 @@ class PolicyStore:
     @property
     def source(self) -> str:
         return str(self.path) if self.path else DEFAULT_SOURCE
+
+
+def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
+    """Fill in ``public_key`` from each approver's ``public_key_file`` (relative to the policy
+    file). A file that cannot be read raises (``strict``: the worker's start check) or leaves the
+    approver without a key (at run time: their signatures cannot verify). True when all were read."""
+    complete = True
+    for tenant_name, tenant in document.tenants.items():
+        for who, approver in (tenant.approvers or {}).items():
+            if approver.public_key_file is None or approver.public_key is not None:
+                continue
+            key_path = (path.parent / approver.public_key_file).resolve()
+            try:
+                approver.public_key = key_path.read_text().strip()
+            except OSError as e:
+                complete = False
+                if strict:
+                    raise PolicyFileError(
+                        f"{path}: key tenants.{tenant_name}.approvers.{who}.public_key_file: cannot read "
+                        f"{key_path} ({e.strerror}); make it with `tether keygen --out KEY.pem`"
+                    ) from None
+    return complete
 
 
 def _public_key_problem(value: str) -> str | None:
@@ -150,6 +175,7 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
         return [f"policy file not found: {path}"]
     try:
         document = parse_policy(text, str(path))
+        resolve_key_files(document, path)
     except PolicyFileError as e:
         return [str(e)]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import client
 import starter
 from client import exit_process
-from examples.devstack import UI_PORT
+from examples.devstack import BILLING_PORT, DEMO_SIGNERS, KEYS_DIR, UI_PORT
 from workflows.models import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
@@ -91,6 +91,7 @@ def main_model() -> int:
               "A worker started earlier without them keeps running: `make down` first.",
               file=sys.stderr)
         return 2
+    fresh_order()
     run_id = f"refund-A-1001-{uuid.uuid4().hex[:6]}"
     print(f"== alice asks the refund agent (model {os.environ['TETHER_MODEL']}) to refund A-1001")
     step("start", ["start", "--goal", MODEL_GOAL, "--planner", "model", "--requested-by",
@@ -114,9 +115,43 @@ def main_model() -> int:
     return 0 if snap.state == RunState.COMPLETED else 1
 
 
+def fresh_order(order_id: str = "A-1001") -> None:
+    """The example order as seeded, nothing refunded yet: refunds count against what is left,
+    and every demo refunds it in full."""
+    import json
+    import urllib.request
+
+    from examples.billing.service import SEED_ORDERS
+
+    _, email, total, currency, _ = next(o for o in SEED_ORDERS if o[0] == order_id)
+    url = os.environ.get("BILLING_URL") or f"http://127.0.0.1:{BILLING_PORT}"
+    body = json.dumps({"customer_email": email, "total_cents": total, "currency": currency}).encode()
+    request = urllib.request.Request(f"{url}/admin/orders/{order_id}", data=body, method="PUT",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10):
+        pass
+
+
+def signed_run() -> RunSnapshot:
+    """Tenant `signed`: names are not enough, every step is signed with the demo's keys."""
+    run_id = f"refund-signed-{uuid.uuid4().hex[:6]}"
+    client.ensure_keys(KEYS_DIR, DEMO_SIGNERS)  # `devstack up` made them; a bare worker may not have
+    fresh_order()
+    keys = os.path.relpath(KEYS_DIR)
+    print("\n== in tenant `signed` a name is only a claim: alice signs her request with her key")
+    step("start signed", ["start", "--goal", GOAL, "--playbook", PLAYBOOK, "--tenant", "signed",
+                          "--requested-by", "alice", "--key", f"{keys}/alice.pem", "--id", run_id, "--wait"])
+    print("\n== bob approves without his key: refused (signature_required), exit code 1")
+    step("unsigned approval", ["approve", run_id, "--by", "bob"], expect=1)
+    print("\n== bob approves with his key: the signature covers this run, request and plan")
+    step("signed approval", ["approve", run_id, "--by", "bob", "--key", f"{keys}/bob.pem"])
+    return wait_for_end(run_id)
+
+
 def main() -> int:
     if os.environ.get("PLANNER", "playbook").strip() == "model":
         return main_model()
+    fresh_order()
     run_id = f"refund-A-1001-{uuid.uuid4().hex[:6]}"
     print("== alice asks the refund agent to refund order A-1001")
     step("start", ["start", "--goal", GOAL,
@@ -131,6 +166,8 @@ def main() -> int:
     print(f"\n== the run ended in {snap.state.value}")
     step("status", ["status", run_id])
     step("timeline", ["timeline", run_id])
+    signed = signed_run()
+    print(f"\n== the signed run ended in {signed.state.value}")
     print(
         f"\nWeb UI: http://localhost:{UI_PORT}/namespaces/default/workflows?query="
         "AgentRunState%3D%22AWAITING_APPROVAL%22  (runs waiting for approval)\n"
@@ -138,7 +175,7 @@ def main() -> int:
         "The server, UI, billing service and worker keep running; `make down` stops them."
     )
     next_steps(run_id)
-    return 0 if snap.state == RunState.COMPLETED else 1
+    return 0 if snap.state == RunState.COMPLETED and signed.state == RunState.COMPLETED else 1
 
 
 if __name__ == "__main__":

@@ -26,10 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from client import ensure_keys
+
 from workflows.agent_run import SEARCH_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ROOT / ".tether"
+KEYS_DIR = STATE_DIR / "keys"  # the demo's signing keys (examples/billing/policy.toml, tenant "signed")
+DEMO_SIGNERS = ("alice", "bob")
 BIN = Path(sys.executable).parent
 TEMPORAL_PORT = int(os.environ.get("TETHER_TEMPORAL_PORT", "7233"))
 UI_PORT = int(os.environ.get("TETHER_UI_PORT", "8233"))
@@ -200,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown service {unknown[0]!r}; choose from {', '.join(SERVICES)}")
     names = args.services or [n for n, s in SERVICES.items() if s.default or args.action == "down"]
     if args.action == "up":
+        # The example policy's signed tenant lists these people's keys: make them first.
+        ensure_keys(KEYS_DIR, DEMO_SIGNERS)
         for name in names:
             start(SERVICES[name])
         if "dev-server" in names:

@@ -340,6 +340,10 @@ def test_policy_checked_whole_against_the_workers_tools(tmp_path: Path) -> None:
         f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing file, "
         "not an empty one, means the built-in default)"
     ]
+    from client import ensure_keys
+    from examples.devstack import DEMO_SIGNERS, KEYS_DIR
+
+    ensure_keys(KEYS_DIR, DEMO_SIGNERS)  # the signed tenant's key files, as `make demo` makes them
     assert check_policy_file(ROOT / "examples/billing/policy.toml", REGISTRY.tools) == []
     # The worker does not start (before connecting: the address is unreachable on purpose).
     path.write_text(WHOLE_FILE_PROBLEMS)

@@ -336,6 +336,9 @@ class Approver(Contract):
     roles: list[str] = Field(default_factory=lambda: ["approver"])
     # Raw Ed25519 public key, base64. When set, this approver's decisions must be signed.
     public_key: str | None = None
+    # Or a file holding it (as `tether keygen` writes it: KEY.pem.pub), relative to the policy
+    # file; read by the worker when it loads the policy.
+    public_key_file: str | None = None
 
 
 class AmountRule(Contract):
