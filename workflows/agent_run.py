@@ -34,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
 
     from workflows import metrics as run_metrics
     from workflows import policy
-    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, clip
+    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
         STRICT,
@@ -723,10 +723,12 @@ class AgentRun:
             return
         if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
             return
-        if size > CARRY_BUDGET:
+        size += len(self.request.model_dump_json(exclude={"carryover"}))
+        if size > CARRY_BUDGET + REQUEST_BUDGET:
             # Cleanly, with the reason: a payload over the limit would fail every workflow task.
             raise ApplicationError(
-                f"carried state is {size} bytes, over its {CARRY_BUDGET}-byte budget",
+                f"carried state and request are {size} bytes, over their "
+                f"{CARRY_BUDGET + REQUEST_BUDGET}-byte budget",
                 type="carry_budget",
                 non_retryable=True,
             )

@@ -15,6 +15,7 @@ TEMPORAL_PAYLOAD_LIMIT = 2 * MIB
 CARRY_BUDGET = 1 * MIB  # the state a run carries into continue-as-new
 CARRY_CONTINUE_AT = 512 * KIB  # continue as new before the carried state gets near its budget
 RESULT_BUDGET = 1 * MIB  # RunOutcome
+REQUEST_BUDGET = 768 * KIB  # a start input (goal and playbook): it is carried into every continue-as-new
 QUERY_BUDGET = 1 * MIB  # each query answer
 DETAILS_CHARS = 8 * KIB  # the Web UI's current details (markdown)
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from workflows.budgets import REQUEST_BUDGET
 from workflows.identity import Name, normalize_name
 from workflows.states import Lifecycle, RunState, TransitionRecord
 
@@ -116,6 +117,14 @@ class RunRequest(Contract):
     # worker's seal over it. A start input that carries state is refused (docs/architecture.md).
     carryover: RunData | None = None
     carryover_seal: str | None = Field(None, max_length=200)
+
+    @model_validator(mode="after")
+    def _within_budget(self) -> RunRequest:
+        # The request rides along in every continue-as-new input, next to the carried state.
+        size = len(self.model_dump_json(exclude={"carryover"}))
+        if size > REQUEST_BUDGET:
+            raise ValueError(f"the run request is {size} bytes, over its {REQUEST_BUDGET}-byte budget: use a smaller playbook")
+        return self
 
     def request_digest(self) -> str:
         """sha256 over what the requester asks for (what a start signature covers)."""
