@@ -164,7 +164,7 @@ async def test_the_decide_update_refuses_what_cannot_count_before_history(dev_en
 async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
     # A newer worker version wrote the state, with fields this version does not know, and
     # sealed it with the key the workers share: this version continues the run.
-    import examples.billing.tools  # noqa: F401
+    import examples.billing.tools  # noqa: F401  (registers the billing tools)
     from activities.tools import REGISTRY
     from workflows import policy as rules
     from workflows.engine import Engine
@@ -225,3 +225,43 @@ async def test_the_audit_sink_holds_every_record_once_after_a_torn_write(tmp_pat
     records = sink.read("wf/../x", "r1")
     assert [r.seq for r in records] == [1, 2, 3, 4, 5]
     assert [r.seq for r in merge_timeline(records, lifecycle.timeline[-2:])] == [1, 2, 3, 4, 5]
+
+
+async def test_timeline_all_has_every_record_once_after_a_kill_during_the_sink_write(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    import client as tether_client
+    from tests.conftest import ROOT
+
+    audit_dir, marker, queue = tmp_path / "audit", tmp_path / "torn", unique("audit-kill")
+    env = {**os.environ, "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.audit_kill_worker", queue, str(audit_dir), str(marker)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        steps = [{"tool": "get_order", "args": {"order_id": "A-1001"}}] * 3
+        handle = await tether_client.start_run(dev_env.client, make_request(steps), run_id=unique("run"), queue=queue)
+        for _ in range(600):
+            if marker.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert marker.exists(), "the worker never reached the sink write"
+        proc.send_signal(signal.SIGKILL)  # half a line on disk
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    async with running_worker(dev_env.client, task_queue=queue, audit=AuditActivities(sink=JsonlAuditSink(audit_dir))):
+        outcome = await asyncio.wait_for(handle.result(), 90)
+        snap = await snapshot(handle)
+        records = await tether_client.full_timeline(dev_env.client, handle.id, str(audit_dir))
+    assert outcome.state == S.COMPLETED, [r.reason for r in outcome.timeline]
+    seqs = [r.seq for r in records]
+    assert seqs == list(range(1, snap.timeline_records + 1)), seqs
+    on_disk = JsonlAuditSink(audit_dir).read(handle.id, snap.first_run_id)
+    assert [r.seq for r in on_disk] == seqs  # the torn line was cut off and written again, once
