@@ -14,8 +14,11 @@ from temporalio.worker import Replayer
 from tests.histories.incompatible import ReorderedAgentRun
 from workflows.agent_run import AgentRun
 
-HISTORIES = sorted((Path(__file__).resolve().parent / "histories").glob("*.json"))
-PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new"}
+HERE = Path(__file__).resolve().parent / "histories"
+# This version's histories (make record-histories), and the previous version's (v1/): runs it
+# started may still be in flight when this version's workers take over.
+HISTORIES = sorted(HERE.glob("*.json")) + sorted((HERE / "v1").glob("*.json"))
+PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new", "continued", "decide"}
 
 
 def load(path: Path) -> WorkflowHistory:
@@ -23,10 +26,11 @@ def load(path: Path) -> WorkflowHistory:
 
 
 def test_every_main_path_is_recorded() -> None:
-    assert PATHS <= {p.stem for p in HISTORIES}
+    assert PATHS <= {p.stem for p in HERE.glob("*.json")}
+    assert PATHS - {"continued", "decide"} <= {p.stem for p in (HERE / "v1").glob("*.json")}
 
 
-@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+@pytest.mark.parametrize("path", HISTORIES, ids=[f"{p.parent.name}/{p.stem}" for p in HISTORIES])
 async def test_history_replays_on_the_current_code(path: Path) -> None:
     replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(load(path), raise_on_replay_failure=False)

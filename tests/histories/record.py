@@ -38,9 +38,9 @@ def steps(*names: str) -> list[dict]:
 async def main() -> None:
     # Imported here: the sandbox re-imports this module, and the workflow must not see them run.
     from examples.billing.service import make_server
-    from tests.conftest import Billing, make_request, running_worker, start_run, wait_for_state
+    from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
     from workflows.agent_run import SEARCH_ATTRIBUTES
-    from workflows.models import ApprovalDecision, HandoffRequest
+    from workflows.models import ApprovalDecision, DecideRequest, DecideResult, HandoffRequest
 
     db = HERE / f".record-{uuid.uuid4().hex[:6]}.db"
     server = make_server(0, str(db))
@@ -104,6 +104,11 @@ async def main() -> None:
             await asyncio.sleep(0.1)
         await approve(client.get_workflow_handle(h.id))
 
+    async def decide_path(client: Client, h: WorkflowHandle) -> None:
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        request = DecideRequest(kind="approve", **approval_for(snap, "bob").model_dump())
+        await h.execute_update("decide", request, result_type=DecideResult)
+
     async def unsafe_path(client: Client, h: WorkflowHandle) -> None:
         billing.fail_next("emails", 1, status=503, when="after_commit")
         await approve(h)
@@ -121,6 +126,7 @@ async def main() -> None:
         ("validation_failed", [{"tool": "wire_money", "args": {}}], {"limits": {"max_replans": 1}}, nothing),
         ("unsafe_unknown_outcome", steps("email"), {}, unsafe_path),
         ("continue_as_new", steps("refund"), {}, continue_as_new_path),
+        ("decide", steps("refund"), {}, decide_path),
     ]
 
     async def record(paths: list, extra_args: list[str]) -> None:
@@ -143,6 +149,11 @@ async def main() -> None:
                     history = await env.client.get_workflow_handle(handle.id, run_id=handle.result_run_id).fetch_history()
                     (HERE / f"{name}.json").write_text(history.to_json())
                     print(f"recorded {name}: {len(history.events)} events, ends {history.events[-1].event_type}")
+                    if name == "continue_as_new":
+                        # And the run it continued into: its carried state and seal replay too.
+                        latest = await env.client.get_workflow_handle(handle.id).fetch_history()
+                        (HERE / "continued.json").write_text(latest.to_json())
+                        print(f"recorded continued: {len(latest.events)} events")
         finally:
             await env.shutdown()
 
