@@ -195,3 +195,21 @@ def machine_line() -> str:
     with open("/proc/meminfo") as f:
         total = int(f.readline().split()[1]) / 1024 / 1024
     return f"{os.cpu_count()} cores, {total:.0f} GiB RAM, load average {' '.join(load)} at start"
+
+
+async def approve_pending(client: Client, run_id: str, approver: str = "bench-approver") -> None:
+    """Approve the run's pending request as a signal, as a client that only signals does: the
+    decision names the request id and plan hash the snapshot shows."""
+    import uuid
+
+    from workflows.models import ApprovalDecision, RunSnapshot
+
+    handle = client.get_workflow_handle(run_id)
+    pending = (await handle.query("snapshot", result_type=RunSnapshot)).pending_approval
+    assert pending is not None, f"{run_id} has nothing pending"
+    await handle.signal(
+        "approve",
+        ApprovalDecision(
+            decision_id=uuid.uuid4().hex, approver=approver, plan_hash=pending.plan_hash, request_id=pending.request_id
+        ),
+    )

@@ -28,6 +28,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 
 from bench.common import (
+    approve_pending,
     bench_stack,
     cpu_seconds,
     machine_line,
@@ -37,7 +38,7 @@ from bench.common import (
     table,
 )
 from client import start_run
-from workflows.models import ApprovalDecision, Plan, PlanStep, RunRequest
+from workflows.models import Plan, PlanStep, RunRequest
 
 GOVERNED, APPROVAL, BARE = "governed", "governed+approval", "bare"
 VARIANTS = (GOVERNED, APPROVAL, BARE)
@@ -66,7 +67,7 @@ class Batch:
 
 
 async def approve_when_waiting(
-    client: Client, tenant: str, expected: int, phash: str, signals: dict[str, float]
+    client: Client, tenant: str, expected: int, signals: dict[str, float]
 ) -> None:
     """Approve every run of the batch as soon as visibility shows it waiting."""
     query = f"AgentTenant='{tenant}' AND AgentRunState='AWAITING_APPROVAL'"
@@ -74,10 +75,7 @@ async def approve_when_waiting(
 
     async def approve(run_id: str) -> None:
         signals[run_id] = time.time()
-        await client.get_workflow_handle(run_id).signal(
-            "approve",
-            ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bench-approver", plan_hash=phash),
-        )
+        await approve_pending(client, run_id)
 
     while len(signals) < expected:
         async for wf in client.list_workflows(query, page_size=1000):
@@ -101,7 +99,7 @@ async def run_batch(stack, variant: str, runs: int, steps: int, tag: str) -> Bat
     t0 = time.perf_counter()
     approver = None
     if variant == APPROVAL:
-        approver = asyncio.create_task(approve_when_waiting(client, tenant, runs, plan_hash(book), signals))
+        approver = asyncio.create_task(approve_when_waiting(client, tenant, runs, signals))
     if variant == BARE:
         handles = await asyncio.gather(*(
             client.start_workflow("BareAgentLoop", request, id=i, task_queue=stack.task_queue)

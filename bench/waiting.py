@@ -15,10 +15,9 @@ import sys
 import time
 import uuid
 
-from bench.common import bench_stack, cpu_seconds, machine_line, peak_rss_mb, rss_mb, table
-from bench.overhead import plan_hash
+from bench.common import approve_pending, bench_stack, cpu_seconds, machine_line, peak_rss_mb, rss_mb, table
 from client import start_run
-from workflows.models import ApprovalDecision, RunRequest
+from workflows.models import RunRequest
 
 
 async def count(client, query: str) -> int:
@@ -64,7 +63,6 @@ async def main_async(args: argparse.Namespace) -> None:
         tag = uuid.uuid4().hex[:8]
         tenant = f"bench-wait-{tag}"
         book = [{"tool": "bench_write", "args": {"key": "k0"}}]
-        phash = plan_hash(book)
         request = RunRequest.model_validate(
             {"goal": "benchmark: wait for approval", "tenant": tenant, "requested_by": "bench",
              "playbook": book}
@@ -98,10 +96,7 @@ async def main_async(args: argparse.Namespace) -> None:
         cpu0 = cpu_seconds(w)
         t1 = time.perf_counter()
         await bounded(args.concurrency, [
-            (lambda i=i: client.get_workflow_handle(i).signal(
-                "approve",
-                ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bench-approver", plan_hash=phash),
-            )) for i in ids
+            (lambda i=i: approve_pending(client, i)) for i in ids
         ])
         signalled = time.perf_counter() - t1
         done_at = await wait_count(

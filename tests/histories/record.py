@@ -63,7 +63,6 @@ async def main() -> None:
 
     async def refused_then_approved(client: Client, h: WorkflowHandle) -> None:
         snap = await wait_for_state(h, "AWAITING_APPROVAL")
-        plan_hash = snap.pending_approval.plan_hash
         await h.signal("approve", ApprovalDecision(decision_id="stale", approver="bob", plan_hash="0" * 64))
         await h.signal("approve", approval_for(snap, "alice", "self"))
         await h.signal("approve", approval_for(snap, "bob", "ok"))
