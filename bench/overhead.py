@@ -38,7 +38,7 @@ from bench.common import (
     table,
 )
 from client import start_run
-from workflows.models import Plan, PlanStep, RunRequest
+from workflows.models import RunRequest
 
 GOVERNED, APPROVAL, BARE = "governed", "governed+approval", "bare"
 VARIANTS = (GOVERNED, APPROVAL, BARE)
@@ -49,10 +49,6 @@ def playbook(variant: str, steps: int) -> list[dict]:
     if variant == APPROVAL:  # the first step writes: the plan needs one approval
         reads[0] = {"tool": "bench_write", "args": {"key": "k0"}}
     return reads
-
-
-def plan_hash(steps: list[dict]) -> str:
-    return Plan.hash_steps([PlanStep(tool_call_id="-", **s) for s in steps])
 
 
 @dataclass
