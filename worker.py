@@ -93,17 +93,6 @@ async def serve(
         mcp_config = mcp.config_from_env(mcp_config_path)
     except mcp.McpConfigError as e:
         raise SystemExit(f"invalid MCP config: {e}") from None
-    extra: dict[str, Any] = {}
-    if metrics_port:
-        # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
-        extra["runtime"] = prometheus_runtime(f"{metrics_host}:{metrics_port}")
-    interceptors = tracing_interceptors()
-    if interceptors:
-        extra["interceptors"] = interceptors
-    try:
-        client = await connect(**extra)
-    except TetherError as e:
-        raise SystemExit(str(e)) from None
     # MCP servers' tools join the registry before the worker is built (a server that is down is
     # logged and left out); their sessions close after the worker has finished its tasks.
     mcp_servers = await mcp.start_servers(mcp_config, registry)
@@ -118,6 +107,20 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit("invalid policy:\n" + "\n".join(problems))
+    # Only now Temporal: a configuration error is reported whether or not the server is up.
+    extra: dict[str, Any] = {}
+    if metrics_port:
+        # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
+        extra["runtime"] = prometheus_runtime(f"{metrics_host}:{metrics_port}")
+    interceptors = tracing_interceptors()
+    if interceptors:
+        extra["interceptors"] = interceptors
+    try:
+        client = await connect(**extra)
+    except TetherError as e:
+        if mcp_servers is not None:
+            await mcp_servers.aclose()
+        raise SystemExit(str(e)) from None
     worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

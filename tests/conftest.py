@@ -240,3 +240,27 @@ def approval_for(
     else:
         plan_hash = target
     return ApprovalDecision(decision_id=decision_id or uuid.uuid4().hex, approver=approver, plan_hash=plan_hash, **fields)
+
+
+async def observations(handle: WorkflowHandle) -> list[str]:
+    """What each tool call returned, in order, from the run's history (the result carries only
+    ids and digests)."""
+    from temporalio.api.enums.v1 import EventType
+
+    from workflows.models import ToolOutcome
+
+    history = await handle.fetch_history()
+    scheduled = {
+        e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    }
+    converter = pydantic_data_converter.payload_converter
+    found = []
+    for e in history.events:
+        if e.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            continue
+        done = e.activity_task_completed_event_attributes
+        if scheduled.get(done.scheduled_event_id) == "execute_tool":
+            found.append(converter.from_payloads(done.result.payloads, [ToolOutcome])[0].observation)
+    return found

@@ -58,9 +58,10 @@ def check_timeline(
     approved: str | None = None  # plan hash of the accepted approval of the current plan
     approvals = 0
     for r in records:
-        if r.kind == "refused":
-            assert r.from_state == r.to_state == state, f"a refusal moved the run: {r}\n{dump}"
-            assert r.state_version == version, f"a refusal bumped state_version: {r}\n{dump}"
+        if r.kind in ("refused", "accepted"):
+            # Neither changes state: a refusal, or one of several approvals the plan needs.
+            assert r.from_state == r.to_state == state, f"a {r.kind} record moved the run: {r}\n{dump}"
+            assert r.state_version == version, f"a {r.kind} record bumped state_version: {r}\n{dump}"
             continue
         assert state not in TERMINAL, f"a transition after terminal {state.value}: {r}\n{dump}"
         assert r.state_version == version + 1, f"state_version not strictly +1: {r}\n{dump}"

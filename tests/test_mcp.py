@@ -24,7 +24,7 @@ from activities import planning
 from activities.mcp import McpServers, mcp_tools, parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
-from tests.conftest import ROOT, approval_for, make_request, running_worker, snapshot, start_run, unique, wait_for_state
+from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.models import RunOutcome, ToolEffect
 from workflows.states import RunState, is_legal_path
@@ -159,7 +159,7 @@ async def test_governed_git_run_commits_exactly_once_after_approval(ts_env: Work
         status = await start_run(ts_env.client, worker, make_request([{"tool": "git__git_status", "args": {"repo_path": r}}]))
         outcome = await status.result()
         assert outcome.state == S.COMPLETED and "AWAITING_APPROVAL" not in path(outcome)
-        assert "hello.txt" in outcome.steps[0].observation
+        assert "hello.txt" in (await observations(status))[0]
 
         steps = [
             {"tool": "git__git_status", "args": {"repo_path": r}},
@@ -216,7 +216,7 @@ async def test_fault_cases_error_results_crashes_and_timeouts(ts_env: WorkflowEn
         assert outcome.state == S.COMPLETED and path(outcome).count("RETRY_WAIT") == 1
         assert [k for _, k, _ in calls(state, "post")] == [key]
         assert [k for _, k, _ in calls(state, "find")] == [key]
-        assert json.loads(outcome.steps[0].observation) == f"found {key} p1"
+        assert json.loads((await observations(handle))[0]) == f"found {key} p1"
 
         # Crash mid-call of an unsafe tool: HANDED_OFF naming the call, never a second call.
         (state / "crash").touch()
@@ -229,8 +229,8 @@ async def test_fault_cases_error_results_crashes_and_timeouts(ts_env: WorkflowEn
         assert len(calls(state, "record")) == 1
 
         # The next call gets a new session (the server was restarted).
-        _, outcome = await run("faults__record", {"note": "after"})
-        assert outcome.state == S.COMPLETED and json.loads(outcome.steps[0].observation) == "recorded after"
+        after, outcome = await run("faults__record", {"note": "after"})
+        assert outcome.state == S.COMPLETED and json.loads((await observations(after))[0]) == "recorded after"
         assert len(calls(state, "record")) == 2
 
 
@@ -250,7 +250,7 @@ async def test_a_server_over_streamable_http(ts_env: WorkflowEnvironment, tmp_pa
             outcome = await handle.result()
     finally:
         server.stop()
-    assert outcome.state == S.COMPLETED and json.loads(outcome.steps[0].observation) == "recorded hi"
+    assert outcome.state == S.COMPLETED and json.loads((await observations(handle))[0]) == "recorded hi"
     assert [k for _, k, _ in calls(state, "record")] == [f"{handle.id}:{outcome.steps[0].tool_call_id}"]
 
 

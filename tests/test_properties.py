@@ -156,7 +156,7 @@ class Driver:
         # A decision passes the handler's checks, then (in the loop) the policy activity, which
         # applies the same pure approver rules to the (normalised) names.
         if self.engine.data.pending_approval is not None:
-            self.pending_when_sent[decision.decision_id] = self.engine.data.pending_approval.request_id
+            self.pending_when_sent.setdefault(decision.decision_id, self.engine.data.pending_approval.request_id)
         if self.engine.screen_decision(kind, decision, self.tick()) and self.state == S.AWAITING_APPROVAL:
             pending = self.engine.data.pending_approval
             verdict = verdict or policy.approver_refusal(

@@ -247,6 +247,9 @@ def approver_refusal(
     """May this person decide on this run's pending plan, under this tenant's policy?"""
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
+    # Four-eyes first: whatever roles the requester holds, she does not approve her own run.
+    if kind == "approve" and tenant.four_eyes and approver == requested_by:
+        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
     if tenant.approvers is not None:
         member = tenant.approvers.get(approver)
         if member is None:
@@ -259,8 +262,6 @@ def approver_refusal(
                 message=f"{approver} has roles {sorted(member.roles)}; this plan needs one of "
                 f"{sorted(roles)}",
             )
-    if kind == "approve" and tenant.four_eyes and approver == requested_by:
-        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
     if kind == "approve" and approver in already_approved:
         return Refusal(
             rule="distinct_approvers", message=f"{approver} already approved: a different approver is needed"
