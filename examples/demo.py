@@ -69,8 +69,9 @@ def next_steps(run_id: str) -> None:
     print("\nNext, try:")
     for argv in (
         ["status", run_id],
-        ["timeline", run_id],
+        ["timeline", run_id, "--all"],
         ["list", "--state", "COMPLETED", "--limit", "5"],
+        ["tools"],
         ["start", "--goal", GOAL, "--playbook", PLAYBOOK, "--requested-by", "alice", "--wait"],
     ):
         print(f"  {command(argv)}")

@@ -45,6 +45,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAYBOOK = json.loads((ROOT / "examples/billing/refund.playbook.json").read_text())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def audit_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Workers built in tests write their audit records here, not under the repository."""
+    path = tmp_path_factory.mktemp("audit")
+    previous = os.environ.get("TETHER_AUDIT_DIR")
+    os.environ["TETHER_AUDIT_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("TETHER_AUDIT_DIR", None)
+    else:
+        os.environ["TETHER_AUDIT_DIR"] = previous
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
