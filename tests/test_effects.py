@@ -19,12 +19,15 @@ from datetime import datetime, timezone
 import pytest
 from pydantic import BaseModel
 from temporalio.client import WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Replayer
 
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import call
 from tests.conftest import Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline
+from workflows.agent_run import AgentRun
 from workflows.models import ApprovalDecision, RunOutcome, ToolEffect
 from workflows.states import RunState
 
@@ -183,6 +186,10 @@ async def test_a_cancel_during_an_unsafe_tool_records_its_outcome(
             await asyncio.wait_for(handle.result(), 60)
         records = await timeline(handle)
         snap = await snapshot(handle)
+        history = await handle.fetch_history()
+    # The cancel's path through the workflow replays as it ran (the queries above replay it too).
+    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    assert (await replayer.replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
     assert emails(billing, key) == 1
     last = records[-1]
     assert last.to_state == S.CANCELLED and last.from_state == S.EXECUTING_TOOL

@@ -302,6 +302,10 @@ class AgentRun:
                 except ActivityError as err:
                     failure = _failure(err)
                     self._log_failure(call.tool_call_id, failure)
+                except asyncio.CancelledError:
+                    # The attempt ended in the same workflow task the cancel came in (say, its
+                    # worker died first): the SDK then drops its result. Not known: unknown.
+                    failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
                 self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome, failure))
                 raise
         except ActivityError as err:

@@ -559,14 +559,15 @@ class Engine:
         return taken
 
     def tool_settled_on_cancel(self, outcome: ToolOutcome | None, failure: ToolFailure | None = None) -> None:
-        """A cancellation reached the tool in flight and waited for it: keep what it did."""
+        """A cancellation reached the tool in flight and waited for it: keep what it did.
+        ``cancelled()`` then ends the run naming the step and its outcome."""
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
         if outcome is not None:
             self._record_step(step, "ok", outcome)
             self.data.last_error = self._error_line(step, "ok", "cancelled")
             self.data.next_step += 1
-            self._settled = (step, "ok")
+            self._settled = (step, "ok", None)
             return
         info = self.tool_info(step)
         effect = info.effect if info else ToolEffect.UNSAFE
@@ -575,17 +576,19 @@ class Engine:
             settled = policy.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
         if settled == "failed" and self.data.step_outcome == "unknown":
             settled = "unknown"  # this attempt did nothing, an earlier one may have
-        self.data.step_outcome = settled
-        # cancelled() records the step: it is the record that ends it.
+        code = failure.code if failure else "cancelled"
+        self._end_step(step, settled, code)
+        self._settled = (step, settled, code)
 
-    _settled: tuple[PlanStep, EffectOutcome] | None = None
+    # The step a cancel waited for, as tool_settled_on_cancel recorded it: (step, outcome, code).
+    _settled: tuple[PlanStep, EffectOutcome, str | None] | None = None
 
     def _step_ended_by(self, code: str) -> tuple[Refs, str] | None:
         """Refs and a description for a record that ends the run mid-step (a cancel), after
         recording the step; None when no step was under way."""
         if self._settled is not None:
-            step, outcome = self._settled
-            return self._end_refs(step, outcome, None), self._describe(step, outcome)
+            step, outcome, settled_code = self._settled
+            return self._end_refs(step, outcome, settled_code), self._describe(step, outcome)
         step = self.current_step()
         outcome = self.data.step_outcome
         if step is None or outcome is None or self.state not in (S.EXECUTING_TOOL, S.RETRY_WAIT):
