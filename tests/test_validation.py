@@ -109,12 +109,41 @@ def test_retry_rule_follows_the_effect() -> None:
     rule = policy.after_tool_failure
     for effect in (ToolEffect.READ_ONLY, ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE):
         assert rule(effect, permanent=False, retries_done=0, max_retries=3)[0] == RunState.RETRY_WAIT
-        assert rule(effect, permanent=False, retries_done=3, max_retries=3)[0] == RunState.EXECUTION_FAILED
         assert rule(effect, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
+    # Retries used up: a read failed (nothing applied); a write's outcome is unknown, a human decides.
+    assert rule(ToolEffect.READ_ONLY, permanent=False, retries_done=3, max_retries=3)[0] == RunState.EXECUTION_FAILED
+    for effect in (ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE):
+        state, why = rule(effect, permanent=False, retries_done=3, max_retries=3)
+        assert state == RunState.HANDED_OFF and "outcome unknown" in why
+        # An attempt not known to be over is never retried: the retry (or lookup) could race it.
+        state, why = rule(effect, permanent=False, retries_done=0, max_retries=3, attempt_over=False)
+        assert state == RunState.HANDED_OFF and "still be running" in why
+    assert rule(ToolEffect.READ_ONLY, permanent=False, retries_done=0, max_retries=3, attempt_over=False)[0] == RunState.RETRY_WAIT
     assert rule(ToolEffect.UNSAFE, permanent=False, retries_done=0, max_retries=3)[0] == RunState.HANDED_OFF
     assert rule(ToolEffect.UNSAFE, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
     assert policy.retry_delay_seconds(0) == 1 and policy.retry_delay_seconds(10) == policy.RETRY_MAX_SECONDS
     assert policy.retry_delay_seconds(0, suggested=7) == 7
+    assert policy.retry_delay_seconds(0, settle=4.5) == 4.5 and policy.retry_delay_seconds(4, settle=4.5) == 16
+
+
+def test_effect_outcome_of_a_failed_attempt() -> None:
+    outcome = policy.failure_outcome
+    assert outcome(ToolEffect.READ_ONLY, permanent=False) == "failed"  # a read applies nothing
+    for effect in (ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE, ToolEffect.UNSAFE):
+        assert outcome(effect, permanent=False) == "unknown"
+        assert outcome(effect, permanent=True) == "failed"  # the tool refused: known not applied
+        assert outcome(effect, permanent=False, started=False) == "failed"  # no worker ran it
+
+
+def test_attempt_clock_derives_from_the_declared_timeout() -> None:
+    t = policy.tool_timeouts(3.0)
+    assert (t.run, t.grace, t.heartbeat, t.start_to_close) == (3.0, 1.5, 2.0, 4.5)
+    t = policy.tool_timeouts(600.0)
+    assert (t.grace, t.heartbeat) == (30.0, 30.0)  # both capped
+    # The next attempt waits for what the last one sent to land; after a heartbeat timeout (the
+    # worker may only be cut off), for as long as a whole attempt may last.
+    assert policy.settle_seconds(t, "injected_fault") == t.grace
+    assert policy.settle_seconds(t, "timeout_heartbeat") == t.start_to_close
 
 
 def test_approval_needed_for_writes_only_by_default() -> None:
