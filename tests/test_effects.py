@@ -28,7 +28,7 @@ from examples.billing.tools import call
 from tests.conftest import Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline
 from workflows.agent_run import AgentRun
-from workflows.models import ApprovalDecision, RunOutcome, ToolEffect
+from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome, ToolEffect
 from workflows.states import RunState
 
 S = RunState
@@ -112,6 +112,12 @@ def quick_refund(args: Note, ctx: ToolContext) -> dict:
     ATTEMPTS[args.tag] += 1
     body = {"order_id": "A-1002", "amount_cents": 100, "reason": args.tag}
     return call("POST", "/refunds", body, headers={"Idempotency-Key": ctx.idempotency_key}, timeout=ctx.seconds_left())
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=10, max_retries=2, name="patient_refund", registry=REGISTRY)
+def patient_refund(args: Note, ctx: ToolContext) -> dict:
+    """An idempotent write whose retry waits out a 5 s grace period."""
+    return quick_refund.fn(args, ctx)
 
 
 def emails(billing: Billing, key: str) -> int:
@@ -220,3 +226,23 @@ async def test_an_idempotent_tool_unknown_after_its_last_retry_is_not_failed(
     assert "injected 503" not in record.reason and "injected 503" not in last_error
     waits = [r for r in outcome.timeline if r.to_state == S.RETRY_WAIT]
     assert [r.refs.outcome for r in waits] == ["unknown"]
+
+
+async def test_a_handoff_before_a_retry_names_the_outcome_of_the_attempt_before(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    billing.fail_next("refunds", 1, status=503, when="after_commit")
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle, key, call_id = await approved_run(dev_env, worker, "patient_refund", tag)
+        await wait_for_state(handle, "RETRY_WAIT")  # the retry waits >= 5 s: the grace period
+        await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
+        outcome = await asyncio.wait_for(handle.result(), 60)
+        last_error = (await snapshot(handle)).last_error
+    assert len(billing.refunds(key)) == 1 and ATTEMPTS[tag] == 1
+    assert outcome.state == S.HANDED_OFF
+    record = last_step_end(outcome)
+    assert record.actor == "operator:dana" and record.refs.outcome == "unknown"
+    assert f"retry of tool call {call_id} (patient_refund) not started, outcome unknown" in record.reason
+    assert [(s.status, s.outcome) for s in outcome.steps] == [("failed", "unknown")]
+    assert last_error == f"handed_off: tool call {call_id} (patient_refund), outcome unknown"

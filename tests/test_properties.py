@@ -100,10 +100,13 @@ class Driver:
     def settle(self) -> None:
         e = self.engine
         while True:
-            # Before a step's (next) attempt the workflow hands off through hand_off_step, which
-            # names the outcome of an earlier attempt.
-            take = e.hand_off_step if self.state == S.EXECUTING_TOOL else e.take_handoff
-            if self.handoff and take(self.handoff, self.tick()):
+            # Before a step's (next) attempt the workflow's handoff names the outcome of an
+            # earlier attempt (AgentRun._execute_step).
+            at_step = self.state == S.EXECUTING_TOOL
+            detail, refs = e.handoff_point() if at_step else (None, None)
+            if self.handoff and e.take_handoff(self.handoff, self.tick(), detail, refs=refs):
+                if at_step:
+                    e.step_handed_off()
                 self.handoff = None
                 continue
             if self.state == S.VALIDATION_FAILED:

@@ -267,7 +267,9 @@ class AgentRun:
         info = self.engine.tool_info(step) if step else None
         if step is None or info is None:
             raise ApplicationError("no executable plan step", type="IllegalState", non_retryable=True)
-        if self._take_handoff(step=True):
+        detail, refs = self.engine.handoff_point()
+        if self._take_handoff(detail=detail, refs=refs):
+            self.engine.step_handed_off()
             return
         call = self._decide(self.engine.next_tool_call)
         if call is None:
@@ -477,13 +479,9 @@ class AgentRun:
                 raise asyncio.CancelledError() from err
             raise
 
-    def _take_handoff(self, *, step: bool = False) -> bool:
-        """Honour a pending handoff; ``step``: before the current tool step's (next) attempt."""
+    def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> bool:
         request = self._handoff
-        if step:
-            taken = self._decide(lambda now: self.engine.hand_off_step(request, now))
-        else:
-            taken = self._decide(lambda now: self.engine.take_handoff(request, now))
+        taken = self._decide(lambda now: self.engine.take_handoff(request, now, detail, refs=refs))
         if taken:
             self._handoff = None
         return taken

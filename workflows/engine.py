@@ -422,7 +422,7 @@ class Engine:
         return True
 
     def take_handoff(
-        self, request: HandoffRequest | None, at: datetime, detail: str | None = None, refs: Refs | None = None
+        self, request: HandoffRequest | None, at: datetime, detail: str | None = None, *, refs: Refs | None = None
     ) -> bool:
         """Honour a pending handoff if the current state allows it (``refs``: the step it ends)."""
         if request is None or not self.data.lifecycle.can_move(S.HANDED_OFF):
@@ -543,20 +543,21 @@ class Engine:
         _require(step is not None, "no plan step to execute")
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=f"retry {self.data.step_retries}", refs=self.step_refs(step))
 
-    def hand_off_step(self, request: HandoffRequest | None, at: datetime) -> bool:
-        """A handoff before the current step's (next) attempt starts; it names the outcome of
-        an earlier attempt, if one failed."""
+    def handoff_point(self) -> tuple[str, Refs | None]:
+        """What a handoff taken before the current step's (next) attempt says: the detail for
+        its reason, and refs naming the outcome of an earlier attempt if one failed."""
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
         outcome = self.data.step_outcome
         if outcome is None:
-            return self.take_handoff(request, at, f"tool call {step.tool_call_id} not started")
-        taken = self.take_handoff(
-            request, at, self._describe(step, outcome, started=False), self._end_refs(step, outcome, "handed_off")
-        )
-        if taken:
-            self._end_step(step, outcome, "handed_off")
-        return taken
+            return f"tool call {step.tool_call_id} not started", None
+        return self._describe(step, outcome, started=False), self._end_refs(step, outcome, "handed_off")
+
+    def step_handed_off(self) -> None:
+        """That handoff was taken: an earlier attempt's outcome ends the step."""
+        step = self.current_step()
+        if step is not None and self.data.step_outcome is not None:
+            self._end_step(step, self.data.step_outcome, "handed_off")
 
     def tool_settled_on_cancel(self, outcome: ToolOutcome | None, failure: ToolFailure | None = None) -> None:
         """A cancellation reached the tool in flight and waited for it: keep what it did.
