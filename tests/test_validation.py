@@ -126,26 +126,6 @@ def test_retry_rule_follows_the_effect() -> None:
     assert policy.retry_delay_seconds(0, settle=4.5) == 4.5 and policy.retry_delay_seconds(4, settle=4.5) == 16
 
 
-def test_effect_outcome_of_a_failed_attempt() -> None:
-    outcome = policy.failure_outcome
-    assert outcome(ToolEffect.READ_ONLY, permanent=False) == "failed"  # a read applies nothing
-    for effect in (ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE, ToolEffect.UNSAFE):
-        assert outcome(effect, permanent=False) == "unknown"
-        assert outcome(effect, permanent=True) == "failed"  # the tool refused: known not applied
-        assert outcome(effect, permanent=False, started=False) == "failed"  # no worker ran it
-
-
-def test_attempt_clock_derives_from_the_declared_timeout() -> None:
-    t = policy.tool_timeouts(3.0)
-    assert (t.run, t.grace, t.heartbeat, t.start_to_close) == (3.0, 1.5, 2.0, 4.5)
-    t = policy.tool_timeouts(600.0)
-    assert (t.grace, t.heartbeat) == (30.0, 30.0)  # both capped
-    # The next attempt waits for what the last one sent to land; after a heartbeat timeout (the
-    # worker may only be cut off), for as long as a whole attempt may last.
-    assert policy.settle_seconds(t, "injected_fault") == t.grace
-    assert policy.settle_seconds(t, "timeout_heartbeat") == t.start_to_close
-
-
 def test_approval_needed_for_writes_only_by_default() -> None:
     read = Plan(steps=[PlanStep(tool_call_id="a", tool="get_order", args={"order_id": "A-1001"})], plan_hash="x")
     write = Plan(
@@ -157,3 +137,4 @@ def test_approval_needed_for_writes_only_by_default() -> None:
     assert (review.needs_approval, review.risk, review.approvals_required) == (True, "normal", 1)
     # The risk summary names what writes and the declared fields, never personal data.
     assert review.summary == "1 of 2 step(s) write: send_email (unsafe, subject=Hi)"
+
