@@ -251,8 +251,6 @@ class _Attempt:
             # Sync tools (most HTTP clients) run in a thread so they never block the worker's loop.
             call = functools.partial(contextvars.copy_context().run, fn, *args)
             work = asyncio.ensure_future(loop.run_in_executor(None, call))
-        if self.cancel_seen:
-            self._stop(work)
         while True:
             activity.heartbeat()
             left = self.give_up - time.monotonic()
