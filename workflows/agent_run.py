@@ -298,15 +298,19 @@ class AgentRun:
             except asyncio.CancelledError:
                 failure: ToolFailure | None = None
                 if workflow.patched(CANCEL_REACHES_TOOL):
-                    handle.cancel()
+                    # The attempt may have ended in the very workflow task the cancel came in:
+                    # let its handle take that result first (the SDK drops the result of a
+                    # handle cancelled after its result arrived).
+                    await asyncio.sleep(0)
+                    if not handle.done():
+                        handle.cancel()
                 try:
                     outcome = await handle
                 except ActivityError as err:
                     failure = _failure(err)
                     self._log_failure(call.tool_call_id, failure)
                 except asyncio.CancelledError:
-                    # The attempt ended in the same workflow task the cancel came in (say, its
-                    # worker died first): the SDK then drops its result. Not known: unknown.
+                    # Its result was dropped after all: what the attempt did is not known.
                     failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
                 self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome, failure))
                 raise
