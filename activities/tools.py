@@ -14,17 +14,29 @@ declared effect. The effect decides the retry rule in the workflow and the appro
 Tools raise :class:`ToolError` for failures they understand: ``permanent=True`` for bad input
 or a 4xx (never retried), otherwise a transient error the workflow may retry (if the effect
 allows it).
+
+Each attempt runs under a deadline (``ctx.deadline``, the tool's declared timeout from the
+attempt's start; pass ``ctx.seconds_left()`` to HTTP clients as their timeout) and heartbeats
+while the tool runs: a dead worker is noticed within seconds, and a cancel of the run reaches
+the tool (async tools are cancelled, sync tools see ``ctx.cancelled`` set). The activity ends
+only when the tool has: a tool still running a grace period after its deadline is reported as
+``attempt_still_running``, and the workflow does not retry it (see ``workflows/policy.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import hashlib
 import importlib
 import inspect
 import json
+import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any, get_type_hints
 
 import jsonschema
@@ -35,6 +47,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities.metrics import tool_call_metrics
 from workflows.models import (
+    ATTEMPT_STILL_RUNNING,
+    CANCELLED_MID_CALL,
     CatalogRequest,
     ToolCall,
     ToolCatalog,
@@ -43,6 +57,7 @@ from workflows.models import (
     ToolOutcome,
     first_error,
 )
+from workflows.policy import ToolTimeouts, tool_timeouts
 
 # Observations are cut to this many characters before they enter workflow history, so history
 # does not grow with the size of tool results. The digest covers the full result.
@@ -68,6 +83,16 @@ class ToolContext:
     # Stable across retries, worker crashes and continue-as-new: send it to the target system.
     idempotency_key: str
     attempt: int
+    # When this attempt must be over (UTC): nothing may be sent to the target system after it.
+    deadline: datetime | None = None
+    # Set when the run was cancelled while the tool runs: a long sync tool should stop early.
+    cancelled: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+    def seconds_left(self, default: float = 30.0) -> float:
+        """Time to the deadline (``default`` without one): the timeout for an HTTP call."""
+        if self.deadline is None:
+            return default
+        return max((self.deadline - datetime.now(timezone.utc)).total_seconds(), 0.0)
 
 
 ToolFn = Callable[[Any, ToolContext], Any]
@@ -226,11 +251,68 @@ def tool(
     return decorate
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    # Sync tools (most HTTP clients) run in a thread so they never block the worker's loop.
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    return await asyncio.to_thread(fn, *args)
+class _Attempt:
+    """One attempt of a tool call: runs the tool's functions while heartbeating, until they end.
+
+    A sync function runs in a thread, which nothing can stop: on a cancel the attempt sets
+    ``ctx.cancelled`` and keeps waiting, so the activity never reports an attempt as over while
+    its tool still runs. An async function is cancelled. Past the deadline plus half the grace
+    period (the other half lets the report reach the server before start_to_close), the attempt
+    gives up and says the tool is still running.
+    """
+
+    def __init__(self, ctx: ToolContext, timeouts: ToolTimeouts, started: float) -> None:
+        self.ctx = ctx
+        self.timeouts = timeouts
+        self.give_up = started + timeouts.run + timeouts.grace / 2
+        self.cancel_seen = False
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if inspect.iscoroutinefunction(fn):
+            work: asyncio.Future[Any] = asyncio.ensure_future(fn(*args))
+        else:
+            # Sync tools (most HTTP clients) run in a thread so they never block the worker's loop.
+            call = functools.partial(contextvars.copy_context().run, fn, *args)
+            work = asyncio.ensure_future(loop.run_in_executor(None, call))
+        while True:
+            activity.heartbeat()
+            left = self.give_up - time.monotonic()
+            if left <= 0:
+                if isinstance(work, asyncio.Task):
+                    work.cancel()
+                raise ApplicationError(
+                    f"{self.ctx.tool_call_id}: the tool was still running "
+                    f"{self.timeouts.grace / 2:g}s after its deadline",
+                    type=ATTEMPT_STILL_RUNNING,
+                )
+            try:
+                # asyncio.wait never cancels ``work``: the tool ends on its own terms.
+                await asyncio.wait({work}, timeout=min(self.timeouts.heartbeat / 4, left))
+            except asyncio.CancelledError:
+                # The run was cancelled (it arrives with a heartbeat) or the worker shuts down.
+                self.cancel_seen = True
+                self._stop(work)
+                continue
+            if work.done():
+                if work.cancelled():
+                    raise ApplicationError(
+                        f"{self.ctx.tool_call_id}: cancelled while the tool ran", type=CANCELLED_MID_CALL
+                    )
+                return work.result()
+
+    def _stop(self, work: asyncio.Future[Any]) -> None:
+        self.ctx.cancelled.set()
+        if not isinstance(work, asyncio.Task):
+            return  # a thread: it sees ctx.cancelled, and we wait for it
+        work.cancel()
+
+    def stop_if_cancelled(self) -> None:
+        """Between the lookup and the write: a cancelled attempt does not start writing."""
+        if self.cancel_seen:
+            raise ApplicationError(
+                f"{self.ctx.tool_call_id}: cancelled before the tool ran", type=CANCELLED_MID_CALL
+            )
 
 
 def bounded_observation(result: Any) -> ToolOutcome:
@@ -276,21 +358,27 @@ class ToolActivities:
                     type="invalid_arguments",
                     non_retryable=True,
                 ) from None
+            timeouts = tool_timeouts(spec.timeout_seconds)
+            started = time.monotonic()
             ctx = ToolContext(
                 run_id=call.run_id,
                 tenant=call.tenant,
                 tool_call_id=call.tool_call_id,
                 idempotency_key=call.idempotency_key,
                 attempt=call.attempt,
+                deadline=datetime.now(timezone.utc) + timedelta(seconds=timeouts.run),
             )
+            attempt = _Attempt(ctx, timeouts, started)
             try:
                 if spec.effect == ToolEffect.RECONCILABLE and call.attempt > 1 and spec.lookup_fn:
                     # A previous attempt may have acted before we lost its answer: find it first.
-                    previous = await _call(spec.lookup_fn, ctx)
+                    # The workflow starts this attempt only once the previous one is over.
+                    previous = await attempt.run(spec.lookup_fn, ctx)
                     if previous is not None:
                         activity.logger.info("reconciled %s by key %s", spec.name, ctx.idempotency_key)
                         return bounded_observation(previous)
-                result = await _call(spec.fn, args, ctx)
+                    attempt.stop_if_cancelled()
+                result = await attempt.run(spec.fn, args, ctx)
             except ToolError as e:
                 raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
             return bounded_observation(result)

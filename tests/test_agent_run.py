@@ -4,7 +4,6 @@ service behind the tools."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 from temporalio.client import WorkflowFailureError
@@ -90,7 +89,6 @@ async def test_refused_decisions_change_nothing_and_are_recorded(
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([refund()]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        plan_hash = snap.plan.plan_hash
         version = snap.state_version
         await handle.signal("approve", approval("0" * 64, decision_id="stale"))
         await handle.signal("reject", approval("f" * 64, decision_id="stale-reject"))

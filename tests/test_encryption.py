@@ -25,7 +25,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from activities.codec import (
 )
 from tests.conftest import approval_for, Billing, make_request, running_worker, start_run, wait_for_state
 from workflows.agent_run import AgentRun, SEARCH_ATTRIBUTES
-from workflows.models import RunSnapshot, ApprovalDecision, RunOutcome
+from workflows.models import RunOutcome
 from workflows.states import RunState
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import client as tether_client
 from activities.metrics import prometheus_runtime
 from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from workflows.metrics import REFUSAL_RULES, refusal_rule
-from workflows.models import RunSnapshot, ApprovalDecision, RunOutcome
+from workflows.models import ApprovalDecision, RunOutcome
 from workflows.states import RunState
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import sqlite3
-import uuid
 from collections.abc import Iterator
 from contextlib import closing
 from datetime import timedelta

@@ -119,7 +119,13 @@ class Driver:
     def settle(self) -> None:
         e = self.engine
         while True:
-            if self.handoff and e.take_handoff(self.handoff, self.tick()):
+            # Before a step's (next) attempt the workflow's handoff names the outcome of an
+            # earlier attempt (AgentRun._execute_step).
+            at_step = self.state == S.EXECUTING_TOOL
+            detail, refs = e.handoff_point() if at_step else (None, None)
+            if self.handoff and e.take_handoff(self.handoff, self.tick(), detail, refs=refs):
+                if at_step:
+                    e.step_handed_off()
                 self.handoff = None
                 continue
             pending = e.data.pending_approval
@@ -292,6 +298,20 @@ def test_directed_sequences_keep_the_invariants(events: list[str]) -> None:
     assert is_legal_path(driver.engine.data.lifecycle.timeline)
 
 
+def step_ends_name_their_outcome(driver: Driver) -> None:
+    """Every record that ends a step after a call was sent (success, retry wait, failure,
+    handoff, cancel, budget) names the effect's outcome; a sent unsafe call is never `failed`
+    unless the tool refused it (permanent)."""
+    for record in driver.engine.data.lifecycle.timeline:
+        if record.kind != "transition" or record.from_state not in (S.EXECUTING_TOOL, S.RETRY_WAIT):
+            continue
+        if record.to_state == S.EXECUTING_TOOL or record.refs.idempotency_key not in driver.sent:
+            continue
+        assert record.refs.outcome in ("ok", "failed", "unknown"), f"no outcome on {record}"
+    for step in driver.engine.data.executed:
+        assert step.status == ("ok" if step.outcome == "ok" else "failed"), step
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(st.sampled_from(EVENTS), max_size=60), on_expiry=st.sampled_from(["expire", "replan"]))
 def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry: str) -> None:
@@ -314,6 +334,7 @@ def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry
         if driver.effects[key] == ToolEffect.UNSAFE:
             assert calls <= 1, f"unsafe tool called {calls} times for {key}"
     writes_only_after_approval(driver)
+    step_ends_name_their_outcome(driver)
     if driver.state in TERMINAL:
         assert driver.engine.data.pending_approval is None, "a finished run has nothing pending"
 

@@ -109,12 +109,21 @@ def test_retry_rule_follows_the_effect() -> None:
     rule = policy.after_tool_failure
     for effect in (ToolEffect.READ_ONLY, ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE):
         assert rule(effect, permanent=False, retries_done=0, max_retries=3)[0] == RunState.RETRY_WAIT
-        assert rule(effect, permanent=False, retries_done=3, max_retries=3)[0] == RunState.EXECUTION_FAILED
         assert rule(effect, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
+    # Retries used up: a read failed (nothing applied); a write's outcome is unknown, a human decides.
+    assert rule(ToolEffect.READ_ONLY, permanent=False, retries_done=3, max_retries=3)[0] == RunState.EXECUTION_FAILED
+    for effect in (ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE):
+        state, why = rule(effect, permanent=False, retries_done=3, max_retries=3)
+        assert state == RunState.HANDED_OFF and "outcome unknown" in why
+        # An attempt not known to be over is never retried: the retry (or lookup) could race it.
+        state, why = rule(effect, permanent=False, retries_done=0, max_retries=3, attempt_over=False)
+        assert state == RunState.HANDED_OFF and "still be running" in why
+    assert rule(ToolEffect.READ_ONLY, permanent=False, retries_done=0, max_retries=3, attempt_over=False)[0] == RunState.RETRY_WAIT
     assert rule(ToolEffect.UNSAFE, permanent=False, retries_done=0, max_retries=3)[0] == RunState.HANDED_OFF
     assert rule(ToolEffect.UNSAFE, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
     assert policy.retry_delay_seconds(0) == 1 and policy.retry_delay_seconds(10) == policy.RETRY_MAX_SECONDS
     assert policy.retry_delay_seconds(0, suggested=7) == 7
+    assert policy.retry_delay_seconds(0, settle=4.5) == 4.5 and policy.retry_delay_seconds(4, settle=4.5) == 16
 
 
 def test_approval_needed_for_writes_only_by_default() -> None:

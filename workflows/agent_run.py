@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
+from temporalio.workflow import ActivityCancellationType
 from temporalio.common import (
     RawValue,
     RetryPolicy,
@@ -37,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
+        ATTEMPT_STILL_RUNNING,
         STRICT,
         ApprovalDecision,
         AuditAck,
@@ -82,6 +84,9 @@ SETUP_TIMEOUT = timedelta(seconds=30)
 # EXECUTING_TOOL -> RETRY_WAIT -> EXECUTING_TOOL hop on the timeline and an unsafe tool is never
 # re-run behind our back.
 TOOL_RETRY = RetryPolicy(maximum_attempts=1)
+# workflow.patched id: a run's cancel is passed on to the tool in flight (through its heartbeat).
+# Runs recorded before did not send that cancel command; on replay they still do not.
+CANCEL_REACHES_TOOL = "cancel-reaches-tool"
 # Observations handed back to the planner, newest first, in all (older ones keep only their
 # digest), so planner inputs in history do not grow with the size of tool results.
 PLANNER_CONTEXT_CHARS = 16_000
@@ -370,36 +375,56 @@ class AgentRun:
         info = self.engine.tool_info(step) if step else None
         if step is None or info is None:
             raise ApplicationError("no executable plan step", type="IllegalState", non_retryable=True)
-        detail = f"tool call {step.tool_call_id} not started"
-        if await self._take_handoff(detail=detail):
+        detail, refs = self.engine.handoff_point()
+        if await self._take_handoff(detail=detail, refs=refs):
+            self.engine.step_handed_off()
             return
         call = self._decide(self.engine.next_tool_call)
         if call is None:
             return
         await self._checkpoint()
+        timeouts = policy.tool_timeouts(info.timeout_seconds)
         handle = workflow.start_activity(
             "execute_tool",
             call,
             result_type=ToolOutcome,
-            start_to_close_timeout=timedelta(seconds=info.timeout_seconds),
+            # The tool's deadline is its declared timeout; the grace period on top lets the
+            # activity report a tool that overran instead of leaving the attempt in doubt.
+            start_to_close_timeout=timedelta(seconds=timeouts.start_to_close),
+            # A dead worker is noticed within seconds, and a cancel reaches the tool.
+            heartbeat_timeout=timedelta(seconds=timeouts.heartbeat),
+            # A cancel waits until the attempt has ended, so its outcome is known.
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             retry_policy=TOOL_RETRY,
             summary=f"{step.tool} · {info.effect.value} · step {self.data.next_step + 1}",
         )
         outcome: ToolOutcome | None = None
         try:
             try:
-                # Shielded: a cancellation waits for the tool to settle, so its outcome is
-                # known and recorded before the run ends.
+                # Shielded: the run's cancellation is handled below, not by losing the handle.
                 outcome = await asyncio.shield(handle)
             except asyncio.CancelledError:
+                failure: ToolFailure | None = None
+                if workflow.patched(CANCEL_REACHES_TOOL):
+                    # The attempt may have ended in the very workflow task the cancel came in:
+                    # let its handle take that result first (the SDK drops the result of a
+                    # handle cancelled after its result arrived).
+                    await asyncio.sleep(0)
+                    if not handle.done():
+                        handle.cancel()
                 try:
                     outcome = await handle
-                except ActivityError:
-                    outcome = None
-                self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome))
+                except ActivityError as err:
+                    failure = _failure(err)
+                    self._log_failure(call.tool_call_id, failure)
+                except asyncio.CancelledError:
+                    # Its result was dropped after all: what the attempt did is not known.
+                    failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
+                self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome, failure))
                 raise
         except ActivityError as err:
             failure = _failure(err)
+            self._log_failure(call.tool_call_id, failure)
             delay = self._decide(lambda now: self.engine.tool_failed(failure, now))
             if delay is None:
                 return
@@ -415,6 +440,11 @@ class AgentRun:
             self._decide(self.engine.retry)
             return
         self._decide(lambda now: self.engine.tool_succeeded(outcome, now))
+
+    def _log_failure(self, tool_call_id: str, failure: ToolFailure) -> None:
+        # The error's text stays in the worker log: it may quote arguments, so the timeline and
+        # last_error only name its code.
+        workflow.logger.warning("tool call %s failed [%s]: %s", tool_call_id, failure.code, failure.message)
 
     # ------------------------------------------------------------------ signals and queries
     #
@@ -657,9 +687,9 @@ class AgentRun:
                 raise asyncio.CancelledError() from err
             raise
 
-    async def _take_handoff(self, detail: str | None = None) -> bool:
+    async def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> bool:
         """Honour a pending handoff where the table allows, once the current policy file (and the
-        sender's signature, where required) says it may."""
+        sender's signature, where required) says it may. ``refs``: the step it ends."""
         request = self._handoff
         if request is None or not self.engine.can_take_handoff():
             return False
@@ -679,7 +709,7 @@ class AgentRun:
             )
         self._handoff = None
         refusal, verified = (verdict.refusal, verdict.verified) if verdict else (None, False)
-        return self._decide(lambda now: self.engine.take_handoff(request, now, detail, refusal, verified))
+        return self._decide(lambda now: self.engine.take_handoff(request, now, detail, refusal, verified, refs=refs))
 
     def _flush_inbox(self) -> None:
         """The run left AWAITING_APPROVAL: decisions still queued can no longer count."""
@@ -860,12 +890,23 @@ def _first_error(err: Exception) -> str:
 
 
 def _failure(err: ActivityError) -> ToolFailure:
-    """What a failed activity tells the engine: code, message, permanent?, suggested delay."""
+    """What a failed activity tells the engine: code, message, permanent?, suggested delay,
+    and whether the attempt is known to be over."""
     cause = err.cause
     if isinstance(cause, ApplicationError):
         delay = cause.next_retry_delay.total_seconds() if cause.next_retry_delay else None
-        return ToolFailure(cause.type or "error", cause.message, cause.non_retryable, delay)
+        code = cause.type or "error"
+        return ToolFailure(
+            code, cause.message, cause.non_retryable, delay, still_running=code == ATTEMPT_STILL_RUNNING
+        )
     if isinstance(cause, TimeoutError):
+        # start_to_close: the deadline plus the grace period passed; heartbeat: the worker is
+        # gone. Either way the attempt is over, its outcome unknown.
         code = f"timeout_{cause.type.name.lower()}" if cause.type else "timeout"
         return ToolFailure(code, "no result in time (timeout or worker crash): outcome unknown", False)
+    if isinstance(cause, CancelledError):
+        # The server cancels an attempt no worker had started; a started one reports how its
+        # tool ended (activities/tools.py), so a cancel of a started one is not expected.
+        started = bool(err.started_event_id)
+        return ToolFailure("cancelled", "activity cancelled", False, started=started)
     return ToolFailure(type(cause).__name__ if cause else "error", str(cause or err), False)

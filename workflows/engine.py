@@ -37,7 +37,7 @@ from workflows.models import (
     ToolInfo,
     ToolOutcome,
 )
-from workflows.states import Refs, RunState, TransitionRecord
+from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
 from workflows.validation import validate_proposal
 
 S = RunState
@@ -62,9 +62,11 @@ class ToolFailure:
     """How a tool call failed, as the workflow saw it."""
 
     code: str
-    message: str
+    message: str  # for the worker log only: it may quote arguments, so never on the timeline
     permanent: bool  # the tool said a retry cannot help (bad input, 4xx)
     suggested_delay: float | None = None  # e.g. from Retry-After
+    still_running: bool = False  # the attempt had not ended when it was reported (not over)
+    started: bool = True  # False: cancelled before any worker picked the attempt up
 
 
 class Engine:
@@ -495,9 +497,12 @@ class Engine:
         detail: str | None = None,
         verdict: Refusal | None = None,
         verified: bool = False,
+        *,
+        refs: Refs | None = None,
     ) -> bool:
         """Honour a pending handoff if the current state allows it and the policy check
-        (``verdict``, from the current file) passed; a refused one is recorded."""
+        (``verdict``, from the current file) passed; a refused one is recorded. ``refs``: the
+        step it ends."""
         if request is None or not self.can_take_handoff():
             return False
         if verdict is not None:
@@ -509,7 +514,7 @@ class Engine:
             at=at,
             actor=f"operator:{request.by}" + (" (signed)" if verified else ""),
             reason=f"{reason} ({detail})" if detail else reason,
-            refs=Refs(decision_id=request.decision_id),
+            refs=(refs or Refs()).model_copy(update={"decision_id": request.decision_id}),
         )
         self.data.pending_approval = None
         return True
@@ -524,7 +529,13 @@ class Engine:
 
     def cancelled(self, reason: str | None, at: datetime) -> None:
         self.data.pending_approval = None
-        self.move(S.CANCELLED, at=at, actor="runtime", reason=f"cancellation requested: {reason or 'no reason'}")
+        why = f"cancellation requested: {reason or 'no reason'}"
+        ended = self._step_ended_by("cancelled")
+        if ended is None:
+            self.move(S.CANCELLED, at=at, actor="runtime", reason=why)
+            return
+        refs, detail = ended
+        self.move(S.CANCELLED, at=at, actor="runtime", reason=f"{why}; {detail}", refs=refs)
 
     # ------------------------------------------------------------------ tools
 
@@ -533,6 +544,7 @@ class Engine:
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
         self.data.step_retries = 0
+        self.data.step_outcome = None
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=reason, refs=self.step_refs(step))
 
     def next_tool_call(self, at: datetime) -> ToolCall | None:
@@ -542,14 +554,16 @@ class Engine:
         _require(step is not None and self.state == S.EXECUTING_TOOL, "no plan step to execute, or not in EXECUTING_TOOL")
         max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
         if max_calls is not None and data.tool_calls >= max_calls:
-            self._record_step(step, "failed", None)
+            # Not started now; an earlier attempt of this step may still have applied.
+            outcome = data.step_outcome or "failed"
+            self._end_step(step, outcome, "tool_call_budget")
             self.move(
-                S.EXECUTION_FAILED,
+                S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
                 at=at,
                 actor="runtime",
                 reason=f"tool call budget exhausted: {data.tool_calls} of max_tool_calls="
-                f"{max_calls} used; tool call {step.tool_call_id} ({step.tool}) not started",
-                refs=self.step_refs(step).model_copy(update={"error_code": "tool_call_budget"}),
+                f"{max_calls} used; {self._describe(step, outcome, started=False)}",
+                refs=self._end_refs(step, outcome, "tool_call_budget"),
             )
             return None
         data.tool_calls += 1  # every call the workflow schedules, retries included
@@ -575,38 +589,42 @@ class Engine:
             at=at,
             actor="runtime",
             reason=f"tool call {step.tool_call_id} ({step.tool}) succeeded",
-            refs=self.step_refs(step),
+            refs=self.step_refs(step).model_copy(update={"outcome": "ok"}),
         )
 
     def tool_failed(self, failure: ToolFailure, at: datetime) -> float | None:
-        """Apply the retry rule. Returns the backoff in seconds when the call is to be retried."""
+        """Apply the retry rule. Returns the backoff in seconds when the call is to be retried.
+
+        Records and ``last_error`` name the error code, tool, call and outcome, never the
+        error's text (it may quote arguments); the workflow logs the text.
+        """
         data = self.data
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
         info = self.tool_info(step)
         effect = info.effect if info else ToolEffect.UNSAFE
-        data.last_error = f"{failure.code}: {failure.message}"
+        outcome = policy.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
+        data.step_outcome = outcome
         next_state, why = policy.after_tool_failure(
             effect,
             permanent=failure.permanent,
             retries_done=data.step_retries,
             max_retries=info.max_retries if info else 0,
+            attempt_over=not failure.still_running,
         )
-        refs = self.step_refs(step).model_copy(update={"error_code": failure.code})
+        refs = self._end_refs(step, outcome, failure.code)
+        what = f"tool call {step.tool_call_id} ({step.tool}) failed [{failure.code}], outcome {outcome}"
         if next_state != S.RETRY_WAIT:
-            self._record_step(step, "failed", None)
-            self.move(
-                next_state,
-                at=at,
-                actor="runtime",
-                reason=f"tool call {step.tool_call_id} ({step.tool}) failed: {failure.message} — {why}",
-                refs=refs,
-            )
+            self._end_step(step, outcome, failure.code)
+            self.move(next_state, at=at, actor="runtime", reason=f"{what} — {why}", refs=refs)
             return None
-        delay = policy.retry_delay_seconds(data.step_retries, failure.suggested_delay)
+        data.last_error = self._error_line(step, outcome, failure.code)
+        # Unknown: whatever the attempt sent must have landed before a retry (or lookup) runs.
+        settle = policy.settle_seconds(policy.tool_timeouts(info.timeout_seconds), failure.code) if info and outcome == "unknown" else 0.0
+        delay = policy.retry_delay_seconds(data.step_retries, failure.suggested_delay, settle)
         data.step_retries += 1
         data.retries += 1
-        self.move(S.RETRY_WAIT, at=at, actor="runtime", reason=f"{why} in {delay:g}s: {failure.message}", refs=refs)
+        self.move(S.RETRY_WAIT, at=at, actor="runtime", reason=f"{what}: {why} in {delay:g}s", refs=refs)
         return delay
 
     def retry(self, at: datetime) -> None:
@@ -614,28 +632,92 @@ class Engine:
         _require(step is not None, "no plan step to execute")
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=f"retry {self.data.step_retries}", refs=self.step_refs(step))
 
-    def tool_settled_on_cancel(self, outcome: ToolOutcome | None) -> None:
-        """A cancellation waited for the tool in flight: keep what it did."""
+    def handoff_point(self) -> tuple[str, Refs | None]:
+        """What a handoff taken before the current step's (next) attempt says: the detail for
+        its reason, and refs naming the outcome of an earlier attempt if one failed."""
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
-        self._record_step(step, "ok" if outcome else "failed", outcome)
-        if outcome is not None:
-            self.data.next_step += 1
+        outcome = self.data.step_outcome
+        if outcome is None:
+            return f"tool call {step.tool_call_id} not started", None
+        return self._describe(step, outcome, started=False), self._end_refs(step, outcome, "handed_off")
 
-    def _record_step(self, step: PlanStep, status: Literal["ok", "failed"], outcome: ToolOutcome | None) -> None:
-        data = self.data
-        data.executed.append(
+    def step_handed_off(self) -> None:
+        """That handoff was taken: an earlier attempt's outcome ends the step."""
+        step = self.current_step()
+        if step is not None and self.data.step_outcome is not None:
+            self._end_step(step, self.data.step_outcome, "handed_off")
+
+    def tool_settled_on_cancel(self, outcome: ToolOutcome | None, failure: ToolFailure | None = None) -> None:
+        """A cancellation reached the tool in flight and waited for it: keep what it did.
+        ``cancelled()`` then ends the run naming the step and its outcome."""
+        step = self.current_step()
+        _require(step is not None, "no plan step to execute")
+        if outcome is not None:
+            self._record_step(step, "ok", outcome)
+            self.data.last_error = self._error_line(step, "ok", "cancelled")
+            self.data.next_step += 1
+            self._settled = (step, "ok", None)
+            return
+        info = self.tool_info(step)
+        effect = info.effect if info else ToolEffect.UNSAFE
+        settled: EffectOutcome = "failed"
+        if failure is not None:
+            settled = policy.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
+        if settled == "failed" and self.data.step_outcome == "unknown":
+            settled = "unknown"  # this attempt did nothing, an earlier one may have
+        code = failure.code if failure else "cancelled"
+        self._end_step(step, settled, code)
+        self._settled = (step, settled, code)
+
+    # The step a cancel waited for, as tool_settled_on_cancel recorded it: (step, outcome, code).
+    _settled: tuple[PlanStep, EffectOutcome, str | None] | None = None
+
+    def _step_ended_by(self, code: str) -> tuple[Refs, str] | None:
+        """Refs and a description for a record that ends the run mid-step (a cancel), after
+        recording the step; None when no step was under way."""
+        if self._settled is not None:
+            step, outcome, settled_code = self._settled
+            return self._end_refs(step, outcome, settled_code), self._describe(step, outcome)
+        step = self.current_step()
+        outcome = self.data.step_outcome
+        if step is None or outcome is None or self.state not in (S.EXECUTING_TOOL, S.RETRY_WAIT):
+            return None
+        self._end_step(step, outcome, code)
+        return self._end_refs(step, outcome, code), self._describe(step, outcome)
+
+    def _describe(self, step: PlanStep, outcome: EffectOutcome, *, started: bool = True) -> str:
+        if not started:
+            if outcome == "failed" and self.data.step_outcome is None:
+                return f"tool call {step.tool_call_id} ({step.tool}) not started"
+            return f"retry of tool call {step.tool_call_id} ({step.tool}) not started, outcome {outcome}"
+        return f"tool call {step.tool_call_id} ({step.tool}): outcome {outcome}"
+
+    def _end_refs(self, step: PlanStep, outcome: EffectOutcome, code: str | None) -> Refs:
+        return self.step_refs(step).model_copy(update={"outcome": outcome, "error_code": code})
+
+    def _error_line(self, step: PlanStep, outcome: EffectOutcome, code: str) -> str:
+        return f"{code}: tool call {step.tool_call_id} ({step.tool}), outcome {outcome}"
+
+    def _end_step(self, step: PlanStep, outcome: EffectOutcome, code: str) -> None:
+        """The step ends without success: record it and say so in ``last_error``."""
+        self._record_step(step, outcome, None)
+        self.data.last_error = self._error_line(step, outcome, code)
+
+    def _record_step(self, step: PlanStep, outcome: EffectOutcome, result: ToolOutcome | None) -> None:
+        self.data.executed.append(
             ExecutedStep(
                 tool_call_id=step.tool_call_id,
                 tool=step.tool,
                 args=step.args,
-                status=status,
-                observation=outcome.observation if outcome else "",
-                digest=outcome.digest if outcome else "",
+                status="ok" if outcome == "ok" else "failed",
+                outcome=outcome,
+                observation=result.observation if result else "",
+                digest=result.digest if result else "",
             )
         )
-        if status == "ok":
-            policy.spend(data.spent, step.tool, step.args)
+        if outcome != "failed":  # it may have applied: it counts against the run's amount limits
+            policy.spend(self.data.spent, step.tool, step.args)
         self._trim_executed()
 
     def _trim_executed(self) -> None:

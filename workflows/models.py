@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 from workflows.budgets import REQUEST_BUDGET
 from workflows.identity import Name, normalize_name
-from workflows.states import Lifecycle, RunState, TransitionRecord
+from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord
 
 __all__ = [
     "AcceptedApproval",
@@ -165,6 +165,13 @@ class ToolCatalog(BaseModel):
         return next((t for t in self.tools if t.name == name), None)
 
 
+# Error types the ``execute_tool`` activity reports besides the tools' own codes.
+# The tool was still running a grace period after its deadline: the attempt is not over.
+ATTEMPT_STILL_RUNNING = "attempt_still_running"
+# The run's cancel reached the tool through its heartbeat and stopped it mid-call.
+CANCELLED_MID_CALL = "cancelled_mid_call"
+
+
 class ToolCall(BaseModel):
     """Input of the ``execute_tool`` activity."""
 
@@ -217,9 +224,19 @@ class ExecutedStep(BaseModel):
     tool_call_id: str
     tool: str
     args: dict[str, Any]
-    status: Literal["ok", "failed"]
+    status: Literal["ok", "failed"]  # did the call succeed ("failed" also when outcome is unknown)
     observation: str = ""
     digest: str = ""
+    # What happened to the effect: ok, failed (known not applied) or unknown (may have applied).
+    outcome: EffectOutcome
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outcome_from_status(cls, data: Any) -> Any:
+        # Steps recorded before ``outcome`` existed (carried over, in histories) read as their status.
+        if isinstance(data, dict) and "outcome" not in data and "status" in data:
+            data = {**data, "outcome": data["status"]}
+        return data
 
 
 class PlannerInput(BaseModel):
@@ -528,6 +545,9 @@ class RunData(BaseModel):
     plan: Plan | None = None
     next_step: int = 0  # index into plan.steps of the next step to execute
     step_retries: int = 0  # retries the workflow scheduled for the current step
+    # Outcome of the current step's last failed attempt (None: no attempt failed yet): what a
+    # cancel, handoff or budget stop that ends the step before a retry must report.
+    step_outcome: EffectOutcome | None = None
     pending_approval: PendingApproval | None = None  # only while AWAITING_APPROVAL
     approval: PendingApproval | None = None  # the approval in force while its plan executes
     approved_by: list[str] = Field(default_factory=list)

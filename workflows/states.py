@@ -91,6 +91,12 @@ class IllegalTransition(Exception):
         self.to_state = to_state
 
 
+# What a step's side effect came to: ``ok`` (the call succeeded), ``failed`` (known not applied:
+# the tool refused, a read failed, the call never started) or ``unknown`` (it may have applied:
+# a timeout, a lost worker, a cancel mid-call, a transient error of a write).
+EffectOutcome = Literal["ok", "failed", "unknown"]
+
+
 class Refs(BaseModel):
     """Identifiers a record points at. Never prompts, tool arguments or tool results."""
 
@@ -100,6 +106,9 @@ class Refs(BaseModel):
     decision_id: str | None = None
     error_code: str | None = None
     policy_hash: str | None = None
+    # Set on every record that ends a tool step (success, failure, retry wait, handoff, cancel,
+    # budget): what happened to the step's effect.
+    outcome: EffectOutcome | None = None
 
 
 class TransitionRecord(BaseModel):

@@ -6,7 +6,9 @@
   again by its key, so a retry looks it up before writing.
 - ``send_email``: unsafe: a second call sends a second email, so it runs at most once.
 
-The service URL comes from ``BILLING_URL`` (default ``http://127.0.0.1:8765``).
+The service URL comes from ``BILLING_URL`` (default ``http://127.0.0.1:8765``). Every call
+passes ``ctx.seconds_left()`` as its HTTP timeout: nothing is sent after the attempt's deadline,
+so once the runtime sees an attempt over, no late request of it can still land.
 """
 
 from __future__ import annotations
@@ -35,8 +37,20 @@ def billing_url() -> str:
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def call(method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
-    """One HTTP call; maps failures to permanent (4xx) or retryable (5xx, network) errors."""
+def call(
+    method: str,
+    path: str,
+    body: dict | None = None,
+    headers: dict | None = None,
+    *,
+    timeout: float = HTTP_TIMEOUT_SECONDS,
+) -> Any:
+    """One HTTP call; maps failures to permanent (4xx) or retryable (5xx, network) errors.
+
+    ``timeout``: pass ``ctx.seconds_left()``; at 0 the call is not sent at all.
+    """
+    if timeout <= 0:
+        raise ToolError(f"{method} {path}: not sent, the attempt's deadline has passed", code="deadline_exceeded")
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(
         billing_url() + path,
@@ -45,7 +59,7 @@ def call(method: str, path: str, body: dict | None = None, headers: dict | None 
         headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
-        with _opener.open(request, timeout=HTTP_TIMEOUT_SECONDS) as response:
+        with _opener.open(request, timeout=min(timeout, HTTP_TIMEOUT_SECONDS)) as response:
             return json.loads(response.read() or b"null")
     except urllib.error.HTTPError as e:
         try:
@@ -72,7 +86,7 @@ class OrderRef(BaseModel):
 @tool(effect=ToolEffect.READ_ONLY, timeout=15)
 def get_order(args: OrderRef, ctx: ToolContext) -> dict:
     """Look up an order: customer, total and status."""
-    return call("GET", f"/orders/{urllib.parse.quote(args.order_id)}")
+    return call("GET", f"/orders/{urllib.parse.quote(args.order_id)}", timeout=ctx.seconds_left())
 
 
 class RefundArgs(BaseModel):
@@ -85,7 +99,11 @@ class RefundArgs(BaseModel):
 def issue_refund(args: RefundArgs, ctx: ToolContext) -> dict:
     """Refund (part of) an order to the customer's payment method."""
     return call(
-        "POST", "/refunds", args.model_dump(), headers={"Idempotency-Key": ctx.idempotency_key}
+        "POST",
+        "/refunds",
+        args.model_dump(),
+        headers={"Idempotency-Key": ctx.idempotency_key},
+        timeout=ctx.seconds_left(),
     )
 
 
@@ -100,12 +118,14 @@ class LedgerArgs(BaseModel):
 )
 def post_ledger_entry(args: LedgerArgs, ctx: ToolContext) -> dict:
     """Post an entry to the accounting ledger, keyed by the tool call's idempotency key."""
-    return call("POST", "/ledger", {"key": ctx.idempotency_key, **args.model_dump()})
+    return call("POST", "/ledger", {"key": ctx.idempotency_key, **args.model_dump()}, timeout=ctx.seconds_left())
 
 
 @post_ledger_entry.lookup
 def find_ledger_entry(ctx: ToolContext) -> dict | None:
-    entries = call("GET", "/ledger?" + urllib.parse.urlencode({"key": ctx.idempotency_key}))
+    entries = call(
+        "GET", "/ledger?" + urllib.parse.urlencode({"key": ctx.idempotency_key}), timeout=ctx.seconds_left()
+    )
     found = entries.get("entries") or []
     return found[0] if found else None
 
@@ -120,4 +140,10 @@ class EmailArgs(BaseModel):
 def send_email(args: EmailArgs, ctx: ToolContext) -> dict:
     """Send an email to a customer. Not idempotent: never retried blindly."""
     # The reference only lets operators (and tests) count calls; the service does not dedupe.
-    return call("POST", "/emails", args.model_dump(), headers={"X-Request-Ref": ctx.idempotency_key})
+    return call(
+        "POST",
+        "/emails",
+        args.model_dump(),
+        headers={"X-Request-Ref": ctx.idempotency_key},
+        timeout=ctx.seconds_left(),
+    )

@@ -8,6 +8,17 @@ waits there until the harness touches ``CHAOS_DIR/release-<checkpoint>`` (or ``H
 passes). That makes "kill before the call" and "kill after the call returned, before the
 activity completed" deterministic; "kill during the call" uses the service's ``--delay-ms``.
 
+Faults of the attempt itself, per worker (environment):
+
+- ``CHAOS_SLOW=S``: attempt 1 of every call waits until S seconds after its deadline before
+  the external call, which then ignores the deadline: a slow attempt that commits after its
+  timeout, in a thread nothing can stop.
+- ``CHAOS_LOSE_RESPONSE=1``: every write's response is lost after the service committed it
+  (a transient error), so an idempotent tool's retries run out with the effect in place.
+
+A held checkpoint also ends when the run's cancel reaches the tool (``ctx.cancelled``): held
+before the call, the tool stops without calling; held after it, it returns what it got.
+
 Loaded by worker subprocesses: ``python worker.py --tools tests.chaos.chaos_tools``.
 """
 
@@ -16,9 +27,11 @@ from __future__ import annotations
 import os
 import time
 import urllib.parse
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-from activities.tools import ToolContext, tool
+from activities.tools import ToolContext, ToolError, tool
 from tests.chaos.markers import marker_name
 from examples.billing.tools import EmailArgs, LedgerArgs, OrderRef, RefundArgs, call
 from workflows.models import ToolEffect
@@ -43,48 +56,75 @@ def checkpoint(ctx: ToolContext, point: str) -> None:
         return
     release = Path(folder, f"release-{point}")
     deadline = time.monotonic() + HOLD_MAX_SECONDS
-    while not release.exists() and time.monotonic() < deadline:
+    while not release.exists() and not ctx.cancelled.is_set() and time.monotonic() < deadline:
         time.sleep(0.02)
+    if point == "before" and ctx.cancelled.is_set():
+        # Nothing sent yet: a tool that sees the cancel in time stops, and says so.
+        raise ToolError("cancelled before the call", code="cancelled_before_call", permanent=True)
+
+
+def external(ctx: ToolContext, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
+    """The external call between the two checkpoints, with the worker's faults applied."""
+    checkpoint(ctx, "before")
+    slow = float(os.environ.get("CHAOS_SLOW") or 0)
+    if slow and ctx.attempt == 1 and ctx.deadline is not None:
+        time.sleep(max((ctx.deadline - datetime.now(timezone.utc)).total_seconds(), 0.0) + slow)
+        result = call(method, path, body, headers)  # past the deadline: ignores it on purpose
+    else:
+        result = call(method, path, body, headers, timeout=ctx.seconds_left())
+    if method == "POST" and os.environ.get("CHAOS_LOSE_RESPONSE"):
+        raise ToolError(f"{method} {path}: response lost", code="response_lost")
+    checkpoint(ctx, "after")
+    return result
 
 
 @tool(effect=ToolEffect.READ_ONLY, timeout=TIMEOUT_SECONDS, name="chaos_get_order")
 def chaos_get_order(args: OrderRef, ctx: ToolContext) -> dict:
     """Look up an order (read_only)."""
-    checkpoint(ctx, "before")
-    result = call("GET", f"/orders/{urllib.parse.quote(args.order_id)}")
-    checkpoint(ctx, "after")
-    return result
+    return external(ctx, "GET", f"/orders/{urllib.parse.quote(args.order_id)}")
 
 
 @tool(effect=ToolEffect.IDEMPOTENT, timeout=TIMEOUT_SECONDS, max_retries=6, name="chaos_refund")
 def chaos_refund(args: RefundArgs, ctx: ToolContext) -> dict:
     """Refund (idempotent: the service dedupes by Idempotency-Key)."""
-    checkpoint(ctx, "before")
-    result = call("POST", "/refunds", args.model_dump(), headers={"Idempotency-Key": ctx.idempotency_key})
-    checkpoint(ctx, "after")
-    return result
+    return external(ctx, "POST", "/refunds", args.model_dump(), {"Idempotency-Key": ctx.idempotency_key})
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=TIMEOUT_SECONDS, max_retries=2, name="chaos_refund_short")
+def chaos_refund_short(args: RefundArgs, ctx: ToolContext) -> dict:
+    """Refund with only two retries: the one whose retries run out."""
+    return external(ctx, "POST", "/refunds", args.model_dump(), {"Idempotency-Key": ctx.idempotency_key})
 
 
 @tool(effect=ToolEffect.RECONCILABLE, timeout=TIMEOUT_SECONDS, max_retries=6, name="chaos_ledger")
 def chaos_ledger(args: LedgerArgs, ctx: ToolContext) -> dict:
     """Post a ledger entry (reconcilable: looked up by key before a retry writes)."""
-    checkpoint(ctx, "before")
-    result = call("POST", "/ledger", {"key": ctx.idempotency_key, **args.model_dump()})
-    checkpoint(ctx, "after")
-    return result
+    return external(ctx, "POST", "/ledger", {"key": ctx.idempotency_key, **args.model_dump()})
 
 
 @chaos_ledger.lookup
 def chaos_find_ledger_entry(ctx: ToolContext) -> dict | None:
-    entries = call("GET", "/ledger?" + urllib.parse.urlencode({"key": ctx.idempotency_key}))
+    query = urllib.parse.urlencode({"key": ctx.idempotency_key})
+    entries = call("GET", "/ledger?" + query, timeout=ctx.seconds_left())
     found = entries.get("entries") or []
+    return found[0] if found else None
+
+
+@tool(effect=ToolEffect.RECONCILABLE, timeout=TIMEOUT_SECONDS, max_retries=6, name="chaos_note")
+def chaos_note(args: EmailArgs, ctx: ToolContext) -> dict:
+    """A reconcilable write to a store with no UNIQUE key (the emails endpoint, found again by
+    its request ref): a retry racing an attempt would show here as two effects."""
+    return external(ctx, "POST", "/emails", args.model_dump(), {"X-Request-Ref": ctx.idempotency_key})
+
+
+@chaos_note.lookup
+def chaos_find_note(ctx: ToolContext) -> dict | None:
+    query = urllib.parse.urlencode({"request_ref": ctx.idempotency_key})
+    found = call("GET", "/emails?" + query, timeout=ctx.seconds_left()).get("emails") or []
     return found[0] if found else None
 
 
 @tool(effect=ToolEffect.UNSAFE, timeout=TIMEOUT_SECONDS, name="chaos_email")
 def chaos_email(args: EmailArgs, ctx: ToolContext) -> dict:
     """Send an email (unsafe: runs at most once)."""
-    checkpoint(ctx, "before")
-    result = call("POST", "/emails", args.model_dump(), headers={"X-Request-Ref": ctx.idempotency_key})
-    checkpoint(ctx, "after")
-    return result
+    return external(ctx, "POST", "/emails", args.model_dump(), {"X-Request-Ref": ctx.idempotency_key})

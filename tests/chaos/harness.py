@@ -1,7 +1,8 @@
 """Real processes for the chaos and restart suites: a dev server (SQLite file), the billing
 service with ``--delay-ms``, and worker subprocesses that are SIGKILLed at the dangerous points
 of a tool call. Used by ``tests/chaos/test_chaos.py`` (a small deterministic subset) and by
-``python -m tests.chaos.run_chaos`` (the long randomized version); both run ``kill_round``.
+``python -m tests.chaos.run_chaos`` (the long randomized version); both run ``kill_round``
+(worker SIGKILLs) and ``effect_round`` (slow attempts, cancels, retries that run out).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 import starter
@@ -27,21 +28,34 @@ from examples.devstack import dev_server_command
 from tests.chaos.markers import marker_name
 from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
-from workflows.models import ApprovalDecision, RunOutcome, RunRequest, RunSnapshot
-from workflows.states import RunState
+from workflows.models import RunOutcome, RunRequest, RunSnapshot
+from workflows.states import RunState, TransitionRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 S = RunState
 
 # Effect class -> (chaos tool, its arguments). Names match tests/chaos/chaos_tools.py, which
-# only worker subprocesses import.
+# only worker subprocesses import. The reconcilable tool writes where no UNIQUE key dedupes
+# (the ledger's would turn a racing retry into a 409): two effects would show as two.
 TOOLS = {
-    "idempotent": ("chaos_refund", {"order_id": "A-1002", "amount_cents": 100, "reason": "chaos"}),
-    "reconcilable": ("chaos_ledger", {"order_id": "A-1003", "amount_cents": -100, "memo": "chaos"}),
+    "idempotent": ("chaos_refund", {"order_id": "A-1002", "amount_cents": 1, "reason": "chaos"}),
+    "reconcilable": ("chaos_note", {"to": "ledger@example.com", "subject": "chaos", "body": "chaos"}),
     "unsafe": ("chaos_email", {"to": "grace@example.com", "subject": "chaos", "body": "chaos"}),
 }
 EFFECTS = tuple(TOOLS)
 POINTS = ("before", "during", "after")
+# effect_round's scenarios and their variants:
+# - slow: attempt 1 commits 0.2 s ("within" the grace period) or 2 s ("past" it) after its deadline;
+# - cancel: the run is cancelled with its tool held before the call, during it (committed, the
+#   response delayed), after it, or after it with the worker SIGKILLed right after the cancel;
+# - exhaust: every write's response is lost, so the idempotent tool's two retries run out.
+SCENARIOS = {
+    "slow": ("within", "past"),
+    "cancel": ("before", "during", "after", "after+kill"),
+    "exhaust": ("lost",),
+}
+SLOW_SECONDS = {"within": 0.2, "past": 2.0}
+EXHAUST_TOOLS = {"idempotent": "chaos_refund_short"}
 # Billing delay: every write's response waits this long after its commit ("during" kills land here).
 BILLING_DELAY_MS = 1000
 
@@ -161,8 +175,6 @@ class BillingProc(Billing):
         """How many effects the service holds for one idempotency key."""
         if effect == "idempotent":
             return len(self.refunds(key))
-        if effect == "reconcilable":
-            return len(self.get(f"/ledger?key={key}")["entries"])
         return len(self.get(f"/emails?request_ref={key}")["emails"])
 
     def stop(self) -> None:
@@ -170,11 +182,18 @@ class BillingProc(Billing):
 
 
 def start_worker(
-    address: str, billing_url: str, queue: str, chaos_dir: Path, hold: str = "", tool_timeout: float | None = None
+    address: str,
+    billing_url: str,
+    queue: str,
+    chaos_dir: Path,
+    hold: str = "",
+    tool_timeout: float | None = None,
+    **faults: str,
 ) -> Proc:
+    """``faults``: CHAOS_SLOW / CHAOS_LOSE_RESPONSE for the chaos tools (chaos_tools.py)."""
     cmd = [sys.executable, "worker.py", "--tools", "tests.chaos.chaos_tools", "--task-queue", queue]
     env = _env(TEMPORAL_ADDRESS=address, BILLING_URL=billing_url, CHAOS_DIR=str(chaos_dir), CHAOS_HOLD=hold,
-               CHAOS_TOOL_TIMEOUT=str(tool_timeout or ""))
+               CHAOS_TOOL_TIMEOUT=str(tool_timeout or ""), **faults)
     return Proc(f"worker {queue}", cmd, chaos_dir / f"worker-{uuid.uuid4().hex[:6]}.log", env)
 
 
@@ -194,6 +213,10 @@ class RunResult:
     tool_call_id: str
     held: bool  # the kill point was held deterministically (else: a random moment)
     tool_completed: bool  # the server recorded a completed execute_tool activity
+    outcome: str | None = None  # the effect outcome the run recorded for its step (refs.outcome)
+    step_started: bool = False  # the run reached EXECUTING_TOOL
+    scenario: str = "kill"  # kill, or an effect_round scenario
+    variant: str = ""  # the scenario's variant (SCENARIOS)
 
 
 async def _tool_completions(handle: WorkflowHandle) -> list[float]:
@@ -247,6 +270,54 @@ def _marker(chaos_dir: Path, key: str, attempt: int, point: str) -> Path:
     return chaos_dir / marker_name(key, attempt, point)
 
 
+async def _start_approved(
+    client: Client, queue: str, effects: Sequence[str], runs_per_effect: int, tools: dict[str, str] | None = None
+) -> tuple[list[tuple[str, WorkflowHandle]], dict[str, tuple[str, str]]]:
+    """Start runs of one write tool each and approve them. Returns (effect, handle) pairs and
+    run id -> (idempotency key, tool call id)."""
+    runs: list[tuple[str, WorkflowHandle]] = []
+    for effect in effects:
+        tool, args = TOOLS[effect]
+        tool = (tools or {}).get(effect, tool)
+        for _ in range(runs_per_effect):
+            request = RunRequest(goal=f"chaos {effect}", requested_by="alice", playbook=[{"tool": tool, "args": args}])
+            handle = await starter.start_run(client, request, run_id=_unique(f"chaos-{effect}"), queue=queue)
+            runs.append((effect, handle))
+    keys: dict[str, tuple[str, str]] = {}
+    for effect, handle in runs:
+        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 60)
+        assert snap.plan is not None
+        tool_call_id = snap.plan.steps[0].tool_call_id
+        keys[handle.id] = (f"{handle.id}:{tool_call_id}", tool_call_id)
+        decision = approval_for(snap, "chaos-bob")
+        await handle.signal("approve", decision)
+    return runs, keys
+
+
+def _attempts(chaos_dir: Path, key: str) -> int:
+    """Tool attempts that reached the "before" checkpoint."""
+    return sum(1 for a in range(1, 20) if _marker(chaos_dir, key, a, "before").exists())
+
+
+def recorded_outcome(timeline: list[TransitionRecord], tool_call_id: str) -> str | None:
+    """The effect outcome the run's latest record for this tool call names, if any."""
+    found = [r.refs.outcome for r in timeline if r.refs.tool_call_id == tool_call_id and r.refs.outcome]
+    return found[-1] if found else None
+
+
+async def _ended(client: Client, run_id: str) -> tuple[RunState, list[TransitionRecord]]:
+    """Wait for a run to end; its state and timeline (a cancelled run has no result: query it)."""
+    handle = client.get_workflow_handle(run_id, result_type=RunOutcome)
+    outcome: RunOutcome | None = None
+    try:
+        outcome = await asyncio.wait_for(handle.result(), 120)
+        timeline = outcome.timeline
+    except WorkflowFailureError:
+        timeline = await handle.query("timeline", result_type=list[TransitionRecord])
+    check_timeline(timeline, tools_by_call(outcome))
+    return timeline[-1].to_state, timeline
+
+
 async def kill_round(
     client: Client,
     address: str,
@@ -273,25 +344,8 @@ async def kill_round(
     try:
         await worker.wait_for_output("worker ready")
         round_.mark("worker ready")
-        runs: list[tuple[str, WorkflowHandle]] = []
-        for effect in effects:
-            tool, args = TOOLS[effect]
-            for _ in range(runs_per_effect):
-                request = RunRequest(goal=f"chaos {effect}", requested_by="alice", playbook=[{"tool": tool, "args": args}])
-                handle = await starter.start_run(client, request, run_id=_unique(f"chaos-{effect}"), queue=queue)
-                runs.append((effect, handle))
-        keys: dict[str, tuple[str, str]] = {}
-        for effect, handle in runs:
-            snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 60)
-            assert snap.plan is not None
-            tool_call_id = snap.plan.steps[0].tool_call_id
-            keys[handle.id] = (f"{handle.id}:{tool_call_id}", tool_call_id)
-        round_.mark("awaiting approval")
-        for _, handle in runs:
-            await handle.signal("approve", approval_for(await handle.query("snapshot", result_type=RunSnapshot), "chaos-bob"))
-
-        def attempts(key: str) -> int:
-            return sum(1 for a in range(1, 20) if _marker(chaos_dir, key, a, "before").exists())
+        runs, keys = await _start_approved(client, queue, effects, runs_per_effect)
+        round_.mark("approved")
 
         if point is None:
             await asyncio.sleep(rng.uniform(0.0, 2.5))
@@ -340,22 +394,14 @@ async def kill_round(
         round_.mark("restarted")
 
         for effect, handle in runs:
-            outcome: RunOutcome = await asyncio.wait_for(
-                client.get_workflow_handle(handle.id, result_type=RunOutcome).result(), 120
-            )
             key, tool_call_id = keys[handle.id]
-            check_timeline(outcome.timeline, tools_by_call(outcome))
-            last = outcome.timeline[-1]
+            state, timeline = await _ended(client, handle.id)
             completions = await _tool_completions(handle)
             if completions and min(completions) < killed_at:
                 points[handle.id] = "done"  # a random kill that came after the call completed
             round_.results.append(
-                RunResult(
-                    effect=effect, run_id=handle.id, key=key, point=points[handle.id],
-                    state=outcome.state, effects=billing.effects(effect, key),
-                    attempts=attempts(key), reason=last.reason, tool_call_id=tool_call_id,
-                    held=point is not None, tool_completed=bool(completions),
-                )
+                _result(effect, handle.id, key, tool_call_id, state, timeline, billing, chaos_dir,
+                        point=points[handle.id], held=point is not None, tool_completed=bool(completions))
             )
             round_.mark(f"{effect} done")
     finally:
@@ -363,13 +409,131 @@ async def kill_round(
     return round_
 
 
+def _result(
+    effect: str, run_id: str, key: str, tool_call_id: str, state: RunState, timeline: list[TransitionRecord],
+    billing: BillingProc, chaos_dir: Path, **fields: object,
+) -> RunResult:
+    return RunResult(
+        effect=effect, run_id=run_id, key=key, state=state, effects=billing.effects(effect, key),
+        attempts=_attempts(chaos_dir, key), reason=timeline[-1].reason, tool_call_id=tool_call_id,
+        outcome=recorded_outcome(timeline, tool_call_id),
+        step_started=any(r.to_state == S.EXECUTING_TOOL for r in timeline if r.kind == "transition"),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+async def effect_round(
+    client: Client,
+    address: str,
+    billing: BillingProc,
+    workdir: Path,
+    *,
+    scenario: str,
+    variant: str,
+    effects: Sequence[str] = EFFECTS,
+    runs_per_effect: int = 1,
+) -> Round:
+    """One round of a fault of the attempt itself (SCENARIOS): slow attempts, a cancel while the
+    tool runs (with a SIGKILL after it for ``after+kill``), or retries that run out."""
+    assert variant in SCENARIOS[scenario], (scenario, variant)
+    chaos_dir = workdir / _unique(f"{scenario}-{variant}")
+    chaos_dir.mkdir(parents=True)
+    queue = _unique("chaos-q")
+    faults: dict[str, str] = {}
+    hold = ""
+    if scenario == "slow":
+        faults["CHAOS_SLOW"] = str(SLOW_SECONDS[variant])
+    elif scenario == "exhaust":
+        faults["CHAOS_LOSE_RESPONSE"] = "1"
+    elif variant != "during":
+        hold = variant.split("+")[0]
+    worker = start_worker(address, billing.url, queue, chaos_dir, hold, **faults)
+    round_ = Round()
+    try:
+        await worker.wait_for_output("worker ready")
+        runs, keys = await _start_approved(
+            client, queue, effects, runs_per_effect, EXHAUST_TOOLS if scenario == "exhaust" else None
+        )
+        if scenario == "cancel":
+            by_run = {h.id: e for e, h in runs}
+            if variant == "during":
+                await _wait(
+                    lambda: all(billing.effects(by_run[rid], k) >= 1 for rid, (k, _) in keys.items()),
+                    30, "every effect committed (its response is delayed)", step=0.05,
+                )
+            else:
+                await _wait(
+                    lambda: all(_marker(chaos_dir, k, 1, hold).exists() for k, _ in keys.values()),
+                    60, f"every tool call at its {hold!r} checkpoint",
+                )
+            for _, handle in runs:
+                await handle.cancel(reason="chaos cancel")
+            if variant == "after+kill":
+                worker.kill()
+                round_.kills += 1
+                worker = start_worker(address, billing.url, queue, chaos_dir)
+                await worker.wait_for_output("worker ready")
+        for effect, handle in runs:
+            key, tool_call_id = keys[handle.id]
+            state, timeline = await _ended(client, handle.id)
+            if scenario == "slow" and _attempts(chaos_dir, key):
+                # The slow attempt commits after the run may have ended: count it once it has.
+                await _wait(lambda: _marker(chaos_dir, key, 1, "after").exists(), 30, "the slow attempt's commit")
+            round_.results.append(
+                _result(effect, handle.id, key, tool_call_id, state, timeline, billing, chaos_dir,
+                        point=scenario, held=False, tool_completed=bool(await _tool_completions(handle)),
+                        scenario=scenario, variant=variant)
+            )
+    finally:
+        worker.stop()
+    return round_
+
+
 def check_result(r: RunResult) -> None:
     """The chaos contract for one run (see tests/chaos/test_chaos.py)."""
+    # Exactly once: never two effects under one key; an unsafe tool never called twice.
+    assert r.effects <= 1, f"{r.effect} key {r.key}: {r.effects} effects"
+    if r.effect == "unsafe":
+        assert r.attempts <= 1, f"unsafe tool called twice: {r}"
+    # Every step that started ends with its outcome on the record, and the outcome is true:
+    # ok = applied, failed = not applied, unknown = may have applied (and then a human decides
+    # or the operator who cancelled sees it).
+    if r.step_started:
+        assert r.outcome in ("ok", "failed", "unknown"), f"step ended without an outcome: {r}"
+    if r.outcome == "ok":
+        assert r.effects == 1, f"outcome ok but {r.effects} effects: {r}"
+    elif r.outcome == "failed":
+        assert r.effects == 0, f"outcome failed but the effect exists: {r}"
+    elif r.outcome == "unknown":
+        assert r.state in (S.HANDED_OFF, S.CANCELLED), f"outcome unknown ended {r.state.value}: {r}"
+        assert r.tool_call_id in r.reason and "outcome unknown" in r.reason, r.reason
+    if r.scenario == "cancel":
+        assert r.state == S.CANCELLED, r
+        if r.variant in ("during", "after"):
+            # The cancel waited for the call: the email went out and the record says so.
+            assert r.outcome == "ok", r
+        elif r.variant == "before":
+            assert r.outcome == "failed" and r.effects == 0, r
+        return
+    if r.scenario == "slow":
+        # Within the grace period the late result counts; past it the attempt is not over,
+        # so nothing retries and a human decides. Either way: one effect.
+        assert r.effects == 1, r
+        if r.variant == "past":
+            assert r.state == S.HANDED_OFF and r.outcome == "unknown" and r.attempts == 1, r
+        else:
+            assert (r.state, r.outcome) in ((S.COMPLETED, "ok"), (S.HANDED_OFF, "unknown")), r
+        return
+    if r.scenario == "exhaust":
+        # Every response lost: the reconcilable retry finds its effect; the others end unknown.
+        assert r.effects == 1, r
+        expected = S.COMPLETED if r.effect == "reconcilable" else S.HANDED_OFF
+        assert r.state == expected, r
+        return
     if r.effect in ("idempotent", "reconcilable"):
         assert r.state == S.COMPLETED, f"{r.effect} run {r.run_id} ended {r.state.value}: {r.reason}"
         assert r.effects == 1, f"{r.effect} key {r.key}: {r.effects} effects"
     else:
-        assert r.attempts <= 1 and r.effects <= 1, f"unsafe tool called twice: {r}"
         if r.held:
             # Killed while held at the point: the activity cannot have completed.
             assert not r.tool_completed, r
@@ -378,6 +542,6 @@ def check_result(r: RunResult) -> None:
             assert r.state == S.HANDED_OFF, f"unsafe run with unknown outcome ended {r.state.value}: {r}"
         assert r.state in (S.COMPLETED, S.HANDED_OFF), r
         if r.state == S.HANDED_OFF:
-            assert r.tool_call_id in r.reason and "outcome unknown" in r.reason, r.reason
+            assert r.outcome == "unknown", r
         else:
             assert r.tool_completed and r.effects == 1, r

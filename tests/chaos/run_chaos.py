@@ -3,11 +3,14 @@
     python -m tests.chaos.run_chaos --kills 200 [--lanes 4] [--seed N]
 
 Starts its own dev server (SQLite file) and billing service (``--delay-ms``), then runs
-``kill_round`` (tests/chaos/harness.py, the same code as the pytest suite) in parallel lanes
-until at least ``--kills`` worker SIGKILLs happened. Each round picks at random: the kill point
+rounds (tests/chaos/harness.py, the same code as the pytest suite) in parallel lanes until at
+least ``--kills`` worker SIGKILLs happened. Most rounds are ``kill_round``: the kill point
 (before / during / after the external call, or a random moment), 1-2 runs per effect class,
-and 0-2 further kills of the restarted worker at random moments (mid-retry, mid-task). Prints
-a summary table per effect class and exits 1 on any violation of the chaos contract.
+and 0-2 further kills of the restarted worker at random moments (mid-retry, mid-task). The
+others are ``effect_round``: a slow attempt that commits after its deadline, a cancel during
+the call (one with a SIGKILL after it), or an idempotent tool whose retries run out. Prints a
+summary table per effect class (with the ``unknown`` outcomes and how each run ended) and exits
+1 on any violation of the chaos contract.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ import traceback
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from tests.chaos.harness import EFFECTS, BillingProc, DevServer, RunResult, check_result, kill_round
+from tests.chaos.harness import (
+    EFFECTS,
+    SCENARIOS,
+    BillingProc,
+    DevServer,
+    RunResult,
+    check_result,
+    effect_round,
+    kill_round,
+)
 from workflows.states import RunState
 
 S = RunState
@@ -43,17 +55,26 @@ async def lane(n: int, target: int, tally: Tally, server: DevServer, billing: Bi
     rng = random.Random(seed * 1000 + n)
     client = await server.client()
     while tally.kills < target:
-        point = rng.choice(["before", "during", "after", None])
         runs = rng.randint(1, 2)
-        extra = rng.choice([0, 0, 1, 2])
         started = time.monotonic()
+        # One round in three is a fault of the attempt itself rather than a worker kill.
+        scenario = rng.choice(["kill", "kill", "slow", "cancel", "exhaust", "kill"])
+        point: str | None = None
         try:
-            round_ = await kill_round(
-                client, server.address, billing, workdir, point=point, runs_per_effect=runs,
-                extra_kills=extra, rng=rng,
-            )
+            if scenario == "kill":
+                point = rng.choice(["before", "during", "after", None])
+                round_ = await kill_round(
+                    client, server.address, billing, workdir, point=point, runs_per_effect=runs,
+                    extra_kills=rng.choice([0, 0, 1, 2]), rng=rng,
+                )
+            else:
+                point = rng.choice(SCENARIOS[scenario])
+                round_ = await effect_round(
+                    client, server.address, billing, workdir, scenario=scenario, variant=point,
+                    runs_per_effect=runs,
+                )
         except Exception as e:  # a round that could not finish is a failure, not a crash
-            tally.errors.append(f"lane {n} point={point}: {type(e).__name__}: {e}")
+            tally.errors.append(f"lane {n} {scenario} {point}: {type(e).__name__}: {e}")
             traceback.print_exc()
             continue
         tally.rounds += 1
@@ -68,7 +89,7 @@ async def lane(n: int, target: int, tally: Tally, server: DevServer, billing: Bi
                 tally.violations.append(f"{result.effect} {result.run_id}: {e}")
         points = Counter(r.point for r in round_.results)
         print(
-            f"lane {n} round {tally.rounds:>3}: point={point or 'random':<7} runs/effect={runs} "
+            f"lane {n} round {tally.rounds:>3}: {scenario:<7} {point or 'random':<10} runs/effect={runs} "
             f"kills={round_.kills} caught at {dict(points)} in {time.monotonic() - started:.0f}s "
             f"(total kills {tally.kills})",
             flush=True,
@@ -76,26 +97,47 @@ async def lane(n: int, target: int, tally: Tally, server: DevServer, billing: Bi
 
 
 def table(tally: Tally) -> str:
-    header = ("effect", "runs", "kills", "mid-call", "completed", "handed off", "other end",
-              "effects/key max", "duplicates", "repeated calls", "violations")
+    """Per effect class: runs, kills, the faults they met, how they ended, what the effect
+    outcome was, and the exactly-once checks. ``unknown`` runs may have applied their effect;
+    ``unrecorded`` counts runs whose effect exists (or may) without ``ok``/``unknown`` on the
+    record: the contract says 0."""
+    header = ("effect", "runs", "kills", "mid-call", "slow", "cancels", "exhaust", "completed",
+              "handed off", "cancelled", "other end", "ok", "failed", "unknown", "unknown->handed off",
+              "unknown->cancelled", "unknown applied", "unrecorded", "effects/key max", "duplicates",
+              "repeated calls", "violations")
     rows = [header]
     by_effect: dict[str, list[RunResult]] = defaultdict(list)
     for r in tally.results:
         by_effect[r.effect].append(r)
     for effect in EFFECTS:
         rs = by_effect[effect]
-        writes_twice = sum(1 for r in rs if r.effects > 1)
+        unknown = [r for r in rs if r.outcome == "unknown"]
+
+        def count(pred) -> str:
+            return str(sum(1 for r in rs if pred(r)))
+
         rows.append((
             effect,
             str(len(rs)),
             str(tally.kills_by_effect[effect]),
-            str(sum(1 for r in rs if r.point in ("before", "during", "after"))),
-            str(sum(1 for r in rs if r.state == S.COMPLETED)),
-            str(sum(1 for r in rs if r.state == S.HANDED_OFF)),
-            str(sum(1 for r in rs if r.state not in (S.COMPLETED, S.HANDED_OFF))),
+            count(lambda r: r.scenario == "kill" and r.point in ("before", "during", "after")),
+            count(lambda r: r.scenario == "slow"),
+            count(lambda r: r.scenario == "cancel"),
+            count(lambda r: r.scenario == "exhaust"),
+            count(lambda r: r.state == S.COMPLETED),
+            count(lambda r: r.state == S.HANDED_OFF),
+            count(lambda r: r.state == S.CANCELLED),
+            count(lambda r: r.state not in (S.COMPLETED, S.HANDED_OFF, S.CANCELLED)),
+            count(lambda r: r.outcome == "ok"),
+            count(lambda r: r.outcome == "failed"),
+            str(len(unknown)),
+            str(sum(1 for r in unknown if r.state == S.HANDED_OFF)),
+            str(sum(1 for r in unknown if r.state == S.CANCELLED)),
+            str(sum(1 for r in unknown if r.effects)),
+            count(lambda r: r.effects and r.outcome not in ("ok", "unknown")),
             str(max((r.effects for r in rs), default=0)),
-            str(writes_twice) if effect != "unsafe" else "-",
-            str(sum(1 for r in rs if r.attempts > 1 or r.effects > 1)) if effect == "unsafe" else "-",
+            count(lambda r: r.effects > 1) if effect != "unsafe" else "-",
+            count(lambda r: r.attempts > 1 or r.effects > 1) if effect == "unsafe" else "-",
             str(sum(1 for v in tally.violations if v.startswith(effect + " "))),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -118,11 +160,13 @@ async def main_async(args: argparse.Namespace) -> int:
     finally:
         billing.stop()
         server.stop()
-    points = Counter(r.point for r in tally.results)
+    points = Counter(r.point for r in tally.results if r.scenario == "kill")
+    faults = Counter(f"{r.scenario} {r.variant}" for r in tally.results if r.scenario != "kill")
     print()
     print(f"chaos summary: {tally.kills} worker SIGKILLs in {tally.rounds} rounds, "
           f"{len(tally.results)} runs, {time.monotonic() - started:.0f}s, seed {args.seed}")
     print("first kill caught the tool call: " + ", ".join(f"{p} {n}" for p, n in sorted(points.items())))
+    print("faults of the attempt: " + ", ".join(f"{f} {n}" for f, n in sorted(faults.items())))
     print()
     print(table(tally))
     for v in tally.violations:

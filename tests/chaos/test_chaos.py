@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.chaos.conftest import Stack
-from tests.chaos.harness import EFFECTS, POINTS, check_result, kill_round
+from tests.chaos.harness import EFFECTS, POINTS, SCENARIOS, check_result, effect_round, kill_round
 
 
 async def test_sigkill_before_during_and_after_the_external_call(stack: Stack) -> None:
@@ -45,3 +45,28 @@ async def test_sigkill_before_during_and_after_the_external_call(stack: Stack) -
     # Killed before the call, the email was never sent; killed during or after it, exactly once.
     unsafe = {r.point: r.effects for round_ in rounds for r in round_.results if r.effect == "unsafe"}
     assert unsafe == {"before": 0, "during": 1, "after": 1}
+
+
+async def test_slow_attempts_cancels_and_retries_that_run_out(stack: Stack) -> None:
+    """A slow attempt that commits after its deadline (within and past the grace period), a
+    cancel with the tool held before, during and after its call (and a SIGKILL right after the
+    cancel), and an idempotent tool whose retries run out: one effect per key at most, and
+    every step's end names an outcome that matches what the billing service holds."""
+    cases = [(scenario, variant) for scenario, variants in SCENARIOS.items() for variant in variants]
+    rounds = await asyncio.gather(
+        *(
+            effect_round(stack.client, stack.server.address, stack.billing, stack.workdir, scenario=s, variant=v)
+            for s, v in cases
+        )
+    )
+    outcomes = {}
+    for (scenario, variant), round_ in zip(cases, rounds):
+        assert {r.effect for r in round_.results} == set(EFFECTS)
+        for result in round_.results:
+            check_result(result)
+            outcomes[(scenario, variant, result.effect)] = (result.state.value, result.outcome, result.effects)
+    # The cases the contract pins down exactly.
+    assert outcomes[("slow", "past", "reconcilable")] == ("HANDED_OFF", "unknown", 1)
+    assert outcomes[("exhaust", "lost", "idempotent")] == ("HANDED_OFF", "unknown", 1)
+    assert outcomes[("cancel", "before", "unsafe")] == ("CANCELLED", "failed", 0)
+    assert outcomes[("cancel", "after", "unsafe")] == ("CANCELLED", "ok", 1)

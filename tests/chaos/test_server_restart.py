@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import starter
 from tests.chaos.conftest import Stack
 from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_worker
 from tests.invariants import check_timeline, tools_by_call
 from tests.conftest import approval_for
-from workflows.models import ApprovalDecision, Limits, RunOutcome, RunRequest, RunSnapshot
+from workflows.models import Limits, RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState
 
 S = RunState
