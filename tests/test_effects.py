@@ -25,10 +25,10 @@ from temporalio.worker import Replayer
 
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import call
-from tests.conftest import Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline
 from workflows.agent_run import AgentRun
-from workflows.models import ApprovalDecision, HandoffRequest, RunOutcome, ToolEffect
+from workflows.models import HandoffRequest, RunOutcome, ToolEffect
 from workflows.states import RunState
 
 S = RunState
@@ -128,9 +128,7 @@ async def approved_run(env: WorkflowEnvironment, worker, tool_name: str, tag: st
     handle = await start_run(env.client, worker, make_request([{"tool": tool_name, "args": {"tag": tag}}]))
     snap = await wait_for_state(handle, "AWAITING_APPROVAL")
     plan = snap.plan
-    await handle.signal(
-        "approve", ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=plan.plan_hash)
-    )
+    await handle.signal("approve", approval_for(snap, "bob"))
     return handle, f"{handle.id}:{plan.steps[0].tool_call_id}", plan.steps[0].tool_call_id
 
 

@@ -196,7 +196,8 @@ async def test_fault_cases_error_results_crashes_and_timeouts(ts_env: WorkflowEn
         _, outcome = await run("faults__decline", {"amount_cents": 500})
         assert outcome.state == S.EXECUTION_FAILED
         assert outcome.timeline[-1].refs.error_code == "card_declined"
-        assert "card declined for 500 cents" in outcome.timeline[-1].reason
+        # The server's error text may quote arguments: the record names the code, not the text.
+        assert "500" not in outcome.timeline[-1].reason and "outcome failed" in outcome.timeline[-1].reason
         assert len(calls(state, "decline")) == 1
         # isError from the SDK's own ToolError: the generic code.
         _, outcome = await run("faults__fail", {})

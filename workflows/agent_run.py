@@ -774,6 +774,8 @@ class AgentRun:
             )
             seal = sealed.seal
         await self._checkpoint()
+        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
+            return  # a decision or handoff came in while sealing: act on it first, continue later
         workflow.continue_as_new(
             self.request.model_copy(update={"carryover": data, "carryover_seal": seal}),
             search_attributes=TypedSearchAttributes(
