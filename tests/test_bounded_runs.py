@@ -85,7 +85,7 @@ async def test_a_long_read_only_run_completes_continuing_as_new(small_history_en
     # Short here: a server that suggests continue-as-new every few dozen events. `make soak`
     # runs 1,000 steps on the default settings.
     env = dev_env if SOAK else small_history_env
-    steps = 1000 if SOAK else 60
+    steps = 1000 if SOAK else 30
     playbook = [{"tool": "read_page", "args": {"page": i}} for i in range(steps)]
     async with running_worker(env.client, registry=LONG_TOOLS) as worker:
         handle = await start_run(env.client, worker, make_request(playbook, limits={"max_steps": steps}))
@@ -245,7 +245,11 @@ async def test_timeline_all_has_every_record_once_after_a_kill_during_the_sink_w
     )
     try:
         steps = [{"tool": "get_order", "args": {"order_id": "A-1001"}}] * 3
-        handle = await tether_client.start_run(dev_env.client, make_request(steps), run_id=unique("run"), queue=queue)
+        # A short workflow task timeout: the killed worker's task is retried by the next one sooner.
+        handle = await dev_env.client.start_workflow(
+            "AgentRun", make_request(steps), id=unique("run"), task_queue=queue,
+            task_timeout=__import__("datetime").timedelta(seconds=2), result_type=RunOutcome,
+        )
         for _ in range(600):
             if marker.exists():
                 break

@@ -88,7 +88,7 @@ def late_note(args: Note, ctx: ToolContext) -> dict:
 late_note.lookup(_find)
 
 
-@tool(effect=ToolEffect.UNSAFE, timeout=30, name="async_email", registry=REGISTRY)
+@tool(effect=ToolEffect.UNSAFE, timeout=8, name="async_email", registry=REGISTRY)
 async def async_email(args: Note, ctx: ToolContext) -> dict:
     """Sends, then waits for a response that does not come: a cancel catches it mid-call."""
     sent = await asyncio.to_thread(_send, args, ctx, ctx.seconds_left())
@@ -97,7 +97,7 @@ async def async_email(args: Note, ctx: ToolContext) -> dict:
     return sent
 
 
-@tool(effect=ToolEffect.UNSAFE, timeout=30, name="patient_email", registry=REGISTRY)
+@tool(effect=ToolEffect.UNSAFE, timeout=8, name="patient_email", registry=REGISTRY)
 def patient_email(args: Note, ctx: ToolContext) -> dict:
     """Sends, then finishes as soon as the run's cancel reaches it (ctx.cancelled)."""
     sent = _send(args, ctx, ctx.seconds_left())

@@ -222,12 +222,14 @@ async def test_cli_on_unknown_and_finished_runs_gives_one_line_errors(
             "handoff": ["handoff", "{run}", "--by", "dana", "--reason", "r"],
             "cancel": ["cancel", "{run}", "--reason", "r"],
         }
-        for verb, argv in calls.items():
-            code, out, err = await cli(*[a.format(run=unknown) for a in argv])
+        # The calls are independent: run them side by side (each `tether` is a new process).
+        results = await asyncio.gather(
+            *(cli(*[a.format(run=run) for a in argv]) for run in (unknown, done.id) for argv in calls.values())
+        )
+        for verb, (code, out, err) in zip(calls, results[: len(calls)]):
             assert code == 2, (verb, code, out, err)
             assert len(err.strip().splitlines()) == 1 and f"unknown run '{unknown}'" in err, (verb, err)
-        for verb, argv in calls.items():
-            code, out, err = await cli(*[a.format(run=done.id) for a in argv])
+        for verb, (code, out, err) in zip(calls, results[len(calls):]):
             if verb in ("status", "timeline"):
                 assert code == 0 and "COMPLETED" in out, (verb, out, err)
             else:
