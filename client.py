@@ -367,15 +367,8 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     except ValidationError as e:
         raise invalid("decision", e) from None
     if given.key is not None:
-        payload = policy.signature_payload(
-            workflow_id=snap.run_id,
-            first_run_id=snap.first_run_id,
-            tenant=snap.tenant,
-            request_id=decision.request_id or "",
-            plan_hash=decision.plan_hash,
-            kind=kind,
-            decision_id=decision.decision_id,
-            signer=decision.approver,  # normalised, as the run compares it
+        payload = policy.decision_signature_payload(
+            workflow_id=snap.run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind=kind, decision=decision
         )
         decision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
     return decision

@@ -316,15 +316,12 @@ class PolicyActivities:
         )
         if refusal is None:
             decision = check.decision
-            payload = policy.signature_payload(
+            payload = policy.decision_signature_payload(
                 workflow_id=check.workflow_id,
                 first_run_id=check.first_run_id,
                 tenant=check.tenant,
-                request_id=decision.request_id or "",
-                plan_hash=decision.plan_hash,
                 kind=check.kind,
-                decision_id=decision.decision_id,
-                signer=decision.approver,
+                decision=decision,
             )
             refusal = signature_refusal(tenant, decision.approver, payload, decision.signature, what="decision")
         verified = refusal is None and _has_key(tenant, check.decision.approver)

@@ -88,15 +88,8 @@ async def policy_worker(env: WorkflowEnvironment, path: Path) -> AsyncIterator[W
 
 def sign(key: Ed25519PrivateKey, workflow_id: str, snap: RunSnapshot, kind: str, decision: ApprovalDecision) -> str:
     """What `tether approve --key` sends: a signature over policy.signature_payload."""
-    payload = policy.signature_payload(
-        workflow_id=workflow_id,
-        first_run_id=snap.first_run_id,
-        tenant=snap.tenant,
-        request_id=decision.request_id or "",
-        plan_hash=decision.plan_hash,
-        kind=kind,
-        decision_id=decision.decision_id,
-        signer=decision.approver,
+    payload = policy.decision_signature_payload(
+        workflow_id=workflow_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind=kind, decision=decision
     )
     return base64.b64encode(key.sign(payload)).decode()
 

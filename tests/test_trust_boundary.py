@@ -37,8 +37,8 @@ from tests.conftest import (
     wait_for_state,
 )
 from tests.forger import Forger
+from tests.test_policy import sign
 from tests.invariants import check_timeline, tools_by_call
-from workflows import policy
 from workflows.models import (
     ApprovalDecision,
     HandoffRequest,
@@ -112,17 +112,7 @@ async def secure_worker(env: WorkflowEnvironment, path: Path, **options: Any) ->
 def signed(who: str, snap: RunSnapshot, kind: str = "approve", *, as_name: str | None = None, **fields: Any) -> ApprovalDecision:
     """A decision by ``as_name`` (default: who), signed with ``who``'s key."""
     decision = approval_for(snap, as_name or who, **fields)
-    payload = policy.signature_payload(
-        workflow_id=snap.run_id,
-        first_run_id=snap.first_run_id,
-        tenant=snap.tenant,
-        request_id=decision.request_id or "",
-        plan_hash=decision.plan_hash,
-        kind=kind,
-        decision_id=decision.decision_id,
-        signer=decision.approver,
-    )
-    decision.signature = base64.b64encode(KEYS[who].sign(payload)).decode()
+    decision.signature = sign(KEYS[who], snap.run_id, snap, kind, decision)
     return decision
 
 

@@ -406,6 +406,22 @@ def signature_payload(
     ).encode()
 
 
+def decision_signature_payload(
+    *, workflow_id: str, first_run_id: str, tenant: str, kind: str, decision: ApprovalDecision
+) -> bytes:
+    """What the approver of ``decision`` signs (and the policy activity verifies)."""
+    return signature_payload(
+        workflow_id=workflow_id,
+        first_run_id=first_run_id,
+        tenant=tenant,
+        request_id=decision.request_id or "",
+        plan_hash=decision.plan_hash,
+        kind=kind,
+        decision_id=decision.decision_id,
+        signer=decision.approver,  # normalised, as the run compares it
+    )
+
+
 def start_signature_payload(*, workflow_id: str, tenant: str, requested_by: str, request_digest: str) -> bytes:
     """What a requester signs to start a run: its id, tenant, name and what it asks for."""
     return canonical_json(
