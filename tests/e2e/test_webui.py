@@ -7,7 +7,7 @@ Against a dev server of its own (UI on), with a worker in this process and the b
    not the finished one;
 3. the run page shows the static summary (goal, tenant) and the current details: state, the plan
    as tool calls with their effect, the plan hash, who requested it, when approval expires and
-   the exact ``starter.py approve`` and ``temporal workflow signal`` commands; the timeline shows
+   the exact ``tether approve`` and ``temporal workflow signal`` commands; the timeline shows
    the planner's activity summary and the approval-expiry timer;
 4. the approval goes out from the UI's "Send a Signal" dialog (from the CLI if this UI version
    has no such dialog), and the page shows the run COMPLETED, with a summary
@@ -121,7 +121,8 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
             plan_hash,
             "requested by alice",
             expires,
-            f"python starter.py approve {handle.id} --by NAME --plan-hash {plan_hash}",
+            f".venv/bin/tether approve {handle.id} --by NAME",
+            snap.pending_approval.request_id,
             f"temporal workflow signal --workflow-id {handle.id} --name approve --input",
             *(f"{tool} · {effect}" for tool, effect in REFUND_STEPS),
         ):
@@ -141,6 +142,7 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
             "decision_id": unique("ui"),
             "approver": APPROVER,
             "plan_hash": plan_hash,
+            "request_id": snap.pending_approval.request_id,
             "comment": "approved in the Web UI",
         }
         via = await signal_from_ui(page, "approve", decision)
