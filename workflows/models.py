@@ -1,6 +1,6 @@
 """Pydantic contracts shared by the workflow, the activities and the clients.
 
-JSON field names here are public API (see ARCHITECTURE.md). Every workflow, signal, query and
+JSON field names here are public API (see docs/architecture.md). Every workflow, signal, query and
 activity takes exactly one of these models, so the pydantic data converter never has to guess.
 """
 

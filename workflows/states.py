@@ -37,7 +37,7 @@ class RunState(str, Enum):
 
 S = RunState
 
-# The table from ARCHITECTURE.md. Everything not listed here is denied.
+# The table from docs/architecture.md. Everything not listed here is denied.
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.RECEIVED: frozenset({S.PLANNING, S.CANCELLED, S.FAILED}),
     S.PLANNING: frozenset(
