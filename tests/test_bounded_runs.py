@@ -146,10 +146,18 @@ async def test_the_decide_update_refuses_what_cannot_count_before_history(dev_en
         assert "malformed" in str(malformed.value.cause)
         history = await handle.fetch_history()
         assert len(history.events) == before, "refused decisions reached history"
-        verdict = await handle.execute_update(
-            "decide", DecideRequest(kind="approve", **approval_for(snap, "bob", "ok").model_dump()), result_type=DecideResult
+        # The same decision twice at once: one verdict counts, the other is a duplicate.
+        twice = DecideRequest(kind="approve", **approval_for(snap, "bob", "ok").model_dump())
+        verdicts = await asyncio.gather(
+            *(handle.execute_update("decide", twice, result_type=DecideResult) for _ in range(2)),
+            return_exceptions=True,
         )
+        counted = [v for v in verdicts if isinstance(v, DecideResult) and v.outcome == "transition"]
+        assert len(counted) == 1, verdicts
+        verdict = counted[0]
         assert (verdict.outcome, verdict.state, verdict.decision_id) == ("transition", S.APPROVED, "ok")
+        other = next(v for v in verdicts if v is not verdict)
+        assert "duplicate_decision" in str(getattr(other, "rule", None) or getattr(other, "cause", other))
         with pytest.raises(WorkflowUpdateFailedError) as again:
             await handle.execute_update(
                 "decide", DecideRequest(kind="approve", **approval_for(snap, "bob", "ok").model_dump()), result_type=DecideResult

@@ -514,13 +514,23 @@ class AgentRun:
         decision = self._decide_payload(args)
         kind: DecisionKind = decision.kind
         plain = ApprovalDecision.model_validate(decision.model_dump(exclude={"kind"}))
+        if plain.decision_id in self._verdicts:
+            # The same decision twice at once (both passed the validator before either arrived):
+            # one verdict per decision id, so the later one is a duplicate.
+            return DecideResult(
+                decision_id=plain.decision_id,
+                outcome="refused",
+                state=self.data.lifecycle.state,
+                reason=f"decide refused: decision_id {plain.decision_id[:64]} is already being decided",
+                rule="duplicate_decision",
+            )
         self._verdicts[plain.decision_id] = None
         if self.engine.screen_decision(kind, plain, workflow.now()):
             self._inbox.append((kind, plain))
         else:
             self._answer(plain.decision_id)  # refused on arrival: the state moved since validation
         await workflow.wait_condition(lambda: self._verdicts.get(plain.decision_id) is not None)
-        result = self._verdicts.pop(plain.decision_id)
+        result = self._verdicts.pop(plain.decision_id, None)
         return result if result is not None else DecideResult(
             decision_id=plain.decision_id, outcome="refused", state=self.data.lifecycle.state, reason="no verdict"
         )
@@ -744,14 +754,16 @@ class AgentRun:
         data = self.data
         self._loops += 1
         suggested = workflow.info().is_continue_as_new_suggested()
-        # The carried state is measured now and then (it costs a serialisation), not every loop.
-        size = len(data.model_dump_json()) if suggested or self._loops % 16 == 0 else 0
-        if not suggested and size < CARRY_CONTINUE_AT:
+        if not suggested and self._loops % 16:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
         if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL, S.OBSERVING_RESULT):
             return
         if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
+            return
+        # The carried state is measured only here (it costs a serialisation), not every loop.
+        size = len(data.model_dump_json())
+        if not suggested and size < CARRY_CONTINUE_AT:
             return
         size += len(self.request.model_dump_json(exclude={"carryover"}))
         if size > CARRY_BUDGET + REQUEST_BUDGET:
