@@ -25,11 +25,12 @@ import asyncio
 import base64
 import os
 import re
+import secrets
 import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -206,11 +207,18 @@ class Verdict(BaseModel):
 def sign_request(request: RunRequest, run_id: str, key: Path) -> RunRequest:
     """The request with the requester's Ed25519 signature over policy.start_signature_payload:
     where the tenant requires signatures, a run starts only with it."""
+    # A fresh nonce and the time of signing: a captured start goes stale after the tenant's
+    # start_signature_ttl.
+    request = request.model_copy(
+        update={"nonce": secrets.token_hex(16), "issued_at": datetime.now(timezone.utc).replace(microsecond=0)}
+    )
     payload = policy.start_signature_payload(
         workflow_id=run_id,
         tenant=request.tenant,
         requested_by=request.requested_by,
         request_digest=request.request_digest(),
+        nonce=request.nonce,
+        issued_at=request.issued_at,
     )
     signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
     return request.model_copy(update={"requester_signature": signature})

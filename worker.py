@@ -27,6 +27,7 @@ from temporalio.worker import Worker
 from activities import mcp, planning
 from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
+from activities.keys import KeyActivities, KeyRing, KeyRingError
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
@@ -43,6 +44,7 @@ def create_worker(
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
+    keys: KeyRing | None = None,
     extra_workflows: Sequence[type] = (),
     **options: Any,
 ) -> Worker:
@@ -50,9 +52,13 @@ def create_worker(
 
     ``policy`` defaults to the built-in safe default (no policy file).
     """
-    tools = ToolActivities(registry)
-    rules = PolicyActivities(policy or PolicyStore(None))
-    # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
+    # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): seals carried state and
+    # mints / verifies the capability of every write.
+    keys = keys or KeyRing.from_env()
+    tools = ToolActivities(registry, keys)
+    rules = PolicyActivities(policy or PolicyStore(None), keys)
+    sealing = KeyActivities(keys)
+    # The audit sink (TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()
     return Worker(
         client,
@@ -67,8 +73,8 @@ def create_worker(
             rules.check_authority,
             rules.check_handoff,
             audit.audit_append,
-            audit.carryover_seal,
-            audit.carryover_verify,
+            sealing.carryover_seal,
+            sealing.carryover_verify,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         **options,
@@ -85,6 +91,10 @@ async def serve(
     mcp_config_path: str | None = None,
 ) -> None:
     registry = load_tool_modules(tool_modules)
+    try:
+        keys = KeyRing.from_env()  # refuses to start without the fleet's ring, naming the setting
+    except KeyRingError as e:
+        raise SystemExit(f"invalid key ring: {e}") from None
     try:
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
@@ -121,7 +131,7 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,6 +142,7 @@ async def serve(
             f"worker ready on task queue {queue!r} with tools: "
             f"{', '.join(sorted(registry.tools)) or 'none'}; policy {policy.source}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
+            + f"; state keys {', '.join(keys.keys)} (newest {keys.newest})"
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
         )

@@ -36,6 +36,7 @@ from workflows.models import (
     ToolEffect,
     ToolInfo,
     ToolOutcome,
+    Verdict,
 )
 from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
 from workflows.validation import validate_proposal
@@ -265,33 +266,40 @@ class Engine:
             refs=refs,
         )
 
-    def after_validated(self, at: datetime, refusal: Refusal | None = None) -> None:
+    def after_validated(self, at: datetime, refusal: Refusal | None = None, ask: Verdict | None = None) -> None:
         """``refusal``: the current policy file's word on a plan the snapshot would auto-approve."""
         review = self.review()
         if not review.needs_approval and refusal is None:
             self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
             return
         why = f"policy changed [{refusal.rule}]: {refusal.message}; " if refusal else ""
-        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}")
+        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}", ask=ask if refusal else None)
 
     # ------------------------------------------------------------------ approvals
 
-    def request_approval(self, *, at: datetime, reason: str) -> None:
-        """Open a fresh approval request for the current plan (no approvals carried over)."""
+    def request_approval(self, *, at: datetime, reason: str, ask: Verdict | None = None) -> None:
+        """Open a fresh approval request for the current plan (no approvals carried over).
+
+        ``ask``: a re-check's verdict under the current file, whose terms (approvals, roles) the
+        request takes. Either way it asks for at least one approval from roles someone can hold.
+        """
         data = self.data
         _require(data.plan is not None, "no validated plan")
         review = self.review()
         ttl = self.request.limits.approval_ttl_seconds
         if review.ttl_seconds is not None:
             ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
+        required, roles = policy.request_terms(review, self.tenant)
+        if ask is not None and ask.roles:
+            required, roles = max(ask.approvals_required, required, 1), list(ask.roles)
         data.pending_approval = PendingApproval(
             plan_hash=data.plan.plan_hash,
             request_id=self.new_request_id(),
             expires_at=at + timedelta(seconds=ttl),
             summary=review.summary,
             risk="high" if review.risk == "high" else "normal",
-            approvals_required=review.approvals_required,
-            roles=review.roles,
+            approvals_required=required,
+            roles=roles,
         )
         data.approval = None
         data.approved_by = []
@@ -348,7 +356,17 @@ class Engine:
             data.pending_approval = None
             self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)
             return
-        pending.approvals.append(AcceptedApproval(approver=decision.approver, decision_id=decision.decision_id, at=at))
+        pending.approvals.append(
+            AcceptedApproval(
+                approver=decision.approver,
+                decision_id=decision.decision_id,
+                at=at,
+                # Kept: the re-check before every write verifies it again under the current file.
+                signature=decision.signature,
+                request_id=decision.request_id or "",
+                plan_hash=decision.plan_hash,
+            )
+        )
         data.approved_by = [a.approver for a in pending.approvals]
         if len(pending.approvals) < pending.approvals_required:
             self.on_record(
@@ -410,32 +428,38 @@ class Engine:
             return None
         tools = [s.tool for s in writes]
         approval = data.approval
+        # The remaining steps, their catalog entries and what the run has done: the current
+        # file judges them (auto-approval, or the roles and count an approval needs now).
+        context = dict(
+            tenant=self.request.tenant,
+            tools=tools,
+            steps=remaining,
+            catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
+            spent=data.spent,
+            workflow_id=self.workflow_id,
+            first_run_id=data.first_run_id,
+            requested_by=self.request.requested_by,
+            plan_hash=data.plan.plan_hash,
+        )
         if approval is None:
             # Ran without approval: the current policy must still say so, for what is left.
-            return AuthorityCheck(
-                tenant=self.request.tenant,
-                approvals=[],
-                tools=tools,
-                roles=[],
-                approvals_required=0,
-                steps=remaining,
-                catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
-                spent=data.spent,
-            )
+            return AuthorityCheck(approvals=[], roles=[], approvals_required=0, **context)
         return AuthorityCheck(
-            tenant=self.request.tenant,
             approvals=[a.approver for a in approval.approvals],
-            tools=tools,
             roles=approval.roles,
             approvals_required=approval.approvals_required,
+            approved=approval.approvals,
+            request_id=approval.request_id,
+            **context,
         )
 
-    def after_approved(self, refusal: Refusal | None, at: datetime) -> None:
+    def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
         """Just before an approved plan's writes run: do its approvals still hold?"""
         if refusal is not None:
             self.request_approval(
                 at=at,
                 reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; a new approval is needed",
+                ask=ask,
             )
             return
         self.enter_step(at=at, reason="approved plan: executing")
@@ -576,6 +600,36 @@ class Engine:
             run_id=self.workflow_id,
             tenant=self.request.tenant,
             attempt=data.step_retries + 1,
+        )
+
+    def write_refused(self, refusal: Refusal, at: datetime) -> None:
+        """The re-check just before a write attempt (the one that mints its capability) refused:
+        the attempt does not start. An earlier attempt may have applied: then a human decides."""
+        step = self.current_step()
+        _require(step is not None and self.state == S.EXECUTING_TOOL, "no write attempt to refuse")
+        self.data.tool_calls -= 1  # not scheduled after all
+        outcome = self.data.step_outcome or "failed"
+        self._end_step(step, outcome, refusal.rule)
+        self.move(
+            S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
+            at=at,
+            actor="runtime",
+            reason=f"write not started: the current policy refuses it [{refusal.rule}]: {refusal.message}; "
+            f"{self._describe(step, outcome, started=False)}",
+            refs=self._end_refs(step, outcome, refusal.rule),
+        )
+
+    def capability_bounced(self, failure: ToolFailure) -> None:
+        """The attempt reached a worker that could not check its capability (key id missing, or
+        it waited past its expiry): the tool was not called; the run schedules it again with a
+        fresh capability. ``last_error`` (the Web UI details) names why (the key id)."""
+        step = self.current_step()
+        _require(step is not None and self.state == S.EXECUTING_TOOL, "no write attempt")
+        self.data.tool_calls -= 1  # never reached the tool
+        self.data.last_error = clip(
+            f"{failure.code}: tool call {step.tool_call_id} ({step.tool}) not started, scheduled again: "
+            f"{failure.message}",
+            300,
         )
 
     def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:
