@@ -412,6 +412,7 @@ class PolicyActivities:
                 Plan(steps=check.steps, plan_hash=""), check.catalog or ToolCatalog(), tenant, check.spent
             )
             verdict.approvals_required, verdict.roles = policy.request_terms(review, tenant)
+            verdict.tenant_policy = tenant
         elif check.call is not None:
             verdict.capability = self._mint(check)
         return verdict

@@ -29,10 +29,9 @@ from temporalio.testing import WorkflowEnvironment
 from google.protobuf.duration_pb2 import Duration
 
 import client as tether_client
-from activities.keys import KeyRing, genkey
 from activities.policy import PolicyStore
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, unique, wait_for_state
-from workflows.models import Capability, RunSnapshot, ToolCall, args_digest
+from workflows.models import RunOutcome, ToolCall
 
 CONVERTER = pydantic_data_converter.payload_converter
 
@@ -199,3 +198,146 @@ def continue_as_new(queue: str, payloads: Payloads) -> Command:
             workflow_type=WorkflowType(name="AgentRun"), task_queue=TaskQueue(name=queue), input=payloads
         ),
     )
+
+
+# ----------------------------------------------------------------------------- fresh signed starts
+
+
+def secure_policy(path: Path, extra: str = "") -> Path:
+    from tests.test_trust_boundary import POLICY
+
+    path.write_text(POLICY.replace("require_signatures = true\n", f"require_signatures = true\n{extra}", 1))
+    return path
+
+
+async def test_a_captured_signed_start_replayed_after_the_window_is_refused(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    from tests.test_trust_boundary import KEYS, signed
+
+    client = dev_env.client
+    path = secure_policy(tmp_path / "policy.toml", 'start_signature_ttl = "3s"\n')
+    reason = uuid.uuid4().hex
+    run_id = unique("signed")
+    key = tmp_path / "alice.pem"
+    key.write_bytes(KEYS["alice"].private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    request = tether_client.sign_request(
+        make_request([{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 3000, "reason": reason}}],
+                     tenant="secure", requested_by="alice"),
+        run_id,
+        key,
+    )
+    assert request.nonce and request.issued_at is not None
+    captured = request.model_dump(mode="json")
+    async with running_worker(client, policy=PolicyStore.from_env(str(path))) as worker:
+        first = await client.start_workflow("AgentRun", captured, id=run_id, task_queue=worker.task_queue, result_type=RunOutcome)
+        snap = await wait_for_state(first, "AWAITING_APPROVAL")
+        assert snap.requester_verified
+        await first.signal("approve", signed("bob", snap))
+        assert (await first.result()).state.value == "COMPLETED"
+        await asyncio.sleep(3.5)  # the window passes
+        # The captured start, verbatim, under the same id (the server's default allows reuse).
+        again = await client.start_workflow("AgentRun", captured, id=run_id, task_queue=worker.task_queue, result_type=RunOutcome)
+        outcome = await again.result()
+    assert outcome.state.value == "FAILED"
+    assert outcome.timeline[-1].refs.error_code == "signature_stale", outcome.timeline[-1]
+    assert "start_signature_ttl" in outcome.timeline[-1].reason
+    assert len([r for r in billing.refunds() if r["reason"] == reason]) == 1
+
+
+def test_start_signature_ttl_takes_seconds_or_durations() -> None:
+    from workflows import policy
+    from workflows.models import TenantPolicy
+
+    assert TenantPolicy().start_signature_ttl == 600
+    assert TenantPolicy.model_validate({"start_signature_ttl": "10m"}).start_signature_ttl == 600
+    assert TenantPolicy.model_validate({"start_signature_ttl": 90}).start_signature_ttl == 90
+    assert TenantPolicy.model_validate({"start_signature_ttl": "2h"}).start_signature_ttl == 7200
+    for bad in ("soon", "-5m", 0):
+        with pytest.raises(ValueError):
+            TenantPolicy.model_validate({"start_signature_ttl": bad})
+    now = datetime.now(timezone.utc)
+    assert policy.start_freshness_refusal(now - timedelta(minutes=11), now, 600).rule == "signature_stale"
+    assert policy.start_freshness_refusal(now - timedelta(minutes=9), now, 600) is None
+    assert policy.start_freshness_refusal(now + timedelta(minutes=5), now, 600).rule == "signature_stale"
+    assert policy.start_freshness_refusal(None, now, 600).rule == "signature_stale"
+
+
+# ----------------------------------------------------------------------------- the current file decides
+
+
+def tight_policy(path: Path, *, roles: str = '["approver"]', signatures: bool = False) -> Path:
+    from tests.test_trust_boundary import KEYS, public
+
+    path.write_text(f"""
+[tenants.tight]
+tools = ["get_order", "issue_refund"]
+approval_roles = {roles}
+require_signatures = {'true' if signatures else 'false'}
+[tenants.tight.approvers]
+alice = {{ roles = ["approver"] }}
+bob = {{ roles = ["approver"] }}
+dana = {{ roles = ["finance"] }}
+carol = {{ roles = ["approver", "finance"], public_key = "{public(KEYS['carol'])}" }}
+""")
+    return path
+
+
+async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approval_that_can_be_given(
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    from tests.test_policy import refund
+    from tests.test_trust_boundary import signed
+
+    path = tight_policy(tmp_path / "policy.toml")
+    get = {"tool": "get_order", "args": {"order_id": "A-1002"}}
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(path))) as worker:
+        # 1. bob approves; while the read step waits to be retried, approval_roles becomes finance.
+        billing.fail_next("orders", 1, status=503)
+        handle = await tether_client.start_run(
+            ts_env.client, make_request([get, refund(1100)], tenant="tight"), run_id=unique("tight"), queue=worker.task_queue
+        )
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        await wait_for_state(handle, "RETRY_WAIT")
+        tight_policy(path, roles='["finance"]')
+        await ts_env.sleep(10)
+        again = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert again.pending_approval.request_id != snap.pending_approval.request_id
+        assert again.pending_approval.roles == ["finance"] and again.pending_approval.approvals_required == 1
+        refund_key = f"{handle.id}:{next(s.tool_call_id for s in snap.plan.steps if s.tool == 'issue_refund')}"
+        assert billing.refunds(refund_key) == []
+        from temporalio.client import WorkflowUpdateFailedError
+
+        from workflows.models import DecideRequest, DecideResult
+
+        bob = approval_for(again, "bob").model_dump()
+        with pytest.raises(WorkflowUpdateFailedError) as refused:  # bob can no longer give it ...
+            await handle.execute_update("decide", DecideRequest(**bob, kind="approve"), result_type=DecideResult)
+        assert "[role]" in str(refused.value.cause)
+        await handle.signal("approve", approval_for(again, "dana"))  # ... dana can
+        first = await handle.result()
+        assert first.state.value == "COMPLETED"
+
+        # 2. dana approves, unsigned; before the write, the tenant turns require_signatures on.
+        billing.fail_next("orders", 1, status=503)
+        handle = await tether_client.start_run(
+            ts_env.client, make_request([get, refund(1200)], tenant="tight"), run_id=unique("tight"), queue=worker.task_queue
+        )
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "dana"))
+        await wait_for_state(handle, "RETRY_WAIT")
+        tight_policy(path, roles='["finance"]', signatures=True)
+        await ts_env.sleep(10)
+        again = await wait_for_state(handle, "AWAITING_APPROVAL")
+        timeline = await handle.query("timeline", result_type=list)
+        stopped = [r for r in timeline if "approver_revoked" in r["reason"]]
+        assert stopped and "signature_required" in stopped[-1]["reason"], [r["reason"] for r in timeline]
+        assert again.pending_approval.roles == ["finance"]
+        assert [r for r in billing.refunds() if r["amount_cents"] == 1200 and r["idempotency_key"].startswith(handle.id)] == []
+        await handle.signal("approve", signed("carol", again))  # finance, signed: can be given
+        second = await handle.result()
+    assert second.state.value == "COMPLETED"
+    assert [r for r in second.timeline if r.to_state.value == "APPROVED"][-1].actor == "user:carol (signed)"

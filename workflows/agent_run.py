@@ -294,7 +294,7 @@ class AgentRun:
                 verdict = None
                 if self.engine.current_step() is not None and (self._v2 or data.approval is not None):
                     verdict = await self._authority(from_step=data.next_step)
-                self._decide(lambda now: self.engine.after_observation(_refusal(verdict), now))
+                self._decide(lambda now: self.engine.after_observation(_refusal(verdict), now, verdict))
             else:
                 raise ApplicationError(
                     f"no handler for working state {state.value}", type="IllegalState", non_retryable=True

@@ -285,13 +285,12 @@ class Engine:
         """
         data = self.data
         _require(data.plan is not None, "no validated plan")
+        self.adopt(ask)
         review = self.review()
         ttl = self.request.limits.approval_ttl_seconds
         if review.ttl_seconds is not None:
             ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
         required, roles = policy.request_terms(review, self.tenant)
-        if ask is not None and ask.roles:
-            required, roles = max(ask.approvals_required, required, 1), list(ask.roles)
         data.pending_approval = PendingApproval(
             plan_hash=data.plan.plan_hash,
             request_id=self.new_request_id(),
@@ -310,6 +309,14 @@ class Engine:
             reason=f"{reason} (request {data.pending_approval.request_id})",
             refs=Refs(plan_hash=data.plan.plan_hash),
         )
+
+    def adopt(self, ask: Verdict | None) -> None:
+        """A re-check under the current policy file refused: from now on the run judges by that
+        file (its snapshot is replaced), so the next request asks for what can be given."""
+        data = self.data
+        if ask is None or ask.tenant_policy is None or data.policy is None:
+            return
+        data.policy = data.policy.model_copy(update={"policy": ask.tenant_policy, "policy_hash": ask.policy_hash})
 
     def screen_decision(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> bool:
         """The cheap, state-only checks a decision passes on arrival (signal handler).
@@ -464,7 +471,7 @@ class Engine:
             return
         self.enter_step(at=at, reason="approved plan: executing")
 
-    def after_observation(self, refusal: Refusal | None, at: datetime) -> None:
+    def after_observation(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
         """A step's result is in: the next step of the plan, or plan again."""
         data = self.data
         if self.current_step() is None:
@@ -472,7 +479,8 @@ class Engine:
             self.move(S.PLANNING, at=at, actor="runtime", reason="plan executed: planning what is next")
             return
         if refusal is not None:
-            # The rest of the plan needs a new plan and a new approval.
+            # The rest of the plan needs a new plan and a new approval, under the current file.
+            self.adopt(ask)
             held = "approval no longer holds" if data.approval is not None else "policy changed"
             data.approval = None
             self.move(

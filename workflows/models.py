@@ -616,9 +616,11 @@ class Verdict(BaseModel):
     policy_hash: str
     verified: bool = False  # the person's signature checked out against a key the policy lists
     capability: Capability | None = None  # minted for AuthorityCheck.call when nothing refused
-    # A request the re-check opens asks for these (the tenant's current approval rule).
+    # A request the re-check opens asks for these (the tenant's current approval rule), and the
+    # run judges from then on by the current file (``tenant_policy``) instead of its snapshot.
     approvals_required: int = 0
     roles: list[str] = Field(default_factory=list)
+    tenant_policy: TenantPolicy | None = None
 
 
 # ----------------------------------------------------------------------------- run state
