@@ -180,10 +180,29 @@ class RunStatus(RunSnapshot):
     end_reason: str | None = None
     end_rule: str | None = None  # the rule or error code on that record, when it names one
     end_actor: str | None = None  # who or what ended it (user:bob, operator:dana, runtime)
+    temporal_status: str | None = None  # Temporal's word: RUNNING, COMPLETED, FAILED, TERMINATED, ...
+    # Set when Temporal has closed the run while its last Tether state is a working one (a
+    # failed or terminated run that still says AWAITING_APPROVAL): it will not go on.
+    closed_by_temporal: str | None = None
 
     @property
     def ended(self) -> bool:
         return self.state in TERMINAL
+
+
+def closed_note(state: str | None, temporal_status: str | None) -> str | None:
+    """What to say of a run Temporal has closed while its last Tether state is a working one."""
+    if temporal_status in (None, "RUNNING", "CONTINUED_AS_NEW") or state is None:
+        return None
+    try:
+        if RunState(state) in TERMINAL:
+            return None
+    except ValueError:
+        return None
+    return (
+        f"Temporal closed this run ({temporal_status}) while its last Tether state was {state}: "
+        f"it will not go on (see the Web UI / `temporal workflow show` for why)"
+    )
 
 
 class RunSummary(BaseModel):
@@ -192,6 +211,7 @@ class RunSummary(BaseModel):
     tenant: str | None
     status: str | None
     started: datetime | None
+    closed_by_temporal: str | None = None  # as in RunStatus
 
 
 class Verdict(BaseModel):
@@ -300,6 +320,12 @@ async def status(client: Client, run_id: str) -> RunStatus:
     """The run's snapshot; for a run that has ended, also the reason on its final record."""
     snap = await snapshot(client, run_id)
     result = RunStatus(**snap.model_dump())
+    try:
+        described = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+        result.temporal_status = described.status.name if described.status else None
+    except RPCError:
+        pass  # the snapshot answered: the status is a courtesy
+    result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
     if result.ended:
         moves = [r for r in await timeline(client, run_id) if r.kind == "transition"]
         if moves:
@@ -552,6 +578,7 @@ async def list_runs(
                     tenant=attrs.get(TENANT_ATTRIBUTE),
                     status=wf.status.name if wf.status else None,
                     started=wf.start_time,
+                    closed_by_temporal=closed_note(attrs.get(STATE_ATTRIBUTE), wf.status.name if wf.status else None),
                 )
             )
     except RPCError as e:

@@ -82,6 +82,8 @@ def format_status(s: client.RunStatus) -> str:
         f"tenant     {s.tenant}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if s.closed_by_temporal:
+        lines.append(f"closed     {s.closed_by_temporal}")
     if s.end_reason and s.state != RunState.COMPLETED:
         lines.append(f"why        {s.end_reason}" + (f" [rule: {s.end_rule}]" if s.end_rule else "")
                      + (f" ({s.end_actor})" if s.end_actor else ""))
@@ -283,7 +285,8 @@ async def cmd_list(args: argparse.Namespace) -> int:
     else:
         for row in rows:
             started = row.started.isoformat() if row.started else "-"
-            print(f"{row.run_id:<28} {row.state or '-':<18} {row.tenant or '-':<12} {started}")
+            closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
+            print(f"{row.run_id:<28} {row.state or '-':<18} {row.tenant or '-':<12} {started}{closed}")
     return OK
 
 

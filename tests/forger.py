@@ -33,4 +33,6 @@ class NewerWorker:
             result_type=SealRequest,
             start_to_close_timeout=timedelta(seconds=10),
         )
-        workflow.continue_as_new({**carried["request"], "carryover_seal": sealed.seal}, workflow="AgentRun")
+        workflow.continue_as_new(
+            {**carried["request"], "carryover_seal": sealed.seal}, workflow="AgentRun", task_queue=carried.get("task_queue")
+        )

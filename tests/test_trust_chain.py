@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import logging
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -24,14 +25,26 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest, RespondWorkflowTaskCompletedRequest
 from temporalio.client import Client, WorkflowFailureError
+from temporalio.service import RPCError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from google.protobuf.duration_pb2 import Duration
 
 import client as tether_client
+from activities.keys import genkey
 from activities.policy import PolicyStore
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, unique, wait_for_state
-from workflows.models import RunOutcome, ToolCall
+from workflows.models import (
+    Capability,
+    PolicySnapshot,
+    Proposal,
+    ProposedStep,
+    RunData,
+    RunOutcome,
+    ToolCall,
+    args_digest,
+    canonical_json,
+)
 
 CONVERTER = pydantic_data_converter.payload_converter
 
@@ -341,3 +354,142 @@ async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approv
         second = await handle.result()
     assert second.state.value == "COMPLETED"
     assert [r for r in second.timeline if r.to_state.value == "APPROVED"][-1].actor == "user:carol (signed)"
+
+
+# ----------------------------------------------------------------------------- one key ring for the fleet
+
+
+def carried_state(run_id: str, steps: list[dict]) -> tuple[dict, str, RunData]:
+    """A run's state in AWAITING_APPROVAL, as a worker would carry it into continue-as-new."""
+    import examples.billing.tools  # noqa: F401
+    from activities.tools import REGISTRY
+    from workflows import policy as rules
+    from workflows.engine import Engine
+
+    request = make_request(steps)
+    data = RunData(
+        catalog=REGISTRY.catalog(),
+        policy=PolicySnapshot(tenant="default", policy=rules.DEFAULT_TENANT_POLICY, policy_hash="h", source="test"),
+    )
+    engine = Engine(data, request, workflow_id=run_id, new_request_id=lambda: uuid.uuid4().hex)
+    now = datetime.now(timezone.utc)
+    engine.received(now)
+    engine.proposal(Proposal(steps=[ProposedStep(**s) for s in steps]), at=now, new_id=lambda n: f"tc-{n:03d}-{uuid.uuid4().hex[:6]}")
+    engine.after_validated(now)
+    carried = data.model_dump(mode="json")
+    digest = hashlib.sha256(canonical_json(carried).encode()).hexdigest()
+    return {**request.model_dump(mode="json"), "carryover": carried}, digest, data
+
+
+async def test_two_workers_one_missing_the_fleets_newest_key_every_run_completes(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mid-rotation: worker A holds [K1, K2] (seals and mints with K2), worker B only [K1]. A
+    continued run whose first task B takes fails that workflow task, never the run; a write
+    attempt B takes is scheduled again; every run completes on A."""
+    import urllib.request
+
+    from activities.keys import KeyRing
+    from activities.metrics import prometheus_runtime
+    from tests.forger import NewerWorker
+    from tests.test_metrics import free_port
+    from worker import create_worker
+
+    env = dev_env
+    ring_a, ring_b = tmp_path / "a.keys", tmp_path / "b.keys"
+    genkey(ring_b)
+    ring_a.write_text(ring_b.read_text())
+    newest = genkey(ring_a)
+    keys_a, keys_b = KeyRing.from_env(str(ring_a)), KeyRing.from_env(str(ring_b))
+    assert keys_a.newest == newest and newest not in keys_b.keys
+    port = free_port()
+    client_b = await tether_client.connect(
+        target_host=env.client.service_client.config.target_host, namespace=env.client.namespace,
+        runtime=prometheus_runtime(f"127.0.0.1:{port}"), data_converter=pydantic_data_converter,
+    )
+    sealing_queue, queue = unique("tq"), unique("tq")
+    caplog.set_level(logging.WARNING)
+    runs = []
+    # 1. A seals the carried state of 3 runs with K2; they continue as new on a queue only B polls.
+    async with create_worker(env.client, task_queue=sealing_queue, keys=keys_a, extra_workflows=[NewerWorker]):
+        async with create_worker(client_b, task_queue=queue, keys=keys_b):
+            for i in range(3):
+                run_id = unique("rot")
+                to = f"rot{i}-{uuid.uuid4().hex[:8]}@example.com"
+                request, digest, data = carried_state(run_id, [email_step(to)])
+                await env.client.start_workflow(
+                    "NewerWorker", {"request": request, "digest": digest, "task_queue": queue}, id=run_id, task_queue=sealing_queue
+                )
+                runs.append((run_id, to))
+            for run_id, _ in runs:  # B fails the first workflow task of each, naming the key id
+                for _ in range(300):
+                    history = await env.client.get_workflow_handle(run_id).fetch_history()
+                    failed = [e.workflow_task_failed_event_attributes.failure.message for e in history.events
+                              if e.HasField("workflow_task_failed_event_attributes")]
+                    if failed:
+                        break
+                    await asyncio.sleep(0.05)
+                assert failed and newest in failed[0], failed
+                assert (await env.client.get_workflow_handle(run_id).describe()).status.name == "RUNNING"
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                metrics = r.read().decode()
+    missing = [line for line in metrics.splitlines() if line.startswith("tether_key_missing") and newest in line]
+    assert missing, "no tether_key_missing metric for the missing key id"
+    assert any(newest in r.getMessage() and "does not hold" in r.getMessage() for r in caplog.records)
+    # 2. A worker holding K2 takes the tasks B failed; then B polls again too: write attempts it
+    #    takes (their capabilities are by K2) are scheduled again until A runs them.
+    outcomes = []
+    async with create_worker(env.client, task_queue=queue, keys=keys_a):
+        began = asyncio.get_running_loop().time()
+        for run_id, _ in runs:
+            handle = env.client.get_workflow_handle(run_id, result_type=RunOutcome)
+            for _ in range(1200):  # until the retried task lands on A (Temporal's task retry backoff)
+                try:
+                    snap = await snapshot(handle)
+                    if snap.state.value == "AWAITING_APPROVAL":
+                        break
+                except RPCError:
+                    pass
+                await asyncio.sleep(0.1)
+        print(f"\nthe tasks B failed were taken by A within {asyncio.get_running_loop().time() - began:.1f}s")
+        async with create_worker(client_b, task_queue=queue, keys=keys_b):
+            for run_id, _ in runs:
+                handle = env.client.get_workflow_handle(run_id, result_type=RunOutcome)
+                await handle.signal("approve", approval_for(await snapshot(handle), "bob"))
+            for run_id, _ in runs:
+                outcomes.append(await asyncio.wait_for(env.client.get_workflow_handle(run_id, result_type=RunOutcome).result(), 60))
+    assert [o.state.value for o in outcomes] == ["COMPLETED"] * 3
+    assert all(len(emails(billing, to)) == 1 for _, to in runs)
+
+
+async def test_a_capability_by_a_key_the_worker_lacks_is_not_refused_for_good(tmp_path: Path) -> None:
+    """execute_tool on a worker without the capability's key id: the tool is not called, and
+    the error says the attempt may be scheduled again (not capability_invalid)."""
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.keys import KeyRing
+    from activities.tools import REGISTRY, ToolActivities
+
+    other = KeyRing.of(b"x" * 64)
+    call = ToolCall(tool="send_email", args=email_step("nobody@example.com")["args"], tool_call_id="tc-1",
+                    idempotency_key="wf:tc-1", run_id="wf", tenant="default")
+    env = ActivityEnvironment()
+    info = env.info
+    cap = Capability.model_construct(
+        workflow_id=info.workflow_id, run_id=info.workflow_run_id, activity_id=info.activity_id, request_id="r",
+        plan_hash="p", tool_call_id="tc-1", tool="send_email", args_digest=args_digest(call.args),
+        idempotency_key="wf:tc-1", key_id="", expires_at=datetime.now(timezone.utc) + timedelta(seconds=30), mac="",
+    )
+    kid, mac = other.sign(cap.fields())
+    call.capability = Capability.model_validate({**cap.model_dump(), "key_id": kid, "mac": mac})
+    lacking = ToolActivities(REGISTRY, KeyRing.of(b"y" * 64))
+    with pytest.raises(ApplicationError) as refused:
+        await env.run(lacking.execute_tool, call)
+    assert refused.value.type == "capability_key_missing" and kid in refused.value.message
+    expired = call.model_copy(deep=True)
+    expired.capability.expires_at = datetime.now(timezone.utc) - timedelta(seconds=1)
+    kid, expired.capability.mac = other.sign(expired.capability.fields())
+    with pytest.raises(ApplicationError) as late:
+        await env.run(ToolActivities(REGISTRY, other).execute_tool, expired)
+    assert late.value.type == "capability_expired"

@@ -225,11 +225,13 @@ class AgentRun:
                 "verify carried state",
                 local=True,
             )
-        except ActivityError as err:
-            if self._v3 and getattr(err.cause, "type", None) == KEY_MISSING:
+        except (ActivityError, ApplicationError) as err:
+            # A local activity's failure may arrive unwrapped (the ApplicationError itself).
+            cause = err.cause if isinstance(err, ActivityError) else err
+            if self._v3 and isinstance(cause, ApplicationError) and cause.type == KEY_MISSING:
                 # Not this worker's to judge: fail the workflow task (a worker holding the key
                 # takes it), never the run. The message names the key id.
-                raise RuntimeError(str(err.cause)) from None
+                raise RuntimeError(f"{KEY_MISSING}: {cause.message}") from None
             raise
         if not valid:
             raise ApplicationError(
@@ -422,7 +424,7 @@ class AgentRun:
         if self._v3 and info.effect != ToolEffect.READ_ONLY:
             # Every write attempt carries a capability for exactly this call, minted by the
             # keyed re-check under the current file: nothing else can make a tool write.
-            activity_id = f"{call.tool_call_id}.{self.data.tool_calls}"
+            activity_id = f"{call.tool_call_id}.{self.data.tool_calls}.{self._bounces}"
             verdict = await self._authority(
                 from_step=self.data.next_step, call=call, activity_id=activity_id, ttl_seconds=timeouts.start_to_close
             )
