@@ -493,3 +493,56 @@ async def test_a_capability_by_a_key_the_worker_lacks_is_not_refused_for_good(tm
     with pytest.raises(ApplicationError) as late:
         await env.run(ToolActivities(REGISTRY, other).execute_tool, expired)
     assert late.value.type == "capability_expired"
+
+
+def test_a_worker_without_the_fleets_key_ring_refuses_to_start(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    missing = tmp_path / "nowhere" / "state.keys"
+    env = {**os.environ, "TETHER_STATE_KEY_FILE": str(missing), "TEMPORAL_ADDRESS": "127.0.0.1:1"}
+    done = subprocess.run([sys.executable, str(ROOT / "worker.py")], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1, done
+    assert "TETHER_STATE_KEY_FILE" in done.stderr and str(missing) in done.stderr, done.stderr
+    assert not missing.exists()  # it created nothing
+    short = tmp_path / "short.keys"
+    short.write_text("tooshort\n")
+    done = subprocess.run([sys.executable, str(ROOT / "worker.py")], env={**env, "TETHER_STATE_KEY_FILE": str(short)},
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1 and "line 1" in done.stderr, done.stderr
+
+
+def test_key_ids_are_fingerprints_and_the_newest_signs(tmp_path: Path) -> None:
+    from activities.keys import KeyRing, MissingKey, key_id
+
+    path = tmp_path / "ring"
+    path.write_text("a" * 64 + "\n")  # a file written by an earlier version: one key, no id
+    old = KeyRing.from_env(str(path))
+    assert list(old.keys) == [key_id(b"a" * 64)]
+    kid, mac = old.sign({"x": 1})
+    genkey(path)  # rotation: a newer key appended
+    ring = KeyRing.from_env(str(path))
+    assert ring.newest != kid and ring.verify(kid, {"x": 1}, mac)  # older ids still verify
+    assert ring.sign({"x": 1})[0] == ring.newest
+    assert not ring.verify(kid, {"x": 2}, mac)
+    with pytest.raises(MissingKey):
+        KeyRing.of(b"b" * 64).verify(kid, {"x": 1}, mac)
+
+
+async def test_status_and_list_say_when_temporal_closed_a_run_left_waiting(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    from starter import format_status
+
+    async with running_worker(dev_env.client) as worker:
+        handle = await tether_client.start_run(dev_env.client, make_request(), run_id=unique("closed"), queue=worker.task_queue)
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.terminate("operator pulled the plug")
+        status = await tether_client.status(dev_env.client, handle.id)
+        rows = [r for r in await tether_client.list_runs(dev_env.client, state="AWAITING_APPROVAL", limit=200) if r.run_id == handle.id]
+    assert status.state.value == "AWAITING_APPROVAL" and status.temporal_status == "TERMINATED"
+    assert "Temporal closed this run (TERMINATED)" in status.closed_by_temporal
+    assert "closed     Temporal closed this run" in format_status(status)
+    # Visibility may lag a moment; when the row is there, it says so too.
+    assert all(r.closed_by_temporal for r in rows if r.status == "TERMINATED")
