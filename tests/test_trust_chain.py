@@ -546,3 +546,31 @@ async def test_status_and_list_say_when_temporal_closed_a_run_left_waiting(dev_e
     assert "closed     Temporal closed this run" in format_status(status)
     # Visibility may lag a moment; when the row is there, it says so too.
     assert all(r.closed_by_temporal for r in rows if r.status == "TERMINATED")
+
+
+async def test_a_retry_the_current_policy_no_longer_allows_is_not_started(ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
+    """Retries carry a fresh capability from a fresh re-check: a tool withdrawn while the first
+    attempt's failure waits out its backoff is not called again; the step ends naming why."""
+    from tests.test_trust_boundary import POLICY
+
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY)
+    reason = uuid.uuid4().hex
+    billing.fail_next("refunds", 1, status=503)
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(path))) as worker:
+        handle = await tether_client.start_run(
+            ts_env.client,
+            make_request([{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 700, "reason": reason}}], tenant="shop"),
+            run_id=unique("retry"), queue=worker.task_queue,
+        )
+        await wait_for_state(handle, "RETRY_WAIT")
+        path.write_text(POLICY.replace('tools = ["get_order", "issue_refund", "hold_then_fail"]', 'tools = ["get_order", "hold_then_fail"]'))
+        outcome = await handle.result()
+    last = outcome.timeline[-1]
+    assert outcome.state.value == "HANDED_OFF", last  # the first attempt's outcome is unknown
+    assert "write not started" in last.reason and "tool_withdrawn" in last.reason, last.reason
+    assert [r for r in billing.refunds() if r["reason"] == reason] == []
+    history = await handle.fetch_history()
+    scheduled = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                 and e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"]
+    assert len(scheduled) == 1  # only the first attempt

@@ -586,16 +586,8 @@ class Engine:
         _require(step is not None and self.state == S.EXECUTING_TOOL, "no plan step to execute, or not in EXECUTING_TOOL")
         max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
         if max_calls is not None and data.tool_calls >= max_calls:
-            # Not started now; an earlier attempt of this step may still have applied.
-            outcome = data.step_outcome or "failed"
-            self._end_step(step, outcome, "tool_call_budget")
-            self.move(
-                S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
-                at=at,
-                actor="runtime",
-                reason=f"tool call budget exhausted: {data.tool_calls} of max_tool_calls="
-                f"{max_calls} used; {self._describe(step, outcome, started=False)}",
-                refs=self._end_refs(step, outcome, "tool_call_budget"),
+            self._not_started(
+                step, "tool_call_budget", f"tool call budget exhausted: {data.tool_calls} of max_tool_calls={max_calls} used", at
             )
             return None
         data.tool_calls += 1  # every call the workflow schedules, retries included
@@ -616,15 +608,21 @@ class Engine:
         step = self.current_step()
         _require(step is not None and self.state == S.EXECUTING_TOOL, "no write attempt to refuse")
         self.data.tool_calls -= 1  # not scheduled after all
+        self._not_started(
+            step, refusal.rule, f"write not started: the current policy refuses it [{refusal.rule}]: {refusal.message}", at
+        )
+
+    def _not_started(self, step: PlanStep, code: str, why: str, at: datetime) -> None:
+        """The step's (next) attempt is not started: the step ends. An earlier attempt may
+        still have applied: then a human decides (HANDED_OFF), else EXECUTION_FAILED."""
         outcome = self.data.step_outcome or "failed"
-        self._end_step(step, outcome, refusal.rule)
+        self._end_step(step, outcome, code)
         self.move(
             S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
             at=at,
             actor="runtime",
-            reason=f"write not started: the current policy refuses it [{refusal.rule}]: {refusal.message}; "
-            f"{self._describe(step, outcome, started=False)}",
-            refs=self._end_refs(step, outcome, refusal.rule),
+            reason=f"{why}; {self._describe(step, outcome, started=False)}",
+            refs=self._end_refs(step, outcome, code),
         )
 
     def capability_bounced(self, failure: ToolFailure) -> None:
