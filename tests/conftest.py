@@ -179,7 +179,10 @@ def billing_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billin
 
 @pytest.fixture
 def billing(billing_service: Billing) -> Iterator[Billing]:
-    """The session's billing service, with any injected faults cleared after the test."""
+    """The session's billing service, with any injected faults cleared after the test, and the
+    seed orders fully refundable before it (module fixtures may refund without this fixture)."""
+    for order_id, email, total, currency, _ in SEED_ORDERS:
+        billing_service.put(f"/admin/orders/{order_id}", {"customer_email": email, "total_cents": total, "currency": currency})
     yield billing_service
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(billing_service.url + "/admin/faults", method="DELETE")
