@@ -313,6 +313,7 @@ class PolicyActivities:
             kind=check.kind,
             roles=check.roles,
             already_approved=check.already_approved,
+            editors=check.editors,
         )
         if refusal is None:
             decision = check.decision
@@ -322,6 +323,7 @@ class PolicyActivities:
                 tenant=check.tenant,
                 kind=check.kind,
                 decision=decision,
+                steps_digest=check.steps_digest,
             )
             refusal = signature_refusal(tenant, decision.approver, payload, decision.signature, what="decision")
         verified = refusal is None and _has_key(tenant, check.decision.approver)

@@ -36,7 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import metrics as run_metrics
     from workflows import policy
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
-    from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
+    from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
         STRICT,
@@ -58,6 +58,8 @@ with workflow.unsafe.imports_passed_through():
         RunOutcome,
         RunRequest,
         RunSnapshot,
+        ReviseDecideRequest,
+        RevisionRequest,
         SealRequest,
         SnapshotRequest,
         ToolCatalog,
@@ -70,7 +72,7 @@ with workflow.unsafe.imports_passed_through():
 
 S = RunState
 T = TypeVar("T")
-M = TypeVar("M", ApprovalDecision, HandoffRequest)
+M = TypeVar("M", ApprovalDecision, HandoffRequest, RevisionRequest)
 
 # Public: the Web UI and `temporal workflow list --query` filter on these.
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("AgentRunState")
@@ -96,7 +98,9 @@ AUDIT_BATCH = 200
 # auto-approved re-checks) run only where this patch is set: histories written by the previous
 # version replay without them (docs/changing-workflows.md).
 PATCH_V2 = "tether-v2"
-DECIDE_HINT = "approve, reject (signals or the decide update), handoff"
+# Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
+REVISIONS = "tether-revisions"
+DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
 @workflow.defn(name="AgentRun")
@@ -122,7 +126,7 @@ class AgentRun:
         )
         # Decisions that passed the cheap checks on arrival, in arrival order; the main loop
         # checks each against the policy (an activity) and acts on it.
-        self._inbox: list[tuple[DecisionKind, ApprovalDecision]] = []
+        self._inbox: list[tuple[DecisionKind, Decision]] = []
         self._handoff: HandoffRequest | None = None
         # Records on their way to the audit sink, and the decide updates waiting for a verdict.
         self._audit: list[TransitionRecord] = []
@@ -293,6 +297,7 @@ class AgentRun:
                     feedback=data.feedback,
                     round=data.planning_rounds,
                     steps_done=sum(1 for s in data.executed if s.status == "ok"),
+                    not_approved=data.not_approved,
                 ),
                 Proposal,
                 f"plan · {self.request.planner} · round {data.planning_rounds}",
@@ -305,11 +310,7 @@ class AgentRun:
             return
         if await self._take_handoff():
             return
-        self._decide(
-            lambda now: self.engine.proposal(
-                proposal, at=now, new_id=lambda n: f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
-            )
-        )
+        self._decide(lambda now: self.engine.proposal(proposal, at=now, new_id=_new_tool_call_id))
 
     async def _await_decision(self) -> None:
         pending = self.data.pending_approval
@@ -334,25 +335,27 @@ class AgentRun:
             return
         if self._inbox:
             kind, decision = self._inbox.pop(0)
+            revises = kind == "revise" or (isinstance(decision, ApprovalDecision) and decision.steps is not None)
+            if revises:
+                workflow.patched(REVISIONS)
             verdict = await self._activity(
                 "policy_check_decision",
                 DecisionCheck(
                     tenant=self.request.tenant,
                     workflow_id=workflow.info().workflow_id,
-                    kind=kind,
-                    decision=decision,
                     requested_by=self.request.requested_by,
-                    roles=pending.roles,
-                    already_approved=[a.approver for a in pending.approvals],
                     first_run_id=self.data.first_run_id,
                     requester_verified=self.data.requester_verified,
+                    **self.engine.decision_check(kind, decision),
                 ),
                 Verdict,
                 f"policy check · {kind}",
                 local=True,
             )
             self._decide(
-                lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now, verdict.verified)
+                lambda now: self.engine.settle_decision(
+                    kind, decision, verdict.refusal, now, verdict.verified, new_id=_new_tool_call_id
+                )
             )
             self._answer(decision.decision_id)
             return
@@ -476,6 +479,18 @@ class AgentRun:
             self._screen("reject", decision)
 
     @workflow.signal(
+        name="revise",
+        description="Revise the pending plan: a new plan version, validated like a proposal, then a "
+        "new approval request. Data (RevisionRequest): {\"decision_id\": unique, \"editor\": name, "
+        "\"plan_hash\" and \"request_id\": the pending ones, \"steps\": the whole revised list of "
+        "{\"tool\", \"args\"}, \"reason\": text, \"signature\": where required}.",
+    )
+    def revise(self, *args: Any) -> None:
+        revision = self._decode("revise", args, RevisionRequest)
+        if revision is not None:
+            self._screen("revise", revision)
+
+    @workflow.signal(
         name="handoff",
         description="Hand the run to a human; it ends in HANDED_OFF. Data (HandoffRequest): "
         "{\"by\": name, \"reason\": text, \"decision_id\": optional, \"signature\": where required}.",
@@ -506,14 +521,17 @@ class AgentRun:
     @workflow.update(
         name="decide",
         description="Approve or reject the pending plan and get the verdict at once. Data "
-        "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\". "
+        "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\"; or the "
+        "RevisionRequest fields plus \"kind\": \"revise\". "
         "Malformed, stale, duplicate and not-awaiting decisions are refused before they reach "
         "history; the answer (DecideResult) is the record the run wrote for the decision.",
     )
     async def decide(self, *args: Any) -> DecideResult:
         decision = self._decide_payload(args)
         kind: DecisionKind = decision.kind
-        plain = ApprovalDecision.model_validate(decision.model_dump(exclude={"kind"}))
+        plain: Decision = (
+            RevisionRequest if isinstance(decision, ReviseDecideRequest) else ApprovalDecision
+        ).model_validate(decision.model_dump(exclude={"kind"}))
         if plain.decision_id in self._verdicts:
             # The same decision twice at once (both passed the validator before either arrived):
             # one verdict per decision id, so the later one is a duplicate.
@@ -540,28 +558,31 @@ class AgentRun:
         # Runs before anything reaches history: what cannot count is refused to the sender only.
         decision = self._decide_payload(args)
         data = self.data
-        refusal = policy.decision_refusal(decision, data, now=workflow.now(), check_duplicate=True)
+        plain = decision.as_decision() if isinstance(decision, ReviseDecideRequest) else decision
+        refusal = policy.decision_refusal(plain, data, now=workflow.now(), check_duplicate=True)
         pending = data.pending_approval
         if refusal is None and pending is not None:
             refusal = policy.approver_refusal(
                 self.engine.tenant,
-                approver=decision.approver,
+                approver=plain.approver,
                 requested_by=self.request.requested_by,
                 kind=decision.kind,
                 roles=pending.roles,
                 already_approved=[a.approver for a in pending.approvals],
+                editors=pending.editors,
             )
         if refusal is not None:
             raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
 
-    def _decide_payload(self, args: Sequence[Any]) -> DecideRequest:
+    def _decide_payload(self, args: Sequence[Any]) -> DecideRequest | ReviseDecideRequest:
         if len(args) != 1:
             raise ApplicationError(
                 f"decide refused [malformed]: expected one DecideRequest, got {len(args)} argument(s)",
                 type="malformed",
             )
+        model = ReviseDecideRequest if isinstance(args[0], dict) and args[0].get("kind") == "revise" else DecideRequest
         try:
-            return DecideRequest.model_validate(args[0], context=STRICT)
+            return model.model_validate(args[0], context=STRICT)
         except ValidationError as e:
             raise ApplicationError(
                 f"decide refused [malformed]: expected DecideRequest ({first_error(e)})", type="malformed"
@@ -595,6 +616,7 @@ class AgentRun:
             first_run_id=data.first_run_id,
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
+            revisions=data.revisions,
         )
 
     @workflow.query(
@@ -623,7 +645,7 @@ class AgentRun:
         )
         return None
 
-    def _screen(self, kind: DecisionKind, decision: ApprovalDecision) -> None:
+    def _screen(self, kind: DecisionKind, decision: Decision) -> None:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
         if self.engine.screen_decision(kind, decision, workflow.now()):
             self._inbox.append((kind, decision))
@@ -885,6 +907,10 @@ class AgentRun:
         if data.answer and lc.terminal:
             lines += ["", f"**Answer:** {data.answer[:500]}"]
         return "\n".join(lines)
+
+
+def _new_tool_call_id(n: int) -> str:
+    return f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
 
 
 def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:

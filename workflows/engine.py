@@ -15,7 +15,16 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from workflows import policy
-from workflows.budgets import ANSWER_CHARS, DECISIONS_WINDOW, EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW, clip
+from workflows import revision as revisions
+from workflows.budgets import (
+    ANSWER_CHARS,
+    DECISIONS_WINDOW,
+    EXECUTED_OBSERVATION_CHARS,
+    EXECUTED_WINDOW,
+    REASON_CHARS,
+    REVISIONS_KEPT,
+    clip,
+)
 from workflows.models import (
     AcceptedApproval,
     ApprovalDecision,
@@ -23,11 +32,16 @@ from workflows.models import (
     ExecutedStep,
     HandoffRequest,
     Limits,
+    NotApproved,
     PendingApproval,
+    Plan,
     PlanReview,
     PlanStep,
     Proposal,
+    ProposedStep,
     Refusal,
+    Revision,
+    RevisionRequest,
     RunData,
     RunRequest,
     TenantPolicy,
@@ -38,10 +52,12 @@ from workflows.models import (
     ToolOutcome,
 )
 from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
-from workflows.validation import validate_proposal
+from workflows.validation import Validation, validate_proposal
 
 S = RunState
-DecisionKind = Literal["approve", "reject"]
+DecisionKind = Literal["approve", "reject", "revise"]
+# What waits in the run's inbox: an approve / reject decision, or a revision.
+Decision = ApprovalDecision | RevisionRequest
 
 
 class IllegalState(Exception):
@@ -216,20 +232,15 @@ class Engine:
             data.answer = clip(proposal.answer, ANSWER_CHARS)
             self.move(S.COMPLETED, at=at, actor="planner", reason="planner finished with an answer")
             return
-        result = validate_proposal(
-            proposal,
-            self.catalog,
-            executed_steps=len(data.executed),
-            limits=self.limits,
-            new_id=new_id,
-            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
-        )
+        data.not_approved = []  # the planner has been told
+        result = self.validate(proposal, new_id)
         if result.plan is None:
             data.feedback = result.reason  # bounded: the first problems, paths and rules only
             self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
             return
-        data.plan, data.next_step, data.step_retries, data.feedback = result.plan, 0, 0, None
-        data.pending_approval = data.approval = None
+        data.plan_editors = []
+        self._adopt(result.plan)
+        data.feedback = None
         self.move(
             S.VALIDATED,
             at=at,
@@ -237,6 +248,27 @@ class Engine:
             reason=f"plan of {len(result.plan.steps)} step(s) validated",
             refs=Refs(plan_hash=result.plan.plan_hash),
         )
+
+    def validate(self, proposal: Proposal, new_id: Callable[[int], str]) -> Validation:
+        """The one validation a plan gets, proposed or revised: the catalog snapshot, the
+        tools' schemas, the tenant's tools and the step budget (with what the run already did)."""
+        return validate_proposal(
+            proposal,
+            self.catalog,
+            executed_steps=len(self.data.executed),
+            limits=self.limits,
+            new_id=new_id,
+            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
+        )
+
+    def _adopt(self, plan: Plan) -> None:
+        """``plan`` becomes the run's current plan, the next version; nothing of it has run."""
+        data = self.data
+        data.plans = max(data.plans, data.plan.version if data.plan else 0) + 1
+        plan.version = data.plans
+        data.plan, data.next_step, data.step_retries = plan, 0, 0
+        data.pending_approval = data.approval = None
+        data.approved_by = []
 
     def after_validation_failed(self, at: datetime) -> None:
         self._replan_or_end(
@@ -292,28 +324,45 @@ class Engine:
             risk="high" if review.risk == "high" else "normal",
             approvals_required=review.approvals_required,
             roles=review.roles,
+            editors=list(data.plan_editors),
         )
         data.approval = None
         data.approved_by = []
+        version = f"plan v{data.plan.version}, " if data.plan.version > 1 else ""
         self.move(
             S.AWAITING_APPROVAL,
             at=at,
             actor="runtime",
-            reason=f"{reason} (request {data.pending_approval.request_id})",
-            refs=Refs(plan_hash=data.plan.plan_hash),
+            reason=f"{reason} ({version}request {data.pending_approval.request_id})",
+            refs=Refs(plan_hash=data.plan.plan_hash, request_id=data.pending_approval.request_id or None),
         )
 
-    def screen_decision(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> bool:
+    def screen_decision(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool:
         """The cheap, state-only checks a decision passes on arrival (signal handler).
 
         Returns True when it may go on to the policy check; otherwise it is recorded as refused.
         """
-        refusal = policy.decision_refusal(decision, self.data, now=at, check_duplicate=True)
-        self._remember_decision(decision.decision_id)
+        plain = _plain(decision)
+        refusal = policy.decision_refusal(plain, self.data, now=at, check_duplicate=True)
+        self._remember_decision(plain.decision_id)
         if refusal is not None:
-            self._refuse_decision(kind, decision, refusal, at)
+            self._refuse_decision(kind, plain, refusal, at)
             return False
         return True
+
+    def decision_check(self, kind: DecisionKind, decision: Decision) -> dict:
+        """What the policy activity needs to judge ``decision`` (DecisionCheck's fields, less
+        the run's ids): who decides on which request, and what a revision's signature covers."""
+        pending = self.data.pending_approval
+        _require(pending is not None, "no pending approval")
+        return {
+            "kind": kind,
+            "decision": _plain(decision),
+            "roles": pending.roles,
+            "already_approved": [a.approver for a in pending.approvals],
+            "editors": pending.editors,
+            "steps_digest": decision.revised_hash() if isinstance(decision, RevisionRequest) else None,
+        }
 
     def _remember_decision(self, decision_id: str) -> None:
         """A bounded window of ids, a count and a running digest of every id seen."""
@@ -328,26 +377,155 @@ class Engine:
     def settle_decision(
         self,
         kind: DecisionKind,
-        decision: ApprovalDecision,
+        decision: Decision,
         verdict: Refusal | None,
         at: datetime,
         verified: bool = False,
+        *,
+        new_id: Callable[[int], str] | None = None,
     ) -> None:
-        """Apply a decision the policy activity has judged (``verdict`` None: the approver may)."""
+        """Apply a decision the policy activity has judged (``verdict`` None: the approver may).
+
+        ``new_id``: tool call ids for a revised plan (a revision, a partial approval)."""
         data = self.data
+        plain = _plain(decision)
         # The run may have moved on (expiry, handoff) while the policy was consulted.
-        refusal = verdict or policy.decision_refusal(decision, data, now=at, check_duplicate=False)
+        refusal = verdict or policy.decision_refusal(plain, data, now=at, check_duplicate=False)
         if refusal is not None:
-            self._refuse_decision(kind, decision, refusal, at)
+            self._refuse_decision(kind, plain, refusal, at)
             return
         pending = data.pending_approval
-        _require(pending is not None, "no pending approval")
-        refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
-        actor = self.actor(decision.approver, verified)
+        _require(pending is not None and data.plan is not None, "no pending approval")
+        actor = self.actor(plain.approver, verified)
+        if isinstance(decision, RevisionRequest):
+            _require(new_id is not None, "a revision needs tool call ids")
+            proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
+            self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
+            return
+        refs = Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id, request_id=pending.request_id or None)
         if kind == "reject":
             data.pending_approval = None
-            self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)
+            self.move(S.REJECTED, at=at, actor=actor, reason=plain.reason or "rejected", refs=refs)
             return
+        kept = policy.partial_steps(plain, data.plan)
+        if kept is not None:
+            _require(new_id is not None, "a partial approval needs tool call ids")
+            self._approve_part(plain, kept, actor, at, new_id, verified)
+            return
+        self._approve(plain, actor, at, refs)
+
+    def _revise(
+        self,
+        proposal: Proposal,
+        decision: ApprovalDecision,
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        *,
+        why: str,
+        partial: bool = False,
+    ) -> bool:
+        """Replace the pending plan by a revised one, validated like a proposal: a new plan
+        version, back to VALIDATED (the run then asks for a new approval). Refused
+        (``invalid_revision``, nothing changed) when it does not validate or changes nothing."""
+        data = self.data
+        old, pending = data.plan, data.pending_approval
+        _require(old is not None and pending is not None, "no pending plan to revise")
+        kind: DecisionKind = "approve" if partial else "revise"
+        result = self.validate(proposal, new_id)
+        problem = result.reason if result.plan is None else None
+        if result.plan is not None and result.plan.plan_hash == old.plan_hash:
+            problem = "the revised plan is the pending plan: nothing to revise"
+        if problem is not None or result.plan is None:
+            self._refuse_decision(kind, decision, Refusal(rule="invalid_revision", message=f"invalid revision: {problem}"), at)
+            return False
+        changed = revisions.changed_paths(revisions.patch(old.steps, result.plan.steps))
+        if decision.approver not in data.plan_editors:
+            data.plan_editors.append(decision.approver)
+        self._adopt(result.plan)
+        plan = result.plan
+        data.revisions.append(
+            Revision(
+                version=plan.version,
+                editor=decision.approver,
+                at=at,
+                previous_plan_hash=old.plan_hash,
+                plan_hash=plan.plan_hash,
+                changed=changed,
+                partial=partial,
+            )
+        )
+        del data.revisions[:-REVISIONS_KEPT]
+        summary = f"; changed {', '.join(changed)}" if changed else ""
+        self.move(
+            S.VALIDATED,
+            at=at,
+            actor=actor,
+            reason=clip(
+                f"{why} — plan v{plan.version} ({len(plan.steps)} step(s)) replaces v{old.version} "
+                f"{old.plan_hash[:12]}{summary}",
+                REASON_CHARS,
+            ),
+            refs=Refs(
+                plan_hash=plan.plan_hash,
+                decision_id=decision.decision_id,
+                request_id=pending.request_id or None,
+                previous_plan_hash=old.plan_hash,
+                changed=changed,
+            ),
+        )
+        return True
+
+    def _approve_part(
+        self,
+        decision: ApprovalDecision,
+        kept: list[int],
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        verified: bool,
+    ) -> None:
+        """A partial approval: a revision to the kept steps, then this approval of the result
+        (it counts for the new request like any approval; others needed approve the subset)."""
+        data = self.data
+        old, before = data.plan, data.pending_approval
+        _require(old is not None and before is not None, "no pending plan")
+        left_out = [n for n in range(1, len(old.steps) + 1) if n not in kept]
+        dropped = [NotApproved(step=n, tool=old.steps[n - 1].tool, args=old.steps[n - 1].args, by=decision.approver) for n in left_out]
+        proposal = Proposal(steps=[ProposedStep(tool=old.steps[n - 1].tool, args=old.steps[n - 1].args) for n in kept])
+        why = (
+            f"partial approval by {decision.approver}: step(s) {', '.join(map(str, kept))} of "
+            f"{len(old.steps)} approved, not approved: "
+            + ", ".join(f"{d.step} ({d.tool})" for d in dropped)
+        )
+        if not self._revise(proposal, decision, actor, at, new_id, why=why, partial=True):
+            return
+        data.not_approved = dropped
+        review = self.review()
+        self.request_approval(at=at, reason=f"approval of the approved part: {review.summary}")
+        pending = data.pending_approval
+        _require(pending is not None, "no pending approval")
+        # Checked by the policy activity for the request it was sent for; the subset's request
+        # may ask for other roles: the run's snapshot says whether this approver holds one.
+        refusal = policy.approver_refusal(
+            self.tenant,
+            approver=decision.approver,
+            requested_by=self.request.requested_by,
+            kind="approve",
+            roles=pending.roles or before.roles,  # a subset needing nobody: the roles it was sent to
+            already_approved=[],
+            editors=pending.editors,
+        )
+        refs = Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id, request_id=pending.request_id or None)
+        if refusal is not None:
+            self._refuse_decision("approve", decision.model_copy(update={"plan_hash": pending.plan_hash}), refusal, at)
+            return
+        self._approve(decision.model_copy(update={"plan_hash": pending.plan_hash}), actor, at, refs)
+
+    def _approve(self, decision: ApprovalDecision, actor: str, at: datetime, refs: Refs) -> None:
+        data = self.data
+        pending = data.pending_approval
+        _require(pending is not None, "no pending approval")
         pending.approvals.append(AcceptedApproval(approver=decision.approver, decision_id=decision.decision_id, at=at))
         data.approved_by = [a.approver for a in pending.approvals]
         if len(pending.approvals) < pending.approvals_required:
@@ -365,11 +543,11 @@ class Engine:
         data.approval, data.pending_approval = pending, None
         self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
 
-    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> None:
+    def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime) -> None:
         """A decision still queued when the run left AWAITING_APPROVAL."""
         self._refuse_decision(
             kind,
-            decision,
+            _plain(decision),
             Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL"),
             at,
         )
@@ -380,7 +558,7 @@ class Engine:
             actor=f"user:{decision.approver}",
             reason=f"{kind} refused: {refusal.message}",
             rule=refusal.rule,
-            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
+            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id),
         )
 
     def expire(self, at: datetime) -> None:
@@ -727,3 +905,8 @@ class Engine:
             room -= len(done.observation)
             if i >= EXECUTED_WINDOW or room < 0:
                 done.args, done.observation = {}, ""
+
+
+def _plain(decision: Decision) -> ApprovalDecision:
+    """The fields every decision has (a revision's editor as its approver)."""
+    return decision.as_decision() if isinstance(decision, RevisionRequest) else decision

@@ -31,6 +31,10 @@ __all__ = [
     "PlanStep",
     "PlannerInput",
     "PlaybookStep",
+    "RevisedStep",
+    "RevisionRequest",
+    "Revision",
+    "NotApproved",
     "Proposal",
     "ProposedStep",
     "RunData",
@@ -239,6 +243,16 @@ class ExecutedStep(BaseModel):
         return data
 
 
+class NotApproved(BaseModel):
+    """A step a partial approval left out: the planner is told, so it does not propose it again
+    unchanged (and if it does, that is a new plan needing a new approval)."""
+
+    step: int  # its 1-based number in the plan it was proposed in
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    by: str
+
+
 class PlannerInput(BaseModel):
     goal: str
     planner: str
@@ -247,6 +261,8 @@ class PlannerInput(BaseModel):
     feedback: str | None = None
     round: int = 1
     steps_done: int | None = None  # steps executed with status ok, in all (executed is a window)
+    # Steps of the last plan a person left out when approving part of it.
+    not_approved: list[NotApproved] = Field(default_factory=list)
 
 
 class PlanStep(BaseModel):
@@ -276,6 +292,8 @@ def canonical_json(value: Any) -> str:
 class Plan(BaseModel):
     steps: list[PlanStep]
     plan_hash: str
+    # 1 for a run's first plan, then +1 for every plan after it, proposed or revised (not hashed).
+    version: int = 1
 
     @staticmethod
     def hash_steps(steps: list[PlanStep]) -> str:
@@ -305,12 +323,65 @@ class ApprovalDecision(Contract):
     # Ed25519 signature (base64) over policy.signature_payload(...), required where the tenant
     # requires signatures and for approvers whose public key the policy lists.
     signature: str | None = Field(None, max_length=200)
+    # Partial approval (approve only): the 1-based numbers of the steps approved; None: all.
+    # The other steps are dropped from the plan (a revision) and the result is approved.
+    steps: list[int] | None = Field(None, min_length=1, max_length=1000)
+
+    @field_validator("steps")
+    @classmethod
+    def _distinct_steps(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if any(n < 1 for n in value):
+                raise ValueError("step numbers start at 1")
+            if len(set(value)) != len(value):
+                raise ValueError("a step number is given twice")
+        return value
+
+
+class RevisedStep(Contract):
+    tool: str = Field(min_length=1, max_length=128)
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RevisionRequest(Contract):
+    """Payload of the ``revise`` signal (and of ``decide`` with kind ``revise``): the whole
+    revised plan for the pending approval request, validated like a proposal."""
+
+    decision_id: str = Field(min_length=1, max_length=128)
+    editor: Name
+    plan_hash: str = Field(min_length=1, max_length=128)  # the pending plan it edits
+    request_id: str | None = Field(None, min_length=1, max_length=128)  # the pending request
+    steps: list[RevisedStep] = Field(min_length=1, max_length=1000)
+    reason: str = Field(min_length=1, max_length=2000)
+    # Ed25519 over policy.signature_payload(kind="revise", ..., steps_digest=revised_hash()).
+    signature: str | None = Field(None, max_length=200)
+
+    def revised_hash(self) -> str:
+        """sha256 of the revised steps (tools + arguments), as the plan hash would be."""
+        payload = [{"tool": s.tool, "args": s.args} for s in self.steps]
+        return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+    def as_decision(self) -> ApprovalDecision:
+        """The decision fields every decision has: screened and signed like an approval's."""
+        return ApprovalDecision(
+            decision_id=self.decision_id,
+            approver=self.editor,
+            plan_hash=self.plan_hash,
+            request_id=self.request_id,
+            reason=self.reason,
+            signature=self.signature,
+        )
 
 
 class DecideRequest(ApprovalDecision):
-    """Payload of the ``decide`` Update: a decision and its kind, answered at once."""
+    """Payload of the ``decide`` Update: a decision and its kind, answered at once. With kind
+    ``revise`` the payload is a :class:`ReviseDecideRequest` instead."""
 
     kind: Literal["approve", "reject"]
+
+
+class ReviseDecideRequest(RevisionRequest):
+    kind: Literal["revise"]
 
 
 class DecideResult(BaseModel):
@@ -349,6 +420,21 @@ class PendingApproval(BaseModel):
     approvals_required: int = 1
     roles: list[str] = Field(default_factory=list)  # roles that may approve this plan
     approvals: list[AcceptedApproval] = Field(default_factory=list)  # accepted so far
+    # Who revised this plan (since the planner proposed it): under editor_may_approve = false
+    # their approvals do not count.
+    editors: list[str] = Field(default_factory=list)
+
+
+class Revision(BaseModel):
+    """One revision of a pending plan, as the snapshot shows it: ids, paths, never values."""
+
+    version: int  # the plan version it made
+    editor: str
+    at: datetime
+    previous_plan_hash: str
+    plan_hash: str
+    changed: list[str] = Field(default_factory=list)  # RFC 6902 "op path", e.g. "replace /1/args/x"
+    partial: bool = False  # made by a partial approval
 
 
 # ----------------------------------------------------------------------------- policy
@@ -422,6 +508,9 @@ class TenantPolicy(Contract):
     require_signatures: bool = False
     approval_roles: list[str] = Field(default_factory=lambda: ["approver"])
     four_eyes: bool = True
+    # May a person who revised a plan (or approved part of it) approve the result? Four-eyes
+    # against the requester holds either way.
+    editor_may_approve: bool = True
     auto_approve: AutoApprove = Field(default_factory=AutoApprove)
     high_risk: HighRisk | None = None
     approval_ttl_seconds: ApprovalTtl = Field(default_factory=ApprovalTtl)
@@ -497,6 +586,9 @@ class DecisionCheck(BaseModel):
     already_approved: list[str]
     first_run_id: str = ""
     requester_verified: bool = False
+    editors: list[str] = Field(default_factory=list)
+    # A revision: the sha256 of its revised steps, which its signature covers.
+    steps_digest: str | None = None
 
 
 class HandoffCheck(BaseModel):
@@ -571,6 +663,10 @@ class RunData(BaseModel):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     model_tokens: int = 0  # sum of Proposal.usage_tokens over the run
+    plans: int = 0  # plans validated in all (the current plan's version)
+    revisions: list[Revision] = Field(default_factory=list)  # the latest REVISIONS_KEPT
+    plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan
+    not_approved: list[NotApproved] = Field(default_factory=list)  # for the next planner call
 
 
 class RunSnapshot(BaseModel):
@@ -597,6 +693,7 @@ class RunSnapshot(BaseModel):
     # Refused events per "rule actor", counted even where the timeline keeps only the first few.
     refusals: dict[str, int] = Field(default_factory=dict)
     timeline_records: int = 0  # records written in all (the timeline query returns a window)
+    revisions: list[Revision] = Field(default_factory=list)
 
 
 class RunOutcome(BaseModel):

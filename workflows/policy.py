@@ -64,7 +64,23 @@ def decision_refusal(
         )
     if now >= pending.expires_at:
         return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
+    if decision.steps is not None and data.plan is not None:
+        size = len(data.plan.steps)
+        beyond = sorted(n for n in decision.steps if n > size)
+        if beyond:
+            return Refusal(
+                rule="invalid_steps",
+                message=f"step(s) {', '.join(map(str, beyond[:10]))} named: the pending plan has {size} step(s)",
+            )
     return None
+
+
+def partial_steps(decision: ApprovalDecision, plan: Plan) -> list[int] | None:
+    """The 1-based steps a partial approval keeps, in plan order; None: it approves them all."""
+    if decision.steps is None:
+        return None
+    kept = sorted(set(decision.steps))
+    return None if kept == list(range(1, len(plan.steps) + 1)) else kept
 
 
 def budget_refusal(executed_steps: int, proposed_steps: int, limits: Limits) -> str | None:
@@ -304,13 +320,24 @@ def approver_refusal(
     kind: str,
     roles: list[str],
     already_approved: list[str],
+    editors: list[str] | tuple[str, ...] = (),
 ) -> Refusal | None:
-    """May this person decide on this run's pending plan, under this tenant's policy?"""
+    """May this person decide on this run's pending plan, under this tenant's policy?
+
+    ``kind`` is approve, reject or revise; who may revise a plan is who may approve it, less
+    four-eyes (the requester may correct her own run; she may still not approve it).
+    ``editors``: who revised the pending plan.
+    """
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
     # Four-eyes first: whatever roles the requester holds, she does not approve her own run.
     if kind == "approve" and tenant.four_eyes and approver == requested_by:
         return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+    if kind == "approve" and not tenant.editor_may_approve and approver in editors:
+        return Refusal(
+            rule="editor_approval",
+            message=f"{approver} revised this plan and may not approve it (editor_may_approve = false)",
+        )
     if tenant.approvers is not None:
         member = tenant.approvers.get(approver)
         if member is None:
@@ -388,28 +415,41 @@ def signature_payload(
     kind: str,
     decision_id: str,
     signer: str,
+    steps: list[int] | None = None,
+    steps_digest: str | None = None,
 ) -> bytes:
     """What a person signs for a decision: the run (its id and the first run's id, so a later
     run under the same id is another run), the tenant, the approval request and its exact plan,
-    the kind of decision, its id and who decides. Handoffs sign with empty request and plan."""
-    return canonical_json(
-        {
-            "workflow_id": workflow_id,
-            "first_run_id": first_run_id,
-            "tenant": tenant,
-            "request_id": request_id,
-            "plan_hash": plan_hash,
-            "decision": kind,
-            "decision_id": decision_id,
-            "signer": signer,
-        }
-    ).encode()
+    the kind of decision, its id and who decides. Handoffs sign with empty request and plan.
+    A partial approval adds the ``steps`` it approves; a revision the sha256 of its revised
+    steps (``steps_digest``): neither key is there otherwise, so other signatures are unchanged."""
+    body: dict[str, object] = {
+        "workflow_id": workflow_id,
+        "first_run_id": first_run_id,
+        "tenant": tenant,
+        "request_id": request_id,
+        "plan_hash": plan_hash,
+        "decision": kind,
+        "decision_id": decision_id,
+        "signer": signer,
+    }
+    if steps is not None:
+        body["steps"] = sorted(set(steps))
+    if steps_digest is not None:
+        body["steps_digest"] = steps_digest
+    return canonical_json(body).encode()
 
 
 def decision_signature_payload(
-    *, workflow_id: str, first_run_id: str, tenant: str, kind: str, decision: ApprovalDecision
+    *,
+    workflow_id: str,
+    first_run_id: str,
+    tenant: str,
+    kind: str,
+    decision: ApprovalDecision,
+    steps_digest: str | None = None,
 ) -> bytes:
-    """What the approver of ``decision`` signs (and the policy activity verifies)."""
+    """What the approver (or editor) of ``decision`` signs (and the policy activity verifies)."""
     return signature_payload(
         workflow_id=workflow_id,
         first_run_id=first_run_id,
@@ -419,6 +459,8 @@ def decision_signature_payload(
         kind=kind,
         decision_id=decision.decision_id,
         signer=decision.approver,  # normalised, as the run compares it
+        steps=decision.steps,
+        steps_digest=steps_digest,
     )
 
 

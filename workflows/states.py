@@ -47,9 +47,10 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.VALIDATION_FAILED: frozenset({S.PLANNING, S.FAILED}),
     # EXECUTING_TOOL directly when policy says the plan needs no approval.
     S.VALIDATED: frozenset({S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.CANCELLED}),
-    # PLANNING when the approval expired and the run asked for on_expiry=replan.
+    # PLANNING when the approval expired and the run asked for on_expiry=replan; VALIDATED when
+    # a person revised the pending plan (or approved part of it): a new plan version.
     S.AWAITING_APPROVAL: frozenset(
-        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.HANDED_OFF, S.CANCELLED}
+        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.VALIDATED, S.HANDED_OFF, S.CANCELLED}
     ),
     # AWAITING_APPROVAL when the approvals no longer hold at execution time (an approver lost
     # the role, a tool was withdrawn from the tenant): the step does not run.
@@ -106,6 +107,11 @@ class Refs(BaseModel):
     decision_id: str | None = None
     error_code: str | None = None
     policy_hash: str | None = None
+    # The approval request a record is about (a request opened, a decision on it, a revision of it).
+    request_id: str | None = None
+    # A revision: the plan it replaced and the RFC 6902 "op path" entries that changed (no values).
+    previous_plan_hash: str | None = None
+    changed: list[str] | None = None
     # Set on every record that ends a tool step (success, failure, retry wait, handoff, cancel,
     # budget): what happened to the step's effect.
     outcome: EffectOutcome | None = None
