@@ -35,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
 
     from workflows import metrics as run_metrics
     from workflows import policy
+    from workflows.display import markdown_code
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
     from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
@@ -864,7 +865,14 @@ class AgentRun:
             lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
         plan, catalog = data.plan, data.catalog or ToolCatalog()
         if plan is not None and not lc.terminal:
-            lines += ["", f"**Plan** `{plan.plan_hash}`", ""]
+            lines += ["", f"**Plan** v{plan.version} `{plan.plan_hash}`", ""]
+            if data.revisions:
+                last = data.revisions[-1]
+                lines[-1:-1] = [
+                    f"**Revised** {len(data.revisions)} time(s), last by `{last.editor}`"
+                    + (" (partial approval)" if last.partial else "")
+                    + f": {markdown_code(', '.join(last.changed), 300)}"
+                ]
             for i, step in enumerate(plan.steps[:30], start=1):
                 info = catalog.get(step.tool)
                 effect = info.effect.value if info else "?"
