@@ -190,11 +190,22 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
                         "file, not an empty one, means the built-in default)")
     raw_tenants = tomllib.loads(text).get("tenants", {})
     known = set(tool_names)
+    for hook_name, hook in document.notify.webhooks.items():
+        if hook.secret_file is not None and not (path.parent / hook.secret_file).is_file():
+            problem(("notify", "webhooks", hook_name, "secret_file"), f"no such file: {path.parent / hook.secret_file}")
     for name, tenant in document.tenants.items():
         at = ("tenants", name)
         if not raw_tenants.get(name):
             problem(at, "empty tenant: set tools and approvers (or remove it)")
             continue
+        for level in ("normal", "high"):
+            for i, stage in enumerate(getattr(tenant.escalation, level)):
+                for hook_name in stage.notify:
+                    if hook_name not in document.notify.webhooks:
+                        problem(
+                            at + ("escalation", level),
+                            f"stage {i + 1} notifies {hook_name!r}: no [notify.webhooks.{hook_name}]",
+                        )
         named = [(at + ("tools",), t) for t in tenant.tools or []]
         named += [(at + ("auto_approve", "limits"), r.tool) for r in tenant.auto_approve.limits]
         named += [(at + ("high_risk", "when"), r.tool) for r in (tenant.high_risk.when if tenant.high_risk else [])]
@@ -211,9 +222,12 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
         held = {role for a in tenant.approvers.values() for role in a.roles}
         wanted = [("approval_roles", r) for r in tenant.approval_roles]
         wanted += [("high_risk", r) for r in (tenant.high_risk.roles if tenant.high_risk else [])]
+        wanted += [
+            ("escalation", r) for level in (tenant.escalation.normal, tenant.escalation.high) for st in level for r in st.roles
+        ]
         for key, role in wanted:
             if role not in held:
-                loc = at + (key,) if key == "approval_roles" else at + ("high_risk", "roles")
+                loc = at + (key,) if key in ("approval_roles", "escalation") else at + ("high_risk", "roles")
                 problem(loc, f"role {role!r} is held by no approver: no plan needing it could be approved")
     return problems
 

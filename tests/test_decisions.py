@@ -5,6 +5,7 @@ Real parts: the time-skipping server, a worker with the billing tools, the billi
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from pathlib import Path
@@ -243,3 +244,56 @@ async def test_editor_may_approve_false_refuses_the_editors_approval(
         assert ok.state == S.APPROVED
         outcome = await handle.result()
     assert outcome.state == S.COMPLETED
+
+
+ESCALATING = """
+[tenants.default]
+[tenants.default.approvers]
+bob = { roles = ["approver"] }
+mia = { roles = ["manager"] }
+[tenants.default.escalation]
+normal = [{ after = "2h", notify = ["ops"] }, { after = "6h", roles = ["manager"], notify = ["ops"] }]
+high = [{ after = "20m" }]
+[notify.webhooks.ops]
+url = "http://127.0.0.1:9/hook"
+"""
+
+
+async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text(ESCALATING)
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(path))) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([READ, REFUND]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        pending = snap.pending_approval
+        assert pending is not None and [s.after for s in pending.escalation] == [7200, 21600]
+        early = await decide(handle, kind="approve", **approval_for(snap, "mia").model_dump(exclude_none=True))
+        assert early.rule == "role", early
+
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await ts_env.sleep(2 * 3600 + 60)
+        first = await handle.query("snapshot", result_type=RunSnapshot)
+        assert first.pending_approval is not None and first.pending_approval.stage == 1
+        still = await decide(handle, kind="approve", **approval_for(first, "mia").model_dump(exclude_none=True))
+        assert still.rule == "role", "a manager may approve only after stage 2"
+        await ts_env.sleep(4 * 3600)
+        second = await handle.query("snapshot", result_type=RunSnapshot)
+        elapsed = loop.time() - started
+        assert second.pending_approval is not None and second.pending_approval.stage == 2
+        assert second.pending_approval.roles == ["approver", "manager"]
+        assert second.pending_approval.request_id == pending.request_id, "the same request, escalated"
+        ok = await decide(handle, kind="approve", **approval_for(second, "mia").model_dump(exclude_none=True))
+        assert ok.state == S.APPROVED, ok
+        outcome = await handle.result()
+    assert elapsed < 3.0, f"8 hours of escalation took {elapsed:.2f}s of real time"
+    escalated = [r for r in outcome.timeline if r.kind == "escalated"]
+    assert [r.reason.split(":")[0] for r in escalated] == ["escalation stage 1/2", "escalation stage 2/2"]
+    assert all(r.actor == "timer" and r.refs.request_id == pending.request_id for r in escalated)
+    assert "roles approver, manager may approve" in escalated[1].reason
+    # Each at its time after the request opened (timer resolution aside), expiry still a day out.
+    fired = [(r.at - pending.opened_at).total_seconds() for r in escalated]
+    assert abs(fired[0] - 7200) < 1 and abs(fired[1] - 21600) < 1, fired
+    check_timeline(outcome.timeline, tools_by_call(outcome))

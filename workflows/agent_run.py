@@ -101,6 +101,8 @@ AUDIT_BATCH = 200
 PATCH_V2 = "tether-v2"
 # Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
 REVISIONS = "tether-revisions"
+# Escalation stages: timers inside the approval window (only where the policy sets stages).
+ESCALATION = "tether-escalation"
 DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
@@ -319,7 +321,12 @@ class AgentRun:
             raise ApplicationError(
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
-        remaining = (pending.expires_at - workflow.now()).total_seconds()
+        # The next escalation stage, if the policy sets any (a timer inside the approval window).
+        escalate_at = self.engine.next_escalation() if pending.escalation and workflow.patched(ESCALATION) else None
+        wake, summary = pending.expires_at, "approval expiry"
+        if escalate_at is not None and escalate_at < wake:
+            wake, summary = escalate_at, f"escalation stage {pending.stage + 1}"
+        remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
             await self._checkpoint()
             try:
@@ -328,7 +335,7 @@ class AgentRun:
                     or self._handoff is not None
                     or workflow.info().is_continue_as_new_suggested(),
                     timeout=timedelta(seconds=remaining),
-                    timeout_summary="approval expiry",
+                    timeout_summary=summary,
                 )
             except asyncio.TimeoutError:
                 pass
@@ -359,6 +366,9 @@ class AgentRun:
                 )
             )
             self._answer(decision.decision_id)
+            return
+        if escalate_at is not None and escalate_at <= workflow.now() < pending.expires_at:
+            self._decide(self.engine.escalate)
             return
         if workflow.now() >= pending.expires_at:
             self._decide(self.engine.expire)

@@ -29,6 +29,7 @@ from workflows.models import (
     AcceptedApproval,
     ApprovalDecision,
     AuthorityCheck,
+    EscalationStage,
     ExecutedStep,
     HandoffRequest,
     Limits,
@@ -216,6 +217,7 @@ class Engine:
         """The planner answered: finish, validate the plan, or record why it is not valid."""
         data = self.data
         data.model_tokens += proposal.usage_tokens
+        data.not_approved = []  # the planner has been told
         max_tokens = self.request.limits.max_model_tokens
         if max_tokens is not None and data.model_tokens > max_tokens:
             data.last_error = f"model_token_budget: {data.model_tokens} > {max_tokens}"
@@ -232,7 +234,6 @@ class Engine:
             data.answer = clip(proposal.answer, ANSWER_CHARS)
             self.move(S.COMPLETED, at=at, actor="planner", reason="planner finished with an answer")
             return
-        data.not_approved = []  # the planner has been told
         result = self.validate(proposal, new_id)
         if result.plan is None:
             data.feedback = result.reason  # bounded: the first problems, paths and rules only
@@ -325,6 +326,9 @@ class Engine:
             approvals_required=review.approvals_required,
             roles=review.roles,
             editors=list(data.plan_editors),
+            opened_at=at,
+            # Expiry stays the last word: a stage at or past it never fires.
+            escalation=[stage for stage in review.escalation if stage.after < ttl],
         )
         data.approval = None
         data.approved_by = []
@@ -560,6 +564,38 @@ class Engine:
             rule=refusal.rule,
             refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id),
         )
+
+    def next_escalation(self) -> datetime | None:
+        """When the pending request's next escalation stage is due (None: no stage left)."""
+        pending = self.data.pending_approval
+        if pending is None or pending.opened_at is None or pending.stage >= len(pending.escalation):
+            return None
+        return pending.opened_at + timedelta(seconds=pending.escalation[pending.stage].after)
+
+    def escalate(self, at: datetime) -> EscalationStage:
+        """The next escalation stage's timer fired: record it and widen the roles that may
+        approve. Returns the stage (the workflow tells its webhooks)."""
+        pending = self.data.pending_approval
+        due = self.next_escalation()
+        _require(
+            pending is not None and self.state == S.AWAITING_APPROVAL and due is not None and due <= at < pending.expires_at,
+            "an escalation timer fired with no stage due",
+        )
+        stage = pending.escalation[pending.stage]
+        pending.stage += 1
+        added = [r for r in stage.roles if r not in pending.roles]
+        pending.roles = pending.roles + added
+        widened = f"; roles {', '.join(pending.roles)} may approve" if added else ""
+        told = f"; notifying {', '.join(stage.notify)}" if stage.notify else ""
+        self.on_record(
+            self.data.lifecycle.escalate(
+                at=at,
+                reason=f"escalation stage {pending.stage}/{len(pending.escalation)}: waiting "
+                f"{_duration(stage.after)} for approval{widened}{told}; expires {pending.expires_at.isoformat()}",
+                refs=Refs(plan_hash=pending.plan_hash, request_id=pending.request_id or None),
+            )
+        )
+        return stage
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""
@@ -910,3 +946,10 @@ class Engine:
 def _plain(decision: Decision) -> ApprovalDecision:
     """The fields every decision has (a revision's editor as its approver)."""
     return decision.as_decision() if isinstance(decision, RevisionRequest) else decision
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"

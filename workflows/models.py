@@ -7,13 +7,22 @@ activity takes exactly one of these models, so the pydantic data converter never
 from __future__ import annotations
 
 import hashlib
+import re
 
 import rfc8785
 from datetime import datetime
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from workflows.budgets import REQUEST_BUDGET
 from workflows.identity import Name, normalize_name
@@ -423,6 +432,10 @@ class PendingApproval(BaseModel):
     # Who revised this plan (since the planner proposed it): under editor_may_approve = false
     # their approvals do not count.
     editors: list[str] = Field(default_factory=list)
+    opened_at: datetime | None = None
+    # The stages that fire inside this request's window, and how many have fired.
+    escalation: list[EscalationStage] = Field(default_factory=list)
+    stage: int = 0
 
 
 class Revision(BaseModel):
@@ -489,6 +502,52 @@ class HighRisk(Contract):
     roles: list[str] = Field(default_factory=lambda: ["approver"])
 
 
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any) -> Any:
+    """Seconds as a number, or a text "30s" / "20m" / "2h" / "1d"; other values are left for
+    pydantic to refuse with its own message."""
+    if isinstance(value, str):
+        m = _DURATION.match(value.strip())
+        if m is None:
+            raise ValueError(f"not a duration: {value[:40]!r} (seconds, or a number with s, m, h or d: \"2h\")")
+        return float(m[1]) * _UNIT_SECONDS[m[2]]
+    return value
+
+
+# A positive number of seconds, written as a number or as "30s" / "2h" / "1d" in the policy file.
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=366 * 86400)]
+
+# What a webhook may be told about (the `events` of [notify.webhooks.NAME]).
+NotifyEvent = Literal["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
+
+
+class EscalationStage(Contract):
+    """One step up while a plan waits: ``after`` the request opened, record it, let ``roles``
+    approve too, and tell the ``notify`` webhooks. A stage at or past the expiry never fires."""
+
+    after: Duration
+    roles: list[str] = Field(default_factory=list)
+    notify: list[str] = Field(default_factory=list)
+
+
+def _ascending(stages: list[EscalationStage]) -> list[EscalationStage]:
+    for earlier, later in zip(stages, stages[1:]):
+        if later.after <= earlier.after:
+            raise ValueError("escalation stages must come in order of `after`, each later than the one before")
+    return stages
+
+
+class Escalation(Contract):
+    normal: list[EscalationStage] = Field(default_factory=list, max_length=10)
+    high: list[EscalationStage] = Field(default_factory=list, max_length=10)
+
+    _order_normal = field_validator("normal")(classmethod(lambda cls, v: _ascending(v)))
+    _order_high = field_validator("high")(classmethod(lambda cls, v: _ascending(v)))
+
+
 class ApprovalTtl(Contract):
     normal: float | None = Field(None, gt=0)
     high: float | None = Field(None, gt=0)
@@ -514,6 +573,8 @@ class TenantPolicy(Contract):
     auto_approve: AutoApprove = Field(default_factory=AutoApprove)
     high_risk: HighRisk | None = None
     approval_ttl_seconds: ApprovalTtl = Field(default_factory=ApprovalTtl)
+    # Per risk level, the stages a waiting plan escalates through before it expires.
+    escalation: Escalation = Field(default_factory=Escalation)
     budgets: Budgets = Field(default_factory=Budgets)
 
     @field_validator("approvers", mode="before")
@@ -531,8 +592,24 @@ class TenantPolicy(Contract):
         return out
 
 
+class Webhook(Contract):
+    """Where events are posted (activities/notify.py), signed with the secret in ``secret_file``
+    (relative to the policy file; its content, stripped)."""
+
+    url: str = Field(pattern=r"^https?://", max_length=2000)
+    events: list[NotifyEvent] = Field(
+        default_factory=lambda: ["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
+    )
+    secret_file: str | None = None
+
+
+class Notify(Contract):
+    webhooks: dict[str, Webhook] = Field(default_factory=dict)
+
+
 class PolicyDocument(Contract):
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    notify: Notify = Field(default_factory=Notify)
 
 
 class PolicySnapshot(BaseModel):
@@ -565,6 +642,7 @@ class PlanReview(BaseModel):
     roles: list[str]
     summary: str
     ttl_seconds: float | None = None  # the policy's TTL for this risk level, if it sets one
+    escalation: list[EscalationStage] = Field(default_factory=list)  # for this risk level
 
 
 class SnapshotRequest(BaseModel):

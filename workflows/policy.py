@@ -301,6 +301,7 @@ def review_plan(
             roles=high_risk.roles,
             summary=f"HIGH RISK, {high_risk.approvals} approvals needed — {summary}",
             ttl_seconds=tenant.approval_ttl_seconds.high,
+            escalation=tenant.escalation.high,
         )
     return PlanReview(
         needs_approval=True,
@@ -309,6 +310,7 @@ def review_plan(
         roles=tenant.approval_roles,
         summary=summary,
         ttl_seconds=tenant.approval_ttl_seconds.normal,
+        escalation=tenant.escalation.normal,
     )
 
 

@@ -123,7 +123,8 @@ class TransitionRecord(BaseModel):
     ``kind="transition"`` is a state change. ``kind="refused"`` records an event the runtime
     turned down (a stale approval, a signal for a finished run), with the ``rule`` that refused
     it; ``kind="accepted"`` records a decision that counted but did not change state yet (the
-    first of two required approvals). Neither changes state: they carry the current state as
+    first of two required approvals); ``kind="escalated"`` an escalation stage of a waiting
+    plan (its timer fired: more roles may approve, people were told). None of these changes state: they carry the current state as
     both ends and do not bump ``state_version``.
     """
 
@@ -134,7 +135,7 @@ class TransitionRecord(BaseModel):
     reason: str
     state_version: int
     refs: Refs = Field(default_factory=Refs)
-    kind: Literal["transition", "refused", "accepted"] = "transition"
+    kind: Literal["transition", "refused", "accepted", "escalated"] = "transition"
     rule: str | None = None
     # 1, 2, 3, ... over the whole run (across continue-as-new): the audit sink's key, and how a
     # reader merges the workflow's window with the sink.
@@ -211,9 +212,15 @@ class Lifecycle(BaseModel):
         """Record a decision that counted without changing state (more approvals needed)."""
         return self._note("accepted", at=at, actor=actor, reason=reason, refs=refs, rule=None)
 
+    def escalate(
+        self, *, at: datetime, reason: str, refs: Refs | None = None
+    ) -> TransitionRecord:
+        """Record an escalation stage of a waiting plan (no state change)."""
+        return self._note("escalated", at=at, actor="timer", reason=reason, refs=refs, rule=None)
+
     def _note(
         self,
-        kind: Literal["refused", "accepted"],
+        kind: Literal["refused", "accepted", "escalated"],
         *,
         at: datetime,
         actor: str,
