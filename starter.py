@@ -45,7 +45,7 @@ OPTIONS = {
     "max_steps": "--max-steps", "max_replans": "--max-replans", "approval_ttl_seconds": "--approval-ttl",
     "on_expiry": "--on-expiry", "max_model_tokens": "--max-model-tokens", "approver": "--by", "by": "--by",
     "decision_id": "--decision-id", "plan_hash": "--plan-hash", "comment": "--comment", "reason": "--reason",
-    "state": "--state", "limit": "--limit",
+    "state": "--state", "limit": "--limit", "editor": "--by", "steps": "--steps",
 }
 
 
@@ -90,12 +90,20 @@ def format_status(s: client.RunStatus) -> str:
     if s.last_error:
         lines.append(f"last error {s.last_error}")
     if s.plan is not None:
-        lines.append(f"plan       {s.plan.plan_hash}")
+        lines.append(f"plan       v{s.plan.version} {s.plan.plan_hash}")
         lines.extend(_steps(s.plan))
+    for r in s.revisions:
+        what = "partial approval" if r.partial else "revised"
+        lines.append(f"revision   v{r.version} {what} by {r.editor} at {r.at.isoformat()}: "
+                     f"{', '.join(r.changed) or '-'} (was {r.previous_plan_hash[:12]})")
     if s.pending_approval is not None:
         p = s.pending_approval
         lines.append(f"pending    approval until {p.expires_at.isoformat()}: {p.summary}")
+        if p.escalation:
+            lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
+                         + (f"; roles {', '.join(p.roles)}" if p.roles else ""))
         lines.append(f"           approve: {invoked_as()} approve {s.run_id} --by NAME")
+        lines.append(f"           revise:  {invoked_as()} revise {s.run_id} --by NAME --reason TEXT --step N KEY=VALUE")
     if s.answer:
         lines.append(f"answer     {s.answer}")
     return "\n".join(lines)
@@ -189,11 +197,23 @@ async def cmd_start(args: argparse.Namespace) -> int:
     return OK
 
 
+def _step_numbers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        numbers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TetherError(f"--steps: expected step numbers like 1,2, got {text[:60]!r}") from None
+    if not numbers:
+        raise TetherError("--steps: name at least one step")
+    return numbers
+
+
 async def _decide(args: argparse.Namespace, kind: str) -> int:
     given = client.DecisionInput(
         by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id,
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
-        key=Path(args.key) if args.key else None,
+        key=Path(args.key) if args.key else None, steps=_step_numbers(getattr(args, "steps", None)),
     )
     verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
     verb = "approved" if kind == "approve" else "rejected"
@@ -219,6 +239,29 @@ def _print_verdict(verdict: client.Verdict) -> int:
 
 async def cmd_approve(args: argparse.Namespace) -> int:
     return await _decide(args, "approve")
+
+
+async def cmd_revise(args: argparse.Namespace) -> int:
+    if bool(args.step) == bool(args.steps_file):
+        raise TetherError("revise: give --step N KEY=VALUE (repeatable) or --steps-file PATH")
+    conn = await client.connect()
+    snap = await client.status(conn, args.run)
+    if snap.plan is None or snap.pending_approval is None:
+        raise TetherError(f"run {args.run} is {snap.state.value}, not awaiting approval", REFUSED)
+    steps = (
+        client.load_steps_file(Path(args.steps_file)) if args.steps_file
+        else client.revised_steps(snap.plan, client.parse_edits(args.step))
+    )
+    given = client.DecisionInput(
+        by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id, reason=args.reason,
+        key=Path(args.key) if args.key else None,
+    )
+    # The person sees the values they change; the run records only the paths.
+    print(f"revising plan v{snap.plan.version} {snap.plan.plan_hash} of run {args.run}:")
+    for line in client.revision_diff(snap.plan, steps) or ["(no change)"]:
+        print(f"  {line}")
+    verdict = await client.revise(conn, args.run, given, steps)
+    return _print_verdict(verdict)
 
 
 async def cmd_reject(args: argparse.Namespace) -> int:
@@ -342,7 +385,21 @@ def _decision_args(kind: str) -> Callable[[argparse.ArgumentParser], None]:
         p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the decision (see keygen)")
         if kind == "approve":
             p.add_argument("--comment", metavar="TEXT")
+            p.add_argument("--steps", metavar="N,N", help="approve only these steps (1-based, e.g. 1,2); the rest "
+                           "are dropped from the plan (default: all)")
     return add
+
+
+def _revise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run")
+    p.add_argument("--by", required=True, metavar="NAME", help="who revises (someone who may approve)")
+    p.add_argument("--reason", required=True, metavar="TEXT")
+    p.add_argument("--step", nargs="+", action="append", metavar="N KEY=VALUE",
+                   help="set arguments of step N (1-based); repeatable; JSON values (1000, true) or text")
+    p.add_argument("--steps-file", metavar="PATH", help="the whole revised plan: a JSON list of {tool, args}")
+    p.add_argument("--plan-hash", metavar="HASH", help="the plan you reviewed (default: the pending one)")
+    p.add_argument("--decision-id", metavar="ID", help="unique id of this revision (default: random)")
+    p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the revision (see keygen)")
 
 
 def _handoff_args(p: argparse.ArgumentParser) -> None:
@@ -398,6 +455,7 @@ COMMANDS: list[Command] = [
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
+    Command("revise", "revise a run's pending plan (a new version, approved anew)", _revise_args, cmd_revise),
     Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
     Command("tools", "the tools a worker serves: source, effect and why", _tools_args, cmd_tools),

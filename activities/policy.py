@@ -308,11 +308,14 @@ class PolicyActivities:
             )
             # Verified only by a signature that checked out, never by the absence of a rule.
             verified = refusal is None and _has_key(tenant, request.requested_by)
+        document, _ = self.store.load()
+        webhooks = {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {}
         return PolicySnapshot(
             tenant=request.tenant,
             policy=tenant,
             policy_hash=digest,
             source=self.store.source,
+            webhooks=webhooks,
             requester_refusal=refusal,
             requester_verified=verified,
         )

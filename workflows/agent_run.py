@@ -51,6 +51,8 @@ with workflow.unsafe.imports_passed_through():
         ExecutedStep,
         HandoffCheck,
         HandoffRequest,
+        Notification,
+        NotificationResult,
         PlannerInput,
         PolicySnapshot,
         Proposal,
@@ -103,6 +105,16 @@ PATCH_V2 = "tether-v2"
 REVISIONS = "tether-revisions"
 # Escalation stages: timers inside the approval window (only where the policy sets stages).
 ESCALATION = "tether-escalation"
+# Notifications: a notify activity per event, where the policy names webhooks for it.
+NOTIFY = "tether-notify"
+# Webhook deliveries are retried with backoff (0.5 s, 1 s, 2 s) and never awaited by the run's
+# progress; a run that ends waits for the ones in flight at most NOTIFY_BUDGET.
+NOTIFY_RETRY = RetryPolicy(
+    maximum_attempts=4, initial_interval=timedelta(seconds=0.5), backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+)
+NOTIFY_ATTEMPT = timedelta(seconds=15)
+NOTIFY_BUDGET = timedelta(seconds=75)
 DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
@@ -135,6 +147,7 @@ class AgentRun:
         self._audit: list[TransitionRecord] = []
         self._verdicts: dict[str, DecideResult | None] = {}
         self._v2 = True
+        self._notifying = 0  # notify activities in flight
         self._loops = 0
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
@@ -194,6 +207,14 @@ class AgentRun:
             self._handoff = None
         if self._inbox:
             self._flush_inbox()
+        self._notify()
+        if self._notifying:
+            # The ending's own event (expired, failed, handed off) and any still being retried:
+            # bounded by their backoff, so a dead webhook never holds the run.
+            try:
+                await workflow.wait_condition(lambda: self._notifying == 0, timeout=NOTIFY_BUDGET, timeout_summary="notifications")
+            except asyncio.TimeoutError:
+                pass
         await self._checkpoint()
         await workflow.wait_condition(workflow.all_handlers_finished)
 
@@ -779,9 +800,39 @@ class AgentRun:
             )
 
     async def _checkpoint(self) -> None:
-        """Before the run waits: the audit sink has every record, and the state is visible."""
+        """Before the run waits: the audit sink has every record, people who take an event are
+        being told, and the state is visible."""
         await self._flush_audit()
+        self._notify()
         self._publish()
+
+    def _notify(self) -> None:
+        """Start a notify activity per event the policy has webhooks for; the run goes on."""
+        notes = self.engine.take_notifications(workflow.info().namespace)
+        if not notes or not self._v2 or not workflow.patched(NOTIFY):
+            return
+        for note in notes:
+            self._notifying += 1
+            asyncio.create_task(self._deliver(note))
+
+    async def _deliver(self, note: Notification) -> None:
+        try:
+            result = await workflow.execute_activity(
+                "notify",
+                note.model_copy(update={"max_attempts": NOTIFY_RETRY.maximum_attempts}),
+                result_type=NotificationResult,
+                start_to_close_timeout=NOTIFY_ATTEMPT,
+                retry_policy=NOTIFY_RETRY,
+                summary=f"notify · {note.event} · {', '.join(note.webhooks)[:100]}",
+            )
+        except ActivityError as err:
+            result = NotificationResult(dead={name: _failure(err).code for name in note.webhooks})
+        except asyncio.CancelledError:
+            self._notifying -= 1
+            return  # the run is being cancelled: its own end is on the record
+        self._notifying -= 1
+        run_metrics.on_notification(note.event, len(result.delivered), len(result.dead))
+        self.engine.notification_done(note, result, workflow.now())
 
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
@@ -792,7 +843,7 @@ class AgentRun:
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
         if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL, S.OBSERVING_RESULT):
             return
-        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
+        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
             return
         # The carried state is measured only here (it costs a serialisation), not every loop.
         size = len(data.model_dump_json())

@@ -31,6 +31,8 @@ from workflows.models import (
     AuthorityCheck,
     EscalationStage,
     ExecutedStep,
+    Notification,
+    NotificationResult,
     HandoffRequest,
     Limits,
     NotApproved,
@@ -103,10 +105,15 @@ class Engine:
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
         self.new_request_id = new_request_id  # one id per approval request (workflow.uuid4())
+        # Records someone is to be told about, with webhooks named besides the subscribers (an
+        # escalation stage's notify); the workflow takes them before it waits.
+        self.outbox: list[tuple[TransitionRecord, list[str]]] = []
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded
             self._on_record(record)
+            if notify_event(record) is not None:
+                self.outbox.append((record, []))
 
     # ------------------------------------------------------------------ facts
 
@@ -595,7 +602,63 @@ class Engine:
                 refs=Refs(plan_hash=pending.plan_hash, request_id=pending.request_id or None),
             )
         )
+        if self.outbox:
+            self.outbox[-1][1].extend(stage.notify)
         return stage
+
+    # ------------------------------------------------------------------ notifications
+
+    def take_notifications(self, namespace: str = "default") -> list[Notification]:
+        """The events to post now, each to the webhooks that take it (the policy snapshot's
+        subscriptions, and an escalation stage's own), built from ids and the risk summary.
+        An approval request already decided by the time the run waits is not announced."""
+        outbox, self.outbox = self.outbox, []
+        hooks = self.data.policy.webhooks if self.data.policy else {}
+        pending = self.data.pending_approval
+        out: list[Notification] = []
+        for record, named in outbox:
+            event = notify_event(record)
+            if event is None:
+                continue
+            if event == "awaiting_approval" and (pending is None or pending.request_id != (record.refs.request_id or "")):
+                continue  # decided in the same step (a partial approval): nothing waits
+            names = [n for n, events in hooks.items() if event in events]
+            names += [n for n in named if n not in names]
+            if not names:
+                continue
+            waiting = pending if pending is not None and pending.request_id == (record.refs.request_id or "") else None
+            out.append(
+                Notification(
+                    event_id=f"{self.workflow_id}:{self.data.first_run_id}:{record.seq}",
+                    event=event,
+                    webhooks=names,
+                    run_id=self.workflow_id,
+                    namespace=namespace,
+                    tenant=self.request.tenant,
+                    state=record.to_state.value,
+                    plan_hash=record.refs.plan_hash,
+                    request_id=record.refs.request_id,
+                    summary=waiting.summary if waiting else "",
+                    expires_at=waiting.expires_at if waiting else None,
+                    approve_command=f"tether approve {self.workflow_id} --by NAME" if waiting else None,
+                    reason=record.reason,
+                )
+            )
+        return out
+
+    def notification_done(self, note: Notification, result: NotificationResult, at: datetime) -> None:
+        """Webhooks no retry reached are on the record (the run did not wait for them)."""
+        if not result.dead:
+            return
+        dead = ", ".join(f"{name} ({why})" for name, why in sorted(result.dead.items()))
+        self.on_record(
+            self.data.lifecycle.notify_failed(
+                at=at,
+                reason=f"notification {note.event} (event {note.event_id.rsplit(':', 1)[-1]}) not delivered to: {dead}",
+                event=note.event,
+                refs=Refs(plan_hash=note.plan_hash, request_id=note.request_id),
+            )
+        )
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""
@@ -953,3 +1016,23 @@ def _duration(seconds: float) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
+
+
+def notify_event(record: TransitionRecord) -> str | None:
+    """The event a record is, for webhooks (``[notify.webhooks.NAME] events``), or None."""
+    if record.kind == "escalated":
+        return "escalated"
+    if record.kind != "transition":
+        return None
+    to, came = record.to_state, record.from_state
+    if to == S.AWAITING_APPROVAL:
+        return "awaiting_approval"
+    if came == S.AWAITING_APPROVAL and to == S.VALIDATED:
+        return "revised"
+    if to == S.EXPIRED or (came == S.AWAITING_APPROVAL and to == S.PLANNING and record.actor == "timer"):
+        return "expired"
+    if to == S.HANDED_OFF:
+        return "handed_off"
+    if to in (S.FAILED, S.EXECUTION_FAILED):
+        return "failed"
+    return None

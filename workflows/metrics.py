@@ -7,6 +7,8 @@ Two hooks, called by ``AgentRun`` right after the lifecycle records something:
   RECEIVED), ``tether_runs_ended{state}`` on a terminal state, and
   ``tether_approval_wait_seconds{outcome}`` when a run leaves AWAITING_APPROVAL (workflow time
   from entering to leaving, so a replan-on-expiry or a handoff counts too).
+- :func:`on_notification` (for every notification the run sent): ``tether_notifications{event,
+  outcome}`` with outcome ``delivered`` or ``dead`` (no retry reached the webhook).
 - :func:`on_refusal` (for every refused record): ``tether_decisions_refused{kind, rule}``.
   ``kind`` is the reason's first word (approve, reject, handoff); ``rule`` is the record's own
   ``rule`` when the runtime named one, else looked up from the words after "refused: " in
@@ -27,6 +29,7 @@ RUNS_STARTED = "tether_runs_started"
 RUNS_ENDED = "tether_runs_ended"
 APPROVAL_WAIT = "tether_approval_wait_seconds"
 DECISIONS_REFUSED = "tether_decisions_refused"
+NOTIFICATIONS = "tether_notifications"
 
 # Leading words of a refusal reason (after "<kind> refused: ") -> rule label. The reasons come
 # from workflows/policy.py and AgentRun; a test checks every policy reason maps to a rule.
@@ -87,3 +90,12 @@ def _entered_awaiting_approval(lifecycle: Lifecycle, record: TransitionRecord):
         if earlier.to_state == RunState.AWAITING_APPROVAL:
             return earlier.at
     return None
+
+
+def on_notification(event: str, delivered: int, dead: int) -> None:
+    """``tether_notifications{event, outcome}``: webhooks reached, and those no retry reached."""
+    counter = workflow.metric_meter().create_counter(NOTIFICATIONS, "Webhook deliveries of run events", "1")
+    if delivered:
+        counter.add(delivered, {"event": event, "outcome": "delivered"})
+    if dead:
+        counter.add(dead, {"event": event, "outcome": "dead"})

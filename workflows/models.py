@@ -623,6 +623,9 @@ class PolicySnapshot(BaseModel):
     # The start's requested_by, verified against its signature (None: no signature given).
     requester_refusal: Refusal | None = None
     requester_verified: bool = False
+    # Webhook name -> the events it takes ([notify.webhooks]); no URLs or secrets. The run
+    # schedules a notification only where a webhook (or an escalation stage) asks for it.
+    webhooks: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class Refusal(BaseModel):
@@ -687,6 +690,32 @@ class AuthorityCheck(BaseModel):
     steps: list[PlanStep] = Field(default_factory=list)
     catalog: ToolCatalog | None = None
     spent: dict[str, float] = Field(default_factory=dict)
+
+
+class Notification(BaseModel):
+    """Input of the ``notify`` activity: one event, for the named webhooks (resolved against the
+    current policy file). Ids, states and the escaped risk summary; argument values only as the
+    summary's declared fields."""
+
+    event_id: str  # one per event: the receiver's idempotency key (X-Tether-Event-Id)
+    event: str
+    webhooks: list[str]
+    run_id: str
+    namespace: str = "default"
+    tenant: str
+    state: str
+    plan_hash: str | None = None
+    request_id: str | None = None
+    summary: str = ""  # the risk summary, escaped (workflows/display.py)
+    expires_at: datetime | None = None
+    approve_command: str | None = None
+    reason: str = ""  # the record's reason, escaped
+    max_attempts: int = 4  # the last attempt reports dead webhooks instead of failing
+
+
+class NotificationResult(BaseModel):
+    delivered: list[str] = Field(default_factory=list)
+    dead: dict[str, str] = Field(default_factory=dict)  # webhook -> why (status or error code)
 
 
 class SealRequest(BaseModel):

@@ -124,7 +124,8 @@ class TransitionRecord(BaseModel):
     turned down (a stale approval, a signal for a finished run), with the ``rule`` that refused
     it; ``kind="accepted"`` records a decision that counted but did not change state yet (the
     first of two required approvals); ``kind="escalated"`` an escalation stage of a waiting
-    plan (its timer fired: more roles may approve, people were told). None of these changes state: they carry the current state as
+    plan (its timer fired: more roles may approve, people were told); ``kind="notify_failed"`` a
+    webhook that never took an event (``rule``: the event). None of these changes state: they carry the current state as
     both ends and do not bump ``state_version``.
     """
 
@@ -135,7 +136,7 @@ class TransitionRecord(BaseModel):
     reason: str
     state_version: int
     refs: Refs = Field(default_factory=Refs)
-    kind: Literal["transition", "refused", "accepted", "escalated"] = "transition"
+    kind: Literal["transition", "refused", "accepted", "escalated", "notify_failed"] = "transition"
     rule: str | None = None
     # 1, 2, 3, ... over the whole run (across continue-as-new): the audit sink's key, and how a
     # reader merges the workflow's window with the sink.
@@ -218,9 +219,13 @@ class Lifecycle(BaseModel):
         """Record an escalation stage of a waiting plan (no state change)."""
         return self._note("escalated", at=at, actor="timer", reason=reason, refs=refs, rule=None)
 
+    def notify_failed(self, *, at: datetime, reason: str, event: str, refs: Refs | None = None) -> TransitionRecord:
+        """Record a notification no webhook retry could deliver (the run went on regardless)."""
+        return self._note("notify_failed", at=at, actor="runtime", reason=reason, refs=refs, rule=event)
+
     def _note(
         self,
-        kind: Literal["refused", "accepted", "escalated"],
+        kind: Literal["refused", "accepted", "escalated", "notify_failed"],
         *,
         at: datetime,
         actor: str,
