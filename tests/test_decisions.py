@@ -6,6 +6,7 @@ Real parts: the time-skipping server, a worker with the billing tools, the billi
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import uuid
 from pathlib import Path
@@ -118,6 +119,9 @@ async def test_revise_lowers_a_refund_old_request_is_stale_new_one_runs(
         assert pending.request_id != before.pending_approval.request_id
         assert pending.editors == ["carol"] and "amount_cents=1000" in pending.summary
         assert [r.changed for r in after.revisions] == [["replace /1/args/amount_cents"]]
+        details = (await handle.query("__temporal_workflow_metadata")).current_details
+        assert "**Plan** v2 " in details and "**Revised** 1 time(s), last by `carol`" in details
+        assert "1000" not in details.split("**Waiting")[0], "the details name paths, not values"
 
         # The approval prepared for the old request: stale, refused, recorded.
         await handle.signal("approve", old_approval)
@@ -285,6 +289,8 @@ async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
         assert second.pending_approval is not None and second.pending_approval.stage == 2
         assert second.pending_approval.roles == ["approver", "manager"]
         assert second.pending_approval.request_id == pending.request_id, "the same request, escalated"
+        details = (await handle.query("__temporal_workflow_metadata")).current_details
+        assert "escalation stage 2 of 2" in details and "`manager`" in details
         ok = await decide(handle, kind="approve", **approval_for(second, "mia").model_dump(exclude_none=True))
         assert ok.state == S.APPROVED, ok
         outcome = await handle.result()
@@ -297,3 +303,80 @@ async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
     fired = [(r.at - pending.opened_at).total_seconds() for r in escalated]
     assert abs(fired[0] - 7200) < 1 and abs(fired[1] - 21600) < 1, fired
     check_timeline(outcome.timeline, tools_by_call(outcome))
+
+
+async def test_hostile_revisions_wrong_person_repeated_late_concurrent_malformed(
+    ts_env: WorkflowEnvironment, billing: Billing, policy_store: PolicyStore
+) -> None:
+    async with running_worker(ts_env.client, policy=policy_store) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([READ, REFUND]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        lower = [READ, with_amount(1000)]
+        outsider = await decide(handle, **revision(snap, lower, editor="zed"))
+        assert outsider.rule == "tenant_membership", outsider
+        # Through the signal: malformed (no steps, unknown key) and a forged request id are
+        # refused on the record; nothing changes.
+        signal = {k: v for k, v in revision(snap, lower).items() if k != "kind"}
+        await handle.signal("revise", {**signal, "steps": [], "decision_id": "m1"})
+        await handle.signal("revise", {**signal, "kind": "revise", "decision_id": "m2"})  # not a signal key
+        await handle.signal("revise", {**signal, "request_id": "forged", "decision_id": "m3"})
+        # A revision and an approval of the same request at once: exactly one of them counts.
+        results = await asyncio.gather(
+            decide(handle, **revision(snap, lower), decision_id="race-revise"),
+            decide(handle, kind="approve", **approval_for(snap, "bob", decision_id="race-approve").model_dump(exclude_none=True)),
+        )
+        counted = [r for r in results if r.outcome != "refused"]
+        assert len(counted) == 1, results
+        again = await decide(handle, **revision(snap, lower), decision_id="race-revise")
+        assert again.rule == "duplicate_decision"
+        if counted[0].decision_id == "race-revise":
+            after = await wait_for_state(handle, "AWAITING_APPROVAL")
+            await handle.signal("approve", approval_for(after, "bob"))
+        outcome = await handle.result()
+        late = await handle.query("timeline", result_type=list)
+    refused = {r.refs.decision_id: r.rule for r in outcome.timeline if r.kind == "refused"}
+    assert refused.get("m3") == "stale_request"
+    assert sum(1 for r in outcome.timeline if r.rule == "malformed_signal") == 2
+    assert outcome.state == S.COMPLETED and late
+    check_timeline(outcome.timeline, tools_by_call(outcome))
+
+
+async def test_a_signed_revision_covers_the_revised_steps(
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    import client as tether_client
+    from workflows import policy as rules
+
+    keys = {name: tether_client.keygen(tmp_path / f"{name}.pem") for name in ("alice", "carol", "bob")}
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        "[tenants.default]\nrequire_signatures = true\n[tenants.default.approvers]\n"
+        + "".join(f'{n} = {{ roles = ["approver"], public_key = "{k}" }}\n' for n, k in keys.items())
+    )
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(path))) as worker:
+        request = tether_client.sign_request(make_request([READ, REFUND]), run_id := f"signed-{uuid.uuid4().hex[:8]}", tmp_path / "alice.pem")
+        handle = await start_run(ts_env.client, worker, request, run_id=run_id)
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        lower = [READ, with_amount(1000)]
+        unsigned = await decide(handle, **revision(snap, lower))
+        assert unsigned.rule == "signature_required", unsigned
+        # Signed over other steps than those sent: the signature does not cover this revision.
+        other = tether_client.ReviseDecideRequest.model_validate(revision(snap, [READ, with_amount(2000)], decision_id="x"))
+        payload = rules.decision_signature_payload(
+            workflow_id=run_id, first_run_id=snap.first_run_id, tenant="default", kind="revise",
+            decision=other.as_decision(), steps_digest=other.revised_hash(),
+        )
+        forged = base64.b64encode(tether_client.load_private_key(tmp_path / "carol.pem").sign(payload)).decode()
+        bad = await decide(handle, **revision(snap, lower, decision_id="x", signature=forged))
+        assert bad.rule == "bad_signature", bad
+        given = tether_client.DecisionInput(by="carol", reason="agreed", key=tmp_path / "carol.pem")
+        verdict = await tether_client.revise(ts_env.client, run_id, given, lower)
+        assert verdict.record is not None and verdict.record.to_state == S.VALIDATED
+        assert verdict.record.actor == "user:carol (signed)"
+        after = await wait_for_state(handle, "AWAITING_APPROVAL")
+        approved = await tether_client.decide(
+            ts_env.client, run_id, "approve", tether_client.DecisionInput(by="bob", key=tmp_path / "bob.pem")
+        )
+        assert approved.record is not None and approved.record.to_state == S.APPROVED
+        assert after.plan is not None and after.plan.version == 2
+        await handle.result()

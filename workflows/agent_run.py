@@ -960,7 +960,8 @@ class AgentRun:
                     " · so far " + ", ".join(f"`{a.approver}`" for a in pending.approvals)
                     if pending.approvals
                     else ""
-                ),
+                )
+                + (f" · escalation stage {pending.stage} of {len(pending.escalation)}" if pending.escalation else ""),
                 "",
                 "**Approve with:**",
                 "",
