@@ -409,23 +409,24 @@ def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dic
     return steps
 
 
-def load_steps_file(path: Path) -> list[dict[str, Any]]:
-    """A JSON list of ``{tool, args}`` (a playbook's shape): the whole revised plan."""
+def load_steps_file(path: Path, what: str = "steps file", model: type[BaseModel] = RevisedStep) -> list[Any]:
+    """A JSON list of ``{tool, args}`` steps (or ``{"steps": [...]}``), each validated as
+    ``model``: a playbook, or the whole revised plan of ``tether revise --steps-file``."""
     import json
 
     try:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, IsADirectoryError):
-        raise TetherError(f"steps file not found: {path}") from None
+        raise TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TetherError(f"steps file {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
+        raise TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
     raw = raw.get("steps") if isinstance(raw, dict) else raw
     if not isinstance(raw, list):
-        raise TetherError(f"steps file {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
+        raise TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
     try:
-        return [RevisedStep.model_validate(s).model_dump() for s in raw]
+        return [model.model_validate(s) for s in raw]
     except ValidationError as e:
-        raise invalid(f"steps file {path}", e) from None
+        raise invalid(f"{what} {path}", e) from None
 
 
 def revision_diff(plan: Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
@@ -468,16 +469,7 @@ async def revise(
     """Revise the run's pending plan (the whole revised list of steps); returns the run's record
     of it (VALIDATED: a new plan version, then a new approval request), or raises REFUSED with
     the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...)."""
-    snap = await snapshot(client, run_id)
-    pending = snap.pending_approval
-    if snap.state != RunState.AWAITING_APPROVAL or pending is None:
-        raise TetherError(f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED)
-    if given.plan_hash and given.plan_hash != pending.plan_hash:
-        raise TetherError(
-            f"stale plan hash {given.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}; "
-            f"review it with `tether status {run_id}`",
-            REFUSED,
-        )
+    snap, pending = await _pending(client, run_id, given)
     try:
         revision = ReviseDecideRequest(
             kind="revise",
@@ -496,17 +488,7 @@ async def revise(
             decision=revision.as_decision(), steps_digest=revision.revised_hash(),
         )
         revision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
-    try:
-        result = await client.get_workflow_handle(run_id).execute_update(
-            "decide", revision, result_type=DecideResult, rpc_timeout=timedelta(seconds=timeout)
-        )
-    except WorkflowUpdateFailedError as e:
-        raise TetherError(_update_refusal(e), REFUSED) from None
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
-    if result.outcome == "refused":
-        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED)
-    record = await _await_record(client, run_id, revision.decision_id, timeout)
+    record = await _send_decision(client, run_id, revision, timeout)
     return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
@@ -569,6 +551,14 @@ async def decide(
     Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
     role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
     """
+    snap, pending = await _pending(client, run_id, given)
+    decision = build_decision(snap, kind, given)
+    record = await _send_decision(client, run_id, decision, timeout)
+    return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+async def _pending(client: Client, run_id: str, given: DecisionInput) -> tuple[RunSnapshot, PendingApproval]:
+    """The run's pending request, or REFUSED: not awaiting approval, or not the plan reviewed."""
     snap = await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
@@ -579,7 +569,12 @@ async def decide(
             f"review it with `tether status {run_id}`",
             REFUSED,
         )
-    decision = build_decision(snap, kind, given)
+    return snap, pending
+
+
+async def _send_decision(
+    client: Client, run_id: str, decision: DecideRequest | ReviseDecideRequest, timeout: float
+) -> TransitionRecord | None:
     try:
         # The decide Update: what cannot count is refused at once, before it reaches history,
         # and the answer is the run's own record of the decision (policy check included).
@@ -592,8 +587,7 @@ async def decide(
         raise rpc_error(e, run_id) from None
     if result.outcome == "refused":
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED)
-    record = await _await_record(client, run_id, decision.decision_id, timeout)
-    return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+    return await _await_record(client, run_id, decision.decision_id, timeout)
 
 
 def _update_refusal(err: WorkflowUpdateFailedError) -> str:

@@ -133,21 +133,7 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
 
 
 def _load_playbook(path: str | None) -> list[PlaybookStep]:
-    if path is None:
-        return []
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise TetherError(f"playbook file not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TetherError(f"playbook {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
-    steps = raw.get("steps") if isinstance(raw, dict) else raw
-    if not isinstance(steps, list):
-        raise TetherError(f"playbook {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
-    try:
-        return [PlaybookStep.model_validate(s) for s in steps]
-    except ValidationError as e:
-        raise client.invalid(f"playbook {path}", e) from None
+    return client.load_steps_file(Path(path), "playbook", PlaybookStep) if path is not None else []
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
@@ -249,7 +235,7 @@ async def cmd_revise(args: argparse.Namespace) -> int:
     if snap.plan is None or snap.pending_approval is None:
         raise TetherError(f"run {args.run} is {snap.state.value}, not awaiting approval", REFUSED)
     steps = (
-        client.load_steps_file(Path(args.steps_file)) if args.steps_file
+        [s.model_dump() for s in client.load_steps_file(Path(args.steps_file))] if args.steps_file
         else client.revised_steps(snap.plan, client.parse_edits(args.step))
     )
     given = client.DecisionInput(

@@ -367,8 +367,7 @@ class RevisionRequest(Contract):
 
     def revised_hash(self) -> str:
         """sha256 of the revised steps (tools + arguments), as the plan hash would be."""
-        payload = [{"tool": s.tool, "args": s.args} for s in self.steps]
-        return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+        return Plan.hash_steps(self.steps)  # type: ignore[arg-type]  (tool and args are all it reads)
 
     def as_decision(self) -> ApprovalDecision:
         """The decision fields every decision has: screened and signed like an approval's."""
