@@ -170,6 +170,8 @@ def test_steps_that_are_not_in_the_plan_are_refused() -> None:
         ApprovalDecision(decision_id="d", approver="bob", plan_hash="h", steps=[1, 1])
     with pytest.raises(ValueError, match="start at 1"):
         ApprovalDecision(decision_id="d", approver="bob", plan_hash="h", steps=[0])
+    reject = policy.decision_refusal(d.model_copy(update={"steps": [1]}), e.data, now=START, kind="reject")
+    assert reject is not None and reject.rule == "invalid_steps"
     # All steps named: an ordinary approval.
     full = d.model_copy(update={"steps": [3, 2, 1]})
     assert policy.partial_steps(full, e.data.plan) is None
@@ -201,3 +203,21 @@ def test_patch_paths() -> None:
     ops = patch(old, new)
     assert changed_paths(ops) == ["replace /1/args/amount_cents", "add /2"]
     assert ops[0]["value"] == 1, "the values are there for a person to see, not for the record"
+
+
+async def test_planners_hear_which_steps_were_not_approved() -> None:
+    from activities.planning import PlaybookPlanner, build_messages
+    from workflows.models import ExecutedStep, NotApproved, PlannerInput, PlaybookStep
+
+    playbook = [PlaybookStep(tool=s.tool, args=s.args) for s in (READ, REFUND, EMAIL)]
+    done = [ExecutedStep(tool_call_id=f"tc-{i}", tool=s.tool, args=s.args, status="ok", outcome="ok") for i, s in enumerate(playbook[:2])]
+    left_out = NotApproved(step=3, tool="send_email", args=EMAIL.args, by="bob")
+    request = PlannerInput(goal="g", planner="model", playbook=playbook, executed=done, steps_done=2, not_approved=[left_out])
+    said = [m["content"] for m in build_messages(request) if m["role"] == "user"]
+    assert any("not approved" in text and "step 3: send_email" in text and "needs a new approval" in text for text in said)
+    # The playbook planner does not propose the step again unchanged: it finishes, saying so.
+    answer = await PlaybookPlanner().propose(request)
+    assert answer.steps == [] and "not approved: send_email" in (answer.answer or "")
+    # Without the note it would propose it (again a new plan, needing a new approval).
+    again = await PlaybookPlanner().propose(request.model_copy(update={"not_approved": []}))
+    assert [s.tool for s in again.steps] == ["send_email"]

@@ -591,7 +591,7 @@ class AgentRun:
         decision = self._decide_payload(args)
         data = self.data
         plain = decision.as_decision() if isinstance(decision, ReviseDecideRequest) else decision
-        refusal = policy.decision_refusal(plain, data, now=workflow.now(), check_duplicate=True)
+        refusal = policy.decision_refusal(plain, data, now=workflow.now(), check_duplicate=True, kind=decision.kind)
         pending = data.pending_approval
         if refusal is None and pending is not None:
             refusal = policy.approver_refusal(
@@ -870,8 +870,10 @@ class AgentRun:
             )
             seal = sealed.seal
         await self._checkpoint()
-        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
-            return  # a decision or handoff came in while sealing: act on it first, continue later
+        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
+            # A decision or handoff came in while sealing (act on it first), or a notification
+            # is on its way (it would be lost): continue later.
+            return
         workflow.continue_as_new(
             self.request.model_copy(update={"carryover": data, "carryover_seal": seal}),
             search_attributes=TypedSearchAttributes(

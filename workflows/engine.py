@@ -354,7 +354,7 @@ class Engine:
         Returns True when it may go on to the policy check; otherwise it is recorded as refused.
         """
         plain = _plain(decision)
-        refusal = policy.decision_refusal(plain, self.data, now=at, check_duplicate=True)
+        refusal = policy.decision_refusal(plain, self.data, now=at, check_duplicate=True, kind=kind)
         self._remember_decision(plain.decision_id)
         if refusal is not None:
             self._refuse_decision(kind, plain, refusal, at)
@@ -401,7 +401,7 @@ class Engine:
         data = self.data
         plain = _plain(decision)
         # The run may have moved on (expiry, handoff) while the policy was consulted.
-        refusal = verdict or policy.decision_refusal(plain, data, now=at, check_duplicate=False)
+        refusal = verdict or policy.decision_refusal(plain, data, now=at, check_duplicate=False, kind=kind)
         if refusal is not None:
             self._refuse_decision(kind, plain, refusal, at)
             return
@@ -447,6 +447,8 @@ class Engine:
         problem = result.reason if result.plan is None else None
         if result.plan is not None and result.plan.plan_hash == old.plan_hash:
             problem = "the revised plan is the pending plan: nothing to revise"
+        if data.next_step:  # (not reached today: a plan waits for approval before any step runs)
+            problem = f"{data.next_step} step(s) of the pending plan have run: plan the rest anew"
         if problem is not None or result.plan is None:
             self._refuse_decision(kind, decision, Refusal(rule="invalid_revision", message=f"invalid revision: {problem}"), at)
             return False

@@ -31,7 +31,7 @@ SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows
 
 
 def decision_refusal(
-    decision: ApprovalDecision, data: RunData, *, now: datetime, check_duplicate: bool = True
+    decision: ApprovalDecision, data: RunData, *, now: datetime, check_duplicate: bool = True, kind: str = "approve"
 ) -> Refusal | None:
     """Why an approve/reject decision cannot count in the run's current state, or None.
 
@@ -64,6 +64,8 @@ def decision_refusal(
         )
     if now >= pending.expires_at:
         return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
+    if decision.steps is not None and kind != "approve":
+        return Refusal(rule="invalid_steps", message=f"steps name what an approval approves: not for a {kind}")
     if decision.steps is not None and data.plan is not None:
         size = len(data.plan.steps)
         beyond = sorted(n for n in decision.steps if n > size)
