@@ -105,6 +105,19 @@ async def until(predicate, timeout: float = 10.0) -> None:
 async def test_events_are_signed_replays_refused_and_a_dead_webhook_does_not_hold_the_run(
     ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, receivers: tuple[Receiver, Receiver]
 ) -> None:
+    await signed_events_and_a_dead_webhook(ts_env, tmp_path, receivers, "time-skipping")
+
+
+async def test_a_dead_webhook_does_not_hold_the_run_in_real_time(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, receivers: tuple[Receiver, Receiver]
+) -> None:
+    # On the dev server the webhook's backoff takes real time: the steps still do not wait.
+    await signed_events_and_a_dead_webhook(dev_env, tmp_path, receivers, "dev server")
+
+
+async def signed_events_and_a_dead_webhook(
+    ts_env: WorkflowEnvironment, tmp_path: Path, receivers: tuple[Receiver, Receiver], server: str
+) -> None:
     good, dead = receivers
     (tmp_path / "ops.secret").write_text(f"  {SECRET}\n")
     policy = tmp_path / "policy.toml"
@@ -149,9 +162,37 @@ async def test_events_are_signed_replays_refused_and_a_dead_webhook_does_not_hol
         outcome = await handle.result()
         ended = time.monotonic() - decided
     assert done.step == 2 and ran < 2.0, f"the steps waited for the webhook: {ran:.2f}s"
-    assert ended < 10.0, f"the end waited past the webhook's backoff: {ended:.2f}s"
+    # Backoff 0.5 + 1 + 2 s (skipped on the time-skipping server), then the run's result.
+    assert ended < 8.0, f"the end waited past the webhook's backoff: {ended:.2f}s"
+    print(f"\n[{server}] approve -> COMPLETED {ran:.2f}s, -> result {ended:.2f}s")
     assert dead.hits == 4, "retried with backoff, then given up"
     [failed] = [r for r in outcome.timeline if r.kind == "notify_failed"]
     assert failed.rule == "awaiting_approval" and "pager (http_500)" in failed.reason
     assert len(good.events) == 1, "one delivery per event, however often the other webhook was retried"
+    check_timeline(outcome.timeline, tools_by_call(outcome))
+
+
+async def test_an_escalation_stage_tells_its_webhooks_and_the_expiry_is_told_last(
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, receivers: tuple[Receiver, Receiver]
+) -> None:
+    good, _ = receivers
+    (tmp_path / "ops.secret").write_text(SECRET)
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        '[tenants.default]\n[tenants.default.approval_ttl_seconds]\nnormal = 10800\n'
+        '[tenants.default.escalation]\nnormal = [{ after = "1h", notify = ["ops"] }, { after = "3h", notify = ["ops"] }]\n'
+        # ops takes expiries itself; escalations only because the stage names it.
+        f'[notify.webhooks.ops]\nurl = "{good.url}"\nevents = ["expired"]\nsecret_file = "ops.secret"\n'
+    )
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(policy))) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([READ, REFUND]))
+        outcome = await handle.result()  # time skips: 1 h escalation, 3 h expiry
+    assert outcome.state == S.EXPIRED
+    await until(lambda: len(good.events) >= 2)
+    assert [e["event"] for e in good.events] == ["escalated", "expired"], "the 3 h stage is the expiry's: dropped"
+    escalated, expired = good.events
+    assert escalated["state"] == "AWAITING_APPROVAL" and "stage 1/1" in escalated["reason"]
+    assert escalated["approve_command"] and escalated["expires_at"]
+    assert expired["state"] == "EXPIRED" and expired["approve_command"] is None
+    assert escalated["event_id"] != expired["event_id"]
     check_timeline(outcome.timeline, tools_by_call(outcome))
