@@ -221,3 +221,28 @@ async def test_planners_hear_which_steps_were_not_approved() -> None:
     # Without the note it would propose it (again a new plan, needing a new approval).
     again = await PlaybookPlanner().propose(request.model_copy(update={"not_approved": []}))
     assert [s.tool for s in again.steps] == ["send_email"]
+
+
+def test_a_run_away_past_several_stages_takes_them_in_order_then_expires() -> None:
+    tenant = TenantPolicy.model_validate({"escalation": {"high": [], "normal": [{"after": 60}, {"after": 120}]}})
+    e = engine(tenant, approval_ttl_seconds=180)
+    waiting(e)
+    assert e.next_timer() == (START + timedelta(seconds=60), "escalation stage 1")
+    assert e.next_timer(escalate=False) == (START + timedelta(seconds=180), "approval expiry")
+    late = START + timedelta(seconds=130)  # the worker was down past both stages
+    e.timer_fired(late)
+    e.timer_fired(late)
+    assert e.data.pending_approval.stage == 2 and e.state == S.AWAITING_APPROVAL
+    assert e.next_timer() == (START + timedelta(seconds=180), "approval expiry")
+    e.timer_fired(START + timedelta(seconds=180))
+    assert e.state == S.EXPIRED
+    # Down past the expiry itself: the expiry, no stage after it.
+    gone = engine(tenant, approval_ttl_seconds=180)
+    waiting(gone)
+    gone.timer_fired(START + timedelta(hours=1))
+    assert gone.state == S.EXPIRED and not any(r.kind == "escalated" for r in gone.data.lifecycle.timeline)
+    # Replaying a run from before escalation (escalate=False): the timer is the expiry's only.
+    e2 = engine(tenant, approval_ttl_seconds=180)
+    waiting(e2)
+    e2.timer_fired(START + timedelta(seconds=180), escalate=False)
+    assert e2.state == S.EXPIRED and not any(r.kind == "escalated" for r in e2.data.lifecycle.timeline)

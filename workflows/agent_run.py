@@ -342,11 +342,9 @@ class AgentRun:
             raise ApplicationError(
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
-        # The next escalation stage, if the policy sets any (a timer inside the approval window).
-        escalate_at = self.engine.next_escalation() if pending.escalation and workflow.patched(ESCALATION) else None
-        wake, summary = pending.expires_at, "approval expiry"
-        if escalate_at is not None and escalate_at < wake:
-            wake, summary = escalate_at, f"escalation stage {pending.stage + 1}"
+        # The expiry, or the next escalation stage where the policy sets stages.
+        escalate = bool(pending.escalation) and workflow.patched(ESCALATION)
+        wake, summary = self.engine.next_timer(escalate)
         remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
             await self._checkpoint()
@@ -364,8 +362,7 @@ class AgentRun:
             return
         if self._inbox:
             kind, decision = self._inbox.pop(0)
-            revises = kind == "revise" or (isinstance(decision, ApprovalDecision) and decision.steps is not None)
-            if revises:
+            if kind == "revise" or getattr(decision, "steps", None) is not None:
                 workflow.patched(REVISIONS)
             verdict = await self._activity(
                 "policy_check_decision",
@@ -388,11 +385,8 @@ class AgentRun:
             )
             self._answer(decision.decision_id)
             return
-        if escalate_at is not None and escalate_at <= workflow.now() < pending.expires_at:
-            self._decide(self.engine.escalate)
-            return
-        if workflow.now() >= pending.expires_at:
-            self._decide(self.engine.expire)
+        if workflow.now() >= wake:
+            self._decide(lambda now: self.engine.timer_fired(now, escalate))
         # Otherwise woken to continue as new: the loop does that and comes back here.
 
     async def _authority_refusal(self, *, from_step: int) -> Refusal | None:

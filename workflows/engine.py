@@ -581,6 +581,26 @@ class Engine:
             return None
         return pending.opened_at + timedelta(seconds=pending.escalation[pending.stage].after)
 
+    def next_timer(self, escalate: bool = True) -> tuple[datetime, str]:
+        """When the waiting plan's timer fires next, and what for: an escalation stage (where
+        ``escalate``: the policy sets stages) inside the window, else the expiry."""
+        pending = self.data.pending_approval
+        _require(pending is not None, "no pending approval")
+        due = self.next_escalation() if escalate else None
+        if due is not None and due < pending.expires_at:
+            return due, f"escalation stage {pending.stage + 1}"
+        return pending.expires_at, "approval expiry"
+
+    def timer_fired(self, at: datetime, escalate: bool = True) -> None:
+        """The timer ``next_timer`` named fired: escalate, or expire. A run that was away past
+        several stages takes them one by one; past the expiry, the expiry is the last word."""
+        wake, _ = self.next_timer(escalate)
+        pending = self.data.pending_approval
+        if wake < pending.expires_at and at < pending.expires_at:
+            self.escalate(at)
+        else:
+            self.expire(at)
+
     def escalate(self, at: datetime) -> EscalationStage:
         """The next escalation stage's timer fired: record it and widen the roles that may
         approve. Returns the stage (the workflow tells its webhooks)."""
