@@ -30,6 +30,7 @@ try:
 
     import client
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
+    from workflows.display import escape_text
     from workflows.models import Limits, PlaybookStep, RunRequest
     from workflows.states import RunState, TransitionRecord
 except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
@@ -94,8 +95,8 @@ def format_status(s: client.RunStatus) -> str:
         lines.extend(_steps(s.plan))
     for r in s.revisions:
         what = "partial approval" if r.partial else "revised"
-        lines.append(f"revision   v{r.version} {what} by {r.editor} at {r.at.isoformat()}: "
-                     f"{', '.join(r.changed) or '-'} (was {r.previous_plan_hash[:12]})")
+        lines.append(f"revision   v{r.version} {what} by {escape_text(r.editor, 128)} at {r.at.isoformat()}: "
+                     f"{escape_text(', '.join(r.changed) or '-', 500)} (was {r.previous_plan_hash[:12]})")
     if s.pending_approval is not None:
         p = s.pending_approval
         lines.append(f"pending    approval until {p.expires_at.isoformat()}: {p.summary}")

@@ -926,7 +926,7 @@ class AgentRun:
             if data.revisions:
                 last = data.revisions[-1]
                 lines[-1:-1] = [
-                    f"**Revised** {len(data.revisions)} time(s), last by `{last.editor}`"
+                    f"**Revised** {len(data.revisions)} time(s), last by {markdown_code(last.editor, 128)}"
                     + (" (partial approval)" if last.partial else "")
                     + f": {markdown_code(', '.join(last.changed), 300)}"
                 ]
