@@ -294,7 +294,8 @@ async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
         ok = await decide(handle, kind="approve", **approval_for(second, "mia").model_dump(exclude_none=True))
         assert ok.state == S.APPROVED, ok
         outcome = await handle.result()
-    assert elapsed < 3.0, f"8 hours of escalation took {elapsed:.2f}s of real time"
+    assert elapsed < 1.0, f"8 hours of escalation took {elapsed:.2f}s of real time"
+    print(f"\n[escalation] 2 h and 6 h stages, 8 h skipped: {elapsed:.3f}s real time")
     escalated = [r for r in outcome.timeline if r.kind == "escalated"]
     assert [r.reason.split(":")[0] for r in escalated] == ["escalation stage 1/2", "escalation stage 2/2"]
     assert all(r.actor == "timer" and r.refs.request_id == pending.request_id for r in escalated)
