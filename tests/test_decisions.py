@@ -90,6 +90,17 @@ def with_amount(amount: Any) -> dict:
     return {**REFUND, "args": {**REFUND["args"], "amount_cents": amount}}
 
 
+async def replays(handle: WorkflowHandle) -> None:
+    """The run's own history replays on this code: the new commands are deterministic."""
+    from temporalio.worker import Replayer
+
+    from workflows.agent_run import AgentRun
+
+    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
+    assert result.replay_failure is None, result.replay_failure
+
+
 async def planner_inputs(handle: WorkflowHandle) -> list[PlannerInput]:
     history = await handle.fetch_history()
     converter = pydantic_data_converter.payload_converter
@@ -130,6 +141,7 @@ async def test_revise_lowers_a_refund_old_request_is_stale_new_one_runs(
         ok = await decide(handle, kind="approve", **approval_for(after, "bob").model_dump(exclude_none=True))
         assert ok.outcome == "transition" and ok.state == S.APPROVED, ok
         outcome = await handle.result()
+        await replays(handle)
     assert outcome.state == S.COMPLETED
     keys = {f"{handle.id}:{s.tool_call_id}" for s in outcome.steps if s.tool == "issue_refund"}
     refunds = [r for key in keys for r in billing.refunds(key)]
@@ -186,6 +198,7 @@ async def test_partial_approval_runs_the_approved_steps_and_tells_the_planner(
         assert verdict.outcome == "transition" and verdict.state == S.APPROVED, verdict
         outcome = await handle.result()
         inputs = await planner_inputs(handle)
+        await replays(handle)
     assert outcome.state == S.COMPLETED
     assert [s.tool for s in outcome.steps] == ["get_order", "issue_refund"]
     assert not [e for e in billing.get("/emails")["emails"] if handle.id in str(e)], "the email was never sent"
@@ -294,6 +307,7 @@ async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
         ok = await decide(handle, kind="approve", **approval_for(second, "mia").model_dump(exclude_none=True))
         assert ok.state == S.APPROVED, ok
         outcome = await handle.result()
+        await replays(handle)
     assert elapsed < 1.0, f"8 hours of escalation took {elapsed:.2f}s of real time"
     print(f"\n[escalation] 2 h and 6 h stages, 8 h skipped: {elapsed:.3f}s real time")
     escalated = [r for r in outcome.timeline if r.kind == "escalated"]

@@ -21,6 +21,7 @@ from activities.notify import verify
 from activities.policy import PolicyStore
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
+from tests.test_decisions import replays
 from workflows.models import DecideResult, RunSnapshot
 from workflows.states import RunState
 
@@ -161,6 +162,7 @@ async def signed_events_and_a_dead_webhook(
         ran = time.monotonic() - decided
         outcome = await handle.result()
         ended = time.monotonic() - decided
+        await replays(handle)  # the notify activities started alongside the run replay too
     assert done.step == 2 and ran < 2.0, f"the steps waited for the webhook: {ran:.2f}s"
     # Backoff 0.5 + 1 + 2 s (skipped on the time-skipping server), then the run's result.
     assert ended < 8.0, f"the end waited past the webhook's backoff: {ended:.2f}s"
