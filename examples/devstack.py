@@ -33,7 +33,7 @@ from workflows.agent_run import SEARCH_ATTRIBUTES
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ROOT / ".tether"
 KEYS_DIR = STATE_DIR / "keys"  # the demo's signing keys (examples/billing/policy.toml, tenant "signed")
-DEMO_SIGNERS = ("alice", "bob")
+DEMO_SIGNERS = ("alice", "bob", "inbox")  # inbox: the approver inbox's own key (signers.inbox)
 BIN = Path(sys.executable).parent
 TEMPORAL_PORT = int(os.environ.get("TETHER_TEMPORAL_PORT", "7233"))
 UI_PORT = int(os.environ.get("TETHER_UI_PORT", "8233"))
