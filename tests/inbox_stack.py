@@ -77,6 +77,7 @@ class Stack:
     url: str = ""
     dev_url: str = ""
     key_dir: Path | None = None
+    dev_app: Any = None
 
     async def start(self, requested_by: str = "alice", *, signed: bool = False, **fields: Any) -> str:
         tenant = self.signed_tenant if signed else self.tenant
@@ -172,6 +173,7 @@ async def inbox_stack(dev_env: Any, tmp: Path, *, jwks: bool = True, dev_login: 
                 port = free_port()
                 servers.append(await _serve(app, port))
                 stack.dev_url = f"http://127.0.0.1:{port}"
+                stack.dev_app = app
             yield stack
         finally:
             for server, task in servers:
