@@ -416,7 +416,7 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)")
     p.add_argument("--dev-login", action="store_true",
                    help="a sign-in page listing the policy's people (only on 127.0.0.1; not for production)")
-    p.add_argument("--jwks", metavar="FILE|URL", help="the sign-in layer's JWKS: JWTs are verified against it")
+    p.add_argument("--jwks", metavar="JWKS", help="the sign-in layer's JWKS, a file or an https URL: JWTs are verified against it")
     p.add_argument("--issuer", metavar="ISS", help="the JWTs' required iss")
     p.add_argument("--audience", metavar="AUD", help="the JWTs' required aud")
     p.add_argument("--claim", default="preferred_username", metavar="CLAIM",
