@@ -25,7 +25,9 @@ from temporalio.exceptions import ApplicationError
 
 from workflows import policy
 from workflows.models import (
+    SIGNER_NAME,
     STRICT,
+    Approver,
     AuthorityCheck,
     DecisionCheck,
     HandoffCheck,
@@ -138,37 +140,29 @@ class PolicyStore:
 
 
 def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
-    """Fill in ``public_key`` from each approver's ``public_key_file`` (relative to the policy
-    file). A file that cannot be read raises (``strict``: the worker's start check) or leaves the
-    approver without a key (at run time: their signatures cannot verify). True when all were read."""
+    """Fill in ``public_key`` from each approver's and signer's ``public_key_file`` (relative to
+    the policy file). A file that cannot be read raises (``strict``: the worker's start check) or
+    leaves the key unset (at run time: their signatures cannot verify). True when all were read."""
     complete = True
-    for name, signer in document.signers.items():
-        if signer.public_key_file is None or signer.public_key is not None:
+    holders: list[tuple[str, Approver | Signer]] = [(f"signers.{n}", s) for n, s in document.signers.items()]
+    holders += [
+        (f"tenants.{t}.approvers.{who}", a)
+        for t, tenant in document.tenants.items()
+        for who, a in (tenant.approvers or {}).items()
+    ]
+    for where, holder in holders:
+        if holder.public_key_file is None or holder.public_key is not None:
             continue
-        key_path = (path.parent / signer.public_key_file).resolve()
+        key_path = (path.parent / holder.public_key_file).resolve()
         try:
-            signer.public_key = key_path.read_text().strip()
+            holder.public_key = key_path.read_text().strip()
         except OSError as e:
             complete = False
             if strict:
                 raise PolicyFileError(
-                    f"{path}: key signers.{name}.public_key_file: cannot read {key_path} ({e.strerror}); "
+                    f"{path}: key {where}.public_key_file: cannot read {key_path} ({e.strerror}); "
                     "make it with `tether keygen --out KEY.pem`"
                 ) from None
-    for tenant_name, tenant in document.tenants.items():
-        for who, approver in (tenant.approvers or {}).items():
-            if approver.public_key_file is None or approver.public_key is not None:
-                continue
-            key_path = (path.parent / approver.public_key_file).resolve()
-            try:
-                approver.public_key = key_path.read_text().strip()
-            except OSError as e:
-                complete = False
-                if strict:
-                    raise PolicyFileError(
-                        f"{path}: key tenants.{tenant_name}.approvers.{who}.public_key_file: cannot read "
-                        f"{key_path} ({e.strerror}); make it with `tether keygen --out KEY.pem`"
-                    ) from None
     return complete
 
 
@@ -209,6 +203,8 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
                         "file, not an empty one, means the built-in default)")
     for name, signer in document.signers.items():
         at = ("signers", name)
+        if not re.match(SIGNER_NAME, name):
+            problem(at, f"a signer's name is lowercase letters, digits, '_', '.', '-' ({SIGNER_NAME})")
         if signer.public_key is None:
             problem(at, "no public_key or public_key_file: its attestations could never verify")
         elif why := _public_key_problem(signer.public_key):

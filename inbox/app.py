@@ -100,19 +100,22 @@ class Inbox:
 
     # ------------------------------------------------------------------ identity
 
-    def identify(self, request: Request) -> Person:
+    async def identify(self, request: Request) -> Person:
+        """The verified person behind this request, or Unauthenticated (401)."""
         auth = request.headers.get("authorization")
+        header = self.config.header
         if auth is not None:
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer":
                 raise Unauthenticated("only Bearer authorization is accepted")
-            return Person(self.verifier.verify(token.strip()), "bearer")
-        header = self.config.header
-        if header and not self.dev and (token := request.headers.get(header)):
-            return Person(self.verifier.verify(token.strip()), "header")
-        if self.dev and (token := request.cookies.get(SESSION_COOKIE)):
-            return Person(self.verifier.verify(token), "cookie")
-        raise Unauthenticated("no credentials")
+            source = "bearer"
+        elif header and not self.dev and (token := request.headers.get(header) or ""):
+            source = "header"
+        elif self.dev and (token := request.cookies.get(SESSION_COOKIE) or ""):
+            source = "cookie"
+        else:
+            raise Unauthenticated("no credentials")
+        return Person(await self.verifier.averify(token.strip()), source)
 
     def csrf_token(self, person: Person) -> str:
         return hmac.new(self.csrf_secret, f"csrf\n{person.name}".encode(), hashlib.sha256).hexdigest()
@@ -175,18 +178,23 @@ class Inbox:
             "time_left": desk.time_left(pending.expires_at, now),
         }
 
-    async def run(self, person: Person, run_id: str) -> dict[str, Any]:
-        """The run as the person may see it, or NotYours."""
+    async def _member_snapshot(self, person: Person, run_id: str):  # noqa: ANN202
+        """The policy and the run's snapshot, when the policy lists the person in its tenant."""
         document = self.document()
-        temporal = await self.client()
         try:
-            snap = await tether.snapshot(temporal, run_id)
+            snap = await tether.snapshot(await self.client(), run_id)
         except tether.TetherError as e:
             if e.code == tether.USAGE and "unknown run" in str(e):
                 raise NotYours() from None
             raise
         if snap.tenant not in desk.tenants_of(document, person.name):
             raise NotYours()
+        return document, snap
+
+    async def run(self, person: Person, run_id: str) -> dict[str, Any]:
+        """The run as the person may see it, or NotYours."""
+        document, snap = await self._member_snapshot(person, run_id)
+        temporal = await self.client()
         tenant = document.tenants[snap.tenant]
         records = await tether.timeline(temporal, run_id)
         now = datetime.now(timezone.utc)
@@ -250,16 +258,8 @@ class Inbox:
 
     async def decide(self, person: Person, run_id: str, body: DecisionBody) -> dict[str, Any]:
         """Send the decision through client.decide; the outcome as the run recorded (or refused) it."""
-        document = self.document()
+        document, snap = await self._member_snapshot(person, run_id)
         temporal = await self.client()
-        try:
-            snap = await tether.snapshot(temporal, run_id)
-        except tether.TetherError as e:
-            if e.code == tether.USAGE and "unknown run" in str(e):
-                raise NotYours() from None
-            raise
-        if snap.tenant not in desk.tenants_of(document, person.name):
-            raise NotYours()
         signer = desk.attester(document, self.public_key, snap.tenant)
         decision_id = desk.decision_id(run_id, body.request_id, body.plan_hash, person.name, body.kind)
         comment = body.comment.strip() if body.comment and body.comment.strip() else None
@@ -400,30 +400,30 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
     def page(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
         context.setdefault("dev_login", dev is not None)
         context.setdefault("poll_ms", config.poll_ms)
+        if isinstance(context.get("person"), Person):
+            context.setdefault("csrf", inbox.csrf_token(context["person"]))
         return templates.TemplateResponse(request, name, context, status_code=status)
 
-    def unauthenticated(request: Request, why: str) -> Response:
-        log.info("401 %s %s: %s", request.method, request.url.path, why)
+    @app.exception_handler(Unauthenticated)
+    async def unauthenticated(request: Request, e: Unauthenticated) -> Response:
+        log.info("401 %s %s: %s", request.method, request.url.path, e)
         if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": "unauthenticated", "detail": why}, 401,
+            return JSONResponse({"error": "unauthenticated", "detail": str(e)}, 401,
                                 headers={"WWW-Authenticate": 'Bearer realm="tether-inbox"'})
         return page(request, "signin_needed.html", 401, person=None)
 
-    async def who(request: Request) -> Person | Response:
-        try:
-            return inbox.identify(request)
-        except Unauthenticated as e:
-            return unauthenticated(request, str(e))
+    @app.exception_handler(NotYours)
+    async def not_found(request: Request, e: NotYours) -> Response:
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": "not_found", "detail": "no such run among yours"}, 404)
+        return page(request, "error.html", 404, person=None, message="No such run among the runs you may decide.")
 
-    def temporal_error(request: Request, e: tether.TetherError) -> Response:
+    @app.exception_handler(tether.TetherError)
+    async def temporal_error(request: Request, e: tether.TetherError) -> Response:
+        log.warning("502 %s %s: %s", request.method, request.url.path, e)
         if request.url.path.startswith("/api/"):
             return JSONResponse({"error": "temporal", "detail": str(e)}, 502)
         return page(request, "error.html", 502, person=None, message=str(e))
-
-    def not_found(request: Request, person: Person) -> Response:
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": "not_found", "detail": "no such run among yours"}, 404)
-        return page(request, "error.html", 404, person=person, message="No such run among the runs you may decide.")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -462,52 +462,27 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     async def waiting_page(request: Request) -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
-        try:
-            rows = await inbox.waiting(person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
+        person = await inbox.identify(request)
+        rows = await inbox.waiting(person)
         return page(request, "waiting.html", person=person, rows=rows,
-                    tenants=desk.tenants_of(inbox.document(), person.name), csrf=inbox.csrf_token(person))
+                    tenants=desk.tenants_of(inbox.document(), person.name))
 
     @app.get("/live/waiting", response_class=HTMLResponse)
     async def waiting_live(request: Request) -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
-        try:
-            rows = await inbox.waiting(person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
+        person = await inbox.identify(request)
+        rows = await inbox.waiting(person)
         return page(request, "_waiting_rows.html", person=person, rows=rows)
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse)
     async def run_page(request: Request, run_id: str) -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
-        try:
-            run = await inbox.run(person, run_id)
-        except NotYours:
-            return not_found(request, person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
-        return page(request, "run.html", person=person, run=run, csrf=inbox.csrf_token(person), outcome=None,
-                    shown=run["pending"])
+        person = await inbox.identify(request)
+        run = await inbox.run(person, run_id)
+        return page(request, "run.html", person=person, run=run, outcome=None, shown=run["pending"])
 
     @app.get("/runs/{run_id}/live", response_class=HTMLResponse)
     async def run_live(request: Request, run_id: str, shown: str = "") -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
-        try:
-            run = await inbox.run(person, run_id)
-        except NotYours:
-            return not_found(request, person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
+        person = await inbox.identify(request)
+        run = await inbox.run(person, run_id)
         return page(request, "_run_live.html", person=person, run=run, shown_request=shown)
 
     @app.post("/runs/{run_id}/decide", response_class=HTMLResponse)
@@ -520,9 +495,7 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         comment: str = Form(""),
         csrf: str = Form(""),
     ) -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
+        person = await inbox.identify(request)
         if not inbox.csrf_ok(person, csrf):
             log.info("403 decide on %s by %s: bad CSRF token", run_id, person.name)
             return page(request, "error.html", 403, person=person, message="This form expired: open the run again.")
@@ -533,66 +506,39 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
             )
         except ValueError:
             return page(request, "error.html", 400, person=person, message="That decision form was not complete.")
+        outcome = await inbox.decide(person, run_id, body)
         try:
-            outcome = await inbox.decide(person, run_id, body)
-            run = await inbox.run(person, run_id) if outcome["outcome"] != "refused" else None
+            run = await inbox.run(person, run_id)
         except NotYours:
-            return not_found(request, person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
-        if run is None:
-            try:
-                run = await inbox.run(person, run_id)
-            except (NotYours, tether.TetherError):
-                run = None
+            run = None  # e.g. refused, and not a run this person could decide
         status = 409 if outcome["outcome"] == "refused" else 200
         if run is None:
             return page(request, "outcome.html", status, person=person, outcome=outcome, run_id=run_id)
-        return page(request, "run.html", status, person=person, run=run, csrf=inbox.csrf_token(person),
-                    outcome=outcome, shown=run["pending"])
+        return page(request, "run.html", status, person=person, run=run, outcome=outcome, shown=run["pending"])
 
     # ------------------------------------------------------------------ JSON
 
     @app.get("/api/approvals")
     async def api_approvals(request: Request) -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
-        try:
-            rows = await inbox.waiting(person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
+        person = await inbox.identify(request)
+        rows = await inbox.waiting(person)
         return JSONResponse({"person": person.name, "approvals": rows})
 
     @app.get("/api/runs/{run_id}")
     async def api_run(request: Request, run_id: str) -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
-        try:
-            return JSONResponse(await inbox.run(person, run_id))
-        except NotYours:
-            return not_found(request, person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
+        person = await inbox.identify(request)
+        return JSONResponse(await inbox.run(person, run_id))
 
     @app.post("/api/runs/{run_id}/decisions")
     async def api_decide(request: Request, run_id: str) -> Response:
-        person = await who(request)
-        if isinstance(person, Response):
-            return person
+        person = await inbox.identify(request)
         if person.ambient and not inbox.csrf_ok(person, request.headers.get("x-csrf-token")):
             return JSONResponse({"error": "csrf", "detail": "a post with browser credentials needs X-CSRF-Token"}, 403)
         try:
             body = DecisionBody.model_validate(await request.json(), context=STRICT)
         except ValueError as e:
             return JSONResponse({"error": "invalid", "detail": str(e).splitlines()[0][:300]}, 422)
-        try:
-            outcome = await inbox.decide(person, run_id, body)
-        except NotYours:
-            return not_found(request, person)
-        except tether.TetherError as e:
-            return temporal_error(request, e)
+        outcome = await inbox.decide(person, run_id, body)
         return JSONResponse(outcome, 409 if outcome["outcome"] == "refused" else 200)
 
     return app

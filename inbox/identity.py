@@ -13,6 +13,7 @@ policy lists, kept in an HttpOnly, SameSite=Strict cookie; the same verifier che
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -76,6 +77,12 @@ class Verifier:
         if len(keys) != 1:
             raise Unauthenticated("no key of the JWKS matches the token's kid")
         return keys[0]
+
+    async def averify(self, token: str) -> str:
+        """``verify``, off the event loop when the JWKS is fetched over HTTP (PyJWKClient blocks)."""
+        if self._client is not None:
+            return await asyncio.to_thread(self.verify, token)
+        return self.verify(token)
 
     def verify(self, token: str) -> str:
         """The person the token names (normalised), or Unauthenticated."""

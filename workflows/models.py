@@ -50,6 +50,9 @@ __all__ = [
 # Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
 
+# A trusted signer's name ([signers.NAME] in the policy file, ApprovalDecision.attested_by).
+SIGNER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+
 # Validate with this context to refuse unknown keys: client inputs and the policy file.
 STRICT = {"strict_keys": True}
 
@@ -309,7 +312,7 @@ class ApprovalDecision(Contract):
     # The trusted signer (policy `[signers.NAME]`, e.g. the inbox) whose key made `signature`,
     # attesting that it verified `approver` itself (SSO): then the signature is the signer's,
     # over the same payload plus this name, and the timeline shows `user:bob via NAME`.
-    attested_by: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)
 
 
 class DecideRequest(ApprovalDecision):
