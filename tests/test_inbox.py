@@ -24,7 +24,7 @@ import starter
 from activities.policy import check_policy_file, parse_policy, signature_refusal
 from inbox import desk
 from inbox.app import InboxConfig, check_config
-from tests.conftest import Billing
+from tests.conftest import PLAYBOOK, Billing
 from tests.inbox_stack import AUDIENCE, ISSUER, Stack, inbox_stack, raw_public
 from workflows import policy
 from workflows.models import ApprovalDecision, Signer, TenantPolicy
@@ -266,3 +266,56 @@ def test_decision_ids_are_one_per_person_request_plan_and_kind() -> None:
     ids = {desk.decision_id("run", r, h, p, k) for r in ("r1", "r2") for h in ("h1", "h2") for p in ("bob", "carol") for k in ("approve", "reject")}
     assert len(ids) == 16
     assert desk.decision_id("run", "r1", "h1", "bob", "approve") == desk.decision_id("run", "r1", "h1", "bob", "approve")
+
+
+HOSTILE = "<script>alert(1)</script>\u202e\x1b[31m\"'&"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_untrusted_text_reaches_the_page_escaped(stack: Stack, billing: Billing) -> None:
+    steps = [dict(s, args=dict(s["args"])) for s in PLAYBOOK]
+    steps[-1]["args"]["body"] = HOSTILE  # the email text the planner proposed
+    run_id, _ = await waiting_run(stack, playbook=steps, goal=f"refund {HOSTILE}")
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        html = (await http.get(f"/runs/{run_id}", headers=bearer(stack.sso.token("bob")))).text
+        live = (await http.get(f"/runs/{run_id}/live", headers=bearer(stack.sso.token("bob")))).text
+    for text in (html, live):
+        assert "<script>alert" not in text and "\u202e" not in text and "\x1b" not in text
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;\\u202e\\x1b[31m" in text  # display.show_value, then HTML-escaped
+    assert "<script" not in html.replace('<script src="/static/inbox.js" defer></script>', "")
+    await tether_client.cancel(stack.client, run_id, reason="test over")
+
+
+def test_a_jwks_url_is_read_through_pyjwkclient() -> None:
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from inbox.identity import Unauthenticated, Verifier
+    from tests.inbox_stack import Sso
+
+    sso = Sso()
+
+    class Jwks(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps(sso.jwks()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Jwks)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        verifier = Verifier(jwks=f"http://127.0.0.1:{server.server_port}/jwks.json", issuer=ISSUER, audience=AUDIENCE,
+                            claim="preferred_username")
+        assert verifier.verify(sso.token("Bob")) == "bob"
+        rotated = Sso(kid="sso-2")  # a key the set does not have
+        with pytest.raises(Unauthenticated):
+            verifier.verify(rotated.token("bob"))
+    finally:
+        server.shutdown()

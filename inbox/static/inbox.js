@@ -6,6 +6,7 @@
   var interval = parseInt(document.body.getAttribute("data-poll-ms") || "1500", 10);
   function refresh(el) {
     var url = el.getAttribute("data-live");
+    var every = parseInt(el.getAttribute("data-live-ms") || String(interval), 10);
     fetch(url, { credentials: "same-origin", headers: { Accept: "text/html" }, cache: "no-store" })
       .then(function (r) { return r.ok ? r.text() : null; })
       .then(function (html) {
@@ -16,7 +17,7 @@
         }
       })
       .catch(function () {})
-      .then(function () { setTimeout(function () { refresh(el); }, interval); });
+      .then(function () { setTimeout(function () { refresh(el); }, every); });
   }
   document.addEventListener("DOMContentLoaded", function () {
     Array.prototype.forEach.call(document.querySelectorAll("[data-live]"), function (el) {
