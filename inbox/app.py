@@ -418,6 +418,14 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
             return JSONResponse({"error": "not_found", "detail": "no such run among yours"}, 404)
         return page(request, "error.html", 404, person=None, message="No such run among the runs you may decide.")
 
+    @app.exception_handler(PolicyFileError)
+    async def policy_broken(request: Request, e: PolicyFileError) -> Response:
+        # Edited into an invalid state while serving: nobody is shown anything until it is fixed.
+        log.error("503 %s %s: %s", request.method, request.url.path, e)
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": "policy", "detail": str(e)}, 503)
+        return page(request, "error.html", 503, person=None, message=f"The policy file is invalid: {e}")
+
     @app.exception_handler(tether.TetherError)
     async def temporal_error(request: Request, e: tether.TetherError) -> Response:
         log.warning("502 %s %s: %s", request.method, request.url.path, e)
