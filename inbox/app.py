@@ -18,8 +18,6 @@ import hmac
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -373,11 +371,7 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         log.warning("no signing key (%s): decisions are sent unattested; tenants with require_signatures "
                     "refuse them", config.key)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-
-    app = FastAPI(title="Tether inbox", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="Tether inbox", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.inbox = inbox
     # Autoescape on for every template (HTML); untrusted text also goes through workflows/display.py
     # (filters t and v), which shows controls, bidi overrides and invisible characters as escapes.
