@@ -61,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         SealRequest,
         SnapshotRequest,
         ToolCatalog,
+        ToolInfo,
         ToolOutcome,
         Verdict,
         canonical_json,
@@ -595,7 +596,15 @@ class AgentRun:
             first_run_id=data.first_run_id,
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
+            tools=self._plan_tools(),
         )
+
+    def _plan_tools(self) -> list[ToolInfo]:
+        data = self.data
+        if data.plan is None or data.catalog is None:
+            return []
+        names = dict.fromkeys(s.tool for s in data.plan.steps)
+        return [info for name in names if (info := data.catalog.get(name)) is not None]
 
     @workflow.query(
         name="timeline",
