@@ -34,6 +34,8 @@ from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_
 from workflows.agent_run import AgentRun
 
 DEFAULT_TOOLS = "examples.billing.tools"
+# The metrics endpoint answers anyone who can reach it: this machine only, unless told.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 def create_worker(
@@ -80,7 +82,7 @@ async def serve(
     queue: str,
     *,
     metrics_port: int | None = None,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = DEFAULT_METRICS_HOST,
     policy_path: str | None = None,
     mcp_config_path: str | None = None,
 ) -> None:
@@ -157,8 +159,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--metrics-host",
-        default=os.environ.get("TETHER_METRICS_HOST", "0.0.0.0"),
-        help="address the metrics endpoint binds (env TETHER_METRICS_HOST)",
+        default=os.environ.get("TETHER_METRICS_HOST") or DEFAULT_METRICS_HOST,
+        help="address the metrics endpoint binds (env TETHER_METRICS_HOST; default 127.0.0.1, "
+        "this machine only: set 0.0.0.0 for a scraper elsewhere)",
     )
     parser.add_argument(
         "--policy",
