@@ -113,6 +113,8 @@ def _reads_as_ascii(ch: str) -> bool:
 
 def look_alike_problem(name: str) -> str | None:
     """Why a normalised name could be taken for another one (UTS #39), or None."""
+    if name.isascii():
+        return None  # one script (Latin, or none): only a skeleton comparison can tell
     _prototypes()  # the tables, built once
     scripts = _scripts_of(name)
     if len(scripts) > 1 and not any(scripts <= system for system in _ONE_SYSTEM):

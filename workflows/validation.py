@@ -101,7 +101,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
         missing = [p for p in error.validator_value if p not in (error.instance or {})]
         return f"{where}: missing required {', '.join(map(str, missing))[:200]}"
     if error.validator == "additionalProperties":
-        extra = len(set(error.instance or {}) - set(error.schema.get("properties", {})))
+        patterns = list(error.schema.get("patternProperties", {}))
+        extra = sum(
+            1 for k in (error.instance or {})
+            if k not in error.schema.get("properties", {}) and not any(pattern_search(p, k) for p in patterns)
+        )
         return f"{where}: {extra} argument(s) the tool does not take"
     template = _RULES.get(str(error.validator), "fails the '{rule}' rule")
     return f"{where}: " + template.format(expected=str(error.validator_value)[:60], rule=error.validator)
