@@ -5,7 +5,8 @@ Why static: ``workflows/agent_run.py`` imports the other workflow modules passed
 Temporal sandbox (``workflow.unsafe.imports_passed_through``), so the sandbox's own checks never
 see a ``datetime.now()`` in ``workflows/engine.py``; and a sandbox check fires only on the path a
 test happens to run. Re-importing them inside the sandbox for every run instead costs what
-``python -m tests.determinism_lint --measure`` prints (docs/architecture.md has the number).
+``python -m bench.sandbox_imports`` prints (docs/performance.md has the number);
+``--measure`` here times the bare re-import of the modules.
 
     python -m tests.determinism_lint [FILE...]     # default: workflows/*.py; exit 1 on a problem
 
