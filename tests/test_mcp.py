@@ -385,6 +385,16 @@ async def test_one_bad_listing_never_stops_the_worker_and_a_nested_quantifier_ne
         assert "MCP server 'bad': tool 'stringschema' left out: not a valid tool entry" in out
         assert "MCP server 'bad': tool #7 (no name) left out" in out
         assert "unavailable at worker start" not in out
+        # `tether tools` lists what was left out, and why.
+        only_bad = tmp_path / "bad.toml"
+        only_bad.write_text(config.read_text().split("[servers.time]")[0])
+        listing = subprocess.run([sys.executable, "starter.py", "tools", "--mcp-config", str(only_bad), "--tools", ""],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0, listing.stderr
+        rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+        assert "read_only" in rows["bad__echo"] and "left out" not in rows["bad__echo"]
+        assert "left out" in rows["bad__twice"] and "the server lists 'twice' 2 times" in rows["bad__twice"]
+        assert "left out" in rows["bad__lookahead"] and "RE2: invalid perl operator" in rows["bad__lookahead"]
 
         target = type("W", (), {"task_queue": queue})()
 
