@@ -456,7 +456,7 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
 MAX_LISTED_TOOLS = 1000  # entries beyond this many are not read (one server, all pages)
 
 
-async def list_tools(session: Any, server: str = "?") -> list[Any]:
+async def list_tools(session: Any, server: str = "?", left_out: dict[str, str] | None = None) -> list[Any]:
     """Every tool the server publishes, all pages; an entry the protocol's ``Tool`` type refuses
     is left out on its own (log line naming server and entry), not the whole listing."""
     from mcp_types import ListToolsRequest, ListToolsResult, PaginatedRequestParams
@@ -469,7 +469,7 @@ async def list_tools(session: Any, server: str = "?") -> list[Any]:
             entries, cursor = list(page.tools), page.next_cursor
         except ValidationError:
             # One bad entry fails the SDK's typed page: read it raw and check entry by entry.
-            entries, cursor = await _raw_page(session, ListToolsRequest(params=params), server)
+            entries, cursor = await _raw_page(session, ListToolsRequest(params=params), server, left_out)
             # The SDK caches what a listing says (output schemas) and re-lists a tool it does
             # not know after each call: it gets the good entries, so it never re-lists.
             session._absorb_tool_listing(ListToolsResult(tools=entries), complete=False)
@@ -482,7 +482,9 @@ async def list_tools(session: Any, server: str = "?") -> list[Any]:
     return tools
 
 
-async def _raw_page(session: Any, request: Any, server: str) -> tuple[list[Any], str | None]:
+async def _raw_page(
+    session: Any, request: Any, server: str, left_out: dict[str, str] | None = None
+) -> tuple[list[Any], str | None]:
     """One ``tools/list`` page as the server sent it, each entry validated on its own.
 
     The SDK (``mcp`` 2.x, pinned) validates a page whole; this sends the request as its
@@ -503,8 +505,10 @@ async def _raw_page(session: Any, request: Any, server: str) -> tuple[list[Any],
         except ValidationError as e:
             name = entry.get("name") if isinstance(entry, dict) else None
             label = repr(name[:100]) if isinstance(name, str) else f"#{i + 1} (no name)"
-            log.warning("MCP server %r: tool %s left out: not a valid tool entry (%s)",
-                        server, label, first_error(e)[:200])
+            why = f"not a valid tool entry ({first_error(e)[:200]})"
+            log.warning("MCP server %r: tool %s left out: %s", server, label, why)
+            if left_out is not None and isinstance(name, str):
+                left_out[f"{server}__{name}"[:200]] = why
     cursor = raw.get("nextCursor")
     return entries, cursor if isinstance(cursor, str) and cursor else None
 
@@ -516,6 +520,7 @@ class McpServers:
         self.config = config
         self.connections = {name: Connection(name, cfg) for name, cfg in config.servers.items()}
         self.unavailable: dict[str, str] = {}  # server -> why its tools are absent
+        self.invalid: dict[str, dict[str, str]] = {}  # server -> entries the protocol refused, why
 
     async def register(self, registry: ToolRegistry) -> ToolRegistry:
         """List every server's tools and add them to ``registry``. A server that cannot be
@@ -525,7 +530,7 @@ class McpServers:
         for (name, connection), tools in zip(self.connections.items(), listed):
             if tools is None:
                 continue
-            left_out: dict[str, str] = {}
+            left_out: dict[str, str] = dict(self.invalid.get(name, {}))
             specs = tool_specs(name, self.config.servers[name], connection, tools, left_out)
             for full, why in left_out.items():
                 registry.refuse(full, why, source=f"mcp:{name}", logged=True)
@@ -544,7 +549,8 @@ class McpServers:
     async def _list(self, connection: Connection) -> list[Any] | None:
         try:
             session = await connection.session()
-            return await asyncio.wait_for(list_tools(session, connection.name), CONNECT_TIMEOUT_SECONDS)
+            invalid = self.invalid.setdefault(connection.name, {})
+            return await asyncio.wait_for(list_tools(session, connection.name, invalid), CONNECT_TIMEOUT_SECONDS)
         except Exception as e:  # noqa: BLE001
             why = str(e) if isinstance(e, McpUnavailable) else _reason(e)
             self.unavailable[connection.name] = why

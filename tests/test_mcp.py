@@ -395,6 +395,7 @@ async def test_one_bad_listing_never_stops_the_worker_and_a_nested_quantifier_ne
         assert "read_only" in rows["bad__echo"] and "left out" not in rows["bad__echo"]
         assert "left out" in rows["bad__twice"] and "the server lists 'twice' 2 times" in rows["bad__twice"]
         assert "left out" in rows["bad__lookahead"] and "RE2: invalid perl operator" in rows["bad__lookahead"]
+        assert "left out" in rows["bad__stringschema"] and "not a valid tool entry" in rows["bad__stringschema"]
 
         target = type("W", (), {"task_queue": queue})()
 
