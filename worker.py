@@ -32,6 +32,7 @@ from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, ch
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
+from workflows.display import escape_text
 
 DEFAULT_TOOLS = "examples.billing.tools"
 # The metrics endpoint answers anyone who can reach it: this machine only, unless told.
@@ -132,7 +133,11 @@ async def serve(
     async with worker:
         print(
             f"worker ready on task queue {queue!r} with tools: "
-            f"{', '.join(sorted(registry.tools)) or 'none'}; policy {policy.source}; payload encryption "
+            f"{', '.join(sorted(registry.tools)) or 'none'}"
+            # Left out at load (bad listing entries, unbounded patterns): the log and `tools` say why.
+            + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
+               if registry.refused else "")
+            + f"; policy {policy.source}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
