@@ -155,8 +155,11 @@ class Engine:
         _require(self.data.plan is not None, "no validated plan to review")
         return policy.review_plan(self.data.plan, self.catalog, self.tenant, self.data.spent)
 
-    def actor(self, name: str, verified: bool = False) -> str:
-        """How a person shows on the timeline: verified identities say how."""
+    def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
+        """How a person shows on the timeline: verified identities say how (their own
+        signature, or a trusted signer's attestation: ``user:bob via inbox``)."""
+        if verified and via:
+            return f"user:{name} via {via}"
         return f"user:{name} (signed)" if verified else f"user:{name}"
 
     # ------------------------------------------------------------------ records
@@ -407,7 +410,7 @@ class Engine:
             return
         pending = data.pending_approval
         _require(pending is not None and data.plan is not None, "no pending approval")
-        actor = self.actor(plain.approver, verified)
+        actor = self.actor(plain.approver, verified, plain.attested_by)
         if isinstance(decision, RevisionRequest):
             _require(new_id is not None, "a revision needs tool call ids")
             proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])

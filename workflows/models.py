@@ -7,7 +7,6 @@ activity takes exactly one of these models, so the pydantic data converter never
 from __future__ import annotations
 
 import hashlib
-import re
 
 import rfc8785
 from datetime import datetime
@@ -50,6 +49,7 @@ __all__ = [
     "RunOutcome",
     "RunRequest",
     "RunSnapshot",
+    "Signer",
     "ToolCall",
     "ToolCatalog",
     "ToolEffect",
@@ -61,6 +61,9 @@ __all__ = [
 
 # Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
+
+# A trusted signer's name ([signers.NAME] in the policy file, ApprovalDecision.attested_by).
+SIGNER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 # Validate with this context to refuse unknown keys: client inputs and the policy file.
 STRICT = {"strict_keys": True}
@@ -332,6 +335,10 @@ class ApprovalDecision(Contract):
     # Ed25519 signature (base64) over policy.signature_payload(...), required where the tenant
     # requires signatures and for approvers whose public key the policy lists.
     signature: str | None = Field(None, max_length=200)
+    # The trusted signer (policy `[signers.NAME]`, e.g. the inbox) whose key made `signature`,
+    # attesting that it verified `approver` itself (SSO): then the signature is the signer's,
+    # over the same payload plus this name, and the timeline shows `user:bob via NAME`.
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)
     # Partial approval (approve only): the 1-based numbers of the steps approved; None: all.
     # The other steps are dropped from the plan (a revision) and the result is approved.
     steps: list[int] | None = Field(None, min_length=1, max_length=1000)
@@ -345,6 +352,7 @@ class ApprovalDecision(Contract):
             if len(set(value)) != len(value):
                 raise ValueError("a step number is given twice")
         return value
+
 
 
 class RevisedStep(Contract):
@@ -364,6 +372,7 @@ class RevisionRequest(Contract):
     reason: str = Field(min_length=1, max_length=2000)
     # Ed25519 over policy.signature_payload(kind="revise", ..., steps_digest=revised_hash()).
     signature: str | None = Field(None, max_length=200)
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)  # as on ApprovalDecision
 
     def revised_hash(self) -> str:
         """sha256 of the revised steps (tools + arguments), as the plan hash would be."""
@@ -378,6 +387,7 @@ class RevisionRequest(Contract):
             request_id=self.request_id,
             reason=self.reason,
             signature=self.signature,
+            attested_by=self.attested_by,
         )
 
 
@@ -465,6 +475,17 @@ class Approver(Contract):
     public_key_file: str | None = None
 
 
+class Signer(Contract):
+    """A trusted signer (`[signers.NAME]`): a service that verifies people itself (the inbox,
+    through the organisation's SSO) and signs their decisions with its own key."""
+
+    # Raw Ed25519 public key, base64, or a file holding it (relative to the policy file).
+    public_key: str | None = None
+    public_key_file: str | None = None
+    # The tenants where its attestation stands in for the person's own signature.
+    may_attest: list[str] = Field(default_factory=list)
+
+
 class AmountRule(Contract):
     """Matches calls of ``tool``; with ``field``, only when the numeric argument is in range."""
 
@@ -501,7 +522,6 @@ class HighRisk(Contract):
     roles: list[str] = Field(default_factory=lambda: ["approver"])
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -509,10 +529,12 @@ def parse_duration(value: Any) -> Any:
     """Seconds as a number, or a text "30s" / "20m" / "2h" / "1d"; other values are left for
     pydantic to refuse with its own message."""
     if isinstance(value, str):
-        m = _DURATION.match(value.strip())
-        if m is None:
+        text = value.strip()
+        number, unit = text[:-1], text[-1:]
+        digits = number.replace(".", "", 1)
+        if unit not in _UNIT_SECONDS or not digits.isascii() or not digits.isdigit():
             raise ValueError(f"not a duration: {value[:40]!r} (seconds, or a number with s, m, h or d: \"2h\")")
-        return float(m[1]) * _UNIT_SECONDS[m[2]]
+        return float(number) * _UNIT_SECONDS[unit]
     return value
 
 
@@ -608,6 +630,7 @@ class Notify(Contract):
 
 class PolicyDocument(Contract):
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    signers: dict[str, Signer] = Field(default_factory=dict)
     notify: Notify = Field(default_factory=Notify)
 
 
@@ -799,6 +822,9 @@ class RunSnapshot(BaseModel):
     # Refused events per "rule actor", counted even where the timeline keeps only the first few.
     refusals: dict[str, int] = Field(default_factory=dict)
     timeline_records: int = 0  # records written in all (the timeline query returns a window)
+    # The run's catalog entries (taken at run start) for the tools its plan calls: what an
+    # approver is shown about each step (effect, summary fields), as the run itself judges them.
+    tools: list[ToolInfo] = Field(default_factory=list)
     revisions: list[Revision] = Field(default_factory=list)
 
 

@@ -25,6 +25,7 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
+from workflows.identity import same_person
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
@@ -335,9 +336,15 @@ def approver_refusal(
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
     # Four-eyes first: whatever roles the requester holds, she does not approve her own run.
-    if kind == "approve" and tenant.four_eyes and approver == requested_by:
-        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
-    if kind == "approve" and not tenant.editor_may_approve and approver in editors:
+    # Compared by skeleton (UTS #39): a name that looks like the requester's is the requester.
+    if kind == "approve" and tenant.four_eyes and same_person(approver, requested_by):
+        if approver == requested_by:
+            return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+        return Refusal(
+            rule="four_eyes",
+            message=f"{approver} looks like {requested_by}, who requested this run, and may not approve it",
+        )
+    if kind == "approve" and not tenant.editor_may_approve and any(same_person(approver, e) for e in editors):
         return Refusal(
             rule="editor_approval",
             message=f"{approver} revised this plan and may not approve it (editor_may_approve = false)",
@@ -354,9 +361,10 @@ def approver_refusal(
                 message=f"{approver} has roles {sorted(member.roles)}; this plan needs one of "
                 f"{sorted(roles)}",
             )
-    if kind == "approve" and approver in already_approved:
+    if kind == "approve" and (twin := next((a for a in already_approved if same_person(approver, a)), None)):
+        who = approver if twin == approver else f"{approver} looks like {twin}, who"
         return Refusal(
-            rule="distinct_approvers", message=f"{approver} already approved: a different approver is needed"
+            rule="distinct_approvers", message=f"{who} already approved: a different approver is needed"
         )
     return None
 
@@ -421,13 +429,15 @@ def signature_payload(
     signer: str,
     steps: list[int] | None = None,
     steps_digest: str | None = None,
+    attested_by: str | None = None,
 ) -> bytes:
     """What a person signs for a decision: the run (its id and the first run's id, so a later
     run under the same id is another run), the tenant, the approval request and its exact plan,
     the kind of decision, its id and who decides. Handoffs sign with empty request and plan.
     A partial approval adds the ``steps`` it approves; a revision the sha256 of its revised
-    steps (``steps_digest``): neither key is there otherwise, so other signatures are unchanged."""
-    body: dict[str, object] = {
+    steps (``steps_digest``): neither key is there otherwise, so other signatures are unchanged.
+    A trusted signer attesting for the person (the inbox) signs the same plus its own name."""
+    fields: dict[str, object] = {
         "workflow_id": workflow_id,
         "first_run_id": first_run_id,
         "tenant": tenant,
@@ -438,10 +448,12 @@ def signature_payload(
         "signer": signer,
     }
     if steps is not None:
-        body["steps"] = sorted(set(steps))
+        fields["steps"] = sorted(set(steps))
     if steps_digest is not None:
-        body["steps_digest"] = steps_digest
-    return canonical_json(body).encode()
+        fields["steps_digest"] = steps_digest
+    if attested_by is not None:
+        fields["attested_by"] = attested_by
+    return canonical_json(fields).encode()
 
 
 def decision_signature_payload(
@@ -465,6 +477,7 @@ def decision_signature_payload(
         signer=decision.approver,  # normalised, as the run compares it
         steps=decision.steps,
         steps_digest=steps_digest,
+        attested_by=decision.attested_by,
     )
 
 
