@@ -30,6 +30,7 @@ try:
 
     import client
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
+    from workflows.display import escape_text
     from workflows.models import Limits, PlaybookStep, RunRequest
     from workflows.states import RunState, TransitionRecord
 except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
@@ -89,6 +90,8 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"approved   by {', '.join(s.approved_by)}")
     if s.last_error:
         lines.append(f"last error {s.last_error}")
+    if s.audit_error:
+        lines.append(f"audit      {escape_text(s.audit_error, 600)}")
     if s.plan is not None:
         lines.append(f"plan       {s.plan.plan_hash}")
         lines.extend(_steps(s.plan))
@@ -246,17 +249,59 @@ async def cmd_status(args: argparse.Namespace) -> int:
     return OK
 
 
+def format_branch(b: client.AuditBranch) -> str:
+    """The header of one execution's records in `timeline --all`."""
+    what = f"run {b.run_id}"
+    if b.origin == "reset":
+        by = f", by {escape_text(b.identity, 120)}" if b.identity else ""
+        why = escape_text(b.reason, 200) if b.reason else "no reason given"
+        what = f"reset at seq {b.at_seq} ({why}{by}) of run {b.parent_run_id}: {what}"
+    elif b.origin == "continued":
+        what = f"continued as new after seq {b.at_seq} from run {b.parent_run_id}: {what}"
+    elif b.origin == "first":
+        what += " (first run)"
+    tags = [t for t in (b.status and b.status.lower(), "current" if b.current else None) if t]
+    return f"== {what}" + (f" [{', '.join(tags)}]" if tags else "")
+
+
+def audit_warnings(trail: client.AuditTrail) -> list[str]:
+    """What `timeline --all` must not hide: a sink that lacks records, a sink that fails."""
+    warnings = []
+    if trail.audit_error:
+        warnings.append(f"the run cannot write to its audit sink: {escape_text(trail.audit_error, 400)}")
+    if trail.missing:
+        shown = ", ".join(map(str, trail.missing[:10])) + (" ..." if len(trail.missing) > 10 else "")
+        warnings.append(
+            f"the audit sink ({trail.sink}) holds {trail.written - trail.waiting - len(trail.missing)} of the "
+            f"{trail.written - trail.waiting} records the run wrote; missing seq {shown} (is this the workers' "
+            f"TETHER_AUDIT_DIR / TETHER_AUDIT_DSN?)"
+        )
+    if trail.waiting:
+        warnings.append(f"{trail.waiting} record(s) not yet written to the sink by the run")
+    return warnings
+
+
 async def cmd_timeline(args: argparse.Namespace) -> int:
     conn = await client.connect()
-    if getattr(args, "all", False):
-        records = await client.full_timeline(conn, args.run, args.audit_dir)
-    else:
+    if not getattr(args, "all", False):
         records = await client.timeline(conn, args.run)
+        if args.json:
+            _print_json([r.model_dump(mode="json") for r in records])
+        else:
+            print(format_timeline(records))
+        return OK
+    trail = await client.audit_trail(conn, args.run, args.audit_dir)
     if args.json:
-        _print_json([r.model_dump(mode="json") for r in records])
+        _print_json(trail.model_dump(mode="json"))
     else:
-        print(format_timeline(records))
-    return OK
+        for branch in trail.branches:
+            print(format_branch(branch))
+            if branch.records:
+                print(format_timeline(branch.records))
+    warnings = audit_warnings(trail)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return REFUSED if trail.missing or trail.audit_error else OK
 
 
 async def cmd_tools(args: argparse.Namespace) -> int:

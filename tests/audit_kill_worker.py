@@ -22,15 +22,16 @@ class TornSink(JsonlAuditSink):
         self.marker = marker
         self.calls = 0
 
-    def append(self, batch: AuditBatch) -> int:
+    async def append(self, batch: AuditBatch) -> int:
         self.calls += 1
         if self.calls < 3:
-            return super().append(batch)
+            return await super().append(batch)
         path = self.root / "torn"
-        self.root.mkdir(parents=True, exist_ok=True)
         from activities.audit import audit_path
 
-        with open(audit_path(self.root, batch.workflow_id, batch.first_run_id), "ab") as f:
+        target = audit_path(self.root, batch.workflow_id, batch.run_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "ab") as f:
             f.write(batch.records[0].model_dump_json().encode()[:40])
             f.flush()
         self.marker.write_text(str(path))

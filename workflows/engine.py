@@ -365,14 +365,14 @@ class Engine:
         data.approval, data.pending_approval = pending, None
         self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
 
-    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> None:
-        """A decision still queued when the run left AWAITING_APPROVAL."""
-        self._refuse_decision(
-            kind,
-            decision,
-            Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL"),
-            at,
-        )
+    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime, *, ended: bool = False) -> None:
+        """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
+        over (completed, cancelled, failed, handed off, expired), rule ``run_ended``."""
+        if ended:
+            refusal = Refusal(rule="run_ended", message=f"the run ended ({self.state.value}) before this decision was settled")
+        else:
+            refusal = Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL")
+        self._refuse_decision(kind, decision, refusal, at)
 
     def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None:
         self.refuse(

@@ -1,0 +1,195 @@
+"""The audit record is complete whatever happens to a run: a reset is its own stream, ids of any
+length or script, a sink that cannot write stops writes and says so, every decision attempt is
+on the record and answered. Real dev server, real billing service, the real `temporal` and
+`tether` commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+import client as tether_client
+from activities.audit import AuditActivities, JsonlAuditSink, audit_path, bounded_name
+from activities.policy import PolicyStore
+from tests.conftest import (
+    BIN,
+    ROOT,
+    Billing,
+    approval_for,
+    make_request,
+    running_worker,
+    start_run,
+    unique,
+    wait_for_state,
+)
+from tests.test_dev_server import Cli
+from workflows.models import RunOutcome
+from workflows.states import RunState as S
+
+POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
+# A refund over the policy's auto-approval limit: one approval (bob or carol) is needed.
+REFUND = [
+    {"tool": "get_order", "args": {"order_id": "A-1002"}},
+    {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 6000, "reason": "audit test"}},
+]
+
+
+async def temporal_cli(env: WorkflowEnvironment, *args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        str(BIN / "temporal"), *args, "--address", env.client.service_client.config.target_host,
+        "--namespace", env.client.namespace,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, (args, out.decode(), err.decode())
+    return out.decode()
+
+
+async def approve(handle: WorkflowHandle, approver: str) -> None:
+    snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+    await handle.signal("approve", approval_for(snap, approver))
+
+
+def approvals(records: list) -> list[str]:
+    return [r.actor for r in records if r.kind == "transition" and r.to_state == S.APPROVED]
+
+
+async def reset_scenario(env: WorkflowEnvironment, worker_options: dict, audit_dir: str | None) -> tuple:
+    """bob approves, the run completes; `temporal workflow reset --type FirstWorkflowTask`;
+    carol approves the reset run. Returns the trail, both run ids and the CLI's output."""
+    async with running_worker(env.client, policy=POLICY, **worker_options) as worker:
+        handle = await start_run(env.client, worker, make_request(REFUND))
+        await approve(handle, "bob")
+        first = await asyncio.wait_for(handle.result(), 30)
+        assert first.state == S.COMPLETED
+        original = (await handle.describe()).run_id
+        await temporal_cli(
+            env, "workflow", "reset", "--workflow-id", handle.id, "--type", "FirstWorkflowTask",
+            "--reason", "operator re-runs the refund",
+        )
+        reset = env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
+        assert (await reset.describe()).run_id != original
+        await approve(reset, "carol")
+        assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
+        trail = await tether_client.audit_trail(env.client, handle.id, audit_dir)
+        cli_env = {"TETHER_AUDIT_DIR": audit_dir} if audit_dir else {}
+        code, out, err = await Cli(env, worker)("timeline", handle.id, "--all", env=cli_env)
+    return trail, original, (await reset.describe()).run_id, (code, out, err)
+
+
+def assert_two_branches(trail: tether_client.AuditTrail, original: str, new: str, cli: tuple) -> None:
+    assert [b.run_id for b in trail.branches] == [original, new]
+    first, second = trail.branches
+    assert first.origin == "first" and second.origin == "reset" and second.parent_run_id == original
+    assert second.at_seq == 0  # FirstWorkflowTask: the new run wrote every record again
+    assert second.reason.endswith("operator re-runs the refund") and second.identity  # as Temporal says
+    assert approvals(first.records) == ["user:bob"] and approvals(second.records) == ["user:carol"]
+    for branch in trail.branches:  # every record once, in each stream
+        seqs = [r.seq for r in branch.records]
+        assert seqs == list(range(1, len(seqs) + 1)), seqs
+        assert branch.records[-1].to_state == S.COMPLETED and not branch.from_window
+    assert trail.missing == [] and trail.line() == second.records
+    code, out, err = cli
+    assert code == 0, (out, err)
+    assert f"== run {original} (first run)" in out
+    assert f"operator re-runs the refund, by {second.identity}) of run {original}" in out and f"of run {original}: run {new}" in out
+    assert out.count("user:bob") >= 1 and out.count("user:carol") >= 1
+
+
+async def test_a_reset_is_its_own_stream_and_timeline_all_shows_both_branches(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    audit_dir = tmp_path / "audit"
+    trail, original, new, cli = await reset_scenario(
+        dev_env, {"audit": AuditActivities(sink=JsonlAuditSink(audit_dir))}, str(audit_dir)
+    )
+    assert_two_branches(trail, original, new, cli)
+    # Two refunds went out; the record shows both approvals (each stream in a file of its own).
+    assert sorted(p.name for p in audit_path(audit_dir, trail.workflow_id, original).parent.glob("*.jsonl")) == sorted(
+        [f"{original}.jsonl", f"{new}.jsonl"]
+    )
+
+
+def test_sink_names_are_bounded_readable_and_distinct() -> None:
+    japanese = "払い戻し注文番号エー千一の監査記録テスト用"  # 20+ characters, 3 bytes each
+    long_ascii = "refund-" + "x" * 213
+    names = {bounded_name(i) for i in (japanese, long_ascii, long_ascii + "y", "a/../b", "..", "")}
+    assert len(names) == 6
+    assert all(len(n) <= 73 and "/" not in n and n not in (".", "..") for n in names)
+    assert bounded_name("refund-A-1001").startswith("refund-A-1001-")
+
+
+@pytest.mark.parametrize("run_id", ["監査" * 12, "refund-" + "x" * 213], ids=["japanese-24", "ascii-220"])
+async def test_a_long_or_non_ascii_workflow_id_completes_with_every_record_in_the_sink(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, run_id: str
+) -> None:
+    audit_dir = tmp_path / "audit"
+    assert len(run_id) in (24, 220)
+    async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(audit_dir))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]), run_id=run_id)
+        outcome = await asyncio.wait_for(handle.result(), 30)
+        trail = await tether_client.audit_trail(dev_env.client, run_id, str(audit_dir))
+    assert outcome.state == S.COMPLETED
+    assert trail.missing == [] and [r.seq for r in trail.line()] == list(range(1, trail.written + 1))
+    assert (audit_path(audit_dir, run_id, trail.current_run_id).parent / "workflow_id").read_text() == run_id + "\n"
+
+
+async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_catches_up(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    root = tmp_path / "audit"
+    root.mkdir()
+    async with running_worker(dev_env.client, policy=POLICY, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
+        cli = Cli(dev_env, worker)
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        key = f"{handle.id}:{snap.plan.steps[1].tool_call_id}"
+        # The sink's folder becomes a file: no folder can be created under it.
+        shutil.move(root, tmp_path / "aside")
+        root.write_text("not a folder")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (snap := await tether_client.snapshot(dev_env.client, handle.id)).audit_error is None:
+            assert loop.time() < deadline, "the sink error never showed on the run"
+            await asyncio.sleep(0.2)
+        assert "audit sink failing" in snap.audit_error and "NotADirectoryError" in snap.audit_error
+        assert snap.state == S.APPROVED and snap.audit_waiting >= 1
+        code, out, err = await cli("status", handle.id)
+        assert code == 0 and "audit      audit sink failing" in out, (out, err)
+        details = (await handle.query("__temporal_workflow_metadata")).current_details
+        assert "**Audit sink:** audit sink failing" in details  # the Web UI's details say it too
+        code, out, err = await cli("timeline", handle.id, "--all", env={"TETHER_AUDIT_DIR": str(tmp_path / "aside")})
+        assert code == 1 and "cannot write to its audit sink" in err, (out, err)
+        await asyncio.sleep(1)
+        assert billing.refunds(key) == []  # no write starts while records before it are not in the sink
+        root.unlink()
+        shutil.move(tmp_path / "aside", root)
+        outcome = await asyncio.wait_for(handle.result(), 60)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
+    assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
+    assert trail.missing == [] and trail.audit_error is None
+    stream = trail.branches[0].records
+    assert [r.seq for r in stream] == list(range(1, trail.written + 1)) and not trail.branches[0].from_window
+
+
+async def test_timeline_all_warns_and_exits_1_when_the_sink_lacks_records(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(tmp_path / "real"))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
+        await asyncio.wait_for(handle.result(), 30)
+        cli = Cli(dev_env, worker)
+        code, out, err = await cli("timeline", handle.id, "--all", env={"TETHER_AUDIT_DIR": str(tmp_path / "typo")})
+        assert code == 1 and "warning: the audit sink (JSON lines under" in err and "holds 0 of the" in err, (out, err)
+        assert "COMPLETED" in out  # the run's own window is still shown
+        code, out, err = await cli("timeline", handle.id, "--all", "--json", env={"TETHER_AUDIT_DIR": str(tmp_path / "real")})
+        assert code == 0 and err == "", err
+        assert json.loads(out)["missing"] == []
