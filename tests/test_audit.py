@@ -16,7 +16,7 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
-from activities.audit import AuditActivities, JsonlAuditSink, audit_path, bounded_name
+from activities.audit import AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
 from activities.policy import PolicyStore
 from tests.conftest import (
     BIN,
@@ -61,10 +61,13 @@ def approvals(records: list) -> list[str]:
     return [r.actor for r in records if r.kind == "transition" and r.to_state == S.APPROVED]
 
 
-async def reset_scenario(env: WorkflowEnvironment, worker_options: dict, audit_dir: str | None) -> tuple:
+async def reset_scenario_with(
+    env: WorkflowEnvironment, sink: JsonlAuditSink | PostgresAuditSink, *, cli_env: dict, audit_dir: str | None = None,
+    dsn: str | None = None,
+) -> tuple:
     """bob approves, the run completes; `temporal workflow reset --type FirstWorkflowTask`;
     carol approves the reset run. Returns the trail, both run ids and the CLI's output."""
-    async with running_worker(env.client, policy=POLICY, **worker_options) as worker:
+    async with running_worker(env.client, policy=POLICY, audit=AuditActivities(sink=sink)) as worker:
         handle = await start_run(env.client, worker, make_request(REFUND))
         await approve(handle, "bob")
         first = await asyncio.wait_for(handle.result(), 30)
@@ -78,8 +81,7 @@ async def reset_scenario(env: WorkflowEnvironment, worker_options: dict, audit_d
         assert (await reset.describe()).run_id != original
         await approve(reset, "carol")
         assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
-        trail = await tether_client.audit_trail(env.client, handle.id, audit_dir)
-        cli_env = {"TETHER_AUDIT_DIR": audit_dir} if audit_dir else {}
+        trail = await tether_client.audit_trail(env.client, handle.id, audit_dir, dsn=dsn)
         code, out, err = await Cli(env, worker)("timeline", handle.id, "--all", env=cli_env)
     return trail, original, (await reset.describe()).run_id, (code, out, err)
 
@@ -107,8 +109,8 @@ async def test_a_reset_is_its_own_stream_and_timeline_all_shows_both_branches(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
     audit_dir = tmp_path / "audit"
-    trail, original, new, cli = await reset_scenario(
-        dev_env, {"audit": AuditActivities(sink=JsonlAuditSink(audit_dir))}, str(audit_dir)
+    trail, original, new, cli = await reset_scenario_with(
+        dev_env, JsonlAuditSink(audit_dir), cli_env={"TETHER_AUDIT_DIR": str(audit_dir)}, audit_dir=str(audit_dir)
     )
     assert_two_branches(trail, original, new, cli)
     # Two refunds went out; the record shows both approvals (each stream in a file of its own).
@@ -193,3 +195,72 @@ async def test_timeline_all_warns_and_exits_1_when_the_sink_lacks_records(
         code, out, err = await cli("timeline", handle.id, "--all", "--json", env={"TETHER_AUDIT_DIR": str(tmp_path / "real")})
         assert code == 0 and err == "", err
         assert json.loads(out)["missing"] == []
+
+
+@pytest.mark.parametrize("sink", ["jsonl", "postgres"])
+async def test_timeline_all_has_every_record_once_after_a_kill_during_the_sink_write(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, request: pytest.FixtureRequest, sink: str
+) -> None:
+    """A worker SIGKILLed in the middle of a sink write (half a line on disk; an uncommitted
+    transaction holding some of the batch): the next worker writes the batch again, once."""
+    import signal
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    dsn = request.getfixturevalue("postgres") if sink == "postgres" else None
+    audit_dir, marker, queue = tmp_path / "audit", tmp_path / "torn", unique("audit-kill")
+    env = {**os.environ, "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.audit_kill_worker", queue, dsn or str(audit_dir), str(marker)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        steps = [{"tool": "get_order", "args": {"order_id": "A-1001"}}] * 3
+        # A short workflow task timeout: the killed worker's task is retried by the next one sooner.
+        handle = await dev_env.client.start_workflow(
+            "AgentRun", make_request(steps), id=unique("run"), task_queue=queue,
+            task_timeout=timedelta(seconds=2), result_type=RunOutcome,
+        )
+        for _ in range(600):
+            if marker.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert marker.exists(), "the worker never reached the sink write"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    sink_now = PostgresAuditSink(dsn) if dsn else JsonlAuditSink(audit_dir)
+    async with running_worker(dev_env.client, task_queue=queue, audit=AuditActivities(sink=sink_now)):
+        outcome = await asyncio.wait_for(handle.result(), 90)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, None if dsn else str(audit_dir), dsn=dsn)
+    assert outcome.state == S.COMPLETED, [r.reason for r in outcome.timeline]
+    assert trail.missing == [] and len(trail.branches) == 1
+    stream = trail.branches[0]
+    seqs = [r.seq for r in stream.records]
+    assert seqs == list(range(1, trail.written + 1)), seqs  # every record once, from the sink alone
+    assert not stream.from_window and stream.run_id == trail.first_run_id
+    if dsn:
+        await sink_now.aclose()
+
+
+async def test_a_reset_with_the_postgres_sink_keeps_both_branches_and_the_table_is_append_only(
+    dev_env: WorkflowEnvironment, billing: Billing, postgres: str
+) -> None:
+    import psycopg
+
+    trail, original, new, cli = await reset_scenario_with(
+        dev_env, PostgresAuditSink(postgres), cli_env={"TETHER_AUDIT_DSN": postgres}, dsn=postgres
+    )
+    assert_two_branches(trail, original, new, cli)
+    async with await psycopg.AsyncConnection.connect(postgres, autocommit=True) as conn:
+        rows = await (await conn.execute(
+            "SELECT run_id, count(*), count(DISTINCT seq) FROM tether_audit WHERE workflow_id = %s GROUP BY run_id",
+            (trail.workflow_id,),
+        )).fetchall()
+        assert sorted(rows) == sorted((b.run_id, len(b.records), len(b.records)) for b in trail.branches)
+        for statement in ("UPDATE tether_audit SET seq = seq + 1000", "DELETE FROM tether_audit"):
+            with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+                await conn.execute(statement)

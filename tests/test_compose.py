@@ -182,6 +182,12 @@ def test_worker_environment_and_scaling() -> None:
     # `--scale worker=3` needs no fixed name and no host port.
     assert "container_name" not in worker and "ports" not in worker
     assert all("container_name" not in svc for svc in SERVICES.values())
+    # One audit sink for the fleet: the stack's PostgreSQL, a database the schema job creates;
+    # the CLI reads the same one.
+    dsn = env["TETHER_AUDIT_DSN"]
+    assert dsn.startswith("postgresql://") and dsn.endswith("@postgresql:5432/tether_audit")
+    assert _env("cli")["TETHER_AUDIT_DSN"] == dsn
+    assert "--database tether_audit create-database" in SERVICES["temporal-schema"]["command"][0]
     # The CLI shares the worker's connection settings.
     cli = _env("cli")
     assert {k: cli[k] for k in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE")} == {
