@@ -8,6 +8,8 @@ functions; none of them needs argparse. Each returns a pydantic model or raises
     1 REFUSED   the run refused it (stale plan hash, four-eyes, not a member, not awaiting
                 approval, already finished) or, for a wait, the run ended other than COMPLETED
     2 USAGE     bad input, unknown run, Temporal unreachable
+    3 PENDING   a decision the run accepted but has not judged yet (a slow policy check): the
+                verdict follows on the run's record (`tether status RUN`)
 
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); payload encryption from
@@ -40,6 +42,8 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+    WorkflowUpdateStage,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.envconfig import ClientConfig
@@ -63,10 +67,11 @@ from workflows.models import (
 )
 from workflows.states import TERMINAL, RunState, TransitionRecord
 
-OK, REFUSED, USAGE = 0, 1, 2
+OK, REFUSED, USAGE, PENDING = 0, 1, 2, 3
 DEFAULT_TASK_QUEUE = "tether"
 QUERY_TIMEOUT = timedelta(seconds=10)
-VERDICT_TIMEOUT = 10.0  # seconds a decision or handoff waits for the run's record of it
+# Seconds a decision or handoff waits for the run's verdict (TETHER_VERDICT_TIMEOUT).
+VERDICT_TIMEOUT = float(os.environ.get("TETHER_VERDICT_TIMEOUT") or 10.0)
 CONNECT_HINT = "start it with `make dev-server` or set TEMPORAL_ADDRESS"
 
 
@@ -179,6 +184,8 @@ class RunStatus(RunSnapshot):
     end_reason: str | None = None
     end_rule: str | None = None  # the rule or error code on that record, when it names one
     end_actor: str | None = None  # who or what ended it (user:bob, operator:dana, runtime)
+    # The run's record of the latest decision or handoff (its verdict, once the run has one).
+    last_decision: TransitionRecord | None = None
 
     @property
     def ended(self) -> bool:
@@ -412,8 +419,10 @@ async def status(client: Client, run_id: str) -> RunStatus:
     """The run's snapshot; for a run that has ended, also the reason on its final record."""
     snap = await snapshot(client, run_id)
     result = RunStatus(**snap.model_dump())
+    records = await timeline(client, run_id)
+    result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
-        moves = [r for r in await timeline(client, run_id) if r.kind == "transition"]
+        moves = [r for r in records if r.kind == "transition"]
         if moves:
             final = moves[-1]
             result.end_reason = final.reason
@@ -557,19 +566,37 @@ async def decide(
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
         raise TetherError(f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED)
-    if given.plan_hash and given.plan_hash != pending.plan_hash:
-        raise TetherError(
-            f"stale plan hash {given.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}; "
-            f"review it with `tether status {run_id}`",
-            REFUSED,
-        )
+    # A stale plan hash is sent all the same: the run records the attempt, and refuses it
+    # (stale_plan_hash) on its timeline.
     decision = build_decision(snap, kind, given)
+    handle = client.get_workflow_handle(run_id)
+    pending_verdict = TetherError(
+        f"decision {decision.decision_id} accepted, verdict pending: the run is still checking it "
+        f"(`tether status {run_id}` shows the verdict once it is there)",
+        PENDING,
+    )
     try:
-        # The decide Update: what cannot count is refused at once, before it reaches history,
-        # and the answer is the run's own record of the decision (policy check included).
-        result = await client.get_workflow_handle(run_id).execute_update(
-            "decide", decision, result_type=DecideResult, rpc_timeout=timedelta(seconds=timeout)
+        # The decide Update: only a malformed or repeated decision is refused before history;
+        # the answer is the run's own record of the decision (policy check included).
+        update = await handle.start_update(
+            "decide", decision, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
+            rpc_timeout=timedelta(seconds=timeout),
         )
+    except WorkflowUpdateFailedError as e:
+        raise TetherError(_update_refusal(e), REFUSED) from None
+    except WorkflowUpdateRPCTimeoutOrCancelledError:
+        # Not acknowledged in time: a worker is in the middle of the run's task (the policy check
+        # runs in it, and the acceptance goes out with it), or no worker is there at all.
+        if await _task_started(handle):
+            raise pending_verdict from None
+        raise TetherError(f"no worker took the decision for run {run_id} within {timeout:g}s: start one with `make worker`") from None
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    try:
+        result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
+    except (asyncio.TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+        # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
+        raise pending_verdict from None
     except WorkflowUpdateFailedError as e:
         raise TetherError(_update_refusal(e), REFUSED) from None
     except RPCError as e:
@@ -578,6 +605,17 @@ async def decide(
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED)
     record = await _await_record(client, run_id, decision.decision_id, timeout)
     return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+async def _task_started(handle: WorkflowHandle) -> bool:
+    """A worker has the run's workflow task in hand (it is working on the run right now)."""
+    from temporalio.api.enums.v1 import PendingWorkflowTaskState
+
+    try:
+        task = (await handle.describe()).raw_description.pending_workflow_task
+    except RPCError:
+        return False
+    return task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
 
 
 def _update_refusal(err: WorkflowUpdateFailedError) -> str:

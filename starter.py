@@ -92,6 +92,11 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"last error {s.last_error}")
     if s.audit_error:
         lines.append(f"audit      {escape_text(s.audit_error, 600)}")
+    if s.last_decision is not None:
+        d = s.last_decision
+        verdict = d.kind if d.kind != "transition" else d.to_state.value
+        lines.append(f"decision   {escape_text(d.refs.decision_id, 128)} by {escape_text(d.actor, 120)}: {verdict}: "
+                     f"{escape_text(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else ""))
     if s.plan is not None:
         lines.append(f"plan       {s.plan.plan_hash}")
         lines.extend(_steps(s.plan))
@@ -198,7 +203,13 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
         key=Path(args.key) if args.key else None,
     )
-    verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
+    try:
+        verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
+    except TetherError as e:
+        if e.code != client.PENDING:
+            raise
+        print(e)  # accepted, not judged yet: not an error, and not a verdict (exit 3)
+        return e.code
     verb = "approved" if kind == "approve" else "rejected"
     print(f"{verb} plan {verdict.pending.plan_hash if verdict.pending else '-'} of run {args.run}:")
     if verdict.pending:

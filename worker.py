@@ -43,15 +43,17 @@ def create_worker(
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
+    rules: PolicyActivities | None = None,
     extra_workflows: Sequence[type] = (),
     **options: Any,
 ) -> Worker:
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
 
-    ``policy`` defaults to the built-in safe default (no policy file).
+    ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
+    activities, to those over ``policy``.
     """
     tools = ToolActivities(registry)
-    rules = PolicyActivities(policy or PolicyStore(None))
+    rules = rules or PolicyActivities(policy or PolicyStore(None))
     # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
     audit = audit or AuditActivities()
     return Worker(

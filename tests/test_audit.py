@@ -12,12 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from temporalio.client import WorkflowHandle
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
 from activities.audit import AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
-from activities.policy import PolicyStore
+from activities.policy import PolicyActivities, PolicyStore
 from tests.conftest import (
     BIN,
     ROOT,
@@ -30,7 +31,7 @@ from tests.conftest import (
     wait_for_state,
 )
 from tests.test_dev_server import Cli
-from workflows.models import RunOutcome
+from workflows.models import DecideRequest, DecideResult, DecisionCheck, RunOutcome, Verdict
 from workflows.states import RunState as S
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
@@ -264,3 +265,84 @@ async def test_a_reset_with_the_postgres_sink_keeps_both_branches_and_the_table_
         for statement in ("UPDATE tether_audit SET seq = seq + 1000", "DELETE FROM tether_audit"):
             with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
                 await conn.execute(statement)
+
+
+class SlowRules(PolicyActivities):
+    """The policy activities, with a decision check that takes ``delay`` seconds (a policy file
+    on a slow share, a signature service far away)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(POLICY)
+        self.delay = delay
+        self.started = asyncio.Event()
+
+    @activity.defn(name="policy_check_decision")
+    async def check_decision(self, check: DecisionCheck) -> Verdict:
+        self.started.set()
+        await asyncio.sleep(self.delay)
+        return await super().check_decision(check)
+
+
+async def test_alices_self_approval_and_a_stale_hash_through_tether_approve_are_on_the_record(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(dev_env.client, policy=POLICY) as worker:
+        cli = Cli(dev_env, worker)
+        handle = await start_run(dev_env.client, worker, make_request(REFUND, requested_by="alice"))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        (code, out, err), (code2, out2, err2) = [
+            await cli("approve", handle.id, "--by", "alice", "--decision-id", "self"),
+            await cli("approve", handle.id, "--by", "bob", "--plan-hash", "0" * 64, "--decision-id", "stale"),
+        ]
+        assert code == 1 and "[rule: four_eyes]" in err, (out, err)
+        assert code2 == 1 and "[rule: stale_plan_hash]" in err2, (out2, err2)
+        code, out, err = await cli("timeline", handle.id)
+        assert code == 0
+        refused = {r.refs.decision_id: r for r in await tether_client.timeline(dev_env.client, handle.id) if r.kind == "refused"}
+        assert (refused["self"].rule, refused["self"].actor) == ("four_eyes", "user:alice")
+        assert (refused["stale"].rule, refused["stale"].actor) == ("stale_plan_hash", "user:bob")
+        assert "[four_eyes]" in out and "[stale_plan_hash]" in out
+        snap = await tether_client.snapshot(dev_env.client, handle.id)
+        assert snap.refusals == {"four_eyes user:alice": 1, "stale_plan_hash user:bob": 1}
+        code, out, err = await cli("status", handle.id)
+        assert "decision   stale by user:bob: refused" in out and "[rule: stale_plan_hash]" in out, out
+        await handle.cancel()
+
+
+async def test_a_cancel_during_a_slow_policy_check_answers_the_decision_and_ends_canceled(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    rules = SlowRules(delay=30)
+    async with running_worker(dev_env.client, policy=POLICY, rules=rules) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        decision = DecideRequest(kind="approve", **approval_for(snap, "bob", "slow-one").model_dump())
+        update = asyncio.create_task(handle.execute_update("decide", decision, result_type=DecideResult))
+        await asyncio.wait_for(rules.started.wait(), 10)
+        await handle.cancel(reason="withdrawn")
+        verdict = await asyncio.wait_for(update, 15)  # answered, not left open for good
+        assert (verdict.outcome, verdict.rule, verdict.state) == ("refused", "run_ended", S.CANCELLED), verdict
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 15)
+        assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+        snap = await tether_client.snapshot(dev_env.client, handle.id)
+        records = await tether_client.timeline(dev_env.client, handle.id)
+    assert snap.state == S.CANCELLED
+    assert [r.rule for r in records if r.refs.decision_id == "slow-one"] == ["run_ended"]
+
+
+async def test_a_slow_verdict_is_accepted_verdict_pending_exit_3_and_status_shows_it_later(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    rules = SlowRules(delay=4)
+    async with running_worker(dev_env.client, policy=POLICY, rules=rules) as worker:
+        cli = Cli(dev_env, worker)
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        code, out, err = await cli("approve", handle.id, "--by", "bob", "--decision-id", "slow", env={"TETHER_VERDICT_TIMEOUT": "1"})
+        assert code == 3, (out, err)
+        assert "decision slow accepted, verdict pending" in out and err == "", (out, err)
+        outcome = await asyncio.wait_for(handle.result(), 30)
+        assert outcome.state == S.COMPLETED
+        code, out, err = await cli("status", handle.id)
+    assert code == 0 and "decision   slow by user:bob: APPROVED" in out, (out, err)
