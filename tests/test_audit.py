@@ -147,9 +147,19 @@ async def test_a_long_or_non_ascii_workflow_id_completes_with_every_record_in_th
 async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_catches_up(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from activities.metrics import prometheus_runtime
+    from tests.test_metrics import free_port, scrape, value
+
     root = tmp_path / "audit"
     root.mkdir()
-    async with running_worker(dev_env.client, policy=POLICY, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
+    port = free_port()
+    metered = await tether_client.connect(
+        target_host=dev_env.client.service_client.config.target_host, namespace=dev_env.client.namespace,
+        runtime=prometheus_runtime(f"127.0.0.1:{port}"), data_converter=pydantic_data_converter,
+    )
+    async with running_worker(metered, policy=POLICY, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
         cli = Cli(dev_env, worker)
         handle = await start_run(dev_env.client, worker, make_request(REFUND))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
@@ -173,6 +183,7 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
         assert code == 1 and "cannot write to its audit sink" in err, (out, err)
         await asyncio.sleep(1)
         assert billing.refunds(key) == []  # no write starts while records before it are not in the sink
+        assert value(scrape(port), "tether_audit_sink_failures", sink="JsonlAuditSink") >= 3
         root.unlink()
         shutil.move(tmp_path / "aside", root)
         outcome = await asyncio.wait_for(handle.result(), 60)
