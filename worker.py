@@ -95,6 +95,10 @@ async def serve(
         mcp_config = mcp.config_from_env(mcp_config_path)
     except mcp.McpConfigError as e:
         raise SystemExit(f"invalid MCP config: {e}") from None
+    try:
+        audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR, and the state key
+    except ValueError as e:
+        raise SystemExit(f"invalid audit sink: {e}") from None
     # MCP servers' tools join the registry before the worker is built (a server that is down is
     # logged and left out); their sessions close after the worker has finished its tasks.
     mcp_servers = await mcp.start_servers(mcp_config, registry)
@@ -123,7 +127,7 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, audit=audit)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,7 +136,8 @@ async def serve(
     async with worker:
         print(
             f"worker ready on task queue {queue!r} with tools: "
-            f"{', '.join(sorted(registry.tools)) or 'none'}; policy {policy.source}; payload encryption "
+            f"{', '.join(sorted(registry.tools)) or 'none'}; policy {policy.source}; "
+            f"audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,

@@ -53,6 +53,18 @@ async def temporal_cli(env: WorkflowEnvironment, *args: str) -> str:
     return out.decode()
 
 
+async def assert_replays(handle: WorkflowHandle) -> None:
+    """The run's own history replays on the current code (the new paths are deterministic)."""
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.worker import Replayer
+
+    from workflows.agent_run import AgentRun
+
+    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
+    assert result.replay_failure is None, result.replay_failure
+
+
 async def approve(handle: WorkflowHandle, approver: str) -> None:
     snap = await wait_for_state(handle, "AWAITING_APPROVAL")
     await handle.signal("approve", approval_for(snap, approver))
@@ -82,6 +94,7 @@ async def reset_scenario_with(
         assert (await reset.describe()).run_id != original
         await approve(reset, "carol")
         assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
+        await assert_replays(reset)
         trail = await tether_client.audit_trail(env.client, handle.id, audit_dir, dsn=dsn)
         code, out, err = await Cli(env, worker)("timeline", handle.id, "--all", env=cli_env)
     return trail, original, (await reset.describe()).run_id, (code, out, err)
@@ -188,6 +201,7 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
         shutil.move(tmp_path / "aside", root)
         outcome = await asyncio.wait_for(handle.result(), 60)
         trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
+    await assert_replays(handle)  # the failed attempts, the retry timers and the patch replay
     assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
     assert trail.missing == [] and trail.audit_error is None
     stream = trail.branches[0].records
@@ -338,6 +352,7 @@ async def test_a_cancel_during_a_slow_policy_check_answers_the_decision_and_ends
         assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
         snap = await tether_client.snapshot(dev_env.client, handle.id)
         records = await tether_client.timeline(dev_env.client, handle.id)
+    await assert_replays(handle)
     assert snap.state == S.CANCELLED
     assert [r.rule for r in records if r.refs.decision_id == "slow-one"] == ["run_ended"]
 

@@ -17,6 +17,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
+import client as tether_client
 from activities.audit import AuditActivities, JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
@@ -92,6 +93,15 @@ async def test_a_long_read_only_run_completes_continuing_as_new(small_history_en
         began = time.monotonic()
         outcome = await asyncio.wait_for(handle.result(follow_runs=True), 900)
         elapsed = time.monotonic() - began
+        trail = await tether_client.audit_trail(env.client, handle.id)
+    # The chain of runs stays visible on the record: the first run, then each continued one,
+    # each its own stream, together every record once.
+    first, *continued = trail.branches
+    assert first.origin == "first" and first.run_id == trail.first_run_id == handle.result_run_id
+    assert continued and all(b.origin == "continued" for b in continued)
+    assert [b.parent_run_id for b in continued] == [b.run_id for b in trail.branches[:-1]]
+    assert [r.seq for r in trail.line()] == list(range(1, trail.written + 1)) and trail.missing == []
+    assert all(not b.from_window for b in trail.branches)
     assert outcome.state == S.COMPLETED, outcome.timeline[-3:]
     assert len(outcome.steps) == steps and all(s.status == "ok" for s in outcome.steps)
     size = len(outcome.model_dump_json())
