@@ -188,6 +188,43 @@ async def test_the_decide_update_puts_every_refusal_on_the_record_and_refuses_on
     assert outcome.state == S.COMPLETED
 
 
+async def test_an_update_flood_is_answered_and_continues_as_new_before_temporals_limit(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Every decide Update is answered and counted; past UPDATES_CONTINUE_AT in one execution
+    the run continues as new (Temporal refuses Updates past 2,000 a run). Short here: `make
+    soak` sends 1,600."""
+    from workflows.budgets import UPDATES_CONTINUE_AT
+
+    count = UPDATES_CONTINUE_AT + 100 if SOAK else 24
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND, requested_by="alice"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        first_run = (await handle.describe()).run_id
+        began = time.monotonic()
+        for start in range(0, count, 8):  # 8 at a time: Temporal allows 10 in flight
+            verdicts = await asyncio.gather(*(
+                dev_env.client.get_workflow_handle(handle.id).execute_update(
+                    "decide", DecideRequest(kind="approve", **approval_for("0" * 64, "bob").model_dump()),
+                    result_type=DecideResult,
+                )
+                for _ in range(start, min(start + 8, count))
+            ))
+            assert all(v.outcome == "refused" and v.rule == "stale_plan_hash" for v in verdicts), verdicts
+        elapsed = time.monotonic() - began
+        now = await snapshot(dev_env.client.get_workflow_handle(handle.id))
+        assert now.refusals["stale_plan_hash user:bob"] == count  # counted, across the runs
+        if SOAK:
+            assert (await handle.describe()).run_id != first_run, "the run never continued as new"
+            assert now.updates < UPDATES_CONTINUE_AT
+        else:
+            assert now.updates == count
+        await dev_env.client.get_workflow_handle(handle.id).signal("approve", approval_for(now, "bob"))
+        outcome = await dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome).result()
+    assert outcome.state == S.COMPLETED
+    print(f"\n{count} decide Updates: {elapsed:.1f}s")
+
+
 async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
     # A newer worker version wrote the state, with fields this version does not know, and
     # sealed it with the key the workers share: this version continues the run.

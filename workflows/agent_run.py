@@ -36,7 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import display
     from workflows import metrics as run_metrics
     from workflows import policy
-    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
+    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
@@ -107,8 +107,6 @@ AUDIT_RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
 )
 AUDIT_BACKOFF_MAX = 60.0
-# Temporal accepts 2,000 Updates per run (and 10 in flight): continue as new well before.
-UPDATES_CONTINUE_AT = 1_500
 DECIDE_HINT = "approve, reject (signals or the decide update), handoff"
 
 
@@ -652,9 +650,12 @@ class AgentRun:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
         if self.engine.screen_decision(kind, decision, workflow.now()):
             self._inbox.append((kind, decision))
+        else:
+            self._answer(decision.decision_id)  # nobody waits on a signal; forget its refusal
 
     def _answer(self, decision_id: str) -> None:
         """Give a waiting decide update its verdict, from the record the run wrote for it."""
+        unrecorded = self.engine.unrecorded_refusals.pop(decision_id, None)
         if decision_id not in self._verdicts:
             return
         record = next(
@@ -663,7 +664,9 @@ class AgentRun:
         if record is None:  # a refusal counted in a flood, not recorded
             self._verdicts[decision_id] = DecideResult(
                 decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state,
-                reason="refused (counted, not recorded: see snapshot.refusals)", rule="flood",
+                reason=f"refused: {unrecorded.message} (counted, not recorded: see snapshot.refusals)"
+                if unrecorded and self._record else "refused (counted, not recorded: see snapshot.refusals)",
+                rule=unrecorded.rule if unrecorded and self._record else "flood",
             )
             return
         self._verdicts[decision_id] = DecideResult(
