@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
@@ -357,6 +358,30 @@ async def test_a_cancel_during_a_slow_policy_check_answers_the_decision_and_ends
     assert [r.rule for r in records if r.refs.decision_id == "slow-one"] == ["run_ended"]
 
 
+class FailingRules(SlowRules):
+    """A decision check that fails for good (a broken signature service): the run fails."""
+
+    @activity.defn(name="policy_check_decision")
+    async def check_decision(self, check: DecisionCheck) -> Verdict:
+        self.started.set()
+        await asyncio.sleep(self.delay)
+        raise ApplicationError("signature service gone", type="policy_unavailable", non_retryable=True)
+
+
+async def test_a_run_that_fails_during_a_policy_check_answers_the_decision(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(dev_env.client, policy=POLICY, rules=FailingRules(delay=0.5)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        decision = DecideRequest(kind="approve", **approval_for(snap, "bob", "doomed").model_dump())
+        verdict = await asyncio.wait_for(handle.execute_update("decide", decision, result_type=DecideResult), 15)
+        assert (verdict.outcome, verdict.rule) == ("refused", "run_ended"), verdict
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 15)
+        assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED
+
+
 async def test_a_slow_verdict_is_accepted_verdict_pending_exit_3_and_status_shows_it_later(
     dev_env: WorkflowEnvironment, billing: Billing
 ) -> None:
@@ -372,3 +397,28 @@ async def test_a_slow_verdict_is_accepted_verdict_pending_exit_3_and_status_show
         assert outcome.state == S.COMPLETED
         code, out, err = await cli("status", handle.id)
     assert code == 0 and "decision   slow by user:bob: APPROVED" in out, (out, err)
+
+
+async def test_a_reset_to_a_later_point_shares_the_records_before_it(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    audit_dir = tmp_path / "audit"
+    async with running_worker(dev_env.client, policy=POLICY, audit=AuditActivities(sink=JsonlAuditSink(audit_dir))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        await approve(handle, "bob")
+        assert (await asyncio.wait_for(handle.result(), 30)).state == S.COMPLETED
+        await temporal_cli(
+            dev_env, "workflow", "reset", "--workflow-id", handle.id, "--type", "LastWorkflowTask",
+            "--reason", "re-run the last step",
+        )
+        reset = dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
+        assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(audit_dir))
+    first, second = trail.branches
+    assert second.origin == "reset" and second.parent_run_id == first.run_id
+    n = second.at_seq
+    assert n is not None and 0 < n < len(first.records), (n, len(first.records))
+    assert second.records[0].seq == n + 1 and second.records[-1].to_state == S.COMPLETED
+    line = trail.line()
+    assert [r.seq for r in line] == list(range(1, trail.written + 1)) and trail.missing == []
+    assert line[:n] == first.records[:n]  # shared up to the reset point, the new run's after it

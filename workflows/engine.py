@@ -371,7 +371,7 @@ class Engine:
         """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
         over (completed, cancelled, failed, handed off, expired), rule ``run_ended``."""
         if ended:
-            refusal = Refusal(rule="run_ended", message=f"the run ended ({self.state.value}) before this decision was settled")
+            refusal = Refusal(rule="run_ended", message=f"the run ended before this decision was settled (state {self.state.value})")
         else:
             refusal = Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL")
         self._refuse_decision(kind, decision, refusal, at)
