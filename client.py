@@ -370,7 +370,10 @@ async def audit_trail(
     try:
         current = (await client.get_workflow_handle(run_id).describe()).run_id
         sink = sink_from_env(audit_dir, dsn)
-        streams = await sink.read(run_id)
+        try:
+            streams = await sink.read(run_id)
+        finally:
+            await sink.aclose()
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     except Exception as e:  # the sink cannot be read: say which and why

@@ -118,6 +118,8 @@ class AuditSink(Protocol):
         """Every record of every execution of ``workflow_id``: run id -> records in seq order."""
         ...
 
+    async def aclose(self) -> None: ...
+
 
 @dataclass
 class JsonlAuditSink:
@@ -129,6 +131,9 @@ class JsonlAuditSink:
 
     def describe(self) -> str:
         return f"JSON lines under {self.root}"
+
+    async def aclose(self) -> None:
+        pass  # nothing held open between appends
 
     async def append(self, batch: AuditBatch) -> int:
         return self.write(batch)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
