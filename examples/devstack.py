@@ -1,6 +1,6 @@
 """The local stack behind `make demo`, `make dev-server` and `make down`.
 
-    python -m examples.devstack up [dev-server] [billing] [worker] [mcp-worker]
+    python -m examples.devstack up [dev-server] [billing] [worker] [inbox] [mcp-worker]
     python -m examples.devstack down
 
 ``mcp-worker`` (only when named; `make demo-mcp`) is a worker whose tools come from MCP servers:
@@ -33,11 +33,13 @@ from workflows.agent_run import SEARCH_ATTRIBUTES
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ROOT / ".tether"
 KEYS_DIR = STATE_DIR / "keys"  # the demo's signing keys (examples/billing/policy.toml, tenant "signed")
-DEMO_SIGNERS = ("alice", "bob")
+DEMO_SIGNERS = ("alice", "bob", "inbox")  # inbox: the approver inbox's own key (signers.inbox)
 BIN = Path(sys.executable).parent
 TEMPORAL_PORT = int(os.environ.get("TETHER_TEMPORAL_PORT", "7233"))
 UI_PORT = int(os.environ.get("TETHER_UI_PORT", "8233"))
 BILLING_PORT = int(os.environ.get("TETHER_BILLING_PORT", "8765"))
+INBOX_PORT = int(os.environ.get("TETHER_INBOX_PORT", "8900"))
+INBOX_URL = f"http://127.0.0.1:{INBOX_PORT}/"
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -128,6 +130,15 @@ SERVICES = {
                  os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")],
         _worker_ready,
     ),
+    # The approvers' web inbox, with the dev sign-in (loopback only) and the demo's inbox key,
+    # which the example policy trusts as [signers.inbox].
+    "inbox": Service(
+        "inbox",
+        lambda: [str(BIN / "tether"), "inbox", "--port", str(INBOX_PORT), "--dev-login",
+                 "--policy", os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml"),
+                 "--key", str(KEYS_DIR / "inbox.pem"), "--web-ui", f"http://localhost:{UI_PORT}"],
+        lambda: http_ok(f"http://127.0.0.1:{INBOX_PORT}/healthz"),
+    ),
     "mcp-worker": Service(
         "mcp-worker",
         lambda: [sys.executable, str(ROOT / "worker.py"), "--tools", "", "--task-queue", MCP_TASK_QUEUE,
@@ -210,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             start(SERVICES[name])
         if "dev-server" in names:
             print(f"Temporal Web UI: http://localhost:{UI_PORT}")
+        if "inbox" in names:
+            print(f"Approvers' inbox: {INBOX_URL} (dev sign-in)")
     else:
         for name in reversed(names):
             stop(SERVICES[name])

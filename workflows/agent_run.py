@@ -62,6 +62,7 @@ with workflow.unsafe.imports_passed_through():
         SealRequest,
         SnapshotRequest,
         ToolCatalog,
+        ToolInfo,
         ToolOutcome,
         Verdict,
         canonical_json,
@@ -618,7 +619,15 @@ class AgentRun:
             audit_waiting=len(self._audit),
             audit_error=self._audit_error,
             updates=self._updates,
+            tools=self._plan_tools(),
         )
+
+    def _plan_tools(self) -> list[ToolInfo]:
+        data = self.data
+        if data.plan is None or data.catalog is None:
+            return []
+        names = dict.fromkeys(s.tool for s in data.plan.steps)
+        return [info for name in names if (info := data.catalog.get(name)) is not None]
 
     @workflow.query(
         name="timeline",

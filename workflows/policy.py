@@ -397,22 +397,25 @@ def signature_payload(
     kind: str,
     decision_id: str,
     signer: str,
+    attested_by: str | None = None,
 ) -> bytes:
     """What a person signs for a decision: the run (its id and the first run's id, so a later
     run under the same id is another run), the tenant, the approval request and its exact plan,
-    the kind of decision, its id and who decides. Handoffs sign with empty request and plan."""
-    return canonical_json(
-        {
-            "workflow_id": workflow_id,
-            "first_run_id": first_run_id,
-            "tenant": tenant,
-            "request_id": request_id,
-            "plan_hash": plan_hash,
-            "decision": kind,
-            "decision_id": decision_id,
-            "signer": signer,
-        }
-    ).encode()
+    the kind of decision, its id and who decides. Handoffs sign with empty request and plan.
+    A trusted signer attesting for the person (the inbox) signs the same plus its own name."""
+    fields = {
+        "workflow_id": workflow_id,
+        "first_run_id": first_run_id,
+        "tenant": tenant,
+        "request_id": request_id,
+        "plan_hash": plan_hash,
+        "decision": kind,
+        "decision_id": decision_id,
+        "signer": signer,
+    }
+    if attested_by is not None:
+        fields["attested_by"] = attested_by
+    return canonical_json(fields).encode()
 
 
 def decision_signature_payload(
@@ -428,6 +431,7 @@ def decision_signature_payload(
         kind=kind,
         decision_id=decision.decision_id,
         signer=decision.approver,  # normalised, as the run compares it
+        attested_by=decision.attested_by,
     )
 
 
