@@ -119,9 +119,28 @@ def _postgres_bin() -> Path:
     return initdb.parent
 
 
+@dataclass
+class Postgres:
+    """A real PostgreSQL server the tests started: its DSN, and stop / start for outages."""
+
+    dsn: str
+    pg_ctl: list[str]
+
+    def stop(self) -> None:
+        self._run("-m", "fast", "-w", "stop")
+
+    def start(self) -> None:
+        self._run("-w", "-t", "60", "start")
+
+    def _run(self, *args: str) -> None:
+        import subprocess
+
+        subprocess.run([*self.pg_ctl, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+
+
 @pytest.fixture(scope="session")
-def postgres() -> Iterator[str]:
-    """A real PostgreSQL server in a temporary folder, on a free port: its DSN.
+def postgres_server() -> Iterator[Postgres]:
+    """A real PostgreSQL server in a temporary folder, on a free port.
 
     initdb refuses to run as root, so as root (CI, this machine) the server runs as the
     ``postgres`` user the Debian package creates.
@@ -141,20 +160,29 @@ def postgres() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     data = folder / "data"
-
-    def pg(*args: str) -> None:
-        subprocess.run([*as_user, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
-
-    pg(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "tether", "-E", "UTF8", "--no-sync")
-    pg(
-        str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(folder / "log"), "-w", "-t", "60",
-        "-o", f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off", "start",
+    subprocess.run(
+        [*as_user, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "tether", "-E", "UTF8", "--no-sync"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120,
     )
+    server = Postgres(
+        dsn=f"postgresql://tether@127.0.0.1:{port}/postgres",
+        pg_ctl=[
+            *as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(folder / "log"),
+            "-o", f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off",
+        ],
+    )
+    server.start()
     try:
-        yield f"postgresql://tether@127.0.0.1:{port}/postgres"
+        yield server
     finally:
-        pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+        subprocess.run([*server.pg_ctl, "-m", "immediate", "-w", "stop"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres(postgres_server: Postgres) -> str:
+    """The test PostgreSQL server's DSN."""
+    return postgres_server.dsn
 
 
 @dataclass

@@ -24,6 +24,7 @@ from tests.conftest import (
     BIN,
     ROOT,
     Billing,
+    Postgres,
     approval_for,
     make_request,
     running_worker,
@@ -32,7 +33,7 @@ from tests.conftest import (
     wait_for_state,
 )
 from tests.test_dev_server import Cli
-from workflows.models import DecideRequest, DecideResult, DecisionCheck, RunOutcome, Verdict
+from workflows.models import DecideRequest, DecideResult, DecisionCheck, RunOutcome, RunSnapshot, Verdict
 from workflows.states import RunState as S
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
@@ -64,6 +65,16 @@ async def assert_replays(handle: WorkflowHandle) -> None:
     replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
     assert result.replay_failure is None, result.replay_failure
+
+
+async def wait_for_audit_error(env: WorkflowEnvironment, handle: WorkflowHandle, timeout: float = 10) -> RunSnapshot:
+    """Until the run shows that it cannot write to its audit sink ("within seconds")."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (snap := await tether_client.snapshot(env.client, handle.id)).audit_error is None:
+        assert loop.time() < deadline, "the sink error never showed on the run"
+        await asyncio.sleep(0.2)
+    return snap
 
 
 async def approve(handle: WorkflowHandle, approver: str) -> None:
@@ -182,11 +193,7 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
         shutil.move(root, tmp_path / "aside")
         root.write_text("not a folder")
         await handle.signal("approve", approval_for(snap, "bob"))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while (snap := await tether_client.snapshot(dev_env.client, handle.id)).audit_error is None:
-            assert loop.time() < deadline, "the sink error never showed on the run"
-            await asyncio.sleep(0.2)
+        snap = await wait_for_audit_error(dev_env, handle)
         assert "audit sink failing" in snap.audit_error and "NotADirectoryError" in snap.audit_error
         assert snap.state == S.APPROVED and snap.audit_waiting >= 1
         code, out, err = await cli("status", handle.id)
@@ -422,3 +429,45 @@ async def test_a_reset_to_a_later_point_shares_the_records_before_it(
     line = trail.line()
     assert [r.seq for r in line] == list(range(1, trail.written + 1)) and trail.missing == []
     assert line[:n] == first.records[:n]  # shared up to the reset point, the new run's after it
+
+
+
+
+async def test_a_sink_folder_that_cannot_be_created_from_the_start_holds_the_run_until_fixed(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the sink's parent folder should be")
+    root = blocker / "audit"
+    async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
+        snap = await wait_for_audit_error(dev_env, handle)
+        assert snap.state == S.PLANNING and snap.step == 0  # nothing ran past the first record
+        blocker.unlink()
+        outcome = await asyncio.wait_for(handle.result(), 60)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
+    assert outcome.state == S.COMPLETED
+    assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
+
+
+async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_is_back(
+    dev_env: WorkflowEnvironment, billing: Billing, postgres_server: Postgres
+) -> None:
+    sink = PostgresAuditSink(postgres_server.dsn)
+    async with running_worker(dev_env.client, policy=POLICY, audit=AuditActivities(sink=sink)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        key = f"{handle.id}:{snap.plan.steps[1].tool_call_id}"
+        postgres_server.stop()
+        try:
+            await handle.signal("approve", approval_for(snap, "bob"))
+            snap = await wait_for_audit_error(dev_env, handle)
+            assert "PostgreSQL postgresql://tether@127.0.0.1" in snap.audit_error, snap.audit_error
+            assert billing.refunds(key) == []  # the refund waits for the record of its approval
+        finally:
+            postgres_server.start()
+        outcome = await asyncio.wait_for(handle.result(), 60)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, dsn=postgres_server.dsn)
+    await sink.aclose()
+    assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
+    assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
