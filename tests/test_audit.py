@@ -345,9 +345,16 @@ async def test_alices_self_approval_and_a_stale_hash_through_tether_approve_are_
 async def test_a_cancel_during_a_slow_policy_check_answers_the_decision_and_ends_canceled(
     dev_env: WorkflowEnvironment, billing: Billing
 ) -> None:
+    from datetime import timedelta
+
     rules = SlowRules(delay=30)
     async with running_worker(dev_env.client, policy=POLICY, rules=rules) as worker:
-        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        # The check runs inside a workflow task, which takes in the cancel when it heartbeats (at
+        # 80% of the task timeout): a short one, so the test does not wait 8 s for it.
+        handle = await dev_env.client.start_workflow(
+            "AgentRun", make_request(REFUND), id=unique("run"), task_queue=worker.task_queue,
+            task_timeout=timedelta(seconds=2), result_type=RunOutcome,
+        )
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         decision = DecideRequest(kind="approve", **approval_for(snap, "bob", "slow-one").model_dump())
         update = asyncio.create_task(handle.execute_update("decide", decision, result_type=DecideResult))
@@ -392,7 +399,7 @@ async def test_a_run_that_fails_during_a_policy_check_answers_the_decision(
 async def test_a_slow_verdict_is_accepted_verdict_pending_exit_3_and_status_shows_it_later(
     dev_env: WorkflowEnvironment, billing: Billing
 ) -> None:
-    rules = SlowRules(delay=4)
+    rules = SlowRules(delay=2.5)
     async with running_worker(dev_env.client, policy=POLICY, rules=rules) as worker:
         cli = Cli(dev_env, worker)
         handle = await start_run(dev_env.client, worker, make_request(REFUND))
@@ -471,3 +478,18 @@ async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_
     await sink.aclose()
     assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
     assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
+
+
+def test_the_sink_is_chosen_from_the_environment_and_a_dsn_never_shows_its_password(monkeypatch) -> None:
+    from activities.audit import redact_dsn, sink_from_env
+
+    assert redact_dsn("postgresql://tether:s3cret@db:5432/audit") == "postgresql://tether:***@db:5432/audit"
+    assert "s3cret" not in redact_dsn("host=db password=s3cret dbname=audit")
+    monkeypatch.setenv("TETHER_AUDIT_DSN", "postgresql://tether:s3cret@db/audit")
+    sink = sink_from_env()
+    assert isinstance(sink, PostgresAuditSink) and "s3cret" not in sink.describe()
+    assert isinstance(sink_from_env("/some/dir"), JsonlAuditSink)  # --audit-dir picks the files
+    monkeypatch.setenv("TETHER_AUDIT_DSN", "mysql://x:s3cret@db/audit")
+    with pytest.raises(ValueError, match="postgresql://") as bad:
+        sink_from_env()
+    assert "s3cret" not in str(bad.value)
