@@ -173,6 +173,9 @@ def rpc_error(err: RPCError, run_id: str) -> TetherError:
         return TetherError(f"unknown run {run_id!r}: check the id with `tether list`")
     if err.status == RPCStatusCode.DEADLINE_EXCEEDED:
         return TetherError(f"no worker answered for run {run_id}: start one with `make worker`")
+    if err.status == RPCStatusCode.RESOURCE_EXHAUSTED:
+        # E.g. Temporal's limit of 10 decide Updates in flight per run: nothing was sent.
+        return TetherError(f"Temporal is limiting calls to run {run_id} ({err.message}): nothing was sent; try again in a moment")
     if err.status == RPCStatusCode.UNAVAILABLE:
         return TetherError(f"Temporal became unreachable ({err.message.splitlines()[0] if err.message else 'unavailable'})")
     return TetherError(f"Temporal refused the call for {run_id}: {err.message}")

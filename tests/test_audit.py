@@ -493,3 +493,4 @@ def test_the_sink_is_chosen_from_the_environment_and_a_dsn_never_shows_its_passw
     with pytest.raises(ValueError, match="postgresql://") as bad:
         sink_from_env()
     assert "s3cret" not in str(bad.value)
+
