@@ -317,6 +317,7 @@ class AuditTrail(BaseModel):
     waiting: int  # of those, not yet written to the sink by the run (snapshot.audit_waiting)
     audit_error: str | None = None  # why the run cannot write to its sink, if it cannot
     missing: list[int] = []  # seqs of the current line the sink does not hold (and not waiting)
+    unchecked: str | None = None  # why the sink could not be checked against the run (gone, no worker)
 
     def line(self) -> list[TransitionRecord]:
         """The current run's line (first run, continued runs, resets it descends from): each
@@ -368,31 +369,49 @@ async def audit_trail(
 ) -> AuditTrail:
     """Every record of every execution of the workflow id ``run_id``, from the audit sink
     (``TETHER_AUDIT_DSN`` or ``TETHER_AUDIT_DIR``), with the run's own window filling gaps and
-    what the sink lacks named in ``missing``."""
+    what the sink lacks named in ``missing``.
+
+    A run Temporal no longer has (retention), or that no worker answers for, is shown from the
+    sink alone; ``unchecked`` then says why its completeness could not be checked.
+    """
     from activities.audit import sink_from_env
 
-    window = await timeline(client, run_id)
-    snap = await snapshot(client, run_id)
+    current: str | None = None
+    window: list[TransitionRecord] = []
+    snap: RunSnapshot | None = None
+    unchecked = None
     try:
         current = (await client.get_workflow_handle(run_id).describe()).run_id
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise rpc_error(e, run_id) from None
+        unchecked = f"Temporal has no run {run_id} (any more): the records are the sink's alone"
+    if current is not None:
+        try:
+            window, snap = await timeline(client, run_id), await snapshot(client, run_id)
+        except TetherError as e:
+            unchecked = f"the run did not answer ({e}): the records are the sink's alone"
+    try:
         sink = sink_from_env(audit_dir, dsn)
         try:
             streams = await sink.read(run_id)
         finally:
             await sink.aclose()
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
     except Exception as e:  # the sink cannot be read: say which and why
         raise TetherError(f"cannot read the audit sink: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-    branches = await asyncio.gather(*(_origin(client, run_id, r) for r in sorted({*streams, current})))
+    if current is None and not streams:
+        raise TetherError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it")
+    runs = sorted({*streams, *([current] if current else [])})
+    branches = await asyncio.gather(*(_origin(client, run_id, r) for r in runs))
     for branch in branches:
         branch.records = streams.get(branch.run_id, [])
         branch.current = branch.run_id == current
     by_id = {b.run_id: b for b in branches}
+    written = snap.timeline_records if snap else 0
     for branch in branches:
         if branch.origin == "reset":
             first = min((r.seq for r in branch.records), default=None)
-            branch.at_seq = first - 1 if first is not None else (snap.timeline_records if branch.current else 0)
+            branch.at_seq = first - 1 if first is not None else (written if branch.current else 0)
         elif branch.origin == "continued":
             parent = by_id.get(branch.parent_run_id or "")
             branch.at_seq = max((r.seq for r in parent.records), default=0) if parent else None
@@ -401,13 +420,18 @@ async def audit_trail(
         # In the order the executions wrote their first record; one with none yet goes last.
         return (0, b.records[0].at, b.run_id) if b.records else (1, datetime.min.replace(tzinfo=timezone.utc), b.run_id)
 
+    ordered = sorted(branches, key=start)
+    current = current or ordered[-1].run_id
+    first_run = snap.first_run_id if snap else next((b.run_id for b in ordered if b.origin == "first"), ordered[0].run_id)
     trail = AuditTrail(
-        workflow_id=run_id, first_run_id=snap.first_run_id, current_run_id=current, sink=sink.describe(),
-        branches=sorted(branches, key=start), written=snap.timeline_records, waiting=snap.audit_waiting,
-        audit_error=snap.audit_error,
+        workflow_id=run_id, first_run_id=first_run, current_run_id=current, sink=sink.describe(),
+        branches=ordered, written=written, waiting=snap.audit_waiting if snap else 0,
+        audit_error=snap.audit_error if snap else None, unchecked=unchecked,
     )
     held = {r.seq for r in trail.line()}
-    trail.missing = [n for n in range(1, snap.timeline_records - snap.audit_waiting + 1) if n not in held]
+    if snap is None:
+        trail.written = max(held, default=0)
+    trail.missing = [n for n in range(1, trail.written - trail.waiting + 1) if n not in held]
     mine = by_id[current]
     for record in window:
         if record.seq and record.seq not in held:

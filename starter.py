@@ -278,6 +278,8 @@ def format_branch(b: client.AuditBranch) -> str:
 def audit_warnings(trail: client.AuditTrail) -> list[str]:
     """What `timeline --all` must not hide: a sink that lacks records, a sink that fails."""
     warnings = []
+    if trail.unchecked:
+        warnings.append(f"{trail.unchecked}; whether it holds every record was not checked")
     if trail.audit_error:
         warnings.append(f"the run cannot write to its audit sink: {escape_text(trail.audit_error, 400)}")
     if trail.missing:

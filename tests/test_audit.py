@@ -494,3 +494,35 @@ def test_the_sink_is_chosen_from_the_environment_and_a_dsn_never_shows_its_passw
         sink_from_env()
     assert "s3cret" not in str(bad.value)
 
+
+
+async def test_timeline_all_of_a_run_temporal_no_longer_has_shows_the_sink(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    # Past Temporal's retention the audit sink is the record: shown, with a warning that it could
+    # not be checked against the run; a gap in it still fails.
+    from datetime import datetime, timezone
+
+    from workflows.models import AuditBatch
+    from workflows.states import Lifecycle
+
+    lifecycle = Lifecycle()
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    for state in (S.PLANNING, S.VALIDATED, S.EXECUTING_TOOL):
+        lifecycle.move(state, at=at, actor="runtime", reason="then")
+    gone, sink = unique("gone"), JsonlAuditSink(tmp_path)
+    await sink.append(AuditBatch(workflow_id=gone, first_run_id="r-1", run_id="r-1", records=lifecycle.timeline))
+    trail = await tether_client.audit_trail(dev_env.client, gone, str(tmp_path))
+    assert trail.unchecked and "no run" in trail.unchecked and trail.missing == []
+    assert [r.seq for r in trail.line()] == [1, 2, 3] and trail.current_run_id == "r-1"
+    async with running_worker(dev_env.client) as worker:
+        cli = Cli(dev_env, worker)
+        code, out, err = await cli("timeline", gone, "--all", "--audit-dir", str(tmp_path))
+        assert code == 0 and "EXECUTING_TOOL" in out and "was not checked" in err, (out, err)
+        code, out, err = await cli("timeline", unique("never"), "--all", "--audit-dir", str(tmp_path))
+        assert code == 2 and "neither Temporal nor the audit sink" in err, (out, err)
+    lifecycle.move(S.OBSERVING_RESULT, at=at, actor="runtime", reason="a record the sink lost")
+    lifecycle.move(S.COMPLETED, at=at, actor="runtime", reason="done")
+    await sink.append(AuditBatch(workflow_id=gone, first_run_id="r-1", run_id="r-1", records=[lifecycle.timeline[-1]]))
+    trail = await tether_client.audit_trail(dev_env.client, gone, str(tmp_path))
+    assert trail.missing == [4]
