@@ -71,9 +71,11 @@ async def wait_for_audit_error(env: WorkflowEnvironment, handle: WorkflowHandle,
     """Until the run shows that it cannot write to its audit sink ("within seconds")."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    began = loop.time()
     while (snap := await tether_client.snapshot(env.client, handle.id)).audit_error is None:
         assert loop.time() < deadline, "the sink error never showed on the run"
         await asyncio.sleep(0.2)
+    print(f"\nthe sink error showed on the run after {loop.time() - began:.2f}s")
     return snap
 
 
