@@ -24,6 +24,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
+from workflows.identity import skeleton
 from workflows.models import (
     SIGNER_NAME,
     STRICT,
@@ -232,6 +233,13 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
         for who, approver in tenant.approvers.items():
             if approver.public_key is not None and (why := _public_key_problem(approver.public_key)):
                 problem(at + ("approvers", who, "public_key"), why)
+        # Two approvers people cannot tell apart (one UTS #39 skeleton): 'alice' and 'a1ice'.
+        by_skeleton: dict[str, list[str]] = {}
+        for who in tenant.approvers:
+            by_skeleton.setdefault(skeleton(who), []).append(who)
+        for alike in (names for names in by_skeleton.values() if len(names) > 1):
+            problem(at + ("approvers", alike[1]), f"looks like approver {alike[0]!r}: people could not tell "
+                    f"{' and '.join(map(repr, alike))} apart; rename one")
         held = {role for a in tenant.approvers.values() for role in a.roles}
         wanted = [("approval_roles", r) for r in tenant.approval_roles]
         wanted += [("high_risk", r) for r in (tenant.high_risk.roles if tenant.high_risk else [])]

@@ -176,6 +176,8 @@ def test_worker_environment_and_scaling() -> None:
     assert keygen_cmd[keygen_cmd.index("--if-missing") + 1] == key_file
     # Metrics served inside the network; Prometheus finds every replica by DNS.
     assert env["TETHER_METRICS_PORT"] == "9000" and worker["expose"] == ["9000"]
+    # The worker binds loopback unless told: in the stack Prometheus is another container.
+    assert env["TETHER_METRICS_HOST"] == "0.0.0.0"
     prom = yaml.safe_load(COMPOSE["configs"]["prometheus-config"]["content"])
     (sd,) = prom["scrape_configs"][0]["dns_sd_configs"]
     assert sd["names"] == ["worker"] and sd["port"] == 9000

@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import policy
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
+    from workflows.identity import LOOK_ALIKE
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
         STRICT,
@@ -651,7 +652,7 @@ class AgentRun:
             at=workflow.now(),
             actor="unknown",
             reason=f"{signal} refused: malformed payload, {problem}",
-            rule="malformed_signal",
+            rule="look_alike_name" if LOOK_ALIKE in problem else "malformed_signal",
         )
         return None
 

@@ -26,6 +26,7 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
+from workflows.identity import same_person
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
@@ -318,8 +319,14 @@ def approver_refusal(
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
     # Four-eyes first: whatever roles the requester holds, she does not approve her own run.
-    if kind == "approve" and tenant.four_eyes and approver == requested_by:
-        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+    # Compared by skeleton (UTS #39): a name that looks like the requester's is the requester.
+    if kind == "approve" and tenant.four_eyes and same_person(approver, requested_by):
+        if approver == requested_by:
+            return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+        return Refusal(
+            rule="four_eyes",
+            message=f"{approver} looks like {requested_by}, who requested this run, and may not approve it",
+        )
     if tenant.approvers is not None:
         member = tenant.approvers.get(approver)
         if member is None:
@@ -332,9 +339,10 @@ def approver_refusal(
                 message=f"{approver} has roles {sorted(member.roles)}; this plan needs one of "
                 f"{sorted(roles)}",
             )
-    if kind == "approve" and approver in already_approved:
+    if kind == "approve" and (twin := next((a for a in already_approved if same_person(approver, a)), None)):
+        who = approver if twin == approver else f"{approver} looks like {twin}, who"
         return Refusal(
-            rule="distinct_approvers", message=f"{approver} already approved: a different approver is needed"
+            rule="distinct_approvers", message=f"{who} already approved: a different approver is needed"
         )
     return None
 
