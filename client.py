@@ -37,13 +37,14 @@ from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.envconfig import ClientConfig
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, CancelledError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.codec import KeyFileError, data_converter_from_env
@@ -303,6 +304,29 @@ async def status(client: Client, run_id: str) -> RunStatus:
                 # "the replan budget is used up" says little without what failed validation.
                 result.end_reason += f"; last validation: {moves[-2].reason}"
     return result
+
+
+async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
+    """How a run ended (waits for it), whatever Temporal status it ended with.
+
+    Completed: the workflow's result. Failed with a RunOutcome (FAILED, EXECUTION_FAILED): the
+    outcome is the failure's details. Canceled (CANCELLED): read back with the snapshot and
+    timeline queries (a cancelled execution carries no result; ``steps`` is then empty). Any
+    other failure (an invalid start input, a terminated run) raises WorkflowFailureError.
+    """
+    try:
+        raw = await handle.result()
+    except WorkflowFailureError as e:
+        cause = e.cause
+        if isinstance(cause, ApplicationError) and cause.details and cause.type in RunState.__members__:
+            return RunOutcome.model_validate(cause.details[0])
+        if isinstance(cause, CancelledError):
+            snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+            if snap.state == RunState.CANCELLED:
+                records = await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+                return RunOutcome(run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records)
+        raise
+    return raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw)
 
 
 async def wait_settled(client: Client, run_id: str, timeout: float, *, approval_settles: bool = True) -> RunStatus:

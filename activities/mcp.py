@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from activities.toml_config import parse_toml
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, ToolSpec, load_tool_modules
+from workflows.display import escape_text
 from workflows.mcp_effects import Hints, effect_for
 from workflows.models import ToolEffect
 
@@ -532,7 +533,12 @@ def describe_tools(registry: ToolRegistry) -> list[dict[str, Any]]:
 
 def format_tools(rows: list[dict[str, Any]]) -> str:
     head = ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "WHY"]
-    table = [[r["name"], r["source"], r["effect"] + (" (destructive)" if r["destructive"] else ""), r["approval"], r["why"]] for r in rows]
+    # Names and reasons can come from an MCP server: shown escaped (workflows/display.py).
+    table = [
+        [escape_text(r["name"]), escape_text(r["source"]), r["effect"] + (" (destructive)" if r["destructive"] else ""),
+         r["approval"], escape_text(r["why"])]
+        for r in rows
+    ]
     widths = [max(len(str(row[i])) for row in [head, *table]) for i in range(len(head) - 1)]
     return "\n".join(
         "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) + "  " + str(row[-1]) for row in [head, *table]

@@ -30,6 +30,7 @@ from datetime import timezone
 
 from temporalio.client import Client
 
+from client import run_outcome
 from tests.conftest import BIN, Billing, make_request, running_worker, start_run, unique, wait_for_state
 from tests.e2e.conftest import SCREENSHOT_DIR, UiEnv
 from workflows.models import RunOutcome
@@ -74,7 +75,7 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
         finished = await start_run(
             client, worker, make_request(LOOKUP, goal="Look up order A-1001", tenant=tenant)
         )
-        assert (await finished.result()).state == RunState.COMPLETED
+        assert (await run_outcome(finished)).state == RunState.COMPLETED
         handle = await start_run(client, worker, make_request(tenant=tenant))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.plan is not None and snap.pending_approval is not None
@@ -155,7 +156,7 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
             )
         print(f"approval sent from the {via}")
 
-        outcome = await asyncio.wait_for(handle.result(), timeout=30)
+        outcome = await asyncio.wait_for(run_outcome(handle), timeout=30)
         assert isinstance(outcome, RunOutcome) and outcome.state == RunState.COMPLETED, outcome
         approvals = [r for r in outcome.timeline if r.refs.decision_id == decision["decision_id"]]
         assert approvals and approvals[0].actor == f"user:{APPROVER}", approvals
