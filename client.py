@@ -42,6 +42,9 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
+from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.envconfig import ClientConfig
 from temporalio.exceptions import ApplicationError, CancelledError, WorkflowAlreadyStartedError
@@ -49,6 +52,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
+from workflows.display import escape_text
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import (
     NAME_PATTERN,
@@ -66,6 +70,7 @@ from workflows.states import TERMINAL, RunState, TransitionRecord
 
 OK, REFUSED, USAGE = 0, 1, 2
 DEFAULT_TASK_QUEUE = "tether"
+MCP_TASK_QUEUE = "tether-mcp"  # the MCP demo's worker (examples/devstack.py, docs/mcp.md)
 QUERY_TIMEOUT = timedelta(seconds=10)
 VERDICT_TIMEOUT = 10.0  # seconds a decision or handoff waits for the run's record of it
 CONNECT_HINT = "start it with `make dev-server` or set TEMPORAL_ADDRESS"
@@ -171,6 +176,49 @@ def rpc_error(err: RPCError, run_id: str) -> TetherError:
     return TetherError(f"Temporal refused the call for {run_id}: {err.message}")
 
 
+# ----------------------------------------------------------------------------- workers
+
+
+def start_worker_hint(queue: str) -> str:
+    if queue == DEFAULT_TASK_QUEUE:
+        return "`make worker`"
+    if queue == MCP_TASK_QUEUE:
+        return "`make demo-mcp` (or `.venv/bin/python -m examples.devstack up mcp-worker`)"
+    return f"`TETHER_TASK_QUEUE={queue} make worker`"
+
+
+def no_worker_message(queue: str) -> str:
+    return f"no worker polls task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
+
+
+async def has_worker(client: Client, queue: str) -> bool:
+    """Whether a worker polls ``queue`` for workflow tasks (DescribeTaskQueue: pollers seen in
+    the last minutes). Answers in one round trip, long before a query to nobody times out."""
+    try:
+        response = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+    except RPCError as e:
+        raise rpc_error(e, queue) from None
+    return bool(response.pollers)
+
+
+async def require_worker(client: Client, run_id: str) -> None:
+    """Raise, naming the run's task queue, when no worker polls it: the run cannot answer a
+    query or act on a decision until one does. A run that has closed needs one for queries too."""
+    try:
+        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -258,10 +306,11 @@ async def start_run(
         raise rpc_error(e, run_id) from None
 
 
-async def snapshot(client: Client, run_id: str) -> RunSnapshot:
+async def snapshot(client: Client, run_id: str, *, timeout: float | None = None) -> RunSnapshot:
     handle = client.get_workflow_handle(run_id)
+    rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
     try:
-        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
@@ -291,6 +340,7 @@ async def full_timeline(client: Client, run_id: str, audit_dir: str | None = Non
 
 async def status(client: Client, run_id: str) -> RunStatus:
     """The run's snapshot; for a run that has ended, also the reason on its final record."""
+    await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     result = RunStatus(**snap.model_dump())
     if result.ended:
@@ -334,8 +384,9 @@ async def wait_settled(client: Client, run_id: str, timeout: float, *, approval_
     ``timeout`` seconds have passed; returns its status then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    await require_worker(client, run_id)
     while True:
-        snap = await snapshot(client, run_id)
+        snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
             return await status(client, run_id)
@@ -457,6 +508,7 @@ async def decide(
     Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
     role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
     """
+    await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:

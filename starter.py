@@ -186,6 +186,16 @@ async def cmd_start(args: argparse.Namespace) -> int:
         request = client.sign_request(request, run_id, Path(args.key))
     conn = await client.connect()
     await client.start_run(conn, request, run_id=run_id, allow_id_reuse=args.allow_id_reuse)
+    if not await client.has_worker(conn, client.task_queue()):
+        # Started, but nothing will move it: say so now, not after a query times out.
+        if args.json:
+            _print_json({"run_id": run_id})
+        else:
+            print(f"started {show(run_id)}")
+        queue = client.task_queue()
+        print(f"{'error' if args.wait else 'note'}: {client.no_worker_message(queue)}; run {show(run_id)} "
+              f"stays in RECEIVED until one does", file=sys.stderr)
+        return REFUSED if args.wait else OK
     if not args.wait:
         if args.json:
             _print_json({"run_id": run_id})
@@ -267,6 +277,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 async def cmd_timeline(args: argparse.Namespace) -> int:
     conn = await client.connect()
+    await client.require_worker(conn, args.run)
     if getattr(args, "all", False):
         records = await client.full_timeline(conn, args.run, args.audit_dir)
     else:

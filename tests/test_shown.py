@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
@@ -165,3 +166,28 @@ async def test_every_ending_shows_its_temporal_status(dev_env: WorkflowEnvironme
                 break
             await asyncio.sleep(0.1)
         assert found == {failed.id, execution_failed.id}
+
+
+async def test_a_run_nobody_serves_says_so_within_two_seconds(dev_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """start, status, approve and timeline on a queue no worker polls: the poller message, fast."""
+    playbook = tmp_path / "p.json"
+    playbook.write_text(json.dumps([{"tool": "get_order", "args": {"order_id": "A-1001"}}]))
+    queue = unique("nobody")
+    cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]  (no worker)
+    run_id = unique("unserved")
+    message = f"no worker polls task queue '{queue}' — start one with `TETHER_TASK_QUEUE={queue} make worker`"
+    loop = asyncio.get_running_loop()
+    for args, code in (
+        (["start", "--goal", "g", "--playbook", str(playbook), "--requested-by", "alice", "--id", run_id,
+          "--wait", "--wait-timeout", "20"], 1),
+        (["status", run_id], 2),
+        (["approve", run_id, "--by", "bob"], 2),
+        (["timeline", run_id], 2),
+    ):
+        began = loop.time()
+        got, out, err = await cli(*args)
+        took = loop.time() - began
+        assert got == code and message in err and took < 2.0, (args, got, out, err, took)
+    # Without --wait the run is started and the note says why nothing will happen.
+    got, out, err = await cli("start", "--goal", "g", "--playbook", str(playbook), "--requested-by", "alice")
+    assert got == 0 and out.startswith("started ") and err.startswith("note: " + message)
