@@ -51,10 +51,24 @@ OPTIONS = {
 }
 
 
+def script_path() -> str:
+    """The installed `tether` script next to this Python, relative to the current directory when
+    under it (`.venv/bin/tether`): a bare `tether` is on PATH only in an activated virtualenv."""
+    script = Path(sys.executable).parent / PROG
+    if not script.exists():
+        return PROG
+    try:
+        relative = os.path.relpath(script)
+    except ValueError:
+        return str(script)
+    return relative if not relative.startswith("..") else str(script)
+
+
 def invoked_as() -> str:
-    """The command as the user typed it (`.venv/bin/tether`), for hints that paste."""
+    """The command as the user typed it (`.venv/bin/tether`), for hints that paste; called
+    in-process (the demo, `python starter.py`), the installed script."""
     typed = sys.argv[0] if sys.argv else ""
-    return typed if os.path.basename(typed) == PROG else PROG
+    return typed if os.path.basename(typed) == PROG else script_path()
 
 
 class Parser(argparse.ArgumentParser):

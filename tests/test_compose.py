@@ -446,3 +446,16 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
                 proc.terminate()
         for proc in started.values():
             await proc.wait()
+
+
+def test_the_image_policy_is_the_example_policy_without_its_signed_tenant() -> None:
+    from activities.policy import check_policy_file, parse_policy
+    from activities.tools import REGISTRY
+
+    example = parse_policy((ROOT / "examples/billing/policy.toml").read_text())
+    image = parse_policy((ROOT / "examples/billing/policy.image.toml").read_text())
+    assert set(example.tenants) - set(image.tenants) == {"signed"}
+    assert {k: v for k, v in example.tenants.items() if k != "signed"} == image.tenants
+    # No key file to read: the worker's start check passes wherever the file is.
+    assert not any(a.public_key_file for t in image.tenants.values() for a in (t.approvers or {}).values())
+    assert check_policy_file(ROOT / "examples/billing/policy.image.toml", REGISTRY.tools) == []
