@@ -18,7 +18,7 @@ from pathlib import Path
 import client
 import starter
 from client import exit_process
-from examples.devstack import BILLING_PORT, DEMO_SIGNERS, KEYS_DIR, STATE_DIR, UI_PORT
+from examples.devstack import BILLING_PORT, DEMO_SIGNERS, KEYS_DIR, STATE_DIR, TEMPORAL_PORT, UI_PORT
 from workflows.models import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
@@ -168,6 +168,9 @@ def signed_run() -> RunSnapshot:
 
 
 def main() -> int:
+    if "TEMPORAL_ADDRESS" not in os.environ and TEMPORAL_PORT != 7233:
+        # A stack on its own ports (examples/devstack.py): the demo and its commands use it.
+        os.environ["TEMPORAL_ADDRESS"] = f"127.0.0.1:{TEMPORAL_PORT}"
     if os.environ.get("PLANNER", "playbook").strip() == "model":
         return main_model()
     fresh_order()
