@@ -52,7 +52,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
-from workflows.display import escape_text
+from workflows.display import escape_text, markdown_code, markdown_text
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import (
     NAME_PATTERN,
@@ -294,10 +294,11 @@ async def start_run(
                     SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
                 ]
             ),
-            static_summary=f"{request.goal[:120]} · tenant {request.tenant}",
+            # The Web UI renders both as markdown: the requester's text is shown inert.
+            static_summary=f"{markdown_text(request.goal, 120)} · tenant {markdown_text(request.tenant)}",
             static_details=(
-                f"**Goal:** {request.goal[:500]}\n\n**Tenant:** `{request.tenant}` · "
-                f"**requested by** `{request.requested_by}` · **planner** `{request.planner}`"
+                f"**Goal:** {markdown_text(request.goal, 500)}\n\n**Tenant:** {markdown_code(request.tenant)} · "
+                f"**requested by** {markdown_code(request.requested_by)} · **planner** {markdown_code(request.planner)}"
             ),
         )
     except WorkflowAlreadyStartedError:

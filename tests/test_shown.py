@@ -58,6 +58,16 @@ def outside_code_spans(markdown: str) -> str:
     return re.sub(r"(`+)(?!`).*?(?<!`)\1(?!`)", "", markdown, flags=re.S)
 
 
+def assert_inert(prose: str) -> None:
+    """Every markdown or HTML punctuation mark escaped (CommonMark shows it literally), but for
+    our own bold labels (`**Goal:**`)."""
+    prose = re.sub(r"\*\*[A-Za-z ]+:?\*\*", "", prose)
+    for i, c in enumerate(prose):
+        if c in "*[]()<>#`":
+            assert i and prose[i - 1] == "\\", (i, prose)
+    assert "\n#" not in prose
+
+
 async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
@@ -79,7 +89,7 @@ async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
             no_control(out + err)
             return out
 
-        out = await ok("start", "--goal", "g", "--playbook", str(playbook), "--requested-by", "alice",
+        out = await ok("start", "--goal", MARKDOWN, "--playbook", str(playbook), "--requested-by", "alice",
                        "--tenant", "default", "--id", run_id, "--wait")
         assert "\\x1b[31m" in out  # the run id, escaped
         status = await ok("status", run_id)
@@ -115,6 +125,11 @@ async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
         for live in ("click", "evil", "<img", "APPROVED by", "\n# Approved", "1200"):
             assert live not in prose, (live, prose)
         assert "subject `" in details and "\\x1b[2J" in details
+        description = await handle.describe()
+        for static in (await description.static_summary(), await description.static_details()):
+            assert static and "Approved" in static, static
+            no_control(static)
+            assert_inert(outside_code_spans(static))
         await handle.cancel(reason="test over")
 
 
