@@ -82,7 +82,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def _print_json(value: object) -> None:
-    print(json.dumps(value, indent=2, default=str))
+    # ASCII only: every control, bidi and invisible character a sender wrote is a \u escape.
+    print(json.dumps(value, indent=2, default=str, ensure_ascii=True))
 
 
 def _steps(plan: object) -> list[str]:
@@ -285,7 +286,10 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 async def cmd_status(args: argparse.Namespace) -> int:
     status = await client.status(await client.connect(), args.run)
-    print(status.model_dump_json(indent=2) if args.json else format_status(status))
+    if args.json:
+        _print_json(status.model_dump(mode="json"))
+    else:
+        print(format_status(status))
     return OK
 
 

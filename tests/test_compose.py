@@ -313,11 +313,23 @@ def _dockerfile_copies() -> tuple[list[tuple[list[str], str]], list[tuple[list[s
     return copies(stages[0]), copies(stages[1]), workdir
 
 
+def find_packages(src: Path, include: list[str]) -> list[str]:
+    """setuptools.find_packages(where=src, include=include), or the same rule where setuptools
+    is not installed (Python 3.12 venvs): folders with an __init__.py whose dotted name matches."""
+    try:
+        import setuptools
+    except ImportError:
+        from fnmatch import fnmatchcase
+
+        found = [".".join(p.parent.relative_to(src).parts) for p in src.rglob("__init__.py")]
+        return sorted(n for n in found if n and any(fnmatchcase(n, pat) for pat in include)
+                      and all((src / Path(*n.split(".")[:i]) / "__init__.py").exists() for i in range(1, n.count(".") + 2)))
+    return setuptools.find_packages(where=str(src), include=include)
+
+
 def lay_out_image(target: Path) -> tuple[Path, Path]:
     """The image's package directory (site) and working directory (app) under ``target``."""
     import shutil
-
-    import setuptools
 
     patterns = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
 
@@ -345,7 +357,7 @@ def lay_out_image(target: Path) -> tuple[Path, Path]:
     site.mkdir()
     for module in config["py-modules"]:
         shutil.copyfile(src / f"{module}.py", site / f"{module}.py")
-    for package in setuptools.find_packages(where=str(src), include=config["packages"]["find"]["include"]):
+    for package in find_packages(src, config["packages"]["find"]["include"]):
         folder = Path(*package.split("."))
         (site / folder).mkdir(parents=True, exist_ok=True)
         for f in (src / folder).glob("*.py"):

@@ -99,6 +99,8 @@ async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
         # (The summary holds the value escaped once, by the run; the terminal escapes it again.)
         assert 'subject="Refund\\\\x1b[2J' in pending[0] and "x0d" in pending[0] and "\\u202e" in pending[0]
         assert re.search(r"^request    [0-9a-f-]{36}$", status, re.M)  # the request id, as documented
+        as_json = json.loads(await ok("status", run_id, "--json"))  # \u escapes: nothing raw
+        assert as_json["plan"]["steps"][1]["args"]["subject"] == SUBJECT + MARKDOWN
 
         approved = await ok("approve", run_id, "--by", "carol", "--comment", FORGED)
         assert "approval 1 of 2 accepted: ok\\x0av9" in approved
