@@ -560,6 +560,14 @@ async def handoff(
     except ValidationError as e:
         raise invalid("handoff", e) from None
     handle = client.get_workflow_handle(run_id)
+    try:
+        description = await handle.describe()
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        raise TetherError(f"run {run_id} already finished", REFUSED)
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
     if key is not None:
         snap = await snapshot(client, run_id)
         payload = policy.signature_payload(
@@ -568,9 +576,6 @@ async def handoff(
         )
         request.signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
     try:
-        description = await handle.describe()
-        if description.status != WorkflowExecutionStatus.RUNNING:
-            raise TetherError(f"run {run_id} already finished", REFUSED)
         await handle.signal("handoff", request)
     except RPCError as e:
         raise rpc_error(e, run_id) from None

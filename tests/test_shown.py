@@ -186,7 +186,8 @@ async def test_every_ending_shows_its_temporal_status(dev_env: WorkflowEnvironme
 
 
 async def test_a_run_nobody_serves_says_so_within_two_seconds(dev_env: WorkflowEnvironment, tmp_path: Path) -> None:
-    """start, status, approve and timeline on a queue no worker polls: the poller message, fast."""
+    """start, status, approve, timeline and handoff on a queue no worker polls: the poller
+    message, fast."""
     playbook = tmp_path / "p.json"
     playbook.write_text(json.dumps([{"tool": "get_order", "args": {"order_id": "A-1001"}}]))
     queue = unique("nobody")
@@ -200,6 +201,7 @@ async def test_a_run_nobody_serves_says_so_within_two_seconds(dev_env: WorkflowE
         (["status", run_id], 2),
         (["approve", run_id, "--by", "bob"], 2),
         (["timeline", run_id], 2),
+        (["handoff", run_id, "--by", "dana", "--reason", "r"], 2),
     ):
         began = loop.time()
         got, out, err = await cli(*args)
