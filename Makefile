@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 PLANNER ?= playbook
 BENCH_ARGS ?=
 
-.PHONY: install demo demo-mcp test dev-server worker down clean screenshots record-histories chaos bench bench-waiting
+.PHONY: install demo demo-mcp test dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,9 +42,16 @@ dev-server: $(STAMP)
 worker: $(STAMP)
 	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(PY) worker.py --policy $${TETHER_POLICY:-examples/billing/policy.toml}
 
+# The approvers' web inbox in the foreground, with the dev sign-in on 127.0.0.1 (docs/inbox.md);
+# for production give --jwks, --issuer and --audience instead (`tether inbox --help`).
+inbox: $(STAMP)
+	$(PY) -m examples.devstack up dev-server billing worker
+	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(VENV)/bin/tether inbox --port $${TETHER_INBOX_PORT:-8900} --dev-login \
+		--policy $${TETHER_POLICY:-examples/billing/policy.toml} --key .tether/keys/inbox.pem
+
 # Refresh the Web UI screenshots (docs/*.png, shown in docs/web-ui.md) from the browser test (needs chromium).
 screenshots: $(STAMP)
-	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q
+	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q  # webui-*.png and inbox-*.png
 
 # Governed vs bare Temporal loop, side by side on one dev server + one worker (bench/).
 bench: $(STAMP)

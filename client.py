@@ -83,11 +83,14 @@ class TetherError(Exception):
     end can point at its own option for it.
     """
 
-    def __init__(self, message: str, code: int = USAGE, *, field: str | None = None, detail: str = "") -> None:
+    def __init__(
+        self, message: str, code: int = USAGE, *, field: str | None = None, detail: str = "", rule: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.field = field
         self.detail = detail or message
+        self.rule = rule  # the run's rule that refused it (four_eyes, stale_plan_hash, ...), when one did
 
 
 def invalid(what: str, err: ValidationError) -> TetherError:
@@ -409,7 +412,7 @@ async def _await_record(client: Client, run_id: str, decision_id: str, timeout: 
 
 def _refused(record: TransitionRecord | None) -> None:
     if record is not None and record.kind == "refused":
-        raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED)
+        raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED, rule=record.rule)
 
 
 @dataclass(frozen=True)
@@ -422,6 +425,10 @@ class DecisionInput:
     comment: str | None = None
     reason: str | None = None
     key: Path | None = None  # PEM Ed25519 private key: sign the decision
+    request_id: str | None = None  # None: the pending one (else refused when it is not)
+    # A trusted signer's name (policy [signers.NAME]): ``key`` is that signer's, attesting that
+    # it verified ``by`` itself (the inbox); the run shows ``user:BY via NAME``.
+    attest_as: str | None = None
 
 
 def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given: DecisionInput) -> DecideRequest:
@@ -436,9 +443,10 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
             decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
             approver=given.by,
             plan_hash=given.plan_hash or pending.plan_hash,
-            request_id=pending.request_id or None,
+            request_id=given.request_id or pending.request_id or None,
             comment=given.comment,
             reason=given.reason,
+            attested_by=given.attest_as,
         )
     except ValidationError as e:
         raise invalid("decision", e) from None
@@ -513,12 +521,15 @@ async def decide(
     snap = await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
-        raise TetherError(f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED)
+        raise TetherError(
+            f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
+        )
     if given.plan_hash and given.plan_hash != pending.plan_hash:
         raise TetherError(
             f"stale plan hash {given.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}; "
             f"review it with `tether status {run_id}`",
             REFUSED,
+            rule="stale_plan_hash",
         )
     decision = build_decision(snap, kind, given)
     try:
@@ -528,11 +539,13 @@ async def decide(
             "decide", decision, result_type=DecideResult, rpc_timeout=timedelta(seconds=timeout)
         )
     except WorkflowUpdateFailedError as e:
-        raise TetherError(_update_refusal(e), REFUSED) from None
+        message = _update_refusal(e)
+        rule = m.group(1) if (m := re.search(r"\[rule: ([\w-]+)\]$", message)) else None
+        raise TetherError(message, REFUSED, rule=rule) from None
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     if result.outcome == "refused":
-        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED)
+        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
     record = await _await_record(client, run_id, decision.decision_id, timeout)
     return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
 

@@ -47,7 +47,7 @@ OPTIONS = {
     "max_steps": "--max-steps", "max_replans": "--max-replans", "approval_ttl_seconds": "--approval-ttl",
     "on_expiry": "--on-expiry", "max_model_tokens": "--max-model-tokens", "approver": "--by", "by": "--by",
     "decision_id": "--decision-id", "plan_hash": "--plan-hash", "comment": "--comment", "reason": "--reason",
-    "state": "--state", "limit": "--limit",
+    "state": "--state", "limit": "--limit", "port": "--port", "dev_login": "--dev-login", "jwks": "--jwks",
 }
 
 
@@ -343,6 +343,27 @@ async def cmd_keygen(args: argparse.Namespace) -> int:
     return OK
 
 
+async def cmd_inbox(args: argparse.Namespace) -> int:
+    from inbox.app import InboxConfig, serve
+
+    if args.port < 1 or args.port > 65535:
+        raise TetherError(f"--port must be 1-65535, not {args.port}", field="port")
+    config = InboxConfig(
+        policy=Path(args.policy or os.environ.get("TETHER_POLICY") or "examples/billing/policy.toml"),
+        dev_login=args.dev_login,
+        jwks=args.jwks,
+        issuer=args.issuer,
+        audience=args.audience,
+        claim=args.claim,
+        header=args.header or None,
+        key=Path(args.key),
+        web_ui=args.web_ui,
+        namespace=client.connect_config()["namespace"],
+        host=args.host,
+    )
+    return await serve(config, args.port)
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -436,6 +457,25 @@ def _keygen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
+def _inbox_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", required=True, type=int, metavar="PORT", help="port to serve on")
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--dev-login", action="store_true",
+                   help="a sign-in page listing the policy's people (only on 127.0.0.1; not for production)")
+    p.add_argument("--jwks", metavar="JWKS", help="the sign-in layer's JWKS, a file or an https URL: JWTs are verified against it")
+    p.add_argument("--issuer", metavar="ISS", help="the JWTs' required iss")
+    p.add_argument("--audience", metavar="AUD", help="the JWTs' required aud")
+    p.add_argument("--claim", default="preferred_username", metavar="CLAIM",
+                   help="the claim naming the person as the policy file does (default preferred_username)")
+    p.add_argument("--header", default="X-Forwarded-Assertion", metavar="NAME",
+                   help="an identity-aware proxy's assertion header (default X-Forwarded-Assertion; '' for none)")
+    p.add_argument("--policy", metavar="PATH", help="the policy file (default TETHER_POLICY, else the example's)")
+    p.add_argument("--key", default=os.environ.get("TETHER_INBOX_KEY") or ".tether/keys/inbox.pem", metavar="PEM",
+                   help="the inbox's Ed25519 key: it signs what it verified (policy [signers.NAME])")
+    p.add_argument("--web-ui", default=os.environ.get("TETHER_WEB_UI", "http://localhost:8233"), metavar="URL",
+                   help="the Temporal Web UI, for links to runs")
+
+
 # The one list of subcommands: the parser, `--help` and the README's table come from it.
 COMMANDS: list[Command] = [
     Command("start", "start a run", _start_args, cmd_start),
@@ -448,6 +488,7 @@ COMMANDS: list[Command] = [
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
     Command("tools", "the tools a worker serves: source, effect and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
+    Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),
 ]
 
 

@@ -32,8 +32,11 @@ from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, ch
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
+from workflows.display import escape_text
 
 DEFAULT_TOOLS = "examples.billing.tools"
+# The metrics endpoint answers anyone who can reach it: this machine only, unless told.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 def create_worker(
@@ -80,7 +83,7 @@ async def serve(
     queue: str,
     *,
     metrics_port: int | None = None,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = DEFAULT_METRICS_HOST,
     policy_path: str | None = None,
     mcp_config_path: str | None = None,
 ) -> None:
@@ -130,7 +133,11 @@ async def serve(
     async with worker:
         print(
             f"worker ready on task queue {queue!r} with tools: "
-            f"{', '.join(sorted(registry.tools)) or 'none'}; policy {policy.source}; payload encryption "
+            f"{', '.join(sorted(registry.tools)) or 'none'}"
+            # Left out at load (bad listing entries, unbounded patterns): the log and `tools` say why.
+            + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
+               if registry.refused else "")
+            + f"; policy {policy.source}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
@@ -157,8 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--metrics-host",
-        default=os.environ.get("TETHER_METRICS_HOST", "0.0.0.0"),
-        help="address the metrics endpoint binds (env TETHER_METRICS_HOST)",
+        default=os.environ.get("TETHER_METRICS_HOST") or DEFAULT_METRICS_HOST,
+        help="address the metrics endpoint binds (env TETHER_METRICS_HOST; default 127.0.0.1, "
+        "this machine only: set 0.0.0.0 for a scraper elsewhere)",
     )
     parser.add_argument(
         "--policy",

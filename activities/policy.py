@@ -15,7 +15,7 @@ import hashlib
 import os
 import re
 import tomllib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,14 +24,18 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
+from workflows.identity import skeleton
 from workflows.models import (
+    SIGNER_NAME,
     STRICT,
+    Approver,
     AuthorityCheck,
     DecisionCheck,
     HandoffCheck,
     PolicyDocument,
     PolicySnapshot,
     Refusal,
+    Signer,
     SnapshotRequest,
     TenantPolicy,
     Verdict,
@@ -126,30 +130,40 @@ class PolicyStore:
             return policy.DEFAULT_TENANT_POLICY, digest
         return document.tenants.get(name), digest
 
+    def signers(self) -> dict[str, Signer]:
+        """The trusted signers (``[signers.NAME]``; none without a policy file)."""
+        document, _ = self.load()
+        return document.signers if document is not None else {}
+
     @property
     def source(self) -> str:
         return str(self.path) if self.path else DEFAULT_SOURCE
 
 
 def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
-    """Fill in ``public_key`` from each approver's ``public_key_file`` (relative to the policy
-    file). A file that cannot be read raises (``strict``: the worker's start check) or leaves the
-    approver without a key (at run time: their signatures cannot verify). True when all were read."""
+    """Fill in ``public_key`` from each approver's and signer's ``public_key_file`` (relative to
+    the policy file). A file that cannot be read raises (``strict``: the worker's start check) or
+    leaves the key unset (at run time: their signatures cannot verify). True when all were read."""
     complete = True
-    for tenant_name, tenant in document.tenants.items():
-        for who, approver in (tenant.approvers or {}).items():
-            if approver.public_key_file is None or approver.public_key is not None:
-                continue
-            key_path = (path.parent / approver.public_key_file).resolve()
-            try:
-                approver.public_key = key_path.read_text().strip()
-            except OSError as e:
-                complete = False
-                if strict:
-                    raise PolicyFileError(
-                        f"{path}: key tenants.{tenant_name}.approvers.{who}.public_key_file: cannot read "
-                        f"{key_path} ({e.strerror}); make it with `tether keygen --out KEY.pem`"
-                    ) from None
+    holders: list[tuple[str, Approver | Signer]] = [(f"signers.{n}", s) for n, s in document.signers.items()]
+    holders += [
+        (f"tenants.{t}.approvers.{who}", a)
+        for t, tenant in document.tenants.items()
+        for who, a in (tenant.approvers or {}).items()
+    ]
+    for where, holder in holders:
+        if holder.public_key_file is None or holder.public_key is not None:
+            continue
+        key_path = (path.parent / holder.public_key_file).resolve()
+        try:
+            holder.public_key = key_path.read_text().strip()
+        except OSError as e:
+            complete = False
+            if strict:
+                raise PolicyFileError(
+                    f"{path}: key {where}.public_key_file: cannot read {key_path} ({e.strerror}); "
+                    "make it with `tether keygen --out KEY.pem`"
+                ) from None
     return complete
 
 
@@ -188,6 +202,17 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
     if not document.tenants:
         problems.append(f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing "
                         "file, not an empty one, means the built-in default)")
+    for name, signer in document.signers.items():
+        at = ("signers", name)
+        if not re.match(SIGNER_NAME, name):
+            problem(at, f"a signer's name is lowercase letters, digits, '_', '.', '-' ({SIGNER_NAME})")
+        if signer.public_key is None:
+            problem(at, "no public_key or public_key_file: its attestations could never verify")
+        elif why := _public_key_problem(signer.public_key):
+            problem(at + ("public_key",), why)
+        for tenant_name in signer.may_attest:
+            if tenant_name not in document.tenants:
+                problem(at + ("may_attest",), f"unknown tenant {tenant_name!r}")
     raw_tenants = tomllib.loads(text).get("tenants", {})
     known = set(tool_names)
     for name, tenant in document.tenants.items():
@@ -208,6 +233,13 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
         for who, approver in tenant.approvers.items():
             if approver.public_key is not None and (why := _public_key_problem(approver.public_key)):
                 problem(at + ("approvers", who, "public_key"), why)
+        # Two approvers people cannot tell apart (one UTS #39 skeleton): 'alice' and 'a1ice'.
+        by_skeleton: dict[str, list[str]] = {}
+        for who in tenant.approvers:
+            by_skeleton.setdefault(skeleton(who), []).append(who)
+        for alike in (names for names in by_skeleton.values() if len(names) > 1):
+            problem(at + ("approvers", alike[1]), f"looks like approver {alike[0]!r}: people could not tell "
+                    f"{' and '.join(map(repr, alike))} apart; rename one")
         held = {role for a in tenant.approvers.values() for role in a.roles}
         wanted = [("approval_roles", r) for r in tenant.approval_roles]
         wanted += [("high_risk", r) for r in (tenant.high_risk.roles if tenant.high_risk else [])]
@@ -234,13 +266,41 @@ def verify_signature(public_key_b64: str, payload: bytes, signature_b64: str | N
 
 
 def signature_refusal(
-    tenant: TenantPolicy | None, person: str, payload: bytes, signature: str | None, *, what: str
+    tenant: TenantPolicy | None,
+    person: str,
+    payload: bytes,
+    signature: str | None,
+    *,
+    what: str,
+    attested_by: str | None = None,
+    signers: Mapping[str, Signer] | None = None,
+    tenant_name: str = "",
 ) -> Refusal | None:
     """Is ``person``'s signature over ``payload`` required here, and does it verify?
 
     Required where the tenant requires signatures, and for anyone whose key the policy lists.
+    With ``attested_by`` the signature is a trusted signer's (``signers``, the policy's
+    ``[signers.NAME]``): it must verify by that signer's key, and the signer must be allowed to
+    attest for ``tenant_name`` (``may_attest``); then it stands in for the person's own. Every
+    check of a decision's signature (on arrival, and again before writes) goes through here.
     """
     if tenant is None:
+        return None
+    if attested_by is not None:
+        signer = (signers or {}).get(attested_by)
+        if signer is None or not signer.public_key:
+            return Refusal(rule="signer_not_trusted", message=f"the policy lists no signer {attested_by!r}")
+        if tenant_name not in signer.may_attest:
+            return Refusal(
+                rule="signer_not_trusted", message=f"signer {attested_by} may not attest for tenant {tenant_name}"
+            )
+        if not signature:
+            return Refusal(rule="signature_required", message=f"an attestation by {attested_by} must be signed")
+        if verify_signature(signer.public_key, payload, signature) is not None:
+            return Refusal(
+                rule="bad_signature",
+                message=f"{attested_by}'s signature does not match this decision, its request and its run",
+            )
         return None
     member = tenant.approvers.get(person) if tenant.approvers is not None else None
     key = member.public_key if member is not None else None
@@ -258,8 +318,11 @@ def signature_refusal(
     return None
 
 
-def _has_key(tenant: TenantPolicy | None, person: str) -> bool:
-    """Does the policy list a key for this person (so a passed signature check verified them)?"""
+def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None = None) -> bool:
+    """Does the policy list a key for this person, or did a trusted signer attest for them (so
+    a passed signature check verified them)?"""
+    if attested_by is not None:
+        return True
     member = tenant.approvers.get(person) if tenant is not None and tenant.approvers else None
     return bool(member and member.public_key)
 
@@ -276,6 +339,12 @@ class PolicyActivities:
             return self.store.tenant(name)
         except PolicyFileError as e:
             # Retryable on purpose: runs wait (and the worker logs why) until the file is fixed.
+            raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
+
+    def _signers(self) -> dict[str, Signer]:
+        try:
+            return self.store.signers()
+        except PolicyFileError as e:
             raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
 
     @activity.defn(name="policy_snapshot")
@@ -323,8 +392,11 @@ class PolicyActivities:
                 kind=check.kind,
                 decision=decision,
             )
-            refusal = signature_refusal(tenant, decision.approver, payload, decision.signature, what="decision")
-        verified = refusal is None and _has_key(tenant, check.decision.approver)
+            refusal = signature_refusal(
+                tenant, decision.approver, payload, decision.signature, what="decision",
+                attested_by=decision.attested_by, signers=self._signers(), tenant_name=check.tenant,
+            )
+        verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
         return Verdict(refusal=refusal, policy_hash=digest, verified=verified)
 
     @activity.defn(name="policy_check_handoff")

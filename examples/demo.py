@@ -18,7 +18,7 @@ from pathlib import Path
 import client
 import starter
 from client import exit_process
-from examples.devstack import BILLING_PORT, DEMO_SIGNERS, KEYS_DIR, STATE_DIR, TEMPORAL_PORT, UI_PORT
+from examples.devstack import BILLING_PORT, DEMO_SIGNERS, INBOX_URL, KEYS_DIR, STATE_DIR, TEMPORAL_PORT, UI_PORT
 from workflows.models import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
@@ -190,15 +190,28 @@ def main() -> int:
     step("timeline", ["timeline", run_id])
     signed = signed_run()
     print(f"\n== the signed run ended in {signed.state.value}")
+    waiting = waiting_for_the_inbox()
     print(
         f"\nWeb UI: http://localhost:{UI_PORT}/namespaces/default/workflows?query="
         "AgentRunState%3D%22AWAITING_APPROVAL%22  (runs waiting for approval)\n"
         f"This run: http://localhost:{UI_PORT}/namespaces/default/workflows/{run_id}\n"
-        "The server, UI, billing service and worker keep running; `make down` stops them."
+        "The server, UI, billing service, worker and inbox keep running; `make down` stops them."
     )
+    print(f"\nApprovers' inbox: {INBOX_URL}  — sign in as bob (dev sign-in) and approve {waiting}")
     fresh_order()  # the README's examples refund A-1001 too
     next_steps(run_id)
     return 0 if snap.state == RunState.COMPLETED and signed.state == RunState.COMPLETED else 1
+
+
+def waiting_for_the_inbox() -> str:
+    """One more refund, left waiting: the one to approve from the browser (on an order of its
+    own, so approving it later refunds what is there)."""
+    order_id, playbook = own_order()
+    run_id = f"refund-{order_id}-{uuid.uuid4().hex[:6]}"
+    print(f"\n== one more refund (order {order_id}), left waiting for approval in the inbox")
+    step("start for the inbox", ["start", "--goal", f"Refund order {order_id}", "--playbook", playbook,
+                                 "--requested-by", "alice", "--id", run_id, "--wait"])
+    return run_id
 
 
 if __name__ == "__main__":

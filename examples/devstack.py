@@ -1,6 +1,6 @@
 """The local stack behind `make demo`, `make dev-server` and `make down`.
 
-    python -m examples.devstack up [dev-server] [billing] [worker] [mcp-worker]
+    python -m examples.devstack up [dev-server] [billing] [worker] [inbox] [mcp-worker]
     python -m examples.devstack down
 
 ``mcp-worker`` (only when named; `make demo-mcp`) is a worker whose tools come from MCP servers:
@@ -16,7 +16,7 @@ task queue), and each port it serves on is claimed machine-wide (TETHER_STACKS_D
 `$TMPDIR/tether-stacks-UID/`). A second checkout whose ports another checkout's stack holds is
 refused with a message naming that checkout and the settings for a stack of its own
 (TETHER_TEMPORAL_PORT, TETHER_UI_PORT, TETHER_BILLING_PORT, TETHER_CODEC_PORT,
-TETHER_TASK_QUEUE). A service is `started` only when its own process says it is ready.
+TETHER_INBOX_PORT, TETHER_TASK_QUEUE). A service is `started` only when its own process says it is ready.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ROOT / ".tether"
 KEYS_DIR = STATE_DIR / "keys"  # the demo's signing keys (examples/billing/policy.toml, tenant "signed")
-DEMO_SIGNERS = ("alice", "bob")
+DEMO_SIGNERS = ("alice", "bob", "inbox")  # inbox: the approver inbox's own key (signers.inbox)
 BIN = Path(sys.executable).parent
 TEMPORAL_PORT = int(os.environ.get("TETHER_TEMPORAL_PORT", "7233"))
 UI_PORT = int(os.environ.get("TETHER_UI_PORT", "8233"))
@@ -46,6 +46,8 @@ BILLING_PORT = int(os.environ.get("TETHER_BILLING_PORT", "8765"))
 TASK_QUEUE = os.environ.get("TETHER_TASK_QUEUE") or "tether"
 STACK_FILE = STATE_DIR / "stack.json"
 STACKS_DIR = Path(os.environ.get("TETHER_STACKS_DIR") or Path(tempfile.gettempdir()) / f"tether-stacks-{os.getuid()}")
+INBOX_PORT = int(os.environ.get("TETHER_INBOX_PORT", "8900"))
+INBOX_URL = f"http://127.0.0.1:{INBOX_PORT}/"
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -148,6 +150,17 @@ SERVICES = {
                  os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")],
         _worker_ready,
     ),
+    # The approvers' web inbox, with the dev sign-in (loopback only) and the demo's inbox key,
+    # which the example policy trusts as [signers.inbox].
+    "inbox": Service(
+        "inbox",
+        lambda: [str(BIN / "tether"), "inbox", "--port", str(INBOX_PORT), "--dev-login",
+                 "--policy", os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml"),
+                 "--key", str(KEYS_DIR / "inbox.pem"), "--web-ui", f"http://localhost:{UI_PORT}"],
+        lambda: http_ok(f"http://127.0.0.1:{INBOX_PORT}/healthz"),
+        ports=lambda: {"TETHER_INBOX_PORT": INBOX_PORT},
+        marker="Uvicorn running on",  # logged once its socket is bound
+    ),
     "mcp-worker": Service(
         "mcp-worker",
         lambda: [sys.executable, str(ROOT / "worker.py"), "--tools", "", "--task-queue", MCP_TASK_QUEUE,
@@ -235,7 +248,8 @@ def _free_port() -> int:
 def own_stack_hint() -> str:
     """Settings for a stack of this checkout's own, on ports free now."""
     settings = {"TETHER_TEMPORAL_PORT": _free_port(), "TETHER_UI_PORT": _free_port(),
-                "TETHER_BILLING_PORT": _free_port(), "TETHER_CODEC_PORT": _free_port()}
+                "TETHER_BILLING_PORT": _free_port(), "TETHER_CODEC_PORT": _free_port(),
+                "TETHER_INBOX_PORT": _free_port()}
     queue = f"tether-{ROOT.name}"
     return " ".join([*(f"{k}={v}" for k, v in settings.items()), f"TETHER_TASK_QUEUE={queue}", "make demo"])
 
@@ -340,8 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown service {unknown[0]!r}; choose from {', '.join(SERVICES)}")
     names = args.services or [n for n, s in SERVICES.items() if s.default or args.action == "down"]
     if args.action == "up":
-        if "worker" in names:
-            # The example policy's signed tenant lists these people's keys: make them first.
+        if {"worker", "inbox"} & set(names):
+            # The example policy's signed tenant and [signers.inbox] list these keys: make them first.
             from client import ensure_keys
 
             ensure_keys(KEYS_DIR, DEMO_SIGNERS)
@@ -349,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             start(SERVICES[name])
         if "dev-server" in names:
             print(f"Temporal Web UI: http://localhost:{UI_PORT}")
+        if "inbox" in names:
+            print(f"Approvers' inbox: {INBOX_URL} (dev sign-in)")
     else:
         for name in reversed(names):
             stop(SERVICES[name])

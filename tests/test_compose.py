@@ -176,6 +176,8 @@ def test_worker_environment_and_scaling() -> None:
     assert keygen_cmd[keygen_cmd.index("--if-missing") + 1] == key_file
     # Metrics served inside the network; Prometheus finds every replica by DNS.
     assert env["TETHER_METRICS_PORT"] == "9000" and worker["expose"] == ["9000"]
+    # The worker binds loopback unless told: in the stack Prometheus is another container.
+    assert env["TETHER_METRICS_HOST"] == "0.0.0.0"
     prom = yaml.safe_load(COMPOSE["configs"]["prometheus-config"]["content"])
     (sd,) = prom["scrape_configs"][0]["dns_sd_configs"]
     assert sd["names"] == ["worker"] and sd["port"] == 9000
@@ -362,6 +364,10 @@ def lay_out_image(target: Path) -> tuple[Path, Path]:
         (site / folder).mkdir(parents=True, exist_ok=True)
         for f in (src / folder).glob("*.py"):
             shutil.copyfile(f, site / folder / f.name)
+        for pattern in config.get("package-data", {}).get(package, []):  # [tool.setuptools.package-data]
+            for f in (src / folder).glob(pattern):
+                (site / folder / f.relative_to(src / folder)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, site / folder / f.relative_to(src / folder))
     copy(final, target / "image", workdir)
     return site, target / "image" / workdir.lstrip("/")
 
@@ -445,7 +451,11 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
                 assert proc.returncode is None, f"{name} exited {proc.returncode}: {logs[name].read_text()}"
                 assert loop.time() < deadline, f"{name} not healthy: {logs[name].read_text()}"
                 await asyncio.sleep(0.2)
-        assert "worker ready" in logs["worker"].read_text()
+        # The worker's metrics answer before it polls: it says when it is ready.
+        deadline = loop.time() + 30
+        while "worker ready" not in logs["worker"].read_text():
+            assert started["worker"].returncode is None and loop.time() < deadline, logs["worker"].read_text()
+            await asyncio.sleep(0.1)
         # The cli service, as `docker compose run --rm cli start ...` (the README's example).
         cli = SERVICES["cli"]
         cli_env = {**env_for("cli"), "TETHER_TASK_QUEUE": worker_env["TETHER_TASK_QUEUE"]}
@@ -460,13 +470,14 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
             await proc.wait()
 
 
-def test_the_image_policy_is_the_example_policy_without_its_signed_tenant() -> None:
+def test_the_image_policy_is_the_example_policy_without_its_signed_tenant_and_signer() -> None:
     from activities.policy import check_policy_file, parse_policy
     from activities.tools import REGISTRY
 
     example = parse_policy((ROOT / "examples/billing/policy.toml").read_text())
     image = parse_policy((ROOT / "examples/billing/policy.image.toml").read_text())
     assert set(example.tenants) - set(image.tenants) == {"signed"}
+    assert set(example.signers) == {"inbox"} and image.signers == {}  # its key is the dev stack's
     assert {k: v for k, v in example.tenants.items() if k != "signed"} == image.tenants
     # No key file to read: the worker's start check passes wherever the file is.
     assert not any(a.public_key_file for t in image.tenants.values() for a in (t.approvers or {}).values())

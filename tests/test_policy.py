@@ -346,3 +346,57 @@ def test_policy_checked_whole_against_the_workers_tools(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == ["invalid policy:", *problems]
+
+
+def test_the_policy_file_check_refuses_look_alike_names(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text('[tenants.default]\n[tenants.default.approvers]\nalice = { roles = ["approver"] }\n'
+                    'bob = { roles = ["approver"] }\n"a1ice" = { roles = ["approver"] }\n'
+                    '"rnallory" = { roles = ["approver"] }\nmallory = { roles = ["approver"] }\n')
+    problems = check_policy_file(path, REGISTRY.tools)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{path}: line 5, key tenants.default.approvers.a1ice: looks like approver 'alice'")
+    assert "line 7, key tenants.default.approvers.mallory: looks like approver 'rnallory'" in problems[1]
+    # A name that mixes scripts is no name at all: the file does not parse.
+    path.write_text('[tenants.default]\n[tenants.default.approvers]\n"\u0430lice" = { roles = ["approver"] }\n')
+    (problem,) = check_policy_file(path, REGISTRY.tools)
+    assert "mixes scripts" in problem and "U+0430" in problem, problem
+
+
+@pytest.mark.parametrize("name", ["alice", "josé", "müller", "łukasz", "søren", "zoë", "иван", "алиса", "山田たろう",
+                                  "δημήτρης", "li.wei@example.com", "jean-luc", "o'brien", "ＡＬＩＣＥ"])
+def test_real_names_in_one_script_are_names(name: str) -> None:
+    from workflows.identity import normalize_name
+
+    assert normalize_name(name)
+
+
+@pytest.mark.parametrize("name, why", [
+    ("\u0430lice", "mixes scripts (cyrillic, latin; U+0430 is cyrillic) and reads as 'alice'"),
+    ("alic\u0435", "U+0435 is cyrillic"),
+    ("p\u0430ypal", "reads as 'paypal'"),
+    ("\u0251lice", "reads as 'alice' (U+0251 looks like 'a')"),  # Latin alpha: one script, still alice
+    ("\u0430\u0455\u0435", "reads as 'ase'"),  # all Cyrillic, every letter an ASCII look-alike
+    ("bοb", "mixes scripts"),  # Greek omicron
+])
+def test_look_alike_names_are_refused_with_why(name: str, why: str) -> None:
+    from workflows.identity import normalize_name
+
+    with pytest.raises(ValueError) as refused:
+        normalize_name(name)
+    assert "a name people could not tell from another one" in str(refused.value) and why in str(refused.value)
+
+
+def test_four_eyes_and_distinct_approvers_compare_skeletons() -> None:
+    from workflows.identity import same_person
+
+    assert same_person("alice", "a1ice") and same_person("mallory", "rnallory") and not same_person("bob", "carol")
+    tenant = parse_policy("[tenants.default]\n").tenants["default"]
+    refusal = policy.approver_refusal(tenant, approver="a1ice", requested_by="alice", kind="approve",
+                                      roles=["approver"], already_approved=[])
+    assert refusal is not None and refusal.rule == "four_eyes" and "looks like alice" in refusal.message
+    refusal = policy.approver_refusal(tenant, approver="rnallory", requested_by="zed", kind="approve",
+                                      roles=["approver"], already_approved=["mallory"])
+    assert refusal is not None and refusal.rule == "distinct_approvers" and "looks like mallory" in refusal.message
+    assert policy.approver_refusal(tenant, approver="bob", requested_by="alice", kind="approve",
+                                   roles=["approver"], already_approved=["carol"]) is None

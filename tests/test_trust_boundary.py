@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.client import WorkflowUpdateFailedError, WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
@@ -215,6 +215,33 @@ async def test_names_are_normalised_before_four_eyes(ts_env: WorkflowEnvironment
         outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     assert [r.actor for r in outcome.timeline if r.to_state == S.APPROVED] == ["user:bob"]
+
+
+async def test_a_look_alike_name_cannot_approve_and_never_shows_as_an_approver(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    cyrillic = "\u0430lice"  # а (U+0430, Cyrillic) + lice: renders as alice
+    async with running_worker(ts_env.client) as worker:  # the default policy: anyone but the requester
+        handle = await start_run(ts_env.client, worker, make_request([refund(300)], requested_by="alice"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        # As a signal: recorded as refused under its own rule, the name itself not on the record.
+        await handle.signal("approve", {**approval_for(snap, "bob").model_dump(), "approver": cyrillic})
+        # Through decide: refused before history, with the rule's words.
+        with pytest.raises(WorkflowUpdateFailedError) as failure:
+            await handle.execute_update("decide", {**approval_for(snap, "bob").model_dump(), "approver": cyrillic, "kind": "approve"})
+        assert "mixes scripts" in str(failure.value.cause) and "reads as 'alice'" in str(failure.value.cause)
+        # An ASCII look-alike passes as a name, but four-eyes compares skeletons: a1ice is alice.
+        assert await refused(handle, approval_for(snap, "a1ice")) == "four_eyes"
+        await handle.signal("approve", approval_for(snap, "bob", "marker"))
+        await record_of(handle, "marker")
+        records = await timeline(handle)
+        assert (await snapshot(handle)).approved_by == ["bob"]
+        outcome = await handle.result()
+    look_alike = [r for r in records if r.rule == "look_alike_name"]
+    assert len(look_alike) == 1 and "U+0430 is cyrillic" in look_alike[0].reason and look_alike[0].actor == "unknown"
+    four_eyes = next(r for r in records if r.rule == "four_eyes")
+    assert "a1ice looks like alice, who requested this run" in four_eyes.reason
+    assert outcome.state == S.COMPLETED
+    assert [r.actor for r in outcome.timeline if r.to_state == S.APPROVED] == ["user:bob"]
+    assert not any(cyrillic in r.actor or cyrillic in r.reason for r in records + list(outcome.timeline))
 
 
 async def test_an_unsigned_or_forged_identity_cannot_start_or_decide(ts_env: WorkflowEnvironment, billing: Billing, policy_file: Path) -> None:

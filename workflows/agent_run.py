@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.details import run_details
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
+    from workflows.identity import LOOK_ALIKE
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
         STRICT,
@@ -62,6 +63,7 @@ with workflow.unsafe.imports_passed_through():
         SealRequest,
         SnapshotRequest,
         ToolCatalog,
+        ToolInfo,
         ToolOutcome,
         Verdict,
         canonical_json,
@@ -610,7 +612,15 @@ class AgentRun:
             first_run_id=data.first_run_id,
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
+            tools=self._plan_tools(),
         )
+
+    def _plan_tools(self) -> list[ToolInfo]:
+        data = self.data
+        if data.plan is None or data.catalog is None:
+            return []
+        names = dict.fromkeys(s.tool for s in data.plan.steps)
+        return [info for name in names if (info := data.catalog.get(name)) is not None]
 
     @workflow.query(
         name="timeline",
@@ -634,7 +644,7 @@ class AgentRun:
             at=workflow.now(),
             actor="unknown",
             reason=f"{signal} refused: malformed payload, {problem}",
-            rule="malformed_signal",
+            rule="look_alike_name" if LOOK_ALIKE in problem else "malformed_signal",
         )
         return None
 

@@ -10,7 +10,6 @@ only: never other tool arguments or results, which may hold personal data.
 from __future__ import annotations
 
 import json
-import shlex
 from datetime import datetime, timezone
 
 from workflows.display import markdown_code as code
@@ -21,6 +20,13 @@ from workflows.states import RunState
 
 S = RunState
 PLAN_LINES = 30
+
+
+def _sh_quote(word: str) -> str:
+    """``word`` as one POSIX shell word (shlex.quote, without importing shlex into the sandbox)."""
+    if word and all(c.isascii() and (c.isalnum() or c in "@%+=:,./-_") for c in word):
+        return word
+    return "'" + word.replace("'", "'\"'\"'") + "'"
 
 
 def _utc(moment: datetime) -> str:
@@ -71,10 +77,10 @@ def run_details(data: RunData, request: RunRequest, *, workflow_id: str, continu
             {"decision_id": "<unique id>", "approver": "NAME", "plan_hash": pending.plan_hash,
              "request_id": pending.request_id}
         )
-        tether = f".venv/bin/tether approve {shlex.quote(workflow_id)} --by NAME"
+        tether = f".venv/bin/tether approve {_sh_quote(workflow_id)} --by NAME"
         temporal = (
-            f"temporal workflow signal --workflow-id {shlex.quote(workflow_id)} --name approve "
-            f"--input {shlex.quote(signal_input)}"
+            f"temporal workflow signal --workflow-id {_sh_quote(workflow_id)} --name approve "
+            f"--input {_sh_quote(signal_input)}"
         )
         lines += [
             "",

@@ -131,8 +131,11 @@ class Engine:
         _require(self.data.plan is not None, "no validated plan to review")
         return policy.review_plan(self.data.plan, self.catalog, self.tenant, self.data.spent)
 
-    def actor(self, name: str, verified: bool = False) -> str:
-        """How a person shows on the timeline: verified identities say how."""
+    def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
+        """How a person shows on the timeline: verified identities say how (their own
+        signature, or a trusted signer's attestation: ``user:bob via inbox``)."""
+        if verified and via:
+            return f"user:{name} via {via}"
         return f"user:{name} (signed)" if verified else f"user:{name}"
 
     # ------------------------------------------------------------------ records
@@ -343,7 +346,7 @@ class Engine:
         pending = data.pending_approval
         _require(pending is not None, "no pending approval")
         refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
-        actor = self.actor(decision.approver, verified)
+        actor = self.actor(decision.approver, verified, decision.attested_by)
         if kind == "reject":
             data.pending_approval = None
             self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)

@@ -37,6 +37,7 @@ __all__ = [
     "RunOutcome",
     "RunRequest",
     "RunSnapshot",
+    "Signer",
     "ToolCall",
     "ToolCatalog",
     "ToolEffect",
@@ -48,6 +49,9 @@ __all__ = [
 
 # Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
+
+# A trusted signer's name ([signers.NAME] in the policy file, ApprovalDecision.attested_by).
+SIGNER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 # Validate with this context to refuse unknown keys: client inputs and the policy file.
 STRICT = {"strict_keys": True}
@@ -305,6 +309,10 @@ class ApprovalDecision(Contract):
     # Ed25519 signature (base64) over policy.signature_payload(...), required where the tenant
     # requires signatures and for approvers whose public key the policy lists.
     signature: str | None = Field(None, max_length=200)
+    # The trusted signer (policy `[signers.NAME]`, e.g. the inbox) whose key made `signature`,
+    # attesting that it verified `approver` itself (SSO): then the signature is the signer's,
+    # over the same payload plus this name, and the timeline shows `user:bob via NAME`.
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)
 
 
 class DecideRequest(ApprovalDecision):
@@ -365,6 +373,17 @@ class Approver(Contract):
     # Or a file holding it (as `tether keygen` writes it: KEY.pem.pub), relative to the policy
     # file; read by the worker when it loads the policy.
     public_key_file: str | None = None
+
+
+class Signer(Contract):
+    """A trusted signer (`[signers.NAME]`): a service that verifies people itself (the inbox,
+    through the organisation's SSO) and signs their decisions with its own key."""
+
+    # Raw Ed25519 public key, base64, or a file holding it (relative to the policy file).
+    public_key: str | None = None
+    public_key_file: str | None = None
+    # The tenants where its attestation stands in for the person's own signature.
+    may_attest: list[str] = Field(default_factory=list)
 
 
 class AmountRule(Contract):
@@ -444,6 +463,7 @@ class TenantPolicy(Contract):
 
 class PolicyDocument(Contract):
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    signers: dict[str, Signer] = Field(default_factory=dict)
 
 
 class PolicySnapshot(BaseModel):
@@ -597,6 +617,9 @@ class RunSnapshot(BaseModel):
     # Refused events per "rule actor", counted even where the timeline keeps only the first few.
     refusals: dict[str, int] = Field(default_factory=dict)
     timeline_records: int = 0  # records written in all (the timeline query returns a window)
+    # The run's catalog entries (taken at run start) for the tools its plan calls: what an
+    # approver is shown about each step (effect, summary fields), as the run itself judges them.
+    tools: list[ToolInfo] = Field(default_factory=list)
 
 
 class RunOutcome(BaseModel):

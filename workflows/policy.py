@@ -26,6 +26,7 @@ from workflows.models import (
 )
 from workflows.budgets import clip
 from workflows.display import show_value
+from workflows.identity import same_person
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
@@ -312,8 +313,14 @@ def approver_refusal(
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
     # Four-eyes first: whatever roles the requester holds, she does not approve her own run.
-    if kind == "approve" and tenant.four_eyes and approver == requested_by:
-        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+    # Compared by skeleton (UTS #39): a name that looks like the requester's is the requester.
+    if kind == "approve" and tenant.four_eyes and same_person(approver, requested_by):
+        if approver == requested_by:
+            return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+        return Refusal(
+            rule="four_eyes",
+            message=f"{approver} looks like {requested_by}, who requested this run, and may not approve it",
+        )
     if tenant.approvers is not None:
         member = tenant.approvers.get(approver)
         if member is None:
@@ -326,9 +333,10 @@ def approver_refusal(
                 message=f"{approver} has roles {sorted(member.roles)}; this plan needs one of "
                 f"{sorted(roles)}",
             )
-    if kind == "approve" and approver in already_approved:
+    if kind == "approve" and (twin := next((a for a in already_approved if same_person(approver, a)), None)):
+        who = approver if twin == approver else f"{approver} looks like {twin}, who"
         return Refusal(
-            rule="distinct_approvers", message=f"{approver} already approved: a different approver is needed"
+            rule="distinct_approvers", message=f"{who} already approved: a different approver is needed"
         )
     return None
 
@@ -391,22 +399,25 @@ def signature_payload(
     kind: str,
     decision_id: str,
     signer: str,
+    attested_by: str | None = None,
 ) -> bytes:
     """What a person signs for a decision: the run (its id and the first run's id, so a later
     run under the same id is another run), the tenant, the approval request and its exact plan,
-    the kind of decision, its id and who decides. Handoffs sign with empty request and plan."""
-    return canonical_json(
-        {
-            "workflow_id": workflow_id,
-            "first_run_id": first_run_id,
-            "tenant": tenant,
-            "request_id": request_id,
-            "plan_hash": plan_hash,
-            "decision": kind,
-            "decision_id": decision_id,
-            "signer": signer,
-        }
-    ).encode()
+    the kind of decision, its id and who decides. Handoffs sign with empty request and plan.
+    A trusted signer attesting for the person (the inbox) signs the same plus its own name."""
+    fields = {
+        "workflow_id": workflow_id,
+        "first_run_id": first_run_id,
+        "tenant": tenant,
+        "request_id": request_id,
+        "plan_hash": plan_hash,
+        "decision": kind,
+        "decision_id": decision_id,
+        "signer": signer,
+    }
+    if attested_by is not None:
+        fields["attested_by"] = attested_by
+    return canonical_json(fields).encode()
 
 
 def decision_signature_payload(
@@ -422,6 +433,7 @@ def decision_signature_payload(
         kind=kind,
         decision_id=decision.decision_id,
         signer=decision.approver,  # normalised, as the run compares it
+        attested_by=decision.attested_by,
     )
 
 
