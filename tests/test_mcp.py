@@ -406,7 +406,7 @@ async def test_one_bad_listing_never_stops_the_worker_and_a_nested_quantifier_ne
             started = loop.time()
             handle = await start_run(dev_env.client, target, make_request(
                 [{"tool": "bad__echo", "args": {"text": text}}], limits={"max_replans": 0}))
-            outcome = await asyncio.wait_for(handle.result(), 60)
+            outcome = await asyncio.wait_for(run_outcome(handle), 60)
             return outcome, loop.time() - started
 
         usual, usual_seconds = await run("hello world")

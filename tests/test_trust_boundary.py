@@ -234,7 +234,7 @@ async def test_a_look_alike_name_cannot_approve_and_never_shows_as_an_approver(t
         await record_of(handle, "marker")
         records = await timeline(handle)
         assert (await snapshot(handle)).approved_by == ["bob"]
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     look_alike = [r for r in records if r.rule == "look_alike_name"]
     assert len(look_alike) == 1 and "U+0430 is cyrillic" in look_alike[0].reason and look_alike[0].actor == "unknown"
     four_eyes = next(r for r in records if r.rule == "four_eyes")
