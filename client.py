@@ -39,19 +39,24 @@ from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
+from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.envconfig import ClientConfig
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, CancelledError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
+from workflows.display import escape_text, markdown_code, markdown_text
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import (
     NAME_PATTERN,
@@ -69,6 +74,7 @@ from workflows.states import TERMINAL, RunState, TransitionRecord
 
 OK, REFUSED, USAGE, PENDING = 0, 1, 2, 3
 DEFAULT_TASK_QUEUE = "tether"
+MCP_TASK_QUEUE = "tether-mcp"  # the MCP demo's worker (examples/devstack.py, docs/mcp.md)
 QUERY_TIMEOUT = timedelta(seconds=10)
 # Seconds a decision or handoff waits for the run's verdict (TETHER_VERDICT_TIMEOUT).
 VERDICT_TIMEOUT = float(os.environ.get("TETHER_VERDICT_TIMEOUT") or 10.0)
@@ -181,6 +187,49 @@ def rpc_error(err: RPCError, run_id: str) -> TetherError:
     return TetherError(f"Temporal refused the call for {run_id}: {err.message}")
 
 
+# ----------------------------------------------------------------------------- workers
+
+
+def start_worker_hint(queue: str) -> str:
+    if queue == DEFAULT_TASK_QUEUE:
+        return "`make worker`"
+    if queue == MCP_TASK_QUEUE:
+        return "`make demo-mcp` (or `.venv/bin/python -m examples.devstack up mcp-worker`)"
+    return f"`TETHER_TASK_QUEUE={queue} make worker`"
+
+
+def no_worker_message(queue: str) -> str:
+    return f"no worker polls task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
+
+
+async def has_worker(client: Client, queue: str) -> bool:
+    """Whether a worker polls ``queue`` for workflow tasks (DescribeTaskQueue: pollers seen in
+    the last minutes). Answers in one round trip, long before a query to nobody times out."""
+    try:
+        response = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+    except RPCError as e:
+        raise rpc_error(e, queue) from None
+    return bool(response.pollers)
+
+
+async def require_worker(client: Client, run_id: str) -> None:
+    """Raise, naming the run's task queue, when no worker polls it: the run cannot answer a
+    query or act on a decision until one does. A run that has closed needs one for queries too."""
+    try:
+        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -258,10 +307,11 @@ async def start_run(
                     SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
                 ]
             ),
-            static_summary=f"{request.goal[:120]} · tenant {request.tenant}",
+            # The Web UI renders both as markdown: the requester's text is shown inert.
+            static_summary=f"{markdown_text(request.goal, 120)} · tenant {markdown_text(request.tenant)}",
             static_details=(
-                f"**Goal:** {request.goal[:500]}\n\n**Tenant:** `{request.tenant}` · "
-                f"**requested by** `{request.requested_by}` · **planner** `{request.planner}`"
+                f"**Goal:** {markdown_text(request.goal, 500)}\n\n**Tenant:** {markdown_code(request.tenant)} · "
+                f"**requested by** {markdown_code(request.requested_by)} · **planner** {markdown_code(request.planner)}"
             ),
         )
     except WorkflowAlreadyStartedError:
@@ -270,10 +320,11 @@ async def start_run(
         raise rpc_error(e, run_id) from None
 
 
-async def snapshot(client: Client, run_id: str) -> RunSnapshot:
+async def snapshot(client: Client, run_id: str, *, timeout: float | None = None) -> RunSnapshot:
     handle = client.get_workflow_handle(run_id)
+    rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
     try:
-        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
@@ -381,15 +432,19 @@ async def audit_trail(
     snap: RunSnapshot | None = None
     unchecked = None
     try:
-        current = (await client.get_workflow_handle(run_id).describe()).run_id
+        description = await client.get_workflow_handle(run_id).describe()
+        current = description.run_id
     except RPCError as e:
         if e.status != RPCStatusCode.NOT_FOUND:
             raise rpc_error(e, run_id) from None
         unchecked = f"Temporal has no run {run_id} (any more): the records are the sink's alone"
     if current is not None:
         try:
+            queue = description.task_queue
+            if not await has_worker(client, queue):
+                raise TetherError(no_worker_message(queue))
             window, snap = await timeline(client, run_id), await snapshot(client, run_id)
-        except TetherError as e:
+        except (TetherError, RPCError) as e:
             unchecked = f"the run did not answer ({e}): the records are the sink's alone"
     try:
         sink = sink_from_env(audit_dir, dsn)
@@ -450,6 +505,7 @@ async def full_timeline(client: Client, run_id: str, audit_dir: str | None = Non
 
 async def status(client: Client, run_id: str) -> RunStatus:
     """The run's snapshot; for a run that has ended, also the reason on its final record."""
+    await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     result = RunStatus(**snap.model_dump())
     records = await timeline(client, run_id)
@@ -467,13 +523,37 @@ async def status(client: Client, run_id: str) -> RunStatus:
     return result
 
 
+async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
+    """How a run ended (waits for it), whatever Temporal status it ended with.
+
+    Completed: the workflow's result. Failed with a RunOutcome (FAILED, EXECUTION_FAILED): the
+    outcome is the failure's details. Canceled (CANCELLED): read back with the snapshot and
+    timeline queries (a cancelled execution carries no result; ``steps`` is then empty). Any
+    other failure (an invalid start input, a terminated run) raises WorkflowFailureError.
+    """
+    try:
+        raw = await handle.result()
+    except WorkflowFailureError as e:
+        cause = e.cause
+        if isinstance(cause, ApplicationError) and cause.details and cause.type in RunState.__members__:
+            return RunOutcome.model_validate(cause.details[0])
+        if isinstance(cause, CancelledError):
+            snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+            if snap.state == RunState.CANCELLED:
+                records = await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+                return RunOutcome(run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records)
+        raise
+    return raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw)
+
+
 async def wait_settled(client: Client, run_id: str, timeout: float, *, approval_settles: bool = True) -> RunStatus:
     """Poll until the run has ended (or waits for a person, with ``approval_settles``) or
     ``timeout`` seconds have passed; returns its status then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    await require_worker(client, run_id)
     while True:
-        snap = await snapshot(client, run_id)
+        snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
             return await status(client, run_id)
@@ -600,6 +680,7 @@ async def decide(
     Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
     role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
     """
+    await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
@@ -687,6 +768,14 @@ async def handoff(
     except ValidationError as e:
         raise invalid("handoff", e) from None
     handle = client.get_workflow_handle(run_id)
+    try:
+        description = await handle.describe()
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        raise TetherError(f"run {run_id} already finished", REFUSED)
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
     if key is not None:
         snap = await snapshot(client, run_id)
         payload = policy.signature_payload(
@@ -695,9 +784,6 @@ async def handoff(
         )
         request.signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
     try:
-        description = await handle.describe()
-        if description.status != WorkflowExecutionStatus.RUNNING:
-            raise TetherError(f"run {run_id} already finished", REFUSED)
         await handle.signal("handoff", request)
     except RPCError as e:
         raise rpc_error(e, run_id) from None

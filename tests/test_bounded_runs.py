@@ -19,6 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 import client as tether_client
 from activities.audit import AuditActivities, JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
+from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
 from tests.forger import Forger
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
@@ -117,7 +118,7 @@ async def test_an_oversized_proposal_is_refused_with_a_bounded_reason_and_the_ru
     big = [{"tool": "get_order", "args": {"order_id": "A-1001", "note": "n" * 6000}}] * 100
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request(big, limits={"max_replans": 1, "max_steps": 200}))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     failed = [r for r in outcome.timeline if r.to_state == S.VALIDATION_FAILED]
     assert len(failed) == 2 and outcome.state == S.FAILED  # refused, replanned, refused, ended
     assert "over the 262144-byte budget" in failed[0].reason and len(failed[0].reason) < 600
@@ -183,7 +184,7 @@ async def test_the_decide_update_puts_every_refusal_on_the_record_and_refuses_on
                 "decide", DecideRequest(kind="approve", **approval_for(snap, "bob", "ok").model_dump()), result_type=DecideResult
             )
         assert "[duplicate_decision]" in str(again.value.cause)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
 
 
@@ -263,7 +264,7 @@ async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEn
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.pending_approval.request_id == data.pending_approval.request_id
         await handle.signal("approve", approval_for(snap, "bob"))
-        outcome = await asyncio.wait_for(handle.result(), 30)
+        outcome = await asyncio.wait_for(run_outcome(handle), 30)
     assert outcome.state == S.COMPLETED
     assert is_legal_path(outcome.timeline)
 

@@ -33,9 +33,9 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from workflows import display
     from workflows import metrics as run_metrics
     from workflows import policy
+    from workflows.details import run_details
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
@@ -69,7 +69,7 @@ with workflow.unsafe.imports_passed_through():
         canonical_json,
         first_error,
     )
-    from workflows.states import IllegalTransition, Refs, RunState, TransitionRecord
+    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
 
 S = RunState
 T = TypeVar("T")
@@ -109,6 +109,9 @@ AUDIT_RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
 )
 AUDIT_BACKOFF_MAX = 60.0
+# workflow.patched id: a run that ends FAILED or EXECUTION_FAILED fails its Temporal execution
+# (states.TEMPORAL_STATUS) instead of completing it.
+FAILED_STATUS = "failed-status"
 DECIDE_HINT = "approve, reject (signals or the decide update), handoff"
 
 
@@ -192,7 +195,7 @@ class AgentRun:
                 await self._finish()
             raise
         await self._finish()
-        return RunOutcome(
+        outcome = RunOutcome(
             run_id=workflow.info().workflow_id,
             state=self.data.lifecycle.state,
             answer=self.data.answer,
@@ -200,6 +203,17 @@ class AgentRun:
             steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
             timeline=self.data.lifecycle.timeline,
         )
+        if TEMPORAL_STATUS[outcome.state] == "Failed" and workflow.patched(FAILED_STATUS):
+            # The execution fails, non-retryable, with the outcome in the failure's details
+            # (client.run_outcome reads it back). Runs recorded before completed; they still do.
+            final = next((r.reason for r in reversed(outcome.timeline) if r.kind == "transition"), "")
+            raise ApplicationError(
+                f"run ended {outcome.state.value}: {clip(final, 300)}",
+                outcome,
+                type=outcome.state.value,
+                non_retryable=True,
+            )
+        return outcome
 
     async def _finish(self) -> None:
         """The run has ended (completed, cancelled, failed, handed off, expired): nothing may be
@@ -887,78 +901,10 @@ class AgentRun:
         workflow.set_current_details(clip(self._details(), DETAILS_CHARS))
 
     def _details(self) -> str:
-        # The Web UI's "Current Details" (markdown). Names, effects, ids and the plan hash only:
-        # never tool arguments or results, which may hold personal data.
-        from datetime import datetime, timezone
-
-        def utc(moment: datetime) -> str:
-            return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-        data = self.data
-        lc = data.lifecycle
-        requester = f"`{self.request.requested_by}`" + (" (signed)" if data.requester_verified else " (claimed)")
-        lines = [
-            f"**State:** `{lc.state.value}` (version {lc.state_version})",
-            "",
-            f"**Tenant** `{self.request.tenant}` · **requested by** {requester} · "
-            f"{len(data.executed)} step(s) executed · {data.retries} retries",
-        ]
-        if workflow.info().continued_run_id:
-            # A continued run has no static summary of its own (continue-as-new cannot set one).
-            lines += ["", f"**Goal:** {clip(self.request.goal, 300)}"]
-        if data.approved_by:
-            lines += ["", "**Approved by** " + ", ".join(f"`{a}`" for a in data.approved_by)]
-        if data.last_error:
-            lines += ["", f"**Last error:** {data.last_error[:200]}"]
-        if self._audit_error:
-            lines += ["", f"**Audit sink:** {display.markdown_text(self._audit_error, 400)} — nothing new starts until it writes"]
-        if lc.refusals:
-            lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
-        plan, catalog = data.plan, data.catalog or ToolCatalog()
-        if plan is not None and not lc.terminal:
-            lines += ["", f"**Plan** `{plan.plan_hash}`", ""]
-            for i, step in enumerate(plan.steps[:30], start=1):
-                info = catalog.get(step.tool)
-                effect = info.effect.value if info else "?"
-                mark = " ✓ done" if i <= data.next_step else ""
-                lines.append(f"{i}. `{step.tool}` · {effect}{mark}")
-            if len(plan.steps) > 30:
-                lines.append(f"… and {len(plan.steps) - 30} more step(s)")
-        pending = data.pending_approval
-        if pending is not None and lc.state == S.AWAITING_APPROVAL:
-            wf_id = workflow.info().workflow_id
-            signal_input = (
-                f"{{\"decision_id\": \"<unique id>\", \"approver\": \"NAME\", "
-                f"\"plan_hash\": \"{pending.plan_hash}\", \"request_id\": \"{pending.request_id}\"}}"
-            )
-            lines += [
-                "",
-                f"**Waiting for approval** (request `{pending.request_id}`) until "
-                f"**{utc(pending.expires_at)}** — {clip(pending.summary, 1000)}",
-                "",
-                f"**Approvals:** {len(pending.approvals)} of {pending.approvals_required}"
-                + (f" · risk **{pending.risk}**" if pending.risk != "normal" else "")
-                + (f" · roles {', '.join(f'`{r}`' for r in pending.roles)}" if pending.roles else "")
-                + (
-                    " · so far " + ", ".join(f"`{a.approver}`" for a in pending.approvals)
-                    if pending.approvals
-                    else ""
-                ),
-                "",
-                "**Approve with:**",
-                "",
-                f"`.venv/bin/tether approve {wf_id} --by NAME` (add `--key PATH` where approvals are signed)",
-                "",
-                "or:",
-                "",
-                f"`temporal workflow signal --workflow-id {wf_id} --name approve --input "
-                f"'{signal_input}'`",
-                "",
-                "or here: **More Actions → Send a Signal → approve**, with the `--input` JSON as data.",
-            ]
-        if data.answer and lc.terminal:
-            lines += ["", f"**Answer:** {data.answer[:500]}"]
-        return "\n".join(lines)
+        return run_details(
+            self.data, self.request, workflow_id=workflow.info().workflow_id,
+            continued=bool(workflow.info().continued_run_id), audit_error=self._audit_error,
+        )
 
 
 def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:

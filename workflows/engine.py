@@ -360,8 +360,8 @@ class Engine:
                 data.lifecycle.accept(
                     at=at,
                     actor=actor,
-                    reason=f"approval {len(pending.approvals)}/{pending.approvals_required} accepted: "
-                    f"{decision.comment or 'approved'}",
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted"
+                    + (f": {decision.comment}" if decision.comment else ""),
                     refs=refs,
                 )
             )

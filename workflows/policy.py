@@ -26,6 +26,7 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
+from workflows.display import show_value
 from workflows.identity import same_person
 from workflows.states import EffectOutcome, RunState
 
@@ -254,7 +255,9 @@ def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
     effect = info.effect.value if info else "?"
     if info is not None and info.destructive:
         effect += ", DESTRUCTIVE"
-    fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
+    # Values escaped and quoted (display.show_value): a value cannot end its own field and pass
+    # off what follows as another one, or move the approver's cursor.
+    fields = [f"{k}={show_value(args[k], 200)}" for k in (info.summary_fields if info else []) if k in args]
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
 
 
