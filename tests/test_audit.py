@@ -443,7 +443,7 @@ async def test_a_reset_to_a_later_point_shares_the_records_before_it(
 
 
 async def test_a_sink_folder_that_cannot_be_created_from_the_start_holds_the_run_until_fixed(
-    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the sink's parent folder should be")
@@ -452,6 +452,8 @@ async def test_a_sink_folder_that_cannot_be_created_from_the_start_holds_the_run
         handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
         snap = await wait_for_audit_error(dev_env, handle)
         assert snap.state == S.PLANNING and snap.step == 0  # nothing ran past the first record
+        logged = [r.getMessage() for r in caplog.records if r.name == "tether.audit"]
+        assert logged and f"for workflow {handle.id}" in logged[0] and "NotADirectoryError" in logged[0]
         blocker.unlink()
         outcome = await asyncio.wait_for(handle.result(), 60)
         trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
