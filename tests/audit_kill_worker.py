@@ -12,6 +12,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import examples.billing.tools  # noqa: F401  (the tools the run uses)
 from activities.audit import AUDIT_TABLE, AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path
@@ -21,41 +22,43 @@ from workflows.models import AuditBatch
 TORN_CALL = 3  # the sink's third batch is the one torn
 
 
-class TornSink(JsonlAuditSink):
-    """Writes half of the first line of its third batch, says so, and hangs until killed."""
+class Torn:
+    """A sink whose ``TORN_CALL``-th batch is torn (``tear``), then it hangs until killed."""
 
-    def __init__(self, root: Path, marker: Path) -> None:
-        super().__init__(root)
+    def __init__(self, target: Any, marker: Path) -> None:
+        super().__init__(target)  # type: ignore[call-arg]  (the sink's own field)
         self.marker = marker
         self.calls = 0
 
     async def append(self, batch: AuditBatch) -> int:
         self.calls += 1
         if self.calls < TORN_CALL:
-            return await super().append(batch)
+            return await super().append(batch)  # type: ignore[misc]
+        await self.tear(batch)
+        time.sleep(120)
+        raise SystemExit("not killed")
+
+    async def tear(self, batch: AuditBatch) -> None:
+        raise NotImplementedError
+
+
+class TornSink(Torn, JsonlAuditSink):
+    """Writes half of the first line of its third batch, says so, and hangs until killed."""
+
+    async def tear(self, batch: AuditBatch) -> None:
         target = audit_path(self.root, batch.workflow_id, batch.run_id)
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "ab") as f:
             f.write(batch.records[0].model_dump_json().encode()[:40])
             f.flush()
         self.marker.write_text(str(target))
-        time.sleep(120)
-        raise SystemExit("not killed")
 
 
-class TornPostgresSink(PostgresAuditSink):
+class TornPostgresSink(Torn, PostgresAuditSink):
     """Inserts the first row of its third batch in a transaction it never commits, says so, and
     hangs until killed (the server rolls the transaction back when the connection drops)."""
 
-    def __init__(self, dsn: str, marker: Path) -> None:
-        super().__init__(dsn)
-        self.marker = marker
-        self.calls = 0
-
-    async def append(self, batch: AuditBatch) -> int:
-        self.calls += 1
-        if self.calls < TORN_CALL:
-            return await super().append(batch)
+    async def tear(self, batch: AuditBatch) -> None:
         conn = await self._connection()
         first = batch.records[0]
         await conn.execute(
@@ -63,8 +66,6 @@ class TornPostgresSink(PostgresAuditSink):
             (batch.workflow_id, batch.run_id, first.seq, batch.first_run_id, first.model_dump_json()),
         )
         self.marker.write_text(f"seq {first.seq} inserted, not committed")
-        time.sleep(120)
-        raise SystemExit("not killed")
 
 
 async def main(queue: str, target: str, marker: str) -> None:
