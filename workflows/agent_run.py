@@ -147,6 +147,9 @@ class AgentRun:
         self._updates = 0  # decide Updates this execution took
         self._v2 = True
         self._record = True
+        # The carried state bore the workers' seal (or there was none): a run failing on a
+        # forged one publishes nothing of it.
+        self._verified = False
         self._loops = 0
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
@@ -191,7 +194,7 @@ class AgentRun:
             await self._finish()
             raise
         except ApplicationError:
-            if self._record:  # failing: every decision still gets its answer
+            if self._record and self._verified:  # failing: every decision still gets its answer
                 await self._finish()
             raise
         await self._finish()
@@ -229,6 +232,7 @@ class AgentRun:
 
     async def _verify_carryover(self) -> None:
         if self._carry_raw is None or not self._v2:
+            self._verified = True
             return
         digest = hashlib.sha256(canonical_json(self._carry_raw).encode()).hexdigest()
         valid = await self._activity(
@@ -245,6 +249,7 @@ class AgentRun:
                 type="carryover_unsealed",
                 non_retryable=True,
             )
+        self._verified = True
 
     async def _drive(self) -> None:
         data = self.data
