@@ -108,6 +108,13 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"approved   by {', '.join(show(a) for a in s.approved_by)}")
     if s.last_error:
         lines.append(f"last error {show(s.last_error)}")
+    if s.audit_error:
+        lines.append(f"audit      {show(s.audit_error, 600)}")
+    if s.last_decision is not None:
+        d = s.last_decision
+        verdict = d.kind if d.kind != "transition" else d.to_state.value
+        lines.append(f"decision   {show(d.refs.decision_id, 128)} by {show(d.actor, 120)}: {verdict}: "
+                     f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else ""))
     if s.plan is not None:
         lines.append(f"plan       {show(s.plan.plan_hash)}")
         lines.extend(_steps(s.plan))
@@ -238,7 +245,13 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
         key=Path(args.key) if args.key else None,
     )
-    verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
+    try:
+        verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
+    except TetherError as e:
+        if e.code != client.PENDING:
+            raise
+        print(e)  # accepted, not judged yet: not an error, and not a verdict (exit 3)
+        return e.code
     verb = "approved" if kind == "approve" else "rejected"
     print(f"{verb} plan {show(verdict.pending.plan_hash) if verdict.pending else '-'} of run {show(args.run)}:")
     if verdict.pending:
@@ -293,18 +306,62 @@ async def cmd_status(args: argparse.Namespace) -> int:
     return OK
 
 
+def format_branch(b: client.AuditBranch) -> str:
+    """The header of one execution's records in `timeline --all`."""
+    what = f"run {b.run_id}"
+    if b.origin == "reset":
+        by = f", by {show(b.identity, 120)}" if b.identity else ""
+        why = show(b.reason, 200) if b.reason else "no reason given"
+        what = f"reset at seq {b.at_seq} ({why}{by}) of run {b.parent_run_id}: {what}"
+    elif b.origin == "continued":
+        what = f"continued as new after seq {b.at_seq} from run {b.parent_run_id}: {what}"
+    elif b.origin == "first":
+        what += " (first run)"
+    tags = [t for t in (b.status and b.status.lower(), "current" if b.current else None) if t]
+    return f"== {what}" + (f" [{', '.join(tags)}]" if tags else "")
+
+
+def audit_warnings(trail: client.AuditTrail) -> list[str]:
+    """What `timeline --all` must not hide: a sink that lacks records, a sink that fails."""
+    warnings = []
+    if trail.unchecked:
+        warnings.append(f"{trail.unchecked}; whether it holds every record was not checked")
+    if trail.audit_error:
+        warnings.append(f"the run cannot write to its audit sink: {show(trail.audit_error, 400)}")
+    if trail.missing:
+        shown = ", ".join(map(str, trail.missing[:10])) + (" ..." if len(trail.missing) > 10 else "")
+        warnings.append(
+            f"the audit sink ({trail.sink}) holds {trail.written - trail.waiting - len(trail.missing)} of the "
+            f"{trail.written - trail.waiting} records the run wrote; missing seq {shown} (is this the workers' "
+            f"TETHER_AUDIT_DIR / TETHER_AUDIT_DSN?)"
+        )
+    if trail.waiting:
+        warnings.append(f"{trail.waiting} record(s) not yet written to the sink by the run")
+    return warnings
+
+
 async def cmd_timeline(args: argparse.Namespace) -> int:
     conn = await client.connect()
-    await client.require_worker(conn, args.run)
-    if getattr(args, "all", False):
-        records = await client.full_timeline(conn, args.run, args.audit_dir)
-    else:
+    if not getattr(args, "all", False):
+        await client.require_worker(conn, args.run)
         records = await client.timeline(conn, args.run)
+        if args.json:
+            _print_json([r.model_dump(mode="json") for r in records])
+        else:
+            print(format_timeline(records))
+        return OK
+    trail = await client.audit_trail(conn, args.run, args.audit_dir)
     if args.json:
-        _print_json([r.model_dump(mode="json") for r in records])
+        _print_json(trail.model_dump(mode="json"))
     else:
-        print(format_timeline(records))
-    return OK
+        for branch in trail.branches:
+            print(format_branch(branch))
+            if branch.records:
+                print(format_timeline(branch.records))
+    warnings = audit_warnings(trail)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return REFUSED if trail.missing or trail.audit_error else OK
 
 
 async def cmd_tools(args: argparse.Namespace) -> int:

@@ -184,6 +184,12 @@ def test_worker_environment_and_scaling() -> None:
     # `--scale worker=3` needs no fixed name and no host port.
     assert "container_name" not in worker and "ports" not in worker
     assert all("container_name" not in svc for svc in SERVICES.values())
+    # One audit sink for the fleet: the stack's PostgreSQL, a database the schema job creates;
+    # the CLI reads the same one.
+    dsn = env["TETHER_AUDIT_DSN"]
+    assert dsn.startswith("postgresql://") and dsn.endswith("@postgresql:5432/tether_audit")
+    assert _env("cli")["TETHER_AUDIT_DSN"] == dsn
+    assert "--database tether_audit create-database" in SERVICES["temporal-schema"]["command"][0]
     # The CLI shares the worker's connection settings.
     cli = _env("cli")
     assert {k: cli[k] for k in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE")} == {
@@ -372,7 +378,7 @@ def lay_out_image(target: Path) -> tuple[Path, Path]:
     return site, target / "image" / workdir.lstrip("/")
 
 
-async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env: Any, tmp_path: Path) -> None:
+async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env: Any, postgres: str, tmp_path: Path) -> None:
     import asyncio
     import os
     import socket
@@ -418,6 +424,8 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
 
     def env_for(service: str) -> dict[str, str]:
         env = {k: rewrite(v) for k, v in _env(service).items()}
+        if "TETHER_AUDIT_DSN" in env:  # the stack's PostgreSQL: here the tests' own server
+            env["TETHER_AUDIT_DSN"] = postgres
         if "TETHER_TASK_QUEUE" in env:
             env["TETHER_TASK_QUEUE"] = f"compose-{uuid.uuid4().hex[:8]}"
         return {**base_env, **env}
@@ -462,6 +470,10 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
         code, out = await run("cli", [*cli["entrypoint"], "start", "--goal", "Refund A-1001", "--requested-by",
                                       "alice", "--playbook", "examples/billing/refund.playbook.json", "--wait"], cli_env)
         assert code == 0 and "AWAITING_APPROVAL" in out, out
+        # Its records are in the stack's audit database, as the cli service reads them.
+        run_id = re.search(r"started (\S+)", out).group(1)
+        code, out = await run("cli", [*cli["entrypoint"], "timeline", run_id, "--all"], cli_env)
+        assert code == 0 and "(first run)" in out and "AWAITING_APPROVAL" in out, out
     finally:
         for proc in started.values():
             if proc.returncode is None:

@@ -119,7 +119,7 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         await other.cancel()
 
         code, _, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", "0" * 64)
-        assert code == 1 and "stale plan hash" in err
+        assert code == 1 and "stale plan hash" in err and "[rule: stale_plan_hash]" in err
 
         code, out, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", plan_hash, "--comment", "ok")
         assert code == 0, err
@@ -133,7 +133,8 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         code, out, _ = await cli("timeline", run_id, "--json")
         records = json.loads(out)
         assert code == 0 and records[-1]["to_state"] == "COMPLETED"
-        assert any(r["kind"] == "refused" for r in records) is False  # the stale hash never reached the run
+        # The stale hash reached the run, and is on its record (issue 19: every attempt is).
+        assert [r["rule"] for r in records if r["kind"] == "refused"] == ["stale_plan_hash"]
 
         # Cancel through the CLI (reject and handoff: tests/test_cli.py).
         for verb, extra, final in (("cancel", ["--reason", "withdrawn"], "CANCELLED"),):

@@ -238,7 +238,10 @@ async def test_cancel_and_approval_in_one_workflow_task_end_cancelled_on_the_tim
         final = await snapshot(handle)
     check_timeline(records, tools_by_call(None, [snap.plan]))
     assert final.state == S.CANCELLED, f"run ended Temporal-cancelled but its state is {final.state.value}"
-    assert records[-1].to_state == S.CANCELLED and "customer withdrew" in records[-1].reason
+    moves = [r for r in records if r.kind == "transition"]
+    assert moves[-1].to_state == S.CANCELLED and "customer withdrew" in moves[-1].reason
+    # The approval the cancel overtook is answered on the record, not dropped (issue 19).
+    assert [(r.kind, r.rule) for r in records if r.refs.decision_id == "together"] == [("refused", "run_ended")]
     assert billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}") == []
 
 

@@ -36,7 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import metrics as run_metrics
     from workflows import policy
     from workflows.details import run_details
-    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
+    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
     from workflows.models import (
@@ -99,6 +99,16 @@ AUDIT_BATCH = 200
 # auto-approved re-checks) run only where this patch is set: histories written by the previous
 # version replay without them (docs/changing-workflows.md).
 PATCH_V2 = "tether-v2"
+# Runs from this version on: a failing audit sink is retried on a backoff timer and shown on the
+# run; records refused while the run waits for a decision go to the sink at once; the run
+# continues as new before it nears Temporal's per-run Update limit.
+PATCH_RECORD = "tether-record"
+# audit_append tries a few times in quick succession, then the run shows the error and retries on
+# a timer: 1 s, 2 s, 4 s, ... up to a minute.
+AUDIT_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
+)
+AUDIT_BACKOFF_MAX = 60.0
 # workflow.patched id: a run that ends FAILED or EXECUTION_FAILED fails its Temporal execution
 # (states.TEMPORAL_STATUS) instead of completing it.
 FAILED_STATUS = "failed-status"
@@ -133,7 +143,13 @@ class AgentRun:
         # Records on their way to the audit sink, and the decide updates waiting for a verdict.
         self._audit: list[TransitionRecord] = []
         self._verdicts: dict[str, DecideResult | None] = {}
+        self._audit_error: str | None = None
+        self._updates = 0  # decide Updates this execution took
         self._v2 = True
+        self._record = True
+        # The carried state bore the workers' seal (or there was none): a run failing on a
+        # forged one publishes nothing of it.
+        self._verified = False
         self._loops = 0
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
@@ -169,12 +185,17 @@ class AgentRun:
         if self._start_error is not None:
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
         self._v2 = workflow.patched(PATCH_V2)
+        self._record = self._v2 and workflow.patched(PATCH_RECORD)
         try:
             await self._verify_carryover()
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
             await self._finish()
+            raise
+        except ApplicationError:
+            if self._record and self._verified:  # failing: every decision still gets its answer
+                await self._finish()
             raise
         await self._finish()
         outcome = RunOutcome(
@@ -198,17 +219,20 @@ class AgentRun:
         return outcome
 
     async def _finish(self) -> None:
-        """The run has ended: nothing may be left unsaid on the record, or unanswered."""
+        """The run has ended (completed, cancelled, failed, handed off, expired): nothing may be
+        left unsaid on the record, or unanswered. Every decision in the inbox, the one being
+        checked included, is refused (``run_ended``) and its decide Update answered."""
         if self._handoff is not None:
             self.engine.handoff_unhonoured(self._handoff, workflow.now())
             self._handoff = None
         if self._inbox:
-            self._flush_inbox()
+            self._flush_inbox(ended=True)
         await self._checkpoint()
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     async def _verify_carryover(self) -> None:
         if self._carry_raw is None or not self._v2:
+            self._verified = True
             return
         digest = hashlib.sha256(canonical_json(self._carry_raw).encode()).hexdigest()
         valid = await self._activity(
@@ -225,6 +249,7 @@ class AgentRun:
                 type="carryover_unsealed",
                 non_retryable=True,
             )
+        self._verified = True
 
     async def _drive(self) -> None:
         data = self.data
@@ -341,7 +366,9 @@ class AgentRun:
                 await workflow.wait_condition(
                     lambda: bool(self._inbox)
                     or self._handoff is not None
-                    or workflow.info().is_continue_as_new_suggested(),
+                    or workflow.info().is_continue_as_new_suggested()
+                    # A refusal recorded while waiting goes to the sink now, not at the next step.
+                    or (self._record and (bool(self._audit) or self._updates_exhausted())),
                     timeout=timedelta(seconds=remaining),
                     timeout_summary="approval expiry",
                 )
@@ -350,7 +377,9 @@ class AgentRun:
         if await self._take_handoff():
             return
         if self._inbox:
-            kind, decision = self._inbox.pop(0)
+            # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
+            # (a cancel, a failure) still answers it (_finish).
+            kind, decision = self._inbox[0] if self._record else self._inbox.pop(0)
             verdict = await self._activity(
                 "policy_check_decision",
                 DecisionCheck(
@@ -368,6 +397,8 @@ class AgentRun:
                 f"policy check · {kind}",
                 local=True,
             )
+            if self._record:
+                self._inbox.pop(0)
             self._decide(
                 lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now, verdict.verified)
             )
@@ -524,13 +555,15 @@ class AgentRun:
         name="decide",
         description="Approve or reject the pending plan and get the verdict at once. Data "
         "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\". "
-        "Malformed, stale, duplicate and not-awaiting decisions are refused before they reach "
-        "history; the answer (DecideResult) is the record the run wrote for the decision.",
+        "Only a malformed payload or a repeated decision_id is refused before history; every other "
+        "refusal (stale, expired, four-eyes, role, ...) is on the run's record, and the answer "
+        "(DecideResult) is the record the run wrote for the decision.",
     )
     async def decide(self, *args: Any) -> DecideResult:
         decision = self._decide_payload(args)
         kind: DecisionKind = decision.kind
         plain = ApprovalDecision.model_validate(decision.model_dump(exclude={"kind"}))
+        self._updates += 1
         if plain.decision_id in self._verdicts:
             # The same decision twice at once (both passed the validator before either arrived):
             # one verdict per decision id, so the later one is a duplicate.
@@ -554,20 +587,11 @@ class AgentRun:
 
     @decide.validator
     def _validate_decide(self, *args: Any) -> None:
-        # Runs before anything reaches history: what cannot count is refused to the sender only.
+        # Runs before anything reaches history, so what it refuses is on no record: only what
+        # cannot be attributed (a malformed payload) or cannot count at all (a decision id seen
+        # before). Every policy refusal goes through the handler and onto the timeline.
         decision = self._decide_payload(args)
-        data = self.data
-        refusal = policy.decision_refusal(decision, data, now=workflow.now(), check_duplicate=True)
-        pending = data.pending_approval
-        if refusal is None and pending is not None:
-            refusal = policy.approver_refusal(
-                self.engine.tenant,
-                approver=decision.approver,
-                requested_by=self.request.requested_by,
-                kind=decision.kind,
-                roles=pending.roles,
-                already_approved=[a.approver for a in pending.approvals],
-            )
+        refusal = policy.repeated_decision_refusal(decision.decision_id, self.data, in_flight=self._verdicts)
         if refusal is not None:
             raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
 
@@ -612,6 +636,9 @@ class AgentRun:
             first_run_id=data.first_run_id,
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
+            audit_waiting=len(self._audit),
+            audit_error=self._audit_error,
+            updates=self._updates,
             tools=self._plan_tools(),
         )
 
@@ -652,9 +679,12 @@ class AgentRun:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
         if self.engine.screen_decision(kind, decision, workflow.now()):
             self._inbox.append((kind, decision))
+        else:
+            self._answer(decision.decision_id)  # nobody waits on a signal; forget its refusal
 
     def _answer(self, decision_id: str) -> None:
         """Give a waiting decide update its verdict, from the record the run wrote for it."""
+        unrecorded = self.engine.unrecorded_refusals.pop(decision_id, None)
         if decision_id not in self._verdicts:
             return
         record = next(
@@ -663,7 +693,9 @@ class AgentRun:
         if record is None:  # a refusal counted in a flood, not recorded
             self._verdicts[decision_id] = DecideResult(
                 decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state,
-                reason="refused (counted, not recorded: see snapshot.refusals)", rule="flood",
+                reason=f"refused: {unrecorded.message} (counted, not recorded: see snapshot.refusals)"
+                if unrecorded and self._record else "refused (counted, not recorded: see snapshot.refusals)",
+                rule=unrecorded.rule if unrecorded and self._record else "flood",
             )
             return
         self._verdicts[decision_id] = DecideResult(
@@ -746,29 +778,63 @@ class AgentRun:
         refusal, verified = (verdict.refusal, verdict.verified) if verdict else (None, False)
         return self._decide(lambda now: self.engine.take_handoff(request, now, detail, refusal, verified, refs=refs))
 
-    def _flush_inbox(self) -> None:
-        """The run left AWAITING_APPROVAL: decisions still queued can no longer count."""
+    def _flush_inbox(self, *, ended: bool = False) -> None:
+        """The run left AWAITING_APPROVAL (``ended``: the run is over): decisions still queued
+        can no longer count."""
+        ended = self._record and (ended or self.data.lifecycle.terminal)
         for kind, decision in self._inbox:
-            self.engine.refuse_unsettled(kind, decision, workflow.now())
+            self.engine.refuse_unsettled(kind, decision, workflow.now(), ended=ended)
             self._answer(decision.decision_id)
         self._inbox.clear()
 
+    def _updates_exhausted(self) -> bool:
+        """Near Temporal's per-run Update limit, with no Update in flight: time to continue."""
+        return self._record and self._updates >= UPDATES_CONTINUE_AT and workflow.all_handlers_finished()
+
     async def _flush_audit(self) -> None:
-        """Every record written so far, to the audit sink, in order (keyed by seq: a retry
-        never writes one twice)."""
+        """Every record written so far, to the audit sink, in order (keyed by workflow id, run id
+        and seq: a retry never writes one twice). While the sink fails, the run says so and
+        retries on a backoff timer; nothing else starts until every record is in."""
         if not self._v2:
             self._audit.clear()
             return
+        info = workflow.info()
+        failures = 0
         while self._audit:
-            batch, self._audit = self._audit[:AUDIT_BATCH], self._audit[AUDIT_BATCH:]
-            await self._activity(
-                "audit_append",
-                AuditBatch(workflow_id=workflow.info().workflow_id, first_run_id=self.data.first_run_id, records=batch),
-                AuditAck,
-                f"audit · {len(batch)} record(s)",
-                local=True,
-                checkpoint=False,
-            )
+            batch = self._audit[:AUDIT_BATCH]
+            try:
+                await self._activity(
+                    "audit_append",
+                    AuditBatch(
+                        workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
+                        run_id=info.run_id, continued_from=info.continued_run_id,
+                    ),
+                    AuditAck,
+                    f"audit · {len(batch)} record(s)",
+                    local=True,
+                    checkpoint=False,
+                    retry=AUDIT_RETRY if self._record else None,
+                )
+            except (ActivityError, ApplicationError) as err:  # a local activity's failure comes bare
+                if not self._record:
+                    raise
+                failures += 1
+                delay = min(2.0 ** (failures - 1), AUDIT_BACKOFF_MAX)
+                failure = err.cause if isinstance(err, ActivityError) else err
+                cause = failure.message if isinstance(failure, ApplicationError) else str(failure or err)
+                self._audit_error = clip(
+                    f"audit sink failing, {len(self._audit)} record(s) from seq {batch[0].seq} not written "
+                    f"(attempt {failures}, next in {delay:g}s): {cause}",
+                    600,
+                )
+                workflow.logger.warning("%s", self._audit_error)
+                self._publish()
+                await workflow.sleep(timedelta(seconds=delay), summary="audit sink retry")
+                continue
+            del self._audit[: len(batch)]
+        if self._audit_error is not None:
+            workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
+            self._audit_error = None
 
     async def _checkpoint(self) -> None:
         """Before the run waits: the audit sink has every record, and the state is visible."""
@@ -778,7 +844,7 @@ class AgentRun:
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
         self._loops += 1
-        suggested = workflow.info().is_continue_as_new_suggested()
+        suggested = workflow.info().is_continue_as_new_suggested() or self._updates_exhausted()
         if not suggested and self._loops % 16:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
@@ -842,7 +908,7 @@ class AgentRun:
     def _details(self) -> str:
         return run_details(
             self.data, self.request, workflow_id=workflow.info().workflow_id,
-            continued=bool(workflow.info().continued_run_id),
+            continued=bool(workflow.info().continued_run_id), audit_error=self._audit_error,
         )
 
 

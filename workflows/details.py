@@ -33,7 +33,10 @@ def _utc(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def run_details(data: RunData, request: RunRequest, *, workflow_id: str, continued: bool) -> str:
+def run_details(
+    data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None = None
+) -> str:
+    """``audit_error``: why the run cannot write to its audit sink (it starts nothing new meanwhile)."""
     lc = data.lifecycle
     lines = [f"**State:** `{lc.state.value}` (version {lc.state_version})"]
     if lc.terminal:
@@ -53,6 +56,8 @@ def run_details(data: RunData, request: RunRequest, *, workflow_id: str, continu
         lines += ["", "**Approved by** " + ", ".join(code(a, 80) for a in data.approved_by)]
     if data.last_error:
         lines += ["", f"**Last error:** {text(data.last_error, 200)}"]
+    if audit_error:
+        lines += ["", f"**Audit sink:** {text(audit_error, 400)} — nothing new starts until it writes"]
     if lc.refusals:
         lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
     plan, catalog = data.plan, data.catalog or ToolCatalog()

@@ -86,6 +86,8 @@ class Engine:
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
         self.new_request_id = new_request_id  # one id per approval request (workflow.uuid4())
+        # Decision refusals counted but not recorded (a flood), until their sender is answered.
+        self.unrecorded_refusals: dict[str, Refusal] = {}
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded
@@ -368,23 +370,26 @@ class Engine:
         data.approval, data.pending_approval = pending, None
         self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
 
-    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> None:
-        """A decision still queued when the run left AWAITING_APPROVAL."""
-        self._refuse_decision(
-            kind,
-            decision,
-            Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL"),
-            at,
-        )
+    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime, *, ended: bool = False) -> None:
+        """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
+        over (completed, cancelled, failed, handed off, expired), rule ``run_ended``."""
+        if ended:
+            refusal = Refusal(rule="run_ended", message=f"the run ended before this decision was settled (state {self.state.value})")
+        else:
+            refusal = Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL")
+        self._refuse_decision(kind, decision, refusal, at)
 
     def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None:
-        self.refuse(
+        record = self.data.lifecycle.refuse(
             at=at,
             actor=f"user:{decision.approver}",
             reason=f"{kind} refused: {refusal.message}",
             rule=refusal.rule,
             refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
         )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""

@@ -6,6 +6,7 @@ Each refusal is a short reason a person can act on; ``None`` means allowed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -40,14 +41,8 @@ def decision_refusal(
     Who may decide is :func:`approver_refusal`'s question, asked by the policy activity.
     """
     pending = data.pending_approval
-    if check_duplicate and (
-        decision.decision_id in data.decisions_seen
-        or (pending is not None and any(a.decision_id == decision.decision_id for a in pending.approvals))
-    ):
-        return Refusal(
-            rule="duplicate_decision",
-            message=f"duplicate decision_id {decision.decision_id[:64]}: already handled",
-        )
+    if check_duplicate and (refusal := repeated_decision_refusal(decision.decision_id, data)):
+        return refusal
     state = data.lifecycle.state
     if state != RunState.AWAITING_APPROVAL or pending is None:
         return Refusal(rule="not_awaiting_approval", message=f"run is {state.value}, not AWAITING_APPROVAL")
@@ -66,6 +61,20 @@ def decision_refusal(
         )
     if now >= pending.expires_at:
         return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
+    return None
+
+
+def repeated_decision_refusal(
+    decision_id: str, data: RunData, *, in_flight: Collection[str] = ()
+) -> Refusal | None:
+    """A decision id the run has handled (or is deciding, ``in_flight``): it cannot count again."""
+    pending = data.pending_approval
+    if (
+        decision_id in data.decisions_seen
+        or decision_id in in_flight
+        or (pending is not None and any(a.decision_id == decision_id for a in pending.approvals))
+    ):
+        return Refusal(rule="duplicate_decision", message=f"duplicate decision_id {decision_id[:64]}: already handled")
     return None
 
 
