@@ -67,7 +67,8 @@ bench-waiting: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m tests.chaos.run_chaos --kills 200
 
-# 5,000 refused approvals with 2 KB comments, and a 1,000-step read-only run on the default
+# 5,000 refused approvals with 2 KB comments, 1,600 decide Updates (the run continues as new
+# before Temporal's 2,000-per-run limit), and a 1,000-step read-only run on the default
 # continue-as-new settings; prints the figures (the short versions run in `make test`).
 soak: $(STAMP)
 	TETHER_SOAK=1 $(PY) -m pytest -s -q tests/test_bounded_runs.py -k "flood or long_read_only"

@@ -47,15 +47,17 @@ def create_worker(
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
+    rules: PolicyActivities | None = None,
     extra_workflows: Sequence[type] = (),
     **options: Any,
 ) -> Worker:
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
 
-    ``policy`` defaults to the built-in safe default (no policy file).
+    ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
+    activities, to those over ``policy``.
     """
     tools = ToolActivities(registry)
-    rules = PolicyActivities(policy or PolicyStore(None))
+    rules = rules or PolicyActivities(policy or PolicyStore(None))
     notify = NotifyActivities(rules.store)
     # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
     audit = audit or AuditActivities()
@@ -99,6 +101,10 @@ async def serve(
         mcp_config = mcp.config_from_env(mcp_config_path)
     except mcp.McpConfigError as e:
         raise SystemExit(f"invalid MCP config: {e}") from None
+    try:
+        audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR, and the state key
+    except ValueError as e:
+        raise SystemExit(f"invalid audit sink: {e}") from None
     # MCP servers' tools join the registry before the worker is built (a server that is down is
     # logged and left out); their sessions close after the worker has finished its tasks.
     mcp_servers = await mcp.start_servers(mcp_config, registry)
@@ -127,7 +133,7 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, audit=audit)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -140,7 +146,7 @@ async def serve(
             # Left out at load (bad listing entries, unbounded patterns): the log and `tools` say why.
             + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
                if registry.refused else "")
-            + f"; policy {policy.source}; payload encryption "
+            + f"; policy {policy.source}; audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,

@@ -276,6 +276,8 @@ class Inbox:
         try:
             verdict = await tether.decide(temporal, run_id, body.kind, given)
         except tether.TetherError as e:
+            if e.code == tether.PENDING:  # accepted, the run is still checking it: not an error
+                return self._outcome(decision_id, "sent", reason=str(e))
             if e.code != tether.REFUSED:
                 raise
             # The same decision again (a double click, a re-sent form): show what the first got.

@@ -131,8 +131,9 @@ async def test_revise_lowers_a_refund_old_request_is_stale_new_one_runs(
         assert pending.editors == ["carol"] and "amount_cents=1000" in pending.summary
         assert [r.changed for r in after.revisions] == [["replace /1/args/amount_cents"]]
         details = (await handle.query("__temporal_workflow_metadata")).current_details
-        assert "**Plan** v2 " in details and "**Revised** 1 time(s), last by `carol`" in details
-        assert "1000" not in details.split("**Waiting")[0], "the details name paths, not values"
+        assert "**Plan** v2 " in details
+        [revised_line] = [line for line in details.splitlines() if line.startswith("**Revised**")]
+        assert revised_line == "**Revised** 1 time(s), last by `carol`: `replace /1/args/amount_cents`"
 
         # The approval prepared for the old request: stale, refused, recorded.
         await handle.signal("approve", old_approval)
@@ -357,8 +358,9 @@ async def test_hostile_revisions_wrong_person_repeated_late_concurrent_malformed
 
 
 async def test_a_signed_revision_covers_the_revised_steps(
-    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
+    ts_env = dev_env  # the client library checks for a worker (DescribeTaskQueue): a real server
     import client as tether_client
     from workflows import policy as rules
 

@@ -24,6 +24,7 @@ from activities import planning
 from activities.mcp import McpServers, mcp_tools, parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
+from client import run_outcome
 from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.models import RunOutcome, ToolEffect
@@ -157,7 +158,7 @@ async def test_governed_git_run_commits_exactly_once_after_approval(ts_env: Work
     async with mcp_registry(toml) as (registry, _), running_worker(ts_env.client, registry=registry) as worker:
         # A read-only step runs without approval.
         status = await start_run(ts_env.client, worker, make_request([{"tool": "git__git_status", "args": {"repo_path": r}}]))
-        outcome = await status.result()
+        outcome = await run_outcome(status)
         assert outcome.state == S.COMPLETED and "AWAITING_APPROVAL" not in path(outcome)
         assert "hello.txt" in (await observations(status))[0]
 
@@ -170,10 +171,10 @@ async def test_governed_git_run_commits_exactly_once_after_approval(ts_env: Work
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.pending_approval is not None
         summary = snap.pending_approval.summary
-        assert "2 of 3 step(s) write" in summary and "git__git_commit (unsafe, message=Add hello)" in summary
+        assert "2 of 3 step(s) write" in summary and "git__git_commit (unsafe, message=\"Add hello\")" in summary
         assert commits(repo) == ["initial"] and snap.step == 0, "nothing runs before the approval"
         await approve(handle)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline)
     assert [s.tool for s in outcome.steps] == [s["tool"] for s in steps]
     assert commits(repo) == ["Add hello", "initial"]
@@ -190,7 +191,7 @@ async def test_fault_cases_error_results_crashes_and_timeouts(ts_env: WorkflowEn
         async def run(tool: str, args: dict) -> tuple[WorkflowHandle, RunOutcome]:
             handle = await start_run(ts_env.client, worker, make_request([{"tool": tool, "args": args}]))
             await approve(handle)
-            return handle, await handle.result()
+            return handle, await run_outcome(handle)
 
         # isError with a Tether error code in _meta: EXECUTION_FAILED with that code, not retried.
         _, outcome = await run("faults__decline", {"amount_cents": 500})
@@ -248,7 +249,7 @@ async def test_a_server_over_streamable_http(ts_env: WorkflowEnvironment, tmp_pa
             assert registry.get("web__find").effect == E.READ_ONLY
             handle = await start_run(ts_env.client, worker, make_request([{"tool": "web__record", "args": {"note": "hi"}}]))
             await approve(handle)
-            outcome = await handle.result()
+            outcome = await run_outcome(handle)
     finally:
         server.stop()
     assert outcome.state == S.COMPLETED and json.loads((await observations(handle))[0]) == "recorded hi"
@@ -265,7 +266,7 @@ async def test_a_slow_unsafe_call_past_its_timeout_is_outcome_unknown(dev_env: W
             running_worker(dev_env.client, registry=registry) as worker:
         handle = await start_run(dev_env.client, worker, make_request([{"tool": "faults__record", "args": {"note": "slow"}}]))
         await approve(handle)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         assert outcome.state == S.HANDED_OFF and outcome.timeline[-1].refs.error_code == "mcp_timeout"
         assert "outcome unknown" in outcome.timeline[-1].reason
         assert len(calls(state, "record")) == 1
@@ -302,7 +303,7 @@ async def test_worker_killed_during_a_slow_unsafe_mcp_call_hands_off_without_a_s
         first.kill()
         second = Proc("worker-2", cmd, tmp_path / "worker-2.log", env)
         await second.wait_for_output("worker ready")
-        outcome: RunOutcome = await asyncio.wait_for(handle.result(), 60)
+        outcome: RunOutcome = await asyncio.wait_for(run_outcome(handle), 60)
     finally:
         first.kill()
         if second is not None:
@@ -333,7 +334,7 @@ async def test_model_planner_is_offered_mcp_tools_and_its_proposal_is_checked_ag
             # worker's registry holds the MCP tools only (worker.py registers them globally).
             monkeypatch.setitem(planning.PLANNERS, "model", planning.ModelPlanner(catalog=registry.catalog))
             request = make_request([], goal="What is the state of the repository?", planner="model")
-            outcome = await (await start_run(ts_env.client, worker, request)).result()
+            outcome = await run_outcome(await start_run(ts_env.client, worker, request))
         first = fake.completions[0]
     assert outcome.state == S.COMPLETED and outcome.answer == "hello.txt is untracked."
     assert path(outcome)[:4] == ["PLANNING", "VALIDATION_FAILED", "PLANNING", "VALIDATED"]
@@ -405,7 +406,7 @@ async def test_one_bad_listing_never_stops_the_worker_and_a_nested_quantifier_ne
             started = loop.time()
             handle = await start_run(dev_env.client, target, make_request(
                 [{"tool": "bad__echo", "args": {"text": text}}], limits={"max_replans": 0}))
-            outcome = await asyncio.wait_for(handle.result(), 60)
+            outcome = await asyncio.wait_for(run_outcome(handle), 60)
             return outcome, loop.time() - started
 
         usual, usual_seconds = await run("hello world")

@@ -24,6 +24,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import client as tether_client
 from activities.metrics import prometheus_runtime
+from client import run_outcome
 from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refusal_rule
 from workflows.models import ApprovalDecision, RunOutcome
@@ -143,7 +144,7 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
             "approve",
             approval_for(snap, "bob"),
         )
-        assert (await approved.result()).state == RunState.COMPLETED
+        assert (await run_outcome(approved)).state == RunState.COMPLETED
 
         rejected = await start_run(client, w, make_request())
         snap = await wait_for_state(rejected, "AWAITING_APPROVAL")
@@ -155,7 +156,7 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
             "reject",
             approval_for(snap, "carol", reason="not this one"),
         )
-        outcome: RunOutcome = await rejected.result()
+        outcome: RunOutcome = await run_outcome(rejected)
         assert outcome.state == RunState.REJECTED
 
         samples = scrape(port)
@@ -276,6 +277,6 @@ async def test_tracing_interceptor_when_otel_is_installed(dev_env, billing, monk
         handle = await start_run(
             client, w, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}])
         )
-        assert (await handle.result()).state == RunState.COMPLETED
+        assert (await run_outcome(handle)).state == RunState.COMPLETED
     names = {span.name for span in exporter.get_finished_spans()}
     assert {"StartWorkflow:AgentRun", "RunWorkflow:AgentRun", "RunActivity:execute_tool"} <= names, names

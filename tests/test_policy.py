@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 
 from activities.policy import PolicyFileError, PolicyStore, check_policy_file, parse_policy
 from activities.tools import REGISTRY
+from client import run_outcome
 from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
 from workflows import policy
 from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome, TransitionRecord
@@ -140,7 +141,7 @@ async def test_each_approval_rule_refuses_and_accepts(ts_env: WorkflowEnvironmen
         good = decide("frank", snap)
         good.signature = sign(FRANK, handle.id, snap, "approve", good)
         await handle.signal("approve", good)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
     assert approved.actor == "user:frank (signed)"
@@ -171,7 +172,7 @@ async def test_high_risk_needs_two_distinct_finance_approvers(
         await handle.signal("approve", again)
         assert (await settled(handle, again.decision_id)).rule == "distinct_approvers"
         await handle.signal("approve", decide("erin", snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.EXECUTION_FAILED  # the order does not exist: a permanent 404
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
     assert approved.actor == "user:erin"
@@ -180,7 +181,7 @@ async def test_high_risk_needs_two_distinct_finance_approvers(
 async def test_auto_approval_under_the_limit(ts_env: WorkflowEnvironment, billing: Billing, policy_file: Path) -> None:
     async with policy_worker(ts_env, policy_file) as worker:
         small = await start_run(ts_env.client, worker, make_request([refund(4000)]))
-        outcome = await small.result()
+        outcome = await run_outcome(small)
         large = await start_run(ts_env.client, worker, make_request([refund(5001)]))
         await wait_for_state(large, "AWAITING_APPROVAL")
         await cancel_and_settle(large)
@@ -199,7 +200,7 @@ async def test_tenant_isolation(ts_env: WorkflowEnvironment, billing: Billing, p
             assert record.rule == "tenant_membership" and record.reason.startswith(f"{signal} refused")
         await handle.signal("handoff", HandoffRequest(by="bob", reason="not mine"))
         await handle.signal("approve", decide("gus", snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     handoffs = [r for r in outcome.timeline if r.reason.startswith("handoff refused")]
     assert len(handoffs) == 1 and handoffs[0].rule == "tenant_membership"
@@ -248,7 +249,7 @@ async def test_revoking_an_approver_between_approval_and_execution_stops_the_wri
         refund_ids = [s.tool_call_id for s in snap.plan.steps if s.tool == "issue_refund"]
         assert billing.refunds(f"{handle.id}:{refund_ids[0]}") == []
         await handle.signal("approve", decide("carol", again))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     assert [s.tool for s in outcome.steps] == ["get_order", "issue_refund"]
     assert is_legal_path(outcome.timeline)
@@ -260,9 +261,9 @@ async def test_budgets_and_policy_hash_on_the_timeline(
     path = write_policy(tmp_path / "p.toml", max_tool_calls=1)
     async with policy_worker(ts_env, path) as worker:
         handle = await start_run(ts_env.client, worker, make_request([GET, GET]))
-        outcome: RunOutcome = await handle.result()
+        outcome: RunOutcome = await run_outcome(handle)
         stranger = await start_run(ts_env.client, worker, make_request([GET], tenant="nobody"))
-        unknown: RunOutcome = await stranger.result()
+        unknown: RunOutcome = await run_outcome(stranger)
     assert outcome.timeline[0].refs.policy_hash == hashlib.sha256(path.read_bytes()).hexdigest()
     assert outcome.state == S.EXECUTION_FAILED
     assert "tool call budget exhausted" in outcome.timeline[-1].reason

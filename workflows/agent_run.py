@@ -35,8 +35,8 @@ with workflow.unsafe.imports_passed_through():
 
     from workflows import metrics as run_metrics
     from workflows import policy
-    from workflows.display import markdown_code
-    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
+    from workflows.details import run_details
+    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
     from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
     from workflows.models import (
@@ -73,7 +73,7 @@ with workflow.unsafe.imports_passed_through():
         canonical_json,
         first_error,
     )
-    from workflows.states import IllegalTransition, Refs, RunState, TransitionRecord
+    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
 
 S = RunState
 T = TypeVar("T")
@@ -103,6 +103,19 @@ AUDIT_BATCH = 200
 # auto-approved re-checks) run only where this patch is set: histories written by the previous
 # version replay without them (docs/changing-workflows.md).
 PATCH_V2 = "tether-v2"
+# Runs from this version on: a failing audit sink is retried on a backoff timer and shown on the
+# run; records refused while the run waits for a decision go to the sink at once; the run
+# continues as new before it nears Temporal's per-run Update limit.
+PATCH_RECORD = "tether-record"
+# audit_append tries a few times in quick succession, then the run shows the error and retries on
+# a timer: 1 s, 2 s, 4 s, ... up to a minute.
+AUDIT_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
+)
+AUDIT_BACKOFF_MAX = 60.0
+# workflow.patched id: a run that ends FAILED or EXECUTION_FAILED fails its Temporal execution
+# (states.TEMPORAL_STATUS) instead of completing it.
+FAILED_STATUS = "failed-status"
 # Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
 REVISIONS = "tether-revisions"
 # Escalation stages: timers inside the approval window (only where the policy sets stages).
@@ -148,8 +161,14 @@ class AgentRun:
         # Records on their way to the audit sink, and the decide updates waiting for a verdict.
         self._audit: list[TransitionRecord] = []
         self._verdicts: dict[str, DecideResult | None] = {}
+        self._audit_error: str | None = None
+        self._updates = 0  # decide Updates this execution took
         self._v2 = True
         self._notifying = 0  # notify activities in flight
+        self._record = True
+        # The carried state bore the workers' seal (or there was none): a run failing on a
+        # forged one publishes nothing of it.
+        self._verified = False
         self._loops = 0
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
@@ -185,6 +204,7 @@ class AgentRun:
         if self._start_error is not None:
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
         self._v2 = workflow.patched(PATCH_V2)
+        self._record = self._v2 and workflow.patched(PATCH_RECORD)
         try:
             await self._verify_carryover()
             await self._drive()
@@ -192,8 +212,12 @@ class AgentRun:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
             await self._finish()
             raise
+        except ApplicationError:
+            if self._record and self._verified:  # failing: every decision still gets its answer
+                await self._finish()
+            raise
         await self._finish()
-        return RunOutcome(
+        outcome = RunOutcome(
             run_id=workflow.info().workflow_id,
             state=self.data.lifecycle.state,
             answer=self.data.answer,
@@ -201,14 +225,27 @@ class AgentRun:
             steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
             timeline=self.data.lifecycle.timeline,
         )
+        if TEMPORAL_STATUS[outcome.state] == "Failed" and workflow.patched(FAILED_STATUS):
+            # The execution fails, non-retryable, with the outcome in the failure's details
+            # (client.run_outcome reads it back). Runs recorded before completed; they still do.
+            final = next((r.reason for r in reversed(outcome.timeline) if r.kind == "transition"), "")
+            raise ApplicationError(
+                f"run ended {outcome.state.value}: {clip(final, 300)}",
+                outcome,
+                type=outcome.state.value,
+                non_retryable=True,
+            )
+        return outcome
 
     async def _finish(self) -> None:
-        """The run has ended: nothing may be left unsaid on the record, or unanswered."""
+        """The run has ended (completed, cancelled, failed, handed off, expired): nothing may be
+        left unsaid on the record, or unanswered. Every decision in the inbox, the one being
+        checked included, is refused (``run_ended``) and its decide Update answered."""
         if self._handoff is not None:
             self.engine.handoff_unhonoured(self._handoff, workflow.now())
             self._handoff = None
         if self._inbox:
-            self._flush_inbox()
+            self._flush_inbox(ended=True)
         self._notify()
         if self._notifying:
             # The ending's own event (expired, failed, handed off) and any still being retried:
@@ -222,6 +259,7 @@ class AgentRun:
 
     async def _verify_carryover(self) -> None:
         if self._carry_raw is None or not self._v2:
+            self._verified = True
             return
         digest = hashlib.sha256(canonical_json(self._carry_raw).encode()).hexdigest()
         valid = await self._activity(
@@ -238,6 +276,7 @@ class AgentRun:
                 type="carryover_unsealed",
                 non_retryable=True,
             )
+        self._verified = True
 
     async def _drive(self) -> None:
         data = self.data
@@ -354,7 +393,9 @@ class AgentRun:
                 await workflow.wait_condition(
                     lambda: bool(self._inbox)
                     or self._handoff is not None
-                    or workflow.info().is_continue_as_new_suggested(),
+                    or workflow.info().is_continue_as_new_suggested()
+                    # A refusal recorded while waiting goes to the sink now, not at the next step.
+                    or (self._record and (bool(self._audit) or self._updates_exhausted())),
                     timeout=timedelta(seconds=remaining),
                     timeout_summary=summary,
                 )
@@ -363,7 +404,9 @@ class AgentRun:
         if await self._take_handoff():
             return
         if self._inbox:
-            kind, decision = self._inbox.pop(0)
+            # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
+            # (a cancel, a failure) still answers it (_finish).
+            kind, decision = self._inbox[0] if self._record else self._inbox.pop(0)
             if kind == "revise" or getattr(decision, "steps", None) is not None:
                 workflow.patched(REVISIONS)
             verdict = await self._activity(
@@ -380,6 +423,8 @@ class AgentRun:
                 f"policy check · {kind}",
                 local=True,
             )
+            if self._record:
+                self._inbox.pop(0)
             self._decide(
                 lambda now: self.engine.settle_decision(
                     kind, decision, verdict.refusal, now, verdict.verified, new_id=_new_tool_call_id
@@ -551,8 +596,9 @@ class AgentRun:
         description="Approve or reject the pending plan and get the verdict at once. Data "
         "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\"; or the "
         "RevisionRequest fields plus \"kind\": \"revise\". "
-        "Malformed, stale, duplicate and not-awaiting decisions are refused before they reach "
-        "history; the answer (DecideResult) is the record the run wrote for the decision.",
+        "Only a malformed payload or a repeated decision_id is refused before history; every other "
+        "refusal (stale, expired, four-eyes, role, invalid revision, ...) is on the run's record, and "
+        "the answer (DecideResult) is the record the run wrote for the decision.",
     )
     async def decide(self, *args: Any) -> DecideResult:
         decision = self._decide_payload(args)
@@ -560,6 +606,7 @@ class AgentRun:
         plain: Decision = (
             RevisionRequest if isinstance(decision, ReviseDecideRequest) else ApprovalDecision
         ).model_validate(decision.model_dump(exclude={"kind"}))
+        self._updates += 1
         if plain.decision_id in self._verdicts:
             # The same decision twice at once (both passed the validator before either arrived):
             # one verdict per decision id, so the later one is a duplicate.
@@ -583,22 +630,11 @@ class AgentRun:
 
     @decide.validator
     def _validate_decide(self, *args: Any) -> None:
-        # Runs before anything reaches history: what cannot count is refused to the sender only.
+        # Runs before anything reaches history, so what it refuses is on no record: only what
+        # cannot be attributed (a malformed payload) or cannot count at all (a decision id seen
+        # before). Every policy refusal goes through the handler and onto the timeline.
         decision = self._decide_payload(args)
-        data = self.data
-        plain = decision.as_decision() if isinstance(decision, ReviseDecideRequest) else decision
-        refusal = policy.decision_refusal(plain, data, now=workflow.now(), check_duplicate=True, kind=decision.kind)
-        pending = data.pending_approval
-        if refusal is None and pending is not None:
-            refusal = policy.approver_refusal(
-                self.engine.tenant,
-                approver=plain.approver,
-                requested_by=self.request.requested_by,
-                kind=decision.kind,
-                roles=pending.roles,
-                already_approved=[a.approver for a in pending.approvals],
-                editors=pending.editors,
-            )
+        refusal = policy.repeated_decision_refusal(decision.decision_id, self.data, in_flight=self._verdicts)
         if refusal is not None:
             raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
 
@@ -644,6 +680,9 @@ class AgentRun:
             first_run_id=data.first_run_id,
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
+            audit_waiting=len(self._audit),
+            audit_error=self._audit_error,
+            updates=self._updates,
             tools=self._plan_tools(),
             revisions=data.revisions,
         )
@@ -685,9 +724,12 @@ class AgentRun:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
         if self.engine.screen_decision(kind, decision, workflow.now()):
             self._inbox.append((kind, decision))
+        else:
+            self._answer(decision.decision_id)  # nobody waits on a signal; forget its refusal
 
     def _answer(self, decision_id: str) -> None:
         """Give a waiting decide update its verdict, from the record the run wrote for it."""
+        unrecorded = self.engine.unrecorded_refusals.pop(decision_id, None)
         if decision_id not in self._verdicts:
             return
         record = next(
@@ -696,7 +738,9 @@ class AgentRun:
         if record is None:  # a refusal counted in a flood, not recorded
             self._verdicts[decision_id] = DecideResult(
                 decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state,
-                reason="refused (counted, not recorded: see snapshot.refusals)", rule="flood",
+                reason=f"refused: {unrecorded.message} (counted, not recorded: see snapshot.refusals)"
+                if unrecorded and self._record else "refused (counted, not recorded: see snapshot.refusals)",
+                rule=unrecorded.rule if unrecorded and self._record else "flood",
             )
             return
         self._verdicts[decision_id] = DecideResult(
@@ -779,29 +823,63 @@ class AgentRun:
         refusal, verified = (verdict.refusal, verdict.verified) if verdict else (None, False)
         return self._decide(lambda now: self.engine.take_handoff(request, now, detail, refusal, verified, refs=refs))
 
-    def _flush_inbox(self) -> None:
-        """The run left AWAITING_APPROVAL: decisions still queued can no longer count."""
+    def _flush_inbox(self, *, ended: bool = False) -> None:
+        """The run left AWAITING_APPROVAL (``ended``: the run is over): decisions still queued
+        can no longer count."""
+        ended = self._record and (ended or self.data.lifecycle.terminal)
         for kind, decision in self._inbox:
-            self.engine.refuse_unsettled(kind, decision, workflow.now())
+            self.engine.refuse_unsettled(kind, decision, workflow.now(), ended=ended)
             self._answer(decision.decision_id)
         self._inbox.clear()
 
+    def _updates_exhausted(self) -> bool:
+        """Near Temporal's per-run Update limit, with no Update in flight: time to continue."""
+        return self._record and self._updates >= UPDATES_CONTINUE_AT and workflow.all_handlers_finished()
+
     async def _flush_audit(self) -> None:
-        """Every record written so far, to the audit sink, in order (keyed by seq: a retry
-        never writes one twice)."""
+        """Every record written so far, to the audit sink, in order (keyed by workflow id, run id
+        and seq: a retry never writes one twice). While the sink fails, the run says so and
+        retries on a backoff timer; nothing else starts until every record is in."""
         if not self._v2:
             self._audit.clear()
             return
+        info = workflow.info()
+        failures = 0
         while self._audit:
-            batch, self._audit = self._audit[:AUDIT_BATCH], self._audit[AUDIT_BATCH:]
-            await self._activity(
-                "audit_append",
-                AuditBatch(workflow_id=workflow.info().workflow_id, first_run_id=self.data.first_run_id, records=batch),
-                AuditAck,
-                f"audit · {len(batch)} record(s)",
-                local=True,
-                checkpoint=False,
-            )
+            batch = self._audit[:AUDIT_BATCH]
+            try:
+                await self._activity(
+                    "audit_append",
+                    AuditBatch(
+                        workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
+                        run_id=info.run_id, continued_from=info.continued_run_id,
+                    ),
+                    AuditAck,
+                    f"audit · {len(batch)} record(s)",
+                    local=True,
+                    checkpoint=False,
+                    retry=AUDIT_RETRY if self._record else None,
+                )
+            except (ActivityError, ApplicationError) as err:  # a local activity's failure comes bare
+                if not self._record:
+                    raise
+                failures += 1
+                delay = min(2.0 ** (failures - 1), AUDIT_BACKOFF_MAX)
+                failure = err.cause if isinstance(err, ActivityError) else err
+                cause = failure.message if isinstance(failure, ApplicationError) else str(failure or err)
+                self._audit_error = clip(
+                    f"audit sink failing, {len(self._audit)} record(s) from seq {batch[0].seq} not written "
+                    f"(attempt {failures}, next in {delay:g}s): {cause}",
+                    600,
+                )
+                workflow.logger.warning("%s", self._audit_error)
+                self._publish()
+                await workflow.sleep(timedelta(seconds=delay), summary="audit sink retry")
+                continue
+            del self._audit[: len(batch)]
+        if self._audit_error is not None:
+            workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
+            self._audit_error = None
 
     async def _checkpoint(self) -> None:
         """Before the run waits: the audit sink has every record, people who take an event are
@@ -841,7 +919,7 @@ class AgentRun:
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
         self._loops += 1
-        suggested = workflow.info().is_continue_as_new_suggested()
+        suggested = workflow.info().is_continue_as_new_suggested() or self._updates_exhausted()
         if not suggested and self._loops % 16:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
@@ -905,84 +983,10 @@ class AgentRun:
         workflow.set_current_details(clip(self._details(), DETAILS_CHARS))
 
     def _details(self) -> str:
-        # The Web UI's "Current Details" (markdown). Names, effects, ids and the plan hash only:
-        # never tool arguments or results, which may hold personal data.
-        from datetime import datetime, timezone
-
-        def utc(moment: datetime) -> str:
-            return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-        data = self.data
-        lc = data.lifecycle
-        requester = f"`{self.request.requested_by}`" + (" (signed)" if data.requester_verified else " (claimed)")
-        lines = [
-            f"**State:** `{lc.state.value}` (version {lc.state_version})",
-            "",
-            f"**Tenant** `{self.request.tenant}` · **requested by** {requester} · "
-            f"{len(data.executed)} step(s) executed · {data.retries} retries",
-        ]
-        if workflow.info().continued_run_id:
-            # A continued run has no static summary of its own (continue-as-new cannot set one).
-            lines += ["", f"**Goal:** {clip(self.request.goal, 300)}"]
-        if data.approved_by:
-            lines += ["", "**Approved by** " + ", ".join(f"`{a}`" for a in data.approved_by)]
-        if data.last_error:
-            lines += ["", f"**Last error:** {data.last_error[:200]}"]
-        if lc.refusals:
-            lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
-        plan, catalog = data.plan, data.catalog or ToolCatalog()
-        if plan is not None and not lc.terminal:
-            lines += ["", f"**Plan** v{plan.version} `{plan.plan_hash}`", ""]
-            if data.revisions:
-                last = data.revisions[-1]
-                lines[-1:-1] = [
-                    f"**Revised** {len(data.revisions)} time(s), last by {markdown_code(last.editor, 128)}"
-                    + (" (partial approval)" if last.partial else "")
-                    + f": {markdown_code(', '.join(last.changed), 300)}"
-                ]
-            for i, step in enumerate(plan.steps[:30], start=1):
-                info = catalog.get(step.tool)
-                effect = info.effect.value if info else "?"
-                mark = " ✓ done" if i <= data.next_step else ""
-                lines.append(f"{i}. `{step.tool}` · {effect}{mark}")
-            if len(plan.steps) > 30:
-                lines.append(f"… and {len(plan.steps) - 30} more step(s)")
-        pending = data.pending_approval
-        if pending is not None and lc.state == S.AWAITING_APPROVAL:
-            wf_id = workflow.info().workflow_id
-            signal_input = (
-                f"{{\"decision_id\": \"<unique id>\", \"approver\": \"NAME\", "
-                f"\"plan_hash\": \"{pending.plan_hash}\", \"request_id\": \"{pending.request_id}\"}}"
-            )
-            lines += [
-                "",
-                f"**Waiting for approval** (request `{pending.request_id}`) until "
-                f"**{utc(pending.expires_at)}** — {clip(pending.summary, 1000)}",
-                "",
-                f"**Approvals:** {len(pending.approvals)} of {pending.approvals_required}"
-                + (f" · risk **{pending.risk}**" if pending.risk != "normal" else "")
-                + (f" · roles {', '.join(f'`{r}`' for r in pending.roles)}" if pending.roles else "")
-                + (
-                    " · so far " + ", ".join(f"`{a.approver}`" for a in pending.approvals)
-                    if pending.approvals
-                    else ""
-                )
-                + (f" · escalation stage {pending.stage} of {len(pending.escalation)}" if pending.escalation else ""),
-                "",
-                "**Approve with:**",
-                "",
-                f"`.venv/bin/tether approve {wf_id} --by NAME` (add `--key PATH` where approvals are signed)",
-                "",
-                "or:",
-                "",
-                f"`temporal workflow signal --workflow-id {wf_id} --name approve --input "
-                f"'{signal_input}'`",
-                "",
-                "or here: **More Actions → Send a Signal → approve**, with the `--input` JSON as data.",
-            ]
-        if data.answer and lc.terminal:
-            lines += ["", f"**Answer:** {data.answer[:500]}"]
-        return "\n".join(lines)
+        return run_details(
+            self.data, self.request, workflow_id=workflow.info().workflow_id,
+            continued=bool(workflow.info().continued_run_id), audit_error=self._audit_error,
+        )
 
 
 def _new_tool_call_id(n: int) -> str:

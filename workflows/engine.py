@@ -108,6 +108,8 @@ class Engine:
         # Records someone is to be told about, with webhooks named besides the subscribers (an
         # escalation stage's notify); the workflow takes them before it waits.
         self.outbox: list[tuple[TransitionRecord, list[str]]] = []
+        # Decision refusals counted but not recorded (a flood), until their sender is answered.
+        self.unrecorded_refusals: dict[str, Refusal] = {}
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded
@@ -549,8 +551,8 @@ class Engine:
                 data.lifecycle.accept(
                     at=at,
                     actor=actor,
-                    reason=f"approval {len(pending.approvals)}/{pending.approvals_required} accepted: "
-                    f"{decision.comment or 'approved'}",
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted"
+                    + (f": {decision.comment}" if decision.comment else ""),
                     refs=refs,
                 )
             )
@@ -559,23 +561,26 @@ class Engine:
         data.approval, data.pending_approval = pending, None
         self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
 
-    def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime) -> None:
-        """A decision still queued when the run left AWAITING_APPROVAL."""
-        self._refuse_decision(
-            kind,
-            _plain(decision),
-            Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL"),
-            at,
-        )
+    def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None:
+        """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
+        over (completed, cancelled, failed, handed off, expired), rule ``run_ended``."""
+        if ended:
+            refusal = Refusal(rule="run_ended", message=f"the run ended before this decision was settled (state {self.state.value})")
+        else:
+            refusal = Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL")
+        self._refuse_decision(kind, _plain(decision), refusal, at)
 
     def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None:
-        self.refuse(
+        record = self.data.lifecycle.refuse(
             at=at,
             actor=f"user:{decision.approver}",
             reason=f"{kind} refused: {refusal.message}",
             rule=refusal.rule,
             refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id),
         )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
 
     def next_escalation(self) -> datetime | None:
         """When the pending request's next escalation stage is due (None: no stage left)."""
@@ -684,6 +689,9 @@ class Engine:
                 refs=Refs(plan_hash=note.plan_hash, request_id=note.request_id),
             )
         )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""

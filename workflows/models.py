@@ -822,6 +822,12 @@ class RunSnapshot(BaseModel):
     # Refused events per "rule actor", counted even where the timeline keeps only the first few.
     refusals: dict[str, int] = Field(default_factory=dict)
     timeline_records: int = 0  # records written in all (the timeline query returns a window)
+    # The audit sink: records written but not yet in it, and why (while it fails, the run
+    # retries on a backoff timer and starts nothing new).
+    audit_waiting: int = 0
+    audit_error: str | None = None
+    # decide Updates this execution took (Temporal allows 2,000 per run: it continues as new first).
+    updates: int = 0
     # The run's catalog entries (taken at run start) for the tools its plan calls: what an
     # approver is shown about each step (effect, summary fields), as the run itself judges them.
     tools: list[ToolInfo] = Field(default_factory=list)
@@ -843,11 +849,14 @@ RunRequest.model_rebuild()
 
 
 class AuditBatch(BaseModel):
-    """Timeline records on their way to the audit sink (activities/audit.py)."""
+    """Timeline records on their way to the audit sink (activities/audit.py), keyed by workflow
+    id, run id and seq: each execution (a reset makes a new one) is its own stream."""
 
     workflow_id: str
     first_run_id: str
     records: list[TransitionRecord]
+    run_id: str = ""  # the execution that wrote them (the activity fills it from its info)
+    continued_from: str | None = None  # the run this one continued as new from
 
 
 class AuditAck(BaseModel):

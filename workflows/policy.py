@@ -6,6 +6,7 @@ Each refusal is a short reason a person can act on; ``None`` means allowed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -25,6 +26,7 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
+from workflows.display import show_value
 from workflows.identity import same_person
 from workflows.states import EffectOutcome, RunState
 
@@ -39,14 +41,8 @@ def decision_refusal(
     Who may decide is :func:`approver_refusal`'s question, asked by the policy activity.
     """
     pending = data.pending_approval
-    if check_duplicate and (
-        decision.decision_id in data.decisions_seen
-        or (pending is not None and any(a.decision_id == decision.decision_id for a in pending.approvals))
-    ):
-        return Refusal(
-            rule="duplicate_decision",
-            message=f"duplicate decision_id {decision.decision_id[:64]}: already handled",
-        )
+    if check_duplicate and (refusal := repeated_decision_refusal(decision.decision_id, data)):
+        return refusal
     state = data.lifecycle.state
     if state != RunState.AWAITING_APPROVAL or pending is None:
         return Refusal(rule="not_awaiting_approval", message=f"run is {state.value}, not AWAITING_APPROVAL")
@@ -84,6 +80,20 @@ def partial_steps(decision: ApprovalDecision, plan: Plan) -> list[int] | None:
         return None
     kept = sorted(set(decision.steps))
     return None if kept == list(range(1, len(plan.steps) + 1)) else kept
+
+
+def repeated_decision_refusal(
+    decision_id: str, data: RunData, *, in_flight: Collection[str] = ()
+) -> Refusal | None:
+    """A decision id the run has handled (or is deciding, ``in_flight``): it cannot count again."""
+    pending = data.pending_approval
+    if (
+        decision_id in data.decisions_seen
+        or decision_id in in_flight
+        or (pending is not None and any(a.decision_id == decision_id for a in pending.approvals))
+    ):
+        return Refusal(rule="duplicate_decision", message=f"duplicate decision_id {decision_id[:64]}: already handled")
+    return None
 
 
 def budget_refusal(executed_steps: int, proposed_steps: int, limits: Limits) -> str | None:
@@ -263,7 +273,9 @@ def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
     effect = info.effect.value if info else "?"
     if info is not None and info.destructive:
         effect += ", DESTRUCTIVE"
-    fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
+    # Values escaped and quoted (display.show_value): a value cannot end its own field and pass
+    # off what follows as another one, or move the approver's cursor.
+    fields = [f"{k}={show_value(args[k], 200)}" for k in (info.summary_fields if info else []) if k in args]
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
 
 

@@ -74,6 +74,17 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 TERMINAL: frozenset[RunState] = frozenset(s for s, out in TRANSITIONS.items() if not out)
 WORKING: frozenset[RunState] = frozenset(RunState) - TERMINAL
 
+# How each final state ends the Temporal execution, so the Web UI's status badge, `temporal
+# workflow list --query "ExecutionStatus='Failed'"` and Temporal's failure metrics tell the
+# outcome: a run that failed is Failed, a cancelled one Canceled, every other ending (a
+# decision, an expiry, a handoff: the run did what it should) Completed.
+TEMPORAL_STATUS: dict[RunState, str] = {
+    s: "Failed" if s in (RunState.FAILED, RunState.EXECUTION_FAILED)
+    else "Canceled" if s == RunState.CANCELLED
+    else "Completed"
+    for s in TERMINAL
+}
+
 
 def is_allowed(from_state: RunState, to_state: RunState) -> bool:
     return to_state in TRANSITIONS[from_state]

@@ -108,6 +108,14 @@ async def main() -> None:
         request = DecideRequest(kind="approve", **approval_for(snap, "bob").model_dump())
         await h.execute_update("decide", request, result_type=DecideResult)
 
+    async def decide_refused_path(client: Client, h: WorkflowHandle) -> None:
+        # Issue 19: a policy refusal through the Update is on the record (the handler's path).
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        own = DecideRequest(kind="approve", **approval_for(snap, "alice").model_dump())
+        await h.execute_update("decide", own, result_type=DecideResult)
+        request = DecideRequest(kind="approve", **approval_for(snap, "bob").model_dump())
+        await h.execute_update("decide", request, result_type=DecideResult)
+
     async def unsafe_path(client: Client, h: WorkflowHandle) -> None:
         billing.fail_next("emails", 1, status=503, when="after_commit")
         await approve(h)
@@ -126,6 +134,7 @@ async def main() -> None:
         ("unsafe_unknown_outcome", steps("email"), {}, unsafe_path),
         ("continue_as_new", steps("refund"), {}, continue_as_new_path),
         ("decide", steps("refund"), {}, decide_path),
+        ("decide_refused", steps("refund"), {}, decide_refused_path),
     ]
 
     async def record(paths: list, extra_args: list[str]) -> None:
