@@ -246,3 +246,14 @@ def test_a_run_away_past_several_stages_takes_them_in_order_then_expires() -> No
     waiting(e2)
     e2.timer_fired(START + timedelta(seconds=180), escalate=False)
     assert e2.state == S.EXPIRED and not any(r.kind == "escalated" for r in e2.data.lifecycle.timeline)
+
+
+def test_a_huge_revision_is_refused_like_a_huge_proposal() -> None:
+    e = engine()
+    waiting(e)
+    before = (e.data.plan, e.data.pending_approval)
+    huge = [{"tool": "send_email", "args": {"to": "a@b.c", "subject": "s", "body": "x" * 9000}}] * 40
+    revise(e, huge)
+    last = e.data.lifecycle.timeline[-1]
+    assert last.kind == "refused" and last.rule == "invalid_revision" and "over the" in last.reason
+    assert (e.data.plan, e.data.pending_approval) == before

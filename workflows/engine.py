@@ -21,6 +21,7 @@ from workflows.budgets import (
     DECISIONS_WINDOW,
     EXECUTED_OBSERVATION_CHARS,
     EXECUTED_WINDOW,
+    PROPOSAL_BYTES,
     REASON_CHARS,
     REVISIONS_KEPT,
     clip,
@@ -415,7 +416,11 @@ class Engine:
         actor = self.actor(plain.approver, verified, plain.attested_by)
         if isinstance(decision, RevisionRequest):
             _require(new_id is not None, "a revision needs tool call ids")
-            proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
+            body = decision.model_dump_json(include={"steps"})
+            if len(body) > PROPOSAL_BYTES:  # the proposal's budget: the plan is carried and hashed
+                proposal = Proposal(oversized_bytes=len(body), oversized_digest=hashlib.sha256(body.encode()).hexdigest())
+            else:
+                proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
             self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
             return
         refs = Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id, request_id=pending.request_id or None)
