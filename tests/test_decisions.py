@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.policy import PolicyStore
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
-from workflows.models import DecideResult, PlannerInput, RunSnapshot
+from workflows.models import DecideResult, PlannerInput, RunOutcome, RunSnapshot
 from workflows.states import RunState
 
 S = RunState
@@ -397,3 +397,35 @@ async def test_a_signed_revision_covers_the_revised_steps(
         assert approved.record is not None and approved.record.to_state == S.APPROVED
         assert after.plan is not None and after.plan.version == 2
         await handle.result()
+
+
+async def test_a_revised_escalating_plan_continues_as_new_and_keeps_its_version(
+    small_history_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    # Revisions add events; the server suggests continue-as-new after 40: the carried state keeps
+    # the plan version, the revisions, the editors and the request.
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY.replace("max_steps = 3", "max_steps = 20"))
+    env = small_history_env
+    async with running_worker(env.client, policy=PolicyStore.from_env(str(path))) as worker:
+        handle = await start_run(env.client, worker, make_request([READ, REFUND]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        first_run = (await handle.describe()).run_id
+        for amount in (8000, 7000, 6000, 5500):
+            assert (await decide(handle, **revision(snap, [READ, with_amount(amount)]))).state == S.VALIDATED
+            snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        for _ in range(100):  # the continue-as-new happens while the run waits
+            if (await handle.describe()).run_id != first_run:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the run did not continue as new")
+        carried = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert carried.plan is not None and carried.plan.version == 5
+        assert [r.version for r in carried.revisions] == [2, 3, 4, 5]
+        assert carried.pending_approval == snap.pending_approval and carried.pending_approval.editors == ["carol"]
+        ok = await decide(handle, kind="approve", **approval_for(carried, "bob").model_dump(exclude_none=True))
+        assert ok.state == S.APPROVED
+        outcome = await env.client.get_workflow_handle(handle.id, result_type=RunOutcome).result()
+    refunds = [r for s in outcome.steps if s.tool == "issue_refund" for r in billing.refunds(f"{handle.id}:{s.tool_call_id}")]
+    assert [r["amount_cents"] for r in refunds] == [5500]
