@@ -66,6 +66,8 @@ from workflows.models import (
     PendingApproval,
     Plan,
     RunOutcome,
+    RevisedStep,
+    ReviseDecideRequest,
     RunRequest,
     RunSnapshot,
     first_error,
@@ -592,6 +594,7 @@ class DecisionInput:
     # A trusted signer's name (policy [signers.NAME]): ``key`` is that signer's, attesting that
     # it verified ``by`` itself (the inbox); the run shows ``user:BY via NAME``.
     attest_as: str | None = None
+    steps: list[int] | None = None  # approve only these steps (1-based); None: all
 
 
 def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given: DecisionInput) -> DecideRequest:
@@ -610,6 +613,7 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
             comment=given.comment,
             reason=given.reason,
             attested_by=given.attest_as,
+            steps=given.steps,
         )
     except ValidationError as e:
         raise invalid("decision", e) from None
@@ -619,6 +623,121 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
         )
         decision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
     return decision
+
+
+def parse_edits(edits: Sequence[Sequence[str]]) -> list[tuple[int, str, Any]]:
+    """``--step N KEY=VALUE ...`` as (step, key, value); a value that is JSON is taken as JSON
+    (``1000``, ``true``, ``"1000"``), anything else as text."""
+    import json
+
+    out: list[tuple[int, str, Any]] = []
+    for edit in edits:
+        if len(edit) < 2 or not edit[0].isdigit() or int(edit[0]) < 1:
+            raise TetherError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
+        for pair in edit[1:]:
+            key, sep, text = pair.partition("=")
+            if not sep or not key:
+                raise TetherError(f"--step: {pair[:60]!r} is not KEY=VALUE")
+            try:
+                value: Any = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
+            out.append((int(edit[0]), key, value))
+    return out
+
+
+def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
+    """The whole plan as ``{tool, args}`` steps with the edits applied (the run validates it)."""
+    steps = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
+    for number, key, value in edits:
+        if number > len(steps):
+            raise TetherError(f"--step {number}: the pending plan has {len(steps)} step(s)", REFUSED)
+        steps[number - 1]["args"][key] = value
+    return steps
+
+
+def load_steps_file(path: Path, what: str = "steps file", model: type[BaseModel] = RevisedStep) -> list[Any]:
+    """A JSON list of ``{tool, args}`` steps (or ``{"steps": [...]}``), each validated as
+    ``model``: a playbook, or the whole revised plan of ``tether revise --steps-file``."""
+    import json
+
+    try:
+        raw = json.loads(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
+    raw = raw.get("steps") if isinstance(raw, dict) else raw
+    if not isinstance(raw, list):
+        raise TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
+    try:
+        return [model.model_validate(s) for s in raw]
+    except ValidationError as e:
+        raise invalid(f"{what} {path}", e) from None
+
+
+def revision_diff(plan: Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
+    """What a revision changes, for the person making it: RFC 6902 operations with their values
+    (escaped), e.g. ``replace /1/args/amount_cents: 9000 -> 1000``. Never recorded."""
+    from workflows.display import escape_text, show_value
+    from workflows.revision import patch
+
+    old = [{"tool": s.tool, "args": s.args} for s in plan.steps]
+    lines = []
+    for op in patch(plan.steps, [RevisedStep.model_validate(s) for s in steps]):
+        path = op["path"]
+        if op["op"] == "replace":
+            before = _pointer(old, path)
+            lines.append(f"replace {escape_text(path, 200)}: {show_value(before, 200)} -> {show_value(op['value'], 200)}")
+        elif op["op"] == "remove":
+            lines.append(f"remove {escape_text(path, 200)}: {show_value(_pointer(old, path), 200)}")
+        else:
+            lines.append(f"{op['op']} {escape_text(path, 200)}: {show_value(op.get('value', op.get('from')), 200)}")
+    return lines
+
+
+def _pointer(document: Any, path: str) -> Any:
+    import jsonpointer
+
+    try:
+        return jsonpointer.resolve_pointer(document, path)
+    except jsonpointer.JsonPointerException:
+        return None
+
+
+async def revise(
+    client: Client,
+    run_id: str,
+    given: DecisionInput,
+    steps: list[dict[str, Any]],
+    *,
+    timeout: float = VERDICT_TIMEOUT,
+) -> Verdict:
+    """Revise the run's pending plan (the whole revised list of steps); returns the run's record
+    of it (VALIDATED: a new plan version, then a new approval request), or raises REFUSED with
+    the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...)."""
+    snap, pending = await _pending(client, run_id)
+    try:
+        revision = ReviseDecideRequest(
+            kind="revise",
+            decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
+            editor=given.by,
+            plan_hash=given.plan_hash or pending.plan_hash,  # a stale one is sent, refused on the record
+            request_id=given.request_id or pending.request_id or None,
+            steps=steps,
+            reason=given.reason or "",
+            attested_by=given.attest_as,
+        )
+    except ValidationError as e:
+        raise invalid("revision", e) from None
+    if given.key is not None:
+        payload = policy.decision_signature_payload(
+            workflow_id=snap.run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind="revise",
+            decision=revision.as_decision(), steps_digest=revision.revised_hash(),
+        )
+        revision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
+    record = await _send_decision(client, run_id, revision, timeout)
+    return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
 def keygen(path: Path, *, force: bool = False) -> str:
@@ -680,6 +799,16 @@ async def decide(
     Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
     role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
     """
+    snap, pending = await _pending(client, run_id)
+    # A stale plan hash is sent all the same: the run records the attempt, and refuses it
+    # (stale_plan_hash) on its timeline.
+    decision = build_decision(snap, kind, given)
+    record = await _send_decision(client, run_id, decision, timeout)
+    return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+async def _pending(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
+    """The run's pending request (a worker is there to take a decision), or REFUSED."""
     await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     pending = snap.pending_approval
@@ -687,9 +816,13 @@ async def decide(
         raise TetherError(
             f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
         )
-    # A stale plan hash is sent all the same: the run records the attempt, and refuses it
-    # (stale_plan_hash) on its timeline.
-    decision = build_decision(snap, kind, given)
+    return snap, pending
+
+
+async def _send_decision(
+    client: Client, run_id: str, decision: DecideRequest | ReviseDecideRequest, timeout: float
+) -> TransitionRecord | None:
+    """Through the decide Update; the run's record of it, or REFUSED / PENDING with the rule."""
     handle = client.get_workflow_handle(run_id)
     pending_verdict = TetherError(
         f"decision {decision.decision_id} accepted, verdict pending: the run is still checking it "
@@ -724,8 +857,7 @@ async def decide(
         raise rpc_error(e, run_id) from None
     if result.outcome == "refused":
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
-    record = await _await_record(client, run_id, decision.decision_id, timeout)
-    return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+    return await _await_record(client, run_id, decision.decision_id, timeout)
 
 
 def _refused_update(err: WorkflowUpdateFailedError) -> TetherError:

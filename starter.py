@@ -48,6 +48,7 @@ OPTIONS = {
     "on_expiry": "--on-expiry", "max_model_tokens": "--max-model-tokens", "approver": "--by", "by": "--by",
     "decision_id": "--decision-id", "plan_hash": "--plan-hash", "comment": "--comment", "reason": "--reason",
     "state": "--state", "limit": "--limit", "port": "--port", "dev_login": "--dev-login", "jwks": "--jwks",
+    "editor": "--by", "steps": "--steps",
 }
 
 
@@ -116,14 +117,22 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"decision   {show(d.refs.decision_id, 128)} by {show(d.actor, 120)}: {verdict}: "
                      f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else ""))
     if s.plan is not None:
-        lines.append(f"plan       {show(s.plan.plan_hash)}")
+        lines.append(f"plan       v{s.plan.version} {show(s.plan.plan_hash)}")
         lines.extend(_steps(s.plan))
+    for r in s.revisions:
+        what = "partial approval" if r.partial else "revised"
+        lines.append(f"revision   v{r.version} {what} by {show(r.editor, 128)} at {r.at.isoformat()}: "
+                     f"{show(', '.join(r.changed) or '-', 500)} (was {r.previous_plan_hash[:12]})")
     if s.pending_approval is not None:
         p = s.pending_approval
         lines.append(f"pending    approval until {p.expires_at.isoformat()}: {show(p.summary)}")
         if p.request_id:
             lines.append(f"request    {show(p.request_id)}")
         lines.append(f"           approve: {invoked_as()} approve {show(shlex.quote(s.run_id))} --by NAME")
+        if p.escalation:
+            lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
+                         + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
+        lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
     if s.answer:
         lines.append(f"answer     {show(s.answer)}")
     return "\n".join(lines)
@@ -165,21 +174,7 @@ def format_list(rows: Sequence[client.RunSummary]) -> str:
 
 
 def _load_playbook(path: str | None) -> list[PlaybookStep]:
-    if path is None:
-        return []
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise TetherError(f"playbook file not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TetherError(f"playbook {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
-    steps = raw.get("steps") if isinstance(raw, dict) else raw
-    if not isinstance(steps, list):
-        raise TetherError(f"playbook {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
-    try:
-        return [PlaybookStep.model_validate(s) for s in steps]
-    except ValidationError as e:
-        raise client.invalid(f"playbook {path}", e) from None
+    return client.load_steps_file(Path(path), "playbook", PlaybookStep) if path is not None else []
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
@@ -239,11 +234,23 @@ async def cmd_start(args: argparse.Namespace) -> int:
     return OK
 
 
+def _step_numbers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        numbers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TetherError(f"--steps: expected step numbers like 1,2, got {text[:60]!r}") from None
+    if not numbers:
+        raise TetherError("--steps: name at least one step")
+    return numbers
+
+
 async def _decide(args: argparse.Namespace, kind: str) -> int:
     given = client.DecisionInput(
         by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id,
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
-        key=Path(args.key) if args.key else None,
+        key=Path(args.key) if args.key else None, steps=_step_numbers(getattr(args, "steps", None)),
     )
     try:
         verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
@@ -276,6 +283,29 @@ def _print_verdict(verdict: client.Verdict) -> int:
 
 async def cmd_approve(args: argparse.Namespace) -> int:
     return await _decide(args, "approve")
+
+
+async def cmd_revise(args: argparse.Namespace) -> int:
+    if bool(args.step) == bool(args.steps_file):
+        raise TetherError("revise: give --step N KEY=VALUE (repeatable) or --steps-file PATH")
+    conn = await client.connect()
+    snap = await client.status(conn, args.run)
+    if snap.plan is None or snap.pending_approval is None:
+        raise TetherError(f"run {args.run} is {snap.state.value}, not awaiting approval", REFUSED)
+    steps = (
+        [s.model_dump() for s in client.load_steps_file(Path(args.steps_file))] if args.steps_file
+        else client.revised_steps(snap.plan, client.parse_edits(args.step))
+    )
+    given = client.DecisionInput(
+        by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id, reason=args.reason,
+        key=Path(args.key) if args.key else None,
+    )
+    # The person sees the values they change; the run records only the paths.
+    print(f"revising plan v{snap.plan.version} {snap.plan.plan_hash} of run {args.run}:")
+    for line in client.revision_diff(snap.plan, steps) or ["(no change)"]:
+        print(f"  {line}")
+    verdict = await client.revise(conn, args.run, given, steps)
+    return _print_verdict(verdict)
 
 
 async def cmd_reject(args: argparse.Namespace) -> int:
@@ -466,7 +496,21 @@ def _decision_args(kind: str) -> Callable[[argparse.ArgumentParser], None]:
         p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the decision (see keygen)")
         if kind == "approve":
             p.add_argument("--comment", metavar="TEXT")
+            p.add_argument("--steps", metavar="N,N", help="approve only these steps (1-based, e.g. 1,2); the rest "
+                           "are dropped from the plan (default: all)")
     return add
+
+
+def _revise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run")
+    p.add_argument("--by", required=True, metavar="NAME", help="who revises (someone who may approve)")
+    p.add_argument("--reason", required=True, metavar="TEXT")
+    p.add_argument("--step", nargs="+", action="append", metavar="N K=V",
+                   help="set arguments of step N (1-based); repeatable; JSON values (1000, true) or text")
+    p.add_argument("--steps-file", metavar="F", help="the whole revised plan: a JSON list of {tool, args}")
+    p.add_argument("--plan-hash", metavar="HASH", help="the plan you reviewed (default: the pending one)")
+    p.add_argument("--decision-id", metavar="ID", help="unique id of this revision (default: random)")
+    p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the revision (see keygen)")
 
 
 def _handoff_args(p: argparse.ArgumentParser) -> None:
@@ -541,6 +585,7 @@ COMMANDS: list[Command] = [
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
+    Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
     Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
     Command("tools", "the tools a worker serves: source, effect and why", _tools_args, cmd_tools),

@@ -28,6 +28,7 @@ from activities import mcp, planning
 from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
 from activities.metrics import prometheus_runtime, tracing_interceptors
+from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
@@ -57,6 +58,7 @@ def create_worker(
     """
     tools = ToolActivities(registry)
     rules = rules or PolicyActivities(policy or PolicyStore(None))
+    notify = NotifyActivities(rules.store)
     # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
     audit = audit or AuditActivities()
     return Worker(
@@ -71,6 +73,7 @@ def create_worker(
             rules.check_decision,
             rules.check_authority,
             rules.check_handoff,
+            notify.notify,
             audit.audit_append,
             audit.carryover_seal,
             audit.carryover_verify,

@@ -215,11 +215,22 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
                 problem(at + ("may_attest",), f"unknown tenant {tenant_name!r}")
     raw_tenants = tomllib.loads(text).get("tenants", {})
     known = set(tool_names)
+    for hook_name, hook in document.notify.webhooks.items():
+        if hook.secret_file is not None and not (path.parent / hook.secret_file).is_file():
+            problem(("notify", "webhooks", hook_name, "secret_file"), f"no such file: {path.parent / hook.secret_file}")
     for name, tenant in document.tenants.items():
         at = ("tenants", name)
         if not raw_tenants.get(name):
             problem(at, "empty tenant: set tools and approvers (or remove it)")
             continue
+        for level in ("normal", "high"):
+            for i, stage in enumerate(getattr(tenant.escalation, level)):
+                for hook_name in stage.notify:
+                    if hook_name not in document.notify.webhooks:
+                        problem(
+                            at + ("escalation", level),
+                            f"stage {i + 1} notifies {hook_name!r}: no [notify.webhooks.{hook_name}]",
+                        )
         named = [(at + ("tools",), t) for t in tenant.tools or []]
         named += [(at + ("auto_approve", "limits"), r.tool) for r in tenant.auto_approve.limits]
         named += [(at + ("high_risk", "when"), r.tool) for r in (tenant.high_risk.when if tenant.high_risk else [])]
@@ -243,9 +254,12 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
         held = {role for a in tenant.approvers.values() for role in a.roles}
         wanted = [("approval_roles", r) for r in tenant.approval_roles]
         wanted += [("high_risk", r) for r in (tenant.high_risk.roles if tenant.high_risk else [])]
+        wanted += [
+            ("escalation", r) for level in (tenant.escalation.normal, tenant.escalation.high) for st in level for r in st.roles
+        ]
         for key, role in wanted:
             if role not in held:
-                loc = at + (key,) if key == "approval_roles" else at + ("high_risk", "roles")
+                loc = at + (key,) if key in ("approval_roles", "escalation") else at + ("high_risk", "roles")
                 problem(loc, f"role {role!r} is held by no approver: no plan needing it could be approved")
     return problems
 
@@ -363,11 +377,14 @@ class PolicyActivities:
             )
             # Verified only by a signature that checked out, never by the absence of a rule.
             verified = refusal is None and _has_key(tenant, request.requested_by)
+        document, _ = self.store.load()
+        webhooks = {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {}
         return PolicySnapshot(
             tenant=request.tenant,
             policy=tenant,
             policy_hash=digest,
             source=self.store.source,
+            webhooks=webhooks,
             requester_refusal=refusal,
             requester_verified=verified,
         )
@@ -382,6 +399,7 @@ class PolicyActivities:
             kind=check.kind,
             roles=check.roles,
             already_approved=check.already_approved,
+            editors=check.editors,
         )
         if refusal is None:
             decision = check.decision
@@ -391,6 +409,7 @@ class PolicyActivities:
                 tenant=check.tenant,
                 kind=check.kind,
                 decision=decision,
+                steps_digest=check.steps_digest,
             )
             refusal = signature_refusal(
                 tenant, decision.approver, payload, decision.signature, what="decision",

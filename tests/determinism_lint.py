@@ -36,6 +36,7 @@ ALLOWED_IMPORTS = frozenset({
     "__future__", "asyncio", "collections.abc", "copy", "dataclasses", "datetime", "enum", "functools",
     "hashlib", "json", "math", "typing", "unicodedata",
     "pydantic", "jsonschema", "jsonschema.validators", "re2", "rfc8785", "confusable_homoglyphs",
+    "jsonpatch",  # RFC 6902 diffs of a revised plan (workflows/revision.py): pure, json only
     "temporalio", "temporalio.common", "temporalio.exceptions", "temporalio.workflow",
 })
 CLOCK = frozenset({"now", "utcnow", "today", "fromtimestamp", "utcfromtimestamp", "time_ns", "monotonic", "perf_counter"})

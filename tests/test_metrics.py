@@ -118,7 +118,7 @@ def test_every_rule_the_code_names_is_a_known_label() -> None:
                 named.add(node.value.value)
     named.discard(None)
     assert named and named - {"other"} <= RULES, sorted(named - RULES)
-    assert KINDS == {"approve", "reject", "handoff", "decide"}
+    assert KINDS == {"approve", "reject", "revise", "handoff", "decide"}
 
 
 async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:

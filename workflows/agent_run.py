@@ -37,7 +37,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import policy
     from workflows.details import run_details
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
-    from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
+    from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
@@ -52,6 +52,8 @@ with workflow.unsafe.imports_passed_through():
         ExecutedStep,
         HandoffCheck,
         HandoffRequest,
+        Notification,
+        NotificationResult,
         PlannerInput,
         PolicySnapshot,
         Proposal,
@@ -60,6 +62,8 @@ with workflow.unsafe.imports_passed_through():
         RunOutcome,
         RunRequest,
         RunSnapshot,
+        ReviseDecideRequest,
+        RevisionRequest,
         SealRequest,
         SnapshotRequest,
         ToolCatalog,
@@ -73,7 +77,7 @@ with workflow.unsafe.imports_passed_through():
 
 S = RunState
 T = TypeVar("T")
-M = TypeVar("M", ApprovalDecision, HandoffRequest)
+M = TypeVar("M", ApprovalDecision, HandoffRequest, RevisionRequest)
 
 # Public: the Web UI and `temporal workflow list --query` filter on these.
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("AgentRunState")
@@ -112,7 +116,21 @@ AUDIT_BACKOFF_MAX = 60.0
 # workflow.patched id: a run that ends FAILED or EXECUTION_FAILED fails its Temporal execution
 # (states.TEMPORAL_STATUS) instead of completing it.
 FAILED_STATUS = "failed-status"
-DECIDE_HINT = "approve, reject (signals or the decide update), handoff"
+# Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
+REVISIONS = "tether-revisions"
+# Escalation stages: timers inside the approval window (only where the policy sets stages).
+ESCALATION = "tether-escalation"
+# Notifications: a notify activity per event, where the policy names webhooks for it.
+NOTIFY = "tether-notify"
+# Webhook deliveries are retried with backoff (0.5 s, 1 s, 2 s) and never awaited by the run's
+# progress; a run that ends waits for the ones in flight at most NOTIFY_BUDGET.
+NOTIFY_RETRY = RetryPolicy(
+    maximum_attempts=4, initial_interval=timedelta(seconds=0.5), backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+)
+NOTIFY_ATTEMPT = timedelta(seconds=15)
+NOTIFY_BUDGET = timedelta(seconds=75)
+DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
 @workflow.defn(name="AgentRun")
@@ -138,7 +156,7 @@ class AgentRun:
         )
         # Decisions that passed the cheap checks on arrival, in arrival order; the main loop
         # checks each against the policy (an activity) and acts on it.
-        self._inbox: list[tuple[DecisionKind, ApprovalDecision]] = []
+        self._inbox: list[tuple[DecisionKind, Decision]] = []
         self._handoff: HandoffRequest | None = None
         # Records on their way to the audit sink, and the decide updates waiting for a verdict.
         self._audit: list[TransitionRecord] = []
@@ -146,6 +164,7 @@ class AgentRun:
         self._audit_error: str | None = None
         self._updates = 0  # decide Updates this execution took
         self._v2 = True
+        self._notifying = 0  # notify activities in flight
         self._record = True
         # The carried state bore the workers' seal (or there was none): a run failing on a
         # forged one publishes nothing of it.
@@ -227,6 +246,14 @@ class AgentRun:
             self._handoff = None
         if self._inbox:
             self._flush_inbox(ended=True)
+        self._notify()
+        if self._notifying:
+            # The ending's own event (expired, failed, handed off) and any still being retried:
+            # bounded by their backoff, so a dead webhook never holds the run.
+            try:
+                await workflow.wait_condition(lambda: self._notifying == 0, timeout=NOTIFY_BUDGET, timeout_summary="notifications")
+            except asyncio.TimeoutError:
+                pass
         await self._checkpoint()
         await workflow.wait_condition(workflow.all_handlers_finished)
 
@@ -335,6 +362,7 @@ class AgentRun:
                     feedback=data.feedback,
                     round=data.planning_rounds,
                     steps_done=sum(1 for s in data.executed if s.status == "ok"),
+                    not_approved=data.not_approved,
                 ),
                 Proposal,
                 f"plan · {self.request.planner} · round {data.planning_rounds}",
@@ -347,11 +375,7 @@ class AgentRun:
             return
         if await self._take_handoff():
             return
-        self._decide(
-            lambda now: self.engine.proposal(
-                proposal, at=now, new_id=lambda n: f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
-            )
-        )
+        self._decide(lambda now: self.engine.proposal(proposal, at=now, new_id=_new_tool_call_id))
 
     async def _await_decision(self) -> None:
         pending = self.data.pending_approval
@@ -359,7 +383,10 @@ class AgentRun:
             raise ApplicationError(
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
-        remaining = (pending.expires_at - workflow.now()).total_seconds()
+        # The expiry, or the next escalation stage where the policy sets stages.
+        escalate = bool(pending.escalation) and workflow.patched(ESCALATION)
+        wake, summary = self.engine.next_timer(escalate)
+        remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
             await self._checkpoint()
             try:
@@ -370,7 +397,7 @@ class AgentRun:
                     # A refusal recorded while waiting goes to the sink now, not at the next step.
                     or (self._record and (bool(self._audit) or self._updates_exhausted())),
                     timeout=timedelta(seconds=remaining),
-                    timeout_summary="approval expiry",
+                    timeout_summary=summary,
                 )
             except asyncio.TimeoutError:
                 pass
@@ -380,18 +407,17 @@ class AgentRun:
             # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
             # (a cancel, a failure) still answers it (_finish).
             kind, decision = self._inbox[0] if self._record else self._inbox.pop(0)
+            if kind == "revise" or getattr(decision, "steps", None) is not None:
+                workflow.patched(REVISIONS)
             verdict = await self._activity(
                 "policy_check_decision",
                 DecisionCheck(
                     tenant=self.request.tenant,
                     workflow_id=workflow.info().workflow_id,
-                    kind=kind,
-                    decision=decision,
                     requested_by=self.request.requested_by,
-                    roles=pending.roles,
-                    already_approved=[a.approver for a in pending.approvals],
                     first_run_id=self.data.first_run_id,
                     requester_verified=self.data.requester_verified,
+                    **self.engine.decision_check(kind, decision),
                 ),
                 Verdict,
                 f"policy check · {kind}",
@@ -400,12 +426,14 @@ class AgentRun:
             if self._record:
                 self._inbox.pop(0)
             self._decide(
-                lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now, verdict.verified)
+                lambda now: self.engine.settle_decision(
+                    kind, decision, verdict.refusal, now, verdict.verified, new_id=_new_tool_call_id
+                )
             )
             self._answer(decision.decision_id)
             return
-        if workflow.now() >= pending.expires_at:
-            self._decide(self.engine.expire)
+        if workflow.now() >= wake:
+            self._decide(lambda now: self.engine.timer_fired(now, escalate))
         # Otherwise woken to continue as new: the loop does that and comes back here.
 
     async def _authority_refusal(self, *, from_step: int) -> Refusal | None:
@@ -524,6 +552,18 @@ class AgentRun:
             self._screen("reject", decision)
 
     @workflow.signal(
+        name="revise",
+        description="Revise the pending plan: a new plan version, validated like a proposal, then a "
+        "new approval request. Data (RevisionRequest): {\"decision_id\": unique, \"editor\": name, "
+        "\"plan_hash\" and \"request_id\": the pending ones, \"steps\": the whole revised list of "
+        "{\"tool\", \"args\"}, \"reason\": text, \"signature\": where required}.",
+    )
+    def revise(self, *args: Any) -> None:
+        revision = self._decode("revise", args, RevisionRequest)
+        if revision is not None:
+            self._screen("revise", revision)
+
+    @workflow.signal(
         name="handoff",
         description="Hand the run to a human; it ends in HANDED_OFF. Data (HandoffRequest): "
         "{\"by\": name, \"reason\": text, \"decision_id\": optional, \"signature\": where required}.",
@@ -554,15 +594,18 @@ class AgentRun:
     @workflow.update(
         name="decide",
         description="Approve or reject the pending plan and get the verdict at once. Data "
-        "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\". "
+        "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\"; or the "
+        "RevisionRequest fields plus \"kind\": \"revise\". "
         "Only a malformed payload or a repeated decision_id is refused before history; every other "
-        "refusal (stale, expired, four-eyes, role, ...) is on the run's record, and the answer "
-        "(DecideResult) is the record the run wrote for the decision.",
+        "refusal (stale, expired, four-eyes, role, invalid revision, ...) is on the run's record, and "
+        "the answer (DecideResult) is the record the run wrote for the decision.",
     )
     async def decide(self, *args: Any) -> DecideResult:
         decision = self._decide_payload(args)
         kind: DecisionKind = decision.kind
-        plain = ApprovalDecision.model_validate(decision.model_dump(exclude={"kind"}))
+        plain: Decision = (
+            RevisionRequest if isinstance(decision, ReviseDecideRequest) else ApprovalDecision
+        ).model_validate(decision.model_dump(exclude={"kind"}))
         self._updates += 1
         if plain.decision_id in self._verdicts:
             # The same decision twice at once (both passed the validator before either arrived):
@@ -595,14 +638,15 @@ class AgentRun:
         if refusal is not None:
             raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
 
-    def _decide_payload(self, args: Sequence[Any]) -> DecideRequest:
+    def _decide_payload(self, args: Sequence[Any]) -> DecideRequest | ReviseDecideRequest:
         if len(args) != 1:
             raise ApplicationError(
                 f"decide refused [malformed]: expected one DecideRequest, got {len(args)} argument(s)",
                 type="malformed",
             )
+        model = ReviseDecideRequest if isinstance(args[0], dict) and args[0].get("kind") == "revise" else DecideRequest
         try:
-            return DecideRequest.model_validate(args[0], context=STRICT)
+            return model.model_validate(args[0], context=STRICT)
         except ValidationError as e:
             raise ApplicationError(
                 f"decide refused [malformed]: expected DecideRequest ({first_error(e)})", type="malformed"
@@ -640,6 +684,7 @@ class AgentRun:
             audit_error=self._audit_error,
             updates=self._updates,
             tools=self._plan_tools(),
+            revisions=data.revisions,
         )
 
     def _plan_tools(self) -> list[ToolInfo]:
@@ -675,7 +720,7 @@ class AgentRun:
         )
         return None
 
-    def _screen(self, kind: DecisionKind, decision: ApprovalDecision) -> None:
+    def _screen(self, kind: DecisionKind, decision: Decision) -> None:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
         if self.engine.screen_decision(kind, decision, workflow.now()):
             self._inbox.append((kind, decision))
@@ -837,9 +882,39 @@ class AgentRun:
             self._audit_error = None
 
     async def _checkpoint(self) -> None:
-        """Before the run waits: the audit sink has every record, and the state is visible."""
+        """Before the run waits: the audit sink has every record, people who take an event are
+        being told, and the state is visible."""
         await self._flush_audit()
+        self._notify()
         self._publish()
+
+    def _notify(self) -> None:
+        """Start a notify activity per event the policy has webhooks for; the run goes on."""
+        notes = self.engine.take_notifications(workflow.info().namespace)
+        if not notes or not self._v2 or not workflow.patched(NOTIFY):
+            return
+        for note in notes:
+            self._notifying += 1
+            asyncio.create_task(self._deliver(note))
+
+    async def _deliver(self, note: Notification) -> None:
+        try:
+            result = await workflow.execute_activity(
+                "notify",
+                note.model_copy(update={"max_attempts": NOTIFY_RETRY.maximum_attempts}),
+                result_type=NotificationResult,
+                start_to_close_timeout=NOTIFY_ATTEMPT,
+                retry_policy=NOTIFY_RETRY,
+                summary=f"notify · {note.event} · {', '.join(note.webhooks)[:100]}",
+            )
+        except ActivityError as err:
+            result = NotificationResult(dead={name: _failure(err).code for name in note.webhooks})
+        except asyncio.CancelledError:
+            self._notifying -= 1
+            return  # the run is being cancelled: its own end is on the record
+        self._notifying -= 1
+        run_metrics.on_notification(note.event, len(result.delivered), len(result.dead))
+        self.engine.notification_done(note, result, workflow.now())
 
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
@@ -850,7 +925,7 @@ class AgentRun:
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
         if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL, S.OBSERVING_RESULT):
             return
-        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
+        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
             return
         # The carried state is measured only here (it costs a serialisation), not every loop.
         size = len(data.model_dump_json())
@@ -877,8 +952,10 @@ class AgentRun:
             )
             seal = sealed.seal
         await self._checkpoint()
-        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
-            return  # a decision or handoff came in while sealing: act on it first, continue later
+        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
+            # A decision or handoff came in while sealing (act on it first), or a notification
+            # is on its way (it would be lost): continue later.
+            return
         workflow.continue_as_new(
             self.request.model_copy(update={"carryover": data, "carryover_seal": seal}),
             search_attributes=TypedSearchAttributes(
@@ -910,6 +987,10 @@ class AgentRun:
             self.data, self.request, workflow_id=workflow.info().workflow_id,
             continued=bool(workflow.info().continued_run_id), audit_error=self._audit_error,
         )
+
+
+def _new_tool_call_id(n: int) -> str:
+    return f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
 
 
 def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:

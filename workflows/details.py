@@ -62,7 +62,14 @@ def run_details(
         lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
     plan, catalog = data.plan, data.catalog or ToolCatalog()
     if plan is not None and not lc.terminal:
-        lines += ["", f"**Plan** {code(plan.plan_hash)}", ""]
+        lines += ["", f"**Plan** v{plan.version} {code(plan.plan_hash)}", ""]
+        if data.revisions:  # who revised it last, and the paths changed (values are in the steps)
+            last = data.revisions[-1]
+            lines[-1:-1] = [
+                f"**Revised** {len(data.revisions)} time(s), last by {code(last.editor, 128)}"
+                + (" (partial approval)" if last.partial else "")
+                + f": {code(', '.join(last.changed), 300)}"
+            ]
         for i, step in enumerate(plan.steps[:PLAN_LINES], start=1):
             info = catalog.get(step.tool)
             effect = info.effect.value if info else "?"
@@ -94,7 +101,8 @@ def run_details(
             "",
             f"**Approvals:** {len(pending.approvals)} of {pending.approvals_required}"
             + (f" · roles {', '.join(code(r, 40) for r in pending.roles)}" if pending.roles else "")
-            + (" · so far " + ", ".join(code(a.approver, 80) for a in pending.approvals) if pending.approvals else ""),
+            + (" · so far " + ", ".join(code(a.approver, 80) for a in pending.approvals) if pending.approvals else "")
+            + (f" · escalation stage {pending.stage} of {len(pending.escalation)}" if pending.escalation else ""),
             "",
             "**Approve with:**",
             "",

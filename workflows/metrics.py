@@ -7,9 +7,11 @@ Two hooks, called by ``AgentRun`` right after the lifecycle records something:
   RECEIVED), ``tether_runs_ended{state}`` on a terminal state, and
   ``tether_approval_wait_seconds{outcome}`` when a run leaves AWAITING_APPROVAL (workflow time
   from entering to leaving, so a replan-on-expiry or a handoff counts too).
+- :func:`on_notification` (for every notification the run sent): ``tether_notifications{event,
+  outcome}`` with outcome ``delivered`` or ``dead`` (no retry reached the webhook).
 - :func:`on_refusal` (for every refused record): ``tether_decisions_refused{kind, rule}``.
   ``kind`` is the reason's first word when it is a signal or update this run takes
-  (:data:`KINDS`: approve, reject, handoff, decide), else "other" (an unknown signal's name is
+  (:data:`KINDS`: approve, reject, revise, handoff, decide), else "other" (an unknown signal's name is
   the sender's choice); ``rule`` is the record's own ``rule`` when the runtime named one, else
   looked up from the words after "refused: " in :data:`REFUSAL_RULES`; either way one of
   :data:`RULES` or "other". Labels stay a small, fixed set.
@@ -29,6 +31,7 @@ RUNS_STARTED = "tether_runs_started"
 RUNS_ENDED = "tether_runs_ended"
 APPROVAL_WAIT = "tether_approval_wait_seconds"
 DECISIONS_REFUSED = "tether_decisions_refused"
+NOTIFICATIONS = "tether_notifications"
 
 # Leading words of a refusal reason (after "<kind> refused: ") -> rule label. The reasons come
 # from workflows/policy.py and AgentRun; a test checks every policy reason maps to a rule.
@@ -48,7 +51,7 @@ REFUSAL_RULES: tuple[tuple[str, str], ...] = (
 # signal), so ``kind`` is one of the names this run takes, and ``rule`` one of the rules the
 # runtime names; anything else counts as "other". tests/test_metrics.py checks that every rule
 # the code names is here.
-KINDS = frozenset({"approve", "reject", "handoff", "decide"})
+KINDS = frozenset({"approve", "reject", "revise", "handoff", "decide"})
 RULES = frozenset(
     {rule for _, rule in REFUSAL_RULES}
     | {
@@ -56,6 +59,8 @@ RULES = frozenset(
         "four_eyes", "look_alike_name", "malformed_signal", "role", "signature_required", "signer_not_trusted",
         "stale_request",
         "tenant", "tenant_membership", "tool_withdrawn", "unknown_signal",
+        # revisions and partial approvals (issue 22)
+        "editor_approval", "invalid_revision", "invalid_steps",
     }
 )
 
@@ -111,3 +116,12 @@ def _entered_awaiting_approval(lifecycle: Lifecycle, record: TransitionRecord):
         if earlier.to_state == RunState.AWAITING_APPROVAL:
             return earlier.at
     return None
+
+
+def on_notification(event: str, delivered: int, dead: int) -> None:
+    """``tether_notifications{event, outcome}``: webhooks reached, and those no retry reached."""
+    counter = workflow.metric_meter().create_counter(NOTIFICATIONS, "Webhook deliveries of run events", "1")
+    if delivered:
+        counter.add(delivered, {"event": event, "outcome": "delivered"})
+    if dead:
+        counter.add(dead, {"event": event, "outcome": "dead"})
