@@ -15,19 +15,37 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from workflows import policy
-from workflows.budgets import ANSWER_CHARS, DECISIONS_WINDOW, EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW, clip
+from workflows import revision as revisions
+from workflows.budgets import (
+    ANSWER_CHARS,
+    DECISIONS_WINDOW,
+    EXECUTED_OBSERVATION_CHARS,
+    EXECUTED_WINDOW,
+    PROPOSAL_BYTES,
+    REASON_CHARS,
+    REVISIONS_KEPT,
+    clip,
+)
 from workflows.models import (
     AcceptedApproval,
     ApprovalDecision,
     AuthorityCheck,
+    EscalationStage,
     ExecutedStep,
+    Notification,
+    NotificationResult,
     HandoffRequest,
     Limits,
+    NotApproved,
     PendingApproval,
+    Plan,
     PlanReview,
     PlanStep,
     Proposal,
+    ProposedStep,
     Refusal,
+    Revision,
+    RevisionRequest,
     RunData,
     RunRequest,
     TenantPolicy,
@@ -39,10 +57,12 @@ from workflows.models import (
     Verdict,
 )
 from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
-from workflows.validation import validate_proposal
+from workflows.validation import Validation, validate_proposal
 
 S = RunState
-DecisionKind = Literal["approve", "reject"]
+DecisionKind = Literal["approve", "reject", "revise"]
+# What waits in the run's inbox: an approve / reject decision, or a revision.
+Decision = ApprovalDecision | RevisionRequest
 
 
 class IllegalState(Exception):
@@ -87,10 +107,17 @@ class Engine:
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
         self.new_request_id = new_request_id  # one id per approval request (workflow.uuid4())
+        # Records someone is to be told about, with webhooks named besides the subscribers (an
+        # escalation stage's notify); the workflow takes them before it waits.
+        self.outbox: list[tuple[TransitionRecord, list[str]]] = []
+        # Decision refusals counted but not recorded (a flood), until their sender is answered.
+        self.unrecorded_refusals: dict[str, Refusal] = {}
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded
             self._on_record(record)
+            if notify_event(record) is not None:
+                self.outbox.append((record, []))
 
     # ------------------------------------------------------------------ facts
 
@@ -132,8 +159,11 @@ class Engine:
         _require(self.data.plan is not None, "no validated plan to review")
         return policy.review_plan(self.data.plan, self.catalog, self.tenant, self.data.spent)
 
-    def actor(self, name: str, verified: bool = False) -> str:
-        """How a person shows on the timeline: verified identities say how."""
+    def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
+        """How a person shows on the timeline: verified identities say how (their own
+        signature, or a trusted signer's attestation: ``user:bob via inbox``)."""
+        if verified and via:
+            return f"user:{name} via {via}"
         return f"user:{name} (signed)" if verified else f"user:{name}"
 
     # ------------------------------------------------------------------ records
@@ -201,6 +231,7 @@ class Engine:
         """The planner answered: finish, validate the plan, or record why it is not valid."""
         data = self.data
         data.model_tokens += proposal.usage_tokens
+        data.not_approved = []  # the planner has been told
         max_tokens = self.request.limits.max_model_tokens
         if max_tokens is not None and data.model_tokens > max_tokens:
             data.last_error = f"model_token_budget: {data.model_tokens} > {max_tokens}"
@@ -217,20 +248,14 @@ class Engine:
             data.answer = clip(proposal.answer, ANSWER_CHARS)
             self.move(S.COMPLETED, at=at, actor="planner", reason="planner finished with an answer")
             return
-        result = validate_proposal(
-            proposal,
-            self.catalog,
-            executed_steps=len(data.executed),
-            limits=self.limits,
-            new_id=new_id,
-            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
-        )
+        result = self.validate(proposal, new_id)
         if result.plan is None:
             data.feedback = result.reason  # bounded: the first problems, paths and rules only
             self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
             return
-        data.plan, data.next_step, data.step_retries, data.feedback = result.plan, 0, 0, None
-        data.pending_approval = data.approval = None
+        data.plan_editors = []
+        self._adopt(result.plan)
+        data.feedback = None
         self.move(
             S.VALIDATED,
             at=at,
@@ -238,6 +263,27 @@ class Engine:
             reason=f"plan of {len(result.plan.steps)} step(s) validated",
             refs=Refs(plan_hash=result.plan.plan_hash),
         )
+
+    def validate(self, proposal: Proposal, new_id: Callable[[int], str]) -> Validation:
+        """The one validation a plan gets, proposed or revised: the catalog snapshot, the
+        tools' schemas, the tenant's tools and the step budget (with what the run already did)."""
+        return validate_proposal(
+            proposal,
+            self.catalog,
+            executed_steps=len(self.data.executed),
+            limits=self.limits,
+            new_id=new_id,
+            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
+        )
+
+    def _adopt(self, plan: Plan) -> None:
+        """``plan`` becomes the run's current plan, the next version; nothing of it has run."""
+        data = self.data
+        data.plans = max(data.plans, data.plan.version if data.plan else 0) + 1
+        plan.version = data.plans
+        data.plan, data.next_step, data.step_retries = plan, 0, 0
+        data.pending_approval = data.approval = None
+        data.approved_by = []
 
     def after_validation_failed(self, at: datetime) -> None:
         self._replan_or_end(
@@ -299,15 +345,20 @@ class Engine:
             risk="high" if review.risk == "high" else "normal",
             approvals_required=required,
             roles=roles,
+            editors=list(data.plan_editors),
+            opened_at=at,
+            # Expiry stays the last word: a stage at or past it never fires.
+            escalation=[stage for stage in review.escalation if stage.after < ttl],
         )
         data.approval = None
         data.approved_by = []
+        version = f"plan v{data.plan.version}, " if data.plan.version > 1 else ""
         self.move(
             S.AWAITING_APPROVAL,
             at=at,
             actor="runtime",
-            reason=f"{reason} (request {data.pending_approval.request_id})",
-            refs=Refs(plan_hash=data.plan.plan_hash),
+            reason=f"{reason} ({version}request {data.pending_approval.request_id})",
+            refs=Refs(plan_hash=data.plan.plan_hash, request_id=data.pending_approval.request_id or None),
         )
 
     def adopt(self, ask: Verdict | None) -> None:
@@ -318,17 +369,32 @@ class Engine:
             return
         data.policy = data.policy.model_copy(update={"policy": ask.tenant_policy, "policy_hash": ask.policy_hash})
 
-    def screen_decision(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> bool:
+    def screen_decision(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool:
         """The cheap, state-only checks a decision passes on arrival (signal handler).
 
         Returns True when it may go on to the policy check; otherwise it is recorded as refused.
         """
-        refusal = policy.decision_refusal(decision, self.data, now=at, check_duplicate=True)
-        self._remember_decision(decision.decision_id)
+        plain = _plain(decision)
+        refusal = policy.decision_refusal(plain, self.data, now=at, check_duplicate=True, kind=kind)
+        self._remember_decision(plain.decision_id)
         if refusal is not None:
-            self._refuse_decision(kind, decision, refusal, at)
+            self._refuse_decision(kind, plain, refusal, at)
             return False
         return True
+
+    def decision_check(self, kind: DecisionKind, decision: Decision) -> dict:
+        """What the policy activity needs to judge ``decision`` (DecisionCheck's fields, less
+        the run's ids): who decides on which request, and what a revision's signature covers."""
+        pending = self.data.pending_approval
+        _require(pending is not None, "no pending approval")
+        return {
+            "kind": kind,
+            "decision": _plain(decision),
+            "roles": pending.roles,
+            "already_approved": [a.approver for a in pending.approvals],
+            "editors": pending.editors,
+            "steps_digest": decision.revised_hash() if isinstance(decision, RevisionRequest) else None,
+        }
 
     def _remember_decision(self, decision_id: str) -> None:
         """A bounded window of ids, a count and a running digest of every id seen."""
@@ -343,26 +409,161 @@ class Engine:
     def settle_decision(
         self,
         kind: DecisionKind,
-        decision: ApprovalDecision,
+        decision: Decision,
         verdict: Refusal | None,
         at: datetime,
         verified: bool = False,
+        *,
+        new_id: Callable[[int], str] | None = None,
     ) -> None:
-        """Apply a decision the policy activity has judged (``verdict`` None: the approver may)."""
+        """Apply a decision the policy activity has judged (``verdict`` None: the approver may).
+
+        ``new_id``: tool call ids for a revised plan (a revision, a partial approval)."""
         data = self.data
+        plain = _plain(decision)
         # The run may have moved on (expiry, handoff) while the policy was consulted.
-        refusal = verdict or policy.decision_refusal(decision, data, now=at, check_duplicate=False)
+        refusal = verdict or policy.decision_refusal(plain, data, now=at, check_duplicate=False, kind=kind)
         if refusal is not None:
-            self._refuse_decision(kind, decision, refusal, at)
+            self._refuse_decision(kind, plain, refusal, at)
             return
         pending = data.pending_approval
-        _require(pending is not None, "no pending approval")
-        refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
-        actor = self.actor(decision.approver, verified)
+        _require(pending is not None and data.plan is not None, "no pending approval")
+        actor = self.actor(plain.approver, verified, plain.attested_by)
+        if isinstance(decision, RevisionRequest):
+            _require(new_id is not None, "a revision needs tool call ids")
+            body = decision.model_dump_json(include={"steps"})
+            if len(body) > PROPOSAL_BYTES:  # the proposal's budget: the plan is carried and hashed
+                proposal = Proposal(oversized_bytes=len(body), oversized_digest=hashlib.sha256(body.encode()).hexdigest())
+            else:
+                proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
+            self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
+            return
+        refs = Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id, request_id=pending.request_id or None)
         if kind == "reject":
             data.pending_approval = None
-            self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)
+            self.move(S.REJECTED, at=at, actor=actor, reason=plain.reason or "rejected", refs=refs)
             return
+        kept = policy.partial_steps(plain, data.plan)
+        if kept is not None:
+            _require(new_id is not None, "a partial approval needs tool call ids")
+            self._approve_part(plain, kept, actor, at, new_id, verified)
+            return
+        self._approve(plain, actor, at, refs)
+
+    def _revise(
+        self,
+        proposal: Proposal,
+        decision: ApprovalDecision,
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        *,
+        why: str,
+        partial: bool = False,
+    ) -> bool:
+        """Replace the pending plan by a revised one, validated like a proposal: a new plan
+        version, back to VALIDATED (the run then asks for a new approval). Refused
+        (``invalid_revision``, nothing changed) when it does not validate or changes nothing."""
+        data = self.data
+        old, pending = data.plan, data.pending_approval
+        _require(old is not None and pending is not None, "no pending plan to revise")
+        kind: DecisionKind = "approve" if partial else "revise"
+        result = self.validate(proposal, new_id)
+        problem = result.reason if result.plan is None else None
+        if result.plan is not None and result.plan.plan_hash == old.plan_hash:
+            problem = "the revised plan is the pending plan: nothing to revise"
+        if data.next_step:  # (not reached today: a plan waits for approval before any step runs)
+            problem = f"{data.next_step} step(s) of the pending plan have run: plan the rest anew"
+        if problem is not None or result.plan is None:
+            self._refuse_decision(kind, decision, Refusal(rule="invalid_revision", message=f"invalid revision: {problem}"), at)
+            return False
+        changed = revisions.changed_paths(revisions.patch(old.steps, result.plan.steps))
+        if decision.approver not in data.plan_editors:
+            data.plan_editors.append(decision.approver)
+        self._adopt(result.plan)
+        plan = result.plan
+        data.revisions.append(
+            Revision(
+                version=plan.version,
+                editor=decision.approver,
+                at=at,
+                previous_plan_hash=old.plan_hash,
+                plan_hash=plan.plan_hash,
+                changed=changed,
+                partial=partial,
+            )
+        )
+        del data.revisions[:-REVISIONS_KEPT]
+        summary = f"; changed {', '.join(changed)}" if changed else ""
+        self.move(
+            S.VALIDATED,
+            at=at,
+            actor=actor,
+            reason=clip(
+                f"{why} — plan v{plan.version} ({len(plan.steps)} step(s)) replaces v{old.version} "
+                f"{old.plan_hash[:12]}{summary}",
+                REASON_CHARS,
+            ),
+            refs=Refs(
+                plan_hash=plan.plan_hash,
+                decision_id=decision.decision_id,
+                request_id=pending.request_id or None,
+                previous_plan_hash=old.plan_hash,
+                changed=changed,
+            ),
+        )
+        return True
+
+    def _approve_part(
+        self,
+        decision: ApprovalDecision,
+        kept: list[int],
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        verified: bool,
+    ) -> None:
+        """A partial approval: a revision to the kept steps, then this approval of the result
+        (it counts for the new request like any approval; others needed approve the subset)."""
+        data = self.data
+        old, before = data.plan, data.pending_approval
+        _require(old is not None and before is not None, "no pending plan")
+        left_out = [n for n in range(1, len(old.steps) + 1) if n not in kept]
+        dropped = [NotApproved(step=n, tool=old.steps[n - 1].tool, args=old.steps[n - 1].args, by=decision.approver) for n in left_out]
+        proposal = Proposal(steps=[ProposedStep(tool=old.steps[n - 1].tool, args=old.steps[n - 1].args) for n in kept])
+        why = (
+            f"partial approval by {decision.approver}: step(s) {', '.join(map(str, kept))} of "
+            f"{len(old.steps)} approved, not approved: "
+            + ", ".join(f"{d.step} ({d.tool})" for d in dropped)
+        )
+        if not self._revise(proposal, decision, actor, at, new_id, why=why, partial=True):
+            return
+        data.not_approved = dropped
+        review = self.review()
+        self.request_approval(at=at, reason=f"approval of the approved part: {review.summary}")
+        pending = data.pending_approval
+        _require(pending is not None, "no pending approval")
+        # Checked by the policy activity for the request it was sent for; the subset's request
+        # may ask for other roles: the run's snapshot says whether this approver holds one.
+        refusal = policy.approver_refusal(
+            self.tenant,
+            approver=decision.approver,
+            requested_by=self.request.requested_by,
+            kind="approve",
+            roles=pending.roles or before.roles,  # a subset needing nobody: the roles it was sent to
+            already_approved=[],
+            editors=pending.editors,
+        )
+        refs = Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id, request_id=pending.request_id or None)
+        if refusal is not None:
+            self._refuse_decision("approve", decision.model_copy(update={"plan_hash": pending.plan_hash}), refusal, at)
+            return
+        self._approve(decision, actor, at, refs)
+
+    def _approve(self, decision: ApprovalDecision, actor: str, at: datetime, refs: Refs) -> None:
+        data = self.data
+        pending = data.pending_approval
+        _require(pending is not None, "no pending approval")
         pending.approvals.append(
             AcceptedApproval(
                 approver=decision.approver,
@@ -372,6 +573,8 @@ class Engine:
                 signature=decision.signature,
                 request_id=decision.request_id or "",
                 plan_hash=decision.plan_hash,
+                attested_by=decision.attested_by,
+                steps=decision.steps,
             )
         )
         data.approved_by = [a.approver for a in pending.approvals]
@@ -380,8 +583,8 @@ class Engine:
                 data.lifecycle.accept(
                     at=at,
                     actor=actor,
-                    reason=f"approval {len(pending.approvals)}/{pending.approvals_required} accepted: "
-                    f"{decision.comment or 'approved'}",
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted"
+                    + (f": {decision.comment}" if decision.comment else ""),
                     refs=refs,
                 )
             )
@@ -390,23 +593,137 @@ class Engine:
         data.approval, data.pending_approval = pending, None
         self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
 
-    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> None:
-        """A decision still queued when the run left AWAITING_APPROVAL."""
-        self._refuse_decision(
-            kind,
-            decision,
-            Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL"),
-            at,
-        )
+    def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None:
+        """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
+        over (completed, cancelled, failed, handed off, expired), rule ``run_ended``."""
+        if ended:
+            refusal = Refusal(rule="run_ended", message=f"the run ended before this decision was settled (state {self.state.value})")
+        else:
+            refusal = Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL")
+        self._refuse_decision(kind, _plain(decision), refusal, at)
 
     def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None:
-        self.refuse(
+        record = self.data.lifecycle.refuse(
             at=at,
             actor=f"user:{decision.approver}",
             reason=f"{kind} refused: {refusal.message}",
             rule=refusal.rule,
-            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
+            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id),
         )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
+
+    def next_escalation(self) -> datetime | None:
+        """When the pending request's next escalation stage is due (None: no stage left)."""
+        pending = self.data.pending_approval
+        if pending is None or pending.opened_at is None or pending.stage >= len(pending.escalation):
+            return None
+        return pending.opened_at + timedelta(seconds=pending.escalation[pending.stage].after)
+
+    def next_timer(self, escalate: bool = True) -> tuple[datetime, str]:
+        """When the waiting plan's timer fires next, and what for: an escalation stage (where
+        ``escalate``: the policy sets stages) inside the window, else the expiry."""
+        pending = self.data.pending_approval
+        _require(pending is not None, "no pending approval")
+        due = self.next_escalation() if escalate else None
+        if due is not None and due < pending.expires_at:
+            return due, f"escalation stage {pending.stage + 1}"
+        return pending.expires_at, "approval expiry"
+
+    def timer_fired(self, at: datetime, escalate: bool = True) -> None:
+        """The timer ``next_timer`` named fired: escalate, or expire. A run that was away past
+        several stages takes them one by one; past the expiry, the expiry is the last word."""
+        wake, _ = self.next_timer(escalate)
+        pending = self.data.pending_approval
+        if wake < pending.expires_at and at < pending.expires_at:
+            self.escalate(at)
+        else:
+            self.expire(at)
+
+    def escalate(self, at: datetime) -> EscalationStage:
+        """The next escalation stage's timer fired: record it and widen the roles that may
+        approve. Returns the stage (the workflow tells its webhooks)."""
+        pending = self.data.pending_approval
+        due = self.next_escalation()
+        _require(
+            pending is not None and self.state == S.AWAITING_APPROVAL and due is not None and due <= at < pending.expires_at,
+            "an escalation timer fired with no stage due",
+        )
+        stage = pending.escalation[pending.stage]
+        pending.stage += 1
+        added = [r for r in stage.roles if r not in pending.roles]
+        pending.roles = pending.roles + added
+        widened = f"; roles {', '.join(pending.roles)} may approve" if added else ""
+        told = f"; notifying {', '.join(stage.notify)}" if stage.notify else ""
+        self.on_record(
+            self.data.lifecycle.escalate(
+                at=at,
+                reason=f"escalation stage {pending.stage}/{len(pending.escalation)}: waiting "
+                f"{_duration(stage.after)} for approval{widened}{told}; expires {pending.expires_at.isoformat()}",
+                refs=Refs(plan_hash=pending.plan_hash, request_id=pending.request_id or None),
+            )
+        )
+        if self.outbox:
+            self.outbox[-1][1].extend(stage.notify)
+        return stage
+
+    # ------------------------------------------------------------------ notifications
+
+    def take_notifications(self, namespace: str = "default") -> list[Notification]:
+        """The events to post now, each to the webhooks that take it (the policy snapshot's
+        subscriptions, and an escalation stage's own), built from ids and the risk summary.
+        An approval request already decided by the time the run waits is not announced."""
+        outbox, self.outbox = self.outbox, []
+        hooks = self.data.policy.webhooks if self.data.policy else {}
+        pending = self.data.pending_approval
+        out: list[Notification] = []
+        for record, named in outbox:
+            event = notify_event(record)
+            if event is None:
+                continue
+            if event == "awaiting_approval" and (pending is None or pending.request_id != (record.refs.request_id or "")):
+                continue  # decided in the same step (a partial approval): nothing waits
+            names = [n for n, events in hooks.items() if event in events]
+            names += [n for n in named if n not in names]
+            if not names:
+                continue
+            waiting = pending if pending is not None and pending.request_id == (record.refs.request_id or "") else None
+            out.append(
+                Notification(
+                    event_id=f"{self.workflow_id}:{self.data.first_run_id}:{record.seq}",
+                    event=event,
+                    webhooks=names,
+                    run_id=self.workflow_id,
+                    namespace=namespace,
+                    tenant=self.request.tenant,
+                    state=record.to_state.value,
+                    plan_hash=record.refs.plan_hash,
+                    request_id=record.refs.request_id,
+                    summary=waiting.summary if waiting else "",
+                    expires_at=waiting.expires_at if waiting else None,
+                    approve_command=f"tether approve {self.workflow_id} --by NAME" if waiting else None,
+                    reason=record.reason,
+                )
+            )
+        return out
+
+    def notification_done(self, note: Notification, result: NotificationResult, at: datetime) -> None:
+        """Webhooks no retry reached are on the record (the run did not wait for them)."""
+        if not result.dead:
+            return
+        dead = ", ".join(f"{name} ({why})" for name, why in sorted(result.dead.items()))
+        self.on_record(
+            self.data.lifecycle.notify_failed(
+                at=at,
+                reason=f"notification {note.event} (event {note.event_id.rsplit(':', 1)[-1]}) not delivered to: {dead}",
+                event=note.event,
+                refs=Refs(plan_hash=note.plan_hash, request_id=note.request_id),
+            )
+        )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""
@@ -787,3 +1104,35 @@ class Engine:
             room -= len(done.observation)
             if i >= EXECUTED_WINDOW or room < 0:
                 done.args, done.observation = {}, ""
+
+
+def _plain(decision: Decision) -> ApprovalDecision:
+    """The fields every decision has (a revision's editor as its approver)."""
+    return decision.as_decision() if isinstance(decision, RevisionRequest) else decision
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def notify_event(record: TransitionRecord) -> str | None:
+    """The event a record is, for webhooks (``[notify.webhooks.NAME] events``), or None."""
+    if record.kind == "escalated":
+        return "escalated"
+    if record.kind != "transition":
+        return None
+    to, came = record.to_state, record.from_state
+    if to == S.AWAITING_APPROVAL:
+        return "awaiting_approval"
+    if came == S.AWAITING_APPROVAL and to == S.VALIDATED:
+        return "revised"
+    if to == S.EXPIRED or (came == S.AWAITING_APPROVAL and to == S.PLANNING and record.actor == "timer"):
+        return "expired"
+    if to == S.HANDED_OFF:
+        return "handed_off"
+    if to in (S.FAILED, S.EXECUTION_FAILED):
+        return "failed"
+    return None

@@ -6,7 +6,7 @@ Each refusal is a short reason a person can act on; ``None`` means allowed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -27,27 +27,23 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
+from workflows.display import show_value
+from workflows.identity import same_person
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
 
 
 def decision_refusal(
-    decision: ApprovalDecision, data: RunData, *, now: datetime, check_duplicate: bool = True
+    decision: ApprovalDecision, data: RunData, *, now: datetime, check_duplicate: bool = True, kind: str = "approve"
 ) -> Refusal | None:
     """Why an approve/reject decision cannot count in the run's current state, or None.
 
     Who may decide is :func:`approver_refusal`'s question, asked by the policy activity.
     """
     pending = data.pending_approval
-    if check_duplicate and (
-        decision.decision_id in data.decisions_seen
-        or (pending is not None and any(a.decision_id == decision.decision_id for a in pending.approvals))
-    ):
-        return Refusal(
-            rule="duplicate_decision",
-            message=f"duplicate decision_id {decision.decision_id[:64]}: already handled",
-        )
+    if check_duplicate and (refusal := repeated_decision_refusal(decision.decision_id, data)):
+        return refusal
     state = data.lifecycle.state
     if state != RunState.AWAITING_APPROVAL or pending is None:
         return Refusal(rule="not_awaiting_approval", message=f"run is {state.value}, not AWAITING_APPROVAL")
@@ -66,6 +62,38 @@ def decision_refusal(
         )
     if now >= pending.expires_at:
         return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
+    if decision.steps is not None and kind != "approve":
+        return Refusal(rule="invalid_steps", message=f"steps name what an approval approves: not for a {kind}")
+    if decision.steps is not None and data.plan is not None:
+        size = len(data.plan.steps)
+        beyond = sorted(n for n in decision.steps if n > size)
+        if beyond:
+            return Refusal(
+                rule="invalid_steps",
+                message=f"step(s) {', '.join(map(str, beyond[:10]))} named: the pending plan has {size} step(s)",
+            )
+    return None
+
+
+def partial_steps(decision: ApprovalDecision, plan: Plan) -> list[int] | None:
+    """The 1-based steps a partial approval keeps, in plan order; None: it approves them all."""
+    if decision.steps is None:
+        return None
+    kept = sorted(set(decision.steps))
+    return None if kept == list(range(1, len(plan.steps) + 1)) else kept
+
+
+def repeated_decision_refusal(
+    decision_id: str, data: RunData, *, in_flight: Collection[str] = ()
+) -> Refusal | None:
+    """A decision id the run has handled (or is deciding, ``in_flight``): it cannot count again."""
+    pending = data.pending_approval
+    if (
+        decision_id in data.decisions_seen
+        or decision_id in in_flight
+        or (pending is not None and any(a.decision_id == decision_id for a in pending.approvals))
+    ):
+        return Refusal(rule="duplicate_decision", message=f"duplicate decision_id {decision_id[:64]}: already handled")
     return None
 
 
@@ -246,7 +274,9 @@ def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
     effect = info.effect.value if info else "?"
     if info is not None and info.destructive:
         effect += ", DESTRUCTIVE"
-    fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
+    # Values escaped and quoted (display.show_value): a value cannot end its own field and pass
+    # off what follows as another one, or move the approver's cursor.
+    fields = [f"{k}={show_value(args[k], 200)}" for k in (info.summary_fields if info else []) if k in args]
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
 
 
@@ -287,6 +317,7 @@ def review_plan(
             roles=high_risk.roles,
             summary=f"HIGH RISK, {high_risk.approvals} approvals needed — {summary}",
             ttl_seconds=tenant.approval_ttl_seconds.high,
+            escalation=tenant.escalation.high,
         )
     return PlanReview(
         needs_approval=True,
@@ -295,6 +326,7 @@ def review_plan(
         roles=tenant.approval_roles,
         summary=summary,
         ttl_seconds=tenant.approval_ttl_seconds.normal,
+        escalation=tenant.escalation.normal,
     )
 
 
@@ -306,13 +338,30 @@ def approver_refusal(
     kind: str,
     roles: list[str],
     already_approved: list[str],
+    editors: list[str] | tuple[str, ...] = (),
 ) -> Refusal | None:
-    """May this person decide on this run's pending plan, under this tenant's policy?"""
+    """May this person decide on this run's pending plan, under this tenant's policy?
+
+    ``kind`` is approve, reject or revise; who may revise a plan is who may approve it, less
+    four-eyes (the requester may correct her own run; she may still not approve it).
+    ``editors``: who revised the pending plan.
+    """
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
     # Four-eyes first: whatever roles the requester holds, she does not approve her own run.
-    if kind == "approve" and tenant.four_eyes and approver == requested_by:
-        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+    # Compared by skeleton (UTS #39): a name that looks like the requester's is the requester.
+    if kind == "approve" and tenant.four_eyes and same_person(approver, requested_by):
+        if approver == requested_by:
+            return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+        return Refusal(
+            rule="four_eyes",
+            message=f"{approver} looks like {requested_by}, who requested this run, and may not approve it",
+        )
+    if kind == "approve" and not tenant.editor_may_approve and any(same_person(approver, e) for e in editors):
+        return Refusal(
+            rule="editor_approval",
+            message=f"{approver} revised this plan and may not approve it (editor_may_approve = false)",
+        )
     if tenant.approvers is not None:
         member = tenant.approvers.get(approver)
         if member is None:
@@ -325,9 +374,10 @@ def approver_refusal(
                 message=f"{approver} has roles {sorted(member.roles)}; this plan needs one of "
                 f"{sorted(roles)}",
             )
-    if kind == "approve" and approver in already_approved:
+    if kind == "approve" and (twin := next((a for a in already_approved if same_person(approver, a)), None)):
+        who = approver if twin == approver else f"{approver} looks like {twin}, who"
         return Refusal(
-            rule="distinct_approvers", message=f"{approver} already approved: a different approver is needed"
+            rule="distinct_approvers", message=f"{who} already approved: a different approver is needed"
         )
     return None
 
@@ -432,28 +482,45 @@ def signature_payload(
     kind: str,
     decision_id: str,
     signer: str,
+    steps: list[int] | None = None,
+    steps_digest: str | None = None,
+    attested_by: str | None = None,
 ) -> bytes:
     """What a person signs for a decision: the run (its id and the first run's id, so a later
     run under the same id is another run), the tenant, the approval request and its exact plan,
-    the kind of decision, its id and who decides. Handoffs sign with empty request and plan."""
-    return canonical_json(
-        {
-            "workflow_id": workflow_id,
-            "first_run_id": first_run_id,
-            "tenant": tenant,
-            "request_id": request_id,
-            "plan_hash": plan_hash,
-            "decision": kind,
-            "decision_id": decision_id,
-            "signer": signer,
-        }
-    ).encode()
+    the kind of decision, its id and who decides. Handoffs sign with empty request and plan.
+    A partial approval adds the ``steps`` it approves; a revision the sha256 of its revised
+    steps (``steps_digest``): neither key is there otherwise, so other signatures are unchanged.
+    A trusted signer attesting for the person (the inbox) signs the same plus its own name."""
+    fields: dict[str, object] = {
+        "workflow_id": workflow_id,
+        "first_run_id": first_run_id,
+        "tenant": tenant,
+        "request_id": request_id,
+        "plan_hash": plan_hash,
+        "decision": kind,
+        "decision_id": decision_id,
+        "signer": signer,
+    }
+    if steps is not None:
+        fields["steps"] = sorted(set(steps))
+    if steps_digest is not None:
+        fields["steps_digest"] = steps_digest
+    if attested_by is not None:
+        fields["attested_by"] = attested_by
+    return canonical_json(fields).encode()
 
 
 def decision_signature_payload(
-    *, workflow_id: str, first_run_id: str, tenant: str, kind: str, decision: ApprovalDecision
+    *,
+    workflow_id: str,
+    first_run_id: str,
+    tenant: str,
+    kind: str,
+    decision: ApprovalDecision,
+    steps_digest: str | None = None,
 ) -> bytes:
-    """What the approver of ``decision`` signs (and the policy activity verifies)."""
+    """What the approver (or editor) of ``decision`` signs (and the policy activity verifies)."""
     return signature_payload(
         workflow_id=workflow_id,
         first_run_id=first_run_id,
@@ -463,6 +530,9 @@ def decision_signature_payload(
         kind=kind,
         decision_id=decision.decision_id,
         signer=decision.approver,  # normalised, as the run compares it
+        steps=decision.steps,
+        steps_digest=steps_digest,
+        attested_by=decision.attested_by,
     )
 
 
