@@ -27,6 +27,7 @@ import asyncio
 import base64
 import os
 import re
+import secrets
 import sys
 import uuid
 from collections.abc import Sequence
@@ -241,6 +242,10 @@ class RunStatus(RunSnapshot):
     end_reason: str | None = None
     end_rule: str | None = None  # the rule or error code on that record, when it names one
     end_actor: str | None = None  # who or what ended it (user:bob, operator:dana, runtime)
+    temporal_status: str | None = None  # Temporal's word: RUNNING, COMPLETED, FAILED, TERMINATED, ...
+    # Set when Temporal has closed the run while its last Tether state is a working one (a
+    # failed or terminated run that still says AWAITING_APPROVAL): it will not go on.
+    closed_by_temporal: str | None = None
     # The run's record of the latest decision or handoff (its verdict, once the run has one).
     last_decision: TransitionRecord | None = None
 
@@ -249,12 +254,28 @@ class RunStatus(RunSnapshot):
         return self.state in TERMINAL
 
 
+def closed_note(state: str | None, temporal_status: str | None) -> str | None:
+    """What to say of a run Temporal has closed while its last Tether state is a working one."""
+    if temporal_status in (None, "RUNNING", "CONTINUED_AS_NEW") or state is None:
+        return None
+    try:
+        if RunState(state) in TERMINAL:
+            return None
+    except ValueError:
+        return None
+    return (
+        f"Temporal closed this run ({temporal_status}) while its last Tether state was {state}: "
+        f"it will not go on (see the Web UI / `temporal workflow show` for why)"
+    )
+
+
 class RunSummary(BaseModel):
     run_id: str
     state: str | None
     tenant: str | None
     status: str | None
     started: datetime | None
+    closed_by_temporal: str | None = None  # as in RunStatus
 
 
 class Verdict(BaseModel):
@@ -270,11 +291,18 @@ class Verdict(BaseModel):
 def sign_request(request: RunRequest, run_id: str, key: Path) -> RunRequest:
     """The request with the requester's Ed25519 signature over policy.start_signature_payload:
     where the tenant requires signatures, a run starts only with it."""
+    # A fresh nonce and the time of signing: a captured start goes stale after the tenant's
+    # start_signature_ttl.
+    request = request.model_copy(
+        update={"nonce": secrets.token_hex(16), "issued_at": datetime.now(timezone.utc).replace(microsecond=0)}
+    )
     payload = policy.start_signature_payload(
         workflow_id=run_id,
         tenant=request.tenant,
         requested_by=request.requested_by,
         request_digest=request.request_digest(),
+        nonce=request.nonce,
+        issued_at=request.issued_at,
     )
     signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
     return request.model_copy(update={"requester_signature": signature})
@@ -510,6 +538,12 @@ async def status(client: Client, run_id: str) -> RunStatus:
     await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     result = RunStatus(**snap.model_dump())
+    try:
+        described = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+        result.temporal_status = described.status.name if described.status else None
+    except RPCError:
+        pass  # the snapshot answered: the status is a courtesy
+    result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
     records = await timeline(client, run_id)
     result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
@@ -966,6 +1000,7 @@ async def list_runs(
                     tenant=attrs.get(TENANT_ATTRIBUTE),
                     status=wf.status.name if wf.status else None,
                     started=wf.start_time,
+                    closed_by_temporal=closed_note(attrs.get(STATE_ATTRIBUTE), wf.status.name if wf.status else None),
                 )
             )
     except RPCError as e:

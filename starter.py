@@ -102,6 +102,8 @@ def format_status(s: client.RunStatus) -> str:
         f"tenant     {show(s.tenant)}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if s.closed_by_temporal:
+        lines.append(f"closed     {s.closed_by_temporal}")
     if s.end_reason and s.state != RunState.COMPLETED:
         lines.append(f"why        {show(s.end_reason)}" + (f" [rule: {show(s.end_rule)}]" if s.end_rule else "")
                      + (f" ({show(s.end_actor)})" if s.end_actor else ""))
@@ -165,8 +167,9 @@ def format_list(rows: Sequence[client.RunSummary]) -> str:
     lines = [f"{'RUN':<28} {'STATE':<18} {'TEMPORAL':<11} {'TENANT':<12} STARTED"]
     for row in rows:
         started = row.started.isoformat() if row.started else "-"
+        closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
         lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
-                     f"{show(row.tenant or '-'):<12} {started}")
+                     f"{show(row.tenant or '-'):<12} {started}{closed}")
     return "\n".join(lines)
 
 

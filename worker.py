@@ -27,6 +27,7 @@ from temporalio.worker import Worker
 from activities import mcp, planning
 from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
+from activities.keys import KeyActivities, KeyRing, KeyRingError
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
@@ -47,6 +48,7 @@ def create_worker(
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
+    keys: KeyRing | None = None,
     rules: PolicyActivities | None = None,
     extra_workflows: Sequence[type] = (),
     **options: Any,
@@ -56,10 +58,16 @@ def create_worker(
     ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
     activities, to those over ``policy``.
     """
-    tools = ToolActivities(registry)
-    rules = rules or PolicyActivities(policy or PolicyStore(None))
+    # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): seals carried state and
+    # mints / verifies the capability of every write.
+    keys = keys or KeyRing.from_env()
+    tools = ToolActivities(registry, keys)
+    rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
+    if rules.keys is None:
+        rules.keys = keys
+    sealing = KeyActivities(keys)
     notify = NotifyActivities(rules.store)
-    # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
+    # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()
     return Worker(
         client,
@@ -75,8 +83,8 @@ def create_worker(
             rules.check_handoff,
             notify.notify,
             audit.audit_append,
-            audit.carryover_seal,
-            audit.carryover_verify,
+            sealing.carryover_seal,
+            sealing.carryover_verify,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         **options,
@@ -94,6 +102,10 @@ async def serve(
 ) -> None:
     registry = load_tool_modules(tool_modules)
     try:
+        keys = KeyRing.from_env()  # refuses to start without the fleet's ring, naming the setting
+    except KeyRingError as e:
+        raise SystemExit(f"invalid key ring: {e}") from None
+    try:
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
         raise SystemExit(f"invalid policy: {e}") from None
@@ -102,7 +114,7 @@ async def serve(
     except mcp.McpConfigError as e:
         raise SystemExit(f"invalid MCP config: {e}") from None
     try:
-        audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR, and the state key
+        audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR
     except ValueError as e:
         raise SystemExit(f"invalid audit sink: {e}") from None
     # MCP servers' tools join the registry before the worker is built (a server that is down is
@@ -133,7 +145,7 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, audit=audit)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -148,6 +160,7 @@ async def serve(
                if registry.refused else "")
             + f"; policy {policy.source}; audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
+            + f"; state keys {', '.join(keys.keys)} (newest {keys.newest})"
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
         )

@@ -1,4 +1,4 @@
-"""The audit sink and the carried-state seal: two worker-side guarantees behind activities.
+"""The audit sink: every timeline record, in order, behind an activity.
 
 **Audit sink.** The workflow keeps a bounded window of its timeline (workflows/budgets.py); every
 record also comes here, in order, through the local activity ``audit_append``. Records are keyed
@@ -23,11 +23,7 @@ workflow shows the error on the run and retries on a backoff timer, and starts n
 until every record is in (workflows/agent_run.py). Each failure is logged here and counted
 (``tether_audit_sink_failures``). ``tether timeline RUN --all`` reads the sink (client.py).
 
-**Seal.** A continued run trusts the state it carries only if this worker's key sealed it
-(HMAC-SHA256 over the state's canonical JSON digest): a start input that carries state, or state
-written by anything but a Tether worker holding the key, is refused. The key is
-``TETHER_STATE_KEY_FILE`` (default ``.tether/state.key``, created on first use); workers that
-share runs must share it (docker-compose mounts one).
+The carried-state seal lives in ``activities/keys.py``.
 """
 
 from __future__ import annotations
@@ -35,12 +31,10 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import hashlib
-import hmac
 import json
 import logging
 import os
 import re
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,11 +43,10 @@ from urllib.parse import urlsplit, urlunsplit
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from workflows.models import AuditAck, AuditBatch, SealRequest
+from workflows.models import AuditAck, AuditBatch
 from workflows.states import TransitionRecord
 
 DEFAULT_AUDIT_DIR = ".tether/audit"
-DEFAULT_STATE_KEY = ".tether/state.key"
 AUDIT_TABLE = "tether_audit"
 SINK_UNAVAILABLE = "audit_sink_unavailable"  # the ApplicationError type the workflow shows
 SINK_FAILURES = "tether_audit_sink_failures"
@@ -322,29 +315,9 @@ def merge_timeline(sink: list[TransitionRecord], window: list[TransitionRecord])
     return unsequenced + [by_seq[k] for k in sorted(by_seq)]
 
 
-# ----------------------------------------------------------------------------- seal
-
-
-def load_state_key(path: str | None = None) -> bytes:
-    chosen = Path(path or os.environ.get("TETHER_STATE_KEY_FILE") or DEFAULT_STATE_KEY)
-    if not chosen.exists():
-        chosen.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(chosen, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    key = chosen.read_text().strip()
-    if len(key) < 32:
-        raise ValueError(f"state key file {chosen} holds fewer than 32 characters")
-    return key.encode()
-
-
-# ----------------------------------------------------------------------------- activities
-
-
 class AuditActivities:
-    def __init__(self, sink: AuditSink | None = None, state_key: bytes | None = None) -> None:
+    def __init__(self, sink: AuditSink | None = None) -> None:
         self.sink = sink or sink_from_env()
-        self.state_key = state_key or load_state_key()
 
     @activity.defn(name="audit_append")
     async def audit_append(self, batch: AuditBatch) -> AuditAck:
@@ -365,15 +338,3 @@ class AuditActivities:
                 SINK_FAILURES, "Audit sink writes that failed (the run retries them)", "1"
             ).add(1, {"sink": type(self.sink).__name__})
             raise ApplicationError(f"{self.sink.describe()}: {cause}", type=SINK_UNAVAILABLE) from None
-
-    def _mac(self, request: SealRequest) -> str:
-        message = f"{request.workflow_id}\n{request.digest}".encode()
-        return hmac.new(self.state_key, message, hashlib.sha256).hexdigest()
-
-    @activity.defn(name="carryover_seal")
-    async def carryover_seal(self, request: SealRequest) -> SealRequest:
-        return request.model_copy(update={"seal": self._mac(request)})
-
-    @activity.defn(name="carryover_verify")
-    async def carryover_verify(self, request: SealRequest) -> bool:
-        return request.seal is not None and hmac.compare_digest(self._mac(request), request.seal)

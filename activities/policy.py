@@ -17,6 +17,7 @@ import re
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -24,12 +25,19 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
+from activities.keys import KeyRing
 from workflows.identity import skeleton
 from workflows.models import (
     SIGNER_NAME,
     STRICT,
+    AcceptedApproval,
+    ApprovalDecision,
     Approver,
     AuthorityCheck,
+    Capability,
+    Plan,
+    ToolCatalog,
+    args_digest,
     DecisionCheck,
     HandoffCheck,
     PolicyDocument,
@@ -332,6 +340,23 @@ def signature_refusal(
     return None
 
 
+def decision_signature_refusal(
+    tenant: TenantPolicy | None, *, workflow_id: str, first_run_id: str, tenant_name: str, kind: str,
+    decision: ApprovalDecision, signers: Mapping[str, Signer] | None = None, steps_digest: str | None = None,
+) -> Refusal | None:
+    """The one check of a decision's signature (a person's, or a trusted signer's attestation):
+    when it arrives (``policy_check_decision``) and again before every write
+    (``policy_check_authority``), under the file as it is then."""
+    payload = policy.decision_signature_payload(
+        workflow_id=workflow_id, first_run_id=first_run_id, tenant=tenant_name, kind=kind, decision=decision,
+        steps_digest=steps_digest,
+    )
+    return signature_refusal(
+        tenant, decision.approver, payload, decision.signature, what="decision",
+        attested_by=decision.attested_by, signers=signers, tenant_name=tenant_name,
+    )
+
+
 def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None = None) -> bool:
     """Does the policy list a key for this person, or did a trusted signer attest for them (so
     a passed signature check verified them)?"""
@@ -345,8 +370,9 @@ def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None =
 
 
 class PolicyActivities:
-    def __init__(self, store: PolicyStore) -> None:
+    def __init__(self, store: PolicyStore, keys: KeyRing | None = None) -> None:
         self.store = store
+        self.keys = keys  # the fleet's key ring: mints the capability of every write
 
     def _tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         try:
@@ -371,10 +397,19 @@ class PolicyActivities:
                 tenant=request.tenant,
                 requested_by=request.requested_by,
                 request_digest=request.request_digest,
+                nonce=request.nonce,
+                issued_at=request.issued_at,
             )
             refusal = signature_refusal(
                 tenant, request.requested_by, payload, request.requester_signature, what="run request"
             )
+            if refusal is None and request.requester_signature:
+                # A signed start is fresh only for the tenant's window: a captured one goes stale.
+                # The run's start time (the server's), or now if that is earlier (a test server's
+                # clock may run ahead).
+                now = datetime.now(timezone.utc)
+                started = min(request.started_at, now) if request.started_at else now
+                refusal = policy.start_freshness_refusal(request.issued_at, started, tenant.start_signature_ttl)
             # Verified only by a signature that checked out, never by the absence of a rule.
             verified = refusal is None and _has_key(tenant, request.requested_by)
         document, _ = self.store.load()
@@ -402,18 +437,9 @@ class PolicyActivities:
             editors=check.editors,
         )
         if refusal is None:
-            decision = check.decision
-            payload = policy.decision_signature_payload(
-                workflow_id=check.workflow_id,
-                first_run_id=check.first_run_id,
-                tenant=check.tenant,
-                kind=check.kind,
-                decision=decision,
-                steps_digest=check.steps_digest,
-            )
-            refusal = signature_refusal(
-                tenant, decision.approver, payload, decision.signature, what="decision",
-                attested_by=decision.attested_by, signers=self._signers(), tenant_name=check.tenant,
+            refusal = decision_signature_refusal(
+                tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
+                kind=check.kind, decision=check.decision, signers=self._signers(), steps_digest=check.steps_digest,
             )
         verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
         return Verdict(refusal=refusal, policy_hash=digest, verified=verified)
@@ -444,7 +470,21 @@ class PolicyActivities:
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
+        """The current file in full over the approvals in force (and a plan's auto-approval);
+        given ``check.call``, the capability for exactly that write attempt."""
         tenant, digest = self._tenant(check.tenant)
+
+        def signature_problem(approval: AcceptedApproval) -> Refusal | None:
+            decision = ApprovalDecision.model_construct(
+                decision_id=approval.decision_id, approver=approval.approver, plan_hash=approval.plan_hash or check.plan_hash,
+                request_id=approval.request_id or check.request_id or None, signature=approval.signature,
+                attested_by=approval.attested_by, steps=approval.steps,
+            )
+            return decision_signature_refusal(
+                tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
+                kind="approve", decision=decision, signers=self._signers(),
+            )
+
         refusal = policy.authority_refusal(
             tenant,
             approvals=check.approvals,
@@ -454,5 +494,48 @@ class PolicyActivities:
             steps=check.steps,
             catalog=check.catalog,
             spent=check.spent,
+            approved=check.approved,
+            escalated_roles=check.escalated_roles,
+            requested_by=check.requested_by,
+            signature_problem=signature_problem,
         )
-        return Verdict(refusal=refusal, policy_hash=digest)
+        verdict = Verdict(refusal=refusal, policy_hash=digest)
+        if refusal is not None:
+            # A new request asks for what the current file asks, and for someone who can give it.
+            review = policy.review_plan(
+                Plan(steps=check.steps, plan_hash=""), check.catalog or ToolCatalog(), tenant, check.spent
+            )
+            verdict.approvals_required, verdict.roles = policy.request_terms(review, tenant)
+            verdict.tenant_policy = tenant
+        elif check.call is not None:
+            verdict.capability = self._mint(check)
+        return verdict
+
+    def _mint(self, check: AuthorityCheck) -> Capability:
+        info = activity.info()
+        if not info.is_local or self.keys is None:
+            # Only a run's own worker, inside its workflow task, mints: an activity task anyone
+            # could schedule by this name gets nothing.
+            raise ApplicationError(
+                "capabilities are minted only by the run's own worker (a local activity)",
+                type="capability_invalid",
+                non_retryable=True,
+            )
+        call = check.call
+        assert call is not None
+        fields = Capability.model_construct(
+            workflow_id=info.workflow_id,
+            run_id=info.workflow_run_id,
+            activity_id=check.activity_id,
+            request_id=check.request_id,
+            plan_hash=check.plan_hash,
+            tool_call_id=call.tool_call_id,
+            tool=call.tool,
+            args_digest=args_digest(call.args),
+            idempotency_key=call.idempotency_key,
+            key_id="",
+            expires_at=datetime.now(timezone.utc) + timedelta(seconds=check.ttl_seconds),
+            mac="",
+        )
+        kid, mac = self.keys.sign(fields.fields())
+        return Capability.model_validate({**fields.model_dump(), "key_id": kid, "mac": mac})

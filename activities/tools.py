@@ -46,6 +46,7 @@ from pydantic_core import PydanticCustomError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.keys import KeyRing, capability_refusal
 from activities.metrics import tool_call_metrics
 from workflows.models import (
     ATTEMPT_STILL_RUNNING,
@@ -352,8 +353,9 @@ def bounded_observation(result: Any) -> ToolOutcome:
 class ToolActivities:
     """The activities that expose a registry's tools to the workflow."""
 
-    def __init__(self, registry: ToolRegistry = REGISTRY) -> None:
+    def __init__(self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None) -> None:
         self.registry = registry
+        self.keys = keys  # verifies the capability every write attempt must carry
 
     @activity.defn(name="tool_catalog")
     async def tool_catalog(self, request: CatalogRequest) -> ToolCatalog:
@@ -372,6 +374,11 @@ class ToolActivities:
                     type="unknown_tool",
                     non_retryable=True,
                 )
+            if spec.effect != ToolEffect.READ_ONLY:
+                # Nothing writes unless the governed run's own worker minted this call's capability.
+                refused = capability_refusal(self.keys, call)
+                if refused is not None:
+                    raise refused
             try:
                 args = spec.parse_args(call.args)
             except ValidationError as e:

@@ -303,6 +303,11 @@ def start(service: Service) -> None:
     if not check_ports(service):
         return
     STATE_DIR.mkdir(exist_ok=True)
+    if service.name.endswith("worker"):
+        # The dev stack's one key ring (workers never create one): made here once, shared.
+        from activities.keys import DEFAULT_STATE_KEY, KEY_SETTING, genkey
+
+        genkey(ROOT / os.environ.get(KEY_SETTING, DEFAULT_STATE_KEY), if_missing=True)
     env = {**os.environ, "BILLING_URL": f"http://127.0.0.1:{BILLING_PORT}",
            "TEMPORAL_ADDRESS": f"127.0.0.1:{TEMPORAL_PORT}", "PYTHONUNBUFFERED": "1"}
     with open(service.logfile, "w") as log:

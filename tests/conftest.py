@@ -58,6 +58,22 @@ def audit_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["TETHER_AUDIT_DIR"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def state_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The fleet key ring of the workers built in tests (a worker never creates one)."""
+    from activities.keys import KEY_SETTING, genkey
+
+    path = tmp_path_factory.mktemp("keys") / "state.keys"
+    genkey(path)
+    previous = os.environ.get(KEY_SETTING)
+    os.environ[KEY_SETTING] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(KEY_SETTING, None)
+    else:
+        os.environ[KEY_SETTING] = previous
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
@@ -242,7 +258,10 @@ def billing_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billin
 
 @pytest.fixture
 def billing(billing_service: Billing) -> Iterator[Billing]:
-    """The session's billing service, with any injected faults cleared after the test."""
+    """The session's billing service, with any injected faults cleared after the test, and the
+    seed orders fully refundable before it (module fixtures may refund without this fixture)."""
+    for order_id, email, total, currency, _ in SEED_ORDERS:
+        billing_service.put(f"/admin/orders/{order_id}", {"customer_email": email, "total_cents": total, "currency": currency})
     yield billing_service
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(billing_service.url + "/admin/faults", method="DELETE")

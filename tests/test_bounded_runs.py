@@ -21,9 +21,9 @@ from activities.audit import AuditActivities, JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
 from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
-from tests.forger import Forger
+from tests.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
-from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, SealRequest, ToolEffect, canonical_json
+from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, ToolEffect, canonical_json
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -234,8 +234,6 @@ async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEn
     from workflows.engine import Engine
     from workflows.models import PolicySnapshot, Proposal, ProposedStep
 
-    key = b"k" * 64
-    audit = AuditActivities(sink=JsonlAuditSink(tmp_path / "audit"), state_key=key)
     run_id = unique("newer")
     request = make_request(REFUND)
     data = RunData(
@@ -252,10 +250,11 @@ async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEn
     carried["added_in_a_newer_version"] = {"anything": [1, 2, 3]}
     carried["lifecycle"]["also_new"] = True
     digest = hashlib.sha256(canonical_json(carried).encode()).hexdigest()
-    seal = (await audit.carryover_seal(SealRequest(workflow_id=run_id, digest=digest))).seal
-    newer = {**request.model_dump(mode="json"), "carryover": carried, "carryover_seal": seal, "new_option": 7}
-    async with running_worker(dev_env.client, audit=audit, extra_workflows=[Forger]) as worker:
-        await dev_env.client.start_workflow("Forger", newer, id=run_id, task_queue=worker.task_queue)
+    newer = {**request.model_dump(mode="json"), "carryover": carried, "new_option": 7}
+    async with running_worker(dev_env.client, extra_workflows=[NewerWorker]) as worker:
+        await dev_env.client.start_workflow(
+            "NewerWorker", {"request": newer, "digest": digest}, id=run_id, task_queue=worker.task_queue
+        )
         handle = dev_env.client.get_workflow_handle(run_id, result_type=RunOutcome)
         for _ in range(200):  # until the Forger has continued into AgentRun
             if (await handle.describe()).workflow_type == "AgentRun":

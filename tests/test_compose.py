@@ -25,7 +25,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra")
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen"}
+ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen", "state-keygen"}
 LONG_RUNNING = {
     "postgresql", "temporal", "temporal-ui", "codec-server", "billing", "worker", "prometheus",
 }
@@ -102,6 +102,7 @@ def test_health_checks_and_start_order() -> None:
     assert _depends("worker") == {
         "temporal-setup": "service_completed_successfully",
         "keygen": "service_completed_successfully",
+        "state-keygen": "service_completed_successfully",
         "billing": "service_healthy",
     }
 
@@ -174,6 +175,10 @@ def test_worker_environment_and_scaling() -> None:
     assert _env("codec-server")["TETHER_ENCRYPTION_KEY_FILE"] == key_file
     keygen_cmd = SERVICES["keygen"]["command"]
     assert keygen_cmd[keygen_cmd.index("--if-missing") + 1] == key_file
+    # One state key ring for the fleet (a worker never creates one), from the same volume.
+    state_keys = env["TETHER_STATE_KEY_FILE"]
+    assert SERVICES["state-keygen"]["command"][-2:] == ["--if-missing", state_keys]
+    assert any(v.endswith(":ro") and state_keys.startswith(v.split(":")[1] + "/") for v in worker["volumes"])
     # Metrics served inside the network; Prometheus finds every replica by DNS.
     assert env["TETHER_METRICS_PORT"] == "9000" and worker["expose"] == ["9000"]
     # The worker binds loopback unless told: in the stack Prometheus is another container.
@@ -236,7 +241,7 @@ def test_dockerfile_runtime_image() -> None:
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", ".git", "tests", ".tether", "*.keys"} <= ignored
     # Commands the compose file runs exist in the image (modules of the installed package).
-    for name in ("worker", "codec-server", "keygen", "cli"):
+    for name in ("worker", "codec-server", "keygen", "state-keygen", "cli"):
         svc = SERVICES[name]
         argv = svc.get("entrypoint") or svc["command"]
         assert argv[:2] in (["python", "-m"],), (name, argv)
@@ -437,8 +442,9 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         return proc.returncode or 0, out.decode()
 
-    code, out = await run("keygen", SERVICES["keygen"]["command"])
-    assert code == 0, out
+    for one_shot in ("keygen", "state-keygen"):
+        code, out = await run(one_shot, SERVICES[one_shot]["command"])
+        assert code == 0, out
     started: dict[str, asyncio.subprocess.Process] = {}
     logs: dict[str, Path] = {}
     worker_env = env_for("worker")

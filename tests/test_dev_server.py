@@ -176,8 +176,9 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         first = await wait_for_state(handle, "AWAITING_APPROVAL")
         first_run = (await handle.describe()).run_id
         # Refused decisions grow the history until the server suggests continue-as-new.
+        current = env.client.get_workflow_handle(handle.id)  # the latest run: it may continue mid-flood
         for i in range(CAN_THRESHOLD):
-            await handle.signal("approve", ApprovalDecision(decision_id=f"stale-{i}", approver="eve", plan_hash="0" * 64))
+            await current.signal("approve", ApprovalDecision(decision_id=f"stale-{i}", approver="eve", plan_hash="0" * 64))
         for _ in range(100):
             description = await handle.describe()
             if description.run_id != first_run:

@@ -39,6 +39,7 @@ from workflows.models import (
     ToolOutcome,
 )
 from workflows.states import TERMINAL, RunState, is_legal_path
+from tests.invariants import check_request_satisfiable
 
 S = RunState
 CATALOG = REGISTRY.catalog()
@@ -142,7 +143,14 @@ class Driver:
             if self.state == S.VALIDATION_FAILED:
                 e.after_validation_failed(self.tick())
             elif self.state == S.VALIDATED:
-                e.after_validated(self.tick())
+                plan = e.data.plan
+                self.hashes_seen.append(plan.plan_hash)
+                self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
+                # An auto-approved plan is re-checked under the current file (a tool withdrawn).
+                refusal = None
+                if not e.review().needs_approval and self.revoked:
+                    refusal, self.revoked = Refusal(rule="tool_withdrawn", message="gone"), False
+                e.after_validated(self.tick(), refusal)
             elif self.state in (S.APPROVED, S.OBSERVING_RESULT):
                 # The workflow re-checks authority (an activity) when something still writes.
                 refusal = None
@@ -397,6 +405,7 @@ def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry
     terminal_at: tuple[RunState, int, int] | None = None
     for event in events:
         driver.apply(event)
+        check_request_satisfiable(driver.engine.data.pending_approval, driver.engine.tenant, "alice")
         lc = driver.engine.data.lifecycle
         if terminal_at is not None:
             # Terminal states absorb: nothing changes state or version; only refusals are added.
@@ -434,3 +443,16 @@ def test_a_decision_the_engine_cannot_act_on_is_an_illegal_state_not_a_crash() -
         driver.engine.expire(driver.tick())
     with pytest.raises(IllegalState, match="no plan step"):
         driver.engine.tool_succeeded(ToolOutcome(observation="", digest="", size=0), driver.tick())
+
+
+def test_a_refused_auto_approval_opens_a_request_someone_can_satisfy() -> None:
+    # Issue 18, item 10: a tool withdrawn mid-run refuses an auto-approved plan; the request
+    # asked for 0 approvals from no roles, and every approver was refused "needs one of []".
+    driver = Driver("expire")
+    driver.apply("authority_revoked")
+    driver.apply("propose_small")
+    pending = driver.engine.data.pending_approval
+    assert driver.state == S.AWAITING_APPROVAL and pending is not None
+    check_request_satisfiable(pending, driver.engine.tenant, "alice")
+    driver.apply("approve")
+    assert driver.state == S.COMPLETED or S.APPROVED in [r.to_state for r in driver.engine.data.lifecycle.timeline]

@@ -362,14 +362,14 @@ async def test_a_tool_withdrawn_mid_run_stops_an_auto_approved_write(dev_env: Wo
         handle = await start_run(dev_env.client, worker, make_request([GET, refund(1000)], tenant="shop"))
         await wait_for_state(handle, "RETRY_WAIT")
         policy_file.write_text(POLICY.replace('tools = ["get_order", "issue_refund", "hold_then_fail"]', 'tools = ["get_order", "hold_then_fail"]'))
-        snap = await wait_for_state(handle, "AWAITING_APPROVAL", "COMPLETED", timeout=30)
-        records = await timeline(handle)
-        assert snap.state == S.AWAITING_APPROVAL
+        # From then on the run judges by the current file (issue 18): the replanned refund no
+        # longer validates for this tenant, and the run ends without writing.
+        outcome = await run_outcome(handle)
+        records = outcome.timeline
+        assert outcome.state == S.FAILED
         assert any("[tool_withdrawn]" in r.reason for r in records), [r.reason for r in records]
+        assert any("not allowed for this tenant" in r.reason for r in records if r.to_state == S.VALIDATION_FAILED)
         assert [r for r in billing.refunds() if r["order_id"] == "A-1002"] == []
-        await tether_client.cancel(dev_env.client, handle.id, reason="test over")
-        with pytest.raises(WorkflowFailureError):
-            await handle.result()
 
 
 async def test_a_handoff_sent_before_the_policy_snapshot_is_screened_when_taken(ts_env: WorkflowEnvironment, billing: Billing, policy_file: Path) -> None:

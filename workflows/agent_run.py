@@ -41,6 +41,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.identity import LOOK_ALIKE
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
+        CAPABILITY_EXPIRED,
+        CAPABILITY_KEY_MISSING,
+        KEY_MISSING,
         STRICT,
         ApprovalDecision,
         AuditAck,
@@ -67,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         SealRequest,
         SnapshotRequest,
         ToolCatalog,
+        ToolEffect,
         ToolInfo,
         ToolOutcome,
         Verdict,
@@ -103,6 +107,12 @@ AUDIT_BATCH = 200
 # auto-approved re-checks) run only where this patch is set: histories written by the previous
 # version replay without them (docs/changing-workflows.md).
 PATCH_V2 = "tether-v2"
+# Seals bound to the run chain, a capability for every write, missing keys fail the workflow
+# task (issue 18): new commands (the capability's re-check, a write's activity id, the timer
+# before a write is scheduled again) run only where this patch is set.
+TRUST_CHAIN = "tether-trust-chain"
+# A write that reached workers lacking its capability's key this many times in a row fails.
+MAX_BOUNCES = 50
 # Runs from this version on: a failing audit sink is retried on a backoff timer and shown on the
 # run; records refused while the run waits for a decision go to the sink at once; the run
 # continues as new before it nears Temporal's per-run Update limit.
@@ -164,6 +174,8 @@ class AgentRun:
         self._audit_error: str | None = None
         self._updates = 0  # decide Updates this execution took
         self._v2 = True
+        self._v3 = True
+        self._bounces = 0
         self._notifying = 0  # notify activities in flight
         self._record = True
         # The carried state bore the workers' seal (or there was none): a run failing on a
@@ -204,6 +216,7 @@ class AgentRun:
         if self._start_error is not None:
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
         self._v2 = workflow.patched(PATCH_V2)
+        self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
         self._record = self._v2 and workflow.patched(PATCH_RECORD)
         try:
             await self._verify_carryover()
@@ -262,20 +275,41 @@ class AgentRun:
             self._verified = True
             return
         digest = hashlib.sha256(canonical_json(self._carry_raw).encode()).hexdigest()
-        valid = await self._activity(
-            "carryover_verify",
-            SealRequest(workflow_id=workflow.info().workflow_id, digest=digest, seal=self.request.carryover_seal),
-            bool,
-            "verify carried state",
-            local=True,
-        )
+        info = workflow.info()
+        # The seal names the run it was made by and the generation it hands on: only the run
+        # the server says this one continued from, handing on the next generation, will do.
+        generation = self.data.generation + 1
+        try:
+            valid = await self._activity(
+                "carryover_verify",
+                SealRequest(
+                    workflow_id=info.workflow_id,
+                    digest=digest,
+                    seal=self.request.carryover_seal,
+                    run_id=info.continued_run_id or "",
+                    generation=generation,
+                ),
+                bool,
+                "verify carried state",
+                local=True,
+            )
+        except (ActivityError, ApplicationError) as err:
+            # A local activity's failure may arrive unwrapped (the ApplicationError itself).
+            cause = err.cause if isinstance(err, ActivityError) else err
+            if self._v3 and isinstance(cause, ApplicationError) and cause.type == KEY_MISSING:
+                # Not this worker's to judge: fail the workflow task (a worker holding the key
+                # takes it), never the run. The message names the key id.
+                raise RuntimeError(f"{KEY_MISSING}: {cause.message}") from None
+            raise
         if not valid:
             raise ApplicationError(
-                "the carried state does not bear this worker's seal: it was not written by this "
-                "run's previous run (or the workers do not share TETHER_STATE_KEY_FILE)",
+                "the carried state does not bear a valid seal by this run's previous run: it was "
+                "not written by that run (an older or another run's state, or a forged one)",
                 type="carryover_unsealed",
                 non_retryable=True,
             )
+        if self._v3:
+            self.data.generation = generation
         self._verified = True
 
     async def _drive(self) -> None:
@@ -296,6 +330,9 @@ class AgentRun:
                     requested_by=request.requested_by,
                     request_digest=request.request_digest(),
                     requester_signature=request.requester_signature,
+                    nonce=request.nonce,
+                    issued_at=request.issued_at,
+                    started_at=workflow.info().start_time,
                 ),
                 PolicySnapshot,
                 "policy snapshot",
@@ -312,23 +349,23 @@ class AgentRun:
             elif state == S.VALIDATION_FAILED:
                 self._decide(self.engine.after_validation_failed)
             elif state == S.VALIDATED:
-                refusal = None
+                verdict = None
                 if self._v2 and not self.engine.review().needs_approval:
                     # Auto-approved by the run's snapshot: the current file must agree.
-                    refusal = await self._authority_refusal(from_step=0)
-                self._decide(lambda now: self.engine.after_validated(now, refusal))
+                    verdict = await self._authority(from_step=0)
+                self._decide(lambda now: self.engine.after_validated(now, _refusal(verdict), verdict))
             elif state == S.AWAITING_APPROVAL:
                 await self._await_decision()
             elif state == S.APPROVED:
-                refusal = await self._authority_refusal(from_step=data.next_step)
-                self._decide(lambda now: self.engine.after_approved(refusal, now))
+                verdict = await self._authority(from_step=data.next_step)
+                self._decide(lambda now: self.engine.after_approved(_refusal(verdict), now, verdict))
             elif state == S.EXECUTING_TOOL:
                 await self._execute_step()
             elif state == S.OBSERVING_RESULT:
-                refusal = None
+                verdict = None
                 if self.engine.current_step() is not None and (self._v2 or data.approval is not None):
-                    refusal = await self._authority_refusal(from_step=data.next_step)
-                self._decide(lambda now: self.engine.after_observation(refusal, now))
+                    verdict = await self._authority(from_step=data.next_step)
+                self._decide(lambda now: self.engine.after_observation(_refusal(verdict), now, verdict))
             else:
                 raise ApplicationError(
                     f"no handler for working state {state.value}", type="IllegalState", non_retryable=True
@@ -436,15 +473,15 @@ class AgentRun:
             self._decide(lambda now: self.engine.timer_fired(now, escalate))
         # Otherwise woken to continue as new: the loop does that and comes back here.
 
-    async def _authority_refusal(self, *, from_step: int) -> Refusal | None:
-        """Re-check, through the policy activity, the approvals of the plan's remaining writes."""
+    async def _authority(self, *, from_step: int, **mint: Any) -> Verdict | None:
+        """Re-check, through the policy activity, the approvals of the plan's remaining writes;
+        ``mint`` (call, activity_id, ttl_seconds): and the capability of that write attempt."""
         check = self.engine.authority_check(from_step=from_step)
         if check is None:
             return None
-        verdict = await self._activity(
-            "policy_check_authority", check, Verdict, "policy re-check before writes", local=True
+        return await self._activity(
+            "policy_check_authority", check.model_copy(update=mint), Verdict, "policy re-check before writes", local=True
         )
-        return verdict.refusal
 
     async def _execute_step(self) -> None:
         step = self.engine.current_step()
@@ -458,11 +495,25 @@ class AgentRun:
         call = self._decide(self.engine.next_tool_call)
         if call is None:
             return
-        await self._checkpoint()
         timeouts = policy.tool_timeouts(info.timeout_seconds)
+        activity_id = None
+        if self._v3 and info.effect != ToolEffect.READ_ONLY:
+            # Every write attempt carries a capability for exactly this call, minted by the
+            # keyed re-check under the current file: nothing else can make a tool write.
+            activity_id = f"{call.tool_call_id}.{self.data.tool_calls}.{self._bounces}"
+            verdict = await self._authority(
+                from_step=self.data.next_step, call=call, activity_id=activity_id, ttl_seconds=timeouts.start_to_close
+            )
+            if verdict is None or verdict.capability is None:
+                refusal = _refusal(verdict) or Refusal(rule="capability_invalid", message="no capability minted")
+                self._decide(lambda now: self.engine.write_refused(refusal, now))
+                return
+            call = call.model_copy(update={"capability": verdict.capability})
+        await self._checkpoint()
         handle = workflow.start_activity(
             "execute_tool",
             call,
+            activity_id=activity_id,
             result_type=ToolOutcome,
             # The tool's deadline is its declared timeout; the grace period on top lets the
             # activity report a tool that overran instead of leaving the attempt in doubt.
@@ -501,6 +552,13 @@ class AgentRun:
         except ActivityError as err:
             failure = _failure(err)
             self._log_failure(call.tool_call_id, failure)
+            if activity_id and failure.code in (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED) and self._bounces < MAX_BOUNCES:
+                # The tool was not called: schedule the attempt again, fresh capability, soon.
+                self._bounces += 1
+                self.engine.capability_bounced(failure)
+                await self._checkpoint()
+                await workflow.sleep(timedelta(seconds=1), summary="write scheduled again (capability)")
+                return
             delay = self._decide(lambda now: self.engine.tool_failed(failure, now))
             if delay is None:
                 return
@@ -515,6 +573,7 @@ class AgentRun:
                 pass
             self._decide(self.engine.retry)
             return
+        self._bounces = 0
         self._decide(lambda now: self.engine.tool_succeeded(outcome, now))
 
     def _log_failure(self, tool_call_id: str, failure: ToolFailure) -> None:
@@ -945,7 +1004,8 @@ class AgentRun:
             digest = hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest()
             sealed = await self._activity(
                 "carryover_seal",
-                SealRequest(workflow_id=workflow.info().workflow_id, digest=digest),
+                # The seal binds the state to this run and to the generation it hands on.
+                SealRequest(workflow_id=workflow.info().workflow_id, digest=digest, generation=data.generation + 1),
                 SealRequest,
                 "seal carried state",
                 local=True,
@@ -991,6 +1051,10 @@ class AgentRun:
 
 def _new_tool_call_id(n: int) -> str:
     return f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
+
+
+def _refusal(verdict: Verdict | None) -> Refusal | None:
+    return verdict.refusal if verdict is not None else None
 
 
 def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:

@@ -54,6 +54,7 @@ from workflows.models import (
     ToolEffect,
     ToolInfo,
     ToolOutcome,
+    Verdict,
 )
 from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
 from workflows.validation import Validation, validate_proposal
@@ -311,33 +312,39 @@ class Engine:
             refs=refs,
         )
 
-    def after_validated(self, at: datetime, refusal: Refusal | None = None) -> None:
+    def after_validated(self, at: datetime, refusal: Refusal | None = None, ask: Verdict | None = None) -> None:
         """``refusal``: the current policy file's word on a plan the snapshot would auto-approve."""
         review = self.review()
         if not review.needs_approval and refusal is None:
             self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
             return
         why = f"policy changed [{refusal.rule}]: {refusal.message}; " if refusal else ""
-        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}")
+        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}", ask=ask if refusal else None)
 
     # ------------------------------------------------------------------ approvals
 
-    def request_approval(self, *, at: datetime, reason: str) -> None:
-        """Open a fresh approval request for the current plan (no approvals carried over)."""
+    def request_approval(self, *, at: datetime, reason: str, ask: Verdict | None = None) -> None:
+        """Open a fresh approval request for the current plan (no approvals carried over).
+
+        ``ask``: a re-check's verdict under the current file, whose terms (approvals, roles) the
+        request takes. Either way it asks for at least one approval from roles someone can hold.
+        """
         data = self.data
         _require(data.plan is not None, "no validated plan")
+        self.adopt(ask)
         review = self.review()
         ttl = self.request.limits.approval_ttl_seconds
         if review.ttl_seconds is not None:
             ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
+        required, roles = policy.request_terms(review, self.tenant)
         data.pending_approval = PendingApproval(
             plan_hash=data.plan.plan_hash,
             request_id=self.new_request_id(),
             expires_at=at + timedelta(seconds=ttl),
             summary=review.summary,
             risk="high" if review.risk == "high" else "normal",
-            approvals_required=review.approvals_required,
-            roles=review.roles,
+            approvals_required=required,
+            roles=roles,
             editors=list(data.plan_editors),
             opened_at=at,
             # Expiry stays the last word: a stage at or past it never fires.
@@ -353,6 +360,14 @@ class Engine:
             reason=f"{reason} ({version}request {data.pending_approval.request_id})",
             refs=Refs(plan_hash=data.plan.plan_hash, request_id=data.pending_approval.request_id or None),
         )
+
+    def adopt(self, ask: Verdict | None) -> None:
+        """A re-check under the current policy file refused: from now on the run judges by that
+        file (its snapshot is replaced), so the next request asks for what can be given."""
+        data = self.data
+        if ask is None or ask.tenant_policy is None or data.policy is None:
+            return
+        data.policy = data.policy.model_copy(update={"policy": ask.tenant_policy, "policy_hash": ask.policy_hash})
 
     def screen_decision(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool:
         """The cheap, state-only checks a decision passes on arrival (signal handler).
@@ -543,13 +558,25 @@ class Engine:
         if refusal is not None:
             self._refuse_decision("approve", decision.model_copy(update={"plan_hash": pending.plan_hash}), refusal, at)
             return
-        self._approve(decision.model_copy(update={"plan_hash": pending.plan_hash}), actor, at, refs)
+        self._approve(decision, actor, at, refs)
 
     def _approve(self, decision: ApprovalDecision, actor: str, at: datetime, refs: Refs) -> None:
         data = self.data
         pending = data.pending_approval
         _require(pending is not None, "no pending approval")
-        pending.approvals.append(AcceptedApproval(approver=decision.approver, decision_id=decision.decision_id, at=at))
+        pending.approvals.append(
+            AcceptedApproval(
+                approver=decision.approver,
+                decision_id=decision.decision_id,
+                at=at,
+                # Kept: the re-check before every write verifies it again under the current file.
+                signature=decision.signature,
+                request_id=decision.request_id or "",
+                plan_hash=decision.plan_hash,
+                attested_by=decision.attested_by,
+                steps=decision.steps,
+            )
+        )
         data.approved_by = [a.approver for a in pending.approvals]
         if len(pending.approvals) < pending.approvals_required:
             self.on_record(
@@ -725,37 +752,44 @@ class Engine:
             return None
         tools = [s.tool for s in writes]
         approval = data.approval
+        # The remaining steps, their catalog entries and what the run has done: the current
+        # file judges them (auto-approval, or the roles and count an approval needs now).
+        context = dict(
+            tenant=self.request.tenant,
+            tools=tools,
+            steps=remaining,
+            catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
+            spent=data.spent,
+            workflow_id=self.workflow_id,
+            first_run_id=data.first_run_id,
+            requested_by=self.request.requested_by,
+            plan_hash=data.plan.plan_hash,
+        )
         if approval is None:
             # Ran without approval: the current policy must still say so, for what is left.
-            return AuthorityCheck(
-                tenant=self.request.tenant,
-                approvals=[],
-                tools=tools,
-                roles=[],
-                approvals_required=0,
-                steps=remaining,
-                catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
-                spent=data.spent,
-            )
+            return AuthorityCheck(approvals=[], roles=[], approvals_required=0, **context)
         return AuthorityCheck(
-            tenant=self.request.tenant,
             approvals=[a.approver for a in approval.approvals],
-            tools=tools,
             roles=approval.roles,
             approvals_required=approval.approvals_required,
+            approved=approval.approvals,
+            escalated_roles=[r for stage in approval.escalation[: approval.stage] for r in stage.roles],
+            request_id=approval.request_id,
+            **context,
         )
 
-    def after_approved(self, refusal: Refusal | None, at: datetime) -> None:
+    def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
         """Just before an approved plan's writes run: do its approvals still hold?"""
         if refusal is not None:
             self.request_approval(
                 at=at,
                 reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; a new approval is needed",
+                ask=ask,
             )
             return
         self.enter_step(at=at, reason="approved plan: executing")
 
-    def after_observation(self, refusal: Refusal | None, at: datetime) -> None:
+    def after_observation(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
         """A step's result is in: the next step of the plan, or plan again."""
         data = self.data
         if self.current_step() is None:
@@ -763,7 +797,8 @@ class Engine:
             self.move(S.PLANNING, at=at, actor="runtime", reason="plan executed: planning what is next")
             return
         if refusal is not None:
-            # The rest of the plan needs a new plan and a new approval.
+            # The rest of the plan needs a new plan and a new approval, under the current file.
+            self.adopt(ask)
             held = "approval no longer holds" if data.approval is not None else "policy changed"
             data.approval = None
             self.move(
@@ -869,16 +904,8 @@ class Engine:
         _require(step is not None and self.state == S.EXECUTING_TOOL, "no plan step to execute, or not in EXECUTING_TOOL")
         max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
         if max_calls is not None and data.tool_calls >= max_calls:
-            # Not started now; an earlier attempt of this step may still have applied.
-            outcome = data.step_outcome or "failed"
-            self._end_step(step, outcome, "tool_call_budget")
-            self.move(
-                S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
-                at=at,
-                actor="runtime",
-                reason=f"tool call budget exhausted: {data.tool_calls} of max_tool_calls="
-                f"{max_calls} used; {self._describe(step, outcome, started=False)}",
-                refs=self._end_refs(step, outcome, "tool_call_budget"),
+            self._not_started(
+                step, "tool_call_budget", f"tool call budget exhausted: {data.tool_calls} of max_tool_calls={max_calls} used", at
             )
             return None
         data.tool_calls += 1  # every call the workflow schedules, retries included
@@ -891,6 +918,42 @@ class Engine:
             run_id=self.workflow_id,
             tenant=self.request.tenant,
             attempt=data.step_retries + 1,
+        )
+
+    def write_refused(self, refusal: Refusal, at: datetime) -> None:
+        """The re-check just before a write attempt (the one that mints its capability) refused:
+        the attempt does not start. An earlier attempt may have applied: then a human decides."""
+        step = self.current_step()
+        _require(step is not None and self.state == S.EXECUTING_TOOL, "no write attempt to refuse")
+        self.data.tool_calls -= 1  # not scheduled after all
+        self._not_started(
+            step, refusal.rule, f"write not started: the current policy refuses it [{refusal.rule}]: {refusal.message}", at
+        )
+
+    def _not_started(self, step: PlanStep, code: str, why: str, at: datetime) -> None:
+        """The step's (next) attempt is not started: the step ends. An earlier attempt may
+        still have applied: then a human decides (HANDED_OFF), else EXECUTION_FAILED."""
+        outcome = self.data.step_outcome or "failed"
+        self._end_step(step, outcome, code)
+        self.move(
+            S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
+            at=at,
+            actor="runtime",
+            reason=f"{why}; {self._describe(step, outcome, started=False)}",
+            refs=self._end_refs(step, outcome, code),
+        )
+
+    def capability_bounced(self, failure: ToolFailure) -> None:
+        """The attempt reached a worker that could not check its capability (key id missing, or
+        it waited past its expiry): the tool was not called; the run schedules it again with a
+        fresh capability. ``last_error`` (the Web UI details) names why (the key id)."""
+        step = self.current_step()
+        _require(step is not None and self.state == S.EXECUTING_TOOL, "no write attempt")
+        self.data.tool_calls -= 1  # never reached the tool
+        self.data.last_error = clip(
+            f"{failure.code}: tool call {step.tool_call_id} ({step.tool}) not started, scheduled again: "
+            f"{failure.message}",
+            300,
         )
 
     def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:

@@ -55,7 +55,7 @@ KINDS = frozenset({"approve", "reject", "revise", "handoff", "decide"})
 RULES = frozenset(
     {rule for _, rule in REFUSAL_RULES}
     | {
-        "approval_needed", "approver_revoked", "bad_signature", "distinct_approvers", "flood",
+        "approval_needed", "approver_revoked", "bad_signature", "capability_invalid", "signature_stale", "distinct_approvers", "flood",
         "four_eyes", "look_alike_name", "malformed_signal", "role", "signature_required", "signer_not_trusted",
         "stale_request",
         "tenant", "tenant_membership", "tool_withdrawn", "unknown_signal",

@@ -129,6 +129,10 @@ class RunRequest(Contract):
     # Ed25519 signature (base64) by the requester over policy.start_signature_payload(...):
     # required where the tenant sets require_signatures, else the requester is only claimed.
     requester_signature: str | None = Field(None, max_length=200)
+    # Signed with the start (tether start --key): a fresh value each time, and when it was
+    # signed; the run refuses a signed start older than the tenant's start_signature_ttl.
+    nonce: str | None = Field(None, min_length=8, max_length=128)
+    issued_at: datetime | None = None
     # Set by the runtime only, when a run continues as new: the state it carries over, and the
     # worker's seal over it. A start input that carries state is refused (docs/architecture.md).
     carryover: RunData | None = None
@@ -188,6 +192,42 @@ ATTEMPT_STILL_RUNNING = "attempt_still_running"
 CANCELLED_MID_CALL = "cancelled_mid_call"
 
 
+class Capability(BaseModel):
+    """What lets one ``execute_tool`` attempt of a write run: minted by the keyed authority
+    re-check (``policy_check_authority``, a local activity of the run's own worker) for exactly
+    that call, verified by the tool activity before the tool is called (docs/architecture.md)."""
+
+    workflow_id: str
+    run_id: str  # the run that scheduled the attempt (as the server says)
+    activity_id: str  # the attempt's activity id
+    request_id: str = ""  # the approval request in force ("" for an auto-approved plan)
+    plan_hash: str
+    tool_call_id: str
+    tool: str
+    args_digest: str  # sha256 of the arguments' canonical JSON
+    idempotency_key: str
+    key_id: str  # the fleet key (activities/keys.py) that made ``mac``
+    expires_at: datetime  # the attempt's deadline: refused after it
+    mac: str
+
+    def fields(self) -> dict[str, Any]:
+        """What the mac covers (everything but the mac; the key id is added by the ring)."""
+        return self.model_dump(mode="json", exclude={"mac", "key_id"})
+
+
+def args_digest(args: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(args).encode()).hexdigest()
+
+
+# Error types of ``execute_tool`` for a write's capability: refused for good (forged, wrong call),
+# or the attempt never reached the tool and the run schedules it again with a fresh capability.
+CAPABILITY_INVALID = "capability_invalid"
+CAPABILITY_KEY_MISSING = "capability_key_missing"
+CAPABILITY_EXPIRED = "capability_expired"
+# A local activity found a seal naming a key id this worker does not hold.
+KEY_MISSING = "key_missing"
+
+
 class ToolCall(BaseModel):
     """Input of the ``execute_tool`` activity."""
 
@@ -200,6 +240,8 @@ class ToolCall(BaseModel):
     # 1 for the first call the workflow schedules, 2.. for its retries (reconcilable tools look
     # up their previous effect first when this is above 1).
     attempt: int = 1
+    # Required for every tool that is not read_only (activities/tools.py refuses the call without).
+    capability: Capability | None = None
 
 
 class ToolOutcome(BaseModel):
@@ -427,6 +469,14 @@ class AcceptedApproval(BaseModel):
     approver: str
     decision_id: str
     at: datetime
+    # Kept so the re-check before every write can verify it again under the current file.
+    signature: str | None = None
+    # What the decision named (and its signature covers): for a partial approval, the plan and
+    # request it was sent for and the steps it kept, not the subset plan it then approved.
+    request_id: str = ""
+    plan_hash: str = ""
+    attested_by: str | None = None
+    steps: list[int] | None = None
 
 
 class PendingApproval(BaseModel):
@@ -597,6 +647,22 @@ class TenantPolicy(Contract):
     # Per risk level, the stages a waiting plan escalates through before it expires.
     escalation: Escalation = Field(default_factory=Escalation)
     budgets: Budgets = Field(default_factory=Budgets)
+    # A signed start is good for this long after its issued_at: seconds, or "90s" / "10m" / "1h".
+    start_signature_ttl: float = Field(600.0, gt=0, le=7 * 24 * 3600)
+
+    @field_validator("start_signature_ttl", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip().lower()
+            units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+            scale = units.get(text[-1:], None)
+            number = text[:-1] if scale else text
+            try:
+                return float(number) * (scale or 1)
+            except ValueError:
+                raise ValueError(f"expected seconds or a duration like '10m', got {value!r}") from None
+        return value
 
     @field_validator("approvers", mode="before")
     @classmethod
@@ -677,6 +743,9 @@ class SnapshotRequest(BaseModel):
     requested_by: str = ""
     request_digest: str = ""
     requester_signature: str | None = None
+    nonce: str | None = None
+    issued_at: datetime | None = None
+    started_at: datetime | None = None  # when the run began (workflow time)
 
 
 class DecisionCheck(BaseModel):
@@ -712,6 +781,20 @@ class AuthorityCheck(BaseModel):
     steps: list[PlanStep] = Field(default_factory=list)
     catalog: ToolCatalog | None = None
     spent: dict[str, float] = Field(default_factory=dict)
+    # The approvals in force in full (who, when, their decision and signature), to be judged
+    # again under the current file: roles, membership, four-eyes, the signature rule.
+    approved: list[AcceptedApproval] = Field(default_factory=list)
+    # Roles the request's escalation stages had added when it was approved: they count too.
+    escalated_roles: list[str] = Field(default_factory=list)
+    workflow_id: str = ""
+    first_run_id: str = ""
+    requested_by: str = ""
+    request_id: str = ""
+    plan_hash: str = ""
+    # Given: the attempt to mint a capability for (its activity id, its deadline in seconds).
+    call: ToolCall | None = None
+    activity_id: str = ""
+    ttl_seconds: float = 0.0
 
 
 class Notification(BaseModel):
@@ -741,17 +824,30 @@ class NotificationResult(BaseModel):
 
 
 class SealRequest(BaseModel):
-    """The carried state's sha256, sealed (HMAC) by the worker before continue-as-new."""
+    """The carried state's sha256, sealed (HMAC) by the worker before continue-as-new.
+
+    The seal binds the state to the run chain: the workflow id, the sealing run's id and the
+    generation (continue-as-new count) of the state; the continuing run accepts it only when the
+    server says it continued from that run (``continued_run_id``) and the generation follows.
+    """
 
     workflow_id: str
     digest: str
-    seal: str | None = None  # given: verify it
+    seal: str | None = None  # given: verify it ("<key id>:<mac>")
+    run_id: str = ""  # the sealing run
+    generation: int = 0
 
 
 class Verdict(BaseModel):
     refusal: Refusal | None = None
     policy_hash: str
     verified: bool = False  # the person's signature checked out against a key the policy lists
+    capability: Capability | None = None  # minted for AuthorityCheck.call when nothing refused
+    # A request the re-check opens asks for these (the tenant's current approval rule), and the
+    # run judges from then on by the current file (``tenant_policy``) instead of its snapshot.
+    approvals_required: int = 0
+    roles: list[str] = Field(default_factory=list)
+    tenant_policy: TenantPolicy | None = None
 
 
 # ----------------------------------------------------------------------------- run state
@@ -792,6 +888,7 @@ class RunData(BaseModel):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     model_tokens: int = 0  # sum of Proposal.usage_tokens over the run
+    generation: int = 0  # continue-as-new count: the carried state's place in the run chain
     plans: int = 0  # plans validated in all (the current plan's version)
     revisions: list[Revision] = Field(default_factory=list)  # the latest REVISIONS_KEPT
     plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan

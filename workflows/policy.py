@@ -6,11 +6,12 @@ Each refusal is a short reason a person can act on; ``None`` means allowed.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 
 from workflows.models import (
+    AcceptedApproval,
     AmountRule,
     ApprovalDecision,
     Limits,
@@ -397,11 +398,19 @@ def authority_refusal(
     steps: list[PlanStep] | None = None,
     catalog: ToolCatalog | None = None,
     spent: dict[str, float] | None = None,
+    approved: list[AcceptedApproval] | None = None,
+    requested_by: str = "",
+    signature_problem: Callable[[AcceptedApproval], Refusal | None] | None = None,
+    escalated_roles: Collection[str] = (),
 ) -> Refusal | None:
     """Do the approvals a plan got still hold, under the current policy, for these tools?
 
     For a plan that ran without approval (``approvals_required`` 0), ``steps`` are reviewed
-    again: a policy that now wants an approval for them stops the write.
+    again: a policy that now wants an approval for them stops the write. For an approved plan
+    each approval in force (``approved``) is judged again in full under the current file: the
+    roles and number of approvals it asks for the remaining ``steps`` now, membership,
+    four-eyes, and the signature rule (``signature_problem``: the activity's check of the
+    approval's kept signature; an unsigned approval fails it once signatures are required).
     """
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant was removed from the policy file")
@@ -415,6 +424,35 @@ def authority_refusal(
                 rule="approval_needed",
                 message=f"under the current policy the remaining steps need approval ({review.summary})",
             )
+        return None
+    if approved and steps:
+        review = review_plan(Plan(steps=steps, plan_hash=""), catalog or ToolCatalog(), tenant, spent)
+        if not review.needs_approval:
+            return None
+        valid: list[str] = []
+        lost: list[str] = []
+        for a in approved:
+            why = approver_refusal(
+                tenant, approver=a.approver, requested_by=requested_by, kind="approve",
+                roles=[*review.roles, *(r for r in escalated_roles if r not in review.roles)],
+                already_approved=valid,
+            )
+            if why is None and signature_problem is not None:
+                why = signature_problem(a)
+            if why is None:
+                valid.append(a.approver)
+            else:
+                lost.append(f"{a.approver} ({why.rule}: {why.message})")
+        if len(valid) < review.approvals_required:
+            return Refusal(
+                rule="approver_revoked",
+                message=clip(
+                    f"under the current policy {len(valid)} of {review.approvals_required} approval(s) hold; "
+                    f"no longer holds: {'; '.join(lost) or 'none'}",
+                    600,
+                ),
+            )
+        return None
     if tenant.approvers is not None:
         valid = [
             a for a in approvals
@@ -427,6 +465,13 @@ def authority_refusal(
                 message=f"approval by {', '.join(lost)} no longer holds under the current policy",
             )
     return None
+
+
+def request_terms(review: PlanReview, tenant: TenantPolicy | None) -> tuple[int, list[str]]:
+    """What an approval request asks for: at least one approval, from roles someone can hold
+    (the review's, else the tenant's approval roles): never a request nobody could satisfy."""
+    roles = list(review.roles) or list((tenant or DEFAULT_TENANT_POLICY).approval_roles) or ["approver"]
+    return max(review.approvals_required, 1), roles
 
 
 def signature_payload(
@@ -493,14 +538,54 @@ def decision_signature_payload(
     )
 
 
-def start_signature_payload(*, workflow_id: str, tenant: str, requested_by: str, request_digest: str) -> bytes:
-    """What a requester signs to start a run: its id, tenant, name and what it asks for."""
-    return canonical_json(
-        {
-            "workflow_id": workflow_id,
-            "tenant": tenant,
-            "decision": "start",
-            "requested_by": requested_by,
-            "request_digest": request_digest,
-        }
-    ).encode()
+def start_signature_payload(
+    *,
+    workflow_id: str,
+    tenant: str,
+    requested_by: str,
+    request_digest: str,
+    nonce: str | None = None,
+    issued_at: datetime | None = None,
+) -> bytes:
+    """What a requester signs to start a run: its id, tenant, name and what it asks for, and
+    (since issue 18) a nonce and when it was issued, so a captured start goes stale."""
+    body = {
+        "workflow_id": workflow_id,
+        "tenant": tenant,
+        "decision": "start",
+        "requested_by": requested_by,
+        "request_digest": request_digest,
+    }
+    if nonce is not None or issued_at is not None:
+        when = _utc(issued_at).strftime("%Y-%m-%dT%H:%M:%S.%fZ") if issued_at else ""
+        body.update({"nonce": nonce or "", "issued_at": when})
+    return canonical_json(body).encode()
+
+
+def _utc(moment: datetime) -> datetime:
+    """A naive time is taken as UTC (never the machine's zone)."""
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+
+
+# How long a signed start stays good (policy ``start_signature_ttl``), and the clock skew allowed
+# for one issued "in the future".
+DEFAULT_START_SIGNATURE_TTL = 600.0
+START_CLOCK_SKEW = 60.0
+
+
+def start_freshness_refusal(issued_at: datetime | None, started_at: datetime | None, ttl: float) -> Refusal | None:
+    """A signed start must say when it was issued, no longer than ``ttl`` before the run began."""
+    if issued_at is None:
+        return Refusal(rule="signature_stale", message="a signed start must carry issued_at and a nonce (tether start --key)")
+    if started_at is None:
+        return None
+    age = (_utc(started_at) - _utc(issued_at)).total_seconds()
+    if age > ttl:
+        return Refusal(
+            rule="signature_stale",
+            message=f"the start was signed {age:.0f}s before the run began, over the tenant's "
+            f"start_signature_ttl of {ttl:g}s: sign it again",
+        )
+    if age < -START_CLOCK_SKEW:
+        return Refusal(rule="signature_stale", message=f"the start claims to be issued {-age:.0f}s in the future")
+    return None

@@ -193,6 +193,12 @@ def start_worker(
 ) -> Proc:
     """``faults``: CHAOS_SLOW / CHAOS_LOSE_RESPONSE for the chaos tools (chaos_tools.py)."""
     cmd = [sys.executable, "worker.py", "--tools", "tests.chaos.chaos_tools", "--task-queue", queue]
+    from activities.keys import KEY_SETTING, genkey
+
+    if not os.environ.get(KEY_SETTING):
+        # The workers of a chaos run share one key ring (a worker never creates one).
+        faults.setdefault(KEY_SETTING, str(chaos_dir / "state.key"))
+        genkey(Path(faults[KEY_SETTING]), if_missing=True)
     env = _env(TEMPORAL_ADDRESS=address, BILLING_URL=billing_url, CHAOS_DIR=str(chaos_dir), CHAOS_HOLD=hold,
                CHAOS_TOOL_TIMEOUT=str(tool_timeout or ""), **faults)
     return Proc(f"worker {queue}", cmd, chaos_dir / f"worker-{uuid.uuid4().hex[:6]}.log", env)
