@@ -310,10 +310,13 @@ def history_facts(events: list, runs: int = 1, tool_activity: str = "execute_too
 
 
 async def run_facts(
-    client: Client, workflow_id: str, *, tool_activity: str = "execute_tool", sem: asyncio.Semaphore | None = None
+    client: Client, workflow_id: str, run_id: str | None, *, tool_activity: str = "execute_tool",
+    sem: asyncio.Semaphore | None = None,
 ) -> HistoryFacts:
+    """The facts of the chain that starts at ``run_id`` (the handle start_workflow returned has it;
+    without one, the workflow id's latest run)."""
     async with sem or contextlib.nullcontext():
-        events, runs = await chain_events(client, workflow_id)
+        events, runs = await chain_events(client, workflow_id, run_id)
     return history_facts(events, runs, tool_activity)
 
 

@@ -160,7 +160,7 @@ async def run_batch(stack: Stack, variant: Variant, runs: int, steps: int, tag: 
 async def batch_facts(client: Client, batch: Batch, variant: Variant) -> list[HistoryFacts]:
     sem = asyncio.Semaphore(20)
     return list(await asyncio.gather(*(
-        run_facts(client, h.id, tool_activity=variant.tool_activity, sem=sem) for h in batch.handles
+        run_facts(client, h.id, h.first_execution_run_id, tool_activity=variant.tool_activity, sem=sem) for h in batch.handles
     )))
 
 
