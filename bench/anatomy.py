@@ -17,7 +17,7 @@ import sys
 import uuid
 from collections import defaultdict
 
-from bench.common import bench_stack, chain_events, event_kind, machine_line, table
+from bench.common import Stack, chain_events, event_kind, machine_line, stack_or_new, table
 from bench.overhead import APPROVAL, BARE, GOVERNED, TETHER, run_batch
 
 
@@ -88,12 +88,12 @@ def anatomy(events: list) -> dict:
                 events=len(events), bytes=sum(e.ByteSize() for e in events))
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> None:
     names = [GOVERNED, *([APPROVAL] if args.approval else []), BARE]
     print(f"# Where history goes: one run of {args.steps} steps per variant ({', '.join(names)})")
     print(f"machine: {machine_line()}")
     found = {}
-    async with bench_stack() as stack:
+    async with stack_or_new(stack) as stack:
         stamp = uuid.uuid4().hex[:6]
         for name in names:
             batch = await run_batch(stack, TETHER[name], 1, args.steps, f"a{stamp}{names.index(name)}")
@@ -130,13 +130,17 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"  {size:>6} B  {label}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--approval", action="store_true", help="also a governed run that waits for one approval")
     p.add_argument("--largest", type=int, default=10, help="how many of the largest events to list")
     p.add_argument("--show-events", action="store_true", help="list every event")
-    asyncio.run(main_async(p.parse_args(argv)))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(main_async(parse(argv)))
 
 
 if __name__ == "__main__":

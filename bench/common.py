@@ -191,6 +191,13 @@ async def bench_stack(
             workdir.rmdir()
 
 
+def stack_or_new(stack: Stack | None, *args, **kwargs):
+    """The stack given (a test's shared one: left running), else a new ``bench_stack``."""
+    if stack is not None:
+        return contextlib.nullcontext(stack)
+    return bench_stack(*args, **kwargs)
+
+
 def machine_line() -> str:
     load = Path("/proc/loadavg").read_text().split()[:3]
     with open("/proc/meminfo") as f:

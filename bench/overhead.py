@@ -37,7 +37,6 @@ from bench.common import (
     HistoryFacts,
     Stack,
     approve_pending,
-    bench_stack,
     cpu_seconds,
     machine_line,
     ms,
@@ -45,6 +44,7 @@ from bench.common import (
     percentile,
     rss_mb,
     run_facts,
+    stack_or_new,
     table,
 )
 from client import start_run
@@ -194,7 +194,8 @@ async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.N
     stamp = uuid.uuid4().hex[:6]
     # Warm-up: imports, sandbox, caches and connections; not counted.
     for n, variant in enumerate(variants):
-        await run_batch(stack, variant, min(args.runs, 10), args.steps, f"w{stamp}{n}")
+        if args.warmup:
+            await run_batch(stack, variant, min(args.runs, args.warmup), args.steps, f"w{stamp}{n}")
     batches: list[Batch] = []
     worker_rss_max = server_rss_max = 0.0
     for r in range(args.rounds):
@@ -322,12 +323,12 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> None:
     print(f"# Tether overhead benchmark: {args.runs} runs x {args.steps} steps x {args.rounds} "
           f"round(s) per variant")
     print(f"machine: {machine_line()}")
     wargs = worker_args(args)
-    async with bench_stack(wargs, dynamic_config=args.dynamic_config) as stack:
+    async with stack_or_new(stack, wargs, dynamic_config=args.dynamic_config) as stack:
         print(f"dev server {stack.address} (pid {stack.server.pid}), worker pid {stack.worker.pid}, "
               f"worker options: {' '.join(wargs) or 'create_worker defaults'}")
         rounds = await run_rounds(stack, [TETHER[v] for v in VARIANTS], args)
@@ -339,6 +340,7 @@ def parser(description: str, *, quiet_approvals: int = 20) -> argparse.ArgumentP
     p.add_argument("--runs", type=int, default=50, help="concurrent runs per batch (N)")
     p.add_argument("--steps", type=int, default=5, help="tool steps per run (M)")
     p.add_argument("--rounds", type=int, default=3, help="batches per variant, interleaved")
+    p.add_argument("--warmup", type=int, default=10, help="runs per variant before measuring (not counted)")
     p.add_argument("--quiet-approvals", type=int, default=quiet_approvals,
                    help="approvals measured one run at a time, after the rounds")
     p.add_argument("--worker-option", action="append", default=[],
@@ -349,8 +351,12 @@ def parser(description: str, *, quiet_approvals: int = 20) -> argparse.ArgumentP
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser(__doc__.splitlines()[0]).parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(main_async(parser(__doc__.splitlines()[0]).parse_args(argv)))
+    asyncio.run(main_async(parse(argv)))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from temporalio.client import Client, WorkflowHandle
 
-from bench.common import Stack, bench_stack, machine_line
+from bench.common import Stack, machine_line, stack_or_new
 from bench.overhead import BARE, GOVERNED, TETHER, Variant, parser, report, run_rounds, worker_args
 
 PEER_PLAN, PEER_STEP = "pydantic-ai plan", "pydantic-ai per call"
@@ -47,7 +47,7 @@ def peer_runs(workflow: str, client: Client, parallel: bool) -> Variant:
     return Variant(name, start, tool_activity=f"agent__{agent}__{PEER_TOOL_ACTIVITY}")
 
 
-async def main_async(args) -> None:
+async def main_async(args, stack: Stack | None = None) -> None:
     try:
         from pydantic_ai.durable_exec.temporal import PydanticAIPlugin
     except ImportError:
@@ -61,7 +61,7 @@ async def main_async(args) -> None:
           f"temporalio {version('temporalio')}; pydantic-ai's tool calls run "
           + ("in parallel (its default)" if args.parallel_tools else "one at a time, as Tether's steps do"))
     wargs = [*worker_args(args), "--peer"]
-    async with bench_stack(wargs, dynamic_config=args.dynamic_config) as stack:
+    async with stack_or_new(stack, wargs, dynamic_config=args.dynamic_config) as stack:
         print(f"dev server {stack.address} (pid {stack.server.pid}), worker pid {stack.worker.pid}, "
               f"worker options: {' '.join(wargs)}")
         # pydantic-ai's client: its plugin sets the payload converter the peer's workflows use.
@@ -80,11 +80,15 @@ async def main_async(args) -> None:
           f"{p['events']:.0f}, worker CPU {g['wcpu']:.1f} vs {p['wcpu']:.1f} ms/step")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None):
     p = parser(__doc__.splitlines()[0], quiet_approvals=0)
     p.add_argument("--parallel-tools", action="store_true",
                    help="let pydantic-ai run a plan's tool calls concurrently (its default)")
-    asyncio.run(main_async(p.parse_args(argv)))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(main_async(parse(argv)))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from temporalio.api.query.v1 import WorkflowQuery
 from temporalio.api.workflowservice.v1 import QueryWorkflowRequest
 from temporalio.client import Client
 
-from bench.common import HistoryFacts, bench_stack, machine_line, percentile, run_facts, table
+from bench.common import HistoryFacts, Stack, machine_line, percentile, run_facts, stack_or_new, table
 from bench.overhead import BARE, GOVERNED, TETHER, run_batch
 
 QUERIES = ("snapshot", "timeline")
@@ -143,7 +143,7 @@ def flags(cells: list[dict]) -> list[str]:
     return out
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> None:
     lengths = [int(x) for x in args.steps.split(",")]
     concurrency = [int(x) for x in args.concurrency.split(",")]
     variants = [v for v in args.variants.split(",") if v]
@@ -157,12 +157,12 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{', '.join(map(str, concurrency))} concurrent runs; {', '.join(variants)}")
     print(f"machine: {machine_line()}")
     cells, skipped = [], []
-    async with bench_stack(dynamic_config=dynamic) as stack:
+    async with stack_or_new(stack, dynamic_config=dynamic) as stack:
         print(f"dev server {stack.address} (pid {stack.server.pid}; continue-as-new suggested after "
               f"{args.can_after or 'the default number of'} events), worker pid {stack.worker.pid}")
         stamp = uuid.uuid4().hex[:6]
-        for v in variants:  # warm-up, not counted
-            await run_batch(stack, TETHER[v], 2, 5, f"w{stamp}{v[:3]}")
+        for v in variants if args.warmup else ():  # warm-up, not counted
+            await run_batch(stack, TETHER[v], args.warmup, 5, f"w{stamp}{v[:3]}")
         for conc in concurrency:
             for steps in lengths:
                 if steps * conc > args.max_total_steps:
@@ -196,7 +196,7 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"  {line}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", default="5,50,200", help="run lengths, comma-separated")
     p.add_argument("--concurrency", default="1,10,100", help="concurrent runs, comma-separated")
@@ -205,9 +205,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--can-after", type=int, default=400,
                    help="the dev server suggests continue-as-new after this many events (0: its default)")
     p.add_argument("--variants", default=f"{GOVERNED},{BARE}")
+    p.add_argument("--warmup", type=int, default=5, help="runs of 5 steps per variant before measuring")
     p.add_argument("--dynamic-config", action="append", default=[],
                    help="dev server dynamic config KEY=VALUE (repeatable)")
-    asyncio.run(main_async(p.parse_args(argv)))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(main_async(parse(argv)))
 
 
 if __name__ == "__main__":
