@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-
+from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 from temporalio.client import Client, WorkflowHandle
@@ -47,6 +48,7 @@ from bench.common import (
     stack_or_new,
     table,
 )
+from bench.profile import Recorder, report as profile_report
 from client import start_run
 from workflows.models import RunRequest
 
@@ -185,6 +187,7 @@ class Rounds:
     worker_peak: float
     server_peak: float
     quiet: list[tuple[Batch, list[HistoryFacts]]]
+    profiles: dict[str, Path] = field(default_factory=dict)  # variant -> py-spy stacks (--profile)
 
 
 async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.Namespace) -> Rounds:
@@ -198,11 +201,22 @@ async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.N
             await run_batch(stack, variant, min(args.runs, args.warmup), args.steps, f"w{stamp}{n}")
     batches: list[Batch] = []
     worker_rss_max = server_rss_max = 0.0
+    recorders: dict[str, Recorder] = {}
+    if getattr(args, "profile", None):
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        for variant in variants:
+            path = Path(args.profile) / f"{re.sub(r'[^A-Za-z0-9]+', '-', variant.name)}.txt"
+            path.unlink(missing_ok=True)
+            recorders[variant.name] = Recorder(stack.worker.pid, path)
     for r in range(args.rounds):
         k = r % len(variants)
         for variant in variants[k:] + variants[:k]:
             tag = f"r{r}{stamp}{variants.index(variant)}"
+            if recorders:
+                await asyncio.to_thread(recorders[variant.name].start)
             b = await run_batch(stack, variant, args.runs, args.steps, tag)
+            if recorders:
+                await asyncio.to_thread(recorders[variant.name].stop)
             batches.append(b)
             worker_rss_max = max(worker_rss_max, rss_mb(stack.worker.pid))
             server_rss_max = max(server_rss_max, rss_mb(stack.server.pid))
@@ -216,6 +230,7 @@ async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.N
     return Rounds(
         variants, args.steps, batches, worker_rss_max, server_rss_max,
         peak_rss_mb(stack.worker.pid), peak_rss_mb(stack.server.pid), quiet,
+        {n: r.path for n, r in recorders.items()},
     )
 
 
@@ -309,6 +324,11 @@ async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, 
               f"signal to the tool's schedule, against {percentile(t, 50):.0f} ms for {base}'s workflow task "
               f"reacting to an activity's result (the dispatch after it: {percentile(q, 50):.0f} ms "
               f"schedule-to-start in {base})")
+    if rounds.profiles:
+        print()
+        print(f"where the worker's Python time goes (py-spy, {100} Hz, measured batches only; "
+              f"stacks in {next(iter(rounds.profiles.values())).parent}):")
+        print(profile_report(rounds.profiles, {n: stats[n]["runs"] * steps for n in names}))
     print()
     print("history events of one run, by type:")
     kinds = sorted(set().union(*(stats[n]["kinds"] for n in names)))
@@ -346,6 +366,9 @@ def parser(description: str, *, quiet_approvals: int = 20) -> argparse.ArgumentP
     p.add_argument("--worker-option", action="append", default=[],
                    help="Worker option for the worker under test, KEY=JSON (repeatable)")
     p.add_argument("--autoscale-pollers", action="store_true")
+    p.add_argument("--profile", metavar="DIR",
+                   help="sample the worker with py-spy (extra `bench`) during the measured batches; "
+                        "stacks per variant in DIR, and a table of where its Python time goes")
     p.add_argument("--dynamic-config", action="append", default=[],
                    help="dev server dynamic config KEY=VALUE (repeatable)")
     return p

@@ -98,3 +98,24 @@ async def test_anatomy_accounts_for_every_event(stack: Stack, capsys) -> None:
     assert ops["activity execute_tool"][1:3] == ["2", "2"]
     assert "local activity tool_catalog" in ops
     assert "governed: search-attribute upserts, in order:" in out
+
+
+def test_profile_buckets_put_each_sample_once_and_leave_idle_out(tmp_path) -> None:
+    from bench.profile import buckets
+
+    stacks = tmp_path / "w.txt"
+    stacks.write_text(
+        "thread (1): MainThread;main (bench/worker_proc.py:1);AuditActivities.audit_append (activities/audit.py:139);"
+        "JsonlAuditSink.append (activities/audit.py:67) 7\n"
+        # audit_append inside payload visiting still counts once, in the first bucket that matches
+        "thread (2);PayloadVisitor.visit (temporalio/bridge/_visitor.py:1);audit_append (x.py:1) 2\n"
+        "thread (3);PayloadVisitor.visit (temporalio/bridge/_visitor.py:1) 5\n"
+        "thread (4);Thread.run (threading.py:1);_worker (concurrent/futures/thread.py:83) 100\n"  # idle
+        "thread (5) 3\n"  # a Rust core thread
+        "garbage\n"
+    )
+    counts, total = buckets(stacks)
+    assert total == 17
+    assert counts["audit_append local activity (runs on the event loop)"] == 9
+    assert counts["payload visiting and converter per activation"] == 5
+    assert counts["native (Temporal core threads, no Python frames)"] == 3
