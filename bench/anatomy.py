@@ -1,6 +1,6 @@
 """Where a run's history goes: one governed and one bare run of M steps, event by event.
 
-    python -m bench.anatomy [--steps 5] [--approval] [--show-events]
+    python -m bench.anatomy [--steps 5] [--approval] [--show-events] [--can-after EVENTS]
 
 Runs them one at a time on a private dev server and prints, per variant: events and bytes by
 event type; activities and local activities (markers) by type with their payload bytes;
@@ -79,6 +79,13 @@ def anatomy(events: list) -> dict:
             by_op[name][0] += 1
             by_op[name][1] += size
             label = f"{kind} {name} (payloads {payload} B)"
+        elif kind == "WORKFLOW_EXECUTION_CONTINUED_AS_NEW":
+            carried = _payload_bytes(e.workflow_execution_continued_as_new_event_attributes.input)
+            by_op["continue-as-new input"][0] += 1
+            by_op["continue-as-new input"][1] += carried
+            label = f"{kind} (input {carried} B)"
+        elif kind == "WORKFLOW_EXECUTION_STARTED":
+            label = f"{kind} (input {_payload_bytes(e.workflow_execution_started_event_attributes.input)} B)"
         elif kind == "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES":
             upserts.append(_upsert(e))
             label = f"{kind} {upserts[-1]}"
@@ -93,7 +100,8 @@ async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> No
     print(f"# Where history goes: one run of {args.steps} steps per variant ({', '.join(names)})")
     print(f"machine: {machine_line()}")
     found = {}
-    async with stack_or_new(stack) as stack:
+    dynamic = [f"limit.historyCount.suggestContinueAsNew={args.can_after}"] if args.can_after else []
+    async with stack_or_new(stack, dynamic_config=dynamic) as stack:
         stamp = uuid.uuid4().hex[:6]
         for name in names:
             batch = await run_batch(stack, TETHER[name], 1, args.steps, f"a{stamp}{names.index(name)}")
@@ -136,6 +144,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--approval", action="store_true", help="also a governed run that waits for one approval")
     p.add_argument("--largest", type=int, default=10, help="how many of the largest events to list")
     p.add_argument("--show-events", action="store_true", help="list every event")
+    p.add_argument("--can-after", type=int, default=0,
+                   help="the dev server suggests continue-as-new after this many events (0: its default)")
     return p.parse_args(argv)
 
 

@@ -6,7 +6,8 @@ One private dev server, one worker process serving Tether (``worker.create_worke
 loop and pydantic-ai's agents (``bench.worker_proc --peer``; bench/peer_agents.py). In rotating
 rounds, N concurrent runs of M read-only steps of the same ``bench_read`` tool per variant:
 
-- ``governed``: ``AgentRun`` (read-only plan, no approval);
+- ``governed``: ``AgentRun`` (read-only plan, no approval); with ``--approval`` also
+  ``governed+approval`` (one approval per run, as in ``make bench``);
 - ``bare``: ``BareAgentLoop`` (bench/bare.py);
 - ``pydantic-ai plan``: an agent whose ``FunctionModel`` plans every call in one request, then
   finishes in a second (Tether's structure: 2 model requests, M tools);
@@ -25,7 +26,7 @@ from typing import Sequence
 from temporalio.client import Client, WorkflowHandle
 
 from bench.common import Stack, machine_line, stack_or_new
-from bench.overhead import BARE, GOVERNED, TETHER, Variant, parser, report, run_rounds, worker_args
+from bench.overhead import APPROVAL, BARE, GOVERNED, TETHER, Variant, parser, report, run_rounds, worker_args
 
 PEER_PLAN, PEER_STEP = "pydantic-ai plan", "pydantic-ai per call"
 PEER_TOOL_ACTIVITY = "toolset__<agent>__call_tool"  # suffix of the agents' tool activity names
@@ -67,7 +68,7 @@ async def main_async(args, stack: Stack | None = None) -> None:
         # pydantic-ai's client: its plugin sets the payload converter the peer's workflows use.
         peer = await Client.connect(stack.address, namespace="default", plugins=[PydanticAIPlugin()])
         variants = [
-            TETHER[GOVERNED], TETHER[BARE],
+            TETHER[GOVERNED], *([TETHER[APPROVAL]] if args.approval else []), TETHER[BARE],
             peer_runs("PeerPlanWorkflow", peer, args.parallel_tools),
             peer_runs("PeerStepWorkflow", peer, args.parallel_tools),
         ]
@@ -84,6 +85,9 @@ def parse(argv: list[str] | None = None):
     p = parser(__doc__.splitlines()[0], quiet_approvals=0)
     p.add_argument("--parallel-tools", action="store_true",
                    help="let pydantic-ai run a plan's tool calls concurrently (its default)")
+    p.add_argument("--approval", action="store_true",
+                   help="also governed+approval (each run waits for one approval), for approval latency "
+                        "next to the others' under the same load")
     return p.parse_args(argv)
 
 
