@@ -288,6 +288,11 @@ async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, 
         ratios = [g / r for g, r in zip(stats[name]["per_round"], b["per_round"])]
         print(f"{name}/{base} throughput per round: {', '.join(f'{x:.2f}' for x in ratios)} "
               f"(median {statistics.median(ratios):.2f})")
+    if GOVERNED in stats and base == BARE:
+        g = stats[GOVERNED]
+        median = statistics.median(x / y for x, y in zip(g["per_round"], b["per_round"]))
+        print(f"targets: governed/bare median {median:.2f} (>= 0.95), history {g['bytes'] / b['bytes']:.2f}x "
+              f"bare (<= 1.3x), events per step {g['events'] / steps - b['events'] / steps:+.1f} over bare (<= +1)")
     cpu = {n: stats[n]["wcpu"] + stats[n]["scpu"] for n in names}
     print("CPU per step, worker + dev server: "
           + ", ".join(f"{n} {cpu[n]:.1f} ms" for n in names)

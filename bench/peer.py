@@ -20,6 +20,7 @@ the optional extra ``bench`` (``make bench-peer`` installs it).
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
 from typing import Sequence
 
@@ -75,10 +76,12 @@ async def main_async(args, stack: Stack | None = None) -> None:
         rounds = await run_rounds(stack, variants, args)
         stats = await report(stack.client, rounds)
     g, p = stats[GOVERNED], stats[PEER_PLAN]
+    ratios = [a / b for a, b in zip(g["per_round"], p["per_round"])]
     print()
-    print(f"governed vs {PEER_PLAN}: throughput {g['rps'] / p['rps']:.2f}x, history "
-          f"{g['bytes'] / 1024:.1f} vs {p['bytes'] / 1024:.1f} KiB/run, events {g['events']:.0f} vs "
-          f"{p['events']:.0f}, worker CPU {g['wcpu']:.1f} vs {p['wcpu']:.1f} ms/step")
+    print(f"governed vs {PEER_PLAN}: throughput per round {', '.join(f'{x:.2f}' for x in ratios)} "
+          f"(median {statistics.median(ratios):.2f}; target >= 1.0), history "
+          f"{g['bytes'] / 1024:.1f} vs {p['bytes'] / 1024:.1f} KiB/run (target: no larger), events "
+          f"{g['events']:.0f} vs {p['events']:.0f}, worker CPU {g['wcpu']:.1f} vs {p['wcpu']:.1f} ms/step")
 
 
 def parse(argv: list[str] | None = None):

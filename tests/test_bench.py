@@ -67,7 +67,7 @@ async def test_peer_runs_pydantic_ai_side_by_side(stack: Stack, capsys) -> None:
     # One planning request + 3 tools + the final request; one request per call: 3 + 1 + 3.
     assert main[peer.PEER_PLAN][7] == "5"
     assert main[peer.PEER_STEP][7] == "7"
-    assert f"governed vs {peer.PEER_PLAN}: throughput" in out
+    assert f"governed vs {peer.PEER_PLAN}: throughput per round" in out
 
 
 async def test_scaling_follows_continue_as_new_and_measures_queries(stack: Stack, capsys) -> None:
