@@ -261,6 +261,7 @@ class HistoryFacts:
     activities: int  # activity tasks scheduled (local activities are markers)
     markers: int
     upserts: int
+    task_trouble: int  # workflow tasks timed out (a busy worker misses the sticky queue) or failed
     kinds: dict[str, int]
     kind_bytes: dict[str, int]
     schedule_to_start: list[float]  # ms, every activity task
@@ -310,7 +311,9 @@ def history_facts(events: list, runs: int = 1, tool_activity: str = "execute_too
     return HistoryFacts(
         events=len(events), bytes=sum(e.ByteSize() for e in events), runs=runs,
         activities=kinds.get("ACTIVITY_TASK_SCHEDULED", 0), markers=kinds.get("MARKER_RECORDED", 0),
-        upserts=kinds.get("UPSERT_WORKFLOW_SEARCH_ATTRIBUTES", 0), kinds=kinds, kind_bytes=kind_bytes,
+        upserts=kinds.get("UPSERT_WORKFLOW_SEARCH_ATTRIBUTES", 0),
+        task_trouble=kinds.get("WORKFLOW_TASK_TIMED_OUT", 0) + kinds.get("WORKFLOW_TASK_FAILED", 0),
+        kinds=kinds, kind_bytes=kind_bytes,
         schedule_to_start=s2s, turnaround=turn, approval_to_schedule=a_sched,
         approval_to_start=a_start, signaled_at=signaled_at,
     )

@@ -256,6 +256,7 @@ async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, 
             activities=statistics.mean(f.activities for f in facts),
             markers=statistics.mean(f.markers for f in facts),
             upserts=statistics.mean(f.upserts for f in facts),
+            trouble=sum(f.task_trouble for f in facts),
             kinds=facts[0].kinds if facts else {},
             wcpu=sum(b.worker_cpu for b in mine) / (runs * steps) * 1000,
             scpu=sum(b.server_cpu for b in mine) / (runs * steps) * 1000,
@@ -282,6 +283,10 @@ async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, 
         rows,
     ))
     print()
+    trouble = {n: stats[n]["trouble"] for n in names if stats[n]["trouble"]}
+    if trouble:
+        print("workflow tasks timed out or failed (a busy worker missed the sticky queue; extra events "
+              "that are load, not the variant): " + ", ".join(f"{n} {k}" for n, k in trouble.items()))
     for name in names:
         if name == base:
             continue

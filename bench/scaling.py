@@ -88,6 +88,7 @@ async def cell(stack, variant: str, steps: int, concurrency: int, tag: str) -> d
         ms_step=batch.seconds / steps * 1000, sps=total / batch.seconds,
         runs_in_chain=statistics.mean(f.runs for f in facts),
         events=statistics.mean(f.events for f in facts), bytes=statistics.mean(f.bytes for f in facts),
+        trouble=statistics.mean(f.task_trouble for f in facts),
         wcpu=batch.worker_cpu / total * 1000, scpu=batch.server_cpu / total * 1000,
         live={q: live[q] for q in QUERIES}, after=after,
     )
@@ -177,11 +178,12 @@ async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> No
     print()
     print(table(
         ["variant", "steps", "concurrent", "runs in chain", "ms/step (wall, one run)", "steps/s",
-         "events/step", "KiB/step", "worker CPU ms/step", "server CPU ms/step",
+         "events/step", "KiB/step", "task timeouts/run", "worker CPU ms/step", "server CPU ms/step",
          "snapshot live p50, max size", "timeline live p50, max size", "snapshot after close",
          "timeline after close"],
         [[c["variant"], c["steps"], c["concurrency"], f"{c['runs_in_chain']:.1f}", f"{c['ms_step']:.1f}",
           f"{c['sps']:.1f}", f"{c['events'] / c['steps']:.1f}", f"{c['bytes'] / 1024 / c['steps']:.2f}",
+          f"{c['trouble']:.1f}",
           f"{c['wcpu']:.1f}", f"{c['scpu']:.1f}", _q(c["live"]["snapshot"]), _q(c["live"]["timeline"]),
           _after(c["after"], "snapshot"), _after(c["after"], "timeline")]
          for c in cells],

@@ -82,8 +82,8 @@ async def test_scaling_follows_continue_as_new_and_measures_queries(stack: Stack
     governed = cells[0]
     assert governed[3] == "1.0"  # one run in the chain
     # Answered after close (live samples depend on timing: not asserted).
-    assert "KiB" in governed[12] and "KiB" in governed[13]
-    assert cells[2][10] == "-"  # no queries on the bare loop
+    assert "KiB" in governed[13] and "KiB" in governed[14]
+    assert cells[2][11] == "-"  # no queries on the bare loop
     assert "skipped (over --max-total-steps 2): 3 steps x 1" in out
 
 
