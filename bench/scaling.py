@@ -122,9 +122,11 @@ def flags(cells: list[dict]) -> list[str]:
                 first = (per_run[1] - per_run[0]) / (row[1]["steps"] - row[0]["steps"])
                 last = (per_run[-1] - per_run[-2]) / (row[-1]["steps"] - row[-2]["steps"])
                 verdict = "GROWS" if first > 0 and last > GROWTH * first else "flat"
+                noisy = key == "events" and any(c["trouble"] for c in row)
                 out.append(f"{verdict:<5} {variant} x{conc}: {label}, one more step costs "
                            f"{first:.1f}{unit} from {row[0]['steps']} to {row[1]['steps']} steps, "
-                           f"{last:.1f}{unit} from {row[-2]['steps']} to {row[-1]['steps']}")
+                           f"{last:.1f}{unit} from {row[-2]['steps']} to {row[-1]['steps']}"
+                           + (" (with workflow task timeouts in these runs: partly load)" if noisy else ""))
             if variant == GOVERNED:
                 for q in QUERIES:
                     a, b = row[0]["live"][q], row[-1]["live"][q]
