@@ -52,8 +52,11 @@ async def query_once(client: Client, workflow_id: str, query: str) -> tuple[floa
     return (time.perf_counter() - t0) * 1000, sum(p.ByteSize() for p in resp.query_result.payloads)
 
 
+QUERY_EVERY = 0.5  # seconds between live samples: the worker's CPU for answering stays ~1% of a run's
+
+
 async def sample_queries(client: Client, workflow_id: str, stop: asyncio.Event, out: dict) -> None:
-    """Query the run every 100 ms until ``stop``: (latency ms, bytes) per query."""
+    """Query the run every QUERY_EVERY seconds until ``stop``: (latency ms, bytes) per query."""
     while not stop.is_set():
         for q in QUERIES:
             try:
@@ -61,7 +64,7 @@ async def sample_queries(client: Client, workflow_id: str, stop: asyncio.Event, 
             except Exception:  # not started yet, or closed between two queries
                 pass
         try:
-            await asyncio.wait_for(stop.wait(), 0.1)
+            await asyncio.wait_for(stop.wait(), QUERY_EVERY)
         except asyncio.TimeoutError:
             pass
 
