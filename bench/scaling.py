@@ -63,8 +63,8 @@ async def sample_queries(client: Client, workflow_id: str, stop: asyncio.Event, 
                 out[q].append(await query_once(client, workflow_id, q))
             except Exception:  # not started yet, or closed between two queries
                 pass
-        try:
-            await asyncio.wait_for(stop.wait(), QUERY_EVERY)
+        try:  # quickly until the run answers, then every QUERY_EVERY seconds
+            await asyncio.wait_for(stop.wait(), QUERY_EVERY if all(out.values()) else 0.05)
         except asyncio.TimeoutError:
             pass
 
