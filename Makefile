@@ -3,11 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 PYTEST_ARGS ?=
 PLANNER ?= playbook
 BENCH_ARGS ?=
 
-.PHONY: install demo demo-mcp test dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting
+.PHONY: install demo demo-mcp test dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +19,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The optional extra `bench` (pydantic-ai on Temporal, for `make bench-peer`), on top of dev.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
 
 # PLANNER=model: the configured model plans (TETHER_MODEL, OPENAI_BASE_URL / OPENAI_API_KEY
 # must be set here, since this starts the worker; `make down` first if one is running).
@@ -58,6 +64,18 @@ screenshots: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m compileall -q workflows activities
 	$(PY) -m bench.overhead $(BENCH_ARGS)
+
+# Tether governed, the bare loop and pydantic-ai on Temporal (one planning request / one request
+# per call), side by side on one dev server; installs the extra `bench` (bench/peer.py).
+bench-peer: $(BENCH_STAMP)
+	$(PY) -m compileall -q workflows activities
+	$(PY) -m bench.peer $(BENCH_ARGS)
+
+# Cost as work grows: 5, 50 and 200 steps (continue-as-new included) and 1, 10, 100 concurrent
+# runs; per-step time, events, bytes, worker CPU, snapshot/timeline query latency and size.
+bench-scaling: $(STAMP)
+	$(PY) -m compileall -q workflows activities
+	$(PY) -m bench.scaling $(BENCH_ARGS)
 
 # 10,000 runs waiting for approval (BENCH_ARGS="--runs 2000" for fewer), then drained.
 bench-waiting: $(STAMP)

@@ -4,6 +4,7 @@ readings (RSS, CPU) and small formatting helpers. Never touches the demo stack's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -195,6 +196,13 @@ async def bench_stack(
             workdir.rmdir()
 
 
+def stack_or_new(stack: Stack | None, *args, **kwargs):
+    """The stack given (a test's shared one: left running), else a new ``bench_stack``."""
+    if stack is not None:
+        return contextlib.nullcontext(stack)
+    return bench_stack(*args, **kwargs)
+
+
 def machine_line() -> str:
     load = Path("/proc/loadavg").read_text().split()[:3]
     with open("/proc/meminfo") as f:
@@ -218,3 +226,117 @@ async def approve_pending(client: Client, run_id: str, approver: str = "bench-ap
             decision_id=uuid.uuid4().hex, approver=approver, plan_hash=pending.plan_hash, request_id=pending.request_id
         ),
     )
+
+
+# ----------------------------------------------------------------------------- histories
+
+
+def event_seconds(event) -> float:
+    return event.event_time.seconds + event.event_time.nanos / 1e9
+
+
+def event_kind(event) -> str:
+    from temporalio.api.enums.v1 import EventType
+
+    return EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
+
+
+async def chain_events(client: Client, workflow_id: str, run_id: str | None = None) -> tuple[list, int]:
+    """Every event of a run and of the runs it continued as new into, in order, and how many
+    runs the chain has (1 when it never continued)."""
+    events: list = []
+    runs = 0
+    while True:
+        runs += 1
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        events += history.events
+        last = history.events[-1]
+        if event_kind(last) != "WORKFLOW_EXECUTION_CONTINUED_AS_NEW":
+            return events, runs
+        run_id = last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+
+
+@dataclass
+class HistoryFacts:
+    """What one run (its whole continue-as-new chain) wrote to history, and its latencies."""
+
+    events: int
+    bytes: int
+    runs: int  # 1 + the times it continued as new
+    activities: int  # activity tasks scheduled (local activities are markers)
+    markers: int
+    upserts: int
+    task_trouble: int  # workflow tasks timed out (a busy worker misses the sticky queue) or failed
+    kinds: dict[str, int]
+    kind_bytes: dict[str, int]
+    schedule_to_start: list[float]  # ms, every activity task
+    turnaround: list[float]  # ms, an activity completed -> the next one scheduled (a workflow task)
+    approval_to_schedule: list[float]  # ms, the server's signal event -> the tool's activity scheduled
+    approval_to_start: list[float]  # ms, ... -> that activity started
+    signaled_at: list[float]  # epoch s of each signal event
+
+
+def history_facts(events: list, runs: int = 1, tool_activity: str = "execute_tool") -> HistoryFacts:
+    kinds: dict[str, int] = {}
+    kind_bytes: dict[str, int] = {}
+    scheduled: dict[int, float] = {}
+    s2s, turn, a_sched, a_start, signaled_at = [], [], [], [], []
+    last_completed: float | None = None
+    signal_at: float | None = None
+    waiting_for: int | None = None  # scheduled event id of the tool the last signal released
+    for e in events:
+        kind = event_kind(e)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        kind_bytes[kind] = kind_bytes.get(kind, 0) + e.ByteSize()
+        at = event_seconds(e)
+        if kind == "WORKFLOW_EXECUTION_SIGNALED":
+            signal_at = at
+            signaled_at.append(at)
+            last_completed = None  # what follows reacts to the signal, not to an activity
+        elif kind == "ACTIVITY_TASK_SCHEDULED":
+            scheduled[e.event_id] = at
+            if last_completed is not None:
+                turn.append((at - last_completed) * 1000)
+                last_completed = None
+            name = e.activity_task_scheduled_event_attributes.activity_type.name
+            if signal_at is not None and name == tool_activity:
+                a_sched.append((at - signal_at) * 1000)
+                waiting_for, signal_at = e.event_id, None
+        elif kind == "ACTIVITY_TASK_STARTED":
+            sid = e.activity_task_started_event_attributes.scheduled_event_id
+            if sid in scheduled:
+                s2s.append((at - scheduled[sid]) * 1000)
+            if sid == waiting_for:
+                a_start.append((at - signaled_at[-1]) * 1000)
+                waiting_for = None
+        elif kind == "ACTIVITY_TASK_COMPLETED":
+            last_completed = at
+        elif kind in ("WORKFLOW_EXECUTION_CONTINUED_AS_NEW", "WORKFLOW_EXECUTION_STARTED"):
+            last_completed = None
+    return HistoryFacts(
+        events=len(events), bytes=sum(e.ByteSize() for e in events), runs=runs,
+        activities=kinds.get("ACTIVITY_TASK_SCHEDULED", 0), markers=kinds.get("MARKER_RECORDED", 0),
+        upserts=kinds.get("UPSERT_WORKFLOW_SEARCH_ATTRIBUTES", 0),
+        task_trouble=kinds.get("WORKFLOW_TASK_TIMED_OUT", 0) + kinds.get("WORKFLOW_TASK_FAILED", 0),
+        kinds=kinds, kind_bytes=kind_bytes,
+        schedule_to_start=s2s, turnaround=turn, approval_to_schedule=a_sched,
+        approval_to_start=a_start, signaled_at=signaled_at,
+    )
+
+
+async def run_facts(
+    client: Client, workflow_id: str, run_id: str | None, *, tool_activity: str = "execute_tool",
+    sem: asyncio.Semaphore | None = None,
+) -> HistoryFacts:
+    """The facts of the chain that starts at ``run_id`` (the handle start_workflow returned has it;
+    without one, the workflow id's latest run)."""
+    async with sem or contextlib.nullcontext():
+        events, runs = await chain_events(client, workflow_id, run_id)
+    return history_facts(events, runs, tool_activity)
+
+
+def ms(values: Sequence[float]) -> str:
+    """p50 / p99 in ms, or a dash when there is nothing to show."""
+    if not values:
+        return "-"
+    return f"{percentile(values, 50):.0f} / {percentile(values, 99):.0f}"

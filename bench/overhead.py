@@ -11,32 +11,44 @@ variant, in a rotating order so machine noise hits all of them:
   approval; the benchmark sends it as soon as the run shows ``AgentRunState=AWAITING_APPROVAL``;
 - ``bare``: ``BareAgentLoop`` (bench/bare.py) calling the same ``plan`` and ``execute_tool``
   activities.
+
+Besides throughput, CPU and history per run, it reports latency under the same load: every
+activity's schedule-to-start (the queue), an activity's completion to the next one's schedule
+(one workflow task reacting to an event), and for the approval variant the server's signal
+event to the tool's schedule and start: what governance adds to reacting is the difference
+between the last and a bare workflow task's reaction plus its dispatch.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
 import sys
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence
 
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 
 from bench.common import (
+    HistoryFacts,
+    Stack,
     approve_pending,
-    bench_stack,
     cpu_seconds,
     machine_line,
+    ms,
     peak_rss_mb,
     percentile,
     rss_mb,
+    run_facts,
+    stack_or_new,
     table,
 )
+from bench.profile import Recorder, report as profile_report
 from client import start_run
 from workflows.models import RunRequest
 
@@ -49,6 +61,50 @@ def playbook(variant: str, steps: int) -> list[dict]:
     if variant == APPROVAL:  # the first step writes: the plan needs one approval
         reads[0] = {"tool": "bench_write", "args": {"key": "k0"}}
     return reads
+
+
+def bench_request(variant: str, steps: int, tenant: str) -> RunRequest:
+    return RunRequest.model_validate({
+        "goal": f"benchmark {variant}", "tenant": tenant, "requested_by": "bench",
+        "playbook": playbook(variant, steps), "limits": {"max_steps": max(steps, 20)},
+    })
+
+
+StartFn = Callable[[Stack, Sequence[str], int, str], Awaitable[list[WorkflowHandle]]]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the same M steps: how a batch of its runs starts."""
+
+    name: str
+    start: StartFn
+    approvals: bool = False  # each run waits for one approval, sent as soon as it shows waiting
+    tool_activity: str = "execute_tool"
+
+
+def agent_runs(variant: str) -> StartFn:
+    async def start(stack: Stack, ids: Sequence[str], steps: int, tenant: str) -> list[WorkflowHandle]:
+        request = bench_request(variant, steps, tenant)
+        return list(await asyncio.gather(*(
+            start_run(stack.client, request, run_id=i, queue=stack.task_queue) for i in ids
+        )))
+    return start
+
+
+async def start_bare(stack: Stack, ids: Sequence[str], steps: int, tenant: str) -> list[WorkflowHandle]:
+    request = bench_request(BARE, steps, tenant)
+    return list(await asyncio.gather(*(
+        stack.client.start_workflow("BareAgentLoop", request, id=i, task_queue=stack.task_queue)
+        for i in ids
+    )))
+
+
+TETHER = {
+    GOVERNED: Variant(GOVERNED, agent_runs(GOVERNED)),
+    APPROVAL: Variant(APPROVAL, agent_runs(APPROVAL), approvals=True),
+    BARE: Variant(BARE, start_bare),
+}
 
 
 @dataclass
@@ -82,193 +138,258 @@ async def approve_when_waiting(
     await asyncio.gather(*sent)
 
 
-async def run_batch(stack, variant: str, runs: int, steps: int, tag: str) -> Batch:
-    client = stack.client
+async def run_batch(stack: Stack, variant: Variant, runs: int, steps: int, tag: str) -> Batch:
     tenant = f"bench-{tag}"
-    book = playbook(variant, steps)
-    request = RunRequest.model_validate(
-        {"goal": f"benchmark {variant}", "tenant": tenant, "requested_by": "bench", "playbook": book}
-    )
     ids = [f"{tag}-{i:04d}" for i in range(runs)]
     signals: dict[str, float] = {}
     cpu_w0, cpu_s0 = cpu_seconds(stack.worker.pid), cpu_seconds(stack.server.pid)
     t0 = time.perf_counter()
     approver = None
-    if variant == APPROVAL:
-        approver = asyncio.create_task(approve_when_waiting(client, tenant, runs, signals))
-    if variant == BARE:
-        handles = await asyncio.gather(*(
-            client.start_workflow("BareAgentLoop", request, id=i, task_queue=stack.task_queue)
-            for i in ids
-        ))
-    else:
-        handles = await asyncio.gather(*(
-            start_run(client, request, run_id=i, queue=stack.task_queue) for i in ids
-        ))
+    if variant.approvals:
+        approver = asyncio.create_task(approve_when_waiting(stack.client, tenant, runs, signals))
+    handles = await variant.start(stack, ids, steps, tenant)
     await asyncio.gather(*(h.result() for h in handles))
     seconds = time.perf_counter() - t0
     if approver is not None:
         await approver
     return Batch(
-        variant, runs, seconds,
+        variant.name, runs, seconds,
         cpu_seconds(stack.worker.pid) - cpu_w0, cpu_seconds(stack.server.pid) - cpu_s0,
         list(handles), signals,
     )
 
 
-def _ts(event) -> float:
-    return event.event_time.seconds + event.event_time.nanos / 1e9
-
-
-async def history_stats(batch: Batch) -> tuple[list[int], list[float], list[float], Counter, list[int]]:
-    """Events per run; approval latency (client signal -> tool start, and server signal event ->
-    tool start) in ms; event types of the first run; history bytes per run."""
-    lengths, client_lat, server_lat, sizes = [], [], [], []
-    kinds: Counter = Counter()
+async def batch_facts(client: Client, batch: Batch, variant: Variant) -> list[HistoryFacts]:
     sem = asyncio.Semaphore(20)
+    return list(await asyncio.gather(*(
+        run_facts(client, h.id, h.first_execution_run_id, tool_activity=variant.tool_activity, sem=sem) for h in batch.handles
+    )))
 
-    async def one(h: WorkflowHandle, first: bool) -> None:
-        async with sem:
-            history = await h.fetch_history()
-        events = history.events
-        lengths.append(len(events))
-        sizes.append(sum(e.ByteSize() for e in events))
-        if first:
-            kinds.update(EventType.Name(e.event_type).removeprefix("EVENT_TYPE_") for e in events)
-        if batch.variant != APPROVAL:
-            return
-        signaled = next(e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
-        scheduled = next(
-            e for e in events
-            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-            and e.event_id > signaled.event_id
-            and e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"
+
+def client_latency(batch: Batch, facts: list[HistoryFacts]) -> list[float]:
+    """Client signal sent -> tool started, ms (the server's start time minus the client's clock:
+    one machine, one clock)."""
+    out = []
+    for h, f in zip(batch.handles, facts):
+        if f.approval_to_start and batch.signals.get(h.id):
+            started = f.signaled_at[-1] + f.approval_to_start[-1] / 1000
+            out.append((started - batch.signals[h.id]) * 1000)
+    return out
+
+
+@dataclass
+class Rounds:
+    variants: list[Variant]
+    steps: int
+    batches: list[Batch]
+    worker_rss_max: float
+    server_rss_max: float
+    worker_peak: float
+    server_peak: float
+    quiet: list[tuple[Batch, list[HistoryFacts]]]
+    profiles: dict[str, Path] = field(default_factory=dict)  # variant -> py-spy stacks (--profile)
+
+
+async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.Namespace) -> Rounds:
+    """Warm-up, then ``args.rounds`` rounds of one batch per variant in rotating order, then
+    ``args.quiet_approvals`` approvals one run at a time (when a variant waits for approvals)."""
+    variants = list(variants)
+    stamp = uuid.uuid4().hex[:6]
+    # Warm-up: imports, sandbox, caches and connections; not counted.
+    for n, variant in enumerate(variants):
+        if args.warmup:
+            await run_batch(stack, variant, min(args.runs, args.warmup), args.steps, f"w{stamp}{n}")
+    batches: list[Batch] = []
+    worker_rss_max = server_rss_max = 0.0
+    recorders: dict[str, Recorder] = {}
+    if getattr(args, "profile", None):
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        for variant in variants:
+            path = Path(args.profile) / f"{re.sub(r'[^A-Za-z0-9]+', '-', variant.name)}.txt"
+            path.unlink(missing_ok=True)
+            recorders[variant.name] = Recorder(stack.worker.pid, path)
+    for r in range(args.rounds):
+        k = r % len(variants)
+        for variant in variants[k:] + variants[:k]:
+            tag = f"r{r}{stamp}{variants.index(variant)}"
+            if recorders:
+                await asyncio.to_thread(recorders[variant.name].start)
+            b = await run_batch(stack, variant, args.runs, args.steps, tag)
+            if recorders:
+                await asyncio.to_thread(recorders[variant.name].stop)
+            batches.append(b)
+            worker_rss_max = max(worker_rss_max, rss_mb(stack.worker.pid))
+            server_rss_max = max(server_rss_max, rss_mb(stack.server.pid))
+            print(f"  round {r + 1} {variant.name:<18} {b.runs / b.seconds:7.1f} runs/s "
+                  f"({b.seconds:.2f}s)", flush=True)
+    quiet = []
+    approving = next((v for v in variants if v.approvals), None)
+    for i in range(args.quiet_approvals if approving else 0):
+        b = await run_batch(stack, approving, 1, args.steps, f"q{stamp}{i:03d}")
+        quiet.append((b, await batch_facts(stack.client, b, approving)))
+    return Rounds(
+        variants, args.steps, batches, worker_rss_max, server_rss_max,
+        peak_rss_mb(stack.worker.pid), peak_rss_mb(stack.server.pid), quiet,
+        {n: r.path for n, r in recorders.items()},
+    )
+
+
+async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, dict]:
+    """Print the tables ``make bench`` prints (peer.py prints the same); returns the figures."""
+    steps = rounds.steps
+    stats: dict[str, dict] = {}
+    for variant in rounds.variants:
+        mine = [b for b in rounds.batches if b.variant == variant.name]
+        facts: list[HistoryFacts] = []
+        c_lat: list[float] = []
+        for b in mine:
+            f = await batch_facts(client, b, variant)
+            facts += f
+            c_lat += client_latency(b, f)
+        runs = sum(b.runs for b in mine)
+        secs = sum(b.seconds for b in mine)
+        pooled = lambda attr: [x for f in facts for x in getattr(f, attr)]  # noqa: E731
+        stats[variant.name] = dict(
+            runs=runs, secs=secs, rps=runs / secs, sps=runs * steps / secs,
+            events=statistics.mean(f.events for f in facts),
+            bytes=statistics.mean(f.bytes for f in facts),
+            activities=statistics.mean(f.activities for f in facts),
+            markers=statistics.mean(f.markers for f in facts),
+            upserts=statistics.mean(f.upserts for f in facts),
+            trouble=sum(f.task_trouble for f in facts),
+            kinds=facts[0].kinds if facts else {},
+            wcpu=sum(b.worker_cpu for b in mine) / (runs * steps) * 1000,
+            scpu=sum(b.server_cpu for b in mine) / (runs * steps) * 1000,
+            per_round=[b.runs / b.seconds for b in mine],
+            s2s=pooled("schedule_to_start"), turn=pooled("turnaround"),
+            a_sched=pooled("approval_to_schedule"), a_start=pooled("approval_to_start"), c_lat=c_lat,
         )
-        started = next(
-            e for e in events
-            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
-            and e.activity_task_started_event_attributes.scheduled_event_id == scheduled.event_id
-        )
-        client_lat.append((_ts(started) - batch.signals[h.id]) * 1000)
-        server_lat.append((_ts(started) - _ts(signaled)) * 1000)
-
-    await asyncio.gather(*(one(h, i == 0) for i, h in enumerate(batch.handles)))
-    return lengths, client_lat, server_lat, kinds, sizes
-
-
-async def main_async(args: argparse.Namespace) -> None:
-    print(f"# Tether overhead benchmark: {args.runs} runs x {args.steps} steps x {args.rounds} "
-          f"round(s) per variant")
-    print(f"machine: {machine_line()}")
-    worker_args = [a for opt in args.worker_option for a in ("--option", opt)]
-    if args.autoscale_pollers:
-        worker_args.append("--autoscale-pollers")
-    async with bench_stack(worker_args, dynamic_config=args.dynamic_config) as stack:
-        print(f"dev server {stack.address} (pid {stack.server.pid}), worker pid {stack.worker.pid}, "
-              f"worker options: {' '.join(worker_args) or 'create_worker defaults'}")
-        stamp = uuid.uuid4().hex[:6]
-        # Warm-up: imports, sandbox, caches and connections; not counted.
-        for variant in VARIANTS:
-            await run_batch(stack, variant, min(args.runs, 10), args.steps, f"w{stamp}{variant[:4]}{variant[-3:]}")
-        batches: list[Batch] = []
-        worker_rss_max = 0.0
-        server_rss_max = 0.0
-        for r in range(args.rounds):
-            order = VARIANTS[r % 3:] + VARIANTS[: r % 3]
-            for variant in order:
-                tag = f"r{r}{stamp}{VARIANTS.index(variant)}"
-                b = await run_batch(stack, variant, args.runs, args.steps, tag)
-                batches.append(b)
-                worker_rss_max = max(worker_rss_max, rss_mb(stack.worker.pid))
-                server_rss_max = max(server_rss_max, rss_mb(stack.server.pid))
-                print(f"  round {r + 1} {variant:<18} {b.runs / b.seconds:7.1f} runs/s "
-                      f"({b.seconds:.2f}s)", flush=True)
-        # Approval latency without load: one run at a time.
-        quiet_c, quiet_s = [], []
-        for i in range(args.quiet_approvals):
-            b = await run_batch(stack, APPROVAL, 1, args.steps, f"q{stamp}{i:03d}")
-            _, c, s, _, _ = await history_stats(b)
-            quiet_c += c
-            quiet_s += s
-        worker_peak = peak_rss_mb(stack.worker.pid)
-        server_peak = peak_rss_mb(stack.server.pid)
-
-        stats = {}
-        for variant in VARIANTS:
-            mine = [b for b in batches if b.variant == variant]
-            lengths, c_lat, s_lat, kinds, sizes = [], [], [], Counter(), []
-            for b in mine:
-                l, c, s, k, z = await history_stats(b)
-                lengths += l
-                sizes += z
-                c_lat += c
-                s_lat += s
-                kinds = kinds or k
-            runs = sum(b.runs for b in mine)
-            secs = sum(b.seconds for b in mine)
-            stats[variant] = dict(
-                runs=runs, secs=secs, rps=runs / secs, sps=runs * args.steps / secs,
-                events=statistics.mean(lengths), bytes=statistics.mean(sizes), c_lat=c_lat, s_lat=s_lat, kinds=kinds,
-                wcpu=sum(b.worker_cpu for b in mine) / (runs * args.steps) * 1000,
-                scpu=sum(b.server_cpu for b in mine) / (runs * args.steps) * 1000,
-                per_round=[b.runs / b.seconds for b in mine],
-            )
-
-    bare = stats[BARE]
+    names = [v.name for v in rounds.variants]
+    b = stats[base]
     rows = []
-    for variant in VARIANTS:
-        s = stats[variant]
+    for name in names:
+        s = stats[name]
         rows.append([
-            variant, s["runs"], f"{s['rps']:.1f}", f"{s['sps']:.1f}",
-            f"{s['rps'] / bare['rps']:.2f}",
-            f"{s['events']:.0f}", f"{s['events'] / args.steps:.1f}", f"{s['bytes'] / 1024:.1f}",
+            name, s["runs"], f"{s['rps']:.1f}", f"{s['sps']:.1f}", f"{s['rps'] / b['rps']:.2f}",
+            f"{s['events']:.0f}", f"{s['events'] / steps:.1f}", f"{s['activities']:.0f}",
+            f"{s['markers']:.0f}", f"{s['upserts']:.0f}", f"{s['bytes'] / 1024:.1f}",
             f"{s['wcpu']:.1f}", f"{s['scpu']:.1f}",
         ])
     print()
     print(table(
-        ["variant", "runs", "runs/s", "steps/s", "vs bare", "events/run", "events/step", "history KiB/run",
+        ["variant", "runs", "runs/s", "steps/s", f"vs {base}", "events/run", "events/step",
+         "activities/run", "markers/run", "upserts/run", "history KiB/run",
          "worker CPU ms/step", "server CPU ms/step"],
         rows,
     ))
-    ratios = [g / b for g, b in zip(stats[GOVERNED]["per_round"], bare["per_round"])]
     print()
-    print(f"governed/bare throughput per round: {', '.join(f'{x:.2f}' for x in ratios)} "
-          f"(median {statistics.median(ratios):.2f})")
-    cpu = {v: stats[v]["wcpu"] + stats[v]["scpu"] for v in VARIANTS}
-    print(f"CPU per step, worker + dev server: governed {cpu[GOVERNED]:.1f} ms, "
-          f"governed+approval {cpu[APPROVAL]:.1f} ms, bare {cpu[BARE]:.1f} ms -> when the box is "
-          f"CPU-bound, governed/bare throughput tends to {cpu[BARE] / cpu[GOVERNED]:.2f}")
-    a = stats[APPROVAL]
-    print(f"approval signal -> tool start, under load ({len(a['c_lat'])} approvals, sent in "
-          f"bursts of {args.runs} while the batch runs): p50 {percentile(a['c_lat'], 50):.0f} ms, "
-          f"p99 {percentile(a['c_lat'], 99):.0f} ms (from the server's signal event: "
-          f"p50 {percentile(a['s_lat'], 50):.0f} ms, p99 {percentile(a['s_lat'], 99):.0f} ms)")
-    if quiet_c:
-        print(f"approval signal -> tool start, one run at a time ({len(quiet_c)} approvals): "
-              f"p50 {percentile(quiet_c, 50):.0f} ms, p99 {percentile(quiet_c, 99):.0f} ms "
-              f"(from the server's signal event: p50 {percentile(quiet_s, 50):.0f} ms, "
-              f"p99 {percentile(quiet_s, 99):.0f} ms)")
-    print(f"worker peak RSS {worker_peak:.0f} MiB (max sampled {worker_rss_max:.0f} MiB); "
-          f"dev server peak RSS {server_peak:.0f} MiB")
+    trouble = {n: stats[n]["trouble"] for n in names if stats[n]["trouble"]}
+    if trouble:
+        print("workflow tasks timed out or failed (a busy worker missed the sticky queue; extra events "
+              "that are load, not the variant): " + ", ".join(f"{n} {k}" for n, k in trouble.items()))
+    for name in names:
+        if name == base:
+            continue
+        ratios = [g / r for g, r in zip(stats[name]["per_round"], b["per_round"])]
+        print(f"{name}/{base} throughput per round: {', '.join(f'{x:.2f}' for x in ratios)} "
+              f"(median {statistics.median(ratios):.2f})")
+    if GOVERNED in stats and base == BARE:
+        g = stats[GOVERNED]
+        median = statistics.median(x / y for x, y in zip(g["per_round"], b["per_round"]))
+        print(f"targets: governed/bare median {median:.2f} (>= 0.95), history {g['bytes'] / b['bytes']:.2f}x "
+              f"bare (<= 1.3x), events per step {g['events'] / steps - b['events'] / steps:+.1f} over bare (<= +1)")
+    cpu = {n: stats[n]["wcpu"] + stats[n]["scpu"] for n in names}
+    print("CPU per step, worker + dev server: "
+          + ", ".join(f"{n} {cpu[n]:.1f} ms" for n in names)
+          + f" -> when the box is CPU-bound, throughput vs {base} tends to "
+          + ", ".join(f"{n} {cpu[base] / cpu[n]:.2f}" for n in names if n != base))
+    print(f"worker peak RSS {rounds.worker_peak:.0f} MiB (max sampled {rounds.worker_rss_max:.0f} MiB); "
+          f"dev server peak RSS {rounds.server_peak:.0f} MiB")
+    print()
+    print(f"latency under the same load (batches of {rounds.batches[0].runs} concurrent runs), "
+          "ms p50 / p99, from the servers' event times:")
+    rows = [
+        [n, ms(stats[n]["s2s"]), ms(stats[n]["turn"]), ms(stats[n]["a_sched"]), ms(stats[n]["a_start"]),
+         ms(stats[n]["c_lat"])]
+        for n in names
+    ]
+    if rounds.quiet:
+        qf = [f for _, fs in rounds.quiet for f in fs]
+        qc = [x for b_, fs in rounds.quiet for x in client_latency(b_, fs)]
+        rows.append([
+            f"{rounds.quiet[0][0].variant}, one run at a time",
+            ms([x for f in qf for x in f.schedule_to_start]), ms([x for f in qf for x in f.turnaround]),
+            ms([x for f in qf for x in f.approval_to_schedule]), ms([x for f in qf for x in f.approval_to_start]),
+            ms(qc),
+        ])
+    print(table(
+        ["variant", "activity schedule -> start", "activity done -> next scheduled",
+         "approval signal -> tool scheduled", "approval signal -> tool start", "client signal -> tool start"],
+        rows,
+    ))
+    if any(stats[n]["a_start"] for n in names) and stats[base]["turn"]:
+        approving = next(n for n in names if stats[n]["a_start"])
+        a, t, q = stats[approving]["a_sched"], stats[base]["turn"], stats[base]["s2s"]
+        print(f"what governance adds to reacting to an approval, p50: {percentile(a, 50):.0f} ms from the "
+              f"signal to the tool's schedule, against {percentile(t, 50):.0f} ms for {base}'s workflow task "
+              f"reacting to an activity's result (the dispatch after it: {percentile(q, 50):.0f} ms "
+              f"schedule-to-start in {base})")
+    if rounds.profiles:
+        print()
+        print(f"where the worker's Python time goes (py-spy, {100} Hz, measured batches only; "
+              f"stacks in {next(iter(rounds.profiles.values())).parent}):")
+        print(profile_report(rounds.profiles, {n: stats[n]["runs"] * steps for n in names}))
     print()
     print("history events of one run, by type:")
-    kinds = sorted(set().union(*(stats[v]["kinds"] for v in VARIANTS)))
-    print(table(["event type", *VARIANTS], [[k, *(stats[v]["kinds"].get(k, 0) for v in VARIANTS)] for k in kinds]))
+    kinds = sorted(set().union(*(stats[n]["kinds"] for n in names)))
+    print(table(["event type", *names], [[k, *(stats[n]["kinds"].get(k, 0) for n in names)] for k in kinds]))
+    return stats
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    out = [a for opt in args.worker_option for a in ("--option", opt)]
+    if args.autoscale_pollers:
+        out.append("--autoscale-pollers")
+    return out
+
+
+async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> None:
+    print(f"# Tether overhead benchmark: {args.runs} runs x {args.steps} steps x {args.rounds} "
+          f"round(s) per variant")
+    print(f"machine: {machine_line()}")
+    wargs = worker_args(args)
+    async with stack_or_new(stack, wargs, dynamic_config=args.dynamic_config) as stack:
+        print(f"dev server {stack.address} (pid {stack.server.pid}), worker pid {stack.worker.pid}, "
+              f"worker options: {' '.join(wargs) or 'create_worker defaults'}")
+        rounds = await run_rounds(stack, [TETHER[v] for v in VARIANTS], args)
+        await report(stack.client, rounds)
+
+
+def parser(description: str, *, quiet_approvals: int = 20) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--runs", type=int, default=50, help="concurrent runs per batch (N)")
+    p.add_argument("--steps", type=int, default=5, help="tool steps per run (M)")
+    p.add_argument("--rounds", type=int, default=3, help="batches per variant, interleaved")
+    p.add_argument("--warmup", type=int, default=10, help="runs per variant before measuring (not counted)")
+    p.add_argument("--quiet-approvals", type=int, default=quiet_approvals,
+                   help="approvals measured one run at a time, after the rounds")
+    p.add_argument("--worker-option", action="append", default=[],
+                   help="Worker option for the worker under test, KEY=JSON (repeatable)")
+    p.add_argument("--autoscale-pollers", action="store_true")
+    p.add_argument("--profile", metavar="DIR",
+                   help="sample the worker with py-spy (extra `bench`) during the measured batches; "
+                        "stacks per variant in DIR, and a table of where its Python time goes")
+    p.add_argument("--dynamic-config", action="append", default=[],
+                   help="dev server dynamic config KEY=VALUE (repeatable)")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser(__doc__.splitlines()[0]).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=50, help="concurrent runs per batch (N)")
-    parser.add_argument("--steps", type=int, default=5, help="tool steps per run (M)")
-    parser.add_argument("--rounds", type=int, default=3, help="batches per variant, interleaved")
-    parser.add_argument("--quiet-approvals", type=int, default=20,
-                        help="approvals measured one run at a time, after the rounds")
-    parser.add_argument("--worker-option", action="append", default=[],
-                        help="Worker option for the worker under test, KEY=JSON (repeatable)")
-    parser.add_argument("--autoscale-pollers", action="store_true")
-    parser.add_argument("--dynamic-config", action="append", default=[],
-                        help="dev server dynamic config KEY=VALUE (repeatable)")
-    asyncio.run(main_async(parser.parse_args(argv)))
+    asyncio.run(main_async(parse(argv)))
 
 
 if __name__ == "__main__":
