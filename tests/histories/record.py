@@ -47,6 +47,12 @@ async def main() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     billing = Billing(url=f"http://127.0.0.1:{server.server_address[1]}", db=db)
     os.environ["BILLING_URL"] = billing.url
+    # The workers' key ring (a worker never creates one): a throwaway ring for the recording.
+    from activities.keys import KEY_SETTING, genkey
+
+    ring = HERE / f".record-{uuid.uuid4().hex[:6]}.keys"
+    genkey(ring)
+    os.environ[KEY_SETTING] = str(ring)
 
     async def approve(handle: WorkflowHandle, approver: str = "bob") -> None:
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
@@ -192,7 +198,7 @@ async def main() -> None:
         )
     finally:
         server.shutdown()
-        for stale in HERE.glob(".record-*.db*"):
+        for stale in [*HERE.glob(".record-*.db*"), *HERE.glob(".record-*.keys")]:
             stale.unlink()
 
 
