@@ -29,6 +29,7 @@ from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
+from activities.recovery import RecoveryActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
@@ -54,6 +55,7 @@ def create_worker(
     rules = PolicyActivities(policy or PolicyStore(None))
     # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
     audit = audit or AuditActivities()
+    recovery = RecoveryActivities(client)
     return Worker(
         client,
         task_queue=task_queue,
@@ -69,6 +71,7 @@ def create_worker(
             audit.audit_append,
             audit.carryover_seal,
             audit.carryover_verify,
+            recovery.recovery_source,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         **options,

@@ -48,7 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from activities.toml_config import parse_toml
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, ToolSpec, load_tool_modules
 from workflows.mcp_effects import Hints, effect_for
-from workflows.models import ToolEffect
+from workflows.display import escape_text
+from workflows.models import Compensation, ToolEffect
 
 log = logging.getLogger("tether.mcp")
 
@@ -95,6 +96,10 @@ class ToolOverride(_Strict):
     # key (called with {lookup_arg: key}; an empty result or `null` means "not found").
     lookup: str | None = None
     lookup_arg: str = "idempotency_key"
+    # How the tool's effect is undone: a tool of the same server (its name as the server
+    # publishes it) and its arguments as JSON pointers into the call's arguments and result,
+    # e.g. compensate = { tool = "delete_branch", args = { name = "/args/branch_name" } }.
+    compensate: Compensation | None = None
 
     @model_validator(mode="after")
     def _lookup(self) -> ToolOverride:
@@ -378,6 +383,15 @@ def tool_specs(name: str, config: ServerConfig, connection: Connection, tools: S
                 lookup = _lookup_fn(connection, override.lookup, override.lookup_arg, timeout)
             else:
                 effect, why = ToolEffect.UNSAFE, f"override reconcilable, but lookup tool {override.lookup!r} is not published: unsafe"
+        compensate = None
+        if override.compensate is not None:
+            if override.compensate.tool in published:
+                compensate = override.compensate.model_copy(update={"tool": f"{name}__{override.compensate.tool}"})
+            else:
+                log.warning(
+                    "MCP server %r: tool %r: compensating tool %r is not published: no recovery path",
+                    name, t.name, override.compensate.tool,
+                )
         specs.append(
             ToolSpec(
                 name=full,
@@ -398,6 +412,7 @@ def tool_specs(name: str, config: ServerConfig, connection: Connection, tools: S
                 source=f"mcp:{name}",
                 why=why,
                 destructive=decision.destructive,
+                compensate=compensate,
             )
         )
     return specs
@@ -525,14 +540,19 @@ def describe_tools(registry: ToolRegistry) -> list[dict[str, Any]]:
             "approval": "yes" if spec.requires_approval else "no",
             "destructive": spec.destructive,
             "why": spec.why,
+            "undo": spec.compensate.tool if spec.compensate else None,
         }
         for spec in sorted(registry.tools.values(), key=lambda s: (s.source, s.name))
     ]
 
 
 def format_tools(rows: list[dict[str, Any]]) -> str:
-    head = ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "WHY"]
-    table = [[r["name"], r["source"], r["effect"] + (" (destructive)" if r["destructive"] else ""), r["approval"], r["why"]] for r in rows]
+    head = ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "UNDO", "WHY"]
+    table = [
+        [r["name"], r["source"], r["effect"] + (" (destructive)" if r["destructive"] else ""), r["approval"],
+         escape_text(r["undo"], 64) if r.get("undo") else "-", r["why"]]
+        for r in rows
+    ]
     widths = [max(len(str(row[i])) for row in [head, *table]) for i in range(len(head) - 1)]
     return "\n".join(
         "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) + "  " + str(row[-1]) for row in [head, *table]

@@ -53,6 +53,8 @@ with workflow.unsafe.imports_passed_through():
         PlannerInput,
         PolicySnapshot,
         Proposal,
+        RecoveryRequest,
+        RecoverySource,
         Refusal,
         RunData,
         RunOutcome,
@@ -96,6 +98,9 @@ AUDIT_BATCH = 200
 # auto-approved re-checks) run only where this patch is set: histories written by the previous
 # version replay without them (docs/changing-workflows.md).
 PATCH_V2 = "tether-v2"
+# Declared recovery: plan hashes cover compensations, ok writes get their undo, on_failure and
+# compensation runs. Runs recorded before keep their hashes and never compensate.
+PATCH_RECOVERY = "tether-recovery"
 DECIDE_HINT = "approve, reject (signals or the decide update), handoff"
 
 
@@ -163,6 +168,7 @@ class AgentRun:
         if self._start_error is not None:
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
         self._v2 = workflow.patched(PATCH_V2)
+        self.engine.recovery = workflow.patched(PATCH_RECOVERY)
         try:
             await self._verify_carryover()
             await self._drive()
@@ -178,6 +184,7 @@ class AgentRun:
             # Ids, outcomes and digests: observations stay out of the result (its budget).
             steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
             timeline=self.data.lifecycle.timeline,
+            compensations=self.data.compensations,
         )
 
     async def _finish(self) -> None:
@@ -234,6 +241,15 @@ class AgentRun:
             )
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
+        if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:
+            # A compensation run: the original's closed record says what its approvals covered.
+            source = await self._activity(
+                "recovery_source",
+                RecoveryRequest(run_id=self.request.compensate_run, tenant=self.request.tenant),
+                RecoverySource,
+                f"recovery source · {self.request.compensate_run}",
+            )
+            self._decide(lambda now: self.engine.begin_compensation(source, now))
 
         while not data.lifecycle.terminal:
             await self._maybe_continue_as_new()
@@ -255,6 +271,10 @@ class AgentRun:
                 self._decide(lambda now: self.engine.after_approved(refusal, now))
             elif state == S.EXECUTING_TOOL:
                 await self._execute_step()
+            elif state == S.COMPENSATING:
+                # The same step path as the plan's steps: one way to call a tool.
+                if self._decide(self.engine.compensation_ready):
+                    await self._execute_step()
             elif state == S.OBSERVING_RESULT:
                 refusal = None
                 if self.engine.current_step() is not None and (self._v2 or data.approval is not None):
@@ -382,6 +402,7 @@ class AgentRun:
         call = self._decide(self.engine.next_tool_call)
         if call is None:
             return
+        data_state = self.data.lifecycle.state
         await self._checkpoint()
         timeouts = policy.tool_timeouts(info.timeout_seconds)
         handle = workflow.start_activity(
@@ -396,7 +417,8 @@ class AgentRun:
             # A cancel waits until the attempt has ended, so its outcome is known.
             cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             retry_policy=TOOL_RETRY,
-            summary=f"{step.tool} · {info.effect.value} · step {self.data.next_step + 1}",
+            summary=f"{step.tool} · {info.effect.value} · "
+            + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
         )
         outcome: ToolOutcome | None = None
         try:
@@ -595,6 +617,7 @@ class AgentRun:
             first_run_id=data.first_run_id,
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
+            compensations=data.compensations,
         )
 
     @workflow.query(

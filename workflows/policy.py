@@ -25,6 +25,8 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
+from workflows.display import markdown_code
+from workflows.models import Compensation
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
@@ -240,11 +242,16 @@ def _step_needs_approval(step: PlanStep, info: ToolInfo | None, tenant: TenantPo
     return not any(_rule_holds(rule, step.tool, totals) for rule in tenant.auto_approve.limits)
 
 
-def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
+def _describe_step(tool: str, args: dict, info: ToolInfo | None, undo: Compensation | None | bool = False) -> str:
+    """One write for the approver. ``undo``: its compensation as the plan hash covers it (None:
+    no recovery path; False: a plan from before recovery, which says nothing about undo)."""
     effect = info.effect.value if info else "?"
     if info is not None and info.destructive:
         effect += ", DESTRUCTIVE"
     fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
+    if undo is not False:
+        # The compensating tool's name may come from an MCP server: shown escaped, as code.
+        fields.append(f"undo: {markdown_code(undo.tool, 64)}" if isinstance(undo, Compensation) else "no recovery path")
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
 
 
@@ -265,8 +272,8 @@ def review_plan(
         or (high_risk.destructive and any(_destructive(catalog.get(s.tool)) for s in plan.steps))
     )
     writes = [
-        _describe_step(s.tool, s.args, catalog.get(s.tool))
-        for s in plan.steps
+        _describe_step(s.tool, s.args, catalog.get(s.tool), plan.undo[i] if plan.undo is not None else False)
+        for i, s in enumerate(plan.steps)
         if (info := catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
     ]
     summary = (
@@ -294,6 +301,50 @@ def review_plan(
         summary=summary,
         ttl_seconds=tenant.approval_ttl_seconds.normal,
     )
+
+
+# ----------------------------------------------------------------------------- recovery
+
+# Runs `tether compensate` may undo: they ended with ok writes a person has to deal with.
+COMPENSABLE_STATES = frozenset({RunState.HANDED_OFF, RunState.EXECUTION_FAILED})
+
+
+def recovery_refusal(
+    plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None, spent: dict[str, float] | None = None
+) -> Refusal | None:
+    """``require_recovery``: at the tenant's listed risk levels, every write of the plan must
+    have a recovery path; a plan with one that has none is refused at validation."""
+    if tenant is None or not tenant.require_recovery or plan.undo is None:
+        return None
+    review = review_plan(plan, catalog, tenant, spent)
+    level = "high" if review.risk == "high" else "normal"
+    if level not in tenant.require_recovery:
+        return None
+    for i, (step, undo) in enumerate(zip(plan.steps, plan.undo, strict=True), start=1):
+        info = catalog.get(step.tool)
+        if undo is None and (info is None or info.effect != ToolEffect.READ_ONLY):
+            return Refusal(
+                rule="recovery_required",
+                message=f"step {i} ({step.tool}) writes and has no recovery path; this tenant requires "
+                f"one for every write of a {level}-risk plan (require_recovery)",
+            )
+    return None
+
+
+def compensator_refusal(tenant: TenantPolicy | None, by: str) -> Refusal | None:
+    """May this person start the compensations of a run (``tether compensate``)? Anyone with an
+    approval role of the tenant (the normal or the high-risk roles): an undo is a write."""
+    if tenant is None:
+        return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
+    if tenant.approvers is None:
+        return None
+    member = tenant.approvers.get(by)
+    if member is None:
+        return Refusal(rule="tenant_membership", message=f"{by} is not an approver of this tenant")
+    roles = set(tenant.approval_roles) | set(tenant.high_risk.roles if tenant.high_risk else [])
+    if not set(member.roles) & roles:
+        return Refusal(rule="role", message=f"{by} has roles {sorted(member.roles)}; compensating needs one of {sorted(roles)}")
+    return None
 
 
 def approver_refusal(
