@@ -12,6 +12,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
+from tests.invariants import check_timeline, tools_by_call
 from tests.conftest import (
     Billing,
     approval_for,
@@ -64,7 +65,7 @@ async def test_a_permanent_failure_puts_the_ok_writes_back_exactly_once(
     async with running_worker(ts_env.client) as worker:
         outcome = await approved_run(ts_env, worker, on_failure="compensate")
     assert outcome.state == S.COMPENSATED, outcome.timeline[-1].reason
-    assert is_legal_path(outcome.timeline)
+    check_timeline(outcome.timeline, tools_by_call(outcome))
     assert path(outcome)[-4:] == ["COMPENSATING", "COMPENSATING", "COMPENSATING", "COMPENSATED"]
     # Newest first: the ledger entry is reversed before the refund is voided.
     undone = [r for r in outcome.timeline if r.from_state == S.COMPENSATING and r.to_state == S.COMPENSATING]
@@ -133,7 +134,7 @@ async def test_compensate_after_an_unknown_outcome_hand_off(ts_env: WorkflowEnvi
             await tether_client.compensate(ts_env.client, outcome.run_id, by="erin", queue=worker.task_queue)
         undo = await handle.result()
     assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
-    assert is_legal_path(undo.timeline)
+    check_timeline(undo.timeline, tools_by_call(undo))
     assert [c.of_tool for c in reversed(undo.compensations)] == ["post_ledger_entry", "issue_refund"]
     refunds, reversals = undo_state(billing, outcome)
     assert refunds[0]["voided_at"] is not None and len(reversals) == 1
