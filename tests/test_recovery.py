@@ -8,10 +8,24 @@ ok writes in a governed run of its own.
 
 from __future__ import annotations
 
+import json
+from datetime import datetime, timezone
+
 import pytest
+from pydantic import BaseModel, ValidationError
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
+from activities.mcp import describe_tools, format_tools
+from activities.policy import PolicyStore
+from activities.tools import REGISTRY, ToolContext, ToolRegistry, tool
+from workflows import policy
+from workflows.engine import Engine
+from workflows.models import (
+    Compensation, HighRisk, PolicySnapshot, Proposal, ProposedStep, RecoverySource, RunData, RunRequest,
+    TenantPolicy, ToolEffect, AmountRule, Approver, CompensationCall,
+)
+from workflows.recovery import PointerError, compensation_call, resolve_pointer, result_document
 from tests.invariants import check_timeline, tools_by_call
 from tests.conftest import (
     Billing,
@@ -30,6 +44,247 @@ REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents":
 LEDGER = {"tool": "post_ledger_entry", "args": {"order_id": "A-1002", "amount_cents": -1500, "memo": "refund A-1002"}}
 EMAIL = {"tool": "send_email", "args": {"to": "grace@example.com", "subject": "Your refund", "body": "refunded"}}
 PLAN = [REFUND, LEDGER, EMAIL]
+
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+CATALOG = REGISTRY.catalog()
+
+
+# ----------------------------------------------------------------------------- the pure parts
+
+
+@pytest.mark.parametrize(
+    ("pointer", "expected"),
+    [
+        ("/result/refund_id", "R-7"),
+        ("/args/order_id", "A-1001"),
+        ("/result/items/1/sku", "b"),
+        ("/result/a~1b", 1),  # RFC 6901 escapes: ~1 is "/", ~0 is "~"
+        ("/result/c~0d", 2),
+        ("/result/zero", 0),  # falsy values are values, not "missing"
+        ("/result/none", None),
+        ("/args", {"order_id": "A-1001"}),
+    ],
+)
+def test_pointers_resolve_exactly(pointer: str, expected: object) -> None:
+    doc = {
+        "args": {"order_id": "A-1001"},
+        "result": {"refund_id": "R-7", "items": [{"sku": "a"}, {"sku": "b"}], "a/b": 1, "c~d": 2, "zero": 0, "none": None},
+    }
+    assert resolve_pointer(doc, pointer) == expected
+
+
+@pytest.mark.parametrize(
+    ("pointer", "where"),
+    [
+        ("/result/refund", "/result/refund: no such key"),
+        ("/result/items/2", "no such index"),
+        ("/result/items/01", "no such index"),  # no leading zeros
+        ("/result/items/-1", "no such index"),
+        ("/result/refund_id/x", "str has no members"),
+        ("result/refund_id", "not a JSON pointer"),
+    ],
+)
+def test_a_missing_pointer_is_a_clear_failure_never_a_guess(pointer: str, where: str) -> None:
+    doc = {"args": {}, "result": {"refund_id": "R-7", "items": [1, 2]}}
+    with pytest.raises(PointerError, match=where.replace("/", "/")):
+        resolve_pointer(doc, pointer)
+
+
+def call_for(declared, result, problem=None) -> CompensationCall:
+    return compensation_call(
+        declared, of="tc-1", of_tool="issue_refund", args={"order_id": "A-1"}, result=result,
+        result_problem=problem, idempotency_key="wf:tc-1", plan_hash="h", approved_by=["bob"],
+    )
+
+
+def test_the_undo_call_is_built_from_the_declaration_and_the_key_derives_from_the_original() -> None:
+    declared = Compensation(tool="void_refund", args={"refund_id": "/result/refund_id", "order": "/args/order_id"})
+    call = call_for(declared, {"refund_id": "R-9"})
+    assert (call.tool, call.args, call.error) == ("void_refund", {"refund_id": "R-9", "order": "A-1"}, None)
+    assert call.idempotency_key == "wf:tc-1:undo" and call.tool_call_id == "tc-1:undo"
+    assert (call.plan_hash, call.approved_by, call.status) == ("h", ["bob"], "pending")
+    # Deterministic: the same inputs, the same call.
+    assert call_for(declared, {"refund_id": "R-9"}) == call
+    missing = call_for(declared, {"id": "R-9"})
+    assert missing.tool is None and missing.args == {}
+    assert missing.error == "argument refund_id: pointer /result/refund_id: no such key"
+    # The error names the pointer, never a value from the result.
+    assert "R-9" not in missing.error
+    assert call_for(None, {}).error == "no recovery path declared"
+    cut = call_for(declared, None, "the result was truncated before it reached the workflow")
+    assert cut.tool is None and "truncated" in cut.error
+    assert result_document("{", False) == (None, "the result is not JSON")
+    assert result_document('{"a": 1}', True)[1] is not None
+
+
+@pytest.mark.parametrize("bad", [{"refund_id": "refund_id"}, {"refund_id": "/results/x"}, {"x": ""}])
+def test_declarations_refuse_what_is_not_a_pointer_into_args_or_result(bad: dict) -> None:
+    with pytest.raises(ValidationError, match="not a JSON pointer into /args or /result"):
+        Compensation(tool="void_refund", args=bad)
+
+
+class _A(BaseModel):
+    order_id: str
+
+
+class _U(BaseModel):
+    refund_id: str
+
+
+def test_the_sdk_refuses_a_compensation_it_cannot_build_at_worker_start() -> None:
+    registry = ToolRegistry()
+
+    @tool(effect=ToolEffect.IDEMPOTENT, registry=registry, compensate=("undo_it", {"refund_id": "/result/id"}))
+    def do_it(args: _A, ctx: ToolContext) -> dict:
+        return {}
+
+    with pytest.raises(ValueError, match="compensated by 'undo_it', which is not registered"):
+        registry.check()
+
+    @tool(effect=ToolEffect.READ_ONLY, registry=registry, name="undo_it")
+    def undo_read(args: _U, ctx: ToolContext) -> dict:
+        return {}
+
+    with pytest.raises(ValueError, match="read_only and undoes nothing"):
+        registry.check()
+    registry.tools.pop("undo_it")
+
+    @tool(effect=ToolEffect.IDEMPOTENT, registry=registry, name="undo_it")
+    def undo_it(args: _U, ctx: ToolContext) -> dict:
+        return {}
+
+    registry.check()  # now it can be built
+    assert registry.catalog().get("do_it").compensate == Compensation(tool="undo_it", args={"refund_id": "/result/id"})
+    do_it.compensate = Compensation(tool="undo_it", args={"nope": "/result/id"})
+    with pytest.raises(ValueError, match="takes no argument 'nope'"):
+        registry.check()
+    do_it.compensate = Compensation(tool="undo_it", args={"refund_id": "/args/missing"})
+    with pytest.raises(ValueError, match="not an argument of 'do_it'"):
+        registry.check()
+    with pytest.raises(ValueError, match="invalid compensate= declaration"):
+        tool(effect=ToolEffect.IDEMPOTENT, registry=registry, compensate={"tool": "x", "args": {}, "extra": 1})
+
+
+def test_tether_tools_shows_each_tools_undo() -> None:
+    listing = format_tools(describe_tools(REGISTRY)).splitlines()
+    assert listing[0].split()[:5] == ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "UNDO"]
+    row = {line.split()[0]: line.split() for line in listing[1:]}
+    assert row["issue_refund"][4] == "void_refund"
+    assert row["post_ledger_entry"][4] == "reverse_ledger_entry"
+    assert row["send_email"][4] == "-"
+
+
+def test_the_refund_playbook_shows_the_undo_in_its_approval() -> None:
+    from tests.conftest import PLAYBOOK
+
+    engine = planned(PLAYBOOK, TenantPolicy())
+    summary = engine.data.pending_approval.summary
+    assert "issue_refund (idempotent, order_id=A-1001, amount_cents=4999, undo: `void_refund`)" in summary
+    assert "send_email (unsafe, subject=Your refund for order A-1001, no recovery path)" in summary
+
+
+def test_an_undo_tool_name_from_a_server_is_shown_escaped() -> None:
+    catalog = CATALOG.model_copy(deep=True)
+    catalog.get("issue_refund").compensate = Compensation(tool="evil`\x1b[31m\u202e", args={})
+    shown = policy.review_plan(_validated([REFUND], catalog), catalog, TenantPolicy()).summary
+    assert "\x1b" not in shown and "\u202e" not in shown and "\\x1b" in shown
+    assert "``" in shown  # the backtick is fenced, not closing the code span
+
+
+def _validated(steps: list[dict], catalog=CATALOG):
+    from workflows.models import Limits
+    from workflows.validation import validate_proposal
+
+    result = validate_proposal(Proposal(steps=[ProposedStep(**s) for s in steps]), catalog, executed_steps=0,
+                               limits=Limits(), new_id=lambda n: f"tc-{n:03d}")
+    return result.plan
+
+
+def planned(steps: list[dict], tenant: TenantPolicy, **request) -> Engine:
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by="alice", **request), workflow_id="wf")
+    engine.received(NOW)
+    engine.proposal(Proposal(steps=[ProposedStep(**s) for s in steps]), at=NOW, new_id=lambda n: f"tc-{n:03d}")
+    if engine.state == S.VALIDATED:
+        engine.after_validated(NOW)
+    return engine
+
+
+HIGH = HighRisk(when=[AmountRule(tool="issue_refund", field="amount_cents", above=1000)], approvals=1)
+
+
+def test_require_recovery_refuses_a_high_risk_plan_with_an_irreversible_write() -> None:
+    tenant = TenantPolicy(high_risk=HIGH, require_recovery=["high"])
+    engine = planned(PLAN, tenant)  # refund 1500: high risk; the email cannot be undone
+    assert engine.state == S.VALIDATION_FAILED
+    record = engine.data.lifecycle.timeline[-1]
+    assert "[recovery_required] step 3 (send_email) writes and has no recovery path" in record.reason
+    assert "high-risk" in engine.data.feedback  # the planner is told why, and may propose another plan
+    # Without the irreversible write it is approvable as usual.
+    assert planned([REFUND, LEDGER], tenant).state == S.AWAITING_APPROVAL
+    # At a risk level the tenant does not list, the email is fine.
+    assert planned([{**REFUND, "args": {**REFUND["args"], "amount_cents": 500}}, EMAIL], tenant).state == S.AWAITING_APPROVAL
+    assert planned(PLAN, TenantPolicy(high_risk=HIGH, require_recovery=["normal", "high"])).state == S.VALIDATION_FAILED
+    # Runs recorded before recovery: no refusal (their plans carry no undo).
+    old = Engine(RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t")),
+                 RunRequest(goal="g", requested_by="alice"), workflow_id="wf", recovery=False)
+    old.received(NOW)
+    old.proposal(Proposal(steps=[ProposedStep(**s) for s in PLAN]), at=NOW, new_id=lambda n: f"tc-{n:03d}")
+    assert old.state == S.VALIDATED and old.data.plan.undo is None
+
+
+def test_require_recovery_in_the_policy_file_is_checked(tmp_path) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text('[tenants.default]\nrequire_recovery = ["hihg"]\n')
+    with pytest.raises(Exception, match="require_recovery"):
+        PolicyStore(path).tenant("default")
+    path.write_text('[tenants.default]\nrequire_recovery = ["high"]\non_failure = "compensate"\n')
+    tenant, _ = PolicyStore(path).tenant("default")
+    assert tenant.require_recovery == ["high"] and tenant.on_failure == "compensate"
+
+
+def test_on_failure_comes_from_the_request_else_the_tenant() -> None:
+    assert planned([REFUND], TenantPolicy()).on_failure() == "stop"
+    assert planned([REFUND], TenantPolicy(on_failure="compensate")).on_failure() == "compensate"
+    assert planned([REFUND], TenantPolicy(on_failure="compensate"), on_failure="stop").on_failure() == "stop"
+    with pytest.raises(ValidationError):
+        RunRequest(goal="g", requested_by="a", on_failure="undo")
+
+
+def source(**fields) -> RecoverySource:
+    call = CompensationCall(of="tc-1", of_tool="issue_refund", tool="void_refund", args={"refund_id": "R-1"},
+                            idempotency_key="orig:tc-1:undo", plan_hash="h" * 64)
+    return RecoverySource(**{"run_id": "orig", "state": S.HANDED_OFF, "compensations": [call], **fields})
+
+
+@pytest.mark.parametrize(
+    ("by", "src", "rule"),
+    [
+        ("dana", source(), "role"),  # support, not an approval role
+        ("mallory", source(), "tenant_membership"),
+        ("carol", source(state=S.COMPLETED), "not_compensable"),
+        ("carol", source(compensations=[]), "nothing_to_compensate"),
+        ("carol", source(compensations=[source().compensations[0].model_copy(update={"status": "ok"})]), "nothing_to_compensate"),
+        ("carol", source(compensations=[source().compensations[0].model_copy(update={"plan_hash": ""})]), "not_approved"),
+        ("carol", source(refusal=policy.Refusal(rule="still_running", message="running")), "still_running"),
+        ("carol", source(), None),
+    ],
+)
+def test_who_may_start_a_compensation_run_and_of_what(by: str, src: RecoverySource, rule: str | None) -> None:
+    tenant = TenantPolicy(approvers={"carol": Approver(roles=["approver"]), "dana": Approver(roles=["support"])})
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by=by, compensate_run="orig"), workflow_id="orig-compensate")
+    engine.received(NOW)
+    assert engine.state == S.RECEIVED  # waits for the original's record
+    engine.begin_compensation(src, NOW)
+    last = engine.data.lifecycle.timeline[-1]
+    if rule is None:
+        assert engine.state == S.COMPENSATING and last.actor == "user:carol"
+        assert engine.current_undo().idempotency_key == "orig:tc-1:undo"  # the original's key
+        assert engine.compensation_ready(NOW)
+    else:
+        assert engine.state == S.FAILED and last.refs.error_code == rule, last.reason
 
 
 def path(outcome: RunOutcome) -> list[str]:

@@ -155,6 +155,7 @@ async def main_async(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tether-chaos-"))
     server, billing = DevServer(workdir), BillingProc(workdir)
     tally = Tally()
+    undo_points: Counter[str] = Counter()
     started = time.monotonic()
     try:
         await asyncio.gather(server.start(), billing.ready())
@@ -162,7 +163,6 @@ async def main_async(args: argparse.Namespace) -> int:
         await asyncio.gather(
             *(lane(n, args.kills, tally, server, billing, workdir, args.seed) for n in range(args.lanes))
         )
-        undo_points: Counter[str] = Counter()
         rng = random.Random(args.seed)
         client = await server.client()
         for batch in range(0, args.compensations, args.lanes):
