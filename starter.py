@@ -161,6 +161,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
                 max_model_tokens=args.max_model_tokens,
             ),
             on_failure=args.on_failure,
+            on_cancel=args.on_cancel,
         )
     except ValidationError as e:
         raise client.invalid("run request", e) from None
@@ -343,6 +344,8 @@ def _start_args(p: argparse.ArgumentParser) -> None:
                    help="model tokens the run may use in all (default: no limit)")
     p.add_argument("--on-failure", choices=["stop", "compensate"], default=None,
                    help="when a step fails for good: stop, or undo the ok writes (default: the tenant's, else stop)")
+    p.add_argument("--on-cancel", choices=["stop", "compensate"], default=None,
+                   help="when the run is cancelled: stop, or undo the ok writes first (default: the tenant's, else stop)")
     p.add_argument("--wait", action="store_true",
                    help="wait until the run needs an approval or has ended; exit 1 if it ended other than COMPLETED")
     p.add_argument("--wait-timeout", type=float, default=60.0, metavar="SECONDS")

@@ -84,10 +84,11 @@ ALICE_VARIANTS = ["Alice", "ALICE", "ａｌｉｃｅ", "alice"]
 
 
 class Driver:
-    def __init__(self, on_expiry: str, on_failure: str = "stop") -> None:
+    def __init__(self, on_expiry: str, on_failure: str = "stop", on_cancel: str = "stop") -> None:
         request = RunRequest(
             goal="g", requested_by="alice", limits={"max_replans": 3, "max_steps": 12, "on_expiry": on_expiry},
             on_failure=on_failure,
+            on_cancel=on_cancel,
         )
         data = RunData(
             catalog=CATALOG,
@@ -358,7 +359,7 @@ def compensations_are_governed(driver: Driver) -> None:
         assert set(undone) == {s.tool_call_id for s in ok_writes}, "COMPENSATED with an ok write kept"
         order = [s.tool_call_id.removesuffix(":undo") for s in data.executed if s.tool_call_id.endswith(":undo")]
         assert order == [s.tool_call_id for s in reversed(ok_writes)], "not undone newest first"
-    if driver.engine.on_failure() == "stop":
+    if driver.engine.on_failure() == driver.engine.on_cancel() == "stop":
         assert not driver.undo_sent and "COMPENSATING" not in {r.to_state.value for r in timeline}
 
 
@@ -367,9 +368,12 @@ def compensations_are_governed(driver: Driver) -> None:
     events=st.lists(st.sampled_from(EVENTS), max_size=60),
     on_expiry=st.sampled_from(["expire", "replan"]),
     on_failure=st.sampled_from(["stop", "compensate", "compensate"]),
+    on_cancel=st.sampled_from(["stop", "compensate"]),
 )
-def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry: str, on_failure: str) -> None:
-    driver = Driver(on_expiry, on_failure)
+def test_random_event_sequences_keep_the_invariants(
+    events: list[str], on_expiry: str, on_failure: str, on_cancel: str
+) -> None:
+    driver = Driver(on_expiry, on_failure, on_cancel)
     terminal_at: tuple[RunState, int, int] | None = None
     for event in events:
         driver.apply(event)
@@ -411,11 +415,16 @@ def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry
         (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_permanent", "tool_retryable", "tool_ok", "tool_ok"], S.COMPENSATED),
         # cancelled while compensating: what was undone is on the record.
         (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_permanent", "tool_ok", "cancel"], S.CANCELLED),
+        # on_cancel=compensate: cancelled after two ok writes, before the email: both undone.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "cancel", "tool_ok", "tool_ok"], S.COMPENSATED),
+        # ...and cancelled before anything was written: nothing to undo, CANCELLED.
+        (["propose_writes", "approve", "cancel"], S.CANCELLED),
     ],
-    ids=["compensated", "undo-fails", "undo-unknown", "no-recovery-path", "unknown-hands-off", "undo-retried", "cancelled"],
+    ids=["compensated", "undo-fails", "undo-unknown", "no-recovery-path", "unknown-hands-off", "undo-retried",
+         "cancelled", "cancel-compensates", "cancel-nothing-written"],
 )
 def test_directed_compensations(events: list[str], end: RunState) -> None:
-    driver = Driver("expire", "compensate")
+    driver = Driver("expire", "compensate", "compensate")
     for event in events:
         driver.apply(event)
     assert driver.state == end, driver.engine.data.lifecycle.timeline[-1].reason

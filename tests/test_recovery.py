@@ -410,3 +410,33 @@ async def test_compensate_refuses_a_running_run_and_an_unknown_one(ts_env: Workf
         # (time skipped while waiting: the untouched original has expired by now, nothing ran)
         still = await snapshot(handle)
         assert still.state in (S.AWAITING_APPROVAL, S.EXPIRED) and still.compensations == []
+
+
+async def test_on_cancel_compensate_puts_the_ok_writes_back_after_a_cancel(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    from temporalio.client import WorkflowFailureError
+
+    from tests.conftest import timeline
+
+    billing.fail_next("orders", 10, status=503)  # the read after the writes keeps retrying
+    plan = [REFUND, LEDGER, {"tool": "get_order", "args": {"order_id": "A-1002"}}]
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(plan, on_cancel="compensate"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        await wait_for_state(handle, "RETRY_WAIT")
+        await handle.cancel(reason="customer called back")
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()  # Temporal: cancelled, as asked
+        records = await timeline(handle)
+        snap = await snapshot(handle)
+    assert snap.state == S.COMPENSATED, records[-1].reason
+    entered = next(r for r in records if r.to_state == S.COMPENSATING)
+    assert entered.from_state == S.RETRY_WAIT and "customer called back" in entered.reason
+    assert "on_cancel=compensate" in entered.reason
+    check_timeline(records, {s.tool_call_id: s.tool for s in snap.plan.steps})
+    outcome = RunOutcome(run_id=handle.id, state=snap.state, answer=None, steps=[], timeline=records,
+                         compensations=snap.compensations)
+    refunds, reversals = undo_state(billing, outcome)
+    assert len(refunds) == 1 and refunds[0]["voided_at"] is not None and len(reversals) == 1

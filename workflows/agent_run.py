@@ -174,6 +174,8 @@ class AgentRun:
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
+            if self.data.lifecycle.state == S.COMPENSATING:
+                await self._drive()  # on_cancel=compensate: put the ok writes back first
             await self._finish()
             raise
         await self._finish()

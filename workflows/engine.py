@@ -553,11 +553,16 @@ class Engine:
         self.data.pending_approval = None
         why = f"cancellation requested: {reason or 'no reason'}"
         ended = self._step_ended_by("cancelled")
-        if ended is None:
-            self.move(S.CANCELLED, at=at, actor="runtime", reason=why)
+        refs, detail = ended if ended is not None else (None, None)
+        why = f"{why}; {detail}" if detail else why
+        if self.state != S.COMPENSATING and self.recovery and self.on_cancel() == "compensate" and self.current_undo() is not None:
+            # The person asked to stop; the run was told to put things back when stopped.
+            self._settled = None
+            self.data.step_retries, self.data.step_outcome = 0, None
+            self.move(S.COMPENSATING, at=at, actor="runtime",
+                      reason=f"{why}; on_cancel=compensate: {self._undo_left(start=True)}", refs=refs)
             return
-        refs, detail = ended
-        self.move(S.CANCELLED, at=at, actor="runtime", reason=f"{why}; {detail}", refs=refs)
+        self.move(S.CANCELLED, at=at, actor="runtime", reason=why, refs=refs)
 
     # ------------------------------------------------------------------ tools
 
@@ -808,6 +813,12 @@ class Engine:
         if self.request.on_failure is not None:
             return self.request.on_failure
         return self.tenant.on_failure if self.tenant else "stop"
+
+    def on_cancel(self) -> str:
+        """The run's on_cancel: its request's, else the tenant's default."""
+        if self.request.on_cancel is not None:
+            return self.request.on_cancel
+        return self.tenant.on_cancel if self.tenant else "stop"
 
     def compensates(self) -> bool:
         """Does a step failing with its outcome known put the run's ok writes back?"""

@@ -120,6 +120,9 @@ class RunRequest(Contract):
     limits: Limits = Field(default_factory=Limits)
     # None: the tenant's default (policy ``on_failure``), else "stop".
     on_failure: OnFailure | None = None
+    # What a cancel does to the run's ok writes: "stop" keeps them (CANCELLED), "compensate"
+    # undoes them first (COMPENSATING -> COMPENSATED). None: the tenant's ``on_cancel``.
+    on_cancel: OnFailure | None = None
     # Set by ``tether compensate``: this run is the governed compensation of that (ended) run: it
     # runs the compensations the original's approvals covered, nothing else.
     compensate_run: str | None = Field(None, min_length=1, max_length=256)
@@ -143,7 +146,7 @@ class RunRequest(Contract):
         """sha256 over what the requester asks for (what a start signature covers)."""
         body = self.model_dump(mode="json", include={"goal", "tenant", "planner", "playbook", "limits"})
         # New fields join the signed body only when set: signatures made before them still hold.
-        body.update(self.model_dump(mode="json", include={"on_failure", "compensate_run"}, exclude_none=True))
+        body.update(self.model_dump(mode="json", include={"on_failure", "on_cancel", "compensate_run"}, exclude_none=True))
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
@@ -463,8 +466,9 @@ class Budgets(Contract):
 
 class TenantPolicy(Contract):
     tools: list[str] | None = None  # None: every tool the worker has
-    # The run's on_failure when its request names none.
+    # The run's on_failure and on_cancel when its request names none.
     on_failure: OnFailure = "stop"
+    on_cancel: OnFailure = "stop"
     # Risk levels ("normal", "high") at which every write of a plan must have a recovery path:
     # a plan with a write that has none is refused at validation (rule recovery_required).
     require_recovery: list[Literal["normal", "high"]] = Field(default_factory=list)

@@ -43,27 +43,29 @@ S = RunState
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     # COMPENSATING: a compensation run (`tether compensate`) starts undoing at once.
     S.RECEIVED: frozenset({S.PLANNING, S.COMPENSATING, S.CANCELLED, S.FAILED}),
+    # COMPENSATING, from here on: a cancel of a run with on_cancel=compensate and ok writes.
     S.PLANNING: frozenset(
-        {S.VALIDATED, S.VALIDATION_FAILED, S.COMPLETED, S.HANDED_OFF, S.CANCELLED, S.FAILED}
+        {S.VALIDATED, S.VALIDATION_FAILED, S.COMPLETED, S.HANDED_OFF, S.CANCELLED, S.COMPENSATING, S.FAILED}
     ),
     # Back to PLANNING only while the replan budget lasts (the workflow checks the budget).
     S.VALIDATION_FAILED: frozenset({S.PLANNING, S.FAILED}),
     # EXECUTING_TOOL directly when policy says the plan needs no approval.
-    S.VALIDATED: frozenset({S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.CANCELLED}),
+    S.VALIDATED: frozenset({S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.CANCELLED, S.COMPENSATING}),
     # PLANNING when the approval expired and the run asked for on_expiry=replan.
     S.AWAITING_APPROVAL: frozenset(
-        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.HANDED_OFF, S.CANCELLED}
+        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.HANDED_OFF, S.CANCELLED, S.COMPENSATING}
     ),
     # AWAITING_APPROVAL when the approvals no longer hold at execution time (an approver lost
     # the role, a tool was withdrawn from the tenant): the step does not run.
-    S.APPROVED: frozenset({S.EXECUTING_TOOL, S.AWAITING_APPROVAL, S.CANCELLED}),
-    # COMPENSATING instead of EXECUTION_FAILED when the run asked for on_failure=compensate.
+    S.APPROVED: frozenset({S.EXECUTING_TOOL, S.AWAITING_APPROVAL, S.CANCELLED, S.COMPENSATING}),
+    # COMPENSATING instead of EXECUTION_FAILED when the run asked for on_failure=compensate
+    # (or after a cancel, with on_cancel=compensate).
     S.EXECUTING_TOOL: frozenset(
         {S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.COMPENSATING, S.HANDED_OFF, S.CANCELLED}
     ),
-    S.RETRY_WAIT: frozenset({S.EXECUTING_TOOL, S.EXECUTION_FAILED, S.CANCELLED}),
+    S.RETRY_WAIT: frozenset({S.EXECUTING_TOOL, S.EXECUTION_FAILED, S.CANCELLED, S.COMPENSATING}),
     # EXECUTING_TOOL for the next step of the plan that was already approved.
-    S.OBSERVING_RESULT: frozenset({S.PLANNING, S.EXECUTING_TOOL, S.COMPLETED, S.CANCELLED}),
+    S.OBSERVING_RESULT: frozenset({S.PLANNING, S.EXECUTING_TOOL, S.COMPLETED, S.CANCELLED, S.COMPENSATING}),
     # The ok writes' compensations, newest first; each one done (or retried) is a step on the
     # record (COMPENSATING -> COMPENSATING). One that fails or whose outcome is unknown, or a
     # write with no recovery path, hands off: never a blind re-run.
