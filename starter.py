@@ -30,6 +30,7 @@ try:
 
     import client
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
+    from workflows.display import escape_text
     from workflows.models import Limits, PlaybookStep, RunRequest
     from workflows.states import RunState, TransitionRecord
 except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
@@ -45,7 +46,7 @@ OPTIONS = {
     "max_steps": "--max-steps", "max_replans": "--max-replans", "approval_ttl_seconds": "--approval-ttl",
     "on_expiry": "--on-expiry", "max_model_tokens": "--max-model-tokens", "approver": "--by", "by": "--by",
     "decision_id": "--decision-id", "plan_hash": "--plan-hash", "comment": "--comment", "reason": "--reason",
-    "state": "--state", "limit": "--limit",
+    "state": "--state", "limit": "--limit", "on_failure": "--on-failure", "on_cancel": "--on-cancel",
 }
 
 
@@ -96,6 +97,14 @@ def format_status(s: client.RunStatus) -> str:
         p = s.pending_approval
         lines.append(f"pending    approval until {p.expires_at.isoformat()}: {p.summary}")
         lines.append(f"           approve: {invoked_as()} approve {s.run_id} --by NAME")
+    for c in s.compensations:
+        # Each ok write and its undo: what `compensate` would run (ids and names, escaped).
+        undo = f"{escape_text(c.tool, 64)} {c.status}" if c.tool else f"no recovery path ({escape_text(c.error, 200)})"
+        lines.append(f"undo       {c.of} {escape_text(c.of_tool, 64)}: {undo}")
+    if s.ended and s.state in (RunState.HANDED_OFF, RunState.EXECUTION_FAILED) and any(
+        c.status != "ok" and c.tool for c in s.compensations
+    ):
+        lines.append(f"           undo them: {invoked_as()} compensate {s.run_id} --by NAME")
     if s.answer:
         lines.append(f"answer     {s.answer}")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import metrics as run_metrics
     from workflows import policy
     from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
+    from workflows.display import markdown_code
     from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
@@ -872,7 +873,16 @@ class AgentRun:
                 info = catalog.get(step.tool)
                 effect = info.effect.value if info else "?"
                 mark = " ✓ done" if i <= data.next_step else ""
-                lines.append(f"{i}. `{step.tool}` · {effect}{mark}")
+                undo = ""
+                if plan.undo is not None and info is not None and info.effect.value != "read_only":
+                    comp = plan.undo[i - 1]
+                    undo = f" · undo {markdown_code(comp.tool, 64)}" if comp else " · no recovery path"
+                lines.append(f"{i}. `{step.tool}` · {effect}{undo}{mark}")
+        if data.compensations and lc.state == S.COMPENSATING:
+            lines += ["", "**Putting things back** (newest first):", ""]
+            for c in list(reversed(data.compensations))[:30]:
+                lines.append(f"- `{c.of}` {markdown_code(c.of_tool, 64)} → "
+                             + (f"{markdown_code(c.tool, 64)} · {c.status}" if c.tool else "no recovery path"))
             if len(plan.steps) > 30:
                 lines.append(f"… and {len(plan.steps) - 30} more step(s)")
         pending = data.pending_approval
