@@ -878,13 +878,13 @@ class AgentRun:
                     comp = plan.undo[i - 1]
                     undo = f" · undo {markdown_code(comp.tool, 64)}" if comp else " · no recovery path"
                 lines.append(f"{i}. `{step.tool}` · {effect}{undo}{mark}")
+            if len(plan.steps) > 30:
+                lines.append(f"… and {len(plan.steps) - 30} more step(s)")
         if data.compensations and lc.state == S.COMPENSATING:
             lines += ["", "**Putting things back** (newest first):", ""]
             for c in list(reversed(data.compensations))[:30]:
                 lines.append(f"- `{c.of}` {markdown_code(c.of_tool, 64)} → "
                              + (f"{markdown_code(c.tool, 64)} · {c.status}" if c.tool else "no recovery path"))
-            if len(plan.steps) > 30:
-                lines.append(f"… and {len(plan.steps) - 30} more step(s)")
         pending = data.pending_approval
         if pending is not None and lc.state == S.AWAITING_APPROVAL:
             wf_id = workflow.info().workflow_id
