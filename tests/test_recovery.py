@@ -287,6 +287,19 @@ def test_who_may_start_a_compensation_run_and_of_what(by: str, src: RecoverySour
         assert engine.state == S.FAILED and last.refs.error_code == rule, last.reason
 
 
+def test_an_undo_tool_the_tenant_may_not_use_hands_off_instead_of_running() -> None:
+    tenant = TenantPolicy(tools=["issue_refund"])  # void_refund not allowed
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by="carol", compensate_run="orig"), workflow_id="orig-compensate")
+    engine.received(NOW)
+    engine.begin_compensation(source(), NOW)
+    assert engine.state == S.COMPENSATING
+    assert engine.compensation_ready(NOW) is False
+    last = engine.data.lifecycle.timeline[-1]
+    assert engine.state == S.HANDED_OFF and "'void_refund' is not allowed for this tenant" in last.reason
+    assert last.refs.error_code == "no_recovery_path" and "not compensated" in last.reason
+
+
 def path(outcome: RunOutcome) -> list[str]:
     return [r.to_state.value for r in outcome.timeline if r.kind == "transition"]
 

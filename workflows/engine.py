@@ -882,6 +882,8 @@ class Engine:
             problem = f"tool call {undo.of} ({undo.of_tool}) cannot be undone: {undo.error}"
         elif self.catalog.get(undo.tool) is None:
             problem = f"compensating tool {undo.tool!r} of {undo.of} is not in the run's catalog"
+        elif (refused := policy.tool_refusal(self.tenant, undo.tool)) is not None:
+            problem = f"the compensation of {undo.of}: {refused}"
         elif not undo.plan_hash:
             problem = f"the compensation of {undo.of} was covered by no approved plan hash"
         if problem is not None:
