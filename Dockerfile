@@ -14,6 +14,7 @@ COPY client.py worker.py starter.py ./
 COPY workflows ./workflows
 COPY activities ./activities
 COPY examples ./examples
+COPY inbox ./inbox
 # A non-editable install into its own venv: the final stage copies only the venv. Runtime
 # dependencies only (cryptography, for the codec and signed approvals, is one of them); set
 # TETHER_EXTRAS=otel for tracing, or openai for the model planner.
@@ -33,9 +34,10 @@ RUN groupadd --system --gid 10001 tether \
 COPY --from=build /opt/tether /opt/tether
 WORKDIR /app
 # Data files the example stack reads (the code itself is in the venv): the billing policy for
-# the worker (TETHER_POLICY) and the playbook for `tether start --playbook`. Owned by root:
-# the service user can read them, not change them.
-COPY examples/billing/policy.toml examples/billing/refund.playbook.json /app/examples/billing/
+# the worker (TETHER_POLICY; the image's version has no `signed` tenant, whose keys only the dev
+# stack has) and the playbook for `tether start --playbook`. Owned by root: the service user can
+# read them, not change them. tests/test_compose.py lays the image out from these lines.
+COPY examples/billing/policy.image.toml examples/billing/refund.playbook.json /app/examples/billing/
 USER 10001:10001
 # Prometheus metrics (worker.py --metrics-port).
 EXPOSE 9000

@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 PLANNER ?= playbook
 BENCH_ARGS ?=
 
-.PHONY: install demo demo-mcp test dev-server worker down clean screenshots record-histories chaos bench bench-waiting
+.PHONY: install demo demo-mcp test dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,11 +40,19 @@ dev-server: $(STAMP)
 
 # A worker in the foreground (Ctrl-C stops it cleanly).
 worker: $(STAMP)
+	$(PY) -m activities.keys genkey --if-missing $${TETHER_STATE_KEY_FILE:-.tether/state.key} >/dev/null
 	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(PY) worker.py --policy $${TETHER_POLICY:-examples/billing/policy.toml}
+
+# The approvers' web inbox in the foreground, with the dev sign-in on 127.0.0.1 (docs/inbox.md);
+# for production give --jwks, --issuer and --audience instead (`tether inbox --help`).
+inbox: $(STAMP)
+	$(PY) -m examples.devstack up dev-server billing worker
+	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(VENV)/bin/tether inbox --port $${TETHER_INBOX_PORT:-8900} --dev-login \
+		--policy $${TETHER_POLICY:-examples/billing/policy.toml} --key .tether/keys/inbox.pem
 
 # Refresh the Web UI screenshots (docs/*.png, shown in docs/web-ui.md) from the browser test (needs chromium).
 screenshots: $(STAMP)
-	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q
+	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q  # webui-*.png and inbox-*.png
 
 # Governed vs bare Temporal loop, side by side on one dev server + one worker (bench/).
 bench: $(STAMP)
@@ -60,7 +68,8 @@ bench-waiting: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m tests.chaos.run_chaos --kills 200
 
-# 5,000 refused approvals with 2 KB comments, and a 1,000-step read-only run on the default
+# 5,000 refused approvals with 2 KB comments, 1,600 decide Updates (the run continues as new
+# before Temporal's 2,000-per-run limit), and a 1,000-step read-only run on the default
 # continue-as-new settings; prints the figures (the short versions run in `make test`).
 soak: $(STAMP)
 	TETHER_SOAK=1 $(PY) -m pytest -s -q tests/test_bounded_runs.py -k "flood or long_read_only"

@@ -8,6 +8,8 @@ functions; none of them needs argparse. Each returns a pydantic model or raises
     1 REFUSED   the run refused it (stale plan hash, four-eyes, not a member, not awaiting
                 approval, already finished) or, for a wait, the run ended other than COMPLETED
     2 USAGE     bad input, unknown run, Temporal unreachable
+    3 PENDING   a decision the run accepted but has not judged yet (a slow policy check): the
+                verdict follows on the run's record (`tether status RUN`)
 
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); payload encryption from
@@ -25,11 +27,12 @@ import asyncio
 import base64
 import os
 import re
+import secrets
 import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,17 +40,24 @@ from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+    WorkflowUpdateStage,
 )
+from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.envconfig import ClientConfig
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, CancelledError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
+from workflows.display import escape_text, markdown_code, markdown_text
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import (
     NAME_PATTERN,
@@ -57,16 +67,20 @@ from workflows.models import (
     PendingApproval,
     Plan,
     RunOutcome,
+    RevisedStep,
+    ReviseDecideRequest,
     RunRequest,
     RunSnapshot,
     first_error,
 )
 from workflows.states import TERMINAL, RunState, TransitionRecord
 
-OK, REFUSED, USAGE = 0, 1, 2
+OK, REFUSED, USAGE, PENDING = 0, 1, 2, 3
 DEFAULT_TASK_QUEUE = "tether"
+MCP_TASK_QUEUE = "tether-mcp"  # the MCP demo's worker (examples/devstack.py, docs/mcp.md)
 QUERY_TIMEOUT = timedelta(seconds=10)
-VERDICT_TIMEOUT = 10.0  # seconds a decision or handoff waits for the run's record of it
+# Seconds a decision or handoff waits for the run's verdict (TETHER_VERDICT_TIMEOUT).
+VERDICT_TIMEOUT = float(os.environ.get("TETHER_VERDICT_TIMEOUT") or 10.0)
 CONNECT_HINT = "start it with `make dev-server` or set TEMPORAL_ADDRESS"
 
 
@@ -77,11 +91,14 @@ class TetherError(Exception):
     end can point at its own option for it.
     """
 
-    def __init__(self, message: str, code: int = USAGE, *, field: str | None = None, detail: str = "") -> None:
+    def __init__(
+        self, message: str, code: int = USAGE, *, field: str | None = None, detail: str = "", rule: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.field = field
         self.detail = detail or message
+        self.rule = rule  # the run's rule that refused it (four_eyes, stale_plan_hash, ...), when one did
 
 
 def invalid(what: str, err: ValidationError) -> TetherError:
@@ -165,9 +182,55 @@ def rpc_error(err: RPCError, run_id: str) -> TetherError:
         return TetherError(f"unknown run {run_id!r}: check the id with `tether list`")
     if err.status == RPCStatusCode.DEADLINE_EXCEEDED:
         return TetherError(f"no worker answered for run {run_id}: start one with `make worker`")
+    if err.status == RPCStatusCode.RESOURCE_EXHAUSTED:
+        # E.g. Temporal's limit of 10 decide Updates in flight per run: nothing was sent.
+        return TetherError(f"Temporal is limiting calls to run {run_id} ({err.message}): nothing was sent; try again in a moment")
     if err.status == RPCStatusCode.UNAVAILABLE:
         return TetherError(f"Temporal became unreachable ({err.message.splitlines()[0] if err.message else 'unavailable'})")
     return TetherError(f"Temporal refused the call for {run_id}: {err.message}")
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def start_worker_hint(queue: str) -> str:
+    if queue == DEFAULT_TASK_QUEUE:
+        return "`make worker`"
+    if queue == MCP_TASK_QUEUE:
+        return "`make demo-mcp` (or `.venv/bin/python -m examples.devstack up mcp-worker`)"
+    return f"`TETHER_TASK_QUEUE={queue} make worker`"
+
+
+def no_worker_message(queue: str) -> str:
+    return f"no worker polls task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
+
+
+async def has_worker(client: Client, queue: str) -> bool:
+    """Whether a worker polls ``queue`` for workflow tasks (DescribeTaskQueue: pollers seen in
+    the last minutes). Answers in one round trip, long before a query to nobody times out."""
+    try:
+        response = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+    except RPCError as e:
+        raise rpc_error(e, queue) from None
+    return bool(response.pollers)
+
+
+async def require_worker(client: Client, run_id: str) -> None:
+    """Raise, naming the run's task queue, when no worker polls it: the run cannot answer a
+    query or act on a decision until one does. A run that has closed needs one for queries too."""
+    try:
+        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
 
 
 # ----------------------------------------------------------------------------- runs
@@ -179,10 +242,31 @@ class RunStatus(RunSnapshot):
     end_reason: str | None = None
     end_rule: str | None = None  # the rule or error code on that record, when it names one
     end_actor: str | None = None  # who or what ended it (user:bob, operator:dana, runtime)
+    temporal_status: str | None = None  # Temporal's word: RUNNING, COMPLETED, FAILED, TERMINATED, ...
+    # Set when Temporal has closed the run while its last Tether state is a working one (a
+    # failed or terminated run that still says AWAITING_APPROVAL): it will not go on.
+    closed_by_temporal: str | None = None
+    # The run's record of the latest decision or handoff (its verdict, once the run has one).
+    last_decision: TransitionRecord | None = None
 
     @property
     def ended(self) -> bool:
         return self.state in TERMINAL
+
+
+def closed_note(state: str | None, temporal_status: str | None) -> str | None:
+    """What to say of a run Temporal has closed while its last Tether state is a working one."""
+    if temporal_status in (None, "RUNNING", "CONTINUED_AS_NEW") or state is None:
+        return None
+    try:
+        if RunState(state) in TERMINAL:
+            return None
+    except ValueError:
+        return None
+    return (
+        f"Temporal closed this run ({temporal_status}) while its last Tether state was {state}: "
+        f"it will not go on (see the Web UI / `temporal workflow show` for why)"
+    )
 
 
 class RunSummary(BaseModel):
@@ -191,6 +275,7 @@ class RunSummary(BaseModel):
     tenant: str | None
     status: str | None
     started: datetime | None
+    closed_by_temporal: str | None = None  # as in RunStatus
 
 
 class Verdict(BaseModel):
@@ -206,11 +291,18 @@ class Verdict(BaseModel):
 def sign_request(request: RunRequest, run_id: str, key: Path) -> RunRequest:
     """The request with the requester's Ed25519 signature over policy.start_signature_payload:
     where the tenant requires signatures, a run starts only with it."""
+    # A fresh nonce and the time of signing: a captured start goes stale after the tenant's
+    # start_signature_ttl.
+    request = request.model_copy(
+        update={"nonce": secrets.token_hex(16), "issued_at": datetime.now(timezone.utc).replace(microsecond=0)}
+    )
     payload = policy.start_signature_payload(
         workflow_id=run_id,
         tenant=request.tenant,
         requested_by=request.requested_by,
         request_digest=request.request_digest(),
+        nonce=request.nonce,
+        issued_at=request.issued_at,
     )
     signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
     return request.model_copy(update={"requester_signature": signature})
@@ -245,10 +337,11 @@ async def start_run(
                     SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
                 ]
             ),
-            static_summary=f"{request.goal[:120]} · tenant {request.tenant}",
+            # The Web UI renders both as markdown: the requester's text is shown inert.
+            static_summary=f"{markdown_text(request.goal, 120)} · tenant {markdown_text(request.tenant)}",
             static_details=(
-                f"**Goal:** {request.goal[:500]}\n\n**Tenant:** `{request.tenant}` · "
-                f"**requested by** `{request.requested_by}` · **planner** `{request.planner}`"
+                f"**Goal:** {markdown_text(request.goal, 500)}\n\n**Tenant:** {markdown_code(request.tenant)} · "
+                f"**requested by** {markdown_code(request.requested_by)} · **planner** {markdown_code(request.planner)}"
             ),
         )
     except WorkflowAlreadyStartedError:
@@ -257,10 +350,11 @@ async def start_run(
         raise rpc_error(e, run_id) from None
 
 
-async def snapshot(client: Client, run_id: str) -> RunSnapshot:
+async def snapshot(client: Client, run_id: str, *, timeout: float | None = None) -> RunSnapshot:
     handle = client.get_workflow_handle(run_id)
+    rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
     try:
-        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
@@ -277,23 +371,183 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
 
 
-async def full_timeline(client: Client, run_id: str, audit_dir: str | None = None) -> list[TransitionRecord]:
-    """Every record of the run, each once: the audit sink's (TETHER_AUDIT_DIR) merged with the
-    window the run keeps (the timeline query holds the first and the latest records only)."""
-    from activities.audit import JsonlAuditSink, merge_timeline
+class AuditBranch(BaseModel):
+    """One execution's records, as the audit sink holds them, and how that execution began."""
 
-    window = await timeline(client, run_id)
-    snap = await snapshot(client, run_id)
-    sink = JsonlAuditSink.from_env(audit_dir)
-    return merge_timeline(sink.read(run_id, snap.first_run_id), window)
+    run_id: str
+    origin: Literal["first", "continued", "reset", "unknown"]
+    parent_run_id: str | None = None  # the run it continued from, or the run that was reset
+    at_seq: int | None = None  # where it branches off its parent: records up to here are shared
+    reason: str | None = None  # a reset's reason, as Temporal recorded it
+    identity: str | None = None  # who reset it, as Temporal recorded it
+    status: str | None = None  # Temporal's status of the execution
+    current: bool = False
+    records: list[TransitionRecord] = []
+    from_window: list[int] = []  # seqs the sink lacks, shown from the run's own window
+
+
+class AuditTrail(BaseModel):
+    """``tether timeline RUN --all``: every execution of a workflow id, each its own stream."""
+
+    workflow_id: str
+    first_run_id: str
+    current_run_id: str
+    sink: str
+    branches: list[AuditBranch]
+    written: int  # records the current run's line wrote (snapshot.timeline_records)
+    waiting: int  # of those, not yet written to the sink by the run (snapshot.audit_waiting)
+    audit_error: str | None = None  # why the run cannot write to its sink, if it cannot
+    missing: list[int] = []  # seqs of the current line the sink does not hold (and not waiting)
+    unchecked: str | None = None  # why the sink could not be checked against the run (gone, no worker)
+
+    def line(self) -> list[TransitionRecord]:
+        """The current run's line (first run, continued runs, resets it descends from): each
+        record once, in seq order, the window filling what the sink lacks."""
+        by_id = {b.run_id: b for b in self.branches}
+        chain, branch = [], by_id.get(self.current_run_id)
+        while branch is not None and branch not in chain:
+            chain.append(branch)
+            branch = by_id.get(branch.parent_run_id or "")
+        records: dict[int, TransitionRecord] = {}
+        cut = None
+        for branch in chain:  # newest first: a reset's records replace its parent's after the cut
+            for r in branch.records:
+                if cut is None or r.seq <= cut:
+                    records.setdefault(r.seq, r)
+            if branch.at_seq is not None:
+                cut = branch.at_seq if cut is None else min(cut, branch.at_seq)
+        return [records[k] for k in sorted(records)]
+
+
+async def _origin(client: Client, workflow_id: str, run_id: str) -> AuditBranch:
+    """How an execution began, from its history: a reset (reason, by whom), continued, first."""
+    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+    branch = AuditBranch(run_id=run_id, origin="unknown")
+    try:
+        description = await handle.describe()
+        branch.status = description.status.name if description.status else None
+        async for event in handle.fetch_history_events():
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
+                started = event.workflow_execution_started_event_attributes
+                continued = started.continued_execution_run_id
+                branch.origin, branch.parent_run_id = ("continued", continued) if continued else ("first", None)
+            elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+                failed = event.workflow_task_failed_event_attributes
+                if failed.cause == WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_RESET_WORKFLOW and failed.new_run_id == run_id:
+                    branch.origin, branch.parent_run_id = "reset", failed.base_run_id
+                    branch.reason = failed.failure.message or None
+                    branch.identity = failed.identity or None
+                    break
+    except RPCError:
+        pass  # gone from Temporal (retention): the sink's records still show
+    return branch
+
+
+async def audit_trail(
+    client: Client, run_id: str, audit_dir: str | None = None, *, dsn: str | None = None
+) -> AuditTrail:
+    """Every record of every execution of the workflow id ``run_id``, from the audit sink
+    (``TETHER_AUDIT_DSN`` or ``TETHER_AUDIT_DIR``), with the run's own window filling gaps and
+    what the sink lacks named in ``missing``.
+
+    A run Temporal no longer has (retention), or that no worker answers for, is shown from the
+    sink alone; ``unchecked`` then says why its completeness could not be checked.
+    """
+    from activities.audit import sink_from_env
+
+    current: str | None = None
+    window: list[TransitionRecord] = []
+    snap: RunSnapshot | None = None
+    unchecked = None
+    try:
+        description = await client.get_workflow_handle(run_id).describe()
+        current = description.run_id
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise rpc_error(e, run_id) from None
+        unchecked = f"Temporal has no run {run_id} (any more): the records are the sink's alone"
+    if current is not None:
+        try:
+            queue = description.task_queue
+            if not await has_worker(client, queue):
+                raise TetherError(no_worker_message(queue))
+            window, snap = await timeline(client, run_id), await snapshot(client, run_id)
+        except (TetherError, RPCError) as e:
+            unchecked = f"the run did not answer ({e}): the records are the sink's alone"
+    try:
+        sink = sink_from_env(audit_dir, dsn)
+        try:
+            streams = await sink.read(run_id)
+        finally:
+            await sink.aclose()
+    except Exception as e:  # the sink cannot be read: say which and why
+        raise TetherError(f"cannot read the audit sink: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    if current is None and not streams:
+        raise TetherError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it")
+    runs = sorted({*streams, *([current] if current else [])})
+    branches = await asyncio.gather(*(_origin(client, run_id, r) for r in runs))
+    for branch in branches:
+        branch.records = streams.get(branch.run_id, [])
+        branch.current = branch.run_id == current
+    by_id = {b.run_id: b for b in branches}
+    written = snap.timeline_records if snap else 0
+    for branch in branches:
+        if branch.origin == "reset":
+            first = min((r.seq for r in branch.records), default=None)
+            branch.at_seq = first - 1 if first is not None else (written if branch.current else 0)
+        elif branch.origin == "continued":
+            parent = by_id.get(branch.parent_run_id or "")
+            branch.at_seq = max((r.seq for r in parent.records), default=0) if parent else None
+
+    def start(b: AuditBranch) -> tuple:
+        # In the order the executions wrote their first record; one with none yet goes last.
+        return (0, b.records[0].at, b.run_id) if b.records else (1, datetime.min.replace(tzinfo=timezone.utc), b.run_id)
+
+    ordered = sorted(branches, key=start)
+    current = current or ordered[-1].run_id
+    first_run = snap.first_run_id if snap else next((b.run_id for b in ordered if b.origin == "first"), ordered[0].run_id)
+    trail = AuditTrail(
+        workflow_id=run_id, first_run_id=first_run, current_run_id=current, sink=sink.describe(),
+        branches=ordered, written=written, waiting=snap.audit_waiting if snap else 0,
+        audit_error=snap.audit_error if snap else None, unchecked=unchecked,
+    )
+    held = {r.seq for r in trail.line()}
+    if snap is None:
+        trail.written = max(held, default=0)
+    trail.missing = [n for n in range(1, trail.written - trail.waiting + 1) if n not in held]
+    mine = by_id[current]
+    for record in window:
+        if record.seq and record.seq not in held:
+            mine.records.append(record)
+            mine.from_window.append(record.seq)
+    mine.records.sort(key=lambda r: r.seq)
+    return trail
+
+
+async def full_timeline(client: Client, run_id: str, audit_dir: str | None = None) -> list[TransitionRecord]:
+    """Every record of the run's current line, each once: the audit sink's merged with the
+    window the run keeps (the timeline query holds the first and the latest records only).
+    ``audit_trail`` has every execution (resets too) and what the sink lacks."""
+    return (await audit_trail(client, run_id, audit_dir)).line()
 
 
 async def status(client: Client, run_id: str) -> RunStatus:
     """The run's snapshot; for a run that has ended, also the reason on its final record."""
+    await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     result = RunStatus(**snap.model_dump())
+    try:
+        described = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+        result.temporal_status = described.status.name if described.status else None
+    except RPCError:
+        pass  # the snapshot answered: the status is a courtesy
+    result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
+    records = await timeline(client, run_id)
+    result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
-        moves = [r for r in await timeline(client, run_id) if r.kind == "transition"]
+        moves = [r for r in records if r.kind == "transition"]
         if moves:
             final = moves[-1]
             result.end_reason = final.reason
@@ -305,13 +559,37 @@ async def status(client: Client, run_id: str) -> RunStatus:
     return result
 
 
+async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
+    """How a run ended (waits for it), whatever Temporal status it ended with.
+
+    Completed: the workflow's result. Failed with a RunOutcome (FAILED, EXECUTION_FAILED): the
+    outcome is the failure's details. Canceled (CANCELLED): read back with the snapshot and
+    timeline queries (a cancelled execution carries no result; ``steps`` is then empty). Any
+    other failure (an invalid start input, a terminated run) raises WorkflowFailureError.
+    """
+    try:
+        raw = await handle.result()
+    except WorkflowFailureError as e:
+        cause = e.cause
+        if isinstance(cause, ApplicationError) and cause.details and cause.type in RunState.__members__:
+            return RunOutcome.model_validate(cause.details[0])
+        if isinstance(cause, CancelledError):
+            snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+            if snap.state == RunState.CANCELLED:
+                records = await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+                return RunOutcome(run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records)
+        raise
+    return raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw)
+
+
 async def wait_settled(client: Client, run_id: str, timeout: float, *, approval_settles: bool = True) -> RunStatus:
     """Poll until the run has ended (or waits for a person, with ``approval_settles``) or
     ``timeout`` seconds have passed; returns its status then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    await require_worker(client, run_id)
     while True:
-        snap = await snapshot(client, run_id)
+        snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
             return await status(client, run_id)
@@ -333,7 +611,7 @@ async def _await_record(client: Client, run_id: str, decision_id: str, timeout: 
 
 def _refused(record: TransitionRecord | None) -> None:
     if record is not None and record.kind == "refused":
-        raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED)
+        raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED, rule=record.rule)
 
 
 @dataclass(frozen=True)
@@ -346,6 +624,11 @@ class DecisionInput:
     comment: str | None = None
     reason: str | None = None
     key: Path | None = None  # PEM Ed25519 private key: sign the decision
+    request_id: str | None = None  # None: the pending one (else refused when it is not)
+    # A trusted signer's name (policy [signers.NAME]): ``key`` is that signer's, attesting that
+    # it verified ``by`` itself (the inbox); the run shows ``user:BY via NAME``.
+    attest_as: str | None = None
+    steps: list[int] | None = None  # approve only these steps (1-based); None: all
 
 
 def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given: DecisionInput) -> DecideRequest:
@@ -360,9 +643,11 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
             decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
             approver=given.by,
             plan_hash=given.plan_hash or pending.plan_hash,
-            request_id=pending.request_id or None,
+            request_id=given.request_id or pending.request_id or None,
             comment=given.comment,
             reason=given.reason,
+            attested_by=given.attest_as,
+            steps=given.steps,
         )
     except ValidationError as e:
         raise invalid("decision", e) from None
@@ -372,6 +657,121 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
         )
         decision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
     return decision
+
+
+def parse_edits(edits: Sequence[Sequence[str]]) -> list[tuple[int, str, Any]]:
+    """``--step N KEY=VALUE ...`` as (step, key, value); a value that is JSON is taken as JSON
+    (``1000``, ``true``, ``"1000"``), anything else as text."""
+    import json
+
+    out: list[tuple[int, str, Any]] = []
+    for edit in edits:
+        if len(edit) < 2 or not edit[0].isdigit() or int(edit[0]) < 1:
+            raise TetherError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
+        for pair in edit[1:]:
+            key, sep, text = pair.partition("=")
+            if not sep or not key:
+                raise TetherError(f"--step: {pair[:60]!r} is not KEY=VALUE")
+            try:
+                value: Any = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
+            out.append((int(edit[0]), key, value))
+    return out
+
+
+def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
+    """The whole plan as ``{tool, args}`` steps with the edits applied (the run validates it)."""
+    steps = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
+    for number, key, value in edits:
+        if number > len(steps):
+            raise TetherError(f"--step {number}: the pending plan has {len(steps)} step(s)", REFUSED)
+        steps[number - 1]["args"][key] = value
+    return steps
+
+
+def load_steps_file(path: Path, what: str = "steps file", model: type[BaseModel] = RevisedStep) -> list[Any]:
+    """A JSON list of ``{tool, args}`` steps (or ``{"steps": [...]}``), each validated as
+    ``model``: a playbook, or the whole revised plan of ``tether revise --steps-file``."""
+    import json
+
+    try:
+        raw = json.loads(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
+    raw = raw.get("steps") if isinstance(raw, dict) else raw
+    if not isinstance(raw, list):
+        raise TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
+    try:
+        return [model.model_validate(s) for s in raw]
+    except ValidationError as e:
+        raise invalid(f"{what} {path}", e) from None
+
+
+def revision_diff(plan: Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
+    """What a revision changes, for the person making it: RFC 6902 operations with their values
+    (escaped), e.g. ``replace /1/args/amount_cents: 9000 -> 1000``. Never recorded."""
+    from workflows.display import escape_text, show_value
+    from workflows.revision import patch
+
+    old = [{"tool": s.tool, "args": s.args} for s in plan.steps]
+    lines = []
+    for op in patch(plan.steps, [RevisedStep.model_validate(s) for s in steps]):
+        path = op["path"]
+        if op["op"] == "replace":
+            before = _pointer(old, path)
+            lines.append(f"replace {escape_text(path, 200)}: {show_value(before, 200)} -> {show_value(op['value'], 200)}")
+        elif op["op"] == "remove":
+            lines.append(f"remove {escape_text(path, 200)}: {show_value(_pointer(old, path), 200)}")
+        else:
+            lines.append(f"{op['op']} {escape_text(path, 200)}: {show_value(op.get('value', op.get('from')), 200)}")
+    return lines
+
+
+def _pointer(document: Any, path: str) -> Any:
+    import jsonpointer
+
+    try:
+        return jsonpointer.resolve_pointer(document, path)
+    except jsonpointer.JsonPointerException:
+        return None
+
+
+async def revise(
+    client: Client,
+    run_id: str,
+    given: DecisionInput,
+    steps: list[dict[str, Any]],
+    *,
+    timeout: float = VERDICT_TIMEOUT,
+) -> Verdict:
+    """Revise the run's pending plan (the whole revised list of steps); returns the run's record
+    of it (VALIDATED: a new plan version, then a new approval request), or raises REFUSED with
+    the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...)."""
+    snap, pending = await _pending(client, run_id)
+    try:
+        revision = ReviseDecideRequest(
+            kind="revise",
+            decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
+            editor=given.by,
+            plan_hash=given.plan_hash or pending.plan_hash,  # a stale one is sent, refused on the record
+            request_id=given.request_id or pending.request_id or None,
+            steps=steps,
+            reason=given.reason or "",
+            attested_by=given.attest_as,
+        )
+    except ValidationError as e:
+        raise invalid("revision", e) from None
+    if given.key is not None:
+        payload = policy.decision_signature_payload(
+            workflow_id=snap.run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind="revise",
+            decision=revision.as_decision(), steps_digest=revision.revised_hash(),
+        )
+        revision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
+    record = await _send_decision(client, run_id, revision, timeout)
+    return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
 def keygen(path: Path, *, force: bool = False) -> str:
@@ -433,31 +833,82 @@ async def decide(
     Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
     role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
     """
+    snap, pending = await _pending(client, run_id)
+    # A stale plan hash is sent all the same: the run records the attempt, and refuses it
+    # (stale_plan_hash) on its timeline.
+    decision = build_decision(snap, kind, given)
+    record = await _send_decision(client, run_id, decision, timeout)
+    return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+async def _pending(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
+    """The run's pending request (a worker is there to take a decision), or REFUSED."""
+    await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
-        raise TetherError(f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED)
-    if given.plan_hash and given.plan_hash != pending.plan_hash:
         raise TetherError(
-            f"stale plan hash {given.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}; "
-            f"review it with `tether status {run_id}`",
-            REFUSED,
+            f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
         )
-    decision = build_decision(snap, kind, given)
+    return snap, pending
+
+
+async def _send_decision(
+    client: Client, run_id: str, decision: DecideRequest | ReviseDecideRequest, timeout: float
+) -> TransitionRecord | None:
+    """Through the decide Update; the run's record of it, or REFUSED / PENDING with the rule."""
+    handle = client.get_workflow_handle(run_id)
+    pending_verdict = TetherError(
+        f"decision {decision.decision_id} accepted, verdict pending: the run is still checking it "
+        f"(`tether status {run_id}` shows the verdict once it is there)",
+        PENDING,
+    )
     try:
-        # The decide Update: what cannot count is refused at once, before it reaches history,
-        # and the answer is the run's own record of the decision (policy check included).
-        result = await client.get_workflow_handle(run_id).execute_update(
-            "decide", decision, result_type=DecideResult, rpc_timeout=timedelta(seconds=timeout)
+        # The decide Update: only a malformed or repeated decision is refused before history;
+        # the answer is the run's own record of the decision (policy check included).
+        update = await handle.start_update(
+            "decide", decision, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
+            rpc_timeout=timedelta(seconds=timeout),
         )
     except WorkflowUpdateFailedError as e:
-        raise TetherError(_update_refusal(e), REFUSED) from None
+        raise _refused_update(e) from None
+    except WorkflowUpdateRPCTimeoutOrCancelledError:
+        # Not acknowledged in time: a worker is in the middle of the run's task (the policy check
+        # runs in it, and the acceptance goes out with it), or no worker is there at all.
+        if await _task_started(handle):
+            raise pending_verdict from None
+        raise TetherError(f"no worker took the decision for run {run_id} within {timeout:g}s: start one with `make worker`") from None
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    try:
+        result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
+    except (asyncio.TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+        # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
+        raise pending_verdict from None
+    except WorkflowUpdateFailedError as e:
+        raise _refused_update(e) from None
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     if result.outcome == "refused":
-        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED)
-    record = await _await_record(client, run_id, decision.decision_id, timeout)
-    return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
+    return await _await_record(client, run_id, decision.decision_id, timeout)
+
+
+def _refused_update(err: WorkflowUpdateFailedError) -> TetherError:
+    message = _update_refusal(err)
+    rule = m.group(1) if (m := re.search(r"\[rule: ([\w-]+)\]$", message)) else None
+    return TetherError(message, REFUSED, rule=rule)
+
+
+async def _task_started(handle: WorkflowHandle) -> bool:
+    """A worker has the run's workflow task in hand (it is working on the run right now)."""
+    from temporalio.api.enums.v1 import PendingWorkflowTaskState
+
+    try:
+        task = (await handle.describe()).raw_description.pending_workflow_task
+    except RPCError:
+        return False
+    return task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
 
 
 def _update_refusal(err: WorkflowUpdateFailedError) -> str:
@@ -483,6 +934,14 @@ async def handoff(
     except ValidationError as e:
         raise invalid("handoff", e) from None
     handle = client.get_workflow_handle(run_id)
+    try:
+        description = await handle.describe()
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        raise TetherError(f"run {run_id} already finished", REFUSED)
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
     if key is not None:
         snap = await snapshot(client, run_id)
         payload = policy.signature_payload(
@@ -491,9 +950,6 @@ async def handoff(
         )
         request.signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
     try:
-        description = await handle.describe()
-        if description.status != WorkflowExecutionStatus.RUNNING:
-            raise TetherError(f"run {run_id} already finished", REFUSED)
         await handle.signal("handoff", request)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
@@ -575,6 +1031,7 @@ async def list_runs(
                     tenant=attrs.get(TENANT_ATTRIBUTE),
                     status=wf.status.name if wf.status else None,
                     started=wf.start_time,
+                    closed_by_temporal=closed_note(attrs.get(STATE_ATTRIBUTE), wf.status.name if wf.status else None),
                 )
             )
     except RPCError as e:

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,7 +31,7 @@ try:
 
     import client
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
-    from workflows.display import escape_text
+    from workflows.display import escape_text as show, show_value
     from workflows.models import Limits, PlaybookStep, RunRequest
     from workflows.states import RunState, TransitionRecord
 except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
@@ -46,14 +47,29 @@ OPTIONS = {
     "max_steps": "--max-steps", "max_replans": "--max-replans", "approval_ttl_seconds": "--approval-ttl",
     "on_expiry": "--on-expiry", "max_model_tokens": "--max-model-tokens", "approver": "--by", "by": "--by",
     "decision_id": "--decision-id", "plan_hash": "--plan-hash", "comment": "--comment", "reason": "--reason",
-    "state": "--state", "limit": "--limit", "on_failure": "--on-failure", "on_cancel": "--on-cancel",
+    "state": "--state", "limit": "--limit", "port": "--port", "dev_login": "--dev-login", "jwks": "--jwks",
+    "editor": "--by", "steps": "--steps", "on_failure": "--on-failure", "on_cancel": "--on-cancel",
 }
 
 
+def script_path() -> str:
+    """The installed `tether` script next to this Python, relative to the current directory when
+    under it (`.venv/bin/tether`): a bare `tether` is on PATH only in an activated virtualenv."""
+    script = Path(sys.executable).parent / PROG
+    if not script.exists():
+        return PROG
+    try:
+        relative = os.path.relpath(script)
+    except ValueError:
+        return str(script)
+    return relative if not relative.startswith("..") else str(script)
+
+
 def invoked_as() -> str:
-    """The command as the user typed it (`.venv/bin/tether`), for hints that paste."""
+    """The command as the user typed it (`.venv/bin/tether`), for hints that paste; called
+    in-process (the demo, `python starter.py`), the installed script."""
     typed = sys.argv[0] if sys.argv else ""
-    return typed if os.path.basename(typed) == PROG else PROG
+    return typed if os.path.basename(typed) == PROG else script_path()
 
 
 class Parser(argparse.ArgumentParser):
@@ -67,46 +83,68 @@ class Parser(argparse.ArgumentParser):
 
 
 def _print_json(value: object) -> None:
-    print(json.dumps(value, indent=2, default=str))
+    # ASCII only: every control, bidi and invisible character a sender wrote is a \u escape.
+    print(json.dumps(value, indent=2, default=str, ensure_ascii=True))
 
 
 def _steps(plan: object) -> list[str]:
     steps = getattr(plan, "steps", None) or []
-    return [f"  {i}. {s.tool} {json.dumps(s.args, sort_keys=True)}" for i, s in enumerate(steps, start=1)]
+    return [f"  {i}. {show(s.tool)} {show_value(s.args)}" for i, s in enumerate(steps, start=1)]
 
 
 def format_status(s: client.RunStatus) -> str:
+    """A run's status for a terminal. Everything a requester, model, tool or signal sender could
+    have written (ids, reasons, summaries, arguments, answers) goes through workflows/display.py."""
     lines = [
-        f"run        {s.run_id}",
+        f"run        {show(s.run_id)}",
         f"state      {s.state.value} (version {s.state_version}, was "
         f"{s.previous_state.value if s.previous_state else '-'})",
-        f"tenant     {s.tenant}",
+        f"tenant     {show(s.tenant)}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if s.closed_by_temporal:
+        lines.append(f"closed     {s.closed_by_temporal}")
     if s.end_reason and s.state != RunState.COMPLETED:
-        lines.append(f"why        {s.end_reason}" + (f" [rule: {s.end_rule}]" if s.end_rule else "")
-                     + (f" ({s.end_actor})" if s.end_actor else ""))
+        lines.append(f"why        {show(s.end_reason)}" + (f" [rule: {show(s.end_rule)}]" if s.end_rule else "")
+                     + (f" ({show(s.end_actor)})" if s.end_actor else ""))
     if s.approved_by:
-        lines.append(f"approved   by {', '.join(s.approved_by)}")
+        lines.append(f"approved   by {', '.join(show(a) for a in s.approved_by)}")
     if s.last_error:
-        lines.append(f"last error {s.last_error}")
+        lines.append(f"last error {show(s.last_error)}")
+    if s.audit_error:
+        lines.append(f"audit      {show(s.audit_error, 600)}")
+    if s.last_decision is not None:
+        d = s.last_decision
+        verdict = d.kind if d.kind != "transition" else d.to_state.value
+        lines.append(f"decision   {show(d.refs.decision_id, 128)} by {show(d.actor, 120)}: {verdict}: "
+                     f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else ""))
     if s.plan is not None:
-        lines.append(f"plan       {s.plan.plan_hash}")
+        lines.append(f"plan       v{s.plan.version} {show(s.plan.plan_hash)}")
         lines.extend(_steps(s.plan))
+    for r in s.revisions:
+        what = "partial approval" if r.partial else "revised"
+        lines.append(f"revision   v{r.version} {what} by {show(r.editor, 128)} at {r.at.isoformat()}: "
+                     f"{show(', '.join(r.changed) or '-', 500)} (was {r.previous_plan_hash[:12]})")
     if s.pending_approval is not None:
         p = s.pending_approval
-        lines.append(f"pending    approval until {p.expires_at.isoformat()}: {p.summary}")
-        lines.append(f"           approve: {invoked_as()} approve {s.run_id} --by NAME")
+        lines.append(f"pending    approval until {p.expires_at.isoformat()}: {show(p.summary)}")
+        if p.request_id:
+            lines.append(f"request    {show(p.request_id)}")
+        lines.append(f"           approve: {invoked_as()} approve {show(shlex.quote(s.run_id))} --by NAME")
+        if p.escalation:
+            lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
+                         + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
+        lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
     for c in s.compensations:
         # Each ok write and its undo: what `compensate` would run (ids and names, escaped).
-        undo = f"{escape_text(c.tool, 64)} {c.status}" if c.tool else f"no recovery path ({escape_text(c.error, 200)})"
-        lines.append(f"undo       {c.of} {escape_text(c.of_tool, 64)}: {undo}")
+        undo = f"{show(c.tool, 64)} {c.status}" if c.tool else f"no recovery path ({show(c.error or '', 200)})"
+        lines.append(f"undo       {show(c.of, 128)} {show(c.of_tool, 64)}: {undo}")
     if s.ended and s.state in (RunState.HANDED_OFF, RunState.EXECUTION_FAILED) and any(
         c.status != "ok" and c.tool for c in s.compensations
     ):
-        lines.append(f"           undo them: {invoked_as()} compensate {s.run_id} --by NAME")
+        lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME")
     if s.answer:
-        lines.append(f"answer     {s.answer}")
+        lines.append(f"answer     {show(s.answer)}")
     return "\n".join(lines)
 
 
@@ -115,7 +153,7 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
     for r in records:
         # Hashes shortened for reading; `timeline --json` has them in full.
         refs = ", ".join(
-            f"{k}={v[:12] if k.endswith('_hash') else v}"
+            f"{k}={show(v[:12] if k.endswith('_hash') else v)}"
             for k, v in r.refs.model_dump(exclude_none=True).items()
         )
         arrow = (
@@ -125,8 +163,21 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
         )
         lines.append(
             f"v{r.state_version:<3} {r.at.strftime('%H:%M:%S.%f')[:-3]}  {arrow:<42} "
-            f"{r.actor:<18} {r.reason}" + (f"  [{r.rule}]" if r.rule else "") + (f"  [{refs}]" if refs else "")
+            f"{show(r.actor):<18} {show(r.reason)}" + (f"  [{show(r.rule)}]" if r.rule else "")
+            + (f"  [{refs}]" if refs else "")
         )
+    return "\n".join(lines)
+
+
+def format_list(rows: Sequence[client.RunSummary]) -> str:
+    if not rows:
+        return "no runs match"
+    lines = [f"{'RUN':<28} {'STATE':<18} {'TEMPORAL':<11} {'TENANT':<12} STARTED"]
+    for row in rows:
+        started = row.started.isoformat() if row.started else "-"
+        closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
+        lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
+                     f"{show(row.tenant or '-'):<12} {started}{closed}")
     return "\n".join(lines)
 
 
@@ -134,21 +185,7 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
 
 
 def _load_playbook(path: str | None) -> list[PlaybookStep]:
-    if path is None:
-        return []
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise TetherError(f"playbook file not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TetherError(f"playbook {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
-    steps = raw.get("steps") if isinstance(raw, dict) else raw
-    if not isinstance(steps, list):
-        raise TetherError(f"playbook {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
-    try:
-        return [PlaybookStep.model_validate(s) for s in steps]
-    except ValidationError as e:
-        raise client.invalid(f"playbook {path}", e) from None
+    return client.load_steps_file(Path(path), "playbook", PlaybookStep) if path is not None else []
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
@@ -179,38 +216,66 @@ async def cmd_start(args: argparse.Namespace) -> int:
         request = client.sign_request(request, run_id, Path(args.key))
     conn = await client.connect()
     await client.start_run(conn, request, run_id=run_id, allow_id_reuse=args.allow_id_reuse)
+    if not await client.has_worker(conn, client.task_queue()):
+        # Started, but nothing will move it: say so now, not after a query times out.
+        if args.json:
+            _print_json({"run_id": run_id})
+        else:
+            print(f"started {show(run_id)}")
+        queue = client.task_queue()
+        print(f"{'error' if args.wait else 'note'}: {client.no_worker_message(queue)}; run {show(run_id)} "
+              f"stays in RECEIVED until one does", file=sys.stderr)
+        return REFUSED if args.wait else OK
     if not args.wait:
         if args.json:
             _print_json({"run_id": run_id})
         else:
-            print(f"started {run_id}")
+            print(f"started {show(run_id)}")
         return OK
     status = await client.wait_settled(conn, run_id, args.wait_timeout)
     if args.json:
         _print_json(status.model_dump(mode="json"))
     else:
-        print(f"started {run_id}")
+        print(f"started {show(run_id)}")
         print(format_status(status))
     if status.ended and status.state != RunState.COMPLETED:
-        why = f": {status.end_reason}" if status.end_reason else ""
-        print(f"error: run {run_id} ended in {status.state.value}{why}", file=sys.stderr)
+        why = f": {show(status.end_reason)}" if status.end_reason else ""
+        print(f"error: run {show(run_id)} ended in {status.state.value}{why}", file=sys.stderr)
         return REFUSED
     if not status.ended and status.state != RunState.AWAITING_APPROVAL:
-        print(f"note: run {run_id} is still {status.state.value} after {args.wait_timeout:g}s", file=sys.stderr)
+        print(f"note: run {show(run_id)} is still {status.state.value} after {args.wait_timeout:g}s", file=sys.stderr)
     return OK
+
+
+def _step_numbers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        numbers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TetherError(f"--steps: expected step numbers like 1,2, got {text[:60]!r}") from None
+    if not numbers:
+        raise TetherError("--steps: name at least one step")
+    return numbers
 
 
 async def _decide(args: argparse.Namespace, kind: str) -> int:
     given = client.DecisionInput(
         by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id,
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
-        key=Path(args.key) if args.key else None,
+        key=Path(args.key) if args.key else None, steps=_step_numbers(getattr(args, "steps", None)),
     )
-    verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
+    try:
+        verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
+    except TetherError as e:
+        if e.code != client.PENDING:
+            raise
+        print(e)  # accepted, not judged yet: not an error, and not a verdict (exit 3)
+        return e.code
     verb = "approved" if kind == "approve" else "rejected"
-    print(f"{verb} plan {verdict.pending.plan_hash if verdict.pending else '-'} of run {args.run}:")
+    print(f"{verb} plan {show(verdict.pending.plan_hash) if verdict.pending else '-'} of run {show(args.run)}:")
     if verdict.pending:
-        print(f"  {verdict.pending.summary}")
+        print(f"  {show(verdict.pending.summary)}")
     for line in _steps(verdict.plan):
         print(line)
     return _print_verdict(verdict)
@@ -218,18 +283,42 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
 
 def _print_verdict(verdict: client.Verdict) -> int:
     r = verdict.record
+    decision = show(verdict.decision_id)
     if r is None:
-        print(f"decision {verdict.decision_id} sent; the run has not recorded it yet "
-              f"(check `{invoked_as()} timeline {verdict.run_id}`)")
+        print(f"decision {decision} sent; the run has not recorded it yet "
+              f"(check `{invoked_as()} timeline {show(shlex.quote(verdict.run_id))}`)")
     elif r.kind == "accepted":
-        print(f"accepted: {r.reason} (decision {verdict.decision_id})")
+        print(f"{show(r.reason)} (decision {decision})")
     else:
-        print(f"{r.to_state.value}: {r.reason} (decision {verdict.decision_id})")
+        print(f"{r.to_state.value}: {show(r.reason)} (decision {decision})")
     return OK
 
 
 async def cmd_approve(args: argparse.Namespace) -> int:
     return await _decide(args, "approve")
+
+
+async def cmd_revise(args: argparse.Namespace) -> int:
+    if bool(args.step) == bool(args.steps_file):
+        raise TetherError("revise: give --step N KEY=VALUE (repeatable) or --steps-file PATH")
+    conn = await client.connect()
+    snap = await client.status(conn, args.run)
+    if snap.plan is None or snap.pending_approval is None:
+        raise TetherError(f"run {args.run} is {snap.state.value}, not awaiting approval", REFUSED)
+    steps = (
+        [s.model_dump() for s in client.load_steps_file(Path(args.steps_file))] if args.steps_file
+        else client.revised_steps(snap.plan, client.parse_edits(args.step))
+    )
+    given = client.DecisionInput(
+        by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id, reason=args.reason,
+        key=Path(args.key) if args.key else None,
+    )
+    # The person sees the values they change; the run records only the paths.
+    print(f"revising plan v{snap.plan.version} {snap.plan.plan_hash} of run {args.run}:")
+    for line in client.revision_diff(snap.plan, steps) or ["(no change)"]:
+        print(f"  {line}")
+    verdict = await client.revise(conn, args.run, given, steps)
+    return _print_verdict(verdict)
 
 
 async def cmd_reject(args: argparse.Namespace) -> int:
@@ -246,28 +335,76 @@ async def cmd_handoff(args: argparse.Namespace) -> int:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     await client.cancel(await client.connect(), args.run, reason=args.reason)
-    print(f"cancellation requested for {args.run}: the run ends in CANCELLED once any tool "
+    print(f"cancellation requested for {show(args.run)}: the run ends in CANCELLED once any tool "
           f"in flight has settled")
     return OK
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
     status = await client.status(await client.connect(), args.run)
-    print(status.model_dump_json(indent=2) if args.json else format_status(status))
+    if args.json:
+        _print_json(status.model_dump(mode="json"))
+    else:
+        print(format_status(status))
     return OK
+
+
+def format_branch(b: client.AuditBranch) -> str:
+    """The header of one execution's records in `timeline --all`."""
+    what = f"run {b.run_id}"
+    if b.origin == "reset":
+        by = f", by {show(b.identity, 120)}" if b.identity else ""
+        why = show(b.reason, 200) if b.reason else "no reason given"
+        what = f"reset at seq {b.at_seq} ({why}{by}) of run {b.parent_run_id}: {what}"
+    elif b.origin == "continued":
+        what = f"continued as new after seq {b.at_seq} from run {b.parent_run_id}: {what}"
+    elif b.origin == "first":
+        what += " (first run)"
+    tags = [t for t in (b.status and b.status.lower(), "current" if b.current else None) if t]
+    return f"== {what}" + (f" [{', '.join(tags)}]" if tags else "")
+
+
+def audit_warnings(trail: client.AuditTrail) -> list[str]:
+    """What `timeline --all` must not hide: a sink that lacks records, a sink that fails."""
+    warnings = []
+    if trail.unchecked:
+        warnings.append(f"{trail.unchecked}; whether it holds every record was not checked")
+    if trail.audit_error:
+        warnings.append(f"the run cannot write to its audit sink: {show(trail.audit_error, 400)}")
+    if trail.missing:
+        shown = ", ".join(map(str, trail.missing[:10])) + (" ..." if len(trail.missing) > 10 else "")
+        warnings.append(
+            f"the audit sink ({trail.sink}) holds {trail.written - trail.waiting - len(trail.missing)} of the "
+            f"{trail.written - trail.waiting} records the run wrote; missing seq {shown} (is this the workers' "
+            f"TETHER_AUDIT_DIR / TETHER_AUDIT_DSN?)"
+        )
+    if trail.waiting:
+        warnings.append(f"{trail.waiting} record(s) not yet written to the sink by the run")
+    return warnings
 
 
 async def cmd_timeline(args: argparse.Namespace) -> int:
     conn = await client.connect()
-    if getattr(args, "all", False):
-        records = await client.full_timeline(conn, args.run, args.audit_dir)
-    else:
+    if not getattr(args, "all", False):
+        await client.require_worker(conn, args.run)
         records = await client.timeline(conn, args.run)
+        if args.json:
+            _print_json([r.model_dump(mode="json") for r in records])
+        else:
+            print(format_timeline(records))
+        return OK
+    trail = await client.audit_trail(conn, args.run, args.audit_dir)
     if args.json:
-        _print_json([r.model_dump(mode="json") for r in records])
+        _print_json(trail.model_dump(mode="json"))
     else:
-        print(format_timeline(records))
-    return OK
+        for branch in trail.branches:
+            print(format_branch(branch))
+            if branch.records:
+                print(format_timeline(branch.records))
+    warnings = audit_warnings(trail)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return REFUSED if trail.missing or trail.audit_error else OK
 
 
 async def cmd_tools(args: argparse.Namespace) -> int:
@@ -289,14 +426,14 @@ async def cmd_tools(args: argparse.Namespace) -> int:
 async def cmd_compensate(args: argparse.Namespace) -> int:
     conn = await client.connect()
     handle = await client.compensate(conn, args.run, by=args.by, key=Path(args.key) if args.key else None)
-    print(f"started {handle.id}: the compensation of {args.run}")
+    print(f"started {show(handle.id)}: the compensation of {show(args.run)}")
     if not args.wait:
         return OK
     status = await client.wait_settled(conn, handle.id, args.wait_timeout)
     print(format_status(status))
     if status.ended and status.state != RunState.COMPENSATED:
-        why = f": {status.end_reason}" if status.end_reason else ""
-        print(f"error: compensation {handle.id} ended in {status.state.value}{why}", file=sys.stderr)
+        why = f": {show(status.end_reason)}" if status.end_reason else ""
+        print(f"error: compensation {show(handle.id)} ended in {status.state.value}{why}", file=sys.stderr)
         return REFUSED
     return OK
 
@@ -307,9 +444,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         _print_json([r.model_dump(mode="json") for r in rows])
     else:
-        for row in rows:
-            started = row.started.isoformat() if row.started else "-"
-            print(f"{row.run_id:<28} {row.state or '-':<18} {row.tenant or '-':<12} {started}")
+        print(format_list(rows))
     return OK
 
 
@@ -321,6 +456,27 @@ async def cmd_keygen(args: argparse.Namespace) -> int:
     print("add the public key to the approver in the policy file:")
     print(f'public_key = "{encoded}"   # or: public_key_file = "{public_path}"')
     return OK
+
+
+async def cmd_inbox(args: argparse.Namespace) -> int:
+    from inbox.app import InboxConfig, serve
+
+    if args.port < 1 or args.port > 65535:
+        raise TetherError(f"--port must be 1-65535, not {args.port}", field="port")
+    config = InboxConfig(
+        policy=Path(args.policy or os.environ.get("TETHER_POLICY") or "examples/billing/policy.toml"),
+        dev_login=args.dev_login,
+        jwks=args.jwks,
+        issuer=args.issuer,
+        audience=args.audience,
+        claim=args.claim,
+        header=args.header or None,
+        key=Path(args.key),
+        web_ui=args.web_ui,
+        namespace=client.connect_config()["namespace"],
+        host=args.host,
+    )
+    return await serve(config, args.port)
 
 
 # ----------------------------------------------------------------------------- parser
@@ -372,7 +528,21 @@ def _decision_args(kind: str) -> Callable[[argparse.ArgumentParser], None]:
         p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the decision (see keygen)")
         if kind == "approve":
             p.add_argument("--comment", metavar="TEXT")
+            p.add_argument("--steps", metavar="N,N", help="approve only these steps (1-based, e.g. 1,2); the rest "
+                           "are dropped from the plan (default: all)")
     return add
+
+
+def _revise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run")
+    p.add_argument("--by", required=True, metavar="NAME", help="who revises (someone who may approve)")
+    p.add_argument("--reason", required=True, metavar="TEXT")
+    p.add_argument("--step", nargs="+", action="append", metavar="N K=V",
+                   help="set arguments of step N (1-based); repeatable; JSON values (1000, true) or text")
+    p.add_argument("--steps-file", metavar="F", help="the whole revised plan: a JSON list of {tool, args}")
+    p.add_argument("--plan-hash", metavar="HASH", help="the plan you reviewed (default: the pending one)")
+    p.add_argument("--decision-id", metavar="ID", help="unique id of this revision (default: random)")
+    p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the revision (see keygen)")
 
 
 def _handoff_args(p: argparse.ArgumentParser) -> None:
@@ -428,6 +598,25 @@ def _keygen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
+def _inbox_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", required=True, type=int, metavar="PORT", help="port to serve on")
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--dev-login", action="store_true",
+                   help="a sign-in page listing the policy's people (only on 127.0.0.1; not for production)")
+    p.add_argument("--jwks", metavar="JWKS", help="the sign-in layer's JWKS, a file or an https URL: JWTs are verified against it")
+    p.add_argument("--issuer", metavar="ISS", help="the JWTs' required iss")
+    p.add_argument("--audience", metavar="AUD", help="the JWTs' required aud")
+    p.add_argument("--claim", default="preferred_username", metavar="CLAIM",
+                   help="the claim naming the person as the policy file does (default preferred_username)")
+    p.add_argument("--header", default="X-Forwarded-Assertion", metavar="NAME",
+                   help="an identity-aware proxy's assertion header (default X-Forwarded-Assertion; '' for none)")
+    p.add_argument("--policy", metavar="PATH", help="the policy file (default TETHER_POLICY, else the example's)")
+    p.add_argument("--key", default=os.environ.get("TETHER_INBOX_KEY") or ".tether/keys/inbox.pem", metavar="PEM",
+                   help="the inbox's Ed25519 key: it signs what it verified (policy [signers.NAME])")
+    p.add_argument("--web-ui", default=os.environ.get("TETHER_WEB_UI", "http://localhost:8233"), metavar="URL",
+                   help="the Temporal Web UI, for links to runs")
+
+
 # The one list of subcommands: the parser, `--help` and the README's table come from it.
 COMMANDS: list[Command] = [
     Command("start", "start a run", _start_args, cmd_start),
@@ -436,12 +625,14 @@ COMMANDS: list[Command] = [
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
+    Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
     Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
     Command("compensate", "undo an ended run's ok writes, as its approvals covered (a run of its own)",
             _compensate_args, cmd_compensate),
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
+    Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),
 ]
 
 
@@ -484,9 +675,10 @@ def cli_table(parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def _error_line(e: TetherError) -> str:
+    # Errors quote what the run or the user sent (reasons, ids): one escaped line.
     if e.field in OPTIONS:
-        return f"error: {OPTIONS[e.field]}: {e.detail}"
-    return f"error: {e}"
+        return f"error: {OPTIONS[e.field]}: {show(e.detail)}"
+    return f"error: {show(str(e))}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -497,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_error_line(e), file=sys.stderr)
         return e.code
     except WorkflowFailureError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {show(str(e))}", file=sys.stderr)
         return REFUSED
     except BrokenPipeError:
         # The reader stopped early (`tether timeline RUN | head`): not an error of ours.
@@ -508,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug or an unforeseen failure: still one line, the trace on demand
         if os.environ.get("TETHER_DEBUG"):
             raise
-        print(f"error: unexpected {type(e).__name__}: {e} (TETHER_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"error: unexpected {type(e).__name__}: {show(str(e))} (TETHER_DEBUG=1 shows the traceback)", file=sys.stderr)
         return USAGE
 
 

@@ -27,14 +27,19 @@ from temporalio.worker import Worker
 from activities import mcp, planning
 from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
+from activities.keys import KeyActivities, KeyRing, KeyRingError
 from activities.metrics import prometheus_runtime, tracing_interceptors
+from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
+from workflows.display import escape_text
 
 DEFAULT_TOOLS = "examples.billing.tools"
+# The metrics endpoint answers anyone who can reach it: this machine only, unless told.
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 def create_worker(
@@ -44,16 +49,26 @@ def create_worker(
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
+    keys: KeyRing | None = None,
+    rules: PolicyActivities | None = None,
     extra_workflows: Sequence[type] = (),
     **options: Any,
 ) -> Worker:
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
 
-    ``policy`` defaults to the built-in safe default (no policy file).
+    ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
+    activities, to those over ``policy``.
     """
-    tools = ToolActivities(registry)
-    rules = PolicyActivities(policy or PolicyStore(None))
-    # The audit sink (TETHER_AUDIT_DIR) and the carried-state key (TETHER_STATE_KEY_FILE).
+    # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): seals carried state and
+    # mints / verifies the capability of every write.
+    keys = keys or KeyRing.from_env()
+    tools = ToolActivities(registry, keys)
+    rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
+    if rules.keys is None:
+        rules.keys = keys
+    sealing = KeyActivities(keys)
+    notify = NotifyActivities(rules.store)
+    # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()
     recovery = RecoveryActivities(client)
     return Worker(
@@ -68,9 +83,10 @@ def create_worker(
             rules.check_decision,
             rules.check_authority,
             rules.check_handoff,
+            notify.notify,
             audit.audit_append,
-            audit.carryover_seal,
-            audit.carryover_verify,
+            sealing.carryover_seal,
+            sealing.carryover_verify,
             recovery.recovery_source,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
@@ -83,11 +99,15 @@ async def serve(
     queue: str,
     *,
     metrics_port: int | None = None,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = DEFAULT_METRICS_HOST,
     policy_path: str | None = None,
     mcp_config_path: str | None = None,
 ) -> None:
     registry = load_tool_modules(tool_modules)
+    try:
+        keys = KeyRing.from_env()  # refuses to start without the fleet's ring, naming the setting
+    except KeyRingError as e:
+        raise SystemExit(f"invalid key ring: {e}") from None
     try:
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
@@ -96,6 +116,10 @@ async def serve(
         mcp_config = mcp.config_from_env(mcp_config_path)
     except mcp.McpConfigError as e:
         raise SystemExit(f"invalid MCP config: {e}") from None
+    try:
+        audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR
+    except ValueError as e:
+        raise SystemExit(f"invalid audit sink: {e}") from None
     # MCP servers' tools join the registry before the worker is built (a server that is down is
     # logged and left out); their sessions close after the worker has finished its tasks.
     mcp_servers = await mcp.start_servers(mcp_config, registry)
@@ -124,7 +148,7 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -133,8 +157,13 @@ async def serve(
     async with worker:
         print(
             f"worker ready on task queue {queue!r} with tools: "
-            f"{', '.join(sorted(registry.tools)) or 'none'}; policy {policy.source}; payload encryption "
+            f"{', '.join(sorted(registry.tools)) or 'none'}"
+            # Left out at load (bad listing entries, unbounded patterns): the log and `tools` say why.
+            + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
+               if registry.refused else "")
+            + f"; policy {policy.source}; audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
+            + f"; state keys {', '.join(keys.keys)} (newest {keys.newest})"
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
         )
@@ -160,8 +189,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--metrics-host",
-        default=os.environ.get("TETHER_METRICS_HOST", "0.0.0.0"),
-        help="address the metrics endpoint binds (env TETHER_METRICS_HOST)",
+        default=os.environ.get("TETHER_METRICS_HOST") or DEFAULT_METRICS_HOST,
+        help="address the metrics endpoint binds (env TETHER_METRICS_HOST; default 127.0.0.1, "
+        "this machine only: set 0.0.0.0 for a scraper elsewhere)",
     )
     parser.add_argument(
         "--policy",

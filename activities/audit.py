@@ -1,44 +1,117 @@
-"""The audit sink and the carried-state seal: two worker-side guarantees behind activities.
+"""The audit sink: every timeline record, in order, behind an activity.
 
 **Audit sink.** The workflow keeps a bounded window of its timeline (workflows/budgets.py); every
-record also comes here, in order, through the local activity ``audit_append``. The default sink
-writes JSON lines, one file per run (workflow id and first run id), under ``TETHER_AUDIT_DIR``
-(default ``.tether/audit``). Appends are keyed by the record's ``seq``: a retried or repeated
-batch never writes a record twice, and a line torn by a worker killed mid-write is cut off and
-written again by the retry. ``tether timeline RUN --all`` reads the file and the window.
+record also comes here, in order, through the local activity ``audit_append``. Records are keyed
+by workflow id, **run id** and ``seq``: each execution of a workflow id is its own stream, so a
+reset (a new run whose history copies the old one up to the reset point, and which writes its
+own records from there) never overwrites or hides what the original run wrote. Appends are
+idempotent per stream: a retried or repeated batch never writes a record twice.
 
-**Seal.** A continued run trusts the state it carries only if this worker's key sealed it
-(HMAC-SHA256 over the state's canonical JSON digest): a start input that carries state, or state
-written by anything but a Tether worker holding the key, is refused. The key is
-``TETHER_STATE_KEY_FILE`` (default ``.tether/state.key``, created on first use); workers that
-share runs must share it (docker-compose mounts one).
+Two sinks, one contract:
+
+- JSON lines (the embedded default), under ``TETHER_AUDIT_DIR`` (default ``.tether/audit``): one
+  folder per workflow id, named by a readable prefix and a hash (``refund-A-1001-3f2c…``: bounded
+  whatever the id's length or script), one file per run id. A line torn by a worker killed
+  mid-write is cut off and written again by the retry.
+- PostgreSQL (``TETHER_AUDIT_DSN=postgresql://…``), for fleets whose workers run on several
+  machines: one append-only table (``tether_audit``; a trigger refuses UPDATE and DELETE) with a
+  unique key on (workflow_id, run_id, seq); a batch is one transaction, ``ON CONFLICT DO
+  NOTHING``.
+
+A sink that cannot write raises ``audit_sink_unavailable`` after a few quick attempts; the
+workflow shows the error on the run and retries on a backoff timer, and starts no further work
+until every record is in (workflows/agent_run.py). Each failure is logged here and counted
+(``tether_audit_sink_failures``). ``tether timeline RUN --all`` reads the sink (client.py).
+
+The carried-state seal lives in ``activities/keys.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
-import hmac
 import json
+import logging
 import os
-import secrets
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
-from workflows.models import AuditAck, AuditBatch, SealRequest
+from workflows.models import AuditAck, AuditBatch
 from workflows.states import TransitionRecord
 
 DEFAULT_AUDIT_DIR = ".tether/audit"
-DEFAULT_STATE_KEY = ".tether/state.key"
+AUDIT_TABLE = "tether_audit"
+SINK_UNAVAILABLE = "audit_sink_unavailable"  # the ApplicationError type the workflow shows
+SINK_FAILURES = "tether_audit_sink_failures"
 _TAIL = 64 * 1024  # enough to hold the last complete record line
+_PREFIX_CHARS = 48
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+log = logging.getLogger("tether.audit")
 
 
-def audit_path(root: Path, workflow_id: str, first_run_id: str) -> Path:
-    # quote(): a workflow id may hold '/' or '..'; the file name must stay inside root.
-    return root / f"{quote(workflow_id, safe='')}.{quote(first_run_id, safe='')}.jsonl"
+# ----------------------------------------------------------------------------- names
+
+
+def bounded_name(text: str, *, prefix_chars: int = _PREFIX_CHARS) -> str:
+    """A file name for any id: a readable ASCII prefix and a hash of the whole id.
+
+    At most ``prefix_chars + 25`` characters whatever the id's length or script (a workflow id
+    may be 1,000 characters, or Japanese: 3 bytes a character, 9 once percent-quoted), never
+    ``.``/``..``, never a path separator; distinct ids get distinct names.
+    """
+    prefix = _SAFE.sub("-", text).strip("-.")[:prefix_chars].rstrip("-.") or "id"
+    return f"{prefix}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+
+
+def _run_file(run_id: str) -> str:
+    # Temporal's run ids are UUIDs; anything else is hashed like a workflow id.
+    return (run_id if re.fullmatch(r"[A-Za-z0-9-]{1,64}", run_id) else bounded_name(run_id)) + ".jsonl"
+
+
+def workflow_dir(root: Path, workflow_id: str) -> Path:
+    return root / bounded_name(workflow_id)
+
+
+def audit_path(root: Path, workflow_id: str, run_id: str) -> Path:
+    """The JSON-lines file of one execution (workflow id + run id)."""
+    return workflow_dir(root, workflow_id) / _run_file(run_id)
+
+
+def redact_dsn(dsn: str) -> str:
+    """A DSN for a log line or a run's error: the password replaced by ***."""
+    try:
+        parts = urlsplit(dsn)
+        if parts.password:
+            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+            return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:
+        return "postgresql://(unparsable DSN)"
+    return re.sub(r"password=\S+", "password=***", dsn)
+
+
+# ----------------------------------------------------------------------------- sinks
+
+
+class AuditSink(Protocol):
+    """Where every record goes. ``append`` is idempotent per (workflow id, run id, seq)."""
+
+    def describe(self) -> str: ...
+
+    async def append(self, batch: AuditBatch) -> int: ...
+
+    async def read(self, workflow_id: str) -> dict[str, list[TransitionRecord]]:
+        """Every record of every execution of ``workflow_id``: run id -> records in seq order."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass
@@ -49,18 +122,27 @@ class JsonlAuditSink:
     def from_env(cls, path: str | None = None) -> JsonlAuditSink:
         return cls(Path(path or os.environ.get("TETHER_AUDIT_DIR") or DEFAULT_AUDIT_DIR))
 
-    def append(self, batch: AuditBatch) -> int:
-        """Append the records not written yet; returns the last seq on file."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = audit_path(self.root, batch.workflow_id, batch.first_run_id)
+    def describe(self) -> str:
+        return f"JSON lines under {self.root}"
+
+    async def aclose(self) -> None:
+        pass  # nothing held open between appends
+
+    async def append(self, batch: AuditBatch) -> int:
+        return self.write(batch)
+
+    def write(self, batch: AuditBatch) -> int:
+        """Append the records of this execution not written yet; returns the last seq on file."""
+        folder = workflow_dir(self.root, batch.workflow_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        name = folder / "workflow_id"
+        if not name.exists():  # the full id, for a person reading the folder
+            name.write_text(batch.workflow_id + "\n")
+        path = audit_path(self.root, batch.workflow_id, batch.run_id)
         with open(path, "a+b") as f:
             fcntl.flock(f, fcntl.LOCK_EX)  # one writer per file, across worker processes
             last = _last_seq(f)
-            lines = [
-                json.dumps(r.model_dump(mode="json"), sort_keys=True).encode() + b"\n"
-                for r in batch.records
-                if r.seq > last
-            ]
+            lines = [_line(batch, r) for r in batch.records if r.seq > last]
             if lines:
                 f.write(b"".join(lines))
                 f.flush()
@@ -68,17 +150,31 @@ class JsonlAuditSink:
                 last = max(r.seq for r in batch.records)
             return last
 
-    def read(self, workflow_id: str, first_run_id: str) -> list[TransitionRecord]:
-        path = audit_path(self.root, workflow_id, first_run_id)
-        if not path.exists():
-            return []
-        records = []
-        for line in path.read_bytes().splitlines():
-            try:
-                records.append(TransitionRecord.model_validate_json(line))
-            except ValueError:
-                continue  # a torn last line, cut off by the next append
-        return records
+    async def read(self, workflow_id: str) -> dict[str, list[TransitionRecord]]:
+        streams: dict[str, list[TransitionRecord]] = {}
+        folder = workflow_dir(self.root, workflow_id)
+        for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+            run_id = None
+            records = []
+            for line in path.read_bytes().splitlines():
+                try:
+                    raw = json.loads(line)
+                    records.append(TransitionRecord.model_validate(raw))
+                except ValueError:
+                    continue  # a torn last line, cut off by the next append
+                run_id = run_id or raw.get("run_id")
+            if records:
+                streams[run_id or path.stem] = records
+        return streams
+
+
+def _line(batch: AuditBatch, record: TransitionRecord) -> bytes:
+    raw = record.model_dump(mode="json")
+    # Each line says which execution wrote it (the file name is only a bounded hash).
+    raw.update(workflow_id=batch.workflow_id, run_id=batch.run_id, first_run_id=batch.first_run_id)
+    if batch.continued_from:
+        raw["continued_from"] = batch.continued_from
+    return json.dumps(raw, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
 def _last_seq(f) -> int:
@@ -104,6 +200,109 @@ def _last_seq(f) -> int:
         return 0
 
 
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {AUDIT_TABLE} (
+    workflow_id    text        NOT NULL,
+    run_id         text        NOT NULL,
+    seq            bigint      NOT NULL,
+    first_run_id   text        NOT NULL,
+    continued_from text,
+    record         jsonb       NOT NULL,
+    written_at     timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT {AUDIT_TABLE}_key UNIQUE (workflow_id, run_id, seq)
+);
+CREATE OR REPLACE FUNCTION {AUDIT_TABLE}_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '{AUDIT_TABLE} is append-only: % refused', TG_OP;
+END $$;
+CREATE OR REPLACE TRIGGER {AUDIT_TABLE}_append_only BEFORE UPDATE OR DELETE ON {AUDIT_TABLE}
+    FOR EACH ROW EXECUTE FUNCTION {AUDIT_TABLE}_append_only();
+"""
+
+
+@dataclass
+class PostgresAuditSink:
+    """The fleet's sink: every worker writes to one table, whichever machine runs a task."""
+
+    dsn: str
+    _conn: Any = field(default=None, repr=False)
+    _lock: asyncio.Lock | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        return f"PostgreSQL {redact_dsn(self.dsn)}"
+
+    async def _connection(self) -> Any:
+        import psycopg
+
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        conn = await psycopg.AsyncConnection.connect(self.dsn, connect_timeout=5)
+        async with conn.transaction():
+            # Several workers may create the table at once: one at a time.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (AUDIT_TABLE,))
+            await conn.execute(SCHEMA)
+        self._conn = conn
+        return conn
+
+    async def _with_connection(self, work: Any) -> Any:
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:  # one connection per worker; its statements one at a time
+            try:
+                conn = await self._connection()
+                return await work(conn)
+            except Exception:
+                if self._conn is not None:
+                    await self._conn.close()
+                self._conn = None
+                raise
+
+    async def append(self, batch: AuditBatch) -> int:
+        async def insert(conn: Any) -> int:
+            async with conn.transaction(), conn.cursor() as cur:
+                await cur.executemany(
+                    f"INSERT INTO {AUDIT_TABLE} (workflow_id, run_id, seq, first_run_id, continued_from, record) "
+                    "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (workflow_id, run_id, seq) DO NOTHING",
+                    [
+                        (batch.workflow_id, batch.run_id, r.seq, batch.first_run_id, batch.continued_from,
+                         r.model_dump_json())
+                        for r in batch.records
+                    ],
+                )
+            return max((r.seq for r in batch.records), default=0)
+
+        return await self._with_connection(insert)
+
+    async def read(self, workflow_id: str) -> dict[str, list[TransitionRecord]]:
+        async def select(conn: Any) -> dict[str, list[TransitionRecord]]:
+            cur = await conn.execute(
+                f"SELECT run_id, record::text FROM {AUDIT_TABLE} WHERE workflow_id = %s ORDER BY run_id, seq",
+                (workflow_id,),
+            )
+            streams: dict[str, list[TransitionRecord]] = {}
+            for run_id, record in await cur.fetchall():
+                streams.setdefault(run_id, []).append(TransitionRecord.model_validate_json(record))
+            await conn.rollback()
+            return streams
+
+        return await self._with_connection(select)
+
+    async def aclose(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+
+def sink_from_env(audit_dir: str | None = None, dsn: str | None = None) -> AuditSink:
+    """``TETHER_AUDIT_DSN`` (PostgreSQL) when set, else JSON lines under ``TETHER_AUDIT_DIR``.
+    An explicit ``audit_dir`` picks the JSON-lines sink."""
+    dsn = dsn or (None if audit_dir else os.environ.get("TETHER_AUDIT_DSN"))
+    if dsn:
+        if not dsn.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"TETHER_AUDIT_DSN must be a postgresql:// URL, not {redact_dsn(dsn)!r}")
+        return PostgresAuditSink(dsn)
+    return JsonlAuditSink.from_env(audit_dir)
+
+
 def merge_timeline(sink: list[TransitionRecord], window: list[TransitionRecord]) -> list[TransitionRecord]:
     """The sink's records and the workflow's window, each record once, in seq order."""
     by_seq: dict[int, TransitionRecord] = {}
@@ -116,36 +315,26 @@ def merge_timeline(sink: list[TransitionRecord], window: list[TransitionRecord])
     return unsequenced + [by_seq[k] for k in sorted(by_seq)]
 
 
-def load_state_key(path: str | None = None) -> bytes:
-    chosen = Path(path or os.environ.get("TETHER_STATE_KEY_FILE") or DEFAULT_STATE_KEY)
-    if not chosen.exists():
-        chosen.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(chosen, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    key = chosen.read_text().strip()
-    if len(key) < 32:
-        raise ValueError(f"state key file {chosen} holds fewer than 32 characters")
-    return key.encode()
-
-
 class AuditActivities:
-    def __init__(self, sink: JsonlAuditSink | None = None, state_key: bytes | None = None) -> None:
-        self.sink = sink or JsonlAuditSink.from_env()
-        self.state_key = state_key or load_state_key()
+    def __init__(self, sink: AuditSink | None = None) -> None:
+        self.sink = sink or sink_from_env()
 
     @activity.defn(name="audit_append")
     async def audit_append(self, batch: AuditBatch) -> AuditAck:
-        return AuditAck(last_seq=self.sink.append(batch))
-
-    def _mac(self, request: SealRequest) -> str:
-        message = f"{request.workflow_id}\n{request.digest}".encode()
-        return hmac.new(self.state_key, message, hashlib.sha256).hexdigest()
-
-    @activity.defn(name="carryover_seal")
-    async def carryover_seal(self, request: SealRequest) -> SealRequest:
-        return request.model_copy(update={"seal": self._mac(request)})
-
-    @activity.defn(name="carryover_verify")
-    async def carryover_verify(self, request: SealRequest) -> bool:
-        return request.seal is not None and hmac.compare_digest(self._mac(request), request.seal)
+        info = activity.info()
+        # The execution that asks is the stream's key (a batch of an older worker has no run id).
+        batch = batch.model_copy(update={"run_id": info.workflow_run_id or batch.run_id})
+        try:
+            return AuditAck(last_seq=await self.sink.append(batch))
+        except Exception as e:  # any sink error: visible on the run, in the log, in a metric
+            cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            log.warning(
+                "audit sink failing (%s) for workflow %s run %s, records %s-%s, attempt %s: %s",
+                self.sink.describe(), batch.workflow_id[:200], batch.run_id,
+                batch.records[0].seq if batch.records else "-", batch.records[-1].seq if batch.records else "-",
+                info.attempt, cause,
+            )
+            activity.metric_meter().create_counter(
+                SINK_FAILURES, "Audit sink writes that failed (the run retries them)", "1"
+            ).add(1, {"sink": type(self.sink).__name__})
+            raise ApplicationError(f"{self.sink.describe()}: {cause}", type=SINK_UNAVAILABLE) from None

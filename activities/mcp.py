@@ -47,9 +47,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from activities.toml_config import parse_toml
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, ToolSpec, load_tool_modules
-from workflows.mcp_effects import Hints, effect_for
 from workflows.display import escape_text
-from workflows.models import Compensation, ToolEffect
+from workflows.mcp_effects import Hints, effect_for
+from workflows.models import Compensation, ToolEffect, first_error
+from workflows.validation import schema_problem
 
 log = logging.getLogger("tether.mcp")
 
@@ -300,6 +301,14 @@ async def call_tool(connection: Connection, tool: str, args: dict[str, Any], ctx
     except McpUnavailable as e:
         # Nothing was sent, but to the effect rule a missing answer is a missing answer.
         raise ToolError(f"MCP server {server!r} unavailable: {e}", code="mcp_unavailable") from None
+    if tool not in getattr(session, "_tool_output_schemas", {tool: None}):
+        # A new session knows no listing, and the SDK would list (whole, typed) after the call:
+        # a listing with one bad entry would then fail a call that ran. List it our way first.
+        try:
+            await asyncio.wait_for(list_tools(session, server), CONNECT_TIMEOUT_SECONDS)
+        except (OSError, RuntimeError, ValidationError, MCPError, asyncio.TimeoutError) as e:
+            await connection.reset(session)
+            raise ToolError(f"{server}: {_reason(e)} (before the call)", code="mcp_unavailable") from None
     # Answer before the activity's own timeout, so the worker, not only the server, knows.
     read_timeout = max(timeout - min(2.0, timeout * 0.2), 0.1)
     try:
@@ -349,11 +358,23 @@ def _lookup_fn(connection: Connection, tool: str, arg: str, timeout: float):
     return lookup
 
 
-def tool_specs(name: str, config: ServerConfig, connection: Connection, tools: Sequence[Any]) -> list[ToolSpec]:
-    """The registry entries for one server's listed tools (``mcp`` ``Tool`` objects)."""
+def tool_specs(
+    name: str, config: ServerConfig, connection: Connection, tools: Sequence[Any],
+    left_out: dict[str, str] | None = None,
+) -> list[ToolSpec]:
+    """The registry entries for one server's listed tools (``mcp`` ``Tool`` objects).
+
+    A listing is untrusted input: an entry that cannot be a catalog entry (a name listed twice,
+    an invalid name or schema, a pattern the workflow cannot run in bounded time, over the
+    server's size budget) is left out on its own, with a log line naming server and tool, and
+    ``left_out[<server>__<tool>]`` says why. The server's other tools stay.
+    """
+    left_out = {} if left_out is None else left_out
     published = {t.name for t in tools}
     for missing in sorted(set(config.tools) - published):
         log.warning("MCP server %r: the config names tool %r, which the server does not publish", name, missing)
+    listed = [t.name for t in tools]
+    twice = {n for n in listed if listed.count(n) > 1}
     specs, budget = [], MAX_SERVER_CATALOG_CHARS
     for t in tools:
         full = f"{name}__{t.name}"
@@ -361,11 +382,15 @@ def tool_specs(name: str, config: ServerConfig, connection: Connection, tools: S
         size = len(json.dumps(t.input_schema)) + len(description)
         problem = (
             f"{full!r} is not a valid tool name" if not _TOOL_NAME.match(full)
+            # Which of two entries is the real one is not ours to guess: neither is offered.
+            else f"the server lists {t.name!r} {listed.count(t.name)} times" if t.name in twice
             else _schema_problem(t.input_schema)
             or (f"the server's tools exceed {MAX_SERVER_CATALOG_CHARS} characters of schemas" if size > budget else None)
         )
         if problem:
-            log.warning("MCP server %r: tool %r left out: %s", name, t.name, problem)
+            if full[:200] not in left_out:
+                log.warning("MCP server %r: tool %r left out: %s", name, str(t.name)[:100], problem)
+            left_out[full[:200]] = problem
             continue
         budget -= size
         override = config.tools.get(t.name, ToolOverride())
@@ -425,6 +450,8 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         return f"invalid input schema: {e.message[:200]}"
+    if (bounded := schema_problem(schema)) is not None:
+        return bounded
 
     def refs(node: Any) -> Iterator[Any]:
         if isinstance(node, dict):
@@ -440,18 +467,64 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
     return f"input schema refers outside itself ($ref {str(outside)[:100]!r})" if outside is not None else None
 
 
-async def list_tools(session: Any) -> list[Any]:
-    """Every tool the server publishes, all pages."""
-    from mcp_types import PaginatedRequestParams
+MAX_LISTED_TOOLS = 1000  # entries beyond this many are not read (one server, all pages)
+
+
+async def list_tools(session: Any, server: str = "?", left_out: dict[str, str] | None = None) -> list[Any]:
+    """Every tool the server publishes, all pages; an entry the protocol's ``Tool`` type refuses
+    is left out on its own (log line naming server and entry), not the whole listing."""
+    from mcp_types import ListToolsRequest, ListToolsResult, PaginatedRequestParams
 
     tools, cursor = [], None
     for _ in range(1000):  # a server that never stops paginating is not followed forever
-        page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor) if cursor else None)
-        tools.extend(page.tools)
-        cursor = page.next_cursor
+        params = PaginatedRequestParams(cursor=cursor) if cursor else None
+        try:
+            page = await session.list_tools(params=params)
+            entries, cursor = list(page.tools), page.next_cursor
+        except ValidationError:
+            # One bad entry fails the SDK's typed page: read it raw and check entry by entry.
+            entries, cursor = await _raw_page(session, ListToolsRequest(params=params), server, left_out)
+            # The SDK caches what a listing says (output schemas) and re-lists a tool it does
+            # not know after each call: it gets the good entries, so it never re-lists.
+            session._absorb_tool_listing(ListToolsResult(tools=entries), complete=False)
+        tools.extend(entries)
+        if len(tools) > MAX_LISTED_TOOLS:
+            log.warning("MCP server %r lists more than %d tools: the rest are left out", server, MAX_LISTED_TOOLS)
+            return tools[:MAX_LISTED_TOOLS]
         if not cursor:
             break
     return tools
+
+
+async def _raw_page(
+    session: Any, request: Any, server: str, left_out: dict[str, str] | None = None
+) -> tuple[list[Any], str | None]:
+    """One ``tools/list`` page as the server sent it, each entry validated on its own.
+
+    The SDK (``mcp`` 2.x, pinned) validates a page whole; this sends the request as its
+    ``send_request`` does, without that step.
+    """
+    from mcp_types import Tool
+
+    data = request.model_dump(by_alias=True, mode="json", exclude_none=True)
+    opts: dict[str, Any] = {"timeout": CONNECT_TIMEOUT_SECONDS}
+    session._stamp(data, opts)
+    raw = await session._dispatcher.send_raw_request(data["method"], data.get("params"), opts)
+    raw = raw if isinstance(raw, dict) else {}
+    entries: list[Any] = []
+    listed = raw.get("tools")
+    for i, entry in enumerate(listed[:MAX_LISTED_TOOLS + 1] if isinstance(listed, list) else []):
+        try:
+            entries.append(Tool.model_validate(entry, by_name=False))
+        except ValidationError as e:
+            name = entry.get("name") if isinstance(entry, dict) else None
+            label = repr(name[:100]) if isinstance(name, str) else f"#{i + 1} (no name)"
+            why = f"not a valid tool entry ({first_error(e)[:200]})"
+            log.warning("MCP server %r: tool %s left out: %s", server, label, why)
+            if left_out is not None and isinstance(name, str):
+                left_out[f"{server}__{name}"[:200]] = why
+    cursor = raw.get("nextCursor")
+    return entries, cursor if isinstance(cursor, str) and cursor else None
 
 
 class McpServers:
@@ -461,6 +534,7 @@ class McpServers:
         self.config = config
         self.connections = {name: Connection(name, cfg) for name, cfg in config.servers.items()}
         self.unavailable: dict[str, str] = {}  # server -> why its tools are absent
+        self.invalid: dict[str, dict[str, str]] = {}  # server -> entries the protocol refused, why
 
     async def register(self, registry: ToolRegistry) -> ToolRegistry:
         """List every server's tools and add them to ``registry``. A server that cannot be
@@ -470,17 +544,27 @@ class McpServers:
         for (name, connection), tools in zip(self.connections.items(), listed):
             if tools is None:
                 continue
-            specs = tool_specs(name, self.config.servers[name], connection, tools)
+            left_out: dict[str, str] = dict(self.invalid.get(name, {}))
+            specs = tool_specs(name, self.config.servers[name], connection, tools, left_out)
+            for full, why in left_out.items():
+                registry.refuse(full, why, source=f"mcp:{name}", logged=True)
+            registered = 0
             for spec in specs:
+                if spec.name in registry.tools:
+                    # Another source already has the name: that one stays, this one is left out.
+                    registry.refuse(spec.name, f"the name is taken by a {registry.tools[spec.name].source} tool", source=spec.source)
+                    continue
                 registry.register(spec)
-            log.info("MCP server %r: %d tool(s) registered", name, len(specs))
+                registered += spec.name in registry.tools
+            log.info("MCP server %r: %d tool(s) registered", name, registered)
         registry.check()
         return registry
 
     async def _list(self, connection: Connection) -> list[Any] | None:
         try:
             session = await connection.session()
-            return await asyncio.wait_for(list_tools(session), CONNECT_TIMEOUT_SECONDS)
+            invalid = self.invalid.setdefault(connection.name, {})
+            return await asyncio.wait_for(list_tools(session, connection.name, invalid), CONNECT_TIMEOUT_SECONDS)
         except Exception as e:  # noqa: BLE001
             why = str(e) if isinstance(e, McpUnavailable) else _reason(e)
             self.unavailable[connection.name] = why
@@ -531,7 +615,8 @@ def config_from_env(path: str | None = None) -> McpConfig | None:
 
 
 def describe_tools(registry: ToolRegistry) -> list[dict[str, Any]]:
-    """Every registered tool: name, source, effect, approval, destructive, and why that effect."""
+    """Every registered tool: name, source, effect, approval, destructive, and why that effect;
+    then every tool left out at load (effect ``left out``), with why."""
     return [
         {
             "name": spec.name,
@@ -543,14 +628,26 @@ def describe_tools(registry: ToolRegistry) -> list[dict[str, Any]]:
             "undo": spec.compensate.tool if spec.compensate else None,
         }
         for spec in sorted(registry.tools.values(), key=lambda s: (s.source, s.name))
+    ] + [
+        # Left out at load: never in a catalog; the reason says why (the worker's log too).
+        {
+            "name": name,
+            "source": why.split(": ", 1)[0],
+            "effect": "left out",
+            "approval": "-",
+            "destructive": False,
+            "why": why.split(": ", 1)[-1],
+        }
+        for name, why in sorted(registry.refused.items())
     ]
 
 
 def format_tools(rows: list[dict[str, Any]]) -> str:
     head = ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "UNDO", "WHY"]
+    # Names and reasons can carry a server's text: shown through the one escaping function.
     table = [
-        [r["name"], r["source"], r["effect"] + (" (destructive)" if r["destructive"] else ""), r["approval"],
-         escape_text(r["undo"], 64) if r.get("undo") else "-", r["why"]]
+        [escape_text(r["name"], 200), escape_text(r["source"], 100), r["effect"] + (" (destructive)" if r["destructive"] else ""),
+         r["approval"], escape_text(r["undo"], 64) if r.get("undo") else "-", escape_text(r["why"], 400)]
         for r in rows
     ]
     widths = [max(len(str(row[i])) for row in [head, *table]) for i in range(len(head) - 1)]

@@ -14,6 +14,8 @@ tether_decisions_refused           counter    + kind, rule                      
 tether_tool_calls                  counter    tool, effect, outcome (ok/error/       activity
                                               permanent_error) + activity labels
 tether_tool_retries                counter    tool, effect + activity labels         activity
+tether_key_missing                 counter    key_id, what + activity labels         activity
+tether_audit_sink_failures         counter    sink + activity labels                 activity
 =================================  =========  =====================================  ============
 
 Workflow-side metrics live in ``workflows/metrics.py`` (replay-safe ``workflow.metric_meter()``).

@@ -65,9 +65,13 @@ class PlaybookPlanner:
         if done is None:
             done = sum(1 for step in request.executed if step.status == "ok")
         remaining = request.playbook[done:]
+        # Steps a person left out of the last plan are not proposed again unchanged.
+        refused = [{"tool": n.tool, "args": n.args} for n in request.not_approved]
+        remaining = [s for s in remaining if {"tool": s.tool, "args": s.args} not in refused]
         if not remaining:
             tools = ", ".join(step.tool for step in request.executed)
-            return Proposal(answer=f"Done: {request.goal} ({done} step(s): {tools})")
+            skipped = f"; not approved: {', '.join(n.tool for n in request.not_approved)}" if refused else ""
+            return Proposal(answer=f"Done: {request.goal} ({done} step(s): {tools}{skipped})")
         return Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in remaining])
 
 
@@ -209,6 +213,18 @@ def build_messages(
                 "role": "tool",
                 "tool_call_id": step.tool_call_id,
                 "content": _observation_text(step, observation_chars),
+            }
+        )
+    if request.not_approved:
+        left_out = "; ".join(
+            f"step {n.step}: {n.tool} {json.dumps(n.args, sort_keys=True)}" for n in request.not_approved
+        )
+        messages.append(
+            {
+                "role": "user",
+                "content": "A person approved only part of your last plan; these steps were not "
+                f"approved and did not run: {left_out}\nDo not propose them again unchanged: "
+                "a step proposed again needs a new approval.",
             }
         )
     if request.feedback:

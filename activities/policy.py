@@ -15,8 +15,9 @@ import hashlib
 import os
 import re
 import tomllib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -24,14 +25,25 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
+from activities.keys import KeyRing
+from workflows.identity import skeleton
 from workflows.models import (
+    SIGNER_NAME,
     STRICT,
+    AcceptedApproval,
+    ApprovalDecision,
+    Approver,
     AuthorityCheck,
+    Capability,
+    Plan,
+    ToolCatalog,
+    args_digest,
     DecisionCheck,
     HandoffCheck,
     PolicyDocument,
     PolicySnapshot,
     Refusal,
+    Signer,
     SnapshotRequest,
     TenantPolicy,
     Verdict,
@@ -126,30 +138,40 @@ class PolicyStore:
             return policy.DEFAULT_TENANT_POLICY, digest
         return document.tenants.get(name), digest
 
+    def signers(self) -> dict[str, Signer]:
+        """The trusted signers (``[signers.NAME]``; none without a policy file)."""
+        document, _ = self.load()
+        return document.signers if document is not None else {}
+
     @property
     def source(self) -> str:
         return str(self.path) if self.path else DEFAULT_SOURCE
 
 
 def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
-    """Fill in ``public_key`` from each approver's ``public_key_file`` (relative to the policy
-    file). A file that cannot be read raises (``strict``: the worker's start check) or leaves the
-    approver without a key (at run time: their signatures cannot verify). True when all were read."""
+    """Fill in ``public_key`` from each approver's and signer's ``public_key_file`` (relative to
+    the policy file). A file that cannot be read raises (``strict``: the worker's start check) or
+    leaves the key unset (at run time: their signatures cannot verify). True when all were read."""
     complete = True
-    for tenant_name, tenant in document.tenants.items():
-        for who, approver in (tenant.approvers or {}).items():
-            if approver.public_key_file is None or approver.public_key is not None:
-                continue
-            key_path = (path.parent / approver.public_key_file).resolve()
-            try:
-                approver.public_key = key_path.read_text().strip()
-            except OSError as e:
-                complete = False
-                if strict:
-                    raise PolicyFileError(
-                        f"{path}: key tenants.{tenant_name}.approvers.{who}.public_key_file: cannot read "
-                        f"{key_path} ({e.strerror}); make it with `tether keygen --out KEY.pem`"
-                    ) from None
+    holders: list[tuple[str, Approver | Signer]] = [(f"signers.{n}", s) for n, s in document.signers.items()]
+    holders += [
+        (f"tenants.{t}.approvers.{who}", a)
+        for t, tenant in document.tenants.items()
+        for who, a in (tenant.approvers or {}).items()
+    ]
+    for where, holder in holders:
+        if holder.public_key_file is None or holder.public_key is not None:
+            continue
+        key_path = (path.parent / holder.public_key_file).resolve()
+        try:
+            holder.public_key = key_path.read_text().strip()
+        except OSError as e:
+            complete = False
+            if strict:
+                raise PolicyFileError(
+                    f"{path}: key {where}.public_key_file: cannot read {key_path} ({e.strerror}); "
+                    "make it with `tether keygen --out KEY.pem`"
+                ) from None
     return complete
 
 
@@ -188,13 +210,35 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
     if not document.tenants:
         problems.append(f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing "
                         "file, not an empty one, means the built-in default)")
+    for name, signer in document.signers.items():
+        at = ("signers", name)
+        if not re.match(SIGNER_NAME, name):
+            problem(at, f"a signer's name is lowercase letters, digits, '_', '.', '-' ({SIGNER_NAME})")
+        if signer.public_key is None:
+            problem(at, "no public_key or public_key_file: its attestations could never verify")
+        elif why := _public_key_problem(signer.public_key):
+            problem(at + ("public_key",), why)
+        for tenant_name in signer.may_attest:
+            if tenant_name not in document.tenants:
+                problem(at + ("may_attest",), f"unknown tenant {tenant_name!r}")
     raw_tenants = tomllib.loads(text).get("tenants", {})
     known = set(tool_names)
+    for hook_name, hook in document.notify.webhooks.items():
+        if hook.secret_file is not None and not (path.parent / hook.secret_file).is_file():
+            problem(("notify", "webhooks", hook_name, "secret_file"), f"no such file: {path.parent / hook.secret_file}")
     for name, tenant in document.tenants.items():
         at = ("tenants", name)
         if not raw_tenants.get(name):
             problem(at, "empty tenant: set tools and approvers (or remove it)")
             continue
+        for level in ("normal", "high"):
+            for i, stage in enumerate(getattr(tenant.escalation, level)):
+                for hook_name in stage.notify:
+                    if hook_name not in document.notify.webhooks:
+                        problem(
+                            at + ("escalation", level),
+                            f"stage {i + 1} notifies {hook_name!r}: no [notify.webhooks.{hook_name}]",
+                        )
         named = [(at + ("tools",), t) for t in tenant.tools or []]
         named += [(at + ("auto_approve", "limits"), r.tool) for r in tenant.auto_approve.limits]
         named += [(at + ("high_risk", "when"), r.tool) for r in (tenant.high_risk.when if tenant.high_risk else [])]
@@ -208,12 +252,22 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
         for who, approver in tenant.approvers.items():
             if approver.public_key is not None and (why := _public_key_problem(approver.public_key)):
                 problem(at + ("approvers", who, "public_key"), why)
+        # Two approvers people cannot tell apart (one UTS #39 skeleton): 'alice' and 'a1ice'.
+        by_skeleton: dict[str, list[str]] = {}
+        for who in tenant.approvers:
+            by_skeleton.setdefault(skeleton(who), []).append(who)
+        for alike in (names for names in by_skeleton.values() if len(names) > 1):
+            problem(at + ("approvers", alike[1]), f"looks like approver {alike[0]!r}: people could not tell "
+                    f"{' and '.join(map(repr, alike))} apart; rename one")
         held = {role for a in tenant.approvers.values() for role in a.roles}
         wanted = [("approval_roles", r) for r in tenant.approval_roles]
         wanted += [("high_risk", r) for r in (tenant.high_risk.roles if tenant.high_risk else [])]
+        wanted += [
+            ("escalation", r) for level in (tenant.escalation.normal, tenant.escalation.high) for st in level for r in st.roles
+        ]
         for key, role in wanted:
             if role not in held:
-                loc = at + (key,) if key == "approval_roles" else at + ("high_risk", "roles")
+                loc = at + (key,) if key in ("approval_roles", "escalation") else at + ("high_risk", "roles")
                 problem(loc, f"role {role!r} is held by no approver: no plan needing it could be approved")
     return problems
 
@@ -234,13 +288,41 @@ def verify_signature(public_key_b64: str, payload: bytes, signature_b64: str | N
 
 
 def signature_refusal(
-    tenant: TenantPolicy | None, person: str, payload: bytes, signature: str | None, *, what: str
+    tenant: TenantPolicy | None,
+    person: str,
+    payload: bytes,
+    signature: str | None,
+    *,
+    what: str,
+    attested_by: str | None = None,
+    signers: Mapping[str, Signer] | None = None,
+    tenant_name: str = "",
 ) -> Refusal | None:
     """Is ``person``'s signature over ``payload`` required here, and does it verify?
 
     Required where the tenant requires signatures, and for anyone whose key the policy lists.
+    With ``attested_by`` the signature is a trusted signer's (``signers``, the policy's
+    ``[signers.NAME]``): it must verify by that signer's key, and the signer must be allowed to
+    attest for ``tenant_name`` (``may_attest``); then it stands in for the person's own. Every
+    check of a decision's signature (on arrival, and again before writes) goes through here.
     """
     if tenant is None:
+        return None
+    if attested_by is not None:
+        signer = (signers or {}).get(attested_by)
+        if signer is None or not signer.public_key:
+            return Refusal(rule="signer_not_trusted", message=f"the policy lists no signer {attested_by!r}")
+        if tenant_name not in signer.may_attest:
+            return Refusal(
+                rule="signer_not_trusted", message=f"signer {attested_by} may not attest for tenant {tenant_name}"
+            )
+        if not signature:
+            return Refusal(rule="signature_required", message=f"an attestation by {attested_by} must be signed")
+        if verify_signature(signer.public_key, payload, signature) is not None:
+            return Refusal(
+                rule="bad_signature",
+                message=f"{attested_by}'s signature does not match this decision, its request and its run",
+            )
         return None
     member = tenant.approvers.get(person) if tenant.approvers is not None else None
     key = member.public_key if member is not None else None
@@ -258,8 +340,28 @@ def signature_refusal(
     return None
 
 
-def _has_key(tenant: TenantPolicy | None, person: str) -> bool:
-    """Does the policy list a key for this person (so a passed signature check verified them)?"""
+def decision_signature_refusal(
+    tenant: TenantPolicy | None, *, workflow_id: str, first_run_id: str, tenant_name: str, kind: str,
+    decision: ApprovalDecision, signers: Mapping[str, Signer] | None = None, steps_digest: str | None = None,
+) -> Refusal | None:
+    """The one check of a decision's signature (a person's, or a trusted signer's attestation):
+    when it arrives (``policy_check_decision``) and again before every write
+    (``policy_check_authority``), under the file as it is then."""
+    payload = policy.decision_signature_payload(
+        workflow_id=workflow_id, first_run_id=first_run_id, tenant=tenant_name, kind=kind, decision=decision,
+        steps_digest=steps_digest,
+    )
+    return signature_refusal(
+        tenant, decision.approver, payload, decision.signature, what="decision",
+        attested_by=decision.attested_by, signers=signers, tenant_name=tenant_name,
+    )
+
+
+def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None = None) -> bool:
+    """Does the policy list a key for this person, or did a trusted signer attest for them (so
+    a passed signature check verified them)?"""
+    if attested_by is not None:
+        return True
     member = tenant.approvers.get(person) if tenant is not None and tenant.approvers else None
     return bool(member and member.public_key)
 
@@ -268,14 +370,21 @@ def _has_key(tenant: TenantPolicy | None, person: str) -> bool:
 
 
 class PolicyActivities:
-    def __init__(self, store: PolicyStore) -> None:
+    def __init__(self, store: PolicyStore, keys: KeyRing | None = None) -> None:
         self.store = store
+        self.keys = keys  # the fleet's key ring: mints the capability of every write
 
     def _tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         try:
             return self.store.tenant(name)
         except PolicyFileError as e:
             # Retryable on purpose: runs wait (and the worker logs why) until the file is fixed.
+            raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
+
+    def _signers(self) -> dict[str, Signer]:
+        try:
+            return self.store.signers()
+        except PolicyFileError as e:
             raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
 
     @activity.defn(name="policy_snapshot")
@@ -288,17 +397,29 @@ class PolicyActivities:
                 tenant=request.tenant,
                 requested_by=request.requested_by,
                 request_digest=request.request_digest,
+                nonce=request.nonce,
+                issued_at=request.issued_at,
             )
             refusal = signature_refusal(
                 tenant, request.requested_by, payload, request.requester_signature, what="run request"
             )
+            if refusal is None and request.requester_signature:
+                # A signed start is fresh only for the tenant's window: a captured one goes stale.
+                # The run's start time (the server's), or now if that is earlier (a test server's
+                # clock may run ahead).
+                now = datetime.now(timezone.utc)
+                started = min(request.started_at, now) if request.started_at else now
+                refusal = policy.start_freshness_refusal(request.issued_at, started, tenant.start_signature_ttl)
             # Verified only by a signature that checked out, never by the absence of a rule.
             verified = refusal is None and _has_key(tenant, request.requested_by)
+        document, _ = self.store.load()
+        webhooks = {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {}
         return PolicySnapshot(
             tenant=request.tenant,
             policy=tenant,
             policy_hash=digest,
             source=self.store.source,
+            webhooks=webhooks,
             requester_refusal=refusal,
             requester_verified=verified,
         )
@@ -313,18 +434,14 @@ class PolicyActivities:
             kind=check.kind,
             roles=check.roles,
             already_approved=check.already_approved,
+            editors=check.editors,
         )
         if refusal is None:
-            decision = check.decision
-            payload = policy.decision_signature_payload(
-                workflow_id=check.workflow_id,
-                first_run_id=check.first_run_id,
-                tenant=check.tenant,
-                kind=check.kind,
-                decision=decision,
+            refusal = decision_signature_refusal(
+                tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
+                kind=check.kind, decision=check.decision, signers=self._signers(), steps_digest=check.steps_digest,
             )
-            refusal = signature_refusal(tenant, decision.approver, payload, decision.signature, what="decision")
-        verified = refusal is None and _has_key(tenant, check.decision.approver)
+        verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
         return Verdict(refusal=refusal, policy_hash=digest, verified=verified)
 
     @activity.defn(name="policy_check_handoff")
@@ -353,7 +470,28 @@ class PolicyActivities:
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
+        """The current file in full over the approvals in force (and a plan's auto-approval);
+        given ``check.call``, the capability for exactly that write attempt."""
         tenant, digest = self._tenant(check.tenant)
+
+        def signature_problem(approval: AcceptedApproval) -> Refusal | None:
+            decision = ApprovalDecision.model_construct(
+                decision_id=approval.decision_id, approver=approval.approver, plan_hash=approval.plan_hash or check.plan_hash,
+                request_id=approval.request_id or check.request_id or None, signature=approval.signature,
+                attested_by=approval.attested_by, steps=approval.steps,
+            )
+            return decision_signature_refusal(
+                tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
+                kind="approve", decision=decision, signers=self._signers(),
+            )
+
+        if check.undo is not None:
+            # A compensation: its own re-check (the plan hash that covered it, the undo tool).
+            refusal = policy.undo_refusal(tenant, undo=check.undo, compensator=check.compensator, call=check.call)
+            verdict = Verdict(refusal=refusal, policy_hash=digest)
+            if refusal is None and check.call is not None:
+                verdict.capability = self._mint(check)
+            return verdict
         refusal = policy.authority_refusal(
             tenant,
             approvals=check.approvals,
@@ -363,5 +501,47 @@ class PolicyActivities:
             steps=check.steps,
             catalog=check.catalog,
             spent=check.spent,
+            approved=check.approved,
+            requested_by=check.requested_by,
+            signature_problem=signature_problem,
         )
-        return Verdict(refusal=refusal, policy_hash=digest)
+        verdict = Verdict(refusal=refusal, policy_hash=digest)
+        if refusal is not None:
+            # A new request asks for what the current file asks, and for someone who can give it.
+            review = policy.review_plan(
+                Plan(steps=check.steps, plan_hash=""), check.catalog or ToolCatalog(), tenant, check.spent
+            )
+            verdict.approvals_required, verdict.roles = policy.request_terms(review, tenant)
+            verdict.tenant_policy = tenant
+        elif check.call is not None:
+            verdict.capability = self._mint(check)
+        return verdict
+
+    def _mint(self, check: AuthorityCheck) -> Capability:
+        info = activity.info()
+        if not info.is_local or self.keys is None:
+            # Only a run's own worker, inside its workflow task, mints: an activity task anyone
+            # could schedule by this name gets nothing.
+            raise ApplicationError(
+                "capabilities are minted only by the run's own worker (a local activity)",
+                type="capability_invalid",
+                non_retryable=True,
+            )
+        call = check.call
+        assert call is not None
+        fields = Capability.model_construct(
+            workflow_id=info.workflow_id,
+            run_id=info.workflow_run_id,
+            activity_id=check.activity_id,
+            request_id=check.request_id,
+            plan_hash=check.plan_hash,
+            tool_call_id=call.tool_call_id,
+            tool=call.tool,
+            args_digest=args_digest(call.args),
+            idempotency_key=call.idempotency_key,
+            key_id="",
+            expires_at=datetime.now(timezone.utc) + timedelta(seconds=check.ttl_seconds),
+            mac="",
+        )
+        kid, mac = self.keys.sign(fields.fields())
+        return Capability.model_validate({**fields.model_dump(), "key_id": kid, "mac": mac})

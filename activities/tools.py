@@ -32,6 +32,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,6 +46,7 @@ from pydantic_core import PydanticCustomError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.keys import KeyRing, capability_refusal
 from activities.metrics import tool_call_metrics
 from workflows.models import (
     ATTEMPT_STILL_RUNNING,
@@ -59,6 +61,9 @@ from workflows.models import (
     first_error,
 )
 from workflows.policy import ToolTimeouts, tool_timeouts
+from workflows.validation import BoundedValidator, PatternError, schema_problem
+
+log = logging.getLogger("tether.tools")
 
 # Observations are cut to this many characters before they enter workflow history, so history
 # does not grow with the size of tool results. The digest covers the full result.
@@ -149,8 +154,12 @@ class ToolSpec:
         ``args_schema``. Raises pydantic's ValidationError either way (one error path)."""
         if self.args_model is not None:
             return self.args_model.model_validate(raw)
-        validator = jsonschema.Draft202012Validator(self.args_schema or {})
-        first = min(validator.iter_errors(raw), key=lambda e: list(map(str, e.absolute_path)), default=None)
+        # The same linear-time regex engine as the workflow's validation (workflows/validation.py).
+        validator = BoundedValidator(self.args_schema or {})
+        try:
+            first = min(validator.iter_errors(raw), key=lambda e: list(map(str, e.absolute_path)), default=None)
+        except PatternError as e:
+            first = jsonschema.ValidationError(f"the tool's schema cannot be checked: {e}")
         if first is None:
             return raw
         error = PydanticCustomError("json_schema", "{message}", {"message": first.message[:200]})
@@ -165,6 +174,9 @@ class ToolSpec:
 @dataclass
 class ToolRegistry:
     tools: dict[str, ToolSpec] = field(default_factory=dict)
+    # Tools left out at load, with why (`tether tools` lists them): a schema the workflow could
+    # not check in bounded time, or a bad MCP listing entry.
+    refused: dict[str, str] = field(default_factory=dict)
     # Built once: JSON-schema generation is the costly part of every run's catalog snapshot.
     _catalog: ToolCatalog | None = field(default=None, repr=False, compare=False)
 
@@ -172,9 +184,20 @@ class ToolRegistry:
         existing = self.tools.get(spec.name)
         if existing is not None and existing.fn is not spec.fn:
             raise ValueError(f"tool {spec.name!r} is registered twice; give one of them name=...")
+        problem = schema_problem(spec.info().args_schema)
+        if problem is not None:
+            # Never offered: the workflow would have to run a regex it cannot bound.
+            self.refuse(spec.name, problem, source=spec.source)
+            return spec
         self.tools[spec.name] = spec
         self._catalog = None
         return spec
+
+    def refuse(self, name: str, reason: str, *, source: str = "python", logged: bool = False) -> None:
+        """Leave a tool out of the catalog, with a log line and the reason `tether tools` shows."""
+        if not logged:
+            log.warning("tool %r (%s) left out: %s", name, source, reason)
+        self.refused[name] = f"{source}: {reason}"
 
     def get(self, name: str) -> ToolSpec | None:
         return self.tools.get(name)
@@ -380,8 +403,9 @@ def bounded_observation(result: Any) -> ToolOutcome:
 class ToolActivities:
     """The activities that expose a registry's tools to the workflow."""
 
-    def __init__(self, registry: ToolRegistry = REGISTRY) -> None:
+    def __init__(self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None) -> None:
         self.registry = registry
+        self.keys = keys  # verifies the capability every write attempt must carry
 
     @activity.defn(name="tool_catalog")
     async def tool_catalog(self, request: CatalogRequest) -> ToolCatalog:
@@ -400,6 +424,11 @@ class ToolActivities:
                     type="unknown_tool",
                     non_retryable=True,
                 )
+            if spec.effect != ToolEffect.READ_ONLY:
+                # Nothing writes unless the governed run's own worker minted this call's capability.
+                refused = capability_refusal(self.keys, call)
+                if refused is not None:
+                    raise refused
             try:
                 args = spec.parse_args(call.args)
             except ValidationError as e:

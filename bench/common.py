@@ -168,6 +168,11 @@ async def bench_stack(
         task_queue = f"bench-{os.getpid()}"
         worker_log = workdir / "worker.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not env.get("TETHER_STATE_KEY_FILE"):  # a worker never creates its key ring
+            from activities.keys import genkey
+
+            env["TETHER_STATE_KEY_FILE"] = str(workdir / "state.key")
+            genkey(Path(env["TETHER_STATE_KEY_FILE"]))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         worker_proc = subprocess.Popen(
             [sys.executable, "-m", "bench.worker_proc", "--address", address,

@@ -18,7 +18,7 @@ from pathlib import Path
 import client
 import starter
 from client import exit_process
-from examples.devstack import BILLING_PORT, DEMO_SIGNERS, KEYS_DIR, UI_PORT
+from examples.devstack import BILLING_PORT, DEMO_SIGNERS, INBOX_URL, KEYS_DIR, STATE_DIR, TEMPORAL_PORT, UI_PORT
 from workflows.models import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
@@ -30,11 +30,7 @@ CONNECTION_ENV = ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TETHER_TASK_QUEUE")
 
 def tether() -> str:
     """The installed `tether` script, as a path that works from the repository root."""
-    script = Path(sys.executable).parent / "tether"
-    try:
-        return os.path.relpath(script)
-    except ValueError:
-        return str(script)
+    return starter.script_path()
 
 
 def command(argv: list[str]) -> str:
@@ -64,19 +60,40 @@ def wait_settled(run_id: str, timeout: float = 180.0) -> RunSnapshot:
     return asyncio.run(_wait(run_id, settled=True, timeout=timeout))
 
 
+def own_order() -> tuple[str, str]:
+    """A new order (A-1001's customer and total) and a refund playbook for it, under
+    .tether/demo/: the suggested run has its own order, with all of it left to refund."""
+    import json
+
+    order_id = f"A-{2000 + uuid.uuid4().int % 8000}"  # the tools' order id pattern: A-dddd
+    fresh_order(order_id, like="A-1001")
+    steps = Path(PLAYBOOK).read_text().replace("A-1001", order_id)
+    json.loads(steps)  # still JSON
+    folder = STATE_DIR / "demo"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"refund-{order_id}.playbook.json"
+    path.write_text(steps)
+    return order_id, os.path.relpath(path)
+
+
 def next_steps(run_id: str) -> None:
-    """The commands to try next, exactly as they paste (the demo's last words)."""
+    """The commands to try next, exactly as they paste (the demo's last words); each works as
+    printed, in order (tests/test_cli.py runs them all)."""
+    order_id, playbook = own_order()
+    new_run = f"refund-{order_id}-{uuid.uuid4().hex[:6]}"
     print("\nNext, try:")
     for argv in (
         ["status", run_id],
         ["timeline", run_id, "--all"],
         ["list", "--state", "COMPLETED", "--limit", "5"],
         ["tools"],
-        ["start", "--goal", GOAL, "--playbook", PLAYBOOK, "--requested-by", "alice", "--wait"],
+        ["start", "--goal", f"Refund order {order_id}", "--playbook", playbook, "--requested-by", "alice",
+         "--id", new_run, "--wait"],
+        ["approve", new_run, "--by", "bob"],
     ):
         print(f"  {command(argv)}")
-    print("The last one starts a run that waits for approval: approve it with\n"
-          f"  {tether()} approve RUN --by bob")
+    print(f"The last two start a run on an order of its own ({order_id}), which waits for approval, "
+          "and approve it.\nA-1001 is refundable again, for the README's examples.")
 
 
 MODEL_GOAL = (
@@ -112,19 +129,20 @@ def main_model() -> int:
     step("timeline", ["timeline", run_id])
     print(f"\nThis run: http://localhost:{UI_PORT}/namespaces/default/workflows/{run_id}\n"
           "The server, UI, billing service and worker keep running; `make down` stops them.")
+    fresh_order()
     next_steps(run_id)
     return 0 if snap.state == RunState.COMPLETED else 1
 
 
-def fresh_order(order_id: str = "A-1001") -> None:
-    """The example order as seeded, nothing refunded yet: refunds count against what is left,
-    and every demo refunds it in full."""
+def fresh_order(order_id: str = "A-1001", like: str | None = None) -> None:
+    """The example order as seeded (or a new order like a seeded one), nothing refunded yet:
+    refunds count against what is left, and every demo refunds it in full."""
     import json
     import urllib.request
 
     from examples.billing.service import SEED_ORDERS
 
-    _, email, total, currency, _ = next(o for o in SEED_ORDERS if o[0] == order_id)
+    _, email, total, currency, _ = next(o for o in SEED_ORDERS if o[0] == (like or order_id))
     url = os.environ.get("BILLING_URL") or f"http://127.0.0.1:{BILLING_PORT}"
     body = json.dumps({"customer_email": email, "total_cents": total, "currency": currency}).encode()
     request = urllib.request.Request(f"{url}/admin/orders/{order_id}", data=body, method="PUT",
@@ -150,6 +168,9 @@ def signed_run() -> RunSnapshot:
 
 
 def main() -> int:
+    if "TEMPORAL_ADDRESS" not in os.environ and TEMPORAL_PORT != 7233:
+        # A stack on its own ports (examples/devstack.py): the demo and its commands use it.
+        os.environ["TEMPORAL_ADDRESS"] = f"127.0.0.1:{TEMPORAL_PORT}"
     if os.environ.get("PLANNER", "playbook").strip() == "model":
         return main_model()
     fresh_order()
@@ -169,14 +190,28 @@ def main() -> int:
     step("timeline", ["timeline", run_id])
     signed = signed_run()
     print(f"\n== the signed run ended in {signed.state.value}")
+    waiting = waiting_for_the_inbox()
     print(
         f"\nWeb UI: http://localhost:{UI_PORT}/namespaces/default/workflows?query="
         "AgentRunState%3D%22AWAITING_APPROVAL%22  (runs waiting for approval)\n"
         f"This run: http://localhost:{UI_PORT}/namespaces/default/workflows/{run_id}\n"
-        "The server, UI, billing service and worker keep running; `make down` stops them."
+        "The server, UI, billing service, worker and inbox keep running; `make down` stops them."
     )
+    print(f"\nApprovers' inbox: {INBOX_URL}  — sign in as bob (dev sign-in) and approve {waiting}")
+    fresh_order()  # the README's examples refund A-1001 too
     next_steps(run_id)
     return 0 if snap.state == RunState.COMPLETED and signed.state == RunState.COMPLETED else 1
+
+
+def waiting_for_the_inbox() -> str:
+    """One more refund, left waiting: the one to approve from the browser (on an order of its
+    own, so approving it later refunds what is there)."""
+    order_id, playbook = own_order()
+    run_id = f"refund-{order_id}-{uuid.uuid4().hex[:6]}"
+    print(f"\n== one more refund (order {order_id}), left waiting for approval in the inbox")
+    step("start for the inbox", ["start", "--goal", f"Refund order {order_id}", "--playbook", playbook,
+                                 "--requested-by", "alice", "--id", run_id, "--wait"])
+    return run_id
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The local stack behind `make demo`, `make dev-server` and `make down`.
 
-    python -m examples.devstack up [dev-server] [billing] [worker] [mcp-worker]
+    python -m examples.devstack up [dev-server] [billing] [worker] [inbox] [mcp-worker]
     python -m examples.devstack down
 
 ``mcp-worker`` (only when named; `make demo-mcp`) is a worker whose tools come from MCP servers:
@@ -10,34 +10,44 @@
 Each service runs in the background in its own session (it outlives `make`), with its pid and
 log under `.tether/`. `up` is idempotent: a service that is already answering is left alone.
 The dev server keeps its state in `.tether/temporal.db`, so runs survive a restart.
+
+One stack per checkout: the stack records whose it is (`.tether/stack.json`: checkout, ports,
+task queue), and each port it serves on is claimed machine-wide (TETHER_STACKS_DIR, default
+`$TMPDIR/tether-stacks-UID/`). A second checkout whose ports another checkout's stack holds is
+refused with a message naming that checkout and the settings for a stack of its own
+(TETHER_TEMPORAL_PORT, TETHER_UI_PORT, TETHER_BILLING_PORT, TETHER_CODEC_PORT,
+TETHER_INBOX_PORT, TETHER_TASK_QUEUE). A service is `started` only when its own process says it is ready.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from client import ensure_keys
-
-from workflows.agent_run import SEARCH_ATTRIBUTES
-
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ROOT / ".tether"
 KEYS_DIR = STATE_DIR / "keys"  # the demo's signing keys (examples/billing/policy.toml, tenant "signed")
-DEMO_SIGNERS = ("alice", "bob")
+DEMO_SIGNERS = ("alice", "bob", "inbox")  # inbox: the approver inbox's own key (signers.inbox)
 BIN = Path(sys.executable).parent
 TEMPORAL_PORT = int(os.environ.get("TETHER_TEMPORAL_PORT", "7233"))
 UI_PORT = int(os.environ.get("TETHER_UI_PORT", "8233"))
 BILLING_PORT = int(os.environ.get("TETHER_BILLING_PORT", "8765"))
+TASK_QUEUE = os.environ.get("TETHER_TASK_QUEUE") or "tether"
+STACK_FILE = STATE_DIR / "stack.json"
+STACKS_DIR = Path(os.environ.get("TETHER_STACKS_DIR") or Path(tempfile.gettempdir()) / f"tether-stacks-{os.getuid()}")
+INBOX_PORT = int(os.environ.get("TETHER_INBOX_PORT", "8900"))
+INBOX_URL = f"http://127.0.0.1:{INBOX_PORT}/"
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -59,6 +69,7 @@ def dev_server_command(
     port: int = TEMPORAL_PORT, ui_port: int = UI_PORT, db: Path | None = None
 ) -> list[str]:
     """The dev server with our search attributes registered (unregistered ones leave runs stuck)."""
+    from workflows.agent_run import SEARCH_ATTRIBUTES
     cmd = [
         str(BIN / "temporal"), "server", "start-dev",
         "--ip", "127.0.0.1", "--port", str(port), "--ui-port", str(ui_port),
@@ -82,6 +93,10 @@ class Service:
     ready: Callable[[], bool]
     timeout: float = 60.0
     default: bool = True  # started by a bare `up`
+    # The ports it serves on, each with the variable that moves it (claimed machine-wide).
+    ports: Callable[[], dict[str, int]] = dict
+    # A line its own process logs once ready: another program answering on the port is not it.
+    marker: str | None = None
 
     @property
     def pidfile(self) -> Path:
@@ -105,15 +120,18 @@ CODEC_PORT = int(os.environ.get("TETHER_CODEC_PORT", "8081"))
 KEY_FILE = os.environ.get("TETHER_ENCRYPTION_KEY_FILE")
 
 SERVICES = {
-    "dev-server": Service("dev-server", dev_server_command, lambda: port_open(TEMPORAL_PORT)),
+    "dev-server": Service(
+        "dev-server", dev_server_command, lambda: port_open(TEMPORAL_PORT),
+        ports=lambda: {"TETHER_TEMPORAL_PORT": TEMPORAL_PORT, "TETHER_UI_PORT": UI_PORT},
+    ),
     "billing": Service(
         "billing",
         lambda: [sys.executable, "-m", "examples.billing.service", "--port", str(BILLING_PORT),
                  "--db", str(STATE_DIR / "billing.db")],
         lambda: http_ok(f"http://127.0.0.1:{BILLING_PORT}/health"),
+        ports=lambda: {"TETHER_BILLING_PORT": BILLING_PORT},
+        marker="billing service listening",
     ),
-    # The demo's worker applies the example policy (alice requests, bob approves) unless
-    # TETHER_POLICY names another file.
     # Only with payload encryption on: lets the Web UI decode payloads for the person looking.
     "codec": Service(
         "codec",
@@ -121,12 +139,27 @@ SERVICES = {
                  "--key-file", str(KEY_FILE),
                  "--origin", f"http://localhost:{UI_PORT}", "--origin", f"http://127.0.0.1:{UI_PORT}"],
         lambda: port_open(CODEC_PORT),
+        ports=lambda: {"TETHER_CODEC_PORT": CODEC_PORT},
+        marker="codec server listening",
     ),
+    # The demo's worker applies the example policy (alice requests, bob approves) unless
+    # TETHER_POLICY names another file.
     "worker": Service(
         "worker",
-        lambda: [sys.executable, str(ROOT / "worker.py"), "--policy",
+        lambda: [sys.executable, str(ROOT / "worker.py"), "--task-queue", TASK_QUEUE, "--policy",
                  os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")],
         _worker_ready,
+    ),
+    # The approvers' web inbox, with the dev sign-in (loopback only) and the demo's inbox key,
+    # which the example policy trusts as [signers.inbox].
+    "inbox": Service(
+        "inbox",
+        lambda: [str(BIN / "tether"), "inbox", "--port", str(INBOX_PORT), "--dev-login",
+                 "--policy", os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml"),
+                 "--key", str(KEYS_DIR / "inbox.pem"), "--web-ui", f"http://localhost:{UI_PORT}"],
+        lambda: http_ok(f"http://127.0.0.1:{INBOX_PORT}/healthz"),
+        ports=lambda: {"TETHER_INBOX_PORT": INBOX_PORT},
+        marker="Uvicorn running on",  # logged once its socket is bound
     ),
     "mcp-worker": Service(
         "mcp-worker",
@@ -139,13 +172,126 @@ SERVICES = {
 }
 
 
+# ----------------------------------------------------------------------------- whose stack
+
+
+def _claim_file(port: int) -> Path:
+    return STACKS_DIR / f"port-{port}.json"
+
+
+def _alive(pid: object) -> bool:
+    """The process runs (an exited one nobody has reaped yet, a zombie, does not)."""
+    try:
+        os.kill(int(pid), 0)  # type: ignore[call-overload]
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    try:
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # type: ignore[call-overload]
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): kill(0) is all there is
+
+
+def port_owner(port: int) -> dict | None:
+    """The stack holding ``port`` (its record), while the service holding it lives."""
+    try:
+        claim = json.loads(_claim_file(port).read_text())
+    except (OSError, ValueError):
+        return None
+    return claim if isinstance(claim, dict) and _alive(claim.get("pid")) else None
+
+
+def stack_record() -> dict:
+    """This checkout's stack: where it is, its ports and task queue, its services' pids."""
+    try:
+        record = json.loads(STACK_FILE.read_text())
+    except (OSError, ValueError):
+        record = {}
+    record.update(
+        checkout=str(ROOT), temporal=f"127.0.0.1:{TEMPORAL_PORT}", ui_port=UI_PORT,
+        billing_port=BILLING_PORT, codec_port=CODEC_PORT, task_queue=TASK_QUEUE,
+    )
+    record.setdefault("services", {})
+    return record
+
+
+def _record(service: Service, pid: int | None) -> None:
+    record = stack_record()
+    if pid is None:
+        record["services"].pop(service.name, None)
+    else:
+        record["services"][service.name] = pid
+    STATE_DIR.mkdir(exist_ok=True)
+    STACK_FILE.write_text(json.dumps(record, indent=2) + "\n")
+    if pid is not None:
+        STACKS_DIR.mkdir(parents=True, exist_ok=True)
+        for port in service.ports().values():
+            _claim_file(port).write_text(json.dumps({**record, "service": service.name, "pid": pid}))
+        return
+    # Stopped: release what this checkout's service claimed, on whatever ports it was started.
+    for claim in STACKS_DIR.glob("port-*.json"):
+        try:
+            owner = json.loads(claim.read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("checkout") == str(ROOT) and owner.get("service") == service.name:
+            claim.unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_stack_hint() -> str:
+    """Settings for a stack of this checkout's own, on ports free now."""
+    settings = {"TETHER_TEMPORAL_PORT": _free_port(), "TETHER_UI_PORT": _free_port(),
+                "TETHER_BILLING_PORT": _free_port(), "TETHER_CODEC_PORT": _free_port(),
+                "TETHER_INBOX_PORT": _free_port()}
+    queue = f"tether-{ROOT.name}"
+    return " ".join([*(f"{k}={v}" for k, v in settings.items()), f"TETHER_TASK_QUEUE={queue}", "make demo"])
+
+
+def check_ports(service: Service) -> bool:
+    """True: start it. False: a Temporal server this stack did not start is there; use it.
+    Exits naming the other checkout when its stack holds one of the ports."""
+    for variable, port in service.ports().items():
+        owner = port_owner(port)
+        if owner is not None and owner.get("checkout") == str(ROOT) and owner.get("service") == service.name:
+            print(f"{service.name}: already running (pid {owner.get('pid')})")
+            return False
+        if owner is not None and owner.get("checkout") != str(ROOT):
+            raise SystemExit(
+                f"{service.name}: port {port} belongs to the dev stack of {owner['checkout']} "
+                f"({owner.get('service')} pid {owner.get('pid')}; Temporal {owner.get('temporal')}, "
+                f"task queue '{owner.get('task_queue')}'). Stop it there with `make down`, or run "
+                f"a stack of this checkout's own: {own_stack_hint()}"
+            )
+        if port_open(port):
+            if service.name == "dev-server" and owner is None and variable == "TETHER_TEMPORAL_PORT":
+                print(f"dev-server: something already listens on {port} (no Tether dev stack claims it); using it")
+                return False
+            raise SystemExit(
+                f"{service.name}: port {port} is already in use by another program; set {variable} "
+                f"to a free port, or run a stack of this checkout's own: {own_stack_hint()}"
+            )
+    return True
+
+
 def _pid(pidfile: Path) -> int | None:
     try:
         pid = int(pidfile.read_text().strip())
-        os.kill(pid, 0)
-        return pid
-    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+    except (FileNotFoundError, ValueError):
         return None
+    return pid if _alive(pid) else None
+
+
+def _own_log_says_ready(service: Service) -> bool:
+    return service.marker is None or (
+        service.logfile.exists() and service.marker in service.logfile.read_text(errors="replace")
+    )
 
 
 def start(service: Service) -> None:
@@ -154,10 +300,14 @@ def start(service: Service) -> None:
     if _pid(service.pidfile) is not None and service.ready():
         print(f"{service.name}: already running")
         return
-    if service.name == "dev-server" and port_open(TEMPORAL_PORT):
-        print(f"dev-server: something already listens on {TEMPORAL_PORT}; using it")
+    if not check_ports(service):
         return
     STATE_DIR.mkdir(exist_ok=True)
+    if service.name.endswith("worker"):
+        # The dev stack's one key ring (workers never create one): made here once, shared.
+        from activities.keys import DEFAULT_STATE_KEY, KEY_SETTING, genkey
+
+        genkey(ROOT / os.environ.get(KEY_SETTING, DEFAULT_STATE_KEY), if_missing=True)
     env = {**os.environ, "BILLING_URL": f"http://127.0.0.1:{BILLING_PORT}",
            "TEMPORAL_ADDRESS": f"127.0.0.1:{TEMPORAL_PORT}", "PYTHONUNBUFFERED": "1"}
     with open(service.logfile, "w") as log:
@@ -167,8 +317,10 @@ def start(service: Service) -> None:
         )
     service.pidfile.write_text(str(proc.pid))
     deadline = time.monotonic() + service.timeout
-    while not service.ready():
+    # Ready means this process says so: another program answering on the port is not it.
+    while proc.poll() is not None or not (service.ready() and _own_log_says_ready(service)):
         if proc.poll() is not None:
+            service.pidfile.unlink(missing_ok=True)
             raise SystemExit(
                 f"{service.name} exited with code {proc.returncode}; see {service.logfile}:\n"
                 + service.logfile.read_text(errors="replace")[-2000:]
@@ -176,13 +328,15 @@ def start(service: Service) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"{service.name} not ready after {service.timeout:.0f}s; see {service.logfile}")
         time.sleep(0.2)
-    print(f"{service.name}: started (pid {proc.pid}, log {service.logfile.relative_to(ROOT)})")
+    _record(service, proc.pid)
+    print(f"{service.name}: started (pid {proc.pid}, log {os.path.relpath(service.logfile)})")
 
 
 def stop(service: Service) -> None:
     pid = _pid(service.pidfile)
     if pid is None:
         service.pidfile.unlink(missing_ok=True)
+        _record(service, None)
         return
     os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
@@ -191,6 +345,7 @@ def stop(service: Service) -> None:
     if _pid(service.pidfile) is not None:
         os.killpg(pid, signal.SIGKILL)
     service.pidfile.unlink(missing_ok=True)
+    _record(service, None)
     print(f"{service.name}: stopped")
 
 
@@ -204,12 +359,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown service {unknown[0]!r}; choose from {', '.join(SERVICES)}")
     names = args.services or [n for n, s in SERVICES.items() if s.default or args.action == "down"]
     if args.action == "up":
-        # The example policy's signed tenant lists these people's keys: make them first.
-        ensure_keys(KEYS_DIR, DEMO_SIGNERS)
+        if {"worker", "inbox"} & set(names):
+            # The example policy's signed tenant and [signers.inbox] list these keys: make them first.
+            from client import ensure_keys
+
+            ensure_keys(KEYS_DIR, DEMO_SIGNERS)
         for name in names:
             start(SERVICES[name])
         if "dev-server" in names:
             print(f"Temporal Web UI: http://localhost:{UI_PORT}")
+        if "inbox" in names:
+            print(f"Approvers' inbox: {INBOX_URL} (dev sign-in)")
     else:
         for name in reversed(names):
             stop(SERVICES[name])

@@ -1,5 +1,10 @@
-"""A worker whose audit sink stops in the middle of writing a line and waits to be killed:
-tests/test_bounded_runs.py SIGKILLs it there. Run as a script (the sandbox re-imports modules)."""
+"""A worker whose audit sink stops in the middle of a write and waits to be killed:
+tests/test_bounded_runs.py (JSON lines: half a line on disk) and tests/test_audit.py
+(PostgreSQL: a transaction with some of the batch's rows, not committed) SIGKILL it there.
+Run as a script (the sandbox re-imports modules):
+
+    python -m tests.audit_kill_worker QUEUE AUDIT_DIR|postgresql://DSN MARKER
+"""
 
 from __future__ import annotations
 
@@ -7,43 +12,71 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import examples.billing.tools  # noqa: F401  (the tools the run uses)
-from activities.audit import AuditActivities, JsonlAuditSink
+from activities.audit import AUDIT_TABLE, AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path
 from client import connect, exit_process
 from workflows.models import AuditBatch
 
+TORN_CALL = 3  # the sink's third batch is the one torn
 
-class TornSink(JsonlAuditSink):
-    """Writes half of the first line of its third batch, says so, and hangs until killed."""
 
-    def __init__(self, root: Path, marker: Path) -> None:
-        super().__init__(root)
+class Torn:
+    """A sink whose ``TORN_CALL``-th batch is torn (``tear``), then it hangs until killed."""
+
+    def __init__(self, target: Any, marker: Path) -> None:
+        super().__init__(target)  # type: ignore[call-arg]  (the sink's own field)
         self.marker = marker
         self.calls = 0
 
-    def append(self, batch: AuditBatch) -> int:
+    async def append(self, batch: AuditBatch) -> int:
         self.calls += 1
-        if self.calls < 3:
-            return super().append(batch)
-        path = self.root / "torn"
-        self.root.mkdir(parents=True, exist_ok=True)
-        from activities.audit import audit_path
-
-        with open(audit_path(self.root, batch.workflow_id, batch.first_run_id), "ab") as f:
-            f.write(batch.records[0].model_dump_json().encode()[:40])
-            f.flush()
-        self.marker.write_text(str(path))
+        if self.calls < TORN_CALL:
+            return await super().append(batch)  # type: ignore[misc]
+        await self.tear(batch)
         time.sleep(120)
         raise SystemExit("not killed")
 
+    async def tear(self, batch: AuditBatch) -> None:
+        raise NotImplementedError
 
-async def main(queue: str, audit_dir: str, marker: str) -> None:
+
+class TornSink(Torn, JsonlAuditSink):
+    """Writes half of the first line of its third batch, says so, and hangs until killed."""
+
+    async def tear(self, batch: AuditBatch) -> None:
+        target = audit_path(self.root, batch.workflow_id, batch.run_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "ab") as f:
+            f.write(batch.records[0].model_dump_json().encode()[:40])
+            f.flush()
+        self.marker.write_text(str(target))
+
+
+class TornPostgresSink(Torn, PostgresAuditSink):
+    """Inserts the first row of its third batch in a transaction it never commits, says so, and
+    hangs until killed (the server rolls the transaction back when the connection drops)."""
+
+    async def tear(self, batch: AuditBatch) -> None:
+        conn = await self._connection()
+        first = batch.records[0]
+        await conn.execute(
+            f"INSERT INTO {AUDIT_TABLE} (workflow_id, run_id, seq, first_run_id, record) VALUES (%s, %s, %s, %s, %s)",
+            (batch.workflow_id, batch.run_id, first.seq, batch.first_run_id, first.model_dump_json()),
+        )
+        self.marker.write_text(f"seq {first.seq} inserted, not committed")
+
+
+async def main(queue: str, target: str, marker: str) -> None:
     from worker import create_worker
 
     client = await connect()
-    audit = AuditActivities(sink=TornSink(Path(audit_dir), Path(marker)))
-    async with create_worker(client, task_queue=queue, audit=audit):
+    if target.startswith("postgresql://"):
+        sink: JsonlAuditSink | PostgresAuditSink = TornPostgresSink(target, Path(marker))
+    else:
+        sink = TornSink(Path(target), Path(marker))
+    async with create_worker(client, task_queue=queue, audit=AuditActivities(sink=sink)):
         print("worker ready", flush=True)
         await asyncio.Event().wait()
 

@@ -58,6 +58,22 @@ def audit_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["TETHER_AUDIT_DIR"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def state_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The fleet key ring of the workers built in tests (a worker never creates one)."""
+    from activities.keys import KEY_SETTING, genkey
+
+    path = tmp_path_factory.mktemp("keys") / "state.keys"
+    genkey(path)
+    previous = os.environ.get(KEY_SETTING)
+    os.environ[KEY_SETTING] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(KEY_SETTING, None)
+    else:
+        os.environ[KEY_SETTING] = previous
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
@@ -104,6 +120,85 @@ async def small_history_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await start_dev_server("--dynamic-config-value", f"limit.historyCount.suggestContinueAsNew={CAN_THRESHOLD}")
     yield env
     await env.shutdown()
+
+
+def _postgres_bin() -> Path:
+    """Debian's PostgreSQL binaries (`apt-get install postgresql`; .ci/run installs them)."""
+    import glob
+    import shutil
+
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    initdb = Path(found[-1]) if found else (Path(shutil.which("initdb")) if shutil.which("initdb") else None)
+    if initdb is None:
+        # Fail, never skip: the PostgreSQL sink's tests are part of the suite.
+        pytest.fail("PostgreSQL is not installed (initdb not found): apt-get install -y postgresql")
+    return initdb.parent
+
+
+@dataclass
+class Postgres:
+    """A real PostgreSQL server the tests started: its DSN, and stop / start for outages."""
+
+    dsn: str
+    pg_ctl: list[str]
+
+    def stop(self) -> None:
+        self._run("-m", "fast", "-w", "stop")
+
+    def start(self) -> None:
+        self._run("-w", "-t", "60", "start")
+
+    def _run(self, *args: str) -> None:
+        import subprocess
+
+        subprocess.run([*self.pg_ctl, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Postgres]:
+    """A real PostgreSQL server in a temporary folder, on a free port.
+
+    initdb refuses to run as root, so as root (CI, this machine) the server runs as the
+    ``postgres`` user the Debian package creates.
+    """
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    bin_dir = _postgres_bin()
+    folder = Path(tempfile.mkdtemp(prefix="tether-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        shutil.chown(folder, "postgres", "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = folder / "data"
+    subprocess.run(
+        [*as_user, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "tether", "-E", "UTF8", "--no-sync"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120,
+    )
+    server = Postgres(
+        dsn=f"postgresql://tether@127.0.0.1:{port}/postgres",
+        pg_ctl=[
+            *as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(folder / "log"),
+            "-o", f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off",
+        ],
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        subprocess.run([*server.pg_ctl, "-m", "immediate", "-w", "stop"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres(postgres_server: Postgres) -> str:
+    """The test PostgreSQL server's DSN."""
+    return postgres_server.dsn
 
 
 @dataclass
@@ -163,7 +258,10 @@ def billing_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billin
 
 @pytest.fixture
 def billing(billing_service: Billing) -> Iterator[Billing]:
-    """The session's billing service, with any injected faults cleared after the test."""
+    """The session's billing service, with any injected faults cleared after the test, and the
+    seed orders fully refundable before it (module fixtures may refund without this fixture)."""
+    for order_id, email, total, currency, _ in SEED_ORDERS:
+        billing_service.put(f"/admin/orders/{order_id}", {"customer_email": email, "total_cents": total, "currency": currency})
     yield billing_service
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(billing_service.url + "/admin/faults", method="DELETE")

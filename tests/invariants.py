@@ -63,7 +63,7 @@ def check_timeline(
     covered: set[str] = set()  # plan hashes approved (or auto-run) in this run
     compensation_run = False
     for r in records:
-        if r.kind in ("refused", "accepted"):
+        if r.kind != "transition":
             # Neither changes state: a refusal, or one of several approvals the plan needs.
             assert r.from_state == r.to_state == state, f"a {r.kind} record moved the run: {r}\n{dump}"
             assert r.state_version == version, f"a {r.kind} record bumped state_version: {r}\n{dump}"
@@ -112,3 +112,22 @@ def check_timeline(
                     f"approval: only read-only steps may skip it\n{dump}"
                 )
         state, version = to, r.state_version
+
+
+def check_request_satisfiable(pending, tenant, requested_by: str) -> None:
+    """An approval request asks for at least one approval, from roles that enough approvers
+    (other than the requester, under four-eyes) hold: the engine never opens one nobody could
+    satisfy (issue 18)."""
+    if pending is None:
+        return
+    assert pending.approvals_required >= 1, f"request {pending.request_id} asks for {pending.approvals_required} approvals"
+    assert pending.roles, f"request {pending.request_id} asks for no role"
+    if tenant is None or tenant.approvers is None:
+        return
+    able = [
+        name for name, a in tenant.approvers.items()
+        if set(a.roles) & set(pending.roles) and not (tenant.four_eyes and name == requested_by)
+    ]
+    assert len(able) >= pending.approvals_required, (
+        f"request {pending.request_id} needs {pending.approvals_required} of roles {pending.roles}; only {able} can give it"
+    )

@@ -9,6 +9,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
+from client import run_outcome
 from tests.conftest import (
     approval_for,
     Billing,
@@ -51,7 +52,7 @@ def keys_of(outcome: RunOutcome, tool: str) -> list[str]:
 async def test_read_only_plan_completes_without_approval(ts_env: WorkflowEnvironment, billing: Billing) -> None:
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request(READ_ONLY))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     assert path(outcome) == ["PLANNING", "VALIDATED", "EXECUTING_TOOL", "OBSERVING_RESULT", "PLANNING", "COMPLETED"]
     assert "AWAITING_APPROVAL" not in path(outcome)
@@ -72,7 +73,7 @@ async def test_write_plan_waits_then_approval_of_the_pending_hash_completes(
         assert snap.pending_approval.plan_hash == snap.plan.plan_hash
         assert snap.step == 0, "no tool may run before the approval"
         await handle.signal("approve", approval(snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         approved_by = (await snapshot(handle)).approved_by
     assert approved_by == ["bob"]
     assert outcome.state == S.COMPLETED
@@ -96,7 +97,7 @@ async def test_refused_decisions_change_nothing_and_are_recorded(
         assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, version)
         await handle.signal("approve", approval(snap, decision_id="good"))
         await handle.signal("approve", approval(snap, decision_id="good"))  # repeated id
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     reasons = refusals(outcome)
     assert any("approve refused: stale plan hash" in r for r in reasons)
@@ -115,7 +116,7 @@ async def test_decision_for_a_run_not_awaiting_approval_is_refused(
         handle = await start_run(ts_env.client, worker, make_request(READ_ONLY))
         await wait_for_state(handle, "RETRY_WAIT")
         await handle.signal("approve", approval("0" * 64, decision_id="late"))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     late = [r for r in outcome.timeline if r.refs.decision_id == "late"]
     assert outcome.state == S.COMPLETED
     assert len(late) == 1 and late[0].kind == "refused" and late[0].rule == "not_awaiting_approval"
@@ -131,7 +132,7 @@ async def test_reject_ends_in_rejected_with_no_tool_executed(ts_env: WorkflowEnv
             "reject",
             approval_for(snap, "carol", "r1", reason="too much"),
         )
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.REJECTED
     assert outcome.steps == []
     assert outcome.timeline[-1].reason == "too much" and outcome.timeline[-1].actor == "user:carol"
@@ -143,7 +144,7 @@ async def test_24h_approval_expires_in_well_under_a_second(ts_env: WorkflowEnvir
         handle = await start_run(ts_env.client, worker, make_request([refund()], limits={"approval_ttl_seconds": 24 * 3600}))
         loop = asyncio.get_running_loop()
         started = loop.time()
-        outcome = await handle.result()  # the test server skips the 24 h
+        outcome = await run_outcome(handle)  # the test server skips the 24 h
         elapsed = loop.time() - started
     assert outcome.state == S.EXPIRED
     assert outcome.timeline[-1].actor == "timer"
@@ -162,7 +163,7 @@ async def test_expiry_replans_when_asked_and_the_budget_bounds_it(
             worker,
             make_request([refund()], limits={"approval_ttl_seconds": 3600, "on_expiry": "replan", "max_replans": 2}),
         )
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     p = path(outcome)
     assert outcome.state == S.EXPIRED
     # Two expiries replan (budget 2), the third one expires the run.
@@ -185,7 +186,7 @@ async def test_validation_failures_replan_within_budget_then_fail(
 ) -> None:
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request(steps, limits={"max_replans": 2, **limits}))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.FAILED
     failures = [r for r in outcome.timeline if r.to_state == S.VALIDATION_FAILED]
     assert len(failures) == 3  # the first proposal and two replans
@@ -201,7 +202,7 @@ async def test_idempotent_tool_retries_twice_and_refunds_once(ts_env: WorkflowEn
         handle = await start_run(ts_env.client, worker, make_request([refund(1200)]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal("approve", approval(snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         retries = (await snapshot(handle)).retries
     assert retries == 2
     assert outcome.state == S.COMPLETED
@@ -221,7 +222,7 @@ async def test_reconcilable_tool_looks_up_before_writing_again(ts_env: WorkflowE
         handle = await start_run(ts_env.client, worker, make_request([step]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal("approve", approval(snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     (key,) = keys_of(outcome, "post_ledger_entry")
     # The retry found the committed entry by key instead of writing (which would be a 409).
@@ -235,7 +236,7 @@ async def test_permanent_error_fails_without_retry(ts_env: WorkflowEnvironment, 
         handle = await start_run(ts_env.client, worker, make_request([refund(999_999, "A-1003")]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal("approve", approval(snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         last_error = (await snapshot(handle)).last_error
     assert last_error.startswith("amount_exceeds_total")
     assert outcome.state == S.EXECUTION_FAILED
@@ -253,7 +254,7 @@ async def test_unsafe_tool_with_unknown_outcome_is_handed_off_not_rerun(
         handle = await start_run(ts_env.client, worker, make_request([step]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal("approve", approval(snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.HANDED_OFF
     last = outcome.timeline[-1]
     assert last.from_state == S.EXECUTING_TOOL and "outcome unknown" in last.reason
@@ -267,7 +268,7 @@ async def test_handoff_signal_ends_a_waiting_run(ts_env: WorkflowEnvironment, bi
         handle = await start_run(ts_env.client, worker, make_request([refund()]))
         await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.HANDED_OFF
     assert outcome.timeline[-1].actor == "operator:dana"
     assert "customer called" in outcome.timeline[-1].reason

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -186,7 +187,9 @@ async def test_unreachable_temporal_names_address_and_cause(dev_env: WorkflowEnv
 
 
 async def test_demo_prints_commands_that_paste(dev_env: WorkflowEnvironment, billing: Billing) -> None:
-    """`make demo`'s closing commands, run as printed through a shell, work."""
+    """`make demo`'s closing commands, run as printed through `sh`, in order, each do what the
+    demo says: exit 0, the suggested run waits for approval and, approved, completes (its own
+    order has all of it left to refund), and A-1001 is refundable again for the README."""
     async with running_worker(dev_env.client, policy=POLICY) as worker:
         cli = Cli(dev_env, worker)
         proc = await asyncio.create_subprocess_exec(
@@ -196,19 +199,31 @@ async def test_demo_prints_commands_that_paste(dev_env: WorkflowEnvironment, bil
         out, err = await proc.communicate()
         assert proc.returncode == 0, (out.decode()[-3000:], err.decode()[-3000:])
         text = out.decode()
+        # No hint names a bare `tether` (not on PATH outside an activated virtualenv).
+        assert not re.search(r"(?<![/\w])tether (approve|status|timeline|start|list) ", text), text
         printed = text.split("Next, try:\n", 1)[1].splitlines()
         commands = [line.strip() for line in printed[: next(i for i, line in enumerate(printed) if not line.startswith("  "))]]
         assert len(commands) >= 3 and all(".venv/bin/tether " in c for c in commands), text
         # Every step the demo echoed is a command line too.
         echoed = [line[2:] for line in text.splitlines() if line.startswith("$ ")]
         assert echoed and all(shlex.split(c)[0].endswith("tether") for c in echoed)
+        assert not [r for r in billing.refunds() if r["order_id"] == "A-1001"]  # all of it refundable again
+        ran: dict[str, str] = {}
         for command in commands:
-            shell = await asyncio.create_subprocess_shell(
-                command, cwd=ROOT, env={k: v for k, v in cli.env.items() if k != "TEMPORAL_ADDRESS"},
+            shell = await asyncio.create_subprocess_exec(
+                "sh", "-c", command, cwd=ROOT, env={k: v for k, v in cli.env.items() if k != "TEMPORAL_ADDRESS"},
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             )
             out, err = await shell.communicate()
             assert shell.returncode == 0 and out and not err, (command, out.decode(), err.decode())
+            ran[shlex.split(command)[shlex.split(command).index(".venv/bin/tether") + 1]] = out.decode()
+        assert "state      AWAITING_APPROVAL" in ran["start"] and "APPROVED" in ran["approve"], ran
+        started = shlex.split(next(c for c in commands if " start " in c))
+        handle = dev_env.client.get_workflow_handle(started[started.index("--id") + 1])
+        snap = await wait_for_state(handle, "COMPLETED", "EXECUTION_FAILED")
+        assert snap.state.value == "COMPLETED", await handle.query("timeline")
+        order = started[started.index("--goal") + 1].split()[-1]
+        assert [r["amount_cents"] for r in billing.refunds() if r["order_id"] == order] == [4999]
 
 
 def test_starter_outside_the_virtualenv_says_how_to_run_it() -> None:

@@ -25,7 +25,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra")
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen"}
+ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen", "state-keygen"}
 LONG_RUNNING = {
     "postgresql", "temporal", "temporal-ui", "codec-server", "billing", "worker", "prometheus",
 }
@@ -102,6 +102,7 @@ def test_health_checks_and_start_order() -> None:
     assert _depends("worker") == {
         "temporal-setup": "service_completed_successfully",
         "keygen": "service_completed_successfully",
+        "state-keygen": "service_completed_successfully",
         "billing": "service_healthy",
     }
 
@@ -174,14 +175,26 @@ def test_worker_environment_and_scaling() -> None:
     assert _env("codec-server")["TETHER_ENCRYPTION_KEY_FILE"] == key_file
     keygen_cmd = SERVICES["keygen"]["command"]
     assert keygen_cmd[keygen_cmd.index("--if-missing") + 1] == key_file
+    # One state key ring for the fleet (a worker never creates one), from the same volume.
+    state_keys = env["TETHER_STATE_KEY_FILE"]
+    assert SERVICES["state-keygen"]["command"][-2:] == ["--if-missing", state_keys]
+    assert any(v.endswith(":ro") and state_keys.startswith(v.split(":")[1] + "/") for v in worker["volumes"])
     # Metrics served inside the network; Prometheus finds every replica by DNS.
     assert env["TETHER_METRICS_PORT"] == "9000" and worker["expose"] == ["9000"]
+    # The worker binds loopback unless told: in the stack Prometheus is another container.
+    assert env["TETHER_METRICS_HOST"] == "0.0.0.0"
     prom = yaml.safe_load(COMPOSE["configs"]["prometheus-config"]["content"])
     (sd,) = prom["scrape_configs"][0]["dns_sd_configs"]
     assert sd["names"] == ["worker"] and sd["port"] == 9000
     # `--scale worker=3` needs no fixed name and no host port.
     assert "container_name" not in worker and "ports" not in worker
     assert all("container_name" not in svc for svc in SERVICES.values())
+    # One audit sink for the fleet: the stack's PostgreSQL, a database the schema job creates;
+    # the CLI reads the same one.
+    dsn = env["TETHER_AUDIT_DSN"]
+    assert dsn.startswith("postgresql://") and dsn.endswith("@postgresql:5432/tether_audit")
+    assert _env("cli")["TETHER_AUDIT_DSN"] == dsn
+    assert "--database tether_audit create-database" in SERVICES["temporal-schema"]["command"][0]
     # The CLI shares the worker's connection settings.
     cli = _env("cli")
     assert {k: cli[k] for k in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE")} == {
@@ -228,9 +241,261 @@ def test_dockerfile_runtime_image() -> None:
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", ".git", "tests", ".tether", "*.keys"} <= ignored
     # Commands the compose file runs exist in the image (modules of the installed package).
-    for name in ("worker", "codec-server", "keygen", "cli"):
+    for name in ("worker", "codec-server", "keygen", "state-keygen", "cli"):
         svc = SERVICES[name]
         argv = svc.get("entrypoint") or svc["command"]
         assert argv[:2] in (["python", "-m"],), (name, argv)
         module = argv[2]
         assert (ROOT / (module.replace(".", "/") + ".py")).exists(), module
+
+
+# ----------------------------------------------------------------------------- the image, run
+#
+# No Docker engine here: the image's files are laid out in a temporary directory exactly as the
+# Dockerfile and .dockerignore say (the build context filtered, the build stage's COPY lines,
+# the package setuptools would install from them, the final stage's COPY lines into WORKDIR),
+# and each service's command from docker-compose.yml runs there with the compose environment.
+# What is rewritten, and only that: the service host names (temporal, billing) become the test's
+# servers, container paths (/keys, /data, /app) the temporary directories, fixed ports free
+# ones, and the task queue a fresh one (a shared dev server). Python runs with -S: the
+# checkout's editable install is not on the path, only the laid-out package and the
+# dependencies (the virtualenv's site-packages, which also holds dev-only packages).
+
+SCHEMA = ROOT / "tests/fixtures/compose-spec.json"
+
+
+def test_compose_file_follows_the_compose_specification() -> None:
+    import json
+
+    import jsonschema
+
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(COMPOSE)]
+    assert errors == []
+    # The schema does catch what a typo would break.
+    broken = {**COMPOSE, "services": {"worker": {**SERVICES["worker"], "restart_policy": "always"}}}
+    assert any("restart_policy" in e.message for e in validator.iter_errors(broken))
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore semantics (Go filepath.Match per path segment, `**` any depth, a matched
+    directory excludes everything under it, `!` re-includes; the last matching line wins)."""
+
+    def regex(pattern: str) -> re.Pattern[str]:
+        out, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                out, i = out + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                out, i = out + ".*", i + 2
+            elif pattern[i] == "*":
+                out, i = out + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                out, i = out + "[^/]", i + 1
+            else:
+                out, i = out + re.escape(pattern[i]), i + 1
+        return re.compile(out + "(?:/.*)?$")
+
+    verdict = False
+    for raw in patterns:
+        negate = raw.startswith("!")
+        pattern = raw.removeprefix("!").strip("/")
+        if regex(pattern).match(path):
+            verdict = not negate
+    return verdict
+
+
+def _dockerfile_copies() -> tuple[list[tuple[list[str], str]], list[tuple[list[str], str]], str]:
+    """(build-stage COPY sources -> dest, final-stage COPY sources -> dest, final WORKDIR)."""
+    text = (ROOT / "Dockerfile").read_text()
+    stages = [s for s in re.split(r"^FROM ", text, flags=re.M)[1:]]
+    assert len(stages) == 2
+
+    def copies(stage: str) -> list[tuple[list[str], str]]:
+        found = []
+        for line in stage.splitlines():
+            if line.startswith("COPY ") and "--from=" not in line:
+                *sources, dest = line.split()[1:]
+                found.append((sources, dest))
+        return found
+
+    workdir = [l.split()[1] for l in stages[1].splitlines() if l.startswith("WORKDIR ")][-1]
+    build_workdir = [l.split()[1] for l in stages[0].splitlines() if l.startswith("WORKDIR ")][-1]
+    assert build_workdir == "/src" and "pip install \"." in stages[0] or "pip install \".$" in stages[0]
+    return copies(stages[0]), copies(stages[1]), workdir
+
+
+def find_packages(src: Path, include: list[str]) -> list[str]:
+    """setuptools.find_packages(where=src, include=include), or the same rule where setuptools
+    is not installed (Python 3.12 venvs): folders with an __init__.py whose dotted name matches."""
+    try:
+        import setuptools
+    except ImportError:
+        from fnmatch import fnmatchcase
+
+        found = [".".join(p.parent.relative_to(src).parts) for p in src.rglob("__init__.py")]
+        return sorted(n for n in found if n and any(fnmatchcase(n, pat) for pat in include)
+                      and all((src / Path(*n.split(".")[:i]) / "__init__.py").exists() for i in range(1, n.count(".") + 2)))
+    return setuptools.find_packages(where=str(src), include=include)
+
+
+def lay_out_image(target: Path) -> tuple[Path, Path]:
+    """The image's package directory (site) and working directory (app) under ``target``."""
+    import shutil
+
+    patterns = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+
+    def context_files(source: str) -> list[Path]:
+        path = ROOT / source
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        return [f for f in files if not _ignored(f.relative_to(ROOT).as_posix(), patterns)]
+
+    def copy(copies: list[tuple[list[str], str]], root: Path, workdir: str) -> None:
+        for sources, dest in copies:
+            into = root / (dest if dest.startswith("/") else f"{workdir}/{dest}").lstrip("/")
+            for source in sources:
+                for f in context_files(source):
+                    rel = f.relative_to(ROOT / source) if (ROOT / source).is_dir() else Path(f.name)
+                    out = into / rel if (dest.endswith("/") or (ROOT / source).is_dir() or len(sources) > 1) else into
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(f, out)
+
+    build, final, workdir = _dockerfile_copies()
+    copy(build, target / "build", "/src")
+    src = target / "build/src"
+    # `pip install .`: what setuptools installs from /src, per pyproject.toml.
+    config = __import__("tomllib").loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]
+    site = target / "site"
+    site.mkdir()
+    for module in config["py-modules"]:
+        shutil.copyfile(src / f"{module}.py", site / f"{module}.py")
+    for package in find_packages(src, config["packages"]["find"]["include"]):
+        folder = Path(*package.split("."))
+        (site / folder).mkdir(parents=True, exist_ok=True)
+        for f in (src / folder).glob("*.py"):
+            shutil.copyfile(f, site / folder / f.name)
+        for pattern in config.get("package-data", {}).get(package, []):  # [tool.setuptools.package-data]
+            for f in (src / folder).glob(pattern):
+                (site / folder / f.relative_to(src / folder)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, site / folder / f.relative_to(src / folder))
+    copy(final, target / "image", workdir)
+    return site, target / "image" / workdir.lstrip("/")
+
+
+async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env: Any, postgres: str, tmp_path: Path) -> None:
+    import asyncio
+    import os
+    import socket
+    import sys
+    import sysconfig
+    import uuid
+
+    site, app = lay_out_image(tmp_path)
+    # The image holds the example data files the compose file names, and no signing keys.
+    assert sorted(p.relative_to(app).as_posix() for p in app.rglob("*") if p.is_file()) == [
+        "examples/billing/policy.image.toml", "examples/billing/refund.playbook.json"]
+    assert not list(site.rglob("*.pem*")) and not (site / "tests").exists()
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    ports = {"8081": free_port(), "8765": free_port(), "9000": free_port()}
+    volumes = {"/keys": tmp_path / "keys", "/data": tmp_path / "data", "/app": app}
+    for folder in volumes.values():
+        folder.mkdir(exist_ok=True)
+    hosts = {"temporal:7233": dev_env.client.service_client.config.target_host,
+             "billing:8765": f"127.0.0.1:{ports['8765']}"}
+
+    def rewrite(value: str) -> str:
+        value = _interpolate_default(value)
+        for old, new in hosts.items():
+            value = value.replace(old, new)
+        for old, new in volumes.items():
+            value = re.sub(rf"(?<![\w/]){re.escape(old)}(?=/|$)", str(new), value)
+        for old, new in ports.items():
+            value = re.sub(rf"(?<![\w.]){old}(?!\d)", str(new), value)
+        return value
+
+    deps = sysconfig.get_paths()["purelib"]
+    base_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1",
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{site}{os.pathsep}{deps}"}
+
+    def argv(words: list[str]) -> list[str]:
+        assert words[0] == "python", words
+        return [sys.executable, "-S", *(rewrite(w) for w in words[1:])]
+
+    def env_for(service: str) -> dict[str, str]:
+        env = {k: rewrite(v) for k, v in _env(service).items()}
+        if "TETHER_AUDIT_DSN" in env:  # the stack's PostgreSQL: here the tests' own server
+            env["TETHER_AUDIT_DSN"] = postgres
+        if "TETHER_TASK_QUEUE" in env:
+            env["TETHER_TASK_QUEUE"] = f"compose-{uuid.uuid4().hex[:8]}"
+        return {**base_env, **env}
+
+    async def run(service: str, words: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            *argv(words), cwd=app, env=env or env_for(service),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode()
+
+    code, out = await run("keygen", SERVICES["keygen"]["command"])
+    assert code == 0, out
+    started: dict[str, asyncio.subprocess.Process] = {}
+    logs: dict[str, Path] = {}
+    worker_env = env_for("worker")
+    try:
+        for name in ("billing", "codec-server", "worker"):
+            logs[name] = tmp_path / f"{name}.log"
+            with logs[name].open("w") as log:
+                started[name] = await asyncio.create_subprocess_exec(
+                    *argv(SERVICES[name]["command"]), cwd=app,
+                    env=worker_env if name == "worker" else env_for(name), stdout=log, stderr=log)
+        # Ready as the compose file's own health checks say, while the process keeps running.
+        loop = asyncio.get_running_loop()
+        for name, proc in started.items():
+            check = SERVICES[name]["healthcheck"]["test"]
+            assert check[0] == "CMD", check
+            deadline = loop.time() + 30
+            while (await run(name, check[1:]))[0] != 0:
+                assert proc.returncode is None, f"{name} exited {proc.returncode}: {logs[name].read_text()}"
+                assert loop.time() < deadline, f"{name} not healthy: {logs[name].read_text()}"
+                await asyncio.sleep(0.2)
+        # The worker's metrics answer before it polls: it says when it is ready.
+        deadline = loop.time() + 30
+        while "worker ready" not in logs["worker"].read_text():
+            assert started["worker"].returncode is None and loop.time() < deadline, logs["worker"].read_text()
+            await asyncio.sleep(0.1)
+        # The cli service, as `docker compose run --rm cli start ...` (the README's example).
+        cli = SERVICES["cli"]
+        cli_env = {**env_for("cli"), "TETHER_TASK_QUEUE": worker_env["TETHER_TASK_QUEUE"]}
+        code, out = await run("cli", [*cli["entrypoint"], "start", "--goal", "Refund A-1001", "--requested-by",
+                                      "alice", "--playbook", "examples/billing/refund.playbook.json", "--wait"], cli_env)
+        assert code == 0 and "AWAITING_APPROVAL" in out, out
+        # Its records are in the stack's audit database, as the cli service reads them.
+        run_id = re.search(r"started (\S+)", out).group(1)
+        code, out = await run("cli", [*cli["entrypoint"], "timeline", run_id, "--all"], cli_env)
+        assert code == 0 and "(first run)" in out and "AWAITING_APPROVAL" in out, out
+    finally:
+        for proc in started.values():
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in started.values():
+            await proc.wait()
+
+
+def test_the_image_policy_is_the_example_policy_without_its_signed_tenant_and_signer() -> None:
+    from activities.policy import check_policy_file, parse_policy
+    from activities.tools import REGISTRY
+
+    example = parse_policy((ROOT / "examples/billing/policy.toml").read_text())
+    image = parse_policy((ROOT / "examples/billing/policy.image.toml").read_text())
+    assert set(example.tenants) - set(image.tenants) == {"signed"}
+    assert set(example.signers) == {"inbox"} and image.signers == {}  # its key is the dev stack's
+    assert {k: v for k, v in example.tenants.items() if k != "signed"} == image.tenants
+    # No key file to read: the worker's start check passes wherever the file is.
+    assert not any(a.public_key_file for t in image.tenants.values() for a in (t.approvers or {}).values())
+    assert check_policy_file(ROOT / "examples/billing/policy.image.toml", REGISTRY.tools) == []

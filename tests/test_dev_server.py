@@ -11,6 +11,7 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from client import run_outcome
 from tests.conftest import (
     approval_for,
     BIN,
@@ -50,7 +51,7 @@ async def test_search_attributes_find_waiting_runs(dev_env: WorkflowEnvironment,
             dev_env.client, worker, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}], tenant=tenant)
         )
         await wait_for_state(waiting, "AWAITING_APPROVAL")
-        await done.result()
+        await run_outcome(done)
         query = f"AgentRunState='AWAITING_APPROVAL' AND AgentTenant='{tenant}'"
         await wait_listed(dev_env, query, waiting.id)
         await wait_listed(dev_env, f"AgentRunState='COMPLETED' AND AgentTenant='{tenant}'", done.id)
@@ -118,13 +119,13 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         await other.cancel()
 
         code, _, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", "0" * 64)
-        assert code == 1 and "stale plan hash" in err
+        assert code == 1 and "stale plan hash" in err and "[rule: stale_plan_hash]" in err
 
         code, out, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", plan_hash, "--comment", "ok")
         assert code == 0, err
         assert "issue_refund" in out and plan_hash in out and "APPROVED" in out
         handle = dev_env.client.get_workflow_handle(run_id)
-        await handle.result()
+        await run_outcome(handle)
 
         code, _, err = await cli("approve", run_id, "--by", "bob")
         assert code == 1 and "already finished" in err or "not awaiting approval" in err
@@ -132,7 +133,8 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         code, out, _ = await cli("timeline", run_id, "--json")
         records = json.loads(out)
         assert code == 0 and records[-1]["to_state"] == "COMPLETED"
-        assert any(r["kind"] == "refused" for r in records) is False  # the stale hash never reached the run
+        # The stale hash reached the run, and is on its record (issue 19: every attempt is).
+        assert [r["rule"] for r in records if r["kind"] == "refused"] == ["stale_plan_hash"]
 
         # Cancel through the CLI (reject and handoff: tests/test_cli.py).
         for verb, extra, final in (("cancel", ["--reason", "withdrawn"], "CANCELLED"),):
@@ -174,8 +176,9 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         first = await wait_for_state(handle, "AWAITING_APPROVAL")
         first_run = (await handle.describe()).run_id
         # Refused decisions grow the history until the server suggests continue-as-new.
+        current = env.client.get_workflow_handle(handle.id)  # the latest run: it may continue mid-flood
         for i in range(CAN_THRESHOLD):
-            await handle.signal("approve", ApprovalDecision(decision_id=f"stale-{i}", approver="eve", plan_hash="0" * 64))
+            await current.signal("approve", ApprovalDecision(decision_id=f"stale-{i}", approver="eve", plan_hash="0" * 64))
         for _ in range(100):
             description = await handle.describe()
             if description.run_id != first_run:
@@ -195,7 +198,7 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         assert carried.refusals == {"stale_plan_hash user:eve": CAN_THRESHOLD}
         # The approval still binds to the same plan, across runs.
         await latest.signal("approve", approval_for(first, "bob", "ok"))
-        outcome = await latest.result()
+        outcome = await run_outcome(latest)
         assert outcome.state == RunState.COMPLETED
         assert is_legal_path(outcome.timeline)
         assert len({r.state_version for r in outcome.timeline if r.kind == "transition"}) == outcome.timeline[-1].state_version

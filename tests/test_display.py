@@ -57,4 +57,6 @@ def test_markdown_is_inert() -> None:
 def test_values_show_as_json_with_strings_escaped() -> None:
     assert show_value("\x1b[31mred") == '"\\x1b[31mred"'
     assert show_value({"amount_cents": 1200}) == '{"amount_cents": 1200}'
+    # A value cannot close its own quotes: what follows stays inside it.
+    assert show_value('Hi", amount_cents=1200, x="') == '"Hi\\x22, amount_cents=1200, x=\\x22"'
     assert "\n" not in show_value({"s": "a\nb", "t": "\u202e"})

@@ -25,6 +25,7 @@ from temporalio.worker import Replayer
 
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import call
+from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline
 from workflows.agent_run import AgentRun
@@ -144,7 +145,7 @@ async def test_a_retry_never_races_the_attempt_it_replaces(dev_env: WorkflowEnvi
     tag = uuid.uuid4().hex[:8]
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
         handle, key, call_id = await approved_run(dev_env, worker, "held_note", tag)
-        outcome = await asyncio.wait_for(handle.result(), 60)
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
         # The run is over; now the hung attempt writes (what a late commit looks like).
         _event(GATES, tag).set()
         assert await asyncio.to_thread(_event(DONE, tag).wait, 30)
@@ -164,7 +165,7 @@ async def test_an_attempt_that_finishes_in_the_grace_period_counts(dev_env: Work
     tag = uuid.uuid4().hex[:8]
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
         handle, key, _ = await approved_run(dev_env, worker, "late_note", tag)
-        outcome = await asyncio.wait_for(handle.result(), 60)
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
     assert outcome.state == S.COMPLETED
     assert emails(billing, key) == 1 and ATTEMPTS[tag] == 1
     assert [(s.status, s.outcome) for s in outcome.steps] == [("ok", "ok")]
@@ -212,7 +213,7 @@ async def test_an_idempotent_tool_unknown_after_its_last_retry_is_not_failed(
     billing.fail_next("refunds", 2, status=503, when="after_commit")
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
         handle, key, call_id = await approved_run(dev_env, worker, "quick_refund", tag)
-        outcome = await asyncio.wait_for(handle.result(), 60)
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
         last_error = (await snapshot(handle)).last_error
     assert len(billing.refunds(key)) == 1 and ATTEMPTS[tag] == 2
     assert outcome.state == S.HANDED_OFF
@@ -235,7 +236,7 @@ async def test_a_handoff_before_a_retry_names_the_outcome_of_the_attempt_before(
         handle, key, call_id = await approved_run(dev_env, worker, "patient_refund", tag)
         await wait_for_state(handle, "RETRY_WAIT")  # the retry waits >= 5 s: the grace period
         await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
-        outcome = await asyncio.wait_for(handle.result(), 60)
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
         last_error = (await snapshot(handle)).last_error
     assert len(billing.refunds(key)) == 1 and ATTEMPTS[tag] == 1
     assert outcome.state == S.HANDED_OFF

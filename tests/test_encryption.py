@@ -50,6 +50,7 @@ from activities.codec import (
     data_converter,
     new_key_line,
 )
+from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, start_run, wait_for_state
 from workflows.agent_run import AgentRun, SEARCH_ATTRIBUTES
 from workflows.models import RunOutcome
@@ -112,7 +113,7 @@ async def encrypted_run(dev_env, billing_service: Billing, keys: Keys) -> AsyncI
             "approve",
             approval_for(snap, "bob", comment="checked-xyzzy"),
         )
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         assert outcome.state == RunState.COMPLETED, outcome.timeline
         assert outcome.steps[-1].tool == "send_email" and outcome.steps[-1].status == "ok"
     raw = await client.workflow_service.get_workflow_execution_history(
@@ -296,7 +297,7 @@ async def test_rotated_key_still_decrypts_old_runs(encrypted_run: EncryptedRun, 
         namespace=encrypted_run.client.namespace,
         data_converter=rotated,
     )
-    outcome = await client.get_workflow_handle(encrypted_run.run_id, result_type=RunOutcome).result()
+    outcome = await run_outcome(client.get_workflow_handle(encrypted_run.run_id, result_type=RunOutcome))
     assert outcome.state == RunState.COMPLETED and len(outcome.steps) == 4
     # New data is written with the new key.
     (fresh,) = await rotated.encode(["new"])

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
+from client import run_outcome
 from tests.conftest import BIN, ROOT, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
 from tests.test_dev_server import Cli
@@ -118,7 +119,7 @@ async def test_malformed_signals_change_nothing_and_the_worker_stays_up(
         code, out = await signal(dev_env, handle, "approve", "--input", json.dumps(
             {"decision_id": "good", "approver": "bob", "plan_hash": plan_hash, "request_id": before.pending_approval.request_id}))
         assert code == 0, out
-        outcome = await asyncio.wait_for(handle.result(), 30)
+        outcome = await asyncio.wait_for(run_outcome(handle), 30)
         assert outcome.state == S.COMPLETED
         check_timeline(outcome.timeline, tools_by_call(outcome))
         key = next(r.refs.idempotency_key for r in outcome.timeline if r.refs.idempotency_key)
@@ -126,7 +127,7 @@ async def test_malformed_signals_change_nothing_and_the_worker_stays_up(
         assert await task_failures(handle) == []
         # The same worker serves a new run: it stayed up.
         again = await start_run(dev_env.client, worker, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}]))
-        assert (await asyncio.wait_for(again.result(), 30)).state == S.COMPLETED
+        assert (await asyncio.wait_for(run_outcome(again), 30)).state == S.COMPLETED
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,7 @@ async def test_empty_playbook_and_unknown_tool_fail_the_run_with_a_reason(
             dev_env.client, worker, make_request([{"tool": "", "args": {}}, {"tool": "wire_money", "args": {}}],
                                                  limits={"max_replans": 0}),
         )
-        outcomes = [await asyncio.wait_for(h.result(), 30) for h in (empty, unknown)]
+        outcomes = [await asyncio.wait_for(run_outcome(h), 30) for h in (empty, unknown)]
     for outcome in outcomes:
         assert outcome.state == S.FAILED and outcome.steps == []
         check_timeline(outcome.timeline, tools_by_call(outcome))
@@ -198,7 +199,7 @@ async def test_raw_starts_that_bypass_the_model_do_not_wedge_the_worker(
             await asyncio.sleep(0.1)
         # The worker is up and serves other runs either way.
         ok = await start_run(dev_env.client, worker, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}]))
-        assert (await asyncio.wait_for(ok.result(), 30)).state == S.COMPLETED
+        assert (await asyncio.wait_for(run_outcome(ok), 30)).state == S.COMPLETED
         failures = await task_failures(handle)
         description = await handle.describe()
         if description.status.name == "RUNNING":
@@ -212,7 +213,7 @@ async def test_cli_on_unknown_and_finished_runs_gives_one_line_errors(
     async with running_worker(dev_env.client) as worker:
         cli = Cli(dev_env, worker)
         done = await start_run(dev_env.client, worker, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}]))
-        outcome: RunOutcome = await done.result()
+        outcome: RunOutcome = await run_outcome(done)
         unknown = f"no-such-run-{uuid.uuid4().hex[:6]}"
         calls = {
             "status": ["status", "{run}"],

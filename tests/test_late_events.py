@@ -25,6 +25,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, Wor
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
+from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
 from tests.invariants import check_timeline, tools_by_call
@@ -70,7 +71,7 @@ async def test_the_same_approval_delivered_twice_at_once_settles_once(
         decision = approval(snap, decision_id="once")
         # Both copies in flight together: they may land in the same workflow task.
         await asyncio.gather(handle.signal("approve", decision), handle.signal("approve", decision))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     check_timeline(outcome.timeline, tools_by_call(outcome))
     assert outcome.state == S.COMPLETED
     assert path(outcome.timeline).count("APPROVED") == 1
@@ -89,7 +90,7 @@ async def test_racing_approve_and_reject_settle_once(ts_env: WorkflowEnvironment
             handle.signal("approve", approval(h, "yes", "bob")),
             handle.signal("reject", approval_for(h, "carol", "no", reason="no")),
         )
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     check_timeline(outcome.timeline, tools_by_call(outcome))
     decided = [r for r in outcome.timeline if r.kind == "transition" and r.to_state in (S.APPROVED, S.REJECTED)]
     refused = [r for r in outcome.timeline if r.kind == "refused"]
@@ -109,7 +110,7 @@ async def test_approval_after_expiry_is_refused_and_nothing_runs(
         handle = await start_run(ts_env.client, worker, make_request([refund()], limits={"approval_ttl_seconds": 60}))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await ts_env.sleep(61)  # the durable timer fires on skipped time
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         with pytest.raises(RPCError) as refused:
             await handle.signal("approve", approval(snap))
         records = await timeline(handle)
@@ -163,7 +164,7 @@ async def test_approval_for_the_old_plan_after_a_replan_is_refused(
         after = await snapshot(handle)
         assert (after.state, after.state_version) == (S.AWAITING_APPROVAL, version)
         await handle.signal("approve", approval(new, "new-plan"))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     check_timeline(outcome.timeline, tools_by_call(outcome, [old.plan, new.plan]))
     assert outcome.state == S.COMPLETED
     (stale,) = [r for r in outcome.timeline if r.refs.decision_id == "old-plan"]
@@ -237,7 +238,10 @@ async def test_cancel_and_approval_in_one_workflow_task_end_cancelled_on_the_tim
         final = await snapshot(handle)
     check_timeline(records, tools_by_call(None, [snap.plan]))
     assert final.state == S.CANCELLED, f"run ended Temporal-cancelled but its state is {final.state.value}"
-    assert records[-1].to_state == S.CANCELLED and "customer withdrew" in records[-1].reason
+    moves = [r for r in records if r.kind == "transition"]
+    assert moves[-1].to_state == S.CANCELLED and "customer withdrew" in moves[-1].reason
+    # The approval the cancel overtook is answered on the record, not dropped (issue 19).
+    assert [(r.kind, r.rule) for r in records if r.refs.decision_id == "together"] == [("refused", "run_ended")]
     assert billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}") == []
 
 
@@ -259,7 +263,7 @@ async def test_handoff_after_completion_is_refused(ts_env: WorkflowEnvironment, 
     read = {"tool": "get_order", "args": {"order_id": "A-1001"}}
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request([read]))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         with pytest.raises(RPCError) as refused:
             await handle.signal("handoff", HandoffRequest(by="dana", reason="too late"))
         final = await snapshot(handle)
@@ -283,7 +287,7 @@ async def test_handoff_while_a_tool_runs_settles_after_the_tool(ts_env: Workflow
             await asyncio.gather(handle.signal("handoff", request), handle.signal("handoff", request))
         except RPCError:
             pass  # the run may already have completed: then the server refuses it
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     check_timeline(outcome.timeline, tools_by_call(outcome, [snap.plan]))
     assert outcome.state in (S.HANDED_OFF, S.COMPLETED)
     assert path(outcome.timeline).count("HANDED_OFF") <= 1

@@ -24,6 +24,7 @@ from activities import planning
 from activities.mcp import McpServers, describe_tools, format_tools, mcp_tools, parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
+from client import run_outcome
 from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.models import RunOutcome, ToolEffect
@@ -157,7 +158,7 @@ async def test_governed_git_run_commits_exactly_once_after_approval(ts_env: Work
     async with mcp_registry(toml) as (registry, _), running_worker(ts_env.client, registry=registry) as worker:
         # A read-only step runs without approval.
         status = await start_run(ts_env.client, worker, make_request([{"tool": "git__git_status", "args": {"repo_path": r}}]))
-        outcome = await status.result()
+        outcome = await run_outcome(status)
         assert outcome.state == S.COMPLETED and "AWAITING_APPROVAL" not in path(outcome)
         assert "hello.txt" in (await observations(status))[0]
 
@@ -170,10 +171,10 @@ async def test_governed_git_run_commits_exactly_once_after_approval(ts_env: Work
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.pending_approval is not None
         summary = snap.pending_approval.summary
-        assert "2 of 3 step(s) write" in summary and "git__git_commit (unsafe, message=Add hello, no recovery path)" in summary
+        assert "2 of 3 step(s) write" in summary and "git__git_commit (unsafe, message=\"Add hello\", no recovery path)" in summary
         assert commits(repo) == ["initial"] and snap.step == 0, "nothing runs before the approval"
         await approve(handle)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline)
     assert [s.tool for s in outcome.steps] == [s["tool"] for s in steps]
     assert commits(repo) == ["Add hello", "initial"]
@@ -190,7 +191,7 @@ async def test_fault_cases_error_results_crashes_and_timeouts(ts_env: WorkflowEn
         async def run(tool: str, args: dict) -> tuple[WorkflowHandle, RunOutcome]:
             handle = await start_run(ts_env.client, worker, make_request([{"tool": tool, "args": args}]))
             await approve(handle)
-            return handle, await handle.result()
+            return handle, await run_outcome(handle)
 
         # isError with a Tether error code in _meta: EXECUTION_FAILED with that code, not retried.
         _, outcome = await run("faults__decline", {"amount_cents": 500})
@@ -248,7 +249,7 @@ async def test_a_server_over_streamable_http(ts_env: WorkflowEnvironment, tmp_pa
             assert registry.get("web__find").effect == E.READ_ONLY
             handle = await start_run(ts_env.client, worker, make_request([{"tool": "web__record", "args": {"note": "hi"}}]))
             await approve(handle)
-            outcome = await handle.result()
+            outcome = await run_outcome(handle)
     finally:
         server.stop()
     assert outcome.state == S.COMPLETED and json.loads((await observations(handle))[0]) == "recorded hi"
@@ -265,7 +266,7 @@ async def test_a_slow_unsafe_call_past_its_timeout_is_outcome_unknown(dev_env: W
             running_worker(dev_env.client, registry=registry) as worker:
         handle = await start_run(dev_env.client, worker, make_request([{"tool": "faults__record", "args": {"note": "slow"}}]))
         await approve(handle)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         assert outcome.state == S.HANDED_OFF and outcome.timeline[-1].refs.error_code == "mcp_timeout"
         assert "outcome unknown" in outcome.timeline[-1].reason
         assert len(calls(state, "record")) == 1
@@ -302,7 +303,7 @@ async def test_worker_killed_during_a_slow_unsafe_mcp_call_hands_off_without_a_s
         first.kill()
         second = Proc("worker-2", cmd, tmp_path / "worker-2.log", env)
         await second.wait_for_output("worker ready")
-        outcome: RunOutcome = await asyncio.wait_for(handle.result(), 60)
+        outcome: RunOutcome = await asyncio.wait_for(run_outcome(handle), 60)
     finally:
         first.kill()
         if second is not None:
@@ -333,7 +334,7 @@ async def test_model_planner_is_offered_mcp_tools_and_its_proposal_is_checked_ag
             # worker's registry holds the MCP tools only (worker.py registers them globally).
             monkeypatch.setitem(planning.PLANNERS, "model", planning.ModelPlanner(catalog=registry.catalog))
             request = make_request([], goal="What is the state of the repository?", planner="model")
-            outcome = await (await start_run(ts_env.client, worker, request)).result()
+            outcome = await run_outcome(await start_run(ts_env.client, worker, request))
         first = fake.completions[0]
     assert outcome.state == S.COMPLETED and outcome.answer == "hello.txt is untracked."
     assert path(outcome)[:4] == ["PLANNING", "VALIDATION_FAILED", "PLANNING", "VALIDATED"]
@@ -368,3 +369,77 @@ async def test_an_mcp_tool_declares_its_undo_in_the_config(repo: Path, caplog: p
     # A pointer outside /args and /result is refused when the config is read.
     with pytest.raises(Exception, match="not a JSON pointer into /args or /result"):
         parse_config(git_server("git", repo, '[servers.git.tools.git_add]\ncompensate = { tool = "git_reset", args = { repo_path = "repo" } }\n'))
+# ----------------------------------------------------------------------------- hostile listings
+
+BAD_LISTING_SERVER = ROOT / "tests/mcp_bad_listing_server.py"
+
+
+async def test_one_bad_listing_never_stops_the_worker_and_a_nested_quantifier_never_freezes_it(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """A real worker process: one server lists a name twice, invalid entries, an oversized one and
+    a lookahead pattern; the worker starts with every other tool. Its ``echo`` tool's pattern
+    ``^(\\w+\\s?)+$`` against a 10 kB argument (a backtracking engine takes minutes on 32
+    characters) is refused at once, and the next run on the same worker takes its usual time."""
+    config = tmp_path / "mcp.toml"
+    config.write_text(
+        f'[servers.bad]\ncommand = "{sys.executable}"\nargs = ["{BAD_LISTING_SERVER}"]\ntrust_annotations = true\n'
+        '[servers.time]\ncommand = "mcp-server-time"\n'
+    )
+    queue = unique("mcp-bad")
+    env = {**os.environ, "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "worker.py", "--tools", "examples.billing.tools", "--task-queue", queue, "--mcp-config", str(config)]
+    worker = Proc("worker-bad-listing", cmd, tmp_path / "worker.log", env)
+    try:
+        await worker.wait_for_output("worker ready")
+        out = worker.output()
+        ready = next(line for line in out.splitlines() if "worker ready" in line)
+        # Python tools, the other server's tools and the bad server's one good tool are there.
+        for name in ("get_order", "issue_refund", "time__get_current_time", "bad__echo"):
+            assert name in ready, ready
+        offered, _, left_out = ready.partition(" left out: ")
+        for name in ("twice", "lookahead", "broken", "huge", "stringschema"):
+            assert f"bad__{name}" not in offered and f"bad__{name}" in left_out
+        # Each bad entry has its own log line naming the server and the tool.
+        assert "MCP server 'bad': tool 'twice' left out: the server lists 'twice' 2 times" in out
+        assert "MCP server 'bad': tool 'lookahead' left out: schema pattern at /properties/text/pattern cannot run in linear time" in out
+        assert "MCP server 'bad': tool 'broken' left out: invalid input schema" in out
+        assert "MCP server 'bad': tool 'huge' left out: the server's tools exceed" in out
+        assert "MCP server 'bad': tool 'stringschema' left out: not a valid tool entry" in out
+        assert "MCP server 'bad': tool #7 (no name) left out" in out
+        assert "unavailable at worker start" not in out
+        # `tether tools` lists what was left out, and why.
+        only_bad = tmp_path / "bad.toml"
+        only_bad.write_text(config.read_text().split("[servers.time]")[0])
+        listing = subprocess.run([sys.executable, "starter.py", "tools", "--mcp-config", str(only_bad), "--tools", ""],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0, listing.stderr
+        rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+        assert "read_only" in rows["bad__echo"] and "left out" not in rows["bad__echo"]
+        assert "left out" in rows["bad__twice"] and "the server lists 'twice' 2 times" in rows["bad__twice"]
+        assert "left out" in rows["bad__lookahead"] and "RE2: invalid perl operator" in rows["bad__lookahead"]
+        assert "left out" in rows["bad__stringschema"] and "not a valid tool entry" in rows["bad__stringschema"]
+
+        target = type("W", (), {"task_queue": queue})()
+
+        async def run(text: str) -> tuple[RunOutcome, float]:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            handle = await start_run(dev_env.client, target, make_request(
+                [{"tool": "bad__echo", "args": {"text": text}}], limits={"max_replans": 0}))
+            outcome = await asyncio.wait_for(run_outcome(handle), 60)
+            return outcome, loop.time() - started
+
+        usual, usual_seconds = await run("hello world")
+        assert usual.state == S.COMPLETED and usual.steps[0].status == "ok"  # the call works too
+        hostile, hostile_seconds = await run("a " * 5000 + "!")  # 10,001 characters, no match
+        assert hostile.state != S.COMPLETED
+        failed = next(r for r in hostile.timeline if r.to_state == S.VALIDATION_FAILED)
+        assert "text: does not match the required pattern" in failed.reason
+        after, after_seconds = await run("hello again")
+        assert after.state == S.COMPLETED
+        # Bounded cost: the hostile run ends as fast as an ordinary one; so does the next run.
+        assert hostile_seconds < usual_seconds + 5, (usual_seconds, hostile_seconds)
+        assert after_seconds < usual_seconds + 5, (usual_seconds, after_seconds)
+    finally:
+        worker.stop()

@@ -24,8 +24,9 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import client as tether_client
 from activities.metrics import prometheus_runtime
+from client import run_outcome
 from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
-from workflows.metrics import REFUSAL_RULES, refusal_rule
+from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refusal_rule
 from workflows.models import ApprovalDecision, RunOutcome
 from workflows.states import RunState
 
@@ -84,6 +85,42 @@ def test_refusal_rules_cover_the_policy_reasons() -> None:
     assert {rule for _, rule in REFUSAL_RULES} <= {r for _, r in reasons.values()}
 
 
+def test_refusal_labels_are_fixed_sets_whatever_the_sender_names() -> None:
+    from datetime import datetime, timezone
+
+    from workflows.states import TransitionRecord
+
+    def labels(reason: str, rule: str | None = None) -> dict[str, str]:
+        record = TransitionRecord(kind="refused", at=datetime(2026, 1, 1, tzinfo=timezone.utc), actor="x",
+                                  from_state=RunState.AWAITING_APPROVAL, to_state=RunState.AWAITING_APPROVAL,
+                                  state_version=1, reason=reason, rule=rule)
+        return refusal_labels(record)
+
+    # A signal name is the sender's: never a label value.
+    assert labels("signal 'evil-1' refused: not a signal this run takes", "unknown_signal") == {
+        "kind": "other", "rule": "unknown_signal"}
+    assert labels("approve_now refused: malformed payload, x", "malformed_signal") == {
+        "kind": "other", "rule": "malformed_signal"}
+    assert labels("approve refused: stale plan hash 0123") == {"kind": "approve", "rule": "stale_plan_hash"}
+    assert labels("decide refused: x", "four_eyes") == {"kind": "decide", "rule": "four_eyes"}
+    assert labels("approve refused: x", "a-rule-nobody-named") == {"kind": "approve", "rule": "other"}
+
+
+def test_every_rule_the_code_names_is_a_known_label() -> None:
+    """A new rule= in workflows/ or activities/ must join workflows.metrics.RULES (else it counts
+    as "other" on the dashboard)."""
+    import ast
+
+    named: set[str] = set()
+    for path in [*(ROOT / "workflows").glob("*.py"), *(ROOT / "activities").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "rule" and isinstance(node.value, ast.Constant):
+                named.add(node.value.value)
+    named.discard(None)
+    assert named and named - {"other"} <= RULES, sorted(named - RULES)
+    assert KINDS == {"approve", "reject", "revise", "handoff", "decide"}
+
+
 async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
     port = free_port()
     client = await tether_client.connect(
@@ -107,16 +144,19 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
             "approve",
             approval_for(snap, "bob"),
         )
-        assert (await approved.result()).state == RunState.COMPLETED
+        assert (await run_outcome(approved)).state == RunState.COMPLETED
 
         rejected = await start_run(client, w, make_request())
         snap = await wait_for_state(rejected, "AWAITING_APPROVAL")
         assert snap.pending_approval is not None
+        # Five signal names a sender made up: counted, but never five new label values.
+        for i in range(5):
+            await rejected.signal(f"evil-{i}-{uuid.uuid4().hex[:6]}", {"x": i})
         await rejected.signal(
             "reject",
             approval_for(snap, "carol", reason="not this one"),
         )
-        outcome: RunOutcome = await rejected.result()
+        outcome: RunOutcome = await run_outcome(rejected)
         assert outcome.state == RunState.REJECTED
 
         samples = scrape(port)
@@ -136,7 +176,14 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
             for n, lab, _ in samples
         )
         assert value(samples, "tether_decisions_refused", kind="approve", rule="stale_plan_hash", **q) == 1
-        assert value(samples, "tether_decisions_refused", **q) == 1
+        # Past REFUSALS_RECORDED of one rule a flood is counted on the run, not recorded: 3-5.
+        unknown = value(samples, "tether_decisions_refused", kind="other", **q)
+        assert 3 <= unknown <= 5, unknown
+        assert value(samples, "tether_decisions_refused", **q) == 1 + unknown
+        refused = [lab for n, lab, _ in samples if n.startswith("tether_decisions_refused")]
+        assert {lab["kind"] for lab in refused} <= KINDS | {"other"}
+        assert {lab["rule"] for lab in refused} <= RULES | {"other"}
+        assert not any("evil" in v for n, lab, _ in samples for v in lab.values())
         # Tool calls and retries by tool and effect (activity side).
         calls = lambda tool, effect, outcome: value(  # noqa: E731
             samples, "tether_tool_calls", tool=tool, effect=effect, outcome=outcome, **q
@@ -165,7 +212,7 @@ def test_worker_process_serves_metrics(dev_env, billing) -> None:
     }
     env.pop("TETHER_ENCRYPTION_KEY_FILE", None)
     proc = subprocess.Popen(
-        [sys.executable, "worker.py", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+        [sys.executable, "worker.py", "--metrics-port", str(port)],  # no host: loopback
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -174,7 +221,15 @@ def test_worker_process_serves_metrics(dev_env, billing) -> None:
         while "worker ready" not in line and time.monotonic() < deadline and proc.poll() is None:
             line = proc.stdout.readline()
         assert "worker ready" in line, line
-        assert "payload encryption off" in line and f":{port}/metrics" in line
+        assert "payload encryption off" in line and f"http://127.0.0.1:{port}/metrics" in line
+        # The kernel's word: the one socket listening on the port is bound to 127.0.0.1 only.
+        listening = [
+            fields[1] for fields in (row.split() for row in Path("/proc/net/tcp").read_text().splitlines()[1:])
+            if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port
+        ]
+        assert listening == [f"0100007F:{port:04X}"], listening
+        v6 = Path("/proc/net/tcp6").read_text().splitlines()[1:] if Path("/proc/net/tcp6").exists() else []
+        assert not [r for r in v6 if r.split()[3] == "0A" and r.split()[1].endswith(f":{port:04X}")]
         names: set[str] = set()
         for _ in range(50):
             names = {n for n, _, _ in scrape(port)}
@@ -222,6 +277,6 @@ async def test_tracing_interceptor_when_otel_is_installed(dev_env, billing, monk
         handle = await start_run(
             client, w, make_request([{"tool": "get_order", "args": {"order_id": "A-1001"}}])
         )
-        assert (await handle.result()).state == RunState.COMPLETED
+        assert (await run_outcome(handle)).state == RunState.COMPLETED
     names = {span.name for span in exporter.get_finished_spans()}
     assert {"StartWorkflow:AgentRun", "RunWorkflow:AgentRun", "RunActivity:execute_tool"} <= names, names

@@ -31,6 +31,7 @@ from activities.planning import (
 )
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import OrderRef, RefundArgs
+from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
 from workflows.models import RunSnapshot, ApprovalDecision, ExecutedStep, PlannerInput, RunOutcome, ToolEffect
@@ -103,7 +104,7 @@ async def test_two_step_plan_with_approval_end_to_end(
         assert snap.step == 0, "no tool runs before the approval"
         assert snap.model_tokens == 120
         await handle.signal("approve", approval(snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         final = await snapshot(handle)
         await assert_no_secret(handle, caplog)
     assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline)
@@ -135,7 +136,7 @@ async def test_two_step_plan_with_approval_end_to_end(
 async def test_text_only_answer_finishes_the_run(ts_env: WorkflowEnvironment, billing: Billing, fake: FakeOpenAI) -> None:
     fake.script(text("Order A-1001 needs no refund: it was never charged."))
     async with running_worker(ts_env.client) as worker:
-        outcome = await (await start_run(ts_env.client, worker, model_request())).result()
+        outcome = await run_outcome(await start_run(ts_env.client, worker, model_request()))
     assert outcome.state == S.COMPLETED
     assert outcome.answer == "Order A-1001 needs no refund: it was never charged."
     assert outcome.steps == [] and path(outcome) == ["PLANNING", "COMPLETED"]
@@ -150,7 +151,7 @@ async def test_invalid_json_arguments_then_corrected_after_feedback(
         text("Order A-1001: 49.99 EUR, paid."),
     )
     async with running_worker(ts_env.client) as worker:
-        outcome = await (await start_run(ts_env.client, worker, model_request())).result()
+        outcome = await run_outcome(await start_run(ts_env.client, worker, model_request()))
     assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline)
     assert path(outcome)[:4] == ["PLANNING", "VALIDATION_FAILED", "PLANNING", "VALIDATED"]
     failed = next(r for r in outcome.timeline if r.to_state == S.VALIDATION_FAILED)
@@ -173,7 +174,7 @@ async def test_unknown_tool_bad_arguments_and_over_budget_are_fed_back_until_max
     )
     request = model_request(limits={"max_replans": 2, "max_steps": 2})
     async with running_worker(ts_env.client) as worker:
-        outcome = await (await start_run(ts_env.client, worker, request)).result()
+        outcome = await run_outcome(await start_run(ts_env.client, worker, request))
     assert outcome.state == S.FAILED and outcome.steps == []
     assert path(outcome).count("VALIDATION_FAILED") == 3
     assert "replan budget is used up" in outcome.timeline[-1].reason
@@ -195,7 +196,7 @@ async def test_429_with_retry_after_is_retried_by_temporal_then_succeeds(
                 text("Nothing to refund."))
     async with running_worker(dev_env.client) as worker:
         handle = await start_run(dev_env.client, worker, model_request())
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         history = await handle.fetch_history()
     assert outcome.state == S.COMPLETED and outcome.answer == "Nothing to refund."
     # Exactly two HTTP calls: the client's own retries are off, Temporal retried the activity,
@@ -230,7 +231,7 @@ async def test_permanent_model_errors_fail_the_run_with_an_actionable_reason(
     fake.script(reply)
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, model_request())
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         snap = await snapshot(handle)
         await assert_no_secret(handle, caplog)
     assert outcome.state == S.FAILED
@@ -287,7 +288,7 @@ async def test_prompt_injection_in_a_tool_result_cannot_move_money_without_a_hum
         assert [r["amount_cents"] for r in billing.get("/refunds?order_id=Z-9001")["refunds"]] == [4999]
         # A human looks at it and says no.
         await handle.signal("reject", approval_for(snap, "bob", reason="prompt injection"))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         await assert_no_secret(handle, caplog)
     assert outcome.state == S.REJECTED
     assert [r["amount_cents"] for r in billing.get("/refunds?order_id=Z-9001")["refunds"]] == [4999]
@@ -302,7 +303,7 @@ async def test_model_token_budget_fails_the_run(ts_env: WorkflowEnvironment, bil
     request = model_request(limits={"max_model_tokens": 100})
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, request)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         snap = await snapshot(handle)
     assert outcome.state == S.FAILED and outcome.steps == []
     assert "model token budget exceeded: 150 of max_model_tokens=100" in outcome.timeline[-1].reason
@@ -380,7 +381,7 @@ async def test_planner_input_in_history_is_bounded_whatever_the_tool_results(
     steps = [{"tool": "big_page", "args": {"n": n}} for n in range(6)]
     async with running_worker(ts_env.client, registry=BIG_TOOLS) as worker:
         handle = await start_run(ts_env.client, worker, make_request(steps))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         history = await handle.fetch_history()
     assert outcome.state == S.COMPLETED and len(outcome.steps) == 6
     inputs = [

@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 
 from activities.policy import PolicyFileError, PolicyStore, check_policy_file, parse_policy
 from activities.tools import REGISTRY
+from client import run_outcome
 from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
 from workflows import policy
 from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome, TransitionRecord
@@ -140,7 +141,7 @@ async def test_each_approval_rule_refuses_and_accepts(ts_env: WorkflowEnvironmen
         good = decide("frank", snap)
         good.signature = sign(FRANK, handle.id, snap, "approve", good)
         await handle.signal("approve", good)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
     assert approved.actor == "user:frank (signed)"
@@ -171,7 +172,7 @@ async def test_high_risk_needs_two_distinct_finance_approvers(
         await handle.signal("approve", again)
         assert (await settled(handle, again.decision_id)).rule == "distinct_approvers"
         await handle.signal("approve", decide("erin", snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.EXECUTION_FAILED  # the order does not exist: a permanent 404
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
     assert approved.actor == "user:erin"
@@ -180,7 +181,7 @@ async def test_high_risk_needs_two_distinct_finance_approvers(
 async def test_auto_approval_under_the_limit(ts_env: WorkflowEnvironment, billing: Billing, policy_file: Path) -> None:
     async with policy_worker(ts_env, policy_file) as worker:
         small = await start_run(ts_env.client, worker, make_request([refund(4000)]))
-        outcome = await small.result()
+        outcome = await run_outcome(small)
         large = await start_run(ts_env.client, worker, make_request([refund(5001)]))
         await wait_for_state(large, "AWAITING_APPROVAL")
         await cancel_and_settle(large)
@@ -199,7 +200,7 @@ async def test_tenant_isolation(ts_env: WorkflowEnvironment, billing: Billing, p
             assert record.rule == "tenant_membership" and record.reason.startswith(f"{signal} refused")
         await handle.signal("handoff", HandoffRequest(by="bob", reason="not mine"))
         await handle.signal("approve", decide("gus", snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     handoffs = [r for r in outcome.timeline if r.reason.startswith("handoff refused")]
     assert len(handoffs) == 1 and handoffs[0].rule == "tenant_membership"
@@ -248,7 +249,7 @@ async def test_revoking_an_approver_between_approval_and_execution_stops_the_wri
         refund_ids = [s.tool_call_id for s in snap.plan.steps if s.tool == "issue_refund"]
         assert billing.refunds(f"{handle.id}:{refund_ids[0]}") == []
         await handle.signal("approve", decide("carol", again))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     assert [s.tool for s in outcome.steps] == ["get_order", "issue_refund"]
     assert is_legal_path(outcome.timeline)
@@ -260,9 +261,9 @@ async def test_budgets_and_policy_hash_on_the_timeline(
     path = write_policy(tmp_path / "p.toml", max_tool_calls=1)
     async with policy_worker(ts_env, path) as worker:
         handle = await start_run(ts_env.client, worker, make_request([GET, GET]))
-        outcome: RunOutcome = await handle.result()
+        outcome: RunOutcome = await run_outcome(handle)
         stranger = await start_run(ts_env.client, worker, make_request([GET], tenant="nobody"))
-        unknown: RunOutcome = await stranger.result()
+        unknown: RunOutcome = await run_outcome(stranger)
     assert outcome.timeline[0].refs.policy_hash == hashlib.sha256(path.read_bytes()).hexdigest()
     assert outcome.state == S.EXECUTION_FAILED
     assert "tool call budget exhausted" in outcome.timeline[-1].reason
@@ -345,3 +346,57 @@ def test_policy_checked_whole_against_the_workers_tools(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == ["invalid policy:", *problems]
+
+
+def test_the_policy_file_check_refuses_look_alike_names(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text('[tenants.default]\n[tenants.default.approvers]\nalice = { roles = ["approver"] }\n'
+                    'bob = { roles = ["approver"] }\n"a1ice" = { roles = ["approver"] }\n'
+                    '"rnallory" = { roles = ["approver"] }\nmallory = { roles = ["approver"] }\n')
+    problems = check_policy_file(path, REGISTRY.tools)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{path}: line 5, key tenants.default.approvers.a1ice: looks like approver 'alice'")
+    assert "line 7, key tenants.default.approvers.mallory: looks like approver 'rnallory'" in problems[1]
+    # A name that mixes scripts is no name at all: the file does not parse.
+    path.write_text('[tenants.default]\n[tenants.default.approvers]\n"\u0430lice" = { roles = ["approver"] }\n')
+    (problem,) = check_policy_file(path, REGISTRY.tools)
+    assert "mixes scripts" in problem and "U+0430" in problem, problem
+
+
+@pytest.mark.parametrize("name", ["alice", "josé", "müller", "łukasz", "søren", "zoë", "иван", "алиса", "山田たろう",
+                                  "δημήτρης", "li.wei@example.com", "jean-luc", "o'brien", "ＡＬＩＣＥ"])
+def test_real_names_in_one_script_are_names(name: str) -> None:
+    from workflows.identity import normalize_name
+
+    assert normalize_name(name)
+
+
+@pytest.mark.parametrize("name, why", [
+    ("\u0430lice", "mixes scripts (cyrillic, latin; U+0430 is cyrillic) and reads as 'alice'"),
+    ("alic\u0435", "U+0435 is cyrillic"),
+    ("p\u0430ypal", "reads as 'paypal'"),
+    ("\u0251lice", "reads as 'alice' (U+0251 looks like 'a')"),  # Latin alpha: one script, still alice
+    ("\u0430\u0455\u0435", "reads as 'ase'"),  # all Cyrillic, every letter an ASCII look-alike
+    ("bοb", "mixes scripts"),  # Greek omicron
+])
+def test_look_alike_names_are_refused_with_why(name: str, why: str) -> None:
+    from workflows.identity import normalize_name
+
+    with pytest.raises(ValueError) as refused:
+        normalize_name(name)
+    assert "a name people could not tell from another one" in str(refused.value) and why in str(refused.value)
+
+
+def test_four_eyes_and_distinct_approvers_compare_skeletons() -> None:
+    from workflows.identity import same_person
+
+    assert same_person("alice", "a1ice") and same_person("mallory", "rnallory") and not same_person("bob", "carol")
+    tenant = parse_policy("[tenants.default]\n").tenants["default"]
+    refusal = policy.approver_refusal(tenant, approver="a1ice", requested_by="alice", kind="approve",
+                                      roles=["approver"], already_approved=[])
+    assert refusal is not None and refusal.rule == "four_eyes" and "looks like alice" in refusal.message
+    refusal = policy.approver_refusal(tenant, approver="rnallory", requested_by="zed", kind="approve",
+                                      roles=["approver"], already_approved=["mallory"])
+    assert refusal is not None and refusal.rule == "distinct_approvers" and "looks like mallory" in refusal.message
+    assert policy.approver_refusal(tenant, approver="bob", requested_by="alice", kind="approve",
+                                   roles=["approver"], already_approved=["carol"]) is None

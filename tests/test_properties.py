@@ -31,6 +31,7 @@ from workflows.models import (
     Proposal,
     ProposedStep,
     Refusal,
+    RevisionRequest,
     RunData,
     RunRequest,
     TenantPolicy,
@@ -38,6 +39,7 @@ from workflows.models import (
     ToolOutcome,
 )
 from workflows.states import TERMINAL, RunState, is_legal_path
+from tests.invariants import check_request_satisfiable
 
 S = RunState
 CATALOG = REGISTRY.catalog()
@@ -67,6 +69,8 @@ EVENTS = [
     "expire", "cancel", "handoff", "authority_revoked",
     "tool_ok", "tool_ok", "tool_ok", "tool_retryable", "tool_retryable", "tool_permanent",
     "tool_unknown", "tool_unknown", "tool_ok_no_id",
+    "revise", "revise", "revise_invalid", "revise_stale", "revise_as_requester",
+    "approve_part", "approve_part", "approve_part_as_requester",
 ]
 WORKFLOW_AWAITS = {S.RECEIVED, S.PLANNING, S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING}
 # What a write answers: the ids its declared compensation points at (/result/refund_id, ...).
@@ -135,6 +139,11 @@ class Driver:
                     e.step_handed_off()
                 self.handoff = None
                 continue
+            plan = e.data.plan
+            if plan is not None:  # a partial approval validates and approves in one decision
+                self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
+                if plan.plan_hash not in self.hashes_seen:
+                    self.hashes_seen.append(plan.plan_hash)
             pending = e.data.pending_approval
             if pending is not None and (pending.request_id, pending.plan_hash) not in self.requests_seen:
                 self.requests_seen.append((pending.request_id, pending.plan_hash))
@@ -145,7 +154,11 @@ class Driver:
                 self.hashes_seen.append(plan.plan_hash)
                 self.plans.update({s.tool_call_id: plan for s in plan.steps})
                 self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
-                e.after_validated(self.tick())
+                # An auto-approved plan is re-checked under the current file (a tool withdrawn).
+                refusal = None
+                if not e.review().needs_approval and self.revoked:
+                    refusal, self.revoked = Refusal(rule="tool_withdrawn", message="gone"), False
+                e.after_validated(self.tick(), refusal)
             elif self.state == S.COMPENSATING and not e.compensation_ready(self.tick()):
                 continue  # none left (COMPENSATED), or one that cannot run (HANDED_OFF)
             elif self.state in (S.APPROVED, S.OBSERVING_RESULT):
@@ -183,7 +196,44 @@ class Driver:
                 roles=pending.roles,
                 already_approved=[a.approver for a in pending.approvals],
             )
-            self.engine.settle_decision(kind, decision, verdict, self.tick())
+            self.engine.settle_decision(kind, decision, verdict, self.tick(), new_id=self.new_id)
+
+    def revise(self, steps: list[dict], plan_hash: str | None = None, editor: str = "carol") -> None:
+        """A revision, through the same screening and (pure) policy rules as a decision."""
+        e = self.engine
+        pending = e.data.pending_approval
+        request_id = pending.request_id if pending else "none"
+        revision = RevisionRequest(
+            decision_id=uuid.uuid4().hex,
+            editor=editor,
+            plan_hash=plan_hash or (pending.plan_hash if pending else "0" * 64),
+            request_id=request_id,
+            steps=steps,
+            reason="r",
+        )
+        self.pending_when_sent[revision.decision_id] = request_id
+        if e.screen_decision("revise", revision, self.tick()) and self.state == S.AWAITING_APPROVAL:
+            pending = e.data.pending_approval
+            verdict = policy.approver_refusal(
+                e.tenant,
+                approver=revision.editor,
+                requested_by=e.request.requested_by,
+                kind="revise",
+                roles=pending.roles,
+                already_approved=[a.approver for a in pending.approvals],
+                editors=pending.editors,
+            )
+            e.settle_decision("revise", revision, verdict, self.tick(), new_id=self.new_id)
+
+    def revised_steps(self) -> list[dict]:
+        """The pending plan with every amount lowered by one cent (or a subject changed)."""
+        steps = [{"tool": s.tool, "args": dict(s.args)} for s in self.engine.data.plan.steps]
+        for step in steps:
+            if "amount_cents" in step["args"] and step["args"]["amount_cents"] > 1:
+                step["args"]["amount_cents"] -= 1
+            elif "subject" in step["args"]:
+                step["args"]["subject"] += "!"
+        return steps
 
     def tool(self, event: str) -> None:
         e = self.engine
@@ -241,6 +291,19 @@ class Driver:
                 self.signal("approve", self.decision(plan_hash, request_id=request_id))
         elif event == "approve_as_requester" and pending:
             self.signal("approve", self.decision(pending.plan_hash, approver=ALICE_VARIANTS[self.ids % 4]))
+        elif event == "revise" and pending and state == S.AWAITING_APPROVAL:
+            self.revise(self.revised_steps())
+        elif event == "revise_as_requester" and pending and state == S.AWAITING_APPROVAL:
+            self.revise(self.revised_steps(), editor=ALICE_VARIANTS[self.ids % 4])
+        elif event == "revise_invalid" and pending:
+            self.revise([{"tool": "wire_money", "args": {}}])
+        elif event == "revise_stale" and pending and state == S.AWAITING_APPROVAL:
+            old = [h for h in self.hashes_seen if h != pending.plan_hash]
+            self.revise(self.revised_steps(), plan_hash=old[0] if old else "0" * 64)
+        elif event in ("approve_part", "approve_part_as_requester") and pending and e.data.plan:
+            approver = "bob" if event == "approve_part" else ALICE_VARIANTS[self.ids % 4]
+            steps = list(range(1, len(e.data.plan.steps) + 1))[: max(1, len(e.data.plan.steps) // 2)]
+            self.signal("approve", self.decision(pending.plan_hash, approver=approver).model_copy(update={"steps": steps}))
         elif event == "reject" and pending:
             self.signal("reject", self.decision(pending.plan_hash))
         elif event == "expire" and state == S.AWAITING_APPROVAL:
@@ -269,12 +332,28 @@ def writes_only_after_approval(driver: Driver) -> None:
     executed = {s.tool_call_id: s for s in driver.engine.data.executed}
     approvals = {r.refs.decision_id: r for r in driver.engine.data.lifecycle.timeline if r.to_state == S.APPROVED}
     made_for = {d.decision_id: d.request_id for d in driver.decisions}
+    opened: dict[str, str] = {}  # plan hash -> the request opened for it most recently
+    revised_from: dict[str, str] = {}  # decision id -> the request its revision (partial approval) replaced
     for record in driver.engine.data.lifecycle.timeline:
+        if record.kind == "transition" and record.to_state == S.AWAITING_APPROVAL:
+            opened[record.refs.plan_hash] = record.refs.request_id
+        if record.kind == "transition" and record.from_state == S.AWAITING_APPROVAL and record.to_state == S.VALIDATED:
+            # A revision: by a person who could decide, of the request its sender saw, no values.
+            decision_id = record.refs.decision_id
+            assert record.refs.request_id == driver.pending_when_sent[decision_id], "a revision of another request counted"
+            assert record.refs.previous_plan_hash and record.refs.previous_plan_hash != record.refs.plan_hash
+            revised_from[decision_id] = record.refs.request_id
         if record.kind == "accepted" or (record.kind == "transition" and record.to_state == S.APPROVED):
             assert record.actor != "user:alice", "the requester approved her own run"
             decision_id = record.refs.decision_id
-            assert made_for[decision_id] == driver.pending_when_sent[decision_id], (
-                "a decision prepared for another approval request counted"
+            # The approval names the request that holds the plan it approves...
+            assert record.refs.request_id == opened.get(record.refs.plan_hash), "approval of another request"
+            # ...and was sent for that request, or is the approval half of a partial approval
+            # whose revision replaced the request it was sent for.
+            sent_for = driver.pending_when_sent[decision_id]
+            assert made_for[decision_id] == sent_for, "a decision prepared for another approval request counted"
+            assert sent_for == record.refs.request_id or revised_from.get(decision_id) == sent_for, (
+                "a decision counted for a request it was not sent for"
             )
         if record.kind != "transition":
             continue
@@ -306,8 +385,15 @@ def writes_only_after_approval(driver: Driver) -> None:
         # The same plan proposed again after an expiry: the earlier request's decision is stale.
         ["propose_writes", "expire", "propose_writes", "approve_earlier_request", "tool_ok"],
         ["propose_writes", "approve_as_requester", "approve_as_requester", "approve_as_requester", "tool_ok"],
+        # Revise then approve; approve what the revision replaced (stale); approve part of it.
+        ["propose_writes", "revise", "approve_earlier_request", "approve_old_plan", "approve", "tool_ok", "tool_ok"],
+        ["propose_writes", "revise_invalid", "revise_stale", "approve_part", "tool_ok", "tool_ok", "tool_ok"],
+        ["propose_writes", "approve_part_as_requester", "revise_as_requester", "approve_part", "tool_ok", "tool_ok"],
     ],
-    ids=["split-in-one-plan", "split-across-plans", "earlier-request", "requester-spellings"],
+    ids=[
+        "split-in-one-plan", "split-across-plans", "earlier-request", "requester-spellings",
+        "revise-then-approve", "invalid-stale-then-part", "requester-edits-not-approves",
+    ],
 )
 def test_directed_sequences_keep_the_invariants(events: list[str]) -> None:
     driver = Driver("replan")
@@ -377,6 +463,7 @@ def test_random_event_sequences_keep_the_invariants(
     terminal_at: tuple[RunState, int, int] | None = None
     for event in events:
         driver.apply(event)
+        check_request_satisfiable(driver.engine.data.pending_approval, driver.engine.tenant, "alice")
         lc = driver.engine.data.lifecycle
         if terminal_at is not None:
             # Terminal states absorb: nothing changes state or version; only refusals are added.
@@ -452,3 +539,16 @@ def test_a_decision_the_engine_cannot_act_on_is_an_illegal_state_not_a_crash() -
         driver.engine.expire(driver.tick())
     with pytest.raises(IllegalState, match="no plan step"):
         driver.engine.tool_succeeded(ToolOutcome(observation="", digest="", size=0), driver.tick())
+
+
+def test_a_refused_auto_approval_opens_a_request_someone_can_satisfy() -> None:
+    # Issue 18, item 10: a tool withdrawn mid-run refuses an auto-approved plan; the request
+    # asked for 0 approvals from no roles, and every approver was refused "needs one of []".
+    driver = Driver("expire")
+    driver.apply("authority_revoked")
+    driver.apply("propose_small")
+    pending = driver.engine.data.pending_approval
+    assert driver.state == S.AWAITING_APPROVAL and pending is not None
+    check_request_satisfiable(pending, driver.engine.tenant, "alice")
+    driver.apply("approve")
+    assert driver.state == S.COMPLETED or S.APPROVED in [r.to_state for r in driver.engine.data.lifecycle.timeline]

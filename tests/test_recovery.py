@@ -180,8 +180,8 @@ def test_the_refund_playbook_shows_the_undo_in_its_approval() -> None:
 
     engine = planned(PLAYBOOK, TenantPolicy())
     summary = engine.data.pending_approval.summary
-    assert "issue_refund (idempotent, order_id=A-1001, amount_cents=4999, undo: `void_refund`)" in summary
-    assert "send_email (unsafe, subject=Your refund for order A-1001, no recovery path)" in summary
+    assert 'issue_refund (idempotent, order_id="A-1001", amount_cents=4999, undo: `void_refund`)' in summary
+    assert 'send_email (unsafe, subject="Your refund for order A-1001", no recovery path)' in summary
 
 
 def test_an_undo_tool_name_from_a_server_is_shown_escaped() -> None:
@@ -309,11 +309,11 @@ async def approved_run(env: WorkflowEnvironment, worker, **request) -> RunOutcom
     snap = await wait_for_state(handle, "AWAITING_APPROVAL")
     # The approver sees how each write is undone, and which cannot be.
     summary = snap.pending_approval.summary
-    assert "issue_refund (idempotent, order_id=A-1002, amount_cents=1500, undo: `void_refund`)" in summary
-    assert "post_ledger_entry (reconcilable, order_id=A-1002, amount_cents=-1500, undo: `reverse_ledger_entry`)" in summary
-    assert "send_email (unsafe, subject=Your refund, no recovery path)" in summary
+    assert 'issue_refund (idempotent, order_id="A-1002", amount_cents=1500, undo: `void_refund`)' in summary
+    assert 'post_ledger_entry (reconcilable, order_id="A-1002", amount_cents=-1500, undo: `reverse_ledger_entry`)' in summary
+    assert 'send_email (unsafe, subject="Your refund", no recovery path)' in summary
     await handle.signal("approve", approval_for(snap, "bob"))
-    return await handle.result()
+    return await tether_client.run_outcome(handle)
 
 
 def undo_state(billing: Billing, outcome: RunOutcome) -> tuple[list[dict], list[dict]]:
@@ -349,6 +349,98 @@ async def test_a_permanent_failure_puts_the_ok_writes_back_exactly_once(
     assert len(reversals) == 1 and reversals[0]["amount_cents"] == 1500
 
 
+async def written_calls(env: WorkflowEnvironment, workflow_id: str) -> list:
+    """Every execute_tool input the run scheduled, as the server holds it (the history)."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from workflows.models import ToolCall
+
+    history = await env.client.get_workflow_handle(workflow_id).fetch_history()
+    return [
+        pydantic_data_converter.payload_converter.from_payloads(a.input.payloads, [ToolCall])[0]
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and (a := e.activity_task_scheduled_event_attributes).activity_type.name == "execute_tool"
+    ]
+
+
+async def test_each_undo_carries_a_capability_minted_under_the_plan_that_covered_it(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    billing.fail_next("emails", 1, status=400)
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker, on_failure="compensate")
+        calls = await written_calls(ts_env, outcome.run_id)
+    assert outcome.state == S.COMPENSATED, outcome.timeline[-1].reason
+    undos = [c for c in calls if c.tool_call_id.endswith(":undo")]
+    assert sorted(c.tool for c in undos) == ["reverse_ledger_entry", "void_refund"]
+    by_call = {c.tool_call_id: c for c in outcome.compensations}
+    for call in undos:
+        # Minted for exactly this undo (its tool, derived key), under the approved plan's hash.
+        cap, undo = call.capability, by_call[call.tool_call_id]
+        assert cap is not None and cap.tool == undo.tool and cap.tool_call_id == call.tool_call_id
+        assert cap.idempotency_key == undo.idempotency_key and cap.plan_hash == undo.plan_hash != ""
+        assert cap.workflow_id == outcome.run_id and cap.mac
+    # Every write the run scheduled had one (the refused email included).
+    assert all(c.capability is not None for c in calls if c.tool != "get_order")
+
+
+def test_the_re_check_of_an_undo() -> None:
+    """policy.undo_refusal: what the pre-write re-check judges for a compensation."""
+    undo = CompensationCall(of="tc-1", of_tool="issue_refund", tool="void_refund", args={"refund_id": "R-1"},
+                            idempotency_key="run:tc-1:undo", plan_hash="h" * 64, approved_by=["bob"])
+    tenant = TenantPolicy(
+        tools=["issue_refund", "void_refund"], approval_roles=["approver"],
+        approvers={"bob": Approver(roles=["approver"]), "dana": Approver(roles=["support"])},
+    )
+    assert policy.undo_refusal(tenant, undo=undo) is None
+    # Bob losing his role does not stop the undo of what he approved.
+    demoted = tenant.model_copy(update={"approvers": {"dana": Approver(roles=["support"])}})
+    assert policy.undo_refusal(demoted, undo=undo) is None
+    assert policy.undo_refusal(None, undo=undo).rule == "tenant"
+    withdrawn = tenant.model_copy(update={"tools": ["issue_refund"]})
+    assert policy.undo_refusal(withdrawn, undo=undo).rule == "tool_withdrawn"
+    assert policy.undo_refusal(tenant, undo=undo.model_copy(update={"plan_hash": ""})).rule == "not_approved"
+    assert policy.undo_refusal(tenant, undo=undo.model_copy(update={"tool": None})).rule == "no_recovery_path"
+    # A compensation run: the person who asked is judged now.
+    assert policy.undo_refusal(tenant, undo=undo, compensator="bob") is None
+    assert policy.undo_refusal(tenant, undo=undo, compensator="dana").rule == "role"
+    assert policy.undo_refusal(tenant, undo=undo, compensator="mallory").rule == "tenant_membership"
+    # The capability is minted only for exactly that undo.
+    from workflows.models import ToolCall
+
+    call = ToolCall(tool="void_refund", args={"refund_id": "R-1"}, tool_call_id="tc-1:undo",
+                    idempotency_key="run:tc-1:undo", run_id="run", tenant="default", attempt=1)
+    assert policy.undo_refusal(tenant, undo=undo, call=call) is None
+    other = call.model_copy(update={"args": {"refund_id": "R-2"}})
+    assert policy.undo_refusal(tenant, undo=undo, call=other).rule == "capability_invalid"
+
+
+def test_a_refused_undo_hands_off_and_stays_pending() -> None:
+    """The re-check just before an undo refuses: nothing starts, a person decides."""
+    from workflows.models import Refusal
+
+    tenant = TenantPolicy(tools=["issue_refund", "void_refund"])
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by="carol", compensate_run="orig"), workflow_id="orig-compensate")
+    engine.received(NOW)
+    engine.begin_compensation(source(), NOW)
+    assert engine.state == S.COMPENSATING and engine.compensation_ready(NOW) is True
+    check = engine.authority_check(from_step=engine.data.next_step)
+    assert check is not None and check.undo is not None and check.plan_hash == check.undo.plan_hash
+    assert check.compensator == "carol" and check.tools == [check.undo.tool]
+    calls = engine.data.tool_calls
+    assert engine.next_tool_call(NOW) is not None
+    engine.write_refused(Refusal(rule="tool_withdrawn", message="'void_refund' is not allowed"), NOW)
+    assert engine.state == S.HANDED_OFF and engine.data.tool_calls == calls
+    last = engine.data.lifecycle.timeline[-1]
+    assert "not started" in last.reason and "[tool_withdrawn]" in last.reason and "not compensated" in last.reason
+    assert [c.status for c in engine.data.compensations if c.tool] == ["pending"] * len(
+        [c for c in engine.data.compensations if c.tool]
+    )
+
+
 async def test_stop_is_the_default_and_keeps_the_writes(ts_env: WorkflowEnvironment, billing: Billing) -> None:
     billing.fail_next("emails", 1, status=400)
     async with running_worker(ts_env.client) as worker:
@@ -378,7 +470,7 @@ async def test_a_compensation_that_fails_hands_off_naming_it_and_compensate_fini
 
         # A person with an approval role decides to undo the rest: a governed run of its own.
         handle = await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
-        undo = await handle.result()
+        undo = await tether_client.run_outcome(handle)
     assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
     first = next(r for r in undo.timeline if r.to_state == S.COMPENSATING)
     assert first.from_state == S.RECEIVED and first.actor == "user:carol"
@@ -400,7 +492,7 @@ async def test_compensate_after_an_unknown_outcome_hand_off(ts_env: WorkflowEnvi
         # One compensation run per run: a second request is refused, whoever sends it.
         with pytest.raises(tether_client.TetherError, match="already has its compensation run"):
             await tether_client.compensate(ts_env.client, outcome.run_id, by="erin", queue=worker.task_queue)
-        undo = await handle.result()
+        undo = await tether_client.run_outcome(handle)
     assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
     check_timeline(undo.timeline, tools_by_call(undo))
     assert [c.of_tool for c in reversed(undo.compensations)] == ["post_ledger_entry", "issue_refund"]
@@ -418,7 +510,7 @@ async def test_compensate_refuses_a_running_run_and_an_unknown_one(ts_env: Workf
         # the original from the server, never from the request).
         forged = make_request([], compensate_run="no-such-run", requested_by="carol")
         undo = await start_run(ts_env.client, worker, forged)
-        result = await undo.result()
+        result = await tether_client.run_outcome(undo)
         assert result.state == S.FAILED and "unknown_run" in result.timeline[-1].reason
         # (time skipped while waiting: the untouched original has expired by now, nothing ran)
         still = await snapshot(handle)

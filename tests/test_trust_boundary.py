@@ -19,12 +19,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.client import WorkflowUpdateFailedError, WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
 from activities.policy import PolicyStore
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, tool
+from client import run_outcome
 from tests.conftest import (
     Billing,
     approval_for,
@@ -211,16 +212,43 @@ async def test_names_are_normalised_before_four_eyes(ts_env: WorkflowEnvironment
         assert after.refusals.get("malformed_signal unknown") == 3
         records = [r for r in await timeline(handle) if r.rule == "malformed_signal"]
         assert all("whitespace or invisible" in r.reason for r in records)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     assert [r.actor for r in outcome.timeline if r.to_state == S.APPROVED] == ["user:bob"]
+
+
+async def test_a_look_alike_name_cannot_approve_and_never_shows_as_an_approver(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    cyrillic = "\u0430lice"  # а (U+0430, Cyrillic) + lice: renders as alice
+    async with running_worker(ts_env.client) as worker:  # the default policy: anyone but the requester
+        handle = await start_run(ts_env.client, worker, make_request([refund(300)], requested_by="alice"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        # As a signal: recorded as refused under its own rule, the name itself not on the record.
+        await handle.signal("approve", {**approval_for(snap, "bob").model_dump(), "approver": cyrillic})
+        # Through decide: refused before history, with the rule's words.
+        with pytest.raises(WorkflowUpdateFailedError) as failure:
+            await handle.execute_update("decide", {**approval_for(snap, "bob").model_dump(), "approver": cyrillic, "kind": "approve"})
+        assert "mixes scripts" in str(failure.value.cause) and "reads as 'alice'" in str(failure.value.cause)
+        # An ASCII look-alike passes as a name, but four-eyes compares skeletons: a1ice is alice.
+        assert await refused(handle, approval_for(snap, "a1ice")) == "four_eyes"
+        await handle.signal("approve", approval_for(snap, "bob", "marker"))
+        await record_of(handle, "marker")
+        records = await timeline(handle)
+        assert (await snapshot(handle)).approved_by == ["bob"]
+        outcome = await run_outcome(handle)
+    look_alike = [r for r in records if r.rule == "look_alike_name"]
+    assert len(look_alike) == 1 and "U+0430 is cyrillic" in look_alike[0].reason and look_alike[0].actor == "unknown"
+    four_eyes = next(r for r in records if r.rule == "four_eyes")
+    assert "a1ice looks like alice, who requested this run" in four_eyes.reason
+    assert outcome.state == S.COMPLETED
+    assert [r.actor for r in outcome.timeline if r.to_state == S.APPROVED] == ["user:bob"]
+    assert not any(cyrillic in r.actor or cyrillic in r.reason for r in records + list(outcome.timeline))
 
 
 async def test_an_unsigned_or_forged_identity_cannot_start_or_decide(ts_env: WorkflowEnvironment, billing: Billing, policy_file: Path) -> None:
     async with secure_worker(ts_env, policy_file) as worker:
         # A run started for zed, unsigned: it fails at once, before planning.
         zed = await start_run(ts_env.client, worker, make_request([refund(11000)], tenant="secure", requested_by="zed"))
-        outcome = await zed.result()
+        outcome = await run_outcome(zed)
         assert outcome.state == S.FAILED and outcome.timeline[-1].refs.error_code == "signature_required"
         assert [r.to_state for r in outcome.timeline] == [S.FAILED]
 
@@ -240,7 +268,7 @@ async def test_an_unsigned_or_forged_identity_cannot_start_or_decide(ts_env: Wor
         # The two finance approvers, signed: the refund runs once.
         await handle.signal("approve", signed("carol", snap))
         await handle.signal("approve", signed("erin", snap))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     assert [r.actor for r in outcome.timeline if r.kind == "accepted" or r.to_state == S.APPROVED] == [
         "user:carol (signed)", "user:erin (signed)"
@@ -259,7 +287,7 @@ async def test_a_signed_decision_cannot_be_replayed_on_a_later_run_or_request(ts
         snap1 = await wait_for_state(first, "AWAITING_APPROVAL")
         bobs = signed("bob", snap1)
         await first.signal("reject", signed("bob", snap1, "reject", reason="not now"))
-        assert (await first.result()).state == S.REJECTED
+        assert (await run_outcome(first)).state == S.REJECTED
         # The same workflow id again, same plan (so the same plan hash): bob's old approval,
         # replayed verbatim, names another request of another run.
         run_id = first.id
@@ -280,7 +308,7 @@ async def test_a_signed_decision_cannot_be_replayed_on_a_later_run_or_request(ts
         rebound = bobs.model_copy(update={"request_id": snap2.pending_approval.request_id, "decision_id": uuid.uuid4().hex})
         assert await refused(second, rebound) == "bad_signature"
         await second.signal("approve", signed("bob", snap2))
-        outcome = await second.result()
+        outcome = await run_outcome(second)
     assert outcome.state == S.COMPLETED
     assert len([r for r in billing.refunds() if r["amount_cents"] == 900]) == 1
 
@@ -301,7 +329,7 @@ async def test_a_decision_for_an_earlier_request_of_the_same_plan_does_not_count
         assert round2.pending_approval.plan_hash == round1.pending_approval.plan_hash
         assert await refused(handle, prepared) == "stale_request"
         await handle.signal("approve", approval_for(round2, "bob"))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     assert len([r for r in billing.refunds() if r["amount_cents"] == 400]) == 1
 
@@ -318,10 +346,10 @@ async def test_split_refunds_are_judged_on_their_sum(ts_env: WorkflowEnvironment
         assert snap.state == S.AWAITING_APPROVAL, "a split refund was auto-approved"
         assert [r for r in billing.refunds() if r["order_id"] == "A-1002"] == []
         await handle.signal("reject", approval_for(snap, "bob", reason="split"))
-        assert (await handle.result()).state == S.REJECTED
+        assert (await run_outcome(handle)).state == S.REJECTED
         # One refund of 49.99 is still auto-approved.
         single = await start_run(ts_env.client, worker, make_request([refund(4999)], tenant="shop"))
-        outcome = await single.result()
+        outcome = await run_outcome(single)
     assert outcome.state == S.COMPLETED
     assert "policy needs no approval" in next(r.reason for r in outcome.timeline if r.from_state == S.VALIDATED)
 
@@ -334,14 +362,14 @@ async def test_a_tool_withdrawn_mid_run_stops_an_auto_approved_write(dev_env: Wo
         handle = await start_run(dev_env.client, worker, make_request([GET, refund(1000)], tenant="shop"))
         await wait_for_state(handle, "RETRY_WAIT")
         policy_file.write_text(POLICY.replace('tools = ["get_order", "issue_refund", "hold_then_fail"]', 'tools = ["get_order", "hold_then_fail"]'))
-        snap = await wait_for_state(handle, "AWAITING_APPROVAL", "COMPLETED", timeout=30)
-        records = await timeline(handle)
-        assert snap.state == S.AWAITING_APPROVAL
+        # From then on the run judges by the current file (issue 18): the replanned refund no
+        # longer validates for this tenant, and the run ends without writing.
+        outcome = await handle.result()
+        records = outcome.timeline
+        assert outcome.state == S.FAILED
         assert any("[tool_withdrawn]" in r.reason for r in records), [r.reason for r in records]
+        assert any("not allowed for this tenant" in r.reason for r in records if r.to_state == S.VALIDATION_FAILED)
         assert [r for r in billing.refunds() if r["order_id"] == "A-1002"] == []
-        await tether_client.cancel(dev_env.client, handle.id, reason="test over")
-        with pytest.raises(WorkflowFailureError):
-            await handle.result()
 
 
 async def test_a_handoff_sent_before_the_policy_snapshot_is_screened_when_taken(ts_env: WorkflowEnvironment, billing: Billing, policy_file: Path) -> None:
@@ -359,7 +387,7 @@ async def test_a_handoff_sent_before_the_policy_snapshot_is_screened_when_taken(
         record = await record_of(handle, "mallory-1")
         assert (record.kind, record.rule) == ("refused", "tenant_membership")
         await handle.signal("handoff", HandoffRequest(by="dana", reason="call the customer", decision_id="dana-1"))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.HANDED_OFF and outcome.timeline[-1].actor == "operator:dana"
     assert snap.state == S.AWAITING_APPROVAL
 
@@ -387,7 +415,7 @@ async def test_a_handoff_the_run_cannot_honour_is_recorded_as_refused(ts_env: Wo
         await handle.signal("handoff", HandoffRequest(by="dana", reason="taking over", decision_id="dana-late"))
         await asyncio.sleep(0.3)  # the handoff is accepted while the tool runs
         GATE.set()
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.EXECUTION_FAILED
     (record,) = [r for r in outcome.timeline if r.refs.decision_id == "dana-late"]
     assert (record.kind, record.rule) == ("refused", "run_ended")
@@ -402,7 +430,7 @@ async def test_the_audit_record_copies_no_argument_values(ts_env: WorkflowEnviro
     bad = [refund(100, order=secret), {"tool": "issue_refund", "args": {**refund(100)["args"], "approve_all": True}}]
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request(bad, limits={"max_replans": 0}))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         snap = await snapshot(handle)
     assert outcome.state == S.FAILED
     reason = next(r.reason for r in outcome.timeline if r.to_state == S.VALIDATION_FAILED)

@@ -159,4 +159,95 @@ def test_approval_needed_for_writes_only_by_default() -> None:
     review = policy.review_plan(write, CATALOG, None)
     assert (review.needs_approval, review.risk, review.approvals_required) == (True, "normal", 1)
     # The risk summary names what writes and the declared fields, never personal data.
-    assert review.summary == "1 of 2 step(s) write: send_email (unsafe, subject=Hi)"
+    assert review.summary == "1 of 2 step(s) write: send_email (unsafe, subject=\"Hi\")"
+
+
+# ----------------------------------------------------------------------------- bounded-cost patterns
+
+import time  # noqa: E402
+
+from workflows.models import ToolCatalog, ToolInfo  # noqa: E402
+from workflows.validation import pattern_search, schema_problem  # noqa: E402
+
+NESTED = r"^(\w+\s?)+$"
+
+
+def catalog_with(schema: dict) -> ToolCatalog:
+    return ToolCatalog(tools=[ToolInfo(name="echo", description="", effect=ToolEffect.READ_ONLY,
+                                       requires_approval=False, args_schema=schema, timeout_seconds=5, max_retries=0)])
+
+
+def validate_echo(schema: dict, args: dict):
+    return validate_proposal(Proposal(steps=[ProposedStep(tool="echo", args=args)]), catalog_with(schema),
+                             executed_steps=0, limits=Limits(), new_id=ids)
+
+
+def test_a_nested_quantifier_on_a_10_kb_argument_is_decided_in_linear_time() -> None:
+    schema = {"type": "object", "properties": {"text": {"type": "string", "pattern": NESTED}}}
+    started = time.perf_counter()
+    refused = validate_echo(schema, {"text": "a " * 5000 + "!"})  # Python's re: minutes at 32 chars
+    accepted = validate_echo(schema, {"text": "a " * 5000 + "a"})
+    assert time.perf_counter() - started < 0.5
+    assert refused.plan is None and "text: does not match the required pattern" in refused.reason
+    assert accepted.plan is not None
+
+
+def test_patterns_keep_json_schema_search_semantics() -> None:
+    # Unanchored search, like ECMA 262 and jsonschema's re.search.
+    assert pattern_search("b", "abc") and not pattern_search("^b", "abc") and pattern_search(r"\d{3}-\d{4}", "x555-1234")
+    schema = {"type": "object", "patternProperties": {"^x-": {"type": "integer"}}, "additionalProperties": False}
+    assert validate_echo(schema, {"x-a": 1}).plan is not None
+    assert "x-a: has the wrong type" in validate_echo(schema, {"x-a": "one"}).reason
+    assert "argument(s) the tool does not take" in validate_echo(schema, {"y": 1}).reason
+    names = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}
+    assert validate_echo(names, {"abc": 1}).plan is not None and validate_echo(names, {"ABC": 1}).plan is None
+
+
+def test_a_pattern_no_linear_engine_takes_is_refused_with_where_and_why() -> None:
+    for pattern, why in [(r"(a)\1", "invalid escape sequence"), ("(?=x)x", "invalid perl operator"),
+                         ("a{2,5000}", "invalid repetition size"), ("x" * 1001, "longer than 1000")]:
+        schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+        problem = schema_problem(schema)
+        assert problem is not None and "/properties/s/pattern" in problem and why in problem, problem
+        # A snapshot that still carries one (an old catalog) fails the step; re never runs.
+        assert "the tool's schema cannot be checked" in validate_echo(schema, {"s": "x"}).reason
+    assert "/patternProperties" in (schema_problem({"patternProperties": {"(?<=a)b": {}}}) or "")
+    assert "unevaluatedProperties" in (schema_problem({"patternProperties": {"a": {}}, "unevaluatedProperties": False}) or "")
+    # Data is not a schema: a "pattern" inside enum/const/default/examples is not compiled.
+    assert schema_problem({"enum": [{"pattern": "(?=x)"}], "default": {"pattern": "(a)\\1"}}) is None
+    assert schema_problem({"type": "object", "properties": {"pattern": {"type": "string"}}}) is None
+
+
+from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
+
+from activities.tools import ToolContext  # noqa: E402
+
+
+class LookaroundArgs(BaseModel):
+    # pydantic's own engine refuses lookaround; a tool author can still ask for Python's re.
+    model_config = ConfigDict(regex_engine="python-re")
+    word: str = Field(pattern=r"^(?!admin).*$")
+
+
+class NestedArgs(BaseModel):
+    word: str = Field(pattern=NESTED)
+
+
+def test_a_python_tool_whose_pattern_cannot_run_in_linear_time_is_left_out_with_why() -> None:
+    from activities.mcp import describe_tools, format_tools
+    from activities.tools import ToolRegistry, tool
+
+    registry = ToolRegistry()
+
+    @tool(effect="read_only", registry=registry)
+    def lookaround(args: LookaroundArgs, ctx: ToolContext) -> str:
+        return args.word
+
+    @tool(effect="read_only", registry=registry)
+    def nested(args: NestedArgs, ctx: ToolContext) -> str:
+        return args.word
+
+    assert list(registry.tools) == ["nested"] and [t.name for t in registry.catalog().tools] == ["nested"]
+    assert "invalid perl operator" in registry.refused["lookaround"]
+    shown = format_tools(describe_tools(registry))
+    assert "lookaround  python  left out" in shown and "cannot run in linear time" in shown

@@ -35,11 +35,15 @@ with workflow.unsafe.imports_passed_through():
 
     from workflows import metrics as run_metrics
     from workflows import policy
-    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, clip
-    from workflows.display import markdown_code
-    from workflows.engine import DecisionKind, Engine, IllegalState, ToolFailure
+    from workflows.details import run_details
+    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
+    from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
+    from workflows.identity import LOOK_ALIKE
     from workflows.models import (
         ATTEMPT_STILL_RUNNING,
+        CAPABILITY_EXPIRED,
+        CAPABILITY_KEY_MISSING,
+        KEY_MISSING,
         STRICT,
         ApprovalDecision,
         AuditAck,
@@ -51,6 +55,8 @@ with workflow.unsafe.imports_passed_through():
         ExecutedStep,
         HandoffCheck,
         HandoffRequest,
+        Notification,
+        NotificationResult,
         PlannerInput,
         PolicySnapshot,
         Proposal,
@@ -61,19 +67,23 @@ with workflow.unsafe.imports_passed_through():
         RunOutcome,
         RunRequest,
         RunSnapshot,
+        ReviseDecideRequest,
+        RevisionRequest,
         SealRequest,
         SnapshotRequest,
         ToolCatalog,
+        ToolEffect,
+        ToolInfo,
         ToolOutcome,
         Verdict,
         canonical_json,
         first_error,
     )
-    from workflows.states import IllegalTransition, Refs, RunState, TransitionRecord
+    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
 
 S = RunState
 T = TypeVar("T")
-M = TypeVar("M", ApprovalDecision, HandoffRequest)
+M = TypeVar("M", ApprovalDecision, HandoffRequest, RevisionRequest)
 
 # Public: the Web UI and `temporal workflow list --query` filter on these.
 STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("AgentRunState")
@@ -102,7 +112,40 @@ PATCH_V2 = "tether-v2"
 # Declared recovery: plan hashes cover compensations, ok writes get their undo, on_failure and
 # compensation runs. Runs recorded before keep their hashes and never compensate.
 PATCH_RECOVERY = "tether-recovery"
-DECIDE_HINT = "approve, reject (signals or the decide update), handoff"
+# Seals bound to the run chain, a capability for every write, missing keys fail the workflow
+# task (issue 18): new commands (the capability's re-check, a write's activity id, the timer
+# before a write is scheduled again) run only where this patch is set.
+TRUST_CHAIN = "tether-trust-chain"
+# A write that reached workers lacking its capability's key this many times in a row fails.
+MAX_BOUNCES = 50
+# Runs from this version on: a failing audit sink is retried on a backoff timer and shown on the
+# run; records refused while the run waits for a decision go to the sink at once; the run
+# continues as new before it nears Temporal's per-run Update limit.
+PATCH_RECORD = "tether-record"
+# audit_append tries a few times in quick succession, then the run shows the error and retries on
+# a timer: 1 s, 2 s, 4 s, ... up to a minute.
+AUDIT_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
+)
+AUDIT_BACKOFF_MAX = 60.0
+# workflow.patched id: a run that ends FAILED or EXECUTION_FAILED fails its Temporal execution
+# (states.TEMPORAL_STATUS) instead of completing it.
+FAILED_STATUS = "failed-status"
+# Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
+REVISIONS = "tether-revisions"
+# Escalation stages: timers inside the approval window (only where the policy sets stages).
+ESCALATION = "tether-escalation"
+# Notifications: a notify activity per event, where the policy names webhooks for it.
+NOTIFY = "tether-notify"
+# Webhook deliveries are retried with backoff (0.5 s, 1 s, 2 s) and never awaited by the run's
+# progress; a run that ends waits for the ones in flight at most NOTIFY_BUDGET.
+NOTIFY_RETRY = RetryPolicy(
+    maximum_attempts=4, initial_interval=timedelta(seconds=0.5), backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+)
+NOTIFY_ATTEMPT = timedelta(seconds=15)
+NOTIFY_BUDGET = timedelta(seconds=75)
+DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
 @workflow.defn(name="AgentRun")
@@ -128,12 +171,21 @@ class AgentRun:
         )
         # Decisions that passed the cheap checks on arrival, in arrival order; the main loop
         # checks each against the policy (an activity) and acts on it.
-        self._inbox: list[tuple[DecisionKind, ApprovalDecision]] = []
+        self._inbox: list[tuple[DecisionKind, Decision]] = []
         self._handoff: HandoffRequest | None = None
         # Records on their way to the audit sink, and the decide updates waiting for a verdict.
         self._audit: list[TransitionRecord] = []
         self._verdicts: dict[str, DecideResult | None] = {}
+        self._audit_error: str | None = None
+        self._updates = 0  # decide Updates this execution took
         self._v2 = True
+        self._v3 = True
+        self._bounces = 0
+        self._notifying = 0  # notify activities in flight
+        self._record = True
+        # The carried state bore the workers' seal (or there was none): a run failing on a
+        # forged one publishes nothing of it.
+        self._verified = False
         self._loops = 0
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
@@ -169,6 +221,8 @@ class AgentRun:
         if self._start_error is not None:
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
         self._v2 = workflow.patched(PATCH_V2)
+        self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
+        self._record = self._v2 and workflow.patched(PATCH_RECORD)
         self.engine.recovery = workflow.patched(PATCH_RECOVERY)
         try:
             await self._verify_carryover()
@@ -179,8 +233,12 @@ class AgentRun:
                 await self._drive()  # on_cancel=compensate: put the ok writes back first
             await self._finish()
             raise
+        except ApplicationError:
+            if self._record and self._verified:  # failing: every decision still gets its answer
+                await self._finish()
+            raise
         await self._finish()
-        return RunOutcome(
+        outcome = RunOutcome(
             run_id=workflow.info().workflow_id,
             state=self.data.lifecycle.state,
             answer=self.data.answer,
@@ -189,35 +247,79 @@ class AgentRun:
             timeline=self.data.lifecycle.timeline,
             compensations=self.data.compensations,
         )
+        if TEMPORAL_STATUS[outcome.state] == "Failed" and workflow.patched(FAILED_STATUS):
+            # The execution fails, non-retryable, with the outcome in the failure's details
+            # (client.run_outcome reads it back). Runs recorded before completed; they still do.
+            final = next((r.reason for r in reversed(outcome.timeline) if r.kind == "transition"), "")
+            raise ApplicationError(
+                f"run ended {outcome.state.value}: {clip(final, 300)}",
+                outcome,
+                type=outcome.state.value,
+                non_retryable=True,
+            )
+        return outcome
 
     async def _finish(self) -> None:
-        """The run has ended: nothing may be left unsaid on the record, or unanswered."""
+        """The run has ended (completed, cancelled, failed, handed off, expired): nothing may be
+        left unsaid on the record, or unanswered. Every decision in the inbox, the one being
+        checked included, is refused (``run_ended``) and its decide Update answered."""
         if self._handoff is not None:
             self.engine.handoff_unhonoured(self._handoff, workflow.now())
             self._handoff = None
         if self._inbox:
-            self._flush_inbox()
+            self._flush_inbox(ended=True)
+        self._notify()
+        if self._notifying:
+            # The ending's own event (expired, failed, handed off) and any still being retried:
+            # bounded by their backoff, so a dead webhook never holds the run.
+            try:
+                await workflow.wait_condition(lambda: self._notifying == 0, timeout=NOTIFY_BUDGET, timeout_summary="notifications")
+            except asyncio.TimeoutError:
+                pass
         await self._checkpoint()
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     async def _verify_carryover(self) -> None:
         if self._carry_raw is None or not self._v2:
+            self._verified = True
             return
         digest = hashlib.sha256(canonical_json(self._carry_raw).encode()).hexdigest()
-        valid = await self._activity(
-            "carryover_verify",
-            SealRequest(workflow_id=workflow.info().workflow_id, digest=digest, seal=self.request.carryover_seal),
-            bool,
-            "verify carried state",
-            local=True,
-        )
+        info = workflow.info()
+        # The seal names the run it was made by and the generation it hands on: only the run
+        # the server says this one continued from, handing on the next generation, will do.
+        generation = self.data.generation + 1
+        try:
+            valid = await self._activity(
+                "carryover_verify",
+                SealRequest(
+                    workflow_id=info.workflow_id,
+                    digest=digest,
+                    seal=self.request.carryover_seal,
+                    run_id=info.continued_run_id or "",
+                    generation=generation,
+                ),
+                bool,
+                "verify carried state",
+                local=True,
+            )
+        except (ActivityError, ApplicationError) as err:
+            # A local activity's failure may arrive unwrapped (the ApplicationError itself).
+            cause = err.cause if isinstance(err, ActivityError) else err
+            if self._v3 and isinstance(cause, ApplicationError) and cause.type == KEY_MISSING:
+                # Not this worker's to judge: fail the workflow task (a worker holding the key
+                # takes it), never the run. The message names the key id.
+                raise RuntimeError(f"{KEY_MISSING}: {cause.message}") from None
+            raise
         if not valid:
             raise ApplicationError(
-                "the carried state does not bear this worker's seal: it was not written by this "
-                "run's previous run (or the workers do not share TETHER_STATE_KEY_FILE)",
+                "the carried state does not bear a valid seal by this run's previous run: it was "
+                "not written by that run (an older or another run's state, or a forged one)",
                 type="carryover_unsealed",
                 non_retryable=True,
             )
+        if self._v3:
+            self.data.generation = generation
+        self._verified = True
 
     async def _drive(self) -> None:
         data = self.data
@@ -237,6 +339,9 @@ class AgentRun:
                     requested_by=request.requested_by,
                     request_digest=request.request_digest(),
                     requester_signature=request.requester_signature,
+                    nonce=request.nonce,
+                    issued_at=request.issued_at,
+                    started_at=workflow.info().start_time,
                 ),
                 PolicySnapshot,
                 "policy snapshot",
@@ -262,16 +367,16 @@ class AgentRun:
             elif state == S.VALIDATION_FAILED:
                 self._decide(self.engine.after_validation_failed)
             elif state == S.VALIDATED:
-                refusal = None
+                verdict = None
                 if self._v2 and not self.engine.review().needs_approval:
                     # Auto-approved by the run's snapshot: the current file must agree.
-                    refusal = await self._authority_refusal(from_step=0)
-                self._decide(lambda now: self.engine.after_validated(now, refusal))
+                    verdict = await self._authority(from_step=0)
+                self._decide(lambda now: self.engine.after_validated(now, _refusal(verdict), verdict))
             elif state == S.AWAITING_APPROVAL:
                 await self._await_decision()
             elif state == S.APPROVED:
-                refusal = await self._authority_refusal(from_step=data.next_step)
-                self._decide(lambda now: self.engine.after_approved(refusal, now))
+                verdict = await self._authority(from_step=data.next_step)
+                self._decide(lambda now: self.engine.after_approved(_refusal(verdict), now, verdict))
             elif state == S.EXECUTING_TOOL:
                 await self._execute_step()
             elif state == S.COMPENSATING:
@@ -279,10 +384,10 @@ class AgentRun:
                 if self._decide(self.engine.compensation_ready):
                     await self._execute_step()
             elif state == S.OBSERVING_RESULT:
-                refusal = None
+                verdict = None
                 if self.engine.current_step() is not None and (self._v2 or data.approval is not None):
-                    refusal = await self._authority_refusal(from_step=data.next_step)
-                self._decide(lambda now: self.engine.after_observation(refusal, now))
+                    verdict = await self._authority(from_step=data.next_step)
+                self._decide(lambda now: self.engine.after_observation(_refusal(verdict), now, verdict))
             else:
                 raise ApplicationError(
                     f"no handler for working state {state.value}", type="IllegalState", non_retryable=True
@@ -316,6 +421,7 @@ class AgentRun:
                     feedback=data.feedback,
                     round=data.planning_rounds,
                     steps_done=sum(1 for s in data.executed if s.status == "ok"),
+                    not_approved=data.not_approved,
                 ),
                 Proposal,
                 f"plan · {self.request.planner} · round {data.planning_rounds}",
@@ -328,11 +434,7 @@ class AgentRun:
             return
         if await self._take_handoff():
             return
-        self._decide(
-            lambda now: self.engine.proposal(
-                proposal, at=now, new_id=lambda n: f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
-            )
-        )
+        self._decide(lambda now: self.engine.proposal(proposal, at=now, new_id=_new_tool_call_id))
 
     async def _await_decision(self) -> None:
         pending = self.data.pending_approval
@@ -340,58 +442,68 @@ class AgentRun:
             raise ApplicationError(
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
-        remaining = (pending.expires_at - workflow.now()).total_seconds()
+        # The expiry, or the next escalation stage where the policy sets stages.
+        escalate = bool(pending.escalation) and workflow.patched(ESCALATION)
+        wake, summary = self.engine.next_timer(escalate)
+        remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
             await self._checkpoint()
             try:
                 await workflow.wait_condition(
                     lambda: bool(self._inbox)
                     or self._handoff is not None
-                    or workflow.info().is_continue_as_new_suggested(),
+                    or workflow.info().is_continue_as_new_suggested()
+                    # A refusal recorded while waiting goes to the sink now, not at the next step.
+                    or (self._record and (bool(self._audit) or self._updates_exhausted())),
                     timeout=timedelta(seconds=remaining),
-                    timeout_summary="approval expiry",
+                    timeout_summary=summary,
                 )
             except asyncio.TimeoutError:
                 pass
         if await self._take_handoff():
             return
         if self._inbox:
-            kind, decision = self._inbox.pop(0)
+            # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
+            # (a cancel, a failure) still answers it (_finish).
+            kind, decision = self._inbox[0] if self._record else self._inbox.pop(0)
+            if kind == "revise" or getattr(decision, "steps", None) is not None:
+                workflow.patched(REVISIONS)
             verdict = await self._activity(
                 "policy_check_decision",
                 DecisionCheck(
                     tenant=self.request.tenant,
                     workflow_id=workflow.info().workflow_id,
-                    kind=kind,
-                    decision=decision,
                     requested_by=self.request.requested_by,
-                    roles=pending.roles,
-                    already_approved=[a.approver for a in pending.approvals],
                     first_run_id=self.data.first_run_id,
                     requester_verified=self.data.requester_verified,
+                    **self.engine.decision_check(kind, decision),
                 ),
                 Verdict,
                 f"policy check · {kind}",
                 local=True,
             )
+            if self._record:
+                self._inbox.pop(0)
             self._decide(
-                lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now, verdict.verified)
+                lambda now: self.engine.settle_decision(
+                    kind, decision, verdict.refusal, now, verdict.verified, new_id=_new_tool_call_id
+                )
             )
             self._answer(decision.decision_id)
             return
-        if workflow.now() >= pending.expires_at:
-            self._decide(self.engine.expire)
+        if workflow.now() >= wake:
+            self._decide(lambda now: self.engine.timer_fired(now, escalate))
         # Otherwise woken to continue as new: the loop does that and comes back here.
 
-    async def _authority_refusal(self, *, from_step: int) -> Refusal | None:
-        """Re-check, through the policy activity, the approvals of the plan's remaining writes."""
+    async def _authority(self, *, from_step: int, **mint: Any) -> Verdict | None:
+        """Re-check, through the policy activity, the approvals of the plan's remaining writes;
+        ``mint`` (call, activity_id, ttl_seconds): and the capability of that write attempt."""
         check = self.engine.authority_check(from_step=from_step)
         if check is None:
             return None
-        verdict = await self._activity(
-            "policy_check_authority", check, Verdict, "policy re-check before writes", local=True
+        return await self._activity(
+            "policy_check_authority", check.model_copy(update=mint), Verdict, "policy re-check before writes", local=True
         )
-        return verdict.refusal
 
     async def _execute_step(self) -> None:
         step = self.engine.current_step()
@@ -406,11 +518,25 @@ class AgentRun:
         if call is None:
             return
         data_state = self.data.lifecycle.state
-        await self._checkpoint()
         timeouts = policy.tool_timeouts(info.timeout_seconds)
+        activity_id = None
+        if self._v3 and info.effect != ToolEffect.READ_ONLY:
+            # Every write attempt carries a capability for exactly this call, minted by the
+            # keyed re-check under the current file: nothing else can make a tool write.
+            activity_id = f"{call.tool_call_id}.{self.data.tool_calls}.{self._bounces}"
+            verdict = await self._authority(
+                from_step=self.data.next_step, call=call, activity_id=activity_id, ttl_seconds=timeouts.start_to_close
+            )
+            if verdict is None or verdict.capability is None:
+                refusal = _refusal(verdict) or Refusal(rule="capability_invalid", message="no capability minted")
+                self._decide(lambda now: self.engine.write_refused(refusal, now))
+                return
+            call = call.model_copy(update={"capability": verdict.capability})
+        await self._checkpoint()
         handle = workflow.start_activity(
             "execute_tool",
             call,
+            activity_id=activity_id,
             result_type=ToolOutcome,
             # The tool's deadline is its declared timeout; the grace period on top lets the
             # activity report a tool that overran instead of leaving the attempt in doubt.
@@ -450,6 +576,13 @@ class AgentRun:
         except ActivityError as err:
             failure = _failure(err)
             self._log_failure(call.tool_call_id, failure)
+            if activity_id and failure.code in (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED) and self._bounces < MAX_BOUNCES:
+                # The tool was not called: schedule the attempt again, fresh capability, soon.
+                self._bounces += 1
+                self.engine.capability_bounced(failure)
+                await self._checkpoint()
+                await workflow.sleep(timedelta(seconds=1), summary="write scheduled again (capability)")
+                return
             delay = self._decide(lambda now: self.engine.tool_failed(failure, now))
             if delay is None:
                 return
@@ -464,6 +597,7 @@ class AgentRun:
                 pass
             self._decide(self.engine.retry)
             return
+        self._bounces = 0
         self._decide(lambda now: self.engine.tool_succeeded(outcome, now))
 
     def _log_failure(self, tool_call_id: str, failure: ToolFailure) -> None:
@@ -501,6 +635,18 @@ class AgentRun:
             self._screen("reject", decision)
 
     @workflow.signal(
+        name="revise",
+        description="Revise the pending plan: a new plan version, validated like a proposal, then a "
+        "new approval request. Data (RevisionRequest): {\"decision_id\": unique, \"editor\": name, "
+        "\"plan_hash\" and \"request_id\": the pending ones, \"steps\": the whole revised list of "
+        "{\"tool\", \"args\"}, \"reason\": text, \"signature\": where required}.",
+    )
+    def revise(self, *args: Any) -> None:
+        revision = self._decode("revise", args, RevisionRequest)
+        if revision is not None:
+            self._screen("revise", revision)
+
+    @workflow.signal(
         name="handoff",
         description="Hand the run to a human; it ends in HANDED_OFF. Data (HandoffRequest): "
         "{\"by\": name, \"reason\": text, \"decision_id\": optional, \"signature\": where required}.",
@@ -531,14 +677,19 @@ class AgentRun:
     @workflow.update(
         name="decide",
         description="Approve or reject the pending plan and get the verdict at once. Data "
-        "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\". "
-        "Malformed, stale, duplicate and not-awaiting decisions are refused before they reach "
-        "history; the answer (DecideResult) is the record the run wrote for the decision.",
+        "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\"; or the "
+        "RevisionRequest fields plus \"kind\": \"revise\". "
+        "Only a malformed payload or a repeated decision_id is refused before history; every other "
+        "refusal (stale, expired, four-eyes, role, invalid revision, ...) is on the run's record, and "
+        "the answer (DecideResult) is the record the run wrote for the decision.",
     )
     async def decide(self, *args: Any) -> DecideResult:
         decision = self._decide_payload(args)
         kind: DecisionKind = decision.kind
-        plain = ApprovalDecision.model_validate(decision.model_dump(exclude={"kind"}))
+        plain: Decision = (
+            RevisionRequest if isinstance(decision, ReviseDecideRequest) else ApprovalDecision
+        ).model_validate(decision.model_dump(exclude={"kind"}))
+        self._updates += 1
         if plain.decision_id in self._verdicts:
             # The same decision twice at once (both passed the validator before either arrived):
             # one verdict per decision id, so the later one is a duplicate.
@@ -562,31 +713,23 @@ class AgentRun:
 
     @decide.validator
     def _validate_decide(self, *args: Any) -> None:
-        # Runs before anything reaches history: what cannot count is refused to the sender only.
+        # Runs before anything reaches history, so what it refuses is on no record: only what
+        # cannot be attributed (a malformed payload) or cannot count at all (a decision id seen
+        # before). Every policy refusal goes through the handler and onto the timeline.
         decision = self._decide_payload(args)
-        data = self.data
-        refusal = policy.decision_refusal(decision, data, now=workflow.now(), check_duplicate=True)
-        pending = data.pending_approval
-        if refusal is None and pending is not None:
-            refusal = policy.approver_refusal(
-                self.engine.tenant,
-                approver=decision.approver,
-                requested_by=self.request.requested_by,
-                kind=decision.kind,
-                roles=pending.roles,
-                already_approved=[a.approver for a in pending.approvals],
-            )
+        refusal = policy.repeated_decision_refusal(decision.decision_id, self.data, in_flight=self._verdicts)
         if refusal is not None:
             raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
 
-    def _decide_payload(self, args: Sequence[Any]) -> DecideRequest:
+    def _decide_payload(self, args: Sequence[Any]) -> DecideRequest | ReviseDecideRequest:
         if len(args) != 1:
             raise ApplicationError(
                 f"decide refused [malformed]: expected one DecideRequest, got {len(args)} argument(s)",
                 type="malformed",
             )
+        model = ReviseDecideRequest if isinstance(args[0], dict) and args[0].get("kind") == "revise" else DecideRequest
         try:
-            return DecideRequest.model_validate(args[0], context=STRICT)
+            return model.model_validate(args[0], context=STRICT)
         except ValidationError as e:
             raise ApplicationError(
                 f"decide refused [malformed]: expected DecideRequest ({first_error(e)})", type="malformed"
@@ -621,7 +764,19 @@ class AgentRun:
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
             compensations=data.compensations,
+            audit_waiting=len(self._audit),
+            audit_error=self._audit_error,
+            updates=self._updates,
+            tools=self._plan_tools(),
+            revisions=data.revisions,
         )
+
+    def _plan_tools(self) -> list[ToolInfo]:
+        data = self.data
+        if data.plan is None or data.catalog is None:
+            return []
+        names = dict.fromkeys(s.tool for s in data.plan.steps)
+        return [info for name in names if (info := data.catalog.get(name)) is not None]
 
     @workflow.query(
         name="timeline",
@@ -645,17 +800,20 @@ class AgentRun:
             at=workflow.now(),
             actor="unknown",
             reason=f"{signal} refused: malformed payload, {problem}",
-            rule="malformed_signal",
+            rule="look_alike_name" if LOOK_ALIKE in problem else "malformed_signal",
         )
         return None
 
-    def _screen(self, kind: DecisionKind, decision: ApprovalDecision) -> None:
+    def _screen(self, kind: DecisionKind, decision: Decision) -> None:
         """Cheap, state-only checks now; the policy check follows in the main loop."""
         if self.engine.screen_decision(kind, decision, workflow.now()):
             self._inbox.append((kind, decision))
+        else:
+            self._answer(decision.decision_id)  # nobody waits on a signal; forget its refusal
 
     def _answer(self, decision_id: str) -> None:
         """Give a waiting decide update its verdict, from the record the run wrote for it."""
+        unrecorded = self.engine.unrecorded_refusals.pop(decision_id, None)
         if decision_id not in self._verdicts:
             return
         record = next(
@@ -664,7 +822,9 @@ class AgentRun:
         if record is None:  # a refusal counted in a flood, not recorded
             self._verdicts[decision_id] = DecideResult(
                 decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state,
-                reason="refused (counted, not recorded: see snapshot.refusals)", rule="flood",
+                reason=f"refused: {unrecorded.message} (counted, not recorded: see snapshot.refusals)"
+                if unrecorded and self._record else "refused (counted, not recorded: see snapshot.refusals)",
+                rule=unrecorded.rule if unrecorded and self._record else "flood",
             )
             return
         self._verdicts[decision_id] = DecideResult(
@@ -747,45 +907,109 @@ class AgentRun:
         refusal, verified = (verdict.refusal, verdict.verified) if verdict else (None, False)
         return self._decide(lambda now: self.engine.take_handoff(request, now, detail, refusal, verified, refs=refs))
 
-    def _flush_inbox(self) -> None:
-        """The run left AWAITING_APPROVAL: decisions still queued can no longer count."""
+    def _flush_inbox(self, *, ended: bool = False) -> None:
+        """The run left AWAITING_APPROVAL (``ended``: the run is over): decisions still queued
+        can no longer count."""
+        ended = self._record and (ended or self.data.lifecycle.terminal)
         for kind, decision in self._inbox:
-            self.engine.refuse_unsettled(kind, decision, workflow.now())
+            self.engine.refuse_unsettled(kind, decision, workflow.now(), ended=ended)
             self._answer(decision.decision_id)
         self._inbox.clear()
 
+    def _updates_exhausted(self) -> bool:
+        """Near Temporal's per-run Update limit, with no Update in flight: time to continue."""
+        return self._record and self._updates >= UPDATES_CONTINUE_AT and workflow.all_handlers_finished()
+
     async def _flush_audit(self) -> None:
-        """Every record written so far, to the audit sink, in order (keyed by seq: a retry
-        never writes one twice)."""
+        """Every record written so far, to the audit sink, in order (keyed by workflow id, run id
+        and seq: a retry never writes one twice). While the sink fails, the run says so and
+        retries on a backoff timer; nothing else starts until every record is in."""
         if not self._v2:
             self._audit.clear()
             return
+        info = workflow.info()
+        failures = 0
         while self._audit:
-            batch, self._audit = self._audit[:AUDIT_BATCH], self._audit[AUDIT_BATCH:]
-            await self._activity(
-                "audit_append",
-                AuditBatch(workflow_id=workflow.info().workflow_id, first_run_id=self.data.first_run_id, records=batch),
-                AuditAck,
-                f"audit · {len(batch)} record(s)",
-                local=True,
-                checkpoint=False,
-            )
+            batch = self._audit[:AUDIT_BATCH]
+            try:
+                await self._activity(
+                    "audit_append",
+                    AuditBatch(
+                        workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
+                        run_id=info.run_id, continued_from=info.continued_run_id,
+                    ),
+                    AuditAck,
+                    f"audit · {len(batch)} record(s)",
+                    local=True,
+                    checkpoint=False,
+                    retry=AUDIT_RETRY if self._record else None,
+                )
+            except (ActivityError, ApplicationError) as err:  # a local activity's failure comes bare
+                if not self._record:
+                    raise
+                failures += 1
+                delay = min(2.0 ** (failures - 1), AUDIT_BACKOFF_MAX)
+                failure = err.cause if isinstance(err, ActivityError) else err
+                cause = failure.message if isinstance(failure, ApplicationError) else str(failure or err)
+                self._audit_error = clip(
+                    f"audit sink failing, {len(self._audit)} record(s) from seq {batch[0].seq} not written "
+                    f"(attempt {failures}, next in {delay:g}s): {cause}",
+                    600,
+                )
+                workflow.logger.warning("%s", self._audit_error)
+                self._publish()
+                await workflow.sleep(timedelta(seconds=delay), summary="audit sink retry")
+                continue
+            del self._audit[: len(batch)]
+        if self._audit_error is not None:
+            workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
+            self._audit_error = None
 
     async def _checkpoint(self) -> None:
-        """Before the run waits: the audit sink has every record, and the state is visible."""
+        """Before the run waits: the audit sink has every record, people who take an event are
+        being told, and the state is visible."""
         await self._flush_audit()
+        self._notify()
         self._publish()
+
+    def _notify(self) -> None:
+        """Start a notify activity per event the policy has webhooks for; the run goes on."""
+        notes = self.engine.take_notifications(workflow.info().namespace)
+        if not notes or not self._v2 or not workflow.patched(NOTIFY):
+            return
+        for note in notes:
+            self._notifying += 1
+            asyncio.create_task(self._deliver(note))
+
+    async def _deliver(self, note: Notification) -> None:
+        try:
+            result = await workflow.execute_activity(
+                "notify",
+                note.model_copy(update={"max_attempts": NOTIFY_RETRY.maximum_attempts}),
+                result_type=NotificationResult,
+                start_to_close_timeout=NOTIFY_ATTEMPT,
+                retry_policy=NOTIFY_RETRY,
+                summary=f"notify · {note.event} · {', '.join(note.webhooks)[:100]}",
+            )
+        except ActivityError as err:
+            result = NotificationResult(dead={name: _failure(err).code for name in note.webhooks})
+        except asyncio.CancelledError:
+            self._notifying -= 1
+            return  # the run is being cancelled: its own end is on the record
+        self._notifying -= 1
+        run_metrics.on_notification(note.event, len(result.delivered), len(result.dead))
+        self.engine.notification_done(note, result, workflow.now())
 
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
         self._loops += 1
-        suggested = workflow.info().is_continue_as_new_suggested()
+        suggested = workflow.info().is_continue_as_new_suggested() or self._updates_exhausted()
         if not suggested and self._loops % 16:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
         if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL, S.OBSERVING_RESULT):
             return
-        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
+        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
             return
         # The carried state is measured only here (it costs a serialisation), not every loop.
         size = len(data.model_dump_json())
@@ -805,15 +1029,18 @@ class AgentRun:
             digest = hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest()
             sealed = await self._activity(
                 "carryover_seal",
-                SealRequest(workflow_id=workflow.info().workflow_id, digest=digest),
+                # The seal binds the state to this run and to the generation it hands on.
+                SealRequest(workflow_id=workflow.info().workflow_id, digest=digest, generation=data.generation + 1),
                 SealRequest,
                 "seal carried state",
                 local=True,
             )
             seal = sealed.seal
         await self._checkpoint()
-        if self._inbox or self._handoff is not None or not workflow.all_handlers_finished():
-            return  # a decision or handoff came in while sealing: act on it first, continue later
+        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
+            # A decision or handoff came in while sealing (act on it first), or a notification
+            # is on its way (it would be lost): continue later.
+            return
         workflow.continue_as_new(
             self.request.model_copy(update={"carryover": data, "carryover_seal": seal}),
             search_attributes=TypedSearchAttributes(
@@ -841,85 +1068,18 @@ class AgentRun:
         workflow.set_current_details(clip(self._details(), DETAILS_CHARS))
 
     def _details(self) -> str:
-        # The Web UI's "Current Details" (markdown). Names, effects, ids and the plan hash only:
-        # never tool arguments or results, which may hold personal data.
-        from datetime import datetime, timezone
+        return run_details(
+            self.data, self.request, workflow_id=workflow.info().workflow_id,
+            continued=bool(workflow.info().continued_run_id), audit_error=self._audit_error,
+        )
 
-        def utc(moment: datetime) -> str:
-            return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
-        data = self.data
-        lc = data.lifecycle
-        requester = f"`{self.request.requested_by}`" + (" (signed)" if data.requester_verified else " (claimed)")
-        lines = [
-            f"**State:** `{lc.state.value}` (version {lc.state_version})",
-            "",
-            f"**Tenant** `{self.request.tenant}` · **requested by** {requester} · "
-            f"{len(data.executed)} step(s) executed · {data.retries} retries",
-        ]
-        if workflow.info().continued_run_id:
-            # A continued run has no static summary of its own (continue-as-new cannot set one).
-            lines += ["", f"**Goal:** {clip(self.request.goal, 300)}"]
-        if data.approved_by:
-            lines += ["", "**Approved by** " + ", ".join(f"`{a}`" for a in data.approved_by)]
-        if data.last_error:
-            lines += ["", f"**Last error:** {data.last_error[:200]}"]
-        if lc.refusals:
-            lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
-        plan, catalog = data.plan, data.catalog or ToolCatalog()
-        if plan is not None and not lc.terminal:
-            lines += ["", f"**Plan** `{plan.plan_hash}`", ""]
-            for i, step in enumerate(plan.steps[:30], start=1):
-                info = catalog.get(step.tool)
-                effect = info.effect.value if info else "?"
-                mark = " ✓ done" if i <= data.next_step else ""
-                undo = ""
-                if plan.undo is not None and info is not None and info.effect.value != "read_only":
-                    comp = plan.undo[i - 1]
-                    undo = f" · undo {markdown_code(comp.tool, 64)}" if comp else " · no recovery path"
-                lines.append(f"{i}. `{step.tool}` · {effect}{undo}{mark}")
-            if len(plan.steps) > 30:
-                lines.append(f"… and {len(plan.steps) - 30} more step(s)")
-        if data.compensations and lc.state == S.COMPENSATING:
-            lines += ["", "**Putting things back** (newest first):", ""]
-            for c in list(reversed(data.compensations))[:30]:
-                lines.append(f"- `{c.of}` {markdown_code(c.of_tool, 64)} → "
-                             + (f"{markdown_code(c.tool, 64)} · {c.status}" if c.tool else "no recovery path"))
-        pending = data.pending_approval
-        if pending is not None and lc.state == S.AWAITING_APPROVAL:
-            wf_id = workflow.info().workflow_id
-            signal_input = (
-                f"{{\"decision_id\": \"<unique id>\", \"approver\": \"NAME\", "
-                f"\"plan_hash\": \"{pending.plan_hash}\", \"request_id\": \"{pending.request_id}\"}}"
-            )
-            lines += [
-                "",
-                f"**Waiting for approval** (request `{pending.request_id}`) until "
-                f"**{utc(pending.expires_at)}** — {clip(pending.summary, 1000)}",
-                "",
-                f"**Approvals:** {len(pending.approvals)} of {pending.approvals_required}"
-                + (f" · risk **{pending.risk}**" if pending.risk != "normal" else "")
-                + (f" · roles {', '.join(f'`{r}`' for r in pending.roles)}" if pending.roles else "")
-                + (
-                    " · so far " + ", ".join(f"`{a.approver}`" for a in pending.approvals)
-                    if pending.approvals
-                    else ""
-                ),
-                "",
-                "**Approve with:**",
-                "",
-                f"`.venv/bin/tether approve {wf_id} --by NAME` (add `--key PATH` where approvals are signed)",
-                "",
-                "or:",
-                "",
-                f"`temporal workflow signal --workflow-id {wf_id} --name approve --input "
-                f"'{signal_input}'`",
-                "",
-                "or here: **More Actions → Send a Signal → approve**, with the `--input` JSON as data.",
-            ]
-        if data.answer and lc.terminal:
-            lines += ["", f"**Answer:** {data.answer[:500]}"]
-        return "\n".join(lines)
+def _new_tool_call_id(n: int) -> str:
+    return f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
+
+
+def _refusal(verdict: Verdict | None) -> Refusal | None:
+    return verdict.refusal if verdict is not None else None
 
 
 def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:

@@ -27,7 +27,10 @@ REASON_CHARS = 600  # one record's reason
 REFUSALS_RECORDED = 3
 REFUSAL_KEYS = 64  # distinct (rule, actor) counters; more actors are counted under "*"
 
+REVISIONS_KEPT = 20  # revisions a run keeps in its state (snapshot.revisions); the timeline has all
 DECISIONS_WINDOW = 256  # decision ids remembered for duplicate detection (plus a digest of all)
+# decide Updates one execution takes before it continues as new (Temporal: 2,000 per run).
+UPDATES_CONTINUE_AT = 1_500
 
 # Planner traffic.
 PROPOSAL_BYTES = 256 * KIB  # a proposal larger than this is refused at the activity boundary

@@ -85,7 +85,10 @@ def markdown_code(value: object, limit: int | None = None) -> str:
 def show_value(value: object, limit: int | None = None) -> str:
     """An argument or summary value (any JSON value) as one escaped line: strings as JSON strings."""
     if isinstance(value, str):
-        return escape_text(f'"{value}"', limit)
+        # Quoted, a quote inside shown as \x22: a value cannot close its own quotes and pass off
+        # what follows as another field, even once escaped again by a display that quotes it.
+        inner = escape_text(value, None if limit is None else max(limit - 2, 1)).replace('"', "\\x22")
+        return f'"{inner}"'
     try:
         text = json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
     except (TypeError, ValueError):

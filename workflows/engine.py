@@ -15,20 +15,38 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from workflows import policy, recovery
-from workflows.budgets import ANSWER_CHARS, DECISIONS_WINDOW, EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW, clip
+from workflows import revision as revisions
+from workflows.budgets import (
+    ANSWER_CHARS,
+    DECISIONS_WINDOW,
+    EXECUTED_OBSERVATION_CHARS,
+    EXECUTED_WINDOW,
+    PROPOSAL_BYTES,
+    REASON_CHARS,
+    REVISIONS_KEPT,
+    clip,
+)
 from workflows.models import (
     AcceptedApproval,
     ApprovalDecision,
     AuthorityCheck,
     CompensationCall,
+    EscalationStage,
     ExecutedStep,
+    Notification,
+    NotificationResult,
     HandoffRequest,
     Limits,
+    NotApproved,
     PendingApproval,
+    Plan,
     PlanReview,
     PlanStep,
     Proposal,
+    ProposedStep,
     Refusal,
+    Revision,
+    RevisionRequest,
     RunData,
     RunRequest,
     TenantPolicy,
@@ -38,12 +56,15 @@ from workflows.models import (
     ToolInfo,
     ToolOutcome,
     RecoverySource,
+    Verdict,
 )
 from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
-from workflows.validation import validate_proposal
+from workflows.validation import Validation, validate_proposal
 
 S = RunState
-DecisionKind = Literal["approve", "reject"]
+DecisionKind = Literal["approve", "reject", "revise"]
+# What waits in the run's inbox: an approve / reject decision, or a revision.
+Decision = ApprovalDecision | RevisionRequest
 
 
 class IllegalState(Exception):
@@ -92,10 +113,17 @@ class Engine:
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
         self.new_request_id = new_request_id  # one id per approval request (workflow.uuid4())
+        # Records someone is to be told about, with webhooks named besides the subscribers (an
+        # escalation stage's notify); the workflow takes them before it waits.
+        self.outbox: list[tuple[TransitionRecord, list[str]]] = []
+        # Decision refusals counted but not recorded (a flood), until their sender is answered.
+        self.unrecorded_refusals: dict[str, Refusal] = {}
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded
             self._on_record(record)
+            if notify_event(record) is not None:
+                self.outbox.append((record, []))
 
     # ------------------------------------------------------------------ facts
 
@@ -147,8 +175,11 @@ class Engine:
         _require(self.data.plan is not None, "no validated plan to review")
         return policy.review_plan(self.data.plan, self.catalog, self.tenant, self.data.spent)
 
-    def actor(self, name: str, verified: bool = False) -> str:
-        """How a person shows on the timeline: verified identities say how."""
+    def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
+        """How a person shows on the timeline: verified identities say how (their own
+        signature, or a trusted signer's attestation: ``user:bob via inbox``)."""
+        if verified and via:
+            return f"user:{name} via {via}"
         return f"user:{name} (signed)" if verified else f"user:{name}"
 
     # ------------------------------------------------------------------ records
@@ -217,6 +248,7 @@ class Engine:
         """The planner answered: finish, validate the plan, or record why it is not valid."""
         data = self.data
         data.model_tokens += proposal.usage_tokens
+        data.not_approved = []  # the planner has been told
         max_tokens = self.request.limits.max_model_tokens
         if max_tokens is not None and data.model_tokens > max_tokens:
             data.last_error = f"model_token_budget: {data.model_tokens} > {max_tokens}"
@@ -233,25 +265,14 @@ class Engine:
             data.answer = clip(proposal.answer, ANSWER_CHARS)
             self.move(S.COMPLETED, at=at, actor="planner", reason="planner finished with an answer")
             return
-        result = validate_proposal(
-            proposal,
-            self.catalog,
-            executed_steps=len(data.executed),
-            limits=self.limits,
-            new_id=new_id,
-            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
-            recovery=self.recovery,
-        )
-        if result.plan is not None and self.recovery:
-            refusal = policy.recovery_refusal(result.plan, self.catalog, self.tenant, data.spent)
-            if refusal is not None:
-                result = type(result)(plan=None, problems=[f"[{refusal.rule}] {refusal.message}"])
+        result = self.validate(proposal, new_id)
         if result.plan is None:
             data.feedback = result.reason  # bounded: the first problems, paths and rules only
             self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
             return
-        data.plan, data.next_step, data.step_retries, data.feedback = result.plan, 0, 0, None
-        data.pending_approval = data.approval = None
+        data.plan_editors = []
+        self._adopt(result.plan)
+        data.feedback = None
         self.move(
             S.VALIDATED,
             at=at,
@@ -259,6 +280,34 @@ class Engine:
             reason=f"plan of {len(result.plan.steps)} step(s) validated",
             refs=Refs(plan_hash=result.plan.plan_hash),
         )
+
+    def validate(self, proposal: Proposal, new_id: Callable[[int], str]) -> Validation:
+        """The one validation a plan gets, proposed or revised: the catalog snapshot, the
+        tools' schemas, the tenant's tools and the step budget (with what the run already did)."""
+        result = validate_proposal(
+            proposal,
+            self.catalog,
+            executed_steps=len(self.data.executed),
+            limits=self.limits,
+            new_id=new_id,
+            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
+            recovery=self.recovery,
+        )
+        if result.plan is not None and self.recovery:
+            # The tenant's require_recovery: a write with no recovery path never reaches approval.
+            refusal = policy.recovery_refusal(result.plan, self.catalog, self.tenant, self.data.spent)
+            if refusal is not None:
+                result = Validation(plan=None, problems=[f"[{refusal.rule}] {refusal.message}"])
+        return result
+
+    def _adopt(self, plan: Plan) -> None:
+        """``plan`` becomes the run's current plan, the next version; nothing of it has run."""
+        data = self.data
+        data.plans = max(data.plans, data.plan.version if data.plan else 0) + 1
+        plan.version = data.plans
+        data.plan, data.next_step, data.step_retries = plan, 0, 0
+        data.pending_approval = data.approval = None
+        data.approved_by = []
 
     def after_validation_failed(self, at: datetime) -> None:
         self._replan_or_end(
@@ -287,55 +336,89 @@ class Engine:
             refs=refs,
         )
 
-    def after_validated(self, at: datetime, refusal: Refusal | None = None) -> None:
+    def after_validated(self, at: datetime, refusal: Refusal | None = None, ask: Verdict | None = None) -> None:
         """``refusal``: the current policy file's word on a plan the snapshot would auto-approve."""
         review = self.review()
         if not review.needs_approval and refusal is None:
             self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
             return
         why = f"policy changed [{refusal.rule}]: {refusal.message}; " if refusal else ""
-        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}")
+        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}", ask=ask if refusal else None)
 
     # ------------------------------------------------------------------ approvals
 
-    def request_approval(self, *, at: datetime, reason: str) -> None:
-        """Open a fresh approval request for the current plan (no approvals carried over)."""
+    def request_approval(self, *, at: datetime, reason: str, ask: Verdict | None = None) -> None:
+        """Open a fresh approval request for the current plan (no approvals carried over).
+
+        ``ask``: a re-check's verdict under the current file, whose terms (approvals, roles) the
+        request takes. Either way it asks for at least one approval from roles someone can hold.
+        """
         data = self.data
         _require(data.plan is not None, "no validated plan")
+        self.adopt(ask)
         review = self.review()
         ttl = self.request.limits.approval_ttl_seconds
         if review.ttl_seconds is not None:
             ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
+        required, roles = policy.request_terms(review, self.tenant)
         data.pending_approval = PendingApproval(
             plan_hash=data.plan.plan_hash,
             request_id=self.new_request_id(),
             expires_at=at + timedelta(seconds=ttl),
             summary=review.summary,
             risk="high" if review.risk == "high" else "normal",
-            approvals_required=review.approvals_required,
-            roles=review.roles,
+            approvals_required=required,
+            roles=roles,
+            editors=list(data.plan_editors),
+            opened_at=at,
+            # Expiry stays the last word: a stage at or past it never fires.
+            escalation=[stage for stage in review.escalation if stage.after < ttl],
         )
         data.approval = None
         data.approved_by = []
+        version = f"plan v{data.plan.version}, " if data.plan.version > 1 else ""
         self.move(
             S.AWAITING_APPROVAL,
             at=at,
             actor="runtime",
-            reason=f"{reason} (request {data.pending_approval.request_id})",
-            refs=Refs(plan_hash=data.plan.plan_hash),
+            reason=f"{reason} ({version}request {data.pending_approval.request_id})",
+            refs=Refs(plan_hash=data.plan.plan_hash, request_id=data.pending_approval.request_id or None),
         )
 
-    def screen_decision(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> bool:
+    def adopt(self, ask: Verdict | None) -> None:
+        """A re-check under the current policy file refused: from now on the run judges by that
+        file (its snapshot is replaced), so the next request asks for what can be given."""
+        data = self.data
+        if ask is None or ask.tenant_policy is None or data.policy is None:
+            return
+        data.policy = data.policy.model_copy(update={"policy": ask.tenant_policy, "policy_hash": ask.policy_hash})
+
+    def screen_decision(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool:
         """The cheap, state-only checks a decision passes on arrival (signal handler).
 
         Returns True when it may go on to the policy check; otherwise it is recorded as refused.
         """
-        refusal = policy.decision_refusal(decision, self.data, now=at, check_duplicate=True)
-        self._remember_decision(decision.decision_id)
+        plain = _plain(decision)
+        refusal = policy.decision_refusal(plain, self.data, now=at, check_duplicate=True, kind=kind)
+        self._remember_decision(plain.decision_id)
         if refusal is not None:
-            self._refuse_decision(kind, decision, refusal, at)
+            self._refuse_decision(kind, plain, refusal, at)
             return False
         return True
+
+    def decision_check(self, kind: DecisionKind, decision: Decision) -> dict:
+        """What the policy activity needs to judge ``decision`` (DecisionCheck's fields, less
+        the run's ids): who decides on which request, and what a revision's signature covers."""
+        pending = self.data.pending_approval
+        _require(pending is not None, "no pending approval")
+        return {
+            "kind": kind,
+            "decision": _plain(decision),
+            "roles": pending.roles,
+            "already_approved": [a.approver for a in pending.approvals],
+            "editors": pending.editors,
+            "steps_digest": decision.revised_hash() if isinstance(decision, RevisionRequest) else None,
+        }
 
     def _remember_decision(self, decision_id: str) -> None:
         """A bounded window of ids, a count and a running digest of every id seen."""
@@ -350,35 +433,182 @@ class Engine:
     def settle_decision(
         self,
         kind: DecisionKind,
-        decision: ApprovalDecision,
+        decision: Decision,
         verdict: Refusal | None,
         at: datetime,
         verified: bool = False,
+        *,
+        new_id: Callable[[int], str] | None = None,
     ) -> None:
-        """Apply a decision the policy activity has judged (``verdict`` None: the approver may)."""
+        """Apply a decision the policy activity has judged (``verdict`` None: the approver may).
+
+        ``new_id``: tool call ids for a revised plan (a revision, a partial approval)."""
         data = self.data
+        plain = _plain(decision)
         # The run may have moved on (expiry, handoff) while the policy was consulted.
-        refusal = verdict or policy.decision_refusal(decision, data, now=at, check_duplicate=False)
+        refusal = verdict or policy.decision_refusal(plain, data, now=at, check_duplicate=False, kind=kind)
         if refusal is not None:
-            self._refuse_decision(kind, decision, refusal, at)
+            self._refuse_decision(kind, plain, refusal, at)
             return
         pending = data.pending_approval
-        _require(pending is not None, "no pending approval")
-        refs = Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id)
-        actor = self.actor(decision.approver, verified)
+        _require(pending is not None and data.plan is not None, "no pending approval")
+        actor = self.actor(plain.approver, verified, plain.attested_by)
+        if isinstance(decision, RevisionRequest):
+            _require(new_id is not None, "a revision needs tool call ids")
+            body = decision.model_dump_json(include={"steps"})
+            if len(body) > PROPOSAL_BYTES:  # the proposal's budget: the plan is carried and hashed
+                proposal = Proposal(oversized_bytes=len(body), oversized_digest=hashlib.sha256(body.encode()).hexdigest())
+            else:
+                proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
+            self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
+            return
+        refs = Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id, request_id=pending.request_id or None)
         if kind == "reject":
             data.pending_approval = None
-            self.move(S.REJECTED, at=at, actor=actor, reason=decision.reason or "rejected", refs=refs)
+            self.move(S.REJECTED, at=at, actor=actor, reason=plain.reason or "rejected", refs=refs)
             return
-        pending.approvals.append(AcceptedApproval(approver=decision.approver, decision_id=decision.decision_id, at=at))
+        kept = policy.partial_steps(plain, data.plan)
+        if kept is not None:
+            _require(new_id is not None, "a partial approval needs tool call ids")
+            self._approve_part(plain, kept, actor, at, new_id, verified)
+            return
+        self._approve(plain, actor, at, refs)
+
+    def _revise(
+        self,
+        proposal: Proposal,
+        decision: ApprovalDecision,
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        *,
+        why: str,
+        partial: bool = False,
+    ) -> bool:
+        """Replace the pending plan by a revised one, validated like a proposal: a new plan
+        version, back to VALIDATED (the run then asks for a new approval). Refused
+        (``invalid_revision``, nothing changed) when it does not validate or changes nothing."""
+        data = self.data
+        old, pending = data.plan, data.pending_approval
+        _require(old is not None and pending is not None, "no pending plan to revise")
+        kind: DecisionKind = "approve" if partial else "revise"
+        result = self.validate(proposal, new_id)
+        problem = result.reason if result.plan is None else None
+        if result.plan is not None and result.plan.plan_hash == old.plan_hash:
+            problem = "the revised plan is the pending plan: nothing to revise"
+        if data.next_step:  # (not reached today: a plan waits for approval before any step runs)
+            problem = f"{data.next_step} step(s) of the pending plan have run: plan the rest anew"
+        if problem is not None or result.plan is None:
+            self._refuse_decision(kind, decision, Refusal(rule="invalid_revision", message=f"invalid revision: {problem}"), at)
+            return False
+        changed = revisions.changed_paths(revisions.patch(old.steps, result.plan.steps))
+        if decision.approver not in data.plan_editors:
+            data.plan_editors.append(decision.approver)
+        self._adopt(result.plan)
+        plan = result.plan
+        data.revisions.append(
+            Revision(
+                version=plan.version,
+                editor=decision.approver,
+                at=at,
+                previous_plan_hash=old.plan_hash,
+                plan_hash=plan.plan_hash,
+                changed=changed,
+                partial=partial,
+            )
+        )
+        del data.revisions[:-REVISIONS_KEPT]
+        summary = f"; changed {', '.join(changed)}" if changed else ""
+        self.move(
+            S.VALIDATED,
+            at=at,
+            actor=actor,
+            reason=clip(
+                f"{why} — plan v{plan.version} ({len(plan.steps)} step(s)) replaces v{old.version} "
+                f"{old.plan_hash[:12]}{summary}",
+                REASON_CHARS,
+            ),
+            refs=Refs(
+                plan_hash=plan.plan_hash,
+                decision_id=decision.decision_id,
+                request_id=pending.request_id or None,
+                previous_plan_hash=old.plan_hash,
+                changed=changed,
+            ),
+        )
+        return True
+
+    def _approve_part(
+        self,
+        decision: ApprovalDecision,
+        kept: list[int],
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        verified: bool,
+    ) -> None:
+        """A partial approval: a revision to the kept steps, then this approval of the result
+        (it counts for the new request like any approval; others needed approve the subset)."""
+        data = self.data
+        old, before = data.plan, data.pending_approval
+        _require(old is not None and before is not None, "no pending plan")
+        left_out = [n for n in range(1, len(old.steps) + 1) if n not in kept]
+        dropped = [NotApproved(step=n, tool=old.steps[n - 1].tool, args=old.steps[n - 1].args, by=decision.approver) for n in left_out]
+        proposal = Proposal(steps=[ProposedStep(tool=old.steps[n - 1].tool, args=old.steps[n - 1].args) for n in kept])
+        why = (
+            f"partial approval by {decision.approver}: step(s) {', '.join(map(str, kept))} of "
+            f"{len(old.steps)} approved, not approved: "
+            + ", ".join(f"{d.step} ({d.tool})" for d in dropped)
+        )
+        if not self._revise(proposal, decision, actor, at, new_id, why=why, partial=True):
+            return
+        data.not_approved = dropped
+        review = self.review()
+        self.request_approval(at=at, reason=f"approval of the approved part: {review.summary}")
+        pending = data.pending_approval
+        _require(pending is not None, "no pending approval")
+        # Checked by the policy activity for the request it was sent for; the subset's request
+        # may ask for other roles: the run's snapshot says whether this approver holds one.
+        refusal = policy.approver_refusal(
+            self.tenant,
+            approver=decision.approver,
+            requested_by=self.request.requested_by,
+            kind="approve",
+            roles=pending.roles or before.roles,  # a subset needing nobody: the roles it was sent to
+            already_approved=[],
+            editors=pending.editors,
+        )
+        refs = Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id, request_id=pending.request_id or None)
+        if refusal is not None:
+            self._refuse_decision("approve", decision.model_copy(update={"plan_hash": pending.plan_hash}), refusal, at)
+            return
+        self._approve(decision, actor, at, refs)
+
+    def _approve(self, decision: ApprovalDecision, actor: str, at: datetime, refs: Refs) -> None:
+        data = self.data
+        pending = data.pending_approval
+        _require(pending is not None, "no pending approval")
+        pending.approvals.append(
+            AcceptedApproval(
+                approver=decision.approver,
+                decision_id=decision.decision_id,
+                at=at,
+                # Kept: the re-check before every write verifies it again under the current file.
+                signature=decision.signature,
+                request_id=decision.request_id or "",
+                plan_hash=decision.plan_hash,
+                attested_by=decision.attested_by,
+                steps=decision.steps,
+            )
+        )
         data.approved_by = [a.approver for a in pending.approvals]
         if len(pending.approvals) < pending.approvals_required:
             self.on_record(
                 data.lifecycle.accept(
                     at=at,
                     actor=actor,
-                    reason=f"approval {len(pending.approvals)}/{pending.approvals_required} accepted: "
-                    f"{decision.comment or 'approved'}",
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted"
+                    + (f": {decision.comment}" if decision.comment else ""),
                     refs=refs,
                 )
             )
@@ -387,23 +617,137 @@ class Engine:
         data.approval, data.pending_approval = pending, None
         self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
 
-    def refuse_unsettled(self, kind: DecisionKind, decision: ApprovalDecision, at: datetime) -> None:
-        """A decision still queued when the run left AWAITING_APPROVAL."""
-        self._refuse_decision(
-            kind,
-            decision,
-            Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL"),
-            at,
-        )
+    def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None:
+        """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
+        over (completed, cancelled, failed, handed off, expired), rule ``run_ended``."""
+        if ended:
+            refusal = Refusal(rule="run_ended", message=f"the run ended before this decision was settled (state {self.state.value})")
+        else:
+            refusal = Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL")
+        self._refuse_decision(kind, _plain(decision), refusal, at)
 
     def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None:
-        self.refuse(
+        record = self.data.lifecycle.refuse(
             at=at,
             actor=f"user:{decision.approver}",
             reason=f"{kind} refused: {refusal.message}",
             rule=refusal.rule,
-            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id),
+            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id),
         )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
+
+    def next_escalation(self) -> datetime | None:
+        """When the pending request's next escalation stage is due (None: no stage left)."""
+        pending = self.data.pending_approval
+        if pending is None or pending.opened_at is None or pending.stage >= len(pending.escalation):
+            return None
+        return pending.opened_at + timedelta(seconds=pending.escalation[pending.stage].after)
+
+    def next_timer(self, escalate: bool = True) -> tuple[datetime, str]:
+        """When the waiting plan's timer fires next, and what for: an escalation stage (where
+        ``escalate``: the policy sets stages) inside the window, else the expiry."""
+        pending = self.data.pending_approval
+        _require(pending is not None, "no pending approval")
+        due = self.next_escalation() if escalate else None
+        if due is not None and due < pending.expires_at:
+            return due, f"escalation stage {pending.stage + 1}"
+        return pending.expires_at, "approval expiry"
+
+    def timer_fired(self, at: datetime, escalate: bool = True) -> None:
+        """The timer ``next_timer`` named fired: escalate, or expire. A run that was away past
+        several stages takes them one by one; past the expiry, the expiry is the last word."""
+        wake, _ = self.next_timer(escalate)
+        pending = self.data.pending_approval
+        if wake < pending.expires_at and at < pending.expires_at:
+            self.escalate(at)
+        else:
+            self.expire(at)
+
+    def escalate(self, at: datetime) -> EscalationStage:
+        """The next escalation stage's timer fired: record it and widen the roles that may
+        approve. Returns the stage (the workflow tells its webhooks)."""
+        pending = self.data.pending_approval
+        due = self.next_escalation()
+        _require(
+            pending is not None and self.state == S.AWAITING_APPROVAL and due is not None and due <= at < pending.expires_at,
+            "an escalation timer fired with no stage due",
+        )
+        stage = pending.escalation[pending.stage]
+        pending.stage += 1
+        added = [r for r in stage.roles if r not in pending.roles]
+        pending.roles = pending.roles + added
+        widened = f"; roles {', '.join(pending.roles)} may approve" if added else ""
+        told = f"; notifying {', '.join(stage.notify)}" if stage.notify else ""
+        self.on_record(
+            self.data.lifecycle.escalate(
+                at=at,
+                reason=f"escalation stage {pending.stage}/{len(pending.escalation)}: waiting "
+                f"{_duration(stage.after)} for approval{widened}{told}; expires {pending.expires_at.isoformat()}",
+                refs=Refs(plan_hash=pending.plan_hash, request_id=pending.request_id or None),
+            )
+        )
+        if self.outbox:
+            self.outbox[-1][1].extend(stage.notify)
+        return stage
+
+    # ------------------------------------------------------------------ notifications
+
+    def take_notifications(self, namespace: str = "default") -> list[Notification]:
+        """The events to post now, each to the webhooks that take it (the policy snapshot's
+        subscriptions, and an escalation stage's own), built from ids and the risk summary.
+        An approval request already decided by the time the run waits is not announced."""
+        outbox, self.outbox = self.outbox, []
+        hooks = self.data.policy.webhooks if self.data.policy else {}
+        pending = self.data.pending_approval
+        out: list[Notification] = []
+        for record, named in outbox:
+            event = notify_event(record)
+            if event is None:
+                continue
+            if event == "awaiting_approval" and (pending is None or pending.request_id != (record.refs.request_id or "")):
+                continue  # decided in the same step (a partial approval): nothing waits
+            names = [n for n, events in hooks.items() if event in events]
+            names += [n for n in named if n not in names]
+            if not names:
+                continue
+            waiting = pending if pending is not None and pending.request_id == (record.refs.request_id or "") else None
+            out.append(
+                Notification(
+                    event_id=f"{self.workflow_id}:{self.data.first_run_id}:{record.seq}",
+                    event=event,
+                    webhooks=names,
+                    run_id=self.workflow_id,
+                    namespace=namespace,
+                    tenant=self.request.tenant,
+                    state=record.to_state.value,
+                    plan_hash=record.refs.plan_hash,
+                    request_id=record.refs.request_id,
+                    summary=waiting.summary if waiting else "",
+                    expires_at=waiting.expires_at if waiting else None,
+                    approve_command=f"tether approve {self.workflow_id} --by NAME" if waiting else None,
+                    reason=record.reason,
+                )
+            )
+        return out
+
+    def notification_done(self, note: Notification, result: NotificationResult, at: datetime) -> None:
+        """Webhooks no retry reached are on the record (the run did not wait for them)."""
+        if not result.dead:
+            return
+        dead = ", ".join(f"{name} ({why})" for name, why in sorted(result.dead.items()))
+        self.on_record(
+            self.data.lifecycle.notify_failed(
+                at=at,
+                reason=f"notification {note.event} (event {note.event_id.rsplit(':', 1)[-1]}) not delivered to: {dead}",
+                event=note.event,
+                refs=Refs(plan_hash=note.plan_hash, request_id=note.request_id),
+            )
+        )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""
@@ -422,6 +766,8 @@ class Engine:
         """What to re-check against the current policy file before the plan's remaining writes
         run, approved or auto-approved (None: nothing left writes)."""
         data = self.data
+        if self.state == S.COMPENSATING:
+            return self._undo_check()
         if data.plan is None:
             return None
         remaining = data.plan.steps[from_step:]
@@ -432,37 +778,64 @@ class Engine:
             return None
         tools = [s.tool for s in writes]
         approval = data.approval
+        # The remaining steps, their catalog entries and what the run has done: the current
+        # file judges them (auto-approval, or the roles and count an approval needs now).
+        context = dict(
+            tenant=self.request.tenant,
+            tools=tools,
+            steps=remaining,
+            catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
+            spent=data.spent,
+            workflow_id=self.workflow_id,
+            first_run_id=data.first_run_id,
+            requested_by=self.request.requested_by,
+            plan_hash=data.plan.plan_hash,
+        )
         if approval is None:
             # Ran without approval: the current policy must still say so, for what is left.
-            return AuthorityCheck(
-                tenant=self.request.tenant,
-                approvals=[],
-                tools=tools,
-                roles=[],
-                approvals_required=0,
-                steps=remaining,
-                catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
-                spent=data.spent,
-            )
+            return AuthorityCheck(approvals=[], roles=[], approvals_required=0, **context)
         return AuthorityCheck(
-            tenant=self.request.tenant,
             approvals=[a.approver for a in approval.approvals],
-            tools=tools,
             roles=approval.roles,
             approvals_required=approval.approvals_required,
+            approved=approval.approvals,
+            request_id=approval.request_id,
+            **context,
         )
 
-    def after_approved(self, refusal: Refusal | None, at: datetime) -> None:
+    def _undo_check(self) -> AuthorityCheck | None:
+        """COMPENSATING: the re-check of the next undo (docs/architecture.md, "Recovery"). Its
+        authority is the approval (or auto-approval) of the plan hash that covered it, named in
+        the capability; a compensation run adds the person who asked for it, judged now."""
+        undo = self.current_undo()
+        if undo is None or undo.tool is None:
+            return None
+        return AuthorityCheck(
+            tenant=self.request.tenant,
+            approvals=list(undo.approved_by),
+            tools=[undo.tool],
+            roles=[],
+            approvals_required=0,
+            workflow_id=self.workflow_id,
+            first_run_id=self.data.first_run_id,
+            requested_by=self.request.requested_by,
+            plan_hash=undo.plan_hash,
+            undo=undo,
+            compensator=self.request.requested_by if self.request.compensate_run is not None else "",
+        )
+
+    def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
         """Just before an approved plan's writes run: do its approvals still hold?"""
         if refusal is not None:
             self.request_approval(
                 at=at,
                 reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; a new approval is needed",
+                ask=ask,
             )
             return
         self.enter_step(at=at, reason="approved plan: executing")
 
-    def after_observation(self, refusal: Refusal | None, at: datetime) -> None:
+    def after_observation(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
         """A step's result is in: the next step of the plan, or plan again."""
         data = self.data
         if self.current_step() is None:
@@ -470,7 +843,8 @@ class Engine:
             self.move(S.PLANNING, at=at, actor="runtime", reason="plan executed: planning what is next")
             return
         if refusal is not None:
-            # The rest of the plan needs a new plan and a new approval.
+            # The rest of the plan needs a new plan and a new approval, under the current file.
+            self.adopt(ask)
             held = "approval no longer holds" if data.approval is not None else "policy changed"
             data.approval = None
             self.move(
@@ -586,16 +960,8 @@ class Engine:
         # Compensations are not held to the budget: an undo must not be stopped by the calls
         # that made it necessary (they are bounded by the ok writes and their retry rules).
         if max_calls is not None and data.tool_calls >= max_calls and self.state != S.COMPENSATING:
-            # Not started now; an earlier attempt of this step may still have applied.
-            outcome = data.step_outcome or "failed"
-            self._end_step(step, outcome, "tool_call_budget")
-            self.move(
-                S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
-                at=at,
-                actor="runtime",
-                reason=f"tool call budget exhausted: {data.tool_calls} of max_tool_calls="
-                f"{max_calls} used; {self._describe(step, outcome, started=False)}",
-                refs=self._end_refs(step, outcome, "tool_call_budget"),
+            self._not_started(
+                step, "tool_call_budget", f"tool call budget exhausted: {data.tool_calls} of max_tool_calls={max_calls} used", at
             )
             return None
         data.tool_calls += 1  # every call the workflow schedules, retries included
@@ -608,6 +974,64 @@ class Engine:
             run_id=self.workflow_id,
             tenant=self.request.tenant,
             attempt=data.step_retries + 1,
+        )
+
+    def write_refused(self, refusal: Refusal, at: datetime) -> None:
+        """The re-check just before a write attempt (the one that mints its capability) refused:
+        the attempt does not start. An earlier attempt may have applied: then a human decides."""
+        step = self.current_step()
+        _require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt to refuse")
+        self.data.tool_calls -= 1  # not scheduled after all
+        if self.state == S.COMPENSATING:
+            # An undo the current file refuses is not run, nor its later ones: a person decides
+            # (the undo stays pending: `tether compensate` can run it once the policy allows).
+            undo = self.current_undo()
+            outcome = self.data.step_outcome or "failed"
+            if outcome == "unknown":  # an earlier attempt may have applied: on the record as such
+                self._end_step(step, outcome, refusal.rule)
+            else:  # never started: it stays pending
+                self.data.last_error = self._error_line(step, outcome, refusal.rule)
+            self.data.step_retries, self.data.step_outcome = 0, None
+            self.move(
+                S.HANDED_OFF,
+                at=at,
+                actor="runtime",
+                reason=clip(
+                    f"compensation {step.tool_call_id} ({step.tool}) of {undo.of if undo else '?'} not started: the "
+                    f"current policy refuses it [{refusal.rule}]: {refusal.message}; needs a human; {self._undo_left()}",
+                    REASON_CHARS,
+                ),
+                refs=self._end_refs(step, outcome, refusal.rule),
+            )
+            return
+        self._not_started(
+            step, refusal.rule, f"write not started: the current policy refuses it [{refusal.rule}]: {refusal.message}", at
+        )
+
+    def _not_started(self, step: PlanStep, code: str, why: str, at: datetime) -> None:
+        """The step's (next) attempt is not started: the step ends. An earlier attempt may
+        still have applied: then a human decides (HANDED_OFF), else EXECUTION_FAILED."""
+        outcome = self.data.step_outcome or "failed"
+        self._end_step(step, outcome, code)
+        self.move(
+            S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
+            at=at,
+            actor="runtime",
+            reason=f"{why}; {self._describe(step, outcome, started=False)}",
+            refs=self._end_refs(step, outcome, code),
+        )
+
+    def capability_bounced(self, failure: ToolFailure) -> None:
+        """The attempt reached a worker that could not check its capability (key id missing, or
+        it waited past its expiry): the tool was not called; the run schedules it again with a
+        fresh capability. ``last_error`` (the Web UI details) names why (the key id)."""
+        step = self.current_step()
+        _require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt")
+        self.data.tool_calls -= 1  # never reached the tool
+        self.data.last_error = clip(
+            f"{failure.code}: tool call {step.tool_call_id} ({step.tool}) not started, scheduled again: "
+            f"{failure.message}",
+            300,
         )
 
     def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:
@@ -928,3 +1352,35 @@ class Engine:
             f"{hashes}: {self._undo_left(start=True)}",
             refs=Refs(plan_hash=pending[-1].plan_hash),
         )
+
+
+def _plain(decision: Decision) -> ApprovalDecision:
+    """The fields every decision has (a revision's editor as its approver)."""
+    return decision.as_decision() if isinstance(decision, RevisionRequest) else decision
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def notify_event(record: TransitionRecord) -> str | None:
+    """The event a record is, for webhooks (``[notify.webhooks.NAME] events``), or None."""
+    if record.kind == "escalated":
+        return "escalated"
+    if record.kind != "transition":
+        return None
+    to, came = record.to_state, record.from_state
+    if to == S.AWAITING_APPROVAL:
+        return "awaiting_approval"
+    if came == S.AWAITING_APPROVAL and to == S.VALIDATED:
+        return "revised"
+    if to == S.EXPIRED or (came == S.AWAITING_APPROVAL and to == S.PLANNING and record.actor == "timer"):
+        return "expired"
+    if to == S.HANDED_OFF:
+        return "handed_off"
+    if to in (S.FAILED, S.EXECUTION_FAILED):
+        return "failed"
+    return None

@@ -11,9 +11,17 @@ import hashlib
 import rfc8785
 from datetime import datetime
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from workflows.budgets import REQUEST_BUDGET
 from workflows.identity import Name, normalize_name
@@ -33,12 +41,17 @@ __all__ = [
     "PlanStep",
     "PlannerInput",
     "PlaybookStep",
+    "RevisedStep",
+    "RevisionRequest",
+    "Revision",
+    "NotApproved",
     "Proposal",
     "ProposedStep",
     "RunData",
     "RunOutcome",
     "RunRequest",
     "RunSnapshot",
+    "Signer",
     "ToolCall",
     "ToolCatalog",
     "ToolEffect",
@@ -50,6 +63,9 @@ __all__ = [
 
 # Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
+
+# A trusted signer's name ([signers.NAME] in the policy file, ApprovalDecision.attested_by).
+SIGNER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 # Validate with this context to refuse unknown keys: client inputs and the policy file.
 STRICT = {"strict_keys": True}
@@ -129,6 +145,10 @@ class RunRequest(Contract):
     # Ed25519 signature (base64) by the requester over policy.start_signature_payload(...):
     # required where the tenant sets require_signatures, else the requester is only claimed.
     requester_signature: str | None = Field(None, max_length=200)
+    # Signed with the start (tether start --key): a fresh value each time, and when it was
+    # signed; the run refuses a signed start older than the tenant's start_signature_ttl.
+    nonce: str | None = Field(None, min_length=8, max_length=128)
+    issued_at: datetime | None = None
     # Set by the runtime only, when a run continues as new: the state it carries over, and the
     # worker's seal over it. A start input that carries state is refused (docs/architecture.md).
     carryover: RunData | None = None
@@ -213,6 +233,42 @@ ATTEMPT_STILL_RUNNING = "attempt_still_running"
 CANCELLED_MID_CALL = "cancelled_mid_call"
 
 
+class Capability(BaseModel):
+    """What lets one ``execute_tool`` attempt of a write run: minted by the keyed authority
+    re-check (``policy_check_authority``, a local activity of the run's own worker) for exactly
+    that call, verified by the tool activity before the tool is called (docs/architecture.md)."""
+
+    workflow_id: str
+    run_id: str  # the run that scheduled the attempt (as the server says)
+    activity_id: str  # the attempt's activity id
+    request_id: str = ""  # the approval request in force ("" for an auto-approved plan)
+    plan_hash: str
+    tool_call_id: str
+    tool: str
+    args_digest: str  # sha256 of the arguments' canonical JSON
+    idempotency_key: str
+    key_id: str  # the fleet key (activities/keys.py) that made ``mac``
+    expires_at: datetime  # the attempt's deadline: refused after it
+    mac: str
+
+    def fields(self) -> dict[str, Any]:
+        """What the mac covers (everything but the mac; the key id is added by the ring)."""
+        return self.model_dump(mode="json", exclude={"mac", "key_id"})
+
+
+def args_digest(args: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(args).encode()).hexdigest()
+
+
+# Error types of ``execute_tool`` for a write's capability: refused for good (forged, wrong call),
+# or the attempt never reached the tool and the run schedules it again with a fresh capability.
+CAPABILITY_INVALID = "capability_invalid"
+CAPABILITY_KEY_MISSING = "capability_key_missing"
+CAPABILITY_EXPIRED = "capability_expired"
+# A local activity found a seal naming a key id this worker does not hold.
+KEY_MISSING = "key_missing"
+
+
 class ToolCall(BaseModel):
     """Input of the ``execute_tool`` activity."""
 
@@ -225,6 +281,8 @@ class ToolCall(BaseModel):
     # 1 for the first call the workflow schedules, 2.. for its retries (reconcilable tools look
     # up their previous effect first when this is above 1).
     attempt: int = 1
+    # Required for every tool that is not read_only (activities/tools.py refuses the call without).
+    capability: Capability | None = None
 
 
 class ToolOutcome(BaseModel):
@@ -280,6 +338,16 @@ class ExecutedStep(BaseModel):
         return data
 
 
+class NotApproved(BaseModel):
+    """A step a partial approval left out: the planner is told, so it does not propose it again
+    unchanged (and if it does, that is a new plan needing a new approval)."""
+
+    step: int  # its 1-based number in the plan it was proposed in
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    by: str
+
+
 class PlannerInput(BaseModel):
     goal: str
     planner: str
@@ -288,6 +356,8 @@ class PlannerInput(BaseModel):
     feedback: str | None = None
     round: int = 1
     steps_done: int | None = None  # steps executed with status ok, in all (executed is a window)
+    # Steps of the last plan a person left out when approving part of it.
+    not_approved: list[NotApproved] = Field(default_factory=list)
 
 
 class PlanStep(BaseModel):
@@ -320,6 +390,8 @@ class Plan(BaseModel):
     # Per step, the compensation the plan hash covers (None: no recovery path); None for plans
     # hashed before recovery existed (their hash covers no undo, so nothing of them is undone).
     undo: list[Compensation | None] | None = None
+    # 1 for a run's first plan, then +1 for every plan after it, proposed or revised (not hashed).
+    version: int = 1
 
     @staticmethod
     def hash_steps(steps: list[PlanStep], undo: list[Compensation | None] | None = None) -> str:
@@ -355,12 +427,71 @@ class ApprovalDecision(Contract):
     # Ed25519 signature (base64) over policy.signature_payload(...), required where the tenant
     # requires signatures and for approvers whose public key the policy lists.
     signature: str | None = Field(None, max_length=200)
+    # The trusted signer (policy `[signers.NAME]`, e.g. the inbox) whose key made `signature`,
+    # attesting that it verified `approver` itself (SSO): then the signature is the signer's,
+    # over the same payload plus this name, and the timeline shows `user:bob via NAME`.
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)
+    # Partial approval (approve only): the 1-based numbers of the steps approved; None: all.
+    # The other steps are dropped from the plan (a revision) and the result is approved.
+    steps: list[int] | None = Field(None, min_length=1, max_length=1000)
+
+    @field_validator("steps")
+    @classmethod
+    def _distinct_steps(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if any(n < 1 for n in value):
+                raise ValueError("step numbers start at 1")
+            if len(set(value)) != len(value):
+                raise ValueError("a step number is given twice")
+        return value
+
+
+
+class RevisedStep(Contract):
+    tool: str = Field(min_length=1, max_length=128)
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RevisionRequest(Contract):
+    """Payload of the ``revise`` signal (and of ``decide`` with kind ``revise``): the whole
+    revised plan for the pending approval request, validated like a proposal."""
+
+    decision_id: str = Field(min_length=1, max_length=128)
+    editor: Name
+    plan_hash: str = Field(min_length=1, max_length=128)  # the pending plan it edits
+    request_id: str | None = Field(None, min_length=1, max_length=128)  # the pending request
+    steps: list[RevisedStep] = Field(min_length=1, max_length=1000)
+    reason: str = Field(min_length=1, max_length=2000)
+    # Ed25519 over policy.signature_payload(kind="revise", ..., steps_digest=revised_hash()).
+    signature: str | None = Field(None, max_length=200)
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)  # as on ApprovalDecision
+
+    def revised_hash(self) -> str:
+        """sha256 of the revised steps (tools + arguments), as the plan hash would be."""
+        return Plan.hash_steps(self.steps)  # type: ignore[arg-type]  (tool and args are all it reads)
+
+    def as_decision(self) -> ApprovalDecision:
+        """The decision fields every decision has: screened and signed like an approval's."""
+        return ApprovalDecision(
+            decision_id=self.decision_id,
+            approver=self.editor,
+            plan_hash=self.plan_hash,
+            request_id=self.request_id,
+            reason=self.reason,
+            signature=self.signature,
+            attested_by=self.attested_by,
+        )
 
 
 class DecideRequest(ApprovalDecision):
-    """Payload of the ``decide`` Update: a decision and its kind, answered at once."""
+    """Payload of the ``decide`` Update: a decision and its kind, answered at once. With kind
+    ``revise`` the payload is a :class:`ReviseDecideRequest` instead."""
 
     kind: Literal["approve", "reject"]
+
+
+class ReviseDecideRequest(RevisionRequest):
+    kind: Literal["revise"]
 
 
 class DecideResult(BaseModel):
@@ -388,6 +519,14 @@ class AcceptedApproval(BaseModel):
     approver: str
     decision_id: str
     at: datetime
+    # Kept so the re-check before every write can verify it again under the current file.
+    signature: str | None = None
+    # What the decision named (and its signature covers): for a partial approval, the plan and
+    # request it was sent for and the steps it kept, not the subset plan it then approved.
+    request_id: str = ""
+    plan_hash: str = ""
+    attested_by: str | None = None
+    steps: list[int] | None = None
 
 
 class PendingApproval(BaseModel):
@@ -399,6 +538,25 @@ class PendingApproval(BaseModel):
     approvals_required: int = 1
     roles: list[str] = Field(default_factory=list)  # roles that may approve this plan
     approvals: list[AcceptedApproval] = Field(default_factory=list)  # accepted so far
+    # Who revised this plan (since the planner proposed it): under editor_may_approve = false
+    # their approvals do not count.
+    editors: list[str] = Field(default_factory=list)
+    opened_at: datetime | None = None
+    # The stages that fire inside this request's window, and how many have fired.
+    escalation: list[EscalationStage] = Field(default_factory=list)
+    stage: int = 0
+
+
+class Revision(BaseModel):
+    """One revision of a pending plan, as the snapshot shows it: ids, paths, never values."""
+
+    version: int  # the plan version it made
+    editor: str
+    at: datetime
+    previous_plan_hash: str
+    plan_hash: str
+    changed: list[str] = Field(default_factory=list)  # RFC 6902 "op path", e.g. "replace /1/args/x"
+    partial: bool = False  # made by a partial approval
 
 
 # ----------------------------------------------------------------------------- policy
@@ -415,6 +573,17 @@ class Approver(Contract):
     # Or a file holding it (as `tether keygen` writes it: KEY.pem.pub), relative to the policy
     # file; read by the worker when it loads the policy.
     public_key_file: str | None = None
+
+
+class Signer(Contract):
+    """A trusted signer (`[signers.NAME]`): a service that verifies people itself (the inbox,
+    through the organisation's SSO) and signs their decisions with its own key."""
+
+    # Raw Ed25519 public key, base64, or a file holding it (relative to the policy file).
+    public_key: str | None = None
+    public_key_file: str | None = None
+    # The tenants where its attestation stands in for the person's own signature.
+    may_attest: list[str] = Field(default_factory=list)
 
 
 class AmountRule(Contract):
@@ -453,6 +622,53 @@ class HighRisk(Contract):
     roles: list[str] = Field(default_factory=lambda: ["approver"])
 
 
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any) -> Any:
+    """Seconds as a number, or a text "30s" / "20m" / "2h" / "1d"; other values are left for
+    pydantic to refuse with its own message."""
+    if isinstance(value, str):
+        text = value.strip()
+        number, unit = text[:-1], text[-1:]
+        digits = number.replace(".", "", 1)
+        if unit not in _UNIT_SECONDS or not digits.isascii() or not digits.isdigit():
+            raise ValueError(f"not a duration: {value[:40]!r} (seconds, or a number with s, m, h or d: \"2h\")")
+        return float(number) * _UNIT_SECONDS[unit]
+    return value
+
+
+# A positive number of seconds, written as a number or as "30s" / "2h" / "1d" in the policy file.
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=366 * 86400)]
+
+# What a webhook may be told about (the `events` of [notify.webhooks.NAME]).
+NotifyEvent = Literal["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
+
+
+class EscalationStage(Contract):
+    """One step up while a plan waits: ``after`` the request opened, record it, let ``roles``
+    approve too, and tell the ``notify`` webhooks. A stage at or past the expiry never fires."""
+
+    after: Duration
+    roles: list[str] = Field(default_factory=list)
+    notify: list[str] = Field(default_factory=list)
+
+
+def _ascending(stages: list[EscalationStage]) -> list[EscalationStage]:
+    for earlier, later in zip(stages, stages[1:]):
+        if later.after <= earlier.after:
+            raise ValueError("escalation stages must come in order of `after`, each later than the one before")
+    return stages
+
+
+class Escalation(Contract):
+    normal: list[EscalationStage] = Field(default_factory=list, max_length=10)
+    high: list[EscalationStage] = Field(default_factory=list, max_length=10)
+
+    _order_normal = field_validator("normal")(classmethod(lambda cls, v: _ascending(v)))
+    _order_high = field_validator("high")(classmethod(lambda cls, v: _ascending(v)))
+
+
 class ApprovalTtl(Contract):
     normal: float | None = Field(None, gt=0)
     high: float | None = Field(None, gt=0)
@@ -478,10 +694,31 @@ class TenantPolicy(Contract):
     require_signatures: bool = False
     approval_roles: list[str] = Field(default_factory=lambda: ["approver"])
     four_eyes: bool = True
+    # May a person who revised a plan (or approved part of it) approve the result? Four-eyes
+    # against the requester holds either way.
+    editor_may_approve: bool = True
     auto_approve: AutoApprove = Field(default_factory=AutoApprove)
     high_risk: HighRisk | None = None
     approval_ttl_seconds: ApprovalTtl = Field(default_factory=ApprovalTtl)
+    # Per risk level, the stages a waiting plan escalates through before it expires.
+    escalation: Escalation = Field(default_factory=Escalation)
     budgets: Budgets = Field(default_factory=Budgets)
+    # A signed start is good for this long after its issued_at: seconds, or "90s" / "10m" / "1h".
+    start_signature_ttl: float = Field(600.0, gt=0, le=7 * 24 * 3600)
+
+    @field_validator("start_signature_ttl", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip().lower()
+            units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+            scale = units.get(text[-1:], None)
+            number = text[:-1] if scale else text
+            try:
+                return float(number) * (scale or 1)
+            except ValueError:
+                raise ValueError(f"expected seconds or a duration like '10m', got {value!r}") from None
+        return value
 
     @field_validator("approvers", mode="before")
     @classmethod
@@ -498,8 +735,25 @@ class TenantPolicy(Contract):
         return out
 
 
+class Webhook(Contract):
+    """Where events are posted (activities/notify.py), signed with the secret in ``secret_file``
+    (relative to the policy file; its content, stripped)."""
+
+    url: str = Field(pattern=r"^https?://", max_length=2000)
+    events: list[NotifyEvent] = Field(
+        default_factory=lambda: ["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
+    )
+    secret_file: str | None = None
+
+
+class Notify(Contract):
+    webhooks: dict[str, Webhook] = Field(default_factory=dict)
+
+
 class PolicyDocument(Contract):
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    signers: dict[str, Signer] = Field(default_factory=dict)
+    notify: Notify = Field(default_factory=Notify)
 
 
 class PolicySnapshot(BaseModel):
@@ -513,6 +767,9 @@ class PolicySnapshot(BaseModel):
     # The start's requested_by, verified against its signature (None: no signature given).
     requester_refusal: Refusal | None = None
     requester_verified: bool = False
+    # Webhook name -> the events it takes ([notify.webhooks]); no URLs or secrets. The run
+    # schedules a notification only where a webhook (or an escalation stage) asks for it.
+    webhooks: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class Refusal(BaseModel):
@@ -532,6 +789,7 @@ class PlanReview(BaseModel):
     roles: list[str]
     summary: str
     ttl_seconds: float | None = None  # the policy's TTL for this risk level, if it sets one
+    escalation: list[EscalationStage] = Field(default_factory=list)  # for this risk level
 
 
 class SnapshotRequest(BaseModel):
@@ -541,6 +799,9 @@ class SnapshotRequest(BaseModel):
     requested_by: str = ""
     request_digest: str = ""
     requester_signature: str | None = None
+    nonce: str | None = None
+    issued_at: datetime | None = None
+    started_at: datetime | None = None  # when the run began (workflow time)
 
 
 class DecisionCheck(BaseModel):
@@ -553,6 +814,9 @@ class DecisionCheck(BaseModel):
     already_approved: list[str]
     first_run_id: str = ""
     requester_verified: bool = False
+    editors: list[str] = Field(default_factory=list)
+    # A revision: the sha256 of its revised steps, which its signature covers.
+    steps_digest: str | None = None
 
 
 class HandoffCheck(BaseModel):
@@ -573,20 +837,75 @@ class AuthorityCheck(BaseModel):
     steps: list[PlanStep] = Field(default_factory=list)
     catalog: ToolCatalog | None = None
     spent: dict[str, float] = Field(default_factory=dict)
+    # The approvals in force in full (who, when, their decision and signature), to be judged
+    # again under the current file: roles, membership, four-eyes, the signature rule.
+    approved: list[AcceptedApproval] = Field(default_factory=list)
+    workflow_id: str = ""
+    first_run_id: str = ""
+    requested_by: str = ""
+    request_id: str = ""
+    plan_hash: str = ""
+    # Given: the attempt to mint a capability for (its activity id, its deadline in seconds).
+    call: ToolCall | None = None
+    activity_id: str = ""
+    ttl_seconds: float = 0.0
+    # A compensation (COMPENSATING): the undo to re-check instead of the plan's remaining steps,
+    # under the plan hash that covered it; in a compensation run, the person who asked for it.
+    undo: CompensationCall | None = None
+    compensator: str = ""
+
+
+class Notification(BaseModel):
+    """Input of the ``notify`` activity: one event, for the named webhooks (resolved against the
+    current policy file). Ids, states and the escaped risk summary; argument values only as the
+    summary's declared fields."""
+
+    event_id: str  # one per event: the receiver's idempotency key (X-Tether-Event-Id)
+    event: str
+    webhooks: list[str]
+    run_id: str
+    namespace: str = "default"
+    tenant: str
+    state: str
+    plan_hash: str | None = None
+    request_id: str | None = None
+    summary: str = ""  # the risk summary, escaped (workflows/display.py)
+    expires_at: datetime | None = None
+    approve_command: str | None = None
+    reason: str = ""  # the record's reason, escaped
+    max_attempts: int = 4  # the last attempt reports dead webhooks instead of failing
+
+
+class NotificationResult(BaseModel):
+    delivered: list[str] = Field(default_factory=list)
+    dead: dict[str, str] = Field(default_factory=dict)  # webhook -> why (status or error code)
 
 
 class SealRequest(BaseModel):
-    """The carried state's sha256, sealed (HMAC) by the worker before continue-as-new."""
+    """The carried state's sha256, sealed (HMAC) by the worker before continue-as-new.
+
+    The seal binds the state to the run chain: the workflow id, the sealing run's id and the
+    generation (continue-as-new count) of the state; the continuing run accepts it only when the
+    server says it continued from that run (``continued_run_id``) and the generation follows.
+    """
 
     workflow_id: str
     digest: str
-    seal: str | None = None  # given: verify it
+    seal: str | None = None  # given: verify it ("<key id>:<mac>")
+    run_id: str = ""  # the sealing run
+    generation: int = 0
 
 
 class Verdict(BaseModel):
     refusal: Refusal | None = None
     policy_hash: str
     verified: bool = False  # the person's signature checked out against a key the policy lists
+    capability: Capability | None = None  # minted for AuthorityCheck.call when nothing refused
+    # A request the re-check opens asks for these (the tenant's current approval rule), and the
+    # run judges from then on by the current file (``tenant_policy``) instead of its snapshot.
+    approvals_required: int = 0
+    roles: list[str] = Field(default_factory=list)
+    tenant_policy: TenantPolicy | None = None
 
 
 # ----------------------------------------------------------------------------- recovery
@@ -670,6 +989,11 @@ class RunData(BaseModel):
     model_tokens: int = 0  # sum of Proposal.usage_tokens over the run
     # One per ok write since recovery existed, in execution order: how each is undone.
     compensations: list[CompensationCall] = Field(default_factory=list)
+    generation: int = 0  # continue-as-new count: the carried state's place in the run chain
+    plans: int = 0  # plans validated in all (the current plan's version)
+    revisions: list[Revision] = Field(default_factory=list)  # the latest REVISIONS_KEPT
+    plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan
+    not_approved: list[NotApproved] = Field(default_factory=list)  # for the next planner call
 
 
 class RunSnapshot(BaseModel):
@@ -698,6 +1022,16 @@ class RunSnapshot(BaseModel):
     timeline_records: int = 0  # records written in all (the timeline query returns a window)
     # How each ok write is undone, and whether it was (what `tether compensate` runs).
     compensations: list[CompensationCall] = Field(default_factory=list)
+    # The audit sink: records written but not yet in it, and why (while it fails, the run
+    # retries on a backoff timer and starts nothing new).
+    audit_waiting: int = 0
+    audit_error: str | None = None
+    # decide Updates this execution took (Temporal allows 2,000 per run: it continues as new first).
+    updates: int = 0
+    # The run's catalog entries (taken at run start) for the tools its plan calls: what an
+    # approver is shown about each step (effect, summary fields), as the run itself judges them.
+    tools: list[ToolInfo] = Field(default_factory=list)
+    revisions: list[Revision] = Field(default_factory=list)
 
 
 class RunOutcome(BaseModel):
@@ -714,14 +1048,18 @@ class RunOutcome(BaseModel):
 
 RunData.model_rebuild()
 RunRequest.model_rebuild()
+AuthorityCheck.model_rebuild()
 
 
 class AuditBatch(BaseModel):
-    """Timeline records on their way to the audit sink (activities/audit.py)."""
+    """Timeline records on their way to the audit sink (activities/audit.py), keyed by workflow
+    id, run id and seq: each execution (a reset makes a new one) is its own stream."""
 
     workflow_id: str
     first_run_id: str
     records: list[TransitionRecord]
+    run_id: str = ""  # the execution that wrote them (the activity fills it from its info)
+    continued_from: str | None = None  # the run this one continued as new from
 
 
 class AuditAck(BaseModel):

@@ -6,10 +6,12 @@ Each refusal is a short reason a person can act on; ``None`` means allowed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 
 from workflows.models import (
+    AcceptedApproval,
     AmountRule,
     ApprovalDecision,
     Limits,
@@ -25,29 +27,24 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
-from workflows.display import markdown_code
-from workflows.models import Compensation
+from workflows.display import markdown_code, show_value
+from workflows.identity import same_person
+from workflows.models import Compensation, CompensationCall, ToolCall
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
 
 
 def decision_refusal(
-    decision: ApprovalDecision, data: RunData, *, now: datetime, check_duplicate: bool = True
+    decision: ApprovalDecision, data: RunData, *, now: datetime, check_duplicate: bool = True, kind: str = "approve"
 ) -> Refusal | None:
     """Why an approve/reject decision cannot count in the run's current state, or None.
 
     Who may decide is :func:`approver_refusal`'s question, asked by the policy activity.
     """
     pending = data.pending_approval
-    if check_duplicate and (
-        decision.decision_id in data.decisions_seen
-        or (pending is not None and any(a.decision_id == decision.decision_id for a in pending.approvals))
-    ):
-        return Refusal(
-            rule="duplicate_decision",
-            message=f"duplicate decision_id {decision.decision_id[:64]}: already handled",
-        )
+    if check_duplicate and (refusal := repeated_decision_refusal(decision.decision_id, data)):
+        return refusal
     state = data.lifecycle.state
     if state != RunState.AWAITING_APPROVAL or pending is None:
         return Refusal(rule="not_awaiting_approval", message=f"run is {state.value}, not AWAITING_APPROVAL")
@@ -66,6 +63,38 @@ def decision_refusal(
         )
     if now >= pending.expires_at:
         return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
+    if decision.steps is not None and kind != "approve":
+        return Refusal(rule="invalid_steps", message=f"steps name what an approval approves: not for a {kind}")
+    if decision.steps is not None and data.plan is not None:
+        size = len(data.plan.steps)
+        beyond = sorted(n for n in decision.steps if n > size)
+        if beyond:
+            return Refusal(
+                rule="invalid_steps",
+                message=f"step(s) {', '.join(map(str, beyond[:10]))} named: the pending plan has {size} step(s)",
+            )
+    return None
+
+
+def partial_steps(decision: ApprovalDecision, plan: Plan) -> list[int] | None:
+    """The 1-based steps a partial approval keeps, in plan order; None: it approves them all."""
+    if decision.steps is None:
+        return None
+    kept = sorted(set(decision.steps))
+    return None if kept == list(range(1, len(plan.steps) + 1)) else kept
+
+
+def repeated_decision_refusal(
+    decision_id: str, data: RunData, *, in_flight: Collection[str] = ()
+) -> Refusal | None:
+    """A decision id the run has handled (or is deciding, ``in_flight``): it cannot count again."""
+    pending = data.pending_approval
+    if (
+        decision_id in data.decisions_seen
+        or decision_id in in_flight
+        or (pending is not None and any(a.decision_id == decision_id for a in pending.approvals))
+    ):
+        return Refusal(rule="duplicate_decision", message=f"duplicate decision_id {decision_id[:64]}: already handled")
     return None
 
 
@@ -248,7 +277,9 @@ def _describe_step(tool: str, args: dict, info: ToolInfo | None, undo: Compensat
     effect = info.effect.value if info else "?"
     if info is not None and info.destructive:
         effect += ", DESTRUCTIVE"
-    fields = [f"{k}={args[k]}" for k in (info.summary_fields if info else []) if k in args]
+    # Values escaped and quoted (display.show_value): a value cannot end its own field and pass
+    # off what follows as another one, or move the approver's cursor.
+    fields = [f"{k}={show_value(args[k], 200)}" for k in (info.summary_fields if info else []) if k in args]
     if undo is not False:
         # The compensating tool's name may come from an MCP server: shown escaped, as code.
         fields.append(f"undo: {markdown_code(undo.tool, 64)}" if isinstance(undo, Compensation) else "no recovery path")
@@ -292,6 +323,7 @@ def review_plan(
             roles=high_risk.roles,
             summary=f"HIGH RISK, {high_risk.approvals} approvals needed — {summary}",
             ttl_seconds=tenant.approval_ttl_seconds.high,
+            escalation=tenant.escalation.high,
         )
     return PlanReview(
         needs_approval=True,
@@ -300,6 +332,7 @@ def review_plan(
         roles=tenant.approval_roles,
         summary=summary,
         ttl_seconds=tenant.approval_ttl_seconds.normal,
+        escalation=tenant.escalation.normal,
     )
 
 
@@ -347,6 +380,33 @@ def compensator_refusal(tenant: TenantPolicy | None, by: str) -> Refusal | None:
     return None
 
 
+def undo_refusal(
+    tenant: TenantPolicy | None, *, undo: CompensationCall, compensator: str = "", call: ToolCall | None = None
+) -> Refusal | None:
+    """The re-check before an undo's attempt (the one that mints its capability), under the
+    current file. Its authority is the approval (or auto-approval) of the plan hash that covered
+    the undo when its write ran: that hash must be there, the tenant still exist and the undo
+    tool still be the tenant's to use. The approvers are not judged again: an undo puts back
+    what their approval did, and a revoked approver must not leave the write in place. A
+    compensation run (``tether compensate``) adds ``compensator``, the person who asked for it,
+    judged now (approval role, membership)."""
+    if tenant is None:
+        return Refusal(rule="tenant", message="the run's tenant was removed from the policy file")
+    if undo.tool is None:
+        return Refusal(rule="no_recovery_path", message=f"{undo.of} ({undo.of_tool}) has no recovery path")
+    if not undo.plan_hash:
+        return Refusal(rule="not_approved", message=f"the compensation of {undo.of} is covered by no plan hash")
+    if call is not None and (call.tool_call_id, call.tool, call.args, call.idempotency_key) != (
+        undo.tool_call_id, undo.tool, undo.args, undo.idempotency_key
+    ):
+        return Refusal(rule="capability_invalid", message=f"the call is not the compensation of {undo.of} its plan covered")
+    if (why := tool_refusal(tenant, undo.tool)) is not None:
+        return Refusal(rule="tool_withdrawn", message=why)
+    if compensator:
+        return compensator_refusal(tenant, compensator)
+    return None
+
+
 def approver_refusal(
     tenant: TenantPolicy | None,
     *,
@@ -355,13 +415,30 @@ def approver_refusal(
     kind: str,
     roles: list[str],
     already_approved: list[str],
+    editors: list[str] | tuple[str, ...] = (),
 ) -> Refusal | None:
-    """May this person decide on this run's pending plan, under this tenant's policy?"""
+    """May this person decide on this run's pending plan, under this tenant's policy?
+
+    ``kind`` is approve, reject or revise; who may revise a plan is who may approve it, less
+    four-eyes (the requester may correct her own run; she may still not approve it).
+    ``editors``: who revised the pending plan.
+    """
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
     # Four-eyes first: whatever roles the requester holds, she does not approve her own run.
-    if kind == "approve" and tenant.four_eyes and approver == requested_by:
-        return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+    # Compared by skeleton (UTS #39): a name that looks like the requester's is the requester.
+    if kind == "approve" and tenant.four_eyes and same_person(approver, requested_by):
+        if approver == requested_by:
+            return Refusal(rule="four_eyes", message=f"{approver} requested this run and may not approve it")
+        return Refusal(
+            rule="four_eyes",
+            message=f"{approver} looks like {requested_by}, who requested this run, and may not approve it",
+        )
+    if kind == "approve" and not tenant.editor_may_approve and any(same_person(approver, e) for e in editors):
+        return Refusal(
+            rule="editor_approval",
+            message=f"{approver} revised this plan and may not approve it (editor_may_approve = false)",
+        )
     if tenant.approvers is not None:
         member = tenant.approvers.get(approver)
         if member is None:
@@ -374,9 +451,10 @@ def approver_refusal(
                 message=f"{approver} has roles {sorted(member.roles)}; this plan needs one of "
                 f"{sorted(roles)}",
             )
-    if kind == "approve" and approver in already_approved:
+    if kind == "approve" and (twin := next((a for a in already_approved if same_person(approver, a)), None)):
+        who = approver if twin == approver else f"{approver} looks like {twin}, who"
         return Refusal(
-            rule="distinct_approvers", message=f"{approver} already approved: a different approver is needed"
+            rule="distinct_approvers", message=f"{who} already approved: a different approver is needed"
         )
     return None
 
@@ -397,11 +475,18 @@ def authority_refusal(
     steps: list[PlanStep] | None = None,
     catalog: ToolCatalog | None = None,
     spent: dict[str, float] | None = None,
+    approved: list[AcceptedApproval] | None = None,
+    requested_by: str = "",
+    signature_problem: Callable[[AcceptedApproval], Refusal | None] | None = None,
 ) -> Refusal | None:
     """Do the approvals a plan got still hold, under the current policy, for these tools?
 
     For a plan that ran without approval (``approvals_required`` 0), ``steps`` are reviewed
-    again: a policy that now wants an approval for them stops the write.
+    again: a policy that now wants an approval for them stops the write. For an approved plan
+    each approval in force (``approved``) is judged again in full under the current file: the
+    roles and number of approvals it asks for the remaining ``steps`` now, membership,
+    four-eyes, and the signature rule (``signature_problem``: the activity's check of the
+    approval's kept signature; an unsigned approval fails it once signatures are required).
     """
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant was removed from the policy file")
@@ -415,6 +500,34 @@ def authority_refusal(
                 rule="approval_needed",
                 message=f"under the current policy the remaining steps need approval ({review.summary})",
             )
+        return None
+    if approved and steps:
+        review = review_plan(Plan(steps=steps, plan_hash=""), catalog or ToolCatalog(), tenant, spent)
+        if not review.needs_approval:
+            return None
+        valid: list[str] = []
+        lost: list[str] = []
+        for a in approved:
+            why = approver_refusal(
+                tenant, approver=a.approver, requested_by=requested_by, kind="approve",
+                roles=review.roles, already_approved=valid,
+            )
+            if why is None and signature_problem is not None:
+                why = signature_problem(a)
+            if why is None:
+                valid.append(a.approver)
+            else:
+                lost.append(f"{a.approver} ({why.rule}: {why.message})")
+        if len(valid) < review.approvals_required:
+            return Refusal(
+                rule="approver_revoked",
+                message=clip(
+                    f"under the current policy {len(valid)} of {review.approvals_required} approval(s) hold; "
+                    f"no longer holds: {'; '.join(lost) or 'none'}",
+                    600,
+                ),
+            )
+        return None
     if tenant.approvers is not None:
         valid = [
             a for a in approvals
@@ -429,6 +542,13 @@ def authority_refusal(
     return None
 
 
+def request_terms(review: PlanReview, tenant: TenantPolicy | None) -> tuple[int, list[str]]:
+    """What an approval request asks for: at least one approval, from roles someone can hold
+    (the review's, else the tenant's approval roles): never a request nobody could satisfy."""
+    roles = list(review.roles) or list((tenant or DEFAULT_TENANT_POLICY).approval_roles) or ["approver"]
+    return max(review.approvals_required, 1), roles
+
+
 def signature_payload(
     *,
     workflow_id: str,
@@ -439,28 +559,45 @@ def signature_payload(
     kind: str,
     decision_id: str,
     signer: str,
+    steps: list[int] | None = None,
+    steps_digest: str | None = None,
+    attested_by: str | None = None,
 ) -> bytes:
     """What a person signs for a decision: the run (its id and the first run's id, so a later
     run under the same id is another run), the tenant, the approval request and its exact plan,
-    the kind of decision, its id and who decides. Handoffs sign with empty request and plan."""
-    return canonical_json(
-        {
-            "workflow_id": workflow_id,
-            "first_run_id": first_run_id,
-            "tenant": tenant,
-            "request_id": request_id,
-            "plan_hash": plan_hash,
-            "decision": kind,
-            "decision_id": decision_id,
-            "signer": signer,
-        }
-    ).encode()
+    the kind of decision, its id and who decides. Handoffs sign with empty request and plan.
+    A partial approval adds the ``steps`` it approves; a revision the sha256 of its revised
+    steps (``steps_digest``): neither key is there otherwise, so other signatures are unchanged.
+    A trusted signer attesting for the person (the inbox) signs the same plus its own name."""
+    fields: dict[str, object] = {
+        "workflow_id": workflow_id,
+        "first_run_id": first_run_id,
+        "tenant": tenant,
+        "request_id": request_id,
+        "plan_hash": plan_hash,
+        "decision": kind,
+        "decision_id": decision_id,
+        "signer": signer,
+    }
+    if steps is not None:
+        fields["steps"] = sorted(set(steps))
+    if steps_digest is not None:
+        fields["steps_digest"] = steps_digest
+    if attested_by is not None:
+        fields["attested_by"] = attested_by
+    return canonical_json(fields).encode()
 
 
 def decision_signature_payload(
-    *, workflow_id: str, first_run_id: str, tenant: str, kind: str, decision: ApprovalDecision
+    *,
+    workflow_id: str,
+    first_run_id: str,
+    tenant: str,
+    kind: str,
+    decision: ApprovalDecision,
+    steps_digest: str | None = None,
 ) -> bytes:
-    """What the approver of ``decision`` signs (and the policy activity verifies)."""
+    """What the approver (or editor) of ``decision`` signs (and the policy activity verifies)."""
     return signature_payload(
         workflow_id=workflow_id,
         first_run_id=first_run_id,
@@ -470,17 +607,60 @@ def decision_signature_payload(
         kind=kind,
         decision_id=decision.decision_id,
         signer=decision.approver,  # normalised, as the run compares it
+        steps=decision.steps,
+        steps_digest=steps_digest,
+        attested_by=decision.attested_by,
     )
 
 
-def start_signature_payload(*, workflow_id: str, tenant: str, requested_by: str, request_digest: str) -> bytes:
-    """What a requester signs to start a run: its id, tenant, name and what it asks for."""
-    return canonical_json(
-        {
-            "workflow_id": workflow_id,
-            "tenant": tenant,
-            "decision": "start",
-            "requested_by": requested_by,
-            "request_digest": request_digest,
-        }
-    ).encode()
+def start_signature_payload(
+    *,
+    workflow_id: str,
+    tenant: str,
+    requested_by: str,
+    request_digest: str,
+    nonce: str | None = None,
+    issued_at: datetime | None = None,
+) -> bytes:
+    """What a requester signs to start a run: its id, tenant, name and what it asks for, and
+    (since issue 18) a nonce and when it was issued, so a captured start goes stale."""
+    body = {
+        "workflow_id": workflow_id,
+        "tenant": tenant,
+        "decision": "start",
+        "requested_by": requested_by,
+        "request_digest": request_digest,
+    }
+    if nonce is not None or issued_at is not None:
+        when = _utc(issued_at).strftime("%Y-%m-%dT%H:%M:%S.%fZ") if issued_at else ""
+        body.update({"nonce": nonce or "", "issued_at": when})
+    return canonical_json(body).encode()
+
+
+def _utc(moment: datetime) -> datetime:
+    """A naive time is taken as UTC (never the machine's zone)."""
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+
+
+# How long a signed start stays good (policy ``start_signature_ttl``), and the clock skew allowed
+# for one issued "in the future".
+DEFAULT_START_SIGNATURE_TTL = 600.0
+START_CLOCK_SKEW = 60.0
+
+
+def start_freshness_refusal(issued_at: datetime | None, started_at: datetime | None, ttl: float) -> Refusal | None:
+    """A signed start must say when it was issued, no longer than ``ttl`` before the run began."""
+    if issued_at is None:
+        return Refusal(rule="signature_stale", message="a signed start must carry issued_at and a nonce (tether start --key)")
+    if started_at is None:
+        return None
+    age = (_utc(started_at) - _utc(issued_at)).total_seconds()
+    if age > ttl:
+        return Refusal(
+            rule="signature_stale",
+            message=f"the start was signed {age:.0f}s before the run began, over the tenant's "
+            f"start_signature_ttl of {ttl:g}s: sign it again",
+        )
+    if age < -START_CLOCK_SKEW:
+        return Refusal(rule="signature_stale", message=f"the start claims to be issued {-age:.0f}s in the future")
+    return None

@@ -51,9 +51,10 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.VALIDATION_FAILED: frozenset({S.PLANNING, S.FAILED}),
     # EXECUTING_TOOL directly when policy says the plan needs no approval.
     S.VALIDATED: frozenset({S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.CANCELLED, S.COMPENSATING}),
-    # PLANNING when the approval expired and the run asked for on_expiry=replan.
+    # PLANNING when the approval expired and the run asked for on_expiry=replan; VALIDATED when
+    # a person revised the pending plan (or approved part of it): a new plan version.
     S.AWAITING_APPROVAL: frozenset(
-        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.HANDED_OFF, S.CANCELLED, S.COMPENSATING}
+        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.VALIDATED, S.HANDED_OFF, S.CANCELLED, S.COMPENSATING}
     ),
     # AWAITING_APPROVAL when the approvals no longer hold at execution time (an approver lost
     # the role, a tool was withdrawn from the tenant): the step does not run.
@@ -83,6 +84,17 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 
 TERMINAL: frozenset[RunState] = frozenset(s for s, out in TRANSITIONS.items() if not out)
 WORKING: frozenset[RunState] = frozenset(RunState) - TERMINAL
+
+# How each final state ends the Temporal execution, so the Web UI's status badge, `temporal
+# workflow list --query "ExecutionStatus='Failed'"` and Temporal's failure metrics tell the
+# outcome: a run that failed is Failed, a cancelled one Canceled, every other ending (a
+# decision, an expiry, a handoff: the run did what it should) Completed.
+TEMPORAL_STATUS: dict[RunState, str] = {
+    s: "Failed" if s in (RunState.FAILED, RunState.EXECUTION_FAILED)
+    else "Canceled" if s == RunState.CANCELLED
+    else "Completed"
+    for s in TERMINAL
+}
 
 
 def is_allowed(from_state: RunState, to_state: RunState) -> bool:
@@ -117,6 +129,11 @@ class Refs(BaseModel):
     decision_id: str | None = None
     error_code: str | None = None
     policy_hash: str | None = None
+    # The approval request a record is about (a request opened, a decision on it, a revision of it).
+    request_id: str | None = None
+    # A revision: the plan it replaced and the RFC 6902 "op path" entries that changed (no values).
+    previous_plan_hash: str | None = None
+    changed: list[str] | None = None
     # Set on every record that ends a tool step (success, failure, retry wait, handoff, cancel,
     # budget): what happened to the step's effect.
     outcome: EffectOutcome | None = None
@@ -128,7 +145,9 @@ class TransitionRecord(BaseModel):
     ``kind="transition"`` is a state change. ``kind="refused"`` records an event the runtime
     turned down (a stale approval, a signal for a finished run), with the ``rule`` that refused
     it; ``kind="accepted"`` records a decision that counted but did not change state yet (the
-    first of two required approvals). Neither changes state: they carry the current state as
+    first of two required approvals); ``kind="escalated"`` an escalation stage of a waiting
+    plan (its timer fired: more roles may approve, people were told); ``kind="notify_failed"`` a
+    webhook that never took an event (``rule``: the event). None of these changes state: they carry the current state as
     both ends and do not bump ``state_version``.
     """
 
@@ -139,7 +158,7 @@ class TransitionRecord(BaseModel):
     reason: str
     state_version: int
     refs: Refs = Field(default_factory=Refs)
-    kind: Literal["transition", "refused", "accepted"] = "transition"
+    kind: Literal["transition", "refused", "accepted", "escalated", "notify_failed"] = "transition"
     rule: str | None = None
     # 1, 2, 3, ... over the whole run (across continue-as-new): the audit sink's key, and how a
     # reader merges the workflow's window with the sink.
@@ -216,9 +235,19 @@ class Lifecycle(BaseModel):
         """Record a decision that counted without changing state (more approvals needed)."""
         return self._note("accepted", at=at, actor=actor, reason=reason, refs=refs, rule=None)
 
+    def escalate(
+        self, *, at: datetime, reason: str, refs: Refs | None = None
+    ) -> TransitionRecord:
+        """Record an escalation stage of a waiting plan (no state change)."""
+        return self._note("escalated", at=at, actor="timer", reason=reason, refs=refs, rule=None)
+
+    def notify_failed(self, *, at: datetime, reason: str, event: str, refs: Refs | None = None) -> TransitionRecord:
+        """Record a notification no webhook retry could deliver (the run went on regardless)."""
+        return self._note("notify_failed", at=at, actor="runtime", reason=reason, refs=refs, rule=event)
+
     def _note(
         self,
-        kind: Literal["refused", "accepted"],
+        kind: Literal["refused", "accepted", "escalated", "notify_failed"],
         *,
         at: datetime,
         actor: str,

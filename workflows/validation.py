@@ -10,20 +10,22 @@ no I/O; ``new_id`` is passed in so the workflow can supply deterministic ids.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+import jsonschema.validators
+import re2
 
 from workflows.budgets import FEEDBACK_CHARS, FEEDBACK_PROBLEMS, PROPOSAL_BYTES, clip
 from workflows.models import Limits, Plan, PlanStep, Proposal, ToolCatalog
 from workflows.policy import budget_refusal
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_TOOL_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
 # Schema keywords whose message may quote the input value: for these we say which rule failed.
 _RULES = {
     "type": "has the wrong type (expected {expected})",
@@ -99,7 +101,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
         missing = [p for p in error.validator_value if p not in (error.instance or {})]
         return f"{where}: missing required {', '.join(map(str, missing))[:200]}"
     if error.validator == "additionalProperties":
-        extra = len(set(error.instance or {}) - set(error.schema.get("properties", {})))
+        patterns = list(error.schema.get("patternProperties", {}))
+        extra = sum(
+            1 for k in (error.instance or {})
+            if k not in error.schema.get("properties", {}) and not any(pattern_search(p, k) for p in patterns)
+        )
         return f"{where}: {extra} argument(s) the tool does not take"
     template = _RULES.get(str(error.validator), "fails the '{rule}' rule")
     return f"{where}: " + template.format(expected=str(error.validator_value)[:60], rule=error.validator)
@@ -119,8 +125,13 @@ def _args_problem(args: object, schema: dict) -> tuple[dict | None, str | None]:
         return None, f"arguments must be a JSON object, got {type(args).__name__}"
     if (where := _non_finite_path(args)) is not None:
         return None, f"invalid arguments at {where}: not a finite number (NaN and infinities are refused)"
-    validator = jsonschema.Draft202012Validator(closed_schema(schema))
-    errors = sorted(validator.iter_errors(args), key=lambda e: list(e.absolute_path))
+    if (refused := schema_problem(schema)) is not None:
+        return None, f"the tool's schema cannot be checked: {refused}"
+    validator = BoundedValidator(closed_schema(schema))
+    try:
+        errors = sorted(validator.iter_errors(args), key=lambda e: list(e.absolute_path))
+    except PatternError as e:  # a pattern inside a $ref'd definition schema_problem missed
+        return None, f"the tool's schema cannot be checked: {e}"
     if errors:
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         return None, f"invalid arguments at {_describe(errors[0])}{more}"
@@ -160,7 +171,7 @@ def validate_proposal(
     for i, proposed in enumerate(proposal.steps, start=1):
         info = catalog.get(proposed.tool)
         if info is None:
-            name = repr(proposed.tool) if _TOOL_NAME.match(proposed.tool) else "(not a tool name)"
+            name = repr(proposed.tool) if _is_tool_name(proposed.tool) else "(not a tool name)"
             known = ", ".join(sorted(t.name for t in catalog.tools)) or "none"
             problems.append(f"step {i}: unknown tool {name} (known: {known})")
             continue
@@ -182,3 +193,133 @@ def validate_proposal(
     except ValueError as e:  # e.g. an integer beyond what JSON numbers carry exactly
         return Validation(plan=None, problems=[f"arguments cannot be hashed exactly: {str(e)[:200]}"])
     return Validation(plan=Plan(steps=steps, plan_hash=plan_hash, undo=undo), problems=[])
+
+
+# ----------------------------------------------------------------------------- bounded-cost regexes
+#
+# A schema's ``pattern`` and ``patternProperties`` run on the model's arguments inside the
+# workflow, holding the worker's only thread for workflow code. Python's ``re`` backtracks: one
+# 32-character argument against ``^(\w+\s?)+$`` takes minutes. They run on RE2 instead (google-re2):
+# time linear in the input, memory bounded per pattern. A pattern RE2 cannot take (backreferences,
+# lookaround, a repetition over 1000) makes the tool's schema unusable: the catalog leaves the
+# tool out with the reason (:func:`schema_problem`), and a schema that still carries one (an old
+# snapshot) fails the step, never falls back to ``re``. Formats are annotations only (no format
+# checker is configured), so no format regex ever runs on an argument.
+
+# The memory RE2 may use for one compiled pattern; a pattern needing more is refused.
+PATTERN_MAX_MEM = 1 << 20
+PATTERN_MAX_CHARS = 1000
+
+
+class PatternError(ValueError):
+    """A schema pattern the linear-time engine cannot take, with RE2's reason."""
+
+
+def _is_tool_name(name: str) -> bool:
+    return 1 <= len(name) <= 64 and all(ch in _TOOL_NAME_CHARS for ch in name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> Any:
+    if len(pattern) > PATTERN_MAX_CHARS:
+        raise PatternError(f"pattern longer than {PATTERN_MAX_CHARS} characters")
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = PATTERN_MAX_MEM
+    try:
+        return re2.compile(pattern, options=options)
+    except re2.error as e:
+        detail = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise PatternError(detail[:200]) from None
+
+
+def pattern_search(pattern: str, text: str) -> bool:
+    """``re.search`` semantics (JSON Schema patterns are unanchored), in time linear in ``text``."""
+    return _compiled(pattern).search(text) is not None
+
+
+# Keywords whose values are data, not schemas: a "pattern" key inside them is no regex.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:
+    """Every (sub)schema object in a schema, with its JSON pointer."""
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            if key not in _DATA_KEYWORDS:
+                yield from _schemas(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _schemas(value, f"{path}/{i}")
+
+
+def _patterns(schema: Any) -> Iterator[tuple[str, Any]]:
+    """Every regex a schema holds (``pattern`` values, ``patternProperties`` keys), with where."""
+    for path, node in _schemas(schema):
+        if isinstance(node.get("pattern"), str):
+            yield f"{path}/pattern", node["pattern"]
+        if isinstance(props := node.get("patternProperties"), dict):
+            for key in props:
+                yield f"{path}/patternProperties", key
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why a tool's argument schema cannot be checked in bounded time, or None.
+
+    The catalog (Python tools and MCP listings alike) leaves such a tool out with this reason.
+    """
+    for where, pattern in _patterns(schema):
+        if not isinstance(pattern, str):
+            continue  # check_schema reports a non-string pattern
+        try:
+            _compiled(pattern)
+        except PatternError as e:
+            return f"schema pattern at {where or '/'} cannot run in linear time (RE2: {e})"
+    nodes = [node for _, node in _schemas(schema)]
+    if any("unevaluatedProperties" in n for n in nodes) and any("patternProperties" in n for n in nodes):
+        # jsonschema evaluates this pair with Python's backtracking re: not offered.
+        return "schema combines unevaluatedProperties with patternProperties (not supported)"
+    return None
+
+
+def _pattern(validator: Any, patrn: str, instance: Any, schema: dict) -> Iterator[jsonschema.ValidationError]:
+    if validator.is_type(instance, "string") and not pattern_search(patrn, instance):
+        yield jsonschema.ValidationError("does not match the required pattern")
+
+
+def _pattern_properties(validator: Any, pattern_properties: dict, instance: Any, schema: dict) -> Iterator[Any]:
+    if not validator.is_type(instance, "object"):
+        return
+    for patrn, subschema in pattern_properties.items():
+        for k, v in instance.items():
+            if pattern_search(patrn, k):
+                yield from validator.descend(v, subschema, path=k, schema_path=patrn)
+
+
+def _additional_properties(validator: Any, ap: Any, instance: Any, schema: dict) -> Iterator[Any]:
+    if not validator.is_type(instance, "object"):
+        return
+    properties = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    extras = [
+        k for k in instance
+        if k not in properties and not any(pattern_search(p, k) for p in patterns)
+    ]
+    if validator.is_type(ap, "object"):
+        for extra in extras:
+            yield from validator.descend(instance[extra], ap, path=extra)
+    elif not ap and extras:
+        yield jsonschema.ValidationError(f"{len(extras)} additional properties are not allowed")
+
+
+# Draft 2020-12 with every regex keyword on RE2 (unevaluatedProperties + patternProperties is
+# refused by schema_problem, so jsonschema's own re never sees an argument).
+BoundedValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    {
+        "pattern": _pattern,
+        "patternProperties": _pattern_properties,
+        "additionalProperties": _additional_properties,
+    },
+)

@@ -25,6 +25,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import starter
 from examples.devstack import dev_server_command
+from client import run_outcome
 from tests.chaos.markers import marker_name
 from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
@@ -192,6 +193,12 @@ def start_worker(
 ) -> Proc:
     """``faults``: CHAOS_SLOW / CHAOS_LOSE_RESPONSE for the chaos tools (chaos_tools.py)."""
     cmd = [sys.executable, "worker.py", "--tools", "tests.chaos.chaos_tools", "--task-queue", queue]
+    from activities.keys import KEY_SETTING, genkey
+
+    if not os.environ.get(KEY_SETTING):
+        # The workers of a chaos run share one key ring (a worker never creates one).
+        faults.setdefault(KEY_SETTING, str(chaos_dir / "state.key"))
+        genkey(Path(faults[KEY_SETTING]), if_missing=True)
     env = _env(TEMPORAL_ADDRESS=address, BILLING_URL=billing_url, CHAOS_DIR=str(chaos_dir), CHAOS_HOLD=hold,
                CHAOS_TOOL_TIMEOUT=str(tool_timeout or ""), **faults)
     return Proc(f"worker {queue}", cmd, chaos_dir / f"worker-{uuid.uuid4().hex[:6]}.log", env)
@@ -310,8 +317,10 @@ async def _ended(client: Client, run_id: str) -> tuple[RunState, list[Transition
     handle = client.get_workflow_handle(run_id, result_type=RunOutcome)
     outcome: RunOutcome | None = None
     try:
-        outcome = await asyncio.wait_for(handle.result(), 120)
+        outcome = await asyncio.wait_for(run_outcome(handle), 120)
         timeline = outcome.timeline
+        if outcome.state == RunState.CANCELLED:
+            outcome = None  # read back without steps
     except WorkflowFailureError:
         timeline = await handle.query("timeline", result_type=list[TransitionRecord])
     check_timeline(timeline, tools_by_call(outcome))

@@ -15,6 +15,7 @@ import starter
 from tests.chaos.conftest import Stack
 from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_worker
 from tests.invariants import check_timeline, tools_by_call
+from client import run_outcome
 from tests.conftest import approval_for
 from workflows.models import Limits, RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState
@@ -61,7 +62,7 @@ async def test_runs_survive_a_dev_server_restart(stack: Stack) -> None:
         baseline = await start("baseline", request("idempotent"))
         await _await_state(baseline, {S.AWAITING_APPROVAL}, 60)
         await approve(baseline)
-        normal = path(await baseline.result())
+        normal = path(await run_outcome(baseline))
         (chaos_dir / "release-before").unlink()
 
         waiting = {e: await start(f"wait-{e}", request(e)) for e in TOOLS}
@@ -92,7 +93,7 @@ async def test_runs_survive_a_dev_server_restart(stack: Stack) -> None:
         outcomes: dict[str, RunOutcome] = {}
         for handle in [*waiting.values(), *inflight.values(), timer]:
             outcomes[handle.id] = await asyncio.wait_for(
-                client.get_workflow_handle(handle.id, result_type=RunOutcome).result(), 90
+                run_outcome(client.get_workflow_handle(handle.id, result_type=RunOutcome)), 90
             )
         assert worker.alive
     finally:

@@ -3,6 +3,9 @@
 Against a dev server of its own (UI on), with a worker in this process and the billing service:
 
 1. one run finishes on its own (read-only plan), one waits for approval (the refund playbook);
+   a rejected run shows Completed in the list, a run that failed validation and one whose refund
+   failed for good show Failed (the status badge, without a click), and with the AgentRunState
+   column added each shows its Tether state;
 2. the workflow list filtered by ``AgentRunState="AWAITING_APPROVAL"`` shows the waiting run and
    not the finished one;
 3. the run page shows the static summary (goal, tenant) and the current details: state, the plan
@@ -14,7 +17,7 @@ Against a dev server of its own (UI on), with a worker in this process and the b
    ``tool · effect · step n`` on every tool activity and the ``retry backoff`` timer of the
    refund, which fails once on purpose.
 
-Screenshots of the filtered list, the run page and its timeline land in ``TETHER_SCREENSHOT_DIR``
+Screenshots of the list with failures, the filtered list, the run page and its timeline land in ``TETHER_SCREENSHOT_DIR``
 (default ``build/e2e-screenshots``; ``TETHER_SCREENSHOT_DIR=docs`` refreshes docs/web-ui.md's).
 """
 
@@ -30,7 +33,17 @@ from datetime import timezone
 
 from temporalio.client import Client
 
-from tests.conftest import BIN, Billing, make_request, running_worker, start_run, unique, wait_for_state
+from client import run_outcome
+from tests.conftest import (
+    BIN,
+    Billing,
+    approval_for,
+    make_request,
+    running_worker,
+    start_run,
+    unique,
+    wait_for_state,
+)
 from tests.e2e.conftest import SCREENSHOT_DIR, UiEnv
 from workflows.models import RunOutcome
 from workflows.states import RunState
@@ -72,10 +85,11 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
     async with running_worker(client) as worker:
         # A run that needs nobody: it must not show up among the runs waiting for a person.
         finished = await start_run(
-            client, worker, make_request(LOOKUP, goal="Look up order A-1001", tenant=tenant)
+            client, worker, make_request(LOOKUP, goal="Look up order A-1001", tenant=tenant),
+            run_id=unique("lookup"),
         )
-        assert (await finished.result()).state == RunState.COMPLETED
-        handle = await start_run(client, worker, make_request(tenant=tenant))
+        assert (await run_outcome(finished)).state == RunState.COMPLETED
+        handle = await start_run(client, worker, make_request(tenant=tenant), run_id=unique("refund"))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.plan is not None and snap.pending_approval is not None
         plan_hash = snap.plan.plan_hash
@@ -83,6 +97,41 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
             "%Y-%m-%d %H:%M:%S UTC"
         )
         await wait_visible(client, WAITING_QUERY, handle.id)
+
+        # ---------------------------------------------------------------- endings in the list
+        # A rejected run completes; a run that failed validation and one whose refund failed
+        # for good fail their Temporal execution: the list's status badges tell them apart.
+        failed = await start_run(client, worker, make_request(
+            [{"tool": "wire_money", "args": {}}], goal="Wire money", tenant=tenant, limits={"max_replans": 0}),
+            run_id=unique("unknown-tool"))
+        too_much = await start_run(client, worker, make_request(
+            [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 999_999, "reason": "r"}}],
+            goal="Refund more than order A-1003 cost", tenant=tenant), run_id=unique("refund-too-much"))
+        rejected = await start_run(client, worker, make_request(goal="Refund order A-1001 twice", tenant=tenant),
+                                   run_id=unique("refund-rejected"))
+        for run, decision in ((too_much, "approve"), (rejected, "reject")):
+            pending = await wait_for_state(run, "AWAITING_APPROVAL")
+            await run.signal(decision, approval_for(pending, APPROVER, reason="already refunded"))
+        endings = {
+            failed.id: ("FAILED", "Failed"), too_much.id: ("EXECUTION_FAILED", "Failed"),
+            rejected.id: ("REJECTED", "Completed"), finished.id: ("COMPLETED", "Completed"),
+        }
+        for run_id, (state, _) in endings.items():
+            await wait_visible(client, f'AgentRunState="{state}"', run_id)
+        await page.goto(f"{ui_env.ui_url}/namespaces/default/workflows?query="
+                        + urllib.parse.quote(f'AgentTenant="{tenant}"'))
+        for run_id, (state, status) in endings.items():
+            row = page.get_by_role("row").filter(has=page.get_by_role("link", name=run_id, exact=True))
+            await eventually(page, lambda: expect(row).to_contain_text(status, ignore_case=True),
+                             f"{run_id} ({state}) does not show Temporal status {status}")
+            # Without a click the list has no AgentRunState column (Configure Columns adds it).
+            if state != status.upper():
+                await expect(row).not_to_contain_text(state)
+        await show_run_columns(page)
+        for run_id, (state, status) in endings.items():
+            row = page.get_by_role("row").filter(has=page.get_by_role("link", name=run_id, exact=True))
+            await expect(row).to_contain_text(state)
+        await page.screenshot(path=str(SCREENSHOT_DIR / "webui-list-failures.png"))
 
         # ---------------------------------------------------------------- the filtered list
         list_url = (
@@ -111,6 +160,9 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
         # Timeline (the default tab): the planner activity and the expiry timer carry summaries.
         await expect(page.get_by_text("plan · playbook · round 1").first).to_be_visible()
         await expect(page.get_by_text("approval expiry").first).to_be_visible()
+        # The summary and the current details (state, how to approve) are only on the User
+        # Metadata tab: the page does not show them until it is clicked (docs/web-ui.md).
+        await expect(page.locator("#user-metadata-current-details")).to_have_count(0)
 
         await page.get_by_role("tab", name="User Metadata").click()
         summary = rendered(page, "summary")
@@ -155,7 +207,7 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
             )
         print(f"approval sent from the {via}")
 
-        outcome = await asyncio.wait_for(handle.result(), timeout=30)
+        outcome = await asyncio.wait_for(run_outcome(handle), timeout=30)
         assert isinstance(outcome, RunOutcome) and outcome.state == RunState.COMPLETED, outcome
         approvals = [r for r in outcome.timeline if r.refs.decision_id == decision["decision_id"]]
         assert approvals and approvals[0].actor == f"user:{APPROVER}", approvals
@@ -220,9 +272,10 @@ async def show_run_columns(page) -> None:
         add = page.get_by_role("button", name=f"Add {name} column")
         if await add.count():
             await add.click()
-    remove = page.get_by_role("button", name="Remove Run ID column")
-    if await remove.count():
-        await remove.click()
+    for name in ("Run ID", "Type"):  # room for the Tether columns in a 1440-wide screenshot
+        remove = page.get_by_role("button", name=f"Remove {name} column")
+        if await remove.count():
+            await remove.click()
     await page.get_by_role("button", name="Close Workflows Table configuration").click()
     await expect(page.get_by_role("heading", name="Configure Workflows Table")).to_be_hidden()
     await page.wait_for_timeout(500)  # the drawer fades out

@@ -108,6 +108,30 @@ async def main() -> None:
         request = DecideRequest(kind="approve", **approval_for(snap, "bob").model_dump())
         await h.execute_update("decide", request, result_type=DecideResult)
 
+    async def decide_refused_path(client: Client, h: WorkflowHandle) -> None:
+        # Issue 19: a policy refusal through the Update is on the record (the handler's path).
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        own = DecideRequest(kind="approve", **approval_for(snap, "alice").model_dump())
+        await h.execute_update("decide", own, result_type=DecideResult)
+        request = DecideRequest(kind="approve", **approval_for(snap, "bob").model_dump())
+        await h.execute_update("decide", request, result_type=DecideResult)
+
+    async def revise_path(client: Client, h: WorkflowHandle) -> None:
+        # Issue 22: a revision (a new plan version, a new request), then its approval.
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        revised = [{"tool": s.tool, "args": dict(s.args)} for s in snap.plan.steps]
+        revised[0]["args"]["amount_cents"] = 500
+        pending = snap.pending_approval
+        revision = {"kind": "revise", "decision_id": uuid.uuid4().hex, "editor": "carol", "plan_hash": pending.plan_hash,
+                    "request_id": pending.request_id, "steps": revised, "reason": "lower"}
+        await h.execute_update("decide", revision, result_type=DecideResult)
+        await approve(h)
+
+    async def partial_path(client: Client, h: WorkflowHandle) -> None:
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        request = DecideRequest(kind="approve", **{**approval_for(snap, "bob").model_dump(), "steps": [1, 2]})
+        await h.execute_update("decide", request, result_type=DecideResult)
+
     async def unsafe_path(client: Client, h: WorkflowHandle) -> None:
         billing.fail_next("emails", 1, status=503, when="after_commit")
         await approve(h)
@@ -126,6 +150,9 @@ async def main() -> None:
         ("unsafe_unknown_outcome", steps("email"), {}, unsafe_path),
         ("continue_as_new", steps("refund"), {}, continue_as_new_path),
         ("decide", steps("refund"), {}, decide_path),
+        ("decide_refused", steps("refund"), {}, decide_refused_path),
+        ("revise", steps("refund"), {}, revise_path),
+        ("partial", steps("get", "refund", "email"), {}, partial_path),
     ]
 
     async def record(paths: list, extra_args: list[str]) -> None:

@@ -1,0 +1,140 @@
+"""Who is asking: a JWT from the organisation's sign-in layer, verified, or nobody.
+
+Production: every request carries a JWT (``Authorization: Bearer``, or an identity-aware
+proxy's assertion header such as ``X-Forwarded-Assertion``), verified by PyJWT against a JWKS
+(a file, or a URL read through ``PyJWKClient``): signature by a key of the set, ``alg`` one of
+the asymmetric algorithms below and the key's own (never ``none``, never HMAC), ``iss``,
+``aud``, ``exp`` required, ``nbf`` honoured. The configured claim names the person as the policy
+file knows them (normalised as the runtime normalises names).
+
+Local: ``--dev-login`` makes a key of its own at start and mints tokens for the people the
+policy lists, kept in an HttpOnly, SameSite=Strict cookie; the same verifier checks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from workflows.identity import normalize_name
+
+# Asymmetric only: a shared-secret (HS*) token could be minted by anyone holding the JWKS.
+ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"]
+LEEWAY_SECONDS = 30
+MAX_TOKEN_CHARS = 16_384
+DEV_ISSUER = "tether-inbox-dev-login"
+DEV_AUDIENCE = "tether-inbox"
+DEV_SESSION_SECONDS = 8 * 3600
+SESSION_COOKIE = "tether_inbox_session"
+
+
+class Unauthenticated(Exception):
+    """No verified identity. The message says what kind of failure, never the token."""
+
+
+@dataclass(frozen=True)
+class Person:
+    name: str  # normalised, as the policy file and the runtime compare names
+    source: str  # "bearer", "header" or "cookie": how it came (ambient ones need CSRF tokens)
+
+    @property
+    def ambient(self) -> bool:
+        """Sent by the browser on its own (cookie, proxy header): a forged cross-site post would
+        carry it too, so posts with it need the CSRF token."""
+        return self.source != "bearer"
+
+
+class Verifier:
+    """Verifies tokens against one JWKS, for one issuer and audience."""
+
+    def __init__(self, *, jwks: str | dict[str, Any], issuer: str, audience: str, claim: str) -> None:
+        self.issuer, self.audience, self.claim = issuer, audience, claim
+        self._client: jwt.PyJWKClient | None = None
+        self._set: jwt.PyJWKSet | None = None
+        if isinstance(jwks, dict):
+            self._set = jwt.PyJWKSet.from_dict(jwks)
+        elif jwks.startswith(("https://", "http://")):
+            self._client = jwt.PyJWKClient(jwks, cache_keys=True, lifespan=300, timeout=5)
+        else:
+            try:
+                self._set = jwt.PyJWKSet.from_dict(json.loads(Path(jwks).read_text()))
+            except (OSError, ValueError, jwt.PyJWKSetError) as e:
+                raise ValueError(f"--jwks {jwks}: not a readable JWKS file ({e})") from None
+
+    def _key(self, token: str, header: dict[str, Any]) -> jwt.PyJWK:
+        if self._client is not None:
+            return self._client.get_signing_key_from_jwt(token)
+        assert self._set is not None
+        kid = header.get("kid")
+        keys = [k for k in self._set.keys if kid is None or k.key_id == kid]
+        if len(keys) != 1:
+            raise Unauthenticated("no key of the JWKS matches the token's kid")
+        return keys[0]
+
+    async def averify(self, token: str) -> str:
+        """``verify``, off the event loop when the JWKS is fetched over HTTP (PyJWKClient blocks)."""
+        if self._client is not None:
+            return await asyncio.to_thread(self.verify, token)
+        return self.verify(token)
+
+    def verify(self, token: str) -> str:
+        """The person the token names (normalised), or Unauthenticated."""
+        if not token or len(token) > MAX_TOKEN_CHARS:
+            raise Unauthenticated("no token, or an oversized one")
+        try:
+            header = jwt.get_unverified_header(token)
+            alg = header.get("alg")
+            if alg not in ALGORITHMS:
+                raise Unauthenticated(f"algorithm {str(alg)[:16]!r} is not accepted")
+            key = self._key(token, header)
+            declared = key._jwk_data.get("alg")  # a key that names its algorithm signs only with it
+            if declared is not None and declared != alg:
+                raise Unauthenticated("the token's algorithm is not its key's")
+            # (A key of another type than the algorithm's is refused by PyJWT itself.)
+            claims = jwt.decode(
+                token,
+                key.key,
+                algorithms=[alg],
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=LEEWAY_SECONDS,
+                options={"require": ["exp", "iss", "aud"], "verify_signature": True},
+            )
+        except Unauthenticated:
+            raise
+        except jwt.PyJWTError as e:
+            raise Unauthenticated(type(e).__name__) from None
+        raw = claims.get(self.claim)
+        if not isinstance(raw, str):
+            raise Unauthenticated(f"the token has no {self.claim!r} claim")
+        try:
+            return normalize_name(raw)
+        except ValueError:
+            raise Unauthenticated(f"the {self.claim!r} claim is not a usable name") from None
+
+
+class DevLogin:
+    """``--dev-login``: tokens this process mints for the policy's people, with its own key."""
+
+    def __init__(self) -> None:
+        self._key = Ed25519PrivateKey.generate()
+        jwk = json.loads(jwt.algorithms.OKPAlgorithm.to_jwk(self._key.public_key()))
+        self.verifier = Verifier(
+            jwks={"keys": [{**jwk, "kid": "dev-login", "alg": "EdDSA", "use": "sig"}]},
+            issuer=DEV_ISSUER,
+            audience=DEV_AUDIENCE,
+            claim="preferred_username",
+        )
+
+    def mint(self, name: str) -> str:
+        now = int(time.time())
+        claims = {"iss": DEV_ISSUER, "aud": DEV_AUDIENCE, "preferred_username": name,
+                  "iat": now, "nbf": now, "exp": now + DEV_SESSION_SECONDS}
+        return jwt.encode(claims, self._key, algorithm="EdDSA", headers={"kid": "dev-login"})

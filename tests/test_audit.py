@@ -1,0 +1,532 @@
+"""The audit record is complete whatever happens to a run: a reset is its own stream, ids of any
+length or script, a sink that cannot write stops writes and says so, every decision attempt is
+on the record and answered. Real dev server, real billing service, the real `temporal` and
+`tether` commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+
+import client as tether_client
+from activities.audit import AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
+from activities.policy import PolicyActivities, PolicyStore
+from tests.conftest import (
+    BIN,
+    ROOT,
+    Billing,
+    Postgres,
+    approval_for,
+    make_request,
+    running_worker,
+    start_run,
+    unique,
+    wait_for_state,
+)
+from tests.test_dev_server import Cli
+from workflows.models import DecideRequest, DecideResult, DecisionCheck, RunOutcome, RunSnapshot, Verdict
+from workflows.states import RunState as S
+
+POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
+# A refund over the policy's auto-approval limit: one approval (bob or carol) is needed.
+REFUND = [
+    {"tool": "get_order", "args": {"order_id": "A-1002"}},
+    {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 6000, "reason": "audit test"}},
+]
+
+
+async def temporal_cli(env: WorkflowEnvironment, *args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        str(BIN / "temporal"), *args, "--address", env.client.service_client.config.target_host,
+        "--namespace", env.client.namespace,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, (args, out.decode(), err.decode())
+    return out.decode()
+
+
+async def assert_replays(handle: WorkflowHandle) -> None:
+    """The run's own history replays on the current code (the new paths are deterministic)."""
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.worker import Replayer
+
+    from workflows.agent_run import AgentRun
+
+    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
+    assert result.replay_failure is None, result.replay_failure
+
+
+async def wait_for_audit_error(env: WorkflowEnvironment, handle: WorkflowHandle, timeout: float = 10) -> RunSnapshot:
+    """Until the run shows that it cannot write to its audit sink ("within seconds")."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    began = loop.time()
+    while (snap := await tether_client.snapshot(env.client, handle.id)).audit_error is None:
+        assert loop.time() < deadline, "the sink error never showed on the run"
+        await asyncio.sleep(0.2)
+    print(f"\nthe sink error showed on the run after {loop.time() - began:.2f}s")
+    return snap
+
+
+async def approve(handle: WorkflowHandle, approver: str) -> None:
+    snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+    await handle.signal("approve", approval_for(snap, approver))
+
+
+def approvals(records: list) -> list[str]:
+    return [r.actor for r in records if r.kind == "transition" and r.to_state == S.APPROVED]
+
+
+async def reset_scenario_with(
+    env: WorkflowEnvironment, sink: JsonlAuditSink | PostgresAuditSink, *, cli_env: dict, audit_dir: str | None = None,
+    dsn: str | None = None,
+) -> tuple:
+    """bob approves, the run completes; `temporal workflow reset --type FirstWorkflowTask`;
+    carol approves the reset run. Returns the trail, both run ids and the CLI's output."""
+    async with running_worker(env.client, policy=POLICY, audit=AuditActivities(sink=sink)) as worker:
+        handle = await start_run(env.client, worker, make_request(REFUND))
+        await approve(handle, "bob")
+        first = await asyncio.wait_for(handle.result(), 30)
+        assert first.state == S.COMPLETED
+        original = (await handle.describe()).run_id
+        await temporal_cli(
+            env, "workflow", "reset", "--workflow-id", handle.id, "--type", "FirstWorkflowTask",
+            "--reason", "operator re-runs the refund",
+        )
+        reset = env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
+        assert (await reset.describe()).run_id != original
+        await approve(reset, "carol")
+        assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
+        await assert_replays(reset)
+        trail = await tether_client.audit_trail(env.client, handle.id, audit_dir, dsn=dsn)
+        code, out, err = await Cli(env, worker)("timeline", handle.id, "--all", env=cli_env)
+    return trail, original, (await reset.describe()).run_id, (code, out, err)
+
+
+def assert_two_branches(trail: tether_client.AuditTrail, original: str, new: str, cli: tuple) -> None:
+    assert [b.run_id for b in trail.branches] == [original, new]
+    first, second = trail.branches
+    assert first.origin == "first" and second.origin == "reset" and second.parent_run_id == original
+    assert second.at_seq == 0  # FirstWorkflowTask: the new run wrote every record again
+    assert second.reason.endswith("operator re-runs the refund") and second.identity  # as Temporal says
+    assert approvals(first.records) == ["user:bob"] and approvals(second.records) == ["user:carol"]
+    for branch in trail.branches:  # every record once, in each stream
+        seqs = [r.seq for r in branch.records]
+        assert seqs == list(range(1, len(seqs) + 1)), seqs
+        assert branch.records[-1].to_state == S.COMPLETED and not branch.from_window
+    assert trail.missing == [] and trail.line() == second.records
+    code, out, err = cli
+    assert code == 0, (out, err)
+    assert f"== run {original} (first run)" in out
+    assert f"operator re-runs the refund, by {second.identity}) of run {original}" in out and f"of run {original}: run {new}" in out
+    assert out.count("user:bob") >= 1 and out.count("user:carol") >= 1
+
+
+async def test_a_reset_is_its_own_stream_and_timeline_all_shows_both_branches(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    audit_dir = tmp_path / "audit"
+    trail, original, new, cli = await reset_scenario_with(
+        dev_env, JsonlAuditSink(audit_dir), cli_env={"TETHER_AUDIT_DIR": str(audit_dir)}, audit_dir=str(audit_dir)
+    )
+    assert_two_branches(trail, original, new, cli)
+    # Two refunds went out; the record shows both approvals (each stream in a file of its own).
+    assert sorted(p.name for p in audit_path(audit_dir, trail.workflow_id, original).parent.glob("*.jsonl")) == sorted(
+        [f"{original}.jsonl", f"{new}.jsonl"]
+    )
+
+
+def test_sink_names_are_bounded_readable_and_distinct() -> None:
+    japanese = "払い戻し注文番号エー千一の監査記録テスト用"  # 20+ characters, 3 bytes each
+    long_ascii = "refund-" + "x" * 213
+    names = {bounded_name(i) for i in (japanese, long_ascii, long_ascii + "y", "a/../b", "..", "")}
+    assert len(names) == 6
+    assert all(len(n) <= 73 and "/" not in n and n not in (".", "..") for n in names)
+    assert bounded_name("refund-A-1001").startswith("refund-A-1001-")
+
+
+@pytest.mark.parametrize("run_id", ["監査" * 12, "refund-" + "x" * 213], ids=["japanese-24", "ascii-220"])
+async def test_a_long_or_non_ascii_workflow_id_completes_with_every_record_in_the_sink(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, run_id: str
+) -> None:
+    audit_dir = tmp_path / "audit"
+    assert len(run_id) in (24, 220)
+    async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(audit_dir))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]), run_id=run_id)
+        outcome = await asyncio.wait_for(handle.result(), 30)
+        trail = await tether_client.audit_trail(dev_env.client, run_id, str(audit_dir))
+    assert outcome.state == S.COMPLETED
+    assert trail.missing == [] and [r.seq for r in trail.line()] == list(range(1, trail.written + 1))
+    assert (audit_path(audit_dir, run_id, trail.current_run_id).parent / "workflow_id").read_text() == run_id + "\n"
+
+
+async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_catches_up(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from activities.metrics import prometheus_runtime
+    from tests.test_metrics import free_port, scrape, value
+
+    root = tmp_path / "audit"
+    root.mkdir()
+    port = free_port()
+    metered = await tether_client.connect(
+        target_host=dev_env.client.service_client.config.target_host, namespace=dev_env.client.namespace,
+        runtime=prometheus_runtime(f"127.0.0.1:{port}"), data_converter=pydantic_data_converter,
+    )
+    async with running_worker(metered, policy=POLICY, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
+        cli = Cli(dev_env, worker)
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        key = f"{handle.id}:{snap.plan.steps[1].tool_call_id}"
+        # The sink's folder becomes a file: no folder can be created under it.
+        shutil.move(root, tmp_path / "aside")
+        root.write_text("not a folder")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        snap = await wait_for_audit_error(dev_env, handle)
+        assert "audit sink failing" in snap.audit_error and "NotADirectoryError" in snap.audit_error
+        assert snap.state == S.APPROVED and snap.audit_waiting >= 1
+        code, out, err = await cli("status", handle.id)
+        assert code == 0 and "audit      audit sink failing" in out, (out, err)
+        details = (await handle.query("__temporal_workflow_metadata")).current_details
+        assert "**Audit sink:** audit sink failing" in details  # the Web UI's details say it too
+        code, out, err = await cli("timeline", handle.id, "--all", env={"TETHER_AUDIT_DIR": str(tmp_path / "aside")})
+        assert code == 1 and "cannot write to its audit sink" in err, (out, err)
+        await asyncio.sleep(1)
+        assert billing.refunds(key) == []  # no write starts while records before it are not in the sink
+        assert value(scrape(port), "tether_audit_sink_failures", sink="JsonlAuditSink") >= 3
+        root.unlink()
+        shutil.move(tmp_path / "aside", root)
+        outcome = await asyncio.wait_for(handle.result(), 60)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
+    await assert_replays(handle)  # the failed attempts, the retry timers and the patch replay
+    assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
+    assert trail.missing == [] and trail.audit_error is None
+    stream = trail.branches[0].records
+    assert [r.seq for r in stream] == list(range(1, trail.written + 1)) and not trail.branches[0].from_window
+
+
+async def test_timeline_all_warns_and_exits_1_when_the_sink_lacks_records(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(tmp_path / "real"))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
+        await asyncio.wait_for(handle.result(), 30)
+        cli = Cli(dev_env, worker)
+        code, out, err = await cli("timeline", handle.id, "--all", env={"TETHER_AUDIT_DIR": str(tmp_path / "typo")})
+        assert code == 1 and "warning: the audit sink (JSON lines under" in err and "holds 0 of the" in err, (out, err)
+        assert "COMPLETED" in out  # the run's own window is still shown
+        code, out, err = await cli("timeline", handle.id, "--all", "--json", env={"TETHER_AUDIT_DIR": str(tmp_path / "real")})
+        assert code == 0 and err == "", err
+        assert json.loads(out)["missing"] == []
+
+
+@pytest.mark.parametrize("sink", ["jsonl", "postgres"])
+async def test_timeline_all_has_every_record_once_after_a_kill_during_the_sink_write(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, request: pytest.FixtureRequest, sink: str
+) -> None:
+    """A worker SIGKILLed in the middle of a sink write (half a line on disk; an uncommitted
+    transaction holding some of the batch): the next worker writes the batch again, once."""
+    import signal
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    dsn = request.getfixturevalue("postgres") if sink == "postgres" else None
+    audit_dir, marker, queue = tmp_path / "audit", tmp_path / "torn", unique("audit-kill")
+    env = {**os.environ, "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.audit_kill_worker", queue, dsn or str(audit_dir), str(marker)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        steps = [{"tool": "get_order", "args": {"order_id": "A-1001"}}] * 3
+        # A short workflow task timeout: the killed worker's task is retried by the next one sooner.
+        handle = await dev_env.client.start_workflow(
+            "AgentRun", make_request(steps), id=unique("run"), task_queue=queue,
+            task_timeout=timedelta(seconds=2), result_type=RunOutcome,
+        )
+        for _ in range(600):
+            if marker.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert marker.exists(), "the worker never reached the sink write"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    sink_now = PostgresAuditSink(dsn) if dsn else JsonlAuditSink(audit_dir)
+    async with running_worker(dev_env.client, task_queue=queue, audit=AuditActivities(sink=sink_now)):
+        outcome = await asyncio.wait_for(handle.result(), 90)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, None if dsn else str(audit_dir), dsn=dsn)
+    assert outcome.state == S.COMPLETED, [r.reason for r in outcome.timeline]
+    assert trail.missing == [] and len(trail.branches) == 1
+    stream = trail.branches[0]
+    seqs = [r.seq for r in stream.records]
+    assert seqs == list(range(1, trail.written + 1)), seqs  # every record once, from the sink alone
+    assert not stream.from_window and stream.run_id == trail.first_run_id
+    if dsn:
+        await sink_now.aclose()
+
+
+async def test_a_reset_with_the_postgres_sink_keeps_both_branches_and_the_table_is_append_only(
+    dev_env: WorkflowEnvironment, billing: Billing, postgres: str
+) -> None:
+    import psycopg
+
+    trail, original, new, cli = await reset_scenario_with(
+        dev_env, PostgresAuditSink(postgres), cli_env={"TETHER_AUDIT_DSN": postgres}, dsn=postgres
+    )
+    assert_two_branches(trail, original, new, cli)
+    async with await psycopg.AsyncConnection.connect(postgres, autocommit=True) as conn:
+        rows = await (await conn.execute(
+            "SELECT run_id, count(*), count(DISTINCT seq) FROM tether_audit WHERE workflow_id = %s GROUP BY run_id",
+            (trail.workflow_id,),
+        )).fetchall()
+        assert sorted(rows) == sorted((b.run_id, len(b.records), len(b.records)) for b in trail.branches)
+        for statement in ("UPDATE tether_audit SET seq = seq + 1000", "DELETE FROM tether_audit"):
+            with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+                await conn.execute(statement)
+
+
+class SlowRules(PolicyActivities):
+    """The policy activities, with a decision check that takes ``delay`` seconds (a policy file
+    on a slow share, a signature service far away)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(POLICY)
+        self.delay = delay
+        self.started = asyncio.Event()
+
+    @activity.defn(name="policy_check_decision")
+    async def check_decision(self, check: DecisionCheck) -> Verdict:
+        self.started.set()
+        await asyncio.sleep(self.delay)
+        return await super().check_decision(check)
+
+
+async def test_alices_self_approval_and_a_stale_hash_through_tether_approve_are_on_the_record(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(dev_env.client, policy=POLICY) as worker:
+        cli = Cli(dev_env, worker)
+        handle = await start_run(dev_env.client, worker, make_request(REFUND, requested_by="alice"))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        (code, out, err), (code2, out2, err2) = [
+            await cli("approve", handle.id, "--by", "alice", "--decision-id", "self"),
+            await cli("approve", handle.id, "--by", "bob", "--plan-hash", "0" * 64, "--decision-id", "stale"),
+        ]
+        assert code == 1 and "[rule: four_eyes]" in err, (out, err)
+        assert code2 == 1 and "[rule: stale_plan_hash]" in err2, (out2, err2)
+        code, out, err = await cli("timeline", handle.id)
+        assert code == 0
+        refused = {r.refs.decision_id: r for r in await tether_client.timeline(dev_env.client, handle.id) if r.kind == "refused"}
+        assert (refused["self"].rule, refused["self"].actor) == ("four_eyes", "user:alice")
+        assert (refused["stale"].rule, refused["stale"].actor) == ("stale_plan_hash", "user:bob")
+        assert "[four_eyes]" in out and "[stale_plan_hash]" in out
+        snap = await tether_client.snapshot(dev_env.client, handle.id)
+        assert snap.refusals == {"four_eyes user:alice": 1, "stale_plan_hash user:bob": 1}
+        code, out, err = await cli("status", handle.id)
+        assert "decision   stale by user:bob: refused" in out and "[rule: stale_plan_hash]" in out, out
+        await handle.cancel()
+
+
+async def test_a_cancel_during_a_slow_policy_check_answers_the_decision_and_ends_canceled(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    from datetime import timedelta
+
+    rules = SlowRules(delay=30)
+    async with running_worker(dev_env.client, policy=POLICY, rules=rules) as worker:
+        # The check runs inside a workflow task, which takes in the cancel when it heartbeats (at
+        # 80% of the task timeout): a short one, so the test does not wait 8 s for it.
+        handle = await dev_env.client.start_workflow(
+            "AgentRun", make_request(REFUND), id=unique("run"), task_queue=worker.task_queue,
+            task_timeout=timedelta(seconds=2), result_type=RunOutcome,
+        )
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        decision = DecideRequest(kind="approve", **approval_for(snap, "bob", "slow-one").model_dump())
+        update = asyncio.create_task(handle.execute_update("decide", decision, result_type=DecideResult))
+        await asyncio.wait_for(rules.started.wait(), 10)
+        await handle.cancel(reason="withdrawn")
+        verdict = await asyncio.wait_for(update, 15)  # answered, not left open for good
+        assert (verdict.outcome, verdict.rule, verdict.state) == ("refused", "run_ended", S.CANCELLED), verdict
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 15)
+        assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+        snap = await tether_client.snapshot(dev_env.client, handle.id)
+        records = await tether_client.timeline(dev_env.client, handle.id)
+    await assert_replays(handle)
+    assert snap.state == S.CANCELLED
+    assert [r.rule for r in records if r.refs.decision_id == "slow-one"] == ["run_ended"]
+
+
+class FailingRules(SlowRules):
+    """A decision check that fails for good (a broken signature service): the run fails."""
+
+    @activity.defn(name="policy_check_decision")
+    async def check_decision(self, check: DecisionCheck) -> Verdict:
+        self.started.set()
+        await asyncio.sleep(self.delay)
+        raise ApplicationError("signature service gone", type="policy_unavailable", non_retryable=True)
+
+
+async def test_a_run_that_fails_during_a_policy_check_answers_the_decision(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(dev_env.client, policy=POLICY, rules=FailingRules(delay=0.5)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        decision = DecideRequest(kind="approve", **approval_for(snap, "bob", "doomed").model_dump())
+        verdict = await asyncio.wait_for(handle.execute_update("decide", decision, result_type=DecideResult), 15)
+        assert (verdict.outcome, verdict.rule) == ("refused", "run_ended"), verdict
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 15)
+        assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED
+
+
+async def test_a_slow_verdict_is_accepted_verdict_pending_exit_3_and_status_shows_it_later(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    rules = SlowRules(delay=2.5)
+    async with running_worker(dev_env.client, policy=POLICY, rules=rules) as worker:
+        cli = Cli(dev_env, worker)
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        code, out, err = await cli("approve", handle.id, "--by", "bob", "--decision-id", "slow", env={"TETHER_VERDICT_TIMEOUT": "1"})
+        assert code == 3, (out, err)
+        assert "decision slow accepted, verdict pending" in out and err == "", (out, err)
+        outcome = await asyncio.wait_for(handle.result(), 30)
+        assert outcome.state == S.COMPLETED
+        code, out, err = await cli("status", handle.id)
+    assert code == 0 and "decision   slow by user:bob: APPROVED" in out, (out, err)
+
+
+async def test_a_reset_to_a_later_point_shares_the_records_before_it(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    audit_dir = tmp_path / "audit"
+    async with running_worker(dev_env.client, policy=POLICY, audit=AuditActivities(sink=JsonlAuditSink(audit_dir))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        await approve(handle, "bob")
+        assert (await asyncio.wait_for(handle.result(), 30)).state == S.COMPLETED
+        await temporal_cli(
+            dev_env, "workflow", "reset", "--workflow-id", handle.id, "--type", "LastWorkflowTask",
+            "--reason", "re-run the last step",
+        )
+        reset = dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
+        assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(audit_dir))
+    first, second = trail.branches
+    assert second.origin == "reset" and second.parent_run_id == first.run_id
+    n = second.at_seq
+    assert n is not None and 0 < n < len(first.records), (n, len(first.records))
+    assert second.records[0].seq == n + 1 and second.records[-1].to_state == S.COMPLETED
+    line = trail.line()
+    assert [r.seq for r in line] == list(range(1, trail.written + 1)) and trail.missing == []
+    assert line[:n] == first.records[:n]  # shared up to the reset point, the new run's after it
+
+
+
+
+async def test_a_sink_folder_that_cannot_be_created_from_the_start_holds_the_run_until_fixed(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the sink's parent folder should be")
+    root = blocker / "audit"
+    async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
+        snap = await wait_for_audit_error(dev_env, handle)
+        assert snap.state == S.PLANNING and snap.step == 0  # nothing ran past the first record
+        logged = [r.getMessage() for r in caplog.records if r.name == "tether.audit"]
+        assert logged and f"for workflow {handle.id}" in logged[0] and "NotADirectoryError" in logged[0]
+        blocker.unlink()
+        outcome = await asyncio.wait_for(handle.result(), 60)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
+    assert outcome.state == S.COMPLETED
+    assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
+
+
+async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_is_back(
+    dev_env: WorkflowEnvironment, billing: Billing, postgres_server: Postgres
+) -> None:
+    sink = PostgresAuditSink(postgres_server.dsn)
+    async with running_worker(dev_env.client, policy=POLICY, audit=AuditActivities(sink=sink)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        key = f"{handle.id}:{snap.plan.steps[1].tool_call_id}"
+        postgres_server.stop()
+        try:
+            await handle.signal("approve", approval_for(snap, "bob"))
+            snap = await wait_for_audit_error(dev_env, handle)
+            assert "PostgreSQL postgresql://tether@127.0.0.1" in snap.audit_error, snap.audit_error
+            assert billing.refunds(key) == []  # the refund waits for the record of its approval
+        finally:
+            postgres_server.start()
+        outcome = await asyncio.wait_for(handle.result(), 60)
+        trail = await tether_client.audit_trail(dev_env.client, handle.id, dsn=postgres_server.dsn)
+    await sink.aclose()
+    assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
+    assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
+
+
+def test_the_sink_is_chosen_from_the_environment_and_a_dsn_never_shows_its_password(monkeypatch) -> None:
+    from activities.audit import redact_dsn, sink_from_env
+
+    assert redact_dsn("postgresql://tether:s3cret@db:5432/audit") == "postgresql://tether:***@db:5432/audit"
+    assert "s3cret" not in redact_dsn("host=db password=s3cret dbname=audit")
+    monkeypatch.setenv("TETHER_AUDIT_DSN", "postgresql://tether:s3cret@db/audit")
+    sink = sink_from_env()
+    assert isinstance(sink, PostgresAuditSink) and "s3cret" not in sink.describe()
+    assert isinstance(sink_from_env("/some/dir"), JsonlAuditSink)  # --audit-dir picks the files
+    monkeypatch.setenv("TETHER_AUDIT_DSN", "mysql://x:s3cret@db/audit")
+    with pytest.raises(ValueError, match="postgresql://") as bad:
+        sink_from_env()
+    assert "s3cret" not in str(bad.value)
+
+
+
+async def test_timeline_all_of_a_run_temporal_no_longer_has_shows_the_sink(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    # Past Temporal's retention the audit sink is the record: shown, with a warning that it could
+    # not be checked against the run; a gap in it still fails.
+    from datetime import datetime, timezone
+
+    from workflows.models import AuditBatch
+    from workflows.states import Lifecycle
+
+    lifecycle = Lifecycle()
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    for state in (S.PLANNING, S.VALIDATED, S.EXECUTING_TOOL):
+        lifecycle.move(state, at=at, actor="runtime", reason="then")
+    gone, sink = unique("gone"), JsonlAuditSink(tmp_path)
+    await sink.append(AuditBatch(workflow_id=gone, first_run_id="r-1", run_id="r-1", records=lifecycle.timeline))
+    trail = await tether_client.audit_trail(dev_env.client, gone, str(tmp_path))
+    assert trail.unchecked and "no run" in trail.unchecked and trail.missing == []
+    assert [r.seq for r in trail.line()] == [1, 2, 3] and trail.current_run_id == "r-1"
+    async with running_worker(dev_env.client) as worker:
+        cli = Cli(dev_env, worker)
+        code, out, err = await cli("timeline", gone, "--all", "--audit-dir", str(tmp_path))
+        assert code == 0 and "EXECUTING_TOOL" in out and "was not checked" in err, (out, err)
+        code, out, err = await cli("timeline", unique("never"), "--all", "--audit-dir", str(tmp_path))
+        assert code == 2 and "neither Temporal nor the audit sink" in err, (out, err)
+    lifecycle.move(S.OBSERVING_RESULT, at=at, actor="runtime", reason="a record the sink lost")
+    lifecycle.move(S.COMPLETED, at=at, actor="runtime", reason="done")
+    await sink.append(AuditBatch(workflow_id=gone, first_run_id="r-1", run_id="r-1", records=[lifecycle.timeline[-1]]))
+    trail = await tether_client.audit_trail(dev_env.client, gone, str(tmp_path))
+    assert trail.missing == [4]

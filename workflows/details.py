@@ -1,0 +1,128 @@
+"""The Web UI's "Current Details" of a run (markdown): pure, so it is tested without a server.
+
+The final or current state comes first. What a requester, model, tool or signal sender wrote
+(goal, names, reasons, argument values, ids) goes through workflows/display.py: prose with
+`markdown_text` (markdown and HTML inert), values and commands only inside code spans
+(`markdown_code`). Names, effects, ids, the plan hash and the tools' declared summary fields
+only: never other tool arguments or results, which may hold personal data.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from workflows.display import markdown_code as code
+from workflows.display import markdown_text as text
+from workflows.display import show_value
+from workflows.models import RunData, RunRequest, ToolCatalog
+from workflows.states import RunState
+
+S = RunState
+PLAN_LINES = 30
+
+
+def _sh_quote(word: str) -> str:
+    """``word`` as one POSIX shell word (shlex.quote, without importing shlex into the sandbox)."""
+    if word and all(c.isascii() and (c.isalnum() or c in "@%+=:,./-_") for c in word):
+        return word
+    return "'" + word.replace("'", "'\"'\"'") + "'"
+
+
+def _utc(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def run_details(
+    data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None = None
+) -> str:
+    """``audit_error``: why the run cannot write to its audit sink (it starts nothing new meanwhile)."""
+    lc = data.lifecycle
+    lines = [f"**State:** `{lc.state.value}` (version {lc.state_version})"]
+    if lc.terminal:
+        final = next((r for r in reversed(lc.timeline) if r.kind == "transition"), None)
+        if final is not None:
+            lines[0] += f" — {text(final.reason, 300)} ({code(final.actor, 80)})"
+    requester = code(request.requested_by, 80) + (" (signed)" if data.requester_verified else " (claimed)")
+    lines += [
+        "",
+        f"**Tenant** {code(request.tenant, 80)} · **requested by** {requester} · "
+        f"{len(data.executed)} step(s) executed · {data.retries} retries",
+    ]
+    if continued:
+        # A continued run has no static summary of its own (continue-as-new cannot set one).
+        lines += ["", f"**Goal:** {text(request.goal, 300)}"]
+    if data.approved_by:
+        lines += ["", "**Approved by** " + ", ".join(code(a, 80) for a in data.approved_by)]
+    if data.last_error:
+        lines += ["", f"**Last error:** {text(data.last_error, 200)}"]
+    if audit_error:
+        lines += ["", f"**Audit sink:** {text(audit_error, 400)} — nothing new starts until it writes"]
+    if lc.refusals:
+        lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
+    plan, catalog = data.plan, data.catalog or ToolCatalog()
+    if plan is not None and not lc.terminal:
+        lines += ["", f"**Plan** v{plan.version} {code(plan.plan_hash)}", ""]
+        if data.revisions:  # who revised it last, and the paths changed (values are in the steps)
+            last = data.revisions[-1]
+            lines[-1:-1] = [
+                f"**Revised** {len(data.revisions)} time(s), last by {code(last.editor, 128)}"
+                + (" (partial approval)" if last.partial else "")
+                + f": {code(', '.join(last.changed), 300)}"
+            ]
+        for i, step in enumerate(plan.steps[:PLAN_LINES], start=1):
+            info = catalog.get(step.tool)
+            effect = info.effect.value if info else "?"
+            # The declared summary fields, each value only inside a code span.
+            fields = [
+                f"{text(k, 40)} {code(show_value(step.args[k], 200))}"
+                for k in (info.summary_fields if info else [])
+                if k in step.args
+            ]
+            # The undo the plan hash covers, for each write (plans hashed before recovery: none).
+            if plan.undo is not None and info is not None and info.effect.value != "read_only":
+                comp = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
+                fields.append(f"undo {code(comp.tool, 64)}" if comp else "no recovery path")
+            mark = " ✓ done" if i <= data.next_step else ""
+            lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + "".join(f" · {f}" for f in fields) + mark)
+        if len(plan.steps) > PLAN_LINES:
+            lines.append(f"… and {len(plan.steps) - PLAN_LINES} more step(s)")
+    if data.compensations and lc.state == S.COMPENSATING:
+        lines += ["", "**Putting things back** (newest first):", ""]
+        for c in list(reversed(data.compensations))[:PLAN_LINES]:
+            lines.append(f"- {code(c.of, 80)} {code(c.of_tool, 64)} → "
+                         + (f"{code(c.tool, 64)} · {c.status}" if c.tool else "no recovery path"))
+    pending = data.pending_approval
+    if pending is not None and lc.state == S.AWAITING_APPROVAL:
+        signal_input = json.dumps(
+            {"decision_id": "<unique id>", "approver": "NAME", "plan_hash": pending.plan_hash,
+             "request_id": pending.request_id}
+        )
+        tether = f".venv/bin/tether approve {_sh_quote(workflow_id)} --by NAME"
+        temporal = (
+            f"temporal workflow signal --workflow-id {_sh_quote(workflow_id)} --name approve "
+            f"--input {_sh_quote(signal_input)}"
+        )
+        lines += [
+            "",
+            f"**Waiting for approval** (request {code(pending.request_id)}) until **{_utc(pending.expires_at)}**"
+            + (f" — risk **{text(pending.risk, 20)}**" if pending.risk != "normal" else ""),
+            "",
+            f"**Approvals:** {len(pending.approvals)} of {pending.approvals_required}"
+            + (f" · roles {', '.join(code(r, 40) for r in pending.roles)}" if pending.roles else "")
+            + (" · so far " + ", ".join(code(a.approver, 80) for a in pending.approvals) if pending.approvals else "")
+            + (f" · escalation stage {pending.stage} of {len(pending.escalation)}" if pending.escalation else ""),
+            "",
+            "**Approve with:**",
+            "",
+            f"{code(tether)} (add `--key PATH` where approvals are signed)",
+            "",
+            "or:",
+            "",
+            code(temporal),
+            "",
+            "or here: **More Actions → Send a Signal → approve**, with the `--input` JSON as data.",
+        ]
+    if data.answer and lc.terminal:
+        lines += ["", f"**Answer:** {text(data.answer, 500)}"]
+    return "\n".join(lines)
