@@ -502,6 +502,7 @@ class PolicyActivities:
             catalog=check.catalog,
             spent=check.spent,
             approved=check.approved,
+            escalated_roles=check.escalated_roles,
             requested_by=check.requested_by,
             signature_problem=signature_problem,
         )

@@ -159,8 +159,14 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
         outcome: RunOutcome = await run_outcome(rejected)
         assert outcome.state == RunState.REJECTED
 
-        samples = scrape(port)
         q = {"task_queue": tq}
+        # The SDK counts a completion once the worker has reported it, which may be just after the
+        # client saw the result: read again for a few seconds until both are in.
+        for _ in range(50):
+            samples = scrape(port)
+            if value(samples, "temporal_workflow_completed", **q) >= 2:
+                break
+            await asyncio.sleep(0.1)
         # Tether's run-level metrics.
         assert value(samples, "tether_runs_started", **q) == 2
         assert value(samples, "tether_runs_ended", state="COMPLETED", **q) == 1

@@ -364,7 +364,7 @@ async def test_a_tool_withdrawn_mid_run_stops_an_auto_approved_write(dev_env: Wo
         policy_file.write_text(POLICY.replace('tools = ["get_order", "issue_refund", "hold_then_fail"]', 'tools = ["get_order", "hold_then_fail"]'))
         # From then on the run judges by the current file (issue 18): the replanned refund no
         # longer validates for this tenant, and the run ends without writing.
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         records = outcome.timeline
         assert outcome.state == S.FAILED
         assert any("[tool_withdrawn]" in r.reason for r in records), [r.reason for r in records]

@@ -33,6 +33,7 @@ from google.protobuf.duration_pb2 import Duration
 import client as tether_client
 from activities.keys import genkey
 from activities.policy import PolicyStore
+from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, unique, wait_for_state
 from workflows.models import (
     Capability,
@@ -253,7 +254,7 @@ async def test_a_captured_signed_start_replayed_after_the_window_is_refused(
         await asyncio.sleep(3.5)  # the window passes
         # The captured start, verbatim, under the same id (the server's default allows reuse).
         again = await client.start_workflow("AgentRun", captured, id=run_id, task_queue=worker.task_queue, result_type=RunOutcome)
-        outcome = await tether_client.run_outcome(again)  # FAILED: a Failed execution
+        outcome = await run_outcome(again)
     assert outcome.state.value == "FAILED"
     assert outcome.timeline[-1].refs.error_code == "signature_stale", outcome.timeline[-1]
     assert "start_signature_ttl" in outcome.timeline[-1].reason
@@ -325,9 +326,9 @@ async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approv
         from workflows.models import DecideRequest, DecideResult
 
         bob = approval_for(again, "bob").model_dump()
-        # bob can no longer give it (the run's handler answers the refusal, with the rule) ...
+        # bob can no longer give it (refused on the record, with its rule) ...
         refused = await handle.execute_update("decide", DecideRequest(**bob, kind="approve"), result_type=DecideResult)
-        assert refused.outcome == "refused" and refused.rule == "role", refused
+        assert (refused.outcome, refused.rule) == ("refused", "role"), refused
         await handle.signal("approve", approval_for(again, "dana"))  # ... dana can
         first = await handle.result()
         assert first.state.value == "COMPLETED"

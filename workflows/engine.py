@@ -799,6 +799,7 @@ class Engine:
             roles=approval.roles,
             approvals_required=approval.approvals_required,
             approved=approval.approvals,
+            escalated_roles=[r for stage in approval.escalation[: approval.stage] for r in stage.roles],
             request_id=approval.request_id,
             **context,
         )

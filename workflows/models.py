@@ -840,6 +840,8 @@ class AuthorityCheck(BaseModel):
     # The approvals in force in full (who, when, their decision and signature), to be judged
     # again under the current file: roles, membership, four-eyes, the signature rule.
     approved: list[AcceptedApproval] = Field(default_factory=list)
+    # Roles the request's escalation stages had added when it was approved: they count too.
+    escalated_roles: list[str] = Field(default_factory=list)
     workflow_id: str = ""
     first_run_id: str = ""
     requested_by: str = ""

@@ -478,6 +478,7 @@ def authority_refusal(
     approved: list[AcceptedApproval] | None = None,
     requested_by: str = "",
     signature_problem: Callable[[AcceptedApproval], Refusal | None] | None = None,
+    escalated_roles: Collection[str] = (),
 ) -> Refusal | None:
     """Do the approvals a plan got still hold, under the current policy, for these tools?
 
@@ -510,7 +511,8 @@ def authority_refusal(
         for a in approved:
             why = approver_refusal(
                 tenant, approver=a.approver, requested_by=requested_by, kind="approve",
-                roles=review.roles, already_approved=valid,
+                roles=[*review.roles, *(r for r in escalated_roles if r not in review.roles)],
+                already_approved=valid,
             )
             if why is None and signature_problem is not None:
                 why = signature_problem(a)

@@ -223,6 +223,8 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
         status = page.get_by_text(re.compile(r"^\s*completed\s*$", re.I)).filter(visible=True)
         await expect(status.first, "the run page does not show the run completed").to_be_visible()
         await expect(page.get_by_text("retry backoff").first, "no retry backoff timer").to_be_visible()
+        # The timeline renders only the rows in view: a tall window shows the whole run.
+        await page.set_viewport_size({"width": 1440, "height": 6000})
         for i, (tool, effect) in enumerate(REFUND_STEPS, 1):
             await expect(
                 page.get_by_text(f"{tool} · {effect} · step {i}").first,
