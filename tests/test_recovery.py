@@ -471,7 +471,18 @@ async def test_a_compensation_that_fails_hands_off_naming_it_and_compensate_fini
         # A person with an approval role decides to undo the rest: a governed run of its own.
         handle = await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
         undo = await tether_client.run_outcome(handle)
+        calls = await written_calls(ts_env, handle.id)
+        history = await handle.fetch_history()
     assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
+    # The undo it ran carries a capability minted in the compensation run, under the original's
+    # approved plan hash; the original's record was read by a local activity (no activity task
+    # for a rogue poller to answer with undos the original never recorded).
+    assert [c.tool for c in calls] == ["void_refund"] and calls[0].capability is not None
+    assert calls[0].capability.workflow_id == handle.id
+    assert calls[0].capability.plan_hash == outcome.compensations[0].plan_hash
+    scheduled = {e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                 if e.HasField("activity_task_scheduled_event_attributes")}
+    assert "recovery_source" not in scheduled and "execute_tool" in scheduled
     first = next(r for r in undo.timeline if r.to_state == S.COMPENSATING)
     assert first.from_state == S.RECEIVED and first.actor == "user:carol"
     assert outcome.run_id in first.reason and first.refs.plan_hash == outcome.compensations[0].plan_hash

@@ -356,6 +356,9 @@ class AgentRun:
                 RecoveryRequest(run_id=self.request.compensate_run, tenant=self.request.tenant),
                 RecoverySource,
                 f"recovery source · {self.request.compensate_run}",
+                # Local: its answer decides what the run mints capabilities for, so no activity
+                # task a rogue poller could answer with undos the original never recorded.
+                local=True,
             )
             self._decide(lambda now: self.engine.begin_compensation(source, now))
 
