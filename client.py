@@ -970,6 +970,37 @@ async def cancel(client: Client, run_id: str, *, reason: str) -> None:
         raise rpc_error(e, run_id) from None
 
 
+def compensation_id(run_id: str) -> str:
+    """The one compensation run a run can have (a second ``tether compensate`` is refused)."""
+    return f"{run_id}-compensate"
+
+
+async def compensate(
+    client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None
+) -> WorkflowHandle:
+    """Start the governed compensation run of an ended run: it undoes the ok writes the
+    original's approvals covered (read from the original's record by the worker, not sent
+    from here), as ``by`` — who must hold an approval role of the run's tenant."""
+    snap = await snapshot(client, run_id)  # its tenant; the worker checks everything again
+    if snap.state not in TERMINAL:
+        raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
+    try:
+        request = RunRequest(
+            goal=f"compensate run {run_id}", tenant=snap.tenant, requested_by=by, compensate_run=run_id,
+        )
+    except ValidationError as e:
+        raise invalid("compensation request", e) from None
+    new_id = compensation_id(run_id)
+    if key is not None:
+        request = sign_request(request, new_id, key)
+    try:
+        return await start_run(client, request, run_id=new_id, queue=queue)
+    except TetherError as e:
+        if "already exists" in str(e):
+            raise TetherError(f"run {run_id} already has its compensation run {new_id}: see `tether status {new_id}`", REFUSED) from None
+        raise
+
+
 def list_query(state: str | None, tenant: str | None) -> str:
     """The visibility query for runs; inputs are checked first (they are quoted into it)."""
     if state and state not in RunState.__members__:

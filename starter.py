@@ -48,7 +48,7 @@ OPTIONS = {
     "on_expiry": "--on-expiry", "max_model_tokens": "--max-model-tokens", "approver": "--by", "by": "--by",
     "decision_id": "--decision-id", "plan_hash": "--plan-hash", "comment": "--comment", "reason": "--reason",
     "state": "--state", "limit": "--limit", "port": "--port", "dev_login": "--dev-login", "jwks": "--jwks",
-    "editor": "--by", "steps": "--steps",
+    "editor": "--by", "steps": "--steps", "on_failure": "--on-failure", "on_cancel": "--on-cancel",
 }
 
 
@@ -135,6 +135,14 @@ def format_status(s: client.RunStatus) -> str:
             lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
                          + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
         lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
+    for c in s.compensations:
+        # Each ok write and its undo: what `compensate` would run (ids and names, escaped).
+        undo = f"{show(c.tool, 64)} {c.status}" if c.tool else f"no recovery path ({show(c.error or '', 200)})"
+        lines.append(f"undo       {show(c.of, 128)} {show(c.of_tool, 64)}: {undo}")
+    if s.ended and s.state in (RunState.HANDED_OFF, RunState.EXECUTION_FAILED) and any(
+        c.status != "ok" and c.tool for c in s.compensations
+    ):
+        lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME")
     if s.answer:
         lines.append(f"answer     {show(s.answer)}")
     return "\n".join(lines)
@@ -198,6 +206,8 @@ async def cmd_start(args: argparse.Namespace) -> int:
                 max_replans=args.max_replans,
                 max_model_tokens=args.max_model_tokens,
             ),
+            on_failure=args.on_failure,
+            on_cancel=args.on_cancel,
         )
     except ValidationError as e:
         raise client.invalid("run request", e) from None
@@ -413,6 +423,21 @@ async def cmd_tools(args: argparse.Namespace) -> int:
     return await mcp.print_tools(config, modules)
 
 
+async def cmd_compensate(args: argparse.Namespace) -> int:
+    conn = await client.connect()
+    handle = await client.compensate(conn, args.run, by=args.by, key=Path(args.key) if args.key else None)
+    print(f"started {show(handle.id)}: the compensation of {show(args.run)}")
+    if not args.wait:
+        return OK
+    status = await client.wait_settled(conn, handle.id, args.wait_timeout)
+    print(format_status(status))
+    if status.ended and status.state != RunState.COMPENSATED:
+        why = f": {show(status.end_reason)}" if status.end_reason else ""
+        print(f"error: compensation {show(handle.id)} ended in {status.state.value}{why}", file=sys.stderr)
+        return REFUSED
+    return OK
+
+
 async def cmd_list(args: argparse.Namespace) -> int:
     client.list_query(args.state, args.tenant)  # bad filters are usage errors, before connecting
     rows = await client.list_runs(await client.connect(), state=args.state, tenant=args.tenant, limit=args.limit)
@@ -482,6 +507,10 @@ def _start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-replans", type=int, default=3, metavar="N")
     p.add_argument("--max-model-tokens", type=int, default=None, metavar="N",
                    help="model tokens the run may use in all (default: no limit)")
+    p.add_argument("--on-failure", choices=["stop", "compensate"], default=None,
+                   help="when a step fails for good: stop, or undo the ok writes (default: the tenant's, else stop)")
+    p.add_argument("--on-cancel", choices=["stop", "compensate"], default=None,
+                   help="when the run is cancelled: stop, or undo the ok writes first (default: the tenant's, else stop)")
     p.add_argument("--wait", action="store_true",
                    help="wait until the run needs an approval or has ended; exit 1 if it ended other than COMPLETED")
     p.add_argument("--wait-timeout", type=float, default=60.0, metavar="SECONDS")
@@ -549,6 +578,14 @@ def _tools_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mcp-config", metavar="PATH", help="MCP servers' config (env TETHER_MCP_CONFIG)")
 
 
+def _compensate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run")
+    p.add_argument("--by", required=True, metavar="NAME", help="who asks: an approver of the run's tenant")
+    p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the request (see keygen)")
+    p.add_argument("--wait", action="store_true", help="wait until it has ended; exit 1 unless COMPENSATED")
+    p.add_argument("--wait-timeout", type=float, default=60.0, metavar="SECONDS")
+
+
 def _list_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state", metavar="STATE", help="e.g. AWAITING_APPROVAL")
     p.add_argument("--tenant", metavar="NAME")
@@ -591,7 +628,9 @@ COMMANDS: list[Command] = [
     Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
     Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
-    Command("tools", "the tools a worker serves: source, effect and why", _tools_args, cmd_tools),
+    Command("compensate", "undo an ended run's ok writes, as its approvals covered (a run of its own)",
+            _compensate_args, cmd_compensate),
+    Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
     Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),
 ]

@@ -31,6 +31,7 @@ from activities.keys import KeyActivities, KeyRing, KeyRingError
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
+from activities.recovery import RecoveryActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
@@ -69,6 +70,7 @@ def create_worker(
     notify = NotifyActivities(rules.store)
     # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()
+    recovery = RecoveryActivities(client)
     return Worker(
         client,
         task_queue=task_queue,
@@ -85,6 +87,7 @@ def create_worker(
             audit.audit_append,
             sealing.carryover_seal,
             sealing.carryover_verify,
+            recovery.recovery_source,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         **options,

@@ -49,7 +49,7 @@ from activities.toml_config import parse_toml
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, ToolSpec, load_tool_modules
 from workflows.display import escape_text
 from workflows.mcp_effects import Hints, effect_for
-from workflows.models import ToolEffect, first_error
+from workflows.models import Compensation, ToolEffect, first_error
 from workflows.validation import schema_problem
 
 log = logging.getLogger("tether.mcp")
@@ -97,6 +97,10 @@ class ToolOverride(_Strict):
     # key (called with {lookup_arg: key}; an empty result or `null` means "not found").
     lookup: str | None = None
     lookup_arg: str = "idempotency_key"
+    # How the tool's effect is undone: a tool of the same server (its name as the server
+    # publishes it) and its arguments as JSON pointers into the call's arguments and result,
+    # e.g. compensate = { tool = "delete_branch", args = { name = "/args/branch_name" } }.
+    compensate: Compensation | None = None
 
     @model_validator(mode="after")
     def _lookup(self) -> ToolOverride:
@@ -404,6 +408,15 @@ def tool_specs(
                 lookup = _lookup_fn(connection, override.lookup, override.lookup_arg, timeout)
             else:
                 effect, why = ToolEffect.UNSAFE, f"override reconcilable, but lookup tool {override.lookup!r} is not published: unsafe"
+        compensate = None
+        if override.compensate is not None:
+            if override.compensate.tool in published:
+                compensate = override.compensate.model_copy(update={"tool": f"{name}__{override.compensate.tool}"})
+            else:
+                log.warning(
+                    "MCP server %r: tool %r: compensating tool %r is not published: no recovery path",
+                    name, t.name, override.compensate.tool,
+                )
         specs.append(
             ToolSpec(
                 name=full,
@@ -424,6 +437,7 @@ def tool_specs(
                 source=f"mcp:{name}",
                 why=why,
                 destructive=decision.destructive,
+                compensate=compensate,
             )
         )
     return specs
@@ -611,6 +625,7 @@ def describe_tools(registry: ToolRegistry) -> list[dict[str, Any]]:
             "approval": "yes" if spec.requires_approval else "no",
             "destructive": spec.destructive,
             "why": spec.why,
+            "undo": spec.compensate.tool if spec.compensate else None,
         }
         for spec in sorted(registry.tools.values(), key=lambda s: (s.source, s.name))
     ] + [
@@ -628,11 +643,11 @@ def describe_tools(registry: ToolRegistry) -> list[dict[str, Any]]:
 
 
 def format_tools(rows: list[dict[str, Any]]) -> str:
-    head = ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "WHY"]
+    head = ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "UNDO", "WHY"]
     # Names and reasons can carry a server's text: shown through the one escaping function.
     table = [
         [escape_text(r["name"], 200), escape_text(r["source"], 100), r["effect"] + (" (destructive)" if r["destructive"] else ""),
-         r["approval"], escape_text(r["why"], 400)]
+         r["approval"], escape_text(r["undo"], 64) if r.get("undo") else "-", escape_text(r["why"], 400)]
         for r in rows
     ]
     widths = [max(len(str(row[i])) for row in [head, *table]) for i in range(len(head) - 1)]

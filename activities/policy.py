@@ -485,6 +485,13 @@ class PolicyActivities:
                 kind="approve", decision=decision, signers=self._signers(),
             )
 
+        if check.undo is not None:
+            # A compensation: its own re-check (the plan hash that covered it, the undo tool).
+            refusal = policy.undo_refusal(tenant, undo=check.undo, compensator=check.compensator, call=check.call)
+            verdict = Verdict(refusal=refusal, policy_hash=digest)
+            if refusal is None and check.call is not None:
+                verdict.capability = self._mint(check)
+            return verdict
         refusal = policy.authority_refusal(
             tenant,
             approvals=check.approvals,

@@ -52,6 +52,7 @@ from workflows.models import (
     ATTEMPT_STILL_RUNNING,
     CANCELLED_MID_CALL,
     CatalogRequest,
+    Compensation,
     ToolCall,
     ToolCatalog,
     ToolEffect,
@@ -122,6 +123,7 @@ class ToolSpec:
     source: str = "python"  # or "mcp:<server>"
     why: str = "declared"  # where the effect came from (`tools` shows it)
     destructive: bool = False
+    compensate: Compensation | None = None  # how its effect is undone (None: no recovery path)
 
     def lookup(self, fn: LookupFn) -> LookupFn:
         """Register the function that finds a previous effect by idempotency key.
@@ -144,6 +146,7 @@ class ToolSpec:
             summary_fields=list(self.summary_fields),
             destructive=self.destructive,
             source=self.source,
+            compensate=self.compensate,
         )
 
     def parse_args(self, raw: dict[str, Any]) -> Any:
@@ -205,8 +208,11 @@ class ToolRegistry:
         return self._catalog.model_copy(deep=True)
 
     def check(self) -> None:
-        """Fail at worker start, not mid-run, on a tool that cannot honour its effect."""
+        """Fail at worker start, not mid-run, on a tool that cannot honour its effect or whose
+        declared compensation cannot be built."""
         for spec in self.tools.values():
+            if spec.compensate is not None:
+                compensation_problem(spec, self.tools)
             if spec.effect == ToolEffect.RECONCILABLE and spec.lookup_fn is None:
                 raise ValueError(
                     f"tool {spec.name!r} is reconcilable but has no lookup: add "
@@ -216,6 +222,42 @@ class ToolRegistry:
 
 # Tools register here on import; worker.py imports the configured tool modules.
 REGISTRY = ToolRegistry()
+
+
+def _arg_names(spec: ToolSpec) -> set[str] | None:
+    schema = spec.args_schema if spec.args_model is None else spec.args_model.model_json_schema()
+    props = (schema or {}).get("properties")
+    return set(props) if isinstance(props, dict) else None
+
+
+def as_compensation(value: Compensation | dict | tuple | None) -> Compensation | None:
+    """``compensate=`` as given: a Compensation, {"tool": ..., "args": {...}} or (tool, args)."""
+    if value is None or isinstance(value, Compensation):
+        return value
+    if isinstance(value, tuple) and len(value) == 2:
+        value = {"tool": value[0], "args": value[1]}
+    try:
+        return Compensation.model_validate(value, context={"strict_keys": True})
+    except ValidationError as e:
+        raise ValueError(f"invalid compensate= declaration: {first_error(e)}") from None
+
+
+def compensation_problem(spec: ToolSpec, tools: dict[str, ToolSpec]) -> None:
+    """Raise ValueError naming what is wrong with ``spec``'s compensation declaration."""
+    comp = spec.compensate
+    assert comp is not None
+    target = tools.get(comp.tool)
+    if target is None:
+        raise ValueError(f"tool {spec.name!r} is compensated by {comp.tool!r}, which is not registered")
+    if target.effect == ToolEffect.READ_ONLY:
+        raise ValueError(f"tool {spec.name!r} is compensated by {comp.tool!r}, which is read_only and undoes nothing")
+    names, own = _arg_names(target), _arg_names(spec)
+    for name, pointer in comp.args.items():
+        if names is not None and name not in names:
+            raise ValueError(f"tool {spec.name!r}: its compensation {comp.tool!r} takes no argument {name!r}")
+        parts = pointer.split("/")
+        if parts[1] == "args" and own is not None and len(parts) > 2 and parts[2] not in own:
+            raise ValueError(f"tool {spec.name!r}: compensation argument {name!r} points at {pointer!r}, not an argument of {spec.name!r}")
 
 
 def load_tool_modules(modules: Iterable[str], registry: ToolRegistry = REGISTRY) -> ToolRegistry:
@@ -240,13 +282,20 @@ def tool(
     name: str | None = None,
     registry: ToolRegistry | None = None,
     summary_fields: tuple[str, ...] = (),
+    compensate: Compensation | dict | tuple | None = None,
 ) -> Callable[[ToolFn], ToolSpec]:
     """Declare a tool. ``requires_approval`` defaults to "the tool writes" (effect != read_only).
 
     ``summary_fields`` names the arguments an approver sees in the risk summary (the target,
     the amount); keep secrets and personal data out of it.
+
+    ``compensate`` declares how the tool's effect is undone: the compensating tool and its
+    arguments as JSON pointers into the original call's arguments and result, e.g.
+    ``("void_refund", {"refund_id": "/result/refund_id"})``. The approver sees it, the plan hash
+    covers it, and a run with ``on_failure="compensate"`` runs it (docs/writing-tools.md).
     """
     effect = ToolEffect(effect)
+    declared = as_compensation(compensate)
 
     def decorate(fn: ToolFn) -> ToolSpec:
         params = list(inspect.signature(fn).parameters)
@@ -268,6 +317,7 @@ def tool(
             max_retries=max_retries,
             description=inspect.cleandoc(fn.__doc__ or ""),
             summary_fields=tuple(summary_fields),
+            compensate=declared,
         )
         return (registry or REGISTRY).register(spec)
 

@@ -11,7 +11,10 @@ input suites produce.
    (an APPROVED transition with a decision id) of the *current* plan hash, i.e. the hash of the
    most recent VALIDATED plan; a plan may skip approval (VALIDATED -> EXECUTING_TOOL) only when
    every step it executes is a known read-only tool;
-4. settled once: at most one APPROVED per validated plan, and nothing after a terminal state.
+4. settled once: at most one APPROVED per validated plan, and nothing after a terminal state;
+5. undone only as approved: every compensation on the record (COMPENSATING -> ...) is bound to
+   a plan hash this run approved or auto-ran, unless the run is a compensation run (RECEIVED ->
+   COMPENSATING: the approval is on the original's record); COMPENSATED only from COMPENSATING.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def check_timeline(
     gated = False  # the current plan went through AWAITING_APPROVAL
     approved: str | None = None  # plan hash of the accepted approval of the current plan
     approvals = 0
+    covered: set[str] = set()  # plan hashes approved (or auto-run) in this run
+    compensation_run = False
     for r in records:
         if r.kind != "transition":
             # Neither changes state: a refusal, or one of several approvals the plan needs.
@@ -83,6 +88,13 @@ def check_timeline(
                 f"APPROVED for plan {r.refs.plan_hash} while the current plan is {plan_hash}\n{dump}"
             )
             approved = r.refs.plan_hash
+            covered.add(r.refs.plan_hash)
+        elif r.from_state == S.COMPENSATING and r.refs.tool_call_id and r.refs.tool_call_id.endswith(":undo"):
+            assert compensation_run or r.refs.plan_hash in covered, (
+                f"a compensation under plan {r.refs.plan_hash} this run never approved: {r}\n{dump}"
+            )
+        elif to == S.COMPENSATING and r.from_state == S.RECEIVED:
+            compensation_run = True
         elif to == S.EXECUTING_TOOL:
             assert plan_hash is not None, f"EXECUTING_TOOL without a validated plan: {r}\n{dump}"
             assert r.refs.plan_hash == plan_hash, (
@@ -94,6 +106,7 @@ def check_timeline(
                 )
             else:
                 tool = tools.get(r.refs.tool_call_id or "")
+                covered.add(plan_hash)
                 assert tool in read_only, (
                     f"EXECUTING_TOOL for {r.refs.tool_call_id} ({tool or 'unknown tool'}) without "
                     f"approval: only read-only steps may skip it\n{dump}"

@@ -254,6 +254,86 @@ def test_ledger_duplicate_key_and_lookup(billing):
     assert len(billing.get("/ledger")[2]["entries"]) == 1
 
 
+# -- undo: voids and reversals -----------------------------------------------
+
+
+def test_void_refund_is_idempotent_and_frees_the_amount(billing):
+    _, _, refund = billing.refund("k-void", amount=4999)  # all of A-1001
+    assert refund["voided_at"] is None
+    assert billing.refund("k-more", amount=1)[0] == 422  # nothing left to refund
+    status, _, voided = billing.post(f"/refunds/{refund['refund_id']}/void", {})
+    assert status == 200 and voided["already_voided"] is False and voided["voided_at"]
+    # A second void (a retry, a second compensation) changes nothing and says so.
+    status, _, again = billing.post(f"/refunds/{refund['refund_id']}/void", {})
+    assert status == 200 and again["already_voided"] is True and again["voided_at"] == voided["voided_at"]
+    # Voided, the amount is refundable again; the refund row stays (the record of what happened).
+    assert billing.refund("k-more", amount=4999)[0] == 201
+    assert len(billing.get("/refunds?order_id=A-1001")[2]["refunds"]) == 2
+    # Replaying the original key still answers with the original refund, voided.
+    _, headers, replay = billing.refund("k-void", amount=4999)
+    assert headers["Idempotent-Replayed"] == "true" and replay["voided_at"] == voided["voided_at"]
+
+
+@pytest.mark.parametrize("refund_id", ["R-999", "R-", "X-1", "R-1x", "R-" + "9" * 30, "..%2F"])
+def test_void_of_no_refund_is_404(billing, refund_id):
+    status, _, body = billing.post(f"/refunds/{refund_id}/void", {})
+    assert status == 404 and body["error"] == "refund_not_found"
+
+
+def test_concurrent_voids_void_once(billing):
+    _, _, refund = billing.refund("k-race", amount=100)
+    barrier, results = threading.Barrier(6), []
+
+    def void():
+        barrier.wait()
+        results.append(billing.post(f"/refunds/{refund['refund_id']}/void", {})[2])
+
+    threads = [threading.Thread(target=void) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=15)
+    assert [r["already_voided"] for r in results].count(False) == 1
+    assert len({r["voided_at"] for r in results}) == 1
+
+
+def test_a_ledger_entry_is_reversed_exactly_once(billing):
+    _, _, entry = billing.post("/ledger", {"key": "e1", "order_id": "A-1001", "amount_cents": -4999, "memo": "refund"})
+    status, _, reversal = billing.post(f"/ledger/{entry['entry_id']}/reverse", {"key": "e1:undo"})
+    assert status == 201 and reversal["already_reversed"] is False
+    assert (reversal["amount_cents"], reversal["reverses"], reversal["key"]) == (4999, entry["entry_id"], "e1:undo")
+    # Again, under any key: the one reversal, not a second.
+    for key in ("e1:undo", "other"):
+        status, _, again = billing.post(f"/ledger/{entry['entry_id']}/reverse", {"key": key})
+        assert status == 200 and again["already_reversed"] is True and again["entry_id"] == reversal["entry_id"]
+    assert billing.get(f"/ledger?reverses={entry['entry_id']}")[2]["entries"] == [
+        {k: v for k, v in reversal.items() if k != "already_reversed"}
+    ]
+    # A reversal is not reversed in turn; an unknown entry is 404; the ledger sums to zero.
+    assert billing.post(f"/ledger/{reversal['entry_id']}/reverse", {})[2]["error"] == "is_a_reversal"
+    assert billing.post("/ledger/L-999/reverse", {})[0] == 404
+    entries = billing.get("/ledger")[2]["entries"]
+    assert sum(e["amount_cents"] for e in entries) == 0 and len(entries) == 2
+
+
+def test_a_database_from_before_undo_is_migrated(tmp_path):
+    db = tmp_path / "old.db"
+    with closing(sqlite3.connect(db)) as conn:
+        conn.executescript(
+            "CREATE TABLE refunds (seq INTEGER PRIMARY KEY AUTOINCREMENT, order_id TEXT NOT NULL, amount_cents INTEGER NOT NULL,"
+            " reason TEXT NOT NULL, idempotency_key TEXT NOT NULL UNIQUE, created_at TEXT NOT NULL);"
+            "CREATE TABLE ledger (seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL UNIQUE, order_id TEXT NOT NULL,"
+            " amount_cents INTEGER NOT NULL, memo TEXT NOT NULL, created_at TEXT NOT NULL);"
+            "INSERT INTO refunds (order_id, amount_cents, reason, idempotency_key, created_at) VALUES ('A-1001', 5, 'r', 'old', 'now');"
+        )
+    for _ in range(2):  # and a second start changes nothing
+        make_server(0, db).server_close()
+    with closing(sqlite3.connect(db)) as conn:
+        assert {r[1] for r in conn.execute("PRAGMA table_info(refunds)")} >= {"voided_at"}
+        assert {r[1] for r in conn.execute("PRAGMA table_info(ledger)")} >= {"reverses"}
+        assert conn.execute("SELECT voided_at FROM refunds").fetchone() == (None,)
+
+
 # -- fault injection and stats ------------------------------------------------
 
 

@@ -24,6 +24,8 @@ SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_
 # More than the order's total (permanent error) and above 500.00 (high risk: carol and erin).
 HUGE_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 999_999, "reason": "cli"}}]
 UNKNOWN_TOOL = [{"tool": "wire_money", "args": {}}]
+# Two refunds of A-1001 (49.99): the second is over what is left (permanent), so the first is undone.
+OVER_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_cents": 3000, "reason": "cli"}}] * 2
 
 
 def one_line(err: str) -> str:
@@ -37,7 +39,7 @@ async def test_every_subcommand_exit_codes_and_one_line_errors(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
     playbooks = {}
-    for name, steps in (("small", SMALL_REFUND), ("huge", HUGE_REFUND), ("unknown", UNKNOWN_TOOL)):
+    for name, steps in (("small", SMALL_REFUND), ("huge", HUGE_REFUND), ("unknown", UNKNOWN_TOOL), ("over", OVER_REFUND)):
         playbooks[name] = tmp_path / f"{name}.json"
         playbooks[name].write_text(json.dumps(steps))
     key = tmp_path / "bob.pem"  # made by keygen below
@@ -131,9 +133,26 @@ async def test_every_subcommand_exit_codes_and_one_line_errors(
             await wait_for_state(dev_env.client.get_workflow_handle(run_id), "EXPIRED")
             assert "why" in await ok("status", run_id)
 
+        async def compensated() -> None:
+            run_id = await start("over", "--on-failure", "compensate", "--wait")
+            assert "undo: `void_refund`" in await ok("status", run_id)  # the approver reads it
+            await ok("approve", run_id, "--by", "bob")
+            await wait_for_state(dev_env.client.get_workflow_handle(run_id), "COMPENSATED")
+            out = await ok("status", run_id)
+            assert "state      COMPENSATED" in out and "void_refund ok" in out and "compensate " not in out
+            assert "--on-failure" in await fails(2, "start", "--goal", "g", "--playbook", str(playbooks["small"]),
+                                                 "--requested-by", "alice", "--on-failure", "undo")
+            assert "only an ended run" in await fails(1, "compensate", await start("small", "--wait"), "--by", "bob")
+
         *_, handed = await asyncio.gather(
-            failed_run(), usage_errors(), approved(), high_risk(), rejected(), expired(), handed_off()
+            failed_run(), usage_errors(), approved(), high_risk(), rejected(), expired(), compensated(), handed_off()
         )
+        # Compensating a run that wrote nothing: its compensation run fails saying so (1); one
+        # compensation run per run (1); an unknown run (2).
+        line = await fails(1, "compensate", handed, "--by", "bob", "--wait")
+        assert "COMPENSATED" not in line and "nothing_to_compensate" in line
+        assert "already has its compensation run" in await fails(1, "compensate", handed, "--by", "carol")
+        assert (await cli("compensate", unique("no-such-run"), "--by", "bob"))[0] == 2
 
         # A reader that stops early (`| head`): no traceback, exit 0.
         read, write = os.pipe()

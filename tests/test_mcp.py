@@ -21,7 +21,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities import planning
-from activities.mcp import McpServers, mcp_tools, parse_config
+from activities.mcp import McpServers, describe_tools, format_tools, mcp_tools, parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
 from client import run_outcome
@@ -171,7 +171,7 @@ async def test_governed_git_run_commits_exactly_once_after_approval(ts_env: Work
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.pending_approval is not None
         summary = snap.pending_approval.summary
-        assert "2 of 3 step(s) write" in summary and "git__git_commit (unsafe, message=\"Add hello\")" in summary
+        assert "2 of 3 step(s) write" in summary and "git__git_commit (unsafe, message=\"Add hello\", no recovery path)" in summary
         assert commits(repo) == ["initial"] and snap.step == 0, "nothing runs before the approval"
         await approve(handle)
         outcome = await run_outcome(handle)
@@ -348,6 +348,27 @@ async def test_model_planner_is_offered_mcp_tools_and_its_proposal_is_checked_ag
     assert "Effect: unsafe" in offered["git__git_commit"]["description"]
 
 
+async def test_an_mcp_tool_declares_its_undo_in_the_config(repo: Path, caplog: pytest.LogCaptureFixture) -> None:
+    toml = git_server(
+        "git", repo,
+        'trust_annotations = true\n'
+        '[servers.git.tools.git_add]\ncompensate = { tool = "git_reset", args = { repo_path = "/args/repo_path" } }\n'
+        '[servers.git.tools.git_commit]\ncompensate = { tool = "git_uncommit", args = { repo_path = "/args/repo_path" } }\n',
+    )
+    async with mcp_registry(toml) as (registry, _):
+        info = registry.catalog().get("git__git_add")
+        # The compensating tool is the same server's, named as the catalog names it.
+        assert info.compensate is not None and info.compensate.tool == "git__git_reset"
+        assert info.compensate.args == {"repo_path": "/args/repo_path"}
+        # A compensating tool the server does not publish: no recovery path, and the log says so.
+        assert registry.catalog().get("git__git_commit").compensate is None
+        assert "git_uncommit" in caplog.text and "not published" in caplog.text
+        listing = format_tools(describe_tools(registry))
+        assert "UNDO" in listing.splitlines()[0]
+        assert any(line.startswith("git__git_add ") and "git__git_reset" in line for line in listing.splitlines())
+    # A pointer outside /args and /result is refused when the config is read.
+    with pytest.raises(Exception, match="not a JSON pointer into /args or /result"):
+        parse_config(git_server("git", repo, '[servers.git.tools.git_add]\ncompensate = { tool = "git_reset", args = { repo_path = "repo" } }\n'))
 # ----------------------------------------------------------------------------- hostile listings
 
 BAD_LISTING_SERVER = ROOT / "tests/mcp_bad_listing_server.py"

@@ -121,7 +121,7 @@ async def test_two_step_plan_with_approval_end_to_end(
     assert [m["role"] for m in first.messages] == ["system", "user"]
     assert "Refund order A-1001" in first.messages[1]["content"]
     tools = {t["function"]["name"]: t["function"] for t in first.tools}
-    assert set(tools) == {"get_order", "issue_refund", "post_ledger_entry", "send_email"}
+    assert set(tools) == {"get_order", "issue_refund", "post_ledger_entry", "send_email", "void_refund", "reverse_ledger_entry"}
     assert tools["issue_refund"]["parameters"] == RefundArgs.model_json_schema()
     assert tools["get_order"]["parameters"] == OrderRef.model_json_schema()
     assert "Effect: idempotent" in tools["issue_refund"]["description"]

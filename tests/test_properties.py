@@ -68,11 +68,14 @@ EVENTS = [
     "tool_ok", "tool_ok", "tool_ok",
     "expire", "cancel", "handoff", "authority_revoked",
     "tool_ok", "tool_ok", "tool_ok", "tool_retryable", "tool_retryable", "tool_permanent",
-    "tool_unknown", "tool_unknown",
+    "tool_unknown", "tool_unknown", "tool_ok_no_id",
     "revise", "revise", "revise_invalid", "revise_stale", "revise_as_requester",
     "approve_part", "approve_part", "approve_part_as_requester",
 ]
-WORKFLOW_AWAITS = {S.RECEIVED, S.PLANNING, S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.RETRY_WAIT}
+WORKFLOW_AWAITS = {S.RECEIVED, S.PLANNING, S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING}
+# What a write answers: the ids its declared compensation points at (/result/refund_id, ...).
+OK_RESULT = '{"refund_id": "R-1", "entry_id": "L-1", "email_id": "E-1"}'
+TOOL_EVENTS = (S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING)
 
 
 # Refunds up to 50.00 in all run without approval: the limit holds for sums, not calls.
@@ -85,9 +88,11 @@ ALICE_VARIANTS = ["Alice", "ALICE", "ａｌｉｃｅ", "alice"]
 
 
 class Driver:
-    def __init__(self, on_expiry: str) -> None:
+    def __init__(self, on_expiry: str, on_failure: str = "stop", on_cancel: str = "stop") -> None:
         request = RunRequest(
-            goal="g", requested_by="alice", limits={"max_replans": 3, "max_steps": 12, "on_expiry": on_expiry}
+            goal="g", requested_by="alice", limits={"max_replans": 3, "max_steps": 12, "on_expiry": on_expiry},
+            on_failure=on_failure,
+            on_cancel=on_cancel,
         )
         data = RunData(
             catalog=CATALOG,
@@ -103,6 +108,8 @@ class Driver:
         self.effects: dict[str, ToolEffect] = {}
         self.step_tools: dict[str, str] = {}
         self.hashes_seen: list[str] = []
+        self.plans: dict[str, object] = {}  # tool call id -> the validated plan it is a step of
+        self.undo_sent: list[tuple[str, str, str]] = []  # (of, plan hash, tool) of every compensation call
         self.decisions: list[ApprovalDecision] = []
         self.ids = 0
         self.engine.received(self.now)
@@ -125,7 +132,7 @@ class Driver:
         while True:
             # Before a step's (next) attempt the workflow's handoff names the outcome of an
             # earlier attempt (AgentRun._execute_step).
-            at_step = self.state == S.EXECUTING_TOOL
+            at_step = self.state == S.EXECUTING_TOOL or (self.state == S.COMPENSATING and e.current_step() is not None)
             detail, refs = e.handoff_point() if at_step else (None, None)
             if self.handoff and e.take_handoff(self.handoff, self.tick(), detail, refs=refs):
                 if at_step:
@@ -145,12 +152,15 @@ class Driver:
             elif self.state == S.VALIDATED:
                 plan = e.data.plan
                 self.hashes_seen.append(plan.plan_hash)
+                self.plans.update({s.tool_call_id: plan for s in plan.steps})
                 self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
                 # An auto-approved plan is re-checked under the current file (a tool withdrawn).
                 refusal = None
                 if not e.review().needs_approval and self.revoked:
                     refusal, self.revoked = Refusal(rule="tool_withdrawn", message="gone"), False
                 e.after_validated(self.tick(), refusal)
+            elif self.state == S.COMPENSATING and not e.compensation_ready(self.tick()):
+                continue  # none left (COMPENSATED), or one that cannot run (HANDED_OFF)
             elif self.state in (S.APPROVED, S.OBSERVING_RESULT):
                 # The workflow re-checks authority (an activity) when something still writes.
                 refusal = None
@@ -227,6 +237,12 @@ class Driver:
 
     def tool(self, event: str) -> None:
         e = self.engine
+        if self.state == S.COMPENSATING:
+            # The workflow loop: the next compensation, or the run ends here.
+            if not e.compensation_ready(self.tick()):
+                return
+            undo = e.current_undo()
+            self.undo_sent.append((undo.of, undo.plan_hash, undo.tool))
         if self.state == S.RETRY_WAIT:
             e.retry(self.tick())  # the backoff timer fired
             self.settle()
@@ -239,6 +255,9 @@ class Driver:
         self.effects[call.idempotency_key] = effect
         self.sent[call.idempotency_key] += 1  # the call reaches the external system
         if event == "tool_ok":
+            e.tool_succeeded(ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT)), self.tick())
+        elif event == "tool_ok_no_id":
+            # A result without the id the undo points at: no recovery path, recorded.
             e.tool_succeeded(ToolOutcome(observation="{}", digest="d", size=2), self.tick())
         else:
             failure = {
@@ -298,7 +317,7 @@ class Driver:
                 self.handoff = request
         elif event == "authority_revoked":
             self.revoked = True
-        elif event.startswith("tool_") and state in (S.EXECUTING_TOOL, S.RETRY_WAIT):
+        elif event.startswith("tool_") and state in TOOL_EVENTS:
             self.tool(event)
         self.settle()
 
@@ -398,10 +417,49 @@ def step_ends_name_their_outcome(driver: Driver) -> None:
         assert step.status == ("ok" if step.outcome == "ok" else "failed"), step
 
 
+def compensations_are_governed(driver: Driver) -> None:
+    """Recovery's properties: no compensation runs for a step whose outcome was not ok; every
+    ok write is kept or compensated exactly once (all of them, in a COMPENSATED run, newest
+    first); a compensation never runs without the approval of the plan hash that covered it."""
+    data = driver.engine.data
+    timeline = data.lifecycle.timeline
+    ok_writes = [s for s in data.executed if s.outcome == "ok" and not s.tool_call_id.endswith(":undo")
+                 and CATALOG.get(s.tool).effect != ToolEffect.READ_ONLY]
+    outcome_of = {s.tool_call_id: s.outcome for s in data.executed if not s.tool_call_id.endswith(":undo")}
+    approved = {r.refs.plan_hash for r in timeline if r.kind == "transition" and r.to_state == S.APPROVED}
+    auto = {r.refs.plan_hash for r in timeline if r.kind == "transition" and r.from_state == S.VALIDATED
+            and r.to_state == S.EXECUTING_TOOL}
+    for of, plan_hash, tool in driver.undo_sent:
+        assert outcome_of.get(of) == "ok", f"a compensation ran for {of}, outcome {outcome_of.get(of)}"
+        assert plan_hash in approved | auto, f"compensation of {of} under plan {plan_hash[:12]}, never approved"
+        plan = driver.plans[of]
+        # The plan hash covered this very undo: the approval approved it.
+        assert plan.plan_hash == plan_hash == type(plan).hash_steps(plan.steps, plan.undo)
+        index = next(i for i, s in enumerate(plan.steps) if s.tool_call_id == of)
+        assert plan.undo[index] is not None and plan.undo[index].tool == tool
+    undone = Counter(s.tool_call_id.removesuffix(":undo") for s in data.executed
+                     if s.tool_call_id.endswith(":undo") and s.outcome == "ok")
+    assert all(n == 1 for n in undone.values()), f"compensated more than once: {undone}"
+    assert set(undone) <= {s.tool_call_id for s in ok_writes}
+    if driver.state == S.COMPENSATED:
+        assert set(undone) == {s.tool_call_id for s in ok_writes}, "COMPENSATED with an ok write kept"
+        order = [s.tool_call_id.removesuffix(":undo") for s in data.executed if s.tool_call_id.endswith(":undo")]
+        assert order == [s.tool_call_id for s in reversed(ok_writes)], "not undone newest first"
+    if driver.engine.on_failure() == driver.engine.on_cancel() == "stop":
+        assert not driver.undo_sent and "COMPENSATING" not in {r.to_state.value for r in timeline}
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events=st.lists(st.sampled_from(EVENTS), max_size=60), on_expiry=st.sampled_from(["expire", "replan"]))
-def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry: str) -> None:
-    driver = Driver(on_expiry)
+@given(
+    events=st.lists(st.sampled_from(EVENTS), max_size=60),
+    on_expiry=st.sampled_from(["expire", "replan"]),
+    on_failure=st.sampled_from(["stop", "compensate", "compensate"]),
+    on_cancel=st.sampled_from(["stop", "compensate"]),
+)
+def test_random_event_sequences_keep_the_invariants(
+    events: list[str], on_expiry: str, on_failure: str, on_cancel: str
+) -> None:
+    driver = Driver(on_expiry, on_failure, on_cancel)
     terminal_at: tuple[RunState, int, int] | None = None
     for event in events:
         driver.apply(event)
@@ -422,8 +480,46 @@ def test_random_event_sequences_keep_the_invariants(events: list[str], on_expiry
             assert calls <= 1, f"unsafe tool called {calls} times for {key}"
     writes_only_after_approval(driver)
     step_ends_name_their_outcome(driver)
+    compensations_are_governed(driver)
     if driver.state in TERMINAL:
         assert driver.engine.data.pending_approval is None, "a finished run has nothing pending"
+
+
+@pytest.mark.parametrize(
+    ("events", "end"),
+    [
+        # refund ok, ledger ok, email refused: both undone, newest first.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_permanent", "tool_ok", "tool_ok"], S.COMPENSATED),
+        # the first undo fails for good: handed off naming it, the refund kept.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_permanent", "tool_permanent"], S.HANDED_OFF),
+        # the undo's outcome is unknown after its retries: handed off, never re-run blindly.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_permanent"] + ["tool_unknown"] * 5, S.HANDED_OFF),
+        # the ledger entry's result lacked its id: no recovery path, handed off before any undo.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok_no_id", "tool_permanent", "tool_ok"], S.HANDED_OFF),
+        # the email's outcome is unknown: hands off as before, nothing compensated.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_unknown"], S.HANDED_OFF),
+        # a retried undo (transient), then ok.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_permanent", "tool_retryable", "tool_ok", "tool_ok"], S.COMPENSATED),
+        # cancelled while compensating: what was undone is on the record.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "tool_permanent", "tool_ok", "cancel"], S.CANCELLED),
+        # on_cancel=compensate: cancelled after two ok writes, before the email: both undone.
+        (["propose_writes", "approve", "tool_ok", "tool_ok", "tool_ok", "cancel", "tool_ok", "tool_ok"], S.COMPENSATED),
+        # ...and cancelled before anything was written: nothing to undo, CANCELLED.
+        (["propose_writes", "approve", "cancel"], S.CANCELLED),
+    ],
+    ids=["compensated", "undo-fails", "undo-unknown", "no-recovery-path", "unknown-hands-off", "undo-retried",
+         "cancelled", "cancel-compensates", "cancel-nothing-written"],
+)
+def test_directed_compensations(events: list[str], end: RunState) -> None:
+    driver = Driver("expire", "compensate", "compensate")
+    for event in events:
+        driver.apply(event)
+    assert driver.state == end, driver.engine.data.lifecycle.timeline[-1].reason
+    compensations_are_governed(driver)
+    assert is_legal_path(driver.engine.data.lifecycle.timeline)
+    last = driver.engine.data.lifecycle.timeline[-1]
+    if end == S.HANDED_OFF and "COMPENSATING" in {r.to_state.value for r in driver.engine.data.lifecycle.timeline}:
+        assert "not compensated" in last.reason  # names what is left
 
 
 def test_unsafe_unknown_outcome_hands_off_naming_the_call() -> None:

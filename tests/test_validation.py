@@ -46,9 +46,32 @@ def test_valid_plan_gets_ids_and_a_hash_of_tools_and_args() -> None:
     assert result.plan.steps[1].args == {"order_id": "A-1001", "amount_cents": 100, "reason": "x"}
     # Same tools and arguments, other ids: same hash. Other arguments: other hash.
     same = [s.model_copy(update={"tool_call_id": "other"}) for s in result.plan.steps]
-    assert Plan.hash_steps(same) == result.plan.plan_hash
+    assert Plan.hash_steps(same, result.plan.undo) == result.plan.plan_hash
     changed = [same[0], same[1].model_copy(update={"args": {**same[1].args, "amount_cents": 99999}})]
-    assert Plan.hash_steps(changed) != result.plan.plan_hash
+    assert Plan.hash_steps(changed, result.plan.undo) != result.plan.plan_hash
+
+
+def test_the_plan_hash_covers_each_steps_compensation() -> None:
+    """An approval of the hash approves the undo too: another undo is another hash; a plan
+    without any declared undo hashes as it did before recovery existed (old runs keep theirs)."""
+    steps = (
+        ProposedStep(tool="get_order", args={"order_id": "A-1001"}),
+        ProposedStep(tool="issue_refund", args={"order_id": "A-1001", "amount_cents": 100, "reason": "x"}),
+    )
+    result = validate(*steps)
+    assert result.plan.undo[0] is None
+    assert result.plan.undo[1].tool == "void_refund"
+    assert result.plan.undo[1].args == {"refund_id": "/result/refund_id"}
+    plan_steps = result.plan.steps
+    assert Plan.hash_steps(plan_steps) != result.plan.plan_hash  # without its undo: not this plan
+    other_undo = [None, result.plan.undo[1].model_copy(update={"args": {"refund_id": "/args/order_id"}})]
+    assert Plan.hash_steps(plan_steps, other_undo) != result.plan.plan_hash
+    # recovery off (runs recorded before it): no undo carried, the old hash.
+    old = validate_proposal(Proposal(steps=list(steps)), CATALOG, executed_steps=0, limits=Limits(),
+                            new_id=lambda n: f"tc-{n:03d}", recovery=False)
+    assert old.plan.undo is None
+    assert old.plan.plan_hash == Plan.hash_steps(old.plan.steps)
+    assert Plan.hash_steps(plan_steps, [None, None]) == Plan.hash_steps(plan_steps)
 
 
 def test_unknown_tool() -> None:

@@ -60,6 +60,8 @@ with workflow.unsafe.imports_passed_through():
         PlannerInput,
         PolicySnapshot,
         Proposal,
+        RecoveryRequest,
+        RecoverySource,
         Refusal,
         RunData,
         RunOutcome,
@@ -107,6 +109,9 @@ AUDIT_BATCH = 200
 # auto-approved re-checks) run only where this patch is set: histories written by the previous
 # version replay without them (docs/changing-workflows.md).
 PATCH_V2 = "tether-v2"
+# Declared recovery: plan hashes cover compensations, ok writes get their undo, on_failure and
+# compensation runs. Runs recorded before keep their hashes and never compensate.
+PATCH_RECOVERY = "tether-recovery"
 # Seals bound to the run chain, a capability for every write, missing keys fail the workflow
 # task (issue 18): new commands (the capability's re-check, a write's activity id, the timer
 # before a write is scheduled again) run only where this patch is set.
@@ -218,11 +223,14 @@ class AgentRun:
         self._v2 = workflow.patched(PATCH_V2)
         self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
         self._record = self._v2 and workflow.patched(PATCH_RECORD)
+        self.engine.recovery = workflow.patched(PATCH_RECOVERY)
         try:
             await self._verify_carryover()
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
+            if self.data.lifecycle.state == S.COMPENSATING:
+                await self._drive()  # on_cancel=compensate: put the ok writes back first
             await self._finish()
             raise
         except ApplicationError:
@@ -237,6 +245,7 @@ class AgentRun:
             # Ids, outcomes and digests: observations stay out of the result (its budget).
             steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
             timeline=self.data.lifecycle.timeline,
+            compensations=self.data.compensations,
         )
         if TEMPORAL_STATUS[outcome.state] == "Failed" and workflow.patched(FAILED_STATUS):
             # The execution fails, non-retryable, with the outcome in the failure's details
@@ -340,6 +349,18 @@ class AgentRun:
             )
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
+        if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:
+            # A compensation run: the original's closed record says what its approvals covered.
+            source = await self._activity(
+                "recovery_source",
+                RecoveryRequest(run_id=self.request.compensate_run, tenant=self.request.tenant),
+                RecoverySource,
+                f"recovery source · {self.request.compensate_run}",
+                # Local: its answer decides what the run mints capabilities for, so no activity
+                # task a rogue poller could answer with undos the original never recorded.
+                local=True,
+            )
+            self._decide(lambda now: self.engine.begin_compensation(source, now))
 
         while not data.lifecycle.terminal:
             await self._maybe_continue_as_new()
@@ -361,6 +382,10 @@ class AgentRun:
                 self._decide(lambda now: self.engine.after_approved(_refusal(verdict), now, verdict))
             elif state == S.EXECUTING_TOOL:
                 await self._execute_step()
+            elif state == S.COMPENSATING:
+                # The same step path as the plan's steps: one way to call a tool.
+                if self._decide(self.engine.compensation_ready):
+                    await self._execute_step()
             elif state == S.OBSERVING_RESULT:
                 verdict = None
                 if self.engine.current_step() is not None and (self._v2 or data.approval is not None):
@@ -495,6 +520,7 @@ class AgentRun:
         call = self._decide(self.engine.next_tool_call)
         if call is None:
             return
+        data_state = self.data.lifecycle.state
         timeouts = policy.tool_timeouts(info.timeout_seconds)
         activity_id = None
         if self._v3 and info.effect != ToolEffect.READ_ONLY:
@@ -523,7 +549,8 @@ class AgentRun:
             # A cancel waits until the attempt has ended, so its outcome is known.
             cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             retry_policy=TOOL_RETRY,
-            summary=f"{step.tool} · {info.effect.value} · step {self.data.next_step + 1}",
+            summary=f"{step.tool} · {info.effect.value} · "
+            + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
         )
         outcome: ToolOutcome | None = None
         try:
@@ -739,6 +766,7 @@ class AgentRun:
             first_run_id=data.first_run_id,
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
+            compensations=data.compensations,
             audit_waiting=len(self._audit),
             audit_error=self._audit_error,
             updates=self._updates,

@@ -79,10 +79,19 @@ def run_details(
                 for k in (info.summary_fields if info else [])
                 if k in step.args
             ]
+            # The undo the plan hash covers, for each write (plans hashed before recovery: none).
+            if plan.undo is not None and info is not None and info.effect.value != "read_only":
+                comp = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
+                fields.append(f"undo {code(comp.tool, 64)}" if comp else "no recovery path")
             mark = " ✓ done" if i <= data.next_step else ""
             lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + "".join(f" · {f}" for f in fields) + mark)
         if len(plan.steps) > PLAN_LINES:
             lines.append(f"… and {len(plan.steps) - PLAN_LINES} more step(s)")
+    if data.compensations and lc.state == S.COMPENSATING:
+        lines += ["", "**Putting things back** (newest first):", ""]
+        for c in list(reversed(data.compensations))[:PLAN_LINES]:
+            lines.append(f"- {code(c.of, 80)} {code(c.of_tool, 64)} → "
+                         + (f"{code(c.tool, 64)} · {c.status}" if c.tool else "no recovery path"))
     pending = data.pending_approval
     if pending is not None and lc.state == S.AWAITING_APPROVAL:
         signal_input = json.dumps(

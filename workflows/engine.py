@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from workflows import policy
+from workflows import policy, recovery
 from workflows import revision as revisions
 from workflows.budgets import (
     ANSWER_CHARS,
@@ -30,6 +30,7 @@ from workflows.models import (
     AcceptedApproval,
     ApprovalDecision,
     AuthorityCheck,
+    CompensationCall,
     EscalationStage,
     ExecutedStep,
     Notification,
@@ -54,6 +55,7 @@ from workflows.models import (
     ToolEffect,
     ToolInfo,
     ToolOutcome,
+    RecoverySource,
     Verdict,
 )
 from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
@@ -101,8 +103,12 @@ class Engine:
         workflow_id: str,
         on_record: Callable[[TransitionRecord], None] = lambda record: None,
         new_request_id: Callable[[], str] = lambda: "",
+        recovery: bool = True,
     ) -> None:
         self.data = data
+        # Declared recovery (plan hashes cover compensations, on_failure=compensate): False only
+        # for runs recorded before it existed (the workflow's "tether-recovery" patch).
+        self.recovery = recovery
         self.request = request
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
@@ -139,6 +145,12 @@ class Engine:
         return self.data.catalog or ToolCatalog()
 
     def current_step(self) -> PlanStep | None:
+        """The plan's next step; while COMPENSATING, the next compensation as a step."""
+        if self.state == S.COMPENSATING:
+            undo = self.current_undo()
+            if undo is None or undo.tool is None:
+                return None
+            return PlanStep(tool_call_id=undo.tool_call_id, tool=undo.tool, args=undo.args)
         plan = self.data.plan
         if plan is None or self.data.next_step >= len(plan.steps):
             return None
@@ -148,6 +160,10 @@ class Engine:
         return self.catalog.get(step.tool)
 
     def step_refs(self, step: PlanStep) -> Refs:
+        undo = next((c for c in self.data.compensations if c.tool_call_id == step.tool_call_id), None)
+        if undo is not None:
+            # Bound to the plan (and approval) that covered it; its key derives from the original's.
+            return Refs(plan_hash=undo.plan_hash, tool_call_id=step.tool_call_id, idempotency_key=undo.idempotency_key)
         return Refs(
             plan_hash=self.data.plan.plan_hash if self.data.plan else None,
             tool_call_id=step.tool_call_id,
@@ -208,8 +224,9 @@ class Engine:
                 f"{data.policy.source}: add it under [tenants.{self.request.tenant}]",
                 refs=refs,
             )
-        else:
+        elif self.request.compensate_run is None:
             self.move(S.PLANNING, at=at, actor="runtime", reason=f"run received; policy {data.policy.source}", refs=refs)
+        # A compensation run stays RECEIVED until the original's record is in (begin_compensation).
 
     def token_budget_refusal(self) -> str | None:
         max_tokens = self.request.limits.max_model_tokens
@@ -267,14 +284,21 @@ class Engine:
     def validate(self, proposal: Proposal, new_id: Callable[[int], str]) -> Validation:
         """The one validation a plan gets, proposed or revised: the catalog snapshot, the
         tools' schemas, the tenant's tools and the step budget (with what the run already did)."""
-        return validate_proposal(
+        result = validate_proposal(
             proposal,
             self.catalog,
             executed_steps=len(self.data.executed),
             limits=self.limits,
             new_id=new_id,
             tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
+            recovery=self.recovery,
         )
+        if result.plan is not None and self.recovery:
+            # The tenant's require_recovery: a write with no recovery path never reaches approval.
+            refusal = policy.recovery_refusal(result.plan, self.catalog, self.tenant, self.data.spent)
+            if refusal is not None:
+                result = Validation(plan=None, problems=[f"[{refusal.rule}] {refusal.message}"])
+        return result
 
     def _adopt(self, plan: Plan) -> None:
         """``plan`` becomes the run's current plan, the next version; nothing of it has run."""
@@ -721,9 +745,6 @@ class Engine:
                 refs=Refs(plan_hash=note.plan_hash, request_id=note.request_id),
             )
         )
-        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
-            self.unrecorded_refusals[decision.decision_id] = refusal
-        self.on_record(record)
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""
@@ -742,6 +763,8 @@ class Engine:
         """What to re-check against the current policy file before the plan's remaining writes
         run, approved or auto-approved (None: nothing left writes)."""
         data = self.data
+        if self.state == S.COMPENSATING:
+            return self._undo_check()
         if data.plan is None:
             return None
         remaining = data.plan.steps[from_step:]
@@ -776,6 +799,27 @@ class Engine:
             escalated_roles=[r for stage in approval.escalation[: approval.stage] for r in stage.roles],
             request_id=approval.request_id,
             **context,
+        )
+
+    def _undo_check(self) -> AuthorityCheck | None:
+        """COMPENSATING: the re-check of the next undo (docs/architecture.md, "Recovery"). Its
+        authority is the approval (or auto-approval) of the plan hash that covered it, named in
+        the capability; a compensation run adds the person who asked for it, judged now."""
+        undo = self.current_undo()
+        if undo is None or undo.tool is None:
+            return None
+        return AuthorityCheck(
+            tenant=self.request.tenant,
+            approvals=list(undo.approved_by),
+            tools=[undo.tool],
+            roles=[],
+            approvals_required=0,
+            workflow_id=self.workflow_id,
+            first_run_id=self.data.first_run_id,
+            requested_by=self.request.requested_by,
+            plan_hash=undo.plan_hash,
+            undo=undo,
+            compensator=self.request.requested_by if self.request.compensate_run is not None else "",
         )
 
     def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
@@ -881,11 +925,16 @@ class Engine:
         self.data.pending_approval = None
         why = f"cancellation requested: {reason or 'no reason'}"
         ended = self._step_ended_by("cancelled")
-        if ended is None:
-            self.move(S.CANCELLED, at=at, actor="runtime", reason=why)
+        refs, detail = ended if ended is not None else (None, None)
+        why = f"{why}; {detail}" if detail else why
+        if self.state != S.COMPENSATING and self.recovery and self.on_cancel() == "compensate" and self.current_undo() is not None:
+            # The person asked to stop; the run was told to put things back when stopped.
+            self._settled = None
+            self.data.step_retries, self.data.step_outcome = 0, None
+            self.move(S.COMPENSATING, at=at, actor="runtime",
+                      reason=f"{why}; on_cancel=compensate: {self._undo_left(start=True)}", refs=refs)
             return
-        refs, detail = ended
-        self.move(S.CANCELLED, at=at, actor="runtime", reason=f"{why}; {detail}", refs=refs)
+        self.move(S.CANCELLED, at=at, actor="runtime", reason=why, refs=refs)
 
     # ------------------------------------------------------------------ tools
 
@@ -901,9 +950,14 @@ class Engine:
         """The call to schedule now, or None when the step may not run (the run has moved)."""
         data = self.data
         step = self.current_step()
-        _require(step is not None and self.state == S.EXECUTING_TOOL, "no plan step to execute, or not in EXECUTING_TOOL")
+        _require(
+            step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING),
+            "no plan step to execute, or not in EXECUTING_TOOL",
+        )
         max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
-        if max_calls is not None and data.tool_calls >= max_calls:
+        # Compensations are not held to the budget: an undo must not be stopped by the calls
+        # that made it necessary (they are bounded by the ok writes and their retry rules).
+        if max_calls is not None and data.tool_calls >= max_calls and self.state != S.COMPENSATING:
             self._not_started(
                 step, "tool_call_budget", f"tool call budget exhausted: {data.tool_calls} of max_tool_calls={max_calls} used", at
             )
@@ -924,8 +978,30 @@ class Engine:
         """The re-check just before a write attempt (the one that mints its capability) refused:
         the attempt does not start. An earlier attempt may have applied: then a human decides."""
         step = self.current_step()
-        _require(step is not None and self.state == S.EXECUTING_TOOL, "no write attempt to refuse")
+        _require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt to refuse")
         self.data.tool_calls -= 1  # not scheduled after all
+        if self.state == S.COMPENSATING:
+            # An undo the current file refuses is not run, nor its later ones: a person decides
+            # (the undo stays pending: `tether compensate` can run it once the policy allows).
+            undo = self.current_undo()
+            outcome = self.data.step_outcome or "failed"
+            if outcome == "unknown":  # an earlier attempt may have applied: on the record as such
+                self._end_step(step, outcome, refusal.rule)
+            else:  # never started: it stays pending
+                self.data.last_error = self._error_line(step, outcome, refusal.rule)
+            self.data.step_retries, self.data.step_outcome = 0, None
+            self.move(
+                S.HANDED_OFF,
+                at=at,
+                actor="runtime",
+                reason=clip(
+                    f"compensation {step.tool_call_id} ({step.tool}) of {undo.of if undo else '?'} not started: the "
+                    f"current policy refuses it [{refusal.rule}]: {refusal.message}; needs a human; {self._undo_left()}",
+                    REASON_CHARS,
+                ),
+                refs=self._end_refs(step, outcome, refusal.rule),
+            )
+            return
         self._not_started(
             step, refusal.rule, f"write not started: the current policy refuses it [{refusal.rule}]: {refusal.message}", at
         )
@@ -948,7 +1024,7 @@ class Engine:
         it waited past its expiry): the tool was not called; the run schedules it again with a
         fresh capability. ``last_error`` (the Web UI details) names why (the key id)."""
         step = self.current_step()
-        _require(step is not None and self.state == S.EXECUTING_TOOL, "no write attempt")
+        _require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt")
         self.data.tool_calls -= 1  # never reached the tool
         self.data.last_error = clip(
             f"{failure.code}: tool call {step.tool_call_id} ({step.tool}) not started, scheduled again: "
@@ -959,15 +1035,29 @@ class Engine:
     def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
+        refs = self.step_refs(step).model_copy(update={"outcome": "ok"})
+        if self.state == S.COMPENSATING:
+            undo = self.current_undo()
+            self._record_step(step, "ok", outcome)
+            self.data.last_error, self.data.step_retries, self.data.step_outcome = None, 0, None
+            self.move(
+                S.COMPENSATING,
+                at=at,
+                actor="runtime",
+                reason=f"compensation {step.tool_call_id} ({step.tool}) of {undo.of} ({undo.of_tool}) succeeded",
+                refs=refs,
+            )
+            return
         self._record_step(step, "ok", outcome)
+        undo = self._note_compensation(step, outcome)
         self.data.last_error = None
         self.data.next_step += 1
         self.move(
             S.OBSERVING_RESULT,
             at=at,
             actor="runtime",
-            reason=f"tool call {step.tool_call_id} ({step.tool}) succeeded",
-            refs=self.step_refs(step).model_copy(update={"outcome": "ok"}),
+            reason=f"tool call {step.tool_call_id} ({step.tool}) succeeded" + undo,
+            refs=refs,
         )
 
     def tool_failed(self, failure: ToolFailure, at: datetime) -> float | None:
@@ -991,10 +1081,26 @@ class Engine:
             attempt_over=not failure.still_running,
         )
         refs = self._end_refs(step, outcome, failure.code)
-        what = f"tool call {step.tool_call_id} ({step.tool}) failed [{failure.code}], outcome {outcome}"
+        compensating = self.state == S.COMPENSATING
+        what = f"{'compensation' if compensating else 'tool call'} {step.tool_call_id} ({step.tool}) failed [{failure.code}], outcome {outcome}"
         if next_state != S.RETRY_WAIT:
             self._end_step(step, outcome, failure.code)
-            self.move(next_state, at=at, actor="runtime", reason=f"{what} — {why}", refs=refs)
+            if compensating:
+                # Never a blind re-run of an undo: a person takes it from here.
+                self.move(
+                    S.HANDED_OFF, at=at, actor="runtime",
+                    reason=f"{what} — {why}; the compensation is not re-run, needs a human; {self._undo_left()}",
+                    refs=refs,
+                )
+            elif next_state == S.EXECUTION_FAILED and outcome == "failed" and self.compensates():
+                self.data.step_retries, self.data.step_outcome = 0, None
+                self.move(
+                    S.COMPENSATING, at=at, actor="runtime",
+                    reason=f"{what} — {why}; on_failure=compensate: {self._undo_left(start=True)}",
+                    refs=refs,
+                )
+            else:
+                self.move(next_state, at=at, actor="runtime", reason=f"{what} — {why}", refs=refs)
             return None
         data.last_error = self._error_line(step, outcome, failure.code)
         # Unknown: whatever the attempt sent must have landed before a retry (or lookup) runs.
@@ -1002,12 +1108,15 @@ class Engine:
         delay = policy.retry_delay_seconds(data.step_retries, failure.suggested_delay, settle)
         data.step_retries += 1
         data.retries += 1
-        self.move(S.RETRY_WAIT, at=at, actor="runtime", reason=f"{what}: {why} in {delay:g}s", refs=refs)
+        # A compensation waits out its backoff in COMPENSATING: the retry is on the record.
+        self.move(S.COMPENSATING if compensating else S.RETRY_WAIT, at=at, actor="runtime", reason=f"{what}: {why} in {delay:g}s", refs=refs)
         return delay
 
     def retry(self, at: datetime) -> None:
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
+        if self.state == S.COMPENSATING:
+            return  # recorded when the retry was decided; the next attempt follows
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=f"retry {self.data.step_retries}", refs=self.step_refs(step))
 
     def handoff_point(self) -> tuple[str, Refs | None]:
@@ -1022,6 +1131,11 @@ class Engine:
 
     def step_handed_off(self) -> None:
         """That handoff was taken: an earlier attempt's outcome ends the step."""
+        if self.data.lifecycle.previous_state == S.COMPENSATING:
+            undo = self.current_undo()
+            if undo is not None and self.data.step_outcome is not None:
+                undo.status = self.data.step_outcome  # an earlier attempt of the undo failed
+            return
         step = self.current_step()
         if step is not None and self.data.step_outcome is not None:
             self._end_step(step, self.data.step_outcome, "handed_off")
@@ -1032,9 +1146,12 @@ class Engine:
         step = self.current_step()
         _require(step is not None, "no plan step to execute")
         if outcome is not None:
+            compensating = self.state == S.COMPENSATING
             self._record_step(step, "ok", outcome)
+            if not compensating:
+                self._note_compensation(step, outcome)
+                self.data.next_step += 1
             self.data.last_error = self._error_line(step, "ok", "cancelled")
-            self.data.next_step += 1
             self._settled = (step, "ok", None)
             return
         info = self.tool_info(step)
@@ -1059,7 +1176,7 @@ class Engine:
             return self._end_refs(step, outcome, settled_code), self._describe(step, outcome)
         step = self.current_step()
         outcome = self.data.step_outcome
-        if step is None or outcome is None or self.state not in (S.EXECUTING_TOOL, S.RETRY_WAIT):
+        if step is None or outcome is None or self.state not in (S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING):
             return None
         self._end_step(step, outcome, code)
         return self._end_refs(step, outcome, code), self._describe(step, outcome)
@@ -1083,6 +1200,11 @@ class Engine:
         self.data.last_error = self._error_line(step, outcome, code)
 
     def _record_step(self, step: PlanStep, outcome: EffectOutcome, result: ToolOutcome | None) -> None:
+        compensating = self.state == S.COMPENSATING
+        if compensating:
+            undo = self.current_undo()
+            _require(undo is not None and undo.tool_call_id == step.tool_call_id, "no compensation under way")
+            undo.status = outcome
         self.data.executed.append(
             ExecutedStep(
                 tool_call_id=step.tool_call_id,
@@ -1094,7 +1216,7 @@ class Engine:
                 digest=result.digest if result else "",
             )
         )
-        if outcome != "failed":  # it may have applied: it counts against the run's amount limits
+        if outcome != "failed" and not compensating:  # it may have applied: it counts against the run's amount limits
             policy.spend(self.data.spent, step.tool, step.args)
         self._trim_executed()
 
@@ -1105,6 +1227,129 @@ class Engine:
             room -= len(done.observation)
             if i >= EXECUTED_WINDOW or room < 0:
                 done.args, done.observation = {}, ""
+
+    # ------------------------------------------------------------------ recovery
+
+    def on_failure(self) -> str:
+        """The run's on_failure: its request's, else the tenant's default."""
+        if self.request.on_failure is not None:
+            return self.request.on_failure
+        return self.tenant.on_failure if self.tenant else "stop"
+
+    def on_cancel(self) -> str:
+        """The run's on_cancel: its request's, else the tenant's default."""
+        if self.request.on_cancel is not None:
+            return self.request.on_cancel
+        return self.tenant.on_cancel if self.tenant else "stop"
+
+    def compensates(self) -> bool:
+        """Does a step failing with its outcome known put the run's ok writes back?"""
+        return self.recovery and self.on_failure() == "compensate" and self.current_undo() is not None
+
+    def current_undo(self) -> CompensationCall | None:
+        """The next compensation to run: the newest ok write not yet compensated."""
+        return next((c for c in reversed(self.data.compensations) if c.status == "pending"), None)
+
+    def _note_compensation(self, step: PlanStep, outcome: ToolOutcome) -> str:
+        """An ok write: build its undo now, from the declaration its plan hash covers (plans
+        hashed before recovery existed have none), and say on the record what it came to."""
+        data, plan = self.data, self.data.plan
+        info = self.tool_info(step)
+        if not self.recovery or plan is None or plan.undo is None or (info is not None and info.effect == ToolEffect.READ_ONLY):
+            return ""
+        index = next((i for i, s in enumerate(plan.steps) if s.tool_call_id == step.tool_call_id), None)
+        declared = plan.undo[index] if index is not None else None
+        result, problem = recovery.result_document(outcome.observation, outcome.truncated)
+        call = recovery.compensation_call(
+            declared,
+            of=step.tool_call_id,
+            of_tool=step.tool,
+            args=step.args,
+            result=result,
+            result_problem=problem,
+            idempotency_key=self.step_refs(step).idempotency_key or "",
+            plan_hash=plan.plan_hash,
+            approved_by=[a.approver for a in data.approval.approvals] if data.approval else [],
+        )
+        data.compensations.append(call)
+        if call.tool is not None:
+            return f"; undo: {call.tool}"
+        return f"; no recovery path: {call.error}"
+
+    def _undo_left(self, *, start: bool = False) -> str:
+        pending = [c for c in reversed(self.data.compensations) if c.status == "pending"]
+        done = [c for c in self.data.compensations if c.status == "ok"]
+        names = ", ".join(f"{c.of} ({c.of_tool}) by {c.tool or 'nothing: no recovery path'}" for c in pending[:20])
+        if start:
+            return f"undoing {len(pending)} ok write(s), newest first: {names}"
+        return f"compensated {len(done)}; not compensated: {names or 'none'}"
+
+    def compensation_ready(self, at: datetime) -> bool:
+        """COMPENSATING: True when the next compensation may run; else the run ends here
+        (COMPENSATED when none is left, HANDED_OFF when the next one cannot be run)."""
+        _require(self.state == S.COMPENSATING, "not COMPENSATING")
+        undo = self.current_undo()
+        if undo is None:
+            done = [c for c in self.data.compensations if c.status == "ok"]
+            self.move(
+                S.COMPENSATED,
+                at=at,
+                actor="runtime",
+                reason=f"all {len(done)} compensation(s) done: "
+                + ", ".join(f"{c.of} ({c.of_tool}) undone by {c.tool}" for c in done[-20:]),
+            )
+            return False
+        problem = None
+        if undo.tool is None:
+            problem = f"tool call {undo.of} ({undo.of_tool}) cannot be undone: {undo.error}"
+        elif self.catalog.get(undo.tool) is None:
+            problem = f"compensating tool {undo.tool!r} of {undo.of} is not in the run's catalog"
+        elif (refused := policy.tool_refusal(self.tenant, undo.tool)) is not None:
+            problem = f"the compensation of {undo.of}: {refused}"
+        elif not undo.plan_hash:
+            problem = f"the compensation of {undo.of} was covered by no approved plan hash"
+        if problem is not None:
+            self.move(
+                S.HANDED_OFF,
+                at=at,
+                actor="runtime",
+                reason=f"{problem}; needs a human; {self._undo_left()}",
+                refs=Refs(plan_hash=undo.plan_hash or None, tool_call_id=undo.of, error_code="no_recovery_path"),
+            )
+            return False
+        return True
+
+    def begin_compensation(self, source: RecoverySource, at: datetime) -> None:
+        """A compensation run (``tether compensate``): the original run's record is in. Run the
+        compensations its approvals covered, if the requester may; else fail, saying why."""
+        _require(self.state == S.RECEIVED and self.request.compensate_run is not None, "not a compensation run")
+        by = self.request.requested_by
+        actor = self.actor(by, self.data.requester_verified)
+        refusal = source.refusal or policy.compensator_refusal(self.tenant, by)
+        pending = [c for c in source.compensations if c.status != "ok"]
+        if refusal is None and source.state not in policy.COMPENSABLE_STATES:
+            state = source.state.value if source.state else "unknown"
+            refusal = Refusal(rule="not_compensable", message=f"run {source.run_id} ended {state}: only runs "
+                              f"ended {', '.join(sorted(s.value for s in policy.COMPENSABLE_STATES))} are compensated")
+        if refusal is None and not pending:
+            refusal = Refusal(rule="nothing_to_compensate", message=f"run {source.run_id} has no ok write left to compensate")
+        if refusal is None and any(not c.plan_hash for c in pending):
+            refusal = Refusal(rule="not_approved", message="a compensation of that run is covered by no plan hash")
+        if refusal is not None:
+            self.data.last_error = f"{refusal.rule}: {refusal.message}"
+            self.move(S.FAILED, at=at, actor=actor, reason=f"compensation refused [{refusal.rule}]: {refusal.message}",
+                      refs=Refs(error_code=refusal.rule))
+            return
+        self.data.compensations = [c.model_copy(update={"status": "pending"}) for c in source.compensations if c.status != "ok"]
+        hashes = ", ".join(sorted({c.plan_hash[:12] for c in pending}))
+        self.move(
+            S.COMPENSATING,
+            at=at,
+            actor=actor,
+            reason=f"compensation of run {source.run_id} requested by {by}, covered by the approval of plan "
+            f"{hashes}: {self._undo_left(start=True)}",
+            refs=Refs(plan_hash=pending[-1].plan_hash),
+        )
 
 
 def _plain(decision: Decision) -> ApprovalDecision:

@@ -61,6 +61,9 @@ RULES = frozenset(
         "tenant", "tenant_membership", "tool_withdrawn", "unknown_signal",
         # revisions and partial approvals (issue 22)
         "editor_approval", "invalid_revision", "invalid_steps",
+        # declared recovery (issue 24)
+        "recovery_required", "no_recovery_path", "not_approved", "not_compensable", "nothing_to_compensate",
+        "unknown_run", "still_running",
     }
 )
 

@@ -31,6 +31,8 @@ __all__ = [
     "AcceptedApproval",
     "ApprovalDecision",
     "CatalogRequest",
+    "Compensation",
+    "CompensationCall",
     "ExecutedStep",
     "HandoffRequest",
     "Limits",
@@ -112,6 +114,12 @@ class Limits(Contract):
     )
 
 
+# What a run does when a step fails with its outcome known (``failed``): "stop" ends it in
+# EXECUTION_FAILED, the ok writes kept; "compensate" runs their declared compensations in reverse
+# order (COMPENSATING -> COMPENSATED). docs/architecture.md, "Recovery".
+OnFailure = Literal["stop", "compensate"]
+
+
 class PlaybookStep(Contract):
     tool: str
     args: dict[str, Any] = Field(default_factory=dict)
@@ -126,6 +134,14 @@ class RunRequest(Contract):
     planner: str = Field("playbook", max_length=64)
     playbook: list[PlaybookStep] = Field(default_factory=list, max_length=1000)
     limits: Limits = Field(default_factory=Limits)
+    # None: the tenant's default (policy ``on_failure``), else "stop".
+    on_failure: OnFailure | None = None
+    # What a cancel does to the run's ok writes: "stop" keeps them (CANCELLED), "compensate"
+    # undoes them first (COMPENSATING -> COMPENSATED). None: the tenant's ``on_cancel``.
+    on_cancel: OnFailure | None = None
+    # Set by ``tether compensate``: this run is the governed compensation of that (ended) run: it
+    # runs the compensations the original's approvals covered, nothing else.
+    compensate_run: str | None = Field(None, min_length=1, max_length=256)
     # Ed25519 signature (base64) by the requester over policy.start_signature_payload(...):
     # required where the tenant sets require_signatures, else the requester is only claimed.
     requester_signature: str | None = Field(None, max_length=200)
@@ -149,10 +165,33 @@ class RunRequest(Contract):
     def request_digest(self) -> str:
         """sha256 over what the requester asks for (what a start signature covers)."""
         body = self.model_dump(mode="json", include={"goal", "tenant", "planner", "playbook", "limits"})
+        # New fields join the signed body only when set: signatures made before them still hold.
+        body.update(self.model_dump(mode="json", include={"on_failure", "on_cancel", "compensate_run"}, exclude_none=True))
         return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- tools
+
+
+class Compensation(Contract):
+    """How a tool's effect is undone, declared as data: the compensating tool, and its arguments
+    as JSON pointers (RFC 6901) into ``{"args": <the original call's arguments>, "result": <its
+    result>}``, e.g. ``{"refund_id": "/result/refund_id"}``. The workflow builds the call from
+    these (workflows/recovery.py); a pointer that finds nothing is a recorded failure, never a
+    guess."""
+
+    tool: str = Field(min_length=1, max_length=128)
+    args: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("args")
+    @classmethod
+    def _pointers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, pointer in value.items():
+            if not (pointer.startswith("/args/") or pointer.startswith("/result/") or pointer in ("/args", "/result")):
+                raise ValueError(
+                    f"compensation argument {name!r}: {pointer!r} is not a JSON pointer into /args or /result"
+                )
+        return value
 
 
 class ToolInfo(BaseModel):
@@ -172,6 +211,8 @@ class ToolInfo(BaseModel):
     destructive: bool = False
     # Where the tool comes from: "python" (a tool module) or "mcp:<server>".
     source: str = ""
+    # How its effect is undone (None: no recovery path).
+    compensate: Compensation | None = None
 
 
 class CatalogRequest(BaseModel):
@@ -346,17 +387,26 @@ def canonical_json(value: Any) -> str:
 class Plan(BaseModel):
     steps: list[PlanStep]
     plan_hash: str
+    # Per step, the compensation the plan hash covers (None: no recovery path); None for plans
+    # hashed before recovery existed (their hash covers no undo, so nothing of them is undone).
+    undo: list[Compensation | None] | None = None
     # 1 for a run's first plan, then +1 for every plan after it, proposed or revised (not hashed).
     version: int = 1
 
     @staticmethod
-    def hash_steps(steps: list[PlanStep]) -> str:
-        """sha256 of the canonical JSON of the tools and arguments, in order.
+    def hash_steps(steps: list[PlanStep], undo: list[Compensation | None] | None = None) -> str:
+        """sha256 of the canonical JSON of the tools and arguments, in order, and, given
+        ``undo``, of each step's compensation: an approval of the hash approves the undo too.
 
         Tool call ids are left out on purpose: the hash names *what* will be done, so the same
         proposal hashes the same after a replan.
         """
-        payload = [{"tool": s.tool, "args": s.args} for s in steps]
+        payload: list[dict[str, Any]] = [{"tool": s.tool, "args": s.args} for s in steps]
+        if undo is not None:
+            # No key for a step without one: a plan that declares no undo hashes as before.
+            for item, comp in zip(payload, undo, strict=True):
+                if comp is not None:
+                    item["compensate"] = comp.model_dump(mode="json")
         return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
 
@@ -632,6 +682,12 @@ class Budgets(Contract):
 
 class TenantPolicy(Contract):
     tools: list[str] | None = None  # None: every tool the worker has
+    # The run's on_failure and on_cancel when its request names none.
+    on_failure: OnFailure = "stop"
+    on_cancel: OnFailure = "stop"
+    # Risk levels ("normal", "high") at which every write of a plan must have a recovery path:
+    # a plan with a write that has none is refused at validation (rule recovery_required).
+    require_recovery: list[Literal["normal", "high"]] = Field(default_factory=list)
     approvers: dict[str, Approver] | None = None  # None: anyone but the requester (four-eyes)
     # Decisions, handoffs and the start's requested_by must carry a valid Ed25519 signature by a
     # key listed here for that person; unsigned ones are refused (rule signature_required).
@@ -795,6 +851,10 @@ class AuthorityCheck(BaseModel):
     call: ToolCall | None = None
     activity_id: str = ""
     ttl_seconds: float = 0.0
+    # A compensation (COMPENSATING): the undo to re-check instead of the plan's remaining steps,
+    # under the plan hash that covered it; in a compensation run, the person who asked for it.
+    undo: CompensationCall | None = None
+    compensator: str = ""
 
 
 class Notification(BaseModel):
@@ -850,6 +910,47 @@ class Verdict(BaseModel):
     tenant_policy: TenantPolicy | None = None
 
 
+# ----------------------------------------------------------------------------- recovery
+
+
+class CompensationCall(BaseModel):
+    """The undo of one ok write, built when the write succeeded (workflows/recovery.py).
+
+    ``tool`` None: the write has no recovery path (``error`` says why). ``status``: pending
+    until it runs; then what its effect came to (ok, failed, unknown).
+    """
+
+    of: str  # the original step's tool call id
+    of_tool: str
+    tool: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    idempotency_key: str = ""  # derived from the original call's key
+    plan_hash: str = ""  # the plan (and so the approval) that covered this undo
+    approved_by: list[str] = Field(default_factory=list)  # empty: the policy auto-approved it
+    error: str | None = None
+    status: Literal["pending", "ok", "failed", "unknown"] = "pending"
+
+    @property
+    def tool_call_id(self) -> str:
+        return f"{self.of}:undo"
+
+
+class RecoveryRequest(BaseModel):
+    """Input of the ``recovery_source`` activity: the run a compensation run undoes."""
+
+    run_id: str
+    tenant: str
+
+
+class RecoverySource(BaseModel):
+    """What the original run's closed record says (its result, read from the server)."""
+
+    run_id: str
+    state: RunState | None = None
+    compensations: list[CompensationCall] = Field(default_factory=list)
+    refusal: Refusal | None = None
+
+
 # ----------------------------------------------------------------------------- run state
 
 
@@ -888,6 +989,8 @@ class RunData(BaseModel):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     model_tokens: int = 0  # sum of Proposal.usage_tokens over the run
+    # One per ok write since recovery existed, in execution order: how each is undone.
+    compensations: list[CompensationCall] = Field(default_factory=list)
     generation: int = 0  # continue-as-new count: the carried state's place in the run chain
     plans: int = 0  # plans validated in all (the current plan's version)
     revisions: list[Revision] = Field(default_factory=list)  # the latest REVISIONS_KEPT
@@ -919,6 +1022,8 @@ class RunSnapshot(BaseModel):
     # Refused events per "rule actor", counted even where the timeline keeps only the first few.
     refusals: dict[str, int] = Field(default_factory=dict)
     timeline_records: int = 0  # records written in all (the timeline query returns a window)
+    # How each ok write is undone, and whether it was (what `tether compensate` runs).
+    compensations: list[CompensationCall] = Field(default_factory=list)
     # The audit sink: records written but not yet in it, and why (while it fails, the run
     # retries on a backoff timer and starts nothing new).
     audit_waiting: int = 0
@@ -939,10 +1044,13 @@ class RunOutcome(BaseModel):
     answer: str | None
     steps: list[ExecutedStep]
     timeline: list[TransitionRecord]
+    # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
+    compensations: list[CompensationCall] = Field(default_factory=list)
 
 
 RunData.model_rebuild()
 RunRequest.model_rebuild()
+AuthorityCheck.model_rebuild()
 
 
 class AuditBatch(BaseModel):

@@ -27,8 +27,9 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import clip
-from workflows.display import show_value
+from workflows.display import markdown_code, show_value
 from workflows.identity import same_person
+from workflows.models import Compensation, CompensationCall, ToolCall
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)
@@ -270,13 +271,18 @@ def _step_needs_approval(step: PlanStep, info: ToolInfo | None, tenant: TenantPo
     return not any(_rule_holds(rule, step.tool, totals) for rule in tenant.auto_approve.limits)
 
 
-def _describe_step(tool: str, args: dict, info: ToolInfo | None) -> str:
+def _describe_step(tool: str, args: dict, info: ToolInfo | None, undo: Compensation | None | bool = False) -> str:
+    """One write for the approver. ``undo``: its compensation as the plan hash covers it (None:
+    no recovery path; False: a plan from before recovery, which says nothing about undo)."""
     effect = info.effect.value if info else "?"
     if info is not None and info.destructive:
         effect += ", DESTRUCTIVE"
     # Values escaped and quoted (display.show_value): a value cannot end its own field and pass
     # off what follows as another one, or move the approver's cursor.
     fields = [f"{k}={show_value(args[k], 200)}" for k in (info.summary_fields if info else []) if k in args]
+    if undo is not False:
+        # The compensating tool's name may come from an MCP server: shown escaped, as code.
+        fields.append(f"undo: {markdown_code(undo.tool, 64)}" if isinstance(undo, Compensation) else "no recovery path")
     return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
 
 
@@ -297,8 +303,8 @@ def review_plan(
         or (high_risk.destructive and any(_destructive(catalog.get(s.tool)) for s in plan.steps))
     )
     writes = [
-        _describe_step(s.tool, s.args, catalog.get(s.tool))
-        for s in plan.steps
+        _describe_step(s.tool, s.args, catalog.get(s.tool), plan.undo[i] if plan.undo is not None else False)
+        for i, s in enumerate(plan.steps)
         if (info := catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
     ]
     summary = (
@@ -328,6 +334,77 @@ def review_plan(
         ttl_seconds=tenant.approval_ttl_seconds.normal,
         escalation=tenant.escalation.normal,
     )
+
+
+# ----------------------------------------------------------------------------- recovery
+
+# Runs `tether compensate` may undo: they ended with ok writes a person has to deal with.
+COMPENSABLE_STATES = frozenset({RunState.HANDED_OFF, RunState.EXECUTION_FAILED})
+
+
+def recovery_refusal(
+    plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None, spent: dict[str, float] | None = None
+) -> Refusal | None:
+    """``require_recovery``: at the tenant's listed risk levels, every write of the plan must
+    have a recovery path; a plan with one that has none is refused at validation."""
+    if tenant is None or not tenant.require_recovery or plan.undo is None:
+        return None
+    review = review_plan(plan, catalog, tenant, spent)
+    level = "high" if review.risk == "high" else "normal"
+    if level not in tenant.require_recovery:
+        return None
+    for i, (step, undo) in enumerate(zip(plan.steps, plan.undo, strict=True), start=1):
+        info = catalog.get(step.tool)
+        if undo is None and (info is None or info.effect != ToolEffect.READ_ONLY):
+            return Refusal(
+                rule="recovery_required",
+                message=f"step {i} ({step.tool}) writes and has no recovery path; this tenant requires "
+                f"one for every write of a {level}-risk plan (require_recovery)",
+            )
+    return None
+
+
+def compensator_refusal(tenant: TenantPolicy | None, by: str) -> Refusal | None:
+    """May this person start the compensations of a run (``tether compensate``)? Anyone with an
+    approval role of the tenant (the normal or the high-risk roles): an undo is a write."""
+    if tenant is None:
+        return Refusal(rule="tenant", message="the run's tenant is not in the policy file")
+    if tenant.approvers is None:
+        return None
+    member = tenant.approvers.get(by)
+    if member is None:
+        return Refusal(rule="tenant_membership", message=f"{by} is not an approver of this tenant")
+    roles = set(tenant.approval_roles) | set(tenant.high_risk.roles if tenant.high_risk else [])
+    if not set(member.roles) & roles:
+        return Refusal(rule="role", message=f"{by} has roles {sorted(member.roles)}; compensating needs one of {sorted(roles)}")
+    return None
+
+
+def undo_refusal(
+    tenant: TenantPolicy | None, *, undo: CompensationCall, compensator: str = "", call: ToolCall | None = None
+) -> Refusal | None:
+    """The re-check before an undo's attempt (the one that mints its capability), under the
+    current file. Its authority is the approval (or auto-approval) of the plan hash that covered
+    the undo when its write ran: that hash must be there, the tenant still exist and the undo
+    tool still be the tenant's to use. The approvers are not judged again: an undo puts back
+    what their approval did, and a revoked approver must not leave the write in place. A
+    compensation run (``tether compensate``) adds ``compensator``, the person who asked for it,
+    judged now (approval role, membership)."""
+    if tenant is None:
+        return Refusal(rule="tenant", message="the run's tenant was removed from the policy file")
+    if undo.tool is None:
+        return Refusal(rule="no_recovery_path", message=f"{undo.of} ({undo.of_tool}) has no recovery path")
+    if not undo.plan_hash:
+        return Refusal(rule="not_approved", message=f"the compensation of {undo.of} is covered by no plan hash")
+    if call is not None and (call.tool_call_id, call.tool, call.args, call.idempotency_key) != (
+        undo.tool_call_id, undo.tool, undo.args, undo.idempotency_key
+    ):
+        return Refusal(rule="capability_invalid", message=f"the call is not the compensation of {undo.of} its plan covered")
+    if (why := tool_refusal(tenant, undo.tool)) is not None:
+        return Refusal(rule="tool_withdrawn", message=why)
+    if compensator:
+        return compensator_refusal(tenant, compensator)
+    return None
 
 
 def approver_refusal(

@@ -26,6 +26,7 @@ class RunState(str, Enum):
     EXECUTING_TOOL = "EXECUTING_TOOL"
     RETRY_WAIT = "RETRY_WAIT"
     OBSERVING_RESULT = "OBSERVING_RESULT"
+    COMPENSATING = "COMPENSATING"
     COMPLETED = "COMPLETED"
     REJECTED = "REJECTED"
     EXPIRED = "EXPIRED"
@@ -33,34 +34,43 @@ class RunState(str, Enum):
     HANDED_OFF = "HANDED_OFF"
     CANCELLED = "CANCELLED"
     FAILED = "FAILED"
+    COMPENSATED = "COMPENSATED"
 
 
 S = RunState
 
 # The table from docs/architecture.md. Everything not listed here is denied.
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
-    S.RECEIVED: frozenset({S.PLANNING, S.CANCELLED, S.FAILED}),
+    # COMPENSATING: a compensation run (`tether compensate`) starts undoing at once.
+    S.RECEIVED: frozenset({S.PLANNING, S.COMPENSATING, S.CANCELLED, S.FAILED}),
+    # COMPENSATING, from here on: a cancel of a run with on_cancel=compensate and ok writes.
     S.PLANNING: frozenset(
-        {S.VALIDATED, S.VALIDATION_FAILED, S.COMPLETED, S.HANDED_OFF, S.CANCELLED, S.FAILED}
+        {S.VALIDATED, S.VALIDATION_FAILED, S.COMPLETED, S.HANDED_OFF, S.CANCELLED, S.COMPENSATING, S.FAILED}
     ),
     # Back to PLANNING only while the replan budget lasts (the workflow checks the budget).
     S.VALIDATION_FAILED: frozenset({S.PLANNING, S.FAILED}),
     # EXECUTING_TOOL directly when policy says the plan needs no approval.
-    S.VALIDATED: frozenset({S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.CANCELLED}),
+    S.VALIDATED: frozenset({S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.CANCELLED, S.COMPENSATING}),
     # PLANNING when the approval expired and the run asked for on_expiry=replan; VALIDATED when
     # a person revised the pending plan (or approved part of it): a new plan version.
     S.AWAITING_APPROVAL: frozenset(
-        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.VALIDATED, S.HANDED_OFF, S.CANCELLED}
+        {S.APPROVED, S.REJECTED, S.EXPIRED, S.PLANNING, S.VALIDATED, S.HANDED_OFF, S.CANCELLED, S.COMPENSATING}
     ),
     # AWAITING_APPROVAL when the approvals no longer hold at execution time (an approver lost
     # the role, a tool was withdrawn from the tenant): the step does not run.
-    S.APPROVED: frozenset({S.EXECUTING_TOOL, S.AWAITING_APPROVAL, S.CANCELLED}),
+    S.APPROVED: frozenset({S.EXECUTING_TOOL, S.AWAITING_APPROVAL, S.CANCELLED, S.COMPENSATING}),
+    # COMPENSATING instead of EXECUTION_FAILED when the run asked for on_failure=compensate
+    # (or after a cancel, with on_cancel=compensate).
     S.EXECUTING_TOOL: frozenset(
-        {S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.HANDED_OFF, S.CANCELLED}
+        {S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.COMPENSATING, S.HANDED_OFF, S.CANCELLED}
     ),
-    S.RETRY_WAIT: frozenset({S.EXECUTING_TOOL, S.EXECUTION_FAILED, S.CANCELLED}),
+    S.RETRY_WAIT: frozenset({S.EXECUTING_TOOL, S.EXECUTION_FAILED, S.CANCELLED, S.COMPENSATING}),
     # EXECUTING_TOOL for the next step of the plan that was already approved.
-    S.OBSERVING_RESULT: frozenset({S.PLANNING, S.EXECUTING_TOOL, S.COMPLETED, S.CANCELLED}),
+    S.OBSERVING_RESULT: frozenset({S.PLANNING, S.EXECUTING_TOOL, S.COMPLETED, S.CANCELLED, S.COMPENSATING}),
+    # The ok writes' compensations, newest first; each one done (or retried) is a step on the
+    # record (COMPENSATING -> COMPENSATING). One that fails or whose outcome is unknown, or a
+    # write with no recovery path, hands off: never a blind re-run.
+    S.COMPENSATING: frozenset({S.COMPENSATING, S.COMPENSATED, S.HANDED_OFF, S.CANCELLED}),
     # Terminal states: no outgoing edge.
     S.COMPLETED: frozenset(),
     S.REJECTED: frozenset(),
@@ -69,6 +79,7 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.HANDED_OFF: frozenset(),
     S.CANCELLED: frozenset(),
     S.FAILED: frozenset(),
+    S.COMPENSATED: frozenset(),
 }
 
 TERMINAL: frozenset[RunState] = frozenset(s for s, out in TRANSITIONS.items() if not out)

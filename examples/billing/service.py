@@ -11,6 +11,14 @@ endpoints deliberately differ in how safe they are to retry:
   look up (``GET /ledger?key=...``) before retrying;
 * ``POST /emails`` has no protection at all: every call sends another email.
 
+Two endpoints undo what the others did, each at most once:
+
+* ``POST /refunds/{id}/void`` voids a refund (its amount is refundable again); voiding a
+  voided refund is a no-op that answers with the refund as it is;
+* ``POST /ledger/{id}/reverse`` posts the reversing entry (the negated amount) of an entry;
+  an entry is reversed at most once (a UNIQUE index on ``reverses``): reversing it again
+  answers with the reversal already posted.
+
 Admin endpoints let tests inject failures (before the write, or after the
 write is committed so the caller cannot know the outcome) and count requests.
 
@@ -91,6 +99,13 @@ SEED_ORDERS = (
 )
 
 
+# Columns added after the first release, for databases created before them.
+MIGRATIONS = (
+    ("refunds", "voided_at", "ALTER TABLE refunds ADD COLUMN voided_at TEXT"),
+    ("ledger", "reverses", "ALTER TABLE ledger ADD COLUMN reverses TEXT"),
+)
+
+
 def init_db(db_path: str) -> None:
     """Create the schema and seed orders; safe to run on every start."""
     Path(db_path).parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +114,11 @@ def init_db(db_path: str) -> None:
         # and the setting persists in the database file.
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(SCHEMA)
+        for table, column, ddl in MIGRATIONS:
+            if column not in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}:
+                conn.execute(ddl)
+        # The constraint, not application code, makes an entry reversed at most once.
+        conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS ledger_reverses ON ledger(reverses)")
         conn.executemany(
             "INSERT OR IGNORE INTO orders (id, customer_email, total_cents, currency, status)"
             " VALUES (?, ?, ?, ?, ?)",
@@ -132,7 +152,7 @@ def utc_now() -> str:
 # Shared server state (faults and request counters live in memory)
 # --------------------------------------------------------------------------
 
-FAULT_ENDPOINTS = ("refunds", "emails", "ledger", "orders")
+FAULT_ENDPOINTS = ("refunds", "emails", "ledger", "orders", "voids", "reversals")
 FAULT_WHEN = ("before", "after_commit")
 
 
@@ -281,6 +301,7 @@ def refund_json(row: sqlite3.Row) -> dict[str, Any]:
         "reason": row["reason"],
         "idempotency_key": row["idempotency_key"],
         "created_at": row["created_at"],
+        "voided_at": row["voided_at"],
     }
 
 
@@ -303,6 +324,7 @@ def ledger_json(row: sqlite3.Row) -> dict[str, Any]:
         "amount_cents": row["amount_cents"],
         "memo": row["memo"],
         "created_at": row["created_at"],
+        "reverses": row["reverses"],
     }
 
 
@@ -376,7 +398,7 @@ def create_refund(state: BillingState, req: Request) -> Response:
                 # Against what is left, not the order total: refunds split into small ones
                 # must not add up past what the customer paid.
                 refunded = conn.execute(
-                    "SELECT COALESCE(SUM(amount_cents), 0) FROM refunds WHERE order_id = ?",
+                    "SELECT COALESCE(SUM(amount_cents), 0) FROM refunds WHERE order_id = ? AND voided_at IS NULL",
                     (order_id,),
                 ).fetchone()[0]
                 if amount > order["total_cents"] - refunded:
@@ -401,6 +423,28 @@ def create_refund(state: BillingState, req: Request) -> Response:
                 raise
             return _replay(existing)
     return Response(201, refund_json(row))
+
+
+def _seq(public_id: str, prefix: str) -> int | None:
+    """``R-12`` -> 12 (None for anything else)."""
+    head, _, tail = public_id.partition("-")
+    return int(tail) if head == prefix and tail.isdigit() and len(tail) < 19 else None
+
+
+def void_refund(state: BillingState, req: Request) -> Response:
+    """Void a refund. Idempotent by the refund itself: a second void changes nothing and
+    answers with the refund as voided the first time (``already_voided: true``)."""
+    refund_id = req.params["id"]
+    seq = _seq(refund_id, "R")
+    with closing(state.connect()) as conn, write_transaction(conn):
+        row = conn.execute("SELECT * FROM refunds WHERE seq = ?", (seq,)).fetchone() if seq else None
+        if row is None:
+            raise ApiError(404, "refund_not_found", f"no refund with id '{refund_id}'")
+        if row["voided_at"] is not None:
+            return Response(200, {**refund_json(row), "already_voided": True})
+        conn.execute("UPDATE refunds SET voided_at = ? WHERE seq = ?", (utc_now(), seq))
+        row = conn.execute("SELECT * FROM refunds WHERE seq = ?", (seq,)).fetchone()
+    return Response(200, {**refund_json(row), "already_voided": False})
 
 
 def list_refunds(state: BillingState, req: Request) -> Response:
@@ -457,9 +501,39 @@ def create_ledger_entry(state: BillingState, req: Request) -> Response:
     return Response(201, ledger_json(row))
 
 
+def reverse_ledger_entry(state: BillingState, req: Request) -> Response:
+    """Post the reversing entry of a ledger entry (the negated amount), at most once per entry:
+    reversing it again answers with the reversal already posted (200, ``already_reversed``)."""
+    entry_id = req.params["id"]
+    seq = _seq(entry_id, "L")
+    data = req.json_object() if req.raw_body else {}
+    key = data.get("key") or f"reversal:{entry_id}"
+    if not isinstance(key, str):
+        raise ApiError(400, "bad_request", "field 'key' must be a string")
+    with closing(state.connect()) as conn, write_transaction(conn):
+        row = conn.execute("SELECT * FROM ledger WHERE seq = ?", (seq,)).fetchone() if seq else None
+        if row is None:
+            raise ApiError(404, "entry_not_found", f"no ledger entry with id '{entry_id}'")
+        if row["reverses"] is not None:
+            raise ApiError(422, "is_a_reversal", f"{entry_id} is itself a reversal of {row['reverses']}")
+        done = conn.execute("SELECT * FROM ledger WHERE reverses = ?", (entry_id,)).fetchone()
+        if done is not None:
+            return Response(200, {**ledger_json(done), "already_reversed": True})
+        try:
+            cur = conn.execute(
+                "INSERT INTO ledger (key, order_id, amount_cents, memo, created_at, reverses)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (key, row["order_id"], -row["amount_cents"], f"reversal of {entry_id}", utc_now(), entry_id),
+            )
+        except sqlite3.IntegrityError:
+            raise ApiError(409, "duplicate_key", f"a ledger entry with key '{key}' already exists") from None
+        done = conn.execute("SELECT * FROM ledger WHERE seq = ?", (cur.lastrowid,)).fetchone()
+    return Response(201, {**ledger_json(done), "already_reversed": False})
+
+
 def list_ledger(state: BillingState, req: Request) -> Response:
     with closing(state.connect()) as conn:
-        rows = select_where(conn, "ledger", {"key": req.query.get("key")})
+        rows = select_where(conn, "ledger", {"key": req.query.get("key"), "reverses": req.query.get("reverses")})
     return Response(200, {"entries": [ledger_json(r) for r in rows]})
 
 
@@ -537,10 +611,12 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/orders/{id}", get_order, fault_endpoint="orders"),
     Route("POST", "/refunds", create_refund, fault_endpoint="refunds", is_write=True),
     Route("GET", "/refunds", list_refunds),
+    Route("POST", "/refunds/{id}/void", void_refund, fault_endpoint="voids", is_write=True),
     Route("POST", "/emails", create_email, fault_endpoint="emails", is_write=True),
     Route("GET", "/emails", list_emails),
     Route("POST", "/ledger", create_ledger_entry, fault_endpoint="ledger", is_write=True),
     Route("GET", "/ledger", list_ledger),
+    Route("POST", "/ledger/{id}/reverse", reverse_ledger_entry, fault_endpoint="reversals", is_write=True),
     Route("PUT", "/admin/orders/{id}", put_order),
     Route("POST", "/admin/faults", queue_faults),
     Route("DELETE", "/admin/faults", clear_faults),

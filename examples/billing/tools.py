@@ -6,6 +6,11 @@
   again by its key, so a retry looks it up before writing.
 - ``send_email``: unsafe: a second call sends a second email, so it runs at most once.
 
+Two writes declare how they are undone (``compensate=``): a refund by ``void_refund`` (the
+refund's id from its result), a ledger entry by ``reverse_ledger_entry`` (the entry's id). Both
+undo tools are idempotent: the service voids a refund and reverses an entry at most once. An
+email cannot be unsent: it has no recovery path, and the approver is told so.
+
 The service URL comes from ``BILLING_URL`` (default ``http://127.0.0.1:8765``). Every call
 passes ``ctx.seconds_left()`` as its HTTP timeout: nothing is sent after the attempt's deadline,
 so once the runtime sees an attempt over, no late request of it can still land.
@@ -95,7 +100,13 @@ class RefundArgs(BaseModel):
     reason: str = Field(min_length=1, max_length=500)
 
 
-@tool(effect=ToolEffect.IDEMPOTENT, timeout=15, max_retries=4, summary_fields=("order_id", "amount_cents"))
+@tool(
+    effect=ToolEffect.IDEMPOTENT,
+    timeout=15,
+    max_retries=4,
+    summary_fields=("order_id", "amount_cents"),
+    compensate=("void_refund", {"refund_id": "/result/refund_id"}),
+)
 def issue_refund(args: RefundArgs, ctx: ToolContext) -> dict:
     """Refund (part of) an order to the customer's payment method."""
     return call(
@@ -114,7 +125,11 @@ class LedgerArgs(BaseModel):
 
 
 @tool(
-    effect=ToolEffect.RECONCILABLE, timeout=15, max_retries=4, summary_fields=("order_id", "amount_cents")
+    effect=ToolEffect.RECONCILABLE,
+    timeout=15,
+    max_retries=4,
+    summary_fields=("order_id", "amount_cents"),
+    compensate=("reverse_ledger_entry", {"entry_id": "/result/entry_id"}),
 )
 def post_ledger_entry(args: LedgerArgs, ctx: ToolContext) -> dict:
     """Post an entry to the accounting ledger, keyed by the tool call's idempotency key."""
@@ -128,6 +143,31 @@ def find_ledger_entry(ctx: ToolContext) -> dict | None:
     )
     found = entries.get("entries") or []
     return found[0] if found else None
+
+
+class VoidArgs(BaseModel):
+    refund_id: str = Field(pattern=r"^R-\d{1,18}$", description="refund id, e.g. R-12")
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=15, max_retries=4, summary_fields=("refund_id",))
+def void_refund(args: VoidArgs, ctx: ToolContext) -> dict:
+    """Void a refund (the undo of issue_refund). Voiding a voided refund changes nothing."""
+    return call("POST", f"/refunds/{urllib.parse.quote(args.refund_id)}/void", {}, timeout=ctx.seconds_left())
+
+
+class ReverseArgs(BaseModel):
+    entry_id: str = Field(pattern=r"^L-\d{1,18}$", description="ledger entry id, e.g. L-7")
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=15, max_retries=4, summary_fields=("entry_id",))
+def reverse_ledger_entry(args: ReverseArgs, ctx: ToolContext) -> dict:
+    """Post the reversing entry of a ledger entry (the undo of post_ledger_entry), at most once."""
+    return call(
+        "POST",
+        f"/ledger/{urllib.parse.quote(args.entry_id)}/reverse",
+        {"key": ctx.idempotency_key},
+        timeout=ctx.seconds_left(),
+    )
 
 
 class EmailArgs(BaseModel):

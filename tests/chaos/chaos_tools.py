@@ -16,6 +16,9 @@ Faults of the attempt itself, per worker (environment):
 - ``CHAOS_LOSE_RESPONSE=1``: every write's response is lost after the service committed it
   (a transient error), so an idempotent tool's retries run out with the effect in place.
 
+- ``CHAOS_HOLD_UNDO_ONLY=1``: ``CHAOS_HOLD`` holds only compensations (keys ending ``:undo``),
+  so a run's forward steps pass and its undo is where the worker is killed.
+
 A held checkpoint also ends when the run's cancel reaches the tool (``ctx.cancelled``): held
 before the call, the tool stops without calling; held after it, it returns what it got.
 
@@ -33,7 +36,7 @@ from typing import Any
 
 from activities.tools import ToolContext, ToolError, tool
 from tests.chaos.markers import marker_name
-from examples.billing.tools import EmailArgs, LedgerArgs, OrderRef, RefundArgs, call
+from examples.billing.tools import EmailArgs, LedgerArgs, OrderRef, RefundArgs, ReverseArgs, VoidArgs, call
 from workflows.models import ToolEffect
 
 # Long enough for one attempt (the service's delay included), short enough that a worker
@@ -53,6 +56,8 @@ def checkpoint(ctx: ToolContext, point: str) -> None:
         return
     Path(folder, marker_name(ctx.idempotency_key, ctx.attempt, point)).touch()
     if point not in os.environ.get("CHAOS_HOLD", "").split(","):
+        return
+    if os.environ.get("CHAOS_HOLD_UNDO_ONLY") and not ctx.idempotency_key.endswith(":undo"):
         return
     release = Path(folder, f"release-{point}")
     deadline = time.monotonic() + HOLD_MAX_SECONDS
@@ -128,3 +133,44 @@ def chaos_find_note(ctx: ToolContext) -> dict | None:
 def chaos_email(args: EmailArgs, ctx: ToolContext) -> dict:
     """Send an email (unsafe: runs at most once)."""
     return external(ctx, "POST", "/emails", args.model_dump(), {"X-Request-Ref": ctx.idempotency_key})
+
+
+# ----------------------------------------------------------------------------- compensation
+# A refund and a ledger entry that declare their undo, the two undo tools (held at their
+# checkpoints for the kill), and an email the service refuses for good (the failure that
+# makes a run with on_failure=compensate put things back).
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=TIMEOUT_SECONDS, max_retries=6, name="chaos_void")
+def chaos_void(args: VoidArgs, ctx: ToolContext) -> dict:
+    """Void a refund (idempotent: a second void is a no-op)."""
+    return external(ctx, "POST", f"/refunds/{urllib.parse.quote(args.refund_id)}/void", {})
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=TIMEOUT_SECONDS, max_retries=6, name="chaos_reverse")
+def chaos_reverse(args: ReverseArgs, ctx: ToolContext) -> dict:
+    """Reverse a ledger entry (at most one reversal per entry)."""
+    return external(ctx, "POST", f"/ledger/{urllib.parse.quote(args.entry_id)}/reverse", {"key": ctx.idempotency_key})
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, timeout=TIMEOUT_SECONDS, max_retries=6, name="chaos_refund_undoable",
+      compensate=("chaos_void", {"refund_id": "/result/refund_id"}))
+def chaos_refund_undoable(args: RefundArgs, ctx: ToolContext) -> dict:
+    """Refund, undone by chaos_void."""
+    return external(ctx, "POST", "/refunds", args.model_dump(), {"Idempotency-Key": ctx.idempotency_key})
+
+
+@tool(effect=ToolEffect.RECONCILABLE, timeout=TIMEOUT_SECONDS, max_retries=6, name="chaos_ledger_undoable",
+      compensate=("chaos_reverse", {"entry_id": "/result/entry_id"}))
+def chaos_ledger_undoable(args: LedgerArgs, ctx: ToolContext) -> dict:
+    """Post a ledger entry, undone by chaos_reverse."""
+    return external(ctx, "POST", "/ledger", {"key": ctx.idempotency_key, **args.model_dump()})
+
+
+chaos_ledger_undoable.lookup(chaos_find_ledger_entry)
+
+
+@tool(effect=ToolEffect.UNSAFE, timeout=TIMEOUT_SECONDS, name="chaos_email_refused")
+def chaos_email_refused(args: EmailArgs, ctx: ToolContext) -> dict:
+    """An email the mail system refuses (permanent: known not sent)."""
+    raise ToolError("mailbox refused the message", code="mail_refused", permanent=True)

@@ -554,3 +554,90 @@ def check_result(r: RunResult) -> None:
             assert r.outcome == "unknown", r
         else:
             assert r.tool_completed and r.effects == 1, r
+
+
+# ----------------------------------------------------------------------------- compensation round
+
+# A refund and a ledger entry that declare their undo, then an email refused for good: with
+# on_failure=compensate the run reverses the entry, then voids the refund.
+COMPENSATION_PLAN = [
+    {"tool": "chaos_refund_undoable", "args": {"order_id": "A-1002", "amount_cents": 1, "reason": "chaos"}},
+    {"tool": "chaos_ledger_undoable", "args": {"order_id": "A-1002", "amount_cents": -1, "memo": "chaos"}},
+    {"tool": "chaos_email_refused", "args": {"to": "grace@example.com", "subject": "chaos", "body": "chaos"}},
+]
+
+
+@dataclass
+class CompensationResult:
+    run_id: str
+    point: str  # where the kill caught the first compensation (or "random")
+    state: RunState
+    refunds: int  # refunds under the run's refund key
+    voided: bool
+    reversals: int  # reversing entries of the run's ledger entry
+    undo_records: dict[str, int]  # undo tool call id -> records saying it succeeded
+    reason: str
+    retried: bool = False  # the killed compensation's attempt was lost and retried (on the record)
+
+
+async def compensation_round(
+    client: Client, address: str, billing: BillingProc, workdir: Path, *, point: str | None,
+    rng: random.Random | None = None,
+) -> CompensationResult:
+    """SIGKILL the worker while the run puts things back: held at ``point`` of its first
+    compensation (the ledger reversal; ``None``: at a random moment after the approval), then
+    restart it and check every write was undone exactly once."""
+    rng = rng or random.Random()
+    chaos_dir = workdir / _unique("undo")
+    chaos_dir.mkdir(parents=True)
+    queue = _unique("chaos-q")
+    hold = {"before": "before", "during": "before", "after": "after"}.get(point or "", "")
+    worker = start_worker(address, billing.url, queue, chaos_dir, hold, CHAOS_HOLD_UNDO_ONLY="1")
+    try:
+        await worker.wait_for_output("worker ready")
+        request = RunRequest(goal="chaos undo", requested_by="alice", playbook=COMPENSATION_PLAN, on_failure="compensate")
+        handle = await starter.start_run(client, request, run_id=_unique("chaos-undo"), queue=queue)
+        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 60)
+        refund_tc, ledger_tc = snap.plan.steps[0].tool_call_id, snap.plan.steps[1].tool_call_id
+        await handle.signal("approve", approval_for(snap, "chaos-bob"))
+        undo_key = f"{handle.id}:{ledger_tc}:undo"
+        if point is None:
+            await asyncio.sleep(rng.uniform(0.0, 3.0))
+        else:
+            checkpoint = "after" if point == "after" else "before"
+            await _wait(lambda: _marker(chaos_dir, undo_key, 1, checkpoint).exists(), 60, f"the undo at {checkpoint!r}")
+            if point == "during":
+                entry = billing.get(f"/ledger?key={handle.id}:{ledger_tc}")["entries"][0]
+                (chaos_dir / "release-before").touch()
+                await _wait(lambda: billing.get(f"/ledger?reverses={entry['entry_id']}")["entries"], 30,
+                            "the reversal committed (its response is delayed)", step=0.05)
+        worker.kill()
+        worker = start_worker(address, billing.url, queue, chaos_dir)
+        await worker.wait_for_output("worker ready")
+        state, timeline = await _ended(client, handle.id)
+        refunds = billing.refunds(f"{handle.id}:{refund_tc}")
+        entries = billing.get(f"/ledger?key={handle.id}:{ledger_tc}")["entries"]
+        reversals = billing.get(f"/ledger?reverses={entries[0]['entry_id']}")["entries"] if entries else []
+        undo_records: dict[str, int] = {}
+        for r in timeline:
+            if r.from_state == S.COMPENSATING and r.refs.outcome == "ok" and (r.refs.tool_call_id or "").endswith(":undo"):
+                undo_records[r.refs.tool_call_id] = undo_records.get(r.refs.tool_call_id, 0) + 1
+        return CompensationResult(
+            run_id=handle.id, point=point or "random", state=state, refunds=len(refunds),
+            voided=bool(refunds) and refunds[0]["voided_at"] is not None, reversals=len(reversals),
+            undo_records=undo_records, reason=timeline[-1].reason,
+            retried=any(r.from_state == r.to_state == S.COMPENSATING and r.refs.outcome == "unknown"
+                        and r.refs.tool_call_id == f"{ledger_tc}:undo" for r in timeline),
+        )
+    finally:
+        worker.stop()
+
+
+def check_compensation(r: CompensationResult) -> None:
+    """The recovery contract under a SIGKILL: COMPENSATED, each write undone exactly once."""
+    assert r.state == S.COMPENSATED, f"{r.run_id} ended {r.state.value}: {r.reason}"
+    assert r.refunds == 1 and r.voided, r
+    assert r.reversals == 1, f"{r.reversals} reversals of one ledger entry: {r}"
+    assert sorted(r.undo_records.values()) == [1, 1], f"an undo recorded twice or missing: {r}"
+    if r.point != "random":
+        assert r.retried, f"the kill held at {r.point!r} did not cost the undo an attempt: {r}"

@@ -10,7 +10,10 @@ and 0-2 further kills of the restarted worker at random moments (mid-retry, mid-
 others are ``effect_round``: a slow attempt that commits after its deadline, a cancel during
 the call (one with a SIGKILL after it), or an idempotent tool whose retries run out. Prints a
 summary table per effect class (with the ``unknown`` outcomes and how each run ended) and exits
-1 on any violation of the chaos contract.
+1 on any violation of the chaos contract. Then ``--compensations`` rounds of
+``compensation_round``: a run putting its writes back, its worker SIGKILLed before, during or
+after a compensation's call or at a random moment; every one must end COMPENSATED with each
+write undone exactly once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from tests.chaos.harness import (
     BillingProc,
     DevServer,
     RunResult,
+    check_compensation,
     check_result,
+    compensation_round,
     effect_round,
     kill_round,
 )
@@ -150,6 +155,7 @@ async def main_async(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tether-chaos-"))
     server, billing = DevServer(workdir), BillingProc(workdir)
     tally = Tally()
+    undo_points: Counter[str] = Counter()
     started = time.monotonic()
     try:
         await asyncio.gather(server.start(), billing.ready())
@@ -157,6 +163,24 @@ async def main_async(args: argparse.Namespace) -> int:
         await asyncio.gather(
             *(lane(n, args.kills, tally, server, billing, workdir, args.seed) for n in range(args.lanes))
         )
+        rng = random.Random(args.seed)
+        client = await server.client()
+        for batch in range(0, args.compensations, args.lanes):
+            picks = [rng.choice(["before", "during", "after", None]) for _ in range(min(args.lanes, args.compensations - batch))]
+            results = await asyncio.gather(
+                *(compensation_round(client, server.address, billing, workdir, point=p, rng=rng) for p in picks),
+                return_exceptions=True,
+            )
+            for result in results:
+                if isinstance(result, BaseException):
+                    tally.errors.append(f"compensation round: {result!r}")
+                    continue
+                tally.kills += 1
+                undo_points[result.point] += 1
+                try:
+                    check_compensation(result)
+                except AssertionError as e:
+                    tally.violations.append(f"compensation {result.run_id}: {e}")
     finally:
         billing.stop()
         server.stop()
@@ -167,6 +191,7 @@ async def main_async(args: argparse.Namespace) -> int:
           f"{len(tally.results)} runs, {time.monotonic() - started:.0f}s, seed {args.seed}")
     print("first kill caught the tool call: " + ", ".join(f"{p} {n}" for p, n in sorted(points.items())))
     print("faults of the attempt: " + ", ".join(f"{f} {n}" for f, n in sorted(faults.items())))
+    print("kills while compensating: " + (", ".join(f"{p} {n}" for p, n in sorted(undo_points.items())) or "none"))
     print()
     print(table(tally))
     for v in tally.violations:
@@ -188,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=200, help="worker SIGKILLs to reach (default 200)")
     parser.add_argument("--lanes", type=int, default=4, help="rounds running in parallel (default 4)")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
+    parser.add_argument("--compensations", type=int, default=12,
+                        help="rounds with a SIGKILL while a run compensates (default 12)")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

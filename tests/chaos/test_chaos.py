@@ -70,3 +70,18 @@ async def test_slow_attempts_cancels_and_retries_that_run_out(stack: Stack) -> N
     assert outcomes[("exhaust", "lost", "idempotent")] == ("HANDED_OFF", "unknown", 1)
     assert outcomes[("cancel", "before", "unsafe")] == ("CANCELLED", "failed", 0)
     assert outcomes[("cancel", "after", "unsafe")] == ("CANCELLED", "ok", 1)
+
+
+async def test_sigkill_during_a_compensation(stack: Stack) -> None:
+    """A refund and a ledger entry, then an email refused for good, with on_failure=compensate:
+    the worker is SIGKILLed with the first compensation (the ledger reversal) held before its
+    call, during it (committed, the response delayed) and after it. Restarted, every run ends
+    COMPENSATED with the refund voided and the entry reversed exactly once, each undo recorded
+    once: 0 duplicates."""
+    from tests.chaos.harness import check_compensation, compensation_round
+
+    results = await asyncio.gather(
+        *(compensation_round(stack.client, stack.server.address, stack.billing, stack.workdir, point=p) for p in POINTS)
+    )
+    for result in results:
+        check_compensation(result)

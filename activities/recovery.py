@@ -1,0 +1,42 @@
+"""The ``recovery_source`` activity: what an ended run's record says its compensations are.
+
+A compensation run (``tether compensate RUN``) reads the original run from the Temporal server,
+never from its own input: the compensations, their idempotency keys and the plan hashes that
+covered them are the original workflow's own state (its ``snapshot`` query, which a worker
+answers by replaying its history), so a client cannot forge what gets undone.
+"""
+
+from __future__ import annotations
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from workflows.models import RecoveryRequest, RecoverySource, Refusal, RunSnapshot
+
+
+class RecoveryActivities:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    @activity.defn(name="recovery_source")
+    async def recovery_source(self, request: RecoveryRequest) -> RecoverySource:
+        def refused(rule: str, message: str) -> RecoverySource:
+            return RecoverySource(run_id=request.run_id, refusal=Refusal(rule=rule, message=message))
+
+        handle = self.client.get_workflow_handle(request.run_id)
+        try:
+            description = await handle.describe()
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                return refused("unknown_run", f"no run {request.run_id!r} in this namespace")
+            raise
+        if description.workflow_type != "AgentRun":
+            return refused("unknown_run", f"{request.run_id!r} is not a Tether run")
+        if description.status == WorkflowExecutionStatus.RUNNING:
+            return refused("still_running", f"run {request.run_id} is still running: it must end (hand it off) first")
+        snap = await handle.query("snapshot", result_type=RunSnapshot)
+        if snap.tenant != request.tenant:
+            # Same answer as an unknown run: one tenant does not learn about another's runs.
+            return refused("unknown_run", f"no run {request.run_id!r} in tenant {request.tenant!r}")
+        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=snap.compensations)

@@ -1,0 +1,558 @@
+"""Declared recovery end to end: the billing service behind the tools, a real Temporal server.
+
+A refund and a ledger entry succeed, then an email fails: with ``on_failure="compensate"`` the
+run puts both back (COMPENSATING -> COMPENSATED), each undo exactly once on the service; a
+compensation that fails hands off naming it; ``tether compensate`` after a hand-off undoes the
+ok writes in a governed run of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+from pydantic import BaseModel, ValidationError
+from temporalio.testing import WorkflowEnvironment
+
+import client as tether_client
+from activities.mcp import describe_tools, format_tools
+from activities.policy import PolicyStore
+from activities.tools import REGISTRY, ToolContext, ToolRegistry, tool
+from workflows import policy
+from workflows.engine import Engine
+from workflows.models import (
+    Compensation, HighRisk, PolicySnapshot, Proposal, ProposedStep, RecoverySource, RunData, RunRequest,
+    TenantPolicy, ToolEffect, AmountRule, Approver, CompensationCall,
+)
+from workflows.recovery import PointerError, compensation_call, resolve_pointer, result_document
+from tests.invariants import check_timeline, tools_by_call
+from tests.conftest import (
+    Billing,
+    approval_for,
+    make_request,
+    running_worker,
+    snapshot,
+    start_run,
+    wait_for_state,
+)
+from workflows.models import RunOutcome
+from workflows.states import RunState, is_legal_path
+
+S = RunState
+REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 1500, "reason": "damaged"}}
+LEDGER = {"tool": "post_ledger_entry", "args": {"order_id": "A-1002", "amount_cents": -1500, "memo": "refund A-1002"}}
+EMAIL = {"tool": "send_email", "args": {"to": "grace@example.com", "subject": "Your refund", "body": "refunded"}}
+PLAN = [REFUND, LEDGER, EMAIL]
+
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+CATALOG = REGISTRY.catalog()
+
+
+# ----------------------------------------------------------------------------- the pure parts
+
+
+@pytest.mark.parametrize(
+    ("pointer", "expected"),
+    [
+        ("/result/refund_id", "R-7"),
+        ("/args/order_id", "A-1001"),
+        ("/result/items/1/sku", "b"),
+        ("/result/a~1b", 1),  # RFC 6901 escapes: ~1 is "/", ~0 is "~"
+        ("/result/c~0d", 2),
+        ("/result/zero", 0),  # falsy values are values, not "missing"
+        ("/result/none", None),
+        ("/args", {"order_id": "A-1001"}),
+    ],
+)
+def test_pointers_resolve_exactly(pointer: str, expected: object) -> None:
+    doc = {
+        "args": {"order_id": "A-1001"},
+        "result": {"refund_id": "R-7", "items": [{"sku": "a"}, {"sku": "b"}], "a/b": 1, "c~d": 2, "zero": 0, "none": None},
+    }
+    assert resolve_pointer(doc, pointer) == expected
+
+
+@pytest.mark.parametrize(
+    ("pointer", "where"),
+    [
+        ("/result/refund", "/result/refund: no such key"),
+        ("/result/items/2", "no such index"),
+        ("/result/items/01", "no such index"),  # no leading zeros
+        ("/result/items/-1", "no such index"),
+        ("/result/refund_id/x", "str has no members"),
+        ("result/refund_id", "not a JSON pointer"),
+    ],
+)
+def test_a_missing_pointer_is_a_clear_failure_never_a_guess(pointer: str, where: str) -> None:
+    doc = {"args": {}, "result": {"refund_id": "R-7", "items": [1, 2]}}
+    with pytest.raises(PointerError, match=where.replace("/", "/")):
+        resolve_pointer(doc, pointer)
+
+
+def call_for(declared, result, problem=None) -> CompensationCall:
+    return compensation_call(
+        declared, of="tc-1", of_tool="issue_refund", args={"order_id": "A-1"}, result=result,
+        result_problem=problem, idempotency_key="wf:tc-1", plan_hash="h", approved_by=["bob"],
+    )
+
+
+def test_the_undo_call_is_built_from_the_declaration_and_the_key_derives_from_the_original() -> None:
+    declared = Compensation(tool="void_refund", args={"refund_id": "/result/refund_id", "order": "/args/order_id"})
+    call = call_for(declared, {"refund_id": "R-9"})
+    assert (call.tool, call.args, call.error) == ("void_refund", {"refund_id": "R-9", "order": "A-1"}, None)
+    assert call.idempotency_key == "wf:tc-1:undo" and call.tool_call_id == "tc-1:undo"
+    assert (call.plan_hash, call.approved_by, call.status) == ("h", ["bob"], "pending")
+    # Deterministic: the same inputs, the same call.
+    assert call_for(declared, {"refund_id": "R-9"}) == call
+    missing = call_for(declared, {"id": "R-9"})
+    assert missing.tool is None and missing.args == {}
+    assert missing.error == "argument refund_id: pointer /result/refund_id: no such key"
+    # The error names the pointer, never a value from the result.
+    assert "R-9" not in missing.error
+    assert call_for(None, {}).error == "no recovery path declared"
+    cut = call_for(declared, None, "the result was truncated before it reached the workflow")
+    assert cut.tool is None and "truncated" in cut.error
+    assert result_document("{", False) == (None, "the result is not JSON")
+    assert result_document('{"a": 1}', True)[1] is not None
+
+
+@pytest.mark.parametrize("bad", [{"refund_id": "refund_id"}, {"refund_id": "/results/x"}, {"x": ""}])
+def test_declarations_refuse_what_is_not_a_pointer_into_args_or_result(bad: dict) -> None:
+    with pytest.raises(ValidationError, match="not a JSON pointer into /args or /result"):
+        Compensation(tool="void_refund", args=bad)
+
+
+class _A(BaseModel):
+    order_id: str
+
+
+class _U(BaseModel):
+    refund_id: str
+
+
+def test_the_sdk_refuses_a_compensation_it_cannot_build_at_worker_start() -> None:
+    registry = ToolRegistry()
+
+    @tool(effect=ToolEffect.IDEMPOTENT, registry=registry, compensate=("undo_it", {"refund_id": "/result/id"}))
+    def do_it(args: _A, ctx: ToolContext) -> dict:
+        return {}
+
+    with pytest.raises(ValueError, match="compensated by 'undo_it', which is not registered"):
+        registry.check()
+
+    @tool(effect=ToolEffect.READ_ONLY, registry=registry, name="undo_it")
+    def undo_read(args: _U, ctx: ToolContext) -> dict:
+        return {}
+
+    with pytest.raises(ValueError, match="read_only and undoes nothing"):
+        registry.check()
+    registry.tools.pop("undo_it")
+
+    @tool(effect=ToolEffect.IDEMPOTENT, registry=registry, name="undo_it")
+    def undo_it(args: _U, ctx: ToolContext) -> dict:
+        return {}
+
+    registry.check()  # now it can be built
+    assert registry.catalog().get("do_it").compensate == Compensation(tool="undo_it", args={"refund_id": "/result/id"})
+    do_it.compensate = Compensation(tool="undo_it", args={"nope": "/result/id"})
+    with pytest.raises(ValueError, match="takes no argument 'nope'"):
+        registry.check()
+    do_it.compensate = Compensation(tool="undo_it", args={"refund_id": "/args/missing"})
+    with pytest.raises(ValueError, match="not an argument of 'do_it'"):
+        registry.check()
+    with pytest.raises(ValueError, match="invalid compensate= declaration"):
+        tool(effect=ToolEffect.IDEMPOTENT, registry=registry, compensate={"tool": "x", "args": {}, "extra": 1})
+
+
+def test_tether_tools_shows_each_tools_undo() -> None:
+    listing = format_tools(describe_tools(REGISTRY)).splitlines()
+    assert listing[0].split()[:5] == ["TOOL", "SOURCE", "EFFECT", "APPROVAL", "UNDO"]
+    row = {line.split()[0]: line.split() for line in listing[1:]}
+    assert row["issue_refund"][4] == "void_refund"
+    assert row["post_ledger_entry"][4] == "reverse_ledger_entry"
+    assert row["send_email"][4] == "-"
+
+
+def test_the_refund_playbook_shows_the_undo_in_its_approval() -> None:
+    from tests.conftest import PLAYBOOK
+
+    engine = planned(PLAYBOOK, TenantPolicy())
+    summary = engine.data.pending_approval.summary
+    assert 'issue_refund (idempotent, order_id="A-1001", amount_cents=4999, undo: `void_refund`)' in summary
+    assert 'send_email (unsafe, subject="Your refund for order A-1001", no recovery path)' in summary
+
+
+def test_an_undo_tool_name_from_a_server_is_shown_escaped() -> None:
+    catalog = CATALOG.model_copy(deep=True)
+    catalog.get("issue_refund").compensate = Compensation(tool="evil`\x1b[31m\u202e", args={})
+    shown = policy.review_plan(_validated([REFUND], catalog), catalog, TenantPolicy()).summary
+    assert "\x1b" not in shown and "\u202e" not in shown and "\\x1b" in shown
+    assert "``" in shown  # the backtick is fenced, not closing the code span
+
+
+def _validated(steps: list[dict], catalog=CATALOG):
+    from workflows.models import Limits
+    from workflows.validation import validate_proposal
+
+    result = validate_proposal(Proposal(steps=[ProposedStep(**s) for s in steps]), catalog, executed_steps=0,
+                               limits=Limits(), new_id=lambda n: f"tc-{n:03d}")
+    return result.plan
+
+
+def planned(steps: list[dict], tenant: TenantPolicy, **request) -> Engine:
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by="alice", **request), workflow_id="wf")
+    engine.received(NOW)
+    engine.proposal(Proposal(steps=[ProposedStep(**s) for s in steps]), at=NOW, new_id=lambda n: f"tc-{n:03d}")
+    if engine.state == S.VALIDATED:
+        engine.after_validated(NOW)
+    return engine
+
+
+HIGH = HighRisk(when=[AmountRule(tool="issue_refund", field="amount_cents", above=1000)], approvals=1)
+
+
+def test_require_recovery_refuses_a_high_risk_plan_with_an_irreversible_write() -> None:
+    tenant = TenantPolicy(high_risk=HIGH, require_recovery=["high"])
+    engine = planned(PLAN, tenant)  # refund 1500: high risk; the email cannot be undone
+    assert engine.state == S.VALIDATION_FAILED
+    record = engine.data.lifecycle.timeline[-1]
+    assert "[recovery_required] step 3 (send_email) writes and has no recovery path" in record.reason
+    assert "high-risk" in engine.data.feedback  # the planner is told why, and may propose another plan
+    # Without the irreversible write it is approvable as usual.
+    assert planned([REFUND, LEDGER], tenant).state == S.AWAITING_APPROVAL
+    # At a risk level the tenant does not list, the email is fine.
+    assert planned([{**REFUND, "args": {**REFUND["args"], "amount_cents": 500}}, EMAIL], tenant).state == S.AWAITING_APPROVAL
+    assert planned(PLAN, TenantPolicy(high_risk=HIGH, require_recovery=["normal", "high"])).state == S.VALIDATION_FAILED
+    # Runs recorded before recovery: no refusal (their plans carry no undo).
+    old = Engine(RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t")),
+                 RunRequest(goal="g", requested_by="alice"), workflow_id="wf", recovery=False)
+    old.received(NOW)
+    old.proposal(Proposal(steps=[ProposedStep(**s) for s in PLAN]), at=NOW, new_id=lambda n: f"tc-{n:03d}")
+    assert old.state == S.VALIDATED and old.data.plan.undo is None
+
+
+def test_require_recovery_in_the_policy_file_is_checked(tmp_path) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text('[tenants.default]\nrequire_recovery = ["hihg"]\n')
+    with pytest.raises(Exception, match="require_recovery"):
+        PolicyStore(path).tenant("default")
+    path.write_text('[tenants.default]\nrequire_recovery = ["high"]\non_failure = "compensate"\n')
+    tenant, _ = PolicyStore(path).tenant("default")
+    assert tenant.require_recovery == ["high"] and tenant.on_failure == "compensate"
+
+
+def test_on_failure_comes_from_the_request_else_the_tenant() -> None:
+    assert planned([REFUND], TenantPolicy()).on_failure() == "stop"
+    assert planned([REFUND], TenantPolicy(on_failure="compensate")).on_failure() == "compensate"
+    assert planned([REFUND], TenantPolicy(on_failure="compensate"), on_failure="stop").on_failure() == "stop"
+    with pytest.raises(ValidationError):
+        RunRequest(goal="g", requested_by="a", on_failure="undo")
+
+
+def source(**fields) -> RecoverySource:
+    call = CompensationCall(of="tc-1", of_tool="issue_refund", tool="void_refund", args={"refund_id": "R-1"},
+                            idempotency_key="orig:tc-1:undo", plan_hash="h" * 64)
+    return RecoverySource(**{"run_id": "orig", "state": S.HANDED_OFF, "compensations": [call], **fields})
+
+
+@pytest.mark.parametrize(
+    ("by", "src", "rule"),
+    [
+        ("dana", source(), "role"),  # support, not an approval role
+        ("mallory", source(), "tenant_membership"),
+        ("carol", source(state=S.COMPLETED), "not_compensable"),
+        ("carol", source(compensations=[]), "nothing_to_compensate"),
+        ("carol", source(compensations=[source().compensations[0].model_copy(update={"status": "ok"})]), "nothing_to_compensate"),
+        ("carol", source(compensations=[source().compensations[0].model_copy(update={"plan_hash": ""})]), "not_approved"),
+        ("carol", source(refusal=policy.Refusal(rule="still_running", message="running")), "still_running"),
+        ("carol", source(), None),
+    ],
+)
+def test_who_may_start_a_compensation_run_and_of_what(by: str, src: RecoverySource, rule: str | None) -> None:
+    tenant = TenantPolicy(approvers={"carol": Approver(roles=["approver"]), "dana": Approver(roles=["support"])})
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by=by, compensate_run="orig"), workflow_id="orig-compensate")
+    engine.received(NOW)
+    assert engine.state == S.RECEIVED  # waits for the original's record
+    engine.begin_compensation(src, NOW)
+    last = engine.data.lifecycle.timeline[-1]
+    if rule is None:
+        assert engine.state == S.COMPENSATING and last.actor == "user:carol"
+        assert engine.current_undo().idempotency_key == "orig:tc-1:undo"  # the original's key
+        assert engine.compensation_ready(NOW)
+    else:
+        assert engine.state == S.FAILED and last.refs.error_code == rule, last.reason
+
+
+def test_an_undo_tool_the_tenant_may_not_use_hands_off_instead_of_running() -> None:
+    tenant = TenantPolicy(tools=["issue_refund"])  # void_refund not allowed
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by="carol", compensate_run="orig"), workflow_id="orig-compensate")
+    engine.received(NOW)
+    engine.begin_compensation(source(), NOW)
+    assert engine.state == S.COMPENSATING
+    assert engine.compensation_ready(NOW) is False
+    last = engine.data.lifecycle.timeline[-1]
+    assert engine.state == S.HANDED_OFF and "'void_refund' is not allowed for this tenant" in last.reason
+    assert last.refs.error_code == "no_recovery_path" and "not compensated" in last.reason
+
+
+def path(outcome: RunOutcome) -> list[str]:
+    return [r.to_state.value for r in outcome.timeline if r.kind == "transition"]
+
+
+async def approved_run(env: WorkflowEnvironment, worker, **request) -> RunOutcome:
+    handle = await start_run(env.client, worker, make_request(PLAN, **request))
+    snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+    # The approver sees how each write is undone, and which cannot be.
+    summary = snap.pending_approval.summary
+    assert 'issue_refund (idempotent, order_id="A-1002", amount_cents=1500, undo: `void_refund`)' in summary
+    assert 'post_ledger_entry (reconcilable, order_id="A-1002", amount_cents=-1500, undo: `reverse_ledger_entry`)' in summary
+    assert 'send_email (unsafe, subject="Your refund", no recovery path)' in summary
+    await handle.signal("approve", approval_for(snap, "bob"))
+    return await tether_client.run_outcome(handle)
+
+
+def undo_state(billing: Billing, outcome: RunOutcome) -> tuple[list[dict], list[dict]]:
+    """The refund the run issued, and the ledger entries of its order key (entry, reversals)."""
+    refund_call = next(c for c in outcome.compensations if c.of_tool == "issue_refund")
+    ledger_call = next(c for c in outcome.compensations if c.of_tool == "post_ledger_entry")
+    refunds = billing.refunds(refund_call.idempotency_key.removesuffix(":undo"))
+    entry_id = ledger_call.args["entry_id"]
+    reversals = billing.get(f"/ledger?reverses={entry_id}")["entries"]
+    return refunds, reversals
+
+
+async def test_a_permanent_failure_puts_the_ok_writes_back_exactly_once(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    billing.fail_next("emails", 1, status=400)  # the email is refused: known not sent
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker, on_failure="compensate")
+    assert outcome.state == S.COMPENSATED, outcome.timeline[-1].reason
+    check_timeline(outcome.timeline, tools_by_call(outcome))
+    assert path(outcome)[-4:] == ["COMPENSATING", "COMPENSATING", "COMPENSATING", "COMPENSATED"]
+    # Newest first: the ledger entry is reversed before the refund is voided.
+    undone = [r for r in outcome.timeline if r.from_state == S.COMPENSATING and r.to_state == S.COMPENSATING]
+    assert ["reverse_ledger_entry" in undone[0].reason, "void_refund" in undone[1].reason] == [True, True]
+    refund_call = next(c for c in outcome.compensations if c.of_tool == "issue_refund")
+    assert undone[1].refs.idempotency_key == refund_call.idempotency_key
+    assert refund_call.idempotency_key.endswith(":undo") and refund_call.plan_hash
+    assert [c.status for c in outcome.compensations] == ["ok", "ok"]
+    # The email had no recovery path and was never sent: nothing to undo.
+    assert all(c.of_tool != "send_email" for c in outcome.compensations)
+    refunds, reversals = undo_state(billing, outcome)
+    assert len(refunds) == 1 and refunds[0]["voided_at"] is not None
+    assert len(reversals) == 1 and reversals[0]["amount_cents"] == 1500
+
+
+async def written_calls(env: WorkflowEnvironment, workflow_id: str) -> list:
+    """Every execute_tool input the run scheduled, as the server holds it (the history)."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from workflows.models import ToolCall
+
+    history = await env.client.get_workflow_handle(workflow_id).fetch_history()
+    return [
+        pydantic_data_converter.payload_converter.from_payloads(a.input.payloads, [ToolCall])[0]
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and (a := e.activity_task_scheduled_event_attributes).activity_type.name == "execute_tool"
+    ]
+
+
+async def test_each_undo_carries_a_capability_minted_under_the_plan_that_covered_it(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    billing.fail_next("emails", 1, status=400)
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker, on_failure="compensate")
+        calls = await written_calls(ts_env, outcome.run_id)
+    assert outcome.state == S.COMPENSATED, outcome.timeline[-1].reason
+    undos = [c for c in calls if c.tool_call_id.endswith(":undo")]
+    assert sorted(c.tool for c in undos) == ["reverse_ledger_entry", "void_refund"]
+    by_call = {c.tool_call_id: c for c in outcome.compensations}
+    for call in undos:
+        # Minted for exactly this undo (its tool, derived key), under the approved plan's hash.
+        cap, undo = call.capability, by_call[call.tool_call_id]
+        assert cap is not None and cap.tool == undo.tool and cap.tool_call_id == call.tool_call_id
+        assert cap.idempotency_key == undo.idempotency_key and cap.plan_hash == undo.plan_hash != ""
+        assert cap.workflow_id == outcome.run_id and cap.mac
+    # Every write the run scheduled had one (the refused email included).
+    assert all(c.capability is not None for c in calls if c.tool != "get_order")
+
+
+def test_the_re_check_of_an_undo() -> None:
+    """policy.undo_refusal: what the pre-write re-check judges for a compensation."""
+    undo = CompensationCall(of="tc-1", of_tool="issue_refund", tool="void_refund", args={"refund_id": "R-1"},
+                            idempotency_key="run:tc-1:undo", plan_hash="h" * 64, approved_by=["bob"])
+    tenant = TenantPolicy(
+        tools=["issue_refund", "void_refund"], approval_roles=["approver"],
+        approvers={"bob": Approver(roles=["approver"]), "dana": Approver(roles=["support"])},
+    )
+    assert policy.undo_refusal(tenant, undo=undo) is None
+    # Bob losing his role does not stop the undo of what he approved.
+    demoted = tenant.model_copy(update={"approvers": {"dana": Approver(roles=["support"])}})
+    assert policy.undo_refusal(demoted, undo=undo) is None
+    assert policy.undo_refusal(None, undo=undo).rule == "tenant"
+    withdrawn = tenant.model_copy(update={"tools": ["issue_refund"]})
+    assert policy.undo_refusal(withdrawn, undo=undo).rule == "tool_withdrawn"
+    assert policy.undo_refusal(tenant, undo=undo.model_copy(update={"plan_hash": ""})).rule == "not_approved"
+    assert policy.undo_refusal(tenant, undo=undo.model_copy(update={"tool": None})).rule == "no_recovery_path"
+    # A compensation run: the person who asked is judged now.
+    assert policy.undo_refusal(tenant, undo=undo, compensator="bob") is None
+    assert policy.undo_refusal(tenant, undo=undo, compensator="dana").rule == "role"
+    assert policy.undo_refusal(tenant, undo=undo, compensator="mallory").rule == "tenant_membership"
+    # The capability is minted only for exactly that undo.
+    from workflows.models import ToolCall
+
+    call = ToolCall(tool="void_refund", args={"refund_id": "R-1"}, tool_call_id="tc-1:undo",
+                    idempotency_key="run:tc-1:undo", run_id="run", tenant="default", attempt=1)
+    assert policy.undo_refusal(tenant, undo=undo, call=call) is None
+    other = call.model_copy(update={"args": {"refund_id": "R-2"}})
+    assert policy.undo_refusal(tenant, undo=undo, call=other).rule == "capability_invalid"
+
+
+def test_a_refused_undo_hands_off_and_stays_pending() -> None:
+    """The re-check just before an undo refuses: nothing starts, a person decides."""
+    from workflows.models import Refusal
+
+    tenant = TenantPolicy(tools=["issue_refund", "void_refund"])
+    data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+    engine = Engine(data, RunRequest(goal="g", requested_by="carol", compensate_run="orig"), workflow_id="orig-compensate")
+    engine.received(NOW)
+    engine.begin_compensation(source(), NOW)
+    assert engine.state == S.COMPENSATING and engine.compensation_ready(NOW) is True
+    check = engine.authority_check(from_step=engine.data.next_step)
+    assert check is not None and check.undo is not None and check.plan_hash == check.undo.plan_hash
+    assert check.compensator == "carol" and check.tools == [check.undo.tool]
+    calls = engine.data.tool_calls
+    assert engine.next_tool_call(NOW) is not None
+    engine.write_refused(Refusal(rule="tool_withdrawn", message="'void_refund' is not allowed"), NOW)
+    assert engine.state == S.HANDED_OFF and engine.data.tool_calls == calls
+    last = engine.data.lifecycle.timeline[-1]
+    assert "not started" in last.reason and "[tool_withdrawn]" in last.reason and "not compensated" in last.reason
+    assert [c.status for c in engine.data.compensations if c.tool] == ["pending"] * len(
+        [c for c in engine.data.compensations if c.tool]
+    )
+
+
+async def test_stop_is_the_default_and_keeps_the_writes(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    billing.fail_next("emails", 1, status=400)
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker)
+    assert outcome.state == S.EXECUTION_FAILED
+    assert "COMPENSATING" not in path(outcome)
+    refunds, reversals = undo_state(billing, outcome)
+    assert refunds[0]["voided_at"] is None and reversals == []
+    assert [c.status for c in outcome.compensations] == ["pending", "pending"]
+
+
+async def test_a_compensation_that_fails_hands_off_naming_it_and_compensate_finishes(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    billing.fail_next("emails", 1, status=400)
+    billing.fail_next("voids", 1, status=400)  # the service refuses the void: not re-run
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker, on_failure="compensate")
+        assert outcome.state == S.HANDED_OFF
+        last = outcome.timeline[-1]
+        assert last.from_state == S.COMPENSATING and "void_refund" in last.reason
+        assert "not re-run" in last.reason and last.refs.error_code == "injected_fault"
+        assert [c.status for c in outcome.compensations] == ["failed", "ok"]
+        refunds, reversals = undo_state(billing, outcome)
+        assert refunds[0]["voided_at"] is None and len(reversals) == 1
+        voids = billing.get("/admin/stats")["requests"]["POST /refunds/{id}/void"]
+
+        # A person with an approval role decides to undo the rest: a governed run of its own.
+        handle = await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
+        undo = await tether_client.run_outcome(handle)
+        calls = await written_calls(ts_env, handle.id)
+        history = await handle.fetch_history()
+    assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
+    # The undo it ran carries a capability minted in the compensation run, under the original's
+    # approved plan hash; the original's record was read by a local activity (no activity task
+    # for a rogue poller to answer with undos the original never recorded).
+    assert [c.tool for c in calls] == ["void_refund"] and calls[0].capability is not None
+    assert calls[0].capability.workflow_id == handle.id
+    assert calls[0].capability.plan_hash == outcome.compensations[0].plan_hash
+    scheduled = {e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                 if e.HasField("activity_task_scheduled_event_attributes")}
+    assert "recovery_source" not in scheduled and "execute_tool" in scheduled
+    first = next(r for r in undo.timeline if r.to_state == S.COMPENSATING)
+    assert first.from_state == S.RECEIVED and first.actor == "user:carol"
+    assert outcome.run_id in first.reason and first.refs.plan_hash == outcome.compensations[0].plan_hash
+    assert [c.of_tool for c in undo.compensations] == ["issue_refund"]  # only what was left
+    refunds, reversals = undo_state(billing, outcome)
+    assert refunds[0]["voided_at"] is not None and len(reversals) == 1
+    assert billing.get("/admin/stats")["requests"]["POST /refunds/{id}/void"] == voids + 1
+
+
+async def test_compensate_after_an_unknown_outcome_hand_off(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    # The email may have been sent (503 after the commit): the run hands off as before, even
+    # with on_failure=compensate; a person then asks for the undo.
+    billing.fail_next("emails", 1, status=503, when="after_commit")
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker, on_failure="compensate")
+        assert outcome.state == S.HANDED_OFF and "COMPENSATING" not in path(outcome)
+        handle = await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
+        # One compensation run per run: a second request is refused, whoever sends it.
+        with pytest.raises(tether_client.TetherError, match="already has its compensation run"):
+            await tether_client.compensate(ts_env.client, outcome.run_id, by="erin", queue=worker.task_queue)
+        undo = await tether_client.run_outcome(handle)
+    assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
+    check_timeline(undo.timeline, tools_by_call(undo))
+    assert [c.of_tool for c in reversed(undo.compensations)] == ["post_ledger_entry", "issue_refund"]
+    refunds, reversals = undo_state(billing, outcome)
+    assert refunds[0]["voided_at"] is not None and len(reversals) == 1
+
+
+async def test_compensate_refuses_a_running_run_and_an_unknown_one(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(PLAN))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        with pytest.raises(tether_client.TetherError, match="only an ended run"):
+            await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=worker.task_queue)
+        # A compensation run naming a run that is not there fails, saying so (the worker reads
+        # the original from the server, never from the request).
+        forged = make_request([], compensate_run="no-such-run", requested_by="carol")
+        undo = await start_run(ts_env.client, worker, forged)
+        result = await tether_client.run_outcome(undo)
+        assert result.state == S.FAILED and "unknown_run" in result.timeline[-1].reason
+        # (time skipped while waiting: the untouched original has expired by now, nothing ran)
+        still = await snapshot(handle)
+        assert still.state in (S.AWAITING_APPROVAL, S.EXPIRED) and still.compensations == []
+
+
+async def test_on_cancel_compensate_puts_the_ok_writes_back_after_a_cancel(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    from temporalio.client import WorkflowFailureError
+
+    from tests.conftest import timeline
+
+    billing.fail_next("orders", 10, status=503)  # the read after the writes keeps retrying
+    plan = [REFUND, LEDGER, {"tool": "get_order", "args": {"order_id": "A-1002"}}]
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(plan, on_cancel="compensate"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        await wait_for_state(handle, "RETRY_WAIT")
+        await handle.cancel(reason="customer called back")
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()  # Temporal: cancelled, as asked
+        records = await timeline(handle)
+        snap = await snapshot(handle)
+    assert snap.state == S.COMPENSATED, records[-1].reason
+    entered = next(r for r in records if r.to_state == S.COMPENSATING)
+    assert entered.from_state == S.RETRY_WAIT and "customer called back" in entered.reason
+    assert "on_cancel=compensate" in entered.reason
+    check_timeline(records, {s.tool_call_id: s.tool for s in snap.plan.steps})
+    outcome = RunOutcome(run_id=handle.id, state=snap.state, answer=None, steps=[], timeline=records,
+                         compensations=snap.compensations)
+    refunds, reversals = undo_state(billing, outcome)
+    assert len(refunds) == 1 and refunds[0]["voided_at"] is not None and len(reversals) == 1
