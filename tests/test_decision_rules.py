@@ -257,3 +257,20 @@ def test_a_huge_revision_is_refused_like_a_huge_proposal() -> None:
     last = e.data.lifecycle.timeline[-1]
     assert last.kind == "refused" and last.rule == "invalid_revision" and "over the" in last.reason
     assert (e.data.plan, e.data.pending_approval) == before
+
+
+def test_a_webhook_no_retry_reached_is_recorded_and_nothing_raises() -> None:
+    """notification_done: the dead webhooks go on the record (a flood-counted record too); the
+    handler never raises (it runs in a task nobody awaits: an exception there is lost)."""
+    from workflows.models import Notification, NotificationResult
+
+    e = engine()
+    note = Notification(event_id="run:e:3", event="awaiting_approval", webhooks=["ops"], run_id="run",
+                        tenant="default", state="AWAITING_APPROVAL")
+    before = e.data.lifecycle.records
+    e.notification_done(note, NotificationResult(dead={"ops": "http_500"}), START)
+    assert e.data.lifecycle.records == before + 1
+    last = e.data.lifecycle.timeline[-1]
+    assert last.kind == "notify_failed" and "ops (http_500)" in last.reason
+    e.notification_done(note, NotificationResult(delivered=["ops"]), START)  # all reached: nothing
+    assert e.data.lifecycle.records == before + 1

@@ -721,9 +721,6 @@ class Engine:
                 refs=Refs(plan_hash=note.plan_hash, request_id=note.request_id),
             )
         )
-        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
-            self.unrecorded_refusals[decision.decision_id] = refusal
-        self.on_record(record)
 
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""
