@@ -61,10 +61,6 @@ async def test_search_attributes_find_waiting_runs(dev_env: WorkflowEnvironment,
         assert done.id not in ids
         description = await waiting.describe()
         assert description.typed_search_attributes.get(TENANT_ATTRIBUTE) == tenant
-        await asyncio.sleep(1.0)  # the continued run takes the rest of the flood under queries
-        for looker in lookers:
-            looker.cancel()
-        assert query_failures == []
         assert description.typed_search_attributes.get(STATE_ATTRIBUTE) == "AWAITING_APPROVAL"
         # Current details for the Web UI name the state and how to approve.
         details = (await waiting.query("__temporal_workflow_metadata")).current_details
@@ -207,6 +203,10 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
             await asyncio.sleep(0.1)
         else:
             raise AssertionError("the run did not continue as new")
+        await asyncio.sleep(1.0)  # the continued run takes the rest of the flood under queries
+        for looker in lookers:
+            looker.cancel()
+        assert query_failures == []
         assert description.typed_search_attributes.get(STATE_ATTRIBUTE) == "AWAITING_APPROVAL"
         assert description.typed_search_attributes.get(TENANT_ATTRIBUTE) == "acme"
         latest = env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
