@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from temporalio.service import RPCError
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
@@ -298,8 +299,31 @@ def make_request(steps: list[dict] | None = None, **overrides: Any) -> RunReques
     return RunRequest.model_validate(fields, context=STRICT)
 
 
+# Runs started by the current test (start_run): whatever is still open at its end is terminated.
+_STARTED: list[tuple[Client, str]] = []
+
+
 async def start_run(client: Client, worker: Worker, request: RunRequest, run_id: str | None = None) -> WorkflowHandle:
-    return await tether_client.start_run(client, request, run_id=run_id or unique("run"), queue=worker.task_queue)
+    handle = await tether_client.start_run(client, request, run_id=run_id or unique("run"), queue=worker.task_queue)
+    _STARTED.append((client, handle.id))
+    return handle
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def _no_run_left_open() -> AsyncIterator[None]:
+    """A run a test leaves open (it failed midway, or did not need the end) is terminated: on the
+    shared time-skipping server its next workflow task, with no worker left to take it, would
+    stop time skipping for every later test."""
+    _STARTED.clear()
+    yield
+    for client, workflow_id in _STARTED:
+        try:
+            # The latest run of the id (it may have continued as new); a closed one answers
+            # NOT_FOUND: nothing to do.
+            await client.get_workflow_handle(workflow_id).terminate("test over")
+        except RPCError:  # closed already (NOT_FOUND), or its server is gone
+            pass
+    _STARTED.clear()
 
 
 async def cancel_and_settle(handle: WorkflowHandle) -> None:

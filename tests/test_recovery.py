@@ -525,6 +525,11 @@ async def test_compensate_refuses_a_running_run_and_an_unknown_one(ts_env: Workf
         assert result.state == S.FAILED and "unknown_run" in result.timeline[-1].reason
         # (time skipped while waiting: the untouched original has expired by now, nothing ran)
         still = await snapshot(handle)
+        if still.state == S.AWAITING_APPROVAL:
+            # Never leave a run open on the shared time-skipping server: its timer would fire
+            # with no worker to take the task, and a task nobody takes stops time skipping for
+            # every later test.
+            await handle.terminate("test over")
         assert still.state in (S.AWAITING_APPROVAL, S.EXPIRED) and still.compensations == []
 
 
