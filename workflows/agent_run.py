@@ -137,8 +137,12 @@ FAILED_STATUS = "failed-status"
 # had taken, and the continued run started from a state without them (lost refusals). Runs
 # recorded before continue straight after the seal.
 CAN_SETTLE = "tether-can-settle"
-# How long the run waits between sealing its state and continuing as new.
+# How long the run waits between sealing its state and continuing as new, and how many times in
+# a row it seals again because signals moved the state meanwhile (once: a dev server fires a
+# 10 ms timer about a second later): under a flood that never
+# pauses it then continues straight after sealing (as before), rather than never.
 CAN_SETTLE_DELAY = timedelta(milliseconds=10)
+CAN_SETTLE_TRIES = 1
 # Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
 REVISIONS = "tether-revisions"
 # Escalation stages: timers inside the approval window (only where the policy sets stages).
@@ -195,6 +199,7 @@ class AgentRun:
         # forged one publishes nothing of it.
         self._verified = False
         self._loops = 0
+        self._settle_misses = 0  # continue-as-new attempts whose seal signals overtook
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
@@ -1037,6 +1042,9 @@ class AgentRun:
             )
         seal = None
         if self._v2:
+            # Decided before the seal's local activity: a patch marker right after a local
+            # activity's result fails replay when a query was answered in between (sdk-core).
+            settle = self._settle_misses < CAN_SETTLE_TRIES and workflow.patched(CAN_SETTLE)
             digest = hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest()
             sealed = await self._activity(
                 "carryover_seal",
@@ -1047,13 +1055,14 @@ class AgentRun:
                 local=True,
             )
             seal = sealed.seal
-            if workflow.patched(CAN_SETTLE):
+            if settle:
                 # Nothing that depends on signals may follow a local activity's result before a
                 # durable boundary: replay may deliver the result before signals the original
                 # run took first (sdk-core, with a query answered in between). After the timer
                 # both runs have taken every signal up to it; the seal must still fit.
                 await workflow.sleep(CAN_SETTLE_DELAY, summary="settle before continue-as-new")
                 if hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest() != digest:
+                    self._settle_misses += 1
                     return  # the state moved while sealing: seal again on a later loop
         await self._checkpoint()
         if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
