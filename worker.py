@@ -32,6 +32,7 @@ from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
+from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
@@ -71,6 +72,7 @@ def create_worker(
     # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()
     recovery = RecoveryActivities(client)
+    setup = SetupActivities(tools, rules)
     return Worker(
         client,
         task_queue=task_queue,
@@ -80,6 +82,7 @@ def create_worker(
             tools.execute_tool,
             planning.plan,
             rules.policy_snapshot,
+            setup.run_setup,
             rules.check_decision,
             rules.check_authority,
             rules.check_handoff,

@@ -220,7 +220,7 @@ async def test_an_update_flood_is_answered_and_continues_as_new_before_temporals
         else:
             assert now.updates == count
         await dev_env.client.get_workflow_handle(handle.id).signal("approve", approval_for(now, "bob"))
-        outcome = await dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome).result()
+        outcome = await run_outcome(dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome))
     assert outcome.state == S.COMPLETED
     print(f"\n{count} decide Updates: {elapsed:.1f}s")
 

@@ -54,7 +54,7 @@ def refusals(records) -> list[str]:
 async def settle(handle: WorkflowHandle) -> RunOutcome | None:
     """The run's outcome, or None when it ended cancelled (the timeline is then queried)."""
     try:
-        return await handle.result()
+        return await run_outcome(handle)
     except WorkflowFailureError:
         return None
 

@@ -66,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
         RunData,
         RunOutcome,
         RunRequest,
+        RunSetup,
         RunSnapshot,
         ReviseDecideRequest,
         RevisionRequest,
@@ -79,7 +80,7 @@ with workflow.unsafe.imports_passed_through():
         canonical_json,
         first_error,
     )
-    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
+    from workflows.states import PUBLISHED, TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
 
 S = RunState
 T = TypeVar("T")
@@ -145,6 +146,12 @@ NOTIFY_RETRY = RetryPolicy(
 )
 NOTIFY_ATTEMPT = timedelta(seconds=15)
 NOTIFY_BUDGET = timedelta(seconds=75)
+# One marker for every run from this version on (issue 21): where it is set, every patch above
+# counts as set without a marker (and a TemporalChangeVersion upsert) of its own, the audit sink
+# is written where the run rests (a wait, a timer, before a write, continue-as-new, the end)
+# instead of before every activity, and AgentRunState is published only for states.PUBLISHED.
+# Histories without it replay exactly as they were recorded (every older patch asked for).
+PATCH_LEAN = "tether-lean"
 DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
@@ -178,6 +185,7 @@ class AgentRun:
         self._verdicts: dict[str, DecideResult | None] = {}
         self._audit_error: str | None = None
         self._updates = 0  # decide Updates this execution took
+        self._lean = True
         self._v2 = True
         self._v3 = True
         self._bounces = 0
@@ -189,6 +197,7 @@ class AgentRun:
         self._loops = 0
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
+        self._shown: str | None = None  # the current details last set
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == request.tenant
 
@@ -220,10 +229,14 @@ class AgentRun:
     async def run(self, *args: Any) -> RunOutcome:
         if self._start_error is not None:
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
-        self._v2 = workflow.patched(PATCH_V2)
-        self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
-        self._record = self._v2 and workflow.patched(PATCH_RECORD)
-        self.engine.recovery = workflow.patched(PATCH_RECOVERY)
+        self._lean = workflow.patched(PATCH_LEAN)
+        if self._lean:
+            self._v2 = self._v3 = self._record = self.engine.recovery = True
+        else:
+            self._v2 = workflow.patched(PATCH_V2)
+            self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
+            self._record = self._v2 and workflow.patched(PATCH_RECORD)
+            self.engine.recovery = workflow.patched(PATCH_RECOVERY)
         try:
             await self._verify_carryover()
             await self._drive()
@@ -238,19 +251,22 @@ class AgentRun:
                 await self._finish()
             raise
         await self._finish()
+        timeline = self.data.lifecycle.timeline
         outcome = RunOutcome(
             run_id=workflow.info().workflow_id,
             state=self.data.lifecycle.state,
             answer=self.data.answer,
             # Ids, outcomes and digests: observations stay out of the result (its budget).
             steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
-            timeline=self.data.lifecycle.timeline,
+            # Bounded: the timeline query and the sink have the records (client.run_outcome).
+            timeline=[] if self._lean else timeline,
+            records=self.data.lifecycle.records if self._lean else 0,
             compensations=self.data.compensations,
         )
-        if TEMPORAL_STATUS[outcome.state] == "Failed" and workflow.patched(FAILED_STATUS):
+        if TEMPORAL_STATUS[outcome.state] == "Failed" and self._patched(FAILED_STATUS):
             # The execution fails, non-retryable, with the outcome in the failure's details
             # (client.run_outcome reads it back). Runs recorded before completed; they still do.
-            final = next((r.reason for r in reversed(outcome.timeline) if r.kind == "transition"), "")
+            final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
             raise ApplicationError(
                 f"run ended {outcome.state.value}: {clip(final, 300)}",
                 outcome,
@@ -323,6 +339,11 @@ class AgentRun:
 
     async def _drive(self) -> None:
         data = self.data
+        if self._lean and data.catalog is None and data.policy is None:
+            # One snapshot per run, both in one local activity: validation must not change
+            # under a run's feet.
+            setup = await self._activity("run_setup", self._snapshot_request(), RunSetup, "", local=True)
+            data.catalog, data.policy = setup.catalog, setup.policy
         if data.catalog is None:
             # One snapshot per run: validation must not change under a run's feet.
             data.catalog = await self._activity(
@@ -330,22 +351,8 @@ class AgentRun:
                 local=True,
             )
         if data.policy is None:
-            request = self.request
             data.policy = await self._activity(
-                "policy_snapshot",
-                SnapshotRequest(
-                    tenant=request.tenant,
-                    workflow_id=workflow.info().workflow_id,
-                    requested_by=request.requested_by,
-                    request_digest=request.request_digest(),
-                    requester_signature=request.requester_signature,
-                    nonce=request.nonce,
-                    issued_at=request.issued_at,
-                    started_at=workflow.info().start_time,
-                ),
-                PolicySnapshot,
-                "policy snapshot",
-                local=True,
+                "policy_snapshot", self._snapshot_request(), PolicySnapshot, "policy snapshot", local=True
             )
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
@@ -446,7 +453,7 @@ class AgentRun:
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
         # The expiry, or the next escalation stage where the policy sets stages.
-        escalate = bool(pending.escalation) and workflow.patched(ESCALATION)
+        escalate = bool(pending.escalation) and self._patched(ESCALATION)
         wake, summary = self.engine.next_timer(escalate)
         remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
@@ -470,7 +477,7 @@ class AgentRun:
             # (a cancel, a failure) still answers it (_finish).
             kind, decision = self._inbox[0] if self._record else self._inbox.pop(0)
             if kind == "revise" or getattr(decision, "steps", None) is not None:
-                workflow.patched(REVISIONS)
+                self._patched(REVISIONS)
             verdict = await self._activity(
                 "policy_check_decision",
                 DecisionCheck(
@@ -535,7 +542,10 @@ class AgentRun:
                 self._decide(lambda now: self.engine.write_refused(refusal, now))
                 return
             call = call.model_copy(update={"capability": verdict.capability})
-        await self._checkpoint()
+        if self._lean and info.effect == ToolEffect.READ_ONLY:
+            self._show()  # a read is no place the run rests: the sink gets its records later
+        else:
+            await self._checkpoint()  # the record of the approval is in the sink before a write
         handle = workflow.start_activity(
             "execute_tool",
             call,
@@ -559,7 +569,7 @@ class AgentRun:
                 outcome = await asyncio.shield(handle)
             except asyncio.CancelledError:
                 failure: ToolFailure | None = None
-                if workflow.patched(CANCEL_REACHES_TOOL):
+                if self._patched(CANCEL_REACHES_TOOL):
                     # The attempt may have ended in the very workflow task the cancel came in:
                     # let its handle take that result first (the SDK drops the result of a
                     # handle cancelled after its result arrived).
@@ -864,8 +874,10 @@ class AgentRun:
         local: bool = False,
         checkpoint: bool = True,
     ) -> T:
-        if checkpoint:
+        if checkpoint and not self._lean:
             await self._checkpoint()
+        elif checkpoint and not local:
+            self._show()  # never a checkpoint before a local activity; the sink is written at rests
         # Local for the snapshots, policy checks and the audit sink: in-process work that runs
         # inside the current workflow task and leaves one marker event, instead of an activity
         # task plus another workflow task (six events and two server round trips; bench/).
@@ -877,7 +889,8 @@ class AgentRun:
                 result_type=result_type,
                 start_to_close_timeout=timeout,
                 retry_policy=retry,
-                summary=summary,
+                # A local activity's summary is one more payload per activation, seen by nobody.
+                summary=None if local and self._lean else summary,
             )
         except ActivityError as err:
             # An activity the run's own cancellation cancelled: the run is being cancelled, not
@@ -885,6 +898,19 @@ class AgentRun:
             if isinstance(err.cause, CancelledError):
                 raise asyncio.CancelledError() from err
             raise
+
+    def _snapshot_request(self) -> SnapshotRequest:
+        request = self.request
+        return SnapshotRequest(
+            tenant=request.tenant,
+            workflow_id=workflow.info().workflow_id,
+            requested_by=request.requested_by,
+            request_digest=request.request_digest(),
+            requester_signature=request.requester_signature,
+            nonce=request.nonce,
+            issued_at=request.issued_at,
+            started_at=workflow.info().start_time,
+        )
 
     async def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> bool:
         """Honour a pending handoff where the table allows, once the current policy file (and the
@@ -972,13 +998,22 @@ class AgentRun:
         """Before the run waits: the audit sink has every record, people who take an event are
         being told, and the state is visible."""
         await self._flush_audit()
+        self._show()
+
+    def _show(self) -> None:
+        """Before the run awaits anything: people who take an event are being told, and the
+        state is visible."""
         self._notify()
         self._publish()
+
+    def _patched(self, patch_id: str) -> bool:
+        """An older patch: set wherever PATCH_LEAN is (no marker of its own), else as recorded."""
+        return self._lean or workflow.patched(patch_id)
 
     def _notify(self) -> None:
         """Start a notify activity per event the policy has webhooks for; the run goes on."""
         notes = self.engine.take_notifications(workflow.info().namespace)
-        if not notes or not self._v2 or not workflow.patched(NOTIFY):
+        if not notes or not self._v2 or not self._patched(NOTIFY):
             return
         for note in notes:
             self._notifying += 1
@@ -1060,15 +1095,18 @@ class AgentRun:
         Called before every await rather than on every move: states the run passes through
         inside one workflow task are never observable, and each upsert costs a history event.
         """
-        state = self.data.lifecycle.state.value
-        if state != self._published:
-            updates = [STATE_ATTRIBUTE.value_set(state)]
+        state = self.data.lifecycle.state
+        if state.value != self._published and (not self._lean or state in PUBLISHED):
+            updates = [STATE_ATTRIBUTE.value_set(state.value)]
             if not self._tenant_published:
                 updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))
                 self._tenant_published = True
             workflow.upsert_search_attributes(updates)
-            self._published = state
-        workflow.set_current_details(clip(self._details(), DETAILS_CHARS))
+            self._published = state.value
+        details = clip(self._details(), DETAILS_CHARS)
+        if details != self._shown:
+            workflow.set_current_details(details)
+            self._shown = details
 
     def _details(self) -> str:
         return run_details(

@@ -49,6 +49,7 @@ __all__ = [
     "ProposedStep",
     "RunData",
     "RunOutcome",
+    "RunSetup",
     "RunRequest",
     "RunSnapshot",
     "Signer",
@@ -804,6 +805,14 @@ class SnapshotRequest(BaseModel):
     started_at: datetime | None = None  # when the run began (workflow time)
 
 
+class RunSetup(BaseModel):
+    """What a run snapshots as it starts, in one local activity (``run_setup``): the tool
+    catalog and the tenant's policy (one marker in history instead of two)."""
+
+    catalog: ToolCatalog
+    policy: PolicySnapshot
+
+
 class DecisionCheck(BaseModel):
     tenant: str
     workflow_id: str
@@ -1037,13 +1046,20 @@ class RunSnapshot(BaseModel):
 
 
 class RunOutcome(BaseModel):
-    """Result of the ``AgentRun`` workflow."""
+    """Result of the ``AgentRun`` workflow.
+
+    Bounded: the workflow's result carries no timeline (``records`` says how many the run
+    wrote; the ``timeline`` query and the audit sink have them), so history does not grow with
+    the run by a copy of its record. ``client.run_outcome`` fills ``timeline`` in from the
+    query. Runs recorded before (no ``records``) carried the timeline's window here.
+    """
 
     run_id: str
     state: RunState
     answer: str | None
     steps: list[ExecutedStep]
-    timeline: list[TransitionRecord]
+    timeline: list[TransitionRecord] = Field(default_factory=list)
+    records: int = 0  # records the run wrote in all (the last one's seq)
     # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
     compensations: list[CompensationCall] = Field(default_factory=list)
 

@@ -84,6 +84,11 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 
 TERMINAL: frozenset[RunState] = frozenset(s for s, out in TRANSITIONS.items() if not out)
 WORKING: frozenset[RunState] = frozenset(RunState) - TERMINAL
+# The states a run rests in (it waits for a person or a timer), and its endings: the only ones
+# published to the AgentRunState search attribute (each upsert is a history event). A state the
+# run passes through while it works (PLANNING, EXECUTING_TOOL, APPROVED, ...) stays on the
+# snapshot query and the timeline; the list shows the last state the run rested in.
+PUBLISHED: frozenset[RunState] = TERMINAL | {RunState.AWAITING_APPROVAL, RunState.RETRY_WAIT}
 
 # How each final state ends the Temporal execution, so the Web UI's status badge, `temporal
 # workflow list --query "ExecutionStatus='Failed'"` and Temporal's failure metrics tell the
