@@ -261,6 +261,8 @@ class AgentRun:
             # Bounded: the timeline query and the sink have the records (client.run_outcome).
             timeline=[] if self._lean else timeline,
             records=self.data.lifecycle.records if self._lean else 0,
+            steps_before=self.data.executed_before,
+            steps_digest=self.data.executed_digest,
             compensations=self.data.compensations,
         )
         if TEMPORAL_STATUS[outcome.state] == "Failed" and self._patched(FAILED_STATUS):
@@ -430,7 +432,7 @@ class AgentRun:
                     executed=_bounded_context(data.executed),
                     feedback=data.feedback,
                     round=data.planning_rounds,
-                    steps_done=sum(1 for s in data.executed if s.status == "ok"),
+                    steps_done=data.steps_ok,
                     not_approved=data.not_approved,
                 ),
                 Proposal,
@@ -763,7 +765,7 @@ class AgentRun:
             state_version=data.lifecycle.state_version,
             plan=data.plan,
             pending_approval=data.pending_approval,
-            step=len(data.executed),
+            step=data.steps_executed,
             retries=data.retries,
             last_error=data.last_error,
             approved_by=data.approved_by,
@@ -1053,6 +1055,9 @@ class AgentRun:
         size = len(data.model_dump_json())
         if not suggested and size < CARRY_CONTINUE_AT:
             return
+        if self._lean:
+            self.engine.fold_for_carry()  # the next run gets the latest steps and records
+            size = len(data.model_dump_json())
         size += len(self.request.model_dump_json(exclude={"carryover"}))
         if size > CARRY_BUDGET + REQUEST_BUDGET:
             # Cleanly, with the reason: a payload over the limit would fail every workflow task.

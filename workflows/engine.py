@@ -18,6 +18,7 @@ from workflows import policy, recovery
 from workflows import revision as revisions
 from workflows.budgets import (
     ANSWER_CHARS,
+    CARRY_TIMELINE_TAIL,
     DECISIONS_WINDOW,
     EXECUTED_OBSERVATION_CHARS,
     EXECUTED_WINDOW,
@@ -287,7 +288,7 @@ class Engine:
         result = validate_proposal(
             proposal,
             self.catalog,
-            executed_steps=len(self.data.executed),
+            executed_steps=self.data.steps_executed,
             limits=self.limits,
             new_id=new_id,
             tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
@@ -1219,6 +1220,21 @@ class Engine:
         if outcome != "failed" and not compensating:  # it may have applied: it counts against the run's amount limits
             policy.spend(self.data.spent, step.tool, step.args)
         self._trim_executed()
+
+    def fold_for_carry(self) -> None:
+        """Before continue-as-new: the next run gets the latest EXECUTED_WINDOW steps (older
+        ones as a count and a running digest) and the timeline's head and latest records (the
+        audit sink has every one): the carried state stops growing with the run."""
+        data = self.data
+        old = data.executed[: max(len(data.executed) - EXECUTED_WINDOW, 0)]
+        digest = data.executed_digest
+        for done in old:
+            digest = hashlib.sha256(f"{digest}|{done.tool_call_id}|{done.outcome}|{done.digest}".encode()).hexdigest()
+        data.executed_digest = digest
+        data.executed_before += len(old)
+        data.executed_ok_before += sum(1 for done in old if done.status == "ok")
+        del data.executed[: len(old)]
+        data.lifecycle.fold(CARRY_TIMELINE_TAIL)
 
     def _trim_executed(self) -> None:
         """Older steps keep only id, tool, status and digest: the carried state stays bounded."""

@@ -983,6 +983,11 @@ class RunData(BaseModel):
     decisions_count: int = 0
     decisions_digest: str = ""
     executed: list[ExecutedStep] = Field(default_factory=list)
+    # Steps folded out of ``executed`` when the run continued as new: how many, how many of them
+    # ok, and a running digest of their ids, outcomes and digests (Engine.fold_for_carry).
+    executed_before: int = 0
+    executed_ok_before: int = 0
+    executed_digest: str = ""
     # Sum of each numeric argument, per "tool.field", over executed steps that may have applied:
     # auto-approval and high-risk limits apply to these sums, so they cannot be split.
     spent: dict[str, float] = Field(default_factory=dict)
@@ -1005,6 +1010,15 @@ class RunData(BaseModel):
     revisions: list[Revision] = Field(default_factory=list)  # the latest REVISIONS_KEPT
     plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan
     not_approved: list[NotApproved] = Field(default_factory=list)  # for the next planner call
+
+    @property
+    def steps_executed(self) -> int:
+        """Steps executed in all, over every run of the chain."""
+        return self.executed_before + len(self.executed)
+
+    @property
+    def steps_ok(self) -> int:
+        return self.executed_ok_before + sum(1 for s in self.executed if s.status == "ok")
 
 
 class RunSnapshot(BaseModel):
@@ -1060,6 +1074,10 @@ class RunOutcome(BaseModel):
     steps: list[ExecutedStep]
     timeline: list[TransitionRecord] = Field(default_factory=list)
     records: int = 0  # records the run wrote in all (the last one's seq)
+    # A run that continued as new carries only its latest steps: the ones before, counted, and
+    # a running digest of them (RunData.executed_before / executed_digest).
+    steps_before: int = 0
+    steps_digest: str = ""
     # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
     compensations: list[CompensationCall] = Field(default_factory=list)
 

@@ -273,6 +273,16 @@ class Lifecycle(BaseModel):
         )
         return self._append(record)
 
+    def fold(self, tail: int) -> int:
+        """Keep the head and the latest ``tail`` records (every record is in the audit sink);
+        returns how many were dropped from the window."""
+        drop = len(self.timeline) - TIMELINE_HEAD - tail
+        if drop <= 0:
+            return 0
+        del self.timeline[TIMELINE_HEAD : TIMELINE_HEAD + drop]
+        self.omitted += drop
+        return drop
+
     def _append(self, record: TransitionRecord) -> TransitionRecord:
         self.records += 1
         record.seq = self.records
