@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -811,6 +812,14 @@ class RunSetup(BaseModel):
 
     catalog: ToolCatalog
     policy: PolicySnapshot
+
+    @model_serializer(mode="plain")
+    def _compact(self) -> dict[str, Any]:
+        # Fields at their defaults are left out of the marker (read back, they are the same).
+        return {
+            "catalog": self.catalog.model_dump(mode="json", exclude_defaults=True),
+            "policy": self.policy.model_dump(mode="json", exclude_defaults=True),
+        }
 
 
 class DecisionCheck(BaseModel):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from workflows.budgets import REASON_CHARS, REFUSAL_KEYS, REFUSALS_RECORDED, TIMELINE_HEAD, TIMELINE_WINDOW, clip
 
@@ -142,6 +142,12 @@ class Refs(BaseModel):
     # Set on every record that ends a tool step (success, failure, retry wait, handoff, cancel,
     # budget): what happened to the step's effect.
     outcome: EffectOutcome | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler: Any) -> dict[str, Any]:
+        # Only the ids a record has: most are unset, and every record is written to the audit
+        # sink, carried across continue-as-new and answered by the timeline query.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class TransitionRecord(BaseModel):
