@@ -63,6 +63,7 @@ from workflows.models import (
     NAME_PATTERN,
     DecideRequest,
     DecideResult,
+    ExecutedStep,
     HandoffRequest,
     PendingApproval,
     Plan,
@@ -566,8 +567,9 @@ async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
     outcome is the failure's details. Canceled (CANCELLED): read back with the snapshot and
     timeline queries (a cancelled execution carries no result; ``steps`` is then empty). Any
     other failure (an invalid start input, a terminated run) raises WorkflowFailureError.
-    The result carries no timeline (RunOutcome.records counts it): it is read with the
-    ``timeline`` query (a worker replays the closed run to answer it).
+    The result carries no timeline or steps (RunOutcome.records and steps_executed count them):
+    they are read with the ``timeline`` and ``steps`` queries (a worker replays the closed run
+    to answer them).
     """
     try:
         raw = await handle.result()
@@ -588,10 +590,13 @@ async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
 
 
 async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutcome:
-    if outcome.records and not outcome.timeline:
-        # The chain's last run (a run that continued as new ended in a later one than started).
-        last = handle._client.get_workflow_handle(handle.id)  # noqa: SLF001 (the handle's own client)
-        outcome.timeline = await last.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+    if not outcome.records or outcome.timeline:
+        return outcome  # a run recorded before: its result carried both
+    # The chain's last run (a run that continued as new ended in a later one than started).
+    last = handle._client.get_workflow_handle(handle.id)  # noqa: SLF001 (the handle's own client)
+    outcome.timeline = await last.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+    if outcome.steps_executed and not outcome.steps:
+        outcome.steps = await last.query("steps", result_type=list[ExecutedStep], rpc_timeout=QUERY_TIMEOUT)
     return outcome
 
 

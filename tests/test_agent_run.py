@@ -52,7 +52,8 @@ def keys_of(outcome: RunOutcome, tool: str) -> list[str]:
 async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: WorkflowEnvironment, billing: Billing) -> None:
     """Issue 21: one patch marker (tether-lean stands for every older patch), one setup local
     activity, the audit sink written where the run rests (here: its end), AgentRunState
-    published only for states a run rests in, and a result without the timeline."""
+    published only for states a run rests in, and a result without the timeline or the steps
+    (client.run_outcome reads them with the queries)."""
     import json
 
     async with running_worker(ts_env.client) as worker:
@@ -72,7 +73,9 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     assert local == ["run_setup", "audit_append"]
     assert states == [b'"COMPLETED"']
     assert raw.timeline == [] and raw.records == len(outcome.timeline) == outcome.timeline[-1].seq
-    assert is_legal_path(outcome.timeline) and outcome.state == S.COMPLETED and len(raw.steps) == 3
+    assert raw.steps == [] and raw.steps_executed == len(outcome.steps) == 3  # the steps query has them
+    assert is_legal_path(outcome.timeline) and outcome.state == S.COMPLETED
+    assert all(s.observation == "" and s.args == {} and len(s.digest) == 64 for s in outcome.steps)
 
 
 async def test_read_only_plan_completes_without_approval(ts_env: WorkflowEnvironment, billing: Billing) -> None:

@@ -256,11 +256,11 @@ class AgentRun:
             run_id=workflow.info().workflow_id,
             state=self.data.lifecycle.state,
             answer=self.data.answer,
-            # Ids, outcomes and digests: observations stay out of the result (its budget).
-            steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
-            # Bounded: the timeline query and the sink have the records (client.run_outcome).
+            # Bounded: the steps and timeline queries (and the sink) have them (client.run_outcome).
+            steps=[] if self._lean else self._steps(),
             timeline=[] if self._lean else timeline,
             records=self.data.lifecycle.records if self._lean else 0,
+            steps_executed=self.data.steps_executed if self._lean else 0,
             steps_before=self.data.executed_before,
             steps_digest=self.data.executed_digest,
             compensations=self.data.compensations,
@@ -801,6 +801,18 @@ class AgentRun:
     )
     def timeline(self, *args: Any) -> list[TransitionRecord]:
         return self.data.lifecycle.timeline
+
+    @workflow.query(
+        name="steps",
+        description="The steps executed: ids, tools, outcomes and digests, no arguments or "
+        "observations (list of ExecutedStep; a run that continued as new: its latest 20).",
+    )
+    def steps(self, *args: Any) -> list[ExecutedStep]:
+        return self._steps()
+
+    def _steps(self) -> list[ExecutedStep]:
+        # Ids, outcomes and digests: observations stay out (the result's and a query's budget).
+        return [s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed]
 
     def _decode(self, signal: str, args: Sequence[Any], model: type[M]) -> M | None:
         problem = None

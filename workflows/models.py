@@ -1071,18 +1071,20 @@ class RunSnapshot(BaseModel):
 class RunOutcome(BaseModel):
     """Result of the ``AgentRun`` workflow.
 
-    Bounded: the workflow's result carries no timeline (``records`` says how many the run
-    wrote; the ``timeline`` query and the audit sink have them), so history does not grow with
-    the run by a copy of its record. ``client.run_outcome`` fills ``timeline`` in from the
-    query. Runs recorded before (no ``records``) carried the timeline's window here.
+    Bounded: the workflow's result carries neither the timeline (``records`` says how many the
+    run wrote; the ``timeline`` query and the audit sink have them) nor the steps (``steps_executed``
+    says how many; the ``steps`` query has them), so history does not grow with the run by a
+    copy of its record. ``client.run_outcome`` fills both in from the queries. Runs recorded
+    before (no ``records``) carried the timeline's window and the steps here.
     """
 
     run_id: str
     state: RunState
     answer: str | None
-    steps: list[ExecutedStep]
+    steps: list[ExecutedStep] = Field(default_factory=list)
     timeline: list[TransitionRecord] = Field(default_factory=list)
     records: int = 0  # records the run wrote in all (the last one's seq)
+    steps_executed: int = 0  # steps executed in all (over every run of the chain)
     # A run that continued as new carries only its latest steps: the ones before, counted, and
     # a running digest of them (RunData.executed_before / executed_digest).
     steps_before: int = 0
