@@ -23,6 +23,7 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import mcp, planning
 from activities.audit import AuditActivities
@@ -41,6 +42,12 @@ from workflows.display import escape_text
 DEFAULT_TOOLS = "examples.billing.tools"
 # The metrics endpoint answers anyone who can reach it: this machine only, unless told.
 DEFAULT_METRICS_HOST = "127.0.0.1"
+
+
+# The workflow modules, agent_run.py included, are checked for determinism from their source
+# (tests/determinism_lint.py): passed through, the sandbox does not re-import and re-define the
+# AgentRun class for every run it starts or replays (docs/performance.md).
+WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
 
 
 def create_worker(
@@ -93,6 +100,7 @@ def create_worker(
             recovery.recovery_source,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
+        workflow_runner=options.pop("workflow_runner", WORKFLOW_RUNNER),
         **options,
     )
 
