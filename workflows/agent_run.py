@@ -251,23 +251,12 @@ class AgentRun:
                 await self._finish()
             raise
         await self._finish()
-        timeline = self.data.lifecycle.timeline
-        outcome = RunOutcome(
-            run_id=workflow.info().workflow_id,
-            state=self.data.lifecycle.state,
-            answer=self.data.answer,
-            # Bounded: the steps and timeline queries (and the sink) have them (client.run_outcome).
-            steps=[] if self._lean else self._steps(),
-            timeline=[] if self._lean else timeline,
-            records=self.data.lifecycle.records if self._lean else 0,
-            steps_executed=self.data.steps_executed if self._lean else 0,
-            steps_before=self.data.executed_before,
-            steps_digest=self.data.executed_digest,
-            compensations=self.data.compensations,
-        )
+        # Bounded where tether-lean is set: the steps and timeline queries have them.
+        outcome = self.engine.outcome(workflow.info().workflow_id, bounded=self._lean)
         if TEMPORAL_STATUS[outcome.state] == "Failed" and self._patched(FAILED_STATUS):
             # The execution fails, non-retryable, with the outcome in the failure's details
             # (client.run_outcome reads it back). Runs recorded before completed; they still do.
+            timeline = self.data.lifecycle.timeline
             final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
             raise ApplicationError(
                 f"run ended {outcome.state.value}: {clip(final, 300)}",
@@ -808,11 +797,7 @@ class AgentRun:
         "observations (list of ExecutedStep; a run that continued as new: its latest 20).",
     )
     def steps(self, *args: Any) -> list[ExecutedStep]:
-        return self._steps()
-
-    def _steps(self) -> list[ExecutedStep]:
-        # Ids, outcomes and digests: observations stay out (the result's and a query's budget).
-        return [s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed]
+        return self.engine.steps()
 
     def _decode(self, signal: str, args: Sequence[Any], model: type[M]) -> M | None:
         problem = None
@@ -914,17 +899,7 @@ class AgentRun:
             raise
 
     def _snapshot_request(self) -> SnapshotRequest:
-        request = self.request
-        return SnapshotRequest(
-            tenant=request.tenant,
-            workflow_id=workflow.info().workflow_id,
-            requested_by=request.requested_by,
-            request_digest=request.request_digest(),
-            requester_signature=request.requester_signature,
-            nonce=request.nonce,
-            issued_at=request.issued_at,
-            started_at=workflow.info().start_time,
-        )
+        return self.engine.snapshot_request(workflow.info().workflow_id, workflow.info().start_time)
 
     async def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> bool:
         """Honour a pending handoff where the table allows, once the current policy file (and the
