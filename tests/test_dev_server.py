@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from temporalio.client import WorkflowQueryFailedError
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -177,6 +179,21 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         first_run = (await handle.describe()).run_id
         # Refused decisions grow the history until the server suggests continue-as-new.
         current = env.client.get_workflow_handle(handle.id)  # the latest run: it may continue mid-flood
+        # People keep looking while it floods and continues (status, the Web UI): queries answered
+        # while a local activity resolves must not change what the run carries, nor its replay.
+        query_failures: list[str] = []
+
+        async def keep_querying() -> None:
+            while True:
+                try:
+                    await current.query("timeline")
+                except RPCError as e:  # the run it was sent to just continued: expected, go on
+                    if e.status != RPCStatusCode.NOT_FOUND:
+                        query_failures.append(str(e))
+                except WorkflowQueryFailedError as e:
+                    query_failures.append(str(e))
+
+        lookers = [asyncio.create_task(keep_querying()) for _ in range(4)]
         for i in range(CAN_THRESHOLD):
             await current.signal("approve", ApprovalDecision(decision_id=f"stale-{i}", approver="eve", plan_hash="0" * 64))
         for _ in range(100):
@@ -186,6 +203,10 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
             await asyncio.sleep(0.1)
         else:
             raise AssertionError("the run did not continue as new")
+        await asyncio.sleep(1.0)  # the continued run takes the rest of the flood under queries
+        for looker in lookers:
+            looker.cancel()
+        assert query_failures == []
         assert description.typed_search_attributes.get(STATE_ATTRIBUTE) == "AWAITING_APPROVAL"
         assert description.typed_search_attributes.get(TENANT_ATTRIBUTE) == "acme"
         latest = env.client.get_workflow_handle(handle.id, result_type=RunOutcome)

@@ -52,7 +52,8 @@ def test_patch_ids_are_compatibility_data() -> None:
     from workflows import agent_run as a
 
     assert [a.PATCH_V2, a.TRUST_CHAIN, a.PATCH_RECORD, a.PATCH_RECOVERY, a.FAILED_STATUS, a.REVISIONS,
-            a.ESCALATION, a.NOTIFY, a.CANCEL_REACHES_TOOL, a.PATCH_LEAN] == [
+            a.ESCALATION, a.NOTIFY, a.CANCEL_REACHES_TOOL, a.CAN_SETTLE, a.PATCH_LEAN] == [
         "tether-v2", "tether-trust-chain", "tether-record", "tether-recovery", "failed-status",
-        "tether-revisions", "tether-escalation", "tether-notify", "cancel-reaches-tool", "tether-lean",
+        "tether-revisions", "tether-escalation", "tether-notify", "cancel-reaches-tool", "tether-can-settle",
+        "tether-lean",
     ]

@@ -210,3 +210,22 @@ async def test_a_run_nobody_serves_says_so_within_two_seconds(dev_env: WorkflowE
     # Without --wait the run is started and the note says why nothing will happen.
     got, out, err = await cli("start", "--goal", "g", "--playbook", str(playbook), "--requested-by", "alice")
     assert got == 0 and out.startswith("started ") and err.startswith("note: " + message)
+
+
+def test_details_that_cannot_be_drawn_still_show_the_state(monkeypatch) -> None:
+    """The details are drawn in the workflow before every wait: a renderer bug must show the state
+    and where to look, never raise (an exception there fails every workflow task of the run)."""
+    from workflows import details
+    from workflows.models import RunData, RunRequest
+
+    def broken(*args, **kwargs):
+        raise KeyError("a plan shape the renderer does not know")
+
+    monkeypatch.setattr(details, "_details", broken)
+    shown = details.run_details(
+        RunData(), RunRequest(goal="g", requested_by="alice"), workflow_id="run `x`; rm -rf /", continued=False
+    )
+    assert shown.startswith("**State:** `RECEIVED` (version 0)")
+    assert "Details could not be drawn (KeyError)" in shown
+    # The id only inside one code span whose fence is longer than any backtick run in it.
+    assert "``tether status 'run `x`; rm -rf /'``" in shown

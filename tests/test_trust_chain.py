@@ -180,7 +180,11 @@ async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
             if (await client.get_workflow_handle(handle.id).describe()).run_id != handle.result_run_id:
                 break
         latest = client.get_workflow_handle(handle.id)
-        second_run = (await latest.describe()).run_id
+        for _ in range(100):  # it continues once its seal has settled (a short durable timer)
+            second_run = (await latest.describe()).run_id
+            if second_run != handle.result_run_id:
+                break
+            await asyncio.sleep(0.05)
         assert second_run != handle.result_run_id, "the run never continued as new"
         await wait_for_state(latest, "AWAITING_APPROVAL")
     # The second run's own start input: the first run's carried state and seal.

@@ -132,6 +132,14 @@ AUDIT_BACKOFF_MAX = 60.0
 # workflow.patched id: a run that ends FAILED or EXECUTION_FAILED fails its Temporal execution
 # (states.TEMPORAL_STATUS) instead of completing it.
 FAILED_STATUS = "failed-status"
+# Continue-as-new settles after the seal: a short durable timer between sealing and continuing,
+# and the seal must still describe the state. Without it, a query answered while the seal's
+# local activity was resolving let replay reach continue-as-new before signals the original run
+# had taken, and the continued run started from a state without them (lost refusals). Runs
+# recorded before continue straight after the seal.
+CAN_SETTLE = "tether-can-settle"
+# How long the run waits between sealing its state and continuing as new.
+CAN_SETTLE_DELAY = timedelta(milliseconds=10)
 # Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
 REVISIONS = "tether-revisions"
 # Escalation stages: timers inside the approval window (only where the policy sets stages).
@@ -1057,6 +1065,11 @@ class AgentRun:
         seal = None
         if self._v2:
             digest = hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest()
+            if self._lean:
+                # The records first, right after the digest (as the older runs do): after the
+                # settle timer nothing is left to flush unless the state moved, and then the
+                # digest check below returns first.
+                await self._checkpoint()
             sealed = await self._activity(
                 "carryover_seal",
                 # The seal binds the state to this run and to the generation it hands on.
@@ -1066,6 +1079,14 @@ class AgentRun:
                 local=True,
             )
             seal = sealed.seal
+            if self._patched(CAN_SETTLE):
+                # Nothing that depends on signals may follow a local activity's result before a
+                # durable boundary: replay may deliver the result before signals the original
+                # run took first (sdk-core, with a query answered in between). After the timer
+                # both runs have taken every signal up to it; the seal must still fit.
+                await workflow.sleep(CAN_SETTLE_DELAY, summary="settle before continue-as-new")
+                if hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest() != digest:
+                    return  # the state moved while sealing: seal again on a later loop
         await self._checkpoint()
         if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
             # A decision or handoff came in while sealing (act on it first), or a notification

@@ -36,7 +36,24 @@ def _utc(moment: datetime) -> str:
 def run_details(
     data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None = None
 ) -> str:
-    """``audit_error``: why the run cannot write to its audit sink (it starts nothing new meanwhile)."""
+    """``audit_error``: why the run cannot write to its audit sink (it starts nothing new meanwhile).
+
+    Never raises: the details are computed in the workflow before every wait, so an exception
+    here would fail every workflow task and wedge the run. A shape the renderer does not handle
+    shows the state and says the details could not be drawn."""
+    try:
+        return _details(data, request, workflow_id=workflow_id, continued=continued, audit_error=audit_error)
+    except Exception as err:  # noqa: BLE001 - any renderer bug must not wedge the run
+        lc = data.lifecycle
+        return (
+            f"**State:** `{lc.state.value}` (version {lc.state_version})\n\n"
+            f"Details could not be drawn ({type(err).__name__}): "
+            + code(f"tether status {_sh_quote(workflow_id)}", 200)
+            + " shows the run."
+        )
+
+
+def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None) -> str:
     lc = data.lifecycle
     lines = [f"**State:** `{lc.state.value}` (version {lc.state_version})"]
     if lc.terminal:

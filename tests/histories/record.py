@@ -138,6 +138,11 @@ async def main() -> None:
         request = DecideRequest(kind="approve", **{**approval_for(snap, "bob").model_dump(), "steps": [1, 2]})
         await h.execute_update("decide", request, result_type=DecideResult)
 
+    async def compensated_path(client: Client, h: WorkflowHandle) -> None:
+        # Issue 24: the refund is issued, the email is refused for good, the refund is voided.
+        billing.fail_next("emails", 1, status=400)
+        await approve(h)
+
     async def unsafe_path(client: Client, h: WorkflowHandle) -> None:
         billing.fail_next("emails", 1, status=503, when="after_commit")
         await approve(h)
@@ -159,6 +164,7 @@ async def main() -> None:
         ("decide_refused", steps("refund"), {}, decide_refused_path),
         ("revise", steps("refund"), {}, revise_path),
         ("partial", steps("get", "refund", "email"), {}, partial_path),
+        ("compensated", steps("refund", "email"), {"on_failure": "compensate"}, compensated_path),
     ]
 
     async def record(paths: list, extra_args: list[str]) -> None:
