@@ -63,6 +63,7 @@ from workflows.models import (
     NAME_PATTERN,
     DecideRequest,
     DecideResult,
+    ExecutedStep,
     HandoffRequest,
     PendingApproval,
     Plan,
@@ -566,20 +567,37 @@ async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
     outcome is the failure's details. Canceled (CANCELLED): read back with the snapshot and
     timeline queries (a cancelled execution carries no result; ``steps`` is then empty). Any
     other failure (an invalid start input, a terminated run) raises WorkflowFailureError.
+    The result carries no timeline or steps (RunOutcome.records and steps_executed count them):
+    they are read with the ``timeline`` and ``steps`` queries (a worker replays the closed run
+    to answer them).
     """
     try:
         raw = await handle.result()
     except WorkflowFailureError as e:
         cause = e.cause
         if isinstance(cause, ApplicationError) and cause.details and cause.type in RunState.__members__:
-            return RunOutcome.model_validate(cause.details[0])
+            return await _with_timeline(handle, RunOutcome.model_validate(cause.details[0]))
         if isinstance(cause, CancelledError):
             snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
             if snap.state == RunState.CANCELLED:
                 records = await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
-                return RunOutcome(run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records)
+                return RunOutcome(
+                    run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records,
+                    records=snap.timeline_records,
+                )
         raise
-    return raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw)
+    return await _with_timeline(handle, raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw))
+
+
+async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutcome:
+    if not outcome.records or outcome.timeline:
+        return outcome  # a run recorded before: its result carried both
+    # The chain's last run (a run that continued as new ended in a later one than started).
+    last = handle._client.get_workflow_handle(handle.id)  # noqa: SLF001 (the handle's own client)
+    outcome.timeline = await last.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+    if outcome.steps_executed and not outcome.steps:
+        outcome.steps = await last.query("steps", result_type=list[ExecutedStep], rpc_timeout=QUERY_TIMEOUT)
+    return outcome
 
 
 async def wait_settled(client: Client, run_id: str, timeout: float, *, approval_settles: bool = True) -> RunStatus:

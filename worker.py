@@ -23,6 +23,7 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import mcp, planning
 from activities.audit import AuditActivities
@@ -32,6 +33,7 @@ from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
+from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
@@ -40,6 +42,12 @@ from workflows.display import escape_text
 DEFAULT_TOOLS = "examples.billing.tools"
 # The metrics endpoint answers anyone who can reach it: this machine only, unless told.
 DEFAULT_METRICS_HOST = "127.0.0.1"
+
+
+# The workflow modules, agent_run.py included, are checked for determinism from their source
+# (tests/determinism_lint.py): passed through, the sandbox does not re-import and re-define the
+# AgentRun class for every run it starts or replays (docs/performance.md).
+WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
 
 
 def create_worker(
@@ -71,6 +79,7 @@ def create_worker(
     # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()
     recovery = RecoveryActivities(client)
+    setup = SetupActivities(tools, rules)
     return Worker(
         client,
         task_queue=task_queue,
@@ -80,6 +89,7 @@ def create_worker(
             tools.execute_tool,
             planning.plan,
             rules.policy_snapshot,
+            setup.run_setup,
             rules.check_decision,
             rules.check_authority,
             rules.check_handoff,
@@ -90,6 +100,7 @@ def create_worker(
             recovery.recovery_source,
         ],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
+        workflow_runner=options.pop("workflow_runner", WORKFLOW_RUNNER),
         **options,
     )
 

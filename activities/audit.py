@@ -129,7 +129,9 @@ class JsonlAuditSink:
         pass  # nothing held open between appends
 
     async def append(self, batch: AuditBatch) -> int:
-        return self.write(batch)
+        # open, flock and fsync block: in a thread, so the worker's event loop (every workflow
+        # and activity on this worker) never waits for the disk.
+        return await asyncio.to_thread(self.write, batch)
 
     def write(self, batch: AuditBatch) -> int:
         """Append the records of this execution not written yet; returns the last seq on file."""

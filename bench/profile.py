@@ -28,7 +28,7 @@ from bench.common import table
 BUCKETS: list[tuple[str, tuple[str, ...]]] = [
     ("audit_append local activity (runs on the event loop)", ("JsonlAuditSink.append", "audit_append")),
     ("policy / catalog / carryover local activities",
-     ("PolicyActivities", "tool_catalog", "carryover_seal", "carryover_verify")),
+     ("PolicyActivities", "SetupActivities", "tool_catalog", "carryover_seal", "carryover_verify")),
     ("tool activity body", ("ToolActivities.execute_tool", "peer_agents.py")),
     ("planner activity body", ("activities/planning.py", "pydantic_ai/models/function.py")),
     ("sandbox: a new workflow instance (module re-import)", ("_Instance.__init__", "_create_workflow_instance")),

@@ -49,6 +49,35 @@ def keys_of(outcome: RunOutcome, tool: str) -> list[str]:
     return sorted({r.refs.idempotency_key for r in outcome.timeline if r.refs.tool_call_id in ids})
 
 
+async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    """Issue 21: one patch marker (tether-lean stands for every older patch), one setup local
+    activity, the audit sink written where the run rests (here: its end), AgentRunState
+    published only for states a run rests in, and a result without the timeline or the steps
+    (client.run_outcome reads them with the queries)."""
+    import json
+
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(READ_ONLY * 3))
+        raw = await handle.result()
+        outcome = await run_outcome(handle)
+        events = (await handle.fetch_history()).events
+    markers = [e.marker_recorded_event_attributes for e in events if e.HasField("marker_recorded_event_attributes")]
+    patches = [json.loads(m.details["patch-data"].payloads[0].data)["id"] for m in markers if m.marker_name == "core_patch"]
+    local = [json.loads(m.details["data"].payloads[0].data)["activity_type"] for m in markers if m.marker_name == "core_local_activity"]
+    states = [
+        e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields["AgentRunState"].data
+        for e in events if e.HasField("upsert_workflow_search_attributes_event_attributes")
+        and "AgentRunState" in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+    ]
+    assert patches == ["tether-lean"]
+    assert local == ["run_setup", "audit_append"]
+    assert states == [b'"COMPLETED"']
+    assert raw.timeline == [] and raw.records == len(outcome.timeline) == outcome.timeline[-1].seq
+    assert raw.steps == [] and raw.steps_executed == len(outcome.steps) == 3  # the steps query has them
+    assert is_legal_path(outcome.timeline) and outcome.state == S.COMPLETED
+    assert all(s.observation == "" and s.args == {} and len(s.digest) == 64 for s in outcome.steps)
+
+
 async def test_read_only_plan_completes_without_approval(ts_env: WorkflowEnvironment, billing: Billing) -> None:
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request(READ_ONLY))

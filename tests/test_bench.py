@@ -96,7 +96,7 @@ async def test_anatomy_accounts_for_every_event(stack: Stack, capsys) -> None:
     assert sum(int(r[4]) for r in kinds.values()) == int(total[4])  # and so do their bytes
     ops = {r[0]: r for r in rows(out, "operation")}
     assert ops["activity execute_tool"][1:3] == ["2", "2"]
-    assert "local activity tool_catalog" in ops
+    assert "local activity run_setup" in ops  # the catalog and the policy, one marker
     assert "governed: search-attribute upserts, in order:" in out
 
 

@@ -63,7 +63,7 @@ async def test_a_flood_of_refused_approvals_stays_bounded_and_the_run_completes(
         assert answer < QUERY_BUDGET and snap_size < QUERY_BUDGET
         print(f"\nflood of {flood}: query p_max {max(latencies):.3f}s, timeline answer {answer} B, snapshot {snap_size} B")
         await handle.signal("approve", approval_for(latest, "bob"))
-        outcome = await asyncio.wait_for(handle.result(follow_runs=True), 60)
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
     assert outcome.state == S.COMPLETED
     assert len(outcome.model_dump_json()) < RESULT_BUDGET
     assert len(billing.refunds(next(r.refs.idempotency_key for r in outcome.timeline if r.refs.idempotency_key))) == 1
@@ -91,7 +91,7 @@ async def test_a_long_read_only_run_completes_continuing_as_new(small_history_en
     async with running_worker(env.client, registry=LONG_TOOLS) as worker:
         handle = await start_run(env.client, worker, make_request(playbook, limits={"max_steps": steps}))
         began = time.monotonic()
-        outcome = await asyncio.wait_for(handle.result(follow_runs=True), 900)
+        outcome = await asyncio.wait_for(run_outcome(handle), 900)
         elapsed = time.monotonic() - began
         trail = await tether_client.audit_trail(env.client, handle.id)
     # The chain of runs stays visible on the record: the first run, then each continued one,
@@ -103,7 +103,9 @@ async def test_a_long_read_only_run_completes_continuing_as_new(small_history_en
     assert [r.seq for r in trail.line()] == list(range(1, trail.written + 1)) and trail.missing == []
     assert all(not b.from_window for b in trail.branches)
     assert outcome.state == S.COMPLETED, outcome.timeline[-3:]
-    assert len(outcome.steps) == steps and all(s.status == "ok" for s in outcome.steps)
+    # Continue-as-new carries the latest steps; the ones before are counted and digested.
+    assert outcome.steps_before + len(outcome.steps) == steps and all(s.status == "ok" for s in outcome.steps)
+    assert outcome.steps_before > 0 and len(outcome.steps_digest) == 64
     size = len(outcome.model_dump_json())
     assert size < RESULT_BUDGET
     description = await env.client.get_workflow_handle(handle.id).describe()
@@ -220,7 +222,7 @@ async def test_an_update_flood_is_answered_and_continues_as_new_before_temporals
         else:
             assert now.updates == count
         await dev_env.client.get_workflow_handle(handle.id).signal("approve", approval_for(now, "bob"))
-        outcome = await dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome).result()
+        outcome = await run_outcome(dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome))
     assert outcome.state == S.COMPLETED
     print(f"\n{count} decide Updates: {elapsed:.1f}s")
 
@@ -289,3 +291,40 @@ async def test_the_audit_sink_holds_every_record_once_after_a_torn_write(tmp_pat
     records = (await sink.read("wf/../x"))["r1"]
     assert [r.seq for r in records] == [1, 2, 3, 4, 5]
     assert [r.seq for r in merge_timeline(records, lifecycle.timeline[-2:])] == [1, 2, 3, 4, 5]
+
+
+def test_what_continue_as_new_carries_stops_growing_with_the_run() -> None:
+    """Engine.fold_for_carry (issue 21): the latest EXECUTED_WINDOW steps and the timeline's head
+    and latest records; older steps as a count, an ok count and a running digest, older records
+    counted in ``omitted`` (the audit sink has every one). Folding twice changes nothing more."""
+    from datetime import datetime, timezone
+
+    from workflows.budgets import CARRY_TIMELINE_TAIL, EXECUTED_WINDOW, TIMELINE_HEAD
+    from workflows.engine import Engine
+    from workflows.models import ExecutedStep, RunRequest
+
+    def carried(steps: int) -> tuple[RunData, int]:
+        data = RunData()
+        at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+        for i in range(steps):
+            data.executed.append(ExecutedStep(tool_call_id=f"tc-{i}", tool="t", args={}, status="ok" if i % 3 else "failed",
+                                              outcome="ok" if i % 3 else "failed", digest="d" * 64))
+            data.lifecycle.accept(at=at, actor=f"user:{i}", reason="r")
+        engine = Engine(data, RunRequest(goal="g", requested_by="alice"), workflow_id="wf")
+        engine.fold_for_carry()
+        size = len(data.model_dump_json())
+        engine.fold_for_carry()
+        return data, size
+
+    small, small_size = carried(5)
+    assert small.executed_before == 0 and len(small.executed) == 5 and len(small.lifecycle.timeline) == 5
+    long, long_size = carried(300)
+    longer, longer_size = carried(600)
+    for data, steps in ((long, 300), (longer, 600)):
+        assert len(data.executed) == EXECUTED_WINDOW and data.steps_executed == steps
+        assert data.steps_ok == sum(1 for i in range(steps) if i % 3)
+        assert [r.seq for r in data.lifecycle.timeline] == [
+            *range(1, TIMELINE_HEAD + 1), *range(steps - CARRY_TIMELINE_TAIL + 1, steps + 1)]
+        assert data.lifecycle.omitted == steps - TIMELINE_HEAD - CARRY_TIMELINE_TAIL and data.lifecycle.records == steps
+    assert long.executed_digest != longer.executed_digest and len(long.executed_digest) == 64
+    assert abs(longer_size - long_size) < 200  # the same bytes whatever the run's length

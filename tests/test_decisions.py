@@ -19,6 +19,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
+from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
 from workflows.models import DecideResult, PlannerInput, RunOutcome, RunSnapshot
@@ -141,7 +142,7 @@ async def test_revise_lowers_a_refund_old_request_is_stale_new_one_runs(
         assert stale.outcome == "refused" and stale.rule == "stale_plan_hash", stale
         ok = await decide(handle, kind="approve", **approval_for(after, "bob").model_dump(exclude_none=True))
         assert ok.outcome == "transition" and ok.state == S.APPROVED, ok
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         await replays(handle)
     assert outcome.state == S.COMPLETED
     keys = {f"{handle.id}:{s.tool_call_id}" for s in outcome.steps if s.tool == "issue_refund"}
@@ -184,7 +185,7 @@ async def test_an_invalid_revision_is_refused_and_changes_nothing(
         # The pending request still takes its approval.
         ok = await decide(handle, kind="approve", **approval_for(before, "bob").model_dump(exclude_none=True))
         assert ok.state == S.APPROVED
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
 
 
@@ -197,7 +198,7 @@ async def test_partial_approval_runs_the_approved_steps_and_tells_the_planner(
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         verdict = await decide(handle, kind="approve", steps=[2, 1], **approval_for(snap, "bob").model_dump(exclude_none=True))
         assert verdict.outcome == "transition" and verdict.state == S.APPROVED, verdict
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         inputs = await planner_inputs(handle)
         await replays(handle)
     assert outcome.state == S.COMPLETED
@@ -236,7 +237,7 @@ async def test_with_two_approvals_needed_the_other_approves_the_subset(
         assert again.rule == "distinct_approvers"
         done = await decide(handle, kind="approve", **approval_for(subset, "carol").model_dump(exclude_none=True))
         assert done.state == S.APPROVED
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert [s.tool for s in outcome.steps] == ["get_order", "issue_refund"]
     check_timeline(outcome.timeline, tools_by_call(outcome))
 
@@ -260,7 +261,7 @@ async def test_editor_may_approve_false_refuses_the_editors_approval(
         assert editor.outcome == "refused" and editor.rule == "editor_approval", editor
         ok = await decide(handle, kind="approve", **approval_for(latest, "bob").model_dump(exclude_none=True))
         assert ok.state == S.APPROVED
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
 
 
@@ -307,7 +308,7 @@ async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
         assert "escalation stage 2 of 2" in details and "`manager`" in details
         ok = await decide(handle, kind="approve", **approval_for(second, "mia").model_dump(exclude_none=True))
         assert ok.state == S.APPROVED, ok
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         await replays(handle)
     # Speed is for benchmarks, not assertions: the stages' own times below show the skipped hours.
     print(f"\n[escalation] 2 h and 6 h stages, 8 h skipped: {elapsed:.3f}s real time")
@@ -348,7 +349,7 @@ async def test_hostile_revisions_wrong_person_repeated_late_concurrent_malformed
         if counted[0].decision_id == "race-revise":
             after = await wait_for_state(handle, "AWAITING_APPROVAL")
             await handle.signal("approve", approval_for(after, "bob"))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         late = await handle.query("timeline", result_type=list)
     refused = {r.refs.decision_id: r.rule for r in outcome.timeline if r.kind == "refused"}
     assert refused.get("m3") == "stale_request"
@@ -426,6 +427,6 @@ async def test_a_revised_escalating_plan_continues_as_new_and_keeps_its_version(
         assert carried.pending_approval == snap.pending_approval and carried.pending_approval.editors == ["carol"]
         ok = await decide(handle, kind="approve", **approval_for(carried, "bob").model_dump(exclude_none=True))
         assert ok.state == S.APPROVED
-        outcome = await env.client.get_workflow_handle(handle.id, result_type=RunOutcome).result()
+        outcome = await run_outcome(env.client.get_workflow_handle(handle.id, result_type=RunOutcome))
     refunds = [r for s in outcome.steps if s.tool == "issue_refund" for r in billing.refunds(f"{handle.id}:{s.tool_call_id}")]
     assert [r["amount_cents"] for r in refunds] == [5500]

@@ -74,3 +74,13 @@ def test_the_deterministic_apis_stay_allowed() -> None:
         "    await asyncio.sleep(1)\n    rule = getattr(self, 'rule', None)\n"
     )
     assert problems_in(source, "ok.py") == []
+
+
+def test_the_worker_passes_the_linted_workflow_modules_through_the_sandbox() -> None:
+    """What this lint checks is what the sandbox does not re-import per run: every module under
+    workflows/ (agent_run.py included), so no workflow module escapes both checks."""
+    from worker import WORKFLOW_RUNNER
+
+    assert "workflows" in WORKFLOW_RUNNER.restrictions.passthrough_modules
+    linted = {p.stem for p in (ROOT / "workflows").glob("*.py")}
+    assert {"agent_run", "engine", "policy", "states"} <= linted

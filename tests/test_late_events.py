@@ -54,9 +54,10 @@ def refusals(records) -> list[str]:
 async def settle(handle: WorkflowHandle) -> RunOutcome | None:
     """The run's outcome, or None when it ended cancelled (the timeline is then queried)."""
     try:
-        return await handle.result()
+        outcome = await run_outcome(handle)
     except WorkflowFailureError:
         return None
+    return None if outcome.state == RunState.CANCELLED else outcome  # read back from the queries
 
 
 # ----------------------------------------------------------------------------- redelivery

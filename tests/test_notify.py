@@ -19,6 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.notify import verify
 from activities.policy import PolicyStore
+from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
 from tests.test_decisions import replays
@@ -160,7 +161,7 @@ async def signed_events_and_a_dead_webhook(
         assert verdict.state == S.APPROVED
         done = await wait_for_state(handle, "COMPLETED")
         ran = time.monotonic() - decided
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
         ended = time.monotonic() - decided
         await replays(handle)  # the notify activities started alongside the run replay too
     assert done.step == 2 and ran < 2.0, f"the steps waited for the webhook: {ran:.2f}s"
@@ -188,7 +189,7 @@ async def test_an_escalation_stage_tells_its_webhooks_and_the_expiry_is_told_las
     )
     async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(policy))) as worker:
         handle = await start_run(ts_env.client, worker, make_request([READ, REFUND]))
-        outcome = await handle.result()  # time skips: 1 h escalation, 3 h expiry
+        outcome = await run_outcome(handle)  # time skips: 1 h escalation, 3 h expiry
     assert outcome.state == S.EXPIRED
     await until(lambda: len(good.events) >= 2)
     assert [e["event"] for e in good.events] == ["escalated", "expired"], "the 3 h stage is the expiry's: dropped"

@@ -44,3 +44,16 @@ async def test_an_incompatible_change_fails_replay() -> None:
     result = await replayer.replay_workflow(load(HISTORIES[0]), raise_on_replay_failure=False)
     assert result.replay_failure is not None
     assert "nondetermin" in str(result.replay_failure).lower()
+
+
+def test_patch_ids_are_compatibility_data() -> None:
+    """Recorded histories name these ids in their markers: renaming one makes runs in flight
+    take the other branch on replay. tether-lean (issue 21) stands for every older one."""
+    from workflows import agent_run as a
+
+    assert [a.PATCH_V2, a.TRUST_CHAIN, a.PATCH_RECORD, a.PATCH_RECOVERY, a.FAILED_STATUS, a.REVISIONS,
+            a.ESCALATION, a.NOTIFY, a.CANCEL_REACHES_TOOL, a.CAN_SETTLE, a.PATCH_LEAN] == [
+        "tether-v2", "tether-trust-chain", "tether-record", "tether-recovery", "failed-status",
+        "tether-revisions", "tether-escalation", "tether-notify", "cancel-reaches-tool", "tether-can-settle",
+        "tether-lean",
+    ]

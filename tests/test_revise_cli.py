@@ -8,6 +8,7 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
+from client import run_outcome
 from tests.conftest import Billing, running_worker, unique
 from tests.test_cli import POLICY, one_line
 from tests.test_dev_server import Cli
@@ -59,7 +60,7 @@ async def test_revise_then_approve_part_through_the_cli(
         code, out, err = await cli("approve", run, "--by", "bob", "--steps", "1,2")
         assert code == 0 and "APPROVED" in out, (out, err)
         handle = dev_env.client.get_workflow_handle(run, result_type=RunOutcome)
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     assert outcome.state.value == "COMPLETED"
     assert [s.tool for s in outcome.steps] == ["get_order", "issue_refund"]
     keys = [f"{run}:{s.tool_call_id}" for s in outcome.steps if s.tool == "issue_refund"]

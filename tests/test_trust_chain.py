@@ -334,7 +334,7 @@ async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approv
         refused = await handle.execute_update("decide", DecideRequest(**bob, kind="approve"), result_type=DecideResult)
         assert (refused.outcome, refused.rule) == ("refused", "role"), refused
         await handle.signal("approve", approval_for(again, "dana"))  # ... dana can
-        first = await handle.result()
+        first = await run_outcome(handle)
         assert first.state.value == "COMPLETED"
 
         # 2. dana approves, unsigned; before the write, the tenant turns require_signatures on.
@@ -354,7 +354,7 @@ async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approv
         assert again.pending_approval.roles == ["finance"]
         assert [r for r in billing.refunds() if r["amount_cents"] == 1200 and r["idempotency_key"].startswith(handle.id)] == []
         await handle.signal("approve", signed("carol", again))  # finance, signed: can be given
-        second = await handle.result()
+        second = await run_outcome(handle)
     assert second.state.value == "COMPLETED"
     assert [r for r in second.timeline if r.to_state.value == "APPROVED"][-1].actor == "user:carol (signed)"
 
@@ -460,7 +460,7 @@ async def test_two_workers_one_missing_the_fleets_newest_key_every_run_completes
                 handle = env.client.get_workflow_handle(run_id, result_type=RunOutcome)
                 await handle.signal("approve", approval_for(await snapshot(handle), "bob"))
             for run_id, _ in runs:
-                outcomes.append(await asyncio.wait_for(env.client.get_workflow_handle(run_id, result_type=RunOutcome).result(), 60))
+                outcomes.append(await asyncio.wait_for(run_outcome(env.client.get_workflow_handle(run_id, result_type=RunOutcome)), 60))
     assert [o.state.value for o in outcomes] == ["COMPLETED"] * 3
     assert all(len(emails(billing, to)) == 1 for _, to in runs)
 
@@ -568,7 +568,7 @@ async def test_a_retry_the_current_policy_no_longer_allows_is_not_started(ts_env
         )
         await wait_for_state(handle, "RETRY_WAIT")
         path.write_text(POLICY.replace('tools = ["get_order", "issue_refund", "hold_then_fail"]', 'tools = ["get_order", "hold_then_fail"]'))
-        outcome = await handle.result()
+        outcome = await run_outcome(handle)
     last = outcome.timeline[-1]
     assert outcome.state.value == "HANDED_OFF", last  # the first attempt's outcome is unknown
     assert "write not started" in last.reason and "tool_withdrawn" in last.reason, last.reason

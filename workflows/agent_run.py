@@ -66,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
         RunData,
         RunOutcome,
         RunRequest,
+        RunSetup,
         RunSnapshot,
         ReviseDecideRequest,
         RevisionRequest,
@@ -79,7 +80,7 @@ with workflow.unsafe.imports_passed_through():
         canonical_json,
         first_error,
     )
-    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
+    from workflows.states import PUBLISHED, TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
 
 S = RunState
 T = TypeVar("T")
@@ -157,6 +158,12 @@ NOTIFY_RETRY = RetryPolicy(
 )
 NOTIFY_ATTEMPT = timedelta(seconds=15)
 NOTIFY_BUDGET = timedelta(seconds=75)
+# One marker for every run from this version on (issue 21): where it is set, every patch above
+# counts as set without a marker (and a TemporalChangeVersion upsert) of its own, the audit sink
+# is written where the run rests (a wait, a timer, before a write, continue-as-new, the end)
+# instead of before every activity, and AgentRunState is published only for states.PUBLISHED.
+# Histories without it replay exactly as they were recorded (every older patch asked for).
+PATCH_LEAN = "tether-lean"
 DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
@@ -190,6 +197,7 @@ class AgentRun:
         self._verdicts: dict[str, DecideResult | None] = {}
         self._audit_error: str | None = None
         self._updates = 0  # decide Updates this execution took
+        self._lean = True
         self._v2 = True
         self._v3 = True
         self._bounces = 0
@@ -202,6 +210,7 @@ class AgentRun:
         self._settle_misses = 0  # continue-as-new attempts whose seal signals overtook
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
+        self._shown: str | None = None  # the current details last set
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == request.tenant
 
@@ -233,10 +242,14 @@ class AgentRun:
     async def run(self, *args: Any) -> RunOutcome:
         if self._start_error is not None:
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
-        self._v2 = workflow.patched(PATCH_V2)
-        self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
-        self._record = self._v2 and workflow.patched(PATCH_RECORD)
-        self.engine.recovery = workflow.patched(PATCH_RECOVERY)
+        self._lean = workflow.patched(PATCH_LEAN)
+        if self._lean:
+            self._v2 = self._v3 = self._record = self.engine.recovery = True
+        else:
+            self._v2 = workflow.patched(PATCH_V2)
+            self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
+            self._record = self._v2 and workflow.patched(PATCH_RECORD)
+            self.engine.recovery = workflow.patched(PATCH_RECOVERY)
         try:
             await self._verify_carryover()
             await self._drive()
@@ -251,19 +264,13 @@ class AgentRun:
                 await self._finish()
             raise
         await self._finish()
-        outcome = RunOutcome(
-            run_id=workflow.info().workflow_id,
-            state=self.data.lifecycle.state,
-            answer=self.data.answer,
-            # Ids, outcomes and digests: observations stay out of the result (its budget).
-            steps=[s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed],
-            timeline=self.data.lifecycle.timeline,
-            compensations=self.data.compensations,
-        )
-        if TEMPORAL_STATUS[outcome.state] == "Failed" and workflow.patched(FAILED_STATUS):
+        # Bounded where tether-lean is set: the steps and timeline queries have them.
+        outcome = self.engine.outcome(workflow.info().workflow_id, bounded=self._lean)
+        if TEMPORAL_STATUS[outcome.state] == "Failed" and self._patched(FAILED_STATUS):
             # The execution fails, non-retryable, with the outcome in the failure's details
             # (client.run_outcome reads it back). Runs recorded before completed; they still do.
-            final = next((r.reason for r in reversed(outcome.timeline) if r.kind == "transition"), "")
+            timeline = self.data.lifecycle.timeline
+            final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
             raise ApplicationError(
                 f"run ended {outcome.state.value}: {clip(final, 300)}",
                 outcome,
@@ -336,6 +343,11 @@ class AgentRun:
 
     async def _drive(self) -> None:
         data = self.data
+        if self._lean and data.catalog is None and data.policy is None:
+            # One snapshot per run, both in one local activity: validation must not change
+            # under a run's feet.
+            setup = await self._activity("run_setup", self._snapshot_request(), RunSetup, "", local=True)
+            data.catalog, data.policy = setup.catalog, setup.policy
         if data.catalog is None:
             # One snapshot per run: validation must not change under a run's feet.
             data.catalog = await self._activity(
@@ -343,22 +355,8 @@ class AgentRun:
                 local=True,
             )
         if data.policy is None:
-            request = self.request
             data.policy = await self._activity(
-                "policy_snapshot",
-                SnapshotRequest(
-                    tenant=request.tenant,
-                    workflow_id=workflow.info().workflow_id,
-                    requested_by=request.requested_by,
-                    request_digest=request.request_digest(),
-                    requester_signature=request.requester_signature,
-                    nonce=request.nonce,
-                    issued_at=request.issued_at,
-                    started_at=workflow.info().start_time,
-                ),
-                PolicySnapshot,
-                "policy snapshot",
-                local=True,
+                "policy_snapshot", self._snapshot_request(), PolicySnapshot, "policy snapshot", local=True
             )
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
@@ -436,7 +434,7 @@ class AgentRun:
                     executed=_bounded_context(data.executed),
                     feedback=data.feedback,
                     round=data.planning_rounds,
-                    steps_done=sum(1 for s in data.executed if s.status == "ok"),
+                    steps_done=data.steps_ok,
                     not_approved=data.not_approved,
                 ),
                 Proposal,
@@ -459,7 +457,7 @@ class AgentRun:
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
         # The expiry, or the next escalation stage where the policy sets stages.
-        escalate = bool(pending.escalation) and workflow.patched(ESCALATION)
+        escalate = bool(pending.escalation) and self._patched(ESCALATION)
         wake, summary = self.engine.next_timer(escalate)
         remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
@@ -483,7 +481,7 @@ class AgentRun:
             # (a cancel, a failure) still answers it (_finish).
             kind, decision = self._inbox[0] if self._record else self._inbox.pop(0)
             if kind == "revise" or getattr(decision, "steps", None) is not None:
-                workflow.patched(REVISIONS)
+                self._patched(REVISIONS)
             verdict = await self._activity(
                 "policy_check_decision",
                 DecisionCheck(
@@ -548,7 +546,10 @@ class AgentRun:
                 self._decide(lambda now: self.engine.write_refused(refusal, now))
                 return
             call = call.model_copy(update={"capability": verdict.capability})
-        await self._checkpoint()
+        if self._lean and info.effect == ToolEffect.READ_ONLY:
+            self._show()  # a read is no place the run rests: the sink gets its records later
+        else:
+            await self._checkpoint()  # the record of the approval is in the sink before a write
         handle = workflow.start_activity(
             "execute_tool",
             call,
@@ -572,7 +573,7 @@ class AgentRun:
                 outcome = await asyncio.shield(handle)
             except asyncio.CancelledError:
                 failure: ToolFailure | None = None
-                if workflow.patched(CANCEL_REACHES_TOOL):
+                if self._patched(CANCEL_REACHES_TOOL):
                     # The attempt may have ended in the very workflow task the cancel came in:
                     # let its handle take that result first (the SDK drops the result of a
                     # handle cancelled after its result arrived).
@@ -766,7 +767,7 @@ class AgentRun:
             state_version=data.lifecycle.state_version,
             plan=data.plan,
             pending_approval=data.pending_approval,
-            step=len(data.executed),
+            step=data.steps_executed,
             retries=data.retries,
             last_error=data.last_error,
             approved_by=data.approved_by,
@@ -802,6 +803,14 @@ class AgentRun:
     )
     def timeline(self, *args: Any) -> list[TransitionRecord]:
         return self.data.lifecycle.timeline
+
+    @workflow.query(
+        name="steps",
+        description="The steps executed: ids, tools, outcomes and digests, no arguments or "
+        "observations (list of ExecutedStep; a run that continued as new: its latest 20).",
+    )
+    def steps(self, *args: Any) -> list[ExecutedStep]:
+        return self.engine.steps()
 
     def _decode(self, signal: str, args: Sequence[Any], model: type[M]) -> M | None:
         problem = None
@@ -877,8 +886,10 @@ class AgentRun:
         local: bool = False,
         checkpoint: bool = True,
     ) -> T:
-        if checkpoint:
+        if checkpoint and not self._lean:
             await self._checkpoint()
+        elif checkpoint and not local:
+            self._show()  # never a checkpoint before a local activity; the sink is written at rests
         # Local for the snapshots, policy checks and the audit sink: in-process work that runs
         # inside the current workflow task and leaves one marker event, instead of an activity
         # task plus another workflow task (six events and two server round trips; bench/).
@@ -890,7 +901,8 @@ class AgentRun:
                 result_type=result_type,
                 start_to_close_timeout=timeout,
                 retry_policy=retry,
-                summary=summary,
+                # A local activity's summary is one more payload per activation, seen by nobody.
+                summary=None if local and self._lean else summary,
             )
         except ActivityError as err:
             # An activity the run's own cancellation cancelled: the run is being cancelled, not
@@ -898,6 +910,9 @@ class AgentRun:
             if isinstance(err.cause, CancelledError):
                 raise asyncio.CancelledError() from err
             raise
+
+    def _snapshot_request(self) -> SnapshotRequest:
+        return self.engine.snapshot_request(workflow.info().workflow_id, workflow.info().start_time)
 
     async def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> bool:
         """Honour a pending handoff where the table allows, once the current policy file (and the
@@ -985,13 +1000,22 @@ class AgentRun:
         """Before the run waits: the audit sink has every record, people who take an event are
         being told, and the state is visible."""
         await self._flush_audit()
+        self._show()
+
+    def _show(self) -> None:
+        """Before the run awaits anything: people who take an event are being told, and the
+        state is visible."""
         self._notify()
         self._publish()
+
+    def _patched(self, patch_id: str) -> bool:
+        """An older patch: set wherever PATCH_LEAN is (no marker of its own), else as recorded."""
+        return self._lean or workflow.patched(patch_id)
 
     def _notify(self) -> None:
         """Start a notify activity per event the policy has webhooks for; the run goes on."""
         notes = self.engine.take_notifications(workflow.info().namespace)
-        if not notes or not self._v2 or not workflow.patched(NOTIFY):
+        if not notes or not self._v2 or not self._patched(NOTIFY):
             return
         for note in notes:
             self._notifying += 1
@@ -1031,6 +1055,9 @@ class AgentRun:
         size = len(data.model_dump_json())
         if not suggested and size < CARRY_CONTINUE_AT:
             return
+        if self._lean:
+            self.engine.fold_for_carry()  # the next run gets the latest steps and records
+            size = len(data.model_dump_json())
         size += len(self.request.model_dump_json(exclude={"carryover"}))
         if size > CARRY_BUDGET + REQUEST_BUDGET:
             # Cleanly, with the reason: a payload over the limit would fail every workflow task.
@@ -1044,8 +1071,13 @@ class AgentRun:
         if self._v2:
             # Decided before the seal's local activity: a patch marker right after a local
             # activity's result fails replay when a query was answered in between (sdk-core).
-            settle = self._settle_misses < CAN_SETTLE_TRIES and workflow.patched(CAN_SETTLE)
+            settle = self._settle_misses < CAN_SETTLE_TRIES and self._patched(CAN_SETTLE)
             digest = hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest()
+            if self._lean:
+                # The records first, right after the digest (as the older runs do): after the
+                # settle timer nothing is left to flush unless the state moved, and then the
+                # digest check below returns first.
+                await self._checkpoint()
             sealed = await self._activity(
                 "carryover_seal",
                 # The seal binds the state to this run and to the generation it hands on.
@@ -1085,15 +1117,18 @@ class AgentRun:
         Called before every await rather than on every move: states the run passes through
         inside one workflow task are never observable, and each upsert costs a history event.
         """
-        state = self.data.lifecycle.state.value
-        if state != self._published:
-            updates = [STATE_ATTRIBUTE.value_set(state)]
+        state = self.data.lifecycle.state
+        if state.value != self._published and (not self._lean or state in PUBLISHED):
+            updates = [STATE_ATTRIBUTE.value_set(state.value)]
             if not self._tenant_published:
                 updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))
                 self._tenant_published = True
             workflow.upsert_search_attributes(updates)
-            self._published = state
-        workflow.set_current_details(clip(self._details(), DETAILS_CHARS))
+            self._published = state.value
+        details = clip(self._details(), DETAILS_CHARS)
+        if details != self._shown:
+            workflow.set_current_details(details)
+            self._shown = details
 
     def _details(self) -> str:
         return run_details(

@@ -22,6 +22,9 @@ DETAILS_CHARS = 8 * KIB  # the Web UI's current details (markdown)
 # The audit timeline the workflow keeps (every record also goes to the audit sink).
 TIMELINE_HEAD = 20  # the first records, kept for the run's start (policy hash, first plan)
 TIMELINE_WINDOW = 500  # records kept in all; older ones (after the head) are in the sink only
+# What continue-as-new carries of the timeline: the head and the latest records (the sink has
+# the rest), so each continue-as-new writes the same bytes however long the run has been going.
+CARRY_TIMELINE_TAIL = 20
 REASON_CHARS = 600  # one record's reason
 # Refused events of one rule from one actor beyond this many are counted, not recorded.
 REFUSALS_RECORDED = 3

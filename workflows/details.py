@@ -64,7 +64,7 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
     lines += [
         "",
         f"**Tenant** {code(request.tenant, 80)} · **requested by** {requester} · "
-        f"{len(data.executed)} step(s) executed · {data.retries} retries",
+        f"{data.steps_executed} step(s) executed · {data.retries} retries",
     ]
     if continued:
         # A continued run has no static summary of its own (continue-as-new cannot set one).

@@ -18,6 +18,7 @@ from workflows import policy, recovery
 from workflows import revision as revisions
 from workflows.budgets import (
     ANSWER_CHARS,
+    CARRY_TIMELINE_TAIL,
     DECISIONS_WINDOW,
     EXECUTED_OBSERVATION_CHARS,
     EXECUTED_WINDOW,
@@ -48,7 +49,9 @@ from workflows.models import (
     Revision,
     RevisionRequest,
     RunData,
+    RunOutcome,
     RunRequest,
+    SnapshotRequest,
     TenantPolicy,
     ToolCall,
     ToolCatalog,
@@ -287,7 +290,7 @@ class Engine:
         result = validate_proposal(
             proposal,
             self.catalog,
-            executed_steps=len(self.data.executed),
+            executed_steps=self.data.steps_executed,
             limits=self.limits,
             new_id=new_id,
             tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
@@ -1219,6 +1222,56 @@ class Engine:
         if outcome != "failed" and not compensating:  # it may have applied: it counts against the run's amount limits
             policy.spend(self.data.spent, step.tool, step.args)
         self._trim_executed()
+
+    def outcome(self, run_id: str, *, bounded: bool) -> RunOutcome:
+        """The run's result. ``bounded`` (runs from tether-lean on): without the steps and the
+        timeline (the queries and the audit sink have them), with their counts."""
+        data = self.data
+        return RunOutcome(
+            run_id=run_id,
+            state=data.lifecycle.state,
+            answer=data.answer,
+            steps=[] if bounded else self.steps(),
+            timeline=[] if bounded else data.lifecycle.timeline,
+            records=data.lifecycle.records if bounded else 0,
+            steps_executed=data.steps_executed if bounded else 0,
+            steps_before=data.executed_before,
+            steps_digest=data.executed_digest,
+            compensations=data.compensations,
+        )
+
+    def steps(self) -> list[ExecutedStep]:
+        """The executed steps: ids, outcomes and digests, no arguments or observations."""
+        return [s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed]
+
+    def snapshot_request(self, workflow_id: str, started_at: datetime) -> SnapshotRequest:
+        """What the run's policy snapshot asks for: the tenant and the start's signature."""
+        request = self.request
+        return SnapshotRequest(
+            tenant=request.tenant,
+            workflow_id=workflow_id,
+            requested_by=request.requested_by,
+            request_digest=request.request_digest(),
+            requester_signature=request.requester_signature,
+            nonce=request.nonce,
+            issued_at=request.issued_at,
+            started_at=started_at,
+        )
+
+    def fold_for_carry(self) -> None:
+        """Before continue-as-new: the next run gets the latest EXECUTED_WINDOW steps (older
+        ones as a count and a running digest) and the timeline's head and latest records (the
+        audit sink has every one): the carried state stops growing with the run."""
+        data = self.data
+        old = data.executed[: max(len(data.executed) - EXECUTED_WINDOW, 0)]
+        digest = data.executed_digest
+        for done in old:
+            digest = hashlib.sha256(f"{digest}|{done.tool_call_id}|{done.outcome}|{done.digest}".encode()).hexdigest()
+        data.executed_digest = digest
+        data.executed_before += len(old)
+        data.executed_ok_before += sum(1 for done in old if done.status == "ok")
+        del data.executed[: len(old)]
+        data.lifecycle.fold(CARRY_TIMELINE_TAIL)
 
     def _trim_executed(self) -> None:
         """Older steps keep only id, tool, status and digest: the carried state stays bounded."""

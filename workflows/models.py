@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "ProposedStep",
     "RunData",
     "RunOutcome",
+    "RunSetup",
     "RunRequest",
     "RunSnapshot",
     "Signer",
@@ -804,6 +806,22 @@ class SnapshotRequest(BaseModel):
     started_at: datetime | None = None  # when the run began (workflow time)
 
 
+class RunSetup(BaseModel):
+    """What a run snapshots as it starts, in one local activity (``run_setup``): the tool
+    catalog and the tenant's policy (one marker in history instead of two)."""
+
+    catalog: ToolCatalog
+    policy: PolicySnapshot
+
+    @model_serializer(mode="plain")
+    def _compact(self) -> dict[str, Any]:
+        # Fields at their defaults are left out of the marker (read back, they are the same).
+        return {
+            "catalog": self.catalog.model_dump(mode="json", exclude_defaults=True),
+            "policy": self.policy.model_dump(mode="json", exclude_defaults=True),
+        }
+
+
 class DecisionCheck(BaseModel):
     tenant: str
     workflow_id: str
@@ -974,6 +992,11 @@ class RunData(BaseModel):
     decisions_count: int = 0
     decisions_digest: str = ""
     executed: list[ExecutedStep] = Field(default_factory=list)
+    # Steps folded out of ``executed`` when the run continued as new: how many, how many of them
+    # ok, and a running digest of their ids, outcomes and digests (Engine.fold_for_carry).
+    executed_before: int = 0
+    executed_ok_before: int = 0
+    executed_digest: str = ""
     # Sum of each numeric argument, per "tool.field", over executed steps that may have applied:
     # auto-approval and high-risk limits apply to these sums, so they cannot be split.
     spent: dict[str, float] = Field(default_factory=dict)
@@ -996,6 +1019,15 @@ class RunData(BaseModel):
     revisions: list[Revision] = Field(default_factory=list)  # the latest REVISIONS_KEPT
     plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan
     not_approved: list[NotApproved] = Field(default_factory=list)  # for the next planner call
+
+    @property
+    def steps_executed(self) -> int:
+        """Steps executed in all, over every run of the chain."""
+        return self.executed_before + len(self.executed)
+
+    @property
+    def steps_ok(self) -> int:
+        return self.executed_ok_before + sum(1 for s in self.executed if s.status == "ok")
 
 
 class RunSnapshot(BaseModel):
@@ -1037,13 +1069,26 @@ class RunSnapshot(BaseModel):
 
 
 class RunOutcome(BaseModel):
-    """Result of the ``AgentRun`` workflow."""
+    """Result of the ``AgentRun`` workflow.
+
+    Bounded: the workflow's result carries neither the timeline (``records`` says how many the
+    run wrote; the ``timeline`` query and the audit sink have them) nor the steps (``steps_executed``
+    says how many; the ``steps`` query has them), so history does not grow with the run by a
+    copy of its record. ``client.run_outcome`` fills both in from the queries. Runs recorded
+    before (no ``records``) carried the timeline's window and the steps here.
+    """
 
     run_id: str
     state: RunState
     answer: str | None
-    steps: list[ExecutedStep]
-    timeline: list[TransitionRecord]
+    steps: list[ExecutedStep] = Field(default_factory=list)
+    timeline: list[TransitionRecord] = Field(default_factory=list)
+    records: int = 0  # records the run wrote in all (the last one's seq)
+    steps_executed: int = 0  # steps executed in all (over every run of the chain)
+    # A run that continued as new carries only its latest steps: the ones before, counted, and
+    # a running digest of them (RunData.executed_before / executed_digest).
+    steps_before: int = 0
+    steps_digest: str = ""
     # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
     compensations: list[CompensationCall] = Field(default_factory=list)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from workflows.budgets import REASON_CHARS, REFUSAL_KEYS, REFUSALS_RECORDED, TIMELINE_HEAD, TIMELINE_WINDOW, clip
 
@@ -84,6 +84,11 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 
 TERMINAL: frozenset[RunState] = frozenset(s for s, out in TRANSITIONS.items() if not out)
 WORKING: frozenset[RunState] = frozenset(RunState) - TERMINAL
+# The states a run rests in (it waits for a person or a timer), and its endings: the only ones
+# published to the AgentRunState search attribute (each upsert is a history event). A state the
+# run passes through while it works (PLANNING, EXECUTING_TOOL, APPROVED, ...) stays on the
+# snapshot query and the timeline; the list shows the last state the run rested in.
+PUBLISHED: frozenset[RunState] = TERMINAL | {RunState.AWAITING_APPROVAL, RunState.RETRY_WAIT}
 
 # How each final state ends the Temporal execution, so the Web UI's status badge, `temporal
 # workflow list --query "ExecutionStatus='Failed'"` and Temporal's failure metrics tell the
@@ -137,6 +142,12 @@ class Refs(BaseModel):
     # Set on every record that ends a tool step (success, failure, retry wait, handoff, cancel,
     # budget): what happened to the step's effect.
     outcome: EffectOutcome | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler: Any) -> dict[str, Any]:
+        # Only the ids a record has: most are unset, and every record is written to the audit
+        # sink, carried across continue-as-new and answered by the timeline query.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class TransitionRecord(BaseModel):
@@ -267,6 +278,16 @@ class Lifecycle(BaseModel):
             rule=rule,
         )
         return self._append(record)
+
+    def fold(self, tail: int) -> int:
+        """Keep the head and the latest ``tail`` records (every record is in the audit sink);
+        returns how many were dropped from the window."""
+        drop = len(self.timeline) - TIMELINE_HEAD - tail
+        if drop <= 0:
+            return 0
+        del self.timeline[TIMELINE_HEAD : TIMELINE_HEAD + drop]
+        self.omitted += drop
+        return drop
 
     def _append(self, record: TransitionRecord) -> TransitionRecord:
         self.records += 1
