@@ -71,7 +71,7 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     ]
     assert patches == ["tether-lean"]
     assert local == ["run_setup", "audit_append"]
-    assert states == [b'"COMPLETED"']
+    assert states == [b'"PLANNING"', b'"COMPLETED"']  # it works (once, after RECEIVED), then it ended
     assert raw.timeline == [] and raw.records == len(outcome.timeline) == outcome.timeline[-1].seq
     assert raw.steps == [] and raw.steps_executed == len(outcome.steps) == 3  # the steps query has them
     assert is_legal_path(outcome.timeline) and outcome.state == S.COMPLETED

@@ -66,6 +66,32 @@ async def test_search_attributes_find_waiting_runs(dev_env: WorkflowEnvironment,
         await waiting.cancel(reason="test done")
 
 
+async def test_an_approved_run_is_not_listed_as_waiting_while_it_writes(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """Only rests and endings are published, but leaving a rest is too: from the approval to the
+    write's activity, the list must already say the run works (never AWAITING_APPROVAL)."""
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(REFUND, tenant=unique("tenant")))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        assert (await run_outcome(handle)).state == RunState.COMPLETED
+        history = await handle.fetch_history()
+    published, tools = [], []
+    for i, event in enumerate(history.events):
+        if event.HasField("upsert_workflow_search_attributes_event_attributes"):
+            fields = event.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+            if STATE_ATTRIBUTE.name in fields:
+                published.append((i, json.loads(fields[STATE_ATTRIBUTE.name].data)))
+        if (event.HasField("activity_task_scheduled_event_attributes")
+                and event.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"):
+            tools.append(i)
+    states = [state for _, state in published]
+    assert "AWAITING_APPROVAL" in states and states[-1] == "COMPLETED", states
+    waited = states.index("AWAITING_APPROVAL")
+    left_at, left_to = published[waited + 1]
+    write_at = next(i for i in tools if i > published[waited][0])
+    assert left_to not in ("AWAITING_APPROVAL", "RECEIVED") and left_at < write_at, (published, write_at)
+
+
 class Cli:
     """The installed ``tether`` script (.venv/bin/tether) in a subprocess, against ``env``."""
 

@@ -101,3 +101,20 @@ def test_readme_diagram_is_generated_from_the_table() -> None:
         "README's state diagram is out of date: paste `python -c 'from workflows.states import "
         "mermaid; print(mermaid())'` into README.md"
     )
+
+
+def test_the_attribute_shows_rests_endings_and_leaving_a_rest() -> None:
+    """AgentRunState: every rest and ending is published; a working state only right after a rest
+    (or RECEIVED, or a value that is no state), so a list never shows a run waiting that works."""
+    from workflows.states import PUBLISHED, WORKING, to_publish
+
+    for state in RunState:
+        assert not to_publish(state.value, state)
+    for rest in PUBLISHED | {RunState.RECEIVED}:
+        for state in set(RunState) - {rest}:
+            assert to_publish(rest.value, state), (rest, state)
+    quiet = WORKING - PUBLISHED - {RunState.RECEIVED}
+    for working in quiet:
+        for state in set(RunState) - {working}:
+            assert to_publish(working.value, state) == (state in PUBLISHED), (working, state)
+    assert to_publish(None, RunState.PLANNING) and to_publish("not a state", RunState.PLANNING)

@@ -80,7 +80,7 @@ with workflow.unsafe.imports_passed_through():
         canonical_json,
         first_error,
     )
-    from workflows.states import PUBLISHED, TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
+    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord, to_publish
 
 S = RunState
 T = TypeVar("T")
@@ -161,7 +161,7 @@ NOTIFY_BUDGET = timedelta(seconds=75)
 # One marker for every run from this version on (issue 21): where it is set, every patch above
 # counts as set without a marker (and a TemporalChangeVersion upsert) of its own, the audit sink
 # is written where the run rests (a wait, a timer, before a write, continue-as-new, the end)
-# instead of before every activity, and AgentRunState is published only for states.PUBLISHED.
+# instead of before every activity, and AgentRunState is published where states.to_publish says.
 # Histories without it replay exactly as they were recorded (every older patch asked for).
 PATCH_LEAN = "tether-lean"
 DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
@@ -1118,7 +1118,7 @@ class AgentRun:
         inside one workflow task are never observable, and each upsert costs a history event.
         """
         state = self.data.lifecycle.state
-        if state.value != self._published and (not self._lean or state in PUBLISHED):
+        if state.value != self._published and (not self._lean or to_publish(self._published, state)):
             updates = [STATE_ATTRIBUTE.value_set(state.value)]
             if not self._tenant_published:
                 updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))

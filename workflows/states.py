@@ -84,11 +84,24 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 
 TERMINAL: frozenset[RunState] = frozenset(s for s, out in TRANSITIONS.items() if not out)
 WORKING: frozenset[RunState] = frozenset(RunState) - TERMINAL
-# The states a run rests in (it waits for a person or a timer), and its endings: the only ones
-# published to the AgentRunState search attribute (each upsert is a history event). A state the
-# run passes through while it works (PLANNING, EXECUTING_TOOL, APPROVED, ...) stays on the
-# snapshot query and the timeline; the list shows the last state the run rested in.
+# The states a run rests in (it waits for a person or a timer), and its endings: published to
+# the AgentRunState search attribute (each upsert is a history event). The states a run passes
+# through while it works (PLANNING, EXECUTING_TOOL, APPROVED, ...) stay on the snapshot query and
+# the timeline, except the first one after a rest (or after RECEIVED, which the start sets): a
+# run that has left AWAITING_APPROVAL must never still be listed as waiting for a person.
 PUBLISHED: frozenset[RunState] = TERMINAL | {RunState.AWAITING_APPROVAL, RunState.RETRY_WAIT}
+
+
+def to_publish(published: str | None, state: RunState) -> bool:
+    """Whether the run upserts AgentRunState=``state`` now, the attribute saying ``published``."""
+    if published == state.value:
+        return False
+    # A rest or an ending; or leaving a rest (or the start's RECEIVED, or a value that is no
+    # state at all): say the run works, once. Only while it already says so, stay quiet.
+    return state in PUBLISHED or published not in _QUIET
+
+
+_QUIET = frozenset(s.value for s in RunState if s not in PUBLISHED and s != RunState.RECEIVED)
 
 # How each final state ends the Temporal execution, so the Web UI's status badge, `temporal
 # workflow list --query "ExecutionStatus='Failed'"` and Temporal's failure metrics tell the
