@@ -16,8 +16,8 @@ idempotency key; the unsafe tool was never called twice and, its outcome being u
 run is HANDED_OFF with a reason that names the tool call; and every timeline is a legal path
 with strictly increasing ``state_version`` and no unapproved write (``tests/invariants.py``).
 
-The three rounds run concurrently (20-35 s here, most of it Temporal noticing the dead
-worker: the tools' 3 s start_to_close timeout, then about 10 s more, which matches the SDK's
+In `make test` every round here runs at once, the writes', the compensation's and the slow
+attempts' (about 30 s here, most of it Temporal noticing the dead workers: the tools' 3 s start_to_close timeout, then about 10 s more, which matches the SDK's
 default 10 s sticky-queue schedule-to-start timeout of the killed worker). ``make chaos`` runs the same
 rounds at random kill points, many times (``tests/chaos/run_chaos.py``).
 """
@@ -30,10 +30,26 @@ from tests.chaos.conftest import Stack
 from tests.chaos.harness import EFFECTS, POINTS, SCENARIOS, check_result, effect_round, kill_round
 
 
-async def test_sigkill_before_during_and_after_the_external_call(stack: Stack) -> None:
-    rounds = await asyncio.gather(
+async def test_sigkill_writes_and_compensations_slow_attempts_cancels_and_retries(stack: Stack) -> None:
+    """The kill rounds of the writes, and those of a compensation (below), at the same time: each
+    waits mostly for Temporal to notice its dead worker, so together they take the time of one."""
+    from tests.chaos.harness import check_compensation, compensation_round
+
+    writes = asyncio.gather(
         *(kill_round(stack.client, stack.server.address, stack.billing, stack.workdir, point=p) for p in POINTS)
     )
+    undos = asyncio.gather(
+        *(compensation_round(stack.client, stack.server.address, stack.billing, stack.workdir, point=p) for p in POINTS)
+    )
+    # And the slow attempts, cancels and exhausted retries (below), for the same reason.
+    rounds, compensations, _ = await asyncio.gather(writes, undos, slow_attempts_cancels_and_retries_that_run_out(stack))
+    # A refund and a ledger entry, then an email refused for good, with on_failure=compensate:
+    # the worker is SIGKILLed with the first compensation (the ledger reversal) held before its
+    # call, during it (committed, the response delayed) and after it. Restarted, every run ends
+    # COMPENSATED with the refund voided and the entry reversed exactly once, each undo recorded
+    # once: 0 duplicates.
+    for result in compensations:
+        check_compensation(result)
     seen = set()
     for point, round_ in zip(POINTS, rounds):
         assert round_.kills == 1
@@ -47,7 +63,7 @@ async def test_sigkill_before_during_and_after_the_external_call(stack: Stack) -
     assert unsafe == {"before": 0, "during": 1, "after": 1}
 
 
-async def test_slow_attempts_cancels_and_retries_that_run_out(stack: Stack) -> None:
+async def slow_attempts_cancels_and_retries_that_run_out(stack: Stack) -> None:
     """A slow attempt that commits after its deadline (within and past the grace period), a
     cancel with the tool held before, during and after its call (and a SIGKILL right after the
     cancel), and an idempotent tool whose retries run out: one effect per key at most, and
@@ -70,18 +86,3 @@ async def test_slow_attempts_cancels_and_retries_that_run_out(stack: Stack) -> N
     assert outcomes[("exhaust", "lost", "idempotent")] == ("HANDED_OFF", "unknown", 1)
     assert outcomes[("cancel", "before", "unsafe")] == ("CANCELLED", "failed", 0)
     assert outcomes[("cancel", "after", "unsafe")] == ("CANCELLED", "ok", 1)
-
-
-async def test_sigkill_during_a_compensation(stack: Stack) -> None:
-    """A refund and a ledger entry, then an email refused for good, with on_failure=compensate:
-    the worker is SIGKILLed with the first compensation (the ledger reversal) held before its
-    call, during it (committed, the response delayed) and after it. Restarted, every run ends
-    COMPENSATED with the refund voided and the entry reversed exactly once, each undo recorded
-    once: 0 duplicates."""
-    from tests.chaos.harness import check_compensation, compensation_round
-
-    results = await asyncio.gather(
-        *(compensation_round(stack.client, stack.server.address, stack.billing, stack.workdir, point=p) for p in POINTS)
-    )
-    for result in results:
-        check_compensation(result)
