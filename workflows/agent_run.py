@@ -14,7 +14,6 @@ I/O and no environment reads.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -77,8 +76,8 @@ with workflow.unsafe.imports_passed_through():
         ToolInfo,
         ToolOutcome,
         Verdict,
-        canonical_json,
         first_error,
+        json_digest,
     )
     from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord, to_publish
 
@@ -303,7 +302,7 @@ class AgentRun:
         if self._carry_raw is None or not self._v2:
             self._verified = True
             return
-        digest = hashlib.sha256(canonical_json(self._carry_raw).encode()).hexdigest()
+        digest = json_digest(self._carry_raw)
         info = workflow.info()
         # The seal names the run it was made by and the generation it hands on: only the run
         # the server says this one continued from, handing on the next generation, will do.
@@ -1072,7 +1071,7 @@ class AgentRun:
             # Decided before the seal's local activity: a patch marker right after a local
             # activity's result fails replay when a query was answered in between (sdk-core).
             settle = self._settle_misses < CAN_SETTLE_TRIES and self._patched(CAN_SETTLE)
-            digest = hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest()
+            digest = json_digest(data.model_dump(mode="json"))
             if self._lean:
                 # The records first, right after the digest (as the older runs do): after the
                 # settle timer nothing is left to flush unless the state moved, and then the
@@ -1093,7 +1092,7 @@ class AgentRun:
                 # run took first (sdk-core, with a query answered in between). After the timer
                 # both runs have taken every signal up to it; the seal must still fit.
                 await workflow.sleep(CAN_SETTLE_DELAY, summary="settle before continue-as-new")
-                if hashlib.sha256(canonical_json(data.model_dump(mode="json")).encode()).hexdigest() != digest:
+                if json_digest(data.model_dump(mode="json")) != digest:
                     self._settle_misses += 1
                     return  # the state moved while sealing: seal again on a later loop
         await self._checkpoint()

@@ -169,7 +169,7 @@ class RunRequest(Contract):
         body = self.model_dump(mode="json", include={"goal", "tenant", "planner", "playbook", "limits"})
         # New fields join the signed body only when set: signatures made before them still hold.
         body.update(self.model_dump(mode="json", include={"on_failure", "on_cancel", "compensate_run"}, exclude_none=True))
-        return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+        return json_digest(body)
 
 
 # ----------------------------------------------------------------------------- tools
@@ -259,7 +259,7 @@ class Capability(BaseModel):
 
 
 def args_digest(args: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(args).encode()).hexdigest()
+    return json_digest(args)
 
 
 # Error types of ``execute_tool`` for a write's capability: refused for good (forged, wrong call),
@@ -386,6 +386,11 @@ def canonical_json(value: Any) -> str:
         raise ValueError(f"not canonical JSON: {e}") from None
 
 
+def json_digest(value: Any) -> str:
+    """sha256 (hex) of the value's canonical JSON: one digest for one value, whoever computes it."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
 class Plan(BaseModel):
     steps: list[PlanStep]
     plan_hash: str
@@ -409,7 +414,7 @@ class Plan(BaseModel):
             for item, comp in zip(payload, undo, strict=True):
                 if comp is not None:
                     item["compensate"] = comp.model_dump(mode="json")
-        return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+        return json_digest(payload)
 
 
 # ----------------------------------------------------------------------------- approvals
