@@ -137,10 +137,10 @@ FAILED_STATUS = "failed-status"
 # had taken, and the continued run started from a state without them (lost refusals). Runs
 # recorded before continue straight after the seal.
 CAN_SETTLE = "tether-can-settle"
-# How long the run waits between sealing its state and continuing as new, and how many times in
-# a row it seals again because signals moved the state meanwhile (once: a dev server fires a
-# 10 ms timer about a second later): under a flood that never
-# pauses it then continues straight after sealing (as before), rather than never.
+# How long the run waits between sealing its state and continuing as new, and how many times it
+# seals again because signals moved the state meanwhile. Once: a dev server fires a 10 ms timer
+# about a second later, so under a flood that never pauses the run then continues straight after
+# sealing (as before) rather than never.
 CAN_SETTLE_DELAY = timedelta(milliseconds=10)
 CAN_SETTLE_TRIES = 1
 # Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
