@@ -57,8 +57,10 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
-from workflows.display import escape_text, markdown_code, markdown_text
+from workflows.display import escape_text
+from workflows import states
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.details import start_details, start_summary
 from workflows.models import (
     NAME_PATTERN,
     DecideRequest,
@@ -334,16 +336,16 @@ async def start_run(
             result_type=RunOutcome,
             search_attributes=TypedSearchAttributes(
                 [
-                    SearchAttributePair(STATE_ATTRIBUTE, RunState.RECEIVED.value),
+                    # The state the run's first workflow task moves it to (RECEIVED lasts only
+                    # inside that task): listed as it will be, without an upsert of its own.
+                    SearchAttributePair(STATE_ATTRIBUTE, states.first_published(compensation=request.compensate_run is not None).value),
                     SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
                 ]
             ),
-            # The Web UI renders both as markdown: the requester's text is shown inert.
-            static_summary=f"{markdown_text(request.goal, 120)} · tenant {markdown_text(request.tenant)}",
-            static_details=(
-                f"**Goal:** {markdown_text(request.goal, 500)}\n\n**Tenant:** {markdown_code(request.tenant)} · "
-                f"**requested by** {markdown_code(request.requested_by)} · **planner** {markdown_code(request.planner)}"
-            ),
+            # The Web UI renders both as markdown (the requester's text shown inert), and shows
+            # them together: the details say what the summary does not.
+            static_summary=start_summary(request),
+            static_details=start_details(request),
         )
     except WorkflowAlreadyStartedError:
         raise TetherError(f"a run with id {run_id!r} already exists: pick another id") from None

@@ -18,6 +18,7 @@ from tests.conftest import (
     snapshot,
     start_run,
     timeline,
+    unique,
     wait_for_state,
 )
 from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome
@@ -49,6 +50,40 @@ def keys_of(outcome: RunOutcome, tool: str) -> list[str]:
     return sorted({r.refs.idempotency_key for r in outcome.timeline if r.refs.tool_call_id in ids})
 
 
+def upserted_states(events) -> list[str]:
+    return [
+        e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields["AgentRunState"].data.decode()
+        for e in events if e.HasField("upsert_workflow_search_attributes_event_attributes")
+        and "AgentRunState" in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+    ]
+
+
+async def test_a_start_that_lists_a_run_wrongly_is_corrected_by_its_first_task(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    """Only the client's start says what a run will be (PLANNING): a start by hand that lists it
+    as working somewhere else, or as waiting, is corrected at the run's first publish; one whose
+    input is no RunRequest is listed FAILED as it fails, not left saying it plans."""
+    from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+    from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+
+    async with running_worker(ts_env.client) as worker:
+        for lie in ("EXECUTING_TOOL", "AWAITING_APPROVAL", "COMPLETED"):
+            handle = await ts_env.client.start_workflow(
+                "AgentRun", make_request(READ_ONLY), id=unique(f"lie-{lie.lower()}"), task_queue=worker.task_queue,
+                search_attributes=TypedSearchAttributes([SearchAttributePair(STATE_ATTRIBUTE, lie),
+                                                         SearchAttributePair(TENANT_ATTRIBUTE, "default")]),
+            )
+            await handle.result()
+            assert upserted_states((await handle.fetch_history()).events) == ['"PLANNING"', '"COMPLETED"'], lie
+        bad = await ts_env.client.start_workflow(
+            "AgentRun", {"goal": ""}, id=unique("bad-input"), task_queue=worker.task_queue,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(STATE_ATTRIBUTE, "PLANNING")]),
+        )
+        with pytest.raises(WorkflowFailureError):
+            await bad.result()
+        assert upserted_states((await bad.fetch_history()).events) == ['"FAILED"']
+
+
 async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: WorkflowEnvironment, billing: Billing) -> None:
     """Issue 21: one patch marker (tether-lean stands for every older patch), one setup local
     activity, the audit sink written where the run rests (here: its end), AgentRunState
@@ -71,7 +106,19 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     ]
     assert patches == ["tether-lean"]
     assert local == ["run_setup", "audit_append"]
-    assert states == [b'"PLANNING"', b'"COMPLETED"']  # it works (once, after RECEIVED), then it ended
+    # The start listed it as planning (the state its first task moves it to): one upsert, the end.
+    started = events[0].workflow_execution_started_event_attributes.search_attributes.indexed_fields
+    assert started["AgentRunState"].data == b'"PLANNING"'
+    assert states == [b'"COMPLETED"']
+    # The result leaves out what a bounded result has at its defaults; read back, it is the same.
+    written = json.loads(events[-1].workflow_execution_completed_event_attributes.result.payloads[0].data)
+    assert not {"steps", "timeline", "steps_before", "steps_digest", "compensations"} & set(written), written
+    assert RunOutcome.model_validate(written) == raw
+    # The setup marker: no tool descriptions, no schema titles (what the run decides with stays).
+    setup = next(json.loads(m.details["result"].payloads[0].data) for m in markers
+                 if m.marker_name == "core_local_activity" and b"run_setup" in m.details["data"].payloads[0].data)
+    assert setup["catalog"]["tools"] and all("description" not in t and '"title"' not in json.dumps(t["args_schema"])
+                                             for t in setup["catalog"]["tools"])
     assert raw.timeline == [] and raw.records == len(outcome.timeline) == outcome.timeline[-1].seq
     assert raw.steps == [] and raw.steps_executed == len(outcome.steps) == 3  # the steps query has them
     assert is_legal_path(outcome.timeline) and outcome.state == S.COMPLETED

@@ -60,3 +60,33 @@ def test_values_show_as_json_with_strings_escaped() -> None:
     # A value cannot close its own quotes: what follows stays inside it.
     assert show_value('Hi", amount_cents=1200, x="') == '"Hi\\x22, amount_cents=1200, x=\\x22"'
     assert "\n" not in show_value({"s": "a\nb", "t": "\u202e"})
+
+
+def test_the_start_details_say_what_the_summary_does_not() -> None:
+    """The Web UI shows a run's summary and details together: the goal once (in the details too
+    only where the summary cut it), every value a requester wrote inert."""
+    from workflows.details import SUMMARY_GOAL_CHARS, start_details, start_summary
+    from workflows.models import RunRequest
+
+    short = RunRequest(goal="Refund **A-1001**", tenant="acme", requested_by="al`ice", planner="playbook")
+    assert start_summary(short) == "Refund \\*\\*A\\-1001\\*\\* · tenant acme"
+    assert start_details(short) == "**requested by** ``al`ice`` · **planner** `playbook`"
+    long = short.model_copy(update={"goal": "x" * (SUMMARY_GOAL_CHARS + 50)})
+    assert start_details(long).startswith("**Goal:** " + "x" * (SUMMARY_GOAL_CHARS + 50) + "\n\n**requested by**")
+    assert len(start_summary(long)) < SUMMARY_GOAL_CHARS + 20
+
+
+def test_the_run_setup_marker_keeps_what_the_run_decides_with() -> None:
+    """run_setup's marker leaves out the tools' descriptions and the schemas' title annotations
+    (a property named ``title`` stays); read back, every other field is the same."""
+    from workflows.models import PolicySnapshot, RunSetup, ToolCatalog, ToolEffect, ToolInfo, untitled
+
+    schema = {"title": "Args", "type": "object", "required": ["title"],
+              "properties": {"title": {"title": "Title", "type": "string"}, "n": {"title": "N", "type": "integer"}}}
+    assert untitled(schema) == {"type": "object", "required": ["title"],
+                                "properties": {"title": {"type": "string"}, "n": {"type": "integer"}}}
+    tool = ToolInfo(name="t", description="long words " * 20, effect=ToolEffect.IDEMPOTENT, requires_approval=True,
+                    args_schema=schema, timeout_seconds=5.0, max_retries=2, summary_fields=["title"])
+    setup = RunSetup(catalog=ToolCatalog(tools=[tool]), policy=PolicySnapshot(tenant="acme", policy={}, policy_hash="h" * 64, source="test"))
+    back = RunSetup.model_validate_json(setup.model_dump_json()).catalog.tools[0]
+    assert back == tool.model_copy(update={"description": "", "args_schema": untitled(schema)})

@@ -128,8 +128,10 @@ async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
             assert live not in prose, (live, prose)
         assert "subject `" in details and "\\x1b[2J" in details
         description = await handle.describe()
-        for static in (await description.static_summary(), await description.static_details()):
-            assert static and "Approved" in static, static
+        summary, details = await description.static_summary(), await description.static_details()
+        assert "Approved" in summary, summary  # the goal (whole here: the details need not repeat it)
+        assert "**requested by** `alice`" in details, details
+        for static in (summary, details):
             no_control(static)
             assert_inert(outside_code_spans(static))
         await handle.cancel(reason="test over")

@@ -209,6 +209,9 @@ class AgentRun:
         self._settle_misses = 0  # continue-as-new attempts whose seal signals overtook
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
+        # A first run's attribute is what its client set (states.first_published): checked
+        # against the run's state once, at its first publish. A continued run's is our own.
+        self._published_checked = info.continued_run_id is not None
         self._shown: str | None = None  # the current details last set
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == request.tenant
@@ -240,6 +243,9 @@ class AgentRun:
     @workflow.run
     async def run(self, *args: Any) -> RunOutcome:
         if self._start_error is not None:
+            if self._published is not None and workflow.patched(PATCH_LEAN):
+                # Listed as it ends (the start said it would plan), like every other failure.
+                workflow.upsert_search_attributes([STATE_ATTRIBUTE.value_set(S.FAILED.value)])
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
         self._lean = workflow.patched(PATCH_LEAN)
         if self._lean:
@@ -562,7 +568,8 @@ class AgentRun:
             # A cancel waits until the attempt has ended, so its outcome is known.
             cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             retry_policy=TOOL_RETRY,
-            summary=f"{step.tool} · {info.effect.value} · "
+            # The Web UI's line for the call: a write names its effect class, a read only itself.
+            summary=f"{step.tool} · " + ("" if info.effect == ToolEffect.READ_ONLY else f"{info.effect.value} · ")
             + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
         )
         outcome: ToolOutcome | None = None
@@ -1117,7 +1124,8 @@ class AgentRun:
         inside one workflow task are never observable, and each upsert costs a history event.
         """
         state = self.data.lifecycle.state
-        if state.value != self._published and (not self._lean or to_publish(self._published, state)):
+        checked, self._published_checked = self._published_checked, True
+        if state.value != self._published and (not self._lean or not checked or to_publish(self._published, state)):
             updates = [STATE_ATTRIBUTE.value_set(state.value)]
             if not self._tenant_published:
                 updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))

@@ -33,6 +33,23 @@ def _utc(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+SUMMARY_GOAL_CHARS = 120
+DETAILS_GOAL_CHARS = 500
+
+
+def start_summary(request: RunRequest) -> str:
+    """The Web UI's summary of a run, set by its start (a line in the list)."""
+    return f"{text(request.goal, SUMMARY_GOAL_CHARS)} · tenant {text(request.tenant)}"
+
+
+def start_details(request: RunRequest) -> str:
+    """The start's details, shown under the summary: what it does not say (the goal again only
+    where the summary had to cut it)."""
+    goal = text(request.goal, DETAILS_GOAL_CHARS)
+    head = f"**Goal:** {goal}\n\n" if goal != text(request.goal, SUMMARY_GOAL_CHARS) else ""
+    return f"{head}**requested by** {code(request.requested_by)} · **planner** {code(request.planner)}"
+
+
 def run_details(
     data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None = None
 ) -> str:

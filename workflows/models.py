@@ -820,11 +820,24 @@ class RunSetup(BaseModel):
 
     @model_serializer(mode="plain")
     def _compact(self) -> dict[str, Any]:
-        # Fields at their defaults are left out of the marker (read back, they are the same).
-        return {
-            "catalog": self.catalog.model_dump(mode="json", exclude_defaults=True),
-            "policy": self.policy.model_dump(mode="json", exclude_defaults=True),
-        }
+        # Fields at their defaults are left out of the marker (read back, they are the same), and
+        # so is what the workflow never reads: the tools' descriptions (the planner activity
+        # takes them from its own catalog) and the schemas' ``title`` annotations (validation
+        # ignores them). What the run decides with is all here.
+        catalog = self.catalog.model_dump(mode="json", exclude_defaults=True, exclude={"tools": {"__all__": {"description"}}})
+        for tool in catalog.get("tools", []):
+            tool["args_schema"] = untitled(tool["args_schema"])
+        return {"catalog": catalog, "policy": self.policy.model_dump(mode="json", exclude_defaults=True)}
+
+
+def untitled(schema: Any) -> Any:
+    """A JSON schema without its ``title`` annotations (a property *named* title stays: its
+    value is a schema, an annotation's is a string)."""
+    if isinstance(schema, dict):
+        return {k: untitled(v) for k, v in schema.items() if not (k == "title" and isinstance(v, str))}
+    if isinstance(schema, list):
+        return [untitled(v) for v in schema]
+    return schema
 
 
 class DecisionCheck(BaseModel):
@@ -1096,6 +1109,16 @@ class RunOutcome(BaseModel):
     steps_digest: str = ""
     # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
     compensations: list[CompensationCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty(self, handler: Any) -> dict[str, Any]:
+        # The run's result is written into its history: the fields a bounded result leaves at
+        # their defaults (no steps, no timeline, nothing before, no compensations) are left out;
+        # read back, they are the same.
+        return {k: v for k, v in handler(self).items() if not (k in _OUTCOME_OPTIONAL and v in ([], 0, ""))}
+
+
+_OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_digest", "compensations"})
 
 
 RunData.model_rebuild()

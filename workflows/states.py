@@ -87,9 +87,17 @@ WORKING: frozenset[RunState] = frozenset(RunState) - TERMINAL
 # The states a run rests in (it waits for a person or a timer), and its endings: published to
 # the AgentRunState search attribute (each upsert is a history event). The states a run passes
 # through while it works (PLANNING, EXECUTING_TOOL, APPROVED, ...) stay on the snapshot query and
-# the timeline, except the first one after a rest (or after RECEIVED, which the start sets): a
-# run that has left AWAITING_APPROVAL must never still be listed as waiting for a person.
+# the timeline, except the first one after a rest (or after RECEIVED): a run that has left
+# AWAITING_APPROVAL must never still be listed as waiting for a person.
 PUBLISHED: frozenset[RunState] = TERMINAL | {RunState.AWAITING_APPROVAL, RunState.RETRY_WAIT}
+
+
+def first_published(*, compensation: bool) -> RunState:
+    """What a start sets AgentRunState to: the state the run's first workflow task moves it to
+    from RECEIVED (the table allows it nothing else but an ending, and an ending is published),
+    so that task needs no upsert of its own. A start that sets anything else is corrected by it."""
+    return RunState.COMPENSATING if compensation else RunState.PLANNING
+
 
 
 def to_publish(published: str | None, state: RunState) -> bool:

@@ -14,7 +14,7 @@ Against a dev server of its own (UI on), with a worker in this process and the b
    the planner's activity summary and the approval-expiry timer;
 4. the approval goes out from the UI's "Send a Signal" dialog (from the CLI if this UI version
    has no such dialog), and the page shows the run COMPLETED, with a summary
-   ``tool · effect · step n`` on every tool activity and the ``retry backoff`` timer of the
+   ``tool · effect · step n`` on every write's activity (``tool · step n`` on a read's) and the ``retry backoff`` timer of the
    refund, which fails once on purpose.
 
 Screenshots of the list with failures, the filtered list, the run page and its timeline land in ``TETHER_SCREENSHOT_DIR``
@@ -227,7 +227,7 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
         await page.set_viewport_size({"width": 1440, "height": 6000})
         for i, (tool, effect) in enumerate(REFUND_STEPS, 1):
             await expect(
-                page.get_by_text(f"{tool} · {effect} · step {i}").first,
+                page.get_by_text(f"{tool} · step {i}" if effect == "read_only" else f"{tool} · {effect} · step {i}").first,
                 f"no activity summary for step {i} ({tool})",
             ).to_be_visible()
         # The timeline panel only: the Input/Result panes above it show tool observations, which
