@@ -118,3 +118,14 @@ def test_the_attribute_shows_rests_endings_and_leaving_a_rest() -> None:
         for state in set(RunState) - {working}:
             assert to_publish(working.value, state) == (state in PUBLISHED), (working, state)
     assert to_publish(None, RunState.PLANNING) and to_publish("not a state", RunState.PLANNING)
+
+
+def test_a_start_lists_a_run_as_its_first_task_leaves_it() -> None:
+    """The client's start publishes the state RECEIVED moves to (the table, as data, allows it
+    one working successor per kind of run): the first task then has nothing to upsert."""
+    from workflows.states import TRANSITIONS, first_published, to_publish
+
+    firsts = {first_published(compensation=c) for c in (False, True)}
+    assert firsts == TRANSITIONS[RunState.RECEIVED] - TERMINAL
+    for first in firsts:
+        assert not to_publish(first.value, first)
