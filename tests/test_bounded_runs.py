@@ -86,7 +86,7 @@ async def test_a_long_read_only_run_completes_continuing_as_new(small_history_en
     # Short here: a server that suggests continue-as-new every few dozen events. `make soak`
     # runs 1,000 steps on the default settings.
     env = dev_env if SOAK else small_history_env
-    steps = 1000 if SOAK else 30
+    steps = 1000 if SOAK else 150
     playbook = [{"tool": "read_page", "args": {"page": i}} for i in range(steps)]
     async with running_worker(env.client, registry=LONG_TOOLS) as worker:
         handle = await start_run(env.client, worker, make_request(playbook, limits={"max_steps": steps}))
@@ -328,3 +328,17 @@ def test_what_continue_as_new_carries_stops_growing_with_the_run() -> None:
         assert data.lifecycle.omitted == steps - TIMELINE_HEAD - CARRY_TIMELINE_TAIL and data.lifecycle.records == steps
     assert long.executed_digest != longer.executed_digest and len(long.executed_digest) == 64
     assert abs(longer_size - long_size) < 200  # the same bytes whatever the run's length
+
+
+def test_continue_as_new_waits_until_it_is_worth_what_it_writes() -> None:
+    """Suggested by the server, a run continues once its history is CARRY_AMORTIZE times what
+    continuing writes (so carrying never costs more than a quarter of the history), and by
+    Temporal's warning marks whatever it carries."""
+    from workflows.budgets import CARRY_AMORTIZE, CONTINUE_AT_BYTES, CONTINUE_AT_EVENTS, continue_due
+
+    carry = 40_000
+    assert not continue_due(history_bytes=CARRY_AMORTIZE * carry - 1, history_events=400, carry_bytes=carry)
+    assert continue_due(history_bytes=CARRY_AMORTIZE * carry, history_events=400, carry_bytes=carry)
+    assert continue_due(history_bytes=1_000, history_events=CONTINUE_AT_EVENTS, carry_bytes=carry)
+    assert continue_due(history_bytes=CONTINUE_AT_BYTES, history_events=1, carry_bytes=CONTINUE_AT_BYTES)
+    assert CONTINUE_AT_EVENTS < 51_200 and CONTINUE_AT_BYTES < 50 * 1024 * 1024  # Temporal's hard limits

@@ -25,6 +25,7 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
+from workflows.budgets import CARRY_AMORTIZE
 from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import ApprovalDecision, RunOutcome
 from workflows.states import RunState, is_legal_path
@@ -207,6 +208,24 @@ async def resting(handle, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def flood_until_continued(current, first_run: str, tag: str) -> int:
+    """Refused approvals (each with a long comment, so history grows by kilobytes) until the run
+    has continued as new: the server suggests it after CAN_THRESHOLD events, the run takes it
+    once its history is CARRY_AMORTIZE times what it carries. Returns how many were sent."""
+    sent = 0
+    while sent < 400:
+        await current.signal("approve", ApprovalDecision(
+            decision_id=f"{tag}-{sent}", approver="eve", plan_hash="0" * 64, comment="x" * 2000))
+        sent += 1
+        if sent % 10 == 0 and (await current.describe()).run_id != first_run:
+            return sent
+    for _ in range(100):
+        if (await current.describe()).run_id != first_run:
+            return sent
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no continue-as-new after {sent} refusals")
+
+
 async def test_a_flood_that_never_pauses_still_lets_the_run_continue_as_new(
     small_history_env: WorkflowEnvironment, billing: Billing
 ) -> None:
@@ -219,13 +238,7 @@ async def test_a_flood_that_never_pauses_still_lets_the_run_continue_as_new(
         await wait_for_state(handle, "AWAITING_APPROVAL")
         first_run = (await handle.describe()).run_id
         current = env.client.get_workflow_handle(handle.id)
-        sent = 0
-        while sent < 400:
-            await current.signal("approve", ApprovalDecision(decision_id=f"flood-{sent}", approver="eve", plan_hash="0" * 64))
-            sent += 1
-            if sent % 20 == 0 and (await current.describe()).run_id != first_run:
-                break
-        assert (await current.describe()).run_id != first_run, f"no continue-as-new after {sent} refusals"
+        sent = await flood_until_continued(current, first_run, "flood")
         await resting(current)
         for _ in range(100):
             carried = await snapshot(current)
@@ -244,17 +257,18 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         handle = await start_run(env.client, worker, make_request(REFUND, tenant="acme"))
         first = await wait_for_state(handle, "AWAITING_APPROVAL")
         first_run = (await handle.describe()).run_id
-        # Refused decisions grow the history until the server suggests continue-as-new.
+        # Refused decisions grow the history until continue-as-new is worth what it writes.
         current = env.client.get_workflow_handle(handle.id)  # the latest run: it may continue mid-flood
-        for i in range(CAN_THRESHOLD):
-            await current.signal("approve", ApprovalDecision(decision_id=f"stale-{i}", approver="eve", plan_hash="0" * 64))
-        for _ in range(100):
-            description = await handle.describe()
-            if description.run_id != first_run:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the run did not continue as new")
+        sent = await flood_until_continued(current, first_run, "stale")
+        description = await handle.describe()
+        # It did not continue at the suggestion, but once its history was CARRY_AMORTIZE times
+        # what continuing writes (and said so with its marker).
+        events = [e async for e in env.client.get_workflow_handle(handle.id, run_id=first_run).fetch_history_events()]
+        carried = events[-1].workflow_execution_continued_as_new_event_attributes.input.ByteSize()
+        patches = [e.marker_recorded_event_attributes.details["patch-data"].payloads[0].data for e in events
+                   if e.HasField("marker_recorded_event_attributes") and e.marker_recorded_event_attributes.marker_name == "core_patch"]
+        assert b'"tether-can-amortized"' in b"".join(patches) and len(events) > 2 * CAN_THRESHOLD
+        assert sum(e.ByteSize() for e in events) >= 0.9 * CARRY_AMORTIZE * carried, (len(events), carried)
         assert description.typed_search_attributes.get(STATE_ATTRIBUTE) == "AWAITING_APPROVAL"
         assert description.typed_search_attributes.get(TENANT_ATTRIBUTE) == "acme"
         latest = env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
@@ -265,7 +279,7 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         records = await timeline(latest)
         # A flood is counted, not stored: the first few on the record, the rest in the count.
         assert sum(r.kind == "refused" for r in records) == 4
-        assert carried.refusals == {"stale_plan_hash user:eve": CAN_THRESHOLD}
+        assert carried.refusals == {"stale_plan_hash user:eve": sent}
         # The approval still binds to the same plan, across runs.
         await latest.signal("approve", approval_for(first, "bob", "ok"))
         outcome = await run_outcome(latest)

@@ -17,9 +17,10 @@ from workflows.agent_run import AgentRun
 HERE = Path(__file__).resolve().parent / "histories"
 # This version's histories (make record-histories), and the previous versions' (v1/: the first
 # release; v2/: before the trust chain, the per-execution audit, decisions and Failed endings;
-# v3/: before recovery, the settled continue-as-new and tether-lean's one marker per run):
-# runs they started may still be in flight when this version's workers take over.
-HISTORIES = sorted(HERE.glob("*.json")) + [p for v in ("v3", "v2", "v1") for p in sorted((HERE / v).glob("*.json"))]
+# v3/: before recovery, the settled continue-as-new and tether-lean's one marker per run;
+# v4/: before the start listed a run as PLANNING and continue-as-new waited until it is worth
+# what it writes): runs they started may still be in flight when this version's workers take over.
+HISTORIES = sorted(HERE.glob("*.json")) + [p for v in ("v4", "v3", "v2", "v1") for p in sorted((HERE / v).glob("*.json"))]
 PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new", "continued", "decide"}
 
 
@@ -29,6 +30,7 @@ def load(path: Path) -> WorkflowHistory:
 
 def test_every_main_path_is_recorded() -> None:
     assert PATHS | {"revise", "partial", "decide_refused", "compensated"} <= {p.stem for p in HERE.glob("*.json")}
+    assert PATHS | {"revise", "partial", "decide_refused", "compensated"} <= {p.stem for p in (HERE / "v4").glob("*.json")}
     assert PATHS | {"revise", "partial", "decide_refused"} <= {p.stem for p in (HERE / "v3").glob("*.json")}
     assert PATHS <= {p.stem for p in (HERE / "v2").glob("*.json")}
     assert PATHS - {"continued", "decide"} <= {p.stem for p in (HERE / "v1").glob("*.json")}

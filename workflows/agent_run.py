@@ -35,7 +35,18 @@ with workflow.unsafe.imports_passed_through():
     from workflows import metrics as run_metrics
     from workflows import policy
     from workflows.details import run_details
-    from workflows.budgets import CARRY_BUDGET, CARRY_CONTINUE_AT, DETAILS_CHARS, REQUEST_BUDGET, UPDATES_CONTINUE_AT, clip
+    from workflows.budgets import (
+        CARRY_AMORTIZE,
+        CARRY_BUDGET,
+        CARRY_CONTINUE_AT,
+        CONTINUE_AT_BYTES,
+        CONTINUE_AT_EVENTS,
+        DETAILS_CHARS,
+        REQUEST_BUDGET,
+        UPDATES_CONTINUE_AT,
+        clip,
+        continue_due,
+    )
     from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
     from workflows.models import (
@@ -143,6 +154,10 @@ CAN_SETTLE = "tether-can-settle"
 # sealing (as before) rather than never.
 CAN_SETTLE_DELAY = timedelta(milliseconds=10)
 CAN_SETTLE_TRIES = 1
+# Continue-as-new when it is worth what it writes (budgets.continue_due), not as soon as the
+# server suggests it: a run deferring it for the first time says so with this marker. Runs
+# recorded before continued at the suggestion; so does every run for which it is due by then.
+CAN_AMORTIZED = "tether-can-amortized"
 # Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
 REVISIONS = "tether-revisions"
 # Escalation stages: timers inside the approval window (only where the policy sets stages).
@@ -207,6 +222,8 @@ class AgentRun:
         self._verified = False
         self._loops = 0
         self._settle_misses = 0  # continue-as-new attempts whose seal signals overtook
+        # History bytes at which a deferred continue-as-new is due (None: none deferred).
+        self._continue_at: int | None = None
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
@@ -471,7 +488,7 @@ class AgentRun:
                 await workflow.wait_condition(
                     lambda: bool(self._inbox)
                     or self._handoff is not None
-                    or workflow.info().is_continue_as_new_suggested()
+                    or self._continue_wanted()
                     # A refusal recorded while waiting goes to the sink now, not at the next step.
                     or (self._record and (bool(self._audit) or self._updates_exhausted())),
                     timeout=timedelta(seconds=remaining),
@@ -1049,7 +1066,7 @@ class AgentRun:
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
         self._loops += 1
-        suggested = workflow.info().is_continue_as_new_suggested() or self._updates_exhausted()
+        suggested = self._continue_wanted() or self._updates_exhausted()
         if not suggested and self._loops % 16:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
@@ -1061,6 +1078,14 @@ class AgentRun:
         size = len(data.model_dump_json())
         if not suggested and size < CARRY_CONTINUE_AT:
             return
+        if suggested and self._lean and size < CARRY_CONTINUE_AT and not self._updates_exhausted():
+            info = workflow.info()
+            carried = self.engine.carried_bytes()
+            history = info.get_current_history_size()
+            if not continue_due(history_bytes=history, history_events=info.get_current_history_length(), carry_bytes=carried) \
+                    and workflow.patched(CAN_AMORTIZED):
+                self._continue_at = CARRY_AMORTIZE * carried  # asked again once history is there
+                return
         if self._lean:
             self.engine.fold_for_carry()  # the next run gets the latest steps and records
             size = len(data.model_dump_json())
@@ -1115,6 +1140,19 @@ class AgentRun:
                     SearchAttributePair(TENANT_ATTRIBUTE, self.request.tenant),
                 ]
             ),
+        )
+
+    def _continue_wanted(self) -> bool:
+        """The server suggests continue-as-new, and the run has not put it off until its
+        history is larger (budgets.continue_due)."""
+        info = workflow.info()
+        if not info.is_continue_as_new_suggested():
+            return False
+        at = self._continue_at
+        return (
+            at is None
+            or info.get_current_history_size() >= min(at, CONTINUE_AT_BYTES)
+            or info.get_current_history_length() >= CONTINUE_AT_EVENTS
         )
 
     def _publish(self) -> None:

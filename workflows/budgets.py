@@ -14,6 +14,14 @@ MIB = 1024 * KIB
 TEMPORAL_PAYLOAD_LIMIT = 2 * MIB
 CARRY_BUDGET = 1 * MIB  # the state a run carries into continue-as-new
 CARRY_CONTINUE_AT = 512 * KIB  # continue as new before the carried state gets near its budget
+# A continue-as-new writes what the run carries twice (its last event, the next run's first):
+# once the server suggests it, a run continues when its history is CARRY_AMORTIZE times that,
+# so carrying costs at most a quarter of what a run writes however long it goes and however
+# much it carries (a long plan). By Temporal's warning marks a run continues whatever it
+# carries (its hard limits are 51,200 events and 50 MB).
+CARRY_AMORTIZE = 8
+CONTINUE_AT_EVENTS = 10_240
+CONTINUE_AT_BYTES = 10 * MIB
 RESULT_BUDGET = 1 * MIB  # RunOutcome
 REQUEST_BUDGET = 768 * KIB  # a start input (goal and playbook): it is carried into every continue-as-new
 QUERY_BUDGET = 1 * MIB  # each query answer
@@ -45,6 +53,15 @@ ANSWER_CHARS = 8000
 # keep only their id, tool, outcome and digest.
 EXECUTED_WINDOW = 20
 EXECUTED_OBSERVATION_CHARS = 32 * KIB
+
+
+def continue_due(*, history_bytes: int, history_events: int, carry_bytes: int) -> bool:
+    """The server suggests continue-as-new: is it worth what it writes yet?"""
+    return (
+        history_bytes >= CARRY_AMORTIZE * carry_bytes
+        or history_events >= CONTINUE_AT_EVENTS
+        or history_bytes >= CONTINUE_AT_BYTES
+    )
 
 
 def clip(text: str, limit: int) -> str:

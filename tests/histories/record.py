@@ -101,8 +101,10 @@ async def main() -> None:
     async def continue_as_new_path(client: Client, h: WorkflowHandle) -> None:
         await wait_for_state(h, "AWAITING_APPROVAL")
         first = (await h.describe()).run_id
-        for i in range(30):
-            await h.signal("approve", ApprovalDecision(decision_id=f"s{i}", approver="eve", plan_hash="0" * 64))
+        # Refusals with long comments (~120 KB of history): the run continues once its history
+        # is CARRY_AMORTIZE times what it carries (the server suggests it much earlier).
+        for i in range(60):
+            await h.signal("approve", ApprovalDecision(decision_id=f"s{i}", approver="eve", plan_hash="0" * 64, comment="x" * 2000))
         for _ in range(100):
             if (await h.describe()).run_id != first:
                 break
