@@ -10,7 +10,8 @@ listed), a batch of C runs of M read-only steps per variant. Per cell: wall time
 run, steps/s, history events and bytes per step over the whole continue-as-new chain, worker and
 server CPU per step, and for governed runs the ``snapshot`` and ``timeline`` queries' latency and
 answer size, sampled while the first run of the batch runs (answered from the worker's cache)
-and once after it closed (answered by replaying its last run).
+and once after it closed (answered by replaying its last run); for both variants, how long a
+replay of the first run's last run takes in process (what any query after close waits for).
 
 Then, per variant and concurrency, what one more step costs between consecutive lengths; a
 figure whose marginal cost grows from the first interval to the last, or a query whose answer or
@@ -69,6 +70,24 @@ async def sample_queries(client: Client, workflow_id: str, stop: asyncio.Event, 
             pass
 
 
+async def replay_ms(client: Client, workflow_id: str, variant: str) -> float:
+    """What a query after close costs the worker, governed or bare alike: a replay of the
+    chain's last run (its history fetched once; the second of two replays timed, in process)."""
+    from temporalio.worker import Replayer
+
+    from bench.bare import BareAgentLoop
+    from worker import WORKFLOW_RUNNER
+    from workflows.agent_run import AgentRun
+
+    history = await client.get_workflow_handle(workflow_id).fetch_history()
+    replayer = Replayer(workflows=[AgentRun if variant == GOVERNED else BareAgentLoop],
+                        data_converter=client.data_converter, workflow_runner=WORKFLOW_RUNNER)
+    await replayer.replay_workflow(history)
+    t0 = time.perf_counter()
+    await replayer.replay_workflow(history)
+    return (time.perf_counter() - t0) * 1000
+
+
 async def cell(stack, variant: str, steps: int, concurrency: int, tag: str) -> dict:
     live: dict[str, list[tuple[float, int]]] = {q: [] for q in QUERIES}
     stop = asyncio.Event()
@@ -94,6 +113,7 @@ async def cell(stack, variant: str, steps: int, concurrency: int, tag: str) -> d
         trouble=statistics.mean(f.task_trouble for f in facts),
         wcpu=batch.worker_cpu / total * 1000, scpu=batch.server_cpu / total * 1000,
         live={q: live[q] for q in QUERIES}, after=after,
+        replay=await replay_ms(stack.client, batch.handles[0].id, variant),
     )
 
 
@@ -130,6 +150,14 @@ def flags(cells: list[dict]) -> list[str]:
                            f"{first:.1f}{unit} from {row[0]['steps']} to {row[1]['steps']} steps, "
                            f"{last:.1f}{unit} from {row[-2]['steps']} to {row[-1]['steps']}"
                            + (" (with workflow task timeouts in these runs: partly load)" if noisy else ""))
+            bare = {c["steps"]: c for c in cells if c["variant"] == BARE and c["concurrency"] == conc}
+            if variant == GOVERNED and row[-1]["steps"] in bare:
+                # A replay grows with the run for any workflow: governance's share is the ratio.
+                longest = row[-1]["steps"]
+                ratio = row[-1]["replay"] / max(bare[longest]["replay"], 0.1)
+                out.append(f"{'GROWS' if ratio > QUERY_GROWTH else 'flat':<5} {variant} x{conc}: replay of the last "
+                           f"run at {longest} steps {row[-1]['replay']:.0f} ms, {ratio:.2f}x bare's "
+                           f"{bare[longest]['replay']:.0f} ms (what a query after close waits for)")
             if variant == GOVERNED:
                 for q in QUERIES:
                     a, b = row[0]["live"][q], row[-1]["live"][q]
@@ -185,12 +213,12 @@ async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> No
         ["variant", "steps", "concurrent", "runs in chain", "ms/step (wall, one run)", "steps/s",
          "events/step", "KiB/step", "task timeouts/run", "worker CPU ms/step", "server CPU ms/step",
          "snapshot live p50, max size", "timeline live p50, max size", "snapshot after close",
-         "timeline after close"],
+         "timeline after close", "replay of the last run"],
         [[c["variant"], c["steps"], c["concurrency"], f"{c['runs_in_chain']:.1f}", f"{c['ms_step']:.1f}",
           f"{c['sps']:.1f}", f"{c['events'] / c['steps']:.1f}", f"{c['bytes'] / 1024 / c['steps']:.2f}",
           f"{c['trouble']:.1f}",
           f"{c['wcpu']:.1f}", f"{c['scpu']:.1f}", _q(c["live"]["snapshot"]), _q(c["live"]["timeline"]),
-          _after(c["after"], "snapshot"), _after(c["after"], "timeline")]
+          _after(c["after"], "snapshot"), _after(c["after"], "timeline"), f"{c['replay']:.0f} ms"]
          for c in cells],
     ))
     if skipped:

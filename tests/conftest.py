@@ -11,6 +11,7 @@ Nothing is downloaded: both binaries come from the virtualenv.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -324,6 +325,25 @@ async def _no_run_left_open() -> AsyncIterator[None]:
         except RPCError:  # closed already (NOT_FOUND), or its server is gone
             pass
     _STARTED.clear()
+
+
+async def flood_until_continued(current: WorkflowHandle, first_run: str, tag: str, decision: Any = None) -> int:
+    """Refused approvals, each with a long comment so history grows by kilobytes, until the run
+    has continued as new: a small_history_env server suggests it after CAN_THRESHOLD events, the
+    run takes it once its history is CARRY_AMORTIZE times what it carries. ``decision(i)``: the
+    refused decision to send (default: eve's, for a plan hash no run has). Returns how many."""
+    sent = 0
+    while sent < 400:
+        made = decision(sent) if decision else ApprovalDecision(decision_id=f"{tag}-{sent}", approver="eve", plan_hash="0" * 64)
+        await current.signal("approve", made.model_copy(update={"comment": "x" * 2000}))
+        sent += 1
+        if sent % 10 == 0 and (await current.describe()).run_id != first_run:
+            return sent
+    for _ in range(100):
+        if (await current.describe()).run_id != first_run:
+            return sent
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no continue-as-new after {sent} refusals")
 
 
 async def cancel_and_settle(handle: WorkflowHandle) -> None:

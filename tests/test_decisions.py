@@ -20,7 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
 from client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
+from tests.conftest import Billing, approval_for, flood_until_continued, make_request, running_worker, start_run, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
 from workflows.models import DecideResult, PlannerInput, RunOutcome, RunSnapshot
 from workflows.states import RunState
@@ -415,12 +415,9 @@ async def test_a_revised_escalating_plan_continues_as_new_and_keeps_its_version(
         for amount in (8000, 7000, 6000, 5500):
             assert (await decide(handle, **revision(snap, [READ, with_amount(amount)]))).state == S.VALIDATED
             snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        for _ in range(100):  # the continue-as-new happens while the run waits
-            if (await handle.describe()).run_id != first_run:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the run did not continue as new")
+        # Refusals grow the history until the continue-as-new is worth it; it happens while the
+        # run waits.
+        await flood_until_continued(env.client.get_workflow_handle(handle.id), first_run, "stale")
         carried = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert carried.plan is not None and carried.plan.version == 5
         assert [r.version for r in carried.revisions] == [2, 3, 4, 5]

@@ -17,6 +17,7 @@ from tests.conftest import (
     BIN,
     CAN_THRESHOLD,
     Billing,
+    flood_until_continued,
     make_request,
     running_worker,
     snapshot,
@@ -206,24 +207,6 @@ async def resting(handle, timeout: float = 5.0) -> None:
         if events[-1].event_type not in busy and any(e.HasField("timer_started_event_attributes") for e in events):
             return
         await asyncio.sleep(0.05)
-
-
-async def flood_until_continued(current, first_run: str, tag: str) -> int:
-    """Refused approvals (each with a long comment, so history grows by kilobytes) until the run
-    has continued as new: the server suggests it after CAN_THRESHOLD events, the run takes it
-    once its history is CARRY_AMORTIZE times what it carries. Returns how many were sent."""
-    sent = 0
-    while sent < 400:
-        await current.signal("approve", ApprovalDecision(
-            decision_id=f"{tag}-{sent}", approver="eve", plan_hash="0" * 64, comment="x" * 2000))
-        sent += 1
-        if sent % 10 == 0 and (await current.describe()).run_id != first_run:
-            return sent
-    for _ in range(100):
-        if (await current.describe()).run_id != first_run:
-            return sent
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"no continue-as-new after {sent} refusals")
 
 
 async def test_a_flood_that_never_pauses_still_lets_the_run_continue_as_new(

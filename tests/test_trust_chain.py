@@ -34,7 +34,7 @@ import client as tether_client
 from activities.keys import genkey
 from activities.policy import PolicyStore
 from client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, unique, wait_for_state
+from tests.conftest import Billing, approval_for, flood_until_continued, make_request, running_worker, snapshot, unique, wait_for_state
 from workflows.models import (
     Capability,
     PolicySnapshot,
@@ -174,12 +174,10 @@ async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
     async with running_worker(client, task_queue=queue) as worker:
         handle = await tether_client.start_run(client, make_request([email_step(to)]), run_id=unique("chain"), queue=queue)
         first = await wait_for_state(handle, "AWAITING_APPROVAL")
-        # Refused decisions grow the history until the server suggests continuing as new.
-        for i in range(40):
-            await handle.signal("approve", approval_for(first.pending_approval.plan_hash, "bob"))
-            if (await client.get_workflow_handle(handle.id).describe()).run_id != handle.result_run_id:
-                break
+        # Refused decisions grow the history until continuing as new is worth it.
         latest = client.get_workflow_handle(handle.id)
+        await flood_until_continued(latest, handle.result_run_id, "chain",
+                                    lambda i: approval_for(first.pending_approval.plan_hash, "bob"))
         for _ in range(100):  # it continues once its seal has settled (a short durable timer)
             second_run = (await latest.describe()).run_id
             if second_run != handle.result_run_id:
