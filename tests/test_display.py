@@ -90,3 +90,14 @@ def test_the_run_setup_marker_keeps_what_the_run_decides_with() -> None:
     setup = RunSetup(catalog=ToolCatalog(tools=[tool]), policy=PolicySnapshot(tenant="acme", policy={}, policy_hash="h" * 64, source="test"))
     back = RunSetup.model_validate_json(setup.model_dump_json()).catalog.tools[0]
     assert back == tool.model_copy(update={"description": "", "args_schema": untitled(schema)})
+
+
+def test_plain_text_takes_the_fast_path_to_the_same_result() -> None:
+    """Printable ASCII without a backslash is returned as it is (clipped the same way): the
+    result is the character-at-a-time escape's, for every limit."""
+    from workflows.display import _escape_each
+
+    samples = ["", "a", "refund A-1001 for 12,000 cents", "x" * 300, "back\\slash", "tab\tthere", "é", *ATTACKS]
+    for text in samples:
+        for limit in (None, 0, 1, 2, 5, 40, 299, 300, 301):
+            assert escape_text(text, limit) == _escape_each(text, limit), (text, limit)

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from workflows.display import markdown_code as code
 from workflows.display import markdown_text as text
 from workflows.display import show_value
-from workflows.models import RunData, RunRequest, ToolCatalog
+from workflows.models import Plan, RunData, RunRequest, ToolCatalog
 from workflows.states import RunState
 
 S = RunState
@@ -70,6 +70,42 @@ def run_details(
         )
 
 
+# The plan's step lines, drawn once per plan and per catalog entries they show (the details are
+# drawn before every activity; only the done marks move): keyed by everything a line shows.
+_PLAN_STEPS: dict[tuple[object, ...], list[str]] = {}
+_PLAN_STEPS_KEPT = 256
+
+
+def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
+    steps = plan.steps[:PLAN_LINES]
+    infos = [catalog.get(step.tool) for step in steps]
+    # The plan hash covers the steps' tools and arguments and the undos; the catalog entries
+    # give the effect and the summary fields.
+    key = (plan.plan_hash, plan.version, plan.undo is None,
+           tuple((i.effect.value, tuple(i.summary_fields)) if i else None for i in infos))
+    found = _PLAN_STEPS.get(key) if plan.plan_hash else None
+    if found is not None:
+        return found
+    lines = []
+    for i, (step, info) in enumerate(zip(steps, infos), start=1):
+        effect = info.effect.value if info else "?"
+        # The declared summary fields, each value only inside a code span.
+        fields = [
+            f"{text(k, 40)} {code(show_value(step.args[k], 200))}"
+            for k in (info.summary_fields if info else [])
+            if k in step.args
+        ]
+        # The undo the plan hash covers, for each write (plans hashed before recovery: none).
+        if plan.undo is not None and info is not None and info.effect.value != "read_only":
+            comp = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
+            fields.append(f"undo {code(comp.tool, 64)}" if comp else "no recovery path")
+        lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + "".join(f" · {f}" for f in fields))
+    if len(_PLAN_STEPS) >= _PLAN_STEPS_KEPT:
+        _PLAN_STEPS.clear()
+    _PLAN_STEPS[key] = lines
+    return lines
+
+
 def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None) -> str:
     lc = data.lifecycle
     lines = [f"**State:** `{lc.state.value}` (version {lc.state_version})"]
@@ -104,21 +140,8 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
                 + (" (partial approval)" if last.partial else "")
                 + f": {code(', '.join(last.changed), 300)}"
             ]
-        for i, step in enumerate(plan.steps[:PLAN_LINES], start=1):
-            info = catalog.get(step.tool)
-            effect = info.effect.value if info else "?"
-            # The declared summary fields, each value only inside a code span.
-            fields = [
-                f"{text(k, 40)} {code(show_value(step.args[k], 200))}"
-                for k in (info.summary_fields if info else [])
-                if k in step.args
-            ]
-            # The undo the plan hash covers, for each write (plans hashed before recovery: none).
-            if plan.undo is not None and info is not None and info.effect.value != "read_only":
-                comp = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
-                fields.append(f"undo {code(comp.tool, 64)}" if comp else "no recovery path")
-            mark = " ✓ done" if i <= data.next_step else ""
-            lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + "".join(f" · {f}" for f in fields) + mark)
+        for i, line in enumerate(_plan_steps(plan, catalog), start=1):
+            lines.append(line + (" ✓ done" if i <= data.next_step else ""))
         if len(plan.steps) > PLAN_LINES:
             lines.append(f"… and {len(plan.steps) - PLAN_LINES} more step(s)")
     if data.compensations and lc.state == S.COMPENSATING:

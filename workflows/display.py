@@ -50,6 +50,17 @@ def escape_text(value: object, limit: int | None = None) -> str:
     text ends with an ellipsis. Never raises.
     """
     text = value if isinstance(value, str) else str(value)
+    if text.isascii() and text.isprintable() and "\\" not in text:
+        # Nothing to escape (the common case, checked at C speed): only the clip, each
+        # character one long, exactly as below.
+        if limit is None or len(text) <= limit:
+            return text
+        return text[: max(limit - 1, 0)] + _ELLIPSIS
+    return _escape_each(text, limit)
+
+
+def _escape_each(text: str, limit: int | None) -> str:
+    """escape_text, a character at a time."""
     out: list[str] = []
     length = 0
     for c in text:

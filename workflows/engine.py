@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from workflows import policy, recovery
 from workflows import revision as revisions
@@ -121,6 +121,9 @@ class Engine:
         self.outbox: list[tuple[TransitionRecord, list[str]]] = []
         # Decision refusals counted but not recorded (a flood), until their sender is answered.
         self.unrecorded_refusals: dict[str, Refusal] = {}
+        # Where the current plan writes (step indexes), worked out once per plan and catalog:
+        # every step asks whether writes remain (authority_check).
+        self._writes: tuple[tuple[Any, ...], list[int]] = ((), [])
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded
@@ -762,6 +765,19 @@ class Engine:
             self.move(S.EXPIRED, at=at, actor="timer", reason=expired, refs=refs)
         data.pending_approval = None
 
+    def _write_steps(self) -> list[int]:
+        """The indexes of the plan's steps that write (or call a tool the catalog lacks)."""
+        plan, catalog = self.data.plan, self.data.catalog
+        assert plan is not None
+        key = (plan.plan_hash, plan.version, len(plan.steps), len(catalog.tools) if catalog else 0)
+        if self._writes[0] != key:
+            found = self.catalog
+            self._writes = (key, [
+                i for i, s in enumerate(plan.steps)
+                if (info := found.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
+            ])
+        return self._writes[1]
+
     def authority_check(self, *, from_step: int) -> AuthorityCheck | None:
         """What to re-check against the current policy file before the plan's remaining writes
         run, approved or auto-approved (None: nothing left writes)."""
@@ -771,9 +787,7 @@ class Engine:
         if data.plan is None:
             return None
         remaining = data.plan.steps[from_step:]
-        writes = [
-            s for s in remaining if (info := self.catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
-        ]
+        writes = [data.plan.steps[i] for i in self._write_steps() if i >= from_step]
         if not writes:
             return None
         tools = [s.tool for s in writes]
@@ -1275,6 +1289,8 @@ class Engine:
         """Older steps keep only id, tool, status and digest: the carried state stays bounded."""
         room = EXECUTED_OBSERVATION_CHARS
         for i, done in enumerate(reversed(self.data.executed)):
+            if i >= EXECUTED_WINDOW and not done.args and not done.observation:
+                break  # trimmed already, and so is every step before it (each call trims them)
             room -= len(done.observation)
             if i >= EXECUTED_WINDOW or room < 0:
                 done.args, done.observation = {}, ""
