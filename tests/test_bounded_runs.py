@@ -342,3 +342,11 @@ def test_continue_as_new_waits_until_it_is_worth_what_it_writes() -> None:
     assert continue_due(history_bytes=1_000, history_events=CONTINUE_AT_EVENTS, carry_bytes=carry)
     assert continue_due(history_bytes=CONTINUE_AT_BYTES, history_events=1, carry_bytes=CONTINUE_AT_BYTES)
     assert CONTINUE_AT_EVENTS < 51_200 and CONTINUE_AT_BYTES < 50 * 1024 * 1024  # Temporal's hard limits
+    # Put off, a run is woken again once its history gets there (or to the warning marks).
+    from workflows.budgets import continue_wanted
+
+    assert continue_wanted(history_bytes=0, history_events=0, deferred_to=None)
+    assert not continue_wanted(history_bytes=CARRY_AMORTIZE * carry - 1, history_events=400, deferred_to=CARRY_AMORTIZE * carry)
+    assert continue_wanted(history_bytes=CARRY_AMORTIZE * carry, history_events=400, deferred_to=CARRY_AMORTIZE * carry)
+    assert continue_wanted(history_bytes=CONTINUE_AT_BYTES, history_events=1, deferred_to=10 * CONTINUE_AT_BYTES)
+    assert continue_wanted(history_bytes=1, history_events=CONTINUE_AT_EVENTS, deferred_to=10 * CONTINUE_AT_BYTES)

@@ -39,13 +39,12 @@ with workflow.unsafe.imports_passed_through():
         CARRY_AMORTIZE,
         CARRY_BUDGET,
         CARRY_CONTINUE_AT,
-        CONTINUE_AT_BYTES,
-        CONTINUE_AT_EVENTS,
         DETAILS_CHARS,
         REQUEST_BUDGET,
         UPDATES_CONTINUE_AT,
         clip,
         continue_due,
+        continue_wanted,
     )
     from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
@@ -1143,16 +1142,13 @@ class AgentRun:
         )
 
     def _continue_wanted(self) -> bool:
-        """The server suggests continue-as-new, and the run has not put it off until its
-        history is larger (budgets.continue_due)."""
+        """The server suggests continue-as-new, and the run has not put it off (or its history
+        has got where it put it off to)."""
         info = workflow.info()
-        if not info.is_continue_as_new_suggested():
-            return False
-        at = self._continue_at
-        return (
-            at is None
-            or info.get_current_history_size() >= min(at, CONTINUE_AT_BYTES)
-            or info.get_current_history_length() >= CONTINUE_AT_EVENTS
+        return info.is_continue_as_new_suggested() and continue_wanted(
+            history_bytes=info.get_current_history_size(),
+            history_events=info.get_current_history_length(),
+            deferred_to=self._continue_at,
         )
 
     def _publish(self) -> None:

@@ -64,6 +64,16 @@ def continue_due(*, history_bytes: int, history_events: int, carry_bytes: int) -
     )
 
 
+def continue_wanted(*, history_bytes: int, history_events: int, deferred_to: int | None) -> bool:
+    """A suggested continue-as-new the run put off until its history is ``deferred_to`` bytes
+    (None: not put off): is it there yet, or at Temporal's warning marks?"""
+    return (
+        deferred_to is None
+        or history_bytes >= min(deferred_to, CONTINUE_AT_BYTES)
+        or history_events >= CONTINUE_AT_EVENTS
+    )
+
+
 def clip(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters, saying how much was cut."""
     if len(text) <= limit:
