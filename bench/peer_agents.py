@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic_ai.models.function import AgentInfo, FunctionModel
 
     from activities.tools import ToolContext
-    from bench.tools import KeyArgs, bench_read as BENCH_READ
+    from bench.tool_bodies import KeyArgs, read_value
 
 
 @dataclass
@@ -92,7 +92,7 @@ async def bench_read(key: str) -> dict:
         run_id=info.workflow_id, tenant="peer", tool_call_id=tool_call_id,
         idempotency_key=f"{info.workflow_id}:{tool_call_id}", attempt=info.attempt,
     )
-    return await BENCH_READ.fn(KeyArgs(key=key), ctx)
+    return await read_value(KeyArgs(key=key), ctx)
 
 
 PLAN_AGENT = Agent(
