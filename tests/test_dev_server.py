@@ -269,3 +269,29 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         assert outcome.state == RunState.COMPLETED
         assert is_legal_path(outcome.timeline)
         assert len({r.state_version for r in outcome.timeline if r.kind == "transition"}) == outcome.timeline[-1].state_version
+
+
+async def test_refusals_the_policy_checks_do_not_put_a_patch_marker_after_a_local_activity(
+    small_history_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Decisions refused by the policy activity (the requester approving her own plan), past
+    the server's suggestion: the run continues as new, and no patch marker it writes follows a
+    local activity's result in one workflow task (sdk-core fails replay on that when a query was
+    answered in between)."""
+    env = small_history_env
+    async with running_worker(env.client) as worker:
+        handle = await start_run(env.client, worker, make_request(REFUND, tenant="acme"))
+        first = await wait_for_state(handle, "AWAITING_APPROVAL")
+        first_run = (await handle.describe()).run_id
+        current = env.client.get_workflow_handle(handle.id)
+        await flood_until_continued(current, first_run, "own", lambda i: approval_for(first, "alice"))
+        events = [e async for e in env.client.get_workflow_handle(handle.id, run_id=first_run).fetch_history_events()]
+        await resting(current)
+        refused = [r for r in await timeline(current) if r.kind == "refused"]
+    for before, event in zip(events, events[1:]):
+        if event.HasField("marker_recorded_event_attributes") and event.marker_recorded_event_attributes.marker_name == "core_patch":
+            same_task = (before.HasField("marker_recorded_event_attributes") and
+                         before.marker_recorded_event_attributes.workflow_task_completed_event_id
+                         == event.marker_recorded_event_attributes.workflow_task_completed_event_id)
+            assert not (same_task and before.marker_recorded_event_attributes.marker_name == "core_local_activity"), event.event_id
+    assert refused and all("alice" in r.actor for r in refused)

@@ -61,3 +61,24 @@ def test_patch_ids_are_compatibility_data() -> None:
         "tether-revisions", "tether-escalation", "tether-notify", "cancel-reaches-tool", "tether-can-settle",
         "tether-lean",
     ]
+
+
+def test_no_patch_marker_follows_a_local_activity_in_one_workflow_task() -> None:
+    """sdk-core: a patch marker right after a local activity's result, in one workflow task,
+    fails replay when a query was answered in between. This version's histories decide every
+    patch where no local activity just resolved (tether-can-amortized included)."""
+    import base64
+    import json
+
+    seen = set()
+    for path in sorted(HERE.glob("*.json")):
+        events = json.loads(path.read_text())["events"]
+        for before, event in zip(events, events[1:]):
+            marker = event.get("markerRecordedEventAttributes")
+            if not marker or marker.get("markerName") != "core_patch":
+                continue
+            seen.add(json.loads(base64.b64decode(marker["details"]["patch-data"]["payloads"][0]["data"]))["id"])
+            previous = before.get("markerRecordedEventAttributes")
+            same_task = previous and previous.get("workflowTaskCompletedEventId") == marker.get("workflowTaskCompletedEventId")
+            assert not (same_task and previous.get("markerName") == "core_local_activity"), (path.name, event["eventId"])
+    assert {"tether-lean", "tether-can-amortized"} <= seen

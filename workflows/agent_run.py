@@ -223,6 +223,11 @@ class AgentRun:
         self._settle_misses = 0  # continue-as-new attempts whose seal signals overtook
         # History bytes at which a deferred continue-as-new is due (None: none deferred).
         self._continue_at: int | None = None
+        # The run's last await was a local activity: no patch is decided now (sdk-core: a patch
+        # marker right after a local activity's result fails replay when a query was answered
+        # in between). Set by _activity, cleared after the waits the main loop comes back from.
+        self._after_local = False
+        self._amortized: bool | None = None  # CAN_AMORTIZED, once decided
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
@@ -495,6 +500,7 @@ class AgentRun:
                 )
             except asyncio.TimeoutError:
                 pass
+            self._after_local = False
         if await self._take_handoff():
             return
         if self._inbox:
@@ -593,6 +599,7 @@ class AgentRun:
             try:
                 # Shielded: the run's cancellation is handled below, not by losing the handle.
                 outcome = await asyncio.shield(handle)
+                self._after_local = False
             except asyncio.CancelledError:
                 failure: ToolFailure | None = None
                 if self._patched(CANCEL_REACHES_TOOL):
@@ -916,6 +923,7 @@ class AgentRun:
         # inside the current workflow task and leaves one marker event, instead of an activity
         # task plus another workflow task (six events and two server round trips; bench/).
         execute = workflow.execute_local_activity if local else workflow.execute_activity
+        self._after_local = local
         try:
             return await execute(
                 name,
@@ -1081,10 +1089,14 @@ class AgentRun:
             info = workflow.info()
             carried = self.engine.carried_bytes()
             history = info.get_current_history_size()
-            if not continue_due(history_bytes=history, history_events=info.get_current_history_length(), carry_bytes=carried) \
-                    and workflow.patched(CAN_AMORTIZED):
-                self._continue_at = CARRY_AMORTIZE * carried  # asked again once history is there
-                return
+            if not continue_due(history_bytes=history, history_events=info.get_current_history_length(), carry_bytes=carried):
+                if self._amortized is None and not self._after_local:
+                    # Decided where no local activity just resolved; until then the run
+                    # continues at the suggestion, as runs before the patch do.
+                    self._amortized = workflow.patched(CAN_AMORTIZED)
+                if self._amortized:
+                    self._continue_at = CARRY_AMORTIZE * carried  # asked again once history is there
+                    return
         if self._lean:
             self.engine.fold_for_carry()  # the next run gets the latest steps and records
             size = len(data.model_dump_json())
