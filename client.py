@@ -873,6 +873,10 @@ async def _pending(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApp
     return snap, pending
 
 
+# How soon a decision the run had no room for is sent again (it is continuing as new).
+CONTINUING_RETRY = 0.25
+
+
 async def _send_decision(
     client: Client, run_id: str, decision: DecideRequest | ReviseDecideRequest, timeout: float
 ) -> TransitionRecord | None:
@@ -883,32 +887,38 @@ async def _send_decision(
         f"(`tether status {run_id}` shows the verdict once it is there)",
         PENDING,
     )
-    try:
-        # The decide Update: only a malformed or repeated decision is refused before history;
-        # the answer is the run's own record of the decision (policy check included).
-        update = await handle.start_update(
-            "decide", decision, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
-            rpc_timeout=timedelta(seconds=timeout),
-        )
-    except WorkflowUpdateFailedError as e:
-        raise _refused_update(e) from None
-    except WorkflowUpdateRPCTimeoutOrCancelledError:
-        # Not acknowledged in time: a worker is in the middle of the run's task (the policy check
-        # runs in it, and the acceptance goes out with it), or no worker is there at all.
-        if await _task_started(handle):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        update = None
+        try:
+            # The decide Update: only a malformed or repeated decision, or one the run has no
+            # room for until it continues as new, is refused before history; the answer is the
+            # run's own record of the decision (policy check included).
+            update = await handle.start_update(
+                "decide", decision, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
+                rpc_timeout=timedelta(seconds=timeout),
+            )
+            result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
+            break
+        except WorkflowUpdateFailedError as e:
+            refused = _refused_update(e)
+            if refused.rule != "continuing_as_new" or asyncio.get_running_loop().time() >= deadline:
+                raise refused from None
+            # The run continues as new in a moment: the handle's latest run takes it then.
+            await asyncio.sleep(CONTINUING_RETRY)
+        except WorkflowUpdateRPCTimeoutOrCancelledError:
+            if update is not None:
+                raise pending_verdict from None  # accepted: on the run's record, to be judged
+            # Not acknowledged in time: a worker is in the middle of the run's task (the policy
+            # check runs in it, and the acceptance goes out with it), or no worker is there.
+            if await _task_started(handle):
+                raise pending_verdict from None
+            raise TetherError(f"no worker took the decision for run {run_id} within {timeout:g}s: start one with `make worker`") from None
+        except asyncio.TimeoutError:
+            # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
             raise pending_verdict from None
-        raise TetherError(f"no worker took the decision for run {run_id} within {timeout:g}s: start one with `make worker`") from None
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
-    try:
-        result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
-    except (asyncio.TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
-        # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
-        raise pending_verdict from None
-    except WorkflowUpdateFailedError as e:
-        raise _refused_update(e) from None
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
+        except RPCError as e:
+            raise rpc_error(e, run_id) from None
     if result.outcome == "refused":
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
     return await _await_record(client, run_id, decision.decision_id, timeout)

@@ -204,15 +204,20 @@ async def test_an_update_flood_is_answered_and_continues_as_new_before_temporals
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         first_run = (await handle.describe()).run_id
         began = time.monotonic()
+        async def decide_once() -> str | None:
+            # Sent without a pause, the way `tether approve` sends it: past the Updates an
+            # execution takes, the run refuses one before history (continuing_as_new) until it
+            # has continued, and the client sends it again to the continued run, where it counts.
+            request = DecideRequest(kind="approve", **approval_for("0" * 64, "bob").model_dump())
+            try:
+                await tether_client._send_decision(dev_env.client, handle.id, request, 30)
+            except tether_client.TetherError as refused:
+                return refused.rule
+            return None
+
         for start in range(0, count, 8):  # 8 at a time: Temporal allows 10 in flight
-            verdicts = await asyncio.gather(*(
-                dev_env.client.get_workflow_handle(handle.id).execute_update(
-                    "decide", DecideRequest(kind="approve", **approval_for("0" * 64, "bob").model_dump()),
-                    result_type=DecideResult,
-                )
-                for _ in range(start, min(start + 8, count))
-            ))
-            assert all(v.outcome == "refused" and v.rule == "stale_plan_hash" for v in verdicts), verdicts
+            rules = await asyncio.gather(*(decide_once() for _ in range(start, min(start + 8, count))))
+            assert rules == ["stale_plan_hash"] * len(rules), rules
         elapsed = time.monotonic() - began
         now = await snapshot(dev_env.client.get_workflow_handle(handle.id))
         assert now.refusals["stale_plan_hash user:bob"] == count  # counted, across the runs
@@ -350,3 +355,16 @@ def test_continue_as_new_waits_until_it_is_worth_what_it_writes() -> None:
     assert continue_wanted(history_bytes=CARRY_AMORTIZE * carry, history_events=400, deferred_to=CARRY_AMORTIZE * carry)
     assert continue_wanted(history_bytes=CONTINUE_AT_BYTES, history_events=1, deferred_to=10 * CONTINUE_AT_BYTES)
     assert continue_wanted(history_bytes=1, history_events=CONTINUE_AT_EVENTS, deferred_to=10 * CONTINUE_AT_BYTES)
+
+
+def test_a_decide_update_past_an_executions_room_is_refused_before_history() -> None:
+    """Past UPDATES_CONTINUE_AT in one execution, a decide Update is refused by the validator
+    (nothing on the record) with a rule the client sends it again on: the run's handlers
+    drain, it continues as new, and the continued run takes it."""
+    from workflows.budgets import UPDATES_CONTINUE_AT
+    from workflows.policy import updates_refusal
+
+    assert updates_refusal(UPDATES_CONTINUE_AT - 1) is None
+    refusal = updates_refusal(UPDATES_CONTINUE_AT)
+    assert refusal is not None and refusal.rule == "continuing_as_new" and "send it again" in refusal.message
+    assert UPDATES_CONTINUE_AT < 2_000  # Temporal's per-run limit

@@ -725,7 +725,8 @@ class AgentRun:
         description="Approve or reject the pending plan and get the verdict at once. Data "
         "(DecideRequest): the ApprovalDecision fields plus \"kind\": \"approve\" | \"reject\"; or the "
         "RevisionRequest fields plus \"kind\": \"revise\". "
-        "Only a malformed payload or a repeated decision_id is refused before history; every other "
+        "Only a malformed payload, a repeated decision_id or an Update past the 1,500 an execution "
+        "takes (continuing_as_new: send it again) is refused before history; every other "
         "refusal (stale, expired, four-eyes, role, invalid revision, ...) is on the run's record, and "
         "the answer (DecideResult) is the record the run wrote for the decision.",
     )
@@ -761,9 +762,12 @@ class AgentRun:
     def _validate_decide(self, *args: Any) -> None:
         # Runs before anything reaches history, so what it refuses is on no record: only what
         # cannot be attributed (a malformed payload) or cannot count at all (a decision id seen
-        # before). Every policy refusal goes through the handler and onto the timeline.
+        # before, or one this execution has no room for: sent again, it counts in the continued
+        # run). Every policy refusal goes through the handler and onto the timeline.
         decision = self._decide_payload(args)
         refusal = policy.repeated_decision_refusal(decision.decision_id, self.data, in_flight=self._verdicts)
+        if refusal is None and self._record:
+            refusal = policy.updates_refusal(self._updates)  # it continues as new first
         if refusal is not None:
             raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
 

@@ -64,6 +64,8 @@ RULES = frozenset(
         # declared recovery (issue 24)
         "recovery_required", "no_recovery_path", "not_approved", "not_compensable", "nothing_to_compensate",
         "unknown_run", "still_running",
+        # a decide Update the execution has no room for (refused before history, never counted)
+        "continuing_as_new",
     }
 )
 

@@ -26,7 +26,7 @@ from workflows.models import (
     ToolInfo,
     canonical_json,
 )
-from workflows.budgets import clip
+from workflows.budgets import UPDATES_CONTINUE_AT, clip
 from workflows.display import markdown_code, show_value
 from workflows.identity import same_person
 from workflows.models import Compensation, CompensationCall, ToolCall
@@ -95,6 +95,19 @@ def repeated_decision_refusal(
         or (pending is not None and any(a.decision_id == decision_id for a in pending.approvals))
     ):
         return Refusal(rule="duplicate_decision", message=f"duplicate decision_id {decision_id[:64]}: already handled")
+    return None
+
+
+def updates_refusal(updates: int) -> Refusal | None:
+    """A decide Update past the ones an execution takes (it continues as new first: Temporal
+    takes 2,000 Updates a run): refused before history, to be sent again to the continued run.
+    Without it a flood that never pauses keeps an Update in flight, and the run never gets to
+    continue before Temporal's limit."""
+    if updates >= UPDATES_CONTINUE_AT:
+        return Refusal(
+            rule="continuing_as_new",
+            message=f"this run has taken {updates} decide Updates and continues as new first: send it again",
+        )
     return None
 
 
