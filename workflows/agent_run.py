@@ -1089,6 +1089,7 @@ class AgentRun:
         size = len(data.model_dump_json())
         if not suggested and size < CARRY_CONTINUE_AT:
             return
+        carried = None  # what continuing writes (the folded state and the request), once measured
         if suggested and self._lean and size < CARRY_CONTINUE_AT and not self._updates_exhausted():
             info = workflow.info()
             carried = self.engine.carried_bytes()
@@ -1103,8 +1104,11 @@ class AgentRun:
                     return
         if self._lean:
             self.engine.fold_for_carry()  # the next run gets the latest steps and records
-            size = len(data.model_dump_json())
-        size += len(self.request.model_dump_json(exclude={"carryover"}))
+        if carried is not None:
+            size = carried  # measured on a copy folded the same way
+        else:
+            size = len(data.model_dump_json()) if self._lean else size
+            size += len(self.request.model_dump_json(exclude={"carryover"}))
         if size > CARRY_BUDGET + REQUEST_BUDGET:
             # Cleanly, with the reason: a payload over the limit would fail every workflow task.
             raise ApplicationError(

@@ -67,10 +67,9 @@ def continue_due(*, history_bytes: int, history_events: int, carry_bytes: int) -
 def continue_wanted(*, history_bytes: int, history_events: int, deferred_to: int | None) -> bool:
     """A suggested continue-as-new the run put off until its history is ``deferred_to`` bytes
     (None: not put off): is it there yet, or at Temporal's warning marks?"""
-    return (
-        deferred_to is None
-        or history_bytes >= min(deferred_to, CONTINUE_AT_BYTES)
-        or history_events >= CONTINUE_AT_EVENTS
+    # Put off until its history is CARRY_AMORTIZE times what it carried then: due as before.
+    return deferred_to is None or continue_due(
+        history_bytes=history_bytes, history_events=history_events, carry_bytes=deferred_to / CARRY_AMORTIZE
     )
 
 

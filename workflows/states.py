@@ -99,7 +99,6 @@ def first_published(*, compensation: bool) -> RunState:
     return RunState.COMPENSATING if compensation else RunState.PLANNING
 
 
-
 def to_publish(published: str | None, state: RunState) -> bool:
     """Whether the run upserts AgentRunState=``state`` now, the attribute saying ``published``."""
     if published == state.value:
