@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from workflows import policy, recovery
 from workflows import revision as revisions
+from workflows.identity import normalize_name
 from workflows.budgets import (
     ANSWER_CHARS,
     CARRY_TIMELINE_TAIL,
@@ -608,12 +609,13 @@ class Engine:
             )
         )
         data.approved_by = [a.approver for a in pending.approvals]
+        unreviewed = " (unreviewed: not bound to a plan the approver was shown)" if decision.unreviewed else ""
         if len(pending.approvals) < pending.approvals_required:
             self.on_record(
                 data.lifecycle.accept(
                     at=at,
                     actor=actor,
-                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted"
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted{unreviewed}"
                     + (f": {decision.comment}" if decision.comment else ""),
                     refs=refs,
                 )
@@ -621,7 +623,7 @@ class Engine:
             return
         # The approval is now in force for this plan; nothing is pending any more.
         data.approval, data.pending_approval = pending, None
-        self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
+        self.move(S.APPROVED, at=at, actor=actor, reason=(decision.comment or "approved") + unreviewed, refs=refs)
 
     def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None:
         """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
@@ -940,6 +942,7 @@ class Engine:
 
     def cancelled(self, reason: str | None, at: datetime) -> None:
         self.data.pending_approval = None
+        actor, reason = cancel_actor(reason)
         why = f"cancellation requested: {reason or 'no reason'}"
         ended = self._step_ended_by("cancelled")
         refs, detail = ended if ended is not None else (None, None)
@@ -948,10 +951,10 @@ class Engine:
             # The person asked to stop; the run was told to put things back when stopped.
             self._settled = None
             self.data.step_retries, self.data.step_outcome = 0, None
-            self.move(S.COMPENSATING, at=at, actor="runtime",
+            self.move(S.COMPENSATING, at=at, actor=actor,
                       reason=f"{why}; on_cancel=compensate: {self._undo_left(start=True)}", refs=refs)
             return
-        self.move(S.CANCELLED, at=at, actor="runtime", reason=why, refs=refs)
+        self.move(S.CANCELLED, at=at, actor=actor, reason=why, refs=refs)
 
     # ------------------------------------------------------------------ tools
 
@@ -1462,3 +1465,18 @@ def _fold(data: RunData) -> None:
     data.executed_ok_before += sum(1 for done in old if done.status == "ok")
     del data.executed[: len(old)]
     data.lifecycle.fold(CARRY_TIMELINE_TAIL)
+
+
+def cancel_actor(reason: str | None) -> tuple[str, str | None]:
+    """Who asked for a cancel: `tether cancel RUN --by NAME --reason R` sends "by NAME: R" as
+    Temporal's cancellation reason (a claim, like any unsigned name). Anything else: the
+    runtime, with the reason as given."""
+    text = reason or ""
+    name, sep, rest = text[3:].partition(": ") if text.startswith("by ") else ("", "", "")
+    try:
+        name = normalize_name(name) if sep else ""
+    except ValueError:
+        name = ""
+    if not name:
+        return "runtime", reason
+    return f"user:{name}", rest or None

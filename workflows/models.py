@@ -441,6 +441,9 @@ class ApprovalDecision(Contract):
     # Partial approval (approve only): the 1-based numbers of the steps approved; None: all.
     # The other steps are dropped from the plan (a revision) and the result is approved.
     steps: list[int] | None = Field(None, min_length=1, max_length=1000)
+    # The approver did not bind the decision to a plan they reviewed (`tether approve
+    # --unreviewed`): it still names the pending hash, and the record says it was not reviewed.
+    unreviewed: bool = False
 
     @field_validator("steps")
     @classmethod
@@ -1084,6 +1087,15 @@ class RunSnapshot(BaseModel):
     # approver is shown about each step (effect, summary fields), as the run itself judges them.
     tools: list[ToolInfo] = Field(default_factory=list)
     revisions: list[Revision] = Field(default_factory=list)
+
+
+class RunView(BaseModel):
+    """What a run publishes where it rests (memo ``tether``): Tether's views read it with no
+    worker running. ``published_at`` is workflow time: how fresh the view is."""
+
+    snapshot: RunSnapshot
+    timeline: list[TransitionRecord] = Field(default_factory=list)  # the latest records, bounded
+    published_at: datetime
 
 
 class RunOutcome(BaseModel):
