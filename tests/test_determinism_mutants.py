@@ -161,5 +161,5 @@ def test_the_sandboxed_replay_catches_a_clock_mutant(tree: Path) -> None:
     inject(tree, next(m for m in MUTANTS if m.name == "workflow-is-datetime"))
     approve = next(h for h in HISTORIES if h.stem == "approve")
     results = replay(tree, [approve], seeds=[0])
-    failure = results[0][approve.name]
+    failure = results[0][approve.name]["failure"]
     assert failure is not None and "datetime.datetime.now" in failure, failure
