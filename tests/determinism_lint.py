@@ -26,6 +26,8 @@ builtin. The rules (each problem names file, line and rule):
   (a namespace reaches past these rules) are neither called nor used, whatever name they are
   reached by (an alias, ``key=id``); ``object()`` is not called (its repr and hash are its
   address); ``getattr`` only called by name with a literal name that is not one of these;
+- no text made of an object whose repr is its address (``object()``, an instance of a plain class
+  of the module with no ``__repr__`` / ``__str__``, ``self`` in one): ``f"{self}"`` in the Engine;
 - no dunder attribute beyond plain ones like ``__name__`` (``__hash__``, ``__dict__``,
   ``__globals__``...);
 - no ``workflow.unsafe`` beyond ``imports_passed_through``: no ``is_replaying()`` (replay would
@@ -140,6 +142,15 @@ class _Scope:
         return None
 
 
+def _plain(cls: ast.ClassDef) -> bool:
+    """A class whose instances' repr and str are ``object``'s: their address (no base, no
+    decorator such as @dataclass, no __repr__ / __str__ / __format__ of its own)."""
+    if cls.decorator_list or any(not (isinstance(b, ast.Name) and b.id == "object") for b in cls.bases) or cls.keywords:
+        return False
+    return not any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name in {"__repr__", "__str__", "__format__"}
+                   for f in cls.body)
+
+
 def _setish(annotation: ast.AST | None) -> str | None:
     """"set" for a set annotation, "setdict" for a mapping to sets (``dict[K, frozenset[V]]``)."""
     if annotation is None:
@@ -171,6 +182,7 @@ class _Module:
         self.tree, self.module, self.index, self.set_fields = tree, module, index, set_fields
         self.cache: dict[tuple[ast.AST, int], set[str]] = {}
         self.scope_of: dict[ast.AST, _Scope] = {}
+        self.method_of: dict[ast.AST, ast.ClassDef] = {}
         self.parent: dict[ast.AST, ast.AST] = {}
         self.top = _Scope("module", None)
         for node in ast.walk(tree):
@@ -213,6 +225,11 @@ class _Module:
                 self._visit(d, scope)
             inner = _Scope("function", scope)
             self._params(node.args, inner)
+            owner = self.method_of.get(node)
+            positional = [*node.args.posonlyargs, *node.args.args]
+            plain_method = not any(isinstance(d, ast.Name) and d.id in {"staticmethod", "classmethod"} for d in getattr(node, "decorator_list", []))
+            if owner is not None and positional and plain_method:
+                inner.bindings[positional[0].arg] = [("instance", owner)]  # self: an instance of the class
             self.scope_of[node.args] = inner
             for a in ast.walk(node.args):
                 if isinstance(a, ast.arg):
@@ -223,11 +240,13 @@ class _Module:
                 self._visit(stmt, inner)
             return
         if isinstance(node, ast.ClassDef):
-            scope.bind(node.name, ("opaque",))
+            scope.bind(node.name, ("class", node))
             for child in [*node.bases, *node.keywords, *node.decorator_list]:
                 self._visit(child, scope)
             inner = _Scope("class", scope)
             for stmt in node.body:
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    self.method_of[stmt] = node
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and _setish(stmt.annotation) == "set":
                     self.set_fields.add(stmt.target.id)  # a model's set field: obj.field is a set
                 self._visit(stmt, inner)
@@ -321,6 +340,10 @@ class _Module:
                     out.add(_setish(b[1]) or "opaque")
                 elif b[0] == "def":
                     out.add("setfunc" if _setish(b[1].returns) == "set" else "opaque")
+                elif b[0] == "class":
+                    out.add("plainclass" if _plain(b[1]) else "opaque")
+                elif b[0] == "instance":
+                    out.add("addressed" if _plain(b[1]) else "opaque")
                 else:
                     out.add("opaque")
             return out
@@ -344,6 +367,8 @@ class _Module:
             func = self.resolve(expr.func, scope, seen)
             if {"builtin:set", "builtin:frozenset", "setfunc"} & func:
                 return {"set"}
+            if {"builtin:object", "plainclass"} & func:
+                return {"addressed"}
             if isinstance(expr.func, ast.Attribute):
                 receiver = self.resolve(expr.func.value, scope, seen)
                 if expr.func.attr in _SET_METHODS | _VIEW_METHODS and "set" in receiver:
@@ -499,6 +524,18 @@ def problems_in(source: str, name: str, *, module: str = "", prebuilt: _Module |
                         say(node, f"getattr(..., {attr.value!r})")
                 elif builtin in {"setattr", "delattr"} and called:
                     say(node, f"calls {builtin}() (rebinds what this check reads)")
+        # ---- an object whose repr is its address, made text
+        shown_as_text = []
+        if isinstance(node, ast.FormattedValue):
+            shown_as_text = [node.value]
+        elif isinstance(node, ast.Call) and (m.resolve(node.func) & {"builtin:repr", "builtin:str", "builtin:format", "builtin:ascii"}
+                                             or isinstance(node.func, ast.Attribute) and node.func.attr == "format"):
+            shown_as_text = [*node.args, *(k.value for k in node.keywords)]
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
+            shown_as_text = node.right.elts if isinstance(node.right, ast.Tuple) else [node.right]
+        for value in shown_as_text:
+            if "addressed" in m.resolve(value):
+                say(value, "makes text of an object whose repr is its address (object(), or a class with no __repr__): process-dependent")
         # ---- sets whose order reaches the run (iteration, ordered builtins, unpacking, text)
         if isinstance(node, (ast.For, ast.AsyncFor)) and is_set(node.iter):
             set_order(node.iter, "for over a set")
@@ -525,7 +562,7 @@ def problems_in(source: str, name: str, *, module: str = "", prebuilt: _Module |
             set_order(node, "unpacking a set")
         elif isinstance(node, ast.YieldFrom) and is_set(node.value):
             set_order(node, "yield from a set")
-    return found
+    return sorted(found, key=lambda p: int(p[len(name) + 1:].split(":", 1)[0]))
 
 
 def workflow_modules(root: Path = ROOT) -> list[Path]:

@@ -163,3 +163,64 @@ def test_the_sandboxed_replay_catches_a_clock_mutant(tree: Path) -> None:
     results = replay(tree, [approve], seeds=[0])
     failure = results[0][approve.name]["failure"]
     assert failure is not None and "datetime.datetime.now" in failure, failure
+
+
+# More spellings of the same hazards, each in a nested function of its own (so one's bindings
+# cannot explain another's finding), all in one copy: one lint run for all of them. The guard
+# must name every line of SPELLINGS and none of CLEAN (a deterministic use the old name check
+# also allowed, or one that only looks like a hazard).
+SPELLINGS = [
+    'import datetime as workflow; _at = workflow.datetime.now()',  # the module imported under the API's name
+    'u = workflow.unsafe; _r = u.is_replaying()',
+    '_r = getattr(workflow.unsafe, "is_replaying")()',
+    '_k = sorted(["a", "b"], key=hash)',
+    '_h = type("a").__hash__("a")',
+    '_v = globals()["datetime"].now()',
+    '_f = lambda: hash("a")',
+    '_l = [h("a") for h in [hash]]',
+    '_s = ", ".join({"a", "b"})',
+    '_s = f"{ {chr(97), chr(98)} }"',
+    '_s = str(frozenset(["a", "b"]))',
+    '_x = {"a", "b"}.pop()',
+    '_x, _y = {"a", "b"}',
+    '_l = [*{"a", "b"}]',
+    '_d = dict.fromkeys({"a", "b"})',
+    '_roles = set(["a"]) | {"b"}; _l = [r for r in _roles]',
+    '_l = list({k: 1 for k in {"a", "b"}})',
+    'import workflows.states as st; _l = list(st.TERMINAL)',  # a set that is another module's constant
+    '_o = object()',
+    '_t = f"{self}"',  # the engine has no __repr__: object's, an address
+    '_t = "%s" % (self,)',
+]
+CLEAN = [
+    'wf = workflow; _at = wf.now()',  # an alias of the workflow API is the workflow API
+    'id = len; _n = id("ab")',  # a local named id is not the builtin
+    '_l = sorted({"b", "a"})',
+    '_ok = "a" in {"a", "b"} and len({"a"}) == 1 and min({"a", "b"}) == "a"',
+    '_s = frozenset(x.upper() for x in {"a", "b"})',
+    '_n = getattr(self, "rule", None)',
+    '_t = type(self).__name__',
+]
+
+
+def test_more_spellings_are_caught_and_deterministic_code_is_not(tree: Path) -> None:
+    path, fn, _ = find_move(tree)
+    body = fn.body
+    first = body[1] if len(body) > 1 and isinstance(body[0], ast.Expr) else body[0]
+    lines = path.read_text().splitlines(keepends=True)
+    indent = " " * first.col_offset
+    block = [f"{indent}def _spelling_{i}(): {line}\n" for i, line in enumerate(SPELLINGS)]
+    block += [f"{indent}def _clean_{i}(): {line}\n" for i, line in enumerate(CLEAN)]
+    lines[first.lineno - 1:first.lineno - 1] = block
+    source = "".join(lines)
+    if not module_binds(ast.parse(source), "workflow"):
+        source += IMPORTS["workflow"] + "\n"
+    path.write_text(source)
+    problems = check_tree(tree)
+    rel = path.relative_to(tree)
+    named = {int(p.split(":")[1]) for p in problems if p.startswith(f"{rel}:")}
+    spelled = {first.lineno + i: line for i, line in enumerate(SPELLINGS)}
+    clean = {first.lineno + len(SPELLINGS) + i: line for i, line in enumerate(CLEAN)}
+    assert not {n: line for n, line in spelled.items() if n not in named}, "not caught"
+    assert not {n: line for n, line in clean.items() if n in named}, [p for p in problems if int(p.split(":")[1]) in clean]
+    assert named <= set(spelled), problems
