@@ -42,11 +42,13 @@ def test_a_seed_dependent_order_is_caught_between_seeds(tmp_path: Path) -> None:
     from tests.test_determinism_mutants import Mutant, inject
 
     shutil.copytree(ROOT / "workflows", tmp_path / "workflows", ignore=shutil.ignore_patterns("__pycache__"))
-    # The first string of a set of five ends up in the run's records: which one follows the seed.
-    inject(tmp_path, Mutant("set-order-in-records", 'reason = next(iter({"a", "b", "c", "d", "e"})) + reason', ""))
+    # A set of five strings, in its order, ends up in the run's records: one of 120 orders,
+    # chosen by the seed (two seeds suffice; seeds 0 and 1 give different ones).
+    inject(tmp_path, Mutant("set-order-in-records", 'reason = "".join({"a", "b", "c", "d", "e"}) + reason', ""))
     carried = [h for h in HISTORIES if h.stem == "continue_as_new"]
-    results = replay(tmp_path, carried, seeds=SEEDS)
-    sent = {s: results[s][carried[0].name]["sent"] for s in SEEDS}
-    failures = [results[s][carried[0].name]["failure"] for s in SEEDS]
+    seeds = SEEDS[:2]
+    results = replay(tmp_path, carried, seeds=seeds)
+    sent = {s: results[s][carried[0].name]["sent"] for s in seeds}
+    failures = [results[s][carried[0].name]["failure"] for s in seeds]
     assert len(set(sent.values())) > 1, sent
     assert all(f and "differs from the recorded one" in f for f in failures), failures
