@@ -52,7 +52,8 @@ from __future__ import annotations
 import ast
 import builtins
 import sys
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,10 +186,17 @@ class _Module:
         self.method_of: dict[ast.AST, ast.ClassDef] = {}
         self.parent: dict[ast.AST, ast.AST] = {}
         self.top = _Scope("module", None)
-        for node in ast.walk(tree):
+        self._visit(tree, self.top)
+
+    def walk(self) -> Iterator[ast.AST]:
+        """ast.walk, recording each node's parent before the node is yielded (the rules ask)."""
+        todo = deque([self.tree])
+        while todo:
+            node = todo.popleft()
             for child in ast.iter_child_nodes(node):
                 self.parent[child] = node
-        self._visit(tree, self.top)
+                todo.append(child)
+            yield node
 
     # -------------------------------------------------------------- building the scopes
 
@@ -464,7 +472,7 @@ def problems_in(source: str, name: str, *, module: str = "", prebuilt: _Module |
         say(node, f"order of a set ({how}): it follows PYTHONHASHSEED for str, Enum and tuple members, "
                   "so it differs between worker processes; use sorted(...) or a list / dict")
 
-    for node in ast.walk(tree):
+    for node in m.walk():
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if not _allowed(alias.name):
