@@ -61,6 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED_IMPORTS = frozenset({
     "__future__", "asyncio", "collections.abc", "copy", "dataclasses", "datetime", "enum", "functools",
     "hashlib", "json", "math", "typing", "unicodedata",
+    "hmac",  # MACs by the fleet key computed in workflow code (issue 33): pure, bytes in and out
+    "contextlib",  # contextmanager; its process-wide helpers (chdir, redirect_*) are ESCAPES
     "pydantic", "jsonschema", "jsonschema.validators", "re2", "rfc8785", "confusable_homoglyphs",
     "jsonpatch",  # RFC 6902 diffs of a revised plan (workflows/revision.py): pure, json only
     "temporalio", "temporalio.common", "temporalio.exceptions", "temporalio.workflow",
@@ -70,6 +72,7 @@ BUILTINS = frozenset({"open", "input", "print", "exec", "eval", "compile", "__im
 ESCAPES = frozenset({
     "to_thread", "run_in_executor", "create_subprocess_exec", "create_subprocess_shell", "open_connection",
     "start_server", "open_unix_connection", "sandbox_unrestricted", "environ", "getenv", "urandom",
+    "chdir", "redirect_stdout", "redirect_stderr",
 })
 
 

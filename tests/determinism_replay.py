@@ -154,10 +154,19 @@ async def _replay(paths: Sequence[Path]) -> dict[str, dict[str, str | None]]:
     # agent_run.py's `with workflow.unsafe.imports_passed_through():` would pass the workflow
     # modules through; a no-op here, so the sandbox re-imports (and restricts) them.
     workflow.unsafe.imports_passed_through = staticmethod(contextlib.nullcontext)  # type: ignore[method-assign]
-    from workflows.agent_run import AgentRun
+    # The replayer tests/test_replay.py replays with (its key ring, its interceptors, if it has
+    # a replayer() of its own), with the sandbox's checks on and the capture added.
+    try:
+        from tests.test_replay import replayer as base
+    except ImportError:
+        from workflows.agent_run import AgentRun
 
-    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter, workflow_runner=_runner(),
-                        interceptors=[_interceptor()])
+        config = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter).config()
+    else:
+        config = base().config()
+    config["workflow_runner"] = _runner()
+    config["interceptors"] = [*(config.get("interceptors") or ()), _interceptor()]
+    replayer = Replayer(**config)
     out: dict[str, dict[str, str | None]] = {}
     for path in paths:
         text = path.read_text()
