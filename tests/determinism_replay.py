@@ -10,15 +10,19 @@ checks it from the source. This is the second layer, paid for in tests only:
   inside ``workflow.unsafe.imports_passed_through()``, which would pass them through whatever the
   restrictions say: here that context manager is made a no-op (in this process only), and only
   the third-party libraries in :data:`PASSTHROUGH` are passed through;
+- what the workflow sends on replay (every activity's arguments, the continue-as-new arguments,
+  the result) must equal what the run recorded, timestamps aside (see ``_TIME``): Temporal's
+  replay compares only the commands, not their inputs, and an id or a record that differs is
+  what issue 33's resets and forgeries live on;
 - a string set's order, ``hash()`` of a str or an Enum differ between the seeds' processes, so
-  code whose commands depend on them fails replay under one seed or another.
+  what is sent must also be the same under every seed, timestamps included.
 
     python -m tests.determinism_replay [--root DIR] [HISTORY.json...]
 
 prints ``{history file name: {"failure": why or null, "sent": digest of what replay sent}}`` as
 JSON. A failure is a replay failure (a command that differs, a restricted call) or an input that
-differs from the recorded one. ``--root`` replays the
-``workflows`` package under DIR instead (a copy with a mutant). :func:`replay` runs the seeds
+differs from the recorded one. ``--root`` replays the ``workflows`` package under DIR instead (a
+copy with a mutant). :func:`replay` runs the seeds
 concurrently and returns ``{seed: that mapping}``.
 """
 
