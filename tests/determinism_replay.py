@@ -78,15 +78,19 @@ SENT: list[tuple[str, str, Sequence]] = []
 
 
 def _interceptor():  # noqa: ANN202
+    import copy
+
     from temporalio.worker import Interceptor, WorkflowInboundInterceptor, WorkflowOutboundInterceptor
 
     class Outbound(WorkflowOutboundInterceptor):
+        # Copied as sent: the command's payload is what it was at this point (a model the run
+        # changes later, a compensation's status, must not show its later value).
         def start_activity(self, input):  # noqa: ANN001, ANN202
-            SENT.append(("activity", input.activity, input.args))
+            SENT.append(("activity", input.activity, copy.deepcopy(list(input.args))))
             return super().start_activity(input)
 
         def continue_as_new(self, input):  # noqa: ANN001, ANN202
-            SENT.append(("continue_as_new", "", input.args))
+            SENT.append(("continue_as_new", "", copy.deepcopy(list(input.args))))
             return super().continue_as_new(input)
 
     class Inbound(WorkflowInboundInterceptor):

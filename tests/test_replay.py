@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from tests.histories.incompatible import ReorderedAgentRun
@@ -31,7 +30,10 @@ def replayer(*workflows: type) -> Replayer:
 
 
 def load(path: Path) -> WorkflowHistory:
-    return WorkflowHistory.from_json(f"history-{path.stem}", path.read_text())
+    # The recorded run's own workflow id: seals and attestations bind it (continued.json is the
+    # run history-continue_as_new continued into).
+    workflow_id = "history-continue_as_new" if path.stem == "continued" else f"history-{path.stem}"
+    return WorkflowHistory.from_json(workflow_id, path.read_text())
 
 
 def test_every_main_path_is_recorded() -> None:

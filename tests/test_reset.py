@@ -34,7 +34,7 @@ def refunds_of(billing: Billing, run_id: str) -> list[dict]:
     return [r for r in billing.refunds() if r["idempotency_key"].startswith(run_id)]
 
 
-async def reset_before_signal(client: Client, handle: WorkflowHandle, signal: str) -> str:
+async def reset_before_signal(client: Client, handle: WorkflowHandle, signal: str, *, reapply: bool = True) -> str:
     """Reset the run to just before it acted on the first ``signal``: the workflow task that
     took it is done again (what an operator does with `temporal workflow reset --event-id`;
     the signal itself stays in the history, later ones are reapplied). Returns the new run's id."""
@@ -50,7 +50,7 @@ async def reset_before_signal(client: Client, handle: WorkflowHandle, signal: st
             reason=f"test: reset to before {signal}",
             workflow_task_finish_event_id=point,
             request_id=uuid.uuid4().hex,
-            reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL if reapply else ResetReapplyType.RESET_REAPPLY_TYPE_NONE,
         )
     )
     return reset.run_id
@@ -102,9 +102,21 @@ async def test_reset_before_a_revision_refunds_once(dev_env: WorkflowEnvironment
         await handle.signal("approve", approval_for(revised, "bob"))
         first = await run_outcome(handle)
         assert first.state.value == "COMPLETED" and len(refunds_of(billing, handle.id)) == 1
-        new_run = await reset_before_signal(client, handle, "revise")
+        # The revision is taken again; the approval that followed it is not reapplied (Temporal
+        # would deliver it before the revision is acted on, against the old plan): bob approves
+        # the revised plan again, as he would.
+        new_run = await reset_before_signal(client, handle, "revise", reapply=False)
+        reset = client.get_workflow_handle(handle.id, run_id=new_run)
+        for _ in range(6000):  # until the reset run has taken the revision again
+            again_pending = await wait_for_state(reset, "AWAITING_APPROVAL")
+            if again_pending.pending_approval.plan_hash == revised.pending_approval.plan_hash:
+                break
+            await asyncio.sleep(0.05)
+        assert again_pending.pending_approval.request_id == revised.pending_approval.request_id  # derived, not drawn
+        await reset.signal("approve", approval_for(again_pending, "bob"))
         again = await outcome_of(client, handle.id, new_run)
     assert again.state.value == "COMPLETED"
+    assert [s.tool_call_id for s in again.steps] == [s.tool_call_id for s in first.steps]
     assert [r["amount_cents"] for r in refunds_of(billing, handle.id)] == [203]
 
 

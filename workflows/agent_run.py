@@ -33,7 +33,7 @@ from temporalio.common import (
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
 
     from workflows import keys
     from workflows import metrics as run_metrics
@@ -840,7 +840,7 @@ class AgentRun:
         first = self.data.first_run_id
         return lambda n: f"tc-{n:03d}-{derived_digest('tc', first, basis, str(n))[:12]}"
 
-    def _check(self, activity_id: str, kind: str, request: Any, result: Any) -> None:
+    def _check(self, activity_id: str, kind: str, request: BaseModel | str, result: BaseModel) -> None:
         """An activity's answer bears the fleet key's MAC over exactly this request and answer
         (workflow code; replay included), or the workflow task fails naming it."""
         with self._keyed():
@@ -887,6 +887,8 @@ class AgentRun:
         self._calls += 1
         # Ours, not the SDK's sequence number, so the attestation can bind it.
         activity_id = f"{name}.{self._calls}"
+        # What was asked, as it was sent (the run may change a model it holds meanwhile).
+        asked = keys.digest(arg) if attested else ""
         try:
             result = await workflow.execute_activity(
                 name,
@@ -904,7 +906,7 @@ class AgentRun:
                 raise asyncio.CancelledError() from err
             raise
         if attested:
-            self._check(activity_id, name, arg, result)
+            self._check(activity_id, name, asked, result)
         return result
 
     def _snapshot_request(self) -> SnapshotRequest:

@@ -173,14 +173,19 @@ def attested_call(call: ToolCall) -> ToolCall:
     return call.model_copy(update={"capability": None})
 
 
-def attestation_fields(kind: str, workflow_id: str, activity_id: str, request: BaseModel, result: BaseModel) -> dict[str, Any]:
+def digest(model: BaseModel) -> str:
+    """What an attestation says of a request or an answer: its sha256 (the attestation aside)."""
+    return _digest(model)
+
+
+def attestation_fields(kind: str, workflow_id: str, activity_id: str, request: BaseModel | str, result: BaseModel) -> dict[str, Any]:
     """What an attestation covers: which activity answered (its name and id in this workflow),
-    the exact request, and the exact answer."""
+    the exact request (or its digest, taken when it was sent), and the exact answer."""
     return {
         "kind": kind,
         "workflow_id": workflow_id,
         "activity_id": activity_id,
-        "request": _digest(request),
+        "request": request if isinstance(request, str) else _digest(request),
         "result": _digest(result),
     }
 
@@ -192,7 +197,7 @@ def attest(ring: KeyRing, kind: str, workflow_id: str, activity_id: str, request
 
 
 def check_attested(
-    ring: KeyRing, kind: str, workflow_id: str, activity_id: str, request: BaseModel, result: BaseModel
+    ring: KeyRing, kind: str, workflow_id: str, activity_id: str, request: BaseModel | str, result: BaseModel
 ) -> None:
     """In workflow code, before the run acts on an activity's answer: Forgery when it does not
     bear the fleet key's MAC over exactly this request and answer, KeyMissing when it names a
