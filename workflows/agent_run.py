@@ -125,7 +125,7 @@ NOTIFY_RETRY = RetryPolicy(
 NOTIFY_ATTEMPT = timedelta(seconds=15)
 NOTIFY_BUDGET = timedelta(seconds=75)
 # The records the published view (memo "tether") carries: the latest ones; the sink has all.
-VIEW_RECORDS = 20
+VIEW_RECORDS = 5
 # Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
 KEY_MISSING_METRIC = "tether_key_missing"
 FORGERY_METRIC = "tether_forgery"
@@ -237,7 +237,7 @@ class AgentRun:
                 await self._finish()
             raise
         await self._finish()
-        outcome = self.engine.outcome(workflow.info().workflow_id, bounded=True)
+        outcome = self.engine.outcome(workflow.info().workflow_id)
         if TEMPORAL_STATUS[outcome.state] == "Failed":
             # The execution fails, non-retryable, with the outcome in the failure's details
             # (client.run_outcome reads it back).
@@ -530,7 +530,7 @@ class AgentRun:
                 request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
                 ttl_seconds=timeouts.start_to_close,
             )})
-            await self._checkpoint()  # the record of the approval is in the sink before a write
+            await self._checkpoint(rest=False)  # the record of the approval is in the sink before a write
         else:
             self._show()  # a read is no place the run rests: the sink gets its records later
         handle = workflow.start_activity(
@@ -1021,13 +1021,15 @@ class AgentRun:
             workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
             self._audit_error = None
 
-    async def _checkpoint(self) -> None:
-        """Where the run rests (a wait, a timer, before a write, continue-as-new, the end): the
-        audit sink has every record, people who take an event are being told, the state is
-        visible, and the view Tether's own tools read without a worker is published."""
+    async def _checkpoint(self, *, rest: bool = True) -> None:
+        """Before a write, and where the run rests (a wait, a timer, continue-as-new, the end):
+        the audit sink has every record, people who take an event are being told, the state is
+        visible; where it rests (``rest``), the view Tether's own tools read without a worker is
+        published too."""
         await self._flush_audit()
         self._show()
-        self._publish_view()
+        if rest:
+            self._publish_view()
 
     def _show(self) -> None:
         """Before the run awaits anything: people who take an event are being told, and the
@@ -1200,12 +1202,6 @@ def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:
         room = room - len(done.observation) if fits else 0
         context.append(done if fits else done.model_copy(update={"observation": ""}))
     return list(reversed(context))
-
-
-def _first_error(err: Exception) -> str:
-    if isinstance(err, ValidationError):
-        return first_error(err)
-    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def _failure(err: ActivityError) -> ToolFailure:
