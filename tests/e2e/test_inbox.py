@@ -78,6 +78,7 @@ async def test_bob_approves_in_the_browser_and_alice_cannot(stack: Stack, browse
     status = await page.evaluate(FORCED_FETCH, [f"/api/runs/{run_id}/decisions", fields])
     assert status == 403
     assert (await tether_client.snapshot(stack.client, run_id)).approved_by == []
+    await page.goto(f"{stack.dev_url}/")
     await page.click("text=Sign out")
 
     # bob: the run waits on him; he opens it, approves, and sees the outcome and then COMPLETED.
