@@ -145,3 +145,30 @@ async def test_status_says_how_many_approvals_are_still_needed_and_from_whom(
         code, out, _ = await cli("status", run)
         assert "1 of 2 approval(s) (by carol); 1 more needed from someone with role finance, other than carol" in out
         await cli("cancel", run, "--reason", "test over")
+
+
+def test_money_comes_only_from_the_schema_and_effects_read_as_words() -> None:
+    from client import effect_words, money
+    from workflows.models import Compensation, ToolEffect, ToolInfo
+
+    eur = {"type": "integer", "x-money": {"currency": "EUR", "minor_units": 2}}
+    assert money(60000, eur, {}) == "600.00 EUR" and money(-4999, eur, {}) == "-49.99 EUR" and money(5, eur, {}) == "0.05 EUR"
+    yen = {"x-money": {"currency_arg": "currency", "minor_units": 0}}
+    assert money(1200, yen, {"currency": "JPY"}) == "1200 JPY"
+    assert money(1200, yen, {}) is None  # no currency in the call: shown as the raw value only
+    for value in (True, 12.5, "60000", None):
+        assert money(value, eur, {}) is None
+    assert money(60000, {"type": "integer"}, {}) is None and money(60000, None, {}) is None
+    assert money(1, {"x-money": {"currency": "EUR", "minor_units": 40}}, {}) is None
+    assert money(1, {"x-money": {"currency": "\x1b[31mEUR"}}, {}) == "0.01 \\x1b[31…"
+
+    def info(effect: ToolEffect, **fields) -> ToolInfo:
+        return ToolInfo(name="t", effect=effect, requires_approval=False, args_schema={}, timeout_seconds=5, max_retries=0, **fields)
+
+    undo = Compensation(tool="void_refund", args={"refund_id": "/result/refund_id"})
+    assert effect_words(info(ToolEffect.READ_ONLY)) == "read-only"
+    assert effect_words(info(ToolEffect.IDEMPOTENT), undo) == "can be undone by void_refund"
+    assert effect_words(info(ToolEffect.IDEMPOTENT, compensate=undo), None) == "cannot be undone"  # not in the hash
+    assert effect_words(info(ToolEffect.UNSAFE, destructive=True), None) == "cannot be undone; may destroy data"
+    assert effect_words(info(ToolEffect.RECONCILABLE, compensate=undo)) == "can be undone by void_refund"  # older plan
+    assert effect_words(None).startswith("unknown tool")
