@@ -274,10 +274,9 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
     asks = args.plan_hash is None and not args.unreviewed
     if asks and not sys.stdin.isatty():
         raise TetherError(
-            f"{kind} what? name the plan you reviewed with --plan-hash HASH (its first {client.HASH_PREFIX} characters "
+            f"{kind}: name the plan you reviewed with --plan-hash HASH (its first {client.HASH_PREFIX} characters "
             f"will do: `{invoked_as()} status {shlex.quote(args.run)}` prints it), or pass --unreviewed to {kind} "
-            f"whatever plan is pending (the run's record says so); on a terminal, tether shows the plan and asks",
-            field="plan_hash", detail=f"name the plan you reviewed (--plan-hash HASH) or pass --unreviewed",
+            f"whatever plan is pending (the run's record says so); on a terminal, tether shows the plan and asks"
         )
     conn = await client.connect()
     snap, pending = await client.pending_request(conn, args.run)
