@@ -112,7 +112,7 @@ def format_status(s: client.RunStatus) -> str:
     if s.end_reason and s.state != RunState.COMPLETED:
         lines.append(f"why        {show(s.end_reason)}" + (f" [rule: {show(s.end_rule)}]" if s.end_rule else "")
                      + (f" ({show(s.end_actor)})" if s.end_actor else ""))
-    if s.approved_by:
+    if s.approved_by and s.pending_approval is None:  # while pending: the `pending` line counts them
         lines.append(f"approved   by {', '.join(show(a) for a in s.approved_by)}")
     if s.last_error:
         lines.append(f"last error {show(s.last_error)}")

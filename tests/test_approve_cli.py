@@ -144,6 +144,7 @@ async def test_status_says_how_many_approvals_are_still_needed_and_from_whom(
         assert code == 0 and "approval 1 of 2 accepted" in out, (out, err)
         code, out, _ = await cli("status", run)
         assert "1 of 2 approval(s) (by carol); 1 more needed from someone with role finance, other than carol" in out
+        assert "approved   by" not in out  # not approved yet: one of two
         await cli("cancel", run, "--reason", "test over")
 
 
