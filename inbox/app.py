@@ -79,7 +79,7 @@ class DecisionBody(Contract):
 
     kind: Literal["approve", "reject"]
     request_id: str = Field(min_length=1, max_length=128)
-    plan_hash: str = Field(min_length=1, max_length=128)
+    plan_hash: str = Field(pattern=r"^[0-9a-fA-F]{12,128}$")  # as the page showed it (client.HASH_PREFIX or more)
     comment: str | None = Field(None, max_length=2000)
 
 

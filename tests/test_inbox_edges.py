@@ -182,6 +182,10 @@ async def test_post_answers_like_get_for_who_may_see_the_run(stack: Stack, billi
                 r = await http.post(f"/api/runs/{run_id}/decisions", headers=bearer(token), json=body(snap, kind, **fields))
                 assert r.status_code == 404, (name, kind, r.text)
                 assert snap.pending_approval.plan_hash[:12] not in r.text and "AWAITING" not in r.text
+        bob = bearer(stack.sso.token("bob"))
+        for junk in ("h", "0" * 11, "not-a-hash-at-all"):  # refused as malformed, never sent
+            r = await http.post(f"/api/runs/{run_id}/decisions", headers=bob, json={**body(snap), "plan_hash": junk})
+            assert r.status_code == 422, (junk, r.text)
         unknown = f"/api/runs/no-such-{uuid.uuid4().hex[:6]}/decisions"
         r = await http.post(unknown, headers=bearer(stack.sso.token("bob")), json=body(snap))
         assert r.status_code == 404
