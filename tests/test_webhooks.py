@@ -67,9 +67,11 @@ class Trickler:
             with self.lock:
                 self.open -= 1
 
-    def wait_open(self, count: int, timeout: float = 60.0) -> None:
+    def wait_open(self, count: int, *, opened: int = 0, timeout: float = 60.0) -> None:
+        """Until ``count`` deliveries are held open at once, after ``opened`` in all."""
         with self.lock:
-            assert self.lock.wait_for(lambda: self.open >= count, timeout), f"{self.open} of {count} deliveries open"
+            assert self.lock.wait_for(lambda: self.open >= count and self.opened >= opened, timeout), (
+                f"{self.open} of {count} deliveries open, {self.opened} of {opened} made")
 
     def close(self) -> None:
         self.stopping.set()
@@ -170,8 +172,9 @@ async def test_four_runs_notifying_a_trickling_webhook_do_not_slow_an_unrelated_
     trickler, _ = servers
     async with running_worker(dev_env.client, policy=_policy(tmp_path, trickler.url)) as worker:
         waiting = [await start_run(dev_env.client, worker, make_request([READ, REFUND])) for _ in range(4)]
-        # All four deliveries are in flight, each held open by the trickling webhook.
-        await asyncio.to_thread(trickler.wait_open, 4)
+        # All four deliveries in flight, each held open by the trickling webhook, and each run
+        # has tried again already (a delivery that outlived its attempt would still hold a thread).
+        await asyncio.to_thread(trickler.wait_open, 4, opened=8)
         read_only = await start_run(dev_env.client, worker, make_request([READ]))
         outcome = await run_outcome(dev_env.client.get_workflow_handle(read_only.id, result_type=RunOutcome))
         assert outcome.state.value == "COMPLETED" and [s.status for s in outcome.steps] == ["ok"]
