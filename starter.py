@@ -9,7 +9,8 @@
 
 ``python starter.py ...`` runs the same code. The operations themselves live in ``client.py``;
 this module only parses arguments and prints. Exit codes: 0 done; 1 the run refused it (or a
-waited-for run ended other than COMPLETED); 2 usage error, unknown run, Temporal unreachable.
+waited-for run ended other than COMPLETED, or the person answered no to the plan shown); 2 usage
+error (a script's decision naming no plan, too), unknown run, Temporal unreachable.
 """
 
 from __future__ import annotations
