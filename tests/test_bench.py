@@ -46,8 +46,9 @@ async def test_overhead_prints_every_variant_with_history_and_latency(stack: Sta
     assert list(main) == ["governed", "governed+approval", "bare"]
     assert all(r[1] == "2" for r in main.values())  # runs counted
     assert main["bare"][4] == "1.00"  # the base against itself
-    # Same plan and tools, so the same activity tasks; governance's extras are markers/upserts.
-    assert main["governed"][7] == main["bare"][7] == "4"
+    # Same plan and tools, so the same activity tasks, and one more: governance writes its audit
+    # sink as an activity where the run ends (no local activity: docs/known-issues.md).
+    assert main["bare"][7] == "4" and main["governed"][7] == "5"
     assert main["bare"][8] == "0" and int(main["governed"][8]) > 0
     latency = {r[0]: r for r in rows(out[out.index("latency under the same load"):], "variant")}
     approval = latency["governed+approval"]
@@ -96,7 +97,8 @@ async def test_anatomy_accounts_for_every_event(stack: Stack, capsys) -> None:
     assert sum(int(r[4]) for r in kinds.values()) == int(total[4])  # and so do their bytes
     ops = {r[0]: r for r in rows(out, "operation")}
     assert ops["activity execute_tool"][1:3] == ["2", "2"]
-    assert "local activity run_setup" in ops  # the catalog and the policy, one marker
+    assert not [op for op in ops if op.startswith("local activity")]  # none: reads cannot hurt a run
+    assert ops["activity plan"][1] == "2"  # the first also brought the catalog and the policy
     assert "governed: search-attribute upserts, in order:" in out
 
 

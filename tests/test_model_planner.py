@@ -203,8 +203,11 @@ async def test_429_with_retry_after_is_retried_by_temporal_then_succeeds(
     # after the Retry-After delay (PLANNER_RETRY alone would have waited 1 s).
     first, second = fake.completions
     assert second.at - first.at >= 1.9
+    plans = {e.event_id for e in history.events if e.HasField("activity_task_scheduled_event_attributes")
+             and e.activity_task_scheduled_event_attributes.activity_type.name == "plan"}
     started = [e.activity_task_started_event_attributes for e in history.events
-               if e.HasField("activity_task_started_event_attributes")]
+               if e.HasField("activity_task_started_event_attributes")
+               and e.activity_task_started_event_attributes.scheduled_event_id in plans]
     plan_started = started[-1]
     assert plan_started.attempt == 2
     assert "answered 429: Rate limit reached" in plan_started.last_failure.message

@@ -142,7 +142,7 @@ async def signed_events_and_a_dead_webhook(
         assert event["approve_command"] == f"tether approve {handle.id} --by NAME --plan-hash {pending.plan_hash[:12]}"
         assert event["link"].endswith(f"/workflows/{handle.id}") and event["link"] in event["text"]
         # Values only as the tools' declared summary fields (order, amount): never the reason text.
-        assert "amount_cents=7000" in event["summary"] and "parcel" not in json.dumps(event)
+        assert "amount_cents=70.00 EUR (7000)" in event["summary"] and "parcel" not in json.dumps(event)
         assert event["text"].startswith("*awaiting approval*: run ")
 
         # The very same request again (a replay) and a forged one: the receiver refuses both.

@@ -1014,6 +1014,7 @@ class AgentRun:
                 )
                 workflow.logger.warning("%s", self._audit_error)
                 self._publish()
+                self._publish_view()  # the backoff is a rest: Tether's views say the sink fails
                 await workflow.sleep(timedelta(seconds=delay), summary="audit sink retry")
                 continue
             del self._audit[: len(batch)]
