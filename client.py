@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -70,6 +70,7 @@ from workflows.models import (
     PendingApproval,
     Plan,
     RunOutcome,
+    RunView,
     RevisedStep,
     ReviseDecideRequest,
     RunRequest,
@@ -225,6 +226,37 @@ async def has_worker(client: Client, queue: str) -> bool:
     return bool(response.pollers)
 
 
+# A live worker long-polls its queue: the server notes a poll when it begins, and an idle poll
+# lasts up to a minute, so a poller last seen within this long may still be serving. The server
+# lists pollers for minutes after they stopped: being listed says nothing.
+POLL_FRESH = timedelta(seconds=75)
+
+
+async def worker_serving(client: Client, queue: str) -> bool:
+    """Whether a worker serves ``queue`` now: a workflow poller seen within POLL_FRESH (a worker
+    stopped less than that ago still counts). One round trip; no query is sent to anyone."""
+    try:
+        response = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+    except RPCError as e:
+        raise rpc_error(e, queue) from None
+    now = datetime.now(timezone.utc)
+    return any(
+        p.HasField("last_access_time") and now - p.last_access_time.ToDatetime(timezone.utc) <= POLL_FRESH
+        for p in response.pollers
+    )
+
+
+def not_serving_message(queue: str) -> str:
+    return f"no worker is serving task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
+
+
 async def require_worker(client: Client, run_id: str) -> None:
     """Raise, naming the run's task queue, when no worker polls it: the run cannot answer a
     query or act on a decision until one does. A run that has closed needs one for queries too."""
@@ -239,6 +271,19 @@ async def require_worker(client: Client, run_id: str) -> None:
 # ----------------------------------------------------------------------------- runs
 
 
+class StuckTask(BaseModel):
+    """A run whose workflow task keeps failing: no worker moves it on while the cause stays
+    (``tether repair RUN``)."""
+
+    attempt: int  # the pending workflow task's attempt (2: the task failed once)
+    cause: str  # Temporal's WorkflowTaskFailedCause, e.g. NON_DETERMINISTIC_ERROR
+    # The failure that began the streak: Temporal records the first failure of a streak in the
+    # history, not the attempts after it.
+    error: str
+    event_id: int | None = None  # its WorkflowTaskFailed event
+    since: datetime | None = None
+
+
 class RunStatus(RunSnapshot):
     """The ``snapshot`` query, plus why the run ended (the final record) once it has."""
 
@@ -251,6 +296,13 @@ class RunStatus(RunSnapshot):
     closed_by_temporal: str | None = None
     # The run's record of the latest decision or handoff (its verdict, once the run has one).
     last_decision: TransitionRecord | None = None
+    # Read from what the run published (its memo) at this workflow time; None: read live (queries).
+    published_at: datetime | None = None
+    # The state the run is listed in (AgentRunState) when it has moved on since it published.
+    listed_state: str | None = None
+    task_queue: str | None = None
+    worker_serving: bool | None = None  # a worker polls the run's queue now (worker_serving)
+    stuck: StuckTask | None = None  # its workflow task keeps failing
 
     @property
     def ended(self) -> bool:
@@ -279,6 +331,9 @@ class RunSummary(BaseModel):
     status: str | None
     started: datetime | None
     closed_by_temporal: str | None = None  # as in RunStatus
+    published_at: datetime | None = None  # when the run last published its view (None: never)
+    view: RunView | None = Field(None, exclude=True)  # what it published (for the inbox; not listed out)
+    stuck: StuckTask | None = None  # with ``list_runs(stuck=True)``: its workflow task keeps failing
 
 
 class Verdict(BaseModel):
@@ -402,6 +457,8 @@ class AuditTrail(BaseModel):
     audit_error: str | None = None  # why the run cannot write to its sink, if it cannot
     missing: list[int] = []  # seqs of the current line the sink does not hold (and not waiting)
     unchecked: str | None = None  # why the sink could not be checked against the run (gone, no worker)
+    # The run's own counts are from the view it published at this workflow time (None: asked live).
+    published_at: datetime | None = None
 
     def line(self) -> list[TransitionRecord]:
         """The current run's line (first run, continued runs, resets it descends from): each
@@ -471,14 +528,21 @@ async def audit_trail(
         if e.status != RPCStatusCode.NOT_FOUND:
             raise rpc_error(e, run_id) from None
         unchecked = f"Temporal has no run {run_id} (any more): the records are the sink's alone"
+    published_at = None
     if current is not None:
-        try:
-            queue = description.task_queue
-            if not await has_worker(client, queue):
-                raise TetherError(no_worker_message(queue))
-            window, snap = await timeline(client, run_id), await snapshot(client, run_id)
-        except (TetherError, RPCError) as e:
-            unchecked = f"the run did not answer ({e}): the records are the sink's alone"
+        # What the run published where it last rested fills the sink's gaps and says how many
+        # records it had written; only a run that has published nothing is asked (a query).
+        view = await published_view(description)
+        if view is not None:
+            window, snap, published_at = view.timeline, view.snapshot, view.published_at
+        else:
+            try:
+                queue = description.task_queue
+                if not await worker_serving(client, queue):
+                    raise TetherError(no_worker_message(queue))
+                window, snap = await timeline(client, run_id), await snapshot(client, run_id)
+            except (TetherError, RPCError) as e:
+                unchecked = f"the run did not answer ({e}): the records are the sink's alone"
     try:
         sink = sink_from_env(audit_dir, dsn)
         try:
@@ -514,7 +578,7 @@ async def audit_trail(
     trail = AuditTrail(
         workflow_id=run_id, first_run_id=first_run, current_run_id=current, sink=sink.describe(),
         branches=ordered, written=written, waiting=snap.audit_waiting if snap else 0,
-        audit_error=snap.audit_error if snap else None, unchecked=unchecked,
+        audit_error=snap.audit_error if snap else None, unchecked=unchecked, published_at=published_at,
     )
     held = {r.seq for r in trail.line()}
     if snap is None:
@@ -536,18 +600,123 @@ async def full_timeline(client: Client, run_id: str, audit_dir: str | None = Non
     return (await audit_trail(client, run_id, audit_dir)).line()
 
 
-async def status(client: Client, run_id: str) -> RunStatus:
-    """The run's snapshot; for a run that has ended, also the reason on its final record."""
-    await require_worker(client, run_id)
-    snap = await snapshot(client, run_id)
-    result = RunStatus(**snap.model_dump())
+# ----------------------------------------------------------------------------- published state
+
+VIEW_MEMO = "tether"  # where a run publishes its RunView, wherever it rests (workflows/models.py)
+# Describes at once when listing runs stuck: one each, a few at a time.
+DESCRIBE_CONCURRENCY = 8
+
+
+async def published_view(description: Any) -> RunView | None:
+    """The RunView the run last published in its memo (None: it has published none yet)."""
     try:
-        described = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
-        result.temporal_status = described.status.name if described.status else None
-    except RPCError:
-        pass  # the snapshot answered: the status is a courtesy
+        return await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
+    except (ValueError, TypeError, ValidationError) as e:  # written by another version, or not decodable here
+        raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
+                          f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
+
+
+def freshness(published_at: datetime, now: datetime | None = None) -> str:
+    """``as published at 20:51:03 UTC, 4 s ago``: how old what a view shows is."""
+    now = now or datetime.now(timezone.utc)
+    age = max(0, int((now - published_at).total_seconds()))
+    if age < 120:
+        ago = f"{age} s"
+    elif age < 7200:
+        ago = f"{age // 60} min"
+    else:
+        ago = f"{age // 3600} h {age % 3600 // 60} min"
+    return f"as published at {published_at.astimezone(timezone.utc):%H:%M:%S} UTC, {ago} ago"
+
+
+async def _describe(client: Client, run_id: str) -> Any:
+    try:
+        return await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+
+
+async def stuck_task(client: Client, description: Any) -> StuckTask | None:
+    """Whether the run's workflow task keeps failing (its pending task is past its first attempt),
+    and with what: the WorkflowTaskFailed event that began the streak, read from the history's
+    end."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+    from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
+
+    task = description.raw_description.pending_workflow_task
+    if description.status != WorkflowExecutionStatus.RUNNING or task.attempt < 2:
+        return None
+    stuck = StuckTask(attempt=task.attempt, cause="unknown", error="(no failure recorded)")
+    if task.HasField("original_scheduled_time"):
+        stuck.since = task.original_scheduled_time.ToDatetime(timezone.utc)
+    token = b""
+    try:
+        for _ in range(5):  # the streak's first failure is within the history's last events
+            page = await client.workflow_service.get_workflow_execution_history_reverse(
+                GetWorkflowExecutionHistoryReverseRequest(
+                    namespace=client.namespace,
+                    execution=WorkflowExecution(workflow_id=description.id, run_id=description.run_id),
+                    maximum_page_size=100,
+                    next_page_token=token,
+                ),
+                timeout=QUERY_TIMEOUT,
+            )
+            for event in page.history.events:
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+                    return stuck  # no failure after the last completed task: timeouts, not failures
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+                    failed = event.workflow_task_failed_event_attributes
+                    stuck.cause = WorkflowTaskFailedCause.Name(failed.cause).removeprefix("WORKFLOW_TASK_FAILED_CAUSE_")
+                    stuck.event_id = event.event_id
+                    try:
+                        error = await client.data_converter.decode_failure(failed.failure)
+                        stuck.error = str(error) or failed.failure.message
+                    except Exception:  # noqa: BLE001 (encoded with a key this client lacks)
+                        stuck.error = failed.failure.message
+                    return stuck
+            token = page.next_page_token
+            if not token:
+                break
+    except RPCError as e:
+        raise rpc_error(e, description.id) from None
+    return stuck
+
+
+async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
+    """The run's state, and for a run that has ended the reason on its final record.
+
+    By default from what the run published where it last rested (its memo; ``published_at``
+    says when): no worker is needed and nothing reaches the run. ``live``: the ``snapshot`` and
+    ``timeline`` queries, through a worker. A run that has published nothing yet is read live.
+    """
+    return (await read_run(client, run_id, live=live))[0]
+
+
+async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
+    """``status`` and the records it was read with (the published view's latest records, or
+    the ``timeline`` query's window when ``live``)."""
+    description = await _describe(client, run_id)
+    queue = description.task_queue
+    serving = await worker_serving(client, queue)
+    view = None if live else await published_view(description)
+    if view is None:
+        if not serving:
+            raise TetherError(no_worker_message(queue))
+        snap = await snapshot(client, run_id)
+        records = await timeline(client, run_id)
+        result = RunStatus(**snap.model_dump())
+    else:
+        records = view.timeline
+        result = RunStatus(**view.snapshot.model_dump(), published_at=view.published_at)
+        listed = description.typed_search_attributes.get(STATE_ATTRIBUTE)
+        if listed and listed != result.state.value:
+            result.listed_state = listed  # it has moved on since it published (states.to_publish)
+    result.task_queue = queue
+    result.worker_serving = serving
+    result.temporal_status = description.status.name if description.status else None
     result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
-    records = await timeline(client, run_id)
+    result.stuck = await stuck_task(client, description)
     result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
         moves = [r for r in records if r.kind == "transition"]
@@ -559,7 +728,7 @@ async def status(client: Client, run_id: str) -> RunStatus:
             if final.from_state == RunState.VALIDATION_FAILED and len(moves) > 1:
                 # "the replan budget is used up" says little without what failed validation.
                 result.end_reason += f"; last validation: {moves[-2].reason}"
-    return result
+    return result, records
 
 
 async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
@@ -1046,14 +1215,22 @@ def list_query(state: str | None, tenant: str | None) -> str:
 
 
 async def list_runs(
-    client: Client, *, state: str | None = None, tenant: str | None = None, limit: int = 50
+    client: Client, *, state: str | None = None, tenant: str | None = None, limit: int = 50, stuck: bool = False
 ) -> list[RunSummary]:
+    """Runs from visibility (search attributes and the memo the runs publish; no worker needed).
+    ``stuck``: only running runs whose workflow task keeps failing, each with its error (one
+    describe per running run)."""
     if limit < 1:
         raise TetherError(f"limit must be at least 1, not {limit}", field="limit")
+    query = list_query(state, tenant) + (" AND ExecutionStatus = 'Running'" if stuck else "")
     rows = []
     try:
-        async for wf in client.list_workflows(list_query(state, tenant), limit=limit):
+        async for wf in client.list_workflows(query, limit=limit):
             attrs = wf.typed_search_attributes
+            try:
+                view = await published_view(wf)
+            except TetherError:
+                view = None  # listed all the same; `tether status` says why it cannot be read
             rows.append(
                 RunSummary(
                     run_id=wf.id,
@@ -1062,8 +1239,162 @@ async def list_runs(
                     status=wf.status.name if wf.status else None,
                     started=wf.start_time,
                     closed_by_temporal=closed_note(attrs.get(STATE_ATTRIBUTE), wf.status.name if wf.status else None),
+                    published_at=view.published_at if view else None,
+                    view=view,
                 )
             )
     except RPCError as e:
         raise TetherError(f"listing failed: {e.message}") from None
-    return rows
+    if not stuck:
+        return rows
+    gate = asyncio.Semaphore(DESCRIBE_CONCURRENCY)
+
+    async def check(row: RunSummary) -> None:
+        async with gate:
+            try:
+                row.stuck = await stuck_task(client, await _describe(client, row.run_id))
+            except TetherError:
+                row.stuck = None  # it ended (or went) since it was listed
+
+    await asyncio.gather(*(check(r) for r in rows))
+    return [r for r in rows if r.stuck is not None]
+
+
+# ----------------------------------------------------------------------------- repair
+
+# Completed workflow tasks tried, newest first, for one that replays on this code.
+REPAIR_CANDIDATES = 20
+# A write whose result a reset drops is run again under its own idempotency key: only where the
+# target system dedupes by that key, or nothing was written at all.
+RERUN_SAFE = {"read_only", "idempotent"}
+
+
+class RepairResult(BaseModel):
+    """What ``tether repair`` did: the reset, where to, and what the new run does again."""
+
+    run_id: str  # the workflow id
+    from_run_id: str  # the stuck execution
+    to_run_id: str  # the new execution the reset made
+    event_id: int  # the WorkflowTaskCompleted event reset to: that task is done again
+    failure: StuckTask | None = None
+    skipped: list[int] = []  # later completed tasks whose history does not replay on this code
+    reapplied: int = 0  # signals and Updates after the reset point, applied again to the new run
+    rerun: list[str] = []  # tool calls whose results the reset drops: run again under their keys
+
+
+async def repair(
+    client: Client,
+    run_id: str,
+    *,
+    reason: str | None = None,
+    event_id: int | None = None,
+    workflows: Sequence[type] = (),
+) -> RepairResult:
+    """Reset a stuck run to the last workflow task that completed before its failure and whose
+    history this code replays (Temporal's ResetWorkflowExecution): the new execution keeps the
+    history up to that task, does the task again, and gets every signal and Update that came
+    after it again. Records go on in the audit sink under the new run id.
+
+    Refused (REFUSED) for a run that is not stuck (unless ``event_id`` names the task), one no
+    task of which replays, or where the reset would run a write again that is not safe to repeat
+    (effect other than read_only or idempotent): hand it off instead.
+    """
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+    from temporalio.client import WorkflowHistory
+    from temporalio.worker import Replayer
+
+    from worker import WORKFLOW_RUNNER
+    from workflows.agent_run import AgentRun
+    from workflows.models import ToolCall
+
+    description = await _describe(client, run_id)
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        status_name = description.status.name if description.status else "closed"
+        raise TetherError(f"run {run_id} is {status_name}: only a running run can be repaired", REFUSED)
+    stuck = await stuck_task(client, description)
+    if stuck is None and event_id is None:
+        raise TetherError(
+            f"run {run_id} is not stuck: its workflow tasks complete, nothing to repair "
+            f"(`--event-id N` resets to a task of your choice)", REFUSED
+        )
+    try:
+        history = await client.get_workflow_handle(run_id, run_id=description.run_id).fetch_history()
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    events = list(history.events)
+    bound = stuck.event_id if stuck is not None and stuck.event_id else events[-1].event_id + 1
+    completed = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < bound]
+    if event_id is not None:
+        completed = [e for e in completed if e.event_id == event_id]
+        if not completed:
+            raise TetherError(f"event {event_id} of run {run_id} is no completed workflow task before the failure")
+    replayer = Replayer(
+        workflows=[AgentRun, *workflows], data_converter=client.data_converter, workflow_runner=WORKFLOW_RUNNER
+    )
+    chosen, skipped = None, []
+    for candidate in list(reversed(completed))[:REPAIR_CANDIDATES]:
+        started = candidate.workflow_task_completed_event_attributes.started_event_id
+        prefix = WorkflowHistory(run_id, [e for e in events if e.event_id <= started])
+        replayed = await replayer.replay_workflow(prefix, raise_on_replay_failure=False)
+        if replayed.replay_failure is None:
+            chosen = candidate
+            break
+        skipped.append(candidate.event_id)
+    if chosen is None:
+        raise TetherError(
+            f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays on "
+            f"this code: hand the run off (`tether handoff`) or fix the code first", REFUSED
+        )
+    started = chosen.workflow_task_completed_event_attributes.started_event_id
+    dropped = [e for e in events if e.event_id > started]
+    view = await published_view(description)
+    if view is not None:  # the run's own catalog entries for its plan's tools
+        effects = {t.name: t.effect.value for t in view.snapshot.tools}
+    else:  # what the tool modules the workers load declare (TETHER_TOOLS, as `tether tools`)
+        from activities.tools import REGISTRY, load_tool_modules
+
+        modules = os.environ.get("TETHER_TOOLS", "examples.billing.tools").split(",")
+        effects = {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
+    rerun, unsafe = [], []
+    for event in dropped:
+        if event.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            continue
+        scheduled = event.activity_task_scheduled_event_attributes
+        if scheduled.activity_type.name != "execute_tool":
+            continue
+        [call] = await client.data_converter.decode(scheduled.input.payloads, [ToolCall])
+        rerun.append(call.tool_call_id)
+        if effects.get(call.tool) not in RERUN_SAFE:
+            unsafe.append(f"{call.tool_call_id} ({call.tool}, effect {effects.get(call.tool, 'unknown')})")
+    if unsafe:
+        raise TetherError(
+            f"resetting run {run_id} to event {chosen.event_id} would run {', '.join(unsafe)} again, which is not "
+            f"safe to repeat: hand the run off instead (`tether handoff {run_id} --by NAME --reason TEXT`)", REFUSED
+        )
+    reapplied = sum(
+        1 for e in dropped
+        if e.event_type in (EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ADMITTED,
+                            EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
+    )
+    why = reason or (f"tether repair: workflow task failing ({stuck.cause})" if stuck else "tether repair")
+    try:
+        response = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=run_id, run_id=description.run_id),
+                reason=why[:1000],
+                workflow_task_finish_event_id=chosen.event_id,
+                request_id=str(uuid.uuid4()),
+                reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_ALL_ELIGIBLE,
+                identity=client.identity,
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    return RepairResult(
+        run_id=run_id, from_run_id=description.run_id, to_run_id=response.run_id, event_id=chosen.event_id,
+        failure=stuck, skipped=skipped, reapplied=reapplied, rerun=rerun,
+    )

@@ -23,6 +23,7 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 try:
@@ -102,6 +103,15 @@ def format_status(s: client.RunStatus) -> str:
         f"tenant     {show(s.tenant)}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if s.published_at is not None:
+        moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
+        lines.append(f"view       {client.freshness(s.published_at)}{moved}")
+    if s.worker_serving is False and s.task_queue is not None:
+        lines.append(f"worker     {client.not_serving_message(s.task_queue)}")
+    if s.stuck is not None:
+        lines.append(f"stuck      its workflow task keeps failing (attempt {s.stuck.attempt}, {show(s.stuck.cause)}): "
+                     f"{show(s.stuck.error, 400)}")
+        lines.append(f"           repair:  {invoked_as()} repair {show(shlex.quote(s.run_id))}")
     if s.closed_by_temporal:
         lines.append(f"closed     {s.closed_by_temporal}")
     if s.end_reason and s.state != RunState.COMPLETED:
@@ -169,15 +179,25 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
     return "\n".join(lines)
 
 
+def _age(at: object) -> str:
+    if at is None:
+        return "-"
+    seconds = max(0, int((datetime.now(timezone.utc) - at).total_seconds()))  # type: ignore[operator]
+    return f"{seconds} s ago" if seconds < 120 else f"{seconds // 60} min ago" if seconds < 7200 else f"{seconds // 3600} h ago"
+
+
 def format_list(rows: Sequence[client.RunSummary]) -> str:
     if not rows:
         return "no runs match"
-    lines = [f"{'RUN':<28} {'STATE':<18} {'TEMPORAL':<11} {'TENANT':<12} STARTED"]
+    lines = [f"{'RUN':<28} {'STATE':<18} {'TEMPORAL':<11} {'TENANT':<12} {'PUBLISHED':<11} STARTED"]
     for row in rows:
         started = row.started.isoformat() if row.started else "-"
         closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
         lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
-                     f"{show(row.tenant or '-'):<12} {started}{closed}")
+                     f"{show(row.tenant or '-'):<12} {_age(row.published_at):<11} {started}{closed}")
+        if row.stuck is not None:
+            lines.append(f"  stuck: workflow task attempt {row.stuck.attempt}, {show(row.stuck.cause)}: "
+                         f"{show(row.stuck.error, 300)}")
     return "\n".join(lines)
 
 
@@ -340,8 +360,26 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return OK
 
 
+async def cmd_repair(args: argparse.Namespace) -> int:
+    done = await client.repair(await client.connect(), args.run, reason=args.reason, event_id=args.event_id)
+    if args.json:
+        _print_json(done.model_dump(mode="json"))
+        return OK
+    if done.failure is not None:
+        print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
+              f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
+    if done.skipped:
+        print(f"later completed tasks that do not replay on this code: events {', '.join(map(str, done.skipped))}")
+    print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}: "
+          f"new run {show(done.to_run_id)}")
+    print(f"signals and Updates applied again: {done.reapplied}; tool calls run again under their own "
+          f"idempotency keys: {', '.join(show(t) for t in done.rerun) or 'none'}")
+    print(f"follow it: {invoked_as()} status {show(shlex.quote(done.run_id))}")
+    return OK
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
-    status = await client.status(await client.connect(), args.run)
+    status = await client.status(await client.connect(), args.run, live=args.live)
     if args.json:
         _print_json(status.model_dump(mode="json"))
     else:
@@ -385,7 +423,7 @@ def audit_warnings(trail: client.AuditTrail) -> list[str]:
 
 async def cmd_timeline(args: argparse.Namespace) -> int:
     conn = await client.connect()
-    if not getattr(args, "all", False):
+    if args.live:
         await client.require_worker(conn, args.run)
         records = await client.timeline(conn, args.run)
         if args.json:
@@ -394,6 +432,22 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
             print(format_timeline(records))
         return OK
     trail = await client.audit_trail(conn, args.run, args.audit_dir)
+    if not args.all:
+        # The run's line from the audit sink, the published view filling what it lacks: no
+        # worker needed, nothing reaches the run.
+        records = trail.line()
+        if not records and trail.unchecked:
+            raise TetherError(trail.unchecked)  # it has published nothing, and nobody can ask it
+        if args.json:
+            _print_json([r.model_dump(mode="json") for r in records])
+        else:
+            print(format_timeline(records))
+        if trail.published_at is not None:
+            print(f"note: the run's own records {client.freshness(trail.published_at)}; the audit sink's "
+                  f"as of now", file=sys.stderr)
+        for warning in audit_warnings(trail):
+            print(f"warning: {warning}", file=sys.stderr)
+        return OK
     if args.json:
         _print_json(trail.model_dump(mode="json"))
     else:
@@ -440,7 +494,9 @@ async def cmd_compensate(args: argparse.Namespace) -> int:
 
 async def cmd_list(args: argparse.Namespace) -> int:
     client.list_query(args.state, args.tenant)  # bad filters are usage errors, before connecting
-    rows = await client.list_runs(await client.connect(), state=args.state, tenant=args.tenant, limit=args.limit)
+    rows = await client.list_runs(
+        await client.connect(), state=args.state, tenant=args.tenant, limit=args.limit, stuck=args.stuck
+    )
     if args.json:
         _print_json([r.model_dump(mode="json") for r in rows])
     else:
@@ -563,8 +619,14 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _timeline_args(p: argparse.ArgumentParser) -> None:
+def _status_args(p: argparse.ArgumentParser) -> None:
     _run_args(p)
+    p.add_argument("--live", action="store_true",
+                   help="ask the run itself (a query, through a worker) instead of reading what it published")
+
+
+def _timeline_args(p: argparse.ArgumentParser) -> None:
+    _status_args(p)
     p.add_argument("--all", action="store_true",
                    help="every record, from the audit sink and the run (the run keeps a window)")
     p.add_argument("--audit-dir", metavar="DIR", help="the worker's audit sink (env TETHER_AUDIT_DIR; default .tether/audit)")
@@ -590,6 +652,16 @@ def _list_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state", metavar="STATE", help="e.g. AWAITING_APPROVAL")
     p.add_argument("--tenant", metavar="NAME")
     p.add_argument("--limit", type=int, default=50, metavar="N")
+    p.add_argument("--stuck", action="store_true",
+                   help="only running runs whose workflow task keeps failing, with the error")
+    p.add_argument("--json", action="store_true")
+
+
+def _repair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run")
+    p.add_argument("--reason", metavar="TEXT", help="recorded with the reset (default: the failure's cause)")
+    p.add_argument("--event-id", type=int, metavar="N",
+                   help="reset to this completed workflow task (default: the last before the failure that replays)")
     p.add_argument("--json", action="store_true")
 
 
@@ -620,7 +692,7 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
 # The one list of subcommands: the parser, `--help` and the README's table come from it.
 COMMANDS: list[Command] = [
     Command("start", "start a run", _start_args, cmd_start),
-    Command("status", "a run's state, plan, pending approval, and why it ended", _run_args, cmd_status),
+    Command("status", "a run's state, plan, pending approval, and why it ended", _status_args, cmd_status),
     Command("timeline", "a run's audit timeline", _timeline_args, cmd_timeline),
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
@@ -628,6 +700,8 @@ COMMANDS: list[Command] = [
     Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
     Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
+    Command("repair", "heal a stuck run: reset to its last task that replays",
+            _repair_args, cmd_repair),
     Command("compensate", "undo an ended run's ok writes, as its approvals covered (a run of its own)",
             _compensate_args, cmd_compensate),
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
