@@ -88,9 +88,10 @@ chaos: $(STAMP)
 
 # 5,000 refused approvals with 2 KB comments, 1,600 decide Updates (the run continues as new
 # before Temporal's 2,000-per-run limit), and a 1,000-step read-only run on the default
-# continue-as-new settings; prints the figures (the short versions run in `make test`).
+# continue-as-new settings, and the query storm (20 runs flooded until they continue as new, four
+# timeline query loops on each); prints the figures (the short versions run in `make test`).
 soak: $(STAMP)
-	TETHER_SOAK=1 $(PY) -m pytest -s -q tests/test_bounded_runs.py -k "flood or long_read_only"
+	TETHER_SOAK=1 $(PY) -m pytest -s -q tests/test_bounded_runs.py -k "flood or long_read_only or storm"
 
 # Re-record tests/histories/*.json (the replay suite's reference runs). Only for a workflow
 # change that is compatible by design: see docs/changing-workflows.md.
