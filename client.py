@@ -1127,6 +1127,18 @@ async def handoff(
     return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record)
 
 
+def person_name(by: str) -> str:
+    """A person's name as the run takes it (normalised), or a usage error naming ``--by``."""
+    from pydantic import TypeAdapter
+
+    from workflows.identity import Name
+
+    try:
+        return TypeAdapter(Name).validate_python(by)
+    except ValidationError as e:
+        raise TetherError(f"invalid name: {first_error(e)}", field="by", detail=first_error(e)) from None
+
+
 def cancellation_reason(by: str | None, reason: str) -> str:
     """What Temporal carries as the cancellation's reason: ``by NAME: REASON``, which the run
     records as actor ``user:NAME`` (without a name, the runtime is the actor)."""
@@ -1161,15 +1173,8 @@ async def cancel(
     """Request Temporal cancellation as ``by`` (the actor on the run's record); the run ends in
     CANCELLED once any tool in flight settles. With ``policy_path``, a name the policy does not
     let cancel the run is refused here, before anything is sent."""
-    from workflows.identity import Name
-    from pydantic import TypeAdapter
-
     if by is not None:
-        try:
-            by = TypeAdapter(Name).validate_python(by)
-        except ValidationError as e:
-            raise TetherError(f"invalid name {escape_text(by)!r}: {first_error(e)}", field="by",
-                              detail=first_error(e)) from None
+        by = person_name(by)
     if not reason.strip():
         raise TetherError("give a reason for the cancel", field="reason", detail="give a reason")
     handle = client.get_workflow_handle(run_id)
@@ -1220,6 +1225,7 @@ async def compensate(
 
 def list_query(state: str | None, tenant: str | None) -> str:
     """The visibility query for runs; inputs are checked first (they are quoted into it)."""
+    state = state.upper() if state else state  # `--state awaiting_approval` means the same
     if state and state not in RunState.__members__:
         raise TetherError(f"unknown state {state!r}; one of {', '.join(RunState.__members__)}", field="state")
     if tenant and not re.match(NAME_PATTERN, tenant):

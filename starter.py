@@ -52,6 +52,16 @@ OPTIONS = {
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tether")
+    except PackageNotFoundError:  # `python starter.py` from a checkout that was never installed
+        return "(not installed: run `make install`)"
+
+
 def script_path() -> str:
     """The installed `tether` script next to this Python, relative to the current directory when
     under it (`.venv/bin/tether`): a bare `tether` is on PATH only in an activated virtualenv."""
@@ -77,6 +87,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(USAGE, f"error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
+        # A misspelt option after a subcommand belongs to that subcommand: point to its help.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            self.exit(USAGE, f"error: unrecognized arguments: {' '.join(extras)} (see `{prog} --help`)\n")
+        return parsed
 
 
 # ----------------------------------------------------------------------------- output
@@ -355,6 +374,7 @@ async def cmd_handoff(args: argparse.Namespace) -> int:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     policy_path = args.policy or os.environ.get("TETHER_POLICY") or None
+    client.person_name(args.by)  # a usage error before connecting
     await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
                         policy_path=Path(policy_path) if policy_path else None)
     print(f"cancellation requested for {show(args.run)} by {show(args.by)}: the run ends in CANCELLED once any tool "
@@ -663,6 +683,7 @@ COMMANDS: list[Command] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog=PROG, description="Tether: governed, durable AI-agent runs on Temporal.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)

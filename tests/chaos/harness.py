@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 import starter
@@ -279,9 +279,12 @@ async def _await_state(handle: WorkflowHandle, states: set[RunState], timeout: f
         try:
             snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=timedelta(seconds=10))
         except RPCError as e:
-            # A worker still starting (many at once on a loaded machine) has not answered yet.
-            if not timed_out(e) or time.monotonic() > deadline:
+            # A worker still starting (many at once on a loaded machine) has not answered yet,
+            # or its first workflow task timed out and Temporal retries it (WorkflowNotReady).
+            not_yet = timed_out(e) or e.status == RPCStatusCode.FAILED_PRECONDITION
+            if not not_yet or time.monotonic() > deadline:
                 raise
+            await asyncio.sleep(0.2)
             continue
         if snap.state in states:
             return snap
