@@ -9,7 +9,7 @@ PLANNER ?= playbook
 BENCH_ARGS ?=
 REPRO_ARGS ?=
 
-.PHONY: install demo demo-mcp test dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling soak sdk-core-repro
+.PHONY: install demo demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling soak sdk-core-repro
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ demo-mcp: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The suite on a busy machine: two CPU-bound processes run beside it, stopped at the end
+# whatever the result (and on Ctrl-C).
+test-busy: $(STAMP)
+	@pids=""; trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
+	for i in 1 2; do $(PYTHON) -c 'while 1: pass' & pids="$$pids $$!"; done; \
+	echo "busy loops: $$pids"; $(PY) -m pytest $(PYTEST_ARGS)
 
 # The embedded Temporal dev server (SQLite under .tether/, Web UI on :8233) and the billing
 # service; with TETHER_ENCRYPTION_KEY_FILE set, also the codec server the UI decodes through.

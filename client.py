@@ -179,12 +179,20 @@ async def connect(**overrides: Any) -> Client:
 # ----------------------------------------------------------------------------- errors
 
 
+def timed_out(err: RPCError) -> bool:
+    """The call's own rpc timeout ran out (the SDK reports it as CANCELLED "Timeout expired"):
+    for a query or an Update, no worker answered in time."""
+    return err.status == RPCStatusCode.DEADLINE_EXCEEDED or (
+        err.status == RPCStatusCode.CANCELLED and "timeout expired" in err.message.lower()
+    )
+
+
 def rpc_error(err: RPCError, run_id: str) -> TetherError:
     if err.status == RPCStatusCode.NOT_FOUND:
         if "completed" in err.message.lower():
             return TetherError(f"run {run_id} already finished", REFUSED)
         return TetherError(f"unknown run {run_id!r}: check the id with `tether list`")
-    if err.status == RPCStatusCode.DEADLINE_EXCEEDED:
+    if timed_out(err):
         return TetherError(f"no worker answered for run {run_id}: start one with `make worker`")
     if err.status == RPCStatusCode.RESOURCE_EXHAUSTED:
         # E.g. Temporal's limit of 10 decide Updates in flight per run: nothing was sent.
@@ -205,67 +213,150 @@ def start_worker_hint(queue: str) -> str:
     return f"`TETHER_TASK_QUEUE={queue} make worker`"
 
 
+# A task is taken within milliseconds by a worker with a free slot: one scheduled this long
+# without being taken means no worker is taking the queue's tasks (or every one is saturated).
+TAKE_SECONDS = 10.0
+
+
 def no_worker_message(queue: str) -> str:
     return f"no worker polls task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
 
 
-async def has_worker(client: Client, queue: str) -> bool:
-    """Whether a worker polls ``queue`` for workflow tasks (DescribeTaskQueue: pollers seen in
-    the last minutes). Answers in one round trip, long before a query to nobody times out."""
-    try:
-        response = await client.workflow_service.describe_task_queue(
-            DescribeTaskQueueRequest(
-                namespace=client.namespace,
-                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
-                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-            ),
-            timeout=QUERY_TIMEOUT,
-        )
-    except RPCError as e:
-        raise rpc_error(e, queue) from None
-    return bool(response.pollers)
+# A live worker's long polls last up to a minute each, and Temporal lists a poller for minutes
+# after its last poll: a poller not seen for longer than this is gone (TETHER_POLLER_FRESH).
+POLLER_FRESH = timedelta(seconds=float(os.environ.get("TETHER_POLLER_FRESH") or 75))
+# Workers report themselves every minute by default (Runtime worker_heartbeat_interval), and say
+# so when they shut down: one not heard from for longer than this is gone.
+HEARTBEAT_FRESH = timedelta(seconds=150)
+# The one-round-trip calls that judge whether a worker serves: short, so no command hangs on them.
+PROBE_TIMEOUT = timedelta(seconds=5)
 
 
-# A live worker long-polls its queue: the server notes a poll when it begins, and an idle poll
-# lasts up to a minute, so a poller last seen within this long may still be serving. The server
-# lists pollers for minutes after they stopped: being listed says nothing.
-POLL_FRESH = timedelta(seconds=75)
-
-
-async def worker_serving(client: Client, queue: str) -> bool:
-    """Whether a worker serves ``queue`` now: a workflow poller seen within POLL_FRESH (a worker
-    stopped less than that ago still counts). One round trip; no query is sent to anyone."""
-    try:
-        response = await client.workflow_service.describe_task_queue(
-            DescribeTaskQueueRequest(
-                namespace=client.namespace,
-                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
-                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-            ),
-            timeout=QUERY_TIMEOUT,
-        )
-    except RPCError as e:
-        raise rpc_error(e, queue) from None
-    now = datetime.now(timezone.utc)
-    return any(
-        p.HasField("last_access_time") and now - p.last_access_time.ToDatetime(timezone.utc) <= POLL_FRESH
-        for p in response.pollers
+def _probe_unsupported(err: RPCError) -> bool:
+    """A server (or an authorizer) that does not offer the call: judge without it."""
+    return err.status in (
+        RPCStatusCode.UNIMPLEMENTED, RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.FAILED_PRECONDITION,
+        RPCStatusCode.INVALID_ARGUMENT,
     )
 
 
-def not_serving_message(queue: str) -> str:
-    return f"no worker is serving task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
+async def _gone_workers(client: Client, queue: str, now: datetime) -> set[str] | None:
+    """Identities of the workers on ``queue`` that said they stopped, or have not reported for
+    HEARTBEAT_FRESH (ListWorkers, from the workers' own heartbeats); None: not available."""
+    from temporalio.api.enums.v1 import WorkerStatus
+    from temporalio.api.workflowservice.v1 import ListWorkersRequest
+
+    quoted = queue.replace("\\", "\\\\").replace("'", "\\'")
+    try:
+        response = await client.workflow_service.list_workers(
+            ListWorkersRequest(namespace=client.namespace, page_size=200, query=f"TaskQueue = '{quoted}'"),
+            timeout=PROBE_TIMEOUT,
+        )
+    except RPCError as e:
+        if _probe_unsupported(e) or timed_out(e):
+            return None
+        raise rpc_error(e, queue) from None
+    gone = set()
+    for info in response.workers_info:
+        beat = info.worker_heartbeat
+        seen = beat.heartbeat_time.ToDatetime(timezone.utc) if beat.HasField("heartbeat_time") else None
+        if beat.status != WorkerStatus.WORKER_STATUS_RUNNING or seen is None or now - seen > HEARTBEAT_FRESH:
+            gone.add(beat.worker_identity)
+    # A worker that reported RUNNING under an identity that also stopped (a restart in place)
+    # still serves.
+    running = {
+        info.worker_heartbeat.worker_identity for info in response.workers_info
+        if info.worker_heartbeat.status == WorkerStatus.WORKER_STATUS_RUNNING
+        and info.worker_heartbeat.worker_identity not in gone
+    }
+    return gone - running
+
+
+async def worker_serving(client: Client, queue: str) -> bool | None:
+    """Whether a live worker serves ``queue`` (workflow tasks), judged without waiting on one.
+
+    Temporal lists a poller for minutes after its worker died, so a listed poller is not
+    enough: one counts only if it polled within POLLER_FRESH and its worker has not reported
+    itself stopped (or silent) in its heartbeats (ListWorkers). False: none does; None: this
+    server does not let us tell (DescribeTaskQueue refused). Callers that act on a run still
+    find out for sure when a worker takes (or never takes) the run's task.
+    """
+    try:
+        response = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            ),
+            timeout=PROBE_TIMEOUT,
+        )
+    except RPCError as e:
+        if _probe_unsupported(e) or timed_out(e):
+            return None
+        raise rpc_error(e, queue) from None
+    now = datetime.now(timezone.utc)
+    fresh = [
+        p.identity for p in response.pollers
+        if p.HasField("last_access_time") and now - p.last_access_time.ToDatetime(timezone.utc) <= POLLER_FRESH
+    ]
+    if not fresh:
+        return False
+    gone = await _gone_workers(client, queue, now)
+    return any(identity not in (gone or set()) for identity in fresh)
+
+
+async def has_worker(client: Client, queue: str) -> bool:
+    """``worker_serving``, with "cannot tell" taken as yes (the call then finds out)."""
+    return await worker_serving(client, queue) is not False
 
 
 async def require_worker(client: Client, run_id: str) -> None:
-    """Raise, naming the run's task queue, when no worker polls it: the run cannot answer a
+    """Raise, naming the run's task queue, when no worker serves it: the run cannot answer a
     query or act on a decision until one does. A run that has closed needs one for queries too."""
     try:
-        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=PROBE_TIMEOUT)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     if not await has_worker(client, description.task_queue):
-        raise TetherError(no_worker_message(description.task_queue))
+        raise TetherError(no_worker_message(description.task_queue), rule="no_worker")
+    waiting = untaken_seconds(description)
+    if waiting is not None and waiting > TAKE_SECONDS:
+        raise TetherError(untaken_message(run_id, description.task_queue, waiting), rule="no_worker")
+
+
+def untaken_seconds(description: Any) -> float | None:
+    """How long the run's workflow task has waited for a worker to take it (None: no task is
+    waiting; a worker has it or the run has nothing to do)."""
+    from temporalio.api.enums.v1 import PendingWorkflowTaskState
+
+    task = description.raw_description.pending_workflow_task
+    if task.state != PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or not task.HasField("scheduled_time"):
+        return None
+    return (datetime.now(timezone.utc) - task.scheduled_time.ToDatetime(timezone.utc)).total_seconds()
+
+
+def untaken_message(run_id: str, queue: str, waited: float) -> str:
+    return (
+        f"no worker has taken run {run_id}'s task on task queue '{escape_text(queue)}' in {waited:.0f}s — "
+        f"start one with {start_worker_hint(queue)} (if one runs, see its log: it may be saturated)"
+    )
+
+
+async def no_answer(client: Client, run_id: str, waited: float) -> TetherError:
+    """A query or decision nobody answered in time: say which queue, and what to do."""
+    try:
+        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=PROBE_TIMEOUT)
+    except RPCError:
+        description = None
+    queue = description.task_queue if description is not None else task_queue()
+    untaken = untaken_seconds(description) if description is not None else None
+    if untaken is not None and untaken > TAKE_SECONDS:
+        return TetherError(untaken_message(run_id, queue, untaken), rule="no_worker")
+    return TetherError(
+        f"no worker answered for run {run_id} within {waited:g}s on task queue '{escape_text(queue)}' — "
+        f"start one with {start_worker_hint(queue)} (if one runs, see its log: it may be overloaded)",
+        rule="no_worker",
+    )
 
 
 # ----------------------------------------------------------------------------- runs
@@ -301,7 +392,7 @@ class RunStatus(RunSnapshot):
     # The state the run is listed in (AgentRunState) when it has moved on since it published.
     listed_state: str | None = None
     task_queue: str | None = None
-    worker_serving: bool | None = None  # a worker polls the run's queue now (worker_serving)
+    worker_serving: bool | None = None  # a worker serves the run's queue now (None: cannot tell)
     stuck: StuckTask | None = None  # its workflow task keeps failing
 
     @property
@@ -414,6 +505,8 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
     try:
         return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
     except RPCError as e:
+        if timed_out(e):
+            raise await no_answer(client, run_id, rpc_timeout.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
@@ -424,6 +517,8 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     try:
         return await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
     except RPCError as e:
+        if timed_out(e):
+            raise await no_answer(client, run_id, QUERY_TIMEOUT.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
@@ -538,8 +633,8 @@ async def audit_trail(
         else:
             try:
                 queue = description.task_queue
-                if not await worker_serving(client, queue):
-                    raise TetherError(no_worker_message(queue))
+                if await worker_serving(client, queue) is False:
+                    raise TetherError(no_worker_message(queue), rule="no_worker")
                 window, snap = await timeline(client, run_id), await snapshot(client, run_id)
             except (TetherError, RPCError) as e:
                 unchecked = f"the run did not answer ({e}): the records are the sink's alone"
@@ -701,8 +796,8 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     serving = await worker_serving(client, queue)
     view = None if live else await published_view(description)
     if view is None:
-        if not serving:
-            raise TetherError(no_worker_message(queue))
+        if serving is False:
+            raise TetherError(no_worker_message(queue), rule="no_worker")
         snap = await snapshot(client, run_id)
         records = await timeline(client, run_id)
         result = RunStatus(**snap.model_dump())
@@ -771,14 +866,27 @@ async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutc
     return outcome
 
 
-async def wait_settled(client: Client, run_id: str, timeout: float, *, approval_settles: bool = True) -> RunStatus:
+async def wait_settled(
+    client: Client, run_id: str, timeout: float, *, approval_settles: bool = True,
+    progress: Any = None,
+) -> RunStatus:
     """Poll until the run has ended (or waits for a person, with ``approval_settles``) or
-    ``timeout`` seconds have passed; returns its status then."""
+    ``timeout`` seconds have passed; returns its status then. A run no worker answers for
+    within ``timeout`` raises TetherError (rule ``no_worker``) naming its task queue.
+    ``progress(snapshot, seconds)`` is called after each look."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    began = loop.time()
+    deadline = began + timeout
     await require_worker(client, run_id)
     while True:
-        snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
+        try:
+            snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
+        except TetherError as e:
+            if e.rule == "no_worker" and loop.time() < deadline:
+                continue  # a query can time out before the wait does
+            raise
+        if progress is not None:
+            progress(snap, loop.time() - began)
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
             return await status(client, run_id)
@@ -1157,14 +1265,67 @@ async def handoff(
     return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record)
 
 
-async def cancel(client: Client, run_id: str, *, reason: str) -> None:
-    """Request Temporal cancellation; the run ends in CANCELLED once any tool in flight settles."""
+def person_name(by: str) -> str:
+    """A person's name as the run takes it (normalised), or a usage error naming ``--by``."""
+    from pydantic import TypeAdapter
+
+    from workflows.identity import Name
+
+    try:
+        return TypeAdapter(Name).validate_python(by)
+    except ValidationError as e:
+        raise TetherError(f"invalid name: {first_error(e)}", field="by", detail=first_error(e)) from None
+
+
+def cancellation_reason(by: str | None, reason: str) -> str:
+    """What Temporal carries as the cancellation's reason: ``by NAME: REASON``, which the run
+    records as actor ``user:NAME`` (without a name, the runtime is the actor)."""
+    return f"by {by}: {reason}" if by else reason
+
+
+def cancel_refusal(by: str, tenant: str, policy_path: Path | None) -> TetherError | None:
+    """The policy's word on who may cancel a run of ``tenant``, as far as a client can tell:
+    a member of the tenant (the people it lists), as for a handoff. No policy file here: the
+    built-in default lets anyone."""
+    if policy_path is None:
+        return None
+    from activities.policy import PolicyFileError, PolicyStore
+
+    try:
+        tenant_policy, _ = PolicyStore(policy_path).tenant(tenant)
+    except (PolicyFileError, OSError, ValueError) as e:
+        return TetherError(f"cannot read the policy file {policy_path}: {e}")
+    if tenant_policy is None:
+        return TetherError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}", REFUSED,
+                           rule="tenant_unknown")
+    refusal = policy.handoff_member_refusal(tenant_policy, by)
+    if refusal is not None:
+        return TetherError(f"{refusal.message}: only its members may cancel its runs [rule: {refusal.rule}]",
+                           REFUSED, rule=refusal.rule)
+    return None
+
+
+async def cancel(
+    client: Client, run_id: str, *, reason: str, by: str | None = None, policy_path: Path | None = None
+) -> None:
+    """Request Temporal cancellation as ``by`` (the actor on the run's record); the run ends in
+    CANCELLED once any tool in flight settles. With ``policy_path``, a name the policy does not
+    let cancel the run is refused here, before anything is sent."""
+    if by is not None:
+        by = person_name(by)
+    if not reason.strip():
+        raise TetherError("give a reason for the cancel", field="reason", detail="give a reason")
     handle = client.get_workflow_handle(run_id)
     try:
-        description = await handle.describe()
+        description = await handle.describe(rpc_timeout=QUERY_TIMEOUT)
         if description.status != WorkflowExecutionStatus.RUNNING:
             raise TetherError(f"run {run_id} already finished", REFUSED)
-        await handle.cancel(reason=reason)
+        if by is not None:
+            tenant = description.typed_search_attributes.get(TENANT_ATTRIBUTE) or "default"
+            refused = cancel_refusal(by, tenant, policy_path)
+            if refused is not None:
+                raise refused
+        await handle.cancel(reason=cancellation_reason(by, reason), rpc_timeout=QUERY_TIMEOUT)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
 
@@ -1202,6 +1363,7 @@ async def compensate(
 
 def list_query(state: str | None, tenant: str | None) -> str:
     """The visibility query for runs; inputs are checked first (they are quoted into it)."""
+    state = state.upper() if state else state  # `--state awaiting_approval` means the same
     if state and state not in RunState.__members__:
         raise TetherError(f"unknown state {state!r}; one of {', '.join(RunState.__members__)}", field="state")
     if tenant and not re.match(NAME_PATTERN, tenant):

@@ -53,6 +53,16 @@ OPTIONS = {
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tether")
+    except PackageNotFoundError:  # `python starter.py` from a checkout that was never installed
+        return "(not installed: run `make install`)"
+
+
 def script_path() -> str:
     """The installed `tether` script next to this Python, relative to the current directory when
     under it (`.venv/bin/tether`): a bare `tether` is on PATH only in an activated virtualenv."""
@@ -78,6 +88,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(USAGE, f"error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
+        # A misspelt option after a subcommand belongs to that subcommand: point to its help.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            self.exit(USAGE, f"error: unrecognized arguments: {' '.join(extras)} (see `{prog} --help`)\n")
+        return parsed
 
 
 # ----------------------------------------------------------------------------- output
@@ -107,7 +126,7 @@ def format_status(s: client.RunStatus) -> str:
         moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")
     if s.worker_serving is False and s.task_queue is not None:
-        lines.append(f"worker     {client.not_serving_message(s.task_queue)}")
+        lines.append(f"worker     {client.no_worker_message(s.task_queue)}")
     if s.stuck is not None:
         lines.append(f"stuck      its workflow task keeps failing (attempt {s.stuck.attempt}, {show(s.stuck.cause)}): "
                      f"{show(s.stuck.error, 400)}")
@@ -236,27 +255,37 @@ async def cmd_start(args: argparse.Namespace) -> int:
         request = client.sign_request(request, run_id, Path(args.key))
     conn = await client.connect()
     await client.start_run(conn, request, run_id=run_id, allow_id_reuse=args.allow_id_reuse)
-    if not await client.has_worker(conn, client.task_queue()):
+    # The run exists now, whatever follows: say so first (--json --wait prints the status instead).
+    if not args.json:
+        print(f"started {show(run_id)}", flush=True)
+    elif not args.wait:
+        _print_json({"run_id": run_id})
+    queue = client.task_queue()
+    if await client.worker_serving(conn, queue) is False:
         # Started, but nothing will move it: say so now, not after a query times out.
-        if args.json:
+        if args.json and args.wait:
             _print_json({"run_id": run_id})
-        else:
-            print(f"started {show(run_id)}")
-        queue = client.task_queue()
         print(f"{'error' if args.wait else 'note'}: {client.no_worker_message(queue)}; run {show(run_id)} "
               f"stays in RECEIVED until one does", file=sys.stderr)
         return REFUSED if args.wait else OK
     if not args.wait:
+        return OK
+    progress = _progress_line(run_id) if sys.stderr.isatty() and not args.json else None
+    try:
+        status = await client.wait_settled(conn, run_id, args.wait_timeout, progress=progress)
+    except TetherError as e:
+        if e.rule != "no_worker":
+            raise
         if args.json:
             _print_json({"run_id": run_id})
-        else:
-            print(f"started {show(run_id)}")
-        return OK
-    status = await client.wait_settled(conn, run_id, args.wait_timeout)
+        print(_error_line(e), file=sys.stderr)
+        return REFUSED  # the run was started; the wait for it failed
+    finally:
+        if progress is not None:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
     if args.json:
         _print_json(status.model_dump(mode="json"))
     else:
-        print(f"started {show(run_id)}")
         print(format_status(status))
     if status.ended and status.state != RunState.COMPLETED:
         why = f": {show(status.end_reason)}" if status.end_reason else ""
@@ -265,6 +294,16 @@ async def cmd_start(args: argparse.Namespace) -> int:
     if not status.ended and status.state != RunState.AWAITING_APPROVAL:
         print(f"note: run {show(run_id)} is still {status.state.value} after {args.wait_timeout:g}s", file=sys.stderr)
     return OK
+
+
+def _progress_line(run_id: str) -> Callable[[object, float], None]:
+    """One line on a terminal, rewritten in place while --wait waits."""
+
+    def show_progress(snap: object, seconds: float) -> None:
+        state = getattr(getattr(snap, "state", None), "value", "?")
+        print(f"\r\x1b[Kwaiting for {show(run_id)}: {state} ({seconds:.0f}s)", end="", file=sys.stderr, flush=True)
+
+    return show_progress
 
 
 def _step_numbers(text: str | None) -> list[int] | None:
@@ -354,8 +393,11 @@ async def cmd_handoff(args: argparse.Namespace) -> int:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
-    await client.cancel(await client.connect(), args.run, reason=args.reason)
-    print(f"cancellation requested for {show(args.run)}: the run ends in CANCELLED once any tool "
+    policy_path = args.policy or os.environ.get("TETHER_POLICY") or None
+    client.person_name(args.by)  # a usage error before connecting
+    await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
+                        policy_path=Path(policy_path) if policy_path else None)
+    print(f"cancellation requested for {show(args.run)} by {show(args.by)}: the run ends in CANCELLED once any tool "
           f"in flight has settled")
     return OK
 
@@ -611,7 +653,10 @@ def _handoff_args(p: argparse.ArgumentParser) -> None:
 
 def _cancel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run")
+    p.add_argument("--by", required=True, metavar="NAME", help="who cancels: a member of the run's tenant (on the record)")
     p.add_argument("--reason", required=True, metavar="TEXT")
+    p.add_argument("--policy", metavar="PATH",
+                   help="the policy file, to refuse a name it does not let cancel before sending (default TETHER_POLICY)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -712,6 +757,7 @@ COMMANDS: list[Command] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog=PROG, description="Tether: governed, durable AI-agent runs on Temporal.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)

@@ -251,7 +251,7 @@ class Inbox:
             "as_of": self._as_of(snap.published_at, now),
             "published_at": snap.published_at.isoformat() if snap.published_at else None,
             "worker": None if snap.worker_serving is not False or snap.task_queue is None
-            else tether.not_serving_message(snap.task_queue),
+            else tether.no_worker_message(snap.task_queue),
             "stuck": None if snap.stuck is None else f"its workflow task keeps failing (attempt {snap.stuck.attempt}): {snap.stuck.error}",
             "web_ui": f"{self.config.web_ui.rstrip('/')}/namespaces/{quote(self.config.namespace)}/workflows/{quote(snap.run_id)}",
         }

@@ -67,15 +67,15 @@ async def test_with_the_worker_stopped_every_view_answers_from_what_the_runs_pub
         await wait_published(dev_env, ended.id, "COMPLETED")
         await wait_listed(dev_env, waiting.id, "AWAITING_APPROVAL")
         await wait_listed(dev_env, ended.id, "COMPLETED")
-    # The worker has stopped. Temporal lists its pollers for minutes; it counts as gone once its
-    # last poll is older than a live worker's long poll.
+    # The worker has stopped. Temporal lists its pollers for minutes: it counts as gone once it
+    # said so in its heartbeats, or its last poll is older than a live worker's long poll.
     for _ in range(200):
-        if not await tether_client.worker_serving(dev_env.client, queue):
+        if await tether_client.worker_serving(dev_env.client, queue) is False:
             break
         await asyncio.sleep(1)
     else:
         raise AssertionError(f"a stopped worker still counts as serving {queue}")
-    gone = tether_client.not_serving_message(queue)
+    gone = tether_client.no_worker_message(queue)
 
     loop = asyncio.get_running_loop()
     for handle, state in ((waiting, "AWAITING_APPROVAL"), (ended, "COMPLETED")):
@@ -119,7 +119,7 @@ async def test_with_the_worker_stopped_every_view_answers_from_what_the_runs_pub
             for handle, state in ((waiting, "AWAITING_APPROVAL"), (ended, "COMPLETED")):
                 page = await http.get(f"/runs/{handle.id}")
                 assert page.status_code == 200, page.text
-                assert f">{state}<" in page.text and "as published at" in page.text and "no worker is serving" in page.text
+                assert f">{state}<" in page.text and "as published at" in page.text and "no worker polls task queue" in page.text
                 run = (await http.get(f"/api/runs/{handle.id}")).json()
                 assert run["state"] == state and run["published_at"] and run["worker"] == gone and run["timeline"]
     finally:
