@@ -711,17 +711,19 @@ async def published_view(description: Any) -> RunView | None:
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
 
 
+def age(at: datetime, now: datetime | None = None) -> str:
+    """How long ago ``at`` was, for a person: ``4 s``, ``12 min``, ``3 h 5 min``."""
+    seconds = max(0, int(((now or datetime.now(timezone.utc)) - at).total_seconds()))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
 def freshness(published_at: datetime, now: datetime | None = None) -> str:
     """``as published at 20:51:03 UTC, 4 s ago``: how old what a view shows is."""
-    now = now or datetime.now(timezone.utc)
-    age = max(0, int((now - published_at).total_seconds()))
-    if age < 120:
-        ago = f"{age} s"
-    elif age < 7200:
-        ago = f"{age // 60} min"
-    else:
-        ago = f"{age // 3600} h {age % 3600 // 60} min"
-    return f"as published at {published_at.astimezone(timezone.utc):%H:%M:%S} UTC, {ago} ago"
+    return f"as published at {published_at.astimezone(timezone.utc):%H:%M:%S} UTC, {age(published_at, now)} ago"
 
 
 async def _describe(client: Client, run_id: str) -> Any:
@@ -889,7 +891,7 @@ async def wait_settled(
             progress(snap, loop.time() - began)
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
-            return await status(client, run_id)
+            return await status(client, run_id, live=True)  # as the query just saw it, not as last published
         await asyncio.sleep(0.2)
 
 

@@ -23,7 +23,6 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 try:
@@ -198,13 +197,6 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
     return "\n".join(lines)
 
 
-def _age(at: object) -> str:
-    if at is None:
-        return "-"
-    seconds = max(0, int((datetime.now(timezone.utc) - at).total_seconds()))  # type: ignore[operator]
-    return f"{seconds} s ago" if seconds < 120 else f"{seconds // 60} min ago" if seconds < 7200 else f"{seconds // 3600} h ago"
-
-
 def format_list(rows: Sequence[client.RunSummary]) -> str:
     if not rows:
         return "no runs match"
@@ -213,7 +205,7 @@ def format_list(rows: Sequence[client.RunSummary]) -> str:
         started = row.started.isoformat() if row.started else "-"
         closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
         lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
-                     f"{show(row.tenant or '-'):<12} {_age(row.published_at):<11} {started}{closed}")
+                     f"{show(row.tenant or '-'):<12} {(client.age(row.published_at) + ' ago') if row.published_at else '-':<11} {started}{closed}")
         if row.stuck is not None:
             lines.append(f"  stuck: workflow task attempt {row.stuck.attempt}, {show(row.stuck.cause)}: "
                          f"{show(row.stuck.error, 300)}")
