@@ -114,7 +114,7 @@ async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
         assert (await wait_for_state(dev_env.client.get_workflow_handle(run_id), "AWAITING_APPROVAL")).approved_by == ["carol"]
 
         listed = await ok("list", "--tenant", "default", "--state", "AWAITING_APPROVAL", "--limit", "200")
-        assert listed.splitlines()[0].split() == ["RUN", "STATE", "TEMPORAL", "TENANT", "STARTED"]
+        assert listed.splitlines()[0].split() == ["RUN", "STATE", "TEMPORAL", "TENANT", "PUBLISHED", "STARTED"]
         assert "\\x1b[31m" in listed or len(listed.splitlines()) == 201
         assert (await ok("list", "--tenant", tenant)).strip() == "no runs match"
 
