@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 PLANNER ?= playbook
 BENCH_ARGS ?=
 
-.PHONY: install demo demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling
+.PHONY: install demo demo-order demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 demo: $(STAMP)
 	$(PY) -m examples.devstack up
 	PLANNER=$(PLANNER) $(PY) -m examples.demo
+
+# A new order in the dev stack's billing service, and a refund playbook for it: prints the
+# playbook's path (the README's examples each refund an order of their own).
+demo-order: $(STAMP)
+	@$(PY) -m examples.demo order
 
 # Tools from an MCP server (the reference git server) under approval, on a scratch repository
 # under .tether/ (examples/git/, docs/mcp.md).
