@@ -9,7 +9,7 @@ PLANNER ?= playbook
 BENCH_ARGS ?=
 REPRO_ARGS ?=
 
-.PHONY: install demo demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling soak sdk-core-repro
+.PHONY: install demo demo-order demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 demo: $(STAMP)
 	$(PY) -m examples.devstack up
 	PLANNER=$(PLANNER) $(PY) -m examples.demo
+
+# A new order in the dev stack's billing service, and a refund playbook for it: prints the
+# playbook's path (the README's examples each refund an order of their own).
+demo-order: $(STAMP)
+	@$(PY) -m examples.demo order
 
 # Tools from an MCP server (the reference git server) under approval, on a scratch repository
 # under .tether/ (examples/git/, docs/mcp.md).
@@ -104,6 +109,7 @@ soak: $(STAMP)
 # sdk-core reorders a local activity's result after signals when a query came in between
 # (docs/known-issues.md): plain temporalio, 20 runs; exit 1 if any broke. Not in `make test`: it
 # breaks some runs, not all.
+.PHONY: sdk-core-repro
 sdk-core-repro: $(STAMP)
 	$(PY) -m tests.sdk_core_repro $(REPRO_ARGS)
 

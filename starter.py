@@ -540,6 +540,9 @@ async def cmd_list(args: argparse.Namespace) -> int:
 
 async def cmd_keygen(args: argparse.Namespace) -> int:
     path = Path(args.out)
+    if args.if_missing and path.exists():
+        print(f"{path} exists: kept")
+        return OK
     encoded = client.keygen(path, force=args.force)
     public_path = path.with_name(path.name + ".pub")
     print(f"private key written to {path} (keep it secret); public key to {public_path}")
@@ -705,6 +708,7 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
 def _keygen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="PATH", help="where to write the private key (PEM)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.add_argument("--if-missing", action="store_true", help="keep an existing key (exit 0), else make one")
 
 
 def _inbox_args(p: argparse.ArgumentParser) -> None:
@@ -712,9 +716,12 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)")
     p.add_argument("--dev-login", action="store_true",
                    help="a sign-in page listing the policy's people (only on 127.0.0.1; not for production)")
-    p.add_argument("--jwks", metavar="JWKS", help="the sign-in layer's JWKS, a file or an https URL: JWTs are verified against it")
-    p.add_argument("--issuer", metavar="ISS", help="the JWTs' required iss")
-    p.add_argument("--audience", metavar="AUD", help="the JWTs' required aud")
+    p.add_argument("--jwks", default=os.environ.get("TETHER_INBOX_JWKS") or None, metavar="JWKS",
+                   help="the sign-in layer's JWKS, a file or an https URL: JWTs are verified against it (env TETHER_INBOX_JWKS)")
+    p.add_argument("--issuer", default=os.environ.get("TETHER_INBOX_ISSUER") or None, metavar="ISS",
+                   help="the JWTs' required iss (env TETHER_INBOX_ISSUER)")
+    p.add_argument("--audience", default=os.environ.get("TETHER_INBOX_AUDIENCE") or None, metavar="AUD",
+                   help="the JWTs' required aud (env TETHER_INBOX_AUDIENCE)")
     p.add_argument("--claim", default="preferred_username", metavar="CLAIM",
                    help="the claim naming the person as the policy file does (default preferred_username)")
     p.add_argument("--header", default="X-Forwarded-Assertion", metavar="NAME",
