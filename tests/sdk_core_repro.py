@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import uuid
 from datetime import timedelta
@@ -115,4 +116,8 @@ if __name__ == "__main__":
     parser.add_argument("--parallel", type=int, default=10)
     parser.add_argument("--read", choices=["query", "describe"], default="query")
     args = parser.parse_args()
-    sys.exit(asyncio.run(main(args.runs, args.rounds, args.parallel, args.read)))
+    code = asyncio.run(main(args.runs, args.rounds, args.parallel, args.read))
+    sys.stdout.flush()
+    # The SDK's native threads can outlive the loop and abort CPython's teardown (sdk-python
+    # issue 300): leave without it, so the exit code is ours.
+    os._exit(code)
