@@ -59,7 +59,7 @@ from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
 from workflows.display import escape_text
 from workflows import states
-from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.details import start_details, start_summary
 from workflows.models import (
     NAME_PATTERN,
@@ -697,7 +697,6 @@ async def full_timeline(client: Client, run_id: str, audit_dir: str | None = Non
 
 # ----------------------------------------------------------------------------- published state
 
-VIEW_MEMO = "tether"  # where a run publishes its RunView, wherever it rests (workflows/models.py)
 # Describes at once when listing runs stuck: one each, a few at a time.
 DESCRIBE_CONCURRENCY = 8
 
@@ -1378,6 +1377,25 @@ def list_query(state: str | None, tenant: str | None) -> str:
     return " AND ".join(clauses)
 
 
+async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
+    """The open runs no worker of this build replays: started by an earlier build (their first
+    task wrote another build's marker, or none). Old-build workers must serve them until this
+    list is empty (docs/changing-workflows.md)."""
+    rows = []
+    try:
+        async for wf in client.list_workflows("WorkflowType = 'AgentRun' AND ExecutionStatus = 'Running'", limit=limit):
+            attrs = wf.typed_search_attributes
+            if BUILD in (attrs.get(CHANGE_VERSION_ATTRIBUTE) or []):
+                continue
+            rows.append(RunSummary(
+                run_id=wf.id, state=attrs.get(STATE_ATTRIBUTE), tenant=attrs.get(TENANT_ATTRIBUTE),
+                status=wf.status.name if wf.status else None, started=wf.start_time,
+            ))
+    except RPCError as e:
+        raise TetherError(f"listing failed: {e.message}") from None
+    return rows
+
+
 async def list_runs(
     client: Client, *, state: str | None = None, tenant: str | None = None, limit: int = 50, stuck: bool = False
 ) -> list[RunSummary]:
@@ -1452,7 +1470,7 @@ async def repair(
     *,
     reason: str | None = None,
     event_id: int | None = None,
-    workflows: Sequence[type] = (),
+    workflows: Sequence[type] = (),  # the workflow classes to replay with (default: AgentRun)
 ) -> RepairResult:
     """Reset a stuck run to the last workflow task that completed before its failure and whose
     history this code replays (Temporal's ResetWorkflowExecution): the new execution keeps the
@@ -1467,10 +1485,8 @@ async def repair(
     from temporalio.api.enums.v1 import EventType, ResetReapplyType
     from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
     from temporalio.client import WorkflowHistory
-    from temporalio.worker import Replayer
 
-    from worker import WORKFLOW_RUNNER
-    from workflows.agent_run import AgentRun
+    from worker import create_replayer
     from workflows.models import ToolCall
 
     description = await _describe(client, run_id)
@@ -1494,9 +1510,8 @@ async def repair(
         completed = [e for e in completed if e.event_id == event_id]
         if not completed:
             raise TetherError(f"event {event_id} of run {run_id} is no completed workflow task before the failure")
-    replayer = Replayer(
-        workflows=[AgentRun, *workflows], data_converter=client.data_converter, workflow_runner=WORKFLOW_RUNNER
-    )
+    # The fleet's ring (TETHER_STATE_KEY_FILE): replay checks every seal and attestation.
+    replayer = create_replayer(workflows=workflows, data_converter=client.data_converter)
     chosen, skipped = None, []
     for candidate in list(reversed(completed))[:REPAIR_CANDIDATES]:
         started = candidate.workflow_task_completed_event_attributes.started_event_id

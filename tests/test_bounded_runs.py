@@ -404,13 +404,10 @@ async def task_failures(client, run_id: str) -> list[str]:
     a completion that raced new events (UNHANDLED_COMMAND: the worker is sent them and tries
     again) is how Temporal works, not a failure."""
     from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
-    from temporalio.contrib.pydantic import pydantic_data_converter
-    from temporalio.worker import Replayer
 
-    from worker import WORKFLOW_RUNNER
-    from workflows.agent_run import AgentRun
+    from worker import create_replayer
 
-    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter, workflow_runner=WORKFLOW_RUNNER)
+    replayer = create_replayer()
     found, run = [], (await client.get_workflow_handle(run_id).describe()).run_id
     while run:
         history = await client.get_workflow_handle(run_id, run_id=run).fetch_history()

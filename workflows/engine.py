@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from workflows import policy, recovery
 from workflows import revision as revisions
-from workflows.identity import normalize_name
+from workflows.identity import normalize_name, same_person
 from workflows.budgets import (
     ANSWER_CHARS,
     CARRY_TIMELINE_TAIL,
@@ -116,7 +116,7 @@ class Engine:
         self.request = request
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
-        self.new_request_id = new_request_id  # one id per approval request (workflow.uuid4())
+        self.new_request_id = new_request_id  # one id per approval request (derived: a reset asks the same)
         # Records someone is to be told about, with webhooks named besides the subscribers (an
         # escalation stage's notify); the workflow takes them before it waits.
         self.outbox: list[tuple[TransitionRecord, list[str]]] = []
@@ -277,7 +277,7 @@ class Engine:
             data.feedback = result.reason  # bounded: the first problems, paths and rules only
             self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
             return
-        data.plan_editors = []
+        data.plan_editors, data.plan_revisers = [], []
         self._adopt(result.plan)
         data.feedback = None
         self.move(
@@ -377,6 +377,7 @@ class Engine:
             approvals_required=required,
             roles=roles,
             editors=list(data.plan_editors),
+            revisers=list(data.plan_revisers),
             opened_at=at,
             # Expiry stays the last word: a stage at or past it never fires.
             escalation=[stage for stage in review.escalation if stage.after < ttl],
@@ -511,6 +512,8 @@ class Engine:
         changed = revisions.changed_paths(revisions.patch(old.steps, result.plan.steps))
         if decision.approver not in data.plan_editors:
             data.plan_editors.append(decision.approver)
+        if not partial and decision.approver not in data.plan_revisers:
+            data.plan_revisers.append(decision.approver)
         self._adopt(result.plan)
         plan = result.plan
         data.revisions.append(
@@ -567,6 +570,25 @@ class Engine:
             f"{len(old.steps)} approved, not approved: "
             + ", ".join(f"{d.step} ({d.tool})" for d in dropped)
         )
+        # Judged before anything changes (a refused decision changes nothing): as the subset's
+        # request will ask, with the roles the current request's escalation stages have added,
+        # and the approver among the plan's editors (a partial approval revises the plan).
+        escalated = [r for stage in before.escalation[: before.stage] for r in stage.roles]
+        subset = self.validate(proposal, new_id).plan
+        if subset is not None:
+            _, roles = policy.request_terms(policy.review_plan(subset, self.catalog, self.tenant, data.spent), self.tenant)
+            refusal = policy.approver_refusal(
+                self.tenant,
+                approver=decision.approver,
+                requested_by=self.request.requested_by,
+                kind="approve",
+                roles=sorted({*(roles or before.roles), *escalated}),
+                already_approved=[],
+                editors=[*data.plan_editors, decision.approver],
+            )
+            if refusal is not None:
+                self._refuse_decision("approve", decision, refusal, at)
+                return
         if not self._revise(proposal, decision, actor, at, new_id, why=why, partial=True):
             return
         data.not_approved = dropped
@@ -574,6 +596,10 @@ class Engine:
         self.request_approval(at=at, reason=f"approval of the approved part: {review.summary}")
         pending = data.pending_approval
         _require(pending is not None, "no pending approval")
+        if escalated:
+            # The subset's request stands where the request it narrows had escalated to.
+            pending.roles = sorted({*pending.roles, *escalated})
+            pending.stage = min(before.stage, len(pending.escalation))
         # Checked by the policy activity for the request it was sent for; the subset's request
         # may ask for other roles: the run's snapshot says whether this approver holds one.
         refusal = policy.approver_refusal(
@@ -610,6 +636,25 @@ class Engine:
         )
         data.approved_by = [a.approver for a in pending.approvals]
         unreviewed = " (unreviewed: not bound to a plan the approver was shown)" if decision.unreviewed else ""
+        # Whoever changed the plan's steps is not its only approver, unless the tenant allows it.
+        by_revisers = bool(pending.revisers) and all(
+            any(same_person(a.approver, r) for r in pending.revisers) for a in pending.approvals
+        )
+        alone = by_revisers and len(pending.approvals) >= pending.approvals_required
+        if alone and self.tenant is not None and self.tenant.reviser_may_approve_alone:
+            unreviewed += " (approved by its own reviser alone: reviser_may_approve_alone = true)"
+        elif alone:
+            self.on_record(
+                data.lifecycle.accept(
+                    at=at,
+                    actor=actor,
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted{unreviewed}; "
+                    f"{', '.join(pending.revisers)} revised this plan: an approval from someone who did not revise "
+                    f"it is still needed (reviser_may_approve_alone = false)",
+                    refs=refs,
+                )
+            )
+            return
         if len(pending.approvals) < pending.approvals_required:
             self.on_record(
                 data.lifecycle.accept(
