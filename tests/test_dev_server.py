@@ -155,7 +155,7 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         handle = dev_env.client.get_workflow_handle(run_id)
         await run_outcome(handle)
 
-        code, _, err = await cli("approve", run_id, "--by", "bob")
+        code, _, err = await cli("approve", run_id, "--by", "bob", "--unreviewed")
         assert code == 1 and "already finished" in err or "not awaiting approval" in err
 
         code, out, _ = await cli("timeline", run_id, "--json")

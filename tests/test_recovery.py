@@ -226,12 +226,6 @@ def test_require_recovery_refuses_a_high_risk_plan_with_an_irreversible_write() 
     # At a risk level the tenant does not list, the email is fine.
     assert planned([{**REFUND, "args": {**REFUND["args"], "amount_cents": 500}}, EMAIL], tenant).state == S.AWAITING_APPROVAL
     assert planned(PLAN, TenantPolicy(high_risk=HIGH, require_recovery=["normal", "high"])).state == S.VALIDATION_FAILED
-    # Runs recorded before recovery: no refusal (their plans carry no undo).
-    old = Engine(RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t")),
-                 RunRequest(goal="g", requested_by="alice"), workflow_id="wf", recovery=False)
-    old.received(NOW)
-    old.proposal(Proposal(steps=[ProposedStep(**s) for s in PLAN]), at=NOW, new_id=lambda n: f"tc-{n:03d}")
-    assert old.state == S.VALIDATED and old.data.plan.undo is None
 
 
 def test_require_recovery_in_the_policy_file_is_checked(tmp_path) -> None:
