@@ -779,6 +779,22 @@ async def stuck_task(client: Client, description: Any) -> StuckTask | None:
     return stuck
 
 
+async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]:
+    """The records of this execution the audit sink (the workers', TETHER_AUDIT_DSN /
+    TETHER_AUDIT_DIR) holds; none when this client cannot read it."""
+    from activities.audit import sink_from_env
+
+    try:
+        sink = sink_from_env()
+        try:
+            streams = await sink.read(workflow_id)
+        finally:
+            await sink.aclose()
+    except Exception:  # noqa: BLE001 (not this client's sink to read: the view alone is shown)
+        return []
+    return streams.get(run_id, [])
+
+
 async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
     """The run's state, and for a run that has ended the reason on its final record.
 
@@ -803,7 +819,12 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         records = await timeline(client, run_id)
         result = RunStatus(**snap.model_dump())
     else:
-        records = view.timeline
+        # The view holds the latest few records, and the run does not publish it again for every
+        # decision it refuses while it waits (a flood would write one each): the audit sink has
+        # every record of this execution, the decisions among them.
+        from activities.audit import merge_timeline
+
+        records = merge_timeline(await _sink_records(description.id, description.run_id), view.timeline)
         result = RunStatus(**view.snapshot.model_dump(), published_at=view.published_at)
         listed = description.typed_search_attributes.get(STATE_ATTRIBUTE)
         if listed and listed != result.state.value:
