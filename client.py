@@ -59,6 +59,7 @@ from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
 from workflows.display import escape_text, show_value
 from workflows import states
+from workflows.wording import effect_words, money
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.details import start_details, start_summary
 from workflows.models import (
@@ -1623,46 +1624,6 @@ async def repair(
 
 
 # ----------------------------------------------------------------------------- what a person is shown
-
-# The JSON Schema annotation a tool puts on an amount argument (examples/billing/tools.py):
-# ``{"x-money": {"currency": "EUR", "minor_units": 2}}``, or ``"currency_arg": NAME`` when
-# another argument of the call holds the currency code.
-MONEY_KEYWORD = "x-money"
-
-
-def money(value: Any, schema: dict[str, Any] | None, args: dict[str, Any]) -> str | None:
-    """An amount argument as a person reads it (``600.00 EUR``), from the tool's schema; None
-    when the schema declares no money there or the value is not a whole number of minor units."""
-    from decimal import Decimal
-
-    declared = (schema or {}).get(MONEY_KEYWORD)
-    if not isinstance(declared, dict) or isinstance(value, bool) or not isinstance(value, int):
-        return None
-    currency = declared.get("currency")
-    if isinstance(declared.get("currency_arg"), str):
-        currency = args.get(declared["currency_arg"])
-    units = declared.get("minor_units", 2)
-    if not isinstance(currency, str) or not isinstance(units, int) or not 0 <= units <= 6:
-        return None
-    amount = Decimal(value).scaleb(-units).quantize(Decimal(1).scaleb(-units))
-    return f"{amount} {escape_text(currency, 8)}"
-
-
-def effect_words(info: Any, undo: Any = False) -> str:
-    """What a step does to the world, in plain words: ``read-only``, ``can be undone by
-    void_refund``, ``cannot be undone``. ``undo``: the step's compensation as the plan hash covers
-    it (None: none; False: a plan from before undo was hashed, judged by the tool's declaration)."""
-    from workflows.models import Compensation, ToolEffect
-
-    if info is None:
-        return "unknown tool (treated as a write that cannot be undone)"
-    if info.effect == ToolEffect.READ_ONLY:
-        words = "read-only"
-    else:
-        comp = info.compensate if undo is False else undo
-        words = f"can be undone by {escape_text(comp.tool, 64)}" if isinstance(comp, Compensation) else "cannot be undone"
-    return words + ("; may destroy data" if info.destructive else "")
-
 
 @dataclass(frozen=True)
 class ArgView:

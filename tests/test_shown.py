@@ -99,7 +99,7 @@ async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
         assert [line.strip() for line in lines if line.strip().startswith("amount_cents")] == ["amount_cents: 120.00 EUR (12000)"]
         [subject] = [line for line in lines if line.strip().startswith("subject: ")]
         assert 'subject: "Refund\\x1b[2J' in subject and "\\x0d" in subject and "\\u202e" in subject
-        assert re.search(r"^request    [0-9a-f-]{36}$", status, re.M)  # the request id, as documented
+        assert re.search(r"^request    req-[0-9a-f]{24}$", status, re.M)  # the request id, as documented
         as_json = json.loads(await ok("status", run_id, "--json"))  # \u escapes: nothing raw
         assert as_json["plan"]["steps"][1]["args"]["subject"] == SUBJECT + MARKDOWN
 

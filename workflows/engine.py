@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from workflows import policy, recovery
 from workflows import revision as revisions
+from workflows.display import approve_command
 from workflows.identity import normalize_name, same_person
 from workflows.budgets import (
     ANSWER_CHARS,
@@ -774,7 +775,7 @@ class Engine:
                     request_id=record.refs.request_id,
                     summary=waiting.summary if waiting else "",
                     expires_at=waiting.expires_at if waiting else None,
-                    approve_command=f"tether approve {self.workflow_id} --by NAME" if waiting else None,
+                    approve_command=approve_command(self.workflow_id, waiting.plan_hash) if waiting else None,
                     reason=record.reason,
                 )
             )
