@@ -23,7 +23,7 @@ from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
 from tests.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
-from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, ToolEffect, canonical_json
+from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, RunSnapshot, ToolEffect, canonical_json
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -378,24 +378,41 @@ QUERY_LOOPS = 4
 STUCK_ATTEMPTS = 4
 
 
-async def settle_or_stuck(client, run_id: str) -> RunOutcome | str:
-    """The run's outcome, or why it cannot reach one: stuck (its workflow task keeps failing), or
-    ended without a RunOutcome (FAILED by Temporal, e.g. a carried state refused)."""
+async def settle_or_stuck(client, run_id: str) -> str | None:
+    """None once the run has ended as its workflow returns (COMPLETED or another Tether ending),
+    else why it cannot: stuck (its workflow task keeps failing), or failed by Temporal without a
+    Tether ending (e.g. a carried state refused). Reads nothing through the worker: the query
+    loops have it busy."""
     from temporalio.client import WorkflowFailureError
+    from temporalio.exceptions import ApplicationError
 
-    latest = client.get_workflow_handle(run_id, result_type=RunOutcome)
-    done = asyncio.create_task(run_outcome(latest))
+    latest = client.get_workflow_handle(run_id)
+    done = asyncio.create_task(latest.result())
     try:
         while not done.done():
             stuck = await tether_client.stuck_task(client, await latest.describe())
             if stuck is not None and (stuck.cause == "NON_DETERMINISTIC_ERROR" or stuck.attempt >= STUCK_ATTEMPTS):
                 return f"stuck: attempt {stuck.attempt}, {stuck.cause}: {stuck.error[:300]}"
             await asyncio.wait({done}, timeout=0.5)
-        return done.result()
+        done.result()
+        return None
     except WorkflowFailureError as failed:
+        if isinstance(failed.cause, ApplicationError) and failed.cause.type in S.__members__:
+            return None  # a Tether ending Temporal counts as Failed: run_outcome reads it
         return f"failed: {failed.cause}"
     finally:
         done.cancel()
+
+
+async def published_waiting(handle: WorkflowHandle, first_run: str) -> RunSnapshot:
+    """The continued run's published view once it waits for approval again (no query)."""
+    for _ in range(600):
+        description = await handle.describe()
+        view = await tether_client.published_view(description)
+        if description.run_id != first_run and view is not None and view.snapshot.state == S.AWAITING_APPROVAL:
+            return view.snapshot
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{handle.id} never published AWAITING_APPROVAL after continuing as new")
 
 
 async def task_failures(client, run_id: str) -> list[str]:
@@ -452,17 +469,19 @@ async def test_a_query_storm_on_runs_flooded_until_they_continue_as_new_breaks_n
             readers = [asyncio.create_task(read()) for _ in range(QUERY_LOOPS)]
             try:
                 await flood_until_continued(latest, handle.result_run_id, f"storm-{i}")
-                waiting = await wait_for_state(latest, "AWAITING_APPROVAL")
+                waiting = await published_waiting(latest, handle.result_run_id)
                 await latest.signal("approve", approval_for(waiting, "bob"))
-                outcome = await settle_or_stuck(env.client, handle.id)
+                broke = await settle_or_stuck(env.client, handle.id)
             except Exception as e:  # noqa: BLE001 (the flood or the approval could not go on: say why)
                 described = await latest.describe()
                 stuck = await tether_client.stuck_task(env.client, described)
-                outcome = f"{type(e).__name__}: {str(e)[:200]}; run {described.status.name if described.status else '?'}" + (
+                broke = f"{type(e).__name__}: {str(e)[:200]}; run {described.status.name if described.status else '?'}" + (
                     f", stuck: attempt {stuck.attempt}, {stuck.cause}: {stuck.error[:300]}" if stuck else "")
             finally:
                 stop.set()
                 await asyncio.gather(*readers)
+            # The readers have stopped: the outcome's timeline is read without them in the way.
+            outcome = broke if broke is not None else await run_outcome(env.client.get_workflow_handle(handle.id, result_type=RunOutcome))
             return handle.id, outcome, answered[0]
 
         results = await asyncio.gather(*(storm(i) for i in range(STORM_RUNS)))
