@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -60,7 +60,7 @@ from workflows import policy
 from workflows.display import escape_text, show_value
 from workflows import states
 from workflows.wording import effect_words, money
-from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.details import start_details, start_summary
 from workflows.models import (
     NAME_PATTERN,
@@ -71,6 +71,7 @@ from workflows.models import (
     PendingApproval,
     Plan,
     RunOutcome,
+    RunView,
     RevisedStep,
     ReviseDecideRequest,
     RunRequest,
@@ -179,12 +180,20 @@ async def connect(**overrides: Any) -> Client:
 # ----------------------------------------------------------------------------- errors
 
 
+def timed_out(err: RPCError) -> bool:
+    """The call's own rpc timeout ran out (the SDK reports it as CANCELLED "Timeout expired"):
+    for a query or an Update, no worker answered in time."""
+    return err.status == RPCStatusCode.DEADLINE_EXCEEDED or (
+        err.status == RPCStatusCode.CANCELLED and "timeout expired" in err.message.lower()
+    )
+
+
 def rpc_error(err: RPCError, run_id: str) -> TetherError:
     if err.status == RPCStatusCode.NOT_FOUND:
         if "completed" in err.message.lower():
             return TetherError(f"run {run_id} already finished", REFUSED)
         return TetherError(f"unknown run {run_id!r}: check the id with `tether list`")
-    if err.status == RPCStatusCode.DEADLINE_EXCEEDED:
+    if timed_out(err):
         return TetherError(f"no worker answered for run {run_id}: start one with `make worker`")
     if err.status == RPCStatusCode.RESOURCE_EXHAUSTED:
         # E.g. Temporal's limit of 10 decide Updates in flight per run: nothing was sent.
@@ -205,13 +214,74 @@ def start_worker_hint(queue: str) -> str:
     return f"`TETHER_TASK_QUEUE={queue} make worker`"
 
 
+# A task is taken within milliseconds by a worker with a free slot: one scheduled this long
+# without being taken means no worker is taking the queue's tasks (or every one is saturated).
+TAKE_SECONDS = 10.0
+
+
 def no_worker_message(queue: str) -> str:
     return f"no worker polls task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
 
 
-async def has_worker(client: Client, queue: str) -> bool:
-    """Whether a worker polls ``queue`` for workflow tasks (DescribeTaskQueue: pollers seen in
-    the last minutes). Answers in one round trip, long before a query to nobody times out."""
+# A live worker's long polls last up to a minute each, and Temporal lists a poller for minutes
+# after its last poll: a poller not seen for longer than this is gone (TETHER_POLLER_FRESH).
+POLLER_FRESH = timedelta(seconds=float(os.environ.get("TETHER_POLLER_FRESH") or 75))
+# Workers report themselves every minute by default (Runtime worker_heartbeat_interval), and say
+# so when they shut down: one not heard from for longer than this is gone.
+HEARTBEAT_FRESH = timedelta(seconds=150)
+# The one-round-trip calls that judge whether a worker serves: short, so no command hangs on them.
+PROBE_TIMEOUT = timedelta(seconds=5)
+
+
+def _probe_unsupported(err: RPCError) -> bool:
+    """A server (or an authorizer) that does not offer the call: judge without it."""
+    return err.status in (
+        RPCStatusCode.UNIMPLEMENTED, RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.FAILED_PRECONDITION,
+        RPCStatusCode.INVALID_ARGUMENT,
+    )
+
+
+async def _gone_workers(client: Client, queue: str, now: datetime) -> set[str] | None:
+    """Identities of the workers on ``queue`` that said they stopped, or have not reported for
+    HEARTBEAT_FRESH (ListWorkers, from the workers' own heartbeats); None: not available."""
+    from temporalio.api.enums.v1 import WorkerStatus
+    from temporalio.api.workflowservice.v1 import ListWorkersRequest
+
+    quoted = queue.replace("\\", "\\\\").replace("'", "\\'")
+    try:
+        response = await client.workflow_service.list_workers(
+            ListWorkersRequest(namespace=client.namespace, page_size=200, query=f"TaskQueue = '{quoted}'"),
+            timeout=PROBE_TIMEOUT,
+        )
+    except RPCError as e:
+        if _probe_unsupported(e) or timed_out(e):
+            return None
+        raise rpc_error(e, queue) from None
+    gone = set()
+    for info in response.workers_info:
+        beat = info.worker_heartbeat
+        seen = beat.heartbeat_time.ToDatetime(timezone.utc) if beat.HasField("heartbeat_time") else None
+        if beat.status != WorkerStatus.WORKER_STATUS_RUNNING or seen is None or now - seen > HEARTBEAT_FRESH:
+            gone.add(beat.worker_identity)
+    # A worker that reported RUNNING under an identity that also stopped (a restart in place)
+    # still serves.
+    running = {
+        info.worker_heartbeat.worker_identity for info in response.workers_info
+        if info.worker_heartbeat.status == WorkerStatus.WORKER_STATUS_RUNNING
+        and info.worker_heartbeat.worker_identity not in gone
+    }
+    return gone - running
+
+
+async def worker_serving(client: Client, queue: str) -> bool | None:
+    """Whether a live worker serves ``queue`` (workflow tasks), judged without waiting on one.
+
+    Temporal lists a poller for minutes after its worker died, so a listed poller is not
+    enough: one counts only if it polled within POLLER_FRESH and its worker has not reported
+    itself stopped (or silent) in its heartbeats (ListWorkers). False: none does; None: this
+    server does not let us tell (DescribeTaskQueue refused). Callers that act on a run still
+    find out for sure when a worker takes (or never takes) the run's task.
+    """
     try:
         response = await client.workflow_service.describe_task_queue(
             DescribeTaskQueueRequest(
@@ -219,25 +289,91 @@ async def has_worker(client: Client, queue: str) -> bool:
                 task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
                 task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
             ),
-            timeout=QUERY_TIMEOUT,
+            timeout=PROBE_TIMEOUT,
         )
     except RPCError as e:
+        if _probe_unsupported(e) or timed_out(e):
+            return None
         raise rpc_error(e, queue) from None
-    return bool(response.pollers)
+    now = datetime.now(timezone.utc)
+    fresh = [
+        p.identity for p in response.pollers
+        if p.HasField("last_access_time") and now - p.last_access_time.ToDatetime(timezone.utc) <= POLLER_FRESH
+    ]
+    if not fresh:
+        return False
+    gone = await _gone_workers(client, queue, now)
+    return any(identity not in (gone or set()) for identity in fresh)
+
+
+async def has_worker(client: Client, queue: str) -> bool:
+    """``worker_serving``, with "cannot tell" taken as yes (the call then finds out)."""
+    return await worker_serving(client, queue) is not False
 
 
 async def require_worker(client: Client, run_id: str) -> None:
-    """Raise, naming the run's task queue, when no worker polls it: the run cannot answer a
+    """Raise, naming the run's task queue, when no worker serves it: the run cannot answer a
     query or act on a decision until one does. A run that has closed needs one for queries too."""
     try:
-        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=PROBE_TIMEOUT)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     if not await has_worker(client, description.task_queue):
-        raise TetherError(no_worker_message(description.task_queue))
+        raise TetherError(no_worker_message(description.task_queue), rule="no_worker")
+    waiting = untaken_seconds(description)
+    if waiting is not None and waiting > TAKE_SECONDS:
+        raise TetherError(untaken_message(run_id, description.task_queue, waiting), rule="no_worker")
+
+
+def untaken_seconds(description: Any) -> float | None:
+    """How long the run's workflow task has waited for a worker to take it (None: no task is
+    waiting; a worker has it or the run has nothing to do)."""
+    from temporalio.api.enums.v1 import PendingWorkflowTaskState
+
+    task = description.raw_description.pending_workflow_task
+    if task.state != PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or not task.HasField("scheduled_time"):
+        return None
+    return (datetime.now(timezone.utc) - task.scheduled_time.ToDatetime(timezone.utc)).total_seconds()
+
+
+def untaken_message(run_id: str, queue: str, waited: float) -> str:
+    return (
+        f"no worker has taken run {run_id}'s task on task queue '{escape_text(queue)}' in {waited:.0f}s — "
+        f"start one with {start_worker_hint(queue)} (if one runs, see its log: it may be saturated)"
+    )
+
+
+async def no_answer(client: Client, run_id: str, waited: float) -> TetherError:
+    """A query or decision nobody answered in time: say which queue, and what to do."""
+    try:
+        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=PROBE_TIMEOUT)
+    except RPCError:
+        description = None
+    queue = description.task_queue if description is not None else task_queue()
+    untaken = untaken_seconds(description) if description is not None else None
+    if untaken is not None and untaken > TAKE_SECONDS:
+        return TetherError(untaken_message(run_id, queue, untaken), rule="no_worker")
+    return TetherError(
+        f"no worker answered for run {run_id} within {waited:g}s on task queue '{escape_text(queue)}' — "
+        f"start one with {start_worker_hint(queue)} (if one runs, see its log: it may be overloaded)",
+        rule="no_worker",
+    )
 
 
 # ----------------------------------------------------------------------------- runs
+
+
+class StuckTask(BaseModel):
+    """A run whose workflow task keeps failing: no worker moves it on while the cause stays
+    (``tether repair RUN``)."""
+
+    attempt: int  # the pending workflow task's attempt (2: the task failed once)
+    cause: str  # Temporal's WorkflowTaskFailedCause, e.g. NON_DETERMINISTIC_ERROR
+    # The failure that began the streak: Temporal records the first failure of a streak in the
+    # history, not the attempts after it.
+    error: str
+    event_id: int | None = None  # its WorkflowTaskFailed event
+    since: datetime | None = None
 
 
 class RunStatus(RunSnapshot):
@@ -252,6 +388,13 @@ class RunStatus(RunSnapshot):
     closed_by_temporal: str | None = None
     # The run's record of the latest decision or handoff (its verdict, once the run has one).
     last_decision: TransitionRecord | None = None
+    # Read from what the run published (its memo) at this workflow time; None: read live (queries).
+    published_at: datetime | None = None
+    # The state the run is listed in (AgentRunState) when it has moved on since it published.
+    listed_state: str | None = None
+    task_queue: str | None = None
+    worker_serving: bool | None = None  # a worker serves the run's queue now (None: cannot tell)
+    stuck: StuckTask | None = None  # its workflow task keeps failing
 
     @property
     def ended(self) -> bool:
@@ -280,6 +423,9 @@ class RunSummary(BaseModel):
     status: str | None
     started: datetime | None
     closed_by_temporal: str | None = None  # as in RunStatus
+    published_at: datetime | None = None  # when the run last published its view (None: never)
+    view: RunView | None = Field(None, exclude=True)  # what it published (for the inbox; not listed out)
+    stuck: StuckTask | None = None  # with ``list_runs(stuck=True)``: its workflow task keeps failing
 
 
 class Verdict(BaseModel):
@@ -360,6 +506,8 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
     try:
         return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
     except RPCError as e:
+        if timed_out(e):
+            raise await no_answer(client, run_id, rpc_timeout.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
@@ -370,6 +518,8 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     try:
         return await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
     except RPCError as e:
+        if timed_out(e):
+            raise await no_answer(client, run_id, QUERY_TIMEOUT.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
@@ -403,6 +553,8 @@ class AuditTrail(BaseModel):
     audit_error: str | None = None  # why the run cannot write to its sink, if it cannot
     missing: list[int] = []  # seqs of the current line the sink does not hold (and not waiting)
     unchecked: str | None = None  # why the sink could not be checked against the run (gone, no worker)
+    # The run's own counts are from the view it published at this workflow time (None: asked live).
+    published_at: datetime | None = None
 
     def line(self) -> list[TransitionRecord]:
         """The current run's line (first run, continued runs, resets it descends from): each
@@ -472,14 +624,21 @@ async def audit_trail(
         if e.status != RPCStatusCode.NOT_FOUND:
             raise rpc_error(e, run_id) from None
         unchecked = f"Temporal has no run {run_id} (any more): the records are the sink's alone"
+    published_at = None
     if current is not None:
-        try:
-            queue = description.task_queue
-            if not await has_worker(client, queue):
-                raise TetherError(no_worker_message(queue))
-            window, snap = await timeline(client, run_id), await snapshot(client, run_id)
-        except (TetherError, RPCError) as e:
-            unchecked = f"the run did not answer ({e}): the records are the sink's alone"
+        # What the run published where it last rested fills the sink's gaps and says how many
+        # records it had written; only a run that has published nothing is asked (a query).
+        view = await published_view(description)
+        if view is not None:
+            window, snap, published_at = view.timeline, view.snapshot, view.published_at
+        else:
+            try:
+                queue = description.task_queue
+                if await worker_serving(client, queue) is False:
+                    raise TetherError(no_worker_message(queue), rule="no_worker")
+                window, snap = await timeline(client, run_id), await snapshot(client, run_id)
+            except (TetherError, RPCError) as e:
+                unchecked = f"the run did not answer ({e}): the records are the sink's alone"
     try:
         sink = sink_from_env(audit_dir, dsn)
         try:
@@ -515,7 +674,7 @@ async def audit_trail(
     trail = AuditTrail(
         workflow_id=run_id, first_run_id=first_run, current_run_id=current, sink=sink.describe(),
         branches=ordered, written=written, waiting=snap.audit_waiting if snap else 0,
-        audit_error=snap.audit_error if snap else None, unchecked=unchecked,
+        audit_error=snap.audit_error if snap else None, unchecked=unchecked, published_at=published_at,
     )
     held = {r.seq for r in trail.line()}
     if snap is None:
@@ -537,18 +696,145 @@ async def full_timeline(client: Client, run_id: str, audit_dir: str | None = Non
     return (await audit_trail(client, run_id, audit_dir)).line()
 
 
-async def status(client: Client, run_id: str) -> RunStatus:
-    """The run's snapshot; for a run that has ended, also the reason on its final record."""
-    await require_worker(client, run_id)
-    snap = await snapshot(client, run_id)
-    result = RunStatus(**snap.model_dump())
+# ----------------------------------------------------------------------------- published state
+
+# Describes at once when listing runs stuck: one each, a few at a time.
+DESCRIBE_CONCURRENCY = 8
+
+
+async def published_view(description: Any) -> RunView | None:
+    """The RunView the run last published in its memo (None: it has published none yet)."""
     try:
-        described = await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
-        result.temporal_status = described.status.name if described.status else None
-    except RPCError:
-        pass  # the snapshot answered: the status is a courtesy
+        return await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
+    except (ValueError, TypeError, ValidationError) as e:  # written by another version, or not decodable here
+        raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
+                          f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
+
+
+def age(at: datetime, now: datetime | None = None) -> str:
+    """How long ago ``at`` was, for a person: ``4 s``, ``12 min``, ``3 h 5 min``."""
+    seconds = max(0, int(((now or datetime.now(timezone.utc)) - at).total_seconds()))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def freshness(published_at: datetime, now: datetime | None = None) -> str:
+    """``as published at 20:51:03 UTC, 4 s ago``: how old what a view shows is."""
+    return f"as published at {published_at.astimezone(timezone.utc):%H:%M:%S} UTC, {age(published_at, now)} ago"
+
+
+async def _describe(client: Client, run_id: str) -> Any:
+    try:
+        return await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+
+
+async def stuck_task(client: Client, description: Any) -> StuckTask | None:
+    """Whether the run's workflow task keeps failing (its pending task is past its first attempt),
+    and with what: the WorkflowTaskFailed event that began the streak, read from the history's
+    end."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+    from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
+
+    task = description.raw_description.pending_workflow_task
+    if description.status != WorkflowExecutionStatus.RUNNING or task.attempt < 2:
+        return None
+    stuck = StuckTask(attempt=task.attempt, cause="unknown", error="(no failure recorded)")
+    if task.HasField("original_scheduled_time"):
+        stuck.since = task.original_scheduled_time.ToDatetime(timezone.utc)
+    token = b""
+    try:
+        for _ in range(5):  # the streak's first failure is within the history's last events
+            page = await client.workflow_service.get_workflow_execution_history_reverse(
+                GetWorkflowExecutionHistoryReverseRequest(
+                    namespace=client.namespace,
+                    execution=WorkflowExecution(workflow_id=description.id, run_id=description.run_id),
+                    maximum_page_size=100,
+                    next_page_token=token,
+                ),
+                timeout=QUERY_TIMEOUT,
+            )
+            for event in page.history.events:
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+                    return stuck  # no failure after the last completed task: timeouts, not failures
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
+                    failed = event.workflow_task_failed_event_attributes
+                    stuck.cause = WorkflowTaskFailedCause.Name(failed.cause).removeprefix("WORKFLOW_TASK_FAILED_CAUSE_")
+                    stuck.event_id = event.event_id
+                    try:
+                        error = await client.data_converter.decode_failure(failed.failure)
+                        stuck.error = str(error) or failed.failure.message
+                    except Exception:  # noqa: BLE001 (encoded with a key this client lacks)
+                        stuck.error = failed.failure.message
+                    return stuck
+            token = page.next_page_token
+            if not token:
+                break
+    except RPCError as e:
+        raise rpc_error(e, description.id) from None
+    return stuck
+
+
+async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]:
+    """The records of this execution the audit sink (the workers', TETHER_AUDIT_DSN /
+    TETHER_AUDIT_DIR) holds; none when this client cannot read it."""
+    from activities.audit import sink_from_env
+
+    try:
+        sink = sink_from_env()
+        try:
+            streams = await sink.read(workflow_id)
+        finally:
+            await sink.aclose()
+    except Exception:  # noqa: BLE001 (not this client's sink to read: the view alone is shown)
+        return []
+    return streams.get(run_id, [])
+
+
+async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
+    """The run's state, and for a run that has ended the reason on its final record.
+
+    By default from what the run published where it last rested (its memo; ``published_at``
+    says when): no worker is needed and nothing reaches the run. ``live``: the ``snapshot`` and
+    ``timeline`` queries, through a worker. A run that has published nothing yet is read live.
+    """
+    return (await read_run(client, run_id, live=live))[0]
+
+
+async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
+    """``status`` and the records it was read with (the published view's latest records, or
+    the ``timeline`` query's window when ``live``)."""
+    description = await _describe(client, run_id)
+    queue = description.task_queue
+    serving = await worker_serving(client, queue)
+    view = None if live else await published_view(description)
+    if view is None:
+        if serving is False:
+            raise TetherError(no_worker_message(queue), rule="no_worker")
+        snap = await snapshot(client, run_id)
+        records = await timeline(client, run_id)
+        result = RunStatus(**snap.model_dump())
+    else:
+        # The view holds the latest few records, and the run does not publish it again for every
+        # decision it refuses while it waits (a flood would write one each): the audit sink has
+        # every record of this execution, the decisions among them.
+        from activities.audit import merge_timeline
+
+        records = merge_timeline(await _sink_records(description.id, description.run_id), view.timeline)
+        result = RunStatus(**view.snapshot.model_dump(), published_at=view.published_at)
+        listed = description.typed_search_attributes.get(STATE_ATTRIBUTE)
+        if listed and listed != result.state.value:
+            result.listed_state = listed  # it has moved on since it published (states.to_publish)
+    result.task_queue = queue
+    result.worker_serving = serving
+    result.temporal_status = description.status.name if description.status else None
     result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
-    records = await timeline(client, run_id)
+    result.stuck = await stuck_task(client, description)
     result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
         moves = [r for r in records if r.kind == "transition"]
@@ -560,7 +846,7 @@ async def status(client: Client, run_id: str) -> RunStatus:
             if final.from_state == RunState.VALIDATION_FAILED and len(moves) > 1:
                 # "the replan budget is used up" says little without what failed validation.
                 result.end_reason += f"; last validation: {moves[-2].reason}"
-    return result
+    return result, records
 
 
 async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
@@ -603,17 +889,30 @@ async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutc
     return outcome
 
 
-async def wait_settled(client: Client, run_id: str, timeout: float, *, approval_settles: bool = True) -> RunStatus:
+async def wait_settled(
+    client: Client, run_id: str, timeout: float, *, approval_settles: bool = True,
+    progress: Any = None,
+) -> RunStatus:
     """Poll until the run has ended (or waits for a person, with ``approval_settles``) or
-    ``timeout`` seconds have passed; returns its status then."""
+    ``timeout`` seconds have passed; returns its status then. A run no worker answers for
+    within ``timeout`` raises TetherError (rule ``no_worker``) naming its task queue.
+    ``progress(snapshot, seconds)`` is called after each look."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    began = loop.time()
+    deadline = began + timeout
     await require_worker(client, run_id)
     while True:
-        snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
+        try:
+            snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
+        except TetherError as e:
+            if e.rule == "no_worker" and loop.time() < deadline:
+                continue  # a query can time out before the wait does
+            raise
+        if progress is not None:
+            progress(snap, loop.time() - began)
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
-            return await status(client, run_id)
+            return await status(client, run_id, live=True)  # as the query just saw it, not as last published
         await asyncio.sleep(0.2)
 
 
@@ -1011,14 +1310,67 @@ async def handoff(
     return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record)
 
 
-async def cancel(client: Client, run_id: str, *, reason: str) -> None:
-    """Request Temporal cancellation; the run ends in CANCELLED once any tool in flight settles."""
+def person_name(by: str) -> str:
+    """A person's name as the run takes it (normalised), or a usage error naming ``--by``."""
+    from pydantic import TypeAdapter
+
+    from workflows.identity import Name
+
+    try:
+        return TypeAdapter(Name).validate_python(by)
+    except ValidationError as e:
+        raise TetherError(f"invalid name: {first_error(e)}", field="by", detail=first_error(e)) from None
+
+
+def cancellation_reason(by: str | None, reason: str) -> str:
+    """What Temporal carries as the cancellation's reason: ``by NAME: REASON``, which the run
+    records as actor ``user:NAME`` (without a name, the runtime is the actor)."""
+    return f"by {by}: {reason}" if by else reason
+
+
+def cancel_refusal(by: str, tenant: str, policy_path: Path | None) -> TetherError | None:
+    """The policy's word on who may cancel a run of ``tenant``, as far as a client can tell:
+    a member of the tenant (the people it lists), as for a handoff. No policy file here: the
+    built-in default lets anyone."""
+    if policy_path is None:
+        return None
+    from activities.policy import PolicyFileError, PolicyStore
+
+    try:
+        tenant_policy, _ = PolicyStore(policy_path).tenant(tenant)
+    except (PolicyFileError, OSError, ValueError) as e:
+        return TetherError(f"cannot read the policy file {policy_path}: {e}")
+    if tenant_policy is None:
+        return TetherError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}", REFUSED,
+                           rule="tenant_unknown")
+    refusal = policy.handoff_member_refusal(tenant_policy, by)
+    if refusal is not None:
+        return TetherError(f"{refusal.message}: only its members may cancel its runs [rule: {refusal.rule}]",
+                           REFUSED, rule=refusal.rule)
+    return None
+
+
+async def cancel(
+    client: Client, run_id: str, *, reason: str, by: str | None = None, policy_path: Path | None = None
+) -> None:
+    """Request Temporal cancellation as ``by`` (the actor on the run's record); the run ends in
+    CANCELLED once any tool in flight settles. With ``policy_path``, a name the policy does not
+    let cancel the run is refused here, before anything is sent."""
+    if by is not None:
+        by = person_name(by)
+    if not reason.strip():
+        raise TetherError("give a reason for the cancel", field="reason", detail="give a reason")
     handle = client.get_workflow_handle(run_id)
     try:
-        description = await handle.describe()
+        description = await handle.describe(rpc_timeout=QUERY_TIMEOUT)
         if description.status != WorkflowExecutionStatus.RUNNING:
             raise TetherError(f"run {run_id} already finished", REFUSED)
-        await handle.cancel(reason=reason)
+        if by is not None:
+            tenant = description.typed_search_attributes.get(TENANT_ATTRIBUTE) or "default"
+            refused = cancel_refusal(by, tenant, policy_path)
+            if refused is not None:
+                raise refused
+        await handle.cancel(reason=cancellation_reason(by, reason), rpc_timeout=QUERY_TIMEOUT)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
 
@@ -1056,6 +1408,7 @@ async def compensate(
 
 def list_query(state: str | None, tenant: str | None) -> str:
     """The visibility query for runs; inputs are checked first (they are quoted into it)."""
+    state = state.upper() if state else state  # `--state awaiting_approval` means the same
     if state and state not in RunState.__members__:
         raise TetherError(f"unknown state {state!r}; one of {', '.join(RunState.__members__)}", field="state")
     if tenant and not re.match(NAME_PATTERN, tenant):
@@ -1088,14 +1441,22 @@ async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
 
 
 async def list_runs(
-    client: Client, *, state: str | None = None, tenant: str | None = None, limit: int = 50
+    client: Client, *, state: str | None = None, tenant: str | None = None, limit: int = 50, stuck: bool = False
 ) -> list[RunSummary]:
+    """Runs from visibility (search attributes and the memo the runs publish; no worker needed).
+    ``stuck``: only running runs whose workflow task keeps failing, each with its error (one
+    describe per running run)."""
     if limit < 1:
         raise TetherError(f"limit must be at least 1, not {limit}", field="limit")
+    query = list_query(state, tenant) + (" AND ExecutionStatus = 'Running'" if stuck else "")
     rows = []
     try:
-        async for wf in client.list_workflows(list_query(state, tenant), limit=limit):
+        async for wf in client.list_workflows(query, limit=limit):
             attrs = wf.typed_search_attributes
+            try:
+                view = await published_view(wf)
+            except TetherError:
+                view = None  # listed all the same; `tether status` says why it cannot be read
             rows.append(
                 RunSummary(
                     run_id=wf.id,
@@ -1104,11 +1465,162 @@ async def list_runs(
                     status=wf.status.name if wf.status else None,
                     started=wf.start_time,
                     closed_by_temporal=closed_note(attrs.get(STATE_ATTRIBUTE), wf.status.name if wf.status else None),
+                    published_at=view.published_at if view else None,
+                    view=view,
                 )
             )
     except RPCError as e:
         raise TetherError(f"listing failed: {e.message}") from None
-    return rows
+    if not stuck:
+        return rows
+    gate = asyncio.Semaphore(DESCRIBE_CONCURRENCY)
+
+    async def check(row: RunSummary) -> None:
+        async with gate:
+            try:
+                row.stuck = await stuck_task(client, await _describe(client, row.run_id))
+            except TetherError:
+                row.stuck = None  # it ended (or went) since it was listed
+
+    await asyncio.gather(*(check(r) for r in rows))
+    return [r for r in rows if r.stuck is not None]
+
+
+# ----------------------------------------------------------------------------- repair
+
+# Completed workflow tasks tried, newest first, for one that replays on this code.
+REPAIR_CANDIDATES = 20
+# A write whose result a reset drops is run again under its own idempotency key: only where the
+# target system dedupes by that key, or nothing was written at all.
+RERUN_SAFE = {"read_only", "idempotent"}
+
+
+class RepairResult(BaseModel):
+    """What ``tether repair`` did: the reset, where to, and what the new run does again."""
+
+    run_id: str  # the workflow id
+    from_run_id: str  # the stuck execution
+    to_run_id: str  # the new execution the reset made
+    event_id: int  # the WorkflowTaskCompleted event reset to: that task is done again
+    failure: StuckTask | None = None
+    skipped: list[int] = []  # later completed tasks whose history does not replay on this code
+    reapplied: int = 0  # signals and Updates after the reset point, applied again to the new run
+    rerun: list[str] = []  # tool calls whose results the reset drops: run again under their keys
+
+
+async def repair(
+    client: Client,
+    run_id: str,
+    *,
+    reason: str | None = None,
+    event_id: int | None = None,
+    workflows: Sequence[type] = (),  # the workflow classes to replay with (default: AgentRun)
+) -> RepairResult:
+    """Reset a stuck run to the last workflow task that completed before its failure and whose
+    history this code replays (Temporal's ResetWorkflowExecution): the new execution keeps the
+    history up to that task, does the task again, and gets every signal and Update that came
+    after it again. Records go on in the audit sink under the new run id.
+
+    Refused (REFUSED) for a run that is not stuck (unless ``event_id`` names the task), one no
+    task of which replays, or where the reset would run a write again that is not safe to repeat
+    (effect other than read_only or idempotent): hand it off instead.
+    """
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+    from temporalio.client import WorkflowHistory
+
+    from worker import create_replayer
+    from workflows.models import ToolCall
+
+    description = await _describe(client, run_id)
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        status_name = description.status.name if description.status else "closed"
+        raise TetherError(f"run {run_id} is {status_name}: only a running run can be repaired", REFUSED)
+    stuck = await stuck_task(client, description)
+    if stuck is None and event_id is None:
+        raise TetherError(
+            f"run {run_id} is not stuck: its workflow tasks complete, nothing to repair "
+            f"(`--event-id N` resets to a task of your choice)", REFUSED
+        )
+    try:
+        history = await client.get_workflow_handle(run_id, run_id=description.run_id).fetch_history()
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    events = list(history.events)
+    bound = stuck.event_id if stuck is not None and stuck.event_id else events[-1].event_id + 1
+    completed = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < bound]
+    if event_id is not None:
+        completed = [e for e in completed if e.event_id == event_id]
+        if not completed:
+            raise TetherError(f"event {event_id} of run {run_id} is no completed workflow task before the failure")
+    # The fleet's ring (TETHER_STATE_KEY_FILE): replay checks every seal and attestation.
+    replayer = create_replayer(workflows=workflows, data_converter=client.data_converter)
+    chosen, skipped = None, []
+    for candidate in list(reversed(completed))[:REPAIR_CANDIDATES]:
+        started = candidate.workflow_task_completed_event_attributes.started_event_id
+        prefix = WorkflowHistory(run_id, [e for e in events if e.event_id <= started])
+        replayed = await replayer.replay_workflow(prefix, raise_on_replay_failure=False)
+        if replayed.replay_failure is None:
+            chosen = candidate
+            break
+        skipped.append(candidate.event_id)
+    if chosen is None:
+        raise TetherError(
+            f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays on "
+            f"this code: hand the run off (`tether handoff`) or fix the code first", REFUSED
+        )
+    started = chosen.workflow_task_completed_event_attributes.started_event_id
+    dropped = [e for e in events if e.event_id > started]
+    view = await published_view(description)
+    if view is not None:  # the run's own catalog entries for its plan's tools
+        effects = {t.name: t.effect.value for t in view.snapshot.tools}
+    else:  # what the tool modules the workers load declare (TETHER_TOOLS, as `tether tools`)
+        from activities.tools import REGISTRY, load_tool_modules
+
+        modules = os.environ.get("TETHER_TOOLS", "examples.billing.tools").split(",")
+        effects = {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
+    rerun, unsafe = [], []
+    for event in dropped:
+        if event.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            continue
+        scheduled = event.activity_task_scheduled_event_attributes
+        if scheduled.activity_type.name != "execute_tool":
+            continue
+        [call] = await client.data_converter.decode(scheduled.input.payloads, [ToolCall])
+        rerun.append(call.tool_call_id)
+        if effects.get(call.tool) not in RERUN_SAFE:
+            unsafe.append(f"{call.tool_call_id} ({call.tool}, effect {effects.get(call.tool, 'unknown')})")
+    if unsafe:
+        raise TetherError(
+            f"resetting run {run_id} to event {chosen.event_id} would run {', '.join(unsafe)} again, which is not "
+            f"safe to repeat: hand the run off instead (`tether handoff {run_id} --by NAME --reason TEXT`)", REFUSED
+        )
+    reapplied = sum(
+        1 for e in dropped
+        if e.event_type in (EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ADMITTED,
+                            EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
+    )
+    why = reason or (f"tether repair: workflow task failing ({stuck.cause})" if stuck else "tether repair")
+    try:
+        response = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=run_id, run_id=description.run_id),
+                reason=why[:1000],
+                workflow_task_finish_event_id=chosen.event_id,
+                request_id=str(uuid.uuid4()),
+                reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_ALL_ELIGIBLE,
+                identity=client.identity,
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    return RepairResult(
+        run_id=run_id, from_run_id=description.run_id, to_run_id=response.run_id, event_id=chosen.event_id,
+        failure=stuck, skipped=skipped, reapplied=reapplied, rerun=rerun,
+    )
 
 
 # ----------------------------------------------------------------------------- what a person is shown

@@ -54,6 +54,16 @@ OPTIONS = {
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tether")
+    except PackageNotFoundError:  # `python starter.py` from a checkout that was never installed
+        return "(not installed: run `make install`)"
+
+
 def script_path() -> str:
     """The installed `tether` script next to this Python, relative to the current directory when
     under it (`.venv/bin/tether`): a bare `tether` is on PATH only in an activated virtualenv."""
@@ -79,6 +89,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(USAGE, f"error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
+        # A misspelt option after a subcommand belongs to that subcommand: point to its help.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            self.exit(USAGE, f"error: unrecognized arguments: {' '.join(extras)} (see `{prog} --help`)\n")
+        return parsed
 
 
 # ----------------------------------------------------------------------------- output
@@ -109,6 +128,15 @@ def format_status(s: client.RunStatus) -> str:
         f"tenant     {show(s.tenant)}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if s.published_at is not None:
+        moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
+        lines.append(f"view       {client.freshness(s.published_at)}{moved}")
+    if s.worker_serving is False and s.task_queue is not None:
+        lines.append(f"worker     {client.no_worker_message(s.task_queue)}")
+    if s.stuck is not None:
+        lines.append(f"stuck      its workflow task keeps failing (attempt {s.stuck.attempt}, {show(s.stuck.cause)}): "
+                     f"{show(s.stuck.error, 400)}")
+        lines.append(f"           repair:  {invoked_as()} repair {show(shlex.quote(s.run_id))}")
     if s.closed_by_temporal:
         lines.append(f"closed     {s.closed_by_temporal}")
     if s.end_reason and s.state != RunState.COMPLETED:
@@ -180,12 +208,15 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
 def format_list(rows: Sequence[client.RunSummary]) -> str:
     if not rows:
         return "no runs match"
-    lines = [f"{'RUN':<28} {'STATE':<18} {'TEMPORAL':<11} {'TENANT':<12} STARTED"]
+    lines = [f"{'RUN':<28} {'STATE':<18} {'TEMPORAL':<11} {'TENANT':<12} {'PUBLISHED':<11} STARTED"]
     for row in rows:
         started = row.started.isoformat() if row.started else "-"
         closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
         lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
-                     f"{show(row.tenant or '-'):<12} {started}{closed}")
+                     f"{show(row.tenant or '-'):<12} {(client.age(row.published_at) + ' ago') if row.published_at else '-':<11} {started}{closed}")
+        if row.stuck is not None:
+            lines.append(f"  stuck: workflow task attempt {row.stuck.attempt}, {show(row.stuck.cause)}: "
+                         f"{show(row.stuck.error, 300)}")
     return "\n".join(lines)
 
 
@@ -224,27 +255,37 @@ async def cmd_start(args: argparse.Namespace) -> int:
         request = client.sign_request(request, run_id, Path(args.key))
     conn = await client.connect()
     await client.start_run(conn, request, run_id=run_id, allow_id_reuse=args.allow_id_reuse)
-    if not await client.has_worker(conn, client.task_queue()):
+    # The run exists now, whatever follows: say so first (--json --wait prints the status instead).
+    if not args.json:
+        print(f"started {show(run_id)}", flush=True)
+    elif not args.wait:
+        _print_json({"run_id": run_id})
+    queue = client.task_queue()
+    if await client.worker_serving(conn, queue) is False:
         # Started, but nothing will move it: say so now, not after a query times out.
-        if args.json:
+        if args.json and args.wait:
             _print_json({"run_id": run_id})
-        else:
-            print(f"started {show(run_id)}")
-        queue = client.task_queue()
         print(f"{'error' if args.wait else 'note'}: {client.no_worker_message(queue)}; run {show(run_id)} "
               f"stays in RECEIVED until one does", file=sys.stderr)
         return REFUSED if args.wait else OK
     if not args.wait:
+        return OK
+    progress = _progress_line(run_id) if sys.stderr.isatty() and not args.json else None
+    try:
+        status = await client.wait_settled(conn, run_id, args.wait_timeout, progress=progress)
+    except TetherError as e:
+        if e.rule != "no_worker":
+            raise
         if args.json:
             _print_json({"run_id": run_id})
-        else:
-            print(f"started {show(run_id)}")
-        return OK
-    status = await client.wait_settled(conn, run_id, args.wait_timeout)
+        print(_error_line(e), file=sys.stderr)
+        return REFUSED  # the run was started; the wait for it failed
+    finally:
+        if progress is not None:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
     if args.json:
         _print_json(status.model_dump(mode="json"))
     else:
-        print(f"started {show(run_id)}")
         print(format_status(status))
     if status.ended and status.state != RunState.COMPLETED:
         why = f": {show(status.end_reason)}" if status.end_reason else ""
@@ -253,6 +294,16 @@ async def cmd_start(args: argparse.Namespace) -> int:
     if not status.ended and status.state != RunState.AWAITING_APPROVAL:
         print(f"note: run {show(run_id)} is still {status.state.value} after {args.wait_timeout:g}s", file=sys.stderr)
     return OK
+
+
+def _progress_line(run_id: str) -> Callable[[object, float], None]:
+    """One line on a terminal, rewritten in place while --wait waits."""
+
+    def show_progress(snap: object, seconds: float) -> None:
+        state = getattr(getattr(snap, "state", None), "value", "?")
+        print(f"\r\x1b[Kwaiting for {show(run_id)}: {state} ({seconds:.0f}s)", end="", file=sys.stderr, flush=True)
+
+    return show_progress
 
 
 def _step_numbers(text: str | None) -> list[int] | None:
@@ -385,14 +436,35 @@ async def cmd_handoff(args: argparse.Namespace) -> int:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
-    await client.cancel(await client.connect(), args.run, reason=args.reason)
-    print(f"cancellation requested for {show(args.run)}: the run ends in CANCELLED once any tool "
+    policy_path = args.policy or os.environ.get("TETHER_POLICY") or None
+    client.person_name(args.by)  # a usage error before connecting
+    await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
+                        policy_path=Path(policy_path) if policy_path else None)
+    print(f"cancellation requested for {show(args.run)} by {show(args.by)}: the run ends in CANCELLED once any tool "
           f"in flight has settled")
     return OK
 
 
+async def cmd_repair(args: argparse.Namespace) -> int:
+    done = await client.repair(await client.connect(), args.run, reason=args.reason, event_id=args.event_id)
+    if args.json:
+        _print_json(done.model_dump(mode="json"))
+        return OK
+    if done.failure is not None:
+        print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
+              f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
+    if done.skipped:
+        print(f"later completed tasks that do not replay on this code: events {', '.join(map(str, done.skipped))}")
+    print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}: "
+          f"new run {show(done.to_run_id)}")
+    print(f"signals and Updates applied again: {done.reapplied}; tool calls run again under their own "
+          f"idempotency keys: {', '.join(show(t) for t in done.rerun) or 'none'}")
+    print(f"follow it: {invoked_as()} status {show(shlex.quote(done.run_id))}")
+    return OK
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
-    status = await client.status(await client.connect(), args.run)
+    status = await client.status(await client.connect(), args.run, live=args.live)
     if args.json:
         _print_json(status.model_dump(mode="json"))
     else:
@@ -436,7 +508,7 @@ def audit_warnings(trail: client.AuditTrail) -> list[str]:
 
 async def cmd_timeline(args: argparse.Namespace) -> int:
     conn = await client.connect()
-    if not getattr(args, "all", False):
+    if args.live:
         await client.require_worker(conn, args.run)
         records = await client.timeline(conn, args.run)
         if args.json:
@@ -445,6 +517,22 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
             print(format_timeline(records))
         return OK
     trail = await client.audit_trail(conn, args.run, args.audit_dir)
+    if not args.all:
+        # The run's line from the audit sink, the published view filling what it lacks: no
+        # worker needed, nothing reaches the run.
+        records = trail.line()
+        if not records and trail.unchecked:
+            raise TetherError(trail.unchecked)  # it has published nothing, and nobody can ask it
+        if args.json:
+            _print_json([r.model_dump(mode="json") for r in records])
+        else:
+            print(format_timeline(records))
+        if trail.published_at is not None:
+            print(f"note: the run's own records {client.freshness(trail.published_at)}; the audit sink's "
+                  f"as of now", file=sys.stderr)
+        for warning in audit_warnings(trail):
+            print(f"warning: {warning}", file=sys.stderr)
+        return OK
     if args.json:
         _print_json(trail.model_dump(mode="json"))
     else:
@@ -491,7 +579,9 @@ async def cmd_compensate(args: argparse.Namespace) -> int:
 
 async def cmd_list(args: argparse.Namespace) -> int:
     client.list_query(args.state, args.tenant)  # bad filters are usage errors, before connecting
-    rows = await client.list_runs(await client.connect(), state=args.state, tenant=args.tenant, limit=args.limit)
+    rows = await client.list_runs(
+        await client.connect(), state=args.state, tenant=args.tenant, limit=args.limit, stuck=args.stuck
+    )
     if args.json:
         _print_json([r.model_dump(mode="json") for r in rows])
     else:
@@ -513,6 +603,9 @@ async def cmd_drain(args: argparse.Namespace) -> int:
 
 async def cmd_keygen(args: argparse.Namespace) -> int:
     path = Path(args.out)
+    if args.if_missing and path.exists():
+        print(f"{path} exists: kept")
+        return OK
     encoded = client.keygen(path, force=args.force)
     public_path = path.with_name(path.name + ".pub")
     print(f"private key written to {path} (keep it secret); public key to {public_path}")
@@ -621,7 +714,10 @@ def _handoff_args(p: argparse.ArgumentParser) -> None:
 
 def _cancel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run")
+    p.add_argument("--by", required=True, metavar="NAME", help="who cancels: a member of the run's tenant (on the record)")
     p.add_argument("--reason", required=True, metavar="TEXT")
+    p.add_argument("--policy", metavar="PATH",
+                   help="the policy file, to refuse a name it does not let cancel before sending (default TETHER_POLICY)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -629,8 +725,14 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _timeline_args(p: argparse.ArgumentParser) -> None:
+def _status_args(p: argparse.ArgumentParser) -> None:
     _run_args(p)
+    p.add_argument("--live", action="store_true",
+                   help="ask the run itself (a query, through a worker) instead of reading what it published")
+
+
+def _timeline_args(p: argparse.ArgumentParser) -> None:
+    _status_args(p)
     p.add_argument("--all", action="store_true",
                    help="every record, from the audit sink and the run (the run keeps a window)")
     p.add_argument("--audit-dir", metavar="DIR", help="the worker's audit sink (env TETHER_AUDIT_DIR; default .tether/audit)")
@@ -656,6 +758,16 @@ def _list_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state", metavar="STATE", help="e.g. AWAITING_APPROVAL")
     p.add_argument("--tenant", metavar="NAME")
     p.add_argument("--limit", type=int, default=50, metavar="N")
+    p.add_argument("--stuck", action="store_true",
+                   help="only running runs whose workflow task keeps failing, with the error")
+    p.add_argument("--json", action="store_true")
+
+
+def _repair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run")
+    p.add_argument("--reason", metavar="TEXT", help="recorded with the reset (default: the failure's cause)")
+    p.add_argument("--event-id", type=int, metavar="N",
+                   help="reset to this completed workflow task (default: the last before the failure that replays)")
     p.add_argument("--json", action="store_true")
 
 
@@ -666,6 +778,7 @@ def _drain_args(p: argparse.ArgumentParser) -> None:
 def _keygen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="PATH", help="where to write the private key (PEM)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.add_argument("--if-missing", action="store_true", help="keep an existing key (exit 0), else make one")
 
 
 def _inbox_args(p: argparse.ArgumentParser) -> None:
@@ -673,9 +786,12 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)")
     p.add_argument("--dev-login", action="store_true",
                    help="a sign-in page listing the policy's people (only on 127.0.0.1; not for production)")
-    p.add_argument("--jwks", metavar="JWKS", help="the sign-in layer's JWKS, a file or an https URL: JWTs are verified against it")
-    p.add_argument("--issuer", metavar="ISS", help="the JWTs' required iss")
-    p.add_argument("--audience", metavar="AUD", help="the JWTs' required aud")
+    p.add_argument("--jwks", default=os.environ.get("TETHER_INBOX_JWKS") or None, metavar="JWKS",
+                   help="the sign-in layer's JWKS, a file or an https URL: JWTs are verified against it (env TETHER_INBOX_JWKS)")
+    p.add_argument("--issuer", default=os.environ.get("TETHER_INBOX_ISSUER") or None, metavar="ISS",
+                   help="the JWTs' required iss (env TETHER_INBOX_ISSUER)")
+    p.add_argument("--audience", default=os.environ.get("TETHER_INBOX_AUDIENCE") or None, metavar="AUD",
+                   help="the JWTs' required aud (env TETHER_INBOX_AUDIENCE)")
     p.add_argument("--claim", default="preferred_username", metavar="CLAIM",
                    help="the claim naming the person as the policy file does (default preferred_username)")
     p.add_argument("--header", default="X-Forwarded-Assertion", metavar="NAME",
@@ -690,7 +806,7 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
 # The one list of subcommands: the parser, `--help` and the README's table come from it.
 COMMANDS: list[Command] = [
     Command("start", "start a run", _start_args, cmd_start),
-    Command("status", "a run's state, plan, pending approval, and why it ended", _run_args, cmd_status),
+    Command("status", "a run's state, plan, pending approval, and why it ended", _status_args, cmd_status),
     Command("timeline", "a run's audit timeline", _timeline_args, cmd_timeline),
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
@@ -698,6 +814,8 @@ COMMANDS: list[Command] = [
     Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
     Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
+    Command("repair", "heal a stuck run: reset to its last task that replays",
+            _repair_args, cmd_repair),
     Command("compensate", "undo an ended run's ok writes, as its approvals covered (a run of its own)",
             _compensate_args, cmd_compensate),
     Command("drain", "open runs started by an older worker build (exit 1 while any is left)", _drain_args, cmd_drain),
@@ -709,6 +827,7 @@ COMMANDS: list[Command] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog=PROG, description="Tether: governed, durable AI-agent runs on Temporal.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)

@@ -40,9 +40,14 @@ def command(argv: list[str]) -> str:
 
 
 def step(title: str, argv: list[str], expect: int = 0) -> int:
+    import contextlib
+
     print(f"\n$ {shlex.join([tether(), *argv])}", flush=True)
-    code = starter.main(argv)
-    sys.stderr.flush()
+    # One stream, in order, as a terminal shows it; and the exit code, which is product.
+    with contextlib.redirect_stderr(sys.stdout):
+        code = starter.main(argv)
+    if code:
+        print(f"(exit code {code})", flush=True)
     if code != expect:
         raise SystemExit(f"demo step failed ({title}): exit code {code}, expected {expect}")
     return code
@@ -102,7 +107,7 @@ def next_steps(run_id: str) -> None:
     ):
         print(f"  {command(argv)}")
     print(f"The last two start a run on an order of its own ({order_id}), which waits for approval, "
-          "and approve it (it shows the plan and asks first).\nA-1001 is refundable again, for the README's examples.")
+          "and approve it (it shows the plan and asks first).\n`make demo-order` makes another order and prints its playbook's path.")
 
 
 MODEL_GOAL = (
@@ -176,7 +181,17 @@ def signed_run() -> RunSnapshot:
     return wait_for_end(run_id)
 
 
+def main_order() -> int:
+    """`make demo-order`: a new order to refund, and prints its playbook's path (for the
+    README's examples: each refunds an order of its own)."""
+    _, playbook = own_order()
+    print(playbook)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:] == ["order"]:
+        return main_order()
     if "TEMPORAL_ADDRESS" not in os.environ and TEMPORAL_PORT != 7233:
         # A stack on its own ports (examples/devstack.py): the demo and its commands use it.
         os.environ["TEMPORAL_ADDRESS"] = f"127.0.0.1:{TEMPORAL_PORT}"
@@ -207,7 +222,6 @@ def main() -> int:
         "The server, UI, billing service, worker and inbox keep running; `make down` stops them."
     )
     print(f"\nApprovers' inbox: {INBOX_URL}  — sign in as bob (dev sign-in) and approve {waiting}")
-    fresh_order()  # the README's examples refund A-1001 too
     next_steps(run_id)
     return 0 if snap.state == RunState.COMPLETED and signed.state == RunState.COMPLETED else 1
 

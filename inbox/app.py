@@ -152,21 +152,29 @@ class Inbox:
             runs = await tether.list_runs(
                 temporal, state=RunState.AWAITING_APPROVAL.value, tenant=tenant_name, limit=MAX_RUNS_LISTED
             )
-            snaps = await asyncio.gather(*(self._snapshot(r.run_id) for r in runs))
+            # What each run published where it waits (no worker, nothing reaches the run); a run
+            # that has published nothing yet is asked.
+            snaps = await asyncio.gather(*(self._published(r) for r in runs))
             can_attest = desk.attester(document, self.public_key, tenant_name) is not None
-            for snap in snaps:
+            for snap, published_at in snaps:
                 if snap is None or snap.tenant != tenant_name:
                     continue
                 if desk.decide_refusal(tenant, snap, person.name, now=now, can_attest=can_attest) is None:
-                    rows.append(self._row(snap, now))
+                    rows.append({**self._row(snap, now), "as_of": self._as_of(published_at, now)})
         rows.sort(key=lambda r: r["expires_at"])
         return rows
 
-    async def _snapshot(self, run_id: str) -> RunSnapshot | None:
+    async def _published(self, row: tether.RunSummary) -> tuple[RunSnapshot | None, datetime | None]:
+        if row.view is not None:
+            return row.view.snapshot, row.view.published_at
         try:
-            return await tether.snapshot(await self.client(), run_id)
+            return await tether.snapshot(await self.client(), row.run_id), None
         except tether.TetherError:
-            return None  # ended or gone since the list was made
+            return None, None  # ended or gone since the list was made, or nobody serves it
+
+    @staticmethod
+    def _as_of(published_at: datetime | None, now: datetime) -> str:
+        return tether.freshness(published_at, now) if published_at is not None else "live"
 
     @staticmethod
     def _row(snap: RunSnapshot, now: datetime) -> dict[str, Any]:
@@ -189,23 +197,23 @@ class Inbox:
         }
 
     async def _member_snapshot(self, person: Person, run_id: str):  # noqa: ANN202
-        """The policy and the run's snapshot, when the policy lists the person in its tenant."""
+        """The policy, the run's status as it published it and its latest records, when the
+        policy lists the person in its tenant."""
         document = self.document()
         try:
-            snap = await tether.snapshot(await self.client(), run_id)
+            snap, records = await tether.read_run(await self.client(), run_id)
         except tether.TetherError as e:
             if e.code == tether.USAGE and "unknown run" in str(e):
                 raise NotYours() from None
             raise
         if snap.tenant not in desk.tenants_of(document, person.name):
             raise NotYours()
-        return document, snap
+        return document, snap, records
 
     async def _visible(self, person: Person, run_id: str):  # noqa: ANN202
         """The run, when the person may see it: they may decide it now, or a decision of theirs
         counted on it. GET and POST answer the same (404 otherwise: not even whether it exists)."""
-        document, snap = await self._member_snapshot(person, run_id)
-        records = await tether.timeline(await self.client(), run_id)
+        document, snap, records = await self._member_snapshot(person, run_id)
         signer = desk.attester(document, self.public_key, snap.tenant)
         refusal = desk.decide_refusal(document.tenants[snap.tenant], snap, person.name,
                                       now=datetime.now(timezone.utc), can_attest=signer is not None)
@@ -261,6 +269,11 @@ class Inbox:
             "answer": snap.answer,
             "last_error": snap.last_error,
             "timeline": [self._record(r) for r in records],
+            "as_of": self._as_of(snap.published_at, now),
+            "published_at": snap.published_at.isoformat() if snap.published_at else None,
+            "worker": None if snap.worker_serving is not False or snap.task_queue is None
+            else tether.no_worker_message(snap.task_queue),
+            "stuck": None if snap.stuck is None else f"its workflow task keeps failing (attempt {snap.stuck.attempt}): {snap.stuck.error}",
             "web_ui": f"{self.config.web_ui.rstrip('/')}/namespaces/{quote(self.config.namespace)}/workflows/{quote(snap.run_id)}",
         }
 

@@ -210,7 +210,7 @@ class Billing:
 
     def get(self, path: str) -> Any:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(self.url + path, timeout=5) as r:
+        with opener.open(self.url + path, timeout=30) as r:
             return json.loads(r.read())
 
     def post(self, path: str, body: dict) -> Any:
@@ -221,7 +221,7 @@ class Billing:
             method="POST",
             headers={"Content-Type": "application/json"},
         )
-        with opener.open(req, timeout=5) as r:
+        with opener.open(req, timeout=30) as r:
             return json.loads(r.read())
 
     def put(self, path: str, body: dict) -> Any:
@@ -229,7 +229,7 @@ class Billing:
         req = urllib.request.Request(
             self.url + path, data=json.dumps(body).encode(), method="PUT", headers={"Content-Type": "application/json"}
         )
-        with opener.open(req, timeout=5) as r:
+        with opener.open(req, timeout=30) as r:
             return json.loads(r.read())
 
     def fail_next(self, endpoint: str, count: int, status: int = 503, when: str = "before") -> None:
@@ -267,7 +267,7 @@ def billing(billing_service: Billing) -> Iterator[Billing]:
     yield billing_service
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(billing_service.url + "/admin/faults", method="DELETE")
-    opener.open(req, timeout=5).close()
+    opener.open(req, timeout=30).close()
     # Refunds count against what is left of an order: every test starts with the seed orders
     # fully refundable.
     for order_id, email, total, currency, _ in SEED_ORDERS:
@@ -339,7 +339,10 @@ async def flood_until_continued(current: WorkflowHandle, first_run: str, tag: st
         sent += 1
         if sent % 10 == 0 and (await current.describe()).run_id != first_run:
             return sent
-    for _ in range(100):
+    # It continues once its seal has settled (a durable timer): wait for that, bounded only
+    # against a hang (a loaded machine takes its time).
+    deadline = asyncio.get_running_loop().time() + 120
+    while asyncio.get_running_loop().time() < deadline:
         if (await current.describe()).run_id != first_run:
             return sent
         await asyncio.sleep(0.1)

@@ -23,7 +23,7 @@ from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
 from tests.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
-from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, ToolEffect, canonical_json
+from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, RunSnapshot, ToolEffect, canonical_json
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -368,3 +368,130 @@ def test_a_decide_update_past_an_executions_room_is_refused_before_history() -> 
     refusal = updates_refusal(UPDATES_CONTINUE_AT)
     assert refusal is not None and refusal.rule == "continuing_as_new" and "send it again" in refusal.message
     assert UPDATES_CONTINUE_AT < 2_000  # Temporal's per-run limit
+
+
+# Runs in the storm (issue 34): `make soak` runs 20, `make test` a few.
+STORM_RUNS = 20 if SOAK else 3
+QUERY_LOOPS = 4
+# A workflow task failing this many times in a row, or failing on nondeterminism (which the same
+# code never gets past), is a stuck run: the storm stops waiting for it.
+STUCK_ATTEMPTS = 4
+
+
+async def settle_or_stuck(client, run_id: str) -> str | None:
+    """None once the run has ended as its workflow returns (COMPLETED or another Tether ending),
+    else why it cannot: stuck (its workflow task keeps failing), or failed by Temporal without a
+    Tether ending (e.g. a carried state refused). Reads nothing through the worker: the query
+    loops have it busy."""
+    from temporalio.client import WorkflowFailureError
+    from temporalio.exceptions import ApplicationError
+
+    latest = client.get_workflow_handle(run_id)
+    done = asyncio.create_task(latest.result())
+    try:
+        while not done.done():
+            stuck = await tether_client.stuck_task(client, await latest.describe())
+            if stuck is not None and (stuck.cause == "NON_DETERMINISTIC_ERROR" or stuck.attempt >= STUCK_ATTEMPTS):
+                return f"stuck: attempt {stuck.attempt}, {stuck.cause}: {stuck.error[:300]}"
+            await asyncio.wait({done}, timeout=0.5)
+        done.result()
+        return None
+    except WorkflowFailureError as failed:
+        if isinstance(failed.cause, ApplicationError) and failed.cause.type in S.__members__:
+            return None  # a Tether ending Temporal counts as Failed: run_outcome reads it
+        return f"failed: {failed.cause}"
+    finally:
+        done.cancel()
+
+
+async def published_waiting(handle: WorkflowHandle, first_run: str) -> RunSnapshot:
+    """The continued run's published view once it waits for approval again (no query)."""
+    for _ in range(600):
+        description = await handle.describe()
+        view = await tether_client.published_view(description)
+        if description.run_id != first_run and view is not None and view.snapshot.state == S.AWAITING_APPROVAL:
+            return view.snapshot
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{handle.id} never published AWAITING_APPROVAL after continuing as new")
+
+
+async def task_failures(client, run_id: str) -> list[str]:
+    """Every workflow task failure recorded in any execution of the run, and every execution whose
+    recorded history a fresh Replayer of today's code cannot replay. The server's own refusal of
+    a completion that raced new events (UNHANDLED_COMMAND: the worker is sent them and tries
+    again) is how Temporal works, not a failure."""
+    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+
+    from worker import create_replayer
+
+    replayer = create_replayer()
+    found, run = [], (await client.get_workflow_handle(run_id).describe()).run_id
+    while run:
+        history = await client.get_workflow_handle(run_id, run_id=run).fetch_history()
+        for event in history.events:
+            failed = event.workflow_task_failed_event_attributes
+            if (event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+                    and failed.cause != WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND):
+                found.append(f"{run} event {event.event_id}: {event.workflow_task_failed_event_attributes.failure.message[:300]}")
+        replayed = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+        if replayed.replay_failure is not None:
+            found.append(f"{run} does not replay: {str(replayed.replay_failure)[:300]}")
+        run = history.events[0].workflow_execution_started_event_attributes.continued_execution_run_id
+    return found
+
+
+async def test_a_query_storm_on_runs_flooded_until_they_continue_as_new_breaks_none(
+    small_history_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Issue 34's storm: each run is flooded with refused approvals until it continues as new while
+    four loops query its timeline, then approved. Every run completes: none stuck, none FAILED,
+    no workflow task failure in any execution, every history replays. Short here: `make soak`
+    runs 20."""
+    from tests.conftest import flood_until_continued
+
+    env = small_history_env
+    async with running_worker(env.client) as worker:
+
+        async def storm(i: int) -> tuple[str, RunOutcome | str, int]:
+            handle = await start_run(env.client, worker, make_request(REFUND))
+            await wait_for_state(handle, "AWAITING_APPROVAL")
+            latest = env.client.get_workflow_handle(handle.id)
+            stop, answered = asyncio.Event(), [0]
+
+            async def read() -> None:
+                while not stop.is_set():
+                    try:
+                        await latest.query("timeline", rpc_timeout=tether_client.QUERY_TIMEOUT)
+                        answered[0] += 1
+                    except Exception:  # noqa: BLE001 (a stuck run fails its reads: the outcome says why)
+                        await asyncio.sleep(0.1)
+
+            readers = [asyncio.create_task(read()) for _ in range(QUERY_LOOPS)]
+            try:
+                await flood_until_continued(latest, handle.result_run_id, f"storm-{i}")
+                waiting = await published_waiting(latest, handle.result_run_id)
+                await latest.signal("approve", approval_for(waiting, "bob"))
+                broke = await settle_or_stuck(env.client, handle.id)
+            except Exception as e:  # noqa: BLE001 (the flood or the approval could not go on: say why)
+                described = await latest.describe()
+                stuck = await tether_client.stuck_task(env.client, described)
+                broke = f"{type(e).__name__}: {str(e)[:200]}; run {described.status.name if described.status else '?'}" + (
+                    f", stuck: attempt {stuck.attempt}, {stuck.cause}: {stuck.error[:300]}" if stuck else "")
+            finally:
+                stop.set()
+                await asyncio.gather(*readers)
+            # The readers have stopped: the outcome's timeline is read without them in the way.
+            outcome = broke if broke is not None else await run_outcome(env.client.get_workflow_handle(handle.id, result_type=RunOutcome))
+            return handle.id, outcome, answered[0]
+
+        results = await asyncio.gather(*(storm(i) for i in range(STORM_RUNS)))
+        broken = {run_id: outcome for run_id, outcome, _ in results if not isinstance(outcome, RunOutcome)}
+        not_completed = {run_id: o.state.value for run_id, o, _ in results if isinstance(o, RunOutcome) and o.state != S.COMPLETED}
+        failures = {run_id: f for run_id, _, _ in results if (f := await task_failures(env.client, run_id))}
+    print(f"\nstorm: {STORM_RUNS} runs, {sum(a for _, _, a in results)} timeline queries answered; "
+          f"{len(broken)} stuck or failed, {len(not_completed)} not COMPLETED, {len(failures)} with task failures")
+    assert not broken and not not_completed and not failures, (broken, not_completed, failures)
+    for run_id, outcome, _ in results:
+        assert isinstance(outcome, RunOutcome)
+        keys = {r.refs.idempotency_key for r in outcome.timeline if r.refs.idempotency_key}
+        assert len(keys) == 1 and len(billing.refunds(keys.pop())) == 1, run_id

@@ -190,7 +190,8 @@ async def test_unreachable_temporal_names_address_and_cause(dev_env: WorkflowEnv
 async def test_demo_prints_commands_that_paste(dev_env: WorkflowEnvironment, billing: Billing) -> None:
     """`make demo`'s closing commands, run as printed through `sh`, in order, each do what the
     demo says: exit 0, the suggested run waits for approval and, approved, completes (its own
-    order has all of it left to refund), and A-1001 is refundable again for the README."""
+    order has all of it left to refund); refusals show their exit code; `make demo-order` gives
+    the README's examples an order each."""
     async with running_worker(dev_env.client, policy=POLICY) as worker:
         cli = Cli(dev_env, worker)
         proc = await asyncio.create_subprocess_exec(
@@ -208,7 +209,20 @@ async def test_demo_prints_commands_that_paste(dev_env: WorkflowEnvironment, bil
         # Every step the demo echoed is a command line too.
         echoed = [line[2:] for line in text.splitlines() if line.startswith("$ ")]
         assert echoed and all(shlex.split(c)[0].endswith("tether") for c in echoed)
-        assert not [r for r in billing.refunds() if r["order_id"] == "A-1001"]  # all of it refundable again
+        # The refusals are shown with their exit code, in the one stream, where they happen.
+        refusal = text.split("--by alice", 1)[1].split("\n$ ", 1)[0]
+        assert "four_eyes" in refusal and "(exit code 1)" in refusal, refusal
+        # The README's examples each refund an order of their own (`make demo-order`).
+        playbooks = []
+        for _ in range(2):
+            made = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "examples.demo", "order", env=cli.env, cwd=ROOT,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            path, _ = await made.communicate()
+            assert made.returncode == 0, path
+            playbooks.append(json.loads((ROOT / path.decode().strip()).read_text()))
+        orders = [steps[1]["args"]["order_id"] for steps in playbooks]
+        assert orders[0] != orders[1] and not [r for r in billing.refunds() if r["order_id"] in orders]
         ran: dict[str, str] = {}
         env = {k: v for k, v in cli.env.items() if k != "TEMPORAL_ADDRESS"}
         for command in commands:

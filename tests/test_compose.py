@@ -25,10 +25,13 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra")
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen", "state-keygen"}
+ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen", "state-keygen", "inbox-keygen"}
 LONG_RUNNING = {
-    "postgresql", "temporal", "temporal-ui", "codec-server", "billing", "worker", "prometheus",
+    "postgresql", "temporal", "temporal-ui", "codec-server", "billing", "worker", "prometheus", "inbox",
 }
+# Long-running, without a health check of its own: the server image has no probe (no CLI, and
+# nc or wget are not promised), so temporal-setup waits for it with the admin-tools CLI.
+PROBED_BY_SETUP = {"temporal"}
 PINNED = re.compile(r"^[\w./-]+:v?\d+(\.\d+)+(-[\w.-]+)?(@sha256:[0-9a-f]{64})?$")
 
 
@@ -78,9 +81,18 @@ def test_services_and_pinned_images() -> None:
 
 
 def test_health_checks_and_start_order() -> None:
-    for name in LONG_RUNNING:
+    for name in LONG_RUNNING - PROBED_BY_SETUP:
         check = SERVICES[name].get("healthcheck")
         assert check and check.get("test") and not check.get("disable"), f"{name} has no health check"
+    for name in PROBED_BY_SETUP:
+        assert "healthcheck" not in SERVICES[name], name
+        assert "until temporal operator cluster health" in SERVICES["temporal-setup"]["command"][0]
+        # Nothing but the setup job waits on it directly.
+        assert [n for n in SERVICES if name in _depends(n)] == ["temporal-setup"]
+    # No check assumes a tool an image may lack: ours run Python, the others their own tools.
+    for name, svc in SERVICES.items():
+        test = " ".join(svc.get("healthcheck", {}).get("test", []))
+        assert "nc " not in test, (name, test)
     for name in ONE_SHOT:
         assert SERVICES[name].get("restart") == "no", name
         assert "healthcheck" not in SERVICES[name], name
@@ -91,12 +103,14 @@ def test_health_checks_and_start_order() -> None:
             assert dep in SERVICES, f"{name} depends on unknown {dep}"
             if dep in ONE_SHOT:
                 assert condition == "service_completed_successfully", (name, dep)
+            elif dep in PROBED_BY_SETUP:
+                assert condition == "service_started", (name, dep)
             elif name != "prometheus":
                 assert condition == "service_healthy", (name, dep, condition)
 
     assert _depends("temporal-schema") == {"postgresql": "service_healthy"}
     assert _depends("temporal") == {"temporal-schema": "service_completed_successfully"}
-    assert _depends("temporal-setup") == {"temporal": "service_healthy"}
+    assert _depends("temporal-setup") == {"temporal": "service_started"}
     assert _depends("temporal-ui")["temporal-setup"] == "service_completed_successfully"
     assert _depends("temporal-ui")["codec-server"] == "service_healthy"
     assert _depends("worker") == {
@@ -104,6 +118,12 @@ def test_health_checks_and_start_order() -> None:
         "keygen": "service_completed_successfully",
         "state-keygen": "service_completed_successfully",
         "billing": "service_healthy",
+    }
+    # Key jobs one at a time: two must not initialise one empty volume at once.
+    assert _depends("state-keygen") == {"keygen": "service_completed_successfully"}
+    assert _depends("inbox-keygen") == {"state-keygen": "service_completed_successfully"}
+    assert _depends("inbox") == {
+        "temporal-setup": "service_completed_successfully", "inbox-keygen": "service_completed_successfully",
     }
 
     # One start order exists (no cycle), and it is the documented one.
@@ -119,6 +139,7 @@ def test_health_checks_and_start_order() -> None:
     assert pos("postgresql") < pos("temporal-schema") < pos("temporal") < pos("temporal-setup")
     assert pos("temporal-setup") < pos("worker") and pos("temporal-setup") < pos("temporal-ui")
     assert pos("keygen") < pos("codec-server") < pos("temporal-ui")
+    assert pos("keygen") < pos("state-keygen") < pos("inbox-keygen") < pos("inbox")
 
 
 def test_schema_and_server_use_postgresql() -> None:
@@ -241,7 +262,7 @@ def test_dockerfile_runtime_image() -> None:
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", ".git", "tests", ".tether", "*.keys"} <= ignored
     # Commands the compose file runs exist in the image (modules of the installed package).
-    for name in ("worker", "codec-server", "keygen", "state-keygen", "cli"):
+    for name in ("worker", "codec-server", "keygen", "state-keygen", "inbox-keygen", "inbox", "cli"):
         svc = SERVICES[name]
         argv = svc.get("entrypoint") or svc["command"]
         assert argv[:2] in (["python", "-m"],), (name, argv)
@@ -402,7 +423,7 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
-    ports = {"8081": free_port(), "8765": free_port(), "9000": free_port()}
+    ports = {"8081": free_port(), "8765": free_port(), "9000": free_port(), "8900": free_port()}
     volumes = {"/keys": tmp_path / "keys", "/data": tmp_path / "data", "/app": app}
     for folder in volumes.values():
         folder.mkdir(exist_ok=True)
@@ -442,19 +463,34 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         return proc.returncode or 0, out.decode()
 
-    for one_shot in ("keygen", "state-keygen"):
-        code, out = await run(one_shot, SERVICES[one_shot]["command"])
-        assert code == 0, out
+    # The key jobs in their one order (each after the one it depends on), twice: a second `up`
+    # keeps every key.
+    for _ in range(2):
+        for one_shot in ("keygen", "state-keygen", "inbox-keygen"):
+            code, out = await run(one_shot, SERVICES[one_shot]["command"])
+            assert code == 0, out
+    inbox_key = (tmp_path / "keys/inbox.pem").read_bytes()
+    # The organisation's sign-in, as a test plays it: a JWKS file and the tokens it signs.
+    from tests.inbox_stack import AUDIENCE, ISSUER, Sso
+
+    sso = Sso()
+    (tmp_path / "jwks.json").write_text(__import__("json").dumps(sso.jwks()))
+    sign_in = {"TETHER_INBOX_JWKS": str(tmp_path / "jwks.json"), "TETHER_INBOX_ISSUER": ISSUER,
+               "TETHER_INBOX_AUDIENCE": AUDIENCE}
     started: dict[str, asyncio.subprocess.Process] = {}
     logs: dict[str, Path] = {}
     worker_env = env_for("worker")
     try:
-        for name in ("billing", "codec-server", "worker"):
+        for name in ("billing", "codec-server", "worker", "inbox"):
             logs[name] = tmp_path / f"{name}.log"
+            env = worker_env if name == "worker" else env_for(name)
+            if name == "inbox":
+                # Its settings come from the environment; compose passes empty ones through.
+                assert all(env[k] == "" for k in sign_in), env
+                env = {**env, **sign_in}
             with logs[name].open("w") as log:
                 started[name] = await asyncio.create_subprocess_exec(
-                    *argv(SERVICES[name]["command"]), cwd=app,
-                    env=worker_env if name == "worker" else env_for(name), stdout=log, stderr=log)
+                    *argv(SERVICES[name]["command"]), cwd=app, env=env, stdout=log, stderr=log)
         # Ready as the compose file's own health checks say, while the process keeps running.
         loop = asyncio.get_running_loop()
         for name, proc in started.items():
@@ -480,12 +516,53 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
         run_id = re.search(r"started (\S+)", out).group(1)
         code, out = await run("cli", [*cli["entrypoint"], "timeline", run_id, "--all"], cli_env)
         assert code == 0 and "(first run)" in out and "AWAITING_APPROVAL" in out, out
+        # Signed in through the inbox with a token of the test's sign-in: bob (an approver of the
+        # image policy's default tenant) sees the run waiting on him; no token is no entry.
+        inbox_url = f"http://127.0.0.1:{ports['8900']}"
+        assert await asyncio.to_thread(_http_status, inbox_url + "/api/approvals") == 401
+        deadline = loop.time() + 60  # visibility is eventually consistent
+        while True:
+            answer = await asyncio.to_thread(_http_json, inbox_url + "/api/approvals", sso.token("bob"))
+            if run_id in [a["run_id"] for a in answer["approvals"]]:
+                break
+            assert loop.time() < deadline, answer
+            await asyncio.sleep(0.3)
+        assert answer["person"] == "bob"
+        # A token from another key is refused, whatever it claims.
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        forged = sso.token("bob", key=ec.generate_private_key(ec.SECP256R1()))
+        assert await asyncio.to_thread(_http_status, inbox_url + "/api/approvals", forged) == 401
+        assert (tmp_path / "keys/inbox.pem").read_bytes() == inbox_key
     finally:
         for proc in started.values():
             if proc.returncode is None:
                 proc.terminate()
         for proc in started.values():
             await proc.wait()
+
+
+def _http_status(url: str, token: str | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with opener.open(request, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _http_json(url: str, token: str) -> Any:
+    import json
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with opener.open(request, timeout=30) as r:
+        return json.loads(r.read())
 
 
 def test_the_image_policy_is_the_example_policy_without_its_signed_tenant_and_signer() -> None:

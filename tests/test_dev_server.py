@@ -165,7 +165,7 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         assert [r["rule"] for r in records if r["kind"] == "refused"] == ["stale_plan_hash"]
 
         # Cancel through the CLI (reject and handoff: tests/test_cli.py).
-        for verb, extra, final in (("cancel", ["--reason", "withdrawn"], "CANCELLED"),):
+        for verb, extra, final in (("cancel", ["--by", "dana", "--reason", "withdrawn"], "CANCELLED"),):
             rid = unique(verb)
             code, _, err = await cli("start", "--goal", "g", "--playbook", str(playbook),
                                      "--requested-by", "alice", "--id", rid, "--wait")
@@ -174,8 +174,14 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
             assert code == 0, err
             snap = await wait_for_state(dev_env.client.get_workflow_handle(rid), final)
             assert snap.state.value == final
+            # Who cancelled reaches the run as Temporal's cancellation reason (the run records
+            # the actor from it).
+            history = await dev_env.client.get_workflow_handle(rid).fetch_history()
+            causes = [e.workflow_execution_cancel_requested_event_attributes.cause for e in history.events
+                      if e.HasField("workflow_execution_cancel_requested_event_attributes")]
+            assert causes == ["by dana: withdrawn"]
 
-        code, _, err = await cli("cancel", run_id, "--reason", "late")
+        code, _, err = await cli("cancel", run_id, "--by", "dana", "--reason", "late")
         assert code == 1 and "already finished" in err
 
     code, _, err = await cli("status", "no-such-run")

@@ -221,7 +221,7 @@ async def test_cli_on_unknown_and_finished_runs_gives_one_line_errors(
             "approve": ["approve", "{run}", "--by", "bob", "--unreviewed"],
             "reject": ["reject", "{run}", "--by", "bob", "--reason", "no", "--unreviewed"],
             "handoff": ["handoff", "{run}", "--by", "dana", "--reason", "r"],
-            "cancel": ["cancel", "{run}", "--reason", "r"],
+            "cancel": ["cancel", "{run}", "--by", "dana", "--reason", "r"],
         }
         # The calls are independent: run them side by side (each `tether` is a new process).
         results = await asyncio.gather(

@@ -58,7 +58,7 @@ def emails(billing: Billing, to: str) -> list[dict]:
     return billing.get(f"/emails?to={to}")["emails"]
 
 
-async def rogue_answer(client: Client, queue: str, workflow_id: str, commands: list[Command], timeout: float = 30) -> list[HistoryEvent]:
+async def rogue_answer(client: Client, queue: str, workflow_id: str, commands: list[Command], timeout: float = 120) -> list[HistoryEvent]:
     """Poll one workflow task of ``workflow_id`` as a worker without keys would, and complete it
     with ``commands``. Returns the history the task came with."""
     loop = asyncio.get_running_loop()
@@ -178,9 +178,11 @@ async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
         latest = client.get_workflow_handle(handle.id)
         await flood_until_continued(latest, handle.result_run_id, "chain",
                                     lambda i: approval_for(first.pending_approval.plan_hash, "bob"))
-        for _ in range(100):  # it continues once its seal has settled (a short durable timer)
-            second_run = (await latest.describe()).run_id
-            if second_run != handle.result_run_id:
+        # It continues once its seal has settled (a short durable timer): wait for that event,
+        # with a bound only against a hang.
+        deadline = asyncio.get_running_loop().time() + 120
+        while (second_run := (await latest.describe()).run_id) == handle.result_run_id:
+            if asyncio.get_running_loop().time() > deadline:
                 break
             await asyncio.sleep(0.05)
         assert second_run != handle.result_run_id, "the run never continued as new"

@@ -24,7 +24,10 @@ write is committed so the caller cannot know the outcome) and count requests.
 
 Stdlib only. Run with::
 
-    python -m examples.billing.service --port 8765 --db .tether/billing.db [--delay-ms N]
+    python -m examples.billing.service --port 8765 --db .tether/billing.db [--delay-ms N] [--gate-dir DIR]
+
+``--gate-dir`` is for tests that need a write's response held until they say so: a write sent
+with ``X-Test-Gate: NAME`` is committed, then answered only once ``DIR/NAME`` exists.
 """
 
 from __future__ import annotations
@@ -165,9 +168,10 @@ class Fault:
 class BillingState:
     """Per-server state. One SQLite connection per request keeps threads independent."""
 
-    def __init__(self, db_path: str, delay_ms: int) -> None:
+    def __init__(self, db_path: str, delay_ms: int, gate_dir: str | None = None) -> None:
         self.db_path = db_path
         self.delay_ms = delay_ms
+        self.gate_dir = gate_dir
         self._lock = threading.Lock()
         self._faults: dict[str, deque[Fault]] = {name: deque() for name in FAULT_ENDPOINTS}
         self._requests: Counter[str] = Counter()
@@ -690,6 +694,10 @@ def dispatch(state: BillingState, method: str, target: str, headers: Any, raw_bo
 # --------------------------------------------------------------------------
 
 
+GATE_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+GATE_MAX_SECONDS = 120.0
+
+
 class BillingServer(ThreadingHTTPServer):
     daemon_threads = True  # never let a slow (delayed) request block shutdown
 
@@ -724,7 +732,18 @@ class BillingRequestHandler(BaseHTTPRequestHandler):
             # The write is already committed; sleeping now simulates a slow
             # network where the effect happened but the answer is late.
             time.sleep(state.delay_ms / 1000.0)
+        gate = self.headers.get("X-Test-Gate")
+        if outcome.wrote and gate and state.gate_dir:
+            self._hold(Path(state.gate_dir), gate)
         self._send(outcome.response)
+
+    def _hold(self, folder: Path, gate: str) -> None:
+        # A test's gate: the write is committed, its answer waits for the file (or GATE_MAX_SECONDS).
+        if not GATE_NAME.fullmatch(gate) or ".." in gate:
+            return
+        deadline = time.monotonic() + GATE_MAX_SECONDS
+        while not (folder / gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _send(self, response: Response) -> None:
         payload = json.dumps(response.body).encode("utf-8")
@@ -745,7 +764,9 @@ class BillingRequestHandler(BaseHTTPRequestHandler):
         sys.stderr.write(f"billing: {self.command} {self.path} -> {code}\n")
 
 
-def make_server(port: int, db_path: str | os.PathLike[str], delay_ms: int = 0) -> ThreadingHTTPServer:
+def make_server(
+    port: int, db_path: str | os.PathLike[str], delay_ms: int = 0, gate_dir: str | None = None
+) -> ThreadingHTTPServer:
     """Initialise the database and bind (not yet serve) on 127.0.0.1:port.
 
     port=0 picks a free port; read it back from ``server.server_address``.
@@ -754,7 +775,7 @@ def make_server(port: int, db_path: str | os.PathLike[str], delay_ms: int = 0) -
     """
     db = os.fspath(db_path)
     init_db(db)
-    return BillingServer((HOST, port), BillingState(db, max(0, int(delay_ms))))
+    return BillingServer((HOST, port), BillingState(db, max(0, int(delay_ms)), gate_dir))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -764,12 +785,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--delay-ms", type=int, default=0, help="sleep this long after committing each write, before responding"
     )
+    parser.add_argument(
+        "--gate-dir", help="tests: a write sent with X-Test-Gate: NAME is answered once DIR/NAME exists"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    server = make_server(args.port, args.db, args.delay_ms)
+    server = make_server(args.port, args.db, args.delay_ms, args.gate_dir)
     host, port = server.server_address[:2]
 
     def request_stop(signum: int, frame: Any) -> None:

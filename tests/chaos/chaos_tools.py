@@ -6,7 +6,9 @@ helper. Around the external call each attempt touches a marker file in ``CHAOS_D
 (``<key>.<attempt>.before`` / ``.after``); when ``CHAOS_HOLD`` names a checkpoint, the attempt
 waits there until the harness touches ``CHAOS_DIR/release-<checkpoint>`` (or ``HOLD_MAX``
 passes). That makes "kill before the call" and "kill after the call returned, before the
-activity completed" deterministic; "kill during the call" uses the service's ``--delay-ms``.
+activity completed" deterministic. For "during", ``CHAOS_HOLD=during`` has the billing service
+(``--gate-dir``, the parent of ``CHAOS_DIR``) hold the write's response after its commit until
+the harness touches ``CHAOS_DIR/release-during``.
 
 Faults of the attempt itself, per worker (environment):
 
@@ -43,11 +45,19 @@ from workflows.models import ToolEffect
 # killed mid-call is noticed quickly: the workflow learns of it at this start_to_close timeout.
 # CHAOS_TOOL_TIMEOUT overrides it (the server-restart test holds calls across an outage).
 TIMEOUT_SECONDS = float(os.environ.get("CHAOS_TOOL_TIMEOUT") or 3.0)
-HOLD_MAX_SECONDS = 20.0
+# A hold is ended by the harness or the run's cancel; this only keeps a broken test from hanging
+# (longer than the tool's own deadline, so a hold never ends by itself before the attempt's).
+HOLD_MAX_SECONDS = max(20.0, TIMEOUT_SECONDS * 1.5)
 
 # worker.py loads tool modules into the global registry, so these register there under names
 # of their own. Only worker subprocesses import this module: the test process must not (its
 # in-process workers would then offer these tools in their catalogs too).
+
+
+def held(ctx: ToolContext, point: str) -> bool:
+    if point not in os.environ.get("CHAOS_HOLD", "").split(","):
+        return False
+    return not (os.environ.get("CHAOS_HOLD_UNDO_ONLY") and not ctx.idempotency_key.endswith(":undo"))
 
 
 def checkpoint(ctx: ToolContext, point: str) -> None:
@@ -55,9 +65,7 @@ def checkpoint(ctx: ToolContext, point: str) -> None:
     if not folder:
         return
     Path(folder, marker_name(ctx.idempotency_key, ctx.attempt, point)).touch()
-    if point not in os.environ.get("CHAOS_HOLD", "").split(","):
-        return
-    if os.environ.get("CHAOS_HOLD_UNDO_ONLY") and not ctx.idempotency_key.endswith(":undo"):
+    if not held(ctx, point):
         return
     release = Path(folder, f"release-{point}")
     deadline = time.monotonic() + HOLD_MAX_SECONDS
@@ -71,6 +79,9 @@ def checkpoint(ctx: ToolContext, point: str) -> None:
 def external(ctx: ToolContext, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
     """The external call between the two checkpoints, with the worker's faults applied."""
     checkpoint(ctx, "before")
+    folder = os.environ.get("CHAOS_DIR")
+    if folder and method == "POST" and held(ctx, "during"):
+        headers = {**(headers or {}), "X-Test-Gate": f"{Path(folder).name}/release-during"}
     slow = float(os.environ.get("CHAOS_SLOW") or 0)
     if slow and ctx.attempt == 1 and ctx.deadline is not None:
         time.sleep(max((ctx.deadline - datetime.now(timezone.utc)).total_seconds(), 0.0) + slow)

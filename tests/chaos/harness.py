@@ -18,14 +18,16 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 import starter
 from examples.devstack import dev_server_command
-from client import run_outcome
+from client import run_outcome, timed_out
 from tests.chaos.markers import marker_name
 from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
@@ -55,9 +57,18 @@ SCENARIOS = {
     "cancel": ("before", "during", "after", "after+kill"),
     "exhaust": ("lost",),
 }
-SLOW_SECONDS = {"within": 0.2, "past": 2.0}
+# The slow rounds' tools time out after SLOW_TOOL_TIMEOUT s (grace 5 s): "past" commits after
+# the whole grace period. The activity reports the tool still running at half the grace period,
+# and that report must reach the server before its start_to_close (the other half): 2.5 s of
+# room for a loaded machine rather than the 0.75 s a 3 s tool leaves.
+SLOW_TOOL_TIMEOUT = 10.0
+SLOW_SECONDS = {"within": 0.2, "past": 6.0}
+# The cancel rounds' holds end by the cancel reaching the tool (with a heartbeat, every 0.8 x
+# 10 s at most), never by the attempt's deadline: the tool's timeout is far beyond that.
+CANCEL_TOOL_TIMEOUT = 20.0
 EXHAUST_TOOLS = {"idempotent": "chaos_refund_short"}
-# Billing delay: every write's response waits this long after its commit ("during" kills land here).
+# Billing delay: every write's response waits this long after its commit. "During" holds the
+# response itself (the service's --gate-dir, CHAOS_HOLD=during) until the harness releases it.
 BILLING_DELAY_MS = 1000
 
 
@@ -90,7 +101,7 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    async def wait_for_output(self, text: str, timeout: float = 60.0) -> None:
+    async def wait_for_output(self, text: str, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while text not in self.output():
             if self.popen.poll() is not None:
@@ -165,7 +176,7 @@ class BillingProc(Billing):
         port = free_port()
         super().__init__(url=f"http://127.0.0.1:{port}", db=workdir / "billing.db")
         cmd = [sys.executable, "-m", "examples.billing.service", "--port", str(port),
-               "--db", str(self.db), "--delay-ms", str(delay_ms)]
+               "--db", str(self.db), "--delay-ms", str(delay_ms), "--gate-dir", str(workdir)]
         self.proc = Proc("billing", cmd, workdir / "billing.log", _env())
 
     async def ready(self) -> BillingProc:
@@ -265,7 +276,16 @@ async def _wait(cond, timeout: float, what: str, step: float = 0.02) -> None:
 async def _await_state(handle: WorkflowHandle, states: set[RunState], timeout: float) -> RunSnapshot:
     deadline = time.monotonic() + timeout
     while True:
-        snap = await handle.query("snapshot", result_type=RunSnapshot)
+        try:
+            snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=timedelta(seconds=10))
+        except RPCError as e:
+            # A worker still starting (many at once on a loaded machine) has not answered yet,
+            # or its first workflow task timed out and Temporal retries it (WorkflowNotReady).
+            not_yet = timed_out(e) or e.status == RPCStatusCode.FAILED_PRECONDITION
+            if not not_yet or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+            continue
         if snap.state in states:
             return snap
         if time.monotonic() > deadline:
@@ -292,7 +312,7 @@ async def _start_approved(
             runs.append((effect, handle))
     keys: dict[str, tuple[str, str]] = {}
     for effect, handle in runs:
-        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 60)
+        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 180)
         assert snap.plan is not None
         tool_call_id = snap.plan.steps[0].tool_call_id
         keys[handle.id] = (f"{handle.id}:{tool_call_id}", tool_call_id)
@@ -346,7 +366,7 @@ async def kill_round(
     chaos_dir = workdir / _unique("round")
     chaos_dir.mkdir(parents=True)
     queue = _unique("chaos-q")
-    hold = {"before": "before", "during": "before", "after": "after"}.get(point or "", "")
+    hold = {"before": "before", "during": "before,during", "after": "after"}.get(point or "", "")
     worker = start_worker(address, billing.url, queue, chaos_dir, hold)
     round_ = Round()
     round_.mark("start")
@@ -375,6 +395,7 @@ async def kill_round(
         killed_at = time.time()
         worker.kill()
         round_.kills += 1
+        (chaos_dir / "release-during").touch()  # the held responses go to a dead worker
 
         # Where did the kill catch each call?
         points: dict[str, str] = {}
@@ -450,13 +471,16 @@ async def effect_round(
     queue = _unique("chaos-q")
     faults: dict[str, str] = {}
     hold = ""
+    tool_timeout = None
     if scenario == "slow":
         faults["CHAOS_SLOW"] = str(SLOW_SECONDS[variant])
+        tool_timeout = SLOW_TOOL_TIMEOUT
     elif scenario == "exhaust":
         faults["CHAOS_LOSE_RESPONSE"] = "1"
-    elif variant != "during":
+    else:
         hold = variant.split("+")[0]
-    worker = start_worker(address, billing.url, queue, chaos_dir, hold, **faults)
+        tool_timeout = CANCEL_TOOL_TIMEOUT
+    worker = start_worker(address, billing.url, queue, chaos_dir, hold, tool_timeout, **faults)
     round_ = Round()
     try:
         await worker.wait_for_output("worker ready")
@@ -468,7 +492,7 @@ async def effect_round(
             if variant == "during":
                 await _wait(
                     lambda: all(billing.effects(by_run[rid], k) >= 1 for rid, (k, _) in keys.items()),
-                    30, "every effect committed (its response is delayed)", step=0.05,
+                    30, "every effect committed (its response held)", step=0.05,
                 )
             else:
                 await _wait(
@@ -477,10 +501,12 @@ async def effect_round(
                 )
             for _, handle in runs:
                 await handle.cancel(reason="chaos cancel")
+            # The cancels are on the runs' histories: only now may the held responses arrive.
+            (chaos_dir / "release-during").touch()
             if variant == "after+kill":
                 worker.kill()
                 round_.kills += 1
-                worker = start_worker(address, billing.url, queue, chaos_dir)
+                worker = start_worker(address, billing.url, queue, chaos_dir, tool_timeout=tool_timeout)
                 await worker.wait_for_output("worker ready")
         for effect, handle in runs:
             key, tool_call_id = keys[handle.id]
@@ -591,13 +617,13 @@ async def compensation_round(
     chaos_dir = workdir / _unique("undo")
     chaos_dir.mkdir(parents=True)
     queue = _unique("chaos-q")
-    hold = {"before": "before", "during": "before", "after": "after"}.get(point or "", "")
+    hold = {"before": "before", "during": "before,during", "after": "after"}.get(point or "", "")
     worker = start_worker(address, billing.url, queue, chaos_dir, hold, CHAOS_HOLD_UNDO_ONLY="1")
     try:
         await worker.wait_for_output("worker ready")
         request = RunRequest(goal="chaos undo", requested_by="alice", playbook=COMPENSATION_PLAN, on_failure="compensate")
         handle = await starter.start_run(client, request, run_id=_unique("chaos-undo"), queue=queue)
-        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 60)
+        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 180)
         refund_tc, ledger_tc = snap.plan.steps[0].tool_call_id, snap.plan.steps[1].tool_call_id
         await handle.signal("approve", approval_for(snap, "chaos-bob"))
         undo_key = f"{handle.id}:{ledger_tc}:undo"
@@ -610,8 +636,9 @@ async def compensation_round(
                 entry = billing.get(f"/ledger?key={handle.id}:{ledger_tc}")["entries"][0]
                 (chaos_dir / "release-before").touch()
                 await _wait(lambda: billing.get(f"/ledger?reverses={entry['entry_id']}")["entries"], 30,
-                            "the reversal committed (its response is delayed)", step=0.05)
+                            "the reversal committed (its response held)", step=0.05)
         worker.kill()
+        (chaos_dir / "release-during").touch()
         worker = start_worker(address, billing.url, queue, chaos_dir)
         await worker.wait_for_output("worker ready")
         state, timeline = await _ended(client, handle.id)
