@@ -198,7 +198,8 @@ class Inbox:
         now = datetime.now(timezone.utc)
         signer = desk.attester(document, self.public_key, snap.tenant)
         refusal = desk.decide_refusal(tenant, snap, person.name, now=now, can_attest=signer is not None)
-        if refusal is not None and not desk.has_acted(person.name, snap, records):
+        acted = desk.has_acted(person.name, snap, records)
+        if refusal is not None and not acted:
             raise NotYours()
         tools = {t.name: t for t in snap.tools}
         steps = []
@@ -236,6 +237,7 @@ class Inbox:
             },
             "may_decide": refusal is None,
             "why_not": None if refusal is None else {"rule": refusal.rule, "message": refusal.message},
+            "acted": acted,
             "attests_as": signer,
             "approved_by": snap.approved_by,
             "answer": snap.answer,
@@ -406,6 +408,8 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         if request.url.path.startswith("/api/"):
             return JSONResponse({"error": "unauthenticated", "detail": str(e)}, 401,
                                 headers={"WWW-Authenticate": 'Bearer realm="tether-inbox"'})
+        if dev is not None and request.method == "GET":
+            return RedirectResponse("/login", status_code=303)  # the dev sign-in is here: go there
         return page(request, "signin_needed.html", 401, person=None)
 
     @app.exception_handler(NotYours)
