@@ -1052,7 +1052,7 @@ async def _send_decision(
             # check runs in it, and the acceptance goes out with it), or no worker is there.
             if await _task_started(handle):
                 raise pending_verdict from None
-            raise TetherError(f"no worker took the decision for run {run_id} within {timeout:g}s: start one with `make worker`") from None
+            raise await no_answer(client, run_id, timeout) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
             raise pending_verdict from None
