@@ -59,7 +59,7 @@ from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
 from workflows.display import escape_text
 from workflows import states
-from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.details import start_details, start_summary
 from workflows.models import (
     NAME_PATTERN,
@@ -1236,6 +1236,25 @@ def list_query(state: str | None, tenant: str | None) -> str:
     if tenant:
         clauses.append(f"{TENANT_ATTRIBUTE.name} = '{tenant}'")
     return " AND ".join(clauses)
+
+
+async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
+    """The open runs no worker of this build replays: started by an earlier build (their first
+    task wrote another build's marker, or none). Old-build workers must serve them until this
+    list is empty (docs/changing-workflows.md)."""
+    rows = []
+    try:
+        async for wf in client.list_workflows("WorkflowType = 'AgentRun' AND ExecutionStatus = 'Running'", limit=limit):
+            attrs = wf.typed_search_attributes
+            if BUILD in (attrs.get(CHANGE_VERSION_ATTRIBUTE) or []):
+                continue
+            rows.append(RunSummary(
+                run_id=wf.id, state=attrs.get(STATE_ATTRIBUTE), tenant=attrs.get(TENANT_ATTRIBUTE),
+                status=wf.status.name if wf.status else None, started=wf.start_time,
+            ))
+    except RPCError as e:
+        raise TetherError(f"listing failed: {e.message}") from None
+    return rows
 
 
 async def list_runs(

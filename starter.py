@@ -33,6 +33,7 @@ try:
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
     from workflows.display import escape_text as show, show_value
     from workflows.models import Limits, PlaybookStep, RunRequest
+    from workflows.published import BUILD
     from workflows.states import RunState, TransitionRecord
 except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
     print(f"error: {e.name} is not installed for {sys.executable}; run `make install`, then use "
@@ -490,6 +491,18 @@ async def cmd_list(args: argparse.Namespace) -> int:
     return OK
 
 
+async def cmd_drain(args: argparse.Namespace) -> int:
+    rows = await client.drain(await client.connect())
+    if args.json:
+        _print_json([r.model_dump(mode="json") for r in rows])
+    elif not rows:
+        print(f"no open run needs an older build than {BUILD}: its workers can be stopped")
+    else:
+        print(f"{len(rows)} open run(s) started by a build older than {BUILD}: keep its workers until they end")
+        print(format_list(rows))
+    return OK if not rows else REFUSED
+
+
 async def cmd_keygen(args: argparse.Namespace) -> int:
     path = Path(args.out)
     if args.if_missing and path.exists():
@@ -641,6 +654,10 @@ def _list_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _drain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true")
+
+
 def _keygen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="PATH", help="where to write the private key (PEM)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
@@ -682,6 +699,7 @@ COMMANDS: list[Command] = [
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
     Command("compensate", "undo an ended run's ok writes, as its approvals covered (a run of its own)",
             _compensate_args, cmd_compensate),
+    Command("drain", "open runs started by an older worker build (exit 1 while any is left)", _drain_args, cmd_drain),
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
     Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),

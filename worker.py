@@ -22,13 +22,14 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import mcp, planning
 from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
-from activities.keys import KeyActivities, KeyRing, KeyRingError
+from activities.keys import KeyRing, KeyRingError, KeyRingInterceptor
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
@@ -67,40 +68,50 @@ def create_worker(
     ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
     activities, to those over ``policy``.
     """
-    # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): seals carried state and
-    # mints / verifies the capability of every write.
+    # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): the workflow code seals
+    # carried state, mints every write's capability and checks every attested answer with it;
+    # the activities attest their answers and verify capabilities.
     keys = keys or KeyRing.from_env()
     tools = ToolActivities(registry, keys)
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
     if rules.keys is None:
         rules.keys = keys
-    sealing = KeyActivities(keys)
     notify = NotifyActivities(rules.store)
     # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()
-    recovery = RecoveryActivities(client)
+    recovery = RecoveryActivities(client, keys)
     setup = SetupActivities(tools, rules)
     return Worker(
         client,
         task_queue=task_queue,
         workflows=[AgentRun, *extra_workflows],
         activities=[
-            tools.tool_catalog,
             tools.execute_tool,
             planning.plan,
-            rules.policy_snapshot,
             setup.run_setup,
             rules.check_decision,
             rules.check_authority,
             rules.check_handoff,
             notify.notify,
             audit.audit_append,
-            sealing.carryover_seal,
-            sealing.carryover_verify,
             recovery.recovery_source,
         ],
+        # The ring reaches the workflow code as this worker's configuration (workflows/keys.py).
+        interceptors=[KeyRingInterceptor(keys), *options.pop("interceptors", ())],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         workflow_runner=options.pop("workflow_runner", WORKFLOW_RUNNER),
+        **options,
+    )
+
+
+def create_replayer(*, keys: KeyRing | None = None, workflows: Sequence[type] = (), **options: Any) -> Replayer:
+    """The one way to replay Tether histories (tests, benchmarks, `tether` tools): with the
+    fleet's ring (``keys``, else TETHER_STATE_KEY_FILE), since replay checks every attestation
+    and seal the run acted on."""
+    return Replayer(
+        workflows=list(workflows) or [AgentRun],
+        data_converter=options.pop("data_converter", pydantic_data_converter),
+        interceptors=[KeyRingInterceptor(keys or KeyRing.from_env()), *options.pop("interceptors", ())],
         **options,
     )
 

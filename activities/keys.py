@@ -18,61 +18,41 @@ that lacks an id fails the *workflow task* (another worker takes it), never the 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
+from temporalio.worker import Interceptor, WorkflowInboundInterceptor, WorkflowInterceptorClassInput
 
+from workflows import keys as ring_math
+from workflows.keys import EXTERN, MissingKey, key_id
 from workflows.models import (
     CAPABILITY_EXPIRED,
     CAPABILITY_INVALID,
     CAPABILITY_KEY_MISSING,
-    KEY_MISSING,
-    Capability,
-    SealRequest,
     ToolCall,
     args_digest,
-    canonical_json,
 )
 
 DEFAULT_STATE_KEY = ".tether/state.key"
 KEY_SETTING = "TETHER_STATE_KEY_FILE"
 MIN_KEY_CHARS = 32
 
+__all__ = ["KeyRing", "KeyRingError", "KeyRingInterceptor", "MissingKey", "key_id", "attest", "genkey"]
+
 
 class KeyRingError(ValueError):
     """No usable key ring: the message names the setting and the file."""
 
 
-class MissingKey(LookupError):
-    """A seal or capability names a key id this worker does not hold."""
-
-    def __init__(self, key_id: str) -> None:
-        super().__init__(key_id)
-        self.key_id = key_id
-
-
-def key_id(key: bytes) -> str:
-    """A key's id: its fingerprint."""
-    return hashlib.sha256(key).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class KeyRing:
-    keys: dict[str, bytes]  # id -> key, in file order (the last one is the newest)
-    source: str = ""
-
-    @property
-    def newest(self) -> str:
-        return list(self.keys)[-1]
+class KeyRing(ring_math.KeyRing):
+    """The fleet's ring as read from its file (the MAC math is workflows/keys.py's)."""
 
     @classmethod
     def of(cls, *keys: bytes, source: str = "") -> KeyRing:
@@ -110,21 +90,27 @@ class KeyRing:
             raise KeyRingError(f"cannot read the state key ring {chosen} ({KEY_SETTING}): {e.strerror}") from None
         return cls.parse(text, str(chosen))
 
-    def mac(self, kid: str, fields: dict) -> str:
-        """HMAC-SHA256 by key ``kid`` over the canonical JSON of ``fields``; MissingKey if not held."""
-        key = self.keys.get(kid)
-        if key is None:
-            raise MissingKey(kid)
-        return hmac.new(key, canonical_json({**fields, "key_id": kid}).encode(), hashlib.sha256).hexdigest()
 
-    def sign(self, fields: dict) -> tuple[str, str]:
-        """(key id, mac) by the newest key."""
-        kid = self.newest
-        return kid, self.mac(kid, fields)
+class KeyRingInterceptor(Interceptor):
+    """Hands a worker's ring to its workflow code as worker configuration (an extern function
+    of this worker only), so the workflow seals, mints and checks attestations itself."""
 
-    def verify(self, kid: str, fields: dict, mac: str) -> bool:
-        """Does ``mac`` verify under key ``kid``? MissingKey when the ring lacks that id."""
-        return hmac.compare_digest(self.mac(kid, fields), mac)
+    def __init__(self, ring: ring_math.KeyRing) -> None:
+        self.ring = ring
+
+    def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor] | None:
+        ring = self.ring
+        input.unsafe_extern_functions[EXTERN] = lambda: ring
+        return None
+
+
+def attest(ring: ring_math.KeyRing, request: Any, result: Any) -> Any:
+    """An activity's answer, attested for the run that asked (its workflow id and this activity's
+    id come from the server's task, never from the request)."""
+    info = activity.info()
+    return result.model_copy(
+        update={"attestation": ring_math.attest(ring, info.activity_type, info.workflow_id or "", info.activity_id, request, result)}
+    )
 
 
 # ----------------------------------------------------------------------------- missing keys
@@ -147,48 +133,6 @@ def report_missing(kid: str, what: str) -> str:
         KEY_MISSING_METRIC, "Seals and capabilities naming a key id this worker lacks", "1"
     ).add(1, {"key_id": label, "what": what})
     return message
-
-
-def _not_local(what: str) -> ApplicationError:
-    return ApplicationError(
-        f"{what} is done only by a run's own worker (a local activity)", type=CAPABILITY_INVALID, non_retryable=True
-    )
-
-
-def _seal_fields(workflow_id: str, run_id: str, generation: int, digest: str) -> dict:
-    return {"kind": "carryover", "workflow_id": workflow_id, "run_id": run_id, "generation": generation, "digest": digest}
-
-
-class KeyActivities:
-    """The carried-state seal, bound to the run chain (local activities of the run's worker)."""
-
-    def __init__(self, keys: KeyRing) -> None:
-        self.keys = keys
-
-    @activity.defn(name="carryover_seal")
-    async def carryover_seal(self, request: SealRequest) -> SealRequest:
-        info = activity.info()
-        if not info.is_local:
-            raise _not_local("sealing carried state")
-        # The ids come from the server's record of who runs this, never from the request.
-        kid, mac = self.keys.sign(_seal_fields(info.workflow_id, info.workflow_run_id, request.generation, request.digest))
-        return request.model_copy(
-            update={"workflow_id": info.workflow_id, "run_id": info.workflow_run_id, "seal": f"{kid}:{mac}"}
-        )
-
-    @activity.defn(name="carryover_verify")
-    async def carryover_verify(self, request: SealRequest) -> bool:
-        """``request.run_id``: the run the server says this one continued from."""
-        info = activity.info()
-        if not info.is_local:
-            raise _not_local("verifying carried state")
-        kid, _, mac = (request.seal or "").partition(":")
-        if not mac or not request.run_id:
-            return False  # no seal, a seal of an earlier version, or not continued from a run
-        try:
-            return self.keys.verify(kid, _seal_fields(info.workflow_id, request.run_id, request.generation, request.digest), mac)
-        except MissingKey:
-            raise ApplicationError(report_missing(kid, "carried state's seal"), kid, type=KEY_MISSING, non_retryable=True) from None
 
 
 def capability_refusal(keys: KeyRing | None, call: ToolCall) -> ApplicationError | None:

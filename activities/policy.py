@@ -17,7 +17,8 @@ import re
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
+from typing import Any
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -25,7 +26,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
-from activities.keys import KeyRing
+from activities.keys import KeyRing, attest
 from workflows.identity import skeleton
 from workflows.models import (
     SIGNER_NAME,
@@ -34,10 +35,8 @@ from workflows.models import (
     ApprovalDecision,
     Approver,
     AuthorityCheck,
-    Capability,
     Plan,
     ToolCatalog,
-    args_digest,
     DecisionCheck,
     HandoffCheck,
     PolicyDocument,
@@ -400,7 +399,6 @@ class PolicyActivities:
         except PolicyFileError as e:
             raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
 
-    @activity.defn(name="policy_snapshot")
     async def policy_snapshot(self, request: SnapshotRequest) -> PolicySnapshot:
         tenant, digest = self._tenant(request.tenant)
         refusal, verified = None, False
@@ -455,7 +453,7 @@ class PolicyActivities:
                 kind=check.kind, decision=check.decision, signers=self._signers(), steps_digest=check.steps_digest,
             )
         verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
-        return Verdict(refusal=refusal, policy_hash=digest, verified=verified)
+        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified))
 
     @activity.defn(name="policy_check_handoff")
     async def check_handoff(self, check: HandoffCheck) -> Verdict:
@@ -479,7 +477,7 @@ class PolicyActivities:
             )
             refusal = signature_refusal(tenant, handoff.by, payload, handoff.signature, what="handoff")
         verified = refusal is None and _has_key(tenant, handoff.by)
-        return Verdict(refusal=refusal, policy_hash=digest, verified=verified)
+        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified))
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
@@ -501,10 +499,7 @@ class PolicyActivities:
         if check.undo is not None:
             # A compensation: its own re-check (the plan hash that covered it, the undo tool).
             refusal = policy.undo_refusal(tenant, undo=check.undo, compensator=check.compensator, call=check.call)
-            verdict = Verdict(refusal=refusal, policy_hash=digest)
-            if refusal is None and check.call is not None:
-                verdict.capability = self._mint(check)
-            return verdict
+            return self._attested(check, Verdict(refusal=refusal, policy_hash=digest))
         refusal = policy.authority_refusal(
             tenant,
             approvals=check.approvals,
@@ -527,35 +522,12 @@ class PolicyActivities:
             )
             verdict.approvals_required, verdict.roles = policy.request_terms(review, tenant)
             verdict.tenant_policy = tenant
-        elif check.call is not None:
-            verdict.capability = self._mint(check)
-        return verdict
+        return self._attested(check, verdict)
 
-    def _mint(self, check: AuthorityCheck) -> Capability:
-        info = activity.info()
-        if not info.is_local or self.keys is None:
-            # Only a run's own worker, inside its workflow task, mints: an activity task anyone
-            # could schedule by this name gets nothing.
-            raise ApplicationError(
-                "capabilities are minted only by the run's own worker (a local activity)",
-                type="capability_invalid",
-                non_retryable=True,
-            )
-        call = check.call
-        assert call is not None
-        fields = Capability.model_construct(
-            workflow_id=info.workflow_id,
-            run_id=info.workflow_run_id,
-            activity_id=check.activity_id,
-            request_id=check.request_id,
-            plan_hash=check.plan_hash,
-            tool_call_id=call.tool_call_id,
-            tool=call.tool,
-            args_digest=args_digest(call.args),
-            idempotency_key=call.idempotency_key,
-            key_id="",
-            expires_at=datetime.now(timezone.utc) + timedelta(seconds=check.ttl_seconds),
-            mac="",
-        )
-        kid, mac = self.keys.sign(fields.fields())
-        return Capability.model_validate({**fields.model_dump(), "key_id": kid, "mac": mac})
+    def _attested(self, check: Any, verdict: Verdict) -> Verdict:
+        """The verdict, with the fleet key's MAC over the check and itself: the run acts on no
+        verdict a keyless poller wrote (its workflow code checks this), and the run's own code
+        mints a write's capability only after an attested verdict allowed it."""
+        if self.keys is None:
+            raise ApplicationError("this worker has no key ring to attest its verdicts", type="key_missing", non_retryable=True)
+        return attest(self.keys, check, verdict)

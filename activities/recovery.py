@@ -12,15 +12,20 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.keys import KeyRing, attest
 from workflows.models import RecoveryRequest, RecoverySource, Refusal, RunSnapshot
 
 
 class RecoveryActivities:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, keys: KeyRing) -> None:
         self.client = client
+        self.keys = keys  # attests the answer: a keyless poller cannot say what gets undone
 
     @activity.defn(name="recovery_source")
     async def recovery_source(self, request: RecoveryRequest) -> RecoverySource:
+        return attest(self.keys, request, await self._source(request))
+
+    async def _source(self, request: RecoveryRequest) -> RecoverySource:
         def refused(rule: str, message: str) -> RecoverySource:
             return RecoverySource(run_id=request.run_id, refusal=Refusal(rule=rule, message=message))
 

@@ -46,12 +46,12 @@ from pydantic_core import PydanticCustomError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.keys import KeyRing, capability_refusal
+from activities.keys import KeyRing, attest, capability_refusal
+from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.models import (
     ATTEMPT_STILL_RUNNING,
     CANCELLED_MID_CALL,
-    CatalogRequest,
     Compensation,
     ToolCall,
     ToolCatalog,
@@ -407,10 +407,6 @@ class ToolActivities:
         self.registry = registry
         self.keys = keys  # verifies the capability every write attempt must carry
 
-    @activity.defn(name="tool_catalog")
-    async def tool_catalog(self, request: CatalogRequest) -> ToolCatalog:
-        return self.registry.catalog()
-
     @activity.defn(name="execute_tool")
     async def execute_tool(self, call: ToolCall) -> ToolOutcome:
         spec = self.registry.get(call.tool)
@@ -455,9 +451,16 @@ class ToolActivities:
                     previous = await attempt.run(spec.lookup_fn, ctx)
                     if previous is not None:
                         activity.logger.info("reconciled %s by key %s", spec.name, ctx.idempotency_key)
-                        return bounded_observation(previous)
+                        return self._outcome(spec, call, bounded_observation(previous))
                     attempt.stop_if_cancelled()
                 result = await attempt.run(spec.fn, args, ctx)
             except ToolError as e:
                 raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
-            return bounded_observation(result)
+            return self._outcome(spec, call, bounded_observation(result))
+
+    def _outcome(self, spec: ToolSpec, call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
+        """A write's outcome decides what gets undone: attested with the fleet key (the run checks
+        it); a read's is only an observation for the planner."""
+        if spec.effect == ToolEffect.READ_ONLY or self.keys is None:
+            return outcome
+        return attest(self.keys, attested_call(call), outcome)

@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
+from worker import create_replayer
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +50,7 @@ def sandboxed_agent_run(folder: Path) -> type:
 
 async def replay(workflow: type, history: WorkflowHistory, runs: int, runner: SandboxedWorkflowRunner | None) -> float:
     options = {"workflow_runner": runner} if runner else {}
-    replayer = Replayer(workflows=[workflow], data_converter=pydantic_data_converter, **options)
+    replayer = create_replayer(workflows=[workflow], **options)
     histories = [WorkflowHistory(f"{history.workflow_id}-{i}", history.events) for i in range(runs)]
     started = time.process_time()
     async with replayer.workflow_replay_iterator(_aiter(histories)) as results:

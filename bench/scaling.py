@@ -73,15 +73,13 @@ async def sample_queries(client: Client, workflow_id: str, stop: asyncio.Event, 
 async def replay_ms(client: Client, workflow_id: str, variant: str) -> float:
     """What a query after close costs the worker, governed or bare alike: a replay of the
     chain's last run (its history fetched once; the second of two replays timed, in process)."""
-    from temporalio.worker import Replayer
-
     from bench.bare import BareAgentLoop
-    from worker import WORKFLOW_RUNNER
+    from worker import WORKFLOW_RUNNER, create_replayer
     from workflows.agent_run import AgentRun
 
     history = await client.get_workflow_handle(workflow_id).fetch_history()
-    replayer = Replayer(workflows=[AgentRun if variant == GOVERNED else BareAgentLoop],
-                        data_converter=client.data_converter, workflow_runner=WORKFLOW_RUNNER)
+    replayer = create_replayer(workflows=[AgentRun if variant == GOVERNED else BareAgentLoop],
+                               data_converter=client.data_converter, workflow_runner=WORKFLOW_RUNNER)
     await replayer.replay_workflow(history)
     t0 = time.perf_counter()
     await replayer.replay_workflow(history)

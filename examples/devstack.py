@@ -69,7 +69,7 @@ def dev_server_command(
     port: int = TEMPORAL_PORT, ui_port: int = UI_PORT, db: Path | None = None
 ) -> list[str]:
     """The dev server with our search attributes registered (unregistered ones leave runs stuck)."""
-    from workflows.agent_run import SEARCH_ATTRIBUTES
+    from workflows.published import SEARCH_ATTRIBUTES
     cmd = [
         str(BIN / "temporal"), "server", "start-dev",
         "--ip", "127.0.0.1", "--port", str(port), "--ui-port", str(ui_port),

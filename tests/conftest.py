@@ -38,7 +38,7 @@ import examples.billing.tools  # noqa: F401  (registers the billing tools)
 import client as tether_client
 from examples.billing.service import SEED_ORDERS, make_server
 from worker import create_worker
-from workflows.agent_run import SEARCH_ATTRIBUTES
+from workflows.published import SEARCH_ATTRIBUTES
 from workflows.models import STRICT, ApprovalDecision, RunRequest, RunSnapshot
 from workflows.states import TransitionRecord
 
@@ -418,3 +418,25 @@ async def observations(handle: WorkflowHandle) -> list[str]:
         if scheduled.get(done.scheduled_event_id) == "execute_tool":
             found.append(converter.from_payloads(done.result.payloads, [ToolOutcome])[0].observation)
     return found
+
+
+async def task_failure(client: Client, workflow_id: str, contains: str, run_id: str | None = None) -> str:
+    """Wait until a workflow task of the run (its latest, or ``run_id``) fails with a message
+    containing ``contains`` (a forgery, a key the worker lacks, an older build): the run
+    stands where it was, RUNNING. Returns the message."""
+    import asyncio
+
+    from temporalio.client import WorkflowExecutionStatus
+
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+    seen: list[str] = []
+    for _ in range(6000):  # a condition on history, not a time limit: a busy machine only waits longer
+        history = await handle.fetch_history()
+        seen = [e.workflow_task_failed_event_attributes.failure.message for e in history.events
+                if e.HasField("workflow_task_failed_event_attributes")]
+        found = next((m for m in seen if contains in m), None)
+        if found is not None:
+            assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no workflow task of {workflow_id} failed with {contains!r}: {seen}")

@@ -8,7 +8,7 @@ from typing import Any
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import SealRequest
+    from workflows import keys
 
 
 @workflow.defn(name="Forger")
@@ -21,18 +21,13 @@ class Forger:
 @workflow.defn(name="NewerWorker")
 class NewerWorker:
     """Stands for a newer worker version's AgentRun (worker code, trusted): it seals the state it
-    carries with the fleet's key, through the run's own local activity, and continues as new."""
+    carries with the fleet's key, in its workflow code, and continues as new."""
 
     @workflow.run
     async def run(self, carried: dict[str, Any]) -> None:
-        from datetime import timedelta
-
-        sealed = await workflow.execute_local_activity(
-            "carryover_seal",
-            SealRequest(workflow_id=workflow.info().workflow_id, digest=carried["digest"], generation=1),
-            result_type=SealRequest,
-            start_to_close_timeout=timedelta(seconds=10),
-        )
+        info = workflow.info()
+        # Trusted worker code: it seals with the fleet key the worker hands its workflow code.
+        sealed = keys.seal(keys.worker_ring(workflow.extern_functions), info.workflow_id, info.run_id, 1, carried["digest"])
         workflow.continue_as_new(
-            {**carried["request"], "carryover_seal": sealed.seal}, workflow="AgentRun", task_queue=carried.get("task_queue")
+            {**carried["request"], "carryover_seal": sealed}, workflow="AgentRun", task_queue=carried.get("task_queue")
         )

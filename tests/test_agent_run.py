@@ -64,7 +64,7 @@ async def test_a_start_that_lists_a_run_wrongly_is_corrected_by_its_first_task(t
     input is no RunRequest is listed FAILED as it fails, not left saying it plans."""
     from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-    from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+    from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 
     async with running_worker(ts_env.client) as worker:
         for lie in ("EXECUTING_TOOL", "AWAITING_APPROVAL", "COMPLETED"):
@@ -85,10 +85,10 @@ async def test_a_start_that_lists_a_run_wrongly_is_corrected_by_its_first_task(t
 
 
 async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: WorkflowEnvironment, billing: Billing) -> None:
-    """Issue 21: one patch marker (tether-lean stands for every older patch), one setup local
-    activity, the audit sink written where the run rests (here: its end), AgentRunState
-    published only for states a run rests in, and a result without the timeline or the steps
-    (client.run_outcome reads them with the queries)."""
+    """One marker (the build's id), no local activity (the setup and the audit sink are
+    activities: reads cannot hurt a run), the audit sink written where the run rests (here: its
+    end), AgentRunState published only for states a run rests in, and a result without the
+    timeline or the steps (client.run_outcome reads them with the queries)."""
     import json
 
     async with running_worker(ts_env.client) as worker:
@@ -104,8 +104,13 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
         for e in events if e.HasField("upsert_workflow_search_attributes_event_attributes")
         and "AgentRunState" in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
     ]
-    assert patches == ["tether-lean"]
-    assert local == ["run_setup", "audit_append"]
+    from workflows.published import BUILD
+
+    assert patches == [BUILD]
+    assert local == []
+    scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in events
+                 if e.HasField("activity_task_scheduled_event_attributes")]
+    assert scheduled == ["run_setup", "plan", "execute_tool", "execute_tool", "execute_tool", "plan", "audit_append"]
     # The start listed it as planning (the state its first task moves it to): one upsert, the end.
     started = events[0].workflow_execution_started_event_attributes.search_attributes.indexed_fields
     assert started["AgentRunState"].data == b'"PLANNING"'
@@ -114,9 +119,11 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     written = json.loads(events[-1].workflow_execution_completed_event_attributes.result.payloads[0].data)
     assert not {"steps", "timeline", "steps_before", "steps_digest", "compensations"} & set(written), written
     assert RunOutcome.model_validate(written) == raw
-    # The setup marker: no tool descriptions, no schema titles (what the run decides with stays).
-    setup = next(json.loads(m.details["result"].payloads[0].data) for m in markers
-                 if m.marker_name == "core_local_activity" and b"run_setup" in m.details["data"].payloads[0].data)
+    # The setup's answer: no tool descriptions, no schema titles (what the run decides with
+    # stays), attested by the fleet key.
+    setup = json.loads(next(e.activity_task_completed_event_attributes.result.payloads[0].data for e in events
+                            if e.HasField("activity_task_completed_event_attributes")))
+    assert setup["attestation"].count(":") == 1
     assert setup["catalog"]["tools"] and all("description" not in t and '"title"' not in json.dumps(t["args_schema"])
                                              for t in setup["catalog"]["tools"])
     assert raw.timeline == [] and raw.records == len(outcome.timeline) == outcome.timeline[-1].seq

@@ -59,11 +59,11 @@ async def temporal_cli(env: WorkflowEnvironment, *args: str) -> str:
 async def assert_replays(handle: WorkflowHandle) -> None:
     """The run's own history replays on the current code (the new paths are deterministic)."""
     from temporalio.contrib.pydantic import pydantic_data_converter
-    from temporalio.worker import Replayer
+    from worker import create_replayer
 
     from workflows.agent_run import AgentRun
 
-    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    replayer = create_replayer()
     result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
     assert result.replay_failure is None, result.replay_failure
 
@@ -425,8 +425,13 @@ async def test_a_reset_to_a_later_point_shares_the_records_before_it(
         handle = await start_run(dev_env.client, worker, make_request(REFUND))
         await approve(handle, "bob")
         assert (await asyncio.wait_for(handle.result(), 30)).state == S.COMPLETED
+        # To the task that asked the planner for the last time: the new run plans again and ends.
+        events = (await handle.fetch_history()).events
+        last_plan = max(e.event_id for e in events if e.HasField("activity_task_scheduled_event_attributes")
+                        and e.activity_task_scheduled_event_attributes.activity_type.name == "plan")
+        point = max(e.event_id for e in events if e.HasField("workflow_task_completed_event_attributes") and e.event_id < last_plan)
         await temporal_cli(
-            dev_env, "workflow", "reset", "--workflow-id", handle.id, "--type", "LastWorkflowTask",
+            dev_env, "workflow", "reset", "--workflow-id", handle.id, "--event-id", str(point),
             "--reason", "re-run the last step",
         )
         reset = dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from workflows.agent_run import SEARCH_ATTRIBUTES
+from workflows.published import SEARCH_ATTRIBUTES
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra")
 

@@ -47,6 +47,11 @@ editor_may_approve = false
 alice = { roles = ["approver"] }
 bob = { roles = ["approver"] }
 carol = { roles = ["approver"] }
+[tenants.trusting]
+reviser_may_approve_alone = true
+[tenants.trusting.approvers]
+bob = { roles = ["approver"] }
+carol = { roles = ["approver"] }
 """
 
 
@@ -93,11 +98,9 @@ def with_amount(amount: Any) -> dict:
 
 async def replays(handle: WorkflowHandle) -> None:
     """The run's own history replays on this code: the new commands are deterministic."""
-    from temporalio.worker import Replayer
+    from worker import create_replayer
 
-    from workflows.agent_run import AgentRun
-
-    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    replayer = create_replayer()
     result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
     assert result.replay_failure is None, result.replay_failure
 
@@ -263,6 +266,49 @@ async def test_editor_may_approve_false_refuses_the_editors_approval(
         assert ok.state == S.APPROVED
         outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
+
+
+async def test_a_refused_partial_approval_changes_nothing(
+    ts_env: WorkflowEnvironment, billing: Billing, policy_store: PolicyStore
+) -> None:
+    """editor_may_approve = false: a partial approval revises the plan, so its approver may not
+    approve the result. The run refuses it before narrowing anything: same plan, same request."""
+    async with running_worker(ts_env.client, policy=policy_store) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([READ, REFUND], tenant="strict"))
+        before = await wait_for_state(handle, "AWAITING_APPROVAL")
+        part = await decide(handle, kind="approve", steps=[1], **approval_for(before, "bob").model_dump(exclude_none=True))
+        assert part.outcome == "refused" and part.rule == "editor_approval", part
+        after = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert after.plan == before.plan and after.pending_approval == before.pending_approval
+        assert after.revisions == [] and after.state_version == before.state_version
+        whole = await decide(handle, kind="approve", **approval_for(after, "bob").model_dump(exclude_none=True))
+        assert whole.state == S.APPROVED
+        assert (await run_outcome(handle)).state == S.COMPLETED
+
+
+async def test_whoever_changed_the_plan_is_not_its_only_approver(
+    ts_env: WorkflowEnvironment, billing: Billing, policy_store: PolicyStore
+) -> None:
+    """bob lowers the amount and approves his own revision: accepted, but someone who did not
+    revise it must approve too (unless the tenant says reviser_may_approve_alone)."""
+    async with running_worker(ts_env.client, policy=policy_store) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([READ, REFUND]))
+        before = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert (await decide(handle, **revision(before, [READ, with_amount(4900)], editor="bob"))).state == S.VALIDATED
+        revised = await wait_for_state(handle, "AWAITING_APPROVAL")
+        own = await decide(handle, kind="approve", **approval_for(revised, "bob").model_dump(exclude_none=True))
+        assert own.outcome == "accepted" and "still needed" in own.reason, own
+        assert (await wait_for_state(handle, "AWAITING_APPROVAL")).pending_approval.revisers == ["bob"]
+        other = await decide(handle, kind="approve", **approval_for(revised, "carol").model_dump(exclude_none=True))
+        assert other.state == S.APPROVED
+        assert (await run_outcome(handle)).state == S.COMPLETED
+
+        trusting = await start_run(ts_env.client, worker, make_request([READ, REFUND], tenant="trusting"))
+        before = await wait_for_state(trusting, "AWAITING_APPROVAL")
+        assert (await decide(trusting, **revision(before, [READ, with_amount(4800)], editor="bob"))).state == S.VALIDATED
+        revised = await wait_for_state(trusting, "AWAITING_APPROVAL")
+        alone = await decide(trusting, kind="approve", **approval_for(revised, "bob").model_dump(exclude_none=True))
+        assert alone.state == S.APPROVED and "reviser_may_approve_alone = true" in alone.reason, alone
 
 
 ESCALATING = """

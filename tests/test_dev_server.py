@@ -27,7 +27,7 @@ from tests.conftest import (
     wait_for_state,
 )
 from workflows.budgets import CARRY_AMORTIZE
-from workflows.agent_run import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.models import ApprovalDecision, RunOutcome
 from workflows.states import RunState, is_legal_path
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from temporalio.client import WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Replayer
+from worker import create_replayer
 
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import call
@@ -193,7 +193,7 @@ async def test_a_cancel_during_an_unsafe_tool_records_its_outcome(
         snap = await snapshot(handle)
         history = await handle.fetch_history()
     # The cancel's path through the workflow replays as it ran (the queries above replay it too).
-    replayer = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter)
+    replayer = create_replayer()
     assert (await replayer.replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
     assert emails(billing, key) == 1
     last = records[-1]

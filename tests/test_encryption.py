@@ -38,7 +38,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import History
 from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryRequest
 from temporalio.client import Client
-from temporalio.worker import Replayer
+from worker import create_replayer
 
 import client as tether_client
 from activities.codec import (
@@ -52,7 +52,8 @@ from activities.codec import (
 )
 from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, start_run, wait_for_state
-from workflows.agent_run import AgentRun, SEARCH_ATTRIBUTES
+from workflows.agent_run import AgentRun
+from workflows.published import SEARCH_ATTRIBUTES
 from workflows.models import RunOutcome
 from workflows.states import RunState
 
@@ -189,7 +190,7 @@ async def test_history_holds_ciphertext(encrypted_run: EncryptedRun) -> None:
 async def test_replayer_replays_with_the_codec(encrypted_run: EncryptedRun) -> None:
     handle = encrypted_run.client.get_workflow_handle(encrypted_run.run_id)
     history = await handle.fetch_history()
-    replayer = Replayer(workflows=[AgentRun], data_converter=encrypted_run.client.data_converter)
+    replayer = create_replayer(data_converter=encrypted_run.client.data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
     assert result.replay_failure is None
 

@@ -475,14 +475,20 @@ async def test_a_compensation_that_fails_hands_off_naming_it_and_compensate_fini
         history = await handle.fetch_history()
     assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
     # The undo it ran carries a capability minted in the compensation run, under the original's
-    # approved plan hash; the original's record was read by a local activity (no activity task
-    # for a rogue poller to answer with undos the original never recorded).
+    # approved plan hash; the original's record was read by an activity whose answer bears the
+    # fleet key's attestation (a rogue poller that answers it is refused: test_forgery.py).
     assert [c.tool for c in calls] == ["void_refund"] and calls[0].capability is not None
     assert calls[0].capability.workflow_id == handle.id
     assert calls[0].capability.plan_hash == outcome.compensations[0].plan_hash
     scheduled = {e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
                  if e.HasField("activity_task_scheduled_event_attributes")}
-    assert "recovery_source" not in scheduled and "execute_tool" in scheduled
+    assert "recovery_source" in scheduled and "execute_tool" in scheduled
+    kinds = {e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+             if e.HasField("activity_task_scheduled_event_attributes")}
+    source = next(e.activity_task_completed_event_attributes.result.payloads[0].data for e in history.events
+                  if e.HasField("activity_task_completed_event_attributes")
+                  and kinds[e.activity_task_completed_event_attributes.scheduled_event_id] == "recovery_source")
+    assert b'"attestation"' in source
     first = next(r for r in undo.timeline if r.to_state == S.COMPENSATING)
     assert first.from_state == S.RECEIVED and first.actor == "user:carol"
     assert outcome.run_id in first.reason and first.refs.plan_hash == outcome.compensations[0].plan_hash

@@ -27,6 +27,7 @@ from activities.policy import PolicyStore
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, tool
 from client import run_outcome
 from tests.conftest import (
+    task_failure,
     Billing,
     approval_for,
     make_request,
@@ -183,12 +184,13 @@ async def test_a_start_input_with_forged_state_fails_before_any_activity(dev_env
 async def test_state_continued_into_a_run_without_this_workers_seal_is_refused(dev_env: WorkflowEnvironment, billing: Billing) -> None:
     # Continue-as-new from a workflow that is not this run's previous run: the server says the
     # run continued, but nothing a Tether worker sealed comes with it.
+    # A forgery stops the run where it stands: its workflow task fails, naming what failed to
+    # verify; nothing is scheduled, nothing written.
     async with running_worker(dev_env.client, extra_workflows=[Forger]) as worker:
         handle = await dev_env.client.start_workflow("Forger", forged_request(), id=unique("forger"), task_queue=worker.task_queue)
         latest = dev_env.client.get_workflow_handle(handle.id)
-        with pytest.raises(WorkflowFailureError) as failure:
-            await asyncio.wait_for(latest.result(follow_runs=True), 30)
-    assert "seal" in str(failure.value.cause)
+        message = await task_failure(dev_env.client, handle.id, "forgery")
+    assert "the carried state" in message and "seal" in message and f"tether repair {handle.id}" in message
     history = await latest.fetch_history()
     scheduled = events(history, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
     assert scheduled == []

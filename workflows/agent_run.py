@@ -7,14 +7,18 @@ effect is an activity with an idempotency key and a retry rule derived from the 
 effect; approvals are bound to a plan hash, checked against the policy by an activity, and
 expire on a durable timer.
 
-Deterministic code only: time is ``workflow.now()``, ids come from ``workflow.uuid4()``, no
-I/O and no environment reads.
+Deterministic code only: time is ``workflow.now()``, ids derive from the run chain and the
+decision that made them (``derived_id``), no I/O and no environment reads. No local activity:
+whatever the run acts on with authority is computed here with the fleet key (seals,
+capabilities) or bears the fleet key's attestation, checked here (workflows/keys.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -23,15 +27,15 @@ from temporalio.workflow import ActivityCancellationType
 from temporalio.common import (
     RawValue,
     RetryPolicy,
-    SearchAttributeKey,
     SearchAttributePair,
     TypedSearchAttributes,
 )
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
 
+    from workflows import keys
     from workflows import metrics as run_metrics
     from workflows import policy
     from workflows.details import run_details
@@ -52,12 +56,10 @@ with workflow.unsafe.imports_passed_through():
         ATTEMPT_STILL_RUNNING,
         CAPABILITY_EXPIRED,
         CAPABILITY_KEY_MISSING,
-        KEY_MISSING,
         STRICT,
         ApprovalDecision,
         AuditAck,
         AuditBatch,
-        CatalogRequest,
         DecideRequest,
         DecideResult,
         DecisionCheck,
@@ -67,7 +69,6 @@ with workflow.unsafe.imports_passed_through():
         Notification,
         NotificationResult,
         PlannerInput,
-        PolicySnapshot,
         Proposal,
         RecoveryRequest,
         RecoverySource,
@@ -77,11 +78,10 @@ with workflow.unsafe.imports_passed_through():
         RunRequest,
         RunSetup,
         RunSnapshot,
+        RunView,
         ReviseDecideRequest,
         RevisionRequest,
-        SealRequest,
         SnapshotRequest,
-        ToolCatalog,
         ToolEffect,
         ToolInfo,
         ToolOutcome,
@@ -89,16 +89,12 @@ with workflow.unsafe.imports_passed_through():
         first_error,
         json_digest,
     )
+    from workflows.published import BUILD, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
     from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord, to_publish
 
 S = RunState
 T = TypeVar("T")
 M = TypeVar("M", ApprovalDecision, HandoffRequest, RevisionRequest)
-
-# Public: the Web UI and `temporal workflow list --query` filter on these.
-STATE_ATTRIBUTE = SearchAttributeKey.for_keyword("AgentRunState")
-TENANT_ATTRIBUTE = SearchAttributeKey.for_keyword("AgentTenant")
-SEARCH_ATTRIBUTES = (STATE_ATTRIBUTE, TENANT_ATTRIBUTE)
 
 PLANNER_TIMEOUT = timedelta(minutes=2)
 PLANNER_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
@@ -107,62 +103,19 @@ SETUP_TIMEOUT = timedelta(seconds=30)
 # EXECUTING_TOOL -> RETRY_WAIT -> EXECUTING_TOOL hop on the timeline and an unsafe tool is never
 # re-run behind our back.
 TOOL_RETRY = RetryPolicy(maximum_attempts=1)
-# workflow.patched id: a run's cancel is passed on to the tool in flight (through its heartbeat).
-# Runs recorded before did not send that cancel command; on replay they still do not.
-CANCEL_REACHES_TOOL = "cancel-reaches-tool"
 # Observations handed back to the planner, newest first, in all (older ones keep only their
 # digest), so planner inputs in history do not grow with the size of tool results.
 PLANNER_CONTEXT_CHARS = 16_000
 # Records per audit_append call: each call's input stays far below the payload limit.
 AUDIT_BATCH = 200
-# New commands since the first release (audit sink, carried-state seal, handoff re-screening,
-# auto-approved re-checks) run only where this patch is set: histories written by the previous
-# version replay without them (docs/changing-workflows.md).
-PATCH_V2 = "tether-v2"
-# Declared recovery: plan hashes cover compensations, ok writes get their undo, on_failure and
-# compensation runs. Runs recorded before keep their hashes and never compensate.
-PATCH_RECOVERY = "tether-recovery"
-# Seals bound to the run chain, a capability for every write, missing keys fail the workflow
-# task (issue 18): new commands (the capability's re-check, a write's activity id, the timer
-# before a write is scheduled again) run only where this patch is set.
-TRUST_CHAIN = "tether-trust-chain"
 # A write that reached workers lacking its capability's key this many times in a row fails.
 MAX_BOUNCES = 50
-# Runs from this version on: a failing audit sink is retried on a backoff timer and shown on the
-# run; records refused while the run waits for a decision go to the sink at once; the run
-# continues as new before it nears Temporal's per-run Update limit.
-PATCH_RECORD = "tether-record"
 # audit_append tries a few times in quick succession, then the run shows the error and retries on
 # a timer: 1 s, 2 s, 4 s, ... up to a minute.
 AUDIT_RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
 )
 AUDIT_BACKOFF_MAX = 60.0
-# workflow.patched id: a run that ends FAILED or EXECUTION_FAILED fails its Temporal execution
-# (states.TEMPORAL_STATUS) instead of completing it.
-FAILED_STATUS = "failed-status"
-# Continue-as-new settles after the seal: a short durable timer between sealing and continuing,
-# and the seal must still describe the state. Without it, a query answered while the seal's
-# local activity was resolving let replay reach continue-as-new before signals the original run
-# had taken, and the continued run started from a state without them (lost refusals). Runs
-# recorded before continue straight after the seal.
-CAN_SETTLE = "tether-can-settle"
-# How long the run waits between sealing its state and continuing as new, and how many times it
-# seals again because signals moved the state meanwhile. Once: a dev server fires a 10 ms timer
-# about a second later, so under a flood that never pauses the run then continues straight after
-# sealing (as before) rather than never.
-CAN_SETTLE_DELAY = timedelta(milliseconds=10)
-CAN_SETTLE_TRIES = 1
-# Continue-as-new when it is worth what it writes (budgets.continue_due), not as soon as the
-# server suggests it: a run deferring it for the first time says so with this marker. Runs
-# recorded before continued at the suggestion; so does every run for which it is due by then.
-CAN_AMORTIZED = "tether-can-amortized"
-# Revisions and partial approvals (a new plan version from a decision): set where one is acted on.
-REVISIONS = "tether-revisions"
-# Escalation stages: timers inside the approval window (only where the policy sets stages).
-ESCALATION = "tether-escalation"
-# Notifications: a notify activity per event, where the policy names webhooks for it.
-NOTIFY = "tether-notify"
 # Webhook deliveries are retried with backoff (0.5 s, 1 s, 2 s) and never awaited by the run's
 # progress; a run that ends waits for the ones in flight at most NOTIFY_BUDGET.
 NOTIFY_RETRY = RetryPolicy(
@@ -171,12 +124,11 @@ NOTIFY_RETRY = RetryPolicy(
 )
 NOTIFY_ATTEMPT = timedelta(seconds=15)
 NOTIFY_BUDGET = timedelta(seconds=75)
-# One marker for every run from this version on (issue 21): where it is set, every patch above
-# counts as set without a marker (and a TemporalChangeVersion upsert) of its own, the audit sink
-# is written where the run rests (a wait, a timer, before a write, continue-as-new, the end)
-# instead of before every activity, and AgentRunState is published where states.to_publish says.
-# Histories without it replay exactly as they were recorded (every older patch asked for).
-PATCH_LEAN = "tether-lean"
+# The records the published view (memo "tether") carries: the latest ones; the sink has all.
+VIEW_RECORDS = 20
+# Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
+KEY_MISSING_METRIC = "tether_key_missing"
+FORGERY_METRIC = "tether_forgery"
 DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
@@ -198,8 +150,9 @@ class AgentRun:
             request,
             workflow_id=info.workflow_id,
             on_record=self._on_record,
-            # Runs from before request ids (replayed histories) keep plan-hash-only requests.
-            new_request_id=lambda: str(workflow.uuid4()) if self._v2 else "",
+            # Derived from the run chain and the plan it asks about: a reset asks the same.
+            new_request_id=lambda: derived_id("req", self.data.first_run_id, self.data.plan.plan_hash if self.data.plan else "",
+                                              str(self.data.lifecycle.state_version)),
         )
         # Decisions that passed the cheap checks on arrival, in arrival order; the main loop
         # checks each against the policy (an activity) and acts on it.
@@ -210,30 +163,22 @@ class AgentRun:
         self._verdicts: dict[str, DecideResult | None] = {}
         self._audit_error: str | None = None
         self._updates = 0  # decide Updates this execution took
-        self._lean = True
-        self._v2 = True
-        self._v3 = True
         self._bounces = 0
         self._notifying = 0  # notify activities in flight
-        self._record = True
+        self._calls = 0  # activities this execution scheduled: their ids, which attestations bind
         # The carried state bore the workers' seal (or there was none): a run failing on a
         # forged one publishes nothing of it.
         self._verified = False
         self._loops = 0
-        self._settle_misses = 0  # continue-as-new attempts whose seal signals overtook
         # History bytes at which a deferred continue-as-new is due (None: none deferred).
         self._continue_at: int | None = None
-        # The run's last await was a local activity: no patch is decided now (sdk-core: a patch
-        # marker right after a local activity's result fails replay when a query was answered
-        # in between). Set by _activity, cleared after the waits the main loop comes back from.
-        self._after_local = False
-        self._amortized: bool | None = None  # CAN_AMORTIZED, once decided
         start_attributes = info.typed_search_attributes
         self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
         # against the run's state once, at its first publish. A continued run's is our own.
         self._published_checked = info.continued_run_id is not None
         self._shown: str | None = None  # the current details last set
+        self._viewed: tuple[Any, ...] | None = None  # what the published view (memo) last said
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == request.tenant
 
@@ -264,20 +209,19 @@ class AgentRun:
     @workflow.run
     async def run(self, *args: Any) -> RunOutcome:
         if self._start_error is not None:
-            if self._published is not None and workflow.patched(PATCH_LEAN):
+            if self._published is not None:
                 # Listed as it ends (the start said it would plan), like every other failure.
                 workflow.upsert_search_attributes([STATE_ATTRIBUTE.value_set(S.FAILED.value)])
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
-        self._lean = workflow.patched(PATCH_LEAN)
-        if self._lean:
-            self._v2 = self._v3 = self._record = self.engine.recovery = True
-        else:
-            self._v2 = workflow.patched(PATCH_V2)
-            self._v3 = self._v2 and workflow.patched(TRUST_CHAIN)
-            self._record = self._v2 and workflow.patched(PATCH_RECORD)
-            self.engine.recovery = workflow.patched(PATCH_RECOVERY)
+        if not workflow.patched(BUILD):
+            # Replaying a history an earlier build started: not ours to judge (the task fails,
+            # the run waits for a worker of its own build).
+            raise OlderBuild(
+                f"older_build: this run was started by a worker build older than {BUILD}, which this worker "
+                f"does not replay: run a worker of the build that started it until it ends (tether drain lists them)"
+            )
         try:
-            await self._verify_carryover()
+            self._verify_carryover()
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
@@ -285,16 +229,17 @@ class AgentRun:
                 await self._drive()  # on_cancel=compensate: put the ok writes back first
             await self._finish()
             raise
-        except ApplicationError:
-            if self._record and self._verified:  # failing: every decision still gets its answer
+        except (ApplicationError, ActivityError):
+            # Failing (an illegal state, a check that failed for good): every decision still gets
+            # its answer.
+            if self._verified:
                 await self._finish()
             raise
         await self._finish()
-        # Bounded where tether-lean is set: the steps and timeline queries have them.
-        outcome = self.engine.outcome(workflow.info().workflow_id, bounded=self._lean)
-        if TEMPORAL_STATUS[outcome.state] == "Failed" and self._patched(FAILED_STATUS):
+        outcome = self.engine.outcome(workflow.info().workflow_id, bounded=True)
+        if TEMPORAL_STATUS[outcome.state] == "Failed":
             # The execution fails, non-retryable, with the outcome in the failure's details
-            # (client.run_outcome reads it back). Runs recorded before completed; they still do.
+            # (client.run_outcome reads it back).
             timeline = self.data.lifecycle.timeline
             final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
             raise ApplicationError(
@@ -325,77 +270,48 @@ class AgentRun:
         await self._checkpoint()
         await workflow.wait_condition(workflow.all_handlers_finished)
 
-    async def _verify_carryover(self) -> None:
-        if self._carry_raw is None or not self._v2:
+    def _verify_carryover(self) -> None:
+        """Carried state only from this run's own previous run: its seal (workflow code, the
+        fleet key) names the run the server says this one continued from and the next
+        generation. Anything else is a forgery: the workflow task fails, the run stands."""
+        if self._carry_raw is None:
             self._verified = True
             return
-        digest = json_digest(self._carry_raw)
         info = workflow.info()
-        # The seal names the run it was made by and the generation it hands on: only the run
-        # the server says this one continued from, handing on the next generation, will do.
         generation = self.data.generation + 1
-        try:
-            valid = await self._activity(
-                "carryover_verify",
-                SealRequest(
-                    workflow_id=info.workflow_id,
-                    digest=digest,
-                    seal=self.request.carryover_seal,
-                    run_id=info.continued_run_id or "",
-                    generation=generation,
-                ),
-                bool,
-                "verify carried state",
-                local=True,
-            )
-        except (ActivityError, ApplicationError) as err:
-            # A local activity's failure may arrive unwrapped (the ApplicationError itself).
-            cause = err.cause if isinstance(err, ActivityError) else err
-            if self._v3 and isinstance(cause, ApplicationError) and cause.type == KEY_MISSING:
-                # Not this worker's to judge: fail the workflow task (a worker holding the key
-                # takes it), never the run. The message names the key id.
-                raise RuntimeError(f"{KEY_MISSING}: {cause.message}") from None
-            raise
-        if not valid:
-            raise ApplicationError(
-                "the carried state does not bear a valid seal by this run's previous run: it was "
-                "not written by that run (an older or another run's state, or a forged one)",
-                type="carryover_unsealed",
-                non_retryable=True,
-            )
-        if self._v3:
-            self.data.generation = generation
+        with self._keyed():
+            self._seal_check(info, generation)
+        self.data.generation = generation
         self._verified = True
+
+    def _seal_check(self, info: workflow.Info, generation: int) -> None:
+        if not keys.seal_valid(
+            self._ring(), self.request.carryover_seal, info.workflow_id, info.continued_run_id or "",
+            generation, json_digest(self._carry_raw),
+        ):
+            raise keys.Forgery(keys.forgery_message(
+                "the carried state", info.workflow_id,
+                "it does not bear a seal by this run's previous run: an older or another run's state, or a made-up one",
+            ))
 
     async def _drive(self) -> None:
         data = self.data
-        if self._lean and data.catalog is None and data.policy is None:
-            # One snapshot per run, both in one local activity: validation must not change
-            # under a run's feet.
-            setup = await self._activity("run_setup", self._snapshot_request(), RunSetup, "", local=True)
+        if data.catalog is None or data.policy is None:
+            # One snapshot per run, both in one activity: validation must not change under a
+            # run's feet.
+            setup = await self._activity("run_setup", self._snapshot_request(), RunSetup, "run setup", show=False)
             data.catalog, data.policy = setup.catalog, setup.policy
-        if data.catalog is None:
-            # One snapshot per run: validation must not change under a run's feet.
-            data.catalog = await self._activity(
-                "tool_catalog", CatalogRequest(tenant=self.request.tenant), ToolCatalog, "tool catalog snapshot",
-                local=True,
-            )
-        if data.policy is None:
-            data.policy = await self._activity(
-                "policy_snapshot", self._snapshot_request(), PolicySnapshot, "policy snapshot", local=True
-            )
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
         if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:
-            # A compensation run: the original's closed record says what its approvals covered.
+            # A compensation run: the original's closed record says what its approvals covered
+            # (attested by the fleet key: a keyless poller cannot say what gets undone).
             source = await self._activity(
                 "recovery_source",
                 RecoveryRequest(run_id=self.request.compensate_run, tenant=self.request.tenant),
                 RecoverySource,
                 f"recovery source · {self.request.compensate_run}",
-                # Local: its answer decides what the run mints capabilities for, so no activity
-                # task a rogue poller could answer with undos the original never recorded.
-                local=True,
+                show=False,
             )
             self._decide(lambda now: self.engine.begin_compensation(source, now))
 
@@ -408,7 +324,7 @@ class AgentRun:
                 self._decide(self.engine.after_validation_failed)
             elif state == S.VALIDATED:
                 verdict = None
-                if self._v2 and not self.engine.review().needs_approval:
+                if not self.engine.review().needs_approval:
                     # Auto-approved by the run's snapshot: the current file must agree.
                     verdict = await self._authority(from_step=0)
                 self._decide(lambda now: self.engine.after_validated(now, _refusal(verdict), verdict))
@@ -425,7 +341,7 @@ class AgentRun:
                     await self._execute_step()
             elif state == S.OBSERVING_RESULT:
                 verdict = None
-                if self.engine.current_step() is not None and (self._v2 or data.approval is not None):
+                if self.engine.current_step() is not None:
                     verdict = await self._authority(from_step=data.next_step)
                 self._decide(lambda now: self.engine.after_observation(_refusal(verdict), now, verdict))
             else:
@@ -467,6 +383,7 @@ class AgentRun:
                 f"plan · {self.request.planner} · round {data.planning_rounds}",
                 timeout=PLANNER_TIMEOUT,
                 retry=PLANNER_RETRY,
+                attested=False,  # a proposal is untrusted input whoever wrote it
             )
         except ActivityError as err:
             failure = _failure(err)
@@ -474,7 +391,8 @@ class AgentRun:
             return
         if await self._take_handoff():
             return
-        self._decide(lambda now: self.engine.proposal(proposal, at=now, new_id=_new_tool_call_id))
+        ids = self._ids(f"plan:{data.planning_rounds}:{json_digest(proposal.model_dump(mode='json'))}")
+        self._decide(lambda now: self.engine.proposal(proposal, at=now, new_id=ids))
 
     async def _await_decision(self) -> None:
         pending = self.data.pending_approval
@@ -483,8 +401,7 @@ class AgentRun:
                 "AWAITING_APPROVAL without a pending approval", type="IllegalState", non_retryable=True
             )
         # The expiry, or the next escalation stage where the policy sets stages.
-        escalate = bool(pending.escalation) and self._patched(ESCALATION)
-        wake, summary = self.engine.next_timer(escalate)
+        wake, summary = self.engine.next_timer(bool(pending.escalation))
         remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
             await self._checkpoint()
@@ -494,21 +411,19 @@ class AgentRun:
                     or self._handoff is not None
                     or self._continue_wanted()
                     # A refusal recorded while waiting goes to the sink now, not at the next step.
-                    or (self._record and (bool(self._audit) or self._updates_exhausted())),
+                    or bool(self._audit)
+                    or self._updates_exhausted(),
                     timeout=timedelta(seconds=remaining),
                     timeout_summary=summary,
                 )
             except asyncio.TimeoutError:
                 pass
-            self._after_local = False
         if await self._take_handoff():
             return
         if self._inbox:
             # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
             # (a cancel, a failure) still answers it (_finish).
-            kind, decision = self._inbox[0] if self._record else self._inbox.pop(0)
-            if kind == "revise" or getattr(decision, "steps", None) is not None:
-                self._patched(REVISIONS)
+            kind, decision = self._inbox[0]
             verdict = await self._activity(
                 "policy_check_decision",
                 DecisionCheck(
@@ -521,30 +436,26 @@ class AgentRun:
                 ),
                 Verdict,
                 f"policy check · {kind}",
-                local=True,
             )
-            if self._record:
-                self._inbox.pop(0)
+            self._inbox.pop(0)
+            ids = self._ids(f"decision:{decision.decision_id}")
             self._decide(
-                lambda now: self.engine.settle_decision(
-                    kind, decision, verdict.refusal, now, verdict.verified, new_id=_new_tool_call_id
-                )
+                lambda now: self.engine.settle_decision(kind, decision, verdict.refusal, now, verdict.verified, new_id=ids)
             )
             self._answer(decision.decision_id)
             return
         if workflow.now() >= wake:
-            self._decide(lambda now: self.engine.timer_fired(now, escalate))
-        # Otherwise woken to continue as new: the loop does that and comes back here.
+            self._decide(lambda now: self.engine.timer_fired(now, bool(pending.escalation)))
+        # Otherwise woken to continue as new (or to write refusals to the sink): the loop does
+        # that and comes back here.
 
-    async def _authority(self, *, from_step: int, **mint: Any) -> Verdict | None:
-        """Re-check, through the policy activity, the approvals of the plan's remaining writes;
-        ``mint`` (call, activity_id, ttl_seconds): and the capability of that write attempt."""
+    async def _authority(self, *, from_step: int) -> Verdict | None:
+        """Re-check, through the policy activity, the approvals of the plan's remaining writes
+        under the current file."""
         check = self.engine.authority_check(from_step=from_step)
         if check is None:
             return None
-        return await self._activity(
-            "policy_check_authority", check.model_copy(update=mint), Verdict, "policy re-check before writes", local=True
-        )
+        return await self._activity("policy_check_authority", check, Verdict, "policy re-check before writes")
 
     async def _execute_step(self) -> None:
         step = self.engine.current_step()
@@ -560,23 +471,33 @@ class AgentRun:
             return
         data_state = self.data.lifecycle.state
         timeouts = policy.tool_timeouts(info.timeout_seconds)
+        writes = info.effect != ToolEffect.READ_ONLY
         activity_id = None
-        if self._v3 and info.effect != ToolEffect.READ_ONLY:
-            # Every write attempt carries a capability for exactly this call, minted by the
-            # keyed re-check under the current file: nothing else can make a tool write.
+        if writes:
+            # Every write attempt carries a capability for exactly this call: the keyed re-check
+            # under the current file allows it, then the run's own code mints it with the fleet
+            # key. Nothing else can make a tool write.
             activity_id = f"{call.tool_call_id}.{self.data.tool_calls}.{self._bounces}"
-            verdict = await self._authority(
-                from_step=self.data.next_step, call=call, activity_id=activity_id, ttl_seconds=timeouts.start_to_close
-            )
-            if verdict is None or verdict.capability is None:
-                refusal = _refusal(verdict) or Refusal(rule="capability_invalid", message="no capability minted")
+            check = self.engine.authority_check(from_step=self.data.next_step)
+            verdict = None
+            if check is not None:
+                verdict = await self._activity(
+                    "policy_check_authority", check.model_copy(update={"call": call}), Verdict,
+                    "policy re-check before this write",
+                )
+            if verdict is None or verdict.refusal is not None:
+                refusal = _refusal(verdict) or Refusal(rule="capability_invalid", message="no re-check for this write")
                 self._decide(lambda now: self.engine.write_refused(refusal, now))
                 return
-            call = call.model_copy(update={"capability": verdict.capability})
-        if self._lean and info.effect == ToolEffect.READ_ONLY:
-            self._show()  # a read is no place the run rests: the sink gets its records later
-        else:
+            wf = workflow.info()
+            call = call.model_copy(update={"capability": keys.mint(
+                self._ring(), call, workflow_id=wf.workflow_id, run_id=wf.run_id, activity_id=activity_id,
+                request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
+                ttl_seconds=timeouts.start_to_close,
+            )})
             await self._checkpoint()  # the record of the approval is in the sink before a write
+        else:
+            self._show()  # a read is no place the run rests: the sink gets its records later
         handle = workflow.start_activity(
             "execute_tool",
             call,
@@ -591,7 +512,7 @@ class AgentRun:
             cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             retry_policy=TOOL_RETRY,
             # The Web UI's line for the call: a write names its effect class, a read only itself.
-            summary=f"{step.tool} · " + ("" if info.effect == ToolEffect.READ_ONLY else f"{info.effect.value} · ")
+            summary=f"{step.tool} · " + ("" if not writes else f"{info.effect.value} · ")
             + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
         )
         outcome: ToolOutcome | None = None
@@ -599,16 +520,14 @@ class AgentRun:
             try:
                 # Shielded: the run's cancellation is handled below, not by losing the handle.
                 outcome = await asyncio.shield(handle)
-                self._after_local = False
             except asyncio.CancelledError:
                 failure: ToolFailure | None = None
-                if self._patched(CANCEL_REACHES_TOOL):
-                    # The attempt may have ended in the very workflow task the cancel came in:
-                    # let its handle take that result first (the SDK drops the result of a
-                    # handle cancelled after its result arrived).
-                    await asyncio.sleep(0)
-                    if not handle.done():
-                        handle.cancel()
+                # The attempt may have ended in the very workflow task the cancel came in: let
+                # its handle take that result first (the SDK drops the result of a handle
+                # cancelled after its result arrived).
+                await asyncio.sleep(0)
+                if not handle.done():
+                    handle.cancel()
                 try:
                     outcome = await handle
                 except ActivityError as err:
@@ -617,6 +536,8 @@ class AgentRun:
                 except asyncio.CancelledError:
                     # Its result was dropped after all: what the attempt did is not known.
                     failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
+                if outcome is not None and writes:
+                    self._check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
                 self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome, failure))
                 raise
         except ActivityError as err:
@@ -643,6 +564,9 @@ class AgentRun:
                 pass
             self._decide(self.engine.retry)
             return
+        if writes:
+            # What a write did decides what gets undone: only the fleet's tool worker says so.
+            self._check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
         self._bounces = 0
         self._decide(lambda now: self.engine.tool_succeeded(outcome, now))
 
@@ -766,7 +690,7 @@ class AgentRun:
         # run). Every policy refusal goes through the handler and onto the timeline.
         decision = self._decide_payload(args)
         refusal = policy.repeated_decision_refusal(decision.decision_id, self.data, in_flight=self._verdicts)
-        if refusal is None and self._record:
+        if refusal is None:
             refusal = policy.updates_refusal(self._updates)  # it continues as new first
         if refusal is not None:
             raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
@@ -881,8 +805,8 @@ class AgentRun:
             self._verdicts[decision_id] = DecideResult(
                 decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state,
                 reason=f"refused: {unrecorded.message} (counted, not recorded: see snapshot.refusals)"
-                if unrecorded and self._record else "refused (counted, not recorded: see snapshot.refusals)",
-                rule=unrecorded.rule if unrecorded and self._record else "flood",
+                if unrecorded else "refused (counted, not recorded: see snapshot.refusals)",
+                rule=unrecorded.rule if unrecorded else "flood",
             )
             return
         self._verdicts[decision_id] = DecideResult(
@@ -907,6 +831,40 @@ class AgentRun:
         elif record.kind == "transition":
             run_metrics.on_transition(self.data.lifecycle, record)
 
+    def _ring(self) -> keys.KeyRing:
+        return keys.worker_ring(workflow.extern_functions)
+
+    def _ids(self, basis: str) -> Callable[[int], str]:
+        """Tool call ids (and so idempotency keys) from the run chain and the decision that made
+        the plan: a reset or a replay makes the same ones, another run never does."""
+        first = self.data.first_run_id
+        return lambda n: f"tc-{n:03d}-{derived_digest('tc', first, basis, str(n))[:12]}"
+
+    def _check(self, activity_id: str, kind: str, request: BaseModel | str, result: BaseModel) -> None:
+        """An activity's answer bears the fleet key's MAC over exactly this request and answer
+        (workflow code; replay included), or the workflow task fails naming it."""
+        with self._keyed():
+            keys.check_attested(self._ring(), kind, workflow.info().workflow_id, activity_id, request, result)
+
+    @contextmanager
+    def _keyed(self) -> Iterator[None]:
+        """A key id this worker lacks, or a forgery, fails the workflow task: said in the worker's
+        log and counted (tether_key_missing, tether_forgery) before the task fails."""
+        try:
+            yield
+        except keys.KeyMissing as e:
+            workflow.logger.warning("%s", e)  # (the workflow logger and meter skip replays)
+            workflow.metric_meter().create_counter(
+                KEY_MISSING_METRIC, "Seals, capabilities and attestations naming a key id this worker lacks", "1"
+            ).add(1, {"key_id": e.key_id[:32], "what": "workflow"})
+            raise
+        except keys.Forgery as e:
+            workflow.logger.error("%s", e)
+            workflow.metric_meter().create_counter(
+                FORGERY_METRIC, "Answers and carried state a worker without the fleet key wrote", "1"
+            ).add(1)
+            raise
+
     async def _activity(
         self,
         name: str,
@@ -916,27 +874,30 @@ class AgentRun:
         *,
         timeout: timedelta = SETUP_TIMEOUT,
         retry: RetryPolicy | None = None,
-        local: bool = False,
-        checkpoint: bool = True,
+        attested: bool = True,
+        show: bool = True,
     ) -> T:
-        if checkpoint and not self._lean:
-            await self._checkpoint()
-        elif checkpoint and not local:
-            self._show()  # never a checkpoint before a local activity; the sink is written at rests
-        # Local for the snapshots, policy checks and the audit sink: in-process work that runs
-        # inside the current workflow task and leaves one marker event, instead of an activity
-        # task plus another workflow task (six events and two server round trips; bench/).
-        execute = workflow.execute_local_activity if local else workflow.execute_activity
-        self._after_local = local
+        """One activity (never a local one: sdk-core hands a local activity's result over at a
+        different point live and on replay when a query is answered meanwhile, and signals that
+        came in between then land on another side of it). ``attested``: its answer carries the
+        fleet key's MAC, checked before the run uses it. ``show``: publish the state first (not
+        while RECEIVED: a start lists the run as the state its first task moves it to)."""
+        if show:
+            self._show()
+        self._calls += 1
+        # Ours, not the SDK's sequence number, so the attestation can bind it.
+        activity_id = f"{name}.{self._calls}"
+        # What was asked, as it was sent (the run may change a model it holds meanwhile).
+        asked = keys.digest(arg) if attested else ""
         try:
-            return await execute(
+            result = await workflow.execute_activity(
                 name,
                 arg,
+                activity_id=activity_id,
                 result_type=result_type,
                 start_to_close_timeout=timeout,
                 retry_policy=retry,
-                # A local activity's summary is one more payload per activation, seen by nobody.
-                summary=None if local and self._lean else summary,
+                summary=summary or None,
             )
         except ActivityError as err:
             # An activity the run's own cancellation cancelled: the run is being cancelled, not
@@ -944,6 +905,9 @@ class AgentRun:
             if isinstance(err.cause, CancelledError):
                 raise asyncio.CancelledError() from err
             raise
+        if attested:
+            self._check(activity_id, name, asked, result)
+        return result
 
     def _snapshot_request(self) -> SnapshotRequest:
         return self.engine.snapshot_request(workflow.info().workflow_id, workflow.info().start_time)
@@ -954,28 +918,26 @@ class AgentRun:
         request = self._handoff
         if request is None or not self.engine.can_take_handoff():
             return False
-        verdict = None
-        if self._v2:
-            verdict = await self._activity(
-                "policy_check_handoff",
-                HandoffCheck(
-                    tenant=self.request.tenant,
-                    workflow_id=workflow.info().workflow_id,
-                    first_run_id=self.data.first_run_id,
-                    handoff=request,
-                ),
-                Verdict,
-                "policy check · handoff",
-                local=True,
-            )
+        verdict = await self._activity(
+            "policy_check_handoff",
+            HandoffCheck(
+                tenant=self.request.tenant,
+                workflow_id=workflow.info().workflow_id,
+                first_run_id=self.data.first_run_id,
+                handoff=request,
+            ),
+            Verdict,
+            "policy check · handoff",
+        )
         self._handoff = None
-        refusal, verified = (verdict.refusal, verdict.verified) if verdict else (None, False)
-        return self._decide(lambda now: self.engine.take_handoff(request, now, detail, refusal, verified, refs=refs))
+        return self._decide(
+            lambda now: self.engine.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs)
+        )
 
     def _flush_inbox(self, *, ended: bool = False) -> None:
         """The run left AWAITING_APPROVAL (``ended``: the run is over): decisions still queued
         can no longer count."""
-        ended = self._record and (ended or self.data.lifecycle.terminal)
+        ended = ended or self.data.lifecycle.terminal
         for kind, decision in self._inbox:
             self.engine.refuse_unsettled(kind, decision, workflow.now(), ended=ended)
             self._answer(decision.decision_id)
@@ -983,15 +945,12 @@ class AgentRun:
 
     def _updates_exhausted(self) -> bool:
         """Near Temporal's per-run Update limit, with no Update in flight: time to continue."""
-        return self._record and self._updates >= UPDATES_CONTINUE_AT and workflow.all_handlers_finished()
+        return self._updates >= UPDATES_CONTINUE_AT and workflow.all_handlers_finished()
 
     async def _flush_audit(self) -> None:
         """Every record written so far, to the audit sink, in order (keyed by workflow id, run id
         and seq: a retry never writes one twice). While the sink fails, the run says so and
         retries on a backoff timer; nothing else starts until every record is in."""
-        if not self._v2:
-            self._audit.clear()
-            return
         info = workflow.info()
         failures = 0
         while self._audit:
@@ -1005,16 +964,13 @@ class AgentRun:
                     ),
                     AuditAck,
                     f"audit · {len(batch)} record(s)",
-                    local=True,
-                    checkpoint=False,
-                    retry=AUDIT_RETRY if self._record else None,
+                    retry=AUDIT_RETRY,
+                    attested=False,  # what it answers decides nothing
                 )
-            except (ActivityError, ApplicationError) as err:  # a local activity's failure comes bare
-                if not self._record:
-                    raise
+            except ActivityError as err:
                 failures += 1
                 delay = min(2.0 ** (failures - 1), AUDIT_BACKOFF_MAX)
-                failure = err.cause if isinstance(err, ActivityError) else err
+                failure = err.cause
                 cause = failure.message if isinstance(failure, ApplicationError) else str(failure or err)
                 self._audit_error = clip(
                     f"audit sink failing, {len(self._audit)} record(s) from seq {batch[0].seq} not written "
@@ -1031,10 +987,12 @@ class AgentRun:
             self._audit_error = None
 
     async def _checkpoint(self) -> None:
-        """Before the run waits: the audit sink has every record, people who take an event are
-        being told, and the state is visible."""
+        """Where the run rests (a wait, a timer, before a write, continue-as-new, the end): the
+        audit sink has every record, people who take an event are being told, the state is
+        visible, and the view Tether's own tools read without a worker is published."""
         await self._flush_audit()
         self._show()
+        self._publish_view()
 
     def _show(self) -> None:
         """Before the run awaits anything: people who take an event are being told, and the
@@ -1042,16 +1000,9 @@ class AgentRun:
         self._notify()
         self._publish()
 
-    def _patched(self, patch_id: str) -> bool:
-        """An older patch: set wherever PATCH_LEAN is (no marker of its own), else as recorded."""
-        return self._lean or workflow.patched(patch_id)
-
     def _notify(self) -> None:
         """Start a notify activity per event the policy has webhooks for; the run goes on."""
-        notes = self.engine.take_notifications(workflow.info().namespace)
-        if not notes or not self._v2 or not self._patched(NOTIFY):
-            return
-        for note in notes:
+        for note in self.engine.take_notifications(workflow.info().namespace):
             self._notifying += 1
             asyncio.create_task(self._deliver(note))
 
@@ -1074,6 +1025,10 @@ class AgentRun:
         run_metrics.on_notification(note.event, len(result.delivered), len(result.dead))
         self.engine.notification_done(note, result, workflow.now())
 
+    def _quiet(self) -> bool:
+        """Nothing accepted but not yet acted on, and nothing in flight that continuing would lose."""
+        return not self._inbox and self._handoff is None and not self._notifying and workflow.all_handlers_finished()
+
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
         self._loops += 1
@@ -1081,34 +1036,30 @@ class AgentRun:
         if not suggested and self._loops % 16:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.
-        if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL, S.OBSERVING_RESULT):
-            return
-        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
+        if data.lifecycle.state not in (S.PLANNING, S.AWAITING_APPROVAL, S.OBSERVING_RESULT) or not self._quiet():
             return
         # The carried state is measured only here (it costs a serialisation), not every loop.
         size = len(data.model_dump_json())
         if not suggested and size < CARRY_CONTINUE_AT:
             return
         carried = None  # what continuing writes (the folded state and the request), once measured
-        if suggested and self._lean and size < CARRY_CONTINUE_AT and not self._updates_exhausted():
+        if suggested and size < CARRY_CONTINUE_AT and not self._updates_exhausted():
             info = workflow.info()
             carried = self.engine.carried_bytes()
             history = info.get_current_history_size()
             if not continue_due(history_bytes=history, history_events=info.get_current_history_length(), carry_bytes=carried):
-                if self._amortized is None and not self._after_local:
-                    # Decided where no local activity just resolved; until then the run
-                    # continues at the suggestion, as runs before the patch do.
-                    self._amortized = workflow.patched(CAN_AMORTIZED)
-                if self._amortized:
-                    self._continue_at = CARRY_AMORTIZE * carried  # asked again once history is there
-                    return
-        if self._lean:
-            self.engine.fold_for_carry()  # the next run gets the latest steps and records
-        if carried is not None:
-            size = carried  # measured on a copy folded the same way
-        else:
-            size = len(data.model_dump_json()) if self._lean else size
-            size += len(self.request.model_dump_json(exclude={"carryover"}))
+                self._continue_at = CARRY_AMORTIZE * carried  # asked again once history is there
+                return
+        # Every record to the sink and the view published first; then nothing is awaited until
+        # the run continues, so the state sealed is the state carried (signals that come in
+        # meanwhile wait for the next loop).
+        await self._checkpoint()
+        if not self._quiet():
+            return  # a decision or handoff came in meanwhile: act on it first
+        self.engine.fold_for_carry()  # the next run gets the latest steps and records
+        size = carried if carried is not None else (
+            len(data.model_dump_json()) + len(self.request.model_dump_json(exclude={"carryover"}))
+        )
         if size > CARRY_BUDGET + REQUEST_BUDGET:
             # Cleanly, with the reason: a payload over the limit would fail every workflow task.
             raise ApplicationError(
@@ -1117,42 +1068,13 @@ class AgentRun:
                 type="carry_budget",
                 non_retryable=True,
             )
-        seal = None
-        if self._v2:
-            # Decided before the seal's local activity: a patch marker right after a local
-            # activity's result fails replay when a query was answered in between (sdk-core).
-            settle = self._settle_misses < CAN_SETTLE_TRIES and self._patched(CAN_SETTLE)
-            digest = json_digest(data.model_dump(mode="json"))
-            if self._lean:
-                # The records first, right after the digest (as the older runs do): after the
-                # settle timer nothing is left to flush unless the state moved, and then the
-                # digest check below returns first.
-                await self._checkpoint()
-            sealed = await self._activity(
-                "carryover_seal",
-                # The seal binds the state to this run and to the generation it hands on.
-                SealRequest(workflow_id=workflow.info().workflow_id, digest=digest, generation=data.generation + 1),
-                SealRequest,
-                "seal carried state",
-                local=True,
-            )
-            seal = sealed.seal
-            if settle:
-                # Nothing that depends on signals may follow a local activity's result before a
-                # durable boundary: replay may deliver the result before signals the original
-                # run took first (sdk-core, with a query answered in between). After the timer
-                # both runs have taken every signal up to it; the seal must still fit.
-                await workflow.sleep(CAN_SETTLE_DELAY, summary="settle before continue-as-new")
-                if json_digest(data.model_dump(mode="json")) != digest:
-                    self._settle_misses += 1
-                    return  # the state moved while sealing: seal again on a later loop
-        await self._checkpoint()
-        if self._inbox or self._handoff is not None or self._notifying or not workflow.all_handlers_finished():
-            # A decision or handoff came in while sealing (act on it first), or a notification
-            # is on its way (it would be lost): continue later.
-            return
+        info = workflow.info()
+        # The seal binds the state to this run and to the generation it hands on: computed by
+        # the workflow code with the fleet key, right before continuing, every time.
+        state = data.model_dump(mode="json")
+        sealed = keys.seal(self._ring(), info.workflow_id, info.run_id, data.generation + 1, json_digest(state))
         workflow.continue_as_new(
-            self.request.model_copy(update={"carryover": data, "carryover_seal": seal}),
+            self.request.model_copy(update={"carryover": data, "carryover_seal": sealed}),
             search_attributes=TypedSearchAttributes(
                 [
                     SearchAttributePair(STATE_ATTRIBUTE, data.lifecycle.state.value),
@@ -1179,7 +1101,7 @@ class AgentRun:
         """
         state = self.data.lifecycle.state
         checked, self._published_checked = self._published_checked, True
-        if state.value != self._published and (not self._lean or not checked or to_publish(self._published, state)):
+        if state.value != self._published and (not checked or to_publish(self._published, state)):
             updates = [STATE_ATTRIBUTE.value_set(state.value)]
             if not self._tenant_published:
                 updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))
@@ -1191,6 +1113,23 @@ class AgentRun:
             workflow.set_current_details(details)
             self._shown = details
 
+    def _publish_view(self) -> None:
+        """Where the run rests: the view ``tether status``/``list``/``timeline`` and the inbox read
+        with no worker running (memo ``tether``), when it says something new."""
+        data = self.data
+        # Not on every refused decision (a flood would write a view each): the sink has those.
+        key = (data.lifecycle.state_version, len(data.approved_by), self._audit_error,
+               data.pending_approval.request_id if data.pending_approval else None)
+        if key == self._viewed:
+            return
+        self._viewed = key
+        view = RunView(
+            snapshot=self.snapshot(),
+            timeline=data.lifecycle.timeline[-VIEW_RECORDS:],
+            published_at=workflow.now(),
+        )
+        workflow.upsert_memo({VIEW_MEMO: view})
+
     def _details(self) -> str:
         return run_details(
             self.data, self.request, workflow_id=workflow.info().workflow_id,
@@ -1198,8 +1137,18 @@ class AgentRun:
         )
 
 
-def _new_tool_call_id(n: int) -> str:
-    return f"tc-{n:03d}-{workflow.uuid4().hex[:8]}"
+class OlderBuild(RuntimeError):
+    """A history this build does not replay: fails the workflow task, never the run."""
+
+
+def derived_digest(kind: str, *parts: str) -> str:
+    """What an id is made of: the run chain, the decision, the plan; never the run's random
+    stream, so a reset run makes the same ids and another run never does."""
+    return hashlib.sha256("\x1f".join((kind, *parts)).encode()).hexdigest()
+
+
+def derived_id(kind: str, *parts: str) -> str:
+    return f"{kind}-{derived_digest(kind, *parts)[:24]}"
 
 
 def _refusal(verdict: Verdict | None) -> Refusal | None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from workflows import policy, recovery
 from workflows import revision as revisions
+from workflows.identity import normalize_name, same_person
 from workflows.budgets import (
     ANSWER_CHARS,
     CARRY_TIMELINE_TAIL,
@@ -115,7 +116,7 @@ class Engine:
         self.request = request
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
-        self.new_request_id = new_request_id  # one id per approval request (workflow.uuid4())
+        self.new_request_id = new_request_id  # one id per approval request (derived: a reset asks the same)
         # Records someone is to be told about, with webhooks named besides the subscribers (an
         # escalation stage's notify); the workflow takes them before it waits.
         self.outbox: list[tuple[TransitionRecord, list[str]]] = []
@@ -276,7 +277,7 @@ class Engine:
             data.feedback = result.reason  # bounded: the first problems, paths and rules only
             self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
             return
-        data.plan_editors = []
+        data.plan_editors, data.plan_revisers = [], []
         self._adopt(result.plan)
         data.feedback = None
         self.move(
@@ -376,6 +377,7 @@ class Engine:
             approvals_required=required,
             roles=roles,
             editors=list(data.plan_editors),
+            revisers=list(data.plan_revisers),
             opened_at=at,
             # Expiry stays the last word: a stage at or past it never fires.
             escalation=[stage for stage in review.escalation if stage.after < ttl],
@@ -510,6 +512,8 @@ class Engine:
         changed = revisions.changed_paths(revisions.patch(old.steps, result.plan.steps))
         if decision.approver not in data.plan_editors:
             data.plan_editors.append(decision.approver)
+        if not partial and decision.approver not in data.plan_revisers:
+            data.plan_revisers.append(decision.approver)
         self._adopt(result.plan)
         plan = result.plan
         data.revisions.append(
@@ -566,6 +570,25 @@ class Engine:
             f"{len(old.steps)} approved, not approved: "
             + ", ".join(f"{d.step} ({d.tool})" for d in dropped)
         )
+        # Judged before anything changes (a refused decision changes nothing): as the subset's
+        # request will ask, with the roles the current request's escalation stages have added,
+        # and the approver among the plan's editors (a partial approval revises the plan).
+        escalated = [r for stage in before.escalation[: before.stage] for r in stage.roles]
+        subset = self.validate(proposal, new_id).plan
+        if subset is not None:
+            _, roles = policy.request_terms(policy.review_plan(subset, self.catalog, self.tenant, data.spent), self.tenant)
+            refusal = policy.approver_refusal(
+                self.tenant,
+                approver=decision.approver,
+                requested_by=self.request.requested_by,
+                kind="approve",
+                roles=sorted({*(roles or before.roles), *escalated}),
+                already_approved=[],
+                editors=[*data.plan_editors, decision.approver],
+            )
+            if refusal is not None:
+                self._refuse_decision("approve", decision, refusal, at)
+                return
         if not self._revise(proposal, decision, actor, at, new_id, why=why, partial=True):
             return
         data.not_approved = dropped
@@ -573,6 +596,10 @@ class Engine:
         self.request_approval(at=at, reason=f"approval of the approved part: {review.summary}")
         pending = data.pending_approval
         _require(pending is not None, "no pending approval")
+        if escalated:
+            # The subset's request stands where the request it narrows had escalated to.
+            pending.roles = sorted({*pending.roles, *escalated})
+            pending.stage = min(before.stage, len(pending.escalation))
         # Checked by the policy activity for the request it was sent for; the subset's request
         # may ask for other roles: the run's snapshot says whether this approver holds one.
         refusal = policy.approver_refusal(
@@ -608,12 +635,32 @@ class Engine:
             )
         )
         data.approved_by = [a.approver for a in pending.approvals]
+        unreviewed = " (unreviewed: not bound to a plan the approver was shown)" if decision.unreviewed else ""
+        # Whoever changed the plan's steps is not its only approver, unless the tenant allows it.
+        by_revisers = bool(pending.revisers) and all(
+            any(same_person(a.approver, r) for r in pending.revisers) for a in pending.approvals
+        )
+        alone = by_revisers and len(pending.approvals) >= pending.approvals_required
+        if alone and self.tenant is not None and self.tenant.reviser_may_approve_alone:
+            unreviewed += " (approved by its own reviser alone: reviser_may_approve_alone = true)"
+        elif alone:
+            self.on_record(
+                data.lifecycle.accept(
+                    at=at,
+                    actor=actor,
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted{unreviewed}; "
+                    f"{', '.join(pending.revisers)} revised this plan: an approval from someone who did not revise "
+                    f"it is still needed (reviser_may_approve_alone = false)",
+                    refs=refs,
+                )
+            )
+            return
         if len(pending.approvals) < pending.approvals_required:
             self.on_record(
                 data.lifecycle.accept(
                     at=at,
                     actor=actor,
-                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted"
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted{unreviewed}"
                     + (f": {decision.comment}" if decision.comment else ""),
                     refs=refs,
                 )
@@ -621,7 +668,7 @@ class Engine:
             return
         # The approval is now in force for this plan; nothing is pending any more.
         data.approval, data.pending_approval = pending, None
-        self.move(S.APPROVED, at=at, actor=actor, reason=decision.comment or "approved", refs=refs)
+        self.move(S.APPROVED, at=at, actor=actor, reason=(decision.comment or "approved") + unreviewed, refs=refs)
 
     def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None:
         """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
@@ -940,6 +987,7 @@ class Engine:
 
     def cancelled(self, reason: str | None, at: datetime) -> None:
         self.data.pending_approval = None
+        actor, reason = cancel_actor(reason)
         why = f"cancellation requested: {reason or 'no reason'}"
         ended = self._step_ended_by("cancelled")
         refs, detail = ended if ended is not None else (None, None)
@@ -948,10 +996,10 @@ class Engine:
             # The person asked to stop; the run was told to put things back when stopped.
             self._settled = None
             self.data.step_retries, self.data.step_outcome = 0, None
-            self.move(S.COMPENSATING, at=at, actor="runtime",
+            self.move(S.COMPENSATING, at=at, actor=actor,
                       reason=f"{why}; on_cancel=compensate: {self._undo_left(start=True)}", refs=refs)
             return
-        self.move(S.CANCELLED, at=at, actor="runtime", reason=why, refs=refs)
+        self.move(S.CANCELLED, at=at, actor=actor, reason=why, refs=refs)
 
     # ------------------------------------------------------------------ tools
 
@@ -1462,3 +1510,18 @@ def _fold(data: RunData) -> None:
     data.executed_ok_before += sum(1 for done in old if done.status == "ok")
     del data.executed[: len(old)]
     data.lifecycle.fold(CARRY_TIMELINE_TAIL)
+
+
+def cancel_actor(reason: str | None) -> tuple[str, str | None]:
+    """Who asked for a cancel: `tether cancel RUN --by NAME --reason R` sends "by NAME: R" as
+    Temporal's cancellation reason (a claim, like any unsigned name). Anything else: the
+    runtime, with the reason as given."""
+    text = reason or ""
+    name, sep, rest = text[3:].partition(": ") if text.startswith("by ") else ("", "", "")
+    try:
+        name = normalize_name(name) if sep else ""
+    except ValueError:
+        name = ""
+    if not name:
+        return "runtime", reason
+    return f"user:{name}", rest or None

@@ -31,7 +31,6 @@ from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecor
 __all__ = [
     "AcceptedApproval",
     "ApprovalDecision",
-    "CatalogRequest",
     "Compensation",
     "CompensationCall",
     "ExecutedStep",
@@ -217,10 +216,6 @@ class ToolInfo(BaseModel):
     compensate: Compensation | None = None
 
 
-class CatalogRequest(BaseModel):
-    tenant: str = "default"
-
-
 class ToolCatalog(BaseModel):
     tools: list[ToolInfo] = Field(default_factory=list)
 
@@ -236,9 +231,9 @@ CANCELLED_MID_CALL = "cancelled_mid_call"
 
 
 class Capability(BaseModel):
-    """What lets one ``execute_tool`` attempt of a write run: minted by the keyed authority
-    re-check (``policy_check_authority``, a local activity of the run's own worker) for exactly
-    that call, verified by the tool activity before the tool is called (docs/architecture.md)."""
+    """What lets one ``execute_tool`` attempt of a write run: minted by the run's own workflow
+    code with the fleet key (workflows/keys.py) once the attested authority re-check allowed
+    exactly that call, verified by the tool activity before the tool is called."""
 
     workflow_id: str
     run_id: str  # the run that scheduled the attempt (as the server says)
@@ -294,6 +289,9 @@ class ToolOutcome(BaseModel):
     digest: str
     size: int
     truncated: bool = False
+    # A write's: the fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
 
 
 # ----------------------------------------------------------------------------- planning
@@ -441,6 +439,9 @@ class ApprovalDecision(Contract):
     # Partial approval (approve only): the 1-based numbers of the steps approved; None: all.
     # The other steps are dropped from the plan (a revision) and the result is approved.
     steps: list[int] | None = Field(None, min_length=1, max_length=1000)
+    # The approver did not bind the decision to a plan they reviewed (`tether approve
+    # --unreviewed`): it still names the pending hash, and the record says it was not reviewed.
+    unreviewed: bool = False
 
     @field_validator("steps")
     @classmethod
@@ -538,7 +539,7 @@ class AcceptedApproval(BaseModel):
 
 class PendingApproval(BaseModel):
     plan_hash: str
-    request_id: str = ""  # one per approval request (workflow.uuid4()); decisions must name it
+    request_id: str = ""  # one per approval request (derived from the run chain and plan); decisions must name it
     expires_at: datetime
     summary: str  # the risk summary: which tools write, to what, amounts
     risk: Literal["normal", "high"] = "normal"
@@ -548,6 +549,7 @@ class PendingApproval(BaseModel):
     # Who revised this plan (since the planner proposed it): under editor_may_approve = false
     # their approvals do not count.
     editors: list[str] = Field(default_factory=list)
+    revisers: list[str] = Field(default_factory=list)  # of the editors, who changed its steps
     opened_at: datetime | None = None
     # The stages that fire inside this request's window, and how many have fired.
     escalation: list[EscalationStage] = Field(default_factory=list)
@@ -704,6 +706,9 @@ class TenantPolicy(Contract):
     # May a person who revised a plan (or approved part of it) approve the result? Four-eyes
     # against the requester holds either way.
     editor_may_approve: bool = True
+    # May the one who changed a plan's steps (a revision, not a partial approval, which only
+    # narrows it) be its only approver? By default another person must approve it too.
+    reviser_may_approve_alone: bool = False
     auto_approve: AutoApprove = Field(default_factory=AutoApprove)
     high_risk: HighRisk | None = None
     approval_ttl_seconds: ApprovalTtl = Field(default_factory=ApprovalTtl)
@@ -817,6 +822,9 @@ class RunSetup(BaseModel):
 
     catalog: ToolCatalog
     policy: PolicySnapshot
+    # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
 
     @model_serializer(mode="plain")
     def _compact(self) -> dict[str, Any]:
@@ -827,7 +835,8 @@ class RunSetup(BaseModel):
         catalog = self.catalog.model_dump(mode="json", exclude_defaults=True, exclude={"tools": {"__all__": {"description"}}})
         for tool in catalog.get("tools", []):
             tool["args_schema"] = untitled(tool["args_schema"])
-        return {"catalog": catalog, "policy": self.policy.model_dump(mode="json", exclude_defaults=True)}
+        compact = {"catalog": catalog, "policy": self.policy.model_dump(mode="json", exclude_defaults=True)}
+        return compact if self.attestation is None else {**compact, "attestation": self.attestation}
 
 
 def untitled(schema: Any) -> Any:
@@ -919,31 +928,18 @@ class NotificationResult(BaseModel):
     dead: dict[str, str] = Field(default_factory=dict)  # webhook -> why (status or error code)
 
 
-class SealRequest(BaseModel):
-    """The carried state's sha256, sealed (HMAC) by the worker before continue-as-new.
-
-    The seal binds the state to the run chain: the workflow id, the sealing run's id and the
-    generation (continue-as-new count) of the state; the continuing run accepts it only when the
-    server says it continued from that run (``continued_run_id``) and the generation follows.
-    """
-
-    workflow_id: str
-    digest: str
-    seal: str | None = None  # given: verify it ("<key id>:<mac>")
-    run_id: str = ""  # the sealing run
-    generation: int = 0
-
-
 class Verdict(BaseModel):
     refusal: Refusal | None = None
     policy_hash: str
     verified: bool = False  # the person's signature checked out against a key the policy lists
-    capability: Capability | None = None  # minted for AuthorityCheck.call when nothing refused
     # A request the re-check opens asks for these (the tenant's current approval rule), and the
     # run judges from then on by the current file (``tenant_policy``) instead of its snapshot.
     approvals_required: int = 0
     roles: list[str] = Field(default_factory=list)
     tenant_policy: TenantPolicy | None = None
+    # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
 
 
 # ----------------------------------------------------------------------------- recovery
@@ -985,6 +981,9 @@ class RecoverySource(BaseModel):
     state: RunState | None = None
     compensations: list[CompensationCall] = Field(default_factory=list)
     refusal: Refusal | None = None
+    # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
 
 
 # ----------------------------------------------------------------------------- run state
@@ -1036,6 +1035,7 @@ class RunData(BaseModel):
     plans: int = 0  # plans validated in all (the current plan's version)
     revisions: list[Revision] = Field(default_factory=list)  # the latest REVISIONS_KEPT
     plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan
+    plan_revisers: list[str] = Field(default_factory=list)  # of them, who changed its steps (not a partial approval)
     not_approved: list[NotApproved] = Field(default_factory=list)  # for the next planner call
 
     @property
@@ -1084,6 +1084,15 @@ class RunSnapshot(BaseModel):
     # approver is shown about each step (effect, summary fields), as the run itself judges them.
     tools: list[ToolInfo] = Field(default_factory=list)
     revisions: list[Revision] = Field(default_factory=list)
+
+
+class RunView(BaseModel):
+    """What a run publishes where it rests (memo ``tether``): Tether's views read it with no
+    worker running. ``published_at`` is workflow time: how fresh the view is."""
+
+    snapshot: RunSnapshot
+    timeline: list[TransitionRecord] = Field(default_factory=list)  # the latest records, bounded
+    published_at: datetime
 
 
 class RunOutcome(BaseModel):

@@ -23,7 +23,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from tests.conftest import BIN, ROOT
-from workflows.agent_run import SEARCH_ATTRIBUTES
+from workflows.published import SEARCH_ATTRIBUTES
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # What a browser on a closed network needs: no sandbox (we run as root in CI), no GPU, and no

@@ -23,6 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 BIN = Path(sys.executable).parent
+RING = HERE / "recording.keys"
 
 
 def steps(*names: str) -> list[dict]:
@@ -39,7 +40,7 @@ async def main() -> None:
     # Imported here: the sandbox re-imports this module, and the workflow must not see them run.
     from examples.billing.service import make_server
     from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
-    from workflows.agent_run import SEARCH_ATTRIBUTES
+    from workflows.published import SEARCH_ATTRIBUTES
     from workflows.models import ApprovalDecision, DecideRequest, DecideResult, HandoffRequest
 
     db = HERE / f".record-{uuid.uuid4().hex[:6]}.db"
@@ -47,12 +48,11 @@ async def main() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     billing = Billing(url=f"http://127.0.0.1:{server.server_address[1]}", db=db)
     os.environ["BILLING_URL"] = billing.url
-    # The workers' key ring (a worker never creates one): a throwaway ring for the recording.
-    from activities.keys import KEY_SETTING, genkey
+    # The workers' key ring for the recording: a fixture (no secret), committed beside the
+    # histories, since replaying them checks every attestation and seal with it.
+    from activities.keys import KEY_SETTING
 
-    ring = HERE / f".record-{uuid.uuid4().hex[:6]}.keys"
-    genkey(ring)
-    os.environ[KEY_SETTING] = str(ring)
+    os.environ[KEY_SETTING] = str(RING)
 
     async def approve(handle: WorkflowHandle, approver: str = "bob") -> None:
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
@@ -206,7 +206,7 @@ async def main() -> None:
         )
     finally:
         server.shutdown()
-        for stale in [*HERE.glob(".record-*.db*"), *HERE.glob(".record-*.keys")]:
+        for stale in HERE.glob(".record-*.db*"):
             stale.unlink()
 
 

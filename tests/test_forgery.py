@@ -1,0 +1,125 @@
+"""Authority comes from keys, not from history: a worker without the fleet's key can write
+history but never make a write happen. Each forgery is tried by a real rogue worker process (or
+a raw gRPC poller) on a real dev server with the real billing service; the honest worker then
+takes over and must stop the run where it stands: its workflow task fails naming the forgery,
+no write and no undo happen."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+from temporalio.api.common.v1 import Payloads
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+import client as tether_client
+from activities.keys import KeyRing
+from tests.conftest import (
+    ROOT,
+    Billing,
+    approval_for,
+    make_request,
+    running_worker,
+    start_run,
+    task_failure,
+    unique,
+    wait_for_state,
+)
+from tests.test_trust_chain import CONVERTER, continue_as_new, rogue_answer
+from workflows.models import CompensationCall, RecoverySource, RunData, RunRequest, RunState
+
+REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 123, "reason": "victim"}}
+READ = {"tool": "get_order", "args": {"order_id": "A-1001"}}
+
+
+async def victims_refund(client: Client, worker, billing: Billing) -> tuple[CompensationCall, dict]:
+    """Another run's approved refund, and its undo as that run recorded it."""
+    handle = await start_run(client, worker, make_request([REFUND]))
+    snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+    await handle.signal("approve", approval_for(snap, "bob"))
+    outcome = await tether_client.run_outcome(handle)
+    undo = next(c for c in outcome.compensations if c.of_tool == "issue_refund")
+    refund = billing.refunds(undo.idempotency_key.removesuffix(":undo"))[0]
+    return undo, refund
+
+
+def voided(billing: Billing, refund: dict) -> bool:
+    return next(r for r in billing.refunds() if r["refund_id"] == refund["refund_id"])["voided_at"] is not None
+
+
+async def events_of(client: Client, workflow_id: str, kind: EventType.ValueType) -> list:
+    return [e for e in (await client.get_workflow_handle(workflow_id).fetch_history()).events if e.event_type == kind]
+
+
+async def test_a_rogue_worker_answering_recovery_source_makes_no_undo(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """The review's first forgery: a worker with a non-fleet ring answers a compensation run's
+    `recovery_source` with the void of another run's refund (plan hash "x"); then the honest
+    worker takes over. Before: it minted a capability and voided the refund."""
+    client = dev_env.client
+    fleet = KeyRing.from_env()
+    queue = unique("tq")
+    async with running_worker(client, task_queue=queue) as worker:
+        undo, refund = await victims_refund(client, worker, billing)
+        original = await start_run(client, worker, make_request([READ]))  # made no write at all
+        assert (await tether_client.run_outcome(original)).state == RunState.COMPLETED
+    forged = RecoverySource(run_id=original.id, state=RunState.EXECUTION_FAILED,
+                            compensations=[undo.model_copy(update={"plan_hash": "x"})])
+    rogue = subprocess.Popen(
+        [sys.executable, "-m", "tests.rogue_worker", client.service_client.config.target_host, client.namespace,
+         queue, fleet.newest, forged.model_dump_json()],
+        cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert rogue.stdout is not None and (await asyncio.to_thread(rogue.stdout.readline)).strip() == b"ready"
+        request = RunRequest(goal=f"compensate run {original.id}", requested_by="carol", compensate_run=original.id)
+        compensation = await tether_client.start_run(client, request, run_id=unique("comp"), queue=queue)
+        for _ in range(6000):  # until the rogue's forged answer is in the run's history
+            if await events_of(client, compensation.id, EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED) and any(
+                e.activity_task_scheduled_event_attributes.activity_type.name == "recovery_source"
+                for e in await events_of(client, compensation.id, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
+            ) and len(await events_of(client, compensation.id, EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED)) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the rogue never answered recovery_source")
+    finally:
+        rogue.kill()
+        rogue.wait()
+    async with running_worker(client, task_queue=queue):
+        message = await task_failure(client, compensation.id, "forgery")
+        assert "answer of activity" in message and f"tether repair {compensation.id}" in message
+        # Whatever the rogue scheduled with its own "capability" is refused by the honest tool worker.
+        for _ in range(200):
+            if not (await compensation.describe()).raw_description.pending_activities:
+                break
+            await asyncio.sleep(0.05)
+    assert not voided(billing, refund)
+    assert (await compensation.describe()).status.name == "RUNNING"  # where it stood: reset it to go on
+
+
+async def test_a_forged_continue_as_new_state_makes_no_undo(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """The review's second forgery: a keyless poller continues a waiting run as new with a state
+    of its own (COMPENSATING, another run's refund to void) and a seal naming the fleet's key."""
+    client = dev_env.client
+    fleet = KeyRing.from_env()
+    queue = unique("tq")
+    async with running_worker(client, task_queue=queue) as worker:
+        undo, refund = await victims_refund(client, worker, billing)
+        waiting = await start_run(client, worker, make_request([REFUND]))
+        snap = await wait_for_state(waiting, "AWAITING_APPROVAL")
+    state = RunData()
+    state.lifecycle.state = RunState.COMPENSATING
+    state.compensations = [undo]
+    request = make_request([REFUND]).model_dump(mode="json")
+    forged = {**request, "carryover": state.model_dump(mode="json"), "carryover_seal": f"{fleet.newest}:{'0' * 64}"}
+    await waiting.signal("approve", approval_for(snap, "mallory"))  # gives the rogue a workflow task
+    await rogue_answer(client, queue, waiting.id, [continue_as_new(queue, Payloads(payloads=[CONVERTER.to_payload(forged)]))])
+    async with running_worker(client, task_queue=queue):
+        message = await task_failure(client, waiting.id, "forgery")
+    assert "the carried state" in message
+    assert not voided(billing, refund)
+    assert not await events_of(client, waiting.id, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)

@@ -1,0 +1,230 @@
+"""The fleet's keys in workflow code: seals, capabilities and attestations, as pure functions.
+
+Whoever can poll the task queue can complete a workflow task with any command and an activity
+task with any result. Only the fleet's key tells our workers' work apart, so whatever a run reads
+from history and then acts on with authority is either computed here by the workflow code itself
+(the carried state's seal, a write's capability) or bears an attestation, a MAC by the fleet key
+over exactly what it answers (``attest``), checked here on every execution, replay included.
+
+The ring reaches workflow code as worker configuration, never through I/O: ``worker.create_worker``
+registers it as an extern function of the worker (``KeyRingInterceptor``), so two workers in one
+process may hold different rings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel
+
+from workflows.models import Capability, ToolCall, args_digest, canonical_json, json_digest
+
+# The extern function a worker registers for its ring (worker configuration, like the code).
+EXTERN = "tether_key_ring"
+
+
+class MissingKey(LookupError):
+    """A seal, capability or attestation names a key id this worker does not hold."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(key_id)
+        self.key_id = key_id
+
+
+class Forgery(RuntimeError):
+    """Something read from history does not bear the fleet key's MAC: a worker without the key
+    wrote it. Raised in workflow code it fails the workflow task (never the run), so the run
+    stands where it was, with no write and no undo, until an operator resets it to before the
+    forged task."""
+
+
+class KeyMissing(RuntimeError):
+    """This worker lacks a key id the run's history names: it fails the workflow task so that a
+    worker of the fleet holding the key takes it (never the run)."""
+
+    def __init__(self, message: str, key_id: str = "") -> None:
+        super().__init__(message)
+        self.key_id = key_id
+
+
+def key_id(key: bytes) -> str:
+    """A key's id: its fingerprint."""
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    keys: dict[str, bytes]  # id -> key, in file order (the last one is the newest)
+    source: str = ""
+
+    @property
+    def newest(self) -> str:
+        return list(self.keys)[-1]
+
+    def mac(self, kid: str, fields: Mapping[str, Any]) -> str:
+        """HMAC-SHA256 by key ``kid`` over the canonical JSON of ``fields``; MissingKey if not held."""
+        key = self.keys.get(kid)
+        if key is None:
+            raise MissingKey(kid)
+        return hmac.new(key, canonical_json({**fields, "key_id": kid}).encode(), hashlib.sha256).hexdigest()
+
+    def sign(self, fields: Mapping[str, Any]) -> tuple[str, str]:
+        """(key id, mac) by the newest key."""
+        kid = self.newest
+        return kid, self.mac(kid, fields)
+
+    def verify(self, kid: str, fields: Mapping[str, Any], mac: str) -> bool:
+        """Does ``mac`` verify under key ``kid``? MissingKey when the ring lacks that id."""
+        return hmac.compare_digest(self.mac(kid, fields), mac)
+
+
+# ----------------------------------------------------------------------------- the worker's ring
+
+
+def worker_ring(extern: Callable[[], Mapping[str, Callable[..., Any]]]) -> KeyRing:
+    """The ring of the worker running this workflow task (``extern``: workflow.extern_functions)."""
+    get = extern().get(EXTERN)
+    if get is None:
+        raise KeyMissing(
+            "this worker was built without the fleet's key ring: build workers with "
+            "worker.create_worker (or pass activities.keys.KeyRingInterceptor(ring) to the Worker/Replayer)"
+        )
+    return get()
+
+
+# ----------------------------------------------------------------------------- carried state
+
+
+def seal_fields(workflow_id: str, run_id: str, generation: int, digest: str) -> dict[str, Any]:
+    return {"kind": "carryover", "workflow_id": workflow_id, "run_id": run_id, "generation": generation, "digest": digest}
+
+
+def seal(ring: KeyRing, workflow_id: str, run_id: str, generation: int, digest: str) -> str:
+    """The seal of carried state: bound to the sealing run and the generation it hands on."""
+    kid, mac = ring.sign(seal_fields(workflow_id, run_id, generation, digest))
+    return f"{kid}:{mac}"
+
+
+def seal_valid(ring: KeyRing, sealed: str | None, workflow_id: str, run_id: str, generation: int, digest: str) -> bool:
+    """``run_id``: the run the server says this one continued from. Raises KeyMissing when the
+    seal names a key this worker lacks."""
+    kid, _, mac = (sealed or "").partition(":")
+    if not mac or not run_id:
+        return False
+    try:
+        return ring.verify(kid, seal_fields(workflow_id, run_id, generation, digest), mac)
+    except MissingKey:
+        raise KeyMissing(missing_message(kid, "the carried state's seal"), kid) from None
+
+
+# ----------------------------------------------------------------------------- capabilities
+
+
+def mint(
+    ring: KeyRing,
+    call: ToolCall,
+    *,
+    workflow_id: str,
+    run_id: str,
+    activity_id: str,
+    request_id: str,
+    plan_hash: str,
+    now: datetime,
+    ttl_seconds: float,
+) -> Capability:
+    """The capability of exactly one write attempt, minted by the run's own workflow code once
+    the keyed re-check allowed it; the tool activity verifies it before calling the tool."""
+    fields = Capability.model_construct(
+        workflow_id=workflow_id,
+        run_id=run_id,
+        activity_id=activity_id,
+        request_id=request_id,
+        plan_hash=plan_hash,
+        tool_call_id=call.tool_call_id,
+        tool=call.tool,
+        args_digest=args_digest(call.args),
+        idempotency_key=call.idempotency_key,
+        key_id="",
+        expires_at=now + timedelta(seconds=ttl_seconds),
+        mac="",
+    )
+    kid, mac = ring.sign(fields.fields())
+    return Capability.model_validate({**fields.model_dump(), "key_id": kid, "mac": mac})
+
+
+# ----------------------------------------------------------------------------- attestations
+
+
+def _digest(model: BaseModel) -> str:
+    # The attestation itself is not part of what it covers.
+    if "attestation" in type(model).model_fields:
+        model = model.model_copy(update={"attestation": None})
+    return json_digest(model.model_dump(mode="json"))
+
+
+def attested_call(call: ToolCall) -> ToolCall:
+    """What a write's outcome is attested over: the call without its capability, which names
+    the run that scheduled the attempt (a reset run replays the outcome under its own id)."""
+    return call.model_copy(update={"capability": None})
+
+
+def digest(model: BaseModel) -> str:
+    """What an attestation says of a request or an answer: its sha256 (the attestation aside)."""
+    return _digest(model)
+
+
+def attestation_fields(kind: str, workflow_id: str, activity_id: str, request: BaseModel | str, result: BaseModel) -> dict[str, Any]:
+    """What an attestation covers: which activity answered (its name and id in this workflow),
+    the exact request (or its digest, taken when it was sent), and the exact answer."""
+    return {
+        "kind": kind,
+        "workflow_id": workflow_id,
+        "activity_id": activity_id,
+        "request": request if isinstance(request, str) else _digest(request),
+        "result": _digest(result),
+    }
+
+
+def attest(ring: KeyRing, kind: str, workflow_id: str, activity_id: str, request: BaseModel, result: BaseModel) -> str:
+    """Made by the activity (it holds the ring): ``"<key id>:<mac>"``."""
+    kid, mac = ring.sign(attestation_fields(kind, workflow_id, activity_id, request, result))
+    return f"{kid}:{mac}"
+
+
+def check_attested(
+    ring: KeyRing, kind: str, workflow_id: str, activity_id: str, request: BaseModel | str, result: BaseModel
+) -> None:
+    """In workflow code, before the run acts on an activity's answer: Forgery when it does not
+    bear the fleet key's MAC over exactly this request and answer, KeyMissing when it names a
+    key this worker lacks."""
+    attestation = getattr(result, "attestation", None)
+    kid, _, mac = (attestation or "").partition(":")
+    what = f"the {kind} answer of activity {activity_id}"
+    if not mac:
+        raise Forgery(forgery_message(what, workflow_id, "it bears no attestation by the fleet key"))
+    try:
+        good = ring.verify(kid, attestation_fields(kind, workflow_id, activity_id, request, result), mac)
+    except MissingKey:
+        raise KeyMissing(missing_message(kid, what), kid) from None
+    if not good:
+        raise Forgery(forgery_message(what, workflow_id, "its attestation does not verify for this request and answer"))
+
+
+def forgery_message(what: str, workflow_id: str, why: str) -> str:
+    return (
+        f"forgery: {what} was not written by a worker holding the fleet key ({why}). Nothing was "
+        f"written or undone; the run stands where it was. Find and stop the worker without the key, "
+        f"then reset the run to before the forged task: tether repair {workflow_id}"
+    )
+
+
+def missing_message(kid: str, what: str) -> str:
+    return (
+        f"key_missing: {what} names key id {kid[:32]!r}, which this worker's key ring does not hold: "
+        f"give every worker of the fleet the same ring (TETHER_STATE_KEY_FILE); a worker holding it takes the task"
+    )
