@@ -355,13 +355,24 @@ async def _ended(client: Client, run_id: str) -> tuple[RunState, list[Transition
     """Wait for a run to end; its state and timeline (a cancelled run has no result: query it)."""
     handle = client.get_workflow_handle(run_id, result_type=RunOutcome)
     outcome: RunOutcome | None = None
-    try:
-        outcome = await asyncio.wait_for(run_outcome(handle), 120)
-        timeline = outcome.timeline
-        if outcome.state == RunState.CANCELLED:
-            outcome = None  # read back without steps
-    except WorkflowFailureError:
-        timeline = await handle.query("timeline", result_type=list[TransitionRecord])
+    deadline = time.monotonic() + 300
+    while True:
+        # The ended run is read back with queries, which a worker answers by replaying it: on a
+        # loaded machine one can time out, and is asked again (bounded only against a hang).
+        try:
+            try:
+                outcome = await asyncio.wait_for(run_outcome(handle), 120)
+                timeline = outcome.timeline
+                if outcome.state == RunState.CANCELLED:
+                    outcome = None  # read back without steps
+            except WorkflowFailureError:
+                timeline = await handle.query("timeline", result_type=list[TransitionRecord],
+                                              rpc_timeout=timedelta(seconds=10))
+            break
+        except RPCError as e:
+            if not (timed_out(e) or e.status == RPCStatusCode.FAILED_PRECONDITION) or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
     check_timeline(timeline, tools_by_call(outcome))
     return timeline[-1].to_state, timeline
 
