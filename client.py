@@ -331,6 +331,8 @@ def untaken_seconds(description: Any) -> float | None:
     task = description.raw_description.pending_workflow_task
     if task.state != PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or not task.HasField("scheduled_time"):
         return None
+    if task.attempt > 1:
+        return None  # a task that failed is retried with a backoff: a worker did take it
     return (datetime.now(timezone.utc) - task.scheduled_time.ToDatetime(timezone.utc)).total_seconds()
 
 
