@@ -18,8 +18,11 @@ with strictly increasing ``state_version`` and no unapproved write (``tests/inva
 
 In `make test` the rounds run side by side, ROUNDS_AT_ONCE at a time, the writes', the
 compensation's and the slow attempts' (most of each round is Temporal noticing the dead
-workers: the tools' 3 s start_to_close timeout, then about 10 s more, which matches the SDK's
-default 10 s sticky-queue schedule-to-start timeout of the killed worker). ``make chaos`` runs the same
+workers: the held tools' heartbeat timeout, then about 10 s more, which matches the SDK's
+default 10 s sticky-queue schedule-to-start timeout of the killed worker). What a round needs
+to happen first is arranged, never waited out: a hold at a checkpoint, a write's response held
+by the billing service until the harness has cancelled or killed, and tool deadlines far past
+the harness's turn (harness.py: HELD_TOOL_TIMEOUT, CANCEL_TOOL_TIMEOUT, SLOW_TOOL_TIMEOUT). ``make chaos`` runs the same
 rounds at random kill points, many times (``tests/chaos/run_chaos.py``).
 """
 
