@@ -67,10 +67,9 @@ async def rogue_answer(client: Client, queue: str, workflow_id: str, commands: l
         task = await client.workflow_service.poll_workflow_task_queue(
             PollWorkflowTaskQueueRequest(namespace=client.namespace, task_queue=TaskQueue(name=queue), identity="rogue")
         )
-        if not task.task_token or task.workflow_execution.workflow_id != workflow_id:
-            # Another workflow's task on the shared queue (which one comes first is the server's
-            # choice): not ours to answer; left alone, it times out and is scheduled again.
+        if not task.task_token:
             continue
+        assert task.workflow_execution.workflow_id == workflow_id
         await client.workflow_service.respond_workflow_task_completed(
             RespondWorkflowTaskCompletedRequest(
                 namespace=client.namespace, task_token=task.task_token, commands=commands, identity="rogue"
