@@ -12,6 +12,8 @@ import pytest_asyncio
 from tests.conftest import Billing
 from tests.inbox_stack import Stack, inbox_stack
 
+HANG = 300.0
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(dev_env, tmp_path_factory) -> Stack:
@@ -24,8 +26,9 @@ async def test_the_dev_root_leads_to_sign_in_and_the_page_agrees_with_itself_aft
     stack: Stack, billing: Billing
 ) -> None:
     run_id = await stack.start()
-    await stack.wait(run_id, "AWAITING_APPROVAL")
-    async with httpx.AsyncClient(base_url=stack.dev_url) as http:
+    await stack.wait(run_id, "AWAITING_APPROVAL", timeout=HANG)
+    # A decision's answer waits for the run's verdict: bounded only against a hang.
+    async with httpx.AsyncClient(base_url=stack.dev_url, timeout=HANG) as http:
         root = await http.get("/")
         assert root.status_code == 303 and root.headers["location"] == "/login"
         assert (await http.get("/api/approvals")).status_code == 401  # scripts get the status, not a page
@@ -40,7 +43,7 @@ async def test_the_dev_root_leads_to_sign_in_and_the_page_agrees_with_itself_aft
         assert "You cannot decide" not in decided.text and 'id="decide"' not in decided.text
         assert "You have decided this run" in decided.text or "COMPLETED" in decided.text
         # The live part follows the run to its end, and says no more than that.
-        await stack.wait(run_id, "COMPLETED")
+        await stack.wait(run_id, "COMPLETED", timeout=HANG)
         live = (await http.get(f"/runs/{run_id}/live", params={"shown": form["request_id"]})).text
         assert 'id="state" class="state state-COMPLETED"' in live
         assert "You cannot decide" not in live and "You have decided" not in live and "This plan changed" not in live
