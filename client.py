@@ -57,8 +57,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
-from workflows.display import escape_text
+from workflows.display import escape_text, show_value
 from workflows import states
+from workflows.wording import effect_words, money
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.details import start_details, start_summary
 from workflows.models import (
@@ -790,6 +791,27 @@ class DecisionInput:
     # it verified ``by`` itself (the inbox); the run shows ``user:BY via NAME``.
     attest_as: str | None = None
     steps: list[int] | None = None  # approve only these steps (1-based); None: all
+    # Not bound to a plan the person was shown (`tether approve --unreviewed`): the record says so.
+    unreviewed: bool = False
+
+
+# The shortest plan hash prefix a decision may name: what `tether` prints (timeline, refusals).
+HASH_PREFIX = 12
+
+
+def resolve_plan_hash(given: str | None, pending: str) -> str:
+    """The plan hash a decision names: ``given`` in full, or a prefix of at least HASH_PREFIX
+    hex characters of the pending hash (the form tether prints) widened to it. Any other hash
+    is sent as given, and the run refuses it as stale on its record."""
+    if given is None:
+        return pending
+    text = given.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]+", text) or len(text) < HASH_PREFIX:
+        raise TetherError(
+            f"plan hash {given[:80]!r}: give the plan's hash, or at least its first {HASH_PREFIX} hex characters "
+            f"(as `tether status RUN` prints it)", field="plan_hash", detail=f"give at least {HASH_PREFIX} hex characters of the plan hash",
+        )
+    return pending if pending.startswith(text) else text
 
 
 def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given: DecisionInput) -> DecideRequest:
@@ -803,12 +825,13 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
             kind=kind,
             decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
             approver=given.by,
-            plan_hash=given.plan_hash or pending.plan_hash,
+            plan_hash=resolve_plan_hash(given.plan_hash, pending.plan_hash),
             request_id=given.request_id or pending.request_id or None,
             comment=given.comment,
             reason=given.reason,
             attested_by=given.attest_as,
             steps=given.steps,
+            unreviewed=given.unreviewed,
         )
     except ValidationError as e:
         raise invalid("decision", e) from None
@@ -911,13 +934,13 @@ async def revise(
     """Revise the run's pending plan (the whole revised list of steps); returns the run's record
     of it (VALIDATED: a new plan version, then a new approval request), or raises REFUSED with
     the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...)."""
-    snap, pending = await _pending(client, run_id)
+    snap, pending = await pending_request(client, run_id)
     try:
         revision = ReviseDecideRequest(
             kind="revise",
             decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
             editor=given.by,
-            plan_hash=given.plan_hash or pending.plan_hash,  # a stale one is sent, refused on the record
+            plan_hash=resolve_plan_hash(given.plan_hash, pending.plan_hash),  # a stale one is sent, refused on the record
             request_id=given.request_id or pending.request_id or None,
             steps=steps,
             reason=given.reason or "",
@@ -994,7 +1017,7 @@ async def decide(
     Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
     role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
     """
-    snap, pending = await _pending(client, run_id)
+    snap, pending = await pending_request(client, run_id)
     # A stale plan hash is sent all the same: the run records the attempt, and refuses it
     # (stale_plan_hash) on its timeline.
     decision = build_decision(snap, kind, given)
@@ -1002,7 +1025,7 @@ async def decide(
     return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
-async def _pending(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
+async def pending_request(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
     """The run's pending request (a worker is there to take a decision), or REFUSED."""
     await require_worker(client, run_id)
     snap = await snapshot(client, run_id)
@@ -1281,3 +1304,81 @@ async def list_runs(
     except RPCError as e:
         raise TetherError(f"listing failed: {e.message}") from None
     return rows
+
+
+# ----------------------------------------------------------------------------- what a person is shown
+
+@dataclass(frozen=True)
+class ArgView:
+    name: str
+    value: Any  # as the plan holds it (the page escapes it; the terminal uses ``shown``)
+    money: str | None  # ``600.00 EUR`` when the tool's schema declares the argument as money
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One step of a plan as an approver is shown it: every argument, in full."""
+
+    n: int
+    tool: str
+    effect: str  # effect_words
+    writes: bool
+    args: list[ArgView]
+    summary: list[ArgView]  # the tool's declared summary fields
+
+
+def step_views(plan: Plan | None, tools: Sequence[Any]) -> list[StepView]:
+    """The plan's steps with their effects in words and money in amount and currency."""
+    from workflows.models import ToolEffect
+
+    if plan is None:
+        return []
+    by_name = {t.name: t for t in tools}
+    views = []
+    for n, step in enumerate(plan.steps, start=1):
+        info = by_name.get(step.tool)
+        properties = (info.args_schema.get("properties") or {}) if info else {}
+        args = [ArgView(k, v, money(v, properties.get(k), step.args)) for k, v in step.args.items()]
+        fields = set(info.summary_fields if info else [])
+        undo = plan.undo[n - 1] if plan.undo is not None and n <= len(plan.undo) else False
+        views.append(StepView(
+            n=n, tool=step.tool, effect=effect_words(info, undo),
+            writes=info is None or info.effect != ToolEffect.READ_ONLY,
+            args=args, summary=[a for a in args if a.name in fields],
+        ))
+    return views
+
+
+def shown_arg(arg: ArgView, limit: int | None = None) -> str:
+    """``name: value`` for a terminal, money as ``600.00 EUR (60000)``; escaped."""
+    value = show_value(arg.value, limit)
+    return f"{escape_text(arg.name, 80)}: " + (f"{arg.money} ({value})" if arg.money else value)
+
+
+def plan_summary(plan: Plan | None, tools: Sequence[Any], limit: int = 600) -> str:
+    """One line for a list of runs: each write, its summary fields and its effect (escaped)."""
+    views = step_views(plan, tools)
+    writes = [v for v in views if v.writes]
+    if not views:
+        return "no plan"
+    if not writes:
+        return f"{len(views)} step(s), all read-only"
+    parts = []
+    for v in writes:
+        fields = ", ".join(shown_arg(a, 120) for a in v.summary)
+        parts.append(f"{escape_text(v.tool, 64)}" + (f" ({fields})" if fields else "") + f": {v.effect}")
+    text = f"{len(writes)} of {len(views)} step(s) write: " + "; ".join(parts)  # escaped part by part
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def approvals_needed(pending: PendingApproval) -> str:
+    """How many approvals are still needed and from whom (the roles), for a person."""
+    done = [a.approver for a in pending.approvals]
+    left = max(pending.approvals_required - len(done), 0)
+    got = f"{len(done)} of {pending.approvals_required} approval(s)" + (
+        f" (by {', '.join(escape_text(a, 64) for a in done)})" if done else "")
+    if not left:
+        return got
+    who = ("someone with role " + " or ".join(escape_text(r, 64) for r in pending.roles)) if pending.roles else "an approver of the tenant"
+    others = f", other than {', '.join(escape_text(a, 64) for a in done)}" if done else ""
+    return f"{got}; {left} more needed from {who}{others}"

@@ -9,7 +9,8 @@
 
 ``python starter.py ...`` runs the same code. The operations themselves live in ``client.py``;
 this module only parses arguments and prints. Exit codes: 0 done; 1 the run refused it (or a
-waited-for run ended other than COMPLETED); 2 usage error, unknown run, Temporal unreachable.
+waited-for run ended other than COMPLETED, or the person answered no to the plan shown); 2 usage
+error (a script's decision naming no plan, too), unknown run, Temporal unreachable.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ try:
 
     import client
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
-    from workflows.display import escape_text as show, show_value
+    from workflows.display import escape_text as show
     from workflows.models import Limits, PlaybookStep, RunRequest
     from workflows.published import BUILD
     from workflows.states import RunState, TransitionRecord
@@ -107,9 +108,14 @@ def _print_json(value: object) -> None:
     print(json.dumps(value, indent=2, default=str, ensure_ascii=True))
 
 
-def _steps(plan: object) -> list[str]:
-    steps = getattr(plan, "steps", None) or []
-    return [f"  {i}. {show(s.tool)} {show_value(s.args)}" for i, s in enumerate(steps, start=1)]
+def _steps(plan: object, tools: Sequence[object] = ()) -> list[str]:
+    """Every step of a plan, every argument in full (escaped), money as amount and currency,
+    and what the step does in plain words."""
+    lines = []
+    for v in client.step_views(plan, tools):  # type: ignore[arg-type]
+        lines.append(f"  {v.n}. {show(v.tool)}: {v.effect}")
+        lines.extend(f"       {client.shown_arg(a)}" for a in v.args)
+    return lines
 
 
 def format_status(s: client.RunStatus) -> str:
@@ -127,7 +133,7 @@ def format_status(s: client.RunStatus) -> str:
     if s.end_reason and s.state != RunState.COMPLETED:
         lines.append(f"why        {show(s.end_reason)}" + (f" [rule: {show(s.end_rule)}]" if s.end_rule else "")
                      + (f" ({show(s.end_actor)})" if s.end_actor else ""))
-    if s.approved_by:
+    if s.approved_by and s.pending_approval is None:  # while pending: the `pending` line counts them
         lines.append(f"approved   by {', '.join(show(a) for a in s.approved_by)}")
     if s.last_error:
         lines.append(f"last error {show(s.last_error)}")
@@ -140,17 +146,18 @@ def format_status(s: client.RunStatus) -> str:
                      f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else ""))
     if s.plan is not None:
         lines.append(f"plan       v{s.plan.version} {show(s.plan.plan_hash)}")
-        lines.extend(_steps(s.plan))
+        lines.extend(_steps(s.plan, s.tools))
     for r in s.revisions:
         what = "partial approval" if r.partial else "revised"
         lines.append(f"revision   v{r.version} {what} by {show(r.editor, 128)} at {r.at.isoformat()}: "
                      f"{show(', '.join(r.changed) or '-', 500)} (was {r.previous_plan_hash[:12]})")
     if s.pending_approval is not None:
         p = s.pending_approval
-        lines.append(f"pending    approval until {p.expires_at.isoformat()}: {show(p.summary)}")
+        lines.append(f"pending    {p.risk} risk approval until {p.expires_at.isoformat()}: {client.approvals_needed(p)}")
         if p.request_id:
             lines.append(f"request    {show(p.request_id)}")
-        lines.append(f"           approve: {invoked_as()} approve {show(shlex.quote(s.run_id))} --by NAME")
+        lines.append(f"           approve: {invoked_as()} approve {show(shlex.quote(s.run_id))} --by NAME "
+                     f"--plan-hash {show(p.plan_hash[:client.HASH_PREFIX])}")
         if p.escalation:
             lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
                          + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
@@ -300,25 +307,68 @@ def _step_numbers(text: str | None) -> list[int] | None:
 
 
 async def _decide(args: argparse.Namespace, kind: str) -> int:
+    """A decision bound to the plan the person saw: the plan hash they name (``--plan-hash``),
+    or, on a terminal, the plan shown here and confirmed; ``--unreviewed`` says neither."""
+    steps = _step_numbers(getattr(args, "steps", None))
+    if args.plan_hash is not None and args.unreviewed:
+        raise TetherError("--plan-hash and --unreviewed exclude each other: name the plan you reviewed, or say you did not")
+    asks = args.plan_hash is None and not args.unreviewed
+    if asks and not sys.stdin.isatty():
+        raise TetherError(
+            f"{kind}: name the plan you reviewed with --plan-hash HASH (its first {client.HASH_PREFIX} characters "
+            f"will do: `{invoked_as()} status {shlex.quote(args.run)}` prints it), or pass --unreviewed to {kind} "
+            f"whatever plan is pending (the run's record says so); on a terminal, tether shows the plan and asks"
+        )
+    conn = await client.connect()
+    snap, pending = await client.pending_request(conn, args.run)
+    plan_hash = client.resolve_plan_hash(args.plan_hash, pending.plan_hash)
+    shown = plan_hash == pending.plan_hash and snap.plan is not None
+    if shown:
+        assert snap.plan is not None
+        print(f"{kind} plan v{snap.plan.version} {show(plan_hash)} of run {show(args.run)}, request "
+              f"{show(pending.request_id)} ({client.approvals_needed(pending)}):")
+        for line in _steps(snap.plan, snap.tools):
+            print(line)
+        if steps:
+            dropped = [n for n in range(1, len(snap.plan.steps) + 1) if n not in steps]
+            print(f"  only step(s) {', '.join(map(str, steps))}; dropped from the plan: "
+                  f"{', '.join(map(str, dropped)) or 'none'}")
+    if asks:
+        try:
+            answer = input(f"{kind.capitalize()} exactly this plan ({plan_hash[:client.HASH_PREFIX]})? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print(f"not sent: nothing was decided on run {show(args.run)}", file=sys.stderr)
+            return REFUSED
     given = client.DecisionInput(
-        by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id,
+        by=args.by, plan_hash=plan_hash, request_id=pending.request_id or None, decision_id=args.decision_id,
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
-        key=Path(args.key) if args.key else None, steps=_step_numbers(getattr(args, "steps", None)),
+        key=Path(args.key) if args.key else None, steps=steps, unreviewed=args.unreviewed,
     )
     try:
-        verdict = await client.decide(await client.connect(), args.run, kind, given)  # type: ignore[arg-type]
+        verdict = await client.decide(conn, args.run, kind, given)  # type: ignore[arg-type]
     except TetherError as e:
         if e.code != client.PENDING:
             raise
         print(e)  # accepted, not judged yet: not an error, and not a verdict (exit 3)
         return e.code
-    verb = "approved" if kind == "approve" else "rejected"
-    print(f"{verb} plan {show(verdict.pending.plan_hash) if verdict.pending else '-'} of run {show(args.run)}:")
-    if verdict.pending:
-        print(f"  {show(verdict.pending.summary)}")
-    for line in _steps(verdict.plan):
+    code = _print_verdict(verdict)
+    if kind == "approve" and verdict.record is not None and verdict.record.kind != "refused":
+        await _print_plan_to_run(conn, args.run, plan_hash)
+    return code
+
+
+async def _print_plan_to_run(conn: object, run_id: str, decided: str) -> None:
+    """The plan the approval lets run: the one shown, or, for --steps, the narrowed one."""
+    after = await client.snapshot(conn, run_id)  # type: ignore[arg-type]
+    if after.plan is None or after.plan.plan_hash == decided:
+        print(f"the plan that runs is the one shown ({show(decided[:client.HASH_PREFIX])})")
+        return
+    print(f"the plan that runs: v{after.plan.version} {show(after.plan.plan_hash)}"
+          + (f" ({client.approvals_needed(after.pending_approval)})" if after.pending_approval else "") + ":")
+    for line in _steps(after.plan, after.tools):
         print(line)
-    return _print_verdict(verdict)
 
 
 def _print_verdict(verdict: client.Verdict) -> int:
@@ -581,7 +631,10 @@ def _decision_args(kind: str) -> Callable[[argparse.ArgumentParser], None]:
         p.add_argument("--by", required=True, metavar="NAME", help="who decides")
         if kind == "reject":
             p.add_argument("--reason", required=True, metavar="TEXT")
-        p.add_argument("--plan-hash", metavar="HASH", help="the plan you reviewed (default: the pending one)")
+        p.add_argument("--plan-hash", metavar="HASH", help="the plan you reviewed (its first 12 characters will "
+                       "do); without it, a terminal shows the pending plan and asks")
+        p.add_argument("--unreviewed", action="store_true", help="decide whatever plan is pending, unseen (scripts; "
+                       "the run's record says so)")
         p.add_argument("--decision-id", metavar="ID", help="unique id of this decision (default: random)")
         p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the decision (see keygen)")
         if kind == "approve":

@@ -26,7 +26,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities import mcp, planning
+from activities import mcp
 from activities.audit import AuditActivities
 from activities.codec import EncryptionCodec
 from activities.keys import KeyRing, KeyRingError, KeyRingInterceptor
@@ -87,7 +87,7 @@ def create_worker(
         workflows=[AgentRun, *extra_workflows],
         activities=[
             tools.execute_tool,
-            planning.plan,
+            setup.plan,
             setup.run_setup,
             rules.check_decision,
             rules.check_authority,

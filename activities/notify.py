@@ -12,6 +12,12 @@ request of one event carries the same ``X-Tether-Event-Id`` (the idempotency key
 retried with backoff and a receiver dedupes on it. A webhook already reached is not posted to
 again (heartbeat details); on the last attempt the activity returns the webhooks still failing
 instead of raising, so the run records them and goes on.
+
+A delivery cannot slow anything else down: it is async I/O on the worker's event loop (host
+names resolved on a small pool of its own, never the pool tools and the audit sink share), with
+one total deadline for connecting, sending and reading the status and headers, however slowly
+a receiver answers. Only a 2xx counts; a redirect is a failed delivery and is not followed.
+Header values are percent-encoded outside printable ASCII (an id with CR/LF stays one header).
 """
 
 from __future__ import annotations
@@ -22,20 +28,29 @@ import hmac
 import json
 import logging
 import os
+import re
+import socket
+import ssl
 import time
-import urllib.error
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 from temporalio import activity
 
 from activities.policy import PolicyStore
-from workflows.display import escape_text, markdown_text
+from workflows.display import escape_text
 from workflows.models import Notification, NotificationResult, Webhook
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT = 5.0  # seconds per POST
+# Seconds one delivery may take in all: resolving, connecting, sending, the status and headers.
+DELIVERY_DEADLINE = 5.0
+MAX_RESPONSE_HEAD = 16 * 1024  # bytes of status line and headers read at most
+# Host name lookups (getaddrinfo blocks): bounded, and apart from the default pool.
+_RESOLVER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tether-notify-dns")
+# Printable ASCII but `%`: header values keep these, everything else is percent-encoded.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 # The Web UI the event's link points at (the worker's view of it).
 WEB_UI_ENV = "TETHER_WEB_UI"
 DEFAULT_WEB_UI = "http://localhost:8233"
@@ -57,22 +72,29 @@ def verify(secret: bytes, timestamp: str, body: bytes, signature: str, *, now: f
 
 
 def link(event: Notification) -> str:
+    """The run in the Web UI; its ids percent-encoded (a run id is anyone's text)."""
     base = os.environ.get(WEB_UI_ENV, DEFAULT_WEB_UI).rstrip("/")
-    return f"{base}/namespaces/{event.namespace}/workflows/{event.run_id}"
+    return f"{base}/namespaces/{quote(event.namespace, safe='')}/workflows/{quote(event.run_id, safe='')}"
+
+
+def slack_text(value: object, limit: int | None = None) -> str:
+    """Text for a Slack-compatible ``text`` field: escaped for a person (escape_text), then
+    ``&``, ``<`` and ``>`` as Slack's entities, so no value can open link or mention markup."""
+    return escape_text(value, limit).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def body(event: Notification) -> dict:
     """The JSON posted: ids, state, the escaped summary, expiry, how to approve, a link."""
     url = link(event)
     expires = event.expires_at.isoformat() if event.expires_at else None
-    parts = [f"*{event.event.replace('_', ' ')}*: run {markdown_text(event.run_id, 200)} ({markdown_text(event.tenant, 128)}) is {event.state}"]
+    parts = [f"*{event.event.replace('_', ' ')}*: run {slack_text(event.run_id, 200)} ({slack_text(event.tenant, 128)}) is {event.state}"]
     if event.summary:
-        parts.append(markdown_text(event.summary, 1000))
+        parts.append(slack_text(event.summary, 1000))
     if expires:
         parts.append(f"expires {expires}")
     if event.approve_command:
-        parts.append(f"approve: {markdown_text(event.approve_command, 500)}")
-    parts.append(url)
+        parts.append(f"approve: {slack_text(event.approve_command, 500)}")
+    parts.append(f"<{url}|open the run>")
     return {
         "text": " — ".join(parts),
         "event": event.event,
@@ -112,6 +134,7 @@ class NotifyActivities:
         hooks = self._webhooks()
         payload = json.dumps(body(event), sort_keys=True).encode()
         dead: dict[str, str] = {}
+        sends: dict[str, tuple[str, bytes | None]] = {}
         for name in event.webhooks:
             if name in delivered:
                 continue
@@ -120,36 +143,85 @@ class NotifyActivities:
                 dead[name] = "not_configured"
                 continue
             try:
-                secret = self._secret(hook)
+                sends[name] = (hook.url, self._secret(hook))
             except OSError as e:
                 dead[name] = f"secret_unreadable ({type(e).__name__})"
-                continue
-            why = await asyncio.to_thread(_post, hook.url, payload, secret, event.event_id)
+        # Side by side: each delivery has its own deadline, so the attempt takes one deadline.
+        results = await asyncio.gather(*(deliver(url, payload, secret, event.event_id) for url, secret in sends.values()))
+        for name, why in zip(sends, results):
             if why is None:
                 delivered.append(name)
-                activity.heartbeat(delivered)
             else:
                 dead[name] = why
                 log.warning("notify %s: webhook %s failed (%s), attempt %d", event.event_id, name, why, info.attempt)
+        if any(name in delivered for name in sends):
+            activity.heartbeat(delivered)
         retryable = {n: w for n, w in dead.items() if w != "not_configured"}
         if retryable and info.attempt < event.max_attempts:
             raise RuntimeError(f"webhook(s) not reached: {', '.join(f'{n} ({w})' for n, w in retryable.items())}")
         return NotificationResult(delivered=delivered, dead=dead)
 
 
-def _post(url: str, payload: bytes, secret: bytes | None, event_id: str) -> str | None:
-    """POST once; None when the webhook took it (2xx), else why not (status or error type)."""
-    headers = {"Content-Type": "application/json", "X-Tether-Event-Id": event_id}
+def header_value(value: str) -> str:
+    """A header value as sent: printable ASCII as is, anything else (CR, LF, non-ASCII) and
+    ``%`` percent-encoded, so no value can end its header or start another."""
+    return quote(value, safe=_HEADER_SAFE)
+
+
+async def deliver(url: str, payload: bytes, secret: bytes | None, event_id: str, *,
+                  deadline: float = DELIVERY_DEADLINE) -> str | None:
+    """POST once, within ``deadline`` seconds in all; None when the webhook took it (2xx),
+    else why not (``http_302``, ``timeout``, the error's type)."""
+    headers = {"Content-Type": "application/json", "X-Tether-Event-Id": header_value(event_id)}
     if secret is not None:
         timestamp = int(time.time())
         headers["X-Tether-Request-Timestamp"] = str(timestamp)
         headers["X-Tether-Signature"] = sign(secret, timestamp, payload)
-    request = urllib.request.Request(url, data=payload, method="POST", headers=headers)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(request, timeout=REQUEST_TIMEOUT) as response:
-            return None if 200 <= response.status < 300 else f"http_{response.status}"
-    except urllib.error.HTTPError as e:
-        return f"http_{e.code}"
-    except (urllib.error.URLError, OSError) as e:
-        return type(getattr(e, "reason", e)).__name__
+        return await asyncio.wait_for(_post(url, payload, headers), deadline)
+    except asyncio.TimeoutError:
+        return "timeout"
+    except (OSError, ssl.SSLError, UnicodeError, ValueError) as e:
+        return type(e).__name__
+
+
+async def _post(url: str, payload: bytes, headers: dict[str, str]) -> str | None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "unsupported_url"
+    tls = parts.scheme == "https"
+    host = parts.hostname.encode("idna").decode("ascii")
+    port = parts.port or (443 if tls else 80)
+    loop = asyncio.get_running_loop()
+    found = await loop.run_in_executor(_RESOLVER, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+    family, kind, proto, _, address = found[0]
+    reader, writer = await asyncio.open_connection(
+        address[0], address[1], family=family, proto=proto,
+        ssl=ssl.create_default_context() if tls else None, server_hostname=host if tls else None,
+        limit=MAX_RESPONSE_HEAD,
+    )
+    try:
+        authority = f"[{host}]" if ":" in host else host
+        if parts.port:
+            authority += f":{parts.port}"
+        target = quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~") + (f"?{parts.query}" if parts.query else "")
+        lines = [f"POST {target} HTTP/1.1", f"Host: {authority}", "User-Agent: tether-notify",
+                 f"Content-Length: {len(payload)}", "Connection: close", *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + payload)
+        await writer.drain()
+        while True:
+            status = await reader.readline()
+            matched = re.match(rb"HTTP/1\.[01] (\d{3})[ \r\n]", status)
+            if not matched:
+                return "bad_response"
+            code = int(matched.group(1))
+            read = len(status)
+            # The response is the webhook's answer once its headers are complete.
+            while (line := await reader.readline()) not in (b"\r\n", b"\n"):
+                read += len(line)
+                if not line or read > MAX_RESPONSE_HEAD:
+                    return "bad_response"
+            if code >= 200:
+                return None if code < 300 else f"http_{code}"
+    finally:
+        writer.close()

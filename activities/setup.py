@@ -2,7 +2,8 @@
 
 The tool catalog (activities/tools.py) and the tenant's policy with the start's signature check
 (activities/policy.py), answered together (one activity instead of two) and attested with the
-fleet key: validation and every policy decision of the run rest on it.
+fleet key: validation and every policy decision of the run rest on it. A run that plans takes
+it with its first planner call (``plan`` here wraps the planner activity).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.keys import attest
+from activities import planning
+from activities.keys import KeyRing, attest
 from activities.policy import PolicyActivities
 from activities.tools import ToolActivities
-from workflows.models import RunSetup, SnapshotRequest
+from workflows.models import PlannerInput, Proposal, RunSetup, SnapshotRequest
 
 
 class SetupActivities:
@@ -21,12 +23,29 @@ class SetupActivities:
         self.tools = tools
         self.rules = rules
 
+    async def snapshot(self, request: SnapshotRequest) -> RunSetup:
+        return RunSetup(catalog=self.tools.registry.catalog(), policy=await self.rules.policy_snapshot(request))
+
     @activity.defn(name="run_setup")
     async def run_setup(self, request: SnapshotRequest) -> RunSetup:
-        setup = RunSetup(
-            catalog=self.tools.registry.catalog(),
-            policy=await self.rules.policy_snapshot(request),
-        )
+        """A run that does not plan (a compensation run) takes its setup alone."""
+        return attest(self._ring(), request, await self.snapshot(request))
+
+    @activity.defn(name="plan")
+    async def plan(self, request: PlannerInput) -> Proposal:
+        """The planner; a run's first call takes the run's setup with it (one activity less per
+        run). Where the setup refuses the run (its tenant is not in the policy, its requester's
+        signature does not hold), nothing is planned: no model is asked for a run that fails."""
+        if request.setup is None:
+            return await planning.plan(request)
+        setup = await self.snapshot(request.setup)
+        if setup.policy.requester_refusal is None and setup.policy.policy is not None:
+            proposal = await planning.plan(request.model_copy(update={"setup": None}))
+        else:
+            proposal = Proposal()
+        return attest(self._ring(), request, proposal.model_copy(update={"setup": setup}))
+
+    def _ring(self) -> KeyRing:
         if self.rules.keys is None:
             raise ApplicationError("this worker has no key ring to attest the run's setup", type="key_missing", non_retryable=True)
-        return attest(self.rules.keys, request, setup)
+        return self.rules.keys

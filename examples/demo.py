@@ -65,6 +65,15 @@ def wait_settled(run_id: str, timeout: float = 180.0) -> RunSnapshot:
     return asyncio.run(_wait(run_id, settled=True, timeout=timeout))
 
 
+def reviewed(run_id: str) -> list[str]:
+    """``--plan-hash`` and the pending plan's hash as `tether status` printed it: the decision is
+    bound to the plan the demo showed (a plan changed since is refused as stale)."""
+    pending = wait_settled(run_id).pending_approval
+    if pending is None:
+        raise SystemExit(f"run {run_id} is not waiting for an approval")
+    return ["--plan-hash", pending.plan_hash[: client.HASH_PREFIX]]
+
+
 def own_order() -> tuple[str, str]:
     """A new order (A-1001's customer and total) and a refund playbook for it, under
     .tether/demo/: the suggested run has its own order, with all of it left to refund."""
@@ -98,7 +107,8 @@ def next_steps(run_id: str) -> None:
     ):
         print(f"  {command(argv)}")
     print(f"The last two start a run on an order of its own ({order_id}), which waits for approval, "
-          "and approve it.\n`make demo-order` makes another order and prints its playbook's path.")
+          "and approve it (it shows the plan and asks first).\n`make demo-order` makes another order and "
+          "prints its playbook's path.")
 
 
 MODEL_GOAL = (
@@ -126,7 +136,7 @@ def main_model() -> int:
         print(f"\n== the model's plan writes: bob reviews it and approves exactly this plan "
               f"hash (approval {approvals})")
         step("status", ["status", run_id])
-        step("approve", ["approve", run_id, "--by", "bob", "--comment", "checked the plan"])
+        step("approve", ["approve", run_id, "--by", "bob", *reviewed(run_id), "--comment", "checked the plan"])
         snap = wait_settled(run_id)
     print(f"\n== the run ended in {snap.state.value}" if snap.state in TERMINAL
           else f"\n== the run is {snap.state.value}")
@@ -166,9 +176,9 @@ def signed_run() -> RunSnapshot:
     step("start signed", ["start", "--goal", GOAL, "--playbook", PLAYBOOK, "--tenant", "signed",
                           "--requested-by", "alice", "--key", f"{keys}/alice.pem", "--id", run_id, "--wait"])
     print("\n== bob approves without his key: refused (signature_required), exit code 1")
-    step("unsigned approval", ["approve", run_id, "--by", "bob"], expect=1)
+    step("unsigned approval", ["approve", run_id, "--by", "bob", *reviewed(run_id)], expect=1)
     print("\n== bob approves with his key: the signature covers this run, request and plan")
-    step("signed approval", ["approve", run_id, "--by", "bob", "--key", f"{keys}/bob.pem"])
+    step("signed approval", ["approve", run_id, "--by", "bob", *reviewed(run_id), "--key", f"{keys}/bob.pem"])
     return wait_for_end(run_id)
 
 
@@ -196,9 +206,9 @@ def main() -> int:
     print("\n== the plan writes (refund, ledger, email): the run waits for a human")
     step("list", ["list", "--state", "AWAITING_APPROVAL"])
     print("\n== alice tries to approve her own run: the policy (four-eyes) refuses, exit code 1")
-    step("self-approval", ["approve", run_id, "--by", "alice"], expect=1)
+    step("self-approval", ["approve", run_id, "--by", "alice", *reviewed(run_id)], expect=1)
     print("\n== bob reviews the plan and approves exactly this plan hash")
-    step("approve", ["approve", run_id, "--by", "bob", "--comment", "checked the order"])
+    step("approve", ["approve", run_id, "--by", "bob", *reviewed(run_id), "--comment", "checked the order"])
     snap = wait_for_end(run_id)
     print(f"\n== the run ended in {snap.state.value}")
     step("status", ["status", run_id])

@@ -54,6 +54,8 @@ SECURITY_HEADERS = {
     "Cross-Origin-Opener-Policy": "same-origin",
 }
 MAX_RUNS_LISTED = 200
+# A decision is a few fields and a comment of at most 2,000 characters.
+MAX_BODY_BYTES = 64 * 1024
 
 
 @dataclass
@@ -77,7 +79,7 @@ class DecisionBody(Contract):
 
     kind: Literal["approve", "reject"]
     request_id: str = Field(min_length=1, max_length=128)
-    plan_hash: str = Field(min_length=1, max_length=128)
+    plan_hash: str = Field(pattern=r"^[0-9a-fA-F]{12,128}$")  # as the page showed it (client.HASH_PREFIX or more)
     comment: str | None = Field(None, max_length=2000)
 
 
@@ -102,15 +104,22 @@ class Inbox:
         """The verified person behind this request, or Unauthenticated (401)."""
         auth = request.headers.get("authorization")
         header = self.config.header
+        if self.dev is not None:
+            # Dev sign-in: its session cookie only, never as a Bearer token (which a script or
+            # another page could replay), and refused once signed out.
+            if auth is not None:
+                raise Unauthenticated("dev sign-in takes its session cookie only, not Authorization")
+            token = request.cookies.get(SESSION_COOKIE) or ""
+            if not token:
+                raise Unauthenticated("no credentials")
+            return Person(self.dev.verify(token.strip()), "cookie")
         if auth is not None:
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer":
                 raise Unauthenticated("only Bearer authorization is accepted")
             source = "bearer"
-        elif header and not self.dev and (token := request.headers.get(header) or ""):
+        elif header and (token := request.headers.get(header) or ""):
             source = "header"
-        elif self.dev and (token := request.cookies.get(SESSION_COOKIE) or ""):
-            source = "cookie"
         else:
             raise Unauthenticated("no credentials")
         return Person(await self.verifier.averify(token.strip()), source)
@@ -171,6 +180,9 @@ class Inbox:
             "plan_hash": pending.plan_hash,
             "risk": pending.risk,
             "summary": pending.summary,
+            # What it will do, for a person: no markup, money with its currency (escaped here).
+            "what": tether.plan_summary(snap.plan, snap.tools),
+            "approvals_needed": tether.approvals_needed(pending),
             "expires_at": pending.expires_at.isoformat(),
             "seconds_left": max(0, int((pending.expires_at - now).total_seconds())),
             "time_left": desk.time_left(pending.expires_at, now),
@@ -189,32 +201,39 @@ class Inbox:
             raise NotYours()
         return document, snap
 
+    async def _visible(self, person: Person, run_id: str):  # noqa: ANN202
+        """The run, when the person may see it: they may decide it now, or a decision of theirs
+        counted on it. GET and POST answer the same (404 otherwise: not even whether it exists)."""
+        document, snap = await self._member_snapshot(person, run_id)
+        records = await tether.timeline(await self.client(), run_id)
+        signer = desk.attester(document, self.public_key, snap.tenant)
+        refusal = desk.decide_refusal(document.tenants[snap.tenant], snap, person.name,
+                                      now=datetime.now(timezone.utc), can_attest=signer is not None)
+        if refusal is not None and not desk.has_acted(person.name, snap, records):
+            raise NotYours()
+        return document, snap, records, signer, refusal
+
     async def run(self, person: Person, run_id: str) -> dict[str, Any]:
         """The run as the person may see it, or NotYours."""
-        document, snap = await self._member_snapshot(person, run_id)
-        temporal = await self.client()
-        tenant = document.tenants[snap.tenant]
-        records = await tether.timeline(temporal, run_id)
-        now = datetime.now(timezone.utc)
-        signer = desk.attester(document, self.public_key, snap.tenant)
-        refusal = desk.decide_refusal(tenant, snap, person.name, now=now, can_attest=signer is not None)
+        document, snap, records, signer, refusal = await self._visible(person, run_id)
         acted = desk.has_acted(person.name, snap, records)
-        if refusal is not None and not acted:
-            raise NotYours()
+        tenant = document.tenants[snap.tenant]
+        now = datetime.now(timezone.utc)
         tools = {t.name: t for t in snap.tools}
         steps = []
-        for n, step in enumerate(snap.plan.steps if snap.plan else [], start=1):
+        for view, step in zip(tether.step_views(snap.plan, snap.tools), snap.plan.steps if snap.plan else []):
             info = tools.get(step.tool)
-            summary_fields = info.summary_fields if info else []
             steps.append({
-                "n": n,
+                "n": view.n,
                 "tool": step.tool,
                 "tool_call_id": step.tool_call_id,
                 "effect": info.effect.value if info else "unknown",
+                "does": view.effect,  # the effect in words: read-only, can be undone by X, cannot be undone
                 "destructive": bool(info and info.destructive),
                 "args": step.args,
-                "summary": {k: step.args[k] for k in summary_fields if k in step.args},
-                "done": n <= snap.step,
+                "money": {a.name: a.money for a in view.args if a.money},
+                "summary": {a.name: a.value for a in view.summary},
+                "done": view.n <= snap.step,
             })
         pending = snap.pending_approval
         return {
@@ -233,6 +252,7 @@ class Inbox:
                 "approvals_required": pending.approvals_required,
                 "roles": pending.roles,
                 "approvals": [{"approver": a.approver, "at": a.at.isoformat()} for a in pending.approvals],
+                "approvals_left": max(pending.approvals_required - len(pending.approvals), 0),
                 "deciders": desk.deciders(tenant, snap),
             },
             "may_decide": refusal is None,
@@ -258,9 +278,8 @@ class Inbox:
 
     async def decide(self, person: Person, run_id: str, body: DecisionBody) -> dict[str, Any]:
         """Send the decision through client.decide; the outcome as the run recorded (or refused) it."""
-        document, snap = await self._member_snapshot(person, run_id)
+        document, snap, _, signer, _ = await self._visible(person, run_id)
         temporal = await self.client()
-        signer = desk.attester(document, self.public_key, snap.tenant)
         decision_id = desk.decision_id(run_id, body.request_id, body.plan_hash, person.name, body.kind)
         comment = body.comment.strip() if body.comment and body.comment.strip() else None
         if body.kind == "reject" and comment is None:
@@ -387,8 +406,13 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def security(request: Request, call_next):  # noqa: ANN001, ANN202
-        if request.method == "POST" and not _same_origin(request):
-            response: Response = JSONResponse({"error": "cross_origin", "detail": "cross-site post refused"}, 403)
+        if dev is not None and not _loopback_host(request):
+            # A DNS-rebound page (its own name for 127.0.0.1) is same-origin to the browser: dev
+            # sign-in answers only to the loopback names it is bound to.
+            response: Response = JSONResponse(
+                {"error": "host", "detail": "dev sign-in answers only at 127.0.0.1 or localhost"}, 400)
+        elif request.method == "POST" and not _same_origin(request):
+            response = JSONResponse({"error": "cross_origin", "detail": "cross-site post refused"}, 403)
         else:
             response = await call_next(request)
         for k, v in SECURITY_HEADERS.items():
@@ -462,6 +486,8 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
 
     @app.post("/logout")
     async def logout(request: Request) -> Response:
+        if dev is not None and (token := request.cookies.get(SESSION_COOKIE)):
+            dev.revoke(token)  # a copy of the cookie dies with it
         response = RedirectResponse("/login" if dev else "/", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/")
         return response
@@ -481,19 +507,20 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         rows = await inbox.waiting(person)
         return page(request, "_waiting_rows.html", person=person, rows=rows)
 
-    @app.get("/runs/{run_id}", response_class=HTMLResponse)
-    async def run_page(request: Request, run_id: str) -> Response:
-        person = await inbox.identify(request)
-        run = await inbox.run(person, run_id)
-        return page(request, "run.html", person=person, run=run, outcome=None, shown=run["pending"])
-
-    @app.get("/runs/{run_id}/live", response_class=HTMLResponse)
+    # The live fragment before the page: a run id may hold `/` (`{run_id:path}`).
+    @app.get("/runs/{run_id:path}/live", response_class=HTMLResponse)
     async def run_live(request: Request, run_id: str, shown: str = "") -> Response:
         person = await inbox.identify(request)
         run = await inbox.run(person, run_id)
         return page(request, "_run_live.html", person=person, run=run, shown_request=shown)
 
-    @app.post("/runs/{run_id}/decide", response_class=HTMLResponse)
+    @app.get("/runs/{run_id:path}", response_class=HTMLResponse)
+    async def run_page(request: Request, run_id: str) -> Response:
+        person = await inbox.identify(request)
+        run = await inbox.run(person, run_id)
+        return page(request, "run.html", person=person, run=run, outcome=None, shown=run["pending"])
+
+    @app.post("/runs/{run_id:path}/decide", response_class=HTMLResponse)
     async def decide_form(
         request: Request,
         run_id: str,
@@ -532,12 +559,12 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         rows = await inbox.waiting(person)
         return JSONResponse({"person": person.name, "approvals": rows})
 
-    @app.get("/api/runs/{run_id}")
+    @app.get("/api/runs/{run_id:path}")
     async def api_run(request: Request, run_id: str) -> Response:
         person = await inbox.identify(request)
         return JSONResponse(await inbox.run(person, run_id))
 
-    @app.post("/api/runs/{run_id}/decisions")
+    @app.post("/api/runs/{run_id:path}/decisions")
     async def api_decide(request: Request, run_id: str) -> Response:
         person = await inbox.identify(request)
         if person.ambient and not inbox.csrf_ok(person, request.headers.get("x-csrf-token")):
@@ -549,7 +576,63 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         outcome = await inbox.decide(person, run_id, body)
         return JSONResponse(outcome, 409 if outcome["outcome"] == "refused" else 200)
 
+    # Outermost: a body over the cap is refused before anything reads or parses it.
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app
+
+
+class BodyLimit:
+    """Refuse a request body over ``limit`` bytes (413) before the app reads it: by its
+    Content-Length at once, and by counting as it streams in (chunked, or a lying length), when
+    the app is told the client went away and whatever it answers is dropped."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            return await self._refuse(send)
+        seen, started, refused = 0, False, False
+
+        async def counted() -> dict:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                refused = True
+                if not started:
+                    await self._refuse(send)
+                return {"type": "http.disconnect"}
+            return message
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out: the app's own answer is dropped
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except Exception:
+            if not refused:
+                raise
+
+    async def _refuse(self, send: Any) -> None:
+        response = JSONResponse({"error": "too_large", "detail": f"request body over {self.limit} bytes"}, 413,
+                                headers={"Connection": "close"})
+        await response({"type": "http"}, None, send)  # type: ignore[arg-type]
+
+
+def _loopback_host(request: Request) -> bool:
+    host = request.headers.get("host", "")
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    return name.lower() in ("127.0.0.1", "localhost")
 
 
 def _same_origin(request: Request) -> bool:

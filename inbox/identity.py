@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,8 @@ class Verifier:
             )
         except Unauthenticated:
             raise
-        except jwt.PyJWTError as e:
+        except Exception as e:  # noqa: BLE001  (PyJWT's errors, and a key of another type than the token's
+            # algorithm makes cryptography raise TypeError: every malformed token is a 401, never a 500)
             raise Unauthenticated(type(e).__name__) from None
         raw = claims.get(self.claim)
         if not isinstance(raw, str):
@@ -133,8 +135,33 @@ class DevLogin:
             claim="preferred_username",
         )
 
+        # Sessions signed out before they expire (their jti): a copied cookie dies with logout.
+        self._revoked: dict[str, float] = {}
+
     def mint(self, name: str) -> str:
         now = int(time.time())
         claims = {"iss": DEV_ISSUER, "aud": DEV_AUDIENCE, "preferred_username": name,
-                  "iat": now, "nbf": now, "exp": now + DEV_SESSION_SECONDS}
+                  "iat": now, "nbf": now, "exp": now + DEV_SESSION_SECONDS, "jti": secrets.token_hex(16)}
         return jwt.encode(claims, self._key, algorithm="EdDSA", headers={"kid": "dev-login"})
+
+    def verify(self, token: str) -> str:
+        """The session's person, or Unauthenticated (also for a session signed out)."""
+        name = self.verifier.verify(token)
+        if self._jti(token) in self._revoked:
+            raise Unauthenticated("this session was signed out")
+        return name
+
+    def revoke(self, token: str) -> None:
+        """Sign the session out: its token is refused from now on, until it would expire anyway."""
+        try:
+            self.verifier.verify(token)
+        except Unauthenticated:
+            return  # not a session of ours: nothing to revoke
+        now = time.time()
+        self._revoked = {j: t for j, t in self._revoked.items() if t > now}
+        self._revoked[self._jti(token)] = now + DEV_SESSION_SECONDS + LEEWAY_SECONDS
+
+    @staticmethod
+    def _jti(token: str) -> str:
+        # Read after the signature was verified: the token is ours.
+        return str(jwt.decode(token, options={"verify_signature": False}).get("jti", ""))

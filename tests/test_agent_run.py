@@ -85,8 +85,8 @@ async def test_a_start_that_lists_a_run_wrongly_is_corrected_by_its_first_task(t
 
 
 async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: WorkflowEnvironment, billing: Billing) -> None:
-    """One marker (the build's id), no local activity (the setup and the audit sink are
-    activities: reads cannot hurt a run), the audit sink written where the run rests (here: its
+    """One marker (the build's id), no local activity (the setup comes with the first planner
+    call, the audit sink is an activity: reads cannot hurt a run), the audit sink written where the run rests (here: its
     end), AgentRunState published only for states a run rests in, and a result without the
     timeline or the steps (client.run_outcome reads them with the queries)."""
     import json
@@ -110,7 +110,8 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     assert local == []
     scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in events
                  if e.HasField("activity_task_scheduled_event_attributes")]
-    assert scheduled == ["run_setup", "plan", "execute_tool", "execute_tool", "execute_tool", "plan", "audit_append"]
+    # The setup rides on the first planner call: one activity less per run.
+    assert scheduled == ["plan", "execute_tool", "execute_tool", "execute_tool", "plan", "audit_append"]
     # The start listed it as planning (the state its first task moves it to): one upsert, the end.
     started = events[0].workflow_execution_started_event_attributes.search_attributes.indexed_fields
     assert started["AgentRunState"].data == b'"PLANNING"'
@@ -121,9 +122,10 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     assert RunOutcome.model_validate(written) == raw
     # The setup's answer: no tool descriptions, no schema titles (what the run decides with
     # stays), attested by the fleet key.
-    setup = json.loads(next(e.activity_task_completed_event_attributes.result.payloads[0].data for e in events
+    first = json.loads(next(e.activity_task_completed_event_attributes.result.payloads[0].data for e in events
                             if e.HasField("activity_task_completed_event_attributes")))
-    assert setup["attestation"].count(":") == 1
+    assert first["attestation"].count(":") == 1 and first["steps"]
+    setup = first["setup"]
     assert setup["catalog"]["tools"] and all("description" not in t and '"title"' not in json.dumps(t["args_schema"])
                                              for t in setup["catalog"]["tools"])
     assert raw.timeline == [] and raw.records == len(outcome.timeline) == outcome.timeline[-1].seq

@@ -328,7 +328,7 @@ async def test_alices_self_approval_and_a_stale_hash_through_tether_approve_are_
         handle = await start_run(dev_env.client, worker, make_request(REFUND, requested_by="alice"))
         await wait_for_state(handle, "AWAITING_APPROVAL")
         (code, out, err), (code2, out2, err2) = [
-            await cli("approve", handle.id, "--by", "alice", "--decision-id", "self"),
+            await cli("approve", handle.id, "--by", "alice", "--unreviewed", "--decision-id", "self"),
             await cli("approve", handle.id, "--by", "bob", "--plan-hash", "0" * 64, "--decision-id", "stale"),
         ]
         assert code == 1 and "[rule: four_eyes]" in err, (out, err)
@@ -408,7 +408,7 @@ async def test_a_slow_verdict_is_accepted_verdict_pending_exit_3_and_status_show
         cli = Cli(dev_env, worker)
         handle = await start_run(dev_env.client, worker, make_request(REFUND))
         await wait_for_state(handle, "AWAITING_APPROVAL")
-        code, out, err = await cli("approve", handle.id, "--by", "bob", "--decision-id", "slow", env={"TETHER_VERDICT_TIMEOUT": "1"})
+        code, out, err = await cli("approve", handle.id, "--by", "bob", "--unreviewed", "--decision-id", "slow", env={"TETHER_VERDICT_TIMEOUT": "1"})
         assert code == 3, (out, err)
         assert "decision slow accepted, verdict pending" in out and err == "", (out, err)
         outcome = await asyncio.wait_for(run_outcome(handle), 30)

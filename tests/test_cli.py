@@ -18,6 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.policy import PolicyStore
 from tests.conftest import BIN, ROOT, Billing, running_worker, unique, wait_for_state
 from tests.test_dev_server import Cli
+from tests.terminal import in_terminal
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
 SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cli"}}]
@@ -84,18 +85,18 @@ async def test_every_subcommand_exit_codes_and_one_line_errors(
 
         async def approved() -> None:
             run_id = await start("small", "--wait")
-            assert (await fails(2, "approve", run_id, "--by", "")).startswith("error: --by: ")
-            assert (await fails(2, "approve", run_id, "--by", "bob", "--comment", "c" * 2001)).startswith(
+            assert (await fails(2, "approve", run_id, "--by", "", "--unreviewed")).startswith("error: --by: ")
+            assert (await fails(2, "approve", run_id, "--by", "bob", "--unreviewed", "--comment", "c" * 2001)).startswith(
                 "error: --comment: ")
-            assert (await fails(2, "approve", run_id, "--by", "bob", "--decision-id", "d" * 129)).startswith(
+            assert (await fails(2, "approve", run_id, "--by", "bob", "--unreviewed", "--decision-id", "d" * 129)).startswith(
                 "error: --decision-id: ")
-            assert (await fails(2, "reject", run_id, "--by", "bob", "--reason", "r" * 2001)).startswith(
+            assert (await fails(2, "reject", run_id, "--by", "bob", "--unreviewed", "--reason", "r" * 2001)).startswith(
                 "error: --reason: ")
-            assert "key file not found" in await fails(2, "approve", run_id, "--by", "bob", "--key", str(tmp_path / "no.pem"))
+            assert "key file not found" in await fails(2, "approve", run_id, "--by", "bob", "--unreviewed", "--key", str(tmp_path / "no.pem"))
             # Refused by the run -> 1 with the rule.
-            assert "[rule: four_eyes]" in await fails(1, "approve", run_id, "--by", "alice")
-            assert "[rule: tenant_membership]" in await fails(1, "approve", run_id, "--by", "mallory")
-            assert "APPROVED" in await ok("approve", run_id, "--by", "bob")
+            assert "[rule: four_eyes]" in await fails(1, "approve", run_id, "--by", "alice", "--unreviewed")
+            assert "[rule: tenant_membership]" in await fails(1, "approve", run_id, "--by", "mallory", "--unreviewed")
+            assert "APPROVED" in await ok("approve", run_id, "--by", "bob", "--unreviewed")
             await wait_for_state(dev_env.client.get_workflow_handle(run_id), "COMPLETED")
             assert "why" not in await ok("status", run_id)  # nothing to explain for a completed run
 
@@ -103,16 +104,16 @@ async def test_every_subcommand_exit_codes_and_one_line_errors(
             # Two approvals: the first is accepted, the second runs the plan; the tool fails for
             # good and status says why.
             run_id = await start("huge", "--wait")
-            assert "accepted" in await ok("approve", run_id, "--by", "carol")
-            assert "[rule: distinct_approvers]" in await fails(1, "approve", run_id, "--by", "carol")
-            await ok("approve", run_id, "--by", "erin")
+            assert "accepted" in await ok("approve", run_id, "--by", "carol", "--unreviewed")
+            assert "[rule: distinct_approvers]" in await fails(1, "approve", run_id, "--by", "carol", "--unreviewed")
+            await ok("approve", run_id, "--by", "erin", "--unreviewed")
             await wait_for_state(dev_env.client.get_workflow_handle(run_id), "EXECUTION_FAILED")
             out = await ok("status", run_id)
             assert "why" in out and "[rule: amount_exceeds_total]" in out
 
         async def rejected() -> None:
             run_id = await start("small", "--wait")
-            assert "REJECTED" in await ok("reject", run_id, "--by", "bob", "--reason", "no")
+            assert "REJECTED" in await ok("reject", run_id, "--by", "bob", "--unreviewed", "--reason", "no")
             out = await ok("status", run_id)
             assert "state      REJECTED" in out and "why" in out and "bob" in out
 
@@ -135,8 +136,8 @@ async def test_every_subcommand_exit_codes_and_one_line_errors(
 
         async def compensated() -> None:
             run_id = await start("over", "--on-failure", "compensate", "--wait")
-            assert "undo: `void_refund`" in await ok("status", run_id)  # the approver reads it
-            await ok("approve", run_id, "--by", "bob")
+            assert "issue_refund: can be undone by void_refund" in await ok("status", run_id)  # the approver reads it
+            await ok("approve", run_id, "--by", "bob", "--unreviewed")
             await wait_for_state(dev_env.client.get_workflow_handle(run_id), "COMPENSATED")
             out = await ok("status", run_id)
             assert "state      COMPENSATED" in out and "void_refund ok" in out and "compensate " not in out
@@ -223,14 +224,20 @@ async def test_demo_prints_commands_that_paste(dev_env: WorkflowEnvironment, bil
         orders = [steps[1]["args"]["order_id"] for steps in playbooks]
         assert orders[0] != orders[1] and not [r for r in billing.refunds() if r["order_id"] in orders]
         ran: dict[str, str] = {}
+        env = {k: v for k, v in cli.env.items() if k != "TEMPORAL_ADDRESS"}
         for command in commands:
+            verb = shlex.split(command)[shlex.split(command).index(".venv/bin/tether") + 1]
+            if verb == "approve":  # pasted into a terminal: it shows the plan and asks
+                code, shown = await asyncio.to_thread(in_terminal, ["sh", "-c", command], env, "y")
+                assert code == 0 and "[y/N]" in shown, (command, shown)
+                ran[verb] = shown
+                continue
             shell = await asyncio.create_subprocess_exec(
-                "sh", "-c", command, cwd=ROOT, env={k: v for k, v in cli.env.items() if k != "TEMPORAL_ADDRESS"},
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                "sh", "-c", command, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             )
             out, err = await shell.communicate()
             assert shell.returncode == 0 and out and not err, (command, out.decode(), err.decode())
-            ran[shlex.split(command)[shlex.split(command).index(".venv/bin/tether") + 1]] = out.decode()
+            ran[verb] = out.decode()
         assert "state      AWAITING_APPROVAL" in ran["start"] and "APPROVED" in ran["approve"], ran
         started = shlex.split(next(c for c in commands if " start " in c))
         handle = dev_env.client.get_workflow_handle(started[started.index("--id") + 1])

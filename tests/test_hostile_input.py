@@ -218,8 +218,8 @@ async def test_cli_on_unknown_and_finished_runs_gives_one_line_errors(
         calls = {
             "status": ["status", "{run}"],
             "timeline": ["timeline", "{run}"],
-            "approve": ["approve", "{run}", "--by", "bob"],
-            "reject": ["reject", "{run}", "--by", "bob", "--reason", "no"],
+            "approve": ["approve", "{run}", "--by", "bob", "--unreviewed"],
+            "reject": ["reject", "{run}", "--by", "bob", "--reason", "no", "--unreviewed"],
             "handoff": ["handoff", "{run}", "--by", "dana", "--reason", "r"],
             "cancel": ["cancel", "{run}", "--by", "dana", "--reason", "r"],
         }
@@ -252,7 +252,7 @@ async def test_temporal_down_gives_one_line_errors(dev_env: WorkflowEnvironment,
         cli = Cli(dev_env, worker)
         for argv in (
             ["start", "--goal", "g", "--playbook", str(playbook), "--requested-by", "alice"],
-            ["approve", "some-run", "--by", "bob"],
+            ["approve", "some-run", "--by", "bob", "--unreviewed"],
             ["handoff", "some-run", "--by", "dana", "--reason", "r"],
             ["timeline", "some-run"],
             ["list"],

@@ -122,9 +122,9 @@ async def test_bob_approves_through_the_api_and_the_run_completes_with_one_refun
         for other in (alice, dana):
             assert run_id not in [r["run_id"] for r in (await http.get("/api/approvals", headers=bearer(other))).json()["approvals"]]
             assert (await http.get(f"/api/runs/{run_id}", headers=bearer(other))).status_code == 404
-        # A forced post by alice: the run refuses it with the four-eyes rule; nothing changes.
+        # A forced post by alice: as for her GET, no such run among hers (nothing of its state); nothing changes.
         forced = await http.post(f"/api/runs/{run_id}/decisions", headers=bearer(alice), json=body(snap))
-        assert forced.status_code == 409 and forced.json()["rule"] == "four_eyes"
+        assert forced.status_code == 404 and forced.json() == {"error": "not_found", "detail": "no such run among yours"}
 
         run = (await http.get(f"/api/runs/{run_id}", headers=bearer(bob))).json()
         assert run["may_decide"] and run["pending"]["deciders"] == ["bob"]

@@ -109,7 +109,7 @@ def _plan(*tools: str) -> Plan:
 
 def test_destructive_tools_show_in_the_risk_summary_and_match_high_risk() -> None:
     normal = review_plan(_plan("git__git_status", "git__git_reset"), _catalog(), None)
-    assert normal.risk == "normal" and "git__git_reset (idempotent, DESTRUCTIVE)" in normal.summary
+    assert normal.risk == "normal" and "git__git_reset (cannot be undone; may destroy data)" in normal.summary
     strict = TenantPolicy(high_risk=HighRisk(destructive=True, approvals=2))
     high = review_plan(_plan("git__git_status", "git__git_reset"), _catalog(), strict)
     assert (high.risk, high.approvals_required) == ("high", 2)

@@ -139,7 +139,7 @@ async def signed_events_and_a_dead_webhook(
             "default", "AWAITING_APPROVAL", pending.plan_hash, pending.request_id
         )
         assert event["expires_at"] == pending.expires_at.isoformat()
-        assert event["approve_command"] == f"tether approve {handle.id} --by NAME"
+        assert event["approve_command"] == f"tether approve {handle.id} --by NAME --plan-hash {pending.plan_hash[:12]}"
         assert event["link"].endswith(f"/workflows/{handle.id}") and event["link"] in event["text"]
         # Values only as the tools' declared summary fields (order, amount): never the reason text.
         assert "amount_cents=7000" in event["summary"] and "parcel" not in json.dumps(event)

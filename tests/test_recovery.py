@@ -180,8 +180,8 @@ def test_the_refund_playbook_shows_the_undo_in_its_approval() -> None:
 
     engine = planned(PLAYBOOK, TenantPolicy())
     summary = engine.data.pending_approval.summary
-    assert 'issue_refund (idempotent, order_id="A-1001", amount_cents=4999, undo: `void_refund`)' in summary
-    assert 'send_email (unsafe, subject="Your refund for order A-1001", no recovery path)' in summary
+    assert 'issue_refund (can be undone by void_refund; order_id="A-1001", amount_cents=49.99 EUR (4999))' in summary
+    assert 'send_email (cannot be undone; subject="Your refund for order A-1001")' in summary
 
 
 def test_an_undo_tool_name_from_a_server_is_shown_escaped() -> None:
@@ -226,12 +226,6 @@ def test_require_recovery_refuses_a_high_risk_plan_with_an_irreversible_write() 
     # At a risk level the tenant does not list, the email is fine.
     assert planned([{**REFUND, "args": {**REFUND["args"], "amount_cents": 500}}, EMAIL], tenant).state == S.AWAITING_APPROVAL
     assert planned(PLAN, TenantPolicy(high_risk=HIGH, require_recovery=["normal", "high"])).state == S.VALIDATION_FAILED
-    # Runs recorded before recovery: no refusal (their plans carry no undo).
-    old = Engine(RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t")),
-                 RunRequest(goal="g", requested_by="alice"), workflow_id="wf", recovery=False)
-    old.received(NOW)
-    old.proposal(Proposal(steps=[ProposedStep(**s) for s in PLAN]), at=NOW, new_id=lambda n: f"tc-{n:03d}")
-    assert old.state == S.VALIDATED and old.data.plan.undo is None
 
 
 def test_require_recovery_in_the_policy_file_is_checked(tmp_path) -> None:
@@ -309,9 +303,9 @@ async def approved_run(env: WorkflowEnvironment, worker, **request) -> RunOutcom
     snap = await wait_for_state(handle, "AWAITING_APPROVAL")
     # The approver sees how each write is undone, and which cannot be.
     summary = snap.pending_approval.summary
-    assert 'issue_refund (idempotent, order_id="A-1002", amount_cents=1500, undo: `void_refund`)' in summary
-    assert 'post_ledger_entry (reconcilable, order_id="A-1002", amount_cents=-1500, undo: `reverse_ledger_entry`)' in summary
-    assert 'send_email (unsafe, subject="Your refund", no recovery path)' in summary
+    assert 'issue_refund (can be undone by void_refund; order_id="A-1002", amount_cents=15.00 EUR (1500))' in summary
+    assert 'post_ledger_entry (can be undone by reverse_ledger_entry; order_id="A-1002", amount_cents=-15.00 EUR (-1500))' in summary
+    assert 'send_email (cannot be undone; subject="Your refund")' in summary
     await handle.signal("approve", approval_for(snap, "bob"))
     return await tether_client.run_outcome(handle)
 

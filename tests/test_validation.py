@@ -66,11 +66,6 @@ def test_the_plan_hash_covers_each_steps_compensation() -> None:
     assert Plan.hash_steps(plan_steps) != result.plan.plan_hash  # without its undo: not this plan
     other_undo = [None, result.plan.undo[1].model_copy(update={"args": {"refund_id": "/args/order_id"}})]
     assert Plan.hash_steps(plan_steps, other_undo) != result.plan.plan_hash
-    # recovery off (runs recorded before it): no undo carried, the old hash.
-    old = validate_proposal(Proposal(steps=list(steps)), CATALOG, executed_steps=0, limits=Limits(),
-                            new_id=lambda n: f"tc-{n:03d}", recovery=False)
-    assert old.plan.undo is None
-    assert old.plan.plan_hash == Plan.hash_steps(old.plan.steps)
     assert Plan.hash_steps(plan_steps, [None, None]) == Plan.hash_steps(plan_steps)
 
 
@@ -159,7 +154,7 @@ def test_approval_needed_for_writes_only_by_default() -> None:
     review = policy.review_plan(write, CATALOG, None)
     assert (review.needs_approval, review.risk, review.approvals_required) == (True, "normal", 1)
     # The risk summary names what writes and the declared fields, never personal data.
-    assert review.summary == "1 of 2 step(s) write: send_email (unsafe, subject=\"Hi\")"
+    assert review.summary == "1 of 2 step(s) write: send_email (cannot be undone; subject=\"Hi\")"
 
 
 # ----------------------------------------------------------------------------- bounded-cost patterns

@@ -125,7 +125,7 @@ NOTIFY_RETRY = RetryPolicy(
 NOTIFY_ATTEMPT = timedelta(seconds=15)
 NOTIFY_BUDGET = timedelta(seconds=75)
 # The records the published view (memo "tether") carries: the latest ones; the sink has all.
-VIEW_RECORDS = 20
+VIEW_RECORDS = 5
 # Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
 KEY_MISSING_METRIC = "tether_key_missing"
 FORGERY_METRIC = "tether_forgery"
@@ -164,6 +164,7 @@ class AgentRun:
         self._audit_error: str | None = None
         self._updates = 0  # decide Updates this execution took
         self._bounces = 0
+        self._first_failure: ToolFailure | None = None  # how the first planner call failed
         self._notifying = 0  # notify activities in flight
         self._calls = 0  # activities this execution scheduled: their ids, which attestations bind
         # The carried state bore the workers' seal (or there was none): a run failing on a
@@ -236,7 +237,7 @@ class AgentRun:
                 await self._finish()
             raise
         await self._finish()
-        outcome = self.engine.outcome(workflow.info().workflow_id, bounded=True)
+        outcome = self.engine.outcome(workflow.info().workflow_id)
         if TEMPORAL_STATUS[outcome.state] == "Failed":
             # The execution fails, non-retryable, with the outcome in the failure's details
             # (client.run_outcome reads it back).
@@ -296,13 +297,24 @@ class AgentRun:
 
     async def _drive(self) -> None:
         data = self.data
+        first: Proposal | None = None
         if data.catalog is None or data.policy is None:
-            # One snapshot per run, both in one activity: validation must not change under a
-            # run's feet.
-            setup = await self._activity("run_setup", self._snapshot_request(), RunSetup, "run setup", show=False)
+            # One snapshot per run: validation must not change under a run's feet. A run that
+            # plans takes it with its first planner call.
+            first = await self._first_plan() if self.request.compensate_run is None else None
+            setup = first.setup if first is not None else None
+            if setup is None:
+                setup = await self._activity("run_setup", self._snapshot_request(), RunSetup, "run setup", show=False)
             data.catalog, data.policy = setup.catalog, setup.policy
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
+        if data.lifecycle.state == S.PLANNING and self.request.compensate_run is None and data.planning_rounds == 0:
+            data.planning_rounds = 1  # the first planner call: its proposal, or how it failed
+            failure = self._first_failure
+            if first is not None:
+                await self._planned(first)
+            elif failure is not None:
+                self._decide(lambda now: self.engine.planner_failed(failure, now))
         if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:
             # A compensation run: the original's closed record says what its approvals covered
             # (attested by the fleet key: a keyless poller cannot say what gets undone).
@@ -367,31 +379,54 @@ class AgentRun:
             return
         data.planning_rounds += 1
         try:
-            proposal = await self._activity(
-                "plan",
-                PlannerInput(
-                    goal=self.request.goal,
-                    planner=self.request.planner,
-                    playbook=self.request.playbook,
-                    executed=_bounded_context(data.executed),
-                    feedback=data.feedback,
-                    round=data.planning_rounds,
-                    steps_done=data.steps_ok,
-                    not_approved=data.not_approved,
-                ),
-                Proposal,
-                f"plan · {self.request.planner} · round {data.planning_rounds}",
-                timeout=PLANNER_TIMEOUT,
-                retry=PLANNER_RETRY,
-                attested=False,  # a proposal is untrusted input whoever wrote it
-            )
+            proposal = await self._ask_planner(data.planning_rounds)
         except ActivityError as err:
             failure = _failure(err)
             self._decide(lambda now: self.engine.planner_failed(failure, now))
             return
+        await self._planned(proposal)
+
+    async def _first_plan(self) -> Proposal | None:
+        """The first planner call, which also brings the run's setup (attested). None: the
+        planner failed; the run then takes its setup alone and records the failure."""
+        self._publish(listed_as=S.PLANNING)  # corrects a start that listed the run otherwise
+        try:
+            return await self._ask_planner(1, setup=self._snapshot_request())
+        except ActivityError as err:
+            self._first_failure = _failure(err)
+            return None
+
+    async def _ask_planner(self, round: int, *, setup: SnapshotRequest | None = None) -> Proposal:
+        data = self.data
+        return await self._activity(
+            "plan",
+            PlannerInput(
+                goal=self.request.goal,
+                planner=self.request.planner,
+                playbook=self.request.playbook,
+                executed=_bounded_context(data.executed),
+                feedback=data.feedback,
+                round=round,
+                steps_done=data.steps_ok,
+                not_approved=data.not_approved,
+                setup=setup,
+            ),
+            Proposal,
+            f"plan · {self.request.planner} · round {round}",
+            timeout=PLANNER_TIMEOUT,
+            retry=PLANNER_RETRY,
+            # A proposal is untrusted input whoever wrote it; the setup that comes with the
+            # first one is not, so that answer is attested.
+            attested=setup is not None,
+            show=setup is None,
+        )
+
+    async def _planned(self, proposal: Proposal) -> None:
+        """The planner answered (PLANNING): a handoff that came meanwhile first, then the proposal."""
+        data = self.data
         if await self._take_handoff():
             return
-        ids = self._ids(f"plan:{data.planning_rounds}:{json_digest(proposal.model_dump(mode='json'))}")
+        ids = self._ids(f"plan:{data.planning_rounds}:{json_digest(proposal.model_dump(mode='json', exclude={'setup', 'attestation'}))}")
         self._decide(lambda now: self.engine.proposal(proposal, at=now, new_id=ids))
 
     async def _await_decision(self) -> None:
@@ -495,7 +530,7 @@ class AgentRun:
                 request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
                 ttl_seconds=timeouts.start_to_close,
             )})
-            await self._checkpoint()  # the record of the approval is in the sink before a write
+            await self._checkpoint(rest=False)  # the record of the approval is in the sink before a write
         else:
             self._show()  # a read is no place the run rests: the sink gets its records later
         handle = workflow.start_activity(
@@ -986,13 +1021,15 @@ class AgentRun:
             workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
             self._audit_error = None
 
-    async def _checkpoint(self) -> None:
-        """Where the run rests (a wait, a timer, before a write, continue-as-new, the end): the
-        audit sink has every record, people who take an event are being told, the state is
-        visible, and the view Tether's own tools read without a worker is published."""
+    async def _checkpoint(self, *, rest: bool = True) -> None:
+        """Before a write, and where the run rests (a wait, a timer, continue-as-new, the end):
+        the audit sink has every record, people who take an event are being told, the state is
+        visible; where it rests (``rest``), the view Tether's own tools read without a worker is
+        published too."""
         await self._flush_audit()
         self._show()
-        self._publish_view()
+        if rest:
+            self._publish_view()
 
     def _show(self) -> None:
         """Before the run awaits anything: people who take an event are being told, and the
@@ -1093,13 +1130,15 @@ class AgentRun:
             deferred_to=self._continue_at,
         )
 
-    def _publish(self) -> None:
+    def _publish(self, listed_as: RunState | None = None) -> None:
         """Make the state visible before the workflow waits.
 
         Called before every await rather than on every move: states the run passes through
         inside one workflow task are never observable, and each upsert costs a history event.
+        ``listed_as``: list the run as this state instead (RECEIVED while its first planner call
+        runs is listed as PLANNING, states.first_published).
         """
-        state = self.data.lifecycle.state
+        state = listed_as or self.data.lifecycle.state
         checked, self._published_checked = self._published_checked, True
         if state.value != self._published and (not checked or to_publish(self._published, state)):
             updates = [STATE_ATTRIBUTE.value_set(state.value)]
@@ -1163,12 +1202,6 @@ def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:
         room = room - len(done.observation) if fits else 0
         context.append(done if fits else done.model_copy(update={"observation": ""}))
     return list(reversed(context))
-
-
-def _first_error(err: Exception) -> str:
-    if isinstance(err, ValidationError):
-        return first_error(err)
-    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def _failure(err: ActivityError) -> ToolFailure:

@@ -14,19 +14,12 @@ from datetime import datetime, timezone
 
 from workflows.display import markdown_code as code
 from workflows.display import markdown_text as text
-from workflows.display import show_value
+from workflows.display import approve_command, shell_word, show_value
 from workflows.models import Plan, RunData, RunRequest, ToolCatalog
 from workflows.states import RunState
 
 S = RunState
 PLAN_LINES = 30
-
-
-def _sh_quote(word: str) -> str:
-    """``word`` as one POSIX shell word (shlex.quote, without importing shlex into the sandbox)."""
-    if word and all(c.isascii() and (c.isalnum() or c in "@%+=:,./-_") for c in word):
-        return word
-    return "'" + word.replace("'", "'\"'\"'") + "'"
 
 
 def _utc(moment: datetime) -> str:
@@ -65,7 +58,7 @@ def run_details(
         return (
             f"**State:** `{lc.state.value}` (version {lc.state_version})\n\n"
             f"Details could not be drawn ({type(err).__name__}): "
-            + code(f"tether status {_sh_quote(workflow_id)}", 200)
+            + code(f"tether status {shell_word(workflow_id)}", 200)
             + " shows the run."
         )
 
@@ -155,10 +148,10 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
             {"decision_id": "<unique id>", "approver": "NAME", "plan_hash": pending.plan_hash,
              "request_id": pending.request_id}
         )
-        tether = f".venv/bin/tether approve {_sh_quote(workflow_id)} --by NAME"
+        tether = ".venv/bin/" + approve_command(workflow_id, pending.plan_hash)
         temporal = (
-            f"temporal workflow signal --workflow-id {_sh_quote(workflow_id)} --name approve "
-            f"--input {_sh_quote(signal_input)}"
+            f"temporal workflow signal --workflow-id {shell_word(workflow_id)} --name approve "
+            f"--input {shell_word(signal_input)}"
         )
         lines += [
             "",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import unicodedata
 
-__all__ = ["escape_text", "markdown_code", "markdown_text", "show_value"]
+__all__ = ["approve_command", "escape_text", "markdown_code", "markdown_text", "shell_word", "show_value"]
 
 # Unicode categories a person cannot see or that change how the rest of the line is shown:
 # controls (Cc: C0, DEL, C1), format characters (Cf: bidi embeddings/overrides/isolates, zero-width
@@ -105,3 +105,16 @@ def show_value(value: object, limit: int | None = None) -> str:
     except (TypeError, ValueError):
         text = str(value)
     return escape_text(text, limit)
+
+
+def shell_word(word: str) -> str:
+    """``word`` as one POSIX shell word (shlex.quote, without importing shlex into the sandbox)."""
+    if word and all(c.isascii() and (c.isalnum() or c in "@%+=:,./-_") for c in word):
+        return word
+    return "'" + word.replace("'", "'\"'\"'") + "'"
+
+
+def approve_command(run_id: str, plan_hash: str) -> str:
+    """The command a person pastes to approve this plan: bound to the hash they were shown (the
+    12-character form Tether prints), the run id one shell word whatever it holds."""
+    return f"tether approve {shell_word(run_id)} --by NAME --plan-hash {shell_word(plan_hash[:12])}"

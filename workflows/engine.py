@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from workflows import policy, recovery
 from workflows import revision as revisions
+from workflows.display import approve_command
 from workflows.identity import normalize_name, same_person
 from workflows.budgets import (
     ANSWER_CHARS,
@@ -107,12 +108,8 @@ class Engine:
         workflow_id: str,
         on_record: Callable[[TransitionRecord], None] = lambda record: None,
         new_request_id: Callable[[], str] = lambda: "",
-        recovery: bool = True,
     ) -> None:
         self.data = data
-        # Declared recovery (plan hashes cover compensations, on_failure=compensate): False only
-        # for runs recorded before it existed (the workflow's "tether-recovery" patch).
-        self.recovery = recovery
         self.request = request
         self.workflow_id = workflow_id
         self._on_record = on_record  # metrics, the audit sink; called for every record written
@@ -298,9 +295,8 @@ class Engine:
             limits=self.limits,
             new_id=new_id,
             tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
-            recovery=self.recovery,
         )
-        if result.plan is not None and self.recovery:
+        if result.plan is not None:
             # The tenant's require_recovery: a write with no recovery path never reaches approval.
             refusal = policy.recovery_refusal(result.plan, self.catalog, self.tenant, self.data.spent)
             if refusal is not None:
@@ -779,7 +775,7 @@ class Engine:
                     request_id=record.refs.request_id,
                     summary=waiting.summary if waiting else "",
                     expires_at=waiting.expires_at if waiting else None,
-                    approve_command=f"tether approve {self.workflow_id} --by NAME" if waiting else None,
+                    approve_command=approve_command(self.workflow_id, waiting.plan_hash) if waiting else None,
                     reason=record.reason,
                 )
             )
@@ -992,7 +988,7 @@ class Engine:
         ended = self._step_ended_by("cancelled")
         refs, detail = ended if ended is not None else (None, None)
         why = f"{why}; {detail}" if detail else why
-        if self.state != S.COMPENSATING and self.recovery and self.on_cancel() == "compensate" and self.current_undo() is not None:
+        if self.state != S.COMPENSATING and self.on_cancel() == "compensate" and self.current_undo() is not None:
             # The person asked to stop; the run was told to put things back when stopped.
             self._settled = None
             self.data.step_retries, self.data.step_outcome = 0, None
@@ -1285,18 +1281,16 @@ class Engine:
             policy.spend(self.data.spent, step.tool, step.args)
         self._trim_executed()
 
-    def outcome(self, run_id: str, *, bounded: bool) -> RunOutcome:
-        """The run's result. ``bounded`` (runs from tether-lean on): without the steps and the
-        timeline (the queries and the audit sink have them), with their counts."""
+    def outcome(self, run_id: str) -> RunOutcome:
+        """The run's result: bounded, without the steps and the timeline (the queries and the
+        audit sink have them), with their counts."""
         data = self.data
         return RunOutcome(
             run_id=run_id,
             state=data.lifecycle.state,
             answer=data.answer,
-            steps=[] if bounded else self.steps(),
-            timeline=[] if bounded else data.lifecycle.timeline,
-            records=data.lifecycle.records if bounded else 0,
-            steps_executed=data.steps_executed if bounded else 0,
+            records=data.lifecycle.records,
+            steps_executed=data.steps_executed,
             steps_before=data.executed_before,
             steps_digest=data.executed_digest,
             compensations=data.compensations,
@@ -1359,7 +1353,7 @@ class Engine:
 
     def compensates(self) -> bool:
         """Does a step failing with its outcome known put the run's ok writes back?"""
-        return self.recovery and self.on_failure() == "compensate" and self.current_undo() is not None
+        return self.on_failure() == "compensate" and self.current_undo() is not None
 
     def current_undo(self) -> CompensationCall | None:
         """The next compensation to run: the newest ok write not yet compensated."""
@@ -1370,7 +1364,7 @@ class Engine:
         hashed before recovery existed have none), and say on the record what it came to."""
         data, plan = self.data, self.data.plan
         info = self.tool_info(step)
-        if not self.recovery or plan is None or plan.undo is None or (info is not None and info.effect == ToolEffect.READ_ONLY):
+        if plan is None or plan.undo is None or (info is not None and info.effect == ToolEffect.READ_ONLY):
             return ""
         index = next((i for i, s in enumerate(plan.steps) if s.tool_call_id == step.tool_call_id), None)
         declared = plan.undo[index] if index is not None else None

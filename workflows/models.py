@@ -315,6 +315,10 @@ class Proposal(BaseModel):
     # sha256, instead of the answer (validation refuses it; the run plans again).
     oversized_bytes: int | None = None
     oversized_digest: str | None = None
+    # The first call of a run that plans also takes the run's setup (PlannerInput.setup): one
+    # activity instead of two. Then the whole answer is attested by the fleet key.
+    setup: RunSetup | None = None
+    attestation: str | None = None
 
 
 class ExecutedStep(BaseModel):
@@ -358,6 +362,9 @@ class PlannerInput(BaseModel):
     steps_done: int | None = None  # steps executed with status ok, in all (executed is a window)
     # Steps of the last plan a person left out when approving part of it.
     not_approved: list[NotApproved] = Field(default_factory=list)
+    # A run's first call: take its setup too (the catalog and policy snapshot, as run_setup
+    # would); where the policy refuses the run, nothing is planned.
+    setup: SnapshotRequest | None = None
 
 
 class PlanStep(BaseModel):

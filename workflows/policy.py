@@ -27,7 +27,8 @@ from workflows.models import (
     canonical_json,
 )
 from workflows.budgets import UPDATES_CONTINUE_AT, clip
-from workflows.display import markdown_code, show_value
+from workflows import wording
+from workflows.display import show_value
 from workflows.identity import same_person
 from workflows.models import Compensation, CompensationCall, ToolCall
 from workflows.states import EffectOutcome, RunState
@@ -285,18 +286,17 @@ def _step_needs_approval(step: PlanStep, info: ToolInfo | None, tenant: TenantPo
 
 
 def _describe_step(tool: str, args: dict, info: ToolInfo | None, undo: Compensation | None | bool = False) -> str:
-    """One write for the approver. ``undo``: its compensation as the plan hash covers it (None:
-    no recovery path; False: a plan from before recovery, which says nothing about undo)."""
-    effect = info.effect.value if info else "?"
-    if info is not None and info.destructive:
-        effect += ", DESTRUCTIVE"
+    """One write for the approver, in plain words (workflows/wording.py): what it does to the
+    world, and its declared summary fields, money as amount and currency beside the raw value.
+    ``undo``: its compensation as the plan hash covers it (None: no recovery path)."""
     # Values escaped and quoted (display.show_value): a value cannot end its own field and pass
     # off what follows as another one, or move the approver's cursor.
-    fields = [f"{k}={show_value(args[k], 200)}" for k in (info.summary_fields if info else []) if k in args]
-    if undo is not False:
-        # The compensating tool's name may come from an MCP server: shown escaped, as code.
-        fields.append(f"undo: {markdown_code(undo.tool, 64)}" if isinstance(undo, Compensation) else "no recovery path")
-    return f"{tool} ({effect}{', ' + ', '.join(fields) if fields else ''})"
+    schema = info.args_schema if info else None
+    fields = [
+        f"{k}={wording.arg_words(k, args[k], schema, args) or show_value(args[k], 200)}"
+        for k in (info.summary_fields if info else []) if k in args
+    ]
+    return f"{tool} ({wording.effect_words(info, undo)}{'; ' + ', '.join(fields) if fields else ''})"
 
 
 def _destructive(info: ToolInfo | None) -> bool:

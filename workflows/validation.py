@@ -146,13 +146,9 @@ def validate_proposal(
     limits: Limits,
     new_id: Callable[[int], str],
     tool_refusal: Callable[[str], str | None] = lambda tool: None,
-    recovery: bool = True,
 ) -> Validation:
-    """Check every proposed step; return a plan with fresh tool call ids, or the problems.
-
-    ``recovery``: the plan carries each step's declared compensation and its hash covers them
-    (False only for runs recorded before recovery existed, so their hashes stay as they were).
-    """
+    """Check every proposed step; return a plan with fresh tool call ids, or the problems. The
+    plan carries each step's declared compensation and its hash covers them."""
     if proposal.oversized_bytes is not None:
         return Validation(
             plan=None,
@@ -187,7 +183,7 @@ def validate_proposal(
         )
     if problems:
         return Validation(plan=None, problems=problems)
-    undo = [info.compensate if (info := catalog.get(s.tool)) else None for s in steps] if recovery else None
+    undo = [info.compensate if (info := catalog.get(s.tool)) else None for s in steps]
     try:
         plan_hash = Plan.hash_steps(steps, undo)
     except ValueError as e:  # e.g. an integer beyond what JSON numbers carry exactly

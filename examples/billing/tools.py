@@ -84,6 +84,10 @@ def call(
         ) from None
 
 
+# The service keeps its books in EUR cents: approvers see 49.99 EUR, not 4999 (client.money).
+EUR_CENTS = {"x-money": {"currency": "EUR", "minor_units": 2}}
+
+
 class OrderRef(BaseModel):
     order_id: str = Field(pattern=ORDER_ID, description="order id, e.g. A-1001")
 
@@ -96,7 +100,7 @@ def get_order(args: OrderRef, ctx: ToolContext) -> dict:
 
 class RefundArgs(BaseModel):
     order_id: str = Field(pattern=ORDER_ID)
-    amount_cents: int = Field(gt=0, le=10_000_000, description="refund amount in cents")
+    amount_cents: int = Field(gt=0, le=10_000_000, description="refund amount in cents", json_schema_extra=EUR_CENTS)
     reason: str = Field(min_length=1, max_length=500)
 
 
@@ -120,7 +124,7 @@ def issue_refund(args: RefundArgs, ctx: ToolContext) -> dict:
 
 class LedgerArgs(BaseModel):
     order_id: str = Field(pattern=ORDER_ID)
-    amount_cents: int = Field(ge=-10_000_000, le=10_000_000)
+    amount_cents: int = Field(ge=-10_000_000, le=10_000_000, json_schema_extra=EUR_CENTS)
     memo: str = Field(min_length=1, max_length=500)
 
 

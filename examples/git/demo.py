@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from examples import devstack
-from examples.demo import step, wait_for_end
+from examples.demo import reviewed, step, wait_for_end
 from worker import exit_process
 from workflows.states import RunState
 
@@ -90,7 +90,7 @@ def main() -> int:
     if commits() != before:
         raise SystemExit("a commit happened before the approval")
     print("\n== bob reviews the plan and approves exactly this plan hash")
-    step("approve", ["approve", run_id, "--by", "bob", "--comment", "notes look fine"])
+    step("approve", ["approve", run_id, "--by", "bob", *reviewed(run_id), "--comment", "notes look fine"])
     snap = wait_for_end(run_id)
     print(f"\n== the run ended in {snap.state.value}")
     step("timeline", ["timeline", run_id])

@@ -173,7 +173,7 @@ async def test_inspect_and_approve_in_the_web_ui(ui_env: UiEnv, browser_page, bi
             plan_hash,
             "requested by alice",
             expires,
-            f".venv/bin/tether approve {handle.id} --by NAME",
+            f".venv/bin/tether approve {handle.id} --by NAME --plan-hash {plan_hash[:12]}",
             snap.pending_approval.request_id,
             f"temporal workflow signal --workflow-id {handle.id} --name approve --input",
             *(f"{tool} · {effect}" for tool, effect in REFUND_STEPS),

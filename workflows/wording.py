@@ -1,0 +1,52 @@
+"""How a step reads to the person asked to approve it: money as amount and currency, effects in
+plain words. Pure, so the run's risk summary (records, webhooks, the Web UI) and every client
+(CLI, inbox) say it the same way; text from outside goes through workflows/display.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workflows.display import escape_text
+from workflows.models import Compensation, ToolEffect
+
+# The JSON Schema annotation a tool puts on an amount argument (examples/billing/tools.py):
+# ``{"x-money": {"currency": "EUR", "minor_units": 2}}``, or ``"currency_arg": NAME`` when
+# another argument of the call holds the currency code.
+MONEY_KEYWORD = "x-money"
+
+
+def money(value: Any, schema: dict[str, Any] | None, args: dict[str, Any]) -> str | None:
+    """An amount argument as a person reads it (``600.00 EUR``), from the tool's schema; None
+    when the schema declares no money there or the value is not a whole number of minor units."""
+    declared = (schema or {}).get(MONEY_KEYWORD)
+    if not isinstance(declared, dict) or isinstance(value, bool) or not isinstance(value, int):
+        return None
+    currency = declared.get("currency")
+    if isinstance(declared.get("currency_arg"), str):
+        currency = args.get(declared["currency_arg"])
+    units = declared.get("minor_units", 2)
+    if not isinstance(currency, str) or not isinstance(units, int) or isinstance(units, bool) or not 0 <= units <= 6:
+        return None
+    whole, part = divmod(abs(value), 10**units)
+    amount = f"{'-' if value < 0 else ''}{whole}" + (f".{part:0{units}d}" if units else "")
+    return f"{amount} {escape_text(currency, 8)}"
+
+
+def effect_words(info: Any, undo: Any = False) -> str:
+    """What a step does to the world, in plain words: ``read-only``, ``can be undone by
+    void_refund``, ``cannot be undone``. ``undo``: the step's compensation as the plan hash covers
+    it (None: none; False: judged by the tool's declaration)."""
+    if info is None:
+        return "unknown tool (treated as a write that cannot be undone)"
+    if info.effect == ToolEffect.READ_ONLY:
+        words = "read-only"
+    else:
+        comp = info.compensate if undo is False else undo
+        words = f"can be undone by {escape_text(comp.tool, 64)}" if isinstance(comp, Compensation) else "cannot be undone"
+    return words + ("; may destroy data" if info.destructive else "")
+
+
+def arg_words(name: str, value: Any, schema: dict[str, Any] | None, args: dict[str, Any]) -> str | None:
+    """Money as a person reads it, with the raw value beside it; None: not money."""
+    shown = money(value, ((schema or {}).get("properties") or {}).get(name), args)
+    return None if shown is None else f"{shown} ({value})"
