@@ -333,6 +333,8 @@ def untaken_seconds(description: Any) -> float | None:
     task = description.raw_description.pending_workflow_task
     if task.state != PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or not task.HasField("scheduled_time"):
         return None
+    if task.attempt > 1:
+        return None  # a task that failed is retried with a backoff: a worker did take it
     return (datetime.now(timezone.utc) - task.scheduled_time.ToDatetime(timezone.utc)).total_seconds()
 
 
@@ -1235,7 +1237,7 @@ async def _send_decision(
             # check runs in it, and the acceptance goes out with it), or no worker is there.
             if await _task_started(handle):
                 raise pending_verdict from None
-            raise TetherError(f"no worker took the decision for run {run_id} within {timeout:g}s: start one with `make worker`") from None
+            raise await no_answer(client, run_id, timeout) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
             raise pending_verdict from None

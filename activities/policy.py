@@ -146,6 +146,19 @@ class PolicyStore:
     def source(self) -> str:
         return str(self.path) if self.path else DEFAULT_SOURCE
 
+    @property
+    def recorded_source(self) -> str:
+        """The file as runs record it (with its hash beside it, in refs.policy_hash): relative to
+        the worker's directory, never the machine's absolute path; a file elsewhere by its last
+        two path parts."""
+        if self.path is None:
+            return DEFAULT_SOURCE
+        resolved = self.path.resolve()
+        try:
+            return resolved.relative_to(Path.cwd().resolve()).as_posix()
+        except ValueError:
+            return Path(*resolved.parts[-2:]).as_posix()
+
 
 def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
     """Fill in ``public_key`` from each approver's and signer's ``public_key_file`` (relative to
@@ -416,7 +429,7 @@ class PolicyActivities:
             tenant=request.tenant,
             policy=tenant,
             policy_hash=digest,
-            source=self.store.source,
+            source=self.store.recorded_source,
             webhooks=webhooks,
             requester_refusal=refusal,
             requester_verified=verified,

@@ -107,7 +107,8 @@ def next_steps(run_id: str) -> None:
     ):
         print(f"  {command(argv)}")
     print(f"The last two start a run on an order of its own ({order_id}), which waits for approval, "
-          "and approve it (it shows the plan and asks first).\n`make demo-order` makes another order and prints its playbook's path.")
+          "and approve it (it shows the plan and asks first).\n`make demo-order` makes another order and "
+          "prints its playbook's path.")
 
 
 MODEL_GOAL = (

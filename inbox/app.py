@@ -224,6 +224,7 @@ class Inbox:
     async def run(self, person: Person, run_id: str) -> dict[str, Any]:
         """The run as the person may see it, or NotYours."""
         document, snap, records, signer, refusal = await self._visible(person, run_id)
+        acted = desk.has_acted(person.name, snap, records)
         tenant = document.tenants[snap.tenant]
         now = datetime.now(timezone.utc)
         tools = {t.name: t for t in snap.tools}
@@ -264,6 +265,7 @@ class Inbox:
             },
             "may_decide": refusal is None,
             "why_not": None if refusal is None else {"rule": refusal.rule, "message": refusal.message},
+            "acted": acted,
             "attests_as": signer,
             "approved_by": snap.approved_by,
             "answer": snap.answer,
@@ -443,6 +445,8 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         if request.url.path.startswith("/api/"):
             return JSONResponse({"error": "unauthenticated", "detail": str(e)}, 401,
                                 headers={"WWW-Authenticate": 'Bearer realm="tether-inbox"'})
+        if dev is not None and request.method == "GET":
+            return RedirectResponse("/login", status_code=303)  # the dev sign-in is here: go there
         return page(request, "signin_needed.html", 401, person=None)
 
     @app.exception_handler(NotYours)

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=str(BIN / "temporal-test-server"),
         data_converter=pydantic_data_converter,
+        test_server_startup_timeout=timedelta(seconds=120),  # as the dev server's, below
     )
     # Unregistered custom search attributes leave a workflow stuck, not failed.
     await env.client.operator_service.add_search_attributes(
@@ -102,6 +104,9 @@ async def start_dev_server(*extra_args: str) -> WorkflowEnvironment:
         search_attributes=SEARCH_ATTRIBUTES,
         data_converter=pydantic_data_converter,
         dev_server_extra_args=["--ui-disable-news-fetch", "--headless", *extra_args],
+        # The SDK's default (5 s) is a wall-clock margin a loaded machine misses: wait for the
+        # server, bounded only against a hang.
+        dev_server_startup_timeout=timedelta(seconds=120),
     )
 
 

@@ -180,6 +180,8 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
             causes = [e.workflow_execution_cancel_requested_event_attributes.cause for e in history.events
                       if e.HasField("workflow_execution_cancel_requested_event_attributes")]
             assert causes == ["by dana: withdrawn"]
+            code, out, err = await cli("status", rid)
+            assert code == 0 and "cancellation requested: withdrawn" in out and "(user:dana)" in out, (out, err)
 
         code, _, err = await cli("cancel", run_id, "--by", "dana", "--reason", "late")
         assert code == 1 and "already finished" in err

@@ -49,6 +49,6 @@ async def test_a_stopped_worker_is_named_by_start_wait_status_and_approve(
                                "--wait", "--wait-timeout", "600")
     assert code == 1 and out.startswith("started run-") and message in err, (code, out, err)
     assert len(err.strip().splitlines()) == 1, err
-    for args in (["status", run_id], ["approve", run_id, "--by", "bob"]):
+    for args in (["status", run_id], ["approve", run_id, "--by", "bob", "--unreviewed"]):
         code, out, err = await cli(*args)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, code, out, err)

@@ -265,10 +265,19 @@ async def test_budgets_and_policy_hash_on_the_timeline(
         stranger = await start_run(ts_env.client, worker, make_request([GET], tenant="nobody"))
         unknown: RunOutcome = await run_outcome(stranger)
     assert outcome.timeline[0].refs.policy_hash == hashlib.sha256(path.read_bytes()).hexdigest()
+    # The record names the file by its hash and a short path, never the worker's absolute one.
+    received = next(r for r in outcome.timeline if r.reason.startswith("run received; policy "))
+    assert received.reason == f"run received; policy {path.parent.name}/p.toml" and str(tmp_path) not in received.reason
     assert outcome.state == S.EXECUTION_FAILED
     assert "tool call budget exhausted" in outcome.timeline[-1].reason
     assert [s.status for s in outcome.steps] == ["ok", "failed"]
     assert unknown.state == S.FAILED and "tenant 'nobody' is not in the policy file" in unknown.timeline[-1].reason
+
+
+def test_the_recorded_policy_path_is_relative_to_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    assert PolicyStore(ROOT / "examples/billing/policy.toml").recorded_source == "examples/billing/policy.toml"
+    assert PolicyStore(Path("examples/billing/policy.toml")).recorded_source == "examples/billing/policy.toml"
 
 
 def test_default_policy_is_four_eyes_for_every_write() -> None:

@@ -30,6 +30,22 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
 
 
+def playbook(name: str) -> str:
+    """The example playbook with ``repo_path`` resolved: "." means the server's working
+    directory, which tells an approver nothing; the scratch repository's path does (the git
+    server accepts it: it is the repository it was started on)."""
+    import json
+
+    steps = json.loads((HERE / name).read_text())
+    for s in steps:
+        if s["args"].get("repo_path") == ".":
+            s["args"]["repo_path"] = str(REPO.resolve())
+    folder = devstack.STATE_DIR / "git-demo-playbooks"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(steps, indent=1) + "\n")
+    return os.path.relpath(folder / name)
+
+
 def scratch_repository() -> None:
     """The repository the git server works on (its `cwd` in mcp.toml), with one new change."""
     if not (REPO / ".git").exists():
@@ -61,14 +77,14 @@ def main() -> int:
     status_id = f"git-status-{uuid.uuid4().hex[:6]}"
     print("\n== alice asks for the repository's status: git_status is read-only, no approval needed")
     step("start", ["start", "--goal", "What is the state of the repository?", "--playbook",
-                   str(HERE / "status.playbook.json"), "--requested-by", "alice", "--id", status_id, "--wait"])
+                   playbook("status.playbook.json"), "--requested-by", "alice", "--id", status_id, "--wait"])
     snap = wait_for_end(status_id)
     if snap.state != RunState.COMPLETED or snap.approved_by:
         raise SystemExit(f"the read-only run ended {snap.state.value} (approved by {snap.approved_by})")
 
     run_id = f"git-commit-{uuid.uuid4().hex[:6]}"
     print("\n== alice asks the agent to commit the notes: add and commit write, so the plan waits")
-    step("start", ["start", "--goal", "Commit today's notes", "--playbook", str(HERE / "commit.playbook.json"),
+    step("start", ["start", "--goal", "Commit today's notes", "--playbook", playbook("commit.playbook.json"),
                    "--requested-by", "alice", "--id", run_id, "--wait"])
     step("status", ["status", run_id])
     if commits() != before:

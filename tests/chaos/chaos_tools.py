@@ -8,7 +8,7 @@ waits there until the harness touches ``CHAOS_DIR/release-<checkpoint>`` (or ``H
 passes). That makes "kill before the call" and "kill after the call returned, before the
 activity completed" deterministic. For "during", ``CHAOS_HOLD=during`` has the billing service
 (``--gate-dir``, the parent of ``CHAOS_DIR``) hold the write's response after its commit until
-the harness touches ``CHAOS_DIR/release-during``.
+the harness touches ``CHAOS_DIR/release-<key>.<attempt>.during`` (``markers.gate_name``).
 
 Faults of the attempt itself, per worker (environment):
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from activities.tools import ToolContext, ToolError, tool
-from tests.chaos.markers import marker_name
+from tests.chaos.markers import gate_name, marker_name
 from examples.billing.tools import EmailArgs, LedgerArgs, OrderRef, RefundArgs, ReverseArgs, VoidArgs, call
 from workflows.models import ToolEffect
 
@@ -81,7 +81,8 @@ def external(ctx: ToolContext, method: str, path: str, body: dict | None = None,
     checkpoint(ctx, "before")
     folder = os.environ.get("CHAOS_DIR")
     if folder and method == "POST" and held(ctx, "during"):
-        headers = {**(headers or {}), "X-Test-Gate": f"{Path(folder).name}/release-during"}
+        gate = gate_name(ctx.idempotency_key, ctx.attempt)
+        headers = {**(headers or {}), "X-Test-Gate": f"{Path(folder).name}/{gate}"}
     slow = float(os.environ.get("CHAOS_SLOW") or 0)
     if slow and ctx.attempt == 1 and ctx.deadline is not None:
         time.sleep(max((ctx.deadline - datetime.now(timezone.utc)).total_seconds(), 0.0) + slow)

@@ -28,7 +28,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 import starter
 from examples.devstack import dev_server_command
 from client import run_outcome, timed_out
-from tests.chaos.markers import marker_name
+from tests.chaos.markers import gate_name, marker_name
 from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
 from workflows.models import RunOutcome, RunRequest, RunSnapshot
@@ -64,8 +64,12 @@ SCENARIOS = {
 SLOW_TOOL_TIMEOUT = 10.0
 SLOW_SECONDS = {"within": 0.2, "past": 6.0}
 # The cancel rounds' holds end by the cancel reaching the tool (with a heartbeat, every 0.8 x
-# 10 s at most), never by the attempt's deadline: the tool's timeout is far beyond that.
-CANCEL_TOOL_TIMEOUT = 20.0
+# 15 s at most), never by the attempt's deadline: the tool's timeout is far beyond that.
+CANCEL_TOOL_TIMEOUT = 30.0
+# A kill held at a checkpoint: the held attempt must still be inside its deadline when released
+# (a call past it is not sent), however long a loaded machine takes to bring every call of the
+# round there; a dead worker is then noticed at the heartbeat timeout (15 s), not the 3 s tool's 2 s.
+HELD_TOOL_TIMEOUT = 30.0
 EXHAUST_TOOLS = {"idempotent": "chaos_refund_short"}
 # Billing delay: every write's response waits this long after its commit. "During" holds the
 # response itself (the service's --gate-dir, CHAOS_HOLD=during) until the harness releases it.
@@ -308,17 +312,41 @@ async def _start_approved(
         tool = (tools or {}).get(effect, tool)
         for _ in range(runs_per_effect):
             request = RunRequest(goal=f"chaos {effect}", requested_by="alice", playbook=[{"tool": tool, "args": args}])
-            handle = await starter.start_run(client, request, run_id=_unique(f"chaos-{effect}"), queue=queue)
+            handle = await _start(client, request, _unique(f"chaos-{effect}"), queue)
             runs.append((effect, handle))
     keys: dict[str, tuple[str, str]] = {}
-    for effect, handle in runs:
-        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 180)
+    snaps = await asyncio.gather(*(_await_state(handle, {S.AWAITING_APPROVAL}, 180) for _, handle in runs))
+    for (_, handle), snap in zip(runs, snaps):
         assert snap.plan is not None
         tool_call_id = snap.plan.steps[0].tool_call_id
         keys[handle.id] = (f"{handle.id}:{tool_call_id}", tool_call_id)
-        decision = approval_for(snap, "chaos-bob")
-        await handle.signal("approve", decision)
+    # All approved at once, after every run waits: the tools' clocks start together, never
+    # while the harness still looks at another run (a held tool must outlast the harness's turn).
+    await asyncio.gather(*(handle.signal("approve", approval_for(snap, "chaos-bob")) for (_, handle), snap in zip(runs, snaps)))
     return runs, keys
+
+
+async def _start(client: Client, request: RunRequest, run_id: str, queue: str) -> WorkflowHandle:
+    """Start a run, again if the server failed the call (an overloaded SQLite dev server times
+    out its own persistence calls and answers NOT_FOUND or UNAVAILABLE): the run's id makes a
+    second start of one that did begin a refusal, which is as good as a start here."""
+    from client import TetherError
+
+    for attempt in range(10):
+        try:
+            return await starter.start_run(client, request, run_id=run_id, queue=queue)
+        except TetherError as e:
+            if "already exists" in str(e) and attempt > 0:
+                return client.get_workflow_handle(run_id, result_type=RunOutcome)
+            if attempt == 9 or not ("unknown run" in str(e) or "unreachable" in str(e)):
+                raise
+            await asyncio.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
+def _release(chaos_dir: Path, key: str, attempt: int = 1) -> None:
+    """Let the billing service answer this call's held write (CHAOS_HOLD=during)."""
+    (chaos_dir / gate_name(key, attempt)).touch()
 
 
 def _attempts(chaos_dir: Path, key: str) -> int:
@@ -336,13 +364,24 @@ async def _ended(client: Client, run_id: str) -> tuple[RunState, list[Transition
     """Wait for a run to end; its state and timeline (a cancelled run has no result: query it)."""
     handle = client.get_workflow_handle(run_id, result_type=RunOutcome)
     outcome: RunOutcome | None = None
-    try:
-        outcome = await asyncio.wait_for(run_outcome(handle), 120)
-        timeline = outcome.timeline
-        if outcome.state == RunState.CANCELLED:
-            outcome = None  # read back without steps
-    except WorkflowFailureError:
-        timeline = await handle.query("timeline", result_type=list[TransitionRecord])
+    deadline = time.monotonic() + 300
+    while True:
+        # The ended run is read back with queries, which a worker answers by replaying it: on a
+        # loaded machine one can time out, and is asked again (bounded only against a hang).
+        try:
+            try:
+                outcome = await asyncio.wait_for(run_outcome(handle), 120)
+                timeline = outcome.timeline
+                if outcome.state == RunState.CANCELLED:
+                    outcome = None  # read back without steps
+            except WorkflowFailureError:
+                timeline = await handle.query("timeline", result_type=list[TransitionRecord],
+                                              rpc_timeout=timedelta(seconds=10))
+            break
+        except RPCError as e:
+            if not (timed_out(e) or e.status == RPCStatusCode.FAILED_PRECONDITION) or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
     check_timeline(timeline, tools_by_call(outcome))
     return timeline[-1].to_state, timeline
 
@@ -367,7 +406,8 @@ async def kill_round(
     chaos_dir.mkdir(parents=True)
     queue = _unique("chaos-q")
     hold = {"before": "before", "during": "before,during", "after": "after"}.get(point or "", "")
-    worker = start_worker(address, billing.url, queue, chaos_dir, hold)
+    timeout = HELD_TOOL_TIMEOUT if point is not None else None
+    worker = start_worker(address, billing.url, queue, chaos_dir, hold, timeout)
     round_ = Round()
     round_.mark("start")
     try:
@@ -395,7 +435,8 @@ async def kill_round(
         killed_at = time.time()
         worker.kill()
         round_.kills += 1
-        (chaos_dir / "release-during").touch()  # the held responses go to a dead worker
+        for key, _ in keys.values():
+            _release(chaos_dir, key)  # the held responses go to a dead worker
 
         # Where did the kill catch each call?
         points: dict[str, str] = {}
@@ -414,12 +455,12 @@ async def kill_round(
             assert set(points.values()) == {point}, f"kill meant for {point!r} landed at {points}"
 
         for _ in range(extra_kills):
-            worker = start_worker(address, billing.url, queue, chaos_dir)
+            worker = start_worker(address, billing.url, queue, chaos_dir, tool_timeout=timeout)
             await worker.wait_for_output("worker ready")
             await asyncio.sleep(rng.uniform(0.2, 3.0))
             worker.kill()
             round_.kills += 1
-        worker = start_worker(address, billing.url, queue, chaos_dir)
+        worker = start_worker(address, billing.url, queue, chaos_dir, tool_timeout=timeout)
         await worker.wait_for_output("worker ready")
         round_.mark("restarted")
 
@@ -488,21 +529,20 @@ async def effect_round(
             client, queue, effects, runs_per_effect, EXHAUST_TOOLS if scenario == "exhaust" else None
         )
         if scenario == "cancel":
-            by_run = {h.id: e for e, h in runs}
-            if variant == "during":
-                await _wait(
-                    lambda: all(billing.effects(by_run[rid], k) >= 1 for rid, (k, _) in keys.items()),
-                    30, "every effect committed (its response held)", step=0.05,
-                )
-            else:
-                await _wait(
-                    lambda: all(_marker(chaos_dir, k, 1, hold).exists() for k, _ in keys.values()),
-                    60, f"every tool call at its {hold!r} checkpoint",
-                )
-            for _, handle in runs:
+
+            async def cancel(effect: str, handle: WorkflowHandle) -> None:
+                key = keys[handle.id][0]
+                if variant == "during":
+                    await _wait(lambda: billing.effects(effect, key) >= 1, 60,
+                                "the effect committed (its response held)", step=0.05)
+                else:
+                    await _wait(lambda: _marker(chaos_dir, key, 1, hold).exists(), 60,
+                                f"the tool call at its {hold!r} checkpoint")
                 await handle.cancel(reason="chaos cancel")
-            # The cancels are on the runs' histories: only now may the held responses arrive.
-            (chaos_dir / "release-during").touch()
+                # The cancel is on the run's history: only now may its held response arrive.
+                _release(chaos_dir, key)
+
+            await asyncio.gather(*(cancel(effect, handle) for effect, handle in runs))
             if variant == "after+kill":
                 worker.kill()
                 round_.kills += 1
@@ -618,11 +658,12 @@ async def compensation_round(
     chaos_dir.mkdir(parents=True)
     queue = _unique("chaos-q")
     hold = {"before": "before", "during": "before,during", "after": "after"}.get(point or "", "")
-    worker = start_worker(address, billing.url, queue, chaos_dir, hold, CHAOS_HOLD_UNDO_ONLY="1")
+    timeout = HELD_TOOL_TIMEOUT if point is not None else None
+    worker = start_worker(address, billing.url, queue, chaos_dir, hold, timeout, CHAOS_HOLD_UNDO_ONLY="1")
     try:
         await worker.wait_for_output("worker ready")
         request = RunRequest(goal="chaos undo", requested_by="alice", playbook=COMPENSATION_PLAN, on_failure="compensate")
-        handle = await starter.start_run(client, request, run_id=_unique("chaos-undo"), queue=queue)
+        handle = await _start(client, request, _unique("chaos-undo"), queue)
         snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 180)
         refund_tc, ledger_tc = snap.plan.steps[0].tool_call_id, snap.plan.steps[1].tool_call_id
         await handle.signal("approve", approval_for(snap, "chaos-bob"))
@@ -638,8 +679,8 @@ async def compensation_round(
                 await _wait(lambda: billing.get(f"/ledger?reverses={entry['entry_id']}")["entries"], 30,
                             "the reversal committed (its response held)", step=0.05)
         worker.kill()
-        (chaos_dir / "release-during").touch()
-        worker = start_worker(address, billing.url, queue, chaos_dir)
+        _release(chaos_dir, undo_key)
+        worker = start_worker(address, billing.url, queue, chaos_dir, tool_timeout=timeout)
         await worker.wait_for_output("worker ready")
         state, timeline = await _ended(client, handle.id)
         refunds = billing.refunds(f"{handle.id}:{refund_tc}")
