@@ -30,7 +30,7 @@ from tests.conftest import (
     wait_for_state,
 )
 from tests.test_trust_chain import CONVERTER, continue_as_new, rogue_answer
-from workflows.models import CompensationCall, RecoverySource, RunData, RunRequest, RunState
+from workflows.models import CompensationCall, RecoverySource, RunData, RunOutcome, RunRequest, RunState
 
 REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 123, "reason": "victim"}}
 READ = {"tool": "get_order", "args": {"order_id": "A-1001"}}
@@ -97,8 +97,21 @@ async def test_a_rogue_worker_answering_recovery_source_makes_no_undo(dev_env: W
             if not (await compensation.describe()).raw_description.pending_activities:
                 break
             await asyncio.sleep(0.05)
+        assert not voided(billing, refund)
+        assert (await compensation.describe()).status.name == "RUNNING"  # where it stood
+        # The operator's way out, as the failure says: reset to before the forged task. The
+        # honest worker then reads the original's own record: it made no write, nothing to undo.
+        # The operator names the task before the first forged answer (`tether repair RUN
+        # --event-id N`): the history shows which answers the rogue wrote (its identity).
+        events = (await compensation.fetch_history()).events
+        forged_at = min(e.event_id for e in events if e.HasField("activity_task_completed_event_attributes"))
+        point = max(e.event_id for e in events if e.HasField("workflow_task_completed_event_attributes") and e.event_id < forged_at)
+        await tether_client.repair(client, compensation.id, reason="a worker without the fleet key answered it", event_id=point)
+        latest = client.get_workflow_handle(compensation.id, result_type=RunOutcome)
+        outcome = await asyncio.wait_for(tether_client.run_outcome(latest), 300)
+    assert outcome.state in (RunState.FAILED, RunState.COMPENSATED), outcome.state
+    assert not [c for c in outcome.compensations if c.status == "ok"]
     assert not voided(billing, refund)
-    assert (await compensation.describe()).status.name == "RUNNING"  # where it stood: reset it to go on
 
 
 async def test_a_forged_continue_as_new_state_makes_no_undo(dev_env: WorkflowEnvironment, billing: Billing) -> None:

@@ -157,7 +157,7 @@ async def test_high_risk_needs_two_distinct_finance_approvers(
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         pending = snap.pending_approval
         assert (pending.risk, pending.approvals_required, pending.roles) == ("high", 2, ["finance"])
-        assert "HIGH RISK" in pending.summary and "amount_cents=60000" in pending.summary
+        assert "HIGH RISK" in pending.summary and "amount_cents=600.00 EUR (60000)" in pending.summary
         assert (pending.expires_at - snap.updated_at).total_seconds() == pytest.approx(3600, abs=1)
         bob = decide("bob", snap)
         await handle.signal("approve", bob)
