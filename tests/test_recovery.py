@@ -189,7 +189,7 @@ def test_an_undo_tool_name_from_a_server_is_shown_escaped() -> None:
     catalog.get("issue_refund").compensate = Compensation(tool="evil`\x1b[31m\u202e", args={})
     shown = policy.review_plan(_validated([REFUND], catalog), catalog, TenantPolicy()).summary
     assert "\x1b" not in shown and "\u202e" not in shown and "\\x1b" in shown
-    assert "``" in shown  # the backtick is fenced, not closing the code span
+    assert "can be undone by evil`\\x1b[31m\\u202e;" in shown  # plain words, escaped (markdown is escaped where it is drawn)
 
 
 def _validated(steps: list[dict], catalog=CATALOG):
