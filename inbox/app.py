@@ -196,12 +196,12 @@ class Inbox:
             "time_left": desk.time_left(pending.expires_at, now),
         }
 
-    async def _member_snapshot(self, person: Person, run_id: str):  # noqa: ANN202
-        """The policy, the run's status as it published it and its latest records, when the
-        policy lists the person in its tenant."""
+    async def _member_snapshot(self, person: Person, run_id: str, live: bool = False):  # noqa: ANN202
+        """The policy, the run's status as it published it (``live``: as the run answers now)
+        and its latest records, when the policy lists the person in its tenant."""
         document = self.document()
         try:
-            snap, records = await tether.read_run(await self.client(), run_id)
+            snap, records = await tether.read_run(await self.client(), run_id, live=live)
         except tether.TetherError as e:
             if e.code == tether.USAGE and "unknown run" in str(e):
                 raise NotYours() from None
@@ -210,10 +210,10 @@ class Inbox:
             raise NotYours()
         return document, snap, records
 
-    async def _visible(self, person: Person, run_id: str):  # noqa: ANN202
+    async def _visible(self, person: Person, run_id: str, live: bool = False):  # noqa: ANN202
         """The run, when the person may see it: they may decide it now, or a decision of theirs
         counted on it. GET and POST answer the same (404 otherwise: not even whether it exists)."""
-        document, snap, records = await self._member_snapshot(person, run_id)
+        document, snap, records = await self._member_snapshot(person, run_id, live)
         signer = desk.attester(document, self.public_key, snap.tenant)
         refusal = desk.decide_refusal(document.tenants[snap.tenant], snap, person.name,
                                       now=datetime.now(timezone.utc), can_attest=signer is not None)
@@ -221,9 +221,10 @@ class Inbox:
             raise NotYours()
         return document, snap, records, signer, refusal
 
-    async def run(self, person: Person, run_id: str) -> dict[str, Any]:
-        """The run as the person may see it, or NotYours."""
-        document, snap, records, signer, refusal = await self._visible(person, run_id)
+    async def run(self, person: Person, run_id: str, live: bool = False) -> dict[str, Any]:
+        """The run as the person may see it, or NotYours. ``live``: right after a decision, as
+        the run answers now (its published view follows where it next rests)."""
+        document, snap, records, signer, refusal = await self._visible(person, run_id, live)
         acted = desk.has_acted(person.name, snap, records)
         tenant = document.tenants[snap.tenant]
         now = datetime.now(timezone.utc)
@@ -556,7 +557,7 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
             return page(request, "error.html", 400, person=person, message="That decision form was not complete.")
         outcome = await inbox.decide(person, run_id, body)
         try:
-            run = await inbox.run(person, run_id)
+            run = await inbox.run(person, run_id, live=True)
         except NotYours:
             run = None  # e.g. refused, and not a run this person could decide
         status = 409 if outcome["outcome"] == "refused" else 200
