@@ -79,6 +79,15 @@ def state_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await start_time_skipping()
+    yield env
+    await env.shutdown()
+
+
+async def start_time_skipping() -> WorkflowEnvironment:
+    """The time-skipping test server, our search attributes registered. Its clock is the whole
+    server's: a test that skips hours while other tests' activities run waits for them, so such
+    a test starts a server of its own."""
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=str(BIN / "temporal-test-server"),
         data_converter=pydantic_data_converter,
@@ -93,8 +102,7 @@ async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
             },
         )
     )
-    yield env
-    await env.shutdown()
+    return env
 
 
 async def start_dev_server(*extra_args: str) -> WorkflowEnvironment:
