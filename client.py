@@ -708,7 +708,7 @@ async def published_view(description: Any) -> RunView | None:
     """The RunView the run last published in its memo (None: it has published none yet)."""
     try:
         return await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
-    except (ValueError, TypeError, ValidationError) as e:  # written by another version, or not decodable here
+    except (ValueError, TypeError, KeyError, ValidationError) as e:  # another version's, or encrypted by a key not here
         raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
 
