@@ -62,22 +62,18 @@ from workflows import states
 from workflows.wording import effect_words, money
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.details import start_details, start_summary
-from workflows.models import (
+from workflows.contract import (
     NAME_PATTERN,
     DecideRequest,
     DecideResult,
     ExecutedStep,
     HandoffRequest,
-    PendingApproval,
     Plan,
-    RunOutcome,
-    RunView,
     RevisedStep,
     ReviseDecideRequest,
-    RunRequest,
-    RunSnapshot,
     first_error,
 )
+from workflows.run_state import PendingApproval, RunOutcome, RunView, RunRequest, RunSnapshot
 from workflows.states import TERMINAL, RunState, TransitionRecord
 
 OK, REFUSED, USAGE, PENDING = 0, 1, 2, 3
@@ -1533,7 +1529,7 @@ async def repair(
     from temporalio.client import WorkflowHistory
 
     from worker import create_replayer
-    from workflows.models import ToolCall
+    from workflows.wire import ToolCall
 
     description = await _describe(client, run_id)
     if description.status != WorkflowExecutionStatus.RUNNING:
@@ -1648,7 +1644,7 @@ class StepView:
 
 def step_views(plan: Plan | None, tools: Sequence[Any]) -> list[StepView]:
     """The plan's steps with their effects in words and money in amount and currency."""
-    from workflows.models import ToolEffect
+    from workflows.contract import ToolEffect
 
     if plan is None:
         return []

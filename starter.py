@@ -33,7 +33,8 @@ try:
     import client
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
     from workflows.display import escape_text as show
-    from workflows.models import Limits, PlaybookStep, RunRequest
+    from workflows.contract import Limits, PlaybookStep
+    from workflows.run_state import RunRequest
     from workflows.published import BUILD
     from workflows.states import RunState, TransitionRecord
 except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv

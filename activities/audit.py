@@ -43,7 +43,7 @@ from urllib.parse import urlsplit, urlunsplit
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from workflows.models import AuditAck, AuditBatch
+from workflows.wire import AuditAck, AuditBatch
 from workflows.states import TransitionRecord
 
 DEFAULT_AUDIT_DIR = ".tether/audit"

@@ -32,7 +32,7 @@ from temporalio.worker import Interceptor, WorkflowInboundInterceptor, WorkflowI
 
 from workflows import keys as ring_math
 from workflows.keys import EXTERN, MissingKey, key_id
-from workflows.models import (
+from workflows.wire import (
     CAPABILITY_EXPIRED,
     CAPABILITY_INVALID,
     CAPABILITY_KEY_MISSING,

@@ -49,7 +49,7 @@ from activities.toml_config import parse_toml
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, ToolSpec, load_tool_modules
 from workflows.display import escape_text
 from workflows.mcp_effects import Hints, effect_for
-from workflows.models import Compensation, ToolEffect, first_error
+from workflows.contract import Compensation, ToolEffect, first_error
 from workflows.validation import schema_problem
 
 log = logging.getLogger("tether.mcp")

@@ -40,7 +40,8 @@ from temporalio import activity
 
 from activities.policy import PolicyStore
 from workflows.display import escape_text
-from workflows.models import Notification, NotificationResult, Webhook
+from workflows.policy_file import Webhook
+from workflows.wire import Notification, NotificationResult
 
 log = logging.getLogger(__name__)
 

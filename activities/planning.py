@@ -39,7 +39,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows.budgets import PROPOSAL_BYTES
-from workflows.models import ExecutedStep, PlannerInput, Proposal, ProposedStep, ToolCatalog, ToolEffect
+from workflows.contract import ExecutedStep, ToolCatalog, ToolEffect
+from workflows.wire import PlannerInput, Proposal, ProposedStep
 
 
 class Planner(Protocol):

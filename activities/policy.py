@@ -28,23 +28,15 @@ from temporalio.exceptions import ApplicationError
 from workflows import policy
 from activities.keys import KeyRing, attest
 from workflows.identity import skeleton
-from workflows.models import (
-    SIGNER_NAME,
-    STRICT,
-    AcceptedApproval,
-    ApprovalDecision,
-    Approver,
+from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog
+from workflows.policy_file import Approver, PolicyDocument, Signer, TenantPolicy
+from workflows.wire import (
     AuthorityCheck,
-    Plan,
-    ToolCatalog,
     DecisionCheck,
     HandoffCheck,
-    PolicyDocument,
     PolicySnapshot,
     Refusal,
-    Signer,
     SnapshotRequest,
-    TenantPolicy,
     Verdict,
 )
 

@@ -13,7 +13,8 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.keys import KeyRing, attest
-from workflows.models import RecoveryRequest, RecoverySource, Refusal, RunSnapshot
+from workflows.wire import RecoveryRequest, RecoverySource, Refusal
+from workflows.run_state import RunSnapshot
 
 
 class RecoveryActivities:

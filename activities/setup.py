@@ -15,7 +15,7 @@ from activities import planning
 from activities.keys import KeyRing, attest
 from activities.policy import PolicyActivities
 from activities.tools import ToolActivities
-from workflows.models import PlannerInput, Proposal, RunSetup, SnapshotRequest
+from workflows.wire import PlannerInput, Proposal, RunSetup, SnapshotRequest
 
 
 class SetupActivities:

@@ -49,17 +49,8 @@ from temporalio.exceptions import ApplicationError
 from activities.keys import KeyRing, attest, capability_refusal
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
-from workflows.models import (
-    ATTEMPT_STILL_RUNNING,
-    CANCELLED_MID_CALL,
-    Compensation,
-    ToolCall,
-    ToolCatalog,
-    ToolEffect,
-    ToolInfo,
-    ToolOutcome,
-    first_error,
-)
+from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
+from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, ToolCall, ToolOutcome
 from workflows.policy import ToolTimeouts, tool_timeouts
 from workflows.validation import BoundedValidator, PatternError, schema_problem
 

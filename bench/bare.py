@@ -13,14 +13,9 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import (
-        ExecutedStep,
-        PlannerInput,
-        Proposal,
-        RunRequest,
-        ToolCall,
-        ToolOutcome,
-    )
+    from workflows.contract import ExecutedStep
+    from workflows.wire import PlannerInput, Proposal, ToolCall, ToolOutcome
+    from workflows.run_state import RunRequest
 
 PLANNER_TIMEOUT = timedelta(minutes=2)
 PLANNER_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))

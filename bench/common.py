@@ -215,7 +215,8 @@ async def approve_pending(client: Client, run_id: str, approver: str = "bench-ap
     decision names the request id and plan hash the snapshot shows."""
     import uuid
 
-    from workflows.models import ApprovalDecision, RunSnapshot
+    from workflows.contract import ApprovalDecision
+    from workflows.run_state import RunSnapshot
 
     handle = client.get_workflow_handle(run_id)
     pending = (await handle.query("snapshot", result_type=RunSnapshot)).pending_approval

@@ -50,7 +50,7 @@ from bench.common import (
 )
 from bench.profile import Recorder, report as profile_report
 from client import start_run
-from workflows.models import RunRequest
+from workflows.run_state import RunRequest
 
 GOVERNED, APPROVAL, BARE = "governed", "governed+approval", "bare"
 VARIANTS = (GOVERNED, APPROVAL, BARE)

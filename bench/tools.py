@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from activities.tools import tool
 from bench.tool_bodies import read_value, write_value
-from workflows.models import ToolEffect
+from workflows.contract import ToolEffect
 
 bench_read = tool(effect=ToolEffect.READ_ONLY, timeout=30, name="bench_read")(read_value)
 bench_write = tool(effect=ToolEffect.IDEMPOTENT, timeout=30, name="bench_write")(write_value)

@@ -17,7 +17,7 @@ import uuid
 
 from bench.common import approve_pending, bench_stack, cpu_seconds, machine_line, peak_rss_mb, rss_mb, table
 from client import start_run
-from workflows.models import RunRequest
+from workflows.run_state import RunRequest
 
 
 async def count(client, query: str) -> int:

@@ -19,7 +19,7 @@ import client
 import starter
 from client import exit_process
 from examples.devstack import BILLING_PORT, DEMO_SIGNERS, INBOX_URL, KEYS_DIR, STATE_DIR, TEMPORAL_PORT, UI_PORT
-from workflows.models import RunSnapshot
+from workflows.run_state import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
 PLAYBOOK = "examples/billing/refund.playbook.json"

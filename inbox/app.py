@@ -37,7 +37,8 @@ from activities.policy import PolicyFileError, PolicyStore
 from inbox import desk
 from inbox.identity import SESSION_COOKIE, DEV_SESSION_SECONDS, DevLogin, Person, Unauthenticated, Verifier
 from workflows.display import escape_text, show_value
-from workflows.models import STRICT, Contract, RunSnapshot
+from workflows.contract import STRICT, Contract
+from workflows.run_state import RunSnapshot
 from workflows.states import TERMINAL, RunState, TransitionRecord
 
 log = logging.getLogger("tether.inbox")

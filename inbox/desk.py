@@ -9,7 +9,9 @@ import hashlib
 from datetime import datetime
 
 from workflows import policy
-from workflows.models import PolicyDocument, Refusal, RunSnapshot, TenantPolicy
+from workflows.policy_file import PolicyDocument, TenantPolicy
+from workflows.wire import Refusal
+from workflows.run_state import RunSnapshot
 from workflows.states import RunState, TransitionRecord
 
 # Refusals that mean "what you looked at is no longer what is pending".

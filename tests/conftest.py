@@ -40,7 +40,8 @@ import client as tether_client
 from examples.billing.service import SEED_ORDERS, make_server
 from worker import create_worker
 from workflows.published import SEARCH_ATTRIBUTES
-from workflows.models import STRICT, ApprovalDecision, RunRequest, RunSnapshot
+from workflows.contract import STRICT, ApprovalDecision
+from workflows.run_state import RunRequest, RunSnapshot
 from workflows.states import TransitionRecord
 
 BIN = Path(sys.executable).parent
@@ -414,7 +415,7 @@ async def observations(handle: WorkflowHandle) -> list[str]:
     ids and digests)."""
     from temporalio.api.enums.v1 import EventType
 
-    from workflows.models import ToolOutcome
+    from workflows.wire import ToolOutcome
 
     history = await handle.fetch_history()
     scheduled = {

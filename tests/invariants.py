@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from workflows.models import Plan, RunOutcome
+from workflows.contract import Plan
+from workflows.run_state import RunOutcome
 from workflows.states import TERMINAL, RunState, TransitionRecord, is_legal_path
 
 S = RunState

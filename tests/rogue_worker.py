@@ -25,7 +25,7 @@ import worker as worker_module
 from activities.keys import KeyRing, attest
 from activities.recovery import RecoveryActivities
 from worker import create_worker
-from workflows.models import RecoveryRequest, RecoverySource
+from workflows.wire import RecoveryRequest, RecoverySource
 
 
 async def main(address: str, namespace: str, queue: str, fleet_kid: str, forged: str) -> None:

@@ -13,7 +13,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows.agent_run import AgentRun
-    from workflows.models import RunOutcome
+    from workflows.run_state import RunOutcome
 
 BROKEN = "deliberately broken build: the task that ends the run fails"
 

@@ -21,7 +21,8 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
-from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome
+from workflows.contract import ApprovalDecision, HandoffRequest
+from workflows.run_state import RunSnapshot, RunOutcome
 from workflows.states import RunState, is_legal_path
 
 S = RunState

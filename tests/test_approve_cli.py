@@ -16,7 +16,7 @@ from tests.conftest import BIN, ROOT, Billing, running_worker, timeline, unique,
 from tests.test_cli import POLICY, one_line
 from tests.test_dev_server import Cli
 from tests.terminal import in_terminal
-from workflows.models import RunOutcome
+from workflows.run_state import RunOutcome
 
 # A-1002 (120.00 EUR; refunds up to 50.00 need nobody): the refund's undo is void_refund; the email cannot be unsent.
 PLAN = [
@@ -150,7 +150,7 @@ async def test_status_says_how_many_approvals_are_still_needed_and_from_whom(
 
 def test_money_comes_only_from_the_schema_and_effects_read_as_words() -> None:
     from client import effect_words, money
-    from workflows.models import Compensation, ToolEffect, ToolInfo
+    from workflows.contract import Compensation, ToolEffect, ToolInfo
 
     eur = {"type": "integer", "x-money": {"currency": "EUR", "minor_units": 2}}
     assert money(60000, eur, {}) == "600.00 EUR" and money(-4999, eur, {}) == "-49.99 EUR" and money(5, eur, {}) == "0.05 EUR"

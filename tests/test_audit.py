@@ -34,7 +34,9 @@ from tests.conftest import (
     wait_for_state,
 )
 from tests.test_dev_server import Cli
-from workflows.models import DecideRequest, DecideResult, DecisionCheck, RunOutcome, RunSnapshot, Verdict
+from workflows.contract import DecideRequest, DecideResult
+from workflows.wire import DecisionCheck, Verdict
+from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import RunState as S
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
@@ -517,7 +519,7 @@ async def test_timeline_all_of_a_run_temporal_no_longer_has_shows_the_sink(
     # not be checked against the run; a gap in it still fails.
     from datetime import datetime, timezone
 
-    from workflows.models import AuditBatch
+    from workflows.wire import AuditBatch
     from workflows.states import Lifecycle
 
     lifecycle = Lifecycle()

@@ -23,7 +23,8 @@ from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
 from tests.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
-from workflows.models import DecideRequest, DecideResult, RunData, RunOutcome, RunSnapshot, ToolEffect, canonical_json
+from workflows.contract import DecideRequest, DecideResult, ToolEffect, canonical_json
+from workflows.run_state import RunData, RunOutcome, RunSnapshot
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -239,7 +240,7 @@ async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEn
     from activities.tools import REGISTRY
     from workflows import policy as rules
     from workflows.engine import Engine
-    from workflows.models import PolicySnapshot, Proposal, ProposedStep
+    from workflows.wire import PolicySnapshot, Proposal, ProposedStep
 
     run_id = unique("newer")
     request = make_request(REFUND)
@@ -276,7 +277,7 @@ async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEn
 
 
 async def test_the_audit_sink_holds_every_record_once_after_a_torn_write(tmp_path: Path) -> None:
-    from workflows.models import AuditBatch
+    from workflows.wire import AuditBatch
     from workflows.states import Lifecycle
 
     lifecycle = Lifecycle()
@@ -306,7 +307,8 @@ def test_what_continue_as_new_carries_stops_growing_with_the_run() -> None:
 
     from workflows.budgets import CARRY_TIMELINE_TAIL, EXECUTED_WINDOW, TIMELINE_HEAD
     from workflows.engine import Engine
-    from workflows.models import ExecutedStep, RunRequest
+    from workflows.contract import ExecutedStep
+    from workflows.run_state import RunRequest
 
     def carried(steps: int) -> tuple[RunData, int]:
         data = RunData()

@@ -14,17 +14,10 @@ from activities.policy import PolicyFileError, check_policy_file, parse_policy
 from activities.tools import REGISTRY
 from workflows import policy
 from workflows.engine import Engine, IllegalState
-from workflows.models import (
-    ApprovalDecision,
-    PolicySnapshot,
-    Proposal,
-    ProposedStep,
-    RevisionRequest,
-    RunData,
-    RunRequest,
-    TenantPolicy,
-    parse_duration,
-)
+from workflows.contract import ApprovalDecision, RevisionRequest
+from workflows.policy_file import TenantPolicy, parse_duration
+from workflows.wire import PolicySnapshot, Proposal, ProposedStep
+from workflows.run_state import RunData, RunRequest
 from workflows.revision import changed_paths, patch
 from workflows.states import RunState
 
@@ -207,7 +200,8 @@ def test_patch_paths() -> None:
 
 async def test_planners_hear_which_steps_were_not_approved() -> None:
     from activities.planning import PlaybookPlanner, build_messages
-    from workflows.models import ExecutedStep, NotApproved, PlannerInput, PlaybookStep
+    from workflows.contract import ExecutedStep, NotApproved, PlaybookStep
+    from workflows.wire import PlannerInput
 
     playbook = [PlaybookStep(tool=s.tool, args=s.args) for s in (READ, REFUND, EMAIL)]
     done = [ExecutedStep(tool_call_id=f"tc-{i}", tool=s.tool, args=s.args, status="ok", outcome="ok") for i, s in enumerate(playbook[:2])]
@@ -262,7 +256,7 @@ def test_a_huge_revision_is_refused_like_a_huge_proposal() -> None:
 def test_a_webhook_no_retry_reached_is_recorded_and_nothing_raises() -> None:
     """notification_done: the dead webhooks go on the record (a flood-counted record too); the
     handler never raises (it runs in a task nobody awaits: an exception there is lost)."""
-    from workflows.models import Notification, NotificationResult
+    from workflows.wire import Notification, NotificationResult
 
     e = engine()
     note = Notification(event_id="run:e:3", event="awaiting_approval", webhooks=["ops"], run_id="run",

@@ -28,7 +28,8 @@ from tests.conftest import (
 )
 from workflows.budgets import CARRY_AMORTIZE
 from workflows.published import BUILD, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
-from workflows.models import ApprovalDecision, RunOutcome
+from workflows.contract import ApprovalDecision
+from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 
 ROOT = Path(__file__).resolve().parent.parent

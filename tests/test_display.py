@@ -66,7 +66,7 @@ def test_the_start_details_say_what_the_summary_does_not() -> None:
     """The Web UI shows a run's summary and details together: the goal once (in the details too
     only where the summary cut it), every value a requester wrote inert."""
     from workflows.details import SUMMARY_GOAL_CHARS, start_details, start_summary
-    from workflows.models import RunRequest
+    from workflows.run_state import RunRequest
 
     short = RunRequest(goal="Refund **A-1001**", tenant="acme", requested_by="al`ice", planner="playbook")
     assert start_summary(short) == "Refund \\*\\*A\\-1001\\*\\* · tenant acme"
@@ -79,7 +79,8 @@ def test_the_start_details_say_what_the_summary_does_not() -> None:
 def test_the_run_setup_marker_keeps_what_the_run_decides_with() -> None:
     """run_setup's marker leaves out the tools' descriptions and the schemas' title annotations
     (a property named ``title`` stays); read back, every other field is the same."""
-    from workflows.models import PolicySnapshot, RunSetup, ToolCatalog, ToolEffect, ToolInfo, untitled
+    from workflows.contract import ToolCatalog, ToolEffect, ToolInfo
+    from workflows.wire import PolicySnapshot, RunSetup, untitled
 
     schema = {"title": "Args", "type": "object", "required": ["title"],
               "properties": {"title": {"title": "Title", "type": "string"}, "n": {"title": "N", "type": "integer"}}}

@@ -4,7 +4,7 @@ effect, and the outcome fields' JSON compatibility."""
 from __future__ import annotations
 
 from workflows import policy
-from workflows.models import ExecutedStep, ToolEffect
+from workflows.contract import ExecutedStep, ToolEffect
 from workflows.states import Refs
 
 

@@ -29,7 +29,8 @@ from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline
 from workflows.agent_run import AgentRun
-from workflows.models import HandoffRequest, RunOutcome, ToolEffect
+from workflows.contract import HandoffRequest, ToolEffect
+from workflows.run_state import RunOutcome
 from workflows.states import RunState
 
 S = RunState

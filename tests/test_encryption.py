@@ -54,7 +54,7 @@ from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, start_run, wait_for_state
 from workflows.agent_run import AgentRun
 from workflows.published import SEARCH_ATTRIBUTES
-from workflows.models import RunOutcome
+from workflows.run_state import RunOutcome
 from workflows.states import RunState
 
 ROOT = Path(__file__).resolve().parent.parent

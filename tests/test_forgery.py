@@ -30,7 +30,10 @@ from tests.conftest import (
     wait_for_state,
 )
 from tests.test_trust_chain import CONVERTER, continue_as_new, rogue_answer
-from workflows.models import CompensationCall, RecoverySource, RunData, RunOutcome, RunRequest, RunState
+from workflows.contract import CompensationCall
+from workflows.wire import RecoverySource
+from workflows.run_state import RunData, RunOutcome, RunRequest
+from workflows.states import RunState
 
 REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 123, "reason": "victim"}}
 READ = {"tool": "get_order", "args": {"order_id": "A-1001"}}

@@ -27,7 +27,8 @@ from inbox.app import InboxConfig, check_config
 from tests.conftest import PLAYBOOK, Billing
 from tests.inbox_stack import AUDIENCE, ISSUER, Stack, inbox_stack, raw_public
 from workflows import policy
-from workflows.models import ApprovalDecision, Signer, TenantPolicy
+from workflows.contract import ApprovalDecision
+from workflows.policy_file import Signer, TenantPolicy
 
 
 

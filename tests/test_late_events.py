@@ -29,7 +29,8 @@ from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
 from tests.invariants import check_timeline, tools_by_call
-from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome
+from workflows.contract import ApprovalDecision, HandoffRequest
+from workflows.run_state import RunSnapshot, RunOutcome
 from workflows.states import RunState
 
 S = RunState

@@ -27,7 +27,8 @@ from tests.chaos.harness import Proc, free_port
 from client import run_outcome
 from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, text, tool_calls
-from workflows.models import RunOutcome, ToolEffect
+from workflows.contract import ToolEffect
+from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 
 S, E = RunState, ToolEffect

@@ -7,7 +7,8 @@ import pytest
 
 from activities.mcp import McpConfigError, parse_config
 from workflows.mcp_effects import Hints, effect_for
-from workflows.models import HighRisk, Plan, PlanStep, TenantPolicy, ToolCatalog, ToolEffect, ToolInfo
+from workflows.contract import Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
+from workflows.policy_file import HighRisk, TenantPolicy
 from workflows.policy import review_plan
 
 E = ToolEffect

@@ -27,7 +27,8 @@ from activities.metrics import prometheus_runtime
 from client import run_outcome
 from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refusal_rule
-from workflows.models import ApprovalDecision, RunOutcome
+from workflows.contract import ApprovalDecision
+from workflows.run_state import RunOutcome
 from workflows.states import RunState
 
 ROOT = Path(__file__).resolve().parent.parent

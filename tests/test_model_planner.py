@@ -34,7 +34,9 @@ from examples.billing.tools import OrderRef, RefundArgs
 from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
-from workflows.models import RunSnapshot, ApprovalDecision, ExecutedStep, PlannerInput, RunOutcome, ToolEffect
+from workflows.contract import ApprovalDecision, ExecutedStep, ToolEffect
+from workflows.wire import PlannerInput
+from workflows.run_state import RunSnapshot, RunOutcome
 from workflows.states import RunState, is_legal_path
 
 S = RunState

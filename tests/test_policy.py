@@ -24,7 +24,9 @@ from activities.tools import REGISTRY
 from client import run_outcome
 from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
 from workflows import policy
-from workflows.models import RunSnapshot, ApprovalDecision, HandoffRequest, RunOutcome, TransitionRecord
+from workflows.contract import ApprovalDecision, HandoffRequest
+from workflows.run_state import RunSnapshot, RunOutcome
+from workflows.states import TransitionRecord
 from workflows.states import RunState, is_legal_path
 
 S = RunState

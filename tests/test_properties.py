@@ -22,22 +22,10 @@ from workflows import policy
 import pytest
 
 from workflows.engine import Engine, IllegalState, ToolFailure
-from workflows.models import (
-    AmountRule,
-    ApprovalDecision,
-    AutoApprove,
-    HandoffRequest,
-    PolicySnapshot,
-    Proposal,
-    ProposedStep,
-    Refusal,
-    RevisionRequest,
-    RunData,
-    RunRequest,
-    TenantPolicy,
-    ToolEffect,
-    ToolOutcome,
-)
+from workflows.contract import ApprovalDecision, HandoffRequest, RevisionRequest, ToolEffect
+from workflows.policy_file import AmountRule, AutoApprove, TenantPolicy
+from workflows.wire import PolicySnapshot, Proposal, ProposedStep, Refusal, ToolOutcome
+from workflows.run_state import RunData, RunRequest
 from workflows.states import TERMINAL, RunState, is_legal_path
 from tests.invariants import check_request_satisfiable
 

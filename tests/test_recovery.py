@@ -21,10 +21,10 @@ from activities.policy import PolicyStore
 from activities.tools import REGISTRY, ToolContext, ToolRegistry, tool
 from workflows import policy
 from workflows.engine import Engine
-from workflows.models import (
-    Compensation, HighRisk, PolicySnapshot, Proposal, ProposedStep, RecoverySource, RunData, RunRequest,
-    TenantPolicy, ToolEffect, AmountRule, Approver, CompensationCall,
-)
+from workflows.contract import Compensation, ToolEffect, CompensationCall
+from workflows.policy_file import HighRisk, TenantPolicy, AmountRule, Approver
+from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySource
+from workflows.run_state import RunData, RunRequest
 from workflows.recovery import PointerError, compensation_call, resolve_pointer, result_document
 from tests.invariants import check_timeline, tools_by_call
 from tests.conftest import (
@@ -36,7 +36,7 @@ from tests.conftest import (
     start_run,
     wait_for_state,
 )
-from workflows.models import RunOutcome
+from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -193,7 +193,7 @@ def test_an_undo_tool_name_from_a_server_is_shown_escaped() -> None:
 
 
 def _validated(steps: list[dict], catalog=CATALOG):
-    from workflows.models import Limits
+    from workflows.contract import Limits
     from workflows.validation import validate_proposal
 
     result = validate_proposal(Proposal(steps=[ProposedStep(**s) for s in steps]), catalog, executed_steps=0,
@@ -348,7 +348,7 @@ async def written_calls(env: WorkflowEnvironment, workflow_id: str) -> list:
     from temporalio.api.enums.v1 import EventType
     from temporalio.contrib.pydantic import pydantic_data_converter
 
-    from workflows.models import ToolCall
+    from workflows.wire import ToolCall
 
     history = await env.client.get_workflow_handle(workflow_id).fetch_history()
     return [
@@ -402,7 +402,7 @@ def test_the_re_check_of_an_undo() -> None:
     assert policy.undo_refusal(tenant, undo=undo, compensator="dana").rule == "role"
     assert policy.undo_refusal(tenant, undo=undo, compensator="mallory").rule == "tenant_membership"
     # The capability is minted only for exactly that undo.
-    from workflows.models import ToolCall
+    from workflows.wire import ToolCall
 
     call = ToolCall(tool="void_refund", args={"refund_id": "R-1"}, tool_call_id="tc-1:undo",
                     idempotency_key="run:tc-1:undo", run_id="run", tenant="default", attempt=1)
@@ -413,7 +413,7 @@ def test_the_re_check_of_an_undo() -> None:
 
 def test_a_refused_undo_hands_off_and_stays_pending() -> None:
     """The re-check just before an undo refuses: nothing starts, a person decides."""
-    from workflows.models import Refusal
+    from workflows.wire import Refusal
 
     tenant = TenantPolicy(tools=["issue_refund", "void_refund"])
     data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))

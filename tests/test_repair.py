@@ -16,7 +16,7 @@ from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from tests.tampered import BROKEN, TamperedAgentRun
 from tests.test_dev_server import Cli
-from workflows.models import RunOutcome
+from workflows.run_state import RunOutcome
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 777, "reason": "repair"}}]
 

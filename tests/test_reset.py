@@ -17,7 +17,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
-from workflows.models import RevisionRequest, RunOutcome
+from workflows.contract import RevisionRequest
+from workflows.run_state import RunOutcome
 
 ORDER = "A-1003"
 

@@ -12,7 +12,7 @@ from client import run_outcome
 from tests.conftest import Billing, running_worker, unique
 from tests.test_cli import POLICY, one_line
 from tests.test_dev_server import Cli
-from workflows.models import RunOutcome
+from workflows.run_state import RunOutcome
 
 PLAN = [
     {"tool": "get_order", "args": {"order_id": "A-1002"}},

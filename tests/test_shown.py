@@ -218,7 +218,7 @@ def test_details_that_cannot_be_drawn_still_show_the_state(monkeypatch) -> None:
     """The details are drawn in the workflow before every wait: a renderer bug must show the state
     and where to look, never raise (an exception there fails every workflow task of the run)."""
     from workflows import details
-    from workflows.models import RunData, RunRequest
+    from workflows.run_state import RunData, RunRequest
 
     def broken(*args, **kwargs):
         raise KeyError("a plan shape the renderer does not know")

@@ -41,19 +41,10 @@ from tests.conftest import (
 from tests.forger import Forger
 from tests.test_policy import sign
 from tests.invariants import check_timeline, tools_by_call
-from workflows.models import (
-    ApprovalDecision,
-    HandoffRequest,
-    Plan,
-    PlanStep,
-    PolicySnapshot,
-    RunData,
-    RunOutcome,
-    RunSnapshot,
-    TenantPolicy,
-    ToolCatalog,
-    ToolEffect,
-)
+from workflows.contract import ApprovalDecision, HandoffRequest, Plan, PlanStep, ToolCatalog, ToolEffect
+from workflows.policy_file import TenantPolicy
+from workflows.wire import PolicySnapshot
+from workflows.run_state import RunData, RunOutcome, RunSnapshot
 from workflows.states import Lifecycle, RunState, TransitionRecord
 
 S = RunState

@@ -35,17 +35,9 @@ from activities.keys import genkey
 from activities.policy import PolicyStore
 from client import run_outcome
 from tests.conftest import task_failure, Billing, approval_for, flood_until_continued, make_request, running_worker, snapshot, unique, wait_for_state
-from workflows.models import (
-    Capability,
-    PolicySnapshot,
-    Proposal,
-    ProposedStep,
-    RunData,
-    RunOutcome,
-    ToolCall,
-    args_digest,
-    canonical_json,
-)
+from workflows.contract import canonical_json
+from workflows.wire import Capability, PolicySnapshot, Proposal, ProposedStep, ToolCall, args_digest
+from workflows.run_state import RunData, RunOutcome
 
 CONVERTER = pydantic_data_converter.payload_converter
 
@@ -267,7 +259,7 @@ async def test_a_captured_signed_start_replayed_after_the_window_is_refused(
 
 def test_start_signature_ttl_takes_seconds_or_durations() -> None:
     from workflows import policy
-    from workflows.models import TenantPolicy
+    from workflows.policy_file import TenantPolicy
 
     assert TenantPolicy().start_signature_ttl == 600
     assert TenantPolicy.model_validate({"start_signature_ttl": "10m"}).start_signature_ttl == 600
@@ -327,7 +319,7 @@ async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approv
         assert again.pending_approval.roles == ["finance"] and again.pending_approval.approvals_required == 1
         refund_key = f"{handle.id}:{next(s.tool_call_id for s in snap.plan.steps if s.tool == 'issue_refund')}"
         assert billing.refunds(refund_key) == []
-        from workflows.models import DecideRequest, DecideResult
+        from workflows.contract import DecideRequest, DecideResult
 
         bob = approval_for(again, "bob").model_dump()
         # bob can no longer give it (refused on the record, with its rule) ...

@@ -6,17 +6,9 @@ from datetime import datetime, timedelta, timezone
 
 from activities.tools import REGISTRY
 from workflows import policy
-from workflows.models import (
-    ApprovalDecision,
-    Limits,
-    PendingApproval,
-    Plan,
-    PlanStep,
-    Proposal,
-    ProposedStep,
-    RunData,
-    ToolEffect,
-)
+from workflows.contract import ApprovalDecision, Limits, Plan, PlanStep, ToolEffect
+from workflows.wire import Proposal, ProposedStep
+from workflows.run_state import PendingApproval, RunData
 from workflows.states import Lifecycle, RunState
 from workflows.validation import validate_proposal
 
@@ -161,7 +153,7 @@ def test_approval_needed_for_writes_only_by_default() -> None:
 
 import time  # noqa: E402
 
-from workflows.models import ToolCatalog, ToolInfo  # noqa: E402
+from workflows.contract import ToolCatalog, ToolInfo  # noqa: E402
 from workflows.validation import pattern_search, schema_problem  # noqa: E402
 
 NESTED = r"^(\w+\s?)+$"

@@ -20,7 +20,8 @@ from activities.notify import body, deliver
 from activities.policy import PolicyStore
 from client import run_outcome
 from tests.conftest import Billing, make_request, running_worker, start_run, timeline, wait_for_state
-from workflows.models import Notification, RunOutcome
+from workflows.wire import Notification
+from workflows.run_state import RunOutcome
 
 READ = {"tool": "get_order", "args": {"order_id": "A-1002"}}
 REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "late"}}

@@ -52,20 +52,28 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
-    from workflows.models import (
+    from workflows.contract import (
+        STRICT,
+        ApprovalDecision,
+        DecideRequest,
+        DecideResult,
+        ExecutedStep,
+        HandoffRequest,
+        ReviseDecideRequest,
+        RevisionRequest,
+        ToolEffect,
+        ToolInfo,
+        first_error,
+        json_digest,
+    )
+    from workflows.wire import (
         ATTEMPT_STILL_RUNNING,
         CAPABILITY_EXPIRED,
         CAPABILITY_KEY_MISSING,
-        STRICT,
-        ApprovalDecision,
         AuditAck,
         AuditBatch,
-        DecideRequest,
-        DecideResult,
         DecisionCheck,
-        ExecutedStep,
         HandoffCheck,
-        HandoffRequest,
         Notification,
         NotificationResult,
         PlannerInput,
@@ -73,22 +81,12 @@ with workflow.unsafe.imports_passed_through():
         RecoveryRequest,
         RecoverySource,
         Refusal,
-        RunData,
-        RunOutcome,
-        RunRequest,
         RunSetup,
-        RunSnapshot,
-        RunView,
-        ReviseDecideRequest,
-        RevisionRequest,
         SnapshotRequest,
-        ToolEffect,
-        ToolInfo,
         ToolOutcome,
         Verdict,
-        first_error,
-        json_digest,
     )
+    from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot, RunView
     from workflows.published import BUILD, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
     from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord, to_publish
 

@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 from workflows.display import markdown_code as code
 from workflows.display import markdown_text as text
 from workflows.display import approve_command, shell_word, show_value
-from workflows.models import Plan, RunData, RunRequest, ToolCatalog
+from workflows.contract import Plan, ToolCatalog
+from workflows.run_state import RunData, RunRequest
 from workflows.states import RunState
 
 S = RunState

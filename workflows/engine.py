@@ -29,40 +29,38 @@ from workflows.budgets import (
     REVISIONS_KEPT,
     clip,
 )
-from workflows.models import (
+from workflows.contract import (
     AcceptedApproval,
     ApprovalDecision,
-    AuthorityCheck,
     CompensationCall,
-    EscalationStage,
     ExecutedStep,
-    Notification,
-    NotificationResult,
     HandoffRequest,
     Limits,
     NotApproved,
-    PendingApproval,
     Plan,
-    PlanReview,
     PlanStep,
-    Proposal,
-    ProposedStep,
-    Refusal,
     Revision,
     RevisionRequest,
-    RunData,
-    RunOutcome,
-    RunRequest,
-    SnapshotRequest,
-    TenantPolicy,
-    ToolCall,
     ToolCatalog,
     ToolEffect,
     ToolInfo,
+)
+from workflows.policy_file import EscalationStage, TenantPolicy
+from workflows.wire import (
+    AuthorityCheck,
+    Notification,
+    NotificationResult,
+    PlanReview,
+    Proposal,
+    ProposedStep,
+    Refusal,
+    SnapshotRequest,
+    ToolCall,
     ToolOutcome,
     RecoverySource,
     Verdict,
 )
+from workflows.run_state import PendingApproval, RunData, RunOutcome, RunRequest
 from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
 from workflows.validation import Validation, validate_proposal
 

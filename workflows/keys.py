@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from workflows.models import Capability, ToolCall, args_digest, canonical_json, json_digest
+from workflows.contract import canonical_json, json_digest
+from workflows.wire import Capability, ToolCall, args_digest
 
 # The extern function a worker registers for its ring (worker configuration, like the code).
 EXTERN = "tether_key_ring"

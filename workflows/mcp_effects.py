@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workflows.models import ToolEffect
+from workflows.contract import ToolEffect
 
 
 @dataclass(frozen=True)

@@ -10,27 +10,26 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from workflows.models import (
+from workflows.contract import (
     AcceptedApproval,
-    AmountRule,
     ApprovalDecision,
     Limits,
     Plan,
-    PlanReview,
     PlanStep,
-    Refusal,
-    RunData,
-    TenantPolicy,
     ToolCatalog,
     ToolEffect,
     ToolInfo,
     canonical_json,
 )
+from workflows.policy_file import AmountRule, TenantPolicy
+from workflows.wire import PlanReview, Refusal
+from workflows.run_state import RunData
 from workflows.budgets import UPDATES_CONTINUE_AT, clip
 from workflows import wording
 from workflows.display import show_value
 from workflows.identity import same_person
-from workflows.models import Compensation, CompensationCall, ToolCall
+from workflows.contract import Compensation, CompensationCall
+from workflows.wire import ToolCall
 from workflows.states import EffectOutcome, RunState
 
 SUMMARY_CHARS = 2000  # the risk summary an approver reads (and the Web UI shows)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from workflows.models import Compensation, CompensationCall
+from workflows.contract import Compensation, CompensationCall
 
 UNDO_KEY_SUFFIX = ":undo"
 

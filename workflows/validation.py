@@ -22,7 +22,8 @@ import jsonschema.validators
 import re2
 
 from workflows.budgets import FEEDBACK_CHARS, FEEDBACK_PROBLEMS, PROPOSAL_BYTES, clip
-from workflows.models import Limits, Plan, PlanStep, Proposal, ToolCatalog
+from workflows.contract import Limits, Plan, PlanStep, ToolCatalog
+from workflows.wire import Proposal
 from workflows.policy import budget_refusal
 
 _TOOL_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from workflows.display import escape_text
-from workflows.models import Compensation, ToolEffect
+from workflows.contract import Compensation, ToolEffect
 
 # The JSON Schema annotation a tool puts on an amount argument (examples/billing/tools.py):
 # ``{"x-money": {"currency": "EUR", "minor_units": 2}}``, or ``"currency_arg": NAME`` when

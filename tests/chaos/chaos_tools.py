@@ -39,7 +39,7 @@ from typing import Any
 from activities.tools import ToolContext, ToolError, tool
 from tests.chaos.markers import gate_name, marker_name
 from examples.billing.tools import EmailArgs, LedgerArgs, OrderRef, RefundArgs, ReverseArgs, VoidArgs, call
-from workflows.models import ToolEffect
+from workflows.contract import ToolEffect
 
 # Long enough for one attempt (the service's delay included), short enough that a worker
 # killed mid-call is noticed quickly: the workflow learns of it at this start_to_close timeout.

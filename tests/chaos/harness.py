@@ -31,7 +31,7 @@ from client import run_outcome, timed_out
 from tests.chaos.markers import gate_name, marker_name
 from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
-from workflows.models import RunOutcome, RunRequest, RunSnapshot
+from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState, TransitionRecord
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,8 @@ from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_wor
 from tests.invariants import check_timeline, tools_by_call
 from client import run_outcome
 from tests.conftest import approval_for
-from workflows.models import Limits, RunOutcome, RunRequest, RunSnapshot
+from workflows.contract import Limits
+from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState
 
 S = RunState

@@ -45,7 +45,7 @@ from tests.conftest import (
     wait_for_state,
 )
 from tests.e2e.conftest import SCREENSHOT_DIR, UiEnv
-from workflows.models import RunOutcome
+from workflows.run_state import RunOutcome
 from workflows.states import RunState
 
 WAITING_QUERY = 'AgentRunState="AWAITING_APPROVAL"'

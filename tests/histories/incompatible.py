@@ -9,7 +9,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows.agent_run import AgentRun
-    from workflows.models import RunOutcome
+    from workflows.run_state import RunOutcome
 
 
 @workflow.defn(name="AgentRun")

@@ -41,7 +41,7 @@ async def main() -> None:
     from examples.billing.service import make_server
     from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
     from workflows.published import SEARCH_ATTRIBUTES
-    from workflows.models import ApprovalDecision, DecideRequest, DecideResult, HandoffRequest
+    from workflows.contract import ApprovalDecision, DecideRequest, DecideResult, HandoffRequest
 
     db = HERE / f".record-{uuid.uuid4().hex[:6]}.db"
     server = make_server(0, str(db))

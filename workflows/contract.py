@@ -1,0 +1,373 @@
+"""The public contract: what people, clients and tools send a run and the records it keeps.
+
+The names tool authors and clients use (``ToolEffect``, ``Compensation``, ``Limits``), the
+signals' and the ``decide`` Update's payloads, and the records a run's queries show (plans,
+executed steps, approvals, revisions, compensations). JSON field and class names here are public
+API (docs/architecture.md) and are written into histories: they are never renamed. Every
+workflow, signal, query and activity takes exactly one model, so the pydantic data converter
+never has to guess. ``workflows.models`` re-exports the models of every layer, for tool modules
+and clients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from enum import Enum
+from typing import Any, Literal
+
+import rfc8785
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from workflows.identity import Name
+from workflows.states import EffectOutcome, RunState
+
+
+# Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
+
+
+# A trusted signer's name ([signers.NAME] in the policy file, ApprovalDecision.attested_by).
+SIGNER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+
+
+# Validate with this context to refuse unknown keys: client inputs and the policy file.
+STRICT = {"strict_keys": True}
+
+
+class Contract(BaseModel):
+    """A model that crosses a trust or version boundary.
+
+    Lenient by default: a run carried over by a newer worker version (one more field) or an
+    activity result from one must still load here. Strict where a person or a client wrote it:
+    validated with ``context=STRICT``, unknown keys are refused.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_keys(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, dict) and (info.context or {}).get("strict_keys"):
+            known = {f.alias or name for name, f in cls.model_fields.items()} | set(cls.model_fields)
+            unknown = sorted(str(k) for k in value if k not in known)
+            if unknown:
+                raise ValueError(f"unknown field(s): {', '.join(unknown)[:200]}")
+        return value
+
+
+class ToolEffect(str, Enum):
+    """What a tool does to the outside world. It decides the retry rule and the approval default."""
+
+    READ_ONLY = "read_only"  # no side effect
+    IDEMPOTENT = "idempotent"  # the target system dedupes by the idempotency key
+    RECONCILABLE = "reconcilable"  # not idempotent, but a previous effect can be looked up by key
+    UNSAFE = "unsafe"  # neither: runs at most once
+
+
+class Limits(Contract):
+    max_steps: int = Field(20, ge=1, le=1000, description="tool calls a run may execute in all")
+    max_replans: int = Field(3, ge=0, le=100, description="proposals that may fail validation")
+    approval_ttl_seconds: float = Field(
+        24 * 3600, gt=0, le=366 * 24 * 3600, description="how long an approval request stays open"
+    )
+    on_expiry: Literal["expire", "replan"] = "expire"
+    max_model_tokens: int | None = Field(
+        None, ge=1, description="model tokens (as the endpoint reports them) a run may use in all"
+    )
+
+
+# What a run does when a step fails with its outcome known (``failed``): "stop" ends it in
+# EXECUTION_FAILED, the ok writes kept; "compensate" runs their declared compensations in reverse
+# order (COMPENSATING -> COMPENSATED). docs/architecture.md, "Recovery".
+OnFailure = Literal["stop", "compensate"]
+
+
+class PlaybookStep(Contract):
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class Compensation(Contract):
+    """How a tool's effect is undone, declared as data: the compensating tool, and its arguments
+    as JSON pointers (RFC 6901) into ``{"args": <the original call's arguments>, "result": <its
+    result>}``, e.g. ``{"refund_id": "/result/refund_id"}``. The workflow builds the call from
+    these (workflows/recovery.py); a pointer that finds nothing is a recorded failure, never a
+    guess."""
+
+    tool: str = Field(min_length=1, max_length=128)
+    args: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("args")
+    @classmethod
+    def _pointers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, pointer in value.items():
+            if not (pointer.startswith("/args/") or pointer.startswith("/result/") or pointer in ("/args", "/result")):
+                raise ValueError(
+                    f"compensation argument {name!r}: {pointer!r} is not a JSON pointer into /args or /result"
+                )
+        return value
+
+
+class ToolInfo(BaseModel):
+    """A tool as the catalog snapshot describes it: enough to validate and to decide policy."""
+
+    name: str
+    description: str = ""
+    effect: ToolEffect
+    requires_approval: bool
+    args_schema: dict[str, Any]
+    timeout_seconds: float
+    max_retries: int
+    # Arguments worth showing an approver (the target, the amount); never secrets or personal data.
+    summary_fields: list[str] = Field(default_factory=list)
+    # May destroy data (MCP destructiveHint; see workflows/mcp_effects.py): shown in the risk
+    # summary, and a policy's high_risk.destructive makes plans that call it high risk.
+    destructive: bool = False
+    # Where the tool comes from: "python" (a tool module) or "mcp:<server>".
+    source: str = ""
+    # How its effect is undone (None: no recovery path).
+    compensate: Compensation | None = None
+
+
+class ToolCatalog(BaseModel):
+    tools: list[ToolInfo] = Field(default_factory=list)
+
+    def get(self, name: str) -> ToolInfo | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+
+class ExecutedStep(BaseModel):
+    # Older steps keep only id, tool, status and digest (args and observation emptied): the
+    # state a run carries stays bounded however long it runs (workflows/budgets.py).
+    tool_call_id: str
+    tool: str
+    args: dict[str, Any]
+    status: Literal["ok", "failed"]  # did the call succeed ("failed" also when outcome is unknown)
+    observation: str = ""
+    digest: str = ""
+    # What happened to the effect: ok, failed (known not applied) or unknown (may have applied).
+    outcome: EffectOutcome
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outcome_from_status(cls, data: Any) -> Any:
+        # Steps recorded before ``outcome`` existed (carried over, in histories) read as their status.
+        if isinstance(data, dict) and "outcome" not in data and "status" in data:
+            data = {**data, "outcome": data["status"]}
+        return data
+
+
+class NotApproved(BaseModel):
+    """A step a partial approval left out: the planner is told, so it does not propose it again
+    unchanged (and if it does, that is a new plan needing a new approval)."""
+
+    step: int  # its 1-based number in the plan it was proposed in
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    by: str
+
+
+class PlanStep(BaseModel):
+    tool_call_id: str
+    tool: str
+    args: dict[str, Any]
+
+
+def first_error(err: ValidationError) -> str:
+    """The first problem pydantic found, as ``where: what`` (one line, for users and timelines)."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "input"
+    return f"{where}: {first['msg']}"[:200]
+
+
+def canonical_json(value: Any) -> str:
+    """RFC 8785 (JSON Canonicalization Scheme): one text for one value, whoever serialises it.
+
+    Raises ValueError for what JSON cannot say exactly (NaN, infinities, integers beyond 2**53).
+    """
+    try:
+        return rfc8785.dumps(value).decode()
+    except rfc8785.CanonicalizationError as e:
+        raise ValueError(f"not canonical JSON: {e}") from None
+
+
+def json_digest(value: Any) -> str:
+    """sha256 (hex) of the value's canonical JSON: one digest for one value, whoever computes it."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+class Plan(BaseModel):
+    steps: list[PlanStep]
+    plan_hash: str
+    # Per step, the compensation the plan hash covers (None: no recovery path); None for plans
+    # hashed before recovery existed (their hash covers no undo, so nothing of them is undone).
+    undo: list[Compensation | None] | None = None
+    # 1 for a run's first plan, then +1 for every plan after it, proposed or revised (not hashed).
+    version: int = 1
+
+    @staticmethod
+    def hash_steps(steps: list[PlanStep], undo: list[Compensation | None] | None = None) -> str:
+        """sha256 of the canonical JSON of the tools and arguments, in order, and, given
+        ``undo``, of each step's compensation: an approval of the hash approves the undo too.
+
+        Tool call ids are left out on purpose: the hash names *what* will be done, so the same
+        proposal hashes the same after a replan.
+        """
+        payload: list[dict[str, Any]] = [{"tool": s.tool, "args": s.args} for s in steps]
+        if undo is not None:
+            # No key for a step without one: a plan that declares no undo hashes as before.
+            for item, comp in zip(payload, undo, strict=True):
+                if comp is not None:
+                    item["compensate"] = comp.model_dump(mode="json")
+        return json_digest(payload)
+
+
+class ApprovalDecision(Contract):
+    """Payload of the ``approve`` and ``reject`` signals."""
+
+    decision_id: str = Field(min_length=1, max_length=128)
+    approver: Name
+    plan_hash: str = Field(min_length=1, max_length=128)
+    # The approval request this decides (snapshot.pending_approval.request_id): a decision
+    # prepared for an earlier request, even of the same plan, does not count for a later one.
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+    comment: str | None = Field(None, max_length=2000)
+    reason: str | None = Field(None, max_length=2000)
+    # Ed25519 signature (base64) over policy.signature_payload(...), required where the tenant
+    # requires signatures and for approvers whose public key the policy lists.
+    signature: str | None = Field(None, max_length=200)
+    # The trusted signer (policy `[signers.NAME]`, e.g. the inbox) whose key made `signature`,
+    # attesting that it verified `approver` itself (SSO): then the signature is the signer's,
+    # over the same payload plus this name, and the timeline shows `user:bob via NAME`.
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)
+    # Partial approval (approve only): the 1-based numbers of the steps approved; None: all.
+    # The other steps are dropped from the plan (a revision) and the result is approved.
+    steps: list[int] | None = Field(None, min_length=1, max_length=1000)
+    # The approver did not bind the decision to a plan they reviewed (`tether approve
+    # --unreviewed`): it still names the pending hash, and the record says it was not reviewed.
+    unreviewed: bool = False
+
+    @field_validator("steps")
+    @classmethod
+    def _distinct_steps(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if any(n < 1 for n in value):
+                raise ValueError("step numbers start at 1")
+            if len(set(value)) != len(value):
+                raise ValueError("a step number is given twice")
+        return value
+
+
+class RevisedStep(Contract):
+    tool: str = Field(min_length=1, max_length=128)
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RevisionRequest(Contract):
+    """Payload of the ``revise`` signal (and of ``decide`` with kind ``revise``): the whole
+    revised plan for the pending approval request, validated like a proposal."""
+
+    decision_id: str = Field(min_length=1, max_length=128)
+    editor: Name
+    plan_hash: str = Field(min_length=1, max_length=128)  # the pending plan it edits
+    request_id: str | None = Field(None, min_length=1, max_length=128)  # the pending request
+    steps: list[RevisedStep] = Field(min_length=1, max_length=1000)
+    reason: str = Field(min_length=1, max_length=2000)
+    # Ed25519 over policy.signature_payload(kind="revise", ..., steps_digest=revised_hash()).
+    signature: str | None = Field(None, max_length=200)
+    attested_by: str | None = Field(None, pattern=SIGNER_NAME)  # as on ApprovalDecision
+
+    def revised_hash(self) -> str:
+        """sha256 of the revised steps (tools + arguments), as the plan hash would be."""
+        return Plan.hash_steps(self.steps)  # type: ignore[arg-type]  (tool and args are all it reads)
+
+    def as_decision(self) -> ApprovalDecision:
+        """The decision fields every decision has: screened and signed like an approval's."""
+        return ApprovalDecision(
+            decision_id=self.decision_id,
+            approver=self.editor,
+            plan_hash=self.plan_hash,
+            request_id=self.request_id,
+            reason=self.reason,
+            signature=self.signature,
+            attested_by=self.attested_by,
+        )
+
+
+class DecideRequest(ApprovalDecision):
+    """Payload of the ``decide`` Update: a decision and its kind, answered at once. With kind
+    ``revise`` the payload is a :class:`ReviseDecideRequest` instead."""
+
+    kind: Literal["approve", "reject"]
+
+
+class ReviseDecideRequest(RevisionRequest):
+    kind: Literal["revise"]
+
+
+class DecideResult(BaseModel):
+    """The verdict the ``decide`` Update answers with: the record the run wrote for it."""
+
+    decision_id: str
+    outcome: Literal["transition", "accepted", "refused"]
+    state: RunState
+    reason: str
+    rule: str | None = None
+
+
+class HandoffRequest(Contract):
+    """Payload of the ``handoff`` signal."""
+
+    by: Name
+    reason: str = Field(min_length=1, max_length=2000)
+    # Lets the sender find the run's verdict on the timeline (refs.decision_id); optional for
+    # clients that only signal.
+    decision_id: str | None = Field(None, min_length=1, max_length=128)
+    signature: str | None = Field(None, max_length=200)
+
+
+class AcceptedApproval(BaseModel):
+    approver: str
+    decision_id: str
+    at: datetime
+    # Kept so the re-check before every write can verify it again under the current file.
+    signature: str | None = None
+    # What the decision named (and its signature covers): for a partial approval, the plan and
+    # request it was sent for and the steps it kept, not the subset plan it then approved.
+    request_id: str = ""
+    plan_hash: str = ""
+    attested_by: str | None = None
+    steps: list[int] | None = None
+
+
+class Revision(BaseModel):
+    """One revision of a pending plan, as the snapshot shows it: ids, paths, never values."""
+
+    version: int  # the plan version it made
+    editor: str
+    at: datetime
+    previous_plan_hash: str
+    plan_hash: str
+    changed: list[str] = Field(default_factory=list)  # RFC 6902 "op path", e.g. "replace /1/args/x"
+    partial: bool = False  # made by a partial approval
+
+
+class CompensationCall(BaseModel):
+    """The undo of one ok write, built when the write succeeded (workflows/recovery.py).
+
+    ``tool`` None: the write has no recovery path (``error`` says why). ``status``: pending
+    until it runs; then what its effect came to (ok, failed, unknown).
+    """
+
+    of: str  # the original step's tool call id
+    of_tool: str
+    tool: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    idempotency_key: str = ""  # derived from the original call's key
+    plan_hash: str = ""  # the plan (and so the approval) that covered this undo
+    approved_by: list[str] = Field(default_factory=list)  # empty: the policy auto-approved it
+    error: str | None = None
+    status: Literal["pending", "ok", "failed", "unknown"] = "pending"
+
+    @property
+    def tool_call_id(self) -> str:
+        return f"{self.of}:undo"

@@ -1,0 +1,355 @@
+"""The wire types of the run's activities: what the workflow code sends each activity and what
+it answers (tool calls and outcomes, planning, setup, the policy checks and their verdicts,
+notifications, recovery, the audit sink), and the error types activities report.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_serializer
+
+from workflows.contract import (
+    AcceptedApproval,
+    ApprovalDecision,
+    CompensationCall,
+    ExecutedStep,
+    HandoffRequest,
+    NotApproved,
+    PlanStep,
+    PlaybookStep,
+    ToolCatalog,
+    json_digest,
+)
+from workflows.policy_file import EscalationStage, TenantPolicy
+from workflows.states import RunState, TransitionRecord
+
+
+# Error types the ``execute_tool`` activity reports besides the tools' own codes.
+# The tool was still running a grace period after its deadline: the attempt is not over.
+ATTEMPT_STILL_RUNNING = "attempt_still_running"
+
+
+# The run's cancel reached the tool through its heartbeat and stopped it mid-call.
+CANCELLED_MID_CALL = "cancelled_mid_call"
+
+
+class Capability(BaseModel):
+    """What lets one ``execute_tool`` attempt of a write run: minted by the run's own workflow
+    code with the fleet key (workflows/keys.py) once the attested authority re-check allowed
+    exactly that call, verified by the tool activity before the tool is called."""
+
+    workflow_id: str
+    run_id: str  # the run that scheduled the attempt (as the server says)
+    activity_id: str  # the attempt's activity id
+    request_id: str = ""  # the approval request in force ("" for an auto-approved plan)
+    plan_hash: str
+    tool_call_id: str
+    tool: str
+    args_digest: str  # sha256 of the arguments' canonical JSON
+    idempotency_key: str
+    key_id: str  # the fleet key (activities/keys.py) that made ``mac``
+    expires_at: datetime  # the attempt's deadline: refused after it
+    mac: str
+
+    def fields(self) -> dict[str, Any]:
+        """What the mac covers (everything but the mac; the key id is added by the ring)."""
+        return self.model_dump(mode="json", exclude={"mac", "key_id"})
+
+
+def args_digest(args: dict[str, Any]) -> str:
+    return json_digest(args)
+
+
+# Error types of ``execute_tool`` for a write's capability: refused for good (forged, wrong call),
+# or the attempt never reached the tool and the run schedules it again with a fresh capability.
+CAPABILITY_INVALID = "capability_invalid"
+
+
+CAPABILITY_KEY_MISSING = "capability_key_missing"
+
+
+CAPABILITY_EXPIRED = "capability_expired"
+
+
+# A local activity found a seal naming a key id this worker does not hold.
+KEY_MISSING = "key_missing"
+
+
+class ToolCall(BaseModel):
+    """Input of the ``execute_tool`` activity."""
+
+    tool: str
+    args: dict[str, Any]
+    tool_call_id: str
+    idempotency_key: str
+    run_id: str
+    tenant: str
+    # 1 for the first call the workflow schedules, 2.. for its retries (reconcilable tools look
+    # up their previous effect first when this is above 1).
+    attempt: int = 1
+    # Required for every tool that is not read_only (activities/tools.py refuses the call without).
+    capability: Capability | None = None
+
+
+class ToolOutcome(BaseModel):
+    """Output of ``execute_tool``: a bounded observation, so history does not grow with results."""
+
+    observation: str
+    digest: str
+    size: int
+    truncated: bool = False
+    # A write's: the fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
+
+
+class ProposedStep(BaseModel):
+    """A step as a planner proposes it. Untrusted: ``args`` may be anything, even a string."""
+
+    tool: str
+    args: Any = None
+
+
+class Proposal(BaseModel):
+    """What the planner proposes: steps to run, or an answer that finishes the run."""
+
+    steps: list[ProposedStep] = Field(default_factory=list)
+    answer: str | None = None
+    # Tokens the planner call used, as the model endpoint reported them (0 for the playbook).
+    usage_tokens: int = 0
+    # Set at the activity boundary when the planner's answer was over budget: its size and
+    # sha256, instead of the answer (validation refuses it; the run plans again).
+    oversized_bytes: int | None = None
+    oversized_digest: str | None = None
+    # The first call of a run that plans also takes the run's setup (PlannerInput.setup): one
+    # activity instead of two. Then the whole answer is attested by the fleet key.
+    setup: RunSetup | None = None
+    attestation: str | None = None
+
+
+class PlannerInput(BaseModel):
+    goal: str
+    planner: str
+    playbook: list[PlaybookStep]
+    executed: list[ExecutedStep]
+    feedback: str | None = None
+    round: int = 1
+    steps_done: int | None = None  # steps executed with status ok, in all (executed is a window)
+    # Steps of the last plan a person left out when approving part of it.
+    not_approved: list[NotApproved] = Field(default_factory=list)
+    # A run's first call: take its setup too (the catalog and policy snapshot, as run_setup
+    # would); where the policy refuses the run, nothing is planned.
+    setup: SnapshotRequest | None = None
+
+
+class PolicySnapshot(BaseModel):
+    """The tenant's policy as a run starts: validation and approval rules use it all run long;
+    approvals and execution are re-checked against the current file by the policy activity."""
+
+    tenant: str
+    policy: TenantPolicy | None  # None: the tenant is not in the policy file
+    policy_hash: str
+    source: str
+    # The start's requested_by, verified against its signature (None: no signature given).
+    requester_refusal: Refusal | None = None
+    requester_verified: bool = False
+    # Webhook name -> the events it takes ([notify.webhooks]); no URLs or secrets. The run
+    # schedules a notification only where a webhook (or an escalation stage) asks for it.
+    webhooks: dict[str, list[str]] = Field(default_factory=dict)
+
+
+class Refusal(BaseModel):
+    rule: str  # which rule refused: four_eyes, role, tenant_membership, signature, ...
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+class PlanReview(BaseModel):
+    """What policy says about a validated plan."""
+
+    needs_approval: bool
+    risk: Literal["none", "normal", "high"]
+    approvals_required: int
+    roles: list[str]
+    summary: str
+    ttl_seconds: float | None = None  # the policy's TTL for this risk level, if it sets one
+    escalation: list[EscalationStage] = Field(default_factory=list)  # for this risk level
+
+
+class SnapshotRequest(BaseModel):
+    tenant: str
+    # To verify the start's signature, when it has one.
+    workflow_id: str = ""
+    requested_by: str = ""
+    request_digest: str = ""
+    requester_signature: str | None = None
+    nonce: str | None = None
+    issued_at: datetime | None = None
+    started_at: datetime | None = None  # when the run began (workflow time)
+
+
+class RunSetup(BaseModel):
+    """What a run snapshots as it starts, in one local activity (``run_setup``): the tool
+    catalog and the tenant's policy (one marker in history instead of two)."""
+
+    catalog: ToolCatalog
+    policy: PolicySnapshot
+    # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
+
+    @model_serializer(mode="plain")
+    def _compact(self) -> dict[str, Any]:
+        # Fields at their defaults are left out of the marker (read back, they are the same), and
+        # so is what the workflow never reads: the tools' descriptions (the planner activity
+        # takes them from its own catalog) and the schemas' ``title`` annotations (validation
+        # ignores them). What the run decides with is all here.
+        catalog = self.catalog.model_dump(mode="json", exclude_defaults=True, exclude={"tools": {"__all__": {"description"}}})
+        for tool in catalog.get("tools", []):
+            tool["args_schema"] = untitled(tool["args_schema"])
+        compact = {"catalog": catalog, "policy": self.policy.model_dump(mode="json", exclude_defaults=True)}
+        return compact if self.attestation is None else {**compact, "attestation": self.attestation}
+
+
+def untitled(schema: Any) -> Any:
+    """A JSON schema without its ``title`` annotations (a property *named* title stays: its
+    value is a schema, an annotation's is a string)."""
+    if isinstance(schema, dict):
+        return {k: untitled(v) for k, v in schema.items() if not (k == "title" and isinstance(v, str))}
+    if isinstance(schema, list):
+        return [untitled(v) for v in schema]
+    return schema
+
+
+class DecisionCheck(BaseModel):
+    tenant: str
+    workflow_id: str
+    kind: str  # approve | reject
+    decision: ApprovalDecision
+    requested_by: str
+    roles: list[str]
+    already_approved: list[str]
+    first_run_id: str = ""
+    requester_verified: bool = False
+    editors: list[str] = Field(default_factory=list)
+    # A revision: the sha256 of its revised steps, which its signature covers.
+    steps_digest: str | None = None
+
+
+class HandoffCheck(BaseModel):
+    tenant: str
+    workflow_id: str
+    first_run_id: str
+    handoff: HandoffRequest
+
+
+class AuthorityCheck(BaseModel):
+    tenant: str
+    approvals: list[str]
+    tools: list[str]
+    roles: list[str]
+    approvals_required: int
+    # Auto-approved plans (no approvals): the remaining steps, their catalog entries and what
+    # the run has done so far, to be reviewed again under the current policy file.
+    steps: list[PlanStep] = Field(default_factory=list)
+    catalog: ToolCatalog | None = None
+    spent: dict[str, float] = Field(default_factory=dict)
+    # The approvals in force in full (who, when, their decision and signature), to be judged
+    # again under the current file: roles, membership, four-eyes, the signature rule.
+    approved: list[AcceptedApproval] = Field(default_factory=list)
+    # Roles the request's escalation stages had added when it was approved: they count too.
+    escalated_roles: list[str] = Field(default_factory=list)
+    workflow_id: str = ""
+    first_run_id: str = ""
+    requested_by: str = ""
+    request_id: str = ""
+    plan_hash: str = ""
+    # Given: the attempt to mint a capability for (its activity id, its deadline in seconds).
+    call: ToolCall | None = None
+    activity_id: str = ""
+    ttl_seconds: float = 0.0
+    # A compensation (COMPENSATING): the undo to re-check instead of the plan's remaining steps,
+    # under the plan hash that covered it; in a compensation run, the person who asked for it.
+    undo: CompensationCall | None = None
+    compensator: str = ""
+
+
+class Notification(BaseModel):
+    """Input of the ``notify`` activity: one event, for the named webhooks (resolved against the
+    current policy file). Ids, states and the escaped risk summary; argument values only as the
+    summary's declared fields."""
+
+    event_id: str  # one per event: the receiver's idempotency key (X-Tether-Event-Id)
+    event: str
+    webhooks: list[str]
+    run_id: str
+    namespace: str = "default"
+    tenant: str
+    state: str
+    plan_hash: str | None = None
+    request_id: str | None = None
+    summary: str = ""  # the risk summary, escaped (workflows/display.py)
+    expires_at: datetime | None = None
+    approve_command: str | None = None
+    reason: str = ""  # the record's reason, escaped
+    max_attempts: int = 4  # the last attempt reports dead webhooks instead of failing
+
+
+class NotificationResult(BaseModel):
+    delivered: list[str] = Field(default_factory=list)
+    dead: dict[str, str] = Field(default_factory=dict)  # webhook -> why (status or error code)
+
+
+class Verdict(BaseModel):
+    refusal: Refusal | None = None
+    policy_hash: str
+    verified: bool = False  # the person's signature checked out against a key the policy lists
+    # A request the re-check opens asks for these (the tenant's current approval rule), and the
+    # run judges from then on by the current file (``tenant_policy``) instead of its snapshot.
+    approvals_required: int = 0
+    roles: list[str] = Field(default_factory=list)
+    tenant_policy: TenantPolicy | None = None
+    # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
+
+
+class RecoveryRequest(BaseModel):
+    """Input of the ``recovery_source`` activity: the run a compensation run undoes."""
+
+    run_id: str
+    tenant: str
+
+
+class RecoverySource(BaseModel):
+    """What the original run's closed record says (its result, read from the server)."""
+
+    run_id: str
+    state: RunState | None = None
+    compensations: list[CompensationCall] = Field(default_factory=list)
+    refusal: Refusal | None = None
+    # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
+    # activity and checked by the workflow code before the run acts on it.
+    attestation: str | None = None
+
+
+class AuditBatch(BaseModel):
+    """Timeline records on their way to the audit sink (activities/audit.py), keyed by workflow
+    id, run id and seq: each execution (a reset makes a new one) is its own stream."""
+
+    workflow_id: str
+    first_run_id: str
+    records: list[TransitionRecord]
+    run_id: str = ""  # the execution that wrote them (the activity fills it from its info)
+    continued_from: str | None = None  # the run this one continued as new from
+
+
+class AuditAck(BaseModel):
+    last_seq: int
+
+
+AuthorityCheck.model_rebuild()
