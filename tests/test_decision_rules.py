@@ -13,7 +13,8 @@ import examples.billing.tools  # noqa: F401  (registers the billing tools)
 from activities.policy import PolicyFileError, check_policy_file, parse_policy
 from activities.tools import REGISTRY
 from workflows import policy
-from workflows.engine import Engine, IllegalState
+from workflows.engine import Engine
+from workflows.run_model import IllegalState
 from workflows.contract import ApprovalDecision, RevisionRequest
 from workflows.policy_file import TenantPolicy, parse_duration
 from workflows.wire import PolicySnapshot, Proposal, ProposedStep

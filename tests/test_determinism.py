@@ -1,6 +1,7 @@
 """Every module of workflows/ is deterministic by its source (tests/determinism_lint.py): the
 sandbox never sees the modules agent_run.py imports passed through, so this check does.
-Mutants of the real engine.py, written to a temporary directory, must be caught."""
+Mutants of the real run model (workflows/run_model.py, where the Engine's ``move`` lives),
+written to a temporary directory, must be caught."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 
 from tests.determinism_lint import ROOT, check, problems_in, workflow_modules
 
-ENGINE = ROOT / "workflows/engine.py"
-# Where a mutant goes: the first line of Engine.move's body.
+ENGINE = ROOT / "workflows/run_model.py"
+# Where a mutant goes: the first line of the run model's move (the Engine's) body.
 MOVE = "    def move(self, to: RunState, *, at: datetime, actor: str, reason: str, refs: Refs | None = None) -> None:\n"
 
 
@@ -26,7 +27,7 @@ def test_every_workflow_module_is_checked_and_clean() -> None:
 def mutant(tmp_path: Path, line: str, *, header: str = "") -> Path:
     source = ENGINE.read_text()
     assert MOVE in source
-    mutated = tmp_path / "engine.py"
+    mutated = tmp_path / "run_model.py"
     mutated.write_text(header + source.replace(MOVE, MOVE + f"        {line}\n", 1))
     return mutated
 

@@ -21,7 +21,8 @@ from activities.tools import REGISTRY
 from workflows import policy
 import pytest
 
-from workflows.engine import Engine, IllegalState, ToolFailure
+from workflows.engine import Engine
+from workflows.run_model import IllegalState, ToolFailure
 from workflows.contract import ApprovalDecision, HandoffRequest, RevisionRequest, ToolEffect
 from workflows.policy_file import AmountRule, AutoApprove, TenantPolicy
 from workflows.wire import PolicySnapshot, Proposal, ProposedStep, Refusal, ToolOutcome

@@ -50,7 +50,8 @@ with workflow.unsafe.imports_passed_through():
         continue_due,
         continue_wanted,
     )
-    from workflows.engine import Decision, DecisionKind, Engine, IllegalState, ToolFailure
+    from workflows.engine import Engine
+    from workflows.run_model import Decision, DecisionKind, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
     from workflows.contract import (
         STRICT,

@@ -1,0 +1,451 @@
+"""The approvals phase: opening an approval request, screening and settling decisions
+(approve, reject, revise, partial approval), escalation and expiry of a waiting plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta
+import hashlib
+
+from workflows import policy
+from workflows.budgets import DECISIONS_WINDOW, PROPOSAL_BYTES, REASON_CHARS, REVISIONS_KEPT, clip
+from workflows.contract import AcceptedApproval, ApprovalDecision, NotApproved, Revision, RevisionRequest
+from workflows.identity import same_person
+from workflows.policy_file import EscalationStage
+from workflows.run_model import Decision, DecisionKind, RunModel, S, require
+from workflows.run_state import PendingApproval
+from workflows.states import Refs
+from workflows.wire import Proposal, ProposedStep, Refusal, Verdict
+from workflows import revision as revisions
+
+
+class Approvals(RunModel):
+    """A validated plan waiting for people: requests, decisions, escalation, expiry."""
+
+    def request_approval(self, *, at: datetime, reason: str, ask: Verdict | None = None) -> None:
+        """Open a fresh approval request for the current plan (no approvals carried over).
+
+        ``ask``: a re-check's verdict under the current file, whose terms (approvals, roles) the
+        request takes. Either way it asks for at least one approval from roles someone can hold.
+        """
+        data = self.data
+        require(data.plan is not None, "no validated plan")
+        self.adopt(ask)
+        review = self.review()
+        ttl = self.request.limits.approval_ttl_seconds
+        if review.ttl_seconds is not None:
+            ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
+        required, roles = policy.request_terms(review, self.tenant)
+        data.pending_approval = PendingApproval(
+            plan_hash=data.plan.plan_hash,
+            request_id=self.new_request_id(),
+            expires_at=at + timedelta(seconds=ttl),
+            summary=review.summary,
+            risk="high" if review.risk == "high" else "normal",
+            approvals_required=required,
+            roles=roles,
+            editors=list(data.plan_editors),
+            revisers=list(data.plan_revisers),
+            opened_at=at,
+            # Expiry stays the last word: a stage at or past it never fires.
+            escalation=[stage for stage in review.escalation if stage.after < ttl],
+        )
+        data.approval = None
+        data.approved_by = []
+        version = f"plan v{data.plan.version}, " if data.plan.version > 1 else ""
+        self.move(
+            S.AWAITING_APPROVAL,
+            at=at,
+            actor="runtime",
+            reason=f"{reason} ({version}request {data.pending_approval.request_id})",
+            refs=Refs(plan_hash=data.plan.plan_hash, request_id=data.pending_approval.request_id or None),
+        )
+
+    def adopt(self, ask: Verdict | None) -> None:
+        """A re-check under the current policy file refused: from now on the run judges by that
+        file (its snapshot is replaced), so the next request asks for what can be given."""
+        data = self.data
+        if ask is None or ask.tenant_policy is None or data.policy is None:
+            return
+        data.policy = data.policy.model_copy(update={"policy": ask.tenant_policy, "policy_hash": ask.policy_hash})
+
+    def screen_decision(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool:
+        """The cheap, state-only checks a decision passes on arrival (signal handler).
+
+        Returns True when it may go on to the policy check; otherwise it is recorded as refused.
+        """
+        plain = _plain(decision)
+        refusal = policy.decision_refusal(plain, self.data, now=at, check_duplicate=True, kind=kind)
+        self._remember_decision(plain.decision_id)
+        if refusal is not None:
+            self._refuse_decision(kind, plain, refusal, at)
+            return False
+        return True
+
+    def decision_check(self, kind: DecisionKind, decision: Decision) -> dict:
+        """What the policy activity needs to judge ``decision`` (DecisionCheck's fields, less
+        the run's ids): who decides on which request, and what a revision's signature covers."""
+        pending = self.data.pending_approval
+        require(pending is not None, "no pending approval")
+        return {
+            "kind": kind,
+            "decision": _plain(decision),
+            "roles": pending.roles,
+            "already_approved": [a.approver for a in pending.approvals],
+            "editors": pending.editors,
+            "steps_digest": decision.revised_hash() if isinstance(decision, RevisionRequest) else None,
+        }
+
+    def _remember_decision(self, decision_id: str) -> None:
+        """A bounded window of ids, a count and a running digest of every id seen."""
+        data = self.data
+        if decision_id in data.decisions_seen:
+            return
+        data.decisions_seen.append(decision_id)
+        del data.decisions_seen[:-DECISIONS_WINDOW]
+        data.decisions_count += 1
+        data.decisions_digest = hashlib.sha256(f"{data.decisions_digest}\n{decision_id}".encode()).hexdigest()
+
+    def settle_decision(
+        self,
+        kind: DecisionKind,
+        decision: Decision,
+        verdict: Refusal | None,
+        at: datetime,
+        verified: bool = False,
+        *,
+        new_id: Callable[[int], str] | None = None,
+    ) -> None:
+        """Apply a decision the policy activity has judged (``verdict`` None: the approver may).
+
+        ``new_id``: tool call ids for a revised plan (a revision, a partial approval)."""
+        data = self.data
+        plain = _plain(decision)
+        # The run may have moved on (expiry, handoff) while the policy was consulted.
+        refusal = verdict or policy.decision_refusal(plain, data, now=at, check_duplicate=False, kind=kind)
+        if refusal is not None:
+            self._refuse_decision(kind, plain, refusal, at)
+            return
+        pending = data.pending_approval
+        require(pending is not None and data.plan is not None, "no pending approval")
+        actor = self.actor(plain.approver, verified, plain.attested_by)
+        if isinstance(decision, RevisionRequest):
+            require(new_id is not None, "a revision needs tool call ids")
+            body = decision.model_dump_json(include={"steps"})
+            if len(body) > PROPOSAL_BYTES:  # the proposal's budget: the plan is carried and hashed
+                proposal = Proposal(oversized_bytes=len(body), oversized_digest=hashlib.sha256(body.encode()).hexdigest())
+            else:
+                proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
+            self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
+            return
+        refs = Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id, request_id=pending.request_id or None)
+        if kind == "reject":
+            data.pending_approval = None
+            self.move(S.REJECTED, at=at, actor=actor, reason=plain.reason or "rejected", refs=refs)
+            return
+        kept = policy.partial_steps(plain, data.plan)
+        if kept is not None:
+            require(new_id is not None, "a partial approval needs tool call ids")
+            self._approve_part(plain, kept, actor, at, new_id, verified)
+            return
+        self._approve(plain, actor, at, refs)
+
+    def _revise(
+        self,
+        proposal: Proposal,
+        decision: ApprovalDecision,
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        *,
+        why: str,
+        partial: bool = False,
+    ) -> bool:
+        """Replace the pending plan by a revised one, validated like a proposal: a new plan
+        version, back to VALIDATED (the run then asks for a new approval). Refused
+        (``invalid_revision``, nothing changed) when it does not validate or changes nothing."""
+        data = self.data
+        old, pending = data.plan, data.pending_approval
+        require(old is not None and pending is not None, "no pending plan to revise")
+        kind: DecisionKind = "approve" if partial else "revise"
+        result = self.validate(proposal, new_id)
+        problem = result.reason if result.plan is None else None
+        if result.plan is not None and result.plan.plan_hash == old.plan_hash:
+            problem = "the revised plan is the pending plan: nothing to revise"
+        if data.next_step:  # (not reached today: a plan waits for approval before any step runs)
+            problem = f"{data.next_step} step(s) of the pending plan have run: plan the rest anew"
+        if problem is not None or result.plan is None:
+            self._refuse_decision(kind, decision, Refusal(rule="invalid_revision", message=f"invalid revision: {problem}"), at)
+            return False
+        changed = revisions.changed_paths(revisions.patch(old.steps, result.plan.steps))
+        if decision.approver not in data.plan_editors:
+            data.plan_editors.append(decision.approver)
+        if not partial and decision.approver not in data.plan_revisers:
+            data.plan_revisers.append(decision.approver)
+        self._adopt(result.plan)
+        plan = result.plan
+        data.revisions.append(
+            Revision(
+                version=plan.version,
+                editor=decision.approver,
+                at=at,
+                previous_plan_hash=old.plan_hash,
+                plan_hash=plan.plan_hash,
+                changed=changed,
+                partial=partial,
+            )
+        )
+        del data.revisions[:-REVISIONS_KEPT]
+        summary = f"; changed {', '.join(changed)}" if changed else ""
+        self.move(
+            S.VALIDATED,
+            at=at,
+            actor=actor,
+            reason=clip(
+                f"{why} — plan v{plan.version} ({len(plan.steps)} step(s)) replaces v{old.version} "
+                f"{old.plan_hash[:12]}{summary}",
+                REASON_CHARS,
+            ),
+            refs=Refs(
+                plan_hash=plan.plan_hash,
+                decision_id=decision.decision_id,
+                request_id=pending.request_id or None,
+                previous_plan_hash=old.plan_hash,
+                changed=changed,
+            ),
+        )
+        return True
+
+    def _approve_part(
+        self,
+        decision: ApprovalDecision,
+        kept: list[int],
+        actor: str,
+        at: datetime,
+        new_id: Callable[[int], str],
+        verified: bool,
+    ) -> None:
+        """A partial approval: a revision to the kept steps, then this approval of the result
+        (it counts for the new request like any approval; others needed approve the subset)."""
+        data = self.data
+        old, before = data.plan, data.pending_approval
+        require(old is not None and before is not None, "no pending plan")
+        left_out = [n for n in range(1, len(old.steps) + 1) if n not in kept]
+        dropped = [NotApproved(step=n, tool=old.steps[n - 1].tool, args=old.steps[n - 1].args, by=decision.approver) for n in left_out]
+        proposal = Proposal(steps=[ProposedStep(tool=old.steps[n - 1].tool, args=old.steps[n - 1].args) for n in kept])
+        why = (
+            f"partial approval by {decision.approver}: step(s) {', '.join(map(str, kept))} of "
+            f"{len(old.steps)} approved, not approved: "
+            + ", ".join(f"{d.step} ({d.tool})" for d in dropped)
+        )
+        # Judged before anything changes (a refused decision changes nothing): as the subset's
+        # request will ask, with the roles the current request's escalation stages have added,
+        # and the approver among the plan's editors (a partial approval revises the plan).
+        escalated = [r for stage in before.escalation[: before.stage] for r in stage.roles]
+        subset = self.validate(proposal, new_id).plan
+        if subset is not None:
+            _, roles = policy.request_terms(policy.review_plan(subset, self.catalog, self.tenant, data.spent), self.tenant)
+            refusal = policy.approver_refusal(
+                self.tenant,
+                approver=decision.approver,
+                requested_by=self.request.requested_by,
+                kind="approve",
+                roles=sorted({*(roles or before.roles), *escalated}),
+                already_approved=[],
+                editors=[*data.plan_editors, decision.approver],
+            )
+            if refusal is not None:
+                self._refuse_decision("approve", decision, refusal, at)
+                return
+        if not self._revise(proposal, decision, actor, at, new_id, why=why, partial=True):
+            return
+        data.not_approved = dropped
+        review = self.review()
+        self.request_approval(at=at, reason=f"approval of the approved part: {review.summary}")
+        pending = data.pending_approval
+        require(pending is not None, "no pending approval")
+        if escalated:
+            # The subset's request stands where the request it narrows had escalated to.
+            pending.roles = sorted({*pending.roles, *escalated})
+            pending.stage = min(before.stage, len(pending.escalation))
+        # Checked by the policy activity for the request it was sent for; the subset's request
+        # may ask for other roles: the run's snapshot says whether this approver holds one.
+        refusal = policy.approver_refusal(
+            self.tenant,
+            approver=decision.approver,
+            requested_by=self.request.requested_by,
+            kind="approve",
+            roles=pending.roles or before.roles,  # a subset needing nobody: the roles it was sent to
+            already_approved=[],
+            editors=pending.editors,
+        )
+        refs = Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id, request_id=pending.request_id or None)
+        if refusal is not None:
+            self._refuse_decision("approve", decision.model_copy(update={"plan_hash": pending.plan_hash}), refusal, at)
+            return
+        self._approve(decision, actor, at, refs)
+
+    def _approve(self, decision: ApprovalDecision, actor: str, at: datetime, refs: Refs) -> None:
+        data = self.data
+        pending = data.pending_approval
+        require(pending is not None, "no pending approval")
+        pending.approvals.append(
+            AcceptedApproval(
+                approver=decision.approver,
+                decision_id=decision.decision_id,
+                at=at,
+                # Kept: the re-check before every write verifies it again under the current file.
+                signature=decision.signature,
+                request_id=decision.request_id or "",
+                plan_hash=decision.plan_hash,
+                attested_by=decision.attested_by,
+                steps=decision.steps,
+            )
+        )
+        data.approved_by = [a.approver for a in pending.approvals]
+        unreviewed = " (unreviewed: not bound to a plan the approver was shown)" if decision.unreviewed else ""
+        # Whoever changed the plan's steps is not its only approver, unless the tenant allows it.
+        by_revisers = bool(pending.revisers) and all(
+            any(same_person(a.approver, r) for r in pending.revisers) for a in pending.approvals
+        )
+        alone = by_revisers and len(pending.approvals) >= pending.approvals_required
+        if alone and self.tenant is not None and self.tenant.reviser_may_approve_alone:
+            unreviewed += " (approved by its own reviser alone: reviser_may_approve_alone = true)"
+        elif alone:
+            self.on_record(
+                data.lifecycle.accept(
+                    at=at,
+                    actor=actor,
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted{unreviewed}; "
+                    f"{', '.join(pending.revisers)} revised this plan: an approval from someone who did not revise "
+                    f"it is still needed (reviser_may_approve_alone = false)",
+                    refs=refs,
+                )
+            )
+            return
+        if len(pending.approvals) < pending.approvals_required:
+            self.on_record(
+                data.lifecycle.accept(
+                    at=at,
+                    actor=actor,
+                    reason=f"approval {len(pending.approvals)} of {pending.approvals_required} accepted{unreviewed}"
+                    + (f": {decision.comment}" if decision.comment else ""),
+                    refs=refs,
+                )
+            )
+            return
+        # The approval is now in force for this plan; nothing is pending any more.
+        data.approval, data.pending_approval = pending, None
+        self.move(S.APPROVED, at=at, actor=actor, reason=(decision.comment or "approved") + unreviewed, refs=refs)
+
+    def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None:
+        """A decision still queued when the run left AWAITING_APPROVAL; ``ended``: the run is
+        over (completed, cancelled, failed, handed off, expired), rule ``run_ended``."""
+        if ended:
+            refusal = Refusal(rule="run_ended", message=f"the run ended before this decision was settled (state {self.state.value})")
+        else:
+            refusal = Refusal(rule="not_awaiting_approval", message=f"run is {self.state.value}, not AWAITING_APPROVAL")
+        self._refuse_decision(kind, _plain(decision), refusal, at)
+
+    def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None:
+        record = self.data.lifecycle.refuse(
+            at=at,
+            actor=f"user:{decision.approver}",
+            reason=f"{kind} refused: {refusal.message}",
+            rule=refusal.rule,
+            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id),
+        )
+        if record is None:  # counted in a flood, not recorded: its sender still gets the rule
+            self.unrecorded_refusals[decision.decision_id] = refusal
+        self.on_record(record)
+
+    def next_escalation(self) -> datetime | None:
+        """When the pending request's next escalation stage is due (None: no stage left)."""
+        pending = self.data.pending_approval
+        if pending is None or pending.opened_at is None or pending.stage >= len(pending.escalation):
+            return None
+        return pending.opened_at + timedelta(seconds=pending.escalation[pending.stage].after)
+
+    def next_timer(self, escalate: bool = True) -> tuple[datetime, str]:
+        """When the waiting plan's timer fires next, and what for: an escalation stage (where
+        ``escalate``: the policy sets stages) inside the window, else the expiry."""
+        pending = self.data.pending_approval
+        require(pending is not None, "no pending approval")
+        due = self.next_escalation() if escalate else None
+        if due is not None and due < pending.expires_at:
+            return due, f"escalation stage {pending.stage + 1}"
+        return pending.expires_at, "approval expiry"
+
+    def timer_fired(self, at: datetime, escalate: bool = True) -> None:
+        """The timer ``next_timer`` named fired: escalate, or expire. A run that was away past
+        several stages takes them one by one; past the expiry, the expiry is the last word."""
+        wake, _ = self.next_timer(escalate)
+        pending = self.data.pending_approval
+        if wake < pending.expires_at and at < pending.expires_at:
+            self.escalate(at)
+        else:
+            self.expire(at)
+
+    def escalate(self, at: datetime) -> EscalationStage:
+        """The next escalation stage's timer fired: record it and widen the roles that may
+        approve. Returns the stage (the workflow tells its webhooks)."""
+        pending = self.data.pending_approval
+        due = self.next_escalation()
+        require(
+            pending is not None and self.state == S.AWAITING_APPROVAL and due is not None and due <= at < pending.expires_at,
+            "an escalation timer fired with no stage due",
+        )
+        stage = pending.escalation[pending.stage]
+        pending.stage += 1
+        added = [r for r in stage.roles if r not in pending.roles]
+        pending.roles = pending.roles + added
+        widened = f"; roles {', '.join(pending.roles)} may approve" if added else ""
+        told = f"; notifying {', '.join(stage.notify)}" if stage.notify else ""
+        self.on_record(
+            self.data.lifecycle.escalate(
+                at=at,
+                reason=f"escalation stage {pending.stage}/{len(pending.escalation)}: waiting "
+                f"{_duration(stage.after)} for approval{widened}{told}; expires {pending.expires_at.isoformat()}",
+                refs=Refs(plan_hash=pending.plan_hash, request_id=pending.request_id or None),
+            )
+        )
+        if self.outbox:
+            self.outbox[-1][1].extend(stage.notify)
+        return stage
+
+    def expire(self, at: datetime) -> None:
+        """The approval timer fired."""
+        data = self.data
+        pending = data.pending_approval
+        require(pending is not None and at >= pending.expires_at, "the approval timer fired with nothing pending, or before expiry")
+        expired = f"approval expired at {pending.expires_at.isoformat()}"
+        refs = Refs(plan_hash=pending.plan_hash)
+        if self.limits.on_expiry == "replan":
+            self._replan_or_end(S.EXPIRED, at=at, actor="timer", why=expired, end_reason=expired, refs=refs)
+        else:
+            self.move(S.EXPIRED, at=at, actor="timer", reason=expired, refs=refs)
+        data.pending_approval = None
+
+    def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
+        """Just before an approved plan's writes run: do its approvals still hold?"""
+        if refusal is not None:
+            self.request_approval(
+                at=at,
+                reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; a new approval is needed",
+                ask=ask,
+            )
+            return
+        self.enter_step(at=at, reason="approved plan: executing")
+
+
+def _plain(decision: Decision) -> ApprovalDecision:
+    """The fields every decision has (a revision's editor as its approver)."""
+    return decision.as_decision() if isinstance(decision, RevisionRequest) else decision
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"

@@ -1,0 +1,114 @@
+"""Handoff and cancel: screening a handoff, taking it where the table allows, and a cancel
+(which undoes the run's ok writes first where the run asks for it).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from workflows import policy
+from workflows.contract import HandoffRequest
+from workflows.identity import normalize_name
+from workflows.run_model import RunModel, S
+from workflows.states import Refs
+from workflows.wire import Refusal
+
+
+class Handoff(RunModel):
+    """A person takes the run over (handoff) or stops it (cancel)."""
+
+    def screen_handoff(self, request: HandoffRequest, at: datetime) -> bool:
+        """May this handoff be honoured (at the next point the table allows)? Else refused.
+
+        A cheap first look; the policy activity screens it again when the run takes it.
+        """
+        refusal: Refusal | None = None
+        if self.data.lifecycle.terminal:
+            refusal = Refusal(rule="run_ended", message=f"run already ended in {self.state.value}")
+        else:
+            # Membership against the run's snapshot, when it has one already.
+            refusal = policy.handoff_member_refusal(self.tenant, request.by)
+        if refusal is not None:
+            self.refuse_handoff(request, refusal, at)
+            return False
+        return True
+
+    def refuse_handoff(self, request: HandoffRequest, refusal: Refusal, at: datetime) -> None:
+        self.refuse(
+            at=at,
+            actor=f"operator:{request.by}",
+            reason=f"handoff refused: {refusal.message}",
+            rule=refusal.rule,
+            refs=Refs(decision_id=request.decision_id),
+        )
+
+    def can_take_handoff(self) -> bool:
+        return self.data.lifecycle.can_move(S.HANDED_OFF)
+
+    def take_handoff(
+        self,
+        request: HandoffRequest | None,
+        at: datetime,
+        detail: str | None = None,
+        verdict: Refusal | None = None,
+        verified: bool = False,
+        *,
+        refs: Refs | None = None,
+    ) -> bool:
+        """Honour a pending handoff if the current state allows it and the policy check
+        (``verdict``, from the current file) passed; a refused one is recorded. ``refs``: the
+        step it ends."""
+        if request is None or not self.can_take_handoff():
+            return False
+        if verdict is not None:
+            self.refuse_handoff(request, verdict, at)
+            return False
+        reason = f"handed off by {request.by}: {request.reason}"
+        self.move(
+            S.HANDED_OFF,
+            at=at,
+            actor=f"operator:{request.by}" + (" (signed)" if verified else ""),
+            reason=f"{reason} ({detail})" if detail else reason,
+            refs=(refs or Refs()).model_copy(update={"decision_id": request.decision_id}),
+        )
+        self.data.pending_approval = None
+        return True
+
+    def handoff_unhonoured(self, request: HandoffRequest, at: datetime) -> None:
+        """The run ended before it could take an accepted handoff: say so on the record."""
+        self.refuse_handoff(
+            request,
+            Refusal(rule="run_ended", message=f"the run ended in {self.state.value} before the handoff could be honoured"),
+            at,
+        )
+
+    def cancelled(self, reason: str | None, at: datetime) -> None:
+        self.data.pending_approval = None
+        actor, reason = cancel_actor(reason)
+        why = f"cancellation requested: {reason or 'no reason'}"
+        ended = self._step_ended_by("cancelled")
+        refs, detail = ended if ended is not None else (None, None)
+        why = f"{why}; {detail}" if detail else why
+        if self.state != S.COMPENSATING and self.on_cancel() == "compensate" and self.current_undo() is not None:
+            # The person asked to stop; the run was told to put things back when stopped.
+            self._settled = None
+            self.data.step_retries, self.data.step_outcome = 0, None
+            self.move(S.COMPENSATING, at=at, actor=actor,
+                      reason=f"{why}; on_cancel=compensate: {self._undo_left(start=True)}", refs=refs)
+            return
+        self.move(S.CANCELLED, at=at, actor=actor, reason=why, refs=refs)
+
+
+def cancel_actor(reason: str | None) -> tuple[str, str | None]:
+    """Who asked for a cancel: `tether cancel RUN --by NAME --reason R` sends "by NAME: R" as
+    Temporal's cancellation reason (a claim, like any unsigned name). Anything else: the
+    runtime, with the reason as given."""
+    text = reason or ""
+    name, sep, rest = text[3:].partition(": ") if text.startswith("by ") else ("", "", "")
+    try:
+        name = normalize_name(name) if sep else ""
+    except ValueError:
+        name = ""
+    if not name:
+        return "runtime", reason
+    return f"user:{name}", rest or None

@@ -1,0 +1,68 @@
+"""The outbox: records someone is to be told about become notifications for the webhooks
+that take them; webhooks no retry reached are put on the record.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from workflows.display import approve_command
+from workflows.run_model import RunModel, notify_event
+from workflows.states import Refs
+from workflows.wire import Notification, NotificationResult
+
+
+class Outbox(RunModel):
+    """What the run tells webhooks about, and what it could not tell them."""
+
+    def take_notifications(self, namespace: str = "default") -> list[Notification]:
+        """The events to post now, each to the webhooks that take it (the policy snapshot's
+        subscriptions, and an escalation stage's own), built from ids and the risk summary.
+        An approval request already decided by the time the run waits is not announced."""
+        outbox, self.outbox = self.outbox, []
+        hooks = self.data.policy.webhooks if self.data.policy else {}
+        pending = self.data.pending_approval
+        out: list[Notification] = []
+        for record, named in outbox:
+            event = notify_event(record)
+            if event is None:
+                continue
+            if event == "awaiting_approval" and (pending is None or pending.request_id != (record.refs.request_id or "")):
+                continue  # decided in the same step (a partial approval): nothing waits
+            names = [n for n, events in hooks.items() if event in events]
+            names += [n for n in named if n not in names]
+            if not names:
+                continue
+            waiting = pending if pending is not None and pending.request_id == (record.refs.request_id or "") else None
+            out.append(
+                Notification(
+                    event_id=f"{self.workflow_id}:{self.data.first_run_id}:{record.seq}",
+                    event=event,
+                    webhooks=names,
+                    run_id=self.workflow_id,
+                    namespace=namespace,
+                    tenant=self.request.tenant,
+                    state=record.to_state.value,
+                    plan_hash=record.refs.plan_hash,
+                    request_id=record.refs.request_id,
+                    summary=waiting.summary if waiting else "",
+                    expires_at=waiting.expires_at if waiting else None,
+                    approve_command=approve_command(self.workflow_id, waiting.plan_hash) if waiting else None,
+                    reason=record.reason,
+                )
+            )
+        return out
+
+    def notification_done(self, note: Notification, result: NotificationResult, at: datetime) -> None:
+        """Webhooks no retry reached are on the record (the run did not wait for them)."""
+        if not result.dead:
+            return
+        dead = ", ".join(f"{name} ({why})" for name, why in sorted(result.dead.items()))
+        self.on_record(
+            self.data.lifecycle.notify_failed(
+                at=at,
+                reason=f"notification {note.event} (event {note.event_id.rsplit(':', 1)[-1]}) not delivered to: {dead}",
+                event=note.event,
+                refs=Refs(plan_hash=note.plan_hash, request_id=note.request_id),
+            )
+        )

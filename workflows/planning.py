@@ -1,0 +1,181 @@
+"""The planning phase: the run is received, the planner answers, its proposal is validated
+(or fails validation), and the run replans while its budget lasts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+from workflows import policy
+from workflows.budgets import ANSWER_CHARS, clip
+from workflows.contract import Plan
+from workflows.run_model import RunModel, S, ToolFailure, require
+from workflows.states import Refs, RunState
+from workflows.validation import Validation, validate_proposal
+from workflows.wire import Proposal, Refusal, SnapshotRequest, Verdict
+
+
+class Planning(RunModel):
+    """From the received run to a validated plan, or the end of planning."""
+
+    def received(self, at: datetime) -> None:
+        """The catalog and the policy snapshot are in: start planning, or fail."""
+        data = self.data
+        if data.created_at is None:
+            data.created_at = at
+        require(data.policy is not None, "no policy snapshot")
+        # The policy's content hash goes on the timeline: a run's decisions stay explainable.
+        refs = Refs(policy_hash=data.policy.policy_hash)
+        data.requester_verified = data.policy.requester_verified
+        if data.policy.requester_refusal is not None:
+            refusal = data.policy.requester_refusal
+            data.last_error = f"{refusal.rule}: {refusal.message}"
+            self.move(
+                S.FAILED,
+                at=at,
+                actor=self.actor(self.request.requested_by),
+                reason=f"run request refused [{refusal.rule}]: {refusal.message}",
+                refs=refs.model_copy(update={"error_code": refusal.rule}),
+            )
+        elif data.policy.policy is None:
+            self.move(
+                S.FAILED,
+                at=at,
+                actor="runtime",
+                reason=f"tenant {self.request.tenant!r} is not in the policy file "
+                f"{data.policy.source}: add it under [tenants.{self.request.tenant}]",
+                refs=refs,
+            )
+        elif self.request.compensate_run is None:
+            self.move(S.PLANNING, at=at, actor="runtime", reason=f"run received; policy {data.policy.source}", refs=refs)
+
+    def token_budget_refusal(self) -> str | None:
+        max_tokens = self.request.limits.max_model_tokens
+        if max_tokens is not None and self.data.model_tokens >= max_tokens:
+            return f"model token budget used up: {self.data.model_tokens} of max_model_tokens={max_tokens} used"
+        return None
+
+    def planner_failed(self, failure: ToolFailure, at: datetime) -> None:
+        self.data.last_error = f"{failure.code}: {failure.message}"
+        self.move(
+            S.FAILED,
+            at=at,
+            actor="planner",
+            reason=f"planner failed: {failure.message}",
+            refs=Refs(error_code=failure.code),
+        )
+
+    def proposal(self, proposal: Proposal, *, at: datetime, new_id: Callable[[int], str]) -> None:
+        """The planner answered: finish, validate the plan, or record why it is not valid."""
+        data = self.data
+        data.model_tokens += proposal.usage_tokens
+        data.not_approved = []  # the planner has been told
+        max_tokens = self.request.limits.max_model_tokens
+        if max_tokens is not None and data.model_tokens > max_tokens:
+            data.last_error = f"model_token_budget: {data.model_tokens} > {max_tokens}"
+            self.move(
+                S.FAILED,
+                at=at,
+                actor="runtime",
+                reason=f"model token budget exceeded: {data.model_tokens} of "
+                f"max_model_tokens={max_tokens} used; the proposal was discarded",
+                refs=Refs(error_code="model_token_budget"),
+            )
+            return
+        if proposal.answer is not None and not proposal.steps and proposal.oversized_bytes is None:
+            data.answer = clip(proposal.answer, ANSWER_CHARS)
+            self.move(S.COMPLETED, at=at, actor="planner", reason="planner finished with an answer")
+            return
+        result = self.validate(proposal, new_id)
+        if result.plan is None:
+            data.feedback = result.reason  # bounded: the first problems, paths and rules only
+            self.move(S.VALIDATION_FAILED, at=at, actor="runtime", reason=result.reason)
+            return
+        data.plan_editors, data.plan_revisers = [], []
+        self._adopt(result.plan)
+        data.feedback = None
+        self.move(
+            S.VALIDATED,
+            at=at,
+            actor="runtime",
+            reason=f"plan of {len(result.plan.steps)} step(s) validated",
+            refs=Refs(plan_hash=result.plan.plan_hash),
+        )
+
+    def validate(self, proposal: Proposal, new_id: Callable[[int], str]) -> Validation:
+        """The one validation a plan gets, proposed or revised: the catalog snapshot, the
+        tools' schemas, the tenant's tools and the step budget (with what the run already did)."""
+        result = validate_proposal(
+            proposal,
+            self.catalog,
+            executed_steps=self.data.steps_executed,
+            limits=self.limits,
+            new_id=new_id,
+            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
+        )
+        if result.plan is not None:
+            # The tenant's require_recovery: a write with no recovery path never reaches approval.
+            refusal = policy.recovery_refusal(result.plan, self.catalog, self.tenant, self.data.spent)
+            if refusal is not None:
+                result = Validation(plan=None, problems=[f"[{refusal.rule}] {refusal.message}"])
+        return result
+
+    def _adopt(self, plan: Plan) -> None:
+        """``plan`` becomes the run's current plan, the next version; nothing of it has run."""
+        data = self.data
+        data.plans = max(data.plans, data.plan.version if data.plan else 0) + 1
+        plan.version = data.plans
+        data.plan, data.next_step, data.step_retries = plan, 0, 0
+        data.pending_approval = data.approval = None
+        data.approved_by = []
+
+    def after_validation_failed(self, at: datetime) -> None:
+        self._replan_or_end(
+            S.FAILED,
+            at=at,
+            actor="runtime",
+            why="validation failed",
+            end_reason=f"validation failed and the replan budget is used up "
+            f"(max_replans={self.limits.max_replans})",
+        )
+
+    def _replan_or_end(
+        self, end: RunState, *, at: datetime, actor: str, why: str, end_reason: str, refs: Refs | None = None
+    ) -> None:
+        """Back to PLANNING while the replan budget lasts, else end in ``end``."""
+        limits = self.limits
+        if not policy.may_replan(self.data.replans, limits):
+            self.move(end, at=at, actor=actor, reason=end_reason, refs=refs)
+            return
+        self.data.replans += 1
+        self.move(
+            S.PLANNING,
+            at=at,
+            actor=actor,
+            reason=f"{why}: replan {self.data.replans}/{limits.max_replans}",
+            refs=refs,
+        )
+
+    def after_validated(self, at: datetime, refusal: Refusal | None = None, ask: Verdict | None = None) -> None:
+        """``refusal``: the current policy file's word on a plan the snapshot would auto-approve."""
+        review = self.review()
+        if not review.needs_approval and refusal is None:
+            self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
+            return
+        why = f"policy changed [{refusal.rule}]: {refusal.message}; " if refusal else ""
+        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}", ask=ask if refusal else None)
+
+    def snapshot_request(self, workflow_id: str, started_at: datetime) -> SnapshotRequest:
+        """What the run's policy snapshot asks for: the tenant and the start's signature."""
+        request = self.request
+        return SnapshotRequest(
+            tenant=request.tenant,
+            workflow_id=workflow_id,
+            requested_by=request.requested_by,
+            request_digest=request.request_digest(),
+            requester_signature=request.requester_signature,
+            nonce=request.nonce,
+            issued_at=request.issued_at,
+            started_at=started_at,
+        )

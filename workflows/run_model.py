@@ -1,0 +1,245 @@
+"""The run model: the one place that writes a run's state (``RunData``) and records it, and
+the helpers every phase of the engine shares (the run's facts, the current step and its
+refs, how a step ends on the record). The phases (planning, approvals, steps, handoff,
+compensating, outbox, carry, views) derive from :class:`RunModel`; ``workflows/engine.py``
+joins them into the :class:`~workflows.engine.Engine`. No Temporal, no I/O: time and ids
+are passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from workflows import policy
+from workflows.budgets import EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW
+from workflows.contract import (
+    ApprovalDecision,
+    CompensationCall,
+    ExecutedStep,
+    Limits,
+    PlanStep,
+    RevisionRequest,
+    ToolCatalog,
+    ToolInfo,
+)
+from workflows.policy_file import TenantPolicy
+from workflows.run_state import RunData, RunRequest
+from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
+from workflows.wire import PlanReview, Refusal, ToolOutcome
+
+
+S = RunState
+DecisionKind = Literal["approve", "reject", "revise"]
+# What waits in the run's inbox: an approve / reject decision, or a revision.
+Decision = ApprovalDecision | RevisionRequest
+
+
+class IllegalState(Exception):
+    """The run is in no shape for this decision (a bug, or carried-over state that does not fit).
+
+    The workflow fails the run on it, non-retryably: a bare exception would only fail the
+    workflow task and retry it forever.
+    """
+
+
+def require(condition: object, what: str) -> None:
+    if not condition:
+        raise IllegalState(what)
+
+
+@dataclass(frozen=True)
+class ToolFailure:
+    """How a tool call failed, as the workflow saw it."""
+
+    code: str
+    message: str  # for the worker log only: it may quote arguments, so never on the timeline
+    permanent: bool  # the tool said a retry cannot help (bad input, 4xx)
+    suggested_delay: float | None = None  # e.g. from Retry-After
+    still_running: bool = False  # the attempt had not ended when it was reported (not over)
+    started: bool = True  # False: cancelled before any worker picked the attempt up
+
+
+def notify_event(record: TransitionRecord) -> str | None:
+    """The event a record is, for webhooks (``[notify.webhooks.NAME] events``), or None."""
+    if record.kind == "escalated":
+        return "escalated"
+    if record.kind != "transition":
+        return None
+    to, came = record.to_state, record.from_state
+    if to == S.AWAITING_APPROVAL:
+        return "awaiting_approval"
+    if came == S.AWAITING_APPROVAL and to == S.VALIDATED:
+        return "revised"
+    if to == S.EXPIRED or (came == S.AWAITING_APPROVAL and to == S.PLANNING and record.actor == "timer"):
+        return "expired"
+    if to == S.HANDED_OFF:
+        return "handed_off"
+    if to in (S.FAILED, S.EXECUTION_FAILED):
+        return "failed"
+    return None
+
+
+class RunModel:
+    """One run's state and the records of its changes. Every state change goes through
+    ``data.lifecycle.move`` (:meth:`move`)."""
+
+    def __init__(
+        self,
+        data: RunData,
+        request: RunRequest,
+        *,
+        workflow_id: str,
+        on_record: Callable[[TransitionRecord], None] = lambda record: None,
+        new_request_id: Callable[[], str] = lambda: "",
+    ) -> None:
+        self.data = data
+        self.request = request
+        self.workflow_id = workflow_id
+        self._on_record = on_record  # metrics, the audit sink; called for every record written
+        self.new_request_id = new_request_id  # one id per approval request (derived: a reset asks the same)
+        # Records someone is to be told about, with webhooks named besides the subscribers (an
+        # escalation stage's notify); the workflow takes them before it waits.
+        self.outbox: list[tuple[TransitionRecord, list[str]]] = []
+        # Decision refusals counted but not recorded (a flood), until their sender is answered.
+        self.unrecorded_refusals: dict[str, Refusal] = {}
+        # Where the current plan writes (step indexes), worked out once per plan and catalog:
+        # every step asks whether writes remain (authority_check).
+        self._writes: tuple[tuple[Any, ...], list[int]] = ((), [])
+
+    def on_record(self, record: TransitionRecord | None) -> None:
+        if record is not None:  # None: a refusal in a flood, counted but not recorded
+            self._on_record(record)
+            if notify_event(record) is not None:
+                self.outbox.append((record, []))
+
+    @property
+    def state(self) -> RunState:
+        return self.data.lifecycle.state
+
+    @property
+    def tenant(self) -> TenantPolicy | None:
+        return self.data.policy.policy if self.data.policy else None
+
+    @property
+    def limits(self) -> Limits:
+        """The run's limits, tightened by the tenant's budgets."""
+        return policy.effective_limits(self.request.limits, self.tenant)
+
+    @property
+    def catalog(self) -> ToolCatalog:
+        return self.data.catalog or ToolCatalog()
+
+    def current_step(self) -> PlanStep | None:
+        """The plan's next step; while COMPENSATING, the next compensation as a step."""
+        if self.state == S.COMPENSATING:
+            undo = self.current_undo()
+            if undo is None or undo.tool is None:
+                return None
+            return PlanStep(tool_call_id=undo.tool_call_id, tool=undo.tool, args=undo.args)
+        plan = self.data.plan
+        if plan is None or self.data.next_step >= len(plan.steps):
+            return None
+        return plan.steps[self.data.next_step]
+
+    def tool_info(self, step: PlanStep) -> ToolInfo | None:
+        return self.catalog.get(step.tool)
+
+    def step_refs(self, step: PlanStep) -> Refs:
+        undo = next((c for c in self.data.compensations if c.tool_call_id == step.tool_call_id), None)
+        if undo is not None:
+            # Bound to the plan (and approval) that covered it; its key derives from the original's.
+            return Refs(plan_hash=undo.plan_hash, tool_call_id=step.tool_call_id, idempotency_key=undo.idempotency_key)
+        return Refs(
+            plan_hash=self.data.plan.plan_hash if self.data.plan else None,
+            tool_call_id=step.tool_call_id,
+            # The run's workflow id, not its run id: stable across continue-as-new.
+            idempotency_key=f"{self.workflow_id}:{step.tool_call_id}",
+        )
+
+    def review(self) -> PlanReview:
+        require(self.data.plan is not None, "no validated plan to review")
+        return policy.review_plan(self.data.plan, self.catalog, self.tenant, self.data.spent)
+
+    def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
+        """How a person shows on the timeline: verified identities say how (their own
+        signature, or a trusted signer's attestation: ``user:bob via inbox``)."""
+        if verified and via:
+            return f"user:{name} via {via}"
+        return f"user:{name} (signed)" if verified else f"user:{name}"
+
+    def move(self, to: RunState, *, at: datetime, actor: str, reason: str, refs: Refs | None = None) -> None:
+        """Raises IllegalTransition for a move the table denies (the workflow makes that a
+        non-retryable failure)."""
+        record = self.data.lifecycle.move(to, at=at, actor=actor, reason=reason, refs=refs)
+        self.data.updated_at = record.at
+        self.on_record(record)
+
+    def refuse(self, *, at: datetime, actor: str, reason: str, rule: str, refs: Refs | None = None) -> None:
+        self.on_record(self.data.lifecycle.refuse(at=at, actor=actor, reason=reason, refs=refs, rule=rule))
+
+    # The step a cancel waited for, as tool_settled_on_cancel recorded it: (step, outcome, code).
+    _settled: tuple[PlanStep, EffectOutcome, str | None] | None = None
+
+    def _describe(self, step: PlanStep, outcome: EffectOutcome, *, started: bool = True) -> str:
+        if not started:
+            if outcome == "failed" and self.data.step_outcome is None:
+                return f"tool call {step.tool_call_id} ({step.tool}) not started"
+            return f"retry of tool call {step.tool_call_id} ({step.tool}) not started, outcome {outcome}"
+        return f"tool call {step.tool_call_id} ({step.tool}): outcome {outcome}"
+
+    def _end_refs(self, step: PlanStep, outcome: EffectOutcome, code: str | None) -> Refs:
+        return self.step_refs(step).model_copy(update={"outcome": outcome, "error_code": code})
+
+    def _error_line(self, step: PlanStep, outcome: EffectOutcome, code: str) -> str:
+        return f"{code}: tool call {step.tool_call_id} ({step.tool}), outcome {outcome}"
+
+    def _end_step(self, step: PlanStep, outcome: EffectOutcome, code: str) -> None:
+        """The step ends without success: record it and say so in ``last_error``."""
+        self._record_step(step, outcome, None)
+        self.data.last_error = self._error_line(step, outcome, code)
+
+    def _record_step(self, step: PlanStep, outcome: EffectOutcome, result: ToolOutcome | None) -> None:
+        compensating = self.state == S.COMPENSATING
+        if compensating:
+            undo = self.current_undo()
+            require(undo is not None and undo.tool_call_id == step.tool_call_id, "no compensation under way")
+            undo.status = outcome
+        self.data.executed.append(
+            ExecutedStep(
+                tool_call_id=step.tool_call_id,
+                tool=step.tool,
+                args=step.args,
+                status="ok" if outcome == "ok" else "failed",
+                outcome=outcome,
+                observation=result.observation if result else "",
+                digest=result.digest if result else "",
+            )
+        )
+        if outcome != "failed" and not compensating:  # it may have applied: it counts against the run's amount limits
+            policy.spend(self.data.spent, step.tool, step.args)
+        self._trim_executed()
+
+    def _trim_executed(self) -> None:
+        """Older steps keep only id, tool, status and digest: the carried state stays bounded."""
+        room = EXECUTED_OBSERVATION_CHARS
+        for i, done in enumerate(reversed(self.data.executed)):
+            if i >= EXECUTED_WINDOW and not done.args and not done.observation:
+                break  # trimmed already, and so is every step before it (each call trims them)
+            room -= len(done.observation)
+            if i >= EXECUTED_WINDOW or room < 0:
+                done.args, done.observation = {}, ""
+
+    def current_undo(self) -> CompensationCall | None:
+        """The next compensation to run: the newest ok write not yet compensated."""
+        return next((c for c in reversed(self.data.compensations) if c.status == "pending"), None)
+
+    def _undo_left(self, *, start: bool = False) -> str:
+        pending = [c for c in reversed(self.data.compensations) if c.status == "pending"]
+        done = [c for c in self.data.compensations if c.status == "ok"]
+        names = ", ".join(f"{c.of} ({c.of_tool}) by {c.tool or 'nothing: no recovery path'}" for c in pending[:20])
+        if start:
+            return f"undoing {len(pending)} ok write(s), newest first: {names}"
+        return f"compensated {len(done)}; not compensated: {names or 'none'}"

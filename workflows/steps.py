@@ -1,0 +1,333 @@
+"""The steps phase: the authority re-check before writes, entering a step, the tool call to
+schedule, its outcome (success, failure and the retry rule, a capability that bounced) and a
+cancel or handoff that meets a step under way.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from workflows import policy
+from workflows.budgets import REASON_CHARS, clip
+from workflows.contract import PlanStep, ToolCatalog, ToolEffect
+from workflows.run_model import RunModel, S, ToolFailure, require
+from workflows.states import EffectOutcome, Refs
+from workflows.wire import AuthorityCheck, Refusal, ToolCall, ToolOutcome, Verdict
+
+
+class Steps(RunModel):
+    """An approved plan's steps: re-check, schedule, outcome, retry."""
+
+    def _write_steps(self) -> list[int]:
+        """The indexes of the plan's steps that write (or call a tool the catalog lacks)."""
+        plan, catalog = self.data.plan, self.data.catalog
+        assert plan is not None
+        key = (plan.plan_hash, plan.version, len(plan.steps), len(catalog.tools) if catalog else 0)
+        if self._writes[0] != key:
+            found = self.catalog
+            self._writes = (key, [
+                i for i, s in enumerate(plan.steps)
+                if (info := found.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
+            ])
+        return self._writes[1]
+
+    def authority_check(self, *, from_step: int) -> AuthorityCheck | None:
+        """What to re-check against the current policy file before the plan's remaining writes
+        run, approved or auto-approved (None: nothing left writes)."""
+        data = self.data
+        if self.state == S.COMPENSATING:
+            return self._undo_check()
+        if data.plan is None:
+            return None
+        remaining = data.plan.steps[from_step:]
+        writes = [data.plan.steps[i] for i in self._write_steps() if i >= from_step]
+        if not writes:
+            return None
+        tools = [s.tool for s in writes]
+        approval = data.approval
+        # The remaining steps, their catalog entries and what the run has done: the current
+        # file judges them (auto-approval, or the roles and count an approval needs now).
+        context = dict(
+            tenant=self.request.tenant,
+            tools=tools,
+            steps=remaining,
+            catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
+            spent=data.spent,
+            workflow_id=self.workflow_id,
+            first_run_id=data.first_run_id,
+            requested_by=self.request.requested_by,
+            plan_hash=data.plan.plan_hash,
+        )
+        if approval is None:
+            # Ran without approval: the current policy must still say so, for what is left.
+            return AuthorityCheck(approvals=[], roles=[], approvals_required=0, **context)
+        return AuthorityCheck(
+            approvals=[a.approver for a in approval.approvals],
+            roles=approval.roles,
+            approvals_required=approval.approvals_required,
+            approved=approval.approvals,
+            escalated_roles=[r for stage in approval.escalation[: approval.stage] for r in stage.roles],
+            request_id=approval.request_id,
+            **context,
+        )
+
+    def after_observation(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
+        """A step's result is in: the next step of the plan, or plan again."""
+        data = self.data
+        if self.current_step() is None:
+            data.approval = None
+            self.move(S.PLANNING, at=at, actor="runtime", reason="plan executed: planning what is next")
+            return
+        if refusal is not None:
+            # The rest of the plan needs a new plan and a new approval, under the current file.
+            self.adopt(ask)
+            held = "approval no longer holds" if data.approval is not None else "policy changed"
+            data.approval = None
+            self.move(
+                S.PLANNING,
+                at=at,
+                actor="runtime",
+                reason=f"{held} [{refusal.rule}]: {refusal.message}; replanning the remaining steps",
+            )
+            return
+        self.enter_step(at=at, reason="next step of the plan")
+
+    def enter_step(self, *, at: datetime, reason: str) -> None:
+        """Enter EXECUTING_TOOL for the plan's next step."""
+        step = self.current_step()
+        require(step is not None, "no plan step to execute")
+        self.data.step_retries = 0
+        self.data.step_outcome = None
+        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=reason, refs=self.step_refs(step))
+
+    def next_tool_call(self, at: datetime) -> ToolCall | None:
+        """The call to schedule now, or None when the step may not run (the run has moved)."""
+        data = self.data
+        step = self.current_step()
+        require(
+            step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING),
+            "no plan step to execute, or not in EXECUTING_TOOL",
+        )
+        max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
+        # Compensations are not held to the budget: an undo must not be stopped by the calls
+        # that made it necessary (they are bounded by the ok writes and their retry rules).
+        if max_calls is not None and data.tool_calls >= max_calls and self.state != S.COMPENSATING:
+            self._not_started(
+                step, "tool_call_budget", f"tool call budget exhausted: {data.tool_calls} of max_tool_calls={max_calls} used", at
+            )
+            return None
+        data.tool_calls += 1  # every call the workflow schedules, retries included
+        refs = self.step_refs(step)
+        return ToolCall(
+            tool=step.tool,
+            args=step.args,
+            tool_call_id=step.tool_call_id,
+            idempotency_key=refs.idempotency_key or "",
+            run_id=self.workflow_id,
+            tenant=self.request.tenant,
+            attempt=data.step_retries + 1,
+        )
+
+    def write_refused(self, refusal: Refusal, at: datetime) -> None:
+        """The re-check just before a write attempt (the one that mints its capability) refused:
+        the attempt does not start. An earlier attempt may have applied: then a human decides."""
+        step = self.current_step()
+        require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt to refuse")
+        self.data.tool_calls -= 1  # not scheduled after all
+        if self.state == S.COMPENSATING:
+            # An undo the current file refuses is not run, nor its later ones: a person decides
+            # (the undo stays pending: `tether compensate` can run it once the policy allows).
+            undo = self.current_undo()
+            outcome = self.data.step_outcome or "failed"
+            if outcome == "unknown":  # an earlier attempt may have applied: on the record as such
+                self._end_step(step, outcome, refusal.rule)
+            else:  # never started: it stays pending
+                self.data.last_error = self._error_line(step, outcome, refusal.rule)
+            self.data.step_retries, self.data.step_outcome = 0, None
+            self.move(
+                S.HANDED_OFF,
+                at=at,
+                actor="runtime",
+                reason=clip(
+                    f"compensation {step.tool_call_id} ({step.tool}) of {undo.of if undo else '?'} not started: the "
+                    f"current policy refuses it [{refusal.rule}]: {refusal.message}; needs a human; {self._undo_left()}",
+                    REASON_CHARS,
+                ),
+                refs=self._end_refs(step, outcome, refusal.rule),
+            )
+            return
+        self._not_started(
+            step, refusal.rule, f"write not started: the current policy refuses it [{refusal.rule}]: {refusal.message}", at
+        )
+
+    def _not_started(self, step: PlanStep, code: str, why: str, at: datetime) -> None:
+        """The step's (next) attempt is not started: the step ends. An earlier attempt may
+        still have applied: then a human decides (HANDED_OFF), else EXECUTION_FAILED."""
+        outcome = self.data.step_outcome or "failed"
+        self._end_step(step, outcome, code)
+        self.move(
+            S.HANDED_OFF if outcome == "unknown" else S.EXECUTION_FAILED,
+            at=at,
+            actor="runtime",
+            reason=f"{why}; {self._describe(step, outcome, started=False)}",
+            refs=self._end_refs(step, outcome, code),
+        )
+
+    def capability_bounced(self, failure: ToolFailure) -> None:
+        """The attempt reached a worker that could not check its capability (key id missing, or
+        it waited past its expiry): the tool was not called; the run schedules it again with a
+        fresh capability. ``last_error`` (the Web UI details) names why (the key id)."""
+        step = self.current_step()
+        require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt")
+        self.data.tool_calls -= 1  # never reached the tool
+        self.data.last_error = clip(
+            f"{failure.code}: tool call {step.tool_call_id} ({step.tool}) not started, scheduled again: "
+            f"{failure.message}",
+            300,
+        )
+
+    def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:
+        step = self.current_step()
+        require(step is not None, "no plan step to execute")
+        refs = self.step_refs(step).model_copy(update={"outcome": "ok"})
+        if self.state == S.COMPENSATING:
+            undo = self.current_undo()
+            self._record_step(step, "ok", outcome)
+            self.data.last_error, self.data.step_retries, self.data.step_outcome = None, 0, None
+            self.move(
+                S.COMPENSATING,
+                at=at,
+                actor="runtime",
+                reason=f"compensation {step.tool_call_id} ({step.tool}) of {undo.of} ({undo.of_tool}) succeeded",
+                refs=refs,
+            )
+            return
+        self._record_step(step, "ok", outcome)
+        undo = self._note_compensation(step, outcome)
+        self.data.last_error = None
+        self.data.next_step += 1
+        self.move(
+            S.OBSERVING_RESULT,
+            at=at,
+            actor="runtime",
+            reason=f"tool call {step.tool_call_id} ({step.tool}) succeeded" + undo,
+            refs=refs,
+        )
+
+    def tool_failed(self, failure: ToolFailure, at: datetime) -> float | None:
+        """Apply the retry rule. Returns the backoff in seconds when the call is to be retried.
+
+        Records and ``last_error`` name the error code, tool, call and outcome, never the
+        error's text (it may quote arguments); the workflow logs the text.
+        """
+        data = self.data
+        step = self.current_step()
+        require(step is not None, "no plan step to execute")
+        info = self.tool_info(step)
+        effect = info.effect if info else ToolEffect.UNSAFE
+        outcome = policy.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
+        data.step_outcome = outcome
+        next_state, why = policy.after_tool_failure(
+            effect,
+            permanent=failure.permanent,
+            retries_done=data.step_retries,
+            max_retries=info.max_retries if info else 0,
+            attempt_over=not failure.still_running,
+        )
+        refs = self._end_refs(step, outcome, failure.code)
+        compensating = self.state == S.COMPENSATING
+        what = f"{'compensation' if compensating else 'tool call'} {step.tool_call_id} ({step.tool}) failed [{failure.code}], outcome {outcome}"
+        if next_state != S.RETRY_WAIT:
+            self._end_step(step, outcome, failure.code)
+            if compensating:
+                # Never a blind re-run of an undo: a person takes it from here.
+                self.move(
+                    S.HANDED_OFF, at=at, actor="runtime",
+                    reason=f"{what} — {why}; the compensation is not re-run, needs a human; {self._undo_left()}",
+                    refs=refs,
+                )
+            elif next_state == S.EXECUTION_FAILED and outcome == "failed" and self.compensates():
+                self.data.step_retries, self.data.step_outcome = 0, None
+                self.move(
+                    S.COMPENSATING, at=at, actor="runtime",
+                    reason=f"{what} — {why}; on_failure=compensate: {self._undo_left(start=True)}",
+                    refs=refs,
+                )
+            else:
+                self.move(next_state, at=at, actor="runtime", reason=f"{what} — {why}", refs=refs)
+            return None
+        data.last_error = self._error_line(step, outcome, failure.code)
+        # Unknown: whatever the attempt sent must have landed before a retry (or lookup) runs.
+        settle = policy.settle_seconds(policy.tool_timeouts(info.timeout_seconds), failure.code) if info and outcome == "unknown" else 0.0
+        delay = policy.retry_delay_seconds(data.step_retries, failure.suggested_delay, settle)
+        data.step_retries += 1
+        data.retries += 1
+        # A compensation waits out its backoff in COMPENSATING: the retry is on the record.
+        self.move(S.COMPENSATING if compensating else S.RETRY_WAIT, at=at, actor="runtime", reason=f"{what}: {why} in {delay:g}s", refs=refs)
+        return delay
+
+    def retry(self, at: datetime) -> None:
+        step = self.current_step()
+        require(step is not None, "no plan step to execute")
+        if self.state == S.COMPENSATING:
+            return  # recorded when the retry was decided; the next attempt follows
+        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=f"retry {self.data.step_retries}", refs=self.step_refs(step))
+
+    def handoff_point(self) -> tuple[str, Refs | None]:
+        """What a handoff taken before the current step's (next) attempt says: the detail for
+        its reason, and refs naming the outcome of an earlier attempt if one failed."""
+        step = self.current_step()
+        require(step is not None, "no plan step to execute")
+        outcome = self.data.step_outcome
+        if outcome is None:
+            return f"tool call {step.tool_call_id} not started", None
+        return self._describe(step, outcome, started=False), self._end_refs(step, outcome, "handed_off")
+
+    def step_handed_off(self) -> None:
+        """That handoff was taken: an earlier attempt's outcome ends the step."""
+        if self.data.lifecycle.previous_state == S.COMPENSATING:
+            undo = self.current_undo()
+            if undo is not None and self.data.step_outcome is not None:
+                undo.status = self.data.step_outcome  # an earlier attempt of the undo failed
+            return
+        step = self.current_step()
+        if step is not None and self.data.step_outcome is not None:
+            self._end_step(step, self.data.step_outcome, "handed_off")
+
+    def tool_settled_on_cancel(self, outcome: ToolOutcome | None, failure: ToolFailure | None = None) -> None:
+        """A cancellation reached the tool in flight and waited for it: keep what it did.
+        ``cancelled()`` then ends the run naming the step and its outcome."""
+        step = self.current_step()
+        require(step is not None, "no plan step to execute")
+        if outcome is not None:
+            compensating = self.state == S.COMPENSATING
+            self._record_step(step, "ok", outcome)
+            if not compensating:
+                self._note_compensation(step, outcome)
+                self.data.next_step += 1
+            self.data.last_error = self._error_line(step, "ok", "cancelled")
+            self._settled = (step, "ok", None)
+            return
+        info = self.tool_info(step)
+        effect = info.effect if info else ToolEffect.UNSAFE
+        settled: EffectOutcome = "failed"
+        if failure is not None:
+            settled = policy.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
+        if settled == "failed" and self.data.step_outcome == "unknown":
+            settled = "unknown"  # this attempt did nothing, an earlier one may have
+        code = failure.code if failure else "cancelled"
+        self._end_step(step, settled, code)
+        self._settled = (step, settled, code)
+
+    def _step_ended_by(self, code: str) -> tuple[Refs, str] | None:
+        """Refs and a description for a record that ends the run mid-step (a cancel), after
+        recording the step; None when no step was under way."""
+        if self._settled is not None:
+            step, outcome, settled_code = self._settled
+            return self._end_refs(step, outcome, settled_code), self._describe(step, outcome)
+        step = self.current_step()
+        outcome = self.data.step_outcome
+        if step is None or outcome is None or self.state not in (S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING):
+            return None
+        self._end_step(step, outcome, code)
+        return self._end_refs(step, outcome, code), self._describe(step, outcome)
