@@ -17,39 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.workflow import ActivityCancellationType
-from temporalio.common import (
-    RawValue,
-    RetryPolicy,
-    SearchAttributePair,
-    TypedSearchAttributes,
-)
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
+from temporalio.common import RawValue, RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from pydantic import BaseModel, ValidationError
+    from pydantic import ValidationError
 
-    from workflows import keys
-    from workflows import metrics as run_metrics
     from workflows import policy
-    from workflows.details import run_details
     from workflows.budgets import (
         CARRY_AMORTIZE,
         CARRY_BUDGET,
         CARRY_CONTINUE_AT,
-        DETAILS_CHARS,
         REQUEST_BUDGET,
         UPDATES_CONTINUE_AT,
         clip,
         continue_due,
         continue_wanted,
     )
+    from workflows.effects import Effects, activity_failure, log_failure
     from workflows.engine import Engine
     from workflows.run_model import Decision, DecisionKind, IllegalState, ToolFailure
     from workflows.identity import LOOK_ALIKE
@@ -68,15 +58,10 @@ with workflow.unsafe.imports_passed_through():
         json_digest,
     )
     from workflows.wire import (
-        ATTEMPT_STILL_RUNNING,
         CAPABILITY_EXPIRED,
         CAPABILITY_KEY_MISSING,
-        AuditAck,
-        AuditBatch,
         DecisionCheck,
         HandoffCheck,
-        Notification,
-        NotificationResult,
         PlannerInput,
         Proposal,
         RecoveryRequest,
@@ -84,12 +69,11 @@ with workflow.unsafe.imports_passed_through():
         Refusal,
         RunSetup,
         SnapshotRequest,
-        ToolOutcome,
         Verdict,
     )
-    from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot, RunView
-    from workflows.published import BUILD, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
-    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord, to_publish
+    from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot
+    from workflows.published import BUILD, STATE_ATTRIBUTE
+    from workflows.states import TEMPORAL_STATUS, IllegalTransition, Refs, RunState, TransitionRecord
 
 S = RunState
 T = TypeVar("T")
@@ -97,37 +81,11 @@ M = TypeVar("M", ApprovalDecision, HandoffRequest, RevisionRequest)
 
 PLANNER_TIMEOUT = timedelta(minutes=2)
 PLANNER_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
-SETUP_TIMEOUT = timedelta(seconds=30)
-# Tools run exactly as scheduled: the workflow owns their retries, so each one is a
-# EXECUTING_TOOL -> RETRY_WAIT -> EXECUTING_TOOL hop on the timeline and an unsafe tool is never
-# re-run behind our back.
-TOOL_RETRY = RetryPolicy(maximum_attempts=1)
 # Observations handed back to the planner, newest first, in all (older ones keep only their
 # digest), so planner inputs in history do not grow with the size of tool results.
 PLANNER_CONTEXT_CHARS = 16_000
-# Records per audit_append call: each call's input stays far below the payload limit.
-AUDIT_BATCH = 200
 # A write that reached workers lacking its capability's key this many times in a row fails.
 MAX_BOUNCES = 50
-# audit_append tries a few times in quick succession, then the run shows the error and retries on
-# a timer: 1 s, 2 s, 4 s, ... up to a minute.
-AUDIT_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
-)
-AUDIT_BACKOFF_MAX = 60.0
-# Webhook deliveries are retried with backoff (0.5 s, 1 s, 2 s) and never awaited by the run's
-# progress; a run that ends waits for the ones in flight at most NOTIFY_BUDGET.
-NOTIFY_RETRY = RetryPolicy(
-    maximum_attempts=4, initial_interval=timedelta(seconds=0.5), backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-)
-NOTIFY_ATTEMPT = timedelta(seconds=15)
-NOTIFY_BUDGET = timedelta(seconds=75)
-# The records the published view (memo "tether") carries: the latest ones; the sink has all.
-VIEW_RECORDS = 5
-# Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
-KEY_MISSING_METRIC = "tether_key_missing"
-FORGERY_METRIC = "tether_forgery"
 DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
 
 
@@ -148,7 +106,7 @@ class AgentRun:
             self.data,
             request,
             workflow_id=info.workflow_id,
-            on_record=self._on_record,
+            on_record=lambda record: self.effects.on_record(record),
             # Derived from the run chain and the plan it asks about: a reset asks the same.
             new_request_id=lambda: derived_id("req", self.data.first_run_id, self.data.plan.plan_hash if self.data.plan else "",
                                               str(self.data.lifecycle.state_version)),
@@ -157,30 +115,19 @@ class AgentRun:
         # checks each against the policy (an activity) and acts on it.
         self._inbox: list[tuple[DecisionKind, Decision]] = []
         self._handoff: HandoffRequest | None = None
-        # Records on their way to the audit sink, and the decide updates waiting for a verdict.
-        self._audit: list[TransitionRecord] = []
+        # The decide updates waiting for a verdict.
         self._verdicts: dict[str, DecideResult | None] = {}
-        self._audit_error: str | None = None
         self._updates = 0  # decide Updates this execution took
         self._bounces = 0
         self._first_failure: ToolFailure | None = None  # how the first planner call failed
-        self._notifying = 0  # notify activities in flight
-        self._calls = 0  # activities this execution scheduled: their ids, which attestations bind
         # The carried state bore the workers' seal (or there was none): a run failing on a
         # forged one publishes nothing of it.
         self._verified = False
         self._loops = 0
         # History bytes at which a deferred continue-as-new is due (None: none deferred).
         self._continue_at: int | None = None
-        start_attributes = info.typed_search_attributes
-        self._published: str | None = start_attributes.get(STATE_ATTRIBUTE)
-        # A first run's attribute is what its client set (states.first_published): checked
-        # against the run's state once, at its first publish. A continued run's is our own.
-        self._published_checked = info.continued_run_id is not None
-        self._shown: str | None = None  # the current details last set
-        self._viewed: tuple[Any, ...] | None = None  # what the published view (memo) last said
-        # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
-        self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == request.tenant
+        # The Temporal side: activities, the audit sink, notifications, what the run publishes.
+        self.effects = Effects(self.engine, snapshot=self.snapshot)
 
     def _decode_start(self, args: Sequence[Any], *, continued: bool) -> RunRequest:
         placeholder = RunRequest(goal="(invalid start input)", requested_by="unknown")
@@ -209,7 +156,7 @@ class AgentRun:
     @workflow.run
     async def run(self, *args: Any) -> RunOutcome:
         if self._start_error is not None:
-            if self._published is not None:
+            if self.effects.published is not None:
                 # Listed as it ends (the start said it would plan), like every other failure.
                 workflow.upsert_search_attributes([STATE_ATTRIBUTE.value_set(S.FAILED.value)])
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
@@ -259,15 +206,9 @@ class AgentRun:
             self._handoff = None
         if self._inbox:
             self._flush_inbox(ended=True)
-        self._notify()
-        if self._notifying:
-            # The ending's own event (expired, failed, handed off) and any still being retried:
-            # bounded by their backoff, so a dead webhook never holds the run.
-            try:
-                await workflow.wait_condition(lambda: self._notifying == 0, timeout=NOTIFY_BUDGET, timeout_summary="notifications")
-            except asyncio.TimeoutError:
-                pass
-        await self._checkpoint()
+        self.effects.notify()
+        await self.effects.notified()
+        await self.effects.checkpoint()
         await workflow.wait_condition(workflow.all_handlers_finished)
 
     def _verify_carryover(self) -> None:
@@ -277,22 +218,10 @@ class AgentRun:
         if self._carry_raw is None:
             self._verified = True
             return
-        info = workflow.info()
         generation = self.data.generation + 1
-        with self._keyed():
-            self._seal_check(info, generation)
+        self.effects.check_seal(self.request.carryover_seal, generation, self._carry_raw)
         self.data.generation = generation
         self._verified = True
-
-    def _seal_check(self, info: workflow.Info, generation: int) -> None:
-        if not keys.seal_valid(
-            self._ring(), self.request.carryover_seal, info.workflow_id, info.continued_run_id or "",
-            generation, json_digest(self._carry_raw),
-        ):
-            raise keys.Forgery(keys.forgery_message(
-                "the carried state", info.workflow_id,
-                "it does not bear a seal by this run's previous run: an older or another run's state, or a made-up one",
-            ))
 
     async def _drive(self) -> None:
         data = self.data
@@ -303,7 +232,7 @@ class AgentRun:
             first = await self._first_plan() if self.request.compensate_run is None else None
             setup = first.setup if first is not None else None
             if setup is None:
-                setup = await self._activity("run_setup", self._snapshot_request(), RunSetup, "run setup", show=False)
+                setup = await self.effects.activity("run_setup", self._snapshot_request(), RunSetup, "run setup", show=False)
             data.catalog, data.policy = setup.catalog, setup.policy
         if data.lifecycle.state == S.RECEIVED:
             self._decide(self.engine.received)
@@ -317,7 +246,7 @@ class AgentRun:
         if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:
             # A compensation run: the original's closed record says what its approvals covered
             # (attested by the fleet key: a keyless poller cannot say what gets undone).
-            source = await self._activity(
+            source = await self.effects.activity(
                 "recovery_source",
                 RecoveryRequest(run_id=self.request.compensate_run, tenant=self.request.tenant),
                 RecoverySource,
@@ -380,7 +309,7 @@ class AgentRun:
         try:
             proposal = await self._ask_planner(data.planning_rounds)
         except ActivityError as err:
-            failure = _failure(err)
+            failure = activity_failure(err)
             self._decide(lambda now: self.engine.planner_failed(failure, now))
             return
         await self._planned(proposal)
@@ -388,16 +317,16 @@ class AgentRun:
     async def _first_plan(self) -> Proposal | None:
         """The first planner call, which also brings the run's setup (attested). None: the
         planner failed; the run then takes its setup alone and records the failure."""
-        self._publish(listed_as=S.PLANNING)  # corrects a start that listed the run otherwise
+        self.effects.publish(listed_as=S.PLANNING)  # corrects a start that listed the run otherwise
         try:
             return await self._ask_planner(1, setup=self._snapshot_request())
         except ActivityError as err:
-            self._first_failure = _failure(err)
+            self._first_failure = activity_failure(err)
             return None
 
     async def _ask_planner(self, round: int, *, setup: SnapshotRequest | None = None) -> Proposal:
         data = self.data
-        return await self._activity(
+        return await self.effects.activity(
             "plan",
             PlannerInput(
                 goal=self.request.goal,
@@ -438,14 +367,14 @@ class AgentRun:
         wake, summary = self.engine.next_timer(bool(pending.escalation))
         remaining = (wake - workflow.now()).total_seconds()
         if remaining > 0 and not self._inbox and self._handoff is None:
-            await self._checkpoint()
+            await self.effects.checkpoint()
             try:
                 await workflow.wait_condition(
                     lambda: bool(self._inbox)
                     or self._handoff is not None
                     or self._continue_wanted()
                     # A refusal recorded while waiting goes to the sink now, not at the next step.
-                    or bool(self._audit)
+                    or bool(self.effects.audit)
                     or self._updates_exhausted(),
                     timeout=timedelta(seconds=remaining),
                     timeout_summary=summary,
@@ -458,7 +387,7 @@ class AgentRun:
             # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
             # (a cancel, a failure) still answers it (_finish).
             kind, decision = self._inbox[0]
-            verdict = await self._activity(
+            verdict = await self.effects.activity(
                 "policy_check_decision",
                 DecisionCheck(
                     tenant=self.request.tenant,
@@ -489,7 +418,7 @@ class AgentRun:
         check = self.engine.authority_check(from_step=from_step)
         if check is None:
             return None
-        return await self._activity("policy_check_authority", check, Verdict, "policy re-check before writes")
+        return await self.effects.activity("policy_check_authority", check, Verdict, "policy re-check before writes")
 
     async def _execute_step(self) -> None:
         step = self.engine.current_step()
@@ -515,7 +444,7 @@ class AgentRun:
             check = self.engine.authority_check(from_step=self.data.next_step)
             verdict = None
             if check is not None:
-                verdict = await self._activity(
+                verdict = await self.effects.activity(
                     "policy_check_authority", check.model_copy(update={"call": call}), Verdict,
                     "policy re-check before this write",
                 )
@@ -523,71 +452,35 @@ class AgentRun:
                 refusal = _refusal(verdict) or Refusal(rule="capability_invalid", message="no re-check for this write")
                 self._decide(lambda now: self.engine.write_refused(refusal, now))
                 return
-            wf = workflow.info()
-            call = call.model_copy(update={"capability": keys.mint(
-                self._ring(), call, workflow_id=wf.workflow_id, run_id=wf.run_id, activity_id=activity_id,
-                request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
-                ttl_seconds=timeouts.start_to_close,
-            )})
-            await self._checkpoint(rest=False)  # the record of the approval is in the sink before a write
+            call = self.effects.mint(call, activity_id, check, ttl_seconds=timeouts.start_to_close)
+            await self.effects.checkpoint(rest=False)  # the record of the approval is in the sink before a write
         else:
-            self._show()  # a read is no place the run rests: the sink gets its records later
-        handle = workflow.start_activity(
-            "execute_tool",
-            call,
-            activity_id=activity_id,
-            result_type=ToolOutcome,
-            # The tool's deadline is its declared timeout; the grace period on top lets the
-            # activity report a tool that overran instead of leaving the attempt in doubt.
-            start_to_close_timeout=timedelta(seconds=timeouts.start_to_close),
-            # A dead worker is noticed within seconds, and a cancel reaches the tool.
-            heartbeat_timeout=timedelta(seconds=timeouts.heartbeat),
-            # A cancel waits until the attempt has ended, so its outcome is known.
-            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-            retry_policy=TOOL_RETRY,
-            # The Web UI's line for the call: a write names its effect class, a read only itself.
-            summary=f"{step.tool} · " + ("" if not writes else f"{info.effect.value} · ")
-            + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
-        )
-        outcome: ToolOutcome | None = None
+            self.effects.show()  # a read is no place the run rests: the sink gets its records later
         try:
-            try:
-                # Shielded: the run's cancellation is handled below, not by losing the handle.
-                outcome = await asyncio.shield(handle)
-            except asyncio.CancelledError:
-                failure: ToolFailure | None = None
-                # The attempt may have ended in the very workflow task the cancel came in: let
-                # its handle take that result first (the SDK drops the result of a handle
-                # cancelled after its result arrived).
-                await asyncio.sleep(0)
-                if not handle.done():
-                    handle.cancel()
-                try:
-                    outcome = await handle
-                except ActivityError as err:
-                    failure = _failure(err)
-                    self._log_failure(call.tool_call_id, failure)
-                except asyncio.CancelledError:
-                    # Its result was dropped after all: what the attempt did is not known.
-                    failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
-                if outcome is not None and writes:
-                    self._check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
-                self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome, failure))
-                raise
+            outcome = await self.effects.tool(
+                call,
+                activity_id=activity_id,
+                start_to_close=timeouts.start_to_close,
+                heartbeat=timeouts.heartbeat,
+                # The Web UI's line for the call: a write names its effect class, a read only itself.
+                summary=f"{step.tool} · " + ("" if not writes else f"{info.effect.value} · ")
+                + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
+                settled=lambda outcome, failure: self._decide(lambda now: self.engine.tool_settled_on_cancel(outcome, failure)),
+            )
         except ActivityError as err:
-            failure = _failure(err)
-            self._log_failure(call.tool_call_id, failure)
+            failure = activity_failure(err)
+            log_failure(call.tool_call_id, failure)
             if activity_id and failure.code in (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED) and self._bounces < MAX_BOUNCES:
                 # The tool was not called: schedule the attempt again, fresh capability, soon.
                 self._bounces += 1
                 self.engine.capability_bounced(failure)
-                await self._checkpoint()
+                await self.effects.checkpoint()
                 await workflow.sleep(timedelta(seconds=1), summary="write scheduled again (capability)")
                 return
             delay = self._decide(lambda now: self.engine.tool_failed(failure, now))
             if delay is None:
                 return
-            await self._checkpoint()
+            await self.effects.checkpoint()
             try:
                 await workflow.wait_condition(
                     lambda: self._handoff is not None,
@@ -598,16 +491,8 @@ class AgentRun:
                 pass
             self._decide(self.engine.retry)
             return
-        if writes:
-            # What a write did decides what gets undone: only the fleet's tool worker says so.
-            self._check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
         self._bounces = 0
         self._decide(lambda now: self.engine.tool_succeeded(outcome, now))
-
-    def _log_failure(self, tool_call_id: str, failure: ToolFailure) -> None:
-        # The error's text stays in the worker log: it may quote arguments, so the timeline and
-        # last_error only name its code.
-        workflow.logger.warning("tool call %s failed [%s]: %s", tool_call_id, failure.code, failure.message)
 
     # ------------------------------------------------------------------ signals and queries
     #
@@ -772,8 +657,8 @@ class AgentRun:
             refusals=data.lifecycle.refusals,
             timeline_records=data.lifecycle.records,
             compensations=data.compensations,
-            audit_waiting=len(self._audit),
-            audit_error=self._audit_error,
+            audit_waiting=len(self.effects.audit),
+            audit_error=self.effects.audit_error,
             updates=self._updates,
             tools=self._plan_tools(),
             revisions=data.revisions,
@@ -858,90 +743,11 @@ class AgentRun:
             # Non-retryable: a bare exception would only fail the task and retry forever.
             raise ApplicationError(str(e), type=type(e).__name__, non_retryable=True) from None
 
-    def _on_record(self, record: TransitionRecord) -> None:
-        self._audit.append(record)
-        if record.kind == "refused":
-            run_metrics.on_refusal(record)
-        elif record.kind == "transition":
-            run_metrics.on_transition(self.data.lifecycle, record)
-
-    def _ring(self) -> keys.KeyRing:
-        return keys.worker_ring(workflow.extern_functions)
-
     def _ids(self, basis: str) -> Callable[[int], str]:
         """Tool call ids (and so idempotency keys) from the run chain and the decision that made
         the plan: a reset or a replay makes the same ones, another run never does."""
         first = self.data.first_run_id
         return lambda n: f"tc-{n:03d}-{derived_digest('tc', first, basis, str(n))[:12]}"
-
-    def _check(self, activity_id: str, kind: str, request: BaseModel | str, result: BaseModel) -> None:
-        """An activity's answer bears the fleet key's MAC over exactly this request and answer
-        (workflow code; replay included), or the workflow task fails naming it."""
-        with self._keyed():
-            keys.check_attested(self._ring(), kind, workflow.info().workflow_id, activity_id, request, result)
-
-    @contextmanager
-    def _keyed(self) -> Iterator[None]:
-        """A key id this worker lacks, or a forgery, fails the workflow task: said in the worker's
-        log and counted (tether_key_missing, tether_forgery) before the task fails."""
-        try:
-            yield
-        except keys.KeyMissing as e:
-            workflow.logger.warning("%s", e)  # (the workflow logger and meter skip replays)
-            workflow.metric_meter().create_counter(
-                KEY_MISSING_METRIC, "Seals, capabilities and attestations naming a key id this worker lacks", "1"
-            ).add(1, {"key_id": e.key_id[:32], "what": "workflow"})
-            raise
-        except keys.Forgery as e:
-            workflow.logger.error("%s", e)
-            workflow.metric_meter().create_counter(
-                FORGERY_METRIC, "Answers and carried state a worker without the fleet key wrote", "1"
-            ).add(1)
-            raise
-
-    async def _activity(
-        self,
-        name: str,
-        arg: Any,
-        result_type: type[T],
-        summary: str,
-        *,
-        timeout: timedelta = SETUP_TIMEOUT,
-        retry: RetryPolicy | None = None,
-        attested: bool = True,
-        show: bool = True,
-    ) -> T:
-        """One activity (never a local one: sdk-core hands a local activity's result over at a
-        different point live and on replay when a query is answered meanwhile, and signals that
-        came in between then land on another side of it). ``attested``: its answer carries the
-        fleet key's MAC, checked before the run uses it. ``show``: publish the state first (not
-        while RECEIVED: a start lists the run as the state its first task moves it to)."""
-        if show:
-            self._show()
-        self._calls += 1
-        # Ours, not the SDK's sequence number, so the attestation can bind it.
-        activity_id = f"{name}.{self._calls}"
-        # What was asked, as it was sent (the run may change a model it holds meanwhile).
-        asked = keys.digest(arg) if attested else ""
-        try:
-            result = await workflow.execute_activity(
-                name,
-                arg,
-                activity_id=activity_id,
-                result_type=result_type,
-                start_to_close_timeout=timeout,
-                retry_policy=retry,
-                summary=summary or None,
-            )
-        except ActivityError as err:
-            # An activity the run's own cancellation cancelled: the run is being cancelled, not
-            # failing (this surfaces as ActivityError when the activity had not started yet).
-            if isinstance(err.cause, CancelledError):
-                raise asyncio.CancelledError() from err
-            raise
-        if attested:
-            self._check(activity_id, name, asked, result)
-        return result
 
     def _snapshot_request(self) -> SnapshotRequest:
         return self.engine.snapshot_request(workflow.info().workflow_id, workflow.info().start_time)
@@ -952,7 +758,7 @@ class AgentRun:
         request = self._handoff
         if request is None or not self.engine.can_take_handoff():
             return False
-        verdict = await self._activity(
+        verdict = await self.effects.activity(
             "policy_check_handoff",
             HandoffCheck(
                 tenant=self.request.tenant,
@@ -981,90 +787,9 @@ class AgentRun:
         """Near Temporal's per-run Update limit, with no Update in flight: time to continue."""
         return self._updates >= UPDATES_CONTINUE_AT and workflow.all_handlers_finished()
 
-    async def _flush_audit(self) -> None:
-        """Every record written so far, to the audit sink, in order (keyed by workflow id, run id
-        and seq: a retry never writes one twice). While the sink fails, the run says so and
-        retries on a backoff timer; nothing else starts until every record is in."""
-        info = workflow.info()
-        failures = 0
-        while self._audit:
-            batch = self._audit[:AUDIT_BATCH]
-            try:
-                await self._activity(
-                    "audit_append",
-                    AuditBatch(
-                        workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
-                        run_id=info.run_id, continued_from=info.continued_run_id,
-                    ),
-                    AuditAck,
-                    f"audit · {len(batch)} record(s)",
-                    retry=AUDIT_RETRY,
-                    attested=False,  # what it answers decides nothing
-                )
-            except ActivityError as err:
-                failures += 1
-                delay = min(2.0 ** (failures - 1), AUDIT_BACKOFF_MAX)
-                failure = err.cause
-                cause = failure.message if isinstance(failure, ApplicationError) else str(failure or err)
-                self._audit_error = clip(
-                    f"audit sink failing, {len(self._audit)} record(s) from seq {batch[0].seq} not written "
-                    f"(attempt {failures}, next in {delay:g}s): {cause}",
-                    600,
-                )
-                workflow.logger.warning("%s", self._audit_error)
-                self._publish()
-                self._publish_view()  # the backoff is a rest: Tether's views say the sink fails
-                await workflow.sleep(timedelta(seconds=delay), summary="audit sink retry")
-                continue
-            del self._audit[: len(batch)]
-        if self._audit_error is not None:
-            workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
-            self._audit_error = None
-
-    async def _checkpoint(self, *, rest: bool = True) -> None:
-        """Before a write, and where the run rests (a wait, a timer, continue-as-new, the end):
-        the audit sink has every record, people who take an event are being told, the state is
-        visible; where it rests (``rest``), the view Tether's own tools read without a worker is
-        published too."""
-        await self._flush_audit()
-        self._show()
-        if rest:
-            self._publish_view()
-
-    def _show(self) -> None:
-        """Before the run awaits anything: people who take an event are being told, and the
-        state is visible."""
-        self._notify()
-        self._publish()
-
-    def _notify(self) -> None:
-        """Start a notify activity per event the policy has webhooks for; the run goes on."""
-        for note in self.engine.take_notifications(workflow.info().namespace):
-            self._notifying += 1
-            asyncio.create_task(self._deliver(note))
-
-    async def _deliver(self, note: Notification) -> None:
-        try:
-            result = await workflow.execute_activity(
-                "notify",
-                note.model_copy(update={"max_attempts": NOTIFY_RETRY.maximum_attempts}),
-                result_type=NotificationResult,
-                start_to_close_timeout=NOTIFY_ATTEMPT,
-                retry_policy=NOTIFY_RETRY,
-                summary=f"notify · {note.event} · {', '.join(note.webhooks)[:100]}",
-            )
-        except ActivityError as err:
-            result = NotificationResult(dead={name: _failure(err).code for name in note.webhooks})
-        except asyncio.CancelledError:
-            self._notifying -= 1
-            return  # the run is being cancelled: its own end is on the record
-        self._notifying -= 1
-        run_metrics.on_notification(note.event, len(result.delivered), len(result.dead))
-        self.engine.notification_done(note, result, workflow.now())
-
     def _quiet(self) -> bool:
         """Nothing accepted but not yet acted on, and nothing in flight that continuing would lose."""
-        return not self._inbox and self._handoff is None and not self._notifying and workflow.all_handlers_finished()
+        return not self._inbox and self._handoff is None and not self.effects.notifying and workflow.all_handlers_finished()
 
     async def _maybe_continue_as_new(self) -> None:
         data = self.data
@@ -1090,7 +815,7 @@ class AgentRun:
         # Every record to the sink and the view published first; then nothing is awaited until
         # the run continues, so the state sealed is the state carried (signals that come in
         # meanwhile wait for the next loop).
-        await self._checkpoint()
+        await self.effects.checkpoint()
         if not self._quiet():
             return  # a decision or handoff came in meanwhile: act on it first
         self.engine.fold_for_carry()  # the next run gets the latest steps and records
@@ -1105,20 +830,7 @@ class AgentRun:
                 type="carry_budget",
                 non_retryable=True,
             )
-        info = workflow.info()
-        # The seal binds the state to this run and to the generation it hands on: computed by
-        # the workflow code with the fleet key, right before continuing, every time.
-        state = data.model_dump(mode="json")
-        sealed = keys.seal(self._ring(), info.workflow_id, info.run_id, data.generation + 1, json_digest(state))
-        workflow.continue_as_new(
-            self.request.model_copy(update={"carryover": data, "carryover_seal": sealed}),
-            search_attributes=TypedSearchAttributes(
-                [
-                    SearchAttributePair(STATE_ATTRIBUTE, data.lifecycle.state.value),
-                    SearchAttributePair(TENANT_ATTRIBUTE, self.request.tenant),
-                ]
-            ),
-        )
+        self.effects.continue_as_new()
 
     def _continue_wanted(self) -> bool:
         """The server suggests continue-as-new, and the run has not put it off (or its history
@@ -1128,51 +840,6 @@ class AgentRun:
             history_bytes=info.get_current_history_size(),
             history_events=info.get_current_history_length(),
             deferred_to=self._continue_at,
-        )
-
-    def _publish(self, listed_as: RunState | None = None) -> None:
-        """Make the state visible before the workflow waits.
-
-        Called before every await rather than on every move: states the run passes through
-        inside one workflow task are never observable, and each upsert costs a history event.
-        ``listed_as``: list the run as this state instead (RECEIVED while its first planner call
-        runs is listed as PLANNING, states.first_published).
-        """
-        state = listed_as or self.data.lifecycle.state
-        checked, self._published_checked = self._published_checked, True
-        if state.value != self._published and (not checked or to_publish(self._published, state)):
-            updates = [STATE_ATTRIBUTE.value_set(state.value)]
-            if not self._tenant_published:
-                updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))
-                self._tenant_published = True
-            workflow.upsert_search_attributes(updates)
-            self._published = state.value
-        details = clip(self._details(), DETAILS_CHARS)
-        if details != self._shown:
-            workflow.set_current_details(details)
-            self._shown = details
-
-    def _publish_view(self) -> None:
-        """Where the run rests: the view ``tether status``/``list``/``timeline`` and the inbox read
-        with no worker running (memo ``tether``), when it says something new."""
-        data = self.data
-        # Not on every refused decision (a flood would write a view each): the sink has those.
-        key = (data.lifecycle.state_version, len(data.approved_by), self._audit_error,
-               data.pending_approval.request_id if data.pending_approval else None)
-        if key == self._viewed:
-            return
-        self._viewed = key
-        view = RunView(
-            snapshot=self.snapshot(),
-            timeline=data.lifecycle.timeline[-VIEW_RECORDS:],
-            published_at=workflow.now(),
-        )
-        workflow.upsert_memo({VIEW_MEMO: view})
-
-    def _details(self) -> str:
-        return run_details(
-            self.data, self.request, workflow_id=workflow.info().workflow_id,
-            continued=bool(workflow.info().continued_run_id), audit_error=self._audit_error,
         )
 
 
@@ -1202,26 +869,3 @@ def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:
         room = room - len(done.observation) if fits else 0
         context.append(done if fits else done.model_copy(update={"observation": ""}))
     return list(reversed(context))
-
-
-def _failure(err: ActivityError) -> ToolFailure:
-    """What a failed activity tells the engine: code, message, permanent?, suggested delay,
-    and whether the attempt is known to be over."""
-    cause = err.cause
-    if isinstance(cause, ApplicationError):
-        delay = cause.next_retry_delay.total_seconds() if cause.next_retry_delay else None
-        code = cause.type or "error"
-        return ToolFailure(
-            code, cause.message, cause.non_retryable, delay, still_running=code == ATTEMPT_STILL_RUNNING
-        )
-    if isinstance(cause, TimeoutError):
-        # start_to_close: the deadline plus the grace period passed; heartbeat: the worker is
-        # gone. Either way the attempt is over, its outcome unknown.
-        code = f"timeout_{cause.type.name.lower()}" if cause.type else "timeout"
-        return ToolFailure(code, "no result in time (timeout or worker crash): outcome unknown", False)
-    if isinstance(cause, CancelledError):
-        # The server cancels an attempt no worker had started; a started one reports how its
-        # tool ended (activities/tools.py), so a cancel of a started one is not expected.
-        started = bool(err.started_event_id)
-        return ToolFailure("cancelled", "activity cancelled", False, started=started)
-    return ToolFailure(type(cause).__name__ if cause else "error", str(cause or err), False)

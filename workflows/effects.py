@@ -1,0 +1,455 @@
+"""The Temporal side of a run: what the engine's decisions turn into. Activities (their ids,
+options and the fleet key's attestation of their answers), a tool call (shielded from the run's
+cancel, which then waits for the attempt to end), the audit sink (in order, on a backoff timer
+while it fails), webhook notifications (never awaited by the run's progress), what the run
+publishes (search attributes, details, the view memo) and continue-as-new (the seal over the
+carried state).
+
+Decisions are not made here: what to call, with what, and what an answer means is the engine's
+(``workflows/engine.py``); this module only carries it out, in the order it is asked to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
+from temporalio.workflow import ActivityCancellationType
+
+from workflows import keys
+from workflows import metrics as run_metrics
+from workflows.budgets import DETAILS_CHARS, clip
+from workflows.contract import json_digest
+from workflows.details import run_details
+from workflows.engine import Engine
+from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
+from workflows.run_model import ToolFailure
+from workflows.run_state import RunSnapshot, RunView
+from workflows.states import RunState, TransitionRecord, to_publish
+from workflows.wire import (
+    ATTEMPT_STILL_RUNNING,
+    AuditAck,
+    AuthorityCheck,
+    AuditBatch,
+    Notification,
+    NotificationResult,
+    ToolCall,
+    ToolOutcome,
+)
+
+T = TypeVar("T")
+
+SETUP_TIMEOUT = timedelta(seconds=30)
+# Tools run exactly as scheduled: the workflow owns their retries, so each one is a
+# EXECUTING_TOOL -> RETRY_WAIT -> EXECUTING_TOOL hop on the timeline and an unsafe tool is never
+# re-run behind our back.
+TOOL_RETRY = RetryPolicy(maximum_attempts=1)
+# Records per audit_append call: each call's input stays far below the payload limit.
+AUDIT_BATCH = 200
+# audit_append tries a few times in quick succession, then the run shows the error and retries on
+# a timer: 1 s, 2 s, 4 s, ... up to a minute.
+AUDIT_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
+)
+AUDIT_BACKOFF_MAX = 60.0
+# Webhook deliveries are retried with backoff (0.5 s, 1 s, 2 s) and never awaited by the run's
+# progress; a run that ends waits for the ones in flight at most NOTIFY_BUDGET.
+NOTIFY_RETRY = RetryPolicy(
+    maximum_attempts=4, initial_interval=timedelta(seconds=0.5), backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+)
+NOTIFY_ATTEMPT = timedelta(seconds=15)
+NOTIFY_BUDGET = timedelta(seconds=75)
+# The records the published view (memo "tether") carries: the latest ones; the sink has all.
+VIEW_RECORDS = 5
+# Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
+KEY_MISSING_METRIC = "tether_key_missing"
+FORGERY_METRIC = "tether_forgery"
+
+
+class Effects:
+    """One run's Temporal calls, and what they need to remember between them: the activities
+    scheduled (their ids), the records not yet in the audit sink, the notifications in flight
+    and what the run last published."""
+
+    def __init__(self, engine: Engine, *, snapshot: Callable[[], RunSnapshot]) -> None:
+        info = workflow.info()
+        self.engine = engine
+        self.data = engine.data
+        self.request = engine.request
+        self.snapshot = snapshot  # the snapshot query's answer, for the published view
+        # Records on their way to the audit sink.
+        self.audit: list[TransitionRecord] = []
+        self.audit_error: str | None = None
+        self.notifying = 0  # notify activities in flight
+        self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
+        start_attributes = info.typed_search_attributes
+        self.published: str | None = start_attributes.get(STATE_ATTRIBUTE)
+        # A first run's attribute is what its client set (states.first_published): checked
+        # against the run's state once, at its first publish. A continued run's is our own.
+        self._published_checked = info.continued_run_id is not None
+        self._shown: str | None = None  # the current details last set
+        self._viewed: tuple[Any, ...] | None = None  # what the published view (memo) last said
+        # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
+        self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == self.request.tenant
+
+    def on_record(self, record: TransitionRecord) -> None:
+        self.audit.append(record)
+        if record.kind == "refused":
+            run_metrics.on_refusal(record)
+        elif record.kind == "transition":
+            run_metrics.on_transition(self.data.lifecycle, record)
+
+    # ------------------------------------------------------------------ keys
+
+    def ring(self) -> keys.KeyRing:
+        return keys.worker_ring(workflow.extern_functions)
+
+    def check(self, activity_id: str, kind: str, request: BaseModel | str, result: BaseModel) -> None:
+        """An activity's answer bears the fleet key's MAC over exactly this request and answer
+        (workflow code; replay included), or the workflow task fails naming it."""
+        with self.keyed():
+            keys.check_attested(self.ring(), kind, workflow.info().workflow_id, activity_id, request, result)
+
+    def check_seal(self, seal: str | None, generation: int, carried: Any) -> None:
+        """Carried state only from this run's own previous run: its seal names the run the server
+        says this one continued from and the next generation. Anything else is a forgery."""
+        info = workflow.info()
+        with self.keyed():
+            if not keys.seal_valid(
+                self.ring(), seal, info.workflow_id, info.continued_run_id or "", generation, json_digest(carried),
+            ):
+                raise keys.Forgery(keys.forgery_message(
+                    "the carried state", info.workflow_id,
+                    "it does not bear a seal by this run's previous run: an older or another run's state, or a made-up one",
+                ))
+
+    @contextmanager
+    def keyed(self) -> Iterator[None]:
+        """A key id this worker lacks, or a forgery, fails the workflow task: said in the worker's
+        log and counted (tether_key_missing, tether_forgery) before the task fails."""
+        try:
+            yield
+        except keys.KeyMissing as e:
+            workflow.logger.warning("%s", e)  # (the workflow logger and meter skip replays)
+            workflow.metric_meter().create_counter(
+                KEY_MISSING_METRIC, "Seals, capabilities and attestations naming a key id this worker lacks", "1"
+            ).add(1, {"key_id": e.key_id[:32], "what": "workflow"})
+            raise
+        except keys.Forgery as e:
+            workflow.logger.error("%s", e)
+            workflow.metric_meter().create_counter(
+                FORGERY_METRIC, "Answers and carried state a worker without the fleet key wrote", "1"
+            ).add(1)
+            raise
+
+    def mint(self, call: ToolCall, activity_id: str, check: AuthorityCheck, *, ttl_seconds: float) -> ToolCall:
+        """The write attempt's capability for exactly this call, minted with the fleet key once
+        the keyed re-check under the current file allowed it: nothing else can make a tool write."""
+        wf = workflow.info()
+        return call.model_copy(update={"capability": keys.mint(
+            self.ring(), call, workflow_id=wf.workflow_id, run_id=wf.run_id, activity_id=activity_id,
+            request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
+            ttl_seconds=ttl_seconds,
+        )})
+
+    # ------------------------------------------------------------------ activities
+
+    async def activity(
+        self,
+        name: str,
+        arg: Any,
+        result_type: type[T],
+        summary: str,
+        *,
+        timeout: timedelta = SETUP_TIMEOUT,
+        retry: RetryPolicy | None = None,
+        attested: bool = True,
+        show: bool = True,
+    ) -> T:
+        """One activity (never a local one: sdk-core hands a local activity's result over at a
+        different point live and on replay when a query is answered meanwhile, and signals that
+        came in between then land on another side of it). ``attested``: its answer carries the
+        fleet key's MAC, checked before the run uses it. ``show``: publish the state first (not
+        while RECEIVED: a start lists the run as the state its first task moves it to)."""
+        if show:
+            self.show()
+        self.calls += 1
+        # Ours, not the SDK's sequence number, so the attestation can bind it.
+        activity_id = f"{name}.{self.calls}"
+        # What was asked, as it was sent (the run may change a model it holds meanwhile).
+        asked = keys.digest(arg) if attested else ""
+        try:
+            result = await workflow.execute_activity(
+                name,
+                arg,
+                activity_id=activity_id,
+                result_type=result_type,
+                start_to_close_timeout=timeout,
+                retry_policy=retry,
+                summary=summary or None,
+            )
+        except ActivityError as err:
+            # An activity the run's own cancellation cancelled: the run is being cancelled, not
+            # failing (this surfaces as ActivityError when the activity had not started yet).
+            if isinstance(err.cause, CancelledError):
+                raise asyncio.CancelledError() from err
+            raise
+        if attested:
+            self.check(activity_id, name, asked, result)
+        return result
+
+    async def tool(
+        self,
+        call: ToolCall,
+        *,
+        activity_id: str | None,
+        start_to_close: float,
+        heartbeat: float,
+        summary: str,
+        settled: Callable[[ToolOutcome | None, ToolFailure | None], None],
+    ) -> ToolOutcome:
+        """One ``execute_tool`` attempt. A write's (``activity_id`` given) answer is attested.
+        The run's cancel is not let to lose the attempt: it is cancelled and waited for, what it
+        did goes to ``settled``, and the cancel goes on. A failure raises ActivityError."""
+        writes = activity_id is not None
+        handle = workflow.start_activity(
+            "execute_tool",
+            call,
+            activity_id=activity_id,
+            result_type=ToolOutcome,
+            # The tool's deadline is its declared timeout; the grace period on top lets the
+            # activity report a tool that overran instead of leaving the attempt in doubt.
+            start_to_close_timeout=timedelta(seconds=start_to_close),
+            # A dead worker is noticed within seconds, and a cancel reaches the tool.
+            heartbeat_timeout=timedelta(seconds=heartbeat),
+            # A cancel waits until the attempt has ended, so its outcome is known.
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            retry_policy=TOOL_RETRY,
+            summary=summary,
+        )
+        outcome: ToolOutcome | None = None
+        try:
+            # Shielded: the run's cancellation is handled below, not by losing the handle.
+            outcome = await asyncio.shield(handle)
+        except asyncio.CancelledError:
+            failure: ToolFailure | None = None
+            # The attempt may have ended in the very workflow task the cancel came in: let
+            # its handle take that result first (the SDK drops the result of a handle
+            # cancelled after its result arrived).
+            await asyncio.sleep(0)
+            if not handle.done():
+                handle.cancel()
+            try:
+                outcome = await handle
+            except ActivityError as err:
+                failure = activity_failure(err)
+                log_failure(call.tool_call_id, failure)
+            except asyncio.CancelledError:
+                # Its result was dropped after all: what the attempt did is not known.
+                failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
+            if outcome is not None and writes:
+                self.check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
+            settled(outcome, failure)
+            raise
+        if writes:
+            # What a write did decides what gets undone: only the fleet's tool worker says so.
+            self.check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
+        return outcome
+
+    # ------------------------------------------------------------------ the audit sink
+
+    async def flush_audit(self) -> None:
+        """Every record written so far, to the audit sink, in order (keyed by workflow id, run id
+        and seq: a retry never writes one twice). While the sink fails, the run says so and
+        retries on a backoff timer; nothing else starts until every record is in."""
+        info = workflow.info()
+        failures = 0
+        while self.audit:
+            batch = self.audit[:AUDIT_BATCH]
+            try:
+                await self.activity(
+                    "audit_append",
+                    AuditBatch(
+                        workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
+                        run_id=info.run_id, continued_from=info.continued_run_id,
+                    ),
+                    AuditAck,
+                    f"audit · {len(batch)} record(s)",
+                    retry=AUDIT_RETRY,
+                    attested=False,  # what it answers decides nothing
+                )
+            except ActivityError as err:
+                failures += 1
+                delay = min(2.0 ** (failures - 1), AUDIT_BACKOFF_MAX)
+                failure = err.cause
+                cause = failure.message if isinstance(failure, ApplicationError) else str(failure or err)
+                self.audit_error = clip(
+                    f"audit sink failing, {len(self.audit)} record(s) from seq {batch[0].seq} not written "
+                    f"(attempt {failures}, next in {delay:g}s): {cause}",
+                    600,
+                )
+                workflow.logger.warning("%s", self.audit_error)
+                self.publish()
+                self.publish_view()  # the backoff is a rest: Tether's views say the sink fails
+                await workflow.sleep(timedelta(seconds=delay), summary="audit sink retry")
+                continue
+            del self.audit[: len(batch)]
+        if self.audit_error is not None:
+            workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
+            self.audit_error = None
+
+    async def checkpoint(self, *, rest: bool = True) -> None:
+        """Before a write, and where the run rests (a wait, a timer, continue-as-new, the end):
+        the audit sink has every record, people who take an event are being told, the state is
+        visible; where it rests (``rest``), the view Tether's own tools read without a worker is
+        published too."""
+        await self.flush_audit()
+        self.show()
+        if rest:
+            self.publish_view()
+
+    # ------------------------------------------------------------------ notifications
+
+    def show(self) -> None:
+        """Before the run awaits anything: people who take an event are being told, and the
+        state is visible."""
+        self.notify()
+        self.publish()
+
+    def notify(self) -> None:
+        """Start a notify activity per event the policy has webhooks for; the run goes on."""
+        for note in self.engine.take_notifications(workflow.info().namespace):
+            self.notifying += 1
+            asyncio.create_task(self._deliver(note))
+
+    async def _deliver(self, note: Notification) -> None:
+        try:
+            result = await workflow.execute_activity(
+                "notify",
+                note.model_copy(update={"max_attempts": NOTIFY_RETRY.maximum_attempts}),
+                result_type=NotificationResult,
+                start_to_close_timeout=NOTIFY_ATTEMPT,
+                retry_policy=NOTIFY_RETRY,
+                summary=f"notify · {note.event} · {', '.join(note.webhooks)[:100]}",
+            )
+        except ActivityError as err:
+            result = NotificationResult(dead={name: activity_failure(err).code for name in note.webhooks})
+        except asyncio.CancelledError:
+            self.notifying -= 1
+            return  # the run is being cancelled: its own end is on the record
+        self.notifying -= 1
+        run_metrics.on_notification(note.event, len(result.delivered), len(result.dead))
+        self.engine.notification_done(note, result, workflow.now())
+
+    async def notified(self) -> None:
+        """The ending's own event (expired, failed, handed off) and any still being retried:
+        bounded by their backoff, so a dead webhook never holds the run."""
+        if self.notifying:
+            try:
+                await workflow.wait_condition(lambda: self.notifying == 0, timeout=NOTIFY_BUDGET, timeout_summary="notifications")
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, listed_as: RunState | None = None) -> None:
+        """Make the state visible before the workflow waits.
+
+        Called before every await rather than on every move: states the run passes through
+        inside one workflow task are never observable, and each upsert costs a history event.
+        ``listed_as``: list the run as this state instead (RECEIVED while its first planner call
+        runs is listed as PLANNING, states.first_published).
+        """
+        state = listed_as or self.data.lifecycle.state
+        checked, self._published_checked = self._published_checked, True
+        if state.value != self.published and (not checked or to_publish(self.published, state)):
+            updates = [STATE_ATTRIBUTE.value_set(state.value)]
+            if not self._tenant_published:
+                updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))
+                self._tenant_published = True
+            workflow.upsert_search_attributes(updates)
+            self.published = state.value
+        details = clip(self._details(), DETAILS_CHARS)
+        if details != self._shown:
+            workflow.set_current_details(details)
+            self._shown = details
+
+    def publish_view(self) -> None:
+        """Where the run rests: the view ``tether status``/``list``/``timeline`` and the inbox read
+        with no worker running (memo ``tether``), when it says something new."""
+        data = self.data
+        # Not on every refused decision (a flood would write a view each): the sink has those.
+        key = (data.lifecycle.state_version, len(data.approved_by), self.audit_error,
+               data.pending_approval.request_id if data.pending_approval else None)
+        if key == self._viewed:
+            return
+        self._viewed = key
+        view = RunView(
+            snapshot=self.snapshot(),
+            timeline=data.lifecycle.timeline[-VIEW_RECORDS:],
+            published_at=workflow.now(),
+        )
+        workflow.upsert_memo({VIEW_MEMO: view})
+
+    def _details(self) -> str:
+        return run_details(
+            self.data, self.request, workflow_id=workflow.info().workflow_id,
+            continued=bool(workflow.info().continued_run_id), audit_error=self.audit_error,
+        )
+
+    # ------------------------------------------------------------------ continue-as-new
+
+    def continue_as_new(self) -> None:
+        """Continue as new with the run's (folded) state, sealed: the seal binds the state to this
+        run and to the generation it hands on, computed by the workflow code with the fleet key,
+        right before continuing, every time."""
+        data = self.data
+        info = workflow.info()
+        state = data.model_dump(mode="json")
+        sealed = keys.seal(self.ring(), info.workflow_id, info.run_id, data.generation + 1, json_digest(state))
+        workflow.continue_as_new(
+            self.request.model_copy(update={"carryover": data, "carryover_seal": sealed}),
+            search_attributes=TypedSearchAttributes(
+                [
+                    SearchAttributePair(STATE_ATTRIBUTE, data.lifecycle.state.value),
+                    SearchAttributePair(TENANT_ATTRIBUTE, self.request.tenant),
+                ]
+            ),
+        )
+
+
+def log_failure(tool_call_id: str, failure: ToolFailure) -> None:
+    # The error's text stays in the worker log: it may quote arguments, so the timeline and
+    # last_error only name its code.
+    workflow.logger.warning("tool call %s failed [%s]: %s", tool_call_id, failure.code, failure.message)
+
+
+def activity_failure(err: ActivityError) -> ToolFailure:
+    """What a failed activity tells the engine: code, message, permanent?, suggested delay,
+    and whether the attempt is known to be over."""
+    cause = err.cause
+    if isinstance(cause, ApplicationError):
+        delay = cause.next_retry_delay.total_seconds() if cause.next_retry_delay else None
+        code = cause.type or "error"
+        return ToolFailure(
+            code, cause.message, cause.non_retryable, delay, still_running=code == ATTEMPT_STILL_RUNNING
+        )
+    if isinstance(cause, TimeoutError):
+        # start_to_close: the deadline plus the grace period passed; heartbeat: the worker is
+        # gone. Either way the attempt is over, its outcome unknown.
+        code = f"timeout_{cause.type.name.lower()}" if cause.type else "timeout"
+        return ToolFailure(code, "no result in time (timeout or worker crash): outcome unknown", False)
+    if isinstance(cause, CancelledError):
+        # The server cancels an attempt no worker had started; a started one reports how its
+        # tool ended (activities/tools.py), so a cancel of a started one is not expected.
+        started = bool(err.started_event_id)
+        return ToolFailure("cancelled", "activity cancelled", False, started=started)
+    return ToolFailure(type(cause).__name__ if cause else "error", str(cause or err), False)
