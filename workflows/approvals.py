@@ -4,20 +4,21 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
-import hashlib
 
 from workflows import policy
+from workflows import revision as revisions
 from workflows.budgets import DECISIONS_WINDOW, PROPOSAL_BYTES, REASON_CHARS, REVISIONS_KEPT, clip
-from workflows.contract import AcceptedApproval, ApprovalDecision, NotApproved, Revision, RevisionRequest
+from workflows.commands import Call, Checkpoint, Wait
+from workflows.contract import AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Revision, RevisionRequest
 from workflows.identity import same_person
 from workflows.policy_file import EscalationStage
-from workflows.run_model import Decision, DecisionKind, RunModel, S, require
+from workflows.run_model import Decision, DecisionKind, Program, RunFailed, RunModel, S, require
 from workflows.run_state import PendingApproval
 from workflows.states import Refs
-from workflows.wire import Proposal, ProposedStep, Refusal, Verdict
-from workflows import revision as revisions
+from workflows.wire import DecisionCheck, Proposal, ProposedStep, Refusal, Verdict
 
 
 class Approvals(RunModel):
@@ -449,3 +450,85 @@ def _duration(seconds: float) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
+
+
+class Inbox(RunModel):
+    """Decisions as they arrive and as the run answers them; a waiting plan's wait."""
+
+    def receive(self, kind: DecisionKind, decision: Decision, at: datetime) -> None:
+        """Cheap, state-only checks now; the policy check follows in the run's program."""
+        if self.screen_decision(kind, decision, at):
+            self.inbox.append((kind, decision))
+        else:
+            self.answer(decision.decision_id)  # nobody waits on a signal; forget its refusal
+
+    def answer(self, decision_id: str) -> None:
+        """Give a waiting decide update its verdict, from the record the run wrote for it."""
+        unrecorded = self.unrecorded_refusals.pop(decision_id, None)
+        if decision_id not in self.verdicts:
+            return
+        record = next(
+            (r for r in reversed(self.data.lifecycle.timeline) if r.refs.decision_id == decision_id), None
+        )
+        if record is None:  # a refusal counted in a flood, not recorded
+            self.verdicts[decision_id] = DecideResult(
+                decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state,
+                reason=f"refused: {unrecorded.message} (counted, not recorded: see snapshot.refusals)"
+                if unrecorded else "refused (counted, not recorded: see snapshot.refusals)",
+                rule=unrecorded.rule if unrecorded else "flood",
+            )
+            return
+        self.verdicts[decision_id] = DecideResult(
+            decision_id=decision_id, outcome=record.kind, state=record.to_state, reason=record.reason, rule=record.rule
+        )
+
+    def _flush_inbox(self, *, ended: bool = False) -> None:
+        """The run left AWAITING_APPROVAL (``ended``: the run is over): decisions still queued
+        can no longer count."""
+        ended = ended or self.data.lifecycle.terminal
+        for kind, decision in self.inbox:
+            self.refuse_unsettled(kind, decision, self.at, ended=ended)
+            self.answer(decision.decision_id)
+        self.inbox.clear()
+
+    def _await_decision(self) -> Program[None]:
+        pending = self.data.pending_approval
+        if pending is None:
+            raise RunFailed("AWAITING_APPROVAL without a pending approval", "IllegalState")
+        # The expiry, or the next escalation stage where the policy sets stages.
+        wake, summary = self.next_timer(bool(pending.escalation))
+        remaining = (wake - self.at).total_seconds()
+        if remaining > 0 and not self.inbox and self.pending_handoff is None:
+            yield Checkpoint()
+            # A refusal recorded while waiting goes to the sink now, not at the next step.
+            yield Wait(remaining, summary, until=("inbox", "handoff", "continue", "audit", "updates"))
+        if (yield from self._take_handoff()):
+            return
+        if self.inbox:
+            # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
+            # (a cancel, a failure) still answers it (the run's ending).
+            kind, decision = self.inbox[0]
+            verdict = yield Call(
+                "policy_check_decision",
+                DecisionCheck(
+                    tenant=self.request.tenant,
+                    workflow_id=self.workflow_id,
+                    requested_by=self.request.requested_by,
+                    first_run_id=self.data.first_run_id,
+                    requester_verified=self.data.requester_verified,
+                    **self.decision_check(kind, decision),
+                ),
+                Verdict,
+                f"policy check · {kind}",
+            )
+            self.inbox.pop(0)
+            ids = self.ids(f"decision:{decision.decision_id}")
+            self.decide(
+                lambda now: self.settle_decision(kind, decision, verdict.refusal, now, verdict.verified, new_id=ids)
+            )
+            self.answer(decision.decision_id)
+            return
+        if self.at >= wake:
+            self.decide(lambda now: self.timer_fired(now, bool(pending.escalation)))
+        # Otherwise woken to continue as new (or to write refusals to the sink): the loop does
+        # that and comes back here.

@@ -26,6 +26,24 @@ from temporalio.workflow import ActivityCancellationType
 from workflows import keys
 from workflows import metrics as run_metrics
 from workflows.budgets import DETAILS_CHARS, clip
+from workflows.commands import (
+    Call,
+    Checkpoint,
+    Command,
+    ContinueAsNew,
+    HandlersDone,
+    Mint,
+    Notified,
+    Notify,
+    Probe,
+    Publish,
+    Readings,
+    RunTool,
+    Show,
+    Sleep,
+    Wait,
+    Wake,
+)
 from workflows.contract import json_digest
 from workflows.details import run_details
 from workflows.engine import Engine
@@ -47,6 +65,11 @@ from workflows.wire import (
 T = TypeVar("T")
 
 SETUP_TIMEOUT = timedelta(seconds=30)
+PLANNER_TIMEOUT = timedelta(minutes=2)
+PLANNER_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
+# An activity's options by the kind the engine names: (timeout, retry policy).
+SETUP = (SETUP_TIMEOUT, None)
+PLANNER = (PLANNER_TIMEOUT, PLANNER_RETRY)
 # Tools run exactly as scheduled: the workflow owns their retries, so each one is a
 # EXECUTING_TOOL -> RETRY_WAIT -> EXECUTING_TOOL hop on the timeline and an unsafe tool is never
 # re-run behind our back.
@@ -90,6 +113,7 @@ class Effects:
         self.audit_error: str | None = None
         self.notifying = 0  # notify activities in flight
         self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
+        self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
         start_attributes = info.typed_search_attributes
         self.published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
@@ -99,6 +123,88 @@ class Effects:
         self._viewed: tuple[Any, ...] | None = None  # what the published view (memo) last said
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == self.request.tenant
+
+    async def perform(self, command: Command) -> Any:
+        """Carry out one command of the engine's; its result goes back to the engine."""
+        match command:
+            case Call():
+                options = PLANNER if command.options == "planner" else SETUP
+                try:
+                    return await self.activity(
+                        command.name, command.arg, command.result_type, command.summary,
+                        timeout=options[0], retry=options[1], attested=command.attested, show=command.show,
+                    )
+                except ActivityError as err:
+                    if not command.catch:
+                        raise
+                    return activity_failure(err)
+            case RunTool():
+                try:
+                    return await self.tool(
+                        command.call, activity_id=command.activity_id, start_to_close=command.start_to_close,
+                        heartbeat=command.heartbeat, summary=command.summary,
+                    )
+                except ActivityError as err:
+                    failure = activity_failure(err)
+                    log_failure(command.call.tool_call_id, failure)
+                    return failure
+            case Mint():
+                return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds)
+            case Checkpoint():
+                await self.checkpoint(rest=command.rest)
+            case Show():
+                self.show()
+            case Publish():
+                self.publish(listed_as=command.listed_as)
+            case Notify():
+                self.notify()
+            case Notified():
+                await self.notified()
+            case Sleep():
+                await workflow.sleep(timedelta(seconds=command.seconds), summary=command.summary)
+            case Wait():
+                try:
+                    await workflow.wait_condition(
+                        lambda: self._woken(command.until),
+                        timeout=timedelta(seconds=command.seconds),
+                        timeout_summary=command.summary,
+                    )
+                except asyncio.TimeoutError:
+                    pass
+            case Probe():
+                return self.readings()
+            case ContinueAsNew():
+                self.continue_as_new()
+            case HandlersDone():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+            case _:
+                raise TypeError(f"not a command: {type(command).__name__}")
+        return None
+
+    def readings(self) -> Readings:
+        info = workflow.info()
+        return Readings(
+            suggested=info.is_continue_as_new_suggested(),
+            history_bytes=info.get_current_history_size(),
+            history_events=info.get_current_history_length(),
+            handlers_finished=workflow.all_handlers_finished(),
+            notifying=self.notifying,
+        )
+
+    def _woken(self, until: tuple[Wake, ...]) -> bool:
+        engine = self.engine
+        return (
+            ("inbox" in until and bool(engine.inbox))
+            or ("handoff" in until and engine.pending_handoff is not None)
+            or ("continue" in until and engine.wants_continue(self.readings()))
+            or ("audit" in until and bool(self.audit))
+            or ("updates" in until and engine.updates_exhausted(workflow.all_handlers_finished()))
+        )
+
+    def take_settled(self) -> tuple[ToolOutcome | None, ToolFailure | None] | None:
+        """What a tool attempt the run's cancel met came to (None: the cancel met none)."""
+        settled, self._settled = self._settled, None
+        return settled
 
     def on_record(self, record: TransitionRecord) -> None:
         self.audit.append(record)
@@ -214,11 +320,10 @@ class Effects:
         start_to_close: float,
         heartbeat: float,
         summary: str,
-        settled: Callable[[ToolOutcome | None, ToolFailure | None], None],
     ) -> ToolOutcome:
         """One ``execute_tool`` attempt. A write's (``activity_id`` given) answer is attested.
         The run's cancel is not let to lose the attempt: it is cancelled and waited for, what it
-        did goes to ``settled``, and the cancel goes on. A failure raises ActivityError."""
+        did is kept (``take_settled``), and the cancel goes on. A failure raises ActivityError."""
         writes = activity_id is not None
         handle = workflow.start_activity(
             "execute_tool",
@@ -257,7 +362,7 @@ class Effects:
                 failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
             if outcome is not None and writes:
                 self.check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
-            settled(outcome, failure)
+            self._settled = (outcome, failure)
             raise
         if writes:
             # What a write did decides what gets undone: only the fleet's tool worker says so.

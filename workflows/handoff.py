@@ -7,11 +7,12 @@ from __future__ import annotations
 from datetime import datetime
 
 from workflows import policy
+from workflows.commands import Call
 from workflows.contract import HandoffRequest
 from workflows.identity import normalize_name
-from workflows.run_model import RunModel, S
+from workflows.run_model import Program, RunModel, S
 from workflows.states import Refs
-from workflows.wire import Refusal
+from workflows.wire import HandoffCheck, Refusal, Verdict
 
 
 class Handoff(RunModel):
@@ -97,6 +98,35 @@ class Handoff(RunModel):
                       reason=f"{why}; on_cancel=compensate: {self._undo_left(start=True)}", refs=refs)
             return
         self.move(S.CANCELLED, at=at, actor=actor, reason=why, refs=refs)
+
+    def receive_handoff(self, request: HandoffRequest, at: datetime) -> None:
+        """A handoff arrives: one at a time, screened now, taken where the table allows."""
+        if self.pending_handoff is not None:
+            self.refuse_handoff(request, Refusal(rule="handoff_pending", message="a handoff is already pending"), at)
+        elif self.screen_handoff(request, at):
+            self.pending_handoff = request
+
+    def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> Program[bool]:
+        """Honour a pending handoff where the table allows, once the current policy file (and the
+        sender's signature, where required) says it may. ``refs``: the step it ends."""
+        request = self.pending_handoff
+        if request is None or not self.can_take_handoff():
+            return False
+        verdict = yield Call(
+            "policy_check_handoff",
+            HandoffCheck(
+                tenant=self.request.tenant,
+                workflow_id=self.workflow_id,
+                first_run_id=self.data.first_run_id,
+                handoff=request,
+            ),
+            Verdict,
+            "policy check · handoff",
+        )
+        self.pending_handoff = None
+        return self.decide(
+            lambda now: self.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs)
+        )
 
 
 def cancel_actor(reason: str | None) -> tuple[str, str | None]:

@@ -9,11 +9,16 @@ from datetime import datetime
 
 from workflows import policy
 from workflows.budgets import ANSWER_CHARS, clip
-from workflows.contract import Plan
-from workflows.run_model import RunModel, S, ToolFailure, require
+from workflows.commands import Call, Publish
+from workflows.contract import ExecutedStep, Plan, json_digest
+from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.states import Refs, RunState
 from workflows.validation import Validation, validate_proposal
-from workflows.wire import Proposal, Refusal, SnapshotRequest, Verdict
+from workflows.wire import PlannerInput, Proposal, Refusal, SnapshotRequest, Verdict
+
+# Observations handed back to the planner, newest first, in all (older ones keep only their
+# digest), so planner inputs in history do not grow with the size of tool results.
+PLANNER_CONTEXT_CHARS = 16_000
 
 
 class Planning(RunModel):
@@ -179,3 +184,76 @@ class Planning(RunModel):
             issued_at=request.issued_at,
             started_at=started_at,
         )
+
+    # ------------------------------------------------------------------ the program
+
+    def _first_plan(self) -> Program[tuple[Proposal | None, ToolFailure | None]]:
+        """The first planner call, which also brings the run's setup (attested). No proposal: the
+        planner failed (how, the second); the run then takes its setup alone and records it."""
+        yield Publish(listed_as=S.PLANNING)  # corrects a start that listed the run otherwise
+        answer = yield self._ask_planner(1, setup=self.snapshot_request(self.workflow_id, self.started_at))
+        if isinstance(answer, ToolFailure):
+            return None, answer
+        return answer, None
+
+    def _plan(self) -> Program[None]:
+        data = self.data
+        if (yield from self._take_handoff()):
+            return
+        budget = self.token_budget_refusal()
+        if budget is not None:
+            self.decide(
+                lambda now: self.move(
+                    S.FAILED, at=now, actor="runtime", reason=budget, refs=Refs(error_code="model_token_budget")
+                )
+            )
+            return
+        data.planning_rounds += 1
+        answer = yield self._ask_planner(data.planning_rounds)
+        if isinstance(answer, ToolFailure):
+            self.decide(lambda now: self.planner_failed(answer, now))
+            return
+        yield from self._planned(answer)
+
+    def _ask_planner(self, round: int, *, setup: SnapshotRequest | None = None) -> Call:
+        data = self.data
+        return Call(
+            "plan",
+            PlannerInput(
+                goal=self.request.goal,
+                planner=self.request.planner,
+                playbook=self.request.playbook,
+                executed=_bounded_context(data.executed),
+                feedback=data.feedback,
+                round=round,
+                steps_done=data.steps_ok,
+                not_approved=data.not_approved,
+                setup=setup,
+            ),
+            Proposal,
+            f"plan · {self.request.planner} · round {round}",
+            options="planner",
+            # A proposal is untrusted input whoever wrote it; the setup that comes with the
+            # first one is not, so that answer is attested.
+            attested=setup is not None,
+            show=setup is None,
+            catch=True,
+        )
+
+    def _planned(self, proposal: Proposal) -> Program[None]:
+        """The planner answered (PLANNING): a handoff that came meanwhile first, then the proposal."""
+        data = self.data
+        if (yield from self._take_handoff()):
+            return
+        ids = self.ids(f"plan:{data.planning_rounds}:{json_digest(proposal.model_dump(mode='json', exclude={'setup', 'attestation'}))}")
+        self.decide(lambda now: self.proposal(proposal, at=now, new_id=ids))
+
+
+def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:
+    """Observations newest first up to PLANNER_CONTEXT_CHARS; older ones keep only the digest."""
+    context, room = [], PLANNER_CONTEXT_CHARS
+    for done in reversed(executed):
+        fits = len(done.observation) <= room
+        room = room - len(done.observation) if fits else 0
+        context.append(done if fits else done.model_copy(update={"observation": ""}))
+    return list(reversed(context))

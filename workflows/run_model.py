@@ -8,17 +8,21 @@ are passed in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from workflows import policy
+from workflows.commands import Command
 from workflows.budgets import EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW
 from workflows.contract import (
     ApprovalDecision,
     CompensationCall,
+    DecideResult,
     ExecutedStep,
+    HandoffRequest,
     Limits,
     PlanStep,
     RevisionRequest,
@@ -27,11 +31,14 @@ from workflows.contract import (
 )
 from workflows.policy_file import TenantPolicy
 from workflows.run_state import RunData, RunRequest
-from workflows.states import EffectOutcome, Refs, RunState, TransitionRecord
+from workflows.states import EffectOutcome, IllegalTransition, Refs, RunState, TransitionRecord
 from workflows.wire import PlanReview, Refusal, ToolOutcome
 
 
 S = RunState
+T = TypeVar("T")
+# A piece of the run's program: it yields commands, is sent each one's result, and returns T.
+Program = Generator[Command, Any, T]
 DecisionKind = Literal["approve", "reject", "revise"]
 # What waits in the run's inbox: an approve / reject decision, or a revision.
 Decision = ApprovalDecision | RevisionRequest
@@ -43,6 +50,15 @@ class IllegalState(Exception):
     The workflow fails the run on it, non-retryably: a bare exception would only fail the
     workflow task and retry it forever.
     """
+
+
+class RunFailed(Exception):
+    """The run fails, non-retryably: the workflow raises it as an ApplicationError of type
+    ``kind`` (a bare exception would only fail the workflow task and retry it forever)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def require(condition: object, what: str) -> None:
@@ -82,6 +98,16 @@ def notify_event(record: TransitionRecord) -> str | None:
     return None
 
 
+def derived_digest(kind: str, *parts: str) -> str:
+    """What an id is made of: the run chain, the decision, the plan; never the run's random
+    stream, so a reset run makes the same ids and another run never does."""
+    return hashlib.sha256("\x1f".join((kind, *parts)).encode()).hexdigest()
+
+
+def derived_id(kind: str, *parts: str) -> str:
+    return f"{kind}-{derived_digest(kind, *parts)[:24]}"
+
+
 class RunModel:
     """One run's state and the records of its changes. Every state change goes through
     ``data.lifecycle.move`` (:meth:`move`)."""
@@ -94,10 +120,13 @@ class RunModel:
         workflow_id: str,
         on_record: Callable[[TransitionRecord], None] = lambda record: None,
         new_request_id: Callable[[], str] = lambda: "",
+        started_at: datetime | None = None,
     ) -> None:
         self.data = data
         self.request = request
         self.workflow_id = workflow_id
+        self.started_at = started_at  # when the run began (workflow time)
+        self.at = started_at  # workflow time: what the last Engine.next or on was given
         self._on_record = on_record  # metrics, the audit sink; called for every record written
         self.new_request_id = new_request_id  # one id per approval request (derived: a reset asks the same)
         # Records someone is to be told about, with webhooks named besides the subscribers (an
@@ -108,6 +137,32 @@ class RunModel:
         # Where the current plan writes (step indexes), worked out once per plan and catalog:
         # every step asks whether writes remain (authority_check).
         self._writes: tuple[tuple[Any, ...], list[int]] = ((), [])
+        # This execution's own, never carried: decisions that passed the cheap checks on arrival,
+        # in arrival order (the policy check and the decision follow in the run's program); a
+        # handoff accepted but not yet taken; the decide Updates waiting for a verdict, and how
+        # many this execution took; writes scheduled again for a capability; loops of the
+        # program, and the history bytes at which a deferred continue-as-new is due.
+        self.inbox: list[tuple[DecisionKind, Decision]] = []
+        self.pending_handoff: HandoffRequest | None = None
+        self.verdicts: dict[str, DecideResult | None] = {}
+        self.updates = 0
+        self.bounces = 0
+        self.loops = 0
+        self.continue_at: int | None = None
+
+    def decide(self, step: Callable[[datetime], T]) -> T:
+        """One decision at the current workflow time; a move the table denies, or a state the
+        engine cannot act in, fails the run."""
+        try:
+            return step(self.at)
+        except (IllegalTransition, IllegalState) as e:
+            raise RunFailed(str(e), type(e).__name__) from None
+
+    def ids(self, basis: str) -> Callable[[int], str]:
+        """Tool call ids (and so idempotency keys) from the run chain and the decision that made
+        the plan: a reset or a replay makes the same ones, another run never does."""
+        first = self.data.first_run_id
+        return lambda n: f"tc-{n:03d}-{derived_digest('tc', first, basis, str(n))[:12]}"
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded

@@ -9,10 +9,22 @@ from datetime import datetime
 
 from workflows import policy
 from workflows.budgets import REASON_CHARS, clip
+from workflows.commands import Call, Checkpoint, Mint, RunTool, Show, Sleep, Wait
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect
-from workflows.run_model import RunModel, S, ToolFailure, require
+from workflows.run_model import Program, RunFailed, RunModel, S, ToolFailure, require
 from workflows.states import EffectOutcome, Refs
-from workflows.wire import AuthorityCheck, Refusal, ToolCall, ToolOutcome, Verdict
+from workflows.wire import (
+    CAPABILITY_EXPIRED,
+    CAPABILITY_KEY_MISSING,
+    AuthorityCheck,
+    Refusal,
+    ToolCall,
+    ToolOutcome,
+    Verdict,
+)
+
+# A write that reached workers lacking its capability's key this many times in a row fails.
+MAX_BOUNCES = 50
 
 
 class Steps(RunModel):
@@ -331,3 +343,79 @@ class Steps(RunModel):
             return None
         self._end_step(step, outcome, code)
         return self._end_refs(step, outcome, code), self._describe(step, outcome)
+
+    # ------------------------------------------------------------------ the program
+
+    def _authority(self, *, from_step: int) -> Program[Verdict | None]:
+        """Re-check, through the policy activity, the approvals of the plan's remaining writes
+        under the current file."""
+        check = self.authority_check(from_step=from_step)
+        if check is None:
+            return None
+        return (yield Call("policy_check_authority", check, Verdict, "policy re-check before writes"))
+
+    def _execute_step(self) -> Program[None]:
+        step = self.current_step()
+        info = self.tool_info(step) if step else None
+        if step is None or info is None:
+            raise RunFailed("no executable plan step", "IllegalState")
+        detail, refs = self.handoff_point()
+        if (yield from self._take_handoff(detail=detail, refs=refs)):
+            self.step_handed_off()
+            return
+        call = self.decide(self.next_tool_call)
+        if call is None:
+            return
+        data_state = self.data.lifecycle.state
+        timeouts = policy.tool_timeouts(info.timeout_seconds)
+        writes = info.effect != ToolEffect.READ_ONLY
+        activity_id = None
+        if writes:
+            # Every write attempt carries a capability for exactly this call: the keyed re-check
+            # under the current file allows it, then the run's own code mints it with the fleet
+            # key. Nothing else can make a tool write.
+            activity_id = f"{call.tool_call_id}.{self.data.tool_calls}.{self.bounces}"
+            check = self.authority_check(from_step=self.data.next_step)
+            verdict = None
+            if check is not None:
+                verdict = yield Call(
+                    "policy_check_authority", check.model_copy(update={"call": call}), Verdict,
+                    "policy re-check before this write",
+                )
+            if verdict is None or verdict.refusal is not None:
+                refusal = (verdict.refusal if verdict else None) or Refusal(
+                    rule="capability_invalid", message="no re-check for this write"
+                )
+                self.decide(lambda now: self.write_refused(refusal, now))
+                return
+            call = yield Mint(call, activity_id, check, timeouts.start_to_close)
+            yield Checkpoint(rest=False)  # the record of the approval is in the sink before a write
+        else:
+            yield Show()  # a read is no place the run rests: the sink gets its records later
+        answer = yield RunTool(
+            call,
+            activity_id,
+            timeouts.start_to_close,
+            timeouts.heartbeat,
+            # The Web UI's line for the call: a write names its effect class, a read only itself.
+            summary=f"{step.tool} · " + ("" if not writes else f"{info.effect.value} · ")
+            + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
+        )
+        if isinstance(answer, ToolFailure):
+            failure = answer
+            if activity_id and failure.code in (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED) and self.bounces < MAX_BOUNCES:
+                # The tool was not called: schedule the attempt again, fresh capability, soon.
+                self.bounces += 1
+                self.capability_bounced(failure)
+                yield Checkpoint()
+                yield Sleep(1, "write scheduled again (capability)")
+                return
+            delay = self.decide(lambda now: self.tool_failed(failure, now))
+            if delay is None:
+                return
+            yield Checkpoint()
+            yield Wait(delay, "retry backoff", until=("handoff",))
+            self.decide(self.retry)
+            return
+        self.bounces = 0
+        self.decide(lambda now: self.tool_succeeded(answer, now))

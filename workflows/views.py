@@ -1,11 +1,13 @@
-"""The run as it shows itself: its bounded result and its executed steps.
+"""The run as it shows itself: its bounded result, its executed steps, its snapshot.
 """
 
 from __future__ import annotations
 
-from workflows.contract import ExecutedStep
+from workflows.budgets import clip
+from workflows.contract import ExecutedStep, ToolInfo
 from workflows.run_model import RunModel
-from workflows.run_state import RunOutcome
+from workflows.run_state import RunOutcome, RunSnapshot
+from workflows.states import TEMPORAL_STATUS
 
 
 class Views(RunModel):
@@ -29,3 +31,52 @@ class Views(RunModel):
     def steps(self) -> list[ExecutedStep]:
         """The executed steps: ids, outcomes and digests, no arguments or observations."""
         return [s.model_copy(update={"observation": "", "args": {}}) for s in self.data.executed]
+
+    def snapshot(self, run_id: str, *, audit_waiting: int, audit_error: str | None) -> RunSnapshot:
+        """The ``snapshot`` query's answer (and the published view's)."""
+        data = self.data
+        return RunSnapshot(
+            run_id=run_id,
+            tenant=self.request.tenant,
+            state=data.lifecycle.state,
+            previous_state=data.lifecycle.previous_state,
+            state_version=data.lifecycle.state_version,
+            plan=data.plan,
+            pending_approval=data.pending_approval,
+            step=data.steps_executed,
+            retries=data.retries,
+            last_error=data.last_error,
+            approved_by=data.approved_by,
+            answer=data.answer,
+            created_at=data.created_at,
+            updated_at=data.updated_at,
+            model_tokens=data.model_tokens,
+            requested_by=self.request.requested_by,
+            requester_verified=data.requester_verified,
+            first_run_id=data.first_run_id,
+            refusals=data.lifecycle.refusals,
+            timeline_records=data.lifecycle.records,
+            compensations=data.compensations,
+            audit_waiting=audit_waiting,
+            audit_error=audit_error,
+            updates=self.updates,
+            tools=self._plan_tools(),
+            revisions=data.revisions,
+        )
+
+    def _plan_tools(self) -> list[ToolInfo]:
+        data = self.data
+        if data.plan is None or data.catalog is None:
+            return []
+        names = dict.fromkeys(s.tool for s in data.plan.steps)
+        return [info for name in names if (info := data.catalog.get(name)) is not None]
+
+    def final_failure(self) -> str | None:
+        """A run that ended FAILED or EXECUTION_FAILED fails its execution (Temporal's status
+        tells the outcome): the failure's message, naming the final reason. None: it does not."""
+        state = self.data.lifecycle.state
+        if TEMPORAL_STATUS[state] != "Failed":
+            return None
+        timeline = self.data.lifecycle.timeline
+        final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
+        return f"run ended {state.value}: {clip(final, 300)}"
