@@ -120,7 +120,7 @@ class Driver:
         e = self.engine
         while True:
             # Before a step's (next) attempt the workflow's handoff names the outcome of an
-            # earlier attempt (AgentRun._execute_step).
+            # earlier attempt (the steps phase, Steps._execute_step).
             at_step = self.state == S.EXECUTING_TOOL or (self.state == S.COMPENSATING and e.current_step() is not None)
             detail, refs = e.handoff_point() if at_step else (None, None)
             if self.handoff and e.take_handoff(self.handoff, self.tick(), detail, refs=refs):
@@ -527,7 +527,7 @@ def test_unsafe_unknown_outcome_hands_off_naming_the_call() -> None:
 
 
 def test_a_decision_the_engine_cannot_act_on_is_an_illegal_state_not_a_crash() -> None:
-    # The workflow turns IllegalState into a non-retryable failure of the run (AgentRun._decide);
+    # The workflow turns IllegalState into a non-retryable failure of the run (RunModel.decide, RunFailed);
     # an assert or bare exception would retry the workflow task forever.
     driver = Driver("expire")
     with pytest.raises(IllegalState, match="nothing pending"):

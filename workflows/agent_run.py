@@ -261,25 +261,11 @@ class AgentRun:
             RevisionRequest if isinstance(decision, ReviseDecideRequest) else ApprovalDecision
         ).model_validate(decision.model_dump(exclude={"kind"}))
         engine = self.engine
-        engine.updates += 1
-        if plain.decision_id in engine.verdicts:
-            # The same decision twice at once (both passed the validator before either arrived):
-            # one verdict per decision id, so the later one is a duplicate.
-            return DecideResult(
-                decision_id=plain.decision_id,
-                outcome="refused",
-                state=self.data.lifecycle.state,
-                reason=f"decide refused: decision_id {plain.decision_id[:64]} is already being decided",
-                rule="duplicate_decision",
-            )
-        engine.verdicts[plain.decision_id] = None
-        # Refused on arrival (the state moved since validation) or in the inbox, as a signal's.
-        engine.receive(kind, plain, workflow.now())
+        answered = engine.deciding(kind, plain, workflow.now())
+        if answered is not None:
+            return answered
         await workflow.wait_condition(lambda: engine.verdicts.get(plain.decision_id) is not None)
-        result = engine.verdicts.pop(plain.decision_id, None)
-        return result if result is not None else DecideResult(
-            decision_id=plain.decision_id, outcome="refused", state=self.data.lifecycle.state, reason="no verdict"
-        )
+        return engine.take_verdict(plain.decision_id)
 
     @decide.validator
     def _validate_decide(self, *args: Any) -> None:

@@ -462,6 +462,32 @@ class Inbox(RunModel):
         else:
             self.answer(decision.decision_id)  # nobody waits on a signal; forget its refusal
 
+    def deciding(self, kind: DecisionKind, decision: Decision, at: datetime) -> DecideResult | None:
+        """A decide Update arrives (counted: Temporal limits them per run). Answered at once when
+        the same decision id is being decided already; else received as a signal's decision is,
+        its verdict to come (``take_verdict``)."""
+        self.updates += 1
+        if decision.decision_id in self.verdicts:
+            # The same decision twice at once (both passed the validator before either arrived):
+            # one verdict per decision id, so the later one is a duplicate.
+            return DecideResult(
+                decision_id=decision.decision_id,
+                outcome="refused",
+                state=self.data.lifecycle.state,
+                reason=f"decide refused: decision_id {decision.decision_id[:64]} is already being decided",
+                rule="duplicate_decision",
+            )
+        self.verdicts[decision.decision_id] = None
+        # Refused on arrival (the state moved since validation) or in the inbox, as a signal's.
+        self.receive(kind, decision, at)
+        return None
+
+    def take_verdict(self, decision_id: str) -> DecideResult:
+        result = self.verdicts.pop(decision_id, None)
+        return result if result is not None else DecideResult(
+            decision_id=decision_id, outcome="refused", state=self.data.lifecycle.state, reason="no verdict"
+        )
+
     def answer(self, decision_id: str) -> None:
         """Give a waiting decide update its verdict, from the record the run wrote for it."""
         unrecorded = self.unrecorded_refusals.pop(decision_id, None)
