@@ -1,10 +1,10 @@
 """Property-based tests over the run's decision logic (workflows/engine.py, the same code the
 workflow runs), driven by random sequences of events.
 
-The driver plays the workflow's part: it delivers each event at a point where the workflow
-could receive it (signals at any time, tool results while a tool runs, the expiry timer while
-waiting) and advances the transient states the way the workflow loop does. Every decision is
-the engine's.
+The driver plays the world's part, never the workflow's: it takes the engine's commands
+(``Engine.next``) and answers them (``Engine.on``) from the events (a planner's proposal, a
+tool's answer), answers the rest at once (policy checks, checkpoints), and delivers signals, the
+expiry and a cancel while the run waits. What happens when, and every decision, is the engine's.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from activities.tools import REGISTRY
 from workflows import policy
 import pytest
 
+from workflows.commands import Call, Command, ContinueAsNew, End, Mint, Probe, Readings, RunTool, Sleep, Wait
 from workflows.engine import Engine
 from workflows.run_model import IllegalState, ToolFailure
 from workflows.contract import ApprovalDecision, HandoffRequest, RevisionRequest, ToolEffect
 from workflows.policy_file import AmountRule, AutoApprove, TenantPolicy
-from workflows.wire import PolicySnapshot, Proposal, ProposedStep, Refusal, ToolOutcome
+from workflows.wire import PolicySnapshot, Proposal, ProposedStep, Refusal, ToolOutcome, Verdict
 from workflows.run_state import RunData, RunRequest
 from workflows.states import TERMINAL, RunState, is_legal_path
 from tests.invariants import check_request_satisfiable
@@ -61,10 +62,8 @@ EVENTS = [
     "revise", "revise", "revise_invalid", "revise_stale", "revise_as_requester",
     "approve_part", "approve_part", "approve_part_as_requester",
 ]
-WORKFLOW_AWAITS = {S.RECEIVED, S.PLANNING, S.AWAITING_APPROVAL, S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING}
 # What a write answers: the ids its declared compensation points at (/result/refund_id, ...).
 OK_RESULT = '{"refund_id": "R-1", "entry_id": "L-1", "email_id": "E-1"}'
-TOOL_EVENTS = (S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING)
 
 
 # Refunds up to 50.00 in all run without approval: the limit holds for sums, not calls.
@@ -77,6 +76,10 @@ ALICE_VARIANTS = ["Alice", "ALICE", "ａｌｉｃｅ", "alice"]
 
 
 class Driver:
+    """The world around one run's engine: it answers the commands ``Engine.next`` returns (the
+    planner, tools, policy checks, timers) from a list of events, and delivers the others
+    (signals, the expiry, a cancel) while the run waits. The sequencing is the engine's own."""
+
     def __init__(self, on_expiry: str, on_failure: str = "stop", on_cancel: str = "stop") -> None:
         request = RunRequest(
             goal="g", requested_by="alice", limits={"max_replans": 3, "max_steps": 12, "on_expiry": on_expiry},
@@ -87,12 +90,12 @@ class Driver:
             catalog=CATALOG,
             policy=PolicySnapshot(tenant="default", policy=TENANT, policy_hash="h", source="test"),
         )
-        self.engine = Engine(data, request, workflow_id="wf", new_request_id=lambda: uuid.uuid4().hex)
+        self.engine = Engine(data, request, workflow_id="wf", new_request_id=lambda: uuid.uuid4().hex, started_at=START)
         self.requests_seen: list[tuple[str, str]] = []  # (request id, plan hash) of every request
         self.pending_when_sent: dict[str, str] = {}  # decision id -> request pending when it was sent
         self.now = START
-        self.handoff: HandoffRequest | None = None
         self.revoked = False  # the next authority re-check finds an approver revoked
+        self.refused: dict[str, Refusal] = {}  # decision id -> what the policy activity says of it
         self.sent: Counter[str] = Counter()  # external calls per idempotency key
         self.effects: dict[str, ToolEffect] = {}
         self.step_tools: dict[str, str] = {}
@@ -100,8 +103,11 @@ class Driver:
         self.plans: dict[str, object] = {}  # tool call id -> the validated plan it is a step of
         self.undo_sent: list[tuple[str, str, str]] = []  # (of, plan hash, tool) of every compensation call
         self.decisions: list[ApprovalDecision] = []
-        self.ids = 0
-        self.engine.received(self.now)
+        self.ending = False  # the run has ended: its ending program runs
+        self.wake_at = START  # when the timer of the wait under way runs out
+        self.engine.start()
+        self.command: Command | None = self.engine.next(self.tick())
+        self.advance()
 
     @property
     def state(self) -> RunState:
@@ -111,58 +117,91 @@ class Driver:
         self.now += timedelta(seconds=seconds)
         return self.now
 
-    def new_id(self, n: int) -> str:
-        self.ids += 1
-        return f"tc-{n:03d}-{self.ids}"
+    # ------------------------------------------------------------------ the engine's commands
 
-    # The workflow loop's transient states and its handoff points.
-    def settle(self) -> None:
-        e = self.engine
-        while True:
-            # Before a step's (next) attempt the workflow's handoff names the outcome of an
-            # earlier attempt (the steps phase, Steps._execute_step).
-            at_step = self.state == S.EXECUTING_TOOL or (self.state == S.COMPENSATING and e.current_step() is not None)
-            detail, refs = e.handoff_point() if at_step else (None, None)
-            if self.handoff and e.take_handoff(self.handoff, self.tick(), detail, refs=refs):
-                if at_step:
-                    e.step_handed_off()
-                self.handoff = None
+    def respond(self, result: object) -> None:
+        """Hand the pending command's result to the engine and take its next command."""
+        self.engine.on(self.command, result, self.now)
+        self.command = self.engine.next(self.tick())
+        self.observe()
+
+    def advance(self) -> None:
+        """Answer every command the world answers at once, up to one that waits on an event."""
+        while self.command is not None:
+            command = self.command
+            if isinstance(command, End):
+                if self.ending:
+                    self.command = None
+                    return
+                self.ending = True
+                self.engine.start(ending=True)
+                self.command = self.engine.next(self.tick())
                 continue
-            plan = e.data.plan
-            if plan is not None:  # a partial approval validates and approves in one decision
-                self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
-                # (so the plan of its steps is known here too, not only at VALIDATED)
-                self.plans.update({s.tool_call_id: plan for s in plan.steps if s.tool_call_id not in self.plans})
-                if plan.plan_hash not in self.hashes_seen:
-                    self.hashes_seen.append(plan.plan_hash)
-            pending = e.data.pending_approval
-            if pending is not None and (pending.request_id, pending.plan_hash) not in self.requests_seen:
-                self.requests_seen.append((pending.request_id, pending.plan_hash))
-            if self.state == S.VALIDATION_FAILED:
-                e.after_validation_failed(self.tick())
-            elif self.state == S.VALIDATED:
-                plan = e.data.plan
-                self.hashes_seen.append(plan.plan_hash)
-                self.plans.update({s.tool_call_id: plan for s in plan.steps})
-                self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
-                # An auto-approved plan is re-checked under the current file (a tool withdrawn).
-                refusal = None
-                if not e.review().needs_approval and self.revoked:
-                    refusal, self.revoked = Refusal(rule="tool_withdrawn", message="gone"), False
-                e.after_validated(self.tick(), refusal)
-            elif self.state == S.COMPENSATING and not e.compensation_ready(self.tick()):
-                continue  # none left (COMPENSATED), or one that cannot run (HANDED_OFF)
-            elif self.state in (S.APPROVED, S.OBSERVING_RESULT):
-                # The workflow re-checks authority (an activity) when something still writes.
-                refusal = None
-                if e.authority_check(from_step=e.data.next_step) is not None and self.revoked:
-                    refusal, self.revoked = Refusal(rule="approver_revoked", message="gone"), False
-                if self.state == S.APPROVED:
-                    e.after_approved(refusal, self.tick())
-                else:
-                    e.after_observation(refusal, self.tick())
-            else:
+            if isinstance(command, Call) and command.name == "plan":
                 return
+            if isinstance(command, (RunTool, Wait, Sleep)):
+                if isinstance(command, RunTool) and self.state == S.COMPENSATING:
+                    undo = self.engine.current_undo()
+                    self.undo_sent.append((undo.of, undo.plan_hash, undo.tool))
+                if isinstance(command, Wait):
+                    self.wake_at = self.now + timedelta(seconds=command.seconds)
+                    if self.woken(command):
+                        self.respond(None)
+                        continue
+                return
+            self.respond(self.answer(command))
+
+    def answer(self, command: Command) -> object:
+        if isinstance(command, Probe):
+            return Readings(suggested=False, history_bytes=0, history_events=0, handlers_finished=True, notifying=0)
+        if isinstance(command, Mint):
+            return command.call
+        if isinstance(command, Call) and command.name == "policy_check_authority":
+            refusal = None
+            if self.revoked:
+                # An auto-approved plan: a tool withdrawn; an approved one: an approver revoked.
+                rule = "tool_withdrawn" if self.state == S.VALIDATED else "approver_revoked"
+                refusal, self.revoked = Refusal(rule=rule, message="gone"), False
+            return Verdict(refusal=refusal, policy_hash="h")
+        if isinstance(command, Call) and command.name == "policy_check_handoff":
+            return Verdict(policy_hash="h")
+        if isinstance(command, Call) and command.name == "policy_check_decision":
+            # The policy activity applies the same pure approver rules to the (normalised) names.
+            check = command.arg
+            refusal = self.refused.pop(check.decision.decision_id, None) or policy.approver_refusal(
+                self.engine.tenant,
+                approver=check.decision.approver,
+                requested_by=check.requested_by,
+                kind=check.kind,
+                roles=check.roles,
+                already_approved=check.already_approved,
+                editors=check.editors if check.kind == "revise" else (),
+            )
+            return Verdict(refusal=refusal, policy_hash="h")
+        assert not isinstance(command, (Call, ContinueAsNew)), f"the world has no answer to {command}"
+        return None  # checkpoints, publishing, notifications: nothing the engine reads back
+
+    def woken(self, wait: Wait) -> bool:
+        e = self.engine
+        return ("inbox" in wait.until and bool(e.inbox)) or ("handoff" in wait.until and e.pending_handoff is not None)
+
+    def observe(self) -> None:
+        """What the invariants need to know of plans and requests, as the run makes them."""
+        e = self.engine
+        plan = e.data.plan
+        if plan is not None:
+            self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
+            self.plans.update({s.tool_call_id: plan for s in plan.steps if s.tool_call_id not in self.plans})
+            if plan.plan_hash not in self.hashes_seen:
+                self.hashes_seen.append(plan.plan_hash)
+        pending = e.data.pending_approval
+        if pending is not None and (pending.request_id, pending.plan_hash) not in self.requests_seen:
+            self.requests_seen.append((pending.request_id, pending.plan_hash))
+
+    def running(self) -> bool:
+        return self.command is not None and not self.ending
+
+    # ------------------------------------------------------------------ events
 
     def decision(self, plan_hash: str, approver: str = "bob", request_id: str | None = None) -> ApprovalDecision:
         pending = self.engine.data.pending_approval
@@ -172,27 +211,23 @@ class Driver:
         self.decisions.append(d)
         return d
 
-    def signal(self, kind: str, decision: ApprovalDecision, verdict: Refusal | None = None) -> None:
-        # A decision passes the handler's checks, then (in the loop) the policy activity, which
-        # applies the same pure approver rules to the (normalised) names.
+    def signal(self, kind: str, decision: ApprovalDecision | RevisionRequest, verdict: Refusal | None = None) -> None:
+        # A decision passes the handler's checks, then (in the run's program) the policy activity.
         if self.engine.data.pending_approval is not None:
             self.pending_when_sent.setdefault(decision.decision_id, self.engine.data.pending_approval.request_id)
-        if self.engine.screen_decision(kind, decision, self.tick()) and self.state == S.AWAITING_APPROVAL:
-            pending = self.engine.data.pending_approval
-            verdict = verdict or policy.approver_refusal(
-                self.engine.tenant,
-                approver=decision.approver,
-                requested_by=self.engine.request.requested_by,
-                kind=kind,
-                roles=pending.roles,
-                already_approved=[a.approver for a in pending.approvals],
-            )
-            self.engine.settle_decision(kind, decision, verdict, self.tick(), new_id=self.new_id)
+        if verdict is not None:
+            self.refused[decision.decision_id] = verdict
+        self.engine.receive(kind, decision, self.tick())
+        self.wake()
+
+    def wake(self) -> None:
+        if self.running() and isinstance(self.command, Wait) and self.woken(self.command):
+            self.respond(None)
+            self.advance()
 
     def revise(self, steps: list[dict], plan_hash: str | None = None, editor: str = "carol") -> None:
         """A revision, through the same screening and (pure) policy rules as a decision."""
-        e = self.engine
-        pending = e.data.pending_approval
+        pending = self.engine.data.pending_approval
         request_id = pending.request_id if pending else "none"
         revision = RevisionRequest(
             decision_id=uuid.uuid4().hex,
@@ -203,18 +238,7 @@ class Driver:
             reason="r",
         )
         self.pending_when_sent[revision.decision_id] = request_id
-        if e.screen_decision("revise", revision, self.tick()) and self.state == S.AWAITING_APPROVAL:
-            pending = e.data.pending_approval
-            verdict = policy.approver_refusal(
-                e.tenant,
-                approver=revision.editor,
-                requested_by=e.request.requested_by,
-                kind="revise",
-                roles=pending.roles,
-                already_approved=[a.approver for a in pending.approvals],
-                editors=pending.editors,
-            )
-            e.settle_decision("revise", revision, verdict, self.tick(), new_id=self.new_id)
+        self.signal("revise", revision)
 
     def revised_steps(self) -> list[dict]:
         """The pending plan with every amount lowered by one cent (or a subject changed)."""
@@ -227,44 +251,56 @@ class Driver:
         return steps
 
     def tool(self, event: str) -> None:
-        e = self.engine
-        if self.state == S.COMPENSATING:
-            # The workflow loop: the next compensation, or the run ends here.
-            if not e.compensation_ready(self.tick()):
-                return
-            undo = e.current_undo()
-            self.undo_sent.append((undo.of, undo.plan_hash, undo.tool))
-        if self.state == S.RETRY_WAIT:
-            e.retry(self.tick())  # the backoff timer fired
-            self.settle()
-            if self.state != S.EXECUTING_TOOL:
-                return
-        call = e.next_tool_call(self.tick())
-        if call is None:
+        """A tool's answer: a timer the run waits on (a retry's backoff) runs out first."""
+        if isinstance(self.command, Sleep) or (isinstance(self.command, Wait) and "inbox" not in self.command.until):
+            if isinstance(self.command, Wait):
+                self.now = max(self.now, self.wake_at)
+            self.respond(None)
+            self.advance()
+        if not self.running() or not isinstance(self.command, RunTool):
             return
-        effect = e.tool_info(e.current_step()).effect
-        self.effects[call.idempotency_key] = effect
+        call = self.command.call
+        self.effects[call.idempotency_key] = CATALOG.get(call.tool).effect
         self.sent[call.idempotency_key] += 1  # the call reaches the external system
         if event == "tool_ok":
-            e.tool_succeeded(ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT)), self.tick())
+            self.respond(ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT)))
         elif event == "tool_ok_no_id":
             # A result without the id the undo points at: no recovery path, recorded.
-            e.tool_succeeded(ToolOutcome(observation="{}", digest="d", size=2), self.tick())
+            self.respond(ToolOutcome(observation="{}", digest="d", size=2))
         else:
-            failure = {
+            self.respond({
                 "tool_retryable": ToolFailure("http_503", "unavailable", permanent=False),
                 "tool_permanent": ToolFailure("http_422", "bad input", permanent=True),
                 "tool_unknown": ToolFailure("timeout_start_to_close", "outcome unknown", permanent=False),
-            }[event]
-            e.tool_failed(failure, self.tick())
+            }[event])
+        self.advance()
+
+    def cancel(self) -> None:
+        """The run's cancel reaches whatever it awaits; a tool attempt not yet started is
+        cancelled with it (the workflow's loop), then the run ends, or puts its writes back."""
+        e = self.engine
+        if isinstance(self.command, RunTool):
+            e.tool_settled_on_cancel(None, ToolFailure("cancelled", "activity cancelled", False, started=False))
+        e.cancelled("test", self.tick())
+        if e.state == S.COMPENSATING:
+            e.start()
+        else:
+            self.ending = True
+            e.start(ending=True)
+        self.command = e.next(self.tick())
+        self.observe()
+        self.advance()
 
     def apply(self, event: str) -> None:
         e = self.engine
         state = self.state
         pending = e.data.pending_approval
-        if event in PROPOSALS:
-            if state == S.PLANNING:
-                e.proposal(PROPOSALS[event], at=self.tick(), new_id=self.new_id)
+        if not self.running():
+            pass  # the run has ended: nothing reaches it
+        elif event in PROPOSALS:
+            if isinstance(self.command, Call) and self.command.name == "plan":
+                self.respond(PROPOSALS[event])
+                self.advance()
         elif event == "approve" and pending:
             self.signal("approve", self.decision(pending.plan_hash))
         elif event == "approve_old_plan":
@@ -281,36 +317,35 @@ class Driver:
                 request_id, plan_hash = earlier[-1]
                 self.signal("approve", self.decision(plan_hash, request_id=request_id))
         elif event == "approve_as_requester" and pending:
-            self.signal("approve", self.decision(pending.plan_hash, approver=ALICE_VARIANTS[self.ids % 4]))
+            self.signal("approve", self.decision(pending.plan_hash, approver=ALICE_VARIANTS[len(self.decisions) % 4]))
         elif event == "revise" and pending and state == S.AWAITING_APPROVAL:
             self.revise(self.revised_steps())
         elif event == "revise_as_requester" and pending and state == S.AWAITING_APPROVAL:
-            self.revise(self.revised_steps(), editor=ALICE_VARIANTS[self.ids % 4])
+            self.revise(self.revised_steps(), editor=ALICE_VARIANTS[len(self.decisions) % 4])
         elif event == "revise_invalid" and pending:
             self.revise([{"tool": "wire_money", "args": {}}])
         elif event == "revise_stale" and pending and state == S.AWAITING_APPROVAL:
             old = [h for h in self.hashes_seen if h != pending.plan_hash]
             self.revise(self.revised_steps(), plan_hash=old[0] if old else "0" * 64)
         elif event in ("approve_part", "approve_part_as_requester") and pending and e.data.plan:
-            approver = "bob" if event == "approve_part" else ALICE_VARIANTS[self.ids % 4]
+            approver = "bob" if event == "approve_part" else ALICE_VARIANTS[len(self.decisions) % 4]
             steps = list(range(1, len(e.data.plan.steps) + 1))[: max(1, len(e.data.plan.steps) // 2)]
             self.signal("approve", self.decision(pending.plan_hash, approver=approver).model_copy(update={"steps": steps}))
         elif event == "reject" and pending:
             self.signal("reject", self.decision(pending.plan_hash))
-        elif event == "expire" and state == S.AWAITING_APPROVAL:
-            self.now = max(self.now, pending.expires_at)
-            e.expire(self.now)
-        elif event == "cancel" and state in WORKFLOW_AWAITS:
-            e.cancelled("test", self.tick())
+        elif event == "expire" and isinstance(self.command, Wait) and "inbox" in self.command.until:
+            self.now = max(self.now, self.wake_at)
+            self.respond(None)
+            self.advance()
+        elif event == "cancel":
+            self.cancel()
         elif event == "handoff":
-            request = HandoffRequest(by="dana", reason="r")
-            if self.handoff is None and e.screen_handoff(request, self.tick()):
-                self.handoff = request
+            e.receive_handoff(HandoffRequest(by="dana", reason="r"), self.tick())
+            self.wake()
         elif event == "authority_revoked":
             self.revoked = True
-        elif event.startswith("tool_") and state in TOOL_EVENTS:
+        elif event.startswith("tool_"):
             self.tool(event)
-        self.settle()
 
 
 def writes_only_after_approval(driver: Driver) -> None:
