@@ -68,11 +68,11 @@ class AgentRun:
         request = self._decode_start(args, continued=info.continued_run_id is not None)
         self.request = request
         self.data: RunData = request.carryover or RunData()
-        self.data.first_run_id = self.data.first_run_id or info.first_execution_run_id
         self.engine = Engine(
             self.data,
             request,
             workflow_id=info.workflow_id,
+            first_run_id=info.first_execution_run_id,
             on_record=lambda record: self.effects.on_record(record),
             # Derived from the run chain and the plan it asks about: a reset asks the same.
             new_request_id=lambda: derived_id("req", self.data.first_run_id, self.data.plan.plan_hash if self.data.plan else "",
@@ -170,7 +170,6 @@ class AgentRun:
                 raise
             engine.on(command, result, workflow.now())
 
-
     def _verify_carryover(self) -> None:
         """Carried state only from this run's own previous run: its seal (workflow code, the
         fleet key) names the run the server says this one continued from and the next
@@ -180,7 +179,7 @@ class AgentRun:
             return
         generation = self.data.generation + 1
         self.effects.check_seal(self.request.carryover_seal, generation, self._carry_raw)
-        self.data.generation = generation
+        self.engine.carried_over(generation)
         self._verified = True
 
     # ------------------------------------------------------------------ signals and queries

@@ -121,7 +121,10 @@ class RunModel:
         on_record: Callable[[TransitionRecord], None] = lambda record: None,
         new_request_id: Callable[[], str] = lambda: "",
         started_at: datetime | None = None,
+        first_run_id: str = "",
     ) -> None:
+        # The run chain's first run (a continued run carries it).
+        data.first_run_id = data.first_run_id or first_run_id
         self.data = data
         self.request = request
         self.workflow_id = workflow_id
@@ -149,6 +152,10 @@ class RunModel:
         self.bounces = 0
         self.loops = 0
         self.continue_at: int | None = None
+
+    def carried_over(self, generation: int) -> None:
+        """The carried state's seal held: this run is that generation of the run chain."""
+        self.data.generation = generation
 
     def decide(self, step: Callable[[datetime], T]) -> T:
         """One decision at the current workflow time; a move the table denies, or a state the
