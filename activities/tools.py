@@ -51,7 +51,7 @@ from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
 from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, ToolCall, ToolOutcome
-from workflows.policy import ToolTimeouts, tool_timeouts
+from workflows.retries import ToolTimeouts, tool_timeouts
 from workflows.validation import BoundedValidator, PatternError, schema_problem
 
 log = logging.getLogger("tether.tools")

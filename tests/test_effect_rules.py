@@ -3,13 +3,13 @@ effect, and the outcome fields' JSON compatibility."""
 
 from __future__ import annotations
 
-from workflows import policy
+from workflows import retries
 from workflows.contract import ExecutedStep, ToolEffect
 from workflows.states import Refs
 
 
 def test_effect_outcome_of_a_failed_attempt() -> None:
-    outcome = policy.failure_outcome
+    outcome = retries.failure_outcome
     assert outcome(ToolEffect.READ_ONLY, permanent=False) == "failed"  # a read applies nothing
     for effect in (ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE, ToolEffect.UNSAFE):
         assert outcome(effect, permanent=False) == "unknown"
@@ -18,14 +18,14 @@ def test_effect_outcome_of_a_failed_attempt() -> None:
 
 
 def test_attempt_clock_derives_from_the_declared_timeout() -> None:
-    t = policy.tool_timeouts(3.0)
+    t = retries.tool_timeouts(3.0)
     assert (t.run, t.grace, t.heartbeat, t.start_to_close) == (3.0, 1.5, 2.0, 4.5)
-    t = policy.tool_timeouts(600.0)
+    t = retries.tool_timeouts(600.0)
     assert (t.grace, t.heartbeat) == (30.0, 30.0)  # both capped
     # The next attempt waits for what the last one sent to land; after a heartbeat timeout (the
     # worker may only be cut off), for as long as a whole attempt may last.
-    assert policy.settle_seconds(t, "injected_fault") == t.grace
-    assert policy.settle_seconds(t, "timeout_heartbeat") == t.start_to_close
+    assert retries.settle_seconds(t, "injected_fault") == t.grace
+    assert retries.settle_seconds(t, "timeout_heartbeat") == t.start_to_close
 
 
 def test_executed_steps_recorded_before_outcome_existed_still_load() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from activities.tools import REGISTRY
-from workflows import policy
+from workflows import policy, retries
 from workflows.contract import ApprovalDecision, Limits, Plan, PlanStep, ToolEffect
 from workflows.wire import Proposal, ProposedStep
 from workflows.run_state import PendingApproval, RunData
@@ -116,7 +116,7 @@ def test_decision_rules() -> None:
 
 
 def test_retry_rule_follows_the_effect() -> None:
-    rule = policy.after_tool_failure
+    rule = retries.after_tool_failure
     for effect in (ToolEffect.READ_ONLY, ToolEffect.IDEMPOTENT, ToolEffect.RECONCILABLE):
         assert rule(effect, permanent=False, retries_done=0, max_retries=3)[0] == RunState.RETRY_WAIT
         assert rule(effect, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
@@ -131,9 +131,9 @@ def test_retry_rule_follows_the_effect() -> None:
     assert rule(ToolEffect.READ_ONLY, permanent=False, retries_done=0, max_retries=3, attempt_over=False)[0] == RunState.RETRY_WAIT
     assert rule(ToolEffect.UNSAFE, permanent=False, retries_done=0, max_retries=3)[0] == RunState.HANDED_OFF
     assert rule(ToolEffect.UNSAFE, permanent=True, retries_done=0, max_retries=3)[0] == RunState.EXECUTION_FAILED
-    assert policy.retry_delay_seconds(0) == 1 and policy.retry_delay_seconds(10) == policy.RETRY_MAX_SECONDS
-    assert policy.retry_delay_seconds(0, suggested=7) == 7
-    assert policy.retry_delay_seconds(0, settle=4.5) == 4.5 and policy.retry_delay_seconds(4, settle=4.5) == 16
+    assert retries.retry_delay_seconds(0) == 1 and retries.retry_delay_seconds(10) == retries.RETRY_MAX_SECONDS
+    assert retries.retry_delay_seconds(0, suggested=7) == 7
+    assert retries.retry_delay_seconds(0, settle=4.5) == 4.5 and retries.retry_delay_seconds(4, settle=4.5) == 16
 
 
 def test_approval_needed_for_writes_only_by_default() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from workflows import policy
+from workflows import retries
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, Checkpoint, Mint, RunTool, Show, Sleep, Wait
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect
@@ -237,9 +237,9 @@ class Steps(RunModel):
         require(step is not None, "no plan step to execute")
         info = self.tool_info(step)
         effect = info.effect if info else ToolEffect.UNSAFE
-        outcome = policy.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
+        outcome = retries.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
         data.step_outcome = outcome
-        next_state, why = policy.after_tool_failure(
+        next_state, why = retries.after_tool_failure(
             effect,
             permanent=failure.permanent,
             retries_done=data.step_retries,
@@ -270,8 +270,8 @@ class Steps(RunModel):
             return None
         data.last_error = self._error_line(step, outcome, failure.code)
         # Unknown: whatever the attempt sent must have landed before a retry (or lookup) runs.
-        settle = policy.settle_seconds(policy.tool_timeouts(info.timeout_seconds), failure.code) if info and outcome == "unknown" else 0.0
-        delay = policy.retry_delay_seconds(data.step_retries, failure.suggested_delay, settle)
+        settle = retries.settle_seconds(retries.tool_timeouts(info.timeout_seconds), failure.code) if info and outcome == "unknown" else 0.0
+        delay = retries.retry_delay_seconds(data.step_retries, failure.suggested_delay, settle)
         data.step_retries += 1
         data.retries += 1
         # A compensation waits out its backoff in COMPENSATING: the retry is on the record.
@@ -324,7 +324,7 @@ class Steps(RunModel):
         effect = info.effect if info else ToolEffect.UNSAFE
         settled: EffectOutcome = "failed"
         if failure is not None:
-            settled = policy.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
+            settled = retries.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
         if settled == "failed" and self.data.step_outcome == "unknown":
             settled = "unknown"  # this attempt did nothing, an earlier one may have
         code = failure.code if failure else "cancelled"
@@ -367,7 +367,7 @@ class Steps(RunModel):
         if call is None:
             return
         data_state = self.data.lifecycle.state
-        timeouts = policy.tool_timeouts(info.timeout_seconds)
+        timeouts = retries.tool_timeouts(info.timeout_seconds)
         writes = info.effect != ToolEffect.READ_ONLY
         activity_id = None
         if writes:
