@@ -78,17 +78,19 @@ def state_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ[KEY_SETTING] = previous
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+@pytest_asyncio.fixture(loop_scope="session")
 async def ts_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A time-skipping server of the test's own (it starts in about a tenth of a second). Its
+    clock is the whole server's: shared, one test's open run or in-flight activity would hold
+    time still for every later test, and a timer it waits for would never fire."""
     env = await start_time_skipping()
     yield env
+    await terminate_started(env.client)
     await env.shutdown()
 
 
 async def start_time_skipping() -> WorkflowEnvironment:
-    """The time-skipping test server, our search attributes registered. Its clock is the whole
-    server's: a test that skips hours while other tests' activities run waits for them, so such
-    a test starts a server of its own."""
+    """The time-skipping test server, our search attributes registered."""
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=str(BIN / "temporal-test-server"),
         data_converter=pydantic_data_converter,
@@ -326,19 +328,28 @@ async def start_run(client: Client, worker: Worker, request: RunRequest, run_id:
 
 @pytest_asyncio.fixture(autouse=True)
 async def _no_run_left_open() -> AsyncIterator[None]:
-    """A run a test leaves open (it failed midway, or did not need the end) is terminated: on the
-    shared time-skipping server its next workflow task, with no worker left to take it, would
-    stop time skipping for every later test."""
+    """A run a test leaves open (it failed midway, or did not need the end) is terminated: on a
+    shared server its next workflow task, with no worker left to take it, would keep polling
+    workers and timers busy for every later test."""
     _STARTED.clear()
     yield
-    for client, workflow_id in _STARTED:
+    await terminate_started()
+
+
+async def terminate_started(client: Client | None = None) -> None:
+    """Terminate the runs this test started (on `client`'s server only, when given): a server a
+    fixture is about to stop calls this first, so nothing later retries against it."""
+    for started in list(_STARTED):
+        started_client, workflow_id = started
+        if client is not None and started_client is not client:
+            continue
+        _STARTED.remove(started)
         try:
             # The latest run of the id (it may have continued as new); a closed one answers
             # NOT_FOUND: nothing to do.
-            await client.get_workflow_handle(workflow_id).terminate("test over")
+            await started_client.get_workflow_handle(workflow_id).terminate("test over")
         except RPCError:  # closed already (NOT_FOUND), or its server is gone
             pass
-    _STARTED.clear()
 
 
 async def flood_until_continued(current: WorkflowHandle, first_run: str, tag: str, decision: Any = None) -> int:

@@ -10,11 +10,9 @@ import base64
 import re
 import uuid
 from pathlib import Path
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -328,21 +326,9 @@ url = "http://127.0.0.1:9/hook"
 """
 
 
-@pytest_asyncio.fixture
-async def own_clock() -> AsyncIterator[WorkflowEnvironment]:
-    """A time-skipping server of this test's own: it skips hours, which the shared server can
-    only do once no other test's activity is in flight."""
-    from tests.conftest import start_time_skipping
-
-    env = await start_time_skipping()
-    yield env
-    await env.shutdown()
-
-
 async def test_escalation_stages_fire_on_skipped_time_and_widen_the_roles(
-    own_clock: WorkflowEnvironment, billing: Billing, tmp_path: Path
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
-    ts_env = own_clock
     path = tmp_path / "policy.toml"
     path.write_text(ESCALATING)
     async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(path))) as worker:
