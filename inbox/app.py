@@ -255,7 +255,7 @@ class Inbox:
             "requested_by": snap.requested_by,
             "requester_verified": snap.requester_verified,
             "plan_hash": snap.plan.plan_hash if snap.plan else None,
-            "plan_version": sum(1 for r in records if r.to_state == RunState.VALIDATED and r.kind == "transition"),
+            "plan_version": snap.plan.version if snap.plan else 0,
             "steps": steps,
             "pending": None if pending is None else {
                 **self._row(snap, now),

@@ -105,4 +105,5 @@ async def test_a_plan_swapped_under_the_open_page_is_refused_as_stale(stack: Sta
     await page.goto(f"{stack.dev_url}/runs/{run_id}")
     await expect(page.locator("table.steps")).to_contain_text("490.00 EUR (49000)")
     await expect(page.locator("table.steps")).to_contain_text("mallory@evil.example")
+    await expect(page.get_by_text("version 2, hash")).to_be_visible()  # the plan's own version
     await tether_client.cancel(stack.client, run_id, reason="test over")
