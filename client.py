@@ -69,7 +69,6 @@ from workflows.contract import (
     ExecutedStep,
     HandoffRequest,
     Plan,
-    RevisedStep,
     ReviseDecideRequest,
     first_error,
 )
@@ -999,27 +998,6 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     return decision
 
 
-def parse_edits(edits: Sequence[Sequence[str]]) -> list[tuple[int, str, Any]]:
-    """``--step N KEY=VALUE ...`` as (step, key, value); a value that is JSON is taken as JSON
-    (``1000``, ``true``, ``"1000"``), anything else as text."""
-    import json
-
-    out: list[tuple[int, str, Any]] = []
-    for edit in edits:
-        if len(edit) < 2 or not edit[0].isdigit() or int(edit[0]) < 1:
-            raise TetherError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
-        for pair in edit[1:]:
-            key, sep, text = pair.partition("=")
-            if not sep or not key:
-                raise TetherError(f"--step: {pair[:60]!r} is not KEY=VALUE")
-            try:
-                value: Any = json.loads(text)
-            except json.JSONDecodeError:
-                value = text
-            out.append((int(edit[0]), key, value))
-    return out
-
-
 def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
     """The whole plan as ``{tool, args}`` steps with the edits applied (the run validates it)."""
     steps = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
@@ -1028,55 +1006,6 @@ def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dic
             raise TetherError(f"--step {number}: the pending plan has {len(steps)} step(s)", REFUSED)
         steps[number - 1]["args"][key] = value
     return steps
-
-
-def load_steps_file(path: Path, what: str = "steps file", model: type[BaseModel] = RevisedStep) -> list[Any]:
-    """A JSON list of ``{tool, args}`` steps (or ``{"steps": [...]}``), each validated as
-    ``model``: a playbook, or the whole revised plan of ``tether revise --steps-file``."""
-    import json
-
-    try:
-        raw = json.loads(path.read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
-    raw = raw.get("steps") if isinstance(raw, dict) else raw
-    if not isinstance(raw, list):
-        raise TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
-    try:
-        return [model.model_validate(s) for s in raw]
-    except ValidationError as e:
-        raise invalid(f"{what} {path}", e) from None
-
-
-def revision_diff(plan: Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
-    """What a revision changes, for the person making it: RFC 6902 operations with their values
-    (escaped), e.g. ``replace /1/args/amount_cents: 9000 -> 1000``. Never recorded."""
-    from workflows.display import escape_text, show_value
-    from workflows.revision import patch
-
-    old = [{"tool": s.tool, "args": s.args} for s in plan.steps]
-    lines = []
-    for op in patch(plan.steps, [RevisedStep.model_validate(s) for s in steps]):
-        path = op["path"]
-        if op["op"] == "replace":
-            before = _pointer(old, path)
-            lines.append(f"replace {escape_text(path, 200)}: {show_value(before, 200)} -> {show_value(op['value'], 200)}")
-        elif op["op"] == "remove":
-            lines.append(f"remove {escape_text(path, 200)}: {show_value(_pointer(old, path), 200)}")
-        else:
-            lines.append(f"{op['op']} {escape_text(path, 200)}: {show_value(op.get('value', op.get('from')), 200)}")
-    return lines
-
-
-def _pointer(document: Any, path: str) -> Any:
-    import jsonpointer
-
-    try:
-        return jsonpointer.resolve_pointer(document, path)
-    except jsonpointer.JsonPointerException:
-        return None
 
 
 async def revise(

@@ -24,16 +24,17 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 try:
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
     from temporalio.client import WorkflowFailureError
 
     import client
     from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
     from workflows.display import escape_text as show
-    from workflows.contract import Limits, PlaybookStep
+    from workflows.contract import Limits, Plan, PlaybookStep, RevisedStep
     from workflows.run_state import RunRequest
     from workflows.published import BUILD
     from workflows.states import RunState, TransitionRecord
@@ -224,8 +225,77 @@ def format_list(rows: Sequence[client.RunSummary]) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
+# ----------------------------------------------------------------------------- plans from the command line
+
+
+def parse_edits(edits: Sequence[Sequence[str]]) -> list[tuple[int, str, Any]]:
+    """``--step N KEY=VALUE ...`` as (step, key, value); a value that is JSON is taken as JSON
+    (``1000``, ``true``, ``"1000"``), anything else as text."""
+    out: list[tuple[int, str, Any]] = []
+    for edit in edits:
+        if len(edit) < 2 or not edit[0].isdigit() or int(edit[0]) < 1:
+            raise TetherError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
+        for pair in edit[1:]:
+            key, sep, text = pair.partition("=")
+            if not sep or not key:
+                raise TetherError(f"--step: {pair[:60]!r} is not KEY=VALUE")
+            try:
+                value: Any = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
+            out.append((int(edit[0]), key, value))
+    return out
+
+
+def load_steps_file(path: Path, what: str = "steps file", model: type[BaseModel] = RevisedStep) -> list[Any]:
+    """A JSON list of ``{tool, args}`` steps (or ``{"steps": [...]}``), each validated as
+    ``model``: a playbook, or the whole revised plan of ``tether revise --steps-file``."""
+    try:
+        raw = json.loads(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
+    raw = raw.get("steps") if isinstance(raw, dict) else raw
+    if not isinstance(raw, list):
+        raise TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
+    try:
+        return [model.model_validate(s) for s in raw]
+    except ValidationError as e:
+        raise client.invalid(f"{what} {path}", e) from None
+
+
+def revision_diff(plan: Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
+    """What a revision changes, for the person making it: RFC 6902 operations with their values
+    (escaped), e.g. ``replace /1/args/amount_cents: 9000 -> 1000``. Never recorded."""
+    from workflows.display import escape_text, show_value
+    from workflows.revision import patch
+
+    old = [{"tool": s.tool, "args": s.args} for s in plan.steps]
+    lines = []
+    for op in patch(plan.steps, [RevisedStep.model_validate(s) for s in steps]):
+        path = op["path"]
+        if op["op"] == "replace":
+            before = _pointer(old, path)
+            lines.append(f"replace {escape_text(path, 200)}: {show_value(before, 200)} -> {show_value(op['value'], 200)}")
+        elif op["op"] == "remove":
+            lines.append(f"remove {escape_text(path, 200)}: {show_value(_pointer(old, path), 200)}")
+        else:
+            lines.append(f"{op['op']} {escape_text(path, 200)}: {show_value(op.get('value', op.get('from')), 200)}")
+    return lines
+
+
+def _pointer(document: Any, path: str) -> Any:
+    import jsonpointer
+
+    try:
+        return jsonpointer.resolve_pointer(document, path)
+    except jsonpointer.JsonPointerException:
+        return None
+
+
 def _load_playbook(path: str | None) -> list[PlaybookStep]:
-    return client.load_steps_file(Path(path), "playbook", PlaybookStep) if path is not None else []
+    return load_steps_file(Path(path), "playbook", PlaybookStep) if path is not None else []
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
@@ -409,8 +479,8 @@ async def cmd_revise(args: argparse.Namespace) -> int:
     if snap.plan is None or snap.pending_approval is None:
         raise TetherError(f"run {args.run} is {snap.state.value}, not awaiting approval", REFUSED)
     steps = (
-        [s.model_dump() for s in client.load_steps_file(Path(args.steps_file))] if args.steps_file
-        else client.revised_steps(snap.plan, client.parse_edits(args.step))
+        [s.model_dump() for s in load_steps_file(Path(args.steps_file))] if args.steps_file
+        else client.revised_steps(snap.plan, parse_edits(args.step))
     )
     given = client.DecisionInput(
         by=args.by, plan_hash=args.plan_hash, decision_id=args.decision_id, reason=args.reason,
@@ -418,7 +488,7 @@ async def cmd_revise(args: argparse.Namespace) -> int:
     )
     # The person sees the values they change; the run records only the paths.
     print(f"revising plan v{snap.plan.version} {snap.plan.plan_hash} of run {args.run}:")
-    for line in client.revision_diff(snap.plan, steps) or ["(no change)"]:
+    for line in revision_diff(snap.plan, steps) or ["(no change)"]:
         print(f"  {line}")
     verdict = await client.revise(conn, args.run, given, steps)
     return _print_verdict(verdict)
