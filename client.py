@@ -64,6 +64,7 @@ from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE
 from workflows.details import start_details, start_summary
 from workflows.contract import (
     NAME_PATTERN,
+    CompensationCall,
     DecideRequest,
     DecideResult,
     ExecutedStep,
@@ -793,14 +794,38 @@ async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]
     return streams.get(run_id, [])
 
 
+async def undo_standing(compensations: list[CompensationCall]) -> list[CompensationCall]:
+    """Each write's undo as the workers' undo ledger (beside their audit sink: TETHER_AUDIT_DSN /
+    TETHER_AUDIT_DIR) says it stands: undone by which run and when, or started with its outcome
+    unknown (it may have applied). As the run recorded it when this client cannot read the ledger."""
+    if not any(c.tool and c.status != "ok" for c in compensations):
+        return compensations
+    from activities.audit import sink_from_env
+    from activities.recovery import RecoveryActivities
+    from activities.undo_ledger import ledger_for
+
+    try:
+        ledger = ledger_for(sink_from_env())
+        try:
+            return await RecoveryActivities.standing_in(ledger, compensations)
+        finally:
+            await ledger.aclose()
+    except Exception:  # noqa: BLE001 (not this client's ledger to read: the run's record is shown)
+        return compensations
+
+
 async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
     """The run's state, and for a run that has ended the reason on its final record.
 
     By default from what the run published where it last rested (its memo; ``published_at``
     says when): no worker is needed and nothing reaches the run. ``live``: the ``snapshot`` and
     ``timeline`` queries, through a worker. A run that has published nothing yet is read live.
+    Each write's undo is shown as the undo ledger says it stands (``undo_standing``).
     """
-    return (await read_run(client, run_id, live=live))[0]
+    result = (await read_run(client, run_id, live=live))[0]
+    if result.ended:
+        result.compensations = await undo_standing(result.compensations)
+    return result
 
 
 async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
@@ -1303,22 +1328,62 @@ async def cancel(
 
 
 def compensation_id(run_id: str) -> str:
-    """The one compensation run a run can have (a second ``tether compensate`` is refused)."""
+    """The workflow id of a run's compensation runs: one at a time; a new one may follow one
+    that ended however it ended (refused, failed, cancelled, terminated, handed off)."""
     return f"{run_id}-compensate"
 
 
+def compensate_refusal(
+    by: str, snap: RunSnapshot, standing: list[CompensationCall], policy_path: Path | None
+) -> TetherError | None:
+    """Why ``tether compensate`` of this ended run is refused, as far as a client can tell: the
+    run did not end where its writes are left to a person (a COMPLETED run kept them by design),
+    nothing of it is left to undo (the undo ledger says every undo is done), or the policy file
+    (when this client has it) does not let ``by`` compensate."""
+    if snap.state not in policy.COMPENSABLE_STATES:
+        states = ", ".join(sorted(s.value for s in policy.COMPENSABLE_STATES))
+        return TetherError(f"run {snap.run_id} ended {snap.state.value}: its writes are kept; only runs ended {states} "
+                           "are compensated [rule: not_compensable]", REFUSED, rule="not_compensable")
+    if not any(c.tool and c.status != "ok" for c in standing):
+        done = [c for c in standing if c.status == "ok"]
+        return TetherError(f"run {snap.run_id} has no write left to undo ({len(done)} undone) [rule: nothing_to_compensate]",
+                           REFUSED, rule="nothing_to_compensate")
+    if policy_path is None:
+        return None
+    from activities.policy import PolicyFileError, PolicyStore
+
+    try:
+        tenant_policy, _ = PolicyStore(policy_path).tenant(snap.tenant)
+    except (PolicyFileError, OSError, ValueError) as e:
+        return TetherError(f"cannot read the policy file {policy_path}: {e}")
+    refusal = policy.compensator_refusal(tenant_policy, by)
+    if refusal is not None:
+        return TetherError(f"{refusal.message} [rule: {refusal.rule}]", REFUSED, rule=refusal.rule)
+    return None
+
+
 async def compensate(
-    client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None
+    client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
+    rerun_unknown: Sequence[str] = (), policy_path: Path | None = None,
 ) -> WorkflowHandle:
     """Start the governed compensation run of an ended run: it undoes the ok writes the
     original's approvals covered (read from the original's record by the worker, not sent
-    from here), as ``by`` — who must hold an approval role of the run's tenant."""
+    from here), as ``by`` — who must hold an approval role of the run's tenant. Nothing a
+    compensation run does uses recovery up: another may follow it, and the worker's undo ledger
+    starts each undo at most once whichever run asks. ``rerun_unknown``: the steps (tool call
+    ids) whose unsafe undo may have applied that ``by`` instructs it to run again."""
     snap = await snapshot(client, run_id)  # its tenant; the worker checks everything again
     if snap.state not in TERMINAL:
         raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
+    # Refused here, before anything starts, where this client can tell (a refused request leaves
+    # no Failed execution behind); the compensation run's worker judges everything again.
+    refused = compensate_refusal(by, snap, await undo_standing(snap.compensations), policy_path)
+    if refused is not None:
+        raise refused
     try:
         request = RunRequest(
             goal=f"compensate run {run_id}", tenant=snap.tenant, requested_by=by, compensate_run=run_id,
+            rerun_unknown=list(rerun_unknown),
         )
     except ValidationError as e:
         raise invalid("compensation request", e) from None
@@ -1326,10 +1391,10 @@ async def compensate(
     if key is not None:
         request = sign_request(request, new_id, key)
     try:
-        return await start_run(client, request, run_id=new_id, queue=queue)
+        return await start_run(client, request, run_id=new_id, queue=queue, allow_id_reuse=True)
     except TetherError as e:
         if "already exists" in str(e):
-            raise TetherError(f"run {run_id} already has its compensation run {new_id}: see `tether status {new_id}`", REFUSED) from None
+            raise TetherError(f"run {run_id} is being compensated now by {new_id}: see `tether status {new_id}`", REFUSED) from None
         raise
 
 

@@ -37,6 +37,7 @@ try:
     from workflows.contract import Limits, Plan, PlaybookStep, RevisedStep
     from workflows.run_state import RunRequest
     from workflows.published import BUILD
+    from workflows import policy, wording
     from workflows.states import RunState, TransitionRecord
 except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
     print(f"error: {e.name} is not installed for {sys.executable}; run `make install`, then use "
@@ -174,13 +175,13 @@ def format_status(s: client.RunStatus) -> str:
                          + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
         lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
     for c in s.compensations:
-        # Each ok write and its undo: what `compensate` would run (ids and names, escaped).
-        undo = f"{show(c.tool, 64)} {c.status}" if c.tool else f"no recovery path ({show(c.error or '', 200)})"
-        lines.append(f"undo       {show(c.of, 128)} {show(c.of_tool, 64)}: {undo}")
-    if s.ended and s.state in (RunState.HANDED_OFF, RunState.EXECUTION_FAILED) and any(
-        c.status != "ok" and c.tool for c in s.compensations
-    ):
+        # Each ok write and where its undo stands (ids and names, escaped).
+        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {wording.write_standing(c)}")
+    if s.ended and s.state in policy.COMPENSABLE_STATES and any(c.status != "ok" and c.tool for c in s.compensations):
         lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME")
+    if any(c.status == "unknown" for c in s.compensations):
+        lines.append(f"           check the target, then: {invoked_as()} compensate {show(shlex.quote(s.run_id))} "
+                     "--by NAME --rerun-unknown STEP")
     if s.answer:
         lines.append(f"answer     {show(s.answer)}")
     return "\n".join(lines)
@@ -635,7 +636,11 @@ async def cmd_tools(args: argparse.Namespace) -> int:
 
 async def cmd_compensate(args: argparse.Namespace) -> int:
     conn = await client.connect()
-    handle = await client.compensate(conn, args.run, by=args.by, key=Path(args.key) if args.key else None)
+    policy_path = args.policy or os.environ.get("TETHER_POLICY") or None
+    handle = await client.compensate(
+        conn, args.run, by=args.by, key=Path(args.key) if args.key else None, rerun_unknown=args.rerun_unknown or (),
+        policy_path=Path(policy_path) if policy_path else None,
+    )
     print(f"started {show(handle.id)}: the compensation of {show(args.run)}")
     if not args.wait:
         return OK
@@ -821,6 +826,10 @@ def _compensate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run")
     p.add_argument("--by", required=True, metavar="NAME", help="who asks: an approver of the run's tenant")
     p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the request (see keygen)")
+    p.add_argument("--policy", metavar="PATH",
+                   help="the policy file, to refuse a name it does not let compensate before starting (default TETHER_POLICY)")
+    p.add_argument("--rerun-unknown", action="append", metavar="STEP",
+                   help="run again the unsafe undo of this step (tool call id) that may have applied (repeatable)")
     p.add_argument("--wait", action="store_true", help="wait until it has ended; exit 1 unless COMPENSATED")
     p.add_argument("--wait-timeout", type=float, default=60.0, metavar="SECONDS")
 

@@ -36,6 +36,7 @@ from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, ch
 from activities.recovery import RecoveryActivities
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
+from activities.undo_ledger import ledger_for
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
@@ -72,14 +73,16 @@ def create_worker(
     # carried state, mints every write's capability and checks every attested answer with it;
     # the activities attest their answers and verify capabilities.
     keys = keys or KeyRing.from_env()
-    tools = ToolActivities(registry, keys)
+    # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR), and the undo ledger beside it: each
+    # undo is started at most once, whichever run asks (activities/undo_ledger.py).
+    audit = audit or AuditActivities()
+    ledger = ledger_for(audit.sink)
+    tools = ToolActivities(registry, keys, ledger)
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
     if rules.keys is None:
         rules.keys = keys
     notify = NotifyActivities(rules.store)
-    # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
-    audit = audit or AuditActivities()
-    recovery = RecoveryActivities(client, keys)
+    recovery = RecoveryActivities(client, keys, ledger)
     setup = SetupActivities(tools, rules)
     return Worker(
         client,

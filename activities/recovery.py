@@ -13,14 +13,17 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.keys import KeyRing, attest
+from activities.undo_ledger import LedgerEntry, UndoLedger
+from workflows.contract import CompensationCall
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal
 from workflows.run_state import RunSnapshot
 
 
 class RecoveryActivities:
-    def __init__(self, client: Client, keys: KeyRing) -> None:
+    def __init__(self, client: Client, keys: KeyRing, ledger: UndoLedger | None = None) -> None:
         self.client = client
         self.keys = keys  # attests the answer: a keyless poller cannot say what gets undone
+        self.ledger = ledger  # what any run already undid, or started (activities/undo_ledger.py)
 
     @activity.defn(name="recovery_source")
     async def recovery_source(self, request: RecoveryRequest) -> RecoverySource:
@@ -45,4 +48,25 @@ class RecoveryActivities:
         if snap.tenant != request.tenant:
             # Same answer as an unknown run: one tenant does not learn about another's runs.
             return refused("unknown_run", f"no run {request.run_id!r} in tenant {request.tenant!r}")
-        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=snap.compensations)
+        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=await self.standing(snap.compensations))
+
+    async def standing(self, compensations: list[CompensationCall]) -> list[CompensationCall]:
+        """The original's compensations as the undo ledger says they stand now: done by a
+        compensation run (``ok``), or started with the outcome unknown (``unknown``: it may
+        have applied). The original's record is closed; its compensation runs wrote here."""
+        if self.ledger is None:
+            return compensations
+        return await self.standing_in(self.ledger, compensations)
+
+    @staticmethod
+    async def standing_in(ledger: UndoLedger, compensations: list[CompensationCall]) -> list[CompensationCall]:
+        entries = await ledger.entries([c.idempotency_key for c in compensations if c.tool and c.status != "ok"])
+        return [undo_standing(c, entries.get(c.idempotency_key)) for c in compensations]
+
+
+def undo_standing(call: CompensationCall, entry: LedgerEntry | None) -> CompensationCall:
+    """One compensation as the ledger says it stands (the ledger knows more than a closed record)."""
+    if entry is None or entry.state == "released" or call.status == "ok":
+        return call
+    status = "ok" if entry.state == "done" else "unknown"
+    return call.model_copy(update={"status": status, "undone_by": entry.by_workflow, "undone_at": entry.at})

@@ -47,10 +47,12 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.keys import KeyRing, attest, capability_refusal
+from activities.undo_ledger import UndoLedger
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
 from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, ToolCall, ToolOutcome
+from workflows.recovery import UNDO_KEY_SUFFIX
 from workflows.retries import ToolTimeouts, tool_timeouts
 from workflows.validation import BoundedValidator, PatternError, schema_problem
 
@@ -59,6 +61,9 @@ log = logging.getLogger("tether.tools")
 # Observations are cut to this many characters before they enter workflow history, so history
 # does not grow with the size of tool results. The digest covers the full result.
 MAX_OBSERVATION_CHARS = 4000
+
+# An undo whose earlier start never settled, of an unsafe tool: not run again (outcome unknown).
+UNDO_MAY_HAVE_APPLIED = "undo_may_have_applied"
 
 
 class ToolError(Exception):
@@ -394,9 +399,10 @@ def bounded_observation(result: Any) -> ToolOutcome:
 class ToolActivities:
     """The activities that expose a registry's tools to the workflow."""
 
-    def __init__(self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None) -> None:
+    def __init__(self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None, ledger: UndoLedger | None = None) -> None:
         self.registry = registry
         self.keys = keys  # verifies the capability every write attempt must carry
+        self.ledger = ledger  # each undo started at most once, whoever asks (activities/undo_ledger.py)
 
     @activity.defn(name="execute_tool")
     async def execute_tool(self, call: ToolCall) -> ToolOutcome:
@@ -435,19 +441,64 @@ class ToolActivities:
                 deadline=datetime.now(timezone.utc) + timedelta(seconds=timeouts.run),
             )
             attempt = _Attempt(ctx, timeouts, started)
+            undo = self._undo_key(spec, call)
+            look_up_first = call.attempt > 1
+            if undo is not None:
+                held = await self._claim(spec, call, undo)
+                if isinstance(held, ToolOutcome):
+                    return self._outcome(spec, call, held)
+                look_up_first = look_up_first or held
             try:
-                if spec.effect == ToolEffect.RECONCILABLE and call.attempt > 1 and spec.lookup_fn:
+                if spec.effect == ToolEffect.RECONCILABLE and look_up_first and spec.lookup_fn:
                     # A previous attempt may have acted before we lost its answer: find it first.
                     # The workflow starts this attempt only once the previous one is over.
                     previous = await attempt.run(spec.lookup_fn, ctx)
                     if previous is not None:
                         activity.logger.info("reconciled %s by key %s", spec.name, ctx.idempotency_key)
-                        return self._outcome(spec, call, bounded_observation(previous))
+                        return await self._settled(spec, call, undo, bounded_observation(previous))
                     attempt.stop_if_cancelled()
                 result = await attempt.run(spec.fn, args, ctx)
             except ToolError as e:
+                if e.permanent and undo is not None and self.ledger is not None:
+                    await self.ledger.release(undo)  # refused by the target: known not applied
                 raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
-            return self._outcome(spec, call, bounded_observation(result))
+            return await self._settled(spec, call, undo, bounded_observation(result))
+
+    def _undo_key(self, spec: ToolSpec, call: ToolCall) -> str | None:
+        """The ledger key of an undo: its idempotency key, which derives from the original write's
+        and which the call's capability (minted by the run's workflow code) covers."""
+        if self.ledger is None or spec.effect == ToolEffect.READ_ONLY or not call.idempotency_key.endswith(UNDO_KEY_SUFFIX):
+            return None
+        return call.idempotency_key
+
+    async def _claim(self, spec: ToolSpec, call: ToolCall, key: str) -> ToolOutcome | bool:
+        """Claim the undo before the tool is called. Its recorded outcome when some run already
+        did it (the tool is not called again); True when an earlier claim never settled (it may
+        have applied) and the undo tool's effect allows running it again; else refused."""
+        assert self.ledger is not None
+        info = activity.info()
+        held = await self.ledger.claim(key, tool=spec.name, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+        if held is None:
+            return False
+        if held.state == "done":
+            log.info("undo %s already done by %s at %s: not started again", key[:200], held.by_workflow[:200], held.at)
+            return ToolOutcome.model_validate_json(held.outcome)
+        rerun = call.capability is not None and call.capability.rerun_unknown
+        if spec.effect == ToolEffect.UNSAFE and not rerun:
+            raise ApplicationError(
+                f"the undo {call.tool_call_id} ({spec.name}) may have applied: run {held.by_workflow} started it at "
+                f"{held.at.isoformat(timespec='seconds')} and its outcome is unknown; {spec.name} is unsafe, so it "
+                "is re-run only on an approver's recorded instruction (tether compensate RUN --rerun-unknown STEP)",
+                type=UNDO_MAY_HAVE_APPLIED,
+            )
+        await self.ledger.reclaim(key, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+        return True  # idempotent: the target dedupes on the same key; reconcilable: look it up first
+
+    async def _settled(self, spec: ToolSpec, call: ToolCall, undo: str | None, outcome: ToolOutcome) -> ToolOutcome:
+        if undo is not None and self.ledger is not None:
+            info = activity.info()
+            await self.ledger.done(undo, outcome.model_dump_json(), workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+        return self._outcome(spec, call, outcome)
 
     def _outcome(self, spec: ToolSpec, call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
         """A write's outcome decides what gets undone: attested with the fleet key (the run checks

@@ -500,10 +500,11 @@ async def test_compensate_after_an_unknown_outcome_hand_off(ts_env: WorkflowEnvi
         outcome = await approved_run(ts_env, worker, on_failure="compensate")
         assert outcome.state == S.HANDED_OFF and "COMPENSATING" not in path(outcome)
         handle = await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
-        # One compensation run per run: a second request is refused, whoever sends it.
-        with pytest.raises(tether_client.TetherError, match="already has its compensation run"):
-            await tether_client.compensate(ts_env.client, outcome.run_id, by="erin", queue=worker.task_queue)
         undo = await tether_client.run_outcome(handle)
+        # Once every undo is done (the undo ledger says so), another request is refused before
+        # anything starts, whoever sends it.
+        with pytest.raises(tether_client.TetherError, match="nothing_to_compensate"):
+            await tether_client.compensate(ts_env.client, outcome.run_id, by="erin", queue=worker.task_queue)
     assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
     check_timeline(undo.timeline, tools_by_call(undo))
     assert [c.of_tool for c in reversed(undo.compensations)] == ["post_ledger_entry", "issue_refund"]
@@ -565,3 +566,123 @@ async def test_on_cancel_compensate_puts_the_ok_writes_back_after_a_cancel(
                          compensations=snap.compensations)
     refunds, reversals = undo_state(billing, outcome)
     assert len(refunds) == 1 and refunds[0]["voided_at"] is not None and len(reversals) == 1
+
+
+# ----------------------------------------------------------------------------- the undo ledger
+
+
+class _Undo(BaseModel):
+    refund_id: str
+
+
+def _undo_tools(counts: dict[str, int], fail: dict[str, int]) -> ToolRegistry:
+    """An undo of each effect class, counting its calls (``fail``: how many calls answer as a
+    transient failure after they acted, the outcome unknown)."""
+    from activities.tools import ToolError
+
+    registry = ToolRegistry()
+
+    def act(name: str) -> dict:
+        counts[name] = counts.get(name, 0) + 1
+        if fail.get(name, 0) > 0:
+            fail[name] -= 1
+            raise ToolError("503 after the commit", code="unavailable")
+        return {"done": name}
+
+    @tool(effect=ToolEffect.IDEMPOTENT, registry=registry)
+    def void_it(args: _Undo, ctx: ToolContext) -> dict:
+        return act("void_it")
+
+    @tool(effect=ToolEffect.UNSAFE, registry=registry)
+    def apologise(args: _Undo, ctx: ToolContext) -> dict:
+        return act("apologise")
+
+    @tool(effect=ToolEffect.RECONCILABLE, registry=registry)
+    def reverse_it(args: _Undo, ctx: ToolContext) -> dict:
+        return act("reverse_it")
+
+    @reverse_it.lookup
+    def find_reversal(ctx: ToolContext) -> dict | None:
+        counts["lookup"] = counts.get("lookup", 0) + 1
+        return {"found": ctx.idempotency_key}
+
+    return registry
+
+
+async def run_undo(tools, undo: str, *, as_run: str, rerun: bool = False, attempt: int = 1):
+    """execute_tool of the undo of write ``orig:tc-1`` by ``undo`` (its capability minted as the
+    workflow code mints it), as an activity of workflow ``as_run``."""
+    import dataclasses
+
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.keys import KeyRing
+    from workflows import keys
+    from workflows.wire import ToolCall
+
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, workflow_id=as_run, workflow_run_id=f"{as_run}-run", activity_id="tool.1")
+    call = ToolCall(tool=undo, args={"refund_id": "R-1"}, tool_call_id="tc-1:undo", idempotency_key="orig:tc-1:undo",
+                    run_id=as_run, tenant="default", attempt=attempt)
+    call.capability = keys.mint(
+        KeyRing.from_env(), call, workflow_id=as_run, run_id=f"{as_run}-run", activity_id="tool.1", request_id="",
+        plan_hash="h" * 64, now=datetime.now(timezone.utc), ttl_seconds=30, rerun_unknown=rerun,
+    )
+    return await env.run(tools.execute_tool, call)
+
+
+async def test_the_tool_worker_starts_each_undo_once_whichever_run_asks(tmp_path) -> None:
+    """The worker's undo ledger, not the client's choice of id: an undo some run did is not
+    started again by any other run (its recorded outcome is the answer); one whose outcome is
+    unknown runs again only as its tool's effect allows, an unsafe one only on an approver's
+    recorded instruction."""
+    from temporalio.exceptions import ApplicationError
+
+    from activities.tools import ToolActivities, UNDO_MAY_HAVE_APPLIED
+    from activities.keys import KeyRing
+    from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
+
+    async def fresh(fail: dict[str, int] | None = None) -> tuple[ToolActivities, dict[str, int], SqliteUndoLedger]:
+        counts: dict[str, int] = {}
+        ledger = SqliteUndoLedger(tmp_path / f"{len(list(tmp_path.iterdir()))}" / LEDGER_FILE)
+        return ToolActivities(_undo_tools(counts, fail or {}), KeyRing.from_env(), ledger), counts, ledger
+
+    # Done once: three runs under three ids (and a reset run under the same id) ask; one call.
+    tools, counts, ledger = await fresh()
+    first = await run_undo(tools, "void_it", as_run="orig-compensate")
+    for other in ("orig-compensate", "another-id", "a-third-id"):
+        again = await run_undo(tools, "void_it", as_run=other)
+        assert again.observation == first.observation and again.attestation is not None
+    assert counts == {"void_it": 1}
+    entry = (await ledger.entries(["orig:tc-1:undo"]))["orig:tc-1:undo"]
+    assert (entry.state, entry.by_workflow) == ("done", "orig-compensate")
+
+    # Unsafe, outcome unknown: refused as "may have applied" (the tool not called) until an
+    # approver's instruction is in the capability.
+    tools, counts, ledger = await fresh({"apologise": 1})
+    with pytest.raises(ApplicationError):
+        await run_undo(tools, "apologise", as_run="orig")
+    for other in ("orig-compensate", "orig"):
+        with pytest.raises(ApplicationError) as refused:
+            await run_undo(tools, "apologise", as_run=other, attempt=2)
+        assert refused.value.type == UNDO_MAY_HAVE_APPLIED and not refused.value.non_retryable
+        assert "may have applied" in refused.value.message and "--rerun-unknown" in refused.value.message
+    assert counts == {"apologise": 1}
+    await run_undo(tools, "apologise", as_run="orig-compensate", rerun=True)
+    assert counts == {"apologise": 2}
+    await run_undo(tools, "apologise", as_run="yet-another", rerun=True)  # done now: never again
+    assert counts == {"apologise": 2}
+
+    # Idempotent, outcome unknown: run again under the same key (the target dedupes).
+    tools, counts, _ = await fresh({"void_it": 1})
+    with pytest.raises(ApplicationError):
+        await run_undo(tools, "void_it", as_run="orig")
+    await run_undo(tools, "void_it", as_run="orig-compensate")
+    assert counts == {"void_it": 2}
+
+    # Reconcilable, outcome unknown: its effect is looked up first, by another run too.
+    tools, counts, _ = await fresh({"reverse_it": 1})
+    with pytest.raises(ApplicationError):
+        await run_undo(tools, "reverse_it", as_run="orig")
+    found = await run_undo(tools, "reverse_it", as_run="orig-compensate")
+    assert counts == {"reverse_it": 1, "lookup": 1} and "orig:tc-1:undo" in found.observation

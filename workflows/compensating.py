@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from workflows import policy, recovery
-from workflows.contract import PlanStep, ToolEffect
+from workflows.contract import CompensationCall, PlanStep, ToolEffect
 from workflows.run_model import RunModel, S, require
 from workflows.states import Refs
 from workflows.wire import AuthorityCheck, RecoverySource, Refusal, ToolOutcome
@@ -85,6 +85,20 @@ class Compensating(RunModel):
         (COMPENSATED when none is left, HANDED_OFF when the next one cannot be run)."""
         require(self.state == S.COMPENSATING, "not COMPENSATING")
         undo = self.current_undo()
+        unknown = [c for c in self.data.compensations if c.status == "unknown"]
+        if undo is None and unknown:
+            # Unknown is not failed: an unsafe undo that may have applied is never re-run blindly.
+            self.move(
+                S.HANDED_OFF,
+                at=at,
+                actor="runtime",
+                reason="may have applied (outcome unknown, not re-run): "
+                + ", ".join(f"{c.of} ({c.of_tool}) undo {c.tool}" for c in unknown[-20:])
+                + "; check the target, then re-run only on an approver's instruction: "
+                "tether compensate RUN --rerun-unknown STEP; " + self._undo_left(),
+                refs=Refs(plan_hash=unknown[-1].plan_hash or None, tool_call_id=unknown[-1].of, error_code="may_have_applied"),
+            )
+            return False
         if undo is None:
             done = [c for c in self.data.compensations if c.status == "ok"]
             self.move(
@@ -115,6 +129,21 @@ class Compensating(RunModel):
             return False
         return True
 
+    def _to_run(self, undo: CompensationCall) -> CompensationCall:
+        """A compensation run's copy of an undo not done: pending, unless it may have applied
+        (outcome unknown) and its tool is unsafe: then it runs again only on the requester's
+        recorded instruction (``rerun_unknown``), else it stays ``unknown``, listed for a person.
+        An idempotent undo runs again under its key; a reconcilable one is looked up first."""
+        if undo.status == "unknown" and self._unsafe(undo):
+            if undo.of in self.request.rerun_unknown or undo.tool_call_id in self.request.rerun_unknown:
+                return undo.model_copy(update={"status": "pending", "rerun": True})
+            return undo
+        return undo.model_copy(update={"status": "pending"})
+
+    def _unsafe(self, undo: CompensationCall) -> bool:
+        info = self.catalog.get(undo.tool) if undo.tool else None
+        return info is None or info.effect == ToolEffect.UNSAFE
+
     def begin_compensation(self, source: RecoverySource, at: datetime) -> None:
         """A compensation run (``tether compensate``): the original run's record is in. Run the
         compensations its approvals covered, if the requester may; else fail, saying why."""
@@ -136,7 +165,7 @@ class Compensating(RunModel):
             self.move(S.FAILED, at=at, actor=actor, reason=f"compensation refused [{refusal.rule}]: {refusal.message}",
                       refs=Refs(error_code=refusal.rule))
             return
-        self.data.compensations = [c.model_copy(update={"status": "pending"}) for c in source.compensations if c.status != "ok"]
+        self.data.compensations = [self._to_run(c) for c in pending]
         hashes = ", ".join(sorted({c.plan_hash[:12] for c in pending}))
         self.move(
             S.COMPENSATING,

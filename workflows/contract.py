@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, Literal
 
 import rfc8785
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator
 
 from workflows.identity import Name
 from workflows.states import EffectOutcome, RunState
@@ -351,6 +351,9 @@ class Revision(BaseModel):
     partial: bool = False  # made by a partial approval
 
 
+_STANDING = frozenset({"undone_by", "undone_at", "rerun"})
+
+
 class CompensationCall(BaseModel):
     """The undo of one ok write, built when the write succeeded (workflows/recovery.py).
 
@@ -367,6 +370,20 @@ class CompensationCall(BaseModel):
     approved_by: list[str] = Field(default_factory=list)  # empty: the policy auto-approved it
     error: str | None = None
     status: Literal["pending", "ok", "failed", "unknown"] = "pending"
+    # Where the undo ledger (activities/undo_ledger.py) says it stands, as a compensation run's
+    # ``recovery_source`` read it: the run (workflow id) that did it (``ok``) or started it with
+    # its outcome unknown (``unknown``: it may have applied), and when.
+    undone_by: str = ""
+    undone_at: datetime | None = None
+    # An approver's recorded instruction to run an unsafe undo whose outcome is unknown again
+    # (``tether compensate RUN --rerun-unknown STEP``); it is in the undo's capability.
+    rerun: bool = False
+
+    @model_serializer(mode="wrap")
+    def _without_unset_standing(self, handler: Any) -> dict[str, Any]:
+        # Left out at their defaults: an undo that is only the run's own reads (and hashes, in
+        # the authority check it rides in) as it did before the ledger existed.
+        return {k: v for k, v in handler(self).items() if not (k in _STANDING and v in ("", None, False))}
 
     @property
     def tool_call_id(self) -> str:

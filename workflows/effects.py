@@ -263,7 +263,7 @@ class Effects:
         return call.model_copy(update={"capability": keys.mint(
             self.ring(), call, workflow_id=wf.workflow_id, run_id=wf.run_id, activity_id=activity_id,
             request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
-            ttl_seconds=ttl_seconds,
+            ttl_seconds=ttl_seconds, rerun_unknown=check.undo is not None and check.undo.rerun,
         )})
 
     # ------------------------------------------------------------------ activities

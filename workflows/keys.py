@@ -137,6 +137,7 @@ def mint(
     plan_hash: str,
     now: datetime,
     ttl_seconds: float,
+    rerun_unknown: bool = False,
 ) -> Capability:
     """The capability of exactly one write attempt, minted by the run's own workflow code once
     the keyed re-check allowed it; the tool activity verifies it before calling the tool."""
@@ -153,6 +154,7 @@ def mint(
         key_id="",
         expires_at=now + timedelta(seconds=ttl_seconds),
         mac="",
+        rerun_unknown=rerun_unknown,
     )
     kid, mac = ring.sign(fields.fields())
     return Capability.model_validate({**fields.model_dump(), "key_id": kid, "mac": mac})

@@ -261,7 +261,9 @@ def review_plan(
 # ----------------------------------------------------------------------------- recovery
 
 # Runs `tether compensate` may undo: they ended with ok writes a person has to deal with.
-COMPENSABLE_STATES = frozenset({RunState.HANDED_OFF, RunState.EXECUTION_FAILED})
+# A cancelled run too: a cancel during COMPENSATING ends CANCELLED naming what is left, and
+# `tether compensate` continues from there (docs/architecture.md, "Recovery").
+COMPENSABLE_STATES = frozenset({RunState.HANDED_OFF, RunState.EXECUTION_FAILED, RunState.CANCELLED})
 
 
 def recovery_refusal(

@@ -7,7 +7,7 @@ its result.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer, model_validator
 
@@ -51,6 +51,10 @@ class RunRequest(Contract):
     # Set by ``tether compensate``: this run is the governed compensation of that (ended) run: it
     # runs the compensations the original's approvals covered, nothing else.
     compensate_run: str | None = Field(None, min_length=1, max_length=256)
+    # A compensation run only: the undos of unsafe tools whose outcome is unknown (they may have
+    # applied) that the requester, an approver, instructs it to run again (``tether compensate
+    # RUN --rerun-unknown STEP``: the original step's tool call id); the rest are listed for a person.
+    rerun_unknown: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=64)
     # Ed25519 signature (base64) by the requester over policy.start_signature_payload(...):
     # required where the tenant sets require_signatures, else the requester is only claimed.
     requester_signature: str | None = Field(None, max_length=200)
@@ -62,6 +66,11 @@ class RunRequest(Contract):
     # worker's seal over it. A start input that carries state is refused (docs/architecture.md).
     carryover: RunData | None = None
     carryover_seal: str | None = Field(None, max_length=200)
+
+    @model_serializer(mode="wrap")
+    def _without_unset_rerun(self, handler: Any) -> dict[str, Any]:
+        # Left out when empty: a request reads (and sizes) as it did before it existed.
+        return {k: v for k, v in handler(self).items() if not (k == "rerun_unknown" and v == [])}
 
     @model_validator(mode="after")
     def _within_budget(self) -> RunRequest:
@@ -76,6 +85,8 @@ class RunRequest(Contract):
         body = self.model_dump(mode="json", include={"goal", "tenant", "planner", "playbook", "limits"})
         # New fields join the signed body only when set: signatures made before them still hold.
         body.update(self.model_dump(mode="json", include={"on_failure", "on_cancel", "compensate_run"}, exclude_none=True))
+        if self.rerun_unknown:
+            body["rerun_unknown"] = list(self.rerun_unknown)
         return json_digest(body)
 
 

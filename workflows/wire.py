@@ -52,10 +52,14 @@ class Capability(BaseModel):
     key_id: str  # the fleet key (activities/keys.py) that made ``mac``
     expires_at: datetime  # the attempt's deadline: refused after it
     mac: str
+    # An undo of an unsafe tool whose earlier start may have applied, run again on an approver's
+    # recorded instruction (``tether compensate RUN --rerun-unknown STEP``).
+    rerun_unknown: bool = False
 
     def fields(self) -> dict[str, Any]:
-        """What the mac covers (everything but the mac; the key id is added by the ring)."""
-        return self.model_dump(mode="json", exclude={"mac", "key_id"})
+        """What the mac covers (everything but the mac; the key id is added by the ring; the
+        re-run instruction only when given, so capabilities without one verify as before)."""
+        return self.model_dump(mode="json", exclude={"mac", "key_id"} | (set() if self.rerun_unknown else {"rerun_unknown"}))
 
 
 def args_digest(args: dict[str, Any]) -> str:

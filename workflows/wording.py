@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from workflows.display import escape_text
-from workflows.contract import Compensation, ToolEffect
+from workflows.contract import Compensation, CompensationCall, ToolEffect
 
 # The JSON Schema annotation a tool puts on an amount argument (examples/billing/tools.py):
 # ``{"x-money": {"currency": "EUR", "minor_units": 2}}``, or ``"currency_arg": NAME`` when
@@ -50,3 +50,20 @@ def arg_words(name: str, value: Any, schema: dict[str, Any] | None, args: dict[s
     """Money as a person reads it, with the raw value beside it; None: not money."""
     shown = money(value, ((schema or {}).get("properties") or {}).get(name), args)
     return None if shown is None else f"{shown} ({value})"
+
+
+def write_standing(call: CompensationCall) -> str:
+    """Where one ok write stands, as every view says it: kept (and its undo, if it has one),
+    undone (by which run, when), or may have applied (an undo started, its outcome unknown)."""
+    tool = escape_text(call.tool, 64) if call.tool else ""
+    by = f" by run {escape_text(call.undone_by, 200)}" if call.undone_by else ""
+    at = f" at {call.undone_at.isoformat(timespec='seconds')}" if call.undone_at else ""
+    if call.tool is None:
+        return f"kept; no recovery path ({escape_text(call.error or '', 200)})"
+    if call.status == "ok":
+        return f"undone ({tool}{by}{at})"
+    if call.status == "unknown":
+        return f"may have applied: undo {tool} started{by}{at}, outcome unknown"
+    if call.status == "failed":
+        return f"kept; undo {tool} failed (not applied)"
+    return f"kept; undo: {tool}"
