@@ -64,6 +64,8 @@ MAX_OBSERVATION_CHARS = 4000
 
 # An undo whose earlier start never settled, of an unsafe tool: not run again (outcome unknown).
 UNDO_MAY_HAVE_APPLIED = "undo_may_have_applied"
+# An undo another run's attempt may be running right now: tried again after a backoff.
+UNDO_IN_FLIGHT = "undo_in_flight"
 
 
 class ToolError(Exception):
@@ -459,8 +461,10 @@ class ToolActivities:
                     attempt.stop_if_cancelled()
                 result = await attempt.run(spec.fn, args, ctx)
             except ToolError as e:
-                if e.permanent and undo is not None and self.ledger is not None:
-                    await self.ledger.release(undo)  # refused by the target: known not applied
+                if undo is not None and self.ledger is not None:
+                    # Refused by the target: known not applied. Else the attempt is over (not
+                    # racing anyone now) and it may have applied.
+                    await (self.ledger.release(undo) if e.permanent else self.ledger.unknown(undo))
                 raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
             return await self._settled(spec, call, undo, bounded_observation(result))
 
@@ -490,6 +494,16 @@ class ToolActivities:
                 f"{held.at.isoformat(timespec='seconds')} and its outcome is unknown; {spec.name} is unsafe, so it "
                 "is re-run only on an approver's recorded instruction (tether compensate RUN --rerun-unknown STEP)",
                 type=UNDO_MAY_HAVE_APPLIED,
+            )
+        if held.state == "claimed" and held.by_workflow != info.workflow_id and datetime.now(timezone.utc) - held.at < timedelta(
+            seconds=tool_timeouts(spec.timeout_seconds).start_to_close
+        ):
+            # Another run's attempt may still be running it: not a second request now; this run
+            # tries again after its backoff, and by then finds it done (or its outcome unknown).
+            raise ApplicationError(
+                f"the undo {call.tool_call_id} ({spec.name}) is being run by run {held.by_workflow} "
+                f"(started at {held.at.isoformat(timespec='seconds')}): not started twice at once",
+                type=UNDO_IN_FLIGHT,
             )
         await self.ledger.reclaim(key, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
         return True  # idempotent: the target dedupes on the same key; reconcilable: look it up first

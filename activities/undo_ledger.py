@@ -33,7 +33,10 @@ from typing import Any, Literal, Protocol
 LEDGER_FILE = "undo-ledger.sqlite3"
 LEDGER_TABLE = "tether_undo_ledger"
 
-EntryState = Literal["claimed", "done", "released"]
+# claimed: started, its attempt may still be running (or its worker died); unknown: started, the
+# attempt is over and its outcome unknown; done: applied (outcome recorded); released: refused
+# by the target, known not applied (free to claim again).
+EntryState = Literal["claimed", "unknown", "done", "released"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,10 @@ class UndoLedger(Protocol):
 
     async def release(self, key: str) -> None:
         """The tool refused the undo: known not applied; a later call may claim it again."""
+        ...
+
+    async def unknown(self, key: str) -> None:
+        """The attempt is over and its outcome unknown (it may have applied)."""
         ...
 
     async def entries(self, keys: list[str]) -> dict[str, LedgerEntry]: ...
@@ -131,20 +138,26 @@ class SqliteUndoLedger:
 
     async def reclaim(self, key: str, *, workflow_id: str, run_id: str) -> None:
         await asyncio.to_thread(self._run, lambda conn: conn.execute(
-            f"UPDATE {LEDGER_TABLE} SET by_workflow = ?, by_run = ?, at = ? WHERE key = ? AND state = 'claimed'",
+            f"UPDATE {LEDGER_TABLE} SET state = 'claimed', by_workflow = ?, by_run = ?, at = ? "
+            "WHERE key = ? AND state IN ('claimed', 'unknown')",
             (workflow_id, run_id, _now().isoformat(), key),
         ))
 
     async def done(self, key: str, outcome: str, *, workflow_id: str, run_id: str) -> None:
         await asyncio.to_thread(self._run, lambda conn: conn.execute(
             f"UPDATE {LEDGER_TABLE} SET state = 'done', outcome = ?, by_workflow = ?, by_run = ?, at = ? "
-            "WHERE key = ? AND state = 'claimed'",
+            "WHERE key = ? AND state IN ('claimed', 'unknown')",
             (outcome, workflow_id, run_id, _now().isoformat(), key),
         ))
 
     async def release(self, key: str) -> None:
         await asyncio.to_thread(self._run, lambda conn: conn.execute(
             f"UPDATE {LEDGER_TABLE} SET state = 'released' WHERE key = ? AND state = 'claimed'", (key,)
+        ))
+
+    async def unknown(self, key: str) -> None:
+        await asyncio.to_thread(self._run, lambda conn: conn.execute(
+            f"UPDATE {LEDGER_TABLE} SET state = 'unknown' WHERE key = ? AND state = 'claimed'", (key,)
         ))
 
     async def entries(self, keys: list[str]) -> dict[str, LedgerEntry]:
@@ -225,20 +238,26 @@ class PostgresUndoLedger:
 
     async def reclaim(self, key: str, *, workflow_id: str, run_id: str) -> None:
         await self._with_connection(lambda conn: conn.execute(
-            f"UPDATE {LEDGER_TABLE} SET by_workflow = %s, by_run = %s, at = now() WHERE key = %s AND state = 'claimed'",
+            f"UPDATE {LEDGER_TABLE} SET state = 'claimed', by_workflow = %s, by_run = %s, at = now() "
+            "WHERE key = %s AND state IN ('claimed', 'unknown')",
             (workflow_id, run_id, key),
         ))
 
     async def done(self, key: str, outcome: str, *, workflow_id: str, run_id: str) -> None:
         await self._with_connection(lambda conn: conn.execute(
             f"UPDATE {LEDGER_TABLE} SET state = 'done', outcome = %s, by_workflow = %s, by_run = %s, at = now() "
-            "WHERE key = %s AND state = 'claimed'",
+            "WHERE key = %s AND state IN ('claimed', 'unknown')",
             (outcome, workflow_id, run_id, key),
         ))
 
     async def release(self, key: str) -> None:
         await self._with_connection(lambda conn: conn.execute(
             f"UPDATE {LEDGER_TABLE} SET state = 'released' WHERE key = %s AND state = 'claimed'", (key,)
+        ))
+
+    async def unknown(self, key: str) -> None:
+        await self._with_connection(lambda conn: conn.execute(
+            f"UPDATE {LEDGER_TABLE} SET state = 'unknown' WHERE key = %s AND state = 'claimed'", (key,)
         ))
 
     async def entries(self, keys: list[str]) -> dict[str, LedgerEntry]:

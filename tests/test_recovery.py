@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -638,7 +639,7 @@ async def test_the_tool_worker_starts_each_undo_once_whichever_run_asks(tmp_path
     recorded instruction."""
     from temporalio.exceptions import ApplicationError
 
-    from activities.tools import ToolActivities, UNDO_MAY_HAVE_APPLIED
+    from activities.tools import UNDO_IN_FLIGHT, UNDO_MAY_HAVE_APPLIED, ToolActivities
     from activities.keys import KeyRing
     from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
 
@@ -673,16 +674,139 @@ async def test_the_tool_worker_starts_each_undo_once_whichever_run_asks(tmp_path
     await run_undo(tools, "apologise", as_run="yet-another", rerun=True)  # done now: never again
     assert counts == {"apologise": 2}
 
-    # Idempotent, outcome unknown: run again under the same key (the target dedupes).
-    tools, counts, _ = await fresh({"void_it": 1})
+    # Idempotent: not started by another run while an attempt that started it may still be
+    # running (its worker went quiet); once that is over, or the attempt ended with its outcome
+    # unknown, run again under the same key (the target dedupes).
+    tools, counts, ledger = await fresh({"void_it": 1})
+    await ledger.claim("orig:tc-1:undo", tool="void_it", workflow_id="orig", run_id="orig-run")
+    with pytest.raises(ApplicationError) as busy:
+        await run_undo(tools, "void_it", as_run="orig-compensate")
+    assert busy.value.type == UNDO_IN_FLIGHT and not busy.value.non_retryable and counts == {}
+    age_claim(ledger, "orig:tc-1:undo")
     with pytest.raises(ApplicationError):
-        await run_undo(tools, "void_it", as_run="orig")
-    await run_undo(tools, "void_it", as_run="orig-compensate")
+        await run_undo(tools, "void_it", as_run="orig-compensate")  # fails, outcome unknown
+    await run_undo(tools, "void_it", as_run="another-id")
     assert counts == {"void_it": 2}
 
     # Reconcilable, outcome unknown: its effect is looked up first, by another run too.
-    tools, counts, _ = await fresh({"reverse_it": 1})
+    tools, counts, ledger = await fresh({"reverse_it": 1})
     with pytest.raises(ApplicationError):
         await run_undo(tools, "reverse_it", as_run="orig")
     found = await run_undo(tools, "reverse_it", as_run="orig-compensate")
     assert counts == {"reverse_it": 1, "lookup": 1} and "orig:tc-1:undo" in found.observation
+
+
+def age_claim(ledger, key: str) -> None:
+    import sqlite3
+
+    with sqlite3.connect(ledger.path) as conn:
+        conn.execute("UPDATE tether_undo_ledger SET at = '2000-01-01T00:00:00+00:00' WHERE key = ?", (key,))
+
+
+# ----------------------------------------------------------------------------- nothing uses up recovery
+
+EXAMPLE_POLICY = Path(__file__).resolve().parent.parent / "examples/billing/policy.toml"
+VOIDS, REVERSALS = "POST /refunds/{id}/void", "POST /ledger/{id}/reverse"
+
+
+def requests_to(billing: Billing, *labels: str) -> list[int]:
+    counts = billing.get("/admin/stats")["requests"]
+    return [counts.get(label, 0) for label in labels]
+
+
+def shown(status) -> str:
+    import starter
+
+    return starter.format_status(status)
+
+
+async def test_a_refused_compensation_leaves_the_original_compensable_and_status_says_where_each_write_stands(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Issue 31, rows 1 and 7: a name that may not compensate (a support role, a name not in the
+    policy) is refused before anything starts; a client that skips that check gets a refused run,
+    and the original stays compensable; an approver then undoes each write once, and the
+    original's status says by which run."""
+    from temporalio.service import RPCError
+
+    billing.fail_next("emails", 1, status=400)
+    async with running_worker(ts_env.client) as worker, running_worker(
+        ts_env.client, policy=PolicyStore(EXAMPLE_POLICY)
+    ) as governed:
+        outcome = await approved_run(ts_env, worker)
+        original = outcome.run_id
+        assert outcome.state == S.EXECUTION_FAILED
+        kept = shown(await tether_client.status(ts_env.client, original))
+        assert "kept; undo: void_refund" in kept and "pending" not in kept and "compensate" in kept
+        voids, reversals = requests_to(billing, VOIDS, REVERSALS)
+        for who, rule in (("dana", "role"), ("mallory", "tenant_membership")):
+            with pytest.raises(tether_client.TetherError) as refused:
+                await tether_client.compensate(ts_env.client, original, by=who, queue=governed.task_queue,
+                                               policy_path=EXAMPLE_POLICY)
+            assert refused.value.rule == rule, refused.value
+        with pytest.raises(RPCError):  # nothing started
+            await ts_env.client.get_workflow_handle(tether_client.compensation_id(original)).describe()
+        for who, rule in (("dana", "role"), ("mallory", "tenant_membership")):
+            # A client that skips the checks, under the very id `compensate` uses: the worker refuses.
+            forged = await tether_client.start_run(
+                ts_env.client, make_request([], compensate_run=original, requested_by=who),
+                run_id=tether_client.compensation_id(original), queue=governed.task_queue, allow_id_reuse=True,
+            )
+            result = await tether_client.run_outcome(forged)
+            assert result.state == S.FAILED and result.timeline[-1].refs.error_code == rule
+        handle = await tether_client.compensate(ts_env.client, original, by="bob", queue=governed.task_queue,
+                                                policy_path=EXAMPLE_POLICY)
+        undo = await tether_client.run_outcome(handle)
+        assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
+        after = shown(await tether_client.status(ts_env.client, original))
+        with pytest.raises(tether_client.TetherError, match="nothing_to_compensate"):
+            await tether_client.compensate(ts_env.client, original, by="carol", queue=governed.task_queue)
+    assert requests_to(billing, VOIDS, REVERSALS) == [voids + 1, reversals + 1]
+    refunds, reversed_entries = undo_state(billing, outcome)
+    assert refunds[0]["voided_at"] is not None and len(reversed_entries) == 1
+    # The original links the run that undid each write; nothing is called pending.
+    assert after.count(f"by run {handle.id}") == 2 and "undone (void_refund" in after, after
+    assert "pending" not in after and "undo them" not in after
+
+
+async def test_compensation_runs_under_other_ids_undo_each_write_once(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    """Issue 31, row 4: compensation runs of one original under ids a client chose, two at once
+    and one after: each undo reaches the service once (the tool worker's ledger decides, not the id)."""
+    billing.fail_next("emails", 1, status=400)
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker)
+        before = requests_to(billing, VOIDS, REVERSALS)
+        request = make_request([], compensate_run=outcome.run_id, requested_by="carol")
+        together = [await start_run(ts_env.client, worker, request) for _ in range(2)]
+        results = [await tether_client.run_outcome(h) for h in together]
+        late = await tether_client.run_outcome(await start_run(ts_env.client, worker, request))
+    assert requests_to(billing, VOIDS, REVERSALS) == [before[0] + 1, before[1] + 1]
+    assert S.COMPENSATED in [r.state for r in results], [r.timeline[-1].reason for r in results]
+    for r in results:
+        assert r.state in (S.COMPENSATED, S.HANDED_OFF, S.FAILED), r.timeline[-1].reason
+    assert late.state == S.FAILED and late.timeline[-1].refs.error_code == "nothing_to_compensate"
+    refunds, reversals = undo_state(billing, outcome)
+    assert refunds[0]["voided_at"] is not None and len(reversals) == 1
+
+
+async def test_compensate_of_a_completed_run_is_refused_before_anything_starts(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Issue 31, row 6: a completed run kept its writes by design: its status says kept (never
+    pending), and `compensate` is refused before anything starts, again and again."""
+    from temporalio.service import RPCError
+
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([REFUND]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        outcome = await tether_client.run_outcome(handle)
+        assert outcome.state == S.COMPLETED
+        text = shown(await tether_client.status(ts_env.client, handle.id))
+        for _ in range(2):
+            with pytest.raises(tether_client.TetherError) as refused:
+                await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=worker.task_queue)
+            assert refused.value.rule == "not_compensable" and "kept" in str(refused.value)
+        with pytest.raises(RPCError):
+            await ts_env.client.get_workflow_handle(tether_client.compensation_id(handle.id)).describe()
+    assert "kept; undo: void_refund" in text and "pending" not in text and "compensate" not in text
