@@ -810,3 +810,52 @@ async def test_compensate_of_a_completed_run_is_refused_before_anything_starts(
         with pytest.raises(RPCError):
             await ts_env.client.get_workflow_handle(tether_client.compensation_id(handle.id)).describe()
     assert "kept; undo: void_refund" in text and "pending" not in text and "compensate" not in text
+
+
+async def until(predicate, timeout: float = 60.0) -> None:
+    """Wait for an event the test cannot be told of (a request reaching the service)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "the event did not come"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("undoing", ["the run itself", "a compensation run"])
+async def test_a_cancel_while_undoing_strands_no_write(dev_env: WorkflowEnvironment, billing: Billing, undoing: str) -> None:
+    """Issue 31, rows 2 and 3: a cancel that arrives while writes are being undone (by the run's
+    on_failure=compensate, or by a compensation run) ends CANCELLED naming what is left, and
+    `tether compensate` of the original continues from there: each undo reaches the service once."""
+    billing.fail_next("emails", 1, status=400)
+    billing.fail_next("voids", 2, status=503)  # the void (undone last) is in its backoff when the cancel comes
+    own = undoing == "the run itself"
+    async with running_worker(dev_env.client) as worker:
+        outcome = None if own else await approved_run(dev_env, worker)
+        before = requests_to(billing, VOIDS, REVERSALS)
+        if own:
+            handle = await start_run(dev_env.client, worker, make_request(PLAN, on_failure="compensate"))
+            snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+            await handle.signal("approve", approval_for(snap, "bob"))
+            original = handle.id
+        else:
+            original = outcome.run_id
+            handle = await tether_client.compensate(dev_env.client, original, by="carol", queue=worker.task_queue)
+        await until(lambda: requests_to(billing, VOIDS)[0] > before[0])
+        await handle.cancel()
+        cancelled = await tether_client.run_outcome(handle)
+        assert cancelled.state == S.CANCELLED, cancelled.timeline[-1].reason
+        assert "not compensated" in cancelled.timeline[-1].reason and "void_refund" in cancelled.timeline[-1].reason
+        again = await tether_client.compensate(dev_env.client, original, by="erin", queue=worker.task_queue)
+        finished = await tether_client.run_outcome(again)
+        status = shown(await tether_client.status(dev_env.client, original))
+        kept = (await snapshot(dev_env.client.get_workflow_handle(original))).compensations
+    assert finished.state == S.COMPENSATED, finished.timeline[-1].reason
+    assert [c.of_tool for c in finished.compensations] == ["issue_refund"]  # the reversal was done
+    voids, reversals = requests_to(billing, VOIDS, REVERSALS)
+    assert reversals == before[1] + 1 and voids <= before[0] + 3  # 2 refused by the service, 1 applied
+    outcome = RunOutcome(run_id=original, state=S.CANCELLED, answer=None, steps=[], timeline=[], compensations=kept)
+    refunds, reversed_entries = undo_state(billing, outcome)
+    assert refunds[0]["voided_at"] is not None and len(reversed_entries) == 1
+    assert f"by run {again.id}" in status and "pending" not in status

@@ -97,6 +97,9 @@ class Handoff(RunModel):
             self.move(S.COMPENSATING, at=at, actor=actor,
                       reason=f"{why}; on_cancel=compensate: {self._undo_left(start=True)}", refs=refs)
             return
+        if self.state == S.COMPENSATING:
+            # Stopped as asked, from where `tether compensate` continues (CANCELLED is compensable).
+            why = f"{why}; {self._undo_left()}; continue: tether compensate RUN"
         self.move(S.CANCELLED, at=at, actor=actor, reason=why, refs=refs)
 
     def receive_handoff(self, request: HandoffRequest, at: datetime) -> None:

@@ -304,4 +304,11 @@ class RunModel:
         names = ", ".join(f"{c.of} ({c.of_tool}) by {c.tool or 'nothing: no recovery path'}" for c in pending[:20])
         if start:
             return f"undoing {len(pending)} ok write(s), newest first: {names}"
+        # An undo that failed or whose outcome is unknown is not compensated either: say so.
+        left = [c for c in reversed(self.data.compensations) if c.status != "ok"]
+        names = ", ".join(
+            f"{c.of} ({c.of_tool}) by {c.tool or 'nothing: no recovery path'}"
+            + ("" if c.status == "pending" else f" ({'may have applied' if c.status == 'unknown' else c.status})")
+            for c in left[:20]
+        )
         return f"compensated {len(done)}; not compensated: {names or 'none'}"
