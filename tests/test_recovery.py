@@ -9,6 +9,7 @@ ok writes in a governed run of its own.
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -859,3 +860,69 @@ async def test_a_cancel_while_undoing_strands_no_write(dev_env: WorkflowEnvironm
     refunds, reversed_entries = undo_state(billing, outcome)
     assert refunds[0]["voided_at"] is not None and len(reversed_entries) == 1
     assert f"by run {again.id}" in status and "pending" not in status
+
+
+# ----------------------------------------------------------------------------- unknown is not failed
+
+class _Booking(BaseModel):
+    to: str
+
+
+BOOKINGS = ToolRegistry()
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, registry=BOOKINGS, compensate=("send_cancellation", {"to": "/args/to"}))
+def book_slot(args: _Booking, ctx: ToolContext) -> dict:
+    """A write whose undo is an email: unsafe (the service does not dedupe emails)."""
+    return {"slot": "S-1", "to": args.to}
+
+
+@tool(effect=ToolEffect.UNSAFE, registry=BOOKINGS)
+def send_cancellation(args: _Booking, ctx: ToolContext) -> dict:
+    from examples.billing.tools import call
+
+    return call("POST", "/emails", {"to": args.to, "subject": "Your booking is cancelled", "body": "cancelled"},
+                headers={"X-Request-Ref": ctx.idempotency_key}, timeout=ctx.seconds_left())
+
+
+@tool(effect=ToolEffect.IDEMPOTENT, registry=BOOKINGS)
+def confirm_slot(args: _Booking, ctx: ToolContext) -> dict:
+    from activities.tools import ToolError
+
+    raise ToolError("the slot is gone", code="slot_gone", permanent=True)
+
+
+async def test_an_unsafe_undo_that_may_have_applied_runs_again_only_on_an_approvers_instruction(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Issue 31, row 5: the undo (an email) was committed but answered 503: the run hands off.
+    `tether compensate` lists it as "may have applied" and sends nothing; only an approver's
+    recorded `--rerun-unknown STEP` sends it again (once)."""
+    to = f"{uuid.uuid4().hex[:8]}@example.com"
+    sent = lambda: len(billing.get(f"/emails?to={to}")["emails"])  # noqa: E731
+    billing.fail_next("emails", 1, status=503, when="after_commit")
+    steps = [{"tool": "book_slot", "args": {"to": to}}, {"tool": "confirm_slot", "args": {"to": to}}]
+    async with running_worker(ts_env.client, registry=BOOKINGS) as worker:
+        handle = await start_run(ts_env.client, worker, make_request(steps, on_failure="compensate"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        outcome = await tether_client.run_outcome(handle)
+        assert outcome.state == S.HANDED_OFF and [c.status for c in outcome.compensations] == ["unknown"]
+        assert sent() == 1
+        step = outcome.compensations[0].of
+        listed = await tether_client.run_outcome(
+            await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=worker.task_queue))
+        assert listed.state == S.HANDED_OFF and listed.timeline[-1].refs.error_code == "may_have_applied"
+        assert "--rerun-unknown" in listed.timeline[-1].reason and sent() == 1
+        status = shown(await tether_client.status(ts_env.client, handle.id))
+        assert "may have applied: undo send_cancellation started" in status and "--rerun-unknown" in status
+        rerun = await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=worker.task_queue,
+                                               rerun_unknown=[step])
+        done = await tether_client.run_outcome(rerun)
+        first = next(r for r in done.timeline if r.to_state == S.COMPENSATING)
+        assert done.state == S.COMPENSATED and sent() == 2, done.timeline[-1].reason
+        assert first.actor == "user:carol" and f"carol instructs to run again what may have applied: {step}" in first.reason
+        with pytest.raises(tether_client.TetherError, match="nothing_to_compensate"):
+            await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=worker.task_queue,
+                                           rerun_unknown=[step])
+    assert sent() == 2

@@ -167,11 +167,16 @@ class Compensating(RunModel):
             return
         self.data.compensations = [self._to_run(c) for c in pending]
         hashes = ", ".join(sorted({c.plan_hash[:12] for c in pending}))
+        rerun = [c for c in self.data.compensations if c.rerun]
+        instructed = (
+            f"; {by} instructs to run again what may have applied: " + ", ".join(f"{c.of} ({c.tool})" for c in rerun[:20])
+            if rerun else ""
+        )
         self.move(
             S.COMPENSATING,
             at=at,
             actor=actor,
             reason=f"compensation of run {source.run_id} requested by {by}, covered by the approval of plan "
-            f"{hashes}: {self._undo_left(start=True)}",
+            f"{hashes}: {self._undo_left(start=True)}{instructed}",
             refs=Refs(plan_hash=pending[-1].plan_hash),
         )
