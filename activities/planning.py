@@ -62,10 +62,20 @@ class PlaybookPlanner:
                 '{"tool": ..., "args": {...}} steps'
             )
         # steps_done counts every step; executed is only the recent window (older runs: None).
-        done = request.steps_done
-        if done is None:
-            done = sum(1 for step in request.executed if step.status == "ok")
-        remaining = request.playbook[done:]
+        ran = [(step.tool, step.args) for step in request.executed if step.status == "ok"]
+        done = request.steps_done if request.steps_done is not None else len(ran)
+        # The first ``done`` playbook steps are taken as run (a revision may have changed their
+        # arguments). A later one that ran too is not proposed again: a partial approval runs a
+        # later step before an earlier one, which it left out.
+        for s in request.playbook[:done]:
+            if (s.tool, s.args) in ran:
+                ran.remove((s.tool, s.args))
+        remaining = []
+        for s in request.playbook[done:]:
+            if (s.tool, s.args) in ran:
+                ran.remove((s.tool, s.args))
+            else:
+                remaining.append(s)
         # Steps a person left out of the last plan are not proposed again unchanged.
         refused = [{"tool": n.tool, "args": n.args} for n in request.not_approved]
         remaining = [s for s in remaining if {"tool": s.tool, "args": s.args} not in refused]

@@ -219,6 +219,27 @@ async def test_partial_approval_runs_the_approved_steps_and_tells_the_planner(
     check_timeline(outcome.timeline, tools_by_call(outcome))
 
 
+async def test_after_a_partial_approval_the_playbook_never_proposes_a_step_that_ran_or_was_left_out(
+    ts_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Issue 31, row 8: step 2 of [refund, email] approved alone; the email is sent once and the
+    planner proposes neither it (it ran) nor the refund (left out) again: the run completes."""
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([REFUND, EMAIL]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        verdict = await decide(handle, kind="approve", steps=[2], **approval_for(snap, "bob").model_dump(exclude_none=True))
+        assert verdict.state == S.APPROVED, verdict
+        outcome = await run_outcome(handle)
+        inputs = await planner_inputs(handle)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert [s.tool for s in outcome.steps] == ["send_email"]
+    assert len([e for e in billing.get("/emails")["emails"] if handle.id in str(e)]) == 1
+    assert len(inputs) == 2 and "not approved: issue_refund" in (outcome.answer or "")
+    path = [r.to_state.value for r in outcome.timeline if r.kind == "transition"]
+    # The second planning round proposes nothing: no plan v3 to approve, the run completes.
+    assert path.count("PLANNING") == 2 and path.count("VALIDATED") == 2 and path[-2:] == ["PLANNING", "COMPLETED"], path
+
+
 async def test_with_two_approvals_needed_the_other_approves_the_subset(
     ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
