@@ -760,6 +760,12 @@ async def test_a_refused_compensation_leaves_the_original_compensable_and_status
         undo = await tether_client.run_outcome(handle)
         assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
         after = shown(await tether_client.status(ts_env.client, original))
+        # The Web UI: the compensation run links its original and says what it undid; the
+        # original lists each write (its later undos: `tether status`, which reads the ledger).
+        undo_details = (await handle.query("__temporal_workflow_metadata")).current_details
+        original_details = (await ts_env.client.get_workflow_handle(original).query("__temporal_workflow_metadata")).current_details
+        assert f"**Compensates run** `{original}`" in undo_details and "`void_refund` · undone" in undo_details
+        assert "`void_refund` · kept" in original_details and "tether status" in original_details
         with pytest.raises(tether_client.TetherError, match="nothing_to_compensate"):
             await tether_client.compensate(ts_env.client, original, by="carol", queue=governed.task_queue)
     assert requests_to(billing, VOIDS, REVERSALS) == [voids + 1, reversals + 1]

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from workflows.display import markdown_code as code
 from workflows.display import markdown_text as text
 from workflows.display import approve_command, shell_word, show_value
+from workflows import wording
 from workflows.contract import Plan, ToolCatalog
 from workflows.run_state import RunData, RunRequest
 from workflows.states import RunState
@@ -138,11 +139,17 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
             lines.append(line + (" ✓ done" if i <= data.next_step else ""))
         if len(plan.steps) > PLAN_LINES:
             lines.append(f"… and {len(plan.steps) - PLAN_LINES} more step(s)")
-    if data.compensations and lc.state == S.COMPENSATING:
-        lines += ["", "**Putting things back** (newest first):", ""]
+    if request.compensate_run is not None:
+        lines += ["", f"**Compensates run** {code(request.compensate_run, 256)}"]
+    if data.compensations and (lc.state == S.COMPENSATING or lc.terminal):
+        # Each write and where it stands: kept, undone, may have applied (workflows/wording.py).
+        title = "**Putting things back** (newest first):" if lc.state == S.COMPENSATING else "**Writes** (newest first):"
+        lines += ["", title, ""]
         for c in list(reversed(data.compensations))[:PLAN_LINES]:
             lines.append(f"- {code(c.of, 80)} {code(c.of_tool, 64)} → "
-                         + (f"{code(c.tool, 64)} · {c.status}" if c.tool else "no recovery path"))
+                         + (f"{code(c.tool, 64)} · " if c.tool else "") + wording.standing(c))
+        if lc.terminal and request.compensate_run is None and any(c.tool and c.status != "ok" for c in data.compensations):
+            lines.append(f"\nLater undos: {code(f'tether status {shell_word(workflow_id)}', 300)} says which run did them.")
     pending = data.pending_approval
     if pending is not None and lc.state == S.AWAITING_APPROVAL:
         signal_input = json.dumps(

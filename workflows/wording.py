@@ -52,9 +52,18 @@ def arg_words(name: str, value: Any, schema: dict[str, Any] | None, args: dict[s
     return None if shown is None else f"{shown} ({value})"
 
 
+def standing(call: CompensationCall) -> str:
+    """Where one ok write stands, in the words every view uses: kept, undone, may have applied."""
+    if call.tool is None:
+        return "kept (no recovery path)"
+    return {"ok": "undone", "unknown": "may have applied", "failed": "kept (its undo failed, not applied)"}.get(
+        call.status, "kept"
+    )
+
+
 def write_standing(call: CompensationCall) -> str:
-    """Where one ok write stands, as every view says it: kept (and its undo, if it has one),
-    undone (by which run, when), or may have applied (an undo started, its outcome unknown)."""
+    """One ok write as a line of text: where it stands (``standing``), by which undo, and which
+    run did it (or started it, its outcome unknown) and when."""
     tool = escape_text(call.tool, 64) if call.tool else ""
     by = f" by run {escape_text(call.undone_by, 200)}" if call.undone_by else ""
     at = f" at {call.undone_at.isoformat(timespec='seconds')}" if call.undone_at else ""
