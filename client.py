@@ -1344,21 +1344,20 @@ def compensate_refusal(
         states = ", ".join(sorted(s.value for s in policy.COMPENSABLE_STATES))
         return TetherError(f"run {snap.run_id} ended {snap.state.value}: its writes are kept; only runs ended {states} "
                            "are compensated [rule: not_compensable]", REFUSED, rule="not_compensable")
+    if policy_path is not None:
+        from activities.policy import PolicyFileError, PolicyStore
+
+        try:
+            tenant_policy, _ = PolicyStore(policy_path).tenant(snap.tenant)
+        except (PolicyFileError, OSError, ValueError) as e:
+            return TetherError(f"cannot read the policy file {policy_path}: {e}")
+        refusal = policy.compensator_refusal(tenant_policy, by)
+        if refusal is not None:
+            return TetherError(f"{refusal.message} [rule: {refusal.rule}]", REFUSED, rule=refusal.rule)
     if not any(c.tool and c.status != "ok" for c in standing):
         done = [c for c in standing if c.status == "ok"]
         return TetherError(f"run {snap.run_id} has no write left to undo ({len(done)} undone) [rule: nothing_to_compensate]",
                            REFUSED, rule="nothing_to_compensate")
-    if policy_path is None:
-        return None
-    from activities.policy import PolicyFileError, PolicyStore
-
-    try:
-        tenant_policy, _ = PolicyStore(policy_path).tenant(snap.tenant)
-    except (PolicyFileError, OSError, ValueError) as e:
-        return TetherError(f"cannot read the policy file {policy_path}: {e}")
-    refusal = policy.compensator_refusal(tenant_policy, by)
-    if refusal is not None:
-        return TetherError(f"{refusal.message} [rule: {refusal.rule}]", REFUSED, rule=refusal.rule)
     return None
 
 

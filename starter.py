@@ -896,7 +896,7 @@ COMMANDS: list[Command] = [
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
     Command("repair", "heal a stuck run: reset to its last task that replays",
             _repair_args, cmd_repair),
-    Command("compensate", "undo an ended run's ok writes, as its approvals covered (a run of its own)",
+    Command("compensate", "undo an ended run's kept writes, each once",
             _compensate_args, cmd_compensate),
     Command("drain", "open runs started by an older worker build (exit 1 while any is left)", _drain_args, cmd_drain),
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),

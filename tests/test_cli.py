@@ -140,7 +140,7 @@ async def test_every_subcommand_exit_codes_and_one_line_errors(
             await ok("approve", run_id, "--by", "bob", "--unreviewed")
             await wait_for_state(dev_env.client.get_workflow_handle(run_id), "COMPENSATED")
             out = await ok("status", run_id)
-            assert "state      COMPENSATED" in out and "void_refund ok" in out and "compensate " not in out
+            assert "state      COMPENSATED" in out and "undone (void_refund)" in out and "compensate " not in out
             assert "--on-failure" in await fails(2, "start", "--goal", "g", "--playbook", str(playbooks["small"]),
                                                  "--requested-by", "alice", "--on-failure", "undo")
             assert "only an ended run" in await fails(1, "compensate", await start("small", "--wait"), "--by", "bob")
@@ -148,11 +148,12 @@ async def test_every_subcommand_exit_codes_and_one_line_errors(
         *_, handed = await asyncio.gather(
             failed_run(), usage_errors(), approved(), high_risk(), rejected(), expired(), compensated(), handed_off()
         )
-        # Compensating a run that wrote nothing: its compensation run fails saying so (1); one
-        # compensation run per run (1); an unknown run (2).
+        # Compensating a run that wrote nothing: refused before anything starts (1), every time;
+        # a name the policy does not let compensate (1); an unknown run (2).
         line = await fails(1, "compensate", handed, "--by", "bob", "--wait")
-        assert "COMPENSATED" not in line and "nothing_to_compensate" in line
-        assert "already has its compensation run" in await fails(1, "compensate", handed, "--by", "carol")
+        assert "started" not in line and "nothing_to_compensate" in line
+        assert "nothing_to_compensate" in await fails(1, "compensate", handed, "--by", "carol")
+        assert "[rule: role]" in await fails(1, "compensate", handed, "--by", "dana", "--policy", str(POLICY.path))
         assert (await cli("compensate", unique("no-such-run"), "--by", "bob"))[0] == 2
 
         # A reader that stops early (`| head`): no traceback, exit 0.
