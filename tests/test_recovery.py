@@ -260,6 +260,8 @@ def source(**fields) -> RecoverySource:
         ("dana", source(), "role"),  # support, not an approval role
         ("mallory", source(), "tenant_membership"),
         ("carol", source(state=S.COMPLETED), "not_compensable"),
+        ("carol", source(state=S.FAILED), "not_compensable"),
+        ("carol", source(state=S.CANCELLED), None),  # a cancel while compensating: compensate continues
         ("carol", source(compensations=[]), "nothing_to_compensate"),
         ("carol", source(compensations=[source().compensations[0].model_copy(update={"status": "ok"})]), "nothing_to_compensate"),
         ("carol", source(compensations=[source().compensations[0].model_copy(update={"plan_hash": ""})]), "not_approved"),
@@ -281,6 +283,35 @@ def test_who_may_start_a_compensation_run_and_of_what(by: str, src: RecoverySour
         assert engine.compensation_ready(NOW)
     else:
         assert engine.state == S.FAILED and last.refs.error_code == rule, last.reason
+
+
+def test_an_unsafe_undo_that_may_have_applied_is_listed_not_run_unless_an_approver_says_so() -> None:
+    """begin_compensation: an undo the ledger (or the original) says may have applied stays
+    `unknown` when its tool is unsafe, and the run hands off listing it; an idempotent one runs
+    again under its key; `rerun_unknown` naming the step runs the unsafe one, recorded."""
+    email = CompensationCall(of="tc-2", of_tool="issue_refund", tool="send_email", status="unknown", idempotency_key="orig:tc-2:undo",
+                             args={"to": "a@example.com", "subject": "s", "body": "b"}, plan_hash="h" * 64, undone_by="orig")
+    void = source().compensations[0].model_copy(update={"status": "unknown"})
+    tenant = TenantPolicy()
+    for rerun, expected in (([], S.HANDED_OFF), (["tc-2"], S.COMPENSATING)):
+        data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
+        engine = Engine(data, RunRequest(goal="g", requested_by="carol", compensate_run="orig", rerun_unknown=rerun),
+                        workflow_id="orig-compensate")
+        engine.received(NOW)
+        engine.begin_compensation(source(compensations=[void, email]), NOW)
+        assert [(c.status, c.rerun) for c in engine.data.compensations] == [
+            ("pending", False), ("unknown", False) if not rerun else ("pending", True)]
+        engine.data.compensations[0].status = "ok"  # the void ran
+        if rerun:
+            assert "carol instructs to run again what may have applied: tc-2 (send_email)" in engine.data.lifecycle.timeline[-1].reason
+            assert engine.compensation_ready(NOW) and engine.current_undo().rerun
+            check = engine.authority_check(from_step=engine.data.next_step)
+            assert check.undo.rerun  # what mints Capability.rerun_unknown
+            continue
+        assert engine.compensation_ready(NOW) is False
+        last = engine.data.lifecycle.timeline[-1]
+        assert engine.state == expected and last.refs.error_code == "may_have_applied"
+        assert "may have applied" in last.reason and "--rerun-unknown" in last.reason and "tc-2" in last.reason
 
 
 def test_an_undo_tool_the_tenant_may_not_use_hands_off_instead_of_running() -> None:
