@@ -36,6 +36,7 @@ import client as tether
 from activities.policy import PolicyFileError, PolicyStore
 from inbox import desk
 from inbox.identity import SESSION_COOKIE, DEV_SESSION_SECONDS, DevLogin, Person, Unauthenticated, Verifier
+from workflows import wording
 from workflows.display import escape_text, show_value
 from workflows.contract import STRICT, Contract
 from workflows.run_state import RunSnapshot
@@ -246,6 +247,14 @@ class Inbox:
                 "done": view.n <= snap.step,
             })
         pending = snap.pending_approval
+        # Each ok write and where it stands (kept, undone by which run, may have applied): the
+        # undo ledger's word for an ended run (client.undo_standing), one wording for every view.
+        compensations = await tether.undo_standing(snap.compensations) if snap.state in TERMINAL else snap.compensations
+        writes = [
+            {"of": c.of, "of_tool": c.of_tool, "undo": c.tool, "status": c.status, "standing": wording.standing(c),
+             "by": c.undone_by or None, "at": c.undone_at.isoformat() if c.undone_at else None}
+            for c in compensations
+        ]
         return {
             "run_id": snap.run_id,
             "tenant": snap.tenant,
@@ -257,6 +266,7 @@ class Inbox:
             "plan_hash": snap.plan.plan_hash if snap.plan else None,
             "plan_version": snap.plan.version if snap.plan else 0,
             "steps": steps,
+            "writes": writes,
             "pending": None if pending is None else {
                 **self._row(snap, now),
                 "approvals_required": pending.approvals_required,
