@@ -578,6 +578,19 @@ def audit_warnings(trail: client.AuditTrail) -> list[str]:
     return warnings
 
 
+async def _undone_later(conn: Any, run_id: str) -> str:
+    """After an ended run's own records: what compensation runs did to its writes since (the undo
+    ledger's word), each naming the run, so the timeline links them."""
+    try:
+        status = await client.status(conn, run_id)
+    except TetherError:
+        return ""
+    return "".join(
+        f"later      {show(c.of, 128)} {show(c.of_tool, 64)}: {wording.write_standing(c)}\n"
+        for c in status.compensations if c.undone_by
+    )
+
+
 async def cmd_timeline(args: argparse.Namespace) -> int:
     conn = await client.connect()
     if args.live:
@@ -599,6 +612,7 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
             _print_json([r.model_dump(mode="json") for r in records])
         else:
             print(format_timeline(records))
+            print(await _undone_later(conn, args.run), end="")
         if trail.published_at is not None:
             print(f"note: the run's own records {client.freshness(trail.published_at)}; the audit sink's "
                   f"as of now", file=sys.stderr)

@@ -752,6 +752,12 @@ def shown(status) -> str:
     return starter.format_status(status)
 
 
+async def starter_undone_later(client, run_id: str) -> str:
+    import starter
+
+    return await starter._undone_later(client, run_id)
+
+
 async def test_a_refused_compensation_leaves_the_original_compensable_and_status_says_where_each_write_stands(
     ts_env: WorkflowEnvironment, billing: Billing
 ) -> None:
@@ -791,6 +797,7 @@ async def test_a_refused_compensation_leaves_the_original_compensable_and_status
         undo = await tether_client.run_outcome(handle)
         assert undo.state == S.COMPENSATED, undo.timeline[-1].reason
         after = shown(await tether_client.status(ts_env.client, original))
+        later = await starter_undone_later(ts_env.client, original)
         # The Web UI: the compensation run links its original and says what it undid; the
         # original lists each write (its later undos: `tether status`, which reads the ledger).
         undo_details = (await handle.query("__temporal_workflow_metadata")).current_details
@@ -805,6 +812,8 @@ async def test_a_refused_compensation_leaves_the_original_compensable_and_status
     # The original links the run that undid each write; nothing is called pending.
     assert after.count(f"by run {handle.id}") == 2 and "undone (void_refund" in after, after
     assert "pending" not in after and "undo them" not in after
+    # `tether timeline` of the original ends with what compensation runs did since, by which run.
+    assert later.count(f"by run {handle.id}") == 2 and later.startswith("later      ")
 
 
 async def test_compensation_runs_under_other_ids_undo_each_write_once(ts_env: WorkflowEnvironment, billing: Billing) -> None:
