@@ -972,3 +972,32 @@ async def test_an_unsafe_undo_that_may_have_applied_runs_again_only_on_an_approv
             await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=worker.task_queue,
                                            rerun_unknown=[step])
     assert sent() == 2
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_the_undo_ledger_holds_one_claim_per_undo_on_either_sink(backend: str, tmp_path, request) -> None:
+    """The ledger's contract, the same beside either audit sink: one claim per key; a done
+    entry keeps its outcome and who did it; a released one may be claimed again."""
+    from activities.audit import JsonlAuditSink, PostgresAuditSink
+    from activities.undo_ledger import ledger_for
+
+    sink = PostgresAuditSink(request.getfixturevalue("postgres")) if backend == "postgres" else JsonlAuditSink(tmp_path)
+    ledger = ledger_for(sink)
+    key = f"orig-{uuid.uuid4().hex[:8]}:tc-1:undo"
+    try:
+        assert await ledger.claim(key, tool="void_refund", workflow_id="a", run_id="a1") is None
+        held = await ledger.claim(key, tool="void_refund", workflow_id="b", run_id="b1")
+        assert held is not None and (held.state, held.by_workflow) == ("claimed", "a")
+        await ledger.unknown(key)
+        assert (await ledger.entries([key]))[key].state == "unknown"
+        await ledger.reclaim(key, workflow_id="b", run_id="b1")
+        await ledger.done(key, '{"observation": "{}"}', workflow_id="b", run_id="b1")
+        done = await ledger.claim(key, tool="void_refund", workflow_id="c", run_id="c1")
+        assert (done.state, done.by_workflow, done.outcome) == ("done", "b", '{"observation": "{}"}')
+        other = key.replace("tc-1", "tc-2")
+        assert await ledger.claim(other, tool="void_refund", workflow_id="a", run_id="a1") is None
+        await ledger.release(other)  # the target refused it: known not applied
+        assert await ledger.claim(other, tool="void_refund", workflow_id="c", run_id="c1") is None
+        assert set(await ledger.entries([key, other, "nothing"])) == {key, other}
+    finally:
+        await ledger.aclose()
