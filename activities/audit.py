@@ -246,7 +246,8 @@ class PostgresAuditSink:
         self._conn = conn
         return conn
 
-    async def _with_connection(self, work: Any) -> Any:
+    async def with_connection(self, work: Any) -> Any:
+        """``work(conn)`` on the worker's one connection (the undo ledger's table shares it)."""
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:  # one connection per worker; its statements one at a time
             try:
@@ -272,7 +273,7 @@ class PostgresAuditSink:
                 )
             return max((r.seq for r in batch.records), default=0)
 
-        return await self._with_connection(insert)
+        return await self.with_connection(insert)
 
     async def read(self, workflow_id: str) -> dict[str, list[TransitionRecord]]:
         async def select(conn: Any) -> dict[str, list[TransitionRecord]]:
@@ -286,7 +287,7 @@ class PostgresAuditSink:
             await conn.rollback()
             return streams
 
-        return await self._with_connection(select)
+        return await self.with_connection(select)
 
     async def aclose(self) -> None:
         if self._conn is not None:

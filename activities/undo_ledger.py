@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from activities.audit import JsonlAuditSink, PostgresAuditSink
+
 LEDGER_FILE = "undo-ledger.sqlite3"
 LEDGER_TABLE = "tether_undo_ledger"
 
@@ -190,36 +192,27 @@ CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (
 
 @dataclass
 class PostgresUndoLedger:
-    """The fleet's ledger: a table in the audit sink's database, whichever machine runs the undo."""
+    """The fleet's ledger: a table in the audit sink's database, whichever machine runs the undo,
+    over the sink's own connection (one per worker)."""
 
-    dsn: str
-    _conn: Any = field(default=None, repr=False)
-    _lock: asyncio.Lock | None = field(default=None, repr=False)
+    sink: PostgresAuditSink
+    _ready: bool = field(default=False, repr=False)
 
     def describe(self) -> str:
-        from activities.audit import redact_dsn
-
-        return f"PostgreSQL {redact_dsn(self.dsn)} ({LEDGER_TABLE})"
+        return f"{self.sink.describe()} ({LEDGER_TABLE})"
 
     async def _with_connection(self, work: Any) -> Any:
-        import psycopg
+        async def in_transaction(conn: Any) -> Any:
+            async with conn.transaction():
+                if not self._ready:
+                    # Several workers may create the table at once: one at a time.
+                    await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (LEDGER_TABLE,))
+                    await conn.execute(SCHEMA)
+                result = await work(conn)
+            self._ready = True
+            return result
 
-        self._lock = self._lock or asyncio.Lock()
-        async with self._lock:
-            try:
-                if self._conn is None or self._conn.closed:
-                    conn = await psycopg.AsyncConnection.connect(self.dsn, connect_timeout=5)
-                    async with conn.transaction():
-                        await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (LEDGER_TABLE,))
-                        await conn.execute(SCHEMA)
-                    self._conn = conn
-                async with self._conn.transaction():
-                    return await work(self._conn)
-            except Exception:
-                if self._conn is not None:
-                    await self._conn.close()
-                self._conn = None
-                raise
+        return await self.sink.with_connection(in_transaction)
 
     async def claim(self, key: str, *, tool: str, workflow_id: str, run_id: str) -> LedgerEntry | None:
         async def work(conn: Any) -> LedgerEntry | None:
@@ -271,16 +264,12 @@ class PostgresUndoLedger:
         return await self._with_connection(work)
 
     async def aclose(self) -> None:
-        if self._conn is not None:
-            await self._conn.close()
-            self._conn = None
+        await self.sink.aclose()
 
 
 def ledger_for(sink: Any) -> UndoLedger:
     """The ledger that lives where the audit sink does."""
-    from activities.audit import JsonlAuditSink, PostgresAuditSink
-
     if isinstance(sink, PostgresAuditSink):
-        return PostgresUndoLedger(sink.dsn)
+        return PostgresUndoLedger(sink)
     root = sink.root if isinstance(sink, JsonlAuditSink) else JsonlAuditSink.from_env().root
     return SqliteUndoLedger(root / LEDGER_FILE)

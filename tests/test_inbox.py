@@ -226,13 +226,6 @@ async def test_with_require_signatures_a_hand_sent_name_is_refused_and_the_inbox
     assert r.json()["actor"] == "user:bob via inbox"
     done = await stack.wait(run_id, "COMPLETED")
     assert done.approved_by == ["bob"]
-    async with httpx.AsyncClient(base_url=stack.url) as http:
-        # Each write and where it stands (issue 31): the refund is kept, its undo named.
-        ended = (await http.get(f"/api/runs/{run_id}", headers=bearer(stack.sso.token("bob")))).json()
-        page = (await http.get(f"/runs/{run_id}/live", headers=bearer(stack.sso.token("bob")))).text
-    assert [(w["of_tool"], w["standing"], w["undo"]) for w in ended["writes"]][:2] == [
-        ("issue_refund", "kept", "void_refund"), ("post_ledger_entry", "kept", "reverse_ledger_entry")]
-    assert "<h2>Writes</h2>" in page and "<strong>kept</strong>" in page
 
 
 # ----------------------------------------------------------------------------- the rule itself
