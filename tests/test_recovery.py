@@ -1001,3 +1001,34 @@ async def test_the_undo_ledger_holds_one_claim_per_undo_on_either_sink(backend: 
         assert set(await ledger.entries([key, other, "nothing"])) == {key, other}
     finally:
         await ledger.aclose()
+
+
+async def test_a_reset_compensation_run_undoes_nothing_twice(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """A compensation run reset to just after it read the original (before its undos): the reset
+    run schedules the same undos again, and the tool worker answers them from its ledger — no
+    second request reaches the service."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    billing.fail_next("emails", 1, status=400)
+    async with running_worker(dev_env.client) as worker:
+        outcome = await approved_run(dev_env, worker)
+        handle = await tether_client.compensate(dev_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
+        assert (await tether_client.run_outcome(handle)).state == S.COMPENSATED
+        done = requests_to(billing, VOIDS, REVERSALS)
+        events = (await handle.fetch_history()).events
+        scheduled = {e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name for e in events
+                     if e.HasField("activity_task_scheduled_event_attributes")}
+        read = next(e.event_id for e in events if e.HasField("activity_task_completed_event_attributes")
+                    and scheduled[e.activity_task_completed_event_attributes.scheduled_event_id] == "recovery_source")
+        point = min(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id > read)
+        reset = await dev_env.client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
+            namespace=dev_env.client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+            reason="test: redo the undos", workflow_task_finish_event_id=point, request_id=uuid.uuid4().hex,
+        ))
+        again = await tether_client.run_outcome(dev_env.client.get_workflow_handle(handle.id, run_id=reset.run_id))
+    assert again.state == S.COMPENSATED, again.timeline[-1].reason
+    assert requests_to(billing, VOIDS, REVERSALS) == done  # the ledger answered both
+    refunds, reversals = undo_state(billing, outcome)
+    assert refunds[0]["voided_at"] is not None and len(reversals) == 1
