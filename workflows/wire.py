@@ -56,10 +56,15 @@ class Capability(BaseModel):
     # recorded instruction (``tether compensate RUN --rerun-unknown STEP``).
     rerun_unknown: bool = False
 
+    @model_serializer(mode="wrap")
+    def _without_unset_rerun(self, handler: Any) -> dict[str, Any]:
+        # The re-run instruction only when given: a capability without one reads (and is MAC'd,
+        # and is scheduled) as before it existed.
+        return {k: v for k, v in handler(self).items() if not (k == "rerun_unknown" and v is False)}
+
     def fields(self) -> dict[str, Any]:
-        """What the mac covers (everything but the mac; the key id is added by the ring; the
-        re-run instruction only when given, so capabilities without one verify as before)."""
-        return self.model_dump(mode="json", exclude={"mac", "key_id"} | (set() if self.rerun_unknown else {"rerun_unknown"}))
+        """What the mac covers (everything but the mac; the key id is added by the ring)."""
+        return self.model_dump(mode="json", exclude={"mac", "key_id"})
 
 
 def args_digest(args: dict[str, Any]) -> str:
