@@ -1337,11 +1337,11 @@ def compensate_refusal(
     by: str, snap: RunSnapshot, standing: list[CompensationCall], policy_path: Path | None
 ) -> TetherError | None:
     """Why ``tether compensate`` of this ended run is refused, as far as a client can tell: the
-    run did not end where its writes are left to a person (a COMPLETED run kept them by design),
-    nothing of it is left to undo (the undo ledger says every undo is done), or the policy file
+    run did not end where its writes are left to a person (a COMPLETED run may be undone, as a
+    request its undos' approval governs), nothing of it is left to undo (the undo ledger says every undo is done), or the policy file
     (when this client has it) does not let ``by`` compensate."""
-    if snap.state not in policy.COMPENSABLE_STATES:
-        states = ", ".join(sorted(s.value for s in policy.COMPENSABLE_STATES))
+    if snap.state not in policy.COMPENSABLE_STATES | {RunState.COMPLETED}:
+        states = ", ".join(sorted(s.value for s in policy.COMPENSABLE_STATES | {RunState.COMPLETED}))
         return TetherError(f"run {snap.run_id} ended {snap.state.value}: its writes are kept; only runs ended {states} "
                            "are compensated [rule: not_compensable]", REFUSED, rule="not_compensable")
     if policy_path is not None:

@@ -177,8 +177,11 @@ def format_status(s: client.RunStatus) -> str:
     for c in s.compensations:
         # Each ok write and where its undo stands (ids and names, escaped).
         lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {wording.write_standing(c)}")
-    if s.ended and s.state in policy.COMPENSABLE_STATES and any(c.status != "ok" and c.tool for c in s.compensations):
-        lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME")
+    if s.ended and s.state in policy.COMPENSABLE_STATES | {RunState.COMPLETED} and any(
+        c.status != "ok" and c.tool for c in s.compensations
+    ):
+        approved = " (kept by design: the undos need an approval first)" if s.state == RunState.COMPLETED else ""
+        lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME{approved}")
     if any(c.status == "unknown" for c in s.compensations):
         lines.append(f"           check the target, then: {invoked_as()} compensate {show(shlex.quote(s.run_id))} "
                      "--by NAME --rerun-unknown STEP")
@@ -910,7 +913,7 @@ COMMANDS: list[Command] = [
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
     Command("repair", "heal a stuck run: reset to its last task that replays",
             _repair_args, cmd_repair),
-    Command("compensate", "undo an ended run's kept writes, each once",
+    Command("compensate", "undo an ended run's kept writes",
             _compensate_args, cmd_compensate),
     Command("drain", "open runs started by an older worker build (exit 1 while any is left)", _drain_args, cmd_drain),
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),

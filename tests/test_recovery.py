@@ -259,7 +259,6 @@ def source(**fields) -> RecoverySource:
     [
         ("dana", source(), "role"),  # support, not an approval role
         ("mallory", source(), "tenant_membership"),
-        ("carol", source(state=S.COMPLETED), "not_compensable"),
         ("carol", source(state=S.FAILED), "not_compensable"),
         ("carol", source(state=S.CANCELLED), None),  # a cancel while compensating: compensate continues
         ("carol", source(compensations=[]), "nothing_to_compensate"),
@@ -836,27 +835,48 @@ async def test_compensation_runs_under_other_ids_undo_each_write_once(ts_env: Wo
     assert refunds[0]["voided_at"] is not None and len(reversals) == 1
 
 
-async def test_compensate_of_a_completed_run_is_refused_before_anything_starts(
+async def test_undoing_a_completed_run_is_a_request_its_undos_approval_governs(
     ts_env: WorkflowEnvironment, billing: Billing
 ) -> None:
     """Issue 31, row 6: a completed run kept its writes by design: its status says kept (never
-    pending), and `compensate` is refused before anything starts, again and again."""
+    pending); `compensate` asks for an approval bound to exactly its undos (a plan of its own,
+    approved by the policy's roles), and only then runs them; a name the policy does not let ask
+    is refused before anything starts."""
     from temporalio.service import RPCError
 
-    async with running_worker(ts_env.client) as worker:
+    async with running_worker(ts_env.client) as worker, running_worker(
+        ts_env.client, policy=PolicyStore(EXAMPLE_POLICY)
+    ) as governed:
         handle = await start_run(ts_env.client, worker, make_request([REFUND]))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await handle.signal("approve", approval_for(snap, "bob"))
         outcome = await tether_client.run_outcome(handle)
         assert outcome.state == S.COMPLETED
         text = shown(await tether_client.status(ts_env.client, handle.id))
-        for _ in range(2):
-            with pytest.raises(tether_client.TetherError) as refused:
-                await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=worker.task_queue)
-            assert refused.value.rule == "not_compensable" and "kept" in str(refused.value)
-        with pytest.raises(RPCError):
+        with pytest.raises(tether_client.TetherError) as refused:
+            await tether_client.compensate(ts_env.client, handle.id, by="dana", queue=governed.task_queue,
+                                           policy_path=EXAMPLE_POLICY)
+        assert refused.value.rule == "role"
+        with pytest.raises(RPCError):  # nothing started
             await ts_env.client.get_workflow_handle(tether_client.compensation_id(handle.id)).describe()
-    assert "kept; undo: void_refund" in text and "pending" not in text and "compensate" not in text
+        before = requests_to(billing, VOIDS)[0]
+        undo = await tether_client.compensate(ts_env.client, handle.id, by="carol", queue=governed.task_queue,
+                                              policy_path=EXAMPLE_POLICY)
+        waiting = await wait_for_state(undo, "AWAITING_APPROVAL")
+        assert requests_to(billing, VOIDS)[0] == before  # nothing undone before the approval
+        assert [s.tool for s in waiting.plan.steps] == ["void_refund"]
+        assert waiting.plan.steps[0].args == outcome.compensations[0].args  # bound to exactly that undo
+        await undo.signal("approve", approval_for(waiting, "bob"))
+        done = await tether_client.run_outcome(undo)
+        after = shown(await tether_client.status(ts_env.client, handle.id))
+    assert "kept; undo: void_refund" in text and "pending" not in text and "need an approval first" in text
+    assert done.state == S.COMPENSATED, done.timeline[-1].reason
+    path = [r.to_state.value for r in done.timeline if r.kind == "transition"]
+    assert path[:4] == ["VALIDATED", "AWAITING_APPROVAL", "APPROVED", "COMPENSATING"], path
+    assert requests_to(billing, VOIDS)[0] == before + 1
+    refunds = billing.refunds(outcome.compensations[0].idempotency_key.removesuffix(":undo"))
+    assert len(refunds) == 1 and refunds[0]["voided_at"] is not None
+    assert f"undone (void_refund by run {undo.id}" in after
 
 
 async def until(predicate, timeout: float = 60.0) -> None:

@@ -25,7 +25,7 @@ NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 # The table in docs/architecture.md, written out independently: the code's table must equal it.
 CONTRACT = {
-    "RECEIVED": "PLANNING, COMPENSATING, CANCELLED, FAILED",
+    "RECEIVED": "PLANNING, VALIDATED, COMPENSATING, CANCELLED, FAILED",
     "PLANNING": "VALIDATED, VALIDATION_FAILED, COMPLETED, HANDED_OFF, CANCELLED, COMPENSATING, FAILED",
     "VALIDATION_FAILED": "PLANNING, FAILED",
     "VALIDATED": "AWAITING_APPROVAL, EXECUTING_TOOL, CANCELLED, COMPENSATING",
@@ -126,6 +126,8 @@ def test_a_start_lists_a_run_as_its_first_task_leaves_it() -> None:
     from workflows.states import TRANSITIONS, first_published, to_publish
 
     firsts = {first_published(compensation=c) for c in (False, True)}
-    assert firsts == TRANSITIONS[RunState.RECEIVED] - TERMINAL
+    # VALIDATED: only a compensation run of a COMPLETED run (its undos wait for an approval),
+    # which its first task lists (the start cannot know what the original ended in).
+    assert firsts == TRANSITIONS[RunState.RECEIVED] - TERMINAL - {RunState.VALIDATED}
     for first in firsts:
         assert not to_publish(first.value, first)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from workflows import policy, recovery
-from workflows.contract import CompensationCall, PlanStep, ToolEffect
+from workflows.contract import CompensationCall, Plan, PlanStep, ToolEffect
 from workflows.run_model import RunModel, S, require
 from workflows.states import Refs
 from workflows.wire import AuthorityCheck, RecoverySource, Refusal, ToolOutcome
@@ -144,6 +144,22 @@ class Compensating(RunModel):
         info = self.catalog.get(undo.tool) if undo.tool else None
         return info is None or info.effect == ToolEffect.UNSAFE
 
+    def _undo_plan(self, source: RecoverySource, by: str, actor: str, at: datetime) -> None:
+        """A COMPLETED run kept its writes by design: undoing them is a request of its own. Its
+        undos, newest first, become this run's plan, approved by the policy's roles like any
+        plan (its hash binds the approval to exactly these undos); once approved, they run."""
+        undos = [c for c in reversed(self.data.compensations) if c.tool is not None and c.status == "pending"]
+        steps = [PlanStep(tool_call_id=c.tool_call_id, tool=c.tool, args=c.args) for c in undos if c.tool]
+        self.data.plan = Plan(steps=steps, plan_hash=Plan.hash_steps(steps))
+        self.move(
+            S.VALIDATED,
+            at=at,
+            actor=actor,
+            reason=f"undo of completed run {source.run_id} requested by {by}: it kept its writes, so the undos "
+            f"are a plan of their own to approve: {self._undo_left(start=True)}",
+            refs=Refs(plan_hash=self.data.plan.plan_hash),
+        )
+
     def begin_compensation(self, source: RecoverySource, at: datetime) -> None:
         """A compensation run (``tether compensate``): the original run's record is in. Run the
         compensations its approvals covered, if the requester may; else fail, saying why."""
@@ -152,7 +168,7 @@ class Compensating(RunModel):
         actor = self.actor(by, self.data.requester_verified)
         refusal = source.refusal or policy.compensator_refusal(self.tenant, by)
         pending = [c for c in source.compensations if c.status != "ok"]
-        if refusal is None and source.state not in policy.COMPENSABLE_STATES:
+        if refusal is None and source.state not in policy.COMPENSABLE_STATES | {S.COMPLETED}:
             state = source.state.value if source.state else "unknown"
             refusal = Refusal(rule="not_compensable", message=f"run {source.run_id} ended {state}: only runs "
                               f"ended {', '.join(sorted(s.value for s in policy.COMPENSABLE_STATES))} are compensated")
@@ -166,6 +182,9 @@ class Compensating(RunModel):
                       refs=Refs(error_code=refusal.rule))
             return
         self.data.compensations = [self._to_run(c) for c in pending]
+        if source.state == S.COMPLETED:
+            self._undo_plan(source, by, actor, at)
+            return
         hashes = ", ".join(sorted({c.plan_hash[:12] for c in pending}))
         rerun = [c for c in self.data.compensations if c.rerun]
         instructed = (

@@ -41,8 +41,9 @@ S = RunState
 
 # The table from docs/architecture.md. Everything not listed here is denied.
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
-    # COMPENSATING: a compensation run (`tether compensate`) starts undoing at once.
-    S.RECEIVED: frozenset({S.PLANNING, S.COMPENSATING, S.CANCELLED, S.FAILED}),
+    # COMPENSATING: a compensation run (`tether compensate`) starts undoing at once; VALIDATED:
+    # one of a COMPLETED run, whose undos are a plan of their own to approve first.
+    S.RECEIVED: frozenset({S.PLANNING, S.VALIDATED, S.COMPENSATING, S.CANCELLED, S.FAILED}),
     # COMPENSATING, from here on: a cancel of a run with on_cancel=compensate and ok writes.
     S.PLANNING: frozenset(
         {S.VALIDATED, S.VALIDATION_FAILED, S.COMPLETED, S.HANDED_OFF, S.CANCELLED, S.COMPENSATING, S.FAILED}

@@ -105,7 +105,12 @@ class Steps(RunModel):
         self.enter_step(at=at, reason="next step of the plan")
 
     def enter_step(self, *, at: datetime, reason: str) -> None:
-        """Enter EXECUTING_TOOL for the plan's next step."""
+        """Enter EXECUTING_TOOL for the plan's next step; in a compensation run (the undo plan of
+        a COMPLETED run, approved) COMPENSATING: its undos run as every undo does."""
+        if self.request.compensate_run is not None:
+            self.move(S.COMPENSATING, at=at, actor="runtime", reason=f"{reason}; {self._undo_left(start=True)}",
+                      refs=Refs(plan_hash=self.data.plan.plan_hash if self.data.plan else None))
+            return
         step = self.current_step()
         require(step is not None, "no plan step to execute")
         self.data.step_retries = 0
