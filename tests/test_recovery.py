@@ -1052,3 +1052,81 @@ async def test_a_reset_compensation_run_undoes_nothing_twice(dev_env: WorkflowEn
     assert requests_to(billing, VOIDS, REVERSALS) == done  # the ledger answered both
     refunds, reversals = undo_state(billing, outcome)
     assert refunds[0]["voided_at"] is not None and len(reversals) == 1
+
+
+# ----------------------------------------------------------------------------- exactly once, as a property
+
+_OUTCOMES = ["ok", "lost", "refused", "down", "crash"]  # applied?: yes, yes, no, no, yes
+
+
+def _scripted_undo(effect: ToolEffect, script: list[str], applied: list[int], calls: list[int]) -> ToolRegistry:
+    """One undo tool of ``effect`` whose calls answer as ``script`` says, counting its calls and
+    the ones that applied."""
+    from activities.tools import ToolError
+
+    registry = ToolRegistry()
+
+    @tool(effect=effect, registry=registry, name="undo_it")
+    def undo_it(args: _Undo, ctx: ToolContext) -> dict:
+        outcome = script[len(calls)] if len(calls) < len(script) else "ok"
+        calls.append(1)
+        if outcome in ("ok", "lost", "crash"):
+            applied.append(1)
+        if outcome == "lost":
+            raise ToolError("answered 503 after the commit", code="unavailable")
+        if outcome == "refused":
+            raise ToolError("refused", code="bad_request", permanent=True)
+        if outcome == "down":
+            raise ToolError("503 before the commit", code="unavailable")
+        if outcome == "crash":
+            raise RuntimeError("the worker died mid-call")  # its claim is never settled
+        return {"undone": True}
+
+    return registry
+
+
+def test_every_undo_is_applied_at_most_once_whatever_runs_ask_in_whatever_order() -> None:
+    """A property over the real tool worker and ledger: any sequence of runs (the original, its
+    compensation runs under any ids, reset runs) asking for one undo, whatever each call comes to.
+    Once an undo is done its tool is never called again; an unsafe undo never applies twice without
+    an approver's instruction; a claim that may still be running is never raced by another run."""
+    import asyncio
+    import tempfile
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from activities.keys import KeyRing
+    from activities.tools import ToolActivities
+    from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        effect=st.sampled_from([ToolEffect.IDEMPOTENT, ToolEffect.UNSAFE, ToolEffect.RECONCILABLE]),
+        script=st.lists(st.sampled_from(_OUTCOMES), max_size=6),
+        runs=st.lists(st.sampled_from(["orig", "orig-compensate", "other-id", "orig-compensate"]), min_size=1, max_size=8),
+    )
+    def check(effect: ToolEffect, script: list[str], runs: list[str]) -> None:
+        applied: list[int] = []
+        calls: list[int] = []
+        registry = _scripted_undo(effect, script, applied, calls)
+        if effect == ToolEffect.RECONCILABLE:
+            # Its lookup finds the effect once one applied.
+            registry.get("undo_it").lookup(lambda ctx: {"found": True} if applied else None)
+        with tempfile.TemporaryDirectory() as folder:
+            tools = ToolActivities(registry, KeyRing.from_env(), SqliteUndoLedger(Path(folder) / LEDGER_FILE))
+            done_at = None
+            for i, run in enumerate(runs):
+                before = len(calls)
+                try:
+                    asyncio.run(run_undo(tools, "undo_it", as_run=run, attempt=i + 1))
+                except Exception:  # noqa: BLE001 (refused, failed, or the simulated crash)
+                    pass
+                else:
+                    done_at = i if done_at is None else done_at
+                if done_at is not None and done_at < i:
+                    assert len(calls) == before, "a done undo was started again"
+            if effect == ToolEffect.UNSAFE:
+                assert len(applied) <= 1, f"an unsafe undo applied {len(applied)} times: {script} by {runs}"
+
+    check()
