@@ -890,11 +890,12 @@ async def until(predicate, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("undoing", ["the run itself", "a compensation run"])
+@pytest.mark.parametrize("undoing", ["the run itself", "a compensation run", "a terminated compensation run"])
 async def test_a_cancel_while_undoing_strands_no_write(dev_env: WorkflowEnvironment, billing: Billing, undoing: str) -> None:
     """Issue 31, rows 2 and 3: a cancel that arrives while writes are being undone (by the run's
     on_failure=compensate, or by a compensation run) ends CANCELLED naming what is left, and
-    `tether compensate` of the original continues from there: each undo reaches the service once."""
+    `tether compensate` of the original continues from there: each undo reaches the service once.
+    A compensation run terminated mid-undo strands nothing either."""
     billing.fail_next("emails", 1, status=400)
     billing.fail_next("voids", 2, status=503)  # the void (undone last) is in its backoff when the cancel comes
     own = undoing == "the run itself"
@@ -910,10 +911,13 @@ async def test_a_cancel_while_undoing_strands_no_write(dev_env: WorkflowEnvironm
             original = outcome.run_id
             handle = await tether_client.compensate(dev_env.client, original, by="carol", queue=worker.task_queue)
         await until(lambda: requests_to(billing, VOIDS)[0] > before[0])
-        await handle.cancel()
-        cancelled = await tether_client.run_outcome(handle)
-        assert cancelled.state == S.CANCELLED, cancelled.timeline[-1].reason
-        assert "not compensated" in cancelled.timeline[-1].reason and "void_refund" in cancelled.timeline[-1].reason
+        if undoing == "a terminated compensation run":
+            await handle.terminate("test: an operator terminates it mid-undo")
+        else:
+            await handle.cancel()
+            cancelled = await tether_client.run_outcome(handle)
+            assert cancelled.state == S.CANCELLED, cancelled.timeline[-1].reason
+            assert "not compensated" in cancelled.timeline[-1].reason and "void_refund" in cancelled.timeline[-1].reason
         again = await tether_client.compensate(dev_env.client, original, by="erin", queue=worker.task_queue)
         finished = await tether_client.run_outcome(again)
         status = shown(await tether_client.status(dev_env.client, original))
