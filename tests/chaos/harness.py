@@ -701,6 +701,69 @@ async def compensation_round(
         worker.stop()
 
 
+@dataclass
+class TwiceResult:
+    run_id: str
+    states: list[RunState]  # the compensation runs', in start order; the last one after the kill
+    refunds: int
+    voided: bool
+    reversals: int
+    reversal_calls: int  # attempts of the reversal that reached its "before" checkpoint
+    reasons: list[str]
+
+
+async def compensation_twice_round(client: Client, address: str, billing: BillingProc, workdir: Path) -> TwiceResult:
+    """Recovery started twice, a SIGKILL and a third start in the mix (issue 31): a run that
+    kept its writes (on_failure=stop), two compensation runs of it started at once under ids a
+    client chose; the worker is SIGKILLed with the ledger reversal held before its call; the
+    restarted worker finishes them; then `tether compensate` once more. Each undo reaches the
+    service once: the tool worker's undo ledger decides, whichever run asks."""
+    chaos_dir = workdir / _unique("twice")
+    chaos_dir.mkdir(parents=True)
+    queue = _unique("chaos-q")
+    worker = start_worker(address, billing.url, queue, chaos_dir, "before", HELD_TOOL_TIMEOUT, CHAOS_HOLD_UNDO_ONLY="1")
+    try:
+        await worker.wait_for_output("worker ready")
+        request = RunRequest(goal="chaos kept", requested_by="alice", playbook=COMPENSATION_PLAN, on_failure="stop")
+        handle = await _start(client, request, _unique("chaos-kept"), queue)
+        snap = await _await_state(handle, {S.AWAITING_APPROVAL}, 180)
+        refund_tc, ledger_tc = snap.plan.steps[0].tool_call_id, snap.plan.steps[1].tool_call_id
+        await handle.signal("approve", approval_for(snap, "chaos-bob"))
+        state, _ = await _ended(client, handle.id)
+        assert state == S.EXECUTION_FAILED, state
+        undo_key = f"{handle.id}:{ledger_tc}:undo"
+        again = RunRequest(goal="chaos compensate", requested_by="chaos-bob", compensate_run=handle.id)
+        runs = [await _start(client, again, _unique("chaos-comp"), queue) for _ in range(2)]
+        await _wait(lambda: _marker(chaos_dir, undo_key, 1, "before").exists(), 60, "the reversal held before its call")
+        worker.kill()
+        _release(chaos_dir, undo_key)
+        worker = start_worker(address, billing.url, queue, chaos_dir, tool_timeout=HELD_TOOL_TIMEOUT)
+        await worker.wait_for_output("worker ready")
+        ended = [await _ended(client, run.id) for run in runs]
+        runs.append(await _start(client, again, _unique("chaos-comp"), queue))
+        ended.append(await _ended(client, runs[-1].id))
+        refunds = billing.refunds(f"{handle.id}:{refund_tc}")
+        entries = billing.get(f"/ledger?key={handle.id}:{ledger_tc}")["entries"]
+        reversals = billing.get(f"/ledger?reverses={entries[0]['entry_id']}")["entries"] if entries else []
+        return TwiceResult(
+            run_id=handle.id, states=[s for s, _ in ended], refunds=len(refunds),
+            voided=bool(refunds) and refunds[0]["voided_at"] is not None, reversals=len(reversals),
+            reversal_calls=_attempts(chaos_dir, undo_key), reasons=[t[-1].reason for _, t in ended],
+        )
+    finally:
+        worker.stop()
+
+
+def check_twice(r: TwiceResult) -> None:
+    """Every undo applied exactly once, however many compensation runs asked; none left."""
+    assert r.refunds == 1 and r.voided, r
+    assert r.reversals == 1, f"{r.reversals} reversals of one ledger entry: {r}"
+    assert all(s in (S.COMPENSATED, S.HANDED_OFF, S.FAILED) for s in r.states), r
+    # The last one, after the others ended: nothing left to undo (the ledger says so), or it
+    # finished what a run that handed off left.
+    assert r.states[-1] == S.COMPENSATED or "nothing_to_compensate" in r.reasons[-1], r
+
+
 def check_compensation(r: CompensationResult) -> None:
     """The recovery contract under a SIGKILL: COMPENSATED, each write undone exactly once."""
     assert r.state == S.COMPENSATED, f"{r.run_id} ended {r.state.value}: {r.reason}"

@@ -37,7 +37,9 @@ from tests.chaos.harness import (
     RunResult,
     check_compensation,
     check_result,
+    check_twice,
     compensation_round,
+    compensation_twice_round,
     effect_round,
     kill_round,
 )
@@ -181,6 +183,21 @@ async def main_async(args: argparse.Namespace) -> int:
                     check_compensation(result)
                 except AssertionError as e:
                     tally.violations.append(f"compensation {result.run_id}: {e}")
+        # Recovery started twice at once, a kill, then a third start (issue 31): one round a lane.
+        twice = await asyncio.gather(
+            *(compensation_twice_round(client, server.address, billing, workdir) for _ in range(args.lanes)),
+            return_exceptions=True,
+        )
+        for result in twice:
+            if isinstance(result, BaseException):
+                tally.errors.append(f"compensation twice round: {result!r}")
+                continue
+            tally.kills += 1
+            undo_points["twice"] += 1
+            try:
+                check_twice(result)
+            except AssertionError as e:
+                tally.violations.append(f"compensation twice {result.run_id}: {e}")
     finally:
         billing.stop()
         server.stop()

@@ -46,7 +46,7 @@ ROUNDS_AT_ONCE = 4
 async def test_sigkill_writes_and_compensations_slow_attempts_cancels_and_retries(stack: Stack) -> None:
     """The kill rounds of the writes, and those of a compensation (below), side by side: each
     waits mostly for Temporal to notice its dead worker."""
-    from tests.chaos.harness import check_compensation, compensation_round
+    from tests.chaos.harness import check_compensation, check_twice, compensation_round, compensation_twice_round
 
     gate = asyncio.Semaphore(ROUNDS_AT_ONCE)
     writes = asyncio.gather(
@@ -57,8 +57,12 @@ async def test_sigkill_writes_and_compensations_slow_attempts_cancels_and_retrie
         *(limited(gate, compensation_round(stack.client, stack.server.address, stack.billing, stack.workdir, point=p))
           for p in POINTS)
     )
+    # Recovery started twice at once, a kill, and a third start (issue 31).
+    twice = limited(gate, compensation_twice_round(stack.client, stack.server.address, stack.billing, stack.workdir))
     # And the slow attempts, cancels and exhausted retries (below), for the same reason.
-    rounds, compensations, _ = await asyncio.gather(writes, undos, slow_attempts_cancels_and_retries_that_run_out(stack, gate))
+    rounds, compensations, twice_result, _ = await asyncio.gather(
+        writes, undos, twice, slow_attempts_cancels_and_retries_that_run_out(stack, gate))
+    check_twice(twice_result)
     # A refund and a ledger entry, then an email refused for good, with on_failure=compensate:
     # the worker is SIGKILLed with the first compensation (the ledger reversal) held before its
     # call, during it (committed, the response delayed) and after it. Restarted, every run ends
