@@ -13,7 +13,8 @@ summary table per effect class (with the ``unknown`` outcomes and how each run e
 1 on any violation of the chaos contract. Then ``--compensations`` rounds of
 ``compensation_round``: a run putting its writes back, its worker SIGKILLed before, during or
 after a compensation's call or at a random moment; every one must end COMPENSATED with each
-write undone exactly once.
+write undone exactly once. Then one ``compensation_twice_round`` a lane: two compensation runs of
+one original at once, a SIGKILL, a third after them; each undo applied exactly once.
 """
 
 from __future__ import annotations
