@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -94,26 +95,31 @@ _COLUMNS = "key, state, tool, by_workflow, by_run, at, outcome"
 
 @dataclass
 class SqliteUndoLedger:
-    """The dev ledger: one SQLite file next to the JSON-lines audit sink (one machine)."""
+    """The dev ledger: one SQLite file next to the JSON-lines audit sink (one machine). One
+    connection, opened on first use; its statements one at a time (they run in threads)."""
 
     path: Path
+    _conn: sqlite3.Connection | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def describe(self) -> str:
         return f"SQLite {self.path}"
 
-    def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (key TEXT PRIMARY KEY, state TEXT NOT NULL, tool TEXT NOT NULL, "
-            "by_workflow TEXT NOT NULL, by_run TEXT NOT NULL, at TEXT NOT NULL, outcome TEXT NOT NULL DEFAULT '')"
-        )
-        return conn
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (key TEXT PRIMARY KEY, state TEXT NOT NULL, tool TEXT NOT NULL, "
+                "by_workflow TEXT NOT NULL, by_run TEXT NOT NULL, at TEXT NOT NULL, outcome TEXT NOT NULL DEFAULT '')"
+            )
+            self._conn = conn
+        return self._conn
 
     def _run(self, work: Any) -> Any:
-        conn = self._connect()
-        try:
+        with self._lock:
+            conn = self._connection()
             conn.execute("BEGIN IMMEDIATE")  # one writer at a time, across worker processes
             try:
                 result = work(conn)
@@ -122,8 +128,6 @@ class SqliteUndoLedger:
                 raise
             conn.execute("COMMIT")
             return result
-        finally:
-            conn.close()
 
     async def claim(self, key: str, *, tool: str, workflow_id: str, run_id: str) -> LedgerEntry | None:
         def work(conn: sqlite3.Connection) -> LedgerEntry | None:
@@ -174,7 +178,10 @@ class SqliteUndoLedger:
         return await asyncio.to_thread(self._run, work)
 
     async def aclose(self) -> None:
-        return None
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
 
 SCHEMA = f"""
