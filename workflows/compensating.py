@@ -168,10 +168,11 @@ class Compensating(RunModel):
         actor = self.actor(by, self.data.requester_verified)
         refusal = source.refusal or policy.compensator_refusal(self.tenant, by)
         pending = [c for c in source.compensations if c.status != "ok"]
-        if refusal is None and source.state not in policy.COMPENSABLE_STATES | {S.COMPLETED}:
+        compensable = policy.COMPENSABLE_STATES | {S.COMPLETED}  # COMPLETED: its undos approved first
+        if refusal is None and source.state not in compensable:
             state = source.state.value if source.state else "unknown"
             refusal = Refusal(rule="not_compensable", message=f"run {source.run_id} ended {state}: only runs "
-                              f"ended {', '.join(sorted(s.value for s in policy.COMPENSABLE_STATES))} are compensated")
+                              f"ended {', '.join(sorted(s.value for s in compensable))} are compensated")
         if refusal is None and not pending:
             refusal = Refusal(rule="nothing_to_compensate", message=f"run {source.run_id} has no ok write left to compensate")
         if refusal is None and any(not c.plan_hash for c in pending):
