@@ -51,7 +51,7 @@ from activities.undo_ledger import UndoLedger
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
-from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, ToolCall, ToolOutcome
+from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, UNDO_LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
 from workflows.recovery import UNDO_KEY_SUFFIX
 from workflows.retries import ToolTimeouts, tool_timeouts
 from workflows.validation import BoundedValidator, PatternError, schema_problem
@@ -481,7 +481,14 @@ class ToolActivities:
         have applied) and the undo tool's effect allows running it again; else refused."""
         assert self.ledger is not None
         info = activity.info()
-        held = await self.ledger.claim(key, tool=spec.name, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+        try:
+            held = await self.ledger.claim(key, tool=spec.name, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+        except Exception as e:  # noqa: BLE001 (any ledger error: the tool is not called)
+            log.warning("undo ledger %s unavailable for %s: %s", self.ledger.describe(), key[:200], e)
+            raise ApplicationError(
+                f"the undo ledger ({self.ledger.describe()}) is unavailable: {type(e).__name__}; the undo was not started",
+                type=UNDO_LEDGER_UNAVAILABLE, non_retryable=True,
+            ) from None
         if held is None:
             return False
         if held.state == "done":

@@ -727,6 +727,23 @@ async def test_the_tool_worker_starts_each_undo_once_whichever_run_asks(tmp_path
     assert counts == {"reverse_it": 1, "lookup": 1} and "orig:tc-1:undo" in found.observation
 
 
+async def test_an_undo_whose_ledger_is_unavailable_is_not_started(tmp_path) -> None:
+    """No claim, no call: the attempt bounces (the run schedules it again, as for a capability)."""
+    from temporalio.exceptions import ApplicationError
+
+    from activities.keys import KeyRing
+    from activities.tools import ToolActivities
+    from activities.undo_ledger import SqliteUndoLedger
+    from workflows.wire import UNDO_LEDGER_UNAVAILABLE
+
+    (tmp_path / "not-a-folder").write_text("")
+    counts: dict[str, int] = {}
+    tools = ToolActivities(_undo_tools(counts, {}), KeyRing.from_env(), SqliteUndoLedger(tmp_path / "not-a-folder" / "x"))
+    with pytest.raises(ApplicationError) as refused:
+        await run_undo(tools, "void_it", as_run="orig")
+    assert refused.value.type == UNDO_LEDGER_UNAVAILABLE and counts == {}
+
+
 def age_claim(ledger, key: str) -> None:
     import sqlite3
 

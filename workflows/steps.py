@@ -16,6 +16,7 @@ from workflows.states import EffectOutcome, Refs
 from workflows.wire import (
     CAPABILITY_EXPIRED,
     CAPABILITY_KEY_MISSING,
+    UNDO_LEDGER_UNAVAILABLE,
     AuthorityCheck,
     Refusal,
     ToolCall,
@@ -192,7 +193,8 @@ class Steps(RunModel):
 
     def capability_bounced(self, failure: ToolFailure) -> None:
         """The attempt reached a worker that could not check its capability (key id missing, or
-        it waited past its expiry): the tool was not called; the run schedules it again with a
+        it waited past its expiry) or claim its undo (the undo ledger unavailable): the tool was
+        not called; the run schedules it again with a
         fresh capability. ``last_error`` (the Web UI details) names why (the key id)."""
         step = self.current_step()
         require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt")
@@ -408,7 +410,8 @@ class Steps(RunModel):
         )
         if isinstance(answer, ToolFailure):
             failure = answer
-            if activity_id and failure.code in (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED) and self.bounces < MAX_BOUNCES:
+            bounced = (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED, UNDO_LEDGER_UNAVAILABLE)
+            if activity_id and failure.code in bounced and self.bounces < MAX_BOUNCES:
                 # The tool was not called: schedule the attempt again, fresh capability, soon.
                 self.bounces += 1
                 self.capability_bounced(failure)

@@ -82,6 +82,11 @@ CAPABILITY_KEY_MISSING = "capability_key_missing"
 CAPABILITY_EXPIRED = "capability_expired"
 
 
+# The tool worker could not reach its undo ledger (activities/undo_ledger.py) to claim an undo:
+# the tool was not called, and the run schedules the attempt again as for a capability that bounced.
+UNDO_LEDGER_UNAVAILABLE = "undo_ledger_unavailable"
+
+
 # A local activity found a seal naming a key id this worker does not hold.
 KEY_MISSING = "key_missing"
 
