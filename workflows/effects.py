@@ -502,7 +502,7 @@ class Effects:
             timeline=data.lifecycle.timeline[-VIEW_RECORDS:],
             published_at=workflow.now(),
         )
-        workflow.upsert_memo({VIEW_MEMO: view})
+        workflow.upsert_memo({VIEW_MEMO: view.packed()})
 
     def _details(self) -> str:
         return run_details(

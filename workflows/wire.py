@@ -23,7 +23,7 @@ from workflows.contract import (
     json_digest,
 )
 from workflows.policy_file import EscalationStage, TenantPolicy
-from workflows.states import RunState, TransitionRecord
+from workflows.states import PackedRecords, RunState
 
 
 # Error types the ``execute_tool`` activity reports besides the tools' own codes.
@@ -343,7 +343,7 @@ class AuditBatch(BaseModel):
 
     workflow_id: str
     first_run_id: str
-    records: list[TransitionRecord]
+    records: PackedRecords  # sent packed (states.pack_records)
     run_id: str = ""  # the execution that wrote them (the activity fills it from its info)
     continued_from: str | None = None  # the run this one continued as new from
 
