@@ -205,7 +205,7 @@ class RunView(BaseModel):
 
     # Published packed (states.pack_json, the fields at their defaults left out): the memo is
     # Tether's own, read by its tools (client.published_view), not by the Web UI.
-    def packed(self) -> str:
+    def packed(self) -> bytes:
         return pack_json(self.model_dump(mode="json", exclude_defaults=True))
 
     @model_validator(mode="before")

@@ -7,14 +7,13 @@ changes state only through :meth:`Lifecycle.move`.
 
 from __future__ import annotations
 
-import base64
 import json
 import zlib
 from datetime import datetime
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, model_serializer
+from pydantic import BaseModel, Field, model_serializer
 
 from workflows.budgets import REASON_CHARS, REFUSAL_KEYS, REFUSALS_RECORDED, TIMELINE_HEAD, TIMELINE_WINDOW, clip
 
@@ -199,48 +198,32 @@ class TransitionRecord(BaseModel):
     seq: int = 0
 
 
-# What a run sends for itself alone (the audit batch's records, the published view): JSON
-# without the fields left at their defaults, deflated and base64'd into one string. Internal
-# payloads, not meant to be read in the Web UI: the timeline query, `tether status`/`timeline` and
-# the audit sink show them. One helper, deterministic (the same value gives the same string); a
-# value that is not a packed string is read as it is (what older builds wrote).
-PACKED_PREFIX = "z1:"
-# Unpacked at most this much: a packed string never inflates past it.
+# What a run sends for itself alone (the audit batch, the published view): JSON without the
+# fields left at their defaults, deflated, as bytes (a binary payload: no JSON string around it).
+# Internal payloads, not meant to be read in the Web UI: the timeline query, `tether status` /
+# `timeline` and the audit sink show what they carry. One helper, deterministic (the same value
+# gives the same bytes); what is not bytes is read as it is (what older builds sent).
+# Unpacked at most this much: packed bytes never inflate past it.
 PACKED_MAX_BYTES = 16 * 1024 * 1024
 
 
-def pack_json(value: Any) -> str:
-    """A JSON-able value as one compact string (``unpack_json`` reads it back)."""
-    raw = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    return PACKED_PREFIX + base64.b64encode(zlib.compress(raw.encode("utf-8"), 9)).decode("ascii")
+def pack_json(value: Any) -> bytes:
+    """A JSON-able value as compact bytes (``unpack_json`` reads it back)."""
+    return zlib.compress(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"), 9)
 
 
 def unpack_json(value: Any) -> Any:
-    """What ``pack_json`` wrote, as the value; anything but a string as it is."""
-    if not isinstance(value, str):
+    """What ``pack_json`` wrote, as the value; anything but bytes as it is."""
+    if not isinstance(value, (bytes, bytearray)):
         return value
-    if not value.startswith(PACKED_PREFIX):
-        raise ValueError("a packed value starts with " + PACKED_PREFIX)
     try:
         inflate = zlib.decompressobj()
-        raw = inflate.decompress(base64.b64decode(value[len(PACKED_PREFIX):], validate=True), PACKED_MAX_BYTES)
+        raw = inflate.decompress(bytes(value), PACKED_MAX_BYTES)
         if inflate.unconsumed_tail or not inflate.eof:
             raise ValueError(f"past {PACKED_MAX_BYTES} bytes, or cut short")
         return json.loads(raw)
     except (zlib.error, ValueError) as e:
-        raise ValueError(f"a packed value unreadable: {e}") from None
-
-
-def pack_records(records: list[TransitionRecord]) -> str:
-    return pack_json([r.model_dump(mode="json", exclude_defaults=True) for r in records])
-
-
-# A list of records sent packed (in JSON only: in Python they are the records).
-PackedRecords = Annotated[
-    list[TransitionRecord],
-    BeforeValidator(unpack_json),
-    PlainSerializer(pack_records, return_type=str, when_used="json"),
-]
+        raise ValueError(f"packed bytes unreadable: {e}") from None
 
 
 class Lifecycle(BaseModel):
