@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer, model_validator
+from pydantic import BaseModel, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from workflows.contract import (
     AcceptedApproval,
@@ -276,6 +276,18 @@ class AuthorityCheck(BaseModel):
     # under the plan hash that covered it; in a compensation run, the person who asked for it.
     undo: CompensationCall | None = None
     compensator: str = ""
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        # Sent before every write: the fields at their defaults are left out, and so are the
+        # catalog entries' (read back, they are the same; the attestation covers this form).
+        out = handler(self)
+        for name, field in type(self).model_fields.items():
+            if not field.is_required() and getattr(self, name) == field.get_default(call_default_factory=True):
+                out.pop(name, None)
+        if self.catalog is not None:
+            out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True)
+        return out
 
 
 class Notification(BaseModel):
