@@ -283,8 +283,9 @@ class AuthorityCheck(BaseModel):
         # catalog entries' (read back, they are the same; the attestation covers this form).
         out = handler(self)
         for name, field in type(self).model_fields.items():
-            if not field.is_required() and getattr(self, name) == field.get_default(call_default_factory=True):
-                out.pop(name, None)
+            # The defaults here are None, "", 0, [] and {}: each dumps as itself.
+            if not field.is_required() and name in out and out[name] == field.get_default(call_default_factory=True):
+                del out[name]
         if self.catalog is not None:
             out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True)
         return out
