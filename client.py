@@ -702,7 +702,9 @@ DESCRIBE_CONCURRENCY = 8
 async def published_view(description: Any) -> RunView | None:
     """The RunView the run last published in its memo (None: it has published none yet)."""
     try:
-        return await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
+        view = await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
+        # Published packed (RunView.packed): a binary payload, read back as bytes.
+        return view if view is None or isinstance(view, RunView) else RunView.model_validate(view)
     except (ValueError, TypeError, KeyError, ValidationError) as e:  # another version's, or encrypted by a key not here
         raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None

@@ -322,8 +322,10 @@ class AuditActivities:
         self.sink = sink or sink_from_env()
 
     @activity.defn(name="audit_append")
-    async def audit_append(self, batch: AuditBatch) -> AuditAck:
+    async def audit_append(self, batch: AuditBatch | bytes) -> AuditAck:
         info = activity.info()
+        if not isinstance(batch, AuditBatch):  # packed (AuditBatch.packed), as the workflow sends it
+            batch = AuditBatch.model_validate(batch)
         # The execution that asks is the stream's key (a batch of an older worker has no run id).
         batch = batch.model_copy(update={"run_id": info.workflow_run_id or batch.run_id})
         try:

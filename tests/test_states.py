@@ -129,3 +129,28 @@ def test_a_start_lists_a_run_as_its_first_task_leaves_it() -> None:
     assert firsts == TRANSITIONS[RunState.RECEIVED] - TERMINAL
     for first in firsts:
         assert not to_publish(first.value, first)
+
+
+def test_what_a_run_sends_for_itself_goes_packed_and_reads_back_the_same() -> None:
+    """states.pack_json: one helper for the audit batch and the published view; deterministic,
+    the fields at their defaults left out, bounded when read back, older (JSON) forms still read."""
+    import zlib
+
+    from workflows.states import PACKED_MAX_BYTES, pack_json, unpack_json
+    from workflows.wire import AuditBatch
+
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    lc = Lifecycle()
+    lc.move(RunState.PLANNING, at=at, actor="runtime", reason="received")
+    lc.move(RunState.VALIDATED, at=at, actor="runtime", reason="validated")
+    batch = AuditBatch(workflow_id="wf", first_run_id="r1", records=lc.timeline, run_id="r1")
+    packed = batch.packed()
+    assert isinstance(packed, bytes) and packed == batch.packed()  # the same records, the same bytes
+    assert b'"kind"' not in zlib.decompress(packed)  # the default kind is left out
+    assert AuditBatch.model_validate(packed) == batch
+    assert AuditBatch.model_validate(batch.model_dump(mode="json")) == batch  # an older build's JSON
+    assert unpack_json({"a": 1}) == {"a": 1} and unpack_json(pack_json([1, "x"])) == [1, "x"]
+    with pytest.raises(ValueError):
+        unpack_json(b"not deflated")
+    with pytest.raises(ValueError):
+        unpack_json(zlib.compress(b" " * (PACKED_MAX_BYTES + 1)))  # inflates past the bound

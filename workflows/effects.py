@@ -385,7 +385,7 @@ class Effects:
                     AuditBatch(
                         workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
                         run_id=info.run_id, continued_from=info.continued_run_id,
-                    ),
+                    ).packed(),
                     AuditAck,
                     f"audit · {len(batch)} record(s)",
                     retry=AUDIT_RETRY,
@@ -502,7 +502,7 @@ class Effects:
             timeline=data.lifecycle.timeline[-VIEW_RECORDS:],
             published_at=workflow.now(),
         )
-        workflow.upsert_memo({VIEW_MEMO: view})
+        workflow.upsert_memo({VIEW_MEMO: view.packed()})
 
     def _details(self) -> str:
         return run_details(

@@ -30,7 +30,7 @@ from workflows.contract import (
 )
 from workflows.identity import Name
 from workflows.policy_file import EscalationStage
-from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord
+from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord, pack_json, unpack_json
 from workflows.wire import PolicySnapshot
 
 
@@ -202,6 +202,16 @@ class RunView(BaseModel):
     snapshot: RunSnapshot
     timeline: list[TransitionRecord] = Field(default_factory=list)  # the latest records, bounded
     published_at: datetime
+
+    # Published packed (states.pack_json, the fields at their defaults left out): the memo is
+    # Tether's own, read by its tools (client.published_view), not by the Web UI.
+    def packed(self) -> bytes:
+        return pack_json(self.model_dump(mode="json", exclude_defaults=True))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unpacked(cls, data: Any) -> Any:
+        return unpack_json(data)
 
 
 class RunOutcome(BaseModel):

@@ -7,6 +7,8 @@ changes state only through :meth:`Lifecycle.move`.
 
 from __future__ import annotations
 
+import json
+import zlib
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
@@ -194,6 +196,34 @@ class TransitionRecord(BaseModel):
     # 1, 2, 3, ... over the whole run (across continue-as-new): the audit sink's key, and how a
     # reader merges the workflow's window with the sink.
     seq: int = 0
+
+
+# What a run sends for itself alone (the audit batch, the published view): JSON without the
+# fields left at their defaults, deflated, as bytes (a binary payload: no JSON string around it).
+# Internal payloads, not meant to be read in the Web UI: the timeline query, `tether status` /
+# `timeline` and the audit sink show what they carry. One helper, deterministic (the same value
+# gives the same bytes); what is not bytes is read as it is (what older builds sent).
+# Unpacked at most this much: packed bytes never inflate past it.
+PACKED_MAX_BYTES = 16 * 1024 * 1024
+
+
+def pack_json(value: Any) -> bytes:
+    """A JSON-able value as compact bytes (``unpack_json`` reads it back)."""
+    return zlib.compress(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"), 9)
+
+
+def unpack_json(value: Any) -> Any:
+    """What ``pack_json`` wrote, as the value; anything but bytes as it is."""
+    if not isinstance(value, (bytes, bytearray)):
+        return value
+    try:
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(bytes(value), PACKED_MAX_BYTES)
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError(f"past {PACKED_MAX_BYTES} bytes, or cut short")
+        return json.loads(raw)
+    except (zlib.error, ValueError) as e:
+        raise ValueError(f"packed bytes unreadable: {e}") from None
 
 
 class Lifecycle(BaseModel):

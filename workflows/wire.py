@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from workflows.contract import (
     AcceptedApproval,
@@ -23,7 +23,7 @@ from workflows.contract import (
     json_digest,
 )
 from workflows.policy_file import EscalationStage, TenantPolicy
-from workflows.states import RunState, TransitionRecord
+from workflows.states import RunState, TransitionRecord, pack_json, unpack_json
 
 
 # Error types the ``execute_tool`` activity reports besides the tools' own codes.
@@ -277,6 +277,19 @@ class AuthorityCheck(BaseModel):
     undo: CompensationCall | None = None
     compensator: str = ""
 
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        # Sent before every write: the fields at their defaults are left out, and so are the
+        # catalog entries' (read back, they are the same; the attestation covers this form).
+        out = handler(self)
+        for name, field in type(self).model_fields.items():
+            # The defaults here are None, "", 0, [] and {}: each dumps as itself.
+            if not field.is_required() and name in out and out[name] == field.get_default(call_default_factory=True):
+                del out[name]
+        if self.catalog is not None:
+            out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True)
+        return out
+
 
 class Notification(BaseModel):
     """Input of the ``notify`` activity: one event, for the named webhooks (resolved against the
@@ -346,6 +359,16 @@ class AuditBatch(BaseModel):
     records: list[TransitionRecord]
     run_id: str = ""  # the execution that wrote them (the activity fills it from its info)
     continued_from: str | None = None  # the run this one continued as new from
+
+    # Sent packed (states.pack_json, the fields at their defaults left out): the sink shows the
+    # records, the Web UI need not.
+    def packed(self) -> bytes:
+        return pack_json(self.model_dump(mode="json", exclude_defaults=True))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unpacked(cls, data: Any) -> Any:
+        return unpack_json(data)
 
 
 class AuditAck(BaseModel):
