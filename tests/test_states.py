@@ -146,7 +146,14 @@ def test_what_a_run_sends_for_itself_goes_packed_and_reads_back_the_same() -> No
     batch = AuditBatch(workflow_id="wf", first_run_id="r1", records=lc.timeline, run_id="r1")
     packed = batch.packed()
     assert isinstance(packed, bytes) and packed == batch.packed()  # the same records, the same bytes
-    assert b'"kind"' not in zlib.decompress(packed)  # the default kind is left out
+    from workflows.states import PACK_DICT
+
+    inflate = zlib.decompressobj(zdict=PACK_DICT)  # deflated with Tether's preset dictionary
+    assert b'"kind"' not in inflate.decompress(packed)  # the default kind is left out
+    assert AuditBatch.model_validate(zlib.compress(batch.model_dump_json(exclude_defaults=True).encode())) == batch  # no dictionary: still read
+    with pytest.raises(ValueError, match="dictionary this build does not know"):
+        other = zlib.compressobj(9, zdict=b"another dictionary")
+        unpack_json(other.compress(b"{}") + other.flush())
     assert AuditBatch.model_validate(packed) == batch
     assert AuditBatch.model_validate(batch.model_dump(mode="json")) == batch  # an older build's JSON
     assert unpack_json({"a": 1}) == {"a": 1} and unpack_json(pack_json([1, "x"])) == [1, "x"]

@@ -200,8 +200,11 @@ class RunView(BaseModel):
     worker running. ``published_at`` is workflow time: how fresh the view is."""
 
     snapshot: RunSnapshot
-    timeline: list[TransitionRecord] = Field(default_factory=list)  # the latest records, bounded
+    # The latest records, bounded; at the run's end also every record the audit sink lacks
+    # (the worker's audit collector writes them from here).
+    timeline: list[TransitionRecord] = Field(default_factory=list)
     published_at: datetime
+    continued_from: str | None = None  # the run this one continued as new from (the sink's stream says so)
 
     # Published packed (states.pack_json, the fields at their defaults left out): the memo is
     # Tether's own, read by its tools (client.published_view), not by the Web UI.
