@@ -30,7 +30,7 @@ from workflows.contract import (
 )
 from workflows.identity import Name
 from workflows.policy_file import EscalationStage
-from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord, pack_json, unpack_json
+from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord, Packed
 from workflows.wire import PolicySnapshot
 
 
@@ -195,7 +195,7 @@ class RunSnapshot(BaseModel):
     revisions: list[Revision] = Field(default_factory=list)
 
 
-class RunView(BaseModel):
+class RunView(Packed):
     """What a run publishes where it rests (memo ``tether``): Tether's views read it with no
     worker running. ``published_at`` is workflow time: how fresh the view is."""
 
@@ -205,16 +205,6 @@ class RunView(BaseModel):
     timeline: list[TransitionRecord] = Field(default_factory=list)
     published_at: datetime
     continued_from: str | None = None  # the run this one continued as new from (the sink's stream says so)
-
-    # Published packed (states.pack_json, the fields at their defaults left out): the memo is
-    # Tether's own, read by its tools (client.published_view), not by the Web UI.
-    def packed(self) -> bytes:
-        return pack_json(self.model_dump(mode="json", exclude_defaults=True))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unpacked(cls, data: Any) -> Any:
-        return unpack_json(data)
 
 
 class RunOutcome(BaseModel):

@@ -13,7 +13,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from workflows.budgets import REASON_CHARS, REFUSAL_KEYS, REFUSALS_RECORDED, TIMELINE_HEAD, TIMELINE_WINDOW, clip
 
@@ -269,6 +269,20 @@ def unpack_json(value: Any) -> Any:
         return json.loads(raw)
     except (zlib.error, ValueError) as e:
         raise ValueError(f"packed bytes unreadable: {e}") from None
+
+
+class Packed(BaseModel):
+    """A model a run sends for itself alone (the audit batch, the published view): ``packed()``
+    is its wire form (``pack_json``, the fields at their defaults left out), and it validates
+    from that form or from plain JSON (what older builds sent)."""
+
+    def packed(self) -> bytes:
+        return pack_json(self.model_dump(mode="json", exclude_defaults=True))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unpacked(cls, data: Any) -> Any:
+        return unpack_json(data)
 
 
 class Lifecycle(BaseModel):

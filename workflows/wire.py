@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import BaseModel, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
 from workflows.contract import (
     AcceptedApproval,
@@ -23,7 +23,7 @@ from workflows.contract import (
     json_digest,
 )
 from workflows.policy_file import EscalationStage, TenantPolicy
-from workflows.states import RunState, TransitionRecord, pack_json, unpack_json
+from workflows.states import RunState, TransitionRecord, Packed
 
 
 # Error types the ``execute_tool`` activity reports besides the tools' own codes.
@@ -350,7 +350,7 @@ class RecoverySource(BaseModel):
     attestation: str | None = None
 
 
-class AuditBatch(BaseModel):
+class AuditBatch(Packed):
     """Timeline records on their way to the audit sink (activities/audit.py), keyed by workflow
     id, run id and seq: each execution (a reset makes a new one) is its own stream."""
 
@@ -359,16 +359,6 @@ class AuditBatch(BaseModel):
     records: list[TransitionRecord]
     run_id: str = ""  # the execution that wrote them (the activity fills it from its info)
     continued_from: str | None = None  # the run this one continued as new from
-
-    # Sent packed (states.pack_json, the fields at their defaults left out): the sink shows the
-    # records, the Web UI need not.
-    def packed(self) -> bytes:
-        return pack_json(self.model_dump(mode="json", exclude_defaults=True))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unpacked(cls, data: Any) -> Any:
-        return unpack_json(data)
 
 
 class AuditAck(BaseModel):
