@@ -441,15 +441,16 @@ class AuditCollector(Interceptor, Plugin):
 
     async def collect(self, workflow_id: str, run_id: str) -> None:
         handle = self.client.get_workflow_handle(workflow_id, run_id=run_id)
-        delay = 0.02
+        delay = 0.05
         try:
             for _ in range(COLLECT_TRIES):
+                # Named as its last workflow task runs: the server has its end a moment later.
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
                 description = await handle.describe()
                 if description.status != WorkflowExecutionStatus.RUNNING:
                     await self.write(workflow_id, run_id, await description.memo_value(VIEW_MEMO, None))
                     return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
             # Still running: its end's task failed (a signal came in with it); when it ends again
             # it names itself again.
             self._seen.pop((workflow_id, run_id), None)
