@@ -8,6 +8,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from workflows.states import (
     TERMINAL,
@@ -161,3 +163,30 @@ def test_what_a_run_sends_for_itself_goes_packed_and_reads_back_the_same() -> No
         unpack_json(b"not deflated")
     with pytest.raises(ValueError):
         unpack_json(zlib.compress(b" " * (PACKED_MAX_BYTES + 1)))  # inflates past the bound
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([30.0, -0.0, 12.5, 1e-4, 9.99e15, 1e16, 2.0**53])
+    | st.text() | st.sampled_from(["\ud800", "a\x00\x1f\x7f\"\\", "\ue000", "\U0001f600", "é"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4) | st.sampled_from(["\ue000", "\U0001f600", "z"]), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_JSON)
+def test_canonical_json_is_rfc8785_on_every_value(value) -> None:
+    """The fast path (the C encoder) writes RFC 8785's text, or hands the value to the reference:
+    digests and MACs of recorded histories depend on it."""
+    import rfc8785
+
+    from workflows.contract import canonical_json
+
+    try:
+        expected = rfc8785.dumps(value).decode()
+    except (rfc8785.CanonicalizationError, UnicodeError, ValueError) as e:
+        with pytest.raises((ValueError, UnicodeError)):
+            canonical_json(value)
+        return
+    assert canonical_json(value) == expected
