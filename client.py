@@ -472,7 +472,8 @@ async def start_run(
     try:
         return await client.start_workflow(
             "AgentRun",
-            request,
+            # The fields at their defaults left out: read back, the request is the same.
+            request.model_dump(mode="json", exclude_defaults=True),
             id=run_id,
             task_queue=queue or task_queue(),
             id_reuse_policy=(
@@ -550,6 +551,7 @@ class AuditTrail(BaseModel):
     waiting: int  # of those, not yet written to the sink by the run (snapshot.audit_waiting)
     audit_error: str | None = None  # why the run cannot write to its sink, if it cannot
     missing: list[int] = []  # seqs of the current line the sink does not hold (and not waiting)
+    closed: bool = False  # the current run has closed: its last records are the audit collector's
     unchecked: str | None = None  # why the sink could not be checked against the run (gone, no worker)
     # The run's own counts are from the view it published at this workflow time (None: asked live).
     published_at: datetime | None = None
@@ -615,6 +617,7 @@ async def audit_trail(
     window: list[TransitionRecord] = []
     snap: RunSnapshot | None = None
     unchecked = None
+    description = None
     try:
         description = await client.get_workflow_handle(run_id).describe()
         current = description.run_id
@@ -669,9 +672,13 @@ async def audit_trail(
     ordered = sorted(branches, key=start)
     current = current or ordered[-1].run_id
     first_run = snap.first_run_id if snap else next((b.run_id for b in ordered if b.origin == "first"), ordered[0].run_id)
+    # A run that has closed waits for nothing: what it left with its end view is the workers'
+    # audit collector's to write, so what this sink lacks is missing (or not collected yet).
+    closed = description is not None and description.status != WorkflowExecutionStatus.RUNNING
     trail = AuditTrail(
         workflow_id=run_id, first_run_id=first_run, current_run_id=current, sink=sink.describe(),
-        branches=ordered, written=written, waiting=snap.audit_waiting if snap else 0,
+        branches=ordered, written=written, waiting=snap.audit_waiting if snap and not closed else 0,
+        closed=closed,
         audit_error=snap.audit_error if snap else None, unchecked=unchecked, published_at=published_at,
     )
     held = {r.seq for r in trail.line()}
@@ -703,7 +710,9 @@ DESCRIBE_CONCURRENCY = 8
 async def published_view(description: Any) -> RunView | None:
     """The RunView the run last published in its memo (None: it has published none yet)."""
     try:
-        return await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
+        view = await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
+        # Published packed (RunView.packed): a binary payload, read back as bytes.
+        return view if view is None or isinstance(view, RunView) else RunView.model_validate(view)
     except (ValueError, TypeError, KeyError, ValidationError) as e:  # another version's, or encrypted by a key not here
         raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None

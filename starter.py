@@ -574,7 +574,9 @@ def audit_warnings(trail: client.AuditTrail) -> list[str]:
         warnings.append(
             f"the audit sink ({trail.sink}) holds {trail.written - trail.waiting - len(trail.missing)} of the "
             f"{trail.written - trail.waiting} records the run wrote; missing seq {shown} (is this the workers' "
-            f"TETHER_AUDIT_DIR / TETHER_AUDIT_DSN?)"
+            f"TETHER_AUDIT_DIR / TETHER_AUDIT_DSN?"
+            + (" A run that has just ended leaves its last records to the workers' audit collector: "
+               "if a worker is running, try again in a moment)" if trail.closed else ")")
         )
     if trail.waiting:
         warnings.append(f"{trail.waiting} record(s) not yet written to the sink by the run")

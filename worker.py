@@ -27,7 +27,7 @@ from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import mcp
-from activities.audit import AuditActivities
+from activities.audit import AuditActivities, AuditCollector
 from activities.codec import EncryptionCodec
 from activities.keys import KeyRing, KeyRingError, KeyRingInterceptor
 from activities.metrics import prometheus_runtime, tracing_interceptors
@@ -82,6 +82,8 @@ def create_worker(
     if rules.keys is None:
         rules.keys = keys
     notify = NotifyActivities(rules.store)
+    # What a run leaves with its end view, into the same sink once it has closed.
+    collector = AuditCollector(client, audit.sink)
     recovery = RecoveryActivities(client, keys, ledger)
     setup = SetupActivities(tools, rules)
     return Worker(
@@ -101,6 +103,7 @@ def create_worker(
         ],
         # The ring reaches the workflow code as this worker's configuration (workflows/keys.py).
         interceptors=[KeyRingInterceptor(keys), *options.pop("interceptors", ())],
+        plugins=[collector, *options.pop("plugins", ())],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         workflow_runner=options.pop("workflow_runner", WORKFLOW_RUNNER),
         **options,

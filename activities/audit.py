@@ -35,14 +35,30 @@ import json
 import logging
 import os
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
+from temporalio.runtime import Runtime
+from temporalio.worker import (
+    Interceptor,
+    Plugin,
+    Replayer,
+    ReplayerConfig,
+    Worker,
+    WorkerConfig,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+)
 
+from workflows.published import COLLECT_EXTERN, VIEW_MEMO
+from workflows.run_state import RunView
 from workflows.wire import AuditAck, AuditBatch
 from workflows.states import TransitionRecord
 
@@ -323,8 +339,10 @@ class AuditActivities:
         self.sink = sink or sink_from_env()
 
     @activity.defn(name="audit_append")
-    async def audit_append(self, batch: AuditBatch) -> AuditAck:
+    async def audit_append(self, batch: AuditBatch | bytes) -> AuditAck:
         info = activity.info()
+        if not isinstance(batch, AuditBatch):  # packed (AuditBatch.packed), as the workflow sends it
+            batch = AuditBatch.model_validate(batch)
         # The execution that asks is the stream's key (a batch of an older worker has no run id).
         batch = batch.model_copy(update={"run_id": info.workflow_run_id or batch.run_id})
         try:
@@ -341,3 +359,161 @@ class AuditActivities:
                 SINK_FAILURES, "Audit sink writes that failed (the run retries them)", "1"
             ).add(1, {"sink": type(self.sink).__name__})
             raise ApplicationError(f"{self.sink.describe()}: {cause}", type=SINK_UNAVAILABLE) from None
+
+
+# ----------------------------------------------------------------------------- the end's records
+
+COLLECT_LOOKBACK = timedelta(hours=24)
+COLLECT_TRIES = 40  # describes of a run that named itself before it is seen closed (backoff to 5 s)
+COLLECT_DRAIN = timedelta(seconds=10)  # at shutdown, at most this long for the collections left
+COLLECT_SEEN = 10_000  # runs remembered as collected (a replay names a run again)
+COLLECT_BACKOFF_MAX = 30.0  # seconds between a failing sink's retries, at most
+
+
+class AuditCollector(Interceptor, Plugin):
+    """Writes the records a run left with its end view to the audit sink, once it has closed.
+
+    A run that ends does not wait for the sink: its last records go with the view it publishes
+    (memo ``tether``, in the same workflow task as its end), and it names itself to this
+    collector (an extern function of the worker, like the key ring: worker configuration, no I/O
+    in workflow code). The collector waits until the run has closed, reads the view and appends
+    its records: idempotent per (workflow id, run id, seq), like every append. A worker that
+    stops first is caught up by the next one to start on the task queue: at start, the collector
+    reads the views of the runs closed in the last COLLECT_LOOKBACK (where the server lists
+    runs; the time-skipping test server does not).
+    """
+
+    def __init__(self, client: Client, sink: AuditSink, *, lookback: timedelta = COLLECT_LOOKBACK) -> None:
+        self.client = client
+        self.sink = sink
+        self.lookback = lookback
+        self.task_queue = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: set[asyncio.Task[None]] = set()
+        self._seen: dict[tuple[str, str], None] = {}
+
+    # --- as the worker's interceptor (the extern function) and plugin (its lifetime)
+
+    def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor] | None:
+        input.unsafe_extern_functions[COLLECT_EXTERN] = self.named
+        return None
+
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        self.task_queue = config["task_queue"]
+        config["interceptors"] = [*config.get("interceptors", ()), self]
+        return config
+
+    async def run_worker(self, worker: Worker, next: Callable[[Worker], Awaitable[None]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        sweep = asyncio.create_task(self.sweep())
+        try:
+            await next(worker)
+        finally:
+            self._loop = None
+            sweep.cancel()
+            await self.drain()
+
+    def configure_replayer(self, config: ReplayerConfig) -> ReplayerConfig:
+        return config
+
+    def run_replayer(self, replayer: Replayer, histories: Any, next: Any) -> Any:
+        return next(replayer, histories)
+
+    # --- the collection
+
+    def named(self, workflow_id: str, run_id: str) -> None:
+        """A run ended (called from the workflow's thread, on every execution of its end)."""
+        loop = self._loop
+        if loop is not None and (workflow_id, run_id) not in self._seen:
+            loop.call_soon_threadsafe(self._start, workflow_id, run_id)
+
+    def _start(self, workflow_id: str, run_id: str) -> None:
+        if (workflow_id, run_id) in self._seen:
+            return
+        self._remember(workflow_id, run_id)
+        task = asyncio.create_task(self.collect(workflow_id, run_id))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    def _remember(self, workflow_id: str, run_id: str) -> None:
+        self._seen[(workflow_id, run_id)] = None
+        while len(self._seen) > COLLECT_SEEN:
+            del self._seen[next(iter(self._seen))]
+
+    async def collect(self, workflow_id: str, run_id: str) -> None:
+        handle = self.client.get_workflow_handle(workflow_id, run_id=run_id)
+        delay = 0.05
+        try:
+            for _ in range(COLLECT_TRIES):
+                # Named as its last workflow task runs: the server has its end a moment later.
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                description = await handle.describe()
+                if description.status != WorkflowExecutionStatus.RUNNING:
+                    await self.write(workflow_id, run_id, await description.memo_value(VIEW_MEMO, None))
+                    return
+            # Still running: its end's task failed (a signal came in with it); when it ends again
+            # it names itself again.
+            self._seen.pop((workflow_id, run_id), None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the server: the next worker's sweep catches up
+            self._seen.pop((workflow_id, run_id), None)
+            log.warning("audit collector could not read run %s/%s: %s", workflow_id[:200], run_id, e)
+
+    async def write(self, workflow_id: str, run_id: str, view: Any) -> None:
+        """The records ``view`` (a run's end view) says are not in the sink yet, until written:
+        a sink that fails is retried on a backoff while this worker runs (logged, counted)."""
+        if view is None:
+            return
+        view = RunView.model_validate(view)  # published packed (RunView.packed): bytes
+        snap = view.snapshot
+        # What the run had not written itself: its last ``audit_waiting`` records.
+        records = [r for r in view.timeline if r.seq > snap.timeline_records - snap.audit_waiting]
+        if not records:
+            return
+        batch = AuditBatch(
+            workflow_id=workflow_id, first_run_id=snap.first_run_id or run_id, run_id=run_id,
+            continued_from=view.continued_from, records=records,
+        )
+        delay = 1.0
+        while True:
+            try:
+                await self.sink.append(batch)
+                return
+            except Exception as e:
+                log.warning(
+                    "audit sink failing (%s) for workflow %s run %s, records %s-%s left at its end: %s; "
+                    "the collector tries again in %gs",
+                    self.sink.describe(), workflow_id[:200], run_id, records[0].seq, records[-1].seq,
+                    " ".join(f"{type(e).__name__}: {e}".split())[:300], delay,
+                )
+                self._meter().create_counter(
+                    SINK_FAILURES, "Audit sink writes that failed (the run retries them)", "1"
+                ).add(1, {"sink": type(self.sink).__name__})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, COLLECT_BACKOFF_MAX)
+
+    def _meter(self) -> Any:
+        # The worker's runtime (its Prometheus endpoint, when it has one), as activities' metrics.
+        return (self.client.service_client.config.runtime or Runtime.default()).metric_meter
+
+    async def sweep(self) -> None:
+        """Catch up with the runs that closed while no collector was running."""
+        since = (datetime.now(timezone.utc) - self.lookback).strftime("%Y-%m-%dT%H:%M:%SZ")
+        query = f"WorkflowType = 'AgentRun' AND TaskQueue = '{self.task_queue}' AND CloseTime > '{since}'"
+        try:
+            async for execution in self.client.list_workflows(query):
+                if (execution.id, execution.run_id) in self._seen:
+                    continue
+                view = await execution.memo_value(VIEW_MEMO, None)
+                await self.write(execution.id, execution.run_id, view)
+                self._remember(execution.id, execution.run_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a server that cannot list (the time-skipping one), a sink down
+            log.info("audit collector: no catch-up of closed runs (%s)", " ".join(str(e).split())[:300])
+
+    async def drain(self) -> None:
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=COLLECT_DRAIN.total_seconds())

@@ -19,7 +19,7 @@ from activities.audit import AUDIT_TABLE, AuditActivities, JsonlAuditSink, Postg
 from client import connect, exit_process
 from workflows.wire import AuditBatch
 
-TORN_CALL = 1  # the sink's first batch is the one torn (a read-only run writes its records at its end)
+TORN_CALL = 1  # the sink's first batch is the one torn (a read-only run's records reach it at its end, by the audit collector: the next worker's catch-up writes them)
 
 
 class Torn:

@@ -316,6 +316,17 @@ def make_request(steps: list[dict] | None = None, **overrides: Any) -> RunReques
     return RunRequest.model_validate(fields, context=STRICT)
 
 
+async def audit_collected(client: Client, run_id: str, audit_dir: str | None = None, *, dsn: str | None = None) -> tether_client.AuditTrail:
+    """The run's audit trail once the sink holds its current run's last record: a run that has
+    closed leaves its last records with its end view, for the workers' audit collector."""
+    while True:
+        trail = await tether_client.audit_trail(client, run_id, audit_dir, dsn=dsn)
+        current = next(b for b in trail.branches if b.current)
+        if trail.written in {r.seq for r in current.records} - set(current.from_window):
+            return trail
+        await asyncio.sleep(0.05)
+
+
 # Runs started by the current test (start_run): whatever is still open at its end is terminated.
 _STARTED: list[tuple[Client, str]] = []
 

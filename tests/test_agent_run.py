@@ -22,7 +22,7 @@ from tests.conftest import (
     wait_for_state,
 )
 from workflows.contract import ApprovalDecision, HandoffRequest
-from workflows.run_state import RunSnapshot, RunOutcome
+from workflows.run_state import RunOutcome, RunSnapshot, RunView
 from workflows.states import RunState, is_legal_path
 
 S = RunState
@@ -111,8 +111,14 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     assert local == []
     scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in events
                  if e.HasField("activity_task_scheduled_event_attributes")]
-    # The setup rides on the first planner call: one activity less per run.
-    assert scheduled == ["plan", "execute_tool", "execute_tool", "execute_tool", "plan", "audit_append"]
+    # The setup rides on the first planner call, and the end's records go with the end view
+    # (the worker's audit collector writes them): two activities less per run.
+    assert scheduled == ["plan", "execute_tool", "execute_tool", "execute_tool", "plan"]
+    memo = next(e.workflow_properties_modified_event_attributes.upserted_memo.fields["tether"] for e in events
+                if e.HasField("workflow_properties_modified_event_attributes"))
+    view = RunView.model_validate(memo.data)
+    assert [r.seq for r in view.timeline] == list(range(1, outcome.records + 1))
+    assert view.snapshot.audit_waiting == outcome.records
     # The start listed it as planning (the state its first task moves it to): one upsert, the end.
     started = events[0].workflow_execution_started_event_attributes.search_attributes.indexed_fields
     assert started["AgentRunState"].data == b'"PLANNING"'

@@ -22,6 +22,7 @@ from activities.audit import AuditActivities, JsonlAuditSink, PostgresAuditSink,
 from activities.policy import PolicyActivities, PolicyStore
 from client import run_outcome
 from tests.conftest import (
+    audit_collected,
     BIN,
     ROOT,
     Billing,
@@ -112,7 +113,7 @@ async def reset_scenario_with(
         await approve(reset, "carol")
         assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
         await assert_replays(reset)
-        trail = await tether_client.audit_trail(env.client, handle.id, audit_dir, dsn=dsn)
+        trail = await audit_collected(env.client, handle.id, audit_dir, dsn=dsn)
         code, out, err = await Cli(env, worker)("timeline", handle.id, "--all", env=cli_env)
     return trail, original, (await reset.describe()).run_id, (code, out, err)
 
@@ -168,7 +169,7 @@ async def test_a_long_or_non_ascii_workflow_id_completes_with_every_record_in_th
     async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(audit_dir))) as worker:
         handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]), run_id=run_id)
         outcome = await asyncio.wait_for(run_outcome(handle), 30)
-        trail = await tether_client.audit_trail(dev_env.client, run_id, str(audit_dir))
+        trail = await audit_collected(dev_env.client, run_id, str(audit_dir))
     assert outcome.state == S.COMPLETED
     assert trail.missing == [] and [r.seq for r in trail.line()] == list(range(1, trail.written + 1))
     assert (audit_path(audit_dir, run_id, trail.current_run_id).parent / "workflow_id").read_text() == run_id + "\n"
@@ -214,7 +215,7 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
         root.unlink()
         shutil.move(tmp_path / "aside", root)
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
-        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
+        trail = await audit_collected(dev_env.client, handle.id, str(root))
     await assert_replays(handle)  # the failed attempts, the retry timers and the patch replay
     assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
     assert trail.missing == [] and trail.audit_error is None
@@ -275,7 +276,7 @@ async def test_timeline_all_has_every_record_once_after_a_kill_during_the_sink_w
     sink_now = PostgresAuditSink(dsn) if dsn else JsonlAuditSink(audit_dir)
     async with running_worker(dev_env.client, task_queue=queue, audit=AuditActivities(sink=sink_now)):
         outcome = await asyncio.wait_for(run_outcome(handle), 90)
-        trail = await tether_client.audit_trail(dev_env.client, handle.id, None if dsn else str(audit_dir), dsn=dsn)
+        trail = await audit_collected(dev_env.client, handle.id, None if dsn else str(audit_dir), dsn=dsn)
     assert outcome.state == S.COMPLETED, [r.reason for r in outcome.timeline]
     assert trail.missing == [] and len(trail.branches) == 1
     stream = trail.branches[0]
@@ -438,7 +439,7 @@ async def test_a_reset_to_a_later_point_shares_the_records_before_it(
         )
         reset = dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
         assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
-        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(audit_dir))
+        trail = await audit_collected(dev_env.client, handle.id, str(audit_dir))
     first, second = trail.branches
     assert second.origin == "reset" and second.parent_run_id == first.run_id
     n = second.at_seq
@@ -451,26 +452,31 @@ async def test_a_reset_to_a_later_point_shares_the_records_before_it(
 
 
 
-async def test_a_sink_folder_that_cannot_be_created_from_the_start_holds_the_run_until_fixed(
+async def test_a_sink_folder_that_cannot_be_created_keeps_the_end_records_in_the_view_until_fixed(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A read-only run rests only at its end: it closes and leaves its records with its end
+    view; the worker's audit collector cannot write them, says so (log, metric) and retries
+    until the sink is fixed. Meanwhile the records are on the run's view, and timeline --all
+    names them missing."""
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the sink's parent folder should be")
     root = blocker / "audit"
     async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
         handle = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
-        snap = await wait_for_audit_error(dev_env, handle)
-        # A read-only run writes its records where it rests, at its end: it does not close
-        # while none of them is in the sink.
-        assert snap.state == S.COMPLETED and snap.audit_waiting == snap.timeline_records
-        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-        logged = [r.getMessage() for r in caplog.records if r.name == "tether.audit"]
-        assert logged and f"for workflow {handle.id}" in logged[0] and "NotADirectoryError" in logged[0]
-        blocker.unlink()
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
-        trail = await tether_client.audit_trail(dev_env.client, handle.id, str(root))
-    assert outcome.state == S.COMPLETED
-    assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
+        assert outcome.state == S.COMPLETED
+        while not (logged := [r.getMessage() for r in caplog.records if r.name == "tether.audit"]):
+            await asyncio.sleep(0.05)
+        assert f"for workflow {handle.id}" in logged[0] and "NotADirectoryError" in logged[0], logged
+        assert "left at its end" in logged[0] and "tries again" in logged[0], logged
+        view = await tether_client.published_view(await handle.describe())
+        assert view.snapshot.audit_waiting == view.snapshot.timeline_records == outcome.records
+        assert [r.seq for r in view.timeline] == list(range(1, outcome.records + 1))
+        blocker.unlink()
+        trail = await audit_collected(dev_env.client, handle.id, str(root))
+    assert trail.missing == []
+    assert [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
 
 
 async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_is_back(
@@ -490,7 +496,7 @@ async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_
         finally:
             postgres_server.start()
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
-        trail = await tether_client.audit_trail(dev_env.client, handle.id, dsn=postgres_server.dsn)
+        trail = await audit_collected(dev_env.client, handle.id, dsn=postgres_server.dsn)
     await sink.aclose()
     assert outcome.state == S.COMPLETED and len(billing.refunds(key)) == 1
     assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))

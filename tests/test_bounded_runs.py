@@ -20,7 +20,7 @@ import client as tether_client
 from activities.audit import AuditActivities, JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
 from client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
+from tests.conftest import Billing, audit_collected, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
 from tests.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
 from workflows.contract import DecideRequest, DecideResult, ToolEffect, canonical_json
@@ -94,7 +94,7 @@ async def test_a_long_read_only_run_completes_continuing_as_new(small_history_en
         began = time.monotonic()
         outcome = await asyncio.wait_for(run_outcome(handle), 900)
         elapsed = time.monotonic() - began
-        trail = await tether_client.audit_trail(env.client, handle.id)
+        trail = await audit_collected(env.client, handle.id)
     # The chain of runs stays visible on the record: the first run, then each continued one,
     # each its own stream, together every record once.
     first, *continued = trail.branches

@@ -13,7 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 import client as tether_client
 import worker as worker_module
 from client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.conftest import Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from tests.tampered import BROKEN, TamperedAgentRun
 from tests.test_dev_server import Cli
 from workflows.run_state import RunOutcome
@@ -68,5 +68,5 @@ async def test_a_stuck_run_is_listed_with_its_error_and_repair_brings_it_to_comp
     # service took it as the same refund.
     assert {r.refs.idempotency_key for r in outcome.timeline if r.refs.idempotency_key} == {key}
     assert written() == [key]
-    trail = await tether_client.audit_trail(dev_env.client, handle.id)
+    trail = await audit_collected(dev_env.client, handle.id)
     assert [b.origin for b in trail.branches] == ["first", "reset"] and "tether repair" in (trail.branches[1].reason or "")

@@ -8,6 +8,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from workflows.states import (
     TERMINAL,
@@ -131,3 +133,62 @@ def test_a_start_lists_a_run_as_its_first_task_leaves_it() -> None:
     assert firsts == TRANSITIONS[RunState.RECEIVED] - TERMINAL - {RunState.VALIDATED}
     for first in firsts:
         assert not to_publish(first.value, first)
+
+
+def test_what_a_run_sends_for_itself_goes_packed_and_reads_back_the_same() -> None:
+    """states.pack_json: one helper for the audit batch and the published view; deterministic,
+    the fields at their defaults left out, bounded when read back, older (JSON) forms still read."""
+    import zlib
+
+    from workflows.states import PACKED_MAX_BYTES, pack_json, unpack_json
+    from workflows.wire import AuditBatch
+
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    lc = Lifecycle()
+    lc.move(RunState.PLANNING, at=at, actor="runtime", reason="received")
+    lc.move(RunState.VALIDATED, at=at, actor="runtime", reason="validated")
+    batch = AuditBatch(workflow_id="wf", first_run_id="r1", records=lc.timeline, run_id="r1")
+    packed = batch.packed()
+    assert isinstance(packed, bytes) and packed == batch.packed()  # the same records, the same bytes
+    from workflows.states import PACK_DICT
+
+    inflate = zlib.decompressobj(zdict=PACK_DICT)  # deflated with Tether's preset dictionary
+    assert b'"kind"' not in inflate.decompress(packed)  # the default kind is left out
+    assert AuditBatch.model_validate(zlib.compress(batch.model_dump_json(exclude_defaults=True).encode())) == batch  # no dictionary: still read
+    with pytest.raises(ValueError, match="dictionary this build does not know"):
+        other = zlib.compressobj(9, zdict=b"another dictionary")
+        unpack_json(other.compress(b"{}") + other.flush())
+    assert AuditBatch.model_validate(packed) == batch
+    assert AuditBatch.model_validate(batch.model_dump(mode="json")) == batch  # an older build's JSON
+    assert unpack_json({"a": 1}) == {"a": 1} and unpack_json(pack_json([1, "x"])) == [1, "x"]
+    with pytest.raises(ValueError):
+        unpack_json(b"not deflated")
+    with pytest.raises(ValueError):
+        unpack_json(zlib.compress(b" " * (PACKED_MAX_BYTES + 1)))  # inflates past the bound
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([30.0, -0.0, 12.5, 1e-4, 9.99e15, 1e16, 2.0**53])
+    | st.text() | st.sampled_from(["\ud800", "a\x00\x1f\x7f\"\\", "\ue000", "\U0001f600", "é"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4) | st.sampled_from(["\ue000", "\U0001f600", "z"]), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_JSON)
+def test_canonical_json_is_rfc8785_on_every_value(value) -> None:
+    """The fast path (the C encoder) writes RFC 8785's text, or hands the value to the reference:
+    digests and MACs of recorded histories depend on it."""
+    import rfc8785
+
+    from workflows.contract import canonical_json
+
+    try:
+        expected = rfc8785.dumps(value).decode()
+    except (rfc8785.CanonicalizationError, UnicodeError, ValueError) as e:
+        with pytest.raises((ValueError, UnicodeError)):
+            canonical_json(value)
+        return
+    assert canonical_json(value) == expected

@@ -57,9 +57,11 @@ class Mint:
 @dataclass(frozen=True)
 class Checkpoint:
     """Every record to the audit sink, notifications started, the state published; where the
-    run rests (``rest``), its view too."""
+    run rests (``rest``), its view too. At the run's ``end`` the records not yet in the sink go
+    with the view (the worker's audit collector writes them from there)."""
 
     rest: bool = True
+    end: bool = False
 
 
 @dataclass(frozen=True)

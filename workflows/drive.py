@@ -127,7 +127,7 @@ class Drive(RunModel):
         # The ending's own event (expired, failed, handed off) and any still being retried:
         # bounded by their backoff, so a dead webhook never holds the run.
         yield Notified()
-        yield Checkpoint()
+        yield Checkpoint(end=True)
         yield HandlersDone()
 
 

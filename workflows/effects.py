@@ -47,7 +47,7 @@ from workflows.commands import (
 from workflows.contract import json_digest
 from workflows.details import run_details
 from workflows.engine import Engine
-from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
+from workflows.published import COLLECT_EXTERN, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_model import ToolFailure
 from workflows.run_state import RunSnapshot, RunView
 from workflows.states import RunState, TransitionRecord, to_publish
@@ -92,6 +92,9 @@ NOTIFY_ATTEMPT = timedelta(seconds=15)
 NOTIFY_BUDGET = timedelta(seconds=75)
 # The records the published view (memo "tether") carries: the latest ones; the sink has all.
 VIEW_RECORDS = 5
+# At its end a run leaves up to this many records for the audit collector, with its view
+# (their packed size stays far below the memo's limit); more are written by the run first.
+END_RECORDS = 200
 # Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
 KEY_MISSING_METRIC = "tether_key_missing"
 FORGERY_METRIC = "tether_forgery"
@@ -151,7 +154,7 @@ class Effects:
             case Mint():
                 return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds)
             case Checkpoint():
-                await self.checkpoint(rest=command.rest)
+                await self.checkpoint(rest=command.rest, end=command.end)
             case Show():
                 self.show()
             case Publish():
@@ -385,7 +388,7 @@ class Effects:
                     AuditBatch(
                         workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
                         run_id=info.run_id, continued_from=info.continued_run_id,
-                    ),
+                    ).packed(),
                     AuditAck,
                     f"audit · {len(batch)} record(s)",
                     retry=AUDIT_RETRY,
@@ -411,11 +414,24 @@ class Effects:
             workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
             self.audit_error = None
 
-    async def checkpoint(self, *, rest: bool = True) -> None:
+    async def checkpoint(self, *, rest: bool = True, end: bool = False) -> None:
         """Before a write, and where the run rests (a wait, a timer, continue-as-new, the end):
         the audit sink has every record, people who take an event are being told, the state is
         visible; where it rests (``rest``), the view Tether's own tools read without a worker is
-        published too."""
+        published too.
+
+        At the ``end`` the records not in the sink yet go with the published view, and the
+        worker's audit collector (activities/audit.py) writes them from there once the run has
+        closed: nothing after the end acts on them, so the run need not wait for the sink (an
+        activity and a workflow task less per run). Past END_RECORDS they are written first."""
+        if end and len(self.audit) <= END_RECORDS:
+            self.show()
+            self.publish_view(ending=True)
+            collect = workflow.extern_functions().get(COLLECT_EXTERN)
+            if collect is not None:  # a worker's; a Replayer has none
+                info = workflow.info()
+                collect(info.workflow_id, info.run_id)
+            return
         await self.flush_audit()
         self.show()
         if rest:
@@ -487,22 +503,28 @@ class Effects:
             workflow.set_current_details(details)
             self._shown = details
 
-    def publish_view(self) -> None:
+    def publish_view(self, *, ending: bool = False) -> None:
         """Where the run rests: the view ``tether status``/``list``/``timeline`` and the inbox read
-        with no worker running (memo ``tether``), when it says something new."""
+        with no worker running (memo ``tether``), when it says something new. ``ending``: its
+        timeline holds every record not in the audit sink yet, too."""
         data = self.data
         # Not on every refused decision (a flood would write a view each): the sink has those.
         key = (data.lifecycle.state_version, len(data.approved_by), self.audit_error,
                data.pending_approval.request_id if data.pending_approval else None)
-        if key == self._viewed:
+        if key == self._viewed and not ending:
             return
         self._viewed = key
+        timeline = data.lifecycle.timeline[-VIEW_RECORDS:]
+        if ending and self.audit:
+            by_seq = {r.seq: r for r in [*self.audit, *timeline]}
+            timeline = [by_seq[seq] for seq in sorted(by_seq)]
         view = RunView(
             snapshot=self.snapshot(),
-            timeline=data.lifecycle.timeline[-VIEW_RECORDS:],
+            timeline=timeline,
             published_at=workflow.now(),
+            continued_from=workflow.info().continued_run_id,
         )
-        workflow.upsert_memo({VIEW_MEMO: view})
+        workflow.upsert_memo({VIEW_MEMO: view.packed()})
 
     def _details(self) -> str:
         return run_details(

@@ -11,9 +11,12 @@ TENANT_ATTRIBUTE = SearchAttributeKey.for_keyword("AgentTenant")
 SEARCH_ATTRIBUTES = (STATE_ATTRIBUTE, TENANT_ATTRIBUTE)
 # The memo key of the run's view (models.RunView), written where the run rests.
 VIEW_MEMO = "tether"
+# The extern function a worker registers for its audit collector: a run that ends names itself
+# to it (worker configuration, like the key ring; activities/audit.py).
+COLLECT_EXTERN = "tether_audit_collect"
 # The build: every run it starts says so with this one marker at its start (and Temporal's
 # TemporalChangeVersion search attribute, which `tether drain` reads). It replays no history
 # started by an earlier build: those runs drain on the build that started them
 # (docs/changing-workflows.md). A new command order is a new build id, never a patch branch.
-BUILD = "tether-build-6"
+BUILD = "tether-build-7"
 CHANGE_VERSION_ATTRIBUTE = SearchAttributeKey.for_keyword_list("TemporalChangeVersion")

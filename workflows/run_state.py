@@ -30,7 +30,7 @@ from workflows.contract import (
 )
 from workflows.identity import Name
 from workflows.policy_file import EscalationStage
-from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord
+from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord, Packed
 from workflows.wire import PolicySnapshot
 
 
@@ -206,13 +206,16 @@ class RunSnapshot(BaseModel):
     revisions: list[Revision] = Field(default_factory=list)
 
 
-class RunView(BaseModel):
+class RunView(Packed):
     """What a run publishes where it rests (memo ``tether``): Tether's views read it with no
     worker running. ``published_at`` is workflow time: how fresh the view is."""
 
     snapshot: RunSnapshot
-    timeline: list[TransitionRecord] = Field(default_factory=list)  # the latest records, bounded
+    # The latest records, bounded; at the run's end also every record the audit sink lacks
+    # (the worker's audit collector writes them from here).
+    timeline: list[TransitionRecord] = Field(default_factory=list)
     published_at: datetime
+    continued_from: str | None = None  # the run this one continued as new from (the sink's stream says so)
 
 
 class RunOutcome(BaseModel):

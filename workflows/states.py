@@ -7,11 +7,13 @@ changes state only through :meth:`Lifecycle.move`.
 
 from __future__ import annotations
 
+import json
+import zlib
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from workflows.budgets import REASON_CHARS, REFUSAL_KEYS, REFUSALS_RECORDED, TIMELINE_HEAD, TIMELINE_WINDOW, clip
 
@@ -195,6 +197,93 @@ class TransitionRecord(BaseModel):
     # 1, 2, 3, ... over the whole run (across continue-as-new): the audit sink's key, and how a
     # reader merges the workflow's window with the sink.
     seq: int = 0
+
+
+# What a run sends for itself alone (the audit batch, the published view): JSON without the
+# fields left at their defaults, deflated, as bytes (a binary payload: no JSON string around it).
+# Internal payloads, not meant to be read in the Web UI: the timeline query, `tether status` /
+# `timeline` and the audit sink show what they carry. One helper, deterministic (the same value
+# gives the same bytes); what is not bytes is read as it is (what older builds sent).
+# Unpacked at most this much: packed bytes never inflate past it.
+PACKED_MAX_BYTES = 16 * 1024 * 1024
+
+
+# Deflated with a preset dictionary: Tether's own vocabulary (field names, states, the runtime's
+# reasons), which every packed value repeats and a small payload would otherwise spell out once
+# each (the end's view: 1,276 -> ~630 B). The stream names its dictionary (zlib's FDICT id), so a
+# dictionary is never edited, only added to PACK_DICTS: what was packed with one stays readable.
+PACK_DICT = (
+    '"workflow_id":"","first_run_id":"","run_id":"","continued_from":"","published_at":"",'
+    '"snapshot":{"tenant":"","state":"","previous_state":"","state_version":,"plan":{"steps":'
+    '[{"tool_call_id":"tc-001-","tool":"","args":{}}],"plan_hash":"","undo":[null,null,null,null],'
+    '"version":},"pending_approval":{"request_id":"","approvals_required":1,"approvals":[],'
+    '"expires_at":"","roles":[],"stage":},"step":,"retries":0,"last_error":null,"approved_by":[],'
+    '"answer":"Done: ","created_at":"","updated_at":"","model_tokens":,"requested_by":"",'
+    '"requester_verified":true,"refusals":{},"timeline_records":,"compensations":[],'
+    '"audit_waiting":,"audit_error":"","updates":[],"revisions":[],"tools":[{"name":"",'
+    '"effect":"read_only","idempotent","reconcilable","unsafe","requires_approval":false,'
+    '"args_schema":{"properties":{"":{"type":"string","number","integer"}},"required":[""],'
+    '"type":"object"},"timeout_seconds":30.0,"max_retries":3,"source":"python"}]},'
+    '"records":[{"kind":"decision","rule":"","from_state":"RECEIVED","to_state":"PLANNING","at":"",'
+    '"actor":"runtime","reason":"run received; policy built-in default (no policy file): every '
+    'write needs one approval from someone other than the requester","state_version":1,'
+    '"refs":{"policy_hash":""},"seq":1},{"from_state":"AWAITING_APPROVAL","to_state":"APPROVED",'
+    '"reason":"approval 1 of 1 accepted","refs":{"decision_id":"","request_id":"","approver":""}},'
+    '"REJECTED","EXPIRED","CANCELLED","FAILED","HANDED_OFF","COMPENSATING","COMPENSATED",'
+    '"VALIDATION_FAILED","approved plan: executing","approval needed: ",'
+    '{"from_state":"PLANNING","to_state":"VALIDATED","reason":"plan of 5 step(s) validated",'
+    '"refs":{"plan_hash":""}},{"from_state":"VALIDATED","to_state":"EXECUTING_TOOL","reason":'
+    '"policy needs no approval: 5 step(s), all read-only","refs":{"plan_hash":"","tool_call_id":'
+    '"tc-001-","idempotency_key":":tc-001-"}},{"from_state":"EXECUTING_TOOL","to_state":'
+    '"OBSERVING_RESULT","reason":"tool call tc-001- () succeeded","outcome":"ok"},'
+    '{"from_state":"OBSERVING_RESULT","to_state":"EXECUTING_TOOL","reason":"next step of the plan"},'
+    '{"from_state":"OBSERVING_RESULT","to_state":"PLANNING","reason":"plan executed: planning what '
+    'is next"},{"from_state":"PLANNING","to_state":"COMPLETED","reason":"planner finished with an '
+    'answer"},"timeline":[{"from_state":"'
+).encode("utf-8")
+PACK_DICTS = {zlib.adler32(PACK_DICT): PACK_DICT}
+
+
+def pack_json(value: Any) -> bytes:
+    """A JSON-able value as compact bytes (``unpack_json`` reads it back)."""
+    deflate = zlib.compressobj(9, zdict=PACK_DICT)
+    raw = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return deflate.compress(raw) + deflate.flush()
+
+
+def unpack_json(value: Any) -> Any:
+    """What ``pack_json`` wrote, as the value; anything but bytes as it is."""
+    if not isinstance(value, (bytes, bytearray)):
+        return value
+    try:
+        value = bytes(value)
+        if len(value) >= 6 and value[1] & 0x20:  # FDICT: the id of the dictionary it was packed with
+            zdict = PACK_DICTS.get(int.from_bytes(value[2:6], "big"))
+            if zdict is None:
+                raise ValueError("packed with a dictionary this build does not know")
+            inflate = zlib.decompressobj(zdict=zdict)
+        else:
+            inflate = zlib.decompressobj()
+        raw = inflate.decompress(value, PACKED_MAX_BYTES)
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError(f"past {PACKED_MAX_BYTES} bytes, or cut short")
+        return json.loads(raw)
+    except (zlib.error, ValueError) as e:
+        raise ValueError(f"packed bytes unreadable: {e}") from None
+
+
+class Packed(BaseModel):
+    """A model a run sends for itself alone (the audit batch, the published view): ``packed()``
+    is its wire form (``pack_json``, the fields at their defaults left out), and it validates
+    from that form or from plain JSON (what older builds sent)."""
+
+    def packed(self) -> bytes:
+        return pack_json(self.model_dump(mode="json", exclude_defaults=True))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unpacked(cls, data: Any) -> Any:
+        return unpack_json(data)
 
 
 class Lifecycle(BaseModel):

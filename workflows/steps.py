@@ -64,7 +64,8 @@ class Steps(RunModel):
             tenant=self.request.tenant,
             tools=tools,
             steps=remaining,
-            catalog=ToolCatalog(tools=[i for s in remaining if (i := self.catalog.get(s.tool))]),
+            # Each tool's entry once, in the order the steps first name it.
+            catalog=ToolCatalog(tools=list({s.tool: i for s in remaining if (i := self.catalog.get(s.tool))}.values())),
             spent=data.spent,
             workflow_id=self.workflow_id,
             first_run_id=data.first_run_id,

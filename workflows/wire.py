@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
 from workflows.contract import (
     AcceptedApproval,
@@ -23,7 +23,7 @@ from workflows.contract import (
     json_digest,
 )
 from workflows.policy_file import EscalationStage, TenantPolicy
-from workflows.states import RunState, TransitionRecord
+from workflows.states import RunState, TransitionRecord, Packed
 
 
 # Error types the ``execute_tool`` activity reports besides the tools' own codes.
@@ -291,6 +291,19 @@ class AuthorityCheck(BaseModel):
     undo: CompensationCall | None = None
     compensator: str = ""
 
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        # Sent before every write: the fields at their defaults are left out, and so are the
+        # catalog entries' (read back, they are the same; the attestation covers this form).
+        out = handler(self)
+        for name, field in type(self).model_fields.items():
+            # The defaults here are None, "", 0, [] and {}: each dumps as itself.
+            if not field.is_required() and name in out and out[name] == field.get_default(call_default_factory=True):
+                del out[name]
+        if self.catalog is not None:
+            out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True)
+        return out
+
 
 class Notification(BaseModel):
     """Input of the ``notify`` activity: one event, for the named webhooks (resolved against the
@@ -351,7 +364,7 @@ class RecoverySource(BaseModel):
     attestation: str | None = None
 
 
-class AuditBatch(BaseModel):
+class AuditBatch(Packed):
     """Timeline records on their way to the audit sink (activities/audit.py), keyed by workflow
     id, run id and seq: each execution (a reset makes a new one) is its own stream."""
 
