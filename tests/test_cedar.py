@@ -1,0 +1,205 @@
+"""Cedar (activities/cedar.py): the exported example tenants decide as the TOML engine does.
+
+The heart of it is ``test_cedar_decides_as_the_toml_rules``: for every tenant of every example
+policy file, and for random tenants covering every option the export reads, thousands of seeded
+random decisions judged by both engines, verdict and refusal rule compared.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import cedarpy
+import pytest
+
+from activities import cedar
+from activities.policy import parse_policy
+from tests.conftest import ROOT
+from workflows import policy
+from workflows.contract import Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
+from workflows.policy_file import AmountRule, Approver, AutoApprove, HighRisk, TenantPolicy
+
+EXAMPLES = [ROOT / "examples/billing/policy.toml", ROOT / "examples/billing/policy.image.toml", ROOT / "examples/git/policy.toml"]
+STRANGERS = ["mallory", "a1ice", "b0b", "rnallory", "zed"]  # a1ice looks like alice, rnallory like mallory
+ROLES = ["approver", "finance", "support", "manager"]
+AMOUNTS = [0, 1, 1999, 2000, 2001, 4999, 5000, 5000.5, 5001, 20000, 49999.75, 50000, 50001, 120000]
+SEED = 32
+
+
+def example_tenants() -> list[tuple[str, str, TenantPolicy]]:
+    out = []
+    for path in EXAMPLES:
+        document = parse_policy(path.read_text(), str(path))
+        out += [(path.name, name, tenant) for name, tenant in document.tenants.items()]
+    return out
+
+
+def random_tenant(rng: random.Random, tools: list[str]) -> TenantPolicy:
+    """A tenant setting every option the export reads, at random."""
+
+    def amount_rule(kind: str) -> AmountRule:
+        tool = rng.choice(tools)
+        if rng.random() < 0.2:
+            return AmountRule(tool=tool)
+        bound = float(rng.choice([2000, 5000, 5000.25, 50000]))
+        return AmountRule(tool=tool, field="amount_cents", **{kind: bound})
+
+    people = ["alice", "bob", "carol", "erin", "dana", "mallory"]
+    approvers = None if rng.random() < 0.25 else {
+        who: Approver(roles=rng.sample(ROLES, rng.randint(0, 2))) for who in rng.sample(people, rng.randint(0, 5))
+    }
+    high_risk = None if rng.random() < 0.3 else HighRisk(
+        when=[amount_rule("above") for _ in range(rng.randint(0, 2))], destructive=rng.random() < 0.5,
+        approvals=rng.randint(1, 3), roles=rng.sample(ROLES, rng.randint(1, 2)),
+    )
+    return TenantPolicy(
+        tools=None if rng.random() < 0.3 else rng.sample(tools, rng.randint(0, len(tools))),
+        approvers=approvers,
+        approval_roles=rng.sample(ROLES, rng.randint(0, 2)),
+        four_eyes=rng.random() < 0.7,
+        editor_may_approve=rng.random() < 0.6,
+        auto_approve=AutoApprove(
+            read_only=rng.random() < 0.7, limits=[amount_rule("max") for _ in range(rng.randint(0, 2))]
+        ),
+        high_risk=high_risk,
+    )
+
+
+def random_catalog(rng: random.Random, tools: list[str]) -> ToolCatalog:
+    """Each tool with a random declared effect (one is left out: a tool the worker lacks)."""
+    known = tools[:-1] if rng.random() < 0.5 else tools
+    return ToolCatalog(tools=[
+        ToolInfo(
+            name=t, effect=rng.choice(list(ToolEffect)), requires_approval=rng.random() < 0.6,
+            destructive=rng.random() < 0.2, args_schema={}, timeout_seconds=10, max_retries=1,
+        )
+        for t in known
+    ])
+
+
+def names_of(tenant: TenantPolicy) -> list[str]:
+    return sorted(set(tenant.approvers or {}) | {"alice", "bob", "carol"}) + STRANGERS
+
+
+def cedar_verdict(j: cedar.Judgement) -> tuple[bool, str | None]:
+    assert not j.errors, j.errors  # an evaluation error would be a deny for the wrong reason
+    return j.allowed, j.rule
+
+
+def toml_verdict(refusal: policy.Refusal | None) -> tuple[bool, str | None]:
+    return refusal is None, refusal.rule if refusal else None
+
+
+def compare_decisions(
+    rng: random.Random, name: str, tenant: TenantPolicy, tools: list[str], n: int, seen: Counter[str]
+) -> int:
+    """``n`` random decisions of each kind on one tenant, judged by both engines; ``seen``
+    counts the verdicts (by refusal rule) they agreed on."""
+    policies = cedar.policies_for(name, tenant)
+    people = names_of(tenant)
+    roles_pool = sorted(set(ROLES) | {r for a in (tenant.approvers or {}).values() for r in a.roles})
+    compared = 0
+    for _ in range(n):
+        person, requester = rng.choice(people), rng.choice(people)
+        roles = rng.sample(roles_pool, rng.randint(1, 3))
+        approved = rng.sample(people, rng.randint(0, 2))
+        editors = rng.sample(people, rng.randint(0, 2))
+        for kind, action in (("approve", "approve"), ("approve", "approve_steps"), ("reject", "reject"), ("revise", "revise")):
+            expected = toml_verdict(policy.approver_refusal(
+                tenant, approver=person, requested_by=requester, kind=kind, roles=roles,
+                already_approved=approved, editors=editors,
+            ))
+            got = cedar_verdict(cedar.judge_person(
+                policies, name, tenant, action=action, person=person, requested_by=requester, roles=roles,
+                already_approved=approved, editors=editors,
+            ))
+            assert got == expected, (name, kind, action, person, requester, roles, approved, editors)
+            seen[got[1] or "allowed"] += 1
+        expected = toml_verdict(policy.handoff_member_refusal(tenant, person))
+        assert cedar_verdict(cedar.judge_person(policies, name, tenant, action="hand_off", person=person,
+                                                requested_by=requester)) == expected, (name, "hand_off", person)
+        expected = toml_verdict(policy.compensator_refusal(tenant, person))
+        assert cedar_verdict(cedar.judge_person(policies, name, tenant, action="compensate", person=person,
+                                                requested_by=requester)) == expected, (name, "compensate", person)
+        # A plan: auto-approved by both or by neither; each write allowed by both or neither.
+        catalog = random_catalog(rng, tools)
+        steps = [
+            PlanStep(tool_call_id=f"s{i}", tool=rng.choice(tools + ["unknown_tool"]),
+                     args={"amount_cents": rng.choice(AMOUNTS)} if rng.random() < 0.8 else {"note": "x"})
+            for i in range(rng.randint(1, 4))
+        ]
+        spent = {f"{rng.choice(tools)}.amount_cents": rng.choice(AMOUNTS)} if rng.random() < 0.4 else {}
+        review = policy.review_plan(Plan(steps=steps, plan_hash=""), catalog, tenant, spent)
+        judged = cedar.judge_steps(policies, name, tenant, action="auto_approve", steps=steps, catalog=catalog,
+                                   spent=spent, risk=review.risk)
+        assert all(not j.errors for j in judged)
+        assert (not cedar.plan_auto_approved(judged)) == review.needs_approval, (name, steps, spent, catalog)
+        seen[f"plan {review.risk}"] += 1
+        writes = cedar.judge_steps(policies, name, tenant, action="execute_write", steps=steps, catalog=catalog)
+        for step, j in zip(steps, writes, strict=True):
+            why = policy.tool_refusal(tenant, step.tool)
+            assert cedar_verdict(j) == (why is None, "tool_withdrawn" if why else None), (name, step.tool)
+            seen["tool_withdrawn" if why else "write allowed"] += 1
+        compared += 11 + len(steps)
+    return compared
+
+
+def test_cedar_decides_as_the_toml_rules() -> None:
+    rng = random.Random(SEED)
+    compared, seen = 0, Counter[str]()
+    billing = ["get_order", "issue_refund", "post_ledger_entry", "send_email", "void_refund"]
+    for source, name, tenant in example_tenants():
+        tools = list(tenant.tools or billing)
+        compared += compare_decisions(rng, name, tenant, tools, n=200, seen=seen)
+    for i in range(120):
+        compared += compare_decisions(rng, f"t{i}", random_tenant(rng, billing), billing, n=10, seen=seen)
+    print(f"{compared} decisions compared: {dict(seen)}")
+    assert compared > 20_000
+    # Every verdict the rules can give came up, each many times: the sample reaches them all.
+    rules = ["allowed", "four_eyes", "editor_approval", "tenant_membership", "role", "distinct_approvers",
+             "tool_withdrawn", "write allowed", "plan none", "plan normal", "plan high"]
+    assert all(seen[r] >= 50 for r in rules), seen
+
+
+def test_a_missing_tenant_is_refused_by_both() -> None:
+    j = cedar.judge_person(None, "ghost", None, action="approve", person="bob", requested_by="alice")
+    assert cedar_verdict(j) == toml_verdict(policy.approver_refusal(
+        None, approver="bob", requested_by="alice", kind="approve", roles=["approver"], already_approved=[]))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_example_exports_validate_against_the_schema(path: Path) -> None:
+    text = cedar.export_document(parse_policy(path.read_text(), str(path)))
+    result = cedarpy.validate_policies(text, cedar.schema())
+    assert result.validation_passed, [str(e) for e in result.errors]
+    assert cedarpy.format_policies(text)  # the formatter reads it too
+
+
+def test_the_deciding_policies_are_named() -> None:
+    """A verdict names the policies that decided it: the forbids that refused, the permit that allowed."""
+    tenant = parse_policy((ROOT / "examples/billing/policy.toml").read_text()).tenants["default"]
+    policies = cedar.policies_for("default", tenant)
+    ok = cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice", roles=["approver"])
+    assert (ok.allowed, ok.policies) == (True, ("default.decide",))
+    own = cedar.judge_person(policies, "default", tenant, action="approve", person="a1ice", requested_by="alice",
+                             roles=["finance"])
+    assert (own.allowed, own.rule) == (False, "four_eyes")
+    assert own.policies == ("default.four_eyes", "default.role", "default.tenant_membership")
+    refund = [PlanStep(tool_call_id="s1", tool="issue_refund", args={"amount_cents": 4000})]
+    catalog = ToolCatalog(tools=[ToolInfo(name="issue_refund", effect=ToolEffect.IDEMPOTENT, requires_approval=True,
+                                          args_schema={}, timeout_seconds=10, max_retries=1)])
+    [auto] = cedar.judge_steps(policies, "default", tenant, action="auto_approve", steps=refund, catalog=catalog)
+    assert (auto.allowed, auto.policies) == (True, ("default.auto_approve.limits.1",))
+    # Four refunds of 49.99 are one refund of 199.96: the run's sum is the step's tag.
+    [summed] = cedar.judge_steps(policies, "default", tenant, action="auto_approve", steps=refund, catalog=catalog,
+                                 spent={"issue_refund.amount_cents": 1001})
+    assert (summed.allowed, summed.rule) == (False, "approval_needed")
+
+
+def test_amounts_round_toward_needing_approval() -> None:
+    assert cedar.decimal_text(5000) == "5000.0"
+    assert cedar.decimal_text(0.1 + 0.2) == "0.3001"  # over 0.3, as the float is
+    assert cedar.decimal_text(5000.00009, rounding="ROUND_FLOOR") == "5000.0"
+    assert cedar.decimal_text(10**30) == "922337203685477.5807"
