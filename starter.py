@@ -685,6 +685,42 @@ async def cmd_keygen(args: argparse.Namespace) -> int:
     return OK
 
 
+async def cmd_policy(args: argparse.Namespace) -> int:
+    """Cedar (docs/policy.md, "Cedar"): export a policy file's rules, validate a file, explain a
+    run's decisions, judge recorded decisions under a proposed policy."""
+    from activities import cedar
+
+    if args.action == "validate":
+        problems, checked = cedar.check_file(Path(args.target))
+        for problem in problems:
+            print(show(problem), file=sys.stderr)
+        if problems:
+            print(f"{len(problems)} problem(s): fix them and validate again (the schema: "
+                  f"activities/tether.cedarschema)", file=sys.stderr)
+            return USAGE
+        print(f"{show(args.target)}: {checked}")
+        return OK
+    if args.action == "export":
+        from activities.policy import PolicyFileError, parse_policy
+
+        path = Path(args.target)
+        try:
+            document = parse_policy(path.read_text(), str(path))
+        except OSError as e:
+            raise TetherError(f"{path}: cannot read it ({e.strerror})", USAGE) from None
+        except PolicyFileError as e:
+            raise TetherError(f"{e}; `tether policy validate {path}` lists every problem", USAGE) from None
+        text = cedar.export_document(document)
+        if args.out:
+            Path(args.out).write_text(text)
+            print(f"{len(document.tenants)} tenant(s) exported to {show(args.out)}; validate it with "
+                  f"`tether policy validate {show(args.out)}`")
+        else:
+            sys.stdout.write(text)
+        return OK
+    raise TetherError(f"unknown policy action {args.action!r}", USAGE)
+
+
 async def cmd_inbox(args: argparse.Namespace) -> int:
     from inbox.app import InboxConfig, serve
 
@@ -852,6 +888,14 @@ def _keygen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--if-missing", action="store_true", help="keep an existing key (exit 0), else make one")
 
 
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["export", "validate"],
+                   help="export: a policy file's rules as Cedar; validate: a policy file or .cedar file "
+                   "against the schema (exit 2 naming file, line and problem)")
+    p.add_argument("target", metavar="FILE", help="the policy file (TOML) or a .cedar file")
+    p.add_argument("--out", metavar="PATH", help="export: write the Cedar here instead of printing it")
+
+
 def _inbox_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", required=True, type=int, metavar="PORT", help="port to serve on")
     p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)")
@@ -893,6 +937,7 @@ COMMANDS: list[Command] = [
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
     Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),
+    Command("policy", "the policy in Cedar: export, validate (docs/policy.md, \"Cedar\")", _policy_args, cmd_policy),
 ]
 
 

@@ -428,3 +428,140 @@ def judge_steps(
 def plan_auto_approved(judgements: Sequence[Judgement]) -> bool:
     """A plan runs without a person when Cedar auto-approves every one of its steps."""
     return all(j.allowed for j in judgements)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _statements(text: str) -> list[tuple[int, str]]:
+    """The policies of a Cedar text, each with the line (1-based) it starts on: split at each
+    ``;`` outside strings and comments (a policy ends there and nowhere else)."""
+    out: list[tuple[int, str]] = []
+    start: int | None = None
+    line, start_line, i = 1, 1, 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\n":
+            line += 1
+        elif text.startswith("//", i):
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+            continue
+        elif not ch.isspace() and start is None:
+            start, start_line = i, line
+        if ch == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                if text[i] == "\n":
+                    line += 1
+                i += 2 if text[i] == "\\" else 1
+        elif ch == ";" and start is not None:
+            out.append((start_line, text[start : i + 1]))
+            start = None
+        i += 1
+    if start is not None:
+        out.append((start_line, text[start:]))
+    return out
+
+
+def cedar_problems(text: str, source: str) -> list[str]:
+    """Everything wrong with a Cedar policy text, one line each with the file and line: a
+    syntax error, and what the schema refuses (an unknown attribute, a type error, an action
+    that does not exist); ``@id`` annotations used twice (records name policies by them)."""
+    statements = _statements(text)
+    try:
+        parsed = Policies.from_text(text)
+    except ValueError as e:
+        for line, statement in statements:
+            try:
+                cedarpy.PolicySet.from_str(statement)
+            except ValueError as inner:
+                return [f"{source}: line {line}: {inner}"]
+        return [f"{source}: {e}"]
+    problems = []
+    result = cedarpy.validate_policies(text, schema())
+    for error in result.errors:
+        index = int(error.policy_id.removeprefix("policy")) if error.policy_id.startswith("policy") else -1
+        line = statements[index][0] if 0 <= index < len(statements) else None
+        message = error.error.removeprefix(f"for policy `{error.policy_id}`, ")
+        name = parsed.ids.get(error.policy_id, error.policy_id)
+        problems.append(f"{source}: {f'line {line}, ' if line else ''}policy {name}: {message}")
+    seen: dict[str, int] = {}
+    for index, (pid, ident) in enumerate(parsed.ids.items()):
+        line = statements[index][0] if index < len(statements) else 0
+        if ident != pid and ident in seen:
+            problems.append(f"{source}: line {line}: @id({ident}) is also the id of the policy on line "
+                            f"{seen[ident]}: records name policies by id, so give each its own")
+        seen.setdefault(ident, line)
+    return list(dict.fromkeys(problems))
+
+
+class CedarFileError(ValueError):
+    """A tenant's Cedar files with problems, one line each (file, line, problem)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def tenant_files(tenant: TenantPolicy, base: Path) -> list[Path]:
+    return [(base / rel) for rel in tenant.cedar or []]
+
+
+def read_tenant_cedar(name: str, tenant: TenantPolicy, base: Path) -> str:
+    """A tenant's own Cedar files (``cedar = [...]``, relative to the policy file's folder) as one
+    policy text, checked against the schema; raises :class:`CedarFileError` naming each problem."""
+    texts, problems = [], []
+    for path in tenant_files(tenant, base):
+        try:
+            text = path.read_text()
+        except OSError as e:
+            problems.append(f"{path}: cannot read it ({e.strerror}): key tenants.{name}.cedar names it")
+            continue
+        problems += cedar_problems(text, str(path))
+        texts.append(text)
+    if problems:
+        raise CedarFileError(problems)
+    combined = "\n".join(texts)
+    if not combined.strip():
+        raise CedarFileError([f"tenants.{name}.cedar: its files hold no policy: every decision would be refused"])
+    return combined
+
+
+def policies_of(name: str, tenant: TenantPolicy, cedar_text: str | None) -> Policies:
+    """The policies deciding for a tenant: its own Cedar files' (read by the caller), else its
+    TOML rules exported."""
+    if cedar_text is not None:
+        return _parsed(cedar_text)
+    return policies_for(name, tenant)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> Policies:
+    return Policies.from_text(text)
+
+
+def check_file(path: Path) -> tuple[list[str], str]:
+    """``tether policy validate``: a policy file (TOML, with the Cedar files its tenants name)
+    or a Cedar file, checked against the schema. The problems (file, line, problem) and, when
+    there are none, what was checked."""
+    from activities.policy import PolicyFileError, load_cedar_files, parse_policy
+
+    try:
+        text = path.read_text()
+    except OSError as e:
+        return [f"{path}: cannot read it ({e.strerror})"], ""
+    if path.suffix == ".cedar":
+        problems = cedar_problems(text, str(path))
+        return problems, f"{len(_statements(text))} Cedar policies, valid against the schema"
+    try:
+        document = parse_policy(text, str(path))
+        own = load_cedar_files(document, path)
+    except PolicyFileError as e:
+        return str(e).splitlines(), ""
+    exported = {name: export_tenant(name, t) for name, t in document.tenants.items() if name not in own}
+    problems = [p for name, t in exported.items() for p in cedar_problems(t, f"{path} (tenant {name}, exported)")]
+    return problems, (
+        f"{len(document.tenants)} tenant(s): {len(exported)} decided by their TOML rules (exported to Cedar), "
+        f"{len(own)} by their own Cedar files; all valid against the schema"
+    )

@@ -26,6 +26,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
+from activities import cedar
 from activities.keys import KeyRing, attest
 from workflows.identity import skeleton
 from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog
@@ -97,7 +98,8 @@ class PolicyStore:
     """The policy file, re-read when its modification time changes."""
 
     path: Path | None
-    _cache: tuple[tuple[int, int, int], PolicyDocument, str] | None = field(default=None, repr=False)
+    _cache: tuple[tuple[Any, ...], PolicyDocument, str] | None = field(default=None, repr=False)
+    _cedar: dict[str, str] = field(default_factory=dict, repr=False)  # tenant -> its own Cedar text
 
     @classmethod
     def from_env(cls, path: str | None = None) -> PolicyStore:
@@ -107,21 +109,52 @@ class PolicyStore:
         return store
 
     def load(self) -> tuple[PolicyDocument | None, str]:
-        """The document (None: no file, the built-in default applies) and its content hash."""
+        """The document (None: no file, the built-in default applies) and its content hash (the
+        TOML's, and the Cedar files' its tenants name)."""
         if self.path is None:
             return None, hashlib.sha256(DEFAULT_SOURCE.encode()).hexdigest()
         try:
             stat = self.path.stat()
         except FileNotFoundError:
             raise PolicyFileError(f"policy file not found: {self.path}") from None
-        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions())
         if self._cache is None or self._cache[0] != version:
             text = self.path.read_text()
             document = parse_policy(text, str(self.path))
             complete = resolve_key_files(document, self.path, strict=False)
+            cedar_texts = load_cedar_files(document, self.path)
+            digest = hashlib.sha256(text.encode())
+            for name in sorted(cedar_texts):
+                digest.update(cedar_texts[name].encode())
+            self._cedar = cedar_texts
+            version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document))
             # A key file that is not there yet (keygen still to run) is looked for again next time.
-            self._cache = (version if complete else (0, 0, 0), document, hashlib.sha256(text.encode()).hexdigest())
+            self._cache = (version if complete else (0, 0, 0), document, digest.hexdigest())
         return self._cache[1], self._cache[2]
+
+    def _cedar_versions(self, document: PolicyDocument | None = None) -> tuple[tuple[int, int], ...]:
+        """The Cedar files' versions: an edit to one is read like an edit to the TOML."""
+        if document is None:
+            document = self._cache[1] if self._cache is not None else None
+        if document is None or self.path is None:
+            return ()
+        out = []
+        for tenant in document.tenants.values():
+            for path in cedar.tenant_files(tenant, self.path.parent):
+                try:
+                    st = path.stat()
+                    out.append((st.st_mtime_ns, st.st_size))
+                except OSError:
+                    out.append((0, 0))
+        return tuple(out)
+
+    def policies(self, name: str) -> tuple[TenantPolicy | None, cedar.Policies | None, str]:
+        """The tenant, the Cedar policies that decide for it (its own files', else its TOML rules
+        exported) and the file's hash; None, None when the tenant is not in the file."""
+        tenant, digest = self.tenant(name)
+        if tenant is None:
+            return None, None, digest
+        return tenant, cedar.policies_of(name, tenant, self._cedar.get(name)), digest
 
     def tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         document, digest = self.load()
@@ -150,6 +183,22 @@ class PolicyStore:
             return resolved.relative_to(Path.cwd().resolve()).as_posix()
         except ValueError:
             return Path(*resolved.parts[-2:]).as_posix()
+
+
+def load_cedar_files(document: PolicyDocument, path: Path) -> dict[str, str]:
+    """Each tenant's own Cedar files (``cedar = [...]``) as one text, checked against the schema;
+    a problem is a :class:`PolicyFileError` naming the file, the line and the problem."""
+    texts, problems = {}, []
+    for name, tenant in document.tenants.items():
+        if tenant.cedar is None:
+            continue
+        try:
+            texts[name] = cedar.read_tenant_cedar(name, tenant, path.parent)
+        except cedar.CedarFileError as e:
+            problems += e.problems
+    if problems:
+        raise PolicyFileError("\n".join(problems))
+    return texts
 
 
 def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
@@ -202,8 +251,9 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
     try:
         document = parse_policy(text, str(path))
         resolve_key_files(document, path)
+        load_cedar_files(document, path)
     except PolicyFileError as e:
-        return [str(e)]
+        return str(e).splitlines()
 
     problems: list[str] = []
 

@@ -203,3 +203,63 @@ def test_amounts_round_toward_needing_approval() -> None:
     assert cedar.decimal_text(0.1 + 0.2) == "0.3001"  # over 0.3, as the float is
     assert cedar.decimal_text(5000.00009, rounding="ROUND_FLOOR") == "5000.0"
     assert cedar.decimal_text(10**30) == "922337203685477.5807"
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_policy_export_writes_cedar_that_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import starter
+
+    out = tmp_path / "billing.cedar"
+    assert starter.main(["policy", "export", str(ROOT / "examples/billing/policy.toml"), "--out", str(out)]) == 0
+    assert '@id("default.four_eyes")' in out.read_text() and '@id("acme.tools")' in out.read_text()
+    assert starter.main(["policy", "validate", str(out)]) == 0
+    assert "Cedar policies, valid against the schema" in capsys.readouterr().out
+    assert starter.main(["policy", "validate", str(ROOT / "examples/billing/policy.toml")]) == 0
+
+
+def test_policy_validate_names_file_line_and_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import starter
+
+    bad = tmp_path / "bad.cedar"
+    bad.write_text(
+        '// a comment; with a semicolon\n'
+        '@id("ok")\npermit (principal, action in Tether::Action::"approve", resource is Tether::Run)\n'
+        'when { resource.tenant == Tether::Tenant::"x;y" };\n\n'
+        '@id("typo")\nforbid (principal, action in Tether::Action::"revise", resource is Tether::Run)\n'
+        'when { resource.requestor.skeleton == principal.skeleton };\n'
+        '@id("launch")\npermit (principal, action in Tether::Action::"launch", resource);\n'
+        '@id("types")\nforbid (principal, action in Tether::Action::"approve", resource is Tether::Run)\n'
+        'when { resource.stage == "2" };\n'
+    )
+    assert starter.main(["policy", "validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: line 6, policy typo: attribute `requestor` on entity type `Tether::Run` not found" in err
+    assert f'{bad}: line 9, policy launch: unrecognized action `Tether::Action::"launch"`' in err
+    assert f"{bad}: line 11, policy types: the types Long and String are not compatible" in err
+    bad.write_text('@id("a")\npermit (principal, action, resource);\n@id("b")\nforbid (principal action, resource);\n')
+    assert starter.main(["policy", "validate", str(bad)]) == 2
+    assert f"{bad}: line 3: unexpected token `action`" in capsys.readouterr().err
+
+
+def test_a_tenants_own_cedar_files_are_checked_at_start(tmp_path: Path) -> None:
+    """The worker and the inbox load the file through PolicyStore: a bad Cedar file stops them,
+    naming its line; a good one decides for its tenant and is part of the policy hash."""
+    from activities.policy import PolicyFileError, PolicyStore, check_policy_file
+
+    toml = tmp_path / "policy.toml"
+    toml.write_text('[tenants.default]\ncedar = ["default.cedar"]\n[tenants.default.approvers]\nbob = {}\n')
+    own = tmp_path / "default.cedar"
+    own.write_text('@id("open")\npermit (principal, action in Tether::Action::"approve", resource)\nwhen { resource.risk == 1 };\n')
+    with pytest.raises(PolicyFileError, match=r"default.cedar: line 1, policy open: the types"):
+        PolicyStore(toml).load()
+    assert any("line 1, policy open" in p for p in check_policy_file(toml, []))
+    own.write_text('@id("open")\npermit (principal, action in Tether::Action::"approve", resource);\n')
+    store = PolicyStore(toml)
+    tenant, policies, digest = store.policies("default")
+    assert policies is not None and list(policies.ids.values()) == ["open"]
+    j = cedar.judge_person(policies, "default", tenant, action="approve", person="alice", requested_by="alice")
+    assert (j.allowed, j.policies) == (True, ("open",))  # this tenant's own rules: no four-eyes
+    own.write_text('@id("closed")\nforbid (principal, action, resource);\n')
+    assert store.policies("default")[2] != digest  # an edit to a Cedar file is a new policy

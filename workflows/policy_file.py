@@ -155,6 +155,10 @@ class TenantPolicy(Contract):
     # Per risk level, the stages a waiting plan escalates through before it expires.
     escalation: Escalation = Field(default_factory=Escalation)
     budgets: Budgets = Field(default_factory=Budgets)
+    # The tenant's own Cedar policies (files, relative to the policy file; schema:
+    # activities/tether.cedarschema): they decide who may do what in place of the rules above,
+    # which `tether policy export` writes as Cedar to start from (docs/policy.md, "Cedar").
+    cedar: list[str] | None = Field(None, min_length=1)
     # A signed start is good for this long after its issued_at: seconds, or "90s" / "10m" / "1h".
     start_signature_ttl: float = Field(600.0, gt=0, le=7 * 24 * 3600)
 
