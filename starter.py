@@ -718,7 +718,109 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(text)
         return OK
+    if args.action == "explain":
+        from activities.judgements import JudgementLog
+
+        log = JudgementLog.from_env(args.audit_dir)
+        found = log.read(workflow_id=args.target)
+        if not found:
+            raise TetherError(
+                f"no judgement of run {args.target} in {log.path}: the run made no decision or write yet, or its "
+                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR)", USAGE)
+        print(f"run {show(args.target)}: {len(found)} Cedar judgement(s), from {show(str(log.path))}")
+        for entry in found:
+            print("\n".join(format_judgement(entry)))
+        return OK
+    if args.action == "what-if":
+        return what_if(args)
     raise TetherError(f"unknown policy action {args.action!r}", USAGE)
+
+
+def what_if(args: argparse.Namespace) -> int:
+    """`tether policy what-if NEW_POLICY`: every logged judgement judged again under NEW_POLICY;
+    exit 0 when none changes, 1 when some do (each printed), 2 when NEW_POLICY is invalid."""
+    from datetime import datetime, timedelta, timezone
+
+    from activities.judgements import JudgementLog, ProposedPolicy, what_if as judge_again
+    from workflows.policy_file import parse_duration
+
+    since = None
+    if args.since:
+        try:
+            since = datetime.now(timezone.utc) - timedelta(seconds=float(parse_duration(args.since)))
+        except (ValueError, TypeError) as e:
+            raise TetherError(f"--since {args.since!r}: {e}", USAGE) from None
+    try:
+        proposed = ProposedPolicy(Path(args.target))
+    except ValueError as e:
+        for problem in str(e).splitlines():
+            print(show(problem), file=sys.stderr)
+        print("the proposed policy is invalid: fix it, then run what-if again", file=sys.stderr)
+        return USAGE
+    log = JudgementLog.from_env(args.audit_dir)
+    recorded = log.read(since=since, tenant=args.tenant)
+    changes = judge_again(recorded, proposed)
+    runs = {e.get("workflow_id") for e in recorded}
+    for change in changes:
+        e = change.entry
+        who = f" by {e['person']}" if e.get("person") else ""
+        step = e.get("request", {}).get("resource", {})
+        what = f" step {step.get('id')}" if isinstance(step, dict) and step.get("type", "").endswith("Step") else ""
+        was = "allowed" if e.get("allowed") else f"refused ({e.get('rule')})"
+        now = "allowed" if change.allowed else f"refused ({change.rule})"
+        by = ", ".join(change.policies) or "no policy"
+        print(show(f"{e.get('workflow_id')} {e.get('at', '')[:19]} {e.get('check')} {e.get('action')}{who}{what}: "
+                   f"{was} -> {now} by {by}: {change.meaning}", 600))
+    print(f"{len(changes)} of {len(recorded)} judgement(s) of {len(runs)} run(s) change under {show(args.target)}"
+          + ("" if recorded else f" (none logged in {show(str(log.path))}{' since ' + args.since if args.since else ''})"))
+    return REFUSED if changes else OK
+
+
+def _entity_words(entity: dict[str, Any]) -> str:
+    """One entity as `tether policy explain` shows it: its uid, attributes, groups and amounts."""
+    uid = entity.get("uid", {})
+
+    def value(v: Any) -> str:
+        if isinstance(v, dict) and "__entity" in v:
+            return str(v["__entity"].get("id", ""))
+        if isinstance(v, dict) and "__extn" in v:
+            return str(v["__extn"].get("arg", ""))
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v) if isinstance(v, bool) else str(v)
+
+    attrs = " ".join(f"{k}={value(v)}" for k, v in entity.get("attrs", {}).items())
+    parents = ", ".join(f"{p.get('type', '').split('::')[-1]}:{p.get('id', '')}" for p in entity.get("parents", []))
+    tags = " ".join(f"{k}={value(v)}" for k, v in entity.get("tags", {}).items())
+    words = f"{uid.get('type', '')}::{json.dumps(uid.get('id', ''), ensure_ascii=False)} {attrs}".rstrip()
+    words += f"; in {parents}" if parents else ""
+    words += f"; amounts {tags}" if tags else ""
+    return show(words, 600)
+
+
+def format_judgement(entry: dict[str, Any]) -> list[str]:
+    """A logged Cedar judgement: what was decided, by which policies, on which entity data."""
+    request = entry.get("request", {})
+    by = ", ".join(entry.get("policies", [])) or "no policy"
+    verdict = f"allowed by {by}" if entry.get("allowed") else f"refused ({entry.get('rule')}) by {by}"
+    entities = {json.dumps(e.get("uid"), sort_keys=True): e for e in entry.get("entities", [])}
+    resource = entities.get(json.dumps(request.get("resource"), sort_keys=True), {})
+    tool = resource.get("attrs", {}).get("tool")
+    who = f" by {entry['person']}" if entry.get("person") else f" {tool} (step {resource['uid']['id']})" if tool else ""
+    head = f"{entry.get('at', '')[:19]} {entry.get('check', '')} {entry.get('action', '')}{who}: {verdict}"
+    lines = [show(head, 400)]
+    for role in ("principal", "resource"):
+        uid = request.get(role)
+        entity = entities.get(json.dumps(uid, sort_keys=True)) if isinstance(uid, dict) else None
+        if entity is not None:
+            lines.append(f"  {role:9} {_entity_words(entity)}")
+        if role == "resource" and entity is not None:
+            for key in ("requester",):
+                ref = entity.get("attrs", {}).get(key, {})
+                other = entities.get(json.dumps(ref.get("__entity"), sort_keys=True)) if isinstance(ref, dict) else None
+                if other is not None and other is not entities.get(json.dumps(request.get("principal"), sort_keys=True)):
+                    lines.append(f"  {key:9} {_entity_words(other)}")
+    return lines
 
 
 async def cmd_inbox(args: argparse.Namespace) -> int:
@@ -889,11 +991,18 @@ def _keygen_args(p: argparse.ArgumentParser) -> None:
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["export", "validate"],
+    p.add_argument("action", choices=["export", "validate", "explain", "what-if"],
                    help="export: a policy file's rules as Cedar; validate: a policy file or .cedar file "
-                   "against the schema (exit 2 naming file, line and problem)")
-    p.add_argument("target", metavar="FILE", help="the policy file (TOML) or a .cedar file")
+                   "against the schema (exit 2 naming file, line and problem); explain: a run's judgements, "
+                   "the policies that decided each and the entity data; what-if: every logged judgement "
+                   "judged again under a proposed policy (exit 0 no change, 1 changes, 2 invalid)")
+    p.add_argument("target", metavar="TARGET",
+                   help="the policy file (TOML) or a .cedar file; explain: the run; what-if: the proposed policy")
     p.add_argument("--out", metavar="PATH", help="export: write the Cedar here instead of printing it")
+    p.add_argument("--since", metavar="AGE", help="what-if: only judgements this recent (\"7d\", \"12h\")")
+    p.add_argument("--tenant", metavar="NAME", help="what-if: only this tenant's judgements")
+    p.add_argument("--audit-dir", metavar="DIR",
+                   help="explain, what-if: where workers log judgements (env TETHER_AUDIT_DIR; default .tether/audit)")
 
 
 def _inbox_args(p: argparse.ArgumentParser) -> None:
@@ -937,7 +1046,7 @@ COMMANDS: list[Command] = [
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
     Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),
-    Command("policy", "the policy in Cedar: export, validate (docs/policy.md, \"Cedar\")", _policy_args, cmd_policy),
+    Command("policy", "Cedar: export, validate, explain a run, what-if (docs/policy.md)", _policy_args, cmd_policy),
 ]
 
 

@@ -269,7 +269,8 @@ class Judgement:
     errors: tuple[str, ...] = field(default=(), compare=False)
 
 
-def _person(name: str, tenant_name: str, tenant: TenantPolicy) -> dict[str, Any]:
+def person_entity(name: str, tenant_name: str, tenant: TenantPolicy) -> dict[str, Any]:
+    """A person as the tenant's policy file lists them: member, and holder of their roles."""
     parents: list[dict[str, str]] = []
     if tenant.approvers is None:
         parents.append(_uid("Tenant", tenant_name))  # no approvers listed: anyone is a member
@@ -292,7 +293,7 @@ def run_entities(
     stage: int = 0,
 ) -> list[dict[str, Any]]:
     """The entities of a person's decision on a run."""
-    people = {name: _person(name, tenant_name, tenant) for name in (person, requested_by)}
+    people = {name: person_entity(name, tenant_name, tenant) for name in (person, requested_by)}
     run = {
         "uid": _uid("Run", "run"),
         "attrs": {
@@ -309,8 +310,9 @@ def run_entities(
     return [*people.values(), run]
 
 
-def _judge(policies: Policies, request: dict[str, Any], entities: list[dict[str, Any]], action: str,
-           tenant: TenantPolicy | None) -> Judgement:
+def judge_request(policies: Policies, request: dict[str, Any], entities: list[dict[str, Any]], action: str,
+                  tenant: object | None) -> Judgement:
+    """A request judged on these entities (a logged one again, under another policy: what-if)."""
     result = cedarpy.is_authorized(request, policies.policy_set, entities, schema=schema())
     reasons = list(result.diagnostics.reasons)
     ids = tuple(sorted(policies.ids.get(r, r) for r in reasons))
@@ -354,7 +356,7 @@ def judge_person(
         tenant_name, tenant, person=person, requested_by=requested_by, roles=roles,
         already_approved=already_approved, editors=editors, risk=risk, stage=stage,
     )
-    return _judge(policies, {**request, "principal": _uid("Person", person), "resource": _uid("Run", "run")},
+    return judge_request(policies, {**request, "principal": _uid("Person", person), "resource": _uid("Run", "run")},
                   entities, action, tenant)
 
 
@@ -421,7 +423,7 @@ def judge_steps(
         if tenant is None or policies is None:
             out.append(_denied_tenant(request))
         else:
-            out.append(_judge(policies, request, entities, action, tenant))
+            out.append(judge_request(policies, request, entities, action, tenant))
     return out
 
 

@@ -26,7 +26,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
-from activities import cedar
+from activities import cedar, judgements
 from activities.keys import KeyRing, attest
 from workflows.identity import skeleton
 from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog
@@ -411,6 +411,73 @@ def decision_signature_refusal(
     )
 
 
+def decision_action(check: DecisionCheck) -> str:
+    """The Cedar action of a decision: a partial approval is ``approve_steps`` (an ``approve``)."""
+    if check.kind == "approve" and check.decision.steps is not None:
+        return "approve_steps"
+    return check.kind
+
+
+def judge_decision(
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, check: DecisionCheck
+) -> tuple[Refusal | None, cedar.Judgement]:
+    """May this person take this decision? Cedar decides (the tenant's own policies, or its TOML
+    rules exported: tests/test_cedar.py holds the two equal); the refusal is worded as the TOML
+    rule that refused it words it, or names the Cedar policies. Also the ids that decided."""
+    judgement = cedar.judge_person(
+        policies, check.tenant, tenant, action=decision_action(check), person=check.decision.approver,
+        requested_by=check.requested_by, roles=check.roles, already_approved=check.already_approved,
+        editors=check.editors, risk=check.risk, stage=check.stage,
+    )
+    ids = list(judgement.policies)
+    if judgement.allowed:
+        return None, judgement
+    worded = policy.approver_refusal(
+        tenant, approver=check.decision.approver, requested_by=check.requested_by, kind=check.kind,
+        roles=check.roles, already_approved=check.already_approved, editors=check.editors,
+    )
+    if worded is not None and worded.rule == judgement.rule:
+        return worded, judgement
+    who, what = check.decision.approver, check.kind
+    if ids:
+        message = f"{who} may not {what} this run: Cedar policy {', '.join(ids)} forbids it"
+    else:
+        message = f"no Cedar policy of tenant {check.tenant} permits {who} to {what} this run"
+    return Refusal(rule=judgement.rule or "not_permitted", message=message), judgement
+
+
+def judge_writes(
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, check: AuthorityCheck, tenant_name: str
+) -> tuple[Refusal | None, list[cedar.Judgement]]:
+    """The pre-write check in Cedar: may each remaining step write (``execute_write``), and, for
+    a plan that runs without approval, is each still auto-approved (``auto_approve``)? The TOML
+    engine's check (approvals in force, counts, signatures) runs beside it; the stricter wins."""
+    if not check.steps or tenant is None:
+        return None, []
+    catalog = check.catalog or ToolCatalog()
+    review = policy.review_plan(Plan(steps=check.steps, plan_hash=""), catalog, tenant, check.spent)
+    judged = cedar.judge_steps(policies, tenant_name, tenant, action="execute_write", steps=check.steps,
+                               catalog=catalog, spent=check.spent, risk=review.risk)
+    if check.approvals_required == 0:
+        judged += cedar.judge_steps(policies, tenant_name, tenant, action="auto_approve", steps=check.steps,
+                                    catalog=catalog, spent=check.spent, risk=review.risk)
+    for step, j in zip([*check.steps, *check.steps], judged):
+        if not j.allowed:
+            by = f"Cedar policy {', '.join(j.policies)}" if j.policies else "no Cedar policy permitting it"
+            what = "write" if j.request["action"].endswith('"execute_write"') else "run without approval"
+            return Refusal(rule=j.rule or "not_permitted", message=f"{step.tool} may not {what}: {by}"), judged
+    return None, judged
+
+
+def _where() -> dict[str, str]:
+    """The run and activity a judgement is logged under."""
+    try:
+        info = activity.info()
+    except RuntimeError:  # called outside an activity (tests, tools)
+        return {"workflow_id": "", "run_id": "", "activity_id": ""}
+    return {"workflow_id": info.workflow_id or "", "run_id": info.workflow_run_id or "", "activity_id": info.activity_id}
+
+
 def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None = None) -> bool:
     """Does the policy list a key for this person, or did a trusted signer attest for them (so
     a passed signature check verified them)?"""
@@ -424,15 +491,24 @@ def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None =
 
 
 class PolicyActivities:
-    def __init__(self, store: PolicyStore, keys: KeyRing | None = None) -> None:
+    def __init__(self, store: PolicyStore, keys: KeyRing | None = None,
+                 judgement_log: judgements.JudgementLog | None = None) -> None:
         self.store = store
         self.keys = keys  # the fleet's key ring: mints the capability of every write
+        # Where each Cedar judgement is logged with what it was judged on (explain, what-if).
+        self.judgements = judgement_log
 
     def _tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         try:
             return self.store.tenant(name)
         except PolicyFileError as e:
             # Retryable on purpose: runs wait (and the worker logs why) until the file is fixed.
+            raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
+
+    def _policies(self, name: str) -> tuple[TenantPolicy | None, cedar.Policies | None, str]:
+        try:
+            return self.store.policies(name)
+        except PolicyFileError as e:
             raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
 
     def _signers(self) -> dict[str, Signer]:
@@ -479,23 +555,24 @@ class PolicyActivities:
 
     @activity.defn(name="policy_check_decision")
     async def check_decision(self, check: DecisionCheck) -> Verdict:
-        tenant, digest = self._tenant(check.tenant)
-        refusal = policy.approver_refusal(
-            tenant,
-            approver=check.decision.approver,
-            requested_by=check.requested_by,
-            kind=check.kind,
-            roles=check.roles,
-            already_approved=check.already_approved,
-            editors=check.editors,
-        )
+        tenant, policies, digest = self._policies(check.tenant)
+        refusal, judgement = judge_decision(tenant, policies, check)
+        await self._log([judgement], check.tenant, digest, check="decision", kind=check.kind,
+                        decision_id=check.decision.decision_id, person=check.decision.approver)
         if refusal is None:
             refusal = decision_signature_refusal(
                 tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
                 kind=check.kind, decision=check.decision, signers=self._signers(), steps_digest=check.steps_digest,
             )
         verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
-        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified))
+        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified,
+                                             policies=list(judgement.policies)))
+
+    async def _log(self, judged: list[cedar.Judgement], tenant: str, digest: str, **what: Any) -> None:
+        if self.judgements is not None and judged:
+            at = datetime.now(timezone.utc).isoformat()
+            await self.judgements.append(judgements.entries(
+                judged, at=at, tenant=tenant, policy_hash=digest, **_where(), **what))
 
     @activity.defn(name="policy_check_handoff")
     async def check_handoff(self, check: HandoffCheck) -> Verdict:
@@ -525,7 +602,7 @@ class PolicyActivities:
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
         """The current file in full over the approvals in force (and a plan's auto-approval);
         given ``check.call``, the capability for exactly that write attempt."""
-        tenant, digest = self._tenant(check.tenant)
+        tenant, policies, digest = self._policies(check.tenant)
 
         def signature_problem(approval: AcceptedApproval) -> Refusal | None:
             decision = ApprovalDecision.model_construct(
@@ -556,7 +633,12 @@ class PolicyActivities:
             requested_by=check.requested_by,
             signature_problem=signature_problem,
         )
-        verdict = Verdict(refusal=refusal, policy_hash=digest)
+        written, judged = judge_writes(tenant, policies, check, check.tenant)
+        refusal = refusal or written
+        await self._log(judged, check.tenant, digest, check="write", plan_hash=check.plan_hash,
+                        tool_call_id=check.call.tool_call_id if check.call else "")
+        deciding = sorted({p for j in judged for p in j.policies if not written or not j.allowed})
+        verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)
         if refusal is not None:
             # A new request asks for what the current file asks, and for someone who can give it.
             review = policy.review_plan(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import cedarpy
 import pytest
@@ -263,3 +264,96 @@ def test_a_tenants_own_cedar_files_are_checked_at_start(tmp_path: Path) -> None:
     assert (j.allowed, j.policies) == (True, ("open",))  # this tenant's own rules: no four-eyes
     own.write_text('@id("closed")\nforbid (principal, action, resource);\n')
     assert store.policies("default")[2] != digest  # an edit to a Cedar file is a new policy
+
+
+# ----------------------------------------------------------------------------- recorded runs
+
+RECORDED_POLICY = """
+[tenants.default]
+tools = ["get_order", "issue_refund"]
+[tenants.default.approvers]
+alice = { roles = ["approver"] }
+bob = { roles = ["approver"] }
+[tenants.default.auto_approve]
+limits = [{ tool = "issue_refund", field = "amount_cents", max = %d }]
+"""
+
+
+def refund_step(amount: int) -> dict:
+    # A-9999 does not exist: nothing is refunded whatever happens; the checks before it are made.
+    return {"tool": "issue_refund", "args": {"order_id": "A-9999", "amount_cents": amount, "reason": "what-if"}}
+
+
+async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
+    ts_env: Any, billing: Any, tmp_path: Path, audit_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import starter
+
+    def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own
+        return asyncio.to_thread(starter.main, argv)
+
+    from activities.judgements import JudgementLog
+    from activities.policy import PolicyStore
+    from client import run_outcome
+    from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
+
+    live = tmp_path / "policy.toml"
+    live.write_text(RECORDED_POLICY % 5000)  # refunds up to 50.00 need nobody
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(live))) as worker:
+        forty = await start_run(ts_env.client, worker, make_request([refund_step(4000)], requested_by="alice"))
+        ten = await start_run(ts_env.client, worker, make_request([refund_step(1000)], requested_by="alice"))
+        sixty = await start_run(ts_env.client, worker, make_request([refund_step(6000)], requested_by="alice"))
+        snap = await wait_for_state(sixty, "AWAITING_APPROVAL")
+        await sixty.signal("approve", approval_for(snap, "bob"))
+        for handle in (forty, ten, sixty):
+            await run_outcome(handle)
+    ours = {forty.id, ten.id, sixty.id}
+    logged = [e for e in JudgementLog.from_env(str(audit_dir)).read() if e["workflow_id"] in ours]
+    assert {(e["workflow_id"], e["action"]) for e in logged} >= {
+        (forty.id, "auto_approve"), (forty.id, "execute_write"), (ten.id, "auto_approve"),
+        (sixty.id, "approve"), (sixty.id, "execute_write"),
+    }
+    assert all(e["allowed"] for e in logged)
+    # explain: the policies that decided each judgement, and the entity data.
+    capsys.readouterr()
+    assert await cli(["policy", "explain", sixty.id, "--audit-dir", str(audit_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "decision approve by bob: allowed by default.decide" in out
+    assert 'Tether::Person::"bob" skeleton=bob; in Tenant:default, Role:approver' in out
+    assert "requester=alice revised_by=[] risk=normal roles=[approver]" in out
+    assert "write execute_write issue_refund (step 1): allowed by default.write" in out
+    assert "amounts amount_cents=6000.0" in out
+
+    async def what_if(policy: Path) -> tuple[int, list[str]]:
+        capsys.readouterr()
+        code = await cli(["policy", "what-if", str(policy), "--audit-dir", str(audit_dir)])
+        lines = capsys.readouterr().out.splitlines()
+        return code, [line for line in lines if line.split(" ", 1)[0] in ours]
+
+    # The limit lowered to 20.00: the 40.00 refund's auto-approvals would need a person; nothing else.
+    tighter = tmp_path / "tighter.toml"
+    tighter.write_text(RECORDED_POLICY % 2000)
+    code, changed = await what_if(tighter)
+    forty_auto = [e for e in logged if (e["workflow_id"], e["action"]) == (forty.id, "auto_approve")]
+    assert code == 1 and len(changed) == len(forty_auto) >= 1, changed
+    assert all(line.startswith(f"{forty.id} ") and "auto_approve step 1: allowed -> refused (approval_needed)" in line
+               and "an auto-approval that would need a person" in line for line in changed), changed
+    # The same policy changes nothing.
+    code, changed = await what_if(live)
+    assert (code, changed) == (0, [])
+    # A Cedar file: four-eyes widened to bob approving anything (the live rules, plus one forbid).
+    proposal = tmp_path / "proposal.cedar"
+    proposal.write_text(cedar.export_tenant("default", parse_policy(live.read_text()).tenants["default"])
+                        + '\n@id("default.not_bob")\nforbid (principal == Tether::Person::"bob", '
+                        'action in Tether::Action::"approve", resource);\n')
+    code, changed = await what_if(proposal)
+    assert code == 1 and len(changed) == 1 and changed[0].startswith(f"{sixty.id} "), changed
+    assert "decision approve by bob: allowed -> refused (default.not_bob) by default.not_bob" in changed[0]
+    assert "the run would have needed another approver" in changed[0]
+    # An invalid proposal: exit 2, naming the line.
+    proposal.write_text('@id("x")\npermit (principal, action in Tether::Action::"launch", resource);\n')
+    capsys.readouterr()
+    assert await cli(["policy", "what-if", str(proposal), "--audit-dir", str(audit_dir)]) == 2
+    assert "line 1, policy x: unrecognized action" in capsys.readouterr().err

@@ -134,6 +134,10 @@ async def test_each_approval_rule_refuses_and_accepts(ts_env: WorkflowEnvironmen
             record = await settled(handle, decision.decision_id)
             assert record.kind == "refused" and record.rule == rule, record
             assert text in record.reason
+            # The Cedar policies that decided it are on the record (a signature is no policy's).
+            assert f"default.{rule}" in record.refs.policies if rule != "signature_required" else (
+                record.refs.policies == ["default.decide"]
+            ), record.refs
         bad = decide("frank", snap, signature=base64.b64encode(b"x" * 64).decode())
         await handle.signal("approve", bad)
         assert (await settled(handle, bad.decision_id)).rule == "bad_signature"
@@ -147,6 +151,7 @@ async def test_each_approval_rule_refuses_and_accepts(ts_env: WorkflowEnvironmen
     assert outcome.state == S.COMPLETED
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
     assert approved.actor == "user:frank (signed)"
+    assert approved.refs.policies == ["default.decide"]
     assert is_legal_path(outcome.timeline)
 
 

@@ -137,6 +137,8 @@ class RunModel:
         self.outbox: list[tuple[TransitionRecord, list[str]]] = []
         # Decision refusals counted but not recorded (a flood), until their sender is answered.
         self.unrecorded_refusals: dict[str, Refusal] = {}
+        # While a decision is settled: the Cedar policies that decided it (its records name them).
+        self.deciding_policies: list[str] | None = None
         # Where the current plan writes (step indexes), worked out once per plan and catalog:
         # every step asks whether writes remain (authority_check).
         self._writes: tuple[tuple[Any, ...], list[int]] = ((), [])
