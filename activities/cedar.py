@@ -40,6 +40,11 @@ NS = "Tether"
 PERSON_ACTIONS = ("approve", "approve_steps", "reject", "revise", "hand_off", "cancel", "compensate")
 STEP_ACTIONS = ("auto_approve", "execute_write")
 ACTIONS = PERSON_ACTIONS + STEP_ACTIONS
+# The action groups of the schema, as entities: without the schema per call, the engine learns
+# from these that an approve_steps is an approve.
+ACTION_GROUPS = (
+    {"uid": {"type": f"{NS}::Action", "id": "approve_steps"}, "attrs": {}, "parents": [{"type": f"{NS}::Action", "id": "approve"}]},
+)
 # The TOML engine's kinds of decision (workflows/policy.approver_refusal) as actions.
 KIND_ACTIONS = {"approve": "approve", "reject": "reject", "revise": "revise"}
 
@@ -310,21 +315,39 @@ def run_entities(
     return [*people.values(), run]
 
 
-def judge_request(policies: Policies, request: dict[str, Any], entities: list[dict[str, Any]], action: str,
+def judge_request(policies: Policies, request: dict[str, Any], entities: list[dict[str, Any]],
                   tenant: object | None) -> Judgement:
     """A request judged on these entities (a logged one again, under another policy: what-if)."""
-    result = cedarpy.is_authorized(request, policies.policy_set, entities, schema=schema())
-    reasons = list(result.diagnostics.reasons)
-    ids = tuple(sorted(policies.ids.get(r, r) for r in reasons))
-    rule = None
-    if not result.allowed:
-        named = [policies.rules.get(r, r) for r in reasons]
-        named.sort(key=lambda r: (RULE_ORDER.index(r) if r in RULE_ORDER else len(RULE_ORDER), r))
-        rule = named[0] if named else ("tenant" if tenant is None else NOT_PERMITTED.get(action, "not_permitted"))
-    return Judgement(
-        allowed=result.allowed, policies=ids, rule=rule, request=request, entities=tuple(entities),
-        errors=tuple(result.diagnostics.errors),
-    )
+    return judge_requests(policies, [request], entities, tenant)[0]
+
+
+def action_name(request: dict[str, Any]) -> str:
+    """``approve`` of ``Tether::Action::"approve"``."""
+    return str(request.get("action", "")).rsplit("::", 1)[-1].strip('"')
+
+
+def judge_requests(policies: Policies, requests: list[dict[str, Any]], entities: list[dict[str, Any]],
+                   tenant: object | None) -> list[Judgement]:
+    """Requests judged on one set of entities, parsed once, in one call into the engine. The
+    entities are this module's own (``run_entities``, ``step_entities``), which tests check against
+    the schema; the policies were checked against it when they were loaded."""
+    handle = cedarpy.Entities.from_json_str(json.dumps([*entities, *ACTION_GROUPS]))
+    out = []
+    for request, result in zip(requests, cedarpy.is_authorized_batch(requests, policies.policy_set, handle)):
+        reasons = list(result.diagnostics.reasons)
+        ids = tuple(sorted(policies.ids.get(r, r) for r in reasons))
+        rule = None
+        if not result.allowed:
+            named = [policies.rules.get(r, r) for r in reasons]
+            named.sort(key=lambda r: (RULE_ORDER.index(r) if r in RULE_ORDER else len(RULE_ORDER), r))
+            rule = named[0] if named else (
+                "tenant" if tenant is None else NOT_PERMITTED.get(action_name(request), "not_permitted")
+            )
+        out.append(Judgement(
+            allowed=result.allowed, policies=ids, rule=rule, request=request, entities=tuple(entities),
+            errors=tuple(result.diagnostics.errors),
+        ))
+    return out
 
 
 def _denied_tenant(request: dict[str, Any]) -> Judgement:
@@ -357,7 +380,7 @@ def judge_person(
         already_approved=already_approved, editors=editors, risk=risk, stage=stage,
     )
     return judge_request(policies, {**request, "principal": _uid("Person", person), "resource": _uid("Run", "run")},
-                  entities, action, tenant)
+                         entities, tenant)
 
 
 def step_entities(
@@ -407,24 +430,27 @@ def judge_steps(
     tenant_name: str,
     tenant: TenantPolicy | None,
     *,
-    action: str,
+    actions: Sequence[str],
     steps: Sequence[PlanStep],
     catalog: ToolCatalog,
     spent: dict[str, float] | None = None,
     risk: str = "none",
     undo: Sequence[object | None] | None = None,
+    writes: Collection[int] | None = None,
 ) -> list[Judgement]:
-    """The runtime's ``action`` (auto_approve, execute_write) on each step, in plan order."""
+    """The runtime's ``actions`` (auto_approve, execute_write) on each step: for each action,
+    each step in plan order (``execute_write`` only on the ``writes``, 1-based, when given),
+    judged in one call."""
     entities = step_entities(tenant_name, steps, catalog, spent=spent, risk=risk, undo=undo)
-    out = []
-    for i in range(1, len(steps) + 1):
-        request = {"principal": _uid("Runtime", "tether"), "action": _action(action),
-                   "resource": _uid("Step", str(i)), "context": {}}
-        if tenant is None or policies is None:
-            out.append(_denied_tenant(request))
-        else:
-            out.append(judge_request(policies, request, entities, action, tenant))
-    return out
+    requests = [
+        {"principal": _uid("Runtime", "tether"), "action": _action(action), "resource": _uid("Step", str(i)), "context": {}}
+        for action in actions
+        for i in range(1, len(steps) + 1)
+        if action != "execute_write" or writes is None or i in writes
+    ]
+    if tenant is None or policies is None:
+        return [_denied_tenant(r) for r in requests]
+    return judge_requests(policies, requests, entities, tenant) if requests else []
 
 
 def plan_auto_approved(judgements: Sequence[Judgement]) -> bool:

@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from activities import cedar
 from activities.audit import DEFAULT_AUDIT_DIR
 
 FILE = "judgements.jsonl"
@@ -99,7 +100,7 @@ def entries(judgements: Iterable[Any], **common: Any) -> list[dict[str, Any]]:
         {
             **common,
             "index": i,
-            "action": _action_name(j.request.get("action", "")),
+            "action": cedar.action_name(j.request),
             "allowed": j.allowed,
             "rule": j.rule,
             "policies": list(j.policies),
@@ -108,10 +109,6 @@ def entries(judgements: Iterable[Any], **common: Any) -> list[dict[str, Any]]:
         }
         for i, j in enumerate(judgements)
     ]
-
-
-def _action_name(action: str) -> str:
-    return action.rsplit("::", 1)[-1].strip('"')
 
 
 # ----------------------------------------------------------------------------- what-if
@@ -147,7 +144,6 @@ class ProposedPolicy:
     they were judged). Raises ValueError naming each problem (file, line) when it is invalid."""
 
     def __init__(self, path: Path) -> None:
-        from activities import cedar
         from activities.policy import PolicyFileError, load_cedar_files, parse_policy
 
         self.path = path
@@ -171,8 +167,6 @@ class ProposedPolicy:
 
     def judge(self, entry: dict[str, Any]) -> tuple[bool, str | None, tuple[str, ...]]:
         """The entry's request judged again under this policy."""
-        from activities import cedar
-
         name = entry.get("tenant", "")
         entities = entry.get("entities", [])
         if self.cedar_policies is not None:
@@ -190,7 +184,7 @@ class ProposedPolicy:
             ]
         if not entities:
             return False, "tenant", ()
-        j = cedar.judge_request(policies, entry.get("request", {}), entities, entry.get("action", ""), tenant)
+        j = cedar.judge_request(policies, entry.get("request", {}), entities, tenant)
         return j.allowed, j.rule, j.policies
 
 

@@ -29,7 +29,7 @@ from workflows import policy
 from activities import cedar, judgements
 from activities.keys import KeyRing, attest
 from workflows.identity import skeleton
-from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog
+from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog, ToolEffect
 from workflows.policy_file import Approver, PolicyDocument, Signer, TenantPolicy
 from workflows.wire import (
     AuthorityCheck,
@@ -456,16 +456,20 @@ def judge_writes(
         return None, []
     catalog = check.catalog or ToolCatalog()
     review = policy.review_plan(Plan(steps=check.steps, plan_hash=""), catalog, tenant, check.spent)
-    judged = cedar.judge_steps(policies, tenant_name, tenant, action="execute_write", steps=check.steps,
-                               catalog=catalog, spent=check.spent, risk=review.risk)
-    if check.approvals_required == 0:
-        judged += cedar.judge_steps(policies, tenant_name, tenant, action="auto_approve", steps=check.steps,
-                                    catalog=catalog, spent=check.spent, risk=review.risk)
-    for step, j in zip([*check.steps, *check.steps], judged):
+    actions = ["execute_write", "auto_approve"] if check.approvals_required == 0 else ["execute_write"]
+    # The writes among the remaining steps (the TOML check judges the tools of these, ``tools``).
+    writes = [i for i, s in enumerate(check.steps, start=1)
+              if (info := catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY]
+    judged = cedar.judge_steps(policies, tenant_name, tenant, actions=actions, steps=check.steps, catalog=catalog,
+                               spent=check.spent, risk=review.risk, writes=writes)
+    for j in judged:
         if not j.allowed:
+            step = check.steps[int(j.request["resource"]["id"]) - 1]
             by = f"Cedar policy {', '.join(j.policies)}" if j.policies else "no Cedar policy permitting it"
-            what = "write" if j.request["action"].endswith('"execute_write"') else "run without approval"
-            return Refusal(rule=j.rule or "not_permitted", message=f"{step.tool} may not {what}: {by}"), judged
+            if cedar.action_name(j.request) == "execute_write":
+                return Refusal(rule=j.rule or "not_permitted", message=f"{step.tool} may not write: {by}"), judged
+            # Whichever policy denied it (a high-risk forbid, no limit permitting it), the run asks a person.
+            return Refusal(rule="approval_needed", message=f"{step.tool} may not run without approval: {by}"), judged
     return None, judged
 
 

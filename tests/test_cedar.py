@@ -7,6 +7,8 @@ random decisions judged by both engines, verdict and refusal rule compared.
 
 from __future__ import annotations
 
+import itertools
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -16,10 +18,11 @@ import cedarpy
 import pytest
 
 from activities import cedar
-from activities.policy import parse_policy
+from activities.policy import judge_writes, parse_policy
 from tests.conftest import ROOT
 from workflows import policy
 from workflows.contract import Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
+from workflows.wire import AuthorityCheck
 from workflows.policy_file import AmountRule, Approver, AutoApprove, HighRisk, TenantPolicy
 
 EXAMPLES = [ROOT / "examples/billing/policy.toml", ROOT / "examples/billing/policy.image.toml", ROOT / "examples/git/policy.toml"]
@@ -86,7 +89,13 @@ def names_of(tenant: TenantPolicy) -> list[str]:
 
 def cedar_verdict(j: cedar.Judgement) -> tuple[bool, str | None]:
     assert not j.errors, j.errors  # an evaluation error would be a deny for the wrong reason
+    if j.entities and next(JUDGED) % 50 == 0:
+        # The engine is not given the schema per call (the cost): the entities are held to it here.
+        cedarpy.Entities.from_json_str(json.dumps(list(j.entities)), cedar.schema())
     return j.allowed, j.rule
+
+
+JUDGED = itertools.count()
 
 
 def toml_verdict(refusal: policy.Refusal | None) -> tuple[bool, str | None]:
@@ -133,17 +142,27 @@ def compare_decisions(
         ]
         spent = {f"{rng.choice(tools)}.amount_cents": rng.choice(AMOUNTS)} if rng.random() < 0.4 else {}
         review = policy.review_plan(Plan(steps=steps, plan_hash=""), catalog, tenant, spent)
-        judged = cedar.judge_steps(policies, name, tenant, action="auto_approve", steps=steps, catalog=catalog,
+        judged = cedar.judge_steps(policies, name, tenant, actions=["auto_approve"], steps=steps, catalog=catalog,
                                    spent=spent, risk=review.risk)
         assert all(not j.errors for j in judged)
         assert (not cedar.plan_auto_approved(judged)) == review.needs_approval, (name, steps, spent, catalog)
         seen[f"plan {review.risk}"] += 1
-        writes = cedar.judge_steps(policies, name, tenant, action="execute_write", steps=steps, catalog=catalog)
+        writes = cedar.judge_steps(policies, name, tenant, actions=["execute_write"], steps=steps, catalog=catalog)
         for step, j in zip(steps, writes, strict=True):
             why = policy.tool_refusal(tenant, step.tool)
             assert cedar_verdict(j) == (why is None, "tool_withdrawn" if why else None), (name, step.tool)
             seen["tool_withdrawn" if why else "write allowed"] += 1
-        compared += 11 + len(steps)
+        # The activity's whole pre-write check of a plan that runs without approval, both ways.
+        write_tools = [s.tool for s in steps if (i := catalog.get(s.tool)) is None or i.effect != ToolEffect.READ_ONLY]
+        check = AuthorityCheck(tenant=name, approvals=[], tools=write_tools, roles=[], approvals_required=0,
+                               steps=steps, catalog=catalog, spent=spent)
+        expected = toml_verdict(policy.authority_refusal(
+            tenant, approvals=[], tools=write_tools, roles=[], approvals_required=0, steps=steps, catalog=catalog,
+            spent=spent))
+        refusal, judged = judge_writes(tenant, policies, check, name)
+        assert toml_verdict(refusal) == expected, (name, steps, spent, catalog)
+        seen[f"pre-write {expected[1] or 'allowed'}"] += 1
+        compared += 12 + len(steps)
     return compared
 
 
@@ -160,7 +179,8 @@ def test_cedar_decides_as_the_toml_rules() -> None:
     assert compared > 20_000
     # Every verdict the rules can give came up, each many times: the sample reaches them all.
     rules = ["allowed", "four_eyes", "editor_approval", "tenant_membership", "role", "distinct_approvers",
-             "tool_withdrawn", "write allowed", "plan none", "plan normal", "plan high"]
+             "tool_withdrawn", "write allowed", "plan none", "plan normal", "plan high",
+             "pre-write allowed", "pre-write approval_needed", "pre-write tool_withdrawn"]
     assert all(seen[r] >= 50 for r in rules), seen
 
 
@@ -191,10 +211,10 @@ def test_the_deciding_policies_are_named() -> None:
     refund = [PlanStep(tool_call_id="s1", tool="issue_refund", args={"amount_cents": 4000})]
     catalog = ToolCatalog(tools=[ToolInfo(name="issue_refund", effect=ToolEffect.IDEMPOTENT, requires_approval=True,
                                           args_schema={}, timeout_seconds=10, max_retries=1)])
-    [auto] = cedar.judge_steps(policies, "default", tenant, action="auto_approve", steps=refund, catalog=catalog)
+    [auto] = cedar.judge_steps(policies, "default", tenant, actions=["auto_approve"], steps=refund, catalog=catalog)
     assert (auto.allowed, auto.policies) == (True, ("default.auto_approve.limits.1",))
     # Four refunds of 49.99 are one refund of 199.96: the run's sum is the step's tag.
-    [summed] = cedar.judge_steps(policies, "default", tenant, action="auto_approve", steps=refund, catalog=catalog,
+    [summed] = cedar.judge_steps(policies, "default", tenant, actions=["auto_approve"], steps=refund, catalog=catalog,
                                  spent={"issue_refund.amount_cents": 1001})
     assert (summed.allowed, summed.rule) == (False, "approval_needed")
 
@@ -357,3 +377,23 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     capsys.readouterr()
     assert await cli(["policy", "what-if", str(proposal), "--audit-dir", str(audit_dir)]) == 2
     assert "line 1, policy x: unrecognized action" in capsys.readouterr().err
+
+
+def test_the_action_groups_are_the_schemas() -> None:
+    """Evaluation skips the schema (its cost per call): the action groups it would add are given."""
+    import re
+
+    groups = re.findall(r"action (\w+) in \[(\w+)\]", cedar.schema_text())
+    assert [(g["uid"]["id"], g["parents"][0]["id"]) for g in cedar.ACTION_GROUPS] == groups
+    assert set(re.findall(r"action (\w+)", cedar.schema_text())) == set(cedar.ACTIONS)
+
+
+def test_the_policy_bench_prints_both_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make bench-policy` runs and prints its table (tiny parameters; never timings)."""
+    from bench import policy as bench_policy
+
+    bench_policy.main(["--decisions", "20", "--policy", str(ROOT / "examples/billing/policy.toml")])
+    out = capsys.readouterr().out
+    labels = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "decision " not in line[:12]]
+    assert labels == ["decision: TOML rules", "decision: Cedar", "decision: the activity's (Cedar + wording)",
+                      "pre-write check, 3 steps: TOML rules", "pre-write check, 3 steps: Cedar"], out
