@@ -154,7 +154,8 @@ def format_status(s: client.RunStatus) -> str:
         d = s.last_decision
         verdict = d.kind if d.kind != "transition" else d.to_state.value
         lines.append(f"decision   {show(d.refs.decision_id, 128)} by {show(d.actor, 120)}: {verdict}: "
-                     f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else ""))
+                     f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else "")
+                     + (f" [policies: {show(', '.join(d.refs.policies), 300)}]" if d.refs.policies else ""))
     if s.plan is not None:
         lines.append(f"plan       v{s.plan.version} {show(s.plan.plan_hash)}")
         lines.extend(_steps(s.plan, s.tools))
@@ -191,7 +192,7 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
     for r in records:
         # Hashes shortened for reading; `timeline --json` has them in full.
         refs = ", ".join(
-            f"{k}={show(v[:12] if k.endswith('_hash') else v)}"
+            f"{k}={show(v[:12] if k.endswith('_hash') else ' '.join(v) if k == 'policies' else v)}"
             for k, v in r.refs.model_dump(exclude_none=True).items()
         )
         arrow = (

@@ -329,6 +329,13 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
         await sixty.signal("approve", approval_for(snap, "bob"))
         for handle in (forty, ten, sixty):
             await run_outcome(handle)
+        import client as tether_client
+
+        status = await tether_client.status(ts_env.client, sixty.id, live=True)
+        timeline = await tether_client.full_timeline(ts_env.client, sixty.id, str(audit_dir))
+    # Records and `tether status` name the policies that decided (audit by reference).
+    assert "[policies: default.decide]" in starter.format_status(status)
+    assert "policies=default.decide" in starter.format_timeline(timeline)
     ours = {forty.id, ten.id, sixty.id}
     logged = [e for e in JudgementLog.from_env(str(audit_dir)).read() if e["workflow_id"] in ours]
     assert {(e["workflow_id"], e["action"]) for e in logged} >= {
