@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import re
 import tomllib
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -40,6 +42,9 @@ from workflows.wire import (
     SnapshotRequest,
     Verdict,
 )
+
+SHADOW_DISAGREEMENTS = "tether_policy_shadow_disagreements"
+log = logging.getLogger("tether.policy")
 
 DEFAULT_SOURCE = "built-in default (no policy file): every write needs one approval from someone other than the requester"
 
@@ -496,11 +501,16 @@ def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None =
 
 class PolicyActivities:
     def __init__(self, store: PolicyStore, keys: KeyRing | None = None,
-                 judgement_log: judgements.JudgementLog | None = None) -> None:
+                 judgement_log: judgements.JudgementLog | None = None,
+                 shadow: judgements.ProposedPolicy | None = None) -> None:
         self.store = store
         self.keys = keys  # the fleet's key ring: mints the capability of every write
         # Where each Cedar judgement is logged with what it was judged on (explain, what-if).
         self.judgements = judgement_log
+        # A proposed policy judged beside the live one on every judgement, enforcing nothing: its
+        # disagreements are logged (``shadow`` on the judgement's line) and counted.
+        self.shadow = shadow
+        self.shadow_disagreements: Counter[str] = Counter()
 
     def _tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         try:
@@ -573,10 +583,36 @@ class PolicyActivities:
                                              policies=list(judgement.policies)))
 
     async def _log(self, judged: list[cedar.Judgement], tenant: str, digest: str, **what: Any) -> None:
-        if self.judgements is not None and judged:
-            at = datetime.now(timezone.utc).isoformat()
-            await self.judgements.append(judgements.entries(
-                judged, at=at, tenant=tenant, policy_hash=digest, **_where(), **what))
+        if not judged or (self.judgements is None and self.shadow is None):
+            return
+        at = datetime.now(timezone.utc).isoformat()
+        lines = judgements.entries(judged, at=at, tenant=tenant, policy_hash=digest, **_where(), **what)
+        if self.shadow is not None:
+            for line in lines:
+                self._shadow(line)
+        if self.judgements is not None:
+            await self.judgements.append(lines)
+
+    def _shadow(self, line: dict[str, Any]) -> None:
+        """The shadow policy's verdict beside the live one's, on the line; a disagreement is
+        logged and counted (``tether_policy_shadow_disagreements{action}``). Never enforced."""
+        assert self.shadow is not None
+        allowed, rule, ids = self.shadow.judge(line)
+        agrees = (allowed, rule) == (line["allowed"], line["rule"])
+        line["shadow"] = {"allowed": allowed, "rule": rule, "policies": list(ids), "agrees": agrees}
+        if agrees:
+            return
+        self.shadow_disagreements[line["action"]] += 1
+        log.warning("shadow policy %s disagrees on %s %s of run %s: live %s, shadow %s", self.shadow.path,
+                    line.get("check"), line["action"], line.get("workflow_id"),
+                    "allowed" if line["allowed"] else f"refused ({line['rule']})",
+                    "allowed" if allowed else f"refused ({rule})")
+        try:
+            activity.metric_meter().create_counter(
+                SHADOW_DISAGREEMENTS, "Judgements the shadow policy decides otherwise than the live one", "1"
+            ).add(1, {"action": line["action"]})
+        except RuntimeError:  # outside an activity (tests calling the checks directly)
+            pass
 
     @activity.defn(name="policy_check_handoff")
     async def check_handoff(self, check: HandoffCheck) -> Verdict:

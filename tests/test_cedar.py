@@ -404,3 +404,36 @@ def test_the_policy_bench_prints_both_engines(capsys: pytest.CaptureFixture[str]
     labels = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "decision " not in line[:12]]
     assert labels == ["decision: TOML rules", "decision: Cedar", "decision: the activity's (Cedar + wording)",
                       "pre-write check, 3 steps: TOML rules", "pre-write check, 3 steps: Cedar"], out
+
+
+async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothing(
+    ts_env: Any, billing: Any, tmp_path: Path, audit_dir: Path
+) -> None:
+    """A tighter shadow (refunds up to 20.00) on a live policy (up to 50.00): a 40.00 refund
+    still runs without a person; its auto-approvals' disagreements are logged and counted."""
+    from activities.judgements import JudgementLog, ProposedPolicy
+    from activities.policy import PolicyActivities, PolicyStore
+    from client import run_outcome
+    from tests.conftest import make_request, running_worker, start_run
+
+    live = tmp_path / "policy.toml"
+    live.write_text(RECORDED_POLICY % 5000)
+    shadow = tmp_path / "shadow.toml"
+    shadow.write_text(RECORDED_POLICY % 2000)
+    store = PolicyStore.from_env(str(live))
+    rules = PolicyActivities(store, shadow=ProposedPolicy(shadow))
+    async with running_worker(ts_env.client, policy=store, rules=rules) as worker:
+        forty = await start_run(ts_env.client, worker, make_request([refund_step(4000)], requested_by="alice"))
+        outcome = await run_outcome(forty)
+    assert all(r.to_state.value != "AWAITING_APPROVAL" for r in outcome.timeline)  # enforced nothing
+    logged = [e for e in JudgementLog.from_env(str(audit_dir)).read() if e["workflow_id"] == forty.id]
+    disagreeing = [e for e in logged if not e["shadow"]["agrees"]]
+    assert disagreeing and all(e["action"] == "auto_approve" and e["allowed"] for e in disagreeing)
+    assert all(e["shadow"] == {"allowed": False, "rule": "approval_needed", "policies": [], "agrees": False}
+               for e in disagreeing)
+    assert all(e["shadow"]["agrees"] for e in logged if e["action"] == "execute_write")
+    assert rules.shadow_disagreements == {"auto_approve": len(disagreeing)}
+    # An invalid shadow policy stops the worker at start, naming the line.
+    shadow.write_text("[tenants.default]\nfour_eyes = 3\n")
+    with pytest.raises(ValueError, match="line 2, key tenants.default.four_eyes"):
+        ProposedPolicy(shadow)
