@@ -362,25 +362,17 @@ def judge_person(
     action: str,
     person: str,
     requested_by: str,
-    roles: Collection[str] = (),
-    already_approved: Collection[str] = (),
-    editors: Collection[str] = (),
-    risk: str = "normal",
-    stage: int = 0,
+    **run: Any,
 ) -> Judgement:
     """May ``person`` take ``action`` (approve, approve_steps, reject, revise, hand_off, cancel,
-    compensate) on the run? The same inputs as ``workflows.policy.approver_refusal``."""
-    request = {
-        "principal": _euid("Person", person), "action": _action(action), "resource": _euid("Run", "run"), "context": {},
-    }
+    compensate) on the run? The same inputs as ``workflows.policy.approver_refusal``; ``run``:
+    what :func:`run_entities` takes about the pending request (roles, already_approved, editors,
+    risk, stage)."""
+    request = {"principal": _uid("Person", person), "action": _action(action), "resource": _uid("Run", "run"), "context": {}}
     if tenant is None or policies is None:
         return _denied_tenant(request)
-    entities = run_entities(
-        tenant_name, tenant, person=person, requested_by=requested_by, roles=roles,
-        already_approved=already_approved, editors=editors, risk=risk, stage=stage,
-    )
-    return judge_request(policies, {**request, "principal": _uid("Person", person), "resource": _uid("Run", "run")},
-                         entities, tenant)
+    entities = run_entities(tenant_name, tenant, person=person, requested_by=requested_by, **run)
+    return judge_request(policies, request, entities, tenant)
 
 
 def step_entities(
