@@ -434,21 +434,26 @@ def judge_decision(
         requested_by=check.requested_by, roles=check.roles, already_approved=check.already_approved,
         editors=check.editors, risk=check.risk, stage=check.stage,
     )
-    ids = list(judgement.policies)
-    if judgement.allowed:
-        return None, judgement
-    worded = policy.approver_refusal(
+    worded = None if judgement.allowed else policy.approver_refusal(
         tenant, approver=check.decision.approver, requested_by=check.requested_by, kind=check.kind,
         roles=check.roles, already_approved=check.already_approved, editors=check.editors,
     )
+    return cedar_refusal(judgement, worded, check.decision.approver, check.kind, check.tenant), judgement
+
+
+def cedar_refusal(judgement: cedar.Judgement, worded: Refusal | None, who: str, what: str, tenant: str) -> Refusal | None:
+    """Cedar's verdict as a refusal: in the TOML rule's words when that rule refused it too (the
+    exported rules), else naming the Cedar policies (a tenant's own)."""
+    if judgement.allowed:
+        return None
     if worded is not None and worded.rule == judgement.rule:
-        return worded, judgement
-    who, what = check.decision.approver, check.kind
+        return worded
+    ids = ", ".join(judgement.policies)
     if ids:
-        message = f"{who} may not {what} this run: Cedar policy {', '.join(ids)} forbids it"
+        message = f"{who} may not {what} this run: Cedar policy {ids} forbids it"
     else:
-        message = f"no Cedar policy of tenant {check.tenant} permits {who} to {what} this run"
-    return Refusal(rule=judgement.rule or "not_permitted", message=message), judgement
+        message = f"no Cedar policy of tenant {tenant} permits {who} to {what} this run"
+    return Refusal(rule=judgement.rule or "not_permitted", message=message)
 
 
 def judge_writes(
@@ -618,9 +623,14 @@ class PolicyActivities:
     async def check_handoff(self, check: HandoffCheck) -> Verdict:
         """Screened again when the run takes the handoff: membership and signature, under the
         current file (a handoff that arrived before the run's policy snapshot was not)."""
-        tenant, digest = self._tenant(check.tenant)
+        tenant, policies, digest = self._policies(check.tenant)
         handoff = check.handoff
-        refusal = policy.handoff_member_refusal(tenant, handoff.by)
+        judgement = cedar.judge_person(policies, check.tenant, tenant, action="hand_off", person=handoff.by,
+                                       requested_by=check.requested_by or handoff.by)
+        await self._log([judgement], check.tenant, digest, check="handoff", decision_id=handoff.decision_id or "",
+                        person=handoff.by)
+        refusal = cedar_refusal(judgement, policy.handoff_member_refusal(tenant, handoff.by), handoff.by, "hand off",
+                                check.tenant)
         if tenant is None:
             refusal = Refusal(rule="tenant", message="the run's tenant is not in the policy file")
         if refusal is None:
@@ -636,7 +646,8 @@ class PolicyActivities:
             )
             refusal = signature_refusal(tenant, handoff.by, payload, handoff.signature, what="handoff")
         verified = refusal is None and _has_key(tenant, handoff.by)
-        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified))
+        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified,
+                                             policies=list(judgement.policies)))
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
@@ -657,8 +668,17 @@ class PolicyActivities:
 
         if check.undo is not None:
             # A compensation: its own re-check (the plan hash that covered it, the undo tool).
-            refusal = policy.undo_refusal(tenant, undo=check.undo, compensator=check.compensator, call=check.call)
-            return self._attested(check, Verdict(refusal=refusal, policy_hash=digest))
+            refusal = policy.undo_refusal(tenant, undo=check.undo, call=check.call)
+            ids: list[str] = []
+            if refusal is None and check.compensator:
+                # The person who asked for a compensation run: Cedar's `compensate`.
+                judgement = cedar.judge_person(policies, check.tenant, tenant, action="compensate",
+                                               person=check.compensator, requested_by=check.requested_by or check.compensator)
+                await self._log([judgement], check.tenant, digest, check="compensate", person=check.compensator)
+                refusal = cedar_refusal(judgement, policy.compensator_refusal(tenant, check.compensator),
+                                        check.compensator, "compensate", check.tenant)
+                ids = list(judgement.policies)
+            return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, policies=ids))
         refusal = policy.authority_refusal(
             tenant,
             approvals=check.approvals,

@@ -437,3 +437,20 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
     shadow.write_text("[tenants.default]\nfour_eyes = 3\n")
     with pytest.raises(ValueError, match="line 2, key tenants.default.four_eyes"):
         ProposedPolicy(shadow)
+
+
+async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, billing: Any, tmp_path: Path) -> None:
+    from activities.policy import PolicyStore
+    from client import run_outcome
+    from tests.conftest import make_request, running_worker, start_run, wait_for_state
+    from workflows.contract import HandoffRequest
+
+    live = tmp_path / "policy.toml"
+    live.write_text(RECORDED_POLICY % 5000)
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(live))) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund_step(6000)], requested_by="alice"))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("handoff", HandoffRequest(by="bob", reason="a person takes it", decision_id="h-1"))
+        outcome = await run_outcome(handle)
+    handed = next(r for r in outcome.timeline if r.to_state.value == "HANDED_OFF")
+    assert (handed.refs.decision_id, handed.refs.policies) == ("h-1", ["default.decide"])

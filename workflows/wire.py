@@ -254,6 +254,7 @@ class HandoffCheck(BaseModel):
     workflow_id: str
     first_run_id: str
     handoff: HandoffRequest
+    requested_by: str = ""  # the run's requester (Cedar's Run.requester)
 
 
 class AuthorityCheck(BaseModel):
