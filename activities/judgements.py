@@ -98,6 +98,8 @@ def entries(judgements: Iterable[Any], **common: Any) -> list[dict[str, Any]]:
     """Log lines for Cedar judgements (activities.cedar.Judgement), numbered within their activity."""
     return [
         {
+            # Who decided, for a person's action (a pre-write check judges approvals again too).
+            "person": _person_of(j.request),
             **common,
             "index": i,
             "action": cedar.action_name(j.request),
@@ -109,6 +111,11 @@ def entries(judgements: Iterable[Any], **common: Any) -> list[dict[str, Any]]:
         }
         for i, j in enumerate(judgements)
     ]
+
+
+def _person_of(request: dict[str, Any]) -> str:
+    principal = request.get("principal")
+    return principal.get("id", "") if isinstance(principal, dict) and principal.get("type") == f"{cedar.NS}::Person" else ""
 
 
 # ----------------------------------------------------------------------------- what-if

@@ -17,7 +17,7 @@ import os
 import re
 import tomllib
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -456,6 +456,25 @@ def cedar_refusal(judgement: cedar.Judgement, worded: Refusal | None, who: str, 
     return Refusal(rule=judgement.rule or "not_permitted", message=message)
 
 
+def cedar_approver_problem(
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, tenant_name: str, requested_by: str,
+    judged: list[cedar.Judgement],
+) -> Callable[[str, list[str], list[str], str], Refusal | None]:
+    """How the pre-write check judges each approval in force again (``authority_refusal``'s
+    ``approver_problem``): by Cedar, as a decision is judged when it arrives; each judgement is
+    appended to ``judged``."""
+
+    def approver_problem(approver: str, roles: list[str], already: list[str], risk: str) -> Refusal | None:
+        judgement = cedar.judge_person(policies, tenant_name, tenant, action="approve", person=approver,
+                                       requested_by=requested_by, roles=roles, already_approved=already, risk=risk)
+        judged.append(judgement)
+        worded = None if judgement.allowed else policy.approver_refusal(
+            tenant, approver=approver, requested_by=requested_by, kind="approve", roles=roles, already_approved=already)
+        return cedar_refusal(judgement, worded, approver, "approve", tenant_name)
+
+    return approver_problem
+
+
 def judge_writes(
     tenant: TenantPolicy | None, policies: cedar.Policies | None, check: AuthorityCheck, tenant_name: str
 ) -> tuple[Refusal | None, list[cedar.Judgement]]:
@@ -679,6 +698,8 @@ class PolicyActivities:
                                         check.compensator, "compensate", check.tenant)
                 ids = list(judgement.policies)
             return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, policies=ids))
+        approvals_judged: list[cedar.Judgement] = []
+        approver_problem = cedar_approver_problem(tenant, policies, check.tenant, check.requested_by, approvals_judged)
         refusal = policy.authority_refusal(
             tenant,
             approvals=check.approvals,
@@ -692,12 +713,14 @@ class PolicyActivities:
             escalated_roles=check.escalated_roles,
             requested_by=check.requested_by,
             signature_problem=signature_problem,
+            approver_problem=approver_problem,
         )
         written, judged = judge_writes(tenant, policies, check, check.tenant)
+        judged = approvals_judged + judged
         refusal = refusal or written
         await self._log(judged, check.tenant, digest, check="write", plan_hash=check.plan_hash,
                         tool_call_id=check.call.tool_call_id if check.call else "")
-        deciding = sorted({p for j in judged for p in j.policies if not written or not j.allowed})
+        deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
         verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)
         if refusal is not None:
             # A new request asks for what the current file asks, and for someone who can give it.

@@ -11,6 +11,7 @@ import itertools
 import json
 import random
 from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,10 @@ import cedarpy
 import pytest
 
 from activities import cedar
-from activities.policy import judge_writes, parse_policy
+from activities.policy import cedar_approver_problem, judge_writes, parse_policy
 from tests.conftest import ROOT
 from workflows import policy
-from workflows.contract import Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
+from workflows.contract import AcceptedApproval, Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.wire import AuthorityCheck
 from workflows.policy_file import AmountRule, Approver, AutoApprove, HighRisk, TenantPolicy
 
@@ -30,6 +31,7 @@ STRANGERS = ["mallory", "a1ice", "b0b", "rnallory", "zed"]  # a1ice looks like a
 ROLES = ["approver", "finance", "support", "manager"]
 AMOUNTS = [0, 1, 1999, 2000, 2001, 4999, 5000, 5000.5, 5001, 20000, 49999.75, 50000, 50001, 120000]
 SEED = 32
+AT = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def example_tenants() -> list[tuple[str, str, TenantPolicy]]:
@@ -162,7 +164,16 @@ def compare_decisions(
         refusal, judged = judge_writes(tenant, policies, check, name)
         assert toml_verdict(refusal) == expected, (name, steps, spent, catalog)
         seen[f"pre-write {expected[1] or 'allowed'}"] += 1
-        compared += 12 + len(steps)
+        # An approved plan's check: each approval in force judged again, by Cedar and by the TOML.
+        approved = [AcceptedApproval(approver=who, decision_id=f"d{k}", at=AT) for k, who in enumerate(approved)]
+        terms = dict(approvals=[a.approver for a in approved], tools=write_tools, roles=roles, approvals_required=1,
+                     steps=steps, catalog=catalog, spent=spent, approved=approved, requested_by=requester)
+        expected = toml_verdict(policy.authority_refusal(tenant, **terms))
+        problem = cedar_approver_problem(tenant, policies, name, requester, [])
+        assert toml_verdict(policy.authority_refusal(tenant, **terms, approver_problem=problem)) == expected, (
+            name, approved, requester, steps)
+        seen[f"approvals {expected[1] or 'hold'}"] += 1
+        compared += 13 + len(steps)
     return compared
 
 
@@ -180,7 +191,8 @@ def test_cedar_decides_as_the_toml_rules() -> None:
     # Every verdict the rules can give came up, each many times: the sample reaches them all.
     rules = ["allowed", "four_eyes", "editor_approval", "tenant_membership", "role", "distinct_approvers",
              "tool_withdrawn", "write allowed", "plan none", "plan normal", "plan high",
-             "pre-write allowed", "pre-write approval_needed", "pre-write tool_withdrawn"]
+             "pre-write allowed", "pre-write approval_needed", "pre-write tool_withdrawn",
+             "approvals hold", "approvals approver_revoked"]
     assert all(seen[r] >= 50 for r in rules), seen
 
 
@@ -376,9 +388,12 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
                         + '\n@id("default.not_bob")\nforbid (principal == Tether::Person::"bob", '
                         'action in Tether::Action::"approve", resource);\n')
     code, changed = await what_if(proposal)
-    assert code == 1 and len(changed) == 1 and changed[0].startswith(f"{sixty.id} "), changed
-    assert "decision approve by bob: allowed -> refused (default.not_bob) by default.not_bob" in changed[0]
-    assert "the run would have needed another approver" in changed[0]
+    # bob's approval: the decision, and its judgement again before each write (plan, attempt).
+    bobs = [e for e in logged if (e["workflow_id"], e["action"], e.get("person", "bob")) == (sixty.id, "approve", "bob")]
+    assert code == 1 and len(changed) == len(bobs) >= 2 and all(c.startswith(f"{sixty.id} ") for c in changed), changed
+    assert [c.split(" ", 3)[2] for c in changed] == [e["check"] for e in bobs] and bobs[0]["check"] == "decision"
+    assert all("approve by bob: allowed -> refused (default.not_bob) by default.not_bob" in c
+               and "the run would have needed another approver" in c for c in changed), changed
     # An invalid proposal: exit 2, naming the line.
     proposal.write_text('@id("x")\npermit (principal, action in Tether::Action::"launch", resource);\n')
     capsys.readouterr()
