@@ -621,7 +621,12 @@ class PolicyActivities:
         """The shadow policy's verdict beside the live one's, on the line; a disagreement is
         logged and counted (``tether_policy_shadow_disagreements{action}``). Never enforced."""
         assert self.shadow is not None
-        allowed, rule, ids = self.shadow.judge(line)
+        try:
+            allowed, rule, ids = self.shadow.judge(line)
+        except Exception as e:  # a shadow's failure never touches the live decision
+            log.warning("shadow policy %s could not judge %s of run %s: %s", self.shadow.path, line["action"],
+                        line.get("workflow_id"), e)
+            return
         agrees = (allowed, rule) == (line["allowed"], line["rule"])
         line["shadow"] = {"allowed": allowed, "rule": rule, "policies": list(ids), "agrees": agrees}
         if agrees:
