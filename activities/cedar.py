@@ -223,7 +223,12 @@ def export_document(document: PolicyDocument) -> str:
         "// Exported by `tether policy export` from the policy file's authorization rules.\n"
         "// The schema: activities/tether.cedarschema (docs/policy.md, \"Cedar\").\n"
     )
-    return header + "\n".join(f"\n{export_tenant(name, t)}" for name, t in document.tenants.items())
+    parts = []
+    for name, t in document.tenants.items():
+        note = (f"// tenant {name} is decided by its own files ({', '.join(t.cedar)}): these, its TOML rules, are not in force\n"
+                if t.cedar else "")
+        parts.append(f"\n{note}{export_tenant(name, t)}")
+    return header + "\n".join(parts)
 
 
 # ----------------------------------------------------------------------------- policy sets
