@@ -11,7 +11,7 @@ import itertools
 import json
 import random
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -469,3 +469,33 @@ async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, bil
         outcome = await run_outcome(handle)
     handed = next(r for r in outcome.timeline if r.to_state.value == "HANDED_OFF")
     assert (handed.refs.decision_id, handed.refs.policies) == ("h-1", ["default.decide"])
+
+
+def test_what_if_reads_the_log_since_and_for_a_tenant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--since and --tenant choose the judgements; a retried activity's lines count once; none
+    logged is no change (exit 0), saying where it looked."""
+    import starter
+    from activities.judgements import JudgementLog, entries
+
+    tenant = parse_policy(RECORDED_POLICY % 5000).tenants["default"]
+    policies = cedar.policies_for("default", tenant)
+    judged = [cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice",
+                                 roles=["approver"])]
+    log = JudgementLog(tmp_path)
+    old = datetime.now(timezone.utc) - timedelta(days=10)
+    for at, name, run in [(old, "default", "old"), (datetime.now(timezone.utc), "default", "new"),
+                          (datetime.now(timezone.utc), "acme", "other"), (datetime.now(timezone.utc), "default", "new")]:
+        log.write(entries(judged, at=at.isoformat(), tenant=name, workflow_id=run, run_id="r", activity_id="1",
+                          check="decision"))
+    assert sorted(e["workflow_id"] for e in log.read()) == ["new", "old", "other"]  # "new" written twice: once
+    assert {e["workflow_id"] for e in log.read(since=datetime.now(timezone.utc) - timedelta(days=7))} == {"new", "other"}
+    proposal = tmp_path / "proposal.cedar"
+    proposal.write_text('@id("nobody")\nforbid (principal, action, resource);\n')
+    assert starter.main(["policy", "what-if", str(proposal), "--since", "7d", "--tenant", "default",
+                         "--audit-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("1 of 1 judgement(s) of 1 run(s) change under"), out
+    assert "new " in out and "decision approve by bob: allowed -> refused (nobody) by nobody" in out
+    assert starter.main(["policy", "what-if", str(proposal), "--audit-dir", str(tmp_path / "empty")]) == 0
+    assert "0 of 0 judgement(s) of 0 run(s) change" in capsys.readouterr().out
+    assert starter.main(["policy", "what-if", str(proposal), "--since", "soon", "--audit-dir", str(tmp_path)]) == 2
