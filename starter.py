@@ -720,15 +720,15 @@ async def cmd_policy(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
         return OK
     if args.action == "explain":
-        from activities.judgements import JudgementLog
+        from activities.judgements import log_from_env
 
-        log = JudgementLog.from_env(args.audit_dir)
+        log = log_from_env(args.audit_dir)
         found = log.read(workflow_id=args.target)
         if not found:
             raise TetherError(
-                f"no judgement of run {args.target} in {log.path}: the run made no decision or write yet, or its "
-                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR)", USAGE)
-        print(f"run {show(args.target)}: {len(found)} Cedar judgement(s), from {show(str(log.path))}")
+                f"no judgement of run {args.target} in {log.describe()}: the run made no decision or write yet, or its "
+                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN)", USAGE)
+        print(f"run {show(args.target)}: {len(found)} Cedar judgement(s), from {show(log.describe())}")
         for entry in found:
             print("\n".join(format_judgement(entry)))
         return OK
@@ -742,7 +742,7 @@ def what_if(args: argparse.Namespace) -> int:
     exit 0 when none changes, 1 when some do (each printed), 2 when NEW_POLICY is invalid."""
     from datetime import datetime, timedelta, timezone
 
-    from activities.judgements import JudgementLog, ProposedPolicy, what_if as judge_again
+    from activities.judgements import ProposedPolicy, log_from_env, what_if as judge_again
     from workflows.policy_file import parse_duration
 
     since = None
@@ -758,7 +758,7 @@ def what_if(args: argparse.Namespace) -> int:
             print(show(problem), file=sys.stderr)
         print("the proposed policy is invalid: fix it, then run what-if again", file=sys.stderr)
         return USAGE
-    log = JudgementLog.from_env(args.audit_dir)
+    log = log_from_env(args.audit_dir)
     recorded = log.read(since=since, tenant=args.tenant)
     changes = judge_again(recorded, proposed)
     runs = {e.get("workflow_id") for e in recorded}
@@ -773,7 +773,7 @@ def what_if(args: argparse.Namespace) -> int:
         print(show(f"{e.get('workflow_id')} {e.get('at', '')[:19]} {e.get('check')} {e.get('action')}{who}{what}: "
                    f"{was} -> {now} by {by}: {change.meaning}", 600))
     print(f"{len(changes)} of {len(recorded)} judgement(s) of {len(runs)} run(s) change under {show(args.target)}"
-          + ("" if recorded else f" (none logged in {show(str(log.path))}{' since ' + args.since if args.since else ''})"))
+          + ("" if recorded else f" (none logged in {show(log.describe())}{' since ' + args.since if args.since else ''})"))
     return REFUSED if changes else OK
 
 

@@ -33,7 +33,7 @@ from activities.codec import EncryptionCodec
 from activities.keys import KeyRing, KeyRingError, KeyRingInterceptor
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
-from activities.judgements import JudgementLog, ProposedPolicy
+from activities.judgements import ProposedPolicy, log_from_env
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
 from activities.setup import SetupActivities
@@ -78,8 +78,8 @@ def create_worker(
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
     if rules.keys is None:
         rules.keys = keys
-    if rules.judgements is None:  # each Cedar judgement, beside the audit sink (TETHER_AUDIT_DIR)
-        rules.judgements = JudgementLog.from_env()
+    if rules.judgements is None:  # each Cedar judgement, where the audit sink is (TETHER_AUDIT_DSN or _DIR)
+        rules.judgements = log_from_env()
     notify = NotifyActivities(rules.store)
     # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR).
     audit = audit or AuditActivities()

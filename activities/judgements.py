@@ -1,8 +1,8 @@
 """The judgement log: every Cedar judgement the policy activities made (a person's decision, a
 write's pre-check), with the entities and request it was judged on and the policies that decided.
 
-JSON lines, ``judgements.jsonl`` beside the audit sink's folders (``TETHER_AUDIT_DIR``, default
-``.tether/audit``). Records on the run's timeline name the deciding policy ids (audit by
+Where the audit sink is: JSON lines, ``judgements.jsonl`` beside its folders (``TETHER_AUDIT_DIR``,
+default ``.tether/audit``), or PostgreSQL (``TETHER_AUDIT_DSN``: table ``tether_judgements``). Records on the run's timeline name the deciding policy ids (audit by
 reference); this log holds what they were judged on, for ``tether policy explain RUN`` and for
 ``tether policy what-if NEW_POLICY``, which judges each one again under a proposed policy. A
 retried activity writes its lines again: readers keep the last line of each judgement's key.
@@ -16,17 +16,18 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from activities import cedar
-from activities.audit import DEFAULT_AUDIT_DIR
+from activities.audit import DEFAULT_AUDIT_DIR, redact_dsn
 
 FILE = "judgements.jsonl"
-log = logging.getLogger("tether.judgements")
+logger = logging.getLogger("tether.judgements")
 
 
 def key(entry: dict[str, Any]) -> tuple[str, ...]:
@@ -34,18 +35,52 @@ def key(entry: dict[str, Any]) -> tuple[str, ...]:
     return (entry.get("workflow_id", ""), entry.get("run_id", ""), entry.get("activity_id", ""), str(entry.get("index", 0)))
 
 
+class JudgementLog(Protocol):
+    """Where judgements are logged: JSON lines beside the audit sink's folders, or PostgreSQL."""
+
+    failures: int
+
+    def describe(self) -> str: ...
+
+    def write(self, entries: list[dict[str, Any]]) -> None: ...
+
+    def read(self, *, since: datetime | None = None, tenant: str | None = None,
+             workflow_id: str | None = None) -> list[dict[str, Any]]: ...
+
+
+def log_from_env(audit_dir: str | None = None, dsn: str | None = None) -> JudgementLog:
+    """The audit sink's choice: PostgreSQL with ``TETHER_AUDIT_DSN`` (table ``tether_judgements``),
+    else JSON lines under ``TETHER_AUDIT_DIR``. An explicit ``audit_dir`` picks JSON lines."""
+    dsn = dsn or (None if audit_dir else os.environ.get("TETHER_AUDIT_DSN"))
+    if dsn:
+        return PostgresJudgementLog(dsn)
+    return JsonlJudgementLog(Path(audit_dir or os.environ.get("TETHER_AUDIT_DIR") or DEFAULT_AUDIT_DIR))
+
+
+async def append(log: JudgementLog, entries: list[dict[str, Any]]) -> None:
+    """Write in a thread (the worker's event loop never waits for the disk or the database); a
+    failure is logged and counted, never raised: the decision stands without its log line."""
+    if not entries:
+        return
+    try:
+        await asyncio.to_thread(log.write, entries)
+    except Exception as e:
+        log.failures += 1
+        logger.warning("judgement log %s not written (%s): explain and what-if miss %d judgement(s)",
+                       log.describe(), " ".join(str(e).split())[:300], len(entries))
+
+
 @dataclass
-class JudgementLog:
+class JsonlJudgementLog:
     root: Path
     failures: int = 0
-
-    @classmethod
-    def from_env(cls, audit_dir: str | None = None) -> JudgementLog:
-        return cls(Path(audit_dir or os.environ.get("TETHER_AUDIT_DIR") or DEFAULT_AUDIT_DIR))
 
     @property
     def path(self) -> Path:
         return self.root / FILE
+
+    def describe(self) -> str:
+        return str(self.path)
 
     def write(self, entries: list[dict[str, Any]]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -54,16 +89,6 @@ class JudgementLog:
             fcntl.flock(f, fcntl.LOCK_EX)  # whole lines, across worker processes
             f.write(body)
             f.flush()
-
-    async def append(self, entries: list[dict[str, Any]]) -> None:
-        if not entries:
-            return
-        try:
-            await asyncio.to_thread(self.write, entries)
-        except OSError as e:
-            self.failures += 1
-            log.warning("judgement log %s not written (%s): explain and what-if miss %d judgement(s)",
-                        self.path, e.strerror, len(entries))
 
     def read(self, *, since: datetime | None = None, tenant: str | None = None,
              workflow_id: str | None = None) -> list[dict[str, Any]]:
@@ -79,6 +104,82 @@ class JudgementLog:
                     continue  # a line torn by a worker killed mid-write
                 latest[key(entry)] = entry
         return [e for e in sorted(latest.values(), key=lambda e: (e.get("at", ""), key(e))) if _matches(e, since, tenant, workflow_id)]
+
+
+PG_TABLE = "tether_judgements"
+PG_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {PG_TABLE} (
+    workflow_id text NOT NULL,
+    run_id text NOT NULL,
+    activity_id text NOT NULL,
+    idx integer NOT NULL,
+    tenant text NOT NULL,
+    at timestamptz NOT NULL,
+    line jsonb NOT NULL,
+    PRIMARY KEY (workflow_id, run_id, activity_id, idx)
+);
+CREATE INDEX IF NOT EXISTS {PG_TABLE}_at ON {PG_TABLE} (at);
+"""
+
+
+@dataclass
+class PostgresJudgementLog:
+    """The fleet's judgement log, beside the PostgreSQL audit sink: one row per judgement (a
+    retried activity's row is replaced by its last attempt's)."""
+
+    dsn: str
+    failures: int = 0
+    _conn: Any = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def describe(self) -> str:
+        return f"PostgreSQL {redact_dsn(self.dsn)} (table {PG_TABLE})"
+
+    def _run(self, work: Any) -> Any:
+        import psycopg
+
+        with self._lock:  # one connection per process; its statements one at a time
+            try:
+                if self._conn is None or self._conn.closed:
+                    conn = psycopg.connect(self.dsn, connect_timeout=5)
+                    with conn.transaction():
+                        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (PG_TABLE,))
+                        conn.execute(PG_SCHEMA)
+                    self._conn = conn
+                return work(self._conn)
+            except Exception:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                raise
+
+    def write(self, entries: list[dict[str, Any]]) -> None:
+        def insert(conn: Any) -> None:
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(
+                    f"INSERT INTO {PG_TABLE} (workflow_id, run_id, activity_id, idx, tenant, at, line) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (workflow_id, run_id, activity_id, idx) "
+                    "DO UPDATE SET tenant = EXCLUDED.tenant, at = EXCLUDED.at, line = EXCLUDED.line",
+                    [(e.get("workflow_id", ""), e.get("run_id", ""), e.get("activity_id", ""), e.get("index", 0),
+                      e.get("tenant", ""), e.get("at"), json.dumps(e, ensure_ascii=False)) for e in entries],
+                )
+
+        self._run(insert)
+
+    def read(self, *, since: datetime | None = None, tenant: str | None = None,
+             workflow_id: str | None = None) -> list[dict[str, Any]]:
+        def select(conn: Any) -> list[dict[str, Any]]:
+            cur = conn.execute(
+                f"SELECT line::text FROM {PG_TABLE} WHERE (%s::timestamptz IS NULL OR at >= %s) "
+                "AND (%s::text IS NULL OR tenant = %s) AND (%s::text IS NULL OR workflow_id = %s) "
+                "ORDER BY at, workflow_id, run_id, activity_id, idx",
+                (since, since, tenant, tenant, workflow_id, workflow_id),
+            )
+            rows = [json.loads(line) for (line,) in cur.fetchall()]
+            conn.rollback()
+            return rows
+
+        return self._run(select)
 
 
 def _matches(entry: dict[str, Any], since: datetime | None, tenant: str | None, workflow_id: str | None) -> bool:

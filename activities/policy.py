@@ -615,7 +615,7 @@ class PolicyActivities:
             for line in lines:
                 self._shadow(line)
         if self.judgements is not None:
-            await self.judgements.append(lines)
+            await judgements.append(self.judgements, lines)
 
     def _shadow(self, line: dict[str, Any]) -> None:
         """The shadow policy's verdict beside the live one's, on the line; a disagreement is

@@ -326,7 +326,7 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own
         return asyncio.to_thread(starter.main, argv)
 
-    from activities.judgements import JudgementLog
+    from activities.judgements import log_from_env
     from activities.policy import PolicyStore
     from client import run_outcome
     from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
@@ -349,7 +349,7 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     assert "[policies: default.decide]" in starter.format_status(status)
     assert "policies=default.decide" in starter.format_timeline(timeline)
     ours = {forty.id, ten.id, sixty.id}
-    logged = [e for e in JudgementLog.from_env(str(audit_dir)).read() if e["workflow_id"] in ours]
+    logged = [e for e in log_from_env(str(audit_dir)).read() if e["workflow_id"] in ours]
     assert {(e["workflow_id"], e["action"]) for e in logged} >= {
         (forty.id, "auto_approve"), (forty.id, "execute_write"), (ten.id, "auto_approve"),
         (sixty.id, "approve"), (sixty.id, "execute_write"),
@@ -426,7 +426,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
 ) -> None:
     """A tighter shadow (refunds up to 20.00) on a live policy (up to 50.00): a 40.00 refund
     still runs without a person; its auto-approvals' disagreements are logged and counted."""
-    from activities.judgements import JudgementLog, ProposedPolicy
+    from activities.judgements import ProposedPolicy, log_from_env
     from activities.policy import PolicyActivities, PolicyStore
     from client import run_outcome
     from tests.conftest import make_request, running_worker, start_run
@@ -441,7 +441,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
         forty = await start_run(ts_env.client, worker, make_request([refund_step(4000)], requested_by="alice"))
         outcome = await run_outcome(forty)
     assert all(r.to_state.value != "AWAITING_APPROVAL" for r in outcome.timeline)  # enforced nothing
-    logged = [e for e in JudgementLog.from_env(str(audit_dir)).read() if e["workflow_id"] == forty.id]
+    logged = [e for e in log_from_env(str(audit_dir)).read() if e["workflow_id"] == forty.id]
     disagreeing = [e for e in logged if not e["shadow"]["agrees"]]
     assert disagreeing and all(e["action"] == "auto_approve" and e["allowed"] for e in disagreeing)
     assert all(e["shadow"] == {"allowed": False, "rule": "approval_needed", "policies": [], "agrees": False}
@@ -475,13 +475,13 @@ def test_what_if_reads_the_log_since_and_for_a_tenant(tmp_path: Path, capsys: py
     """--since and --tenant choose the judgements; a retried activity's lines count once; none
     logged is no change (exit 0), saying where it looked."""
     import starter
-    from activities.judgements import JudgementLog, entries
+    from activities.judgements import JsonlJudgementLog, entries
 
     tenant = parse_policy(RECORDED_POLICY % 5000).tenants["default"]
     policies = cedar.policies_for("default", tenant)
     judged = [cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice",
                                  roles=["approver"])]
-    log = JudgementLog(tmp_path)
+    log = JsonlJudgementLog(tmp_path)
     old = datetime.now(timezone.utc) - timedelta(days=10)
     for at, name, run in [(old, "default", "old"), (datetime.now(timezone.utc), "default", "new"),
                           (datetime.now(timezone.utc), "acme", "other"), (datetime.now(timezone.utc), "default", "new")]:
@@ -499,3 +499,36 @@ def test_what_if_reads_the_log_since_and_for_a_tenant(tmp_path: Path, capsys: py
     assert starter.main(["policy", "what-if", str(proposal), "--audit-dir", str(tmp_path / "empty")]) == 0
     assert "0 of 0 judgement(s) of 0 run(s) change" in capsys.readouterr().out
     assert starter.main(["policy", "what-if", str(proposal), "--since", "soon", "--audit-dir", str(tmp_path)]) == 2
+
+
+def test_the_judgement_log_in_postgres_is_read_like_the_json_lines(
+    postgres: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With TETHER_AUDIT_DSN the judgements go where the records go (table tether_judgements):
+    a retried activity's row is its last attempt's; explain and what-if read it."""
+    import starter
+    from activities.judgements import PostgresJudgementLog, entries, log_from_env
+
+    monkeypatch.setenv("TETHER_AUDIT_DSN", postgres)
+    log = log_from_env()
+    assert isinstance(log, PostgresJudgementLog) and "tether_judgements" in log.describe()
+    tenant = parse_policy(RECORDED_POLICY % 5000).tenants["default"]
+    policies = cedar.policies_for("default", tenant)
+    judged = [cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice",
+                                 roles=["approver"])]
+    run = f"pg-{tmp_path.name}"
+    now = datetime.now(timezone.utc)
+    for at, name, ident in [(now - timedelta(days=10), "default", f"{run}-old"), (now, "default", run),
+                            (now, "default", run), (now, "acme", f"{run}-acme")]:
+        log.write(entries(judged, at=at.isoformat(), tenant=name, workflow_id=ident, run_id="r", activity_id="1",
+                          check="decision"))
+    mine = [e for e in log.read() if e["workflow_id"].startswith(run)]
+    assert sorted(e["workflow_id"] for e in mine) == sorted([run, f"{run}-old", f"{run}-acme"])
+    assert [e["workflow_id"] for e in log.read(since=now - timedelta(days=7), tenant="default") if e["workflow_id"].startswith(run)] == [run]
+    assert starter.main(["policy", "explain", run]) == 0
+    assert "decision approve by bob: allowed by default.decide" in capsys.readouterr().out
+    proposal = tmp_path / "proposal.cedar"
+    proposal.write_text('@id("nobody")\nforbid (principal, action, resource);\n')
+    assert starter.main(["policy", "what-if", str(proposal), "--since", "7d", "--tenant", "acme"]) == 1
+    out = capsys.readouterr().out
+    assert f"{run}-acme " in out and f"{run} " not in out.replace(f"{run}-acme ", "")
