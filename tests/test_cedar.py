@@ -327,13 +327,16 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
         return asyncio.to_thread(starter.main, argv)
 
     from activities.judgements import log_from_env
-    from activities.policy import PolicyStore
+    from activities.policy import PolicyActivities, PolicyStore
     from client import run_outcome
     from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
 
     live = tmp_path / "policy.toml"
     live.write_text(RECORDED_POLICY % 5000)  # refunds up to 50.00 need nobody
-    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(live))) as worker:
+    store = PolicyStore.from_env(str(live))
+    judged_dir = tmp_path / "judged"  # this test's judgements only (the session's sink has others')
+    rules = PolicyActivities(store, judgement_log=log_from_env(str(judged_dir)))
+    async with running_worker(ts_env.client, policy=store, rules=rules) as worker:
         forty = await start_run(ts_env.client, worker, make_request([refund_step(4000)], requested_by="alice"))
         ten = await start_run(ts_env.client, worker, make_request([refund_step(1000)], requested_by="alice"))
         sixty = await start_run(ts_env.client, worker, make_request([refund_step(6000)], requested_by="alice"))
@@ -349,7 +352,8 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     assert "[policies: default.decide]" in starter.format_status(status)
     assert "policies=default.decide" in starter.format_timeline(timeline)
     ours = {forty.id, ten.id, sixty.id}
-    logged = [e for e in log_from_env(str(audit_dir)).read() if e["workflow_id"] in ours]
+    logged = log_from_env(str(judged_dir)).read()
+    assert {e["workflow_id"] for e in logged} == ours
     assert {(e["workflow_id"], e["action"]) for e in logged} >= {
         (forty.id, "auto_approve"), (forty.id, "execute_write"), (ten.id, "auto_approve"),
         (sixty.id, "approve"), (sixty.id, "execute_write"),
@@ -357,7 +361,7 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     assert all(e["allowed"] for e in logged)
     # explain: the policies that decided each judgement, and the entity data.
     capsys.readouterr()
-    assert await cli(["policy", "explain", sixty.id, "--audit-dir", str(audit_dir)]) == 0
+    assert await cli(["policy", "explain", sixty.id, "--audit-dir", str(judged_dir)]) == 0
     out = capsys.readouterr().out
     assert "decision approve by bob: allowed by default.decide" in out
     assert 'Tether::Person::"bob" skeleton=bob; in Tenant:default, Role:approver' in out
@@ -367,9 +371,10 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
 
     async def what_if(policy: Path) -> tuple[int, list[str]]:
         capsys.readouterr()
-        code = await cli(["policy", "what-if", str(policy), "--audit-dir", str(audit_dir)])
+        code = await cli(["policy", "what-if", str(policy), "--audit-dir", str(judged_dir)])
         lines = capsys.readouterr().out.splitlines()
-        return code, [line for line in lines if line.split(" ", 1)[0] in ours]
+        assert lines[-1].endswith(f"judgement(s) of 3 run(s) change under {policy}"), lines
+        return code, lines[:-1]
 
     # The limit lowered to 20.00: the 40.00 refund's auto-approvals would need a person; nothing else.
     tighter = tmp_path / "tighter.toml"
@@ -397,7 +402,7 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     # An invalid proposal: exit 2, naming the line.
     proposal.write_text('@id("x")\npermit (principal, action in Tether::Action::"launch", resource);\n')
     capsys.readouterr()
-    assert await cli(["policy", "what-if", str(proposal), "--audit-dir", str(audit_dir)]) == 2
+    assert await cli(["policy", "what-if", str(proposal), "--audit-dir", str(judged_dir)]) == 2
     assert "line 1, policy x: unrecognized action" in capsys.readouterr().err
 
 

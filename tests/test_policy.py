@@ -231,6 +231,7 @@ async def test_tool_withdrawn_after_approval_sends_the_run_back_to_approval(
             raise AssertionError("the run did not go back to AWAITING_APPROVAL")
         back = next(r for r in timeline if r.from_state == S.APPROVED)
         assert "tool_withdrawn" in back.reason
+        assert back.refs.policies == ["default.tools"]  # the Cedar policy that stopped the write
         assert billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}") == []
         current = await snapshot(handle)
         assert current.state == S.AWAITING_APPROVAL and current.pending_approval.approvals == []

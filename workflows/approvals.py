@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from workflows import policy
@@ -119,28 +119,10 @@ class Approvals(RunModel):
         verified: bool = False,
         *,
         new_id: Callable[[int], str] | None = None,
-        policies: Sequence[str] = (),
     ) -> None:
         """Apply a decision the policy activity has judged (``verdict`` None: the approver may).
 
-        ``new_id``: tool call ids for a revised plan (a revision, a partial approval);
-        ``policies``: the Cedar policies that decided it, named on its record."""
-        self.deciding_policies = list(policies) or None
-        try:
-            self._settle_decision(kind, decision, verdict, at, verified, new_id=new_id)
-        finally:
-            self.deciding_policies = None
-
-    def _settle_decision(
-        self,
-        kind: DecisionKind,
-        decision: Decision,
-        verdict: Refusal | None,
-        at: datetime,
-        verified: bool,
-        *,
-        new_id: Callable[[int], str] | None,
-    ) -> None:
+        ``new_id``: tool call ids for a revised plan (a revision, a partial approval)."""
         data = self.data
         plain = _plain(decision)
         # The run may have moved on (expiry, handoff) while the policy was consulted.
@@ -160,8 +142,8 @@ class Approvals(RunModel):
                 proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
             self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
             return
-        refs = Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id, request_id=pending.request_id or None,
-                    policies=self.deciding_policies)
+        refs = self._decided(Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id,
+                                  request_id=pending.request_id or None))
         if kind == "reject":
             data.pending_approval = None
             self.move(S.REJECTED, at=at, actor=actor, reason=plain.reason or "rejected", refs=refs)
@@ -235,7 +217,6 @@ class Approvals(RunModel):
                 request_id=pending.request_id or None,
                 previous_plan_hash=old.plan_hash,
                 changed=changed,
-                policies=self.deciding_policies,
             ),
         )
         return True
@@ -303,8 +284,8 @@ class Approvals(RunModel):
             already_approved=[],
             editors=pending.editors,
         )
-        refs = Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id, request_id=pending.request_id or None,
-                    policies=self.deciding_policies)
+        refs = self._decided(Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id,
+                                  request_id=pending.request_id or None))
         if refusal is not None:
             self._refuse_decision("approve", decision.model_copy(update={"plan_hash": pending.plan_hash}), refusal, at)
             return
@@ -378,8 +359,8 @@ class Approvals(RunModel):
             actor=f"user:{decision.approver}",
             reason=f"{kind} refused: {refusal.message}",
             rule=refusal.rule,
-            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id,
-                      policies=self.deciding_policies),
+            refs=self._decided(Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id,
+                                    request_id=decision.request_id)),
         )
         if record is None:  # counted in a flood, not recorded: its sender still gets the rule
             self.unrecorded_refusals[decision.decision_id] = refusal
@@ -574,9 +555,8 @@ class Inbox(RunModel):
             self.inbox.pop(0)
             ids = self.ids(f"decision:{decision.decision_id}")
             self.decide(
-                lambda now: self.settle_decision(
-                    kind, decision, verdict.refusal, now, verdict.verified, new_id=ids, policies=verdict.policies
-                )
+                lambda now: self.settle_decision(kind, decision, verdict.refusal, now, verdict.verified, new_id=ids),
+                policies=verdict.policies,
             )
             self.answer(decision.decision_id)
             return

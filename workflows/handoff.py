@@ -34,14 +34,13 @@ class Handoff(RunModel):
             return False
         return True
 
-    def refuse_handoff(self, request: HandoffRequest, refusal: Refusal, at: datetime,
-                       policies: list[str] | None = None) -> None:
+    def refuse_handoff(self, request: HandoffRequest, refusal: Refusal, at: datetime) -> None:
         self.refuse(
             at=at,
             actor=f"operator:{request.by}",
             reason=f"handoff refused: {refusal.message}",
             rule=refusal.rule,
-            refs=Refs(decision_id=request.decision_id, policies=policies),
+            refs=Refs(decision_id=request.decision_id),
         )
 
     def can_take_handoff(self) -> bool:
@@ -56,15 +55,14 @@ class Handoff(RunModel):
         verified: bool = False,
         *,
         refs: Refs | None = None,
-        policies: list[str] | None = None,
     ) -> bool:
         """Honour a pending handoff if the current state allows it and the policy check
         (``verdict``, from the current file) passed; a refused one is recorded. ``refs``: the
-        step it ends; ``policies``: the Cedar policies that decided the check."""
+        step it ends."""
         if request is None or not self.can_take_handoff():
             return False
         if verdict is not None:
-            self.refuse_handoff(request, verdict, at, policies)
+            self.refuse_handoff(request, verdict, at)
             return False
         reason = f"handed off by {request.by}: {request.reason}"
         self.move(
@@ -72,7 +70,7 @@ class Handoff(RunModel):
             at=at,
             actor=f"operator:{request.by}" + (" (signed)" if verified else ""),
             reason=f"{reason} ({detail})" if detail else reason,
-            refs=(refs or Refs()).model_copy(update={"decision_id": request.decision_id, "policies": policies}),
+            refs=(refs or Refs()).model_copy(update={"decision_id": request.decision_id}),
         )
         self.data.pending_approval = None
         return True
@@ -128,9 +126,8 @@ class Handoff(RunModel):
         )
         self.pending_handoff = None
         return self.decide(
-            lambda now: self.take_handoff(
-                request, now, detail, verdict.refusal, verdict.verified, refs=refs, policies=verdict.policies or None
-            )
+            lambda now: self.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs),
+            policies=verdict.policies,
         )
 
 
