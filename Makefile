@@ -9,7 +9,7 @@ PLANNER ?= playbook
 BENCH_ARGS ?=
 REPRO_ARGS ?=
 
-.PHONY: install demo demo-order demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling
+.PHONY: install demo demo-order demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling bench-policy
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -89,6 +89,10 @@ bench-peer: $(BENCH_STAMP)
 bench-scaling: $(STAMP)
 	$(PY) -m compileall -q workflows activities
 	$(PY) -m bench.scaling $(BENCH_ARGS)
+
+# Policy decisions per second and p50/p99, the TOML rules against Cedar (no Temporal; bench/policy.py).
+bench-policy: $(STAMP)
+	$(PY) -m bench.policy $(BENCH_ARGS)
 
 # 10,000 runs waiting for approval (BENCH_ARGS="--runs 2000" for fewer), then drained.
 bench-waiting: $(STAMP)

@@ -155,7 +155,8 @@ def format_status(s: client.RunStatus) -> str:
         d = s.last_decision
         verdict = d.kind if d.kind != "transition" else d.to_state.value
         lines.append(f"decision   {show(d.refs.decision_id, 128)} by {show(d.actor, 120)}: {verdict}: "
-                     f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else ""))
+                     f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else "")
+                     + (f" [policies: {show(', '.join(d.refs.policies), 300)}]" if d.refs.policies else ""))
     if s.plan is not None:
         lines.append(f"plan       v{s.plan.version} {show(s.plan.plan_hash)}")
         lines.extend(_steps(s.plan, s.tools))
@@ -195,7 +196,7 @@ def format_timeline(records: Sequence[TransitionRecord]) -> str:
     for r in records:
         # Hashes shortened for reading; `timeline --json` has them in full.
         refs = ", ".join(
-            f"{k}={show(v[:12] if k.endswith('_hash') else v)}"
+            f"{k}={show(v[:12] if k.endswith('_hash') else ' '.join(v) if k == 'policies' else v)}"
             for k, v in r.refs.model_dump(exclude_none=True).items()
         )
         arrow = (
@@ -709,6 +710,144 @@ async def cmd_keygen(args: argparse.Namespace) -> int:
     return OK
 
 
+async def cmd_policy(args: argparse.Namespace) -> int:
+    """Cedar (docs/policy.md, "Cedar"): export a policy file's rules, validate a file, explain a
+    run's decisions, judge recorded decisions under a proposed policy."""
+    from activities import cedar
+
+    if args.action == "validate":
+        problems, checked = cedar.check_file(Path(args.target))
+        for problem in problems:
+            print(show(problem), file=sys.stderr)
+        if problems:
+            print(f"{len(problems)} problem(s): fix them and validate again (the schema: "
+                  f"activities/tether.cedarschema)", file=sys.stderr)
+            return USAGE
+        print(f"{show(args.target)}: {checked}")
+        return OK
+    if args.action == "export":
+        from activities.policy import PolicyFileError, parse_policy
+
+        path = Path(args.target)
+        try:
+            document = parse_policy(path.read_text(), str(path))
+        except OSError as e:
+            raise TetherError(f"{path}: cannot read it ({e.strerror})", USAGE) from None
+        except PolicyFileError as e:
+            raise TetherError(f"{e}; `tether policy validate {path}` lists every problem", USAGE) from None
+        text = cedar.export_document(document)
+        if args.out:
+            Path(args.out).write_text(text)
+            print(f"{len(document.tenants)} tenant(s) exported to {show(args.out)}; validate it with "
+                  f"`tether policy validate {show(args.out)}`")
+        else:
+            sys.stdout.write(text)
+        return OK
+    if args.action == "explain":
+        from activities.judgements import log_from_env
+
+        log = log_from_env(args.audit_dir)
+        found = log.read(workflow_id=args.target)
+        if not found:
+            raise TetherError(
+                f"no judgement of run {args.target} in {log.describe()}: the run made no decision or write yet, or its "
+                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN)", USAGE)
+        print(f"run {show(args.target)}: {len(found)} Cedar judgement(s), from {show(log.describe())}")
+        for entry in found:
+            print("\n".join(format_judgement(entry)))
+        return OK
+    if args.action == "what-if":
+        return what_if(args)
+    raise TetherError(f"unknown policy action {args.action!r}", USAGE)
+
+
+def what_if(args: argparse.Namespace) -> int:
+    """`tether policy what-if NEW_POLICY`: every logged judgement judged again under NEW_POLICY;
+    exit 0 when none changes, 1 when some do (each printed), 2 when NEW_POLICY is invalid."""
+    from datetime import datetime, timedelta, timezone
+
+    from activities.judgements import ProposedPolicy, log_from_env, what_if as judge_again
+    from workflows.policy_file import parse_duration
+
+    since = None
+    if args.since:
+        try:
+            since = datetime.now(timezone.utc) - timedelta(seconds=float(parse_duration(args.since)))
+        except (ValueError, TypeError) as e:
+            raise TetherError(f"--since {args.since!r}: {e}", USAGE) from None
+    try:
+        proposed = ProposedPolicy(Path(args.target))
+    except ValueError as e:
+        for problem in str(e).splitlines():
+            print(show(problem), file=sys.stderr)
+        print("the proposed policy is invalid: fix it, then run what-if again", file=sys.stderr)
+        return USAGE
+    log = log_from_env(args.audit_dir)
+    recorded = log.read(since=since, tenant=args.tenant)
+    changes = judge_again(recorded, proposed)
+    runs = {e.get("workflow_id") for e in recorded}
+    for change in changes:
+        e = change.entry
+        who = f" by {e['person']}" if e.get("person") else ""
+        step = e.get("request", {}).get("resource", {})
+        what = f" step {step.get('id')}" if isinstance(step, dict) and step.get("type", "").endswith("Step") else ""
+        was = "allowed" if e.get("allowed") else f"refused ({e.get('rule')})"
+        now = "allowed" if change.allowed else f"refused ({change.rule})"
+        by = ", ".join(change.policies) or "no policy"
+        print(show(f"{e.get('workflow_id')} {e.get('at', '')[:19]} {e.get('check')} {e.get('action')}{who}{what}: "
+                   f"{was} -> {now} by {by}: {change.meaning}", 600))
+    print(f"{len(changes)} of {len(recorded)} judgement(s) of {len(runs)} run(s) change under {show(args.target)}"
+          + ("" if recorded else f" (none logged in {show(log.describe())}{' since ' + args.since if args.since else ''})"))
+    return REFUSED if changes else OK
+
+
+def _entity_words(entity: dict[str, Any]) -> str:
+    """One entity as `tether policy explain` shows it: its uid, attributes, groups and amounts."""
+    uid = entity.get("uid", {})
+
+    def value(v: Any) -> str:
+        if isinstance(v, dict) and "__entity" in v:
+            return str(v["__entity"].get("id", ""))
+        if isinstance(v, dict) and "__extn" in v:
+            return str(v["__extn"].get("arg", ""))
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v) if isinstance(v, bool) else str(v)
+
+    attrs = " ".join(f"{k}={value(v)}" for k, v in entity.get("attrs", {}).items())
+    parents = ", ".join(f"{p.get('type', '').split('::')[-1]}:{p.get('id', '')}" for p in entity.get("parents", []))
+    tags = " ".join(f"{k}={value(v)}" for k, v in entity.get("tags", {}).items())
+    words = f"{uid.get('type', '')}::{json.dumps(uid.get('id', ''), ensure_ascii=False)} {attrs}".rstrip()
+    words += f"; in {parents}" if parents else ""
+    words += f"; amounts {tags}" if tags else ""
+    return show(words, 600)
+
+
+def format_judgement(entry: dict[str, Any]) -> list[str]:
+    """A logged Cedar judgement: what was decided, by which policies, on which entity data."""
+    request = entry.get("request", {})
+    by = ", ".join(entry.get("policies", [])) or "no policy"
+    verdict = f"allowed by {by}" if entry.get("allowed") else f"refused ({entry.get('rule')}) by {by}"
+    entities = {json.dumps(e.get("uid"), sort_keys=True): e for e in entry.get("entities", [])}
+    resource = entities.get(json.dumps(request.get("resource"), sort_keys=True), {})
+    tool = resource.get("attrs", {}).get("tool")
+    who = f" by {entry['person']}" if entry.get("person") else f" {tool} (step {resource['uid']['id']})" if tool else ""
+    head = f"{entry.get('at', '')[:19]} {entry.get('check', '')} {entry.get('action', '')}{who}: {verdict}"
+    lines = [show(head, 400)]
+    for role in ("principal", "resource"):
+        uid = request.get(role)
+        entity = entities.get(json.dumps(uid, sort_keys=True)) if isinstance(uid, dict) else None
+        if entity is not None:
+            lines.append(f"  {role:9} {_entity_words(entity)}")
+        if role == "resource" and entity is not None:
+            for key in ("requester",):
+                ref = entity.get("attrs", {}).get(key, {})
+                other = entities.get(json.dumps(ref.get("__entity"), sort_keys=True)) if isinstance(ref, dict) else None
+                if other is not None and other is not entities.get(json.dumps(request.get("principal"), sort_keys=True)):
+                    lines.append(f"  {key:9} {_entity_words(other)}")
+    return lines
+
+
 async def cmd_inbox(args: argparse.Namespace) -> int:
     from inbox.app import InboxConfig, serve
 
@@ -880,6 +1019,21 @@ def _keygen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--if-missing", action="store_true", help="keep an existing key (exit 0), else make one")
 
 
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["export", "validate", "explain", "what-if"],
+                   help="export: a policy file's rules as Cedar; validate: a policy file or .cedar file "
+                   "against the schema (exit 2 naming file, line and problem); explain: a run's judgements, "
+                   "the policies that decided each and the entity data; what-if: every logged judgement "
+                   "judged again under a proposed policy (exit 0 no change, 1 changes, 2 invalid)")
+    p.add_argument("target", metavar="TARGET",
+                   help="the policy file (TOML) or a .cedar file; explain: the run; what-if: the proposed policy")
+    p.add_argument("--out", metavar="PATH", help="export: write the Cedar here instead of printing it")
+    p.add_argument("--since", metavar="AGE", help="what-if: only judgements this recent (\"7d\", \"12h\")")
+    p.add_argument("--tenant", metavar="NAME", help="what-if: only this tenant's judgements")
+    p.add_argument("--audit-dir", metavar="DIR",
+                   help="explain, what-if: where workers log judgements (env TETHER_AUDIT_DIR; default .tether/audit)")
+
+
 def _inbox_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", required=True, type=int, metavar="PORT", help="port to serve on")
     p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)")
@@ -921,6 +1075,7 @@ COMMANDS: list[Command] = [
     Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
     Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),
+    Command("policy", "Cedar: export, validate, explain a run, what-if (docs/policy.md)", _policy_args, cmd_policy),
 ]
 
 

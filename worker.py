@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 import signal
 import sys
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from activities.codec import EncryptionCodec
 from activities.keys import KeyRing, KeyRingError, KeyRingInterceptor
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
+from activities.judgements import ProposedPolicy, log_from_env
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
 from activities.setup import SetupActivities
@@ -81,6 +83,8 @@ def create_worker(
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
     if rules.keys is None:
         rules.keys = keys
+    if rules.judgements is None:  # each Cedar judgement, where the audit sink is (TETHER_AUDIT_DSN or _DIR)
+        rules.judgements = log_from_env()
     notify = NotifyActivities(rules.store)
     # What a run leaves with its end view, into the same sink once it has closed.
     collector = AuditCollector(client, audit.sink)
@@ -130,6 +134,7 @@ async def serve(
     metrics_host: str = DEFAULT_METRICS_HOST,
     policy_path: str | None = None,
     mcp_config_path: str | None = None,
+    shadow_policy_path: str | None = None,
 ) -> None:
     registry = load_tool_modules(tool_modules)
     try:
@@ -140,6 +145,11 @@ async def serve(
         policy = PolicyStore.from_env(policy_path)
     except PolicyFileError as e:
         raise SystemExit(f"invalid policy: {e}") from None
+    shadow_path = shadow_policy_path or os.environ.get("TETHER_SHADOW_POLICY") or None
+    try:
+        shadow = ProposedPolicy(Path(shadow_path)) if shadow_path else None
+    except ValueError as e:
+        raise SystemExit(f"invalid shadow policy:\n{e}") from None
     try:
         mcp_config = mcp.config_from_env(mcp_config_path)
     except mcp.McpConfigError as e:
@@ -176,7 +186,8 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit)
+    rules = PolicyActivities(policy, keys, shadow=shadow)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -189,7 +200,9 @@ async def serve(
             # Left out at load (bad listing entries, unbounded patterns): the log and `tools` say why.
             + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
                if registry.refused else "")
-            + f"; policy {policy.source}; audit sink {audit.sink.describe()}; payload encryption "
+            + f"; policy {policy.source}"
+            + (f" (shadow: {shadow.path}, enforcing nothing)" if shadow else "")
+            + f"; audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + f"; state keys {', '.join(keys.keys)} (newest {keys.newest})"
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
@@ -228,6 +241,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "from someone other than the requester)",
     )
     parser.add_argument(
+        "--shadow-policy",
+        default=None,
+        help="a proposed policy (TOML or .cedar) judged beside the live one on every decision and "
+        "pre-write check, enforcing nothing: disagreements are logged and counted (env TETHER_SHADOW_POLICY)",
+    )
+    parser.add_argument(
         "--mcp-config",
         default=None,
         help="TOML file of MCP servers whose tools this worker offers (env TETHER_MCP_CONFIG; "
@@ -243,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             metrics_host=args.metrics_host,
             policy_path=args.policy,
             mcp_config_path=args.mcp_config,
+            shadow_policy_path=args.shadow_policy,
         )
     )
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import re
 import tomllib
-from collections.abc import Collection, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -26,9 +28,10 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows import policy
+from activities import cedar, judgements
 from activities.keys import KeyRing, attest
 from workflows.identity import skeleton
-from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog
+from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog, ToolEffect
 from workflows.policy_file import Approver, PolicyDocument, Signer, TenantPolicy
 from workflows.wire import (
     AuthorityCheck,
@@ -39,6 +42,9 @@ from workflows.wire import (
     SnapshotRequest,
     Verdict,
 )
+
+SHADOW_DISAGREEMENTS = "tether_policy_shadow_disagreements"
+log = logging.getLogger("tether.policy")
 
 DEFAULT_SOURCE = "built-in default (no policy file): every write needs one approval from someone other than the requester"
 
@@ -97,7 +103,8 @@ class PolicyStore:
     """The policy file, re-read when its modification time changes."""
 
     path: Path | None
-    _cache: tuple[tuple[int, int, int], PolicyDocument, str] | None = field(default=None, repr=False)
+    _cache: tuple[tuple[Any, ...], PolicyDocument, str] | None = field(default=None, repr=False)
+    _cedar: dict[str, str] = field(default_factory=dict, repr=False)  # tenant -> its own Cedar text
 
     @classmethod
     def from_env(cls, path: str | None = None) -> PolicyStore:
@@ -107,21 +114,52 @@ class PolicyStore:
         return store
 
     def load(self) -> tuple[PolicyDocument | None, str]:
-        """The document (None: no file, the built-in default applies) and its content hash."""
+        """The document (None: no file, the built-in default applies) and its content hash (the
+        TOML's, and the Cedar files' its tenants name)."""
         if self.path is None:
             return None, hashlib.sha256(DEFAULT_SOURCE.encode()).hexdigest()
         try:
             stat = self.path.stat()
         except FileNotFoundError:
             raise PolicyFileError(f"policy file not found: {self.path}") from None
-        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions())
         if self._cache is None or self._cache[0] != version:
             text = self.path.read_text()
             document = parse_policy(text, str(self.path))
             complete = resolve_key_files(document, self.path, strict=False)
+            cedar_texts = load_cedar_files(document, self.path)
+            digest = hashlib.sha256(text.encode())
+            for name in sorted(cedar_texts):
+                digest.update(cedar_texts[name].encode())
+            self._cedar = cedar_texts
+            version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document))
             # A key file that is not there yet (keygen still to run) is looked for again next time.
-            self._cache = (version if complete else (0, 0, 0), document, hashlib.sha256(text.encode()).hexdigest())
+            self._cache = (version if complete else (0, 0, 0), document, digest.hexdigest())
         return self._cache[1], self._cache[2]
+
+    def _cedar_versions(self, document: PolicyDocument | None = None) -> tuple[tuple[int, int], ...]:
+        """The Cedar files' versions: an edit to one is read like an edit to the TOML."""
+        if document is None:
+            document = self._cache[1] if self._cache is not None else None
+        if document is None or self.path is None:
+            return ()
+        out = []
+        for tenant in document.tenants.values():
+            for path in cedar.tenant_files(tenant, self.path.parent):
+                try:
+                    st = path.stat()
+                    out.append((st.st_mtime_ns, st.st_size))
+                except OSError:
+                    out.append((0, 0))
+        return tuple(out)
+
+    def policies(self, name: str) -> tuple[TenantPolicy | None, cedar.Policies | None, str]:
+        """The tenant, the Cedar policies that decide for it (its own files', else its TOML rules
+        exported) and the file's hash; None, None when the tenant is not in the file."""
+        tenant, digest = self.tenant(name)
+        if tenant is None:
+            return None, None, digest
+        return tenant, cedar.policies_of(name, tenant, self._cedar.get(name)), digest
 
     def tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         document, digest = self.load()
@@ -150,6 +188,22 @@ class PolicyStore:
             return resolved.relative_to(Path.cwd().resolve()).as_posix()
         except ValueError:
             return Path(*resolved.parts[-2:]).as_posix()
+
+
+def load_cedar_files(document: PolicyDocument, path: Path) -> dict[str, str]:
+    """Each tenant's own Cedar files (``cedar = [...]``) as one text, checked against the schema;
+    a problem is a :class:`PolicyFileError` naming the file, the line and the problem."""
+    texts, problems = {}, []
+    for name, tenant in document.tenants.items():
+        if tenant.cedar is None:
+            continue
+        try:
+            texts[name] = cedar.read_tenant_cedar(name, tenant, path.parent)
+        except cedar.CedarFileError as e:
+            problems += e.problems
+    if problems:
+        raise PolicyFileError("\n".join(problems))
+    return texts
 
 
 def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
@@ -202,8 +256,9 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
     try:
         document = parse_policy(text, str(path))
         resolve_key_files(document, path)
+        load_cedar_files(document, path)
     except PolicyFileError as e:
-        return [str(e)]
+        return str(e).splitlines()
 
     problems: list[str] = []
 
@@ -361,6 +416,101 @@ def decision_signature_refusal(
     )
 
 
+def decision_action(check: DecisionCheck) -> str:
+    """The Cedar action of a decision: a partial approval is ``approve_steps`` (an ``approve``)."""
+    if check.kind == "approve" and check.decision.steps is not None:
+        return "approve_steps"
+    return check.kind
+
+
+def judge_decision(
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, check: DecisionCheck
+) -> tuple[Refusal | None, cedar.Judgement]:
+    """May this person take this decision? Cedar decides (the tenant's own policies, or its TOML
+    rules exported: tests/test_cedar.py holds the two equal); the refusal is worded as the TOML
+    rule that refused it words it, or names the Cedar policies. Also the ids that decided."""
+    judgement = cedar.judge_person(
+        policies, check.tenant, tenant, action=decision_action(check), person=check.decision.approver,
+        requested_by=check.requested_by, roles=check.roles, already_approved=check.already_approved,
+        editors=check.editors, risk=check.risk, stage=check.stage,
+    )
+    worded = None if judgement.allowed else policy.approver_refusal(
+        tenant, approver=check.decision.approver, requested_by=check.requested_by, kind=check.kind,
+        roles=check.roles, already_approved=check.already_approved, editors=check.editors,
+    )
+    return cedar_refusal(judgement, worded, check.decision.approver, check.kind, check.tenant), judgement
+
+
+def cedar_refusal(judgement: cedar.Judgement, worded: Refusal | None, who: str, what: str, tenant: str) -> Refusal | None:
+    """Cedar's verdict as a refusal: in the TOML rule's words when that rule refused it too (the
+    exported rules), else naming the Cedar policies (a tenant's own)."""
+    if judgement.allowed:
+        return None
+    if worded is not None and worded.rule == judgement.rule:
+        return worded
+    ids = ", ".join(judgement.policies)
+    if ids:
+        message = f"{who} may not {what} this run: Cedar policy {ids} forbids it"
+    else:
+        message = f"no Cedar policy of tenant {tenant} permits {who} to {what} this run"
+    return Refusal(rule=judgement.rule or "not_permitted", message=message)
+
+
+def cedar_approver_problem(
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, tenant_name: str, requested_by: str,
+    judged: list[cedar.Judgement],
+) -> Callable[[str, list[str], list[str], str], Refusal | None]:
+    """How the pre-write check judges each approval in force again (``authority_refusal``'s
+    ``approver_problem``): by Cedar, as a decision is judged when it arrives; each judgement is
+    appended to ``judged``."""
+
+    def approver_problem(approver: str, roles: list[str], already: list[str], risk: str) -> Refusal | None:
+        judgement = cedar.judge_person(policies, tenant_name, tenant, action="approve", person=approver,
+                                       requested_by=requested_by, roles=roles, already_approved=already, risk=risk)
+        judged.append(judgement)
+        worded = None if judgement.allowed else policy.approver_refusal(
+            tenant, approver=approver, requested_by=requested_by, kind="approve", roles=roles, already_approved=already)
+        return cedar_refusal(judgement, worded, approver, "approve", tenant_name)
+
+    return approver_problem
+
+
+def judge_writes(
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, check: AuthorityCheck, tenant_name: str
+) -> tuple[Refusal | None, list[cedar.Judgement]]:
+    """The pre-write check in Cedar: may each remaining step write (``execute_write``), and, for
+    a plan that runs without approval, is each still auto-approved (``auto_approve``)? The TOML
+    engine's check (approvals in force, counts, signatures) runs beside it; the stricter wins."""
+    if not check.steps or tenant is None:
+        return None, []
+    catalog = check.catalog or ToolCatalog()
+    review = policy.review_plan(Plan(steps=check.steps, plan_hash=""), catalog, tenant, check.spent)
+    actions = ["execute_write", "auto_approve"] if check.approvals_required == 0 else ["execute_write"]
+    # The writes among the remaining steps (the TOML check judges the tools of these, ``tools``).
+    writes = [i for i, s in enumerate(check.steps, start=1)
+              if (info := catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY]
+    judged = cedar.judge_steps(policies, tenant_name, tenant, actions=actions, steps=check.steps, catalog=catalog,
+                               spent=check.spent, risk=review.risk, writes=writes)
+    for j in judged:
+        if not j.allowed:
+            step = check.steps[int(j.request["resource"]["id"]) - 1]
+            by = f"Cedar policy {', '.join(j.policies)}" if j.policies else "no Cedar policy permitting it"
+            if cedar.action_name(j.request) == "execute_write":
+                return Refusal(rule=j.rule or "not_permitted", message=f"{step.tool} may not write: {by}"), judged
+            # Whichever policy denied it (a high-risk forbid, no limit permitting it), the run asks a person.
+            return Refusal(rule="approval_needed", message=f"{step.tool} may not run without approval: {by}"), judged
+    return None, judged
+
+
+def _where() -> dict[str, str]:
+    """The run and activity a judgement is logged under."""
+    try:
+        info = activity.info()
+    except RuntimeError:  # called outside an activity (tests, tools)
+        return {"workflow_id": "", "run_id": "", "activity_id": ""}
+    return {"workflow_id": info.workflow_id or "", "run_id": info.workflow_run_id or "", "activity_id": info.activity_id}
+
+
 def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None = None) -> bool:
     """Does the policy list a key for this person, or did a trusted signer attest for them (so
     a passed signature check verified them)?"""
@@ -374,15 +524,29 @@ def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None =
 
 
 class PolicyActivities:
-    def __init__(self, store: PolicyStore, keys: KeyRing | None = None) -> None:
+    def __init__(self, store: PolicyStore, keys: KeyRing | None = None,
+                 judgement_log: judgements.JudgementLog | None = None,
+                 shadow: judgements.ProposedPolicy | None = None) -> None:
         self.store = store
         self.keys = keys  # the fleet's key ring: mints the capability of every write
+        # Where each Cedar judgement is logged with what it was judged on (explain, what-if).
+        self.judgements = judgement_log
+        # A proposed policy judged beside the live one on every judgement, enforcing nothing: its
+        # disagreements are logged (``shadow`` on the judgement's line) and counted.
+        self.shadow = shadow
+        self.shadow_disagreements: Counter[str] = Counter()
 
     def _tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         try:
             return self.store.tenant(name)
         except PolicyFileError as e:
             # Retryable on purpose: runs wait (and the worker logs why) until the file is fixed.
+            raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
+
+    def _policies(self, name: str) -> tuple[TenantPolicy | None, cedar.Policies | None, str]:
+        try:
+            return self.store.policies(name)
+        except PolicyFileError as e:
             raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
 
     def _signers(self) -> dict[str, Signer]:
@@ -429,31 +593,68 @@ class PolicyActivities:
 
     @activity.defn(name="policy_check_decision")
     async def check_decision(self, check: DecisionCheck) -> Verdict:
-        tenant, digest = self._tenant(check.tenant)
-        refusal = policy.approver_refusal(
-            tenant,
-            approver=check.decision.approver,
-            requested_by=check.requested_by,
-            kind=check.kind,
-            roles=check.roles,
-            already_approved=check.already_approved,
-            editors=check.editors,
-        )
+        tenant, policies, digest = self._policies(check.tenant)
+        refusal, judgement = judge_decision(tenant, policies, check)
+        await self._log([judgement], check.tenant, digest, check="decision", kind=check.kind,
+                        decision_id=check.decision.decision_id, person=check.decision.approver)
         if refusal is None:
             refusal = decision_signature_refusal(
                 tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
                 kind=check.kind, decision=check.decision, signers=self._signers(), steps_digest=check.steps_digest,
             )
         verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
-        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified))
+        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified,
+                                             policies=list(judgement.policies)))
+
+    async def _log(self, judged: list[cedar.Judgement], tenant: str, digest: str, **what: Any) -> None:
+        if not judged or (self.judgements is None and self.shadow is None):
+            return
+        at = datetime.now(timezone.utc).isoformat()
+        lines = judgements.entries(judged, at=at, tenant=tenant, policy_hash=digest, **_where(), **what)
+        if self.shadow is not None:
+            for line in lines:
+                self._shadow(line)
+        if self.judgements is not None:
+            await judgements.append(self.judgements, lines)
+
+    def _shadow(self, line: dict[str, Any]) -> None:
+        """The shadow policy's verdict beside the live one's, on the line; a disagreement is
+        logged and counted (``tether_policy_shadow_disagreements{action}``). Never enforced."""
+        assert self.shadow is not None
+        try:
+            allowed, rule, ids = self.shadow.judge(line)
+        except Exception as e:  # a shadow's failure never touches the live decision
+            log.warning("shadow policy %s could not judge %s of run %s: %s", self.shadow.path, line["action"],
+                        line.get("workflow_id"), e)
+            return
+        agrees = (allowed, rule) == (line["allowed"], line["rule"])
+        line["shadow"] = {"allowed": allowed, "rule": rule, "policies": list(ids), "agrees": agrees}
+        if agrees:
+            return
+        self.shadow_disagreements[line["action"]] += 1
+        log.warning("shadow policy %s disagrees on %s %s of run %s: live %s, shadow %s", self.shadow.path,
+                    line.get("check"), line["action"], line.get("workflow_id"),
+                    "allowed" if line["allowed"] else f"refused ({line['rule']})",
+                    "allowed" if allowed else f"refused ({rule})")
+        try:
+            activity.metric_meter().create_counter(
+                SHADOW_DISAGREEMENTS, "Judgements the shadow policy decides otherwise than the live one", "1"
+            ).add(1, {"action": line["action"]})
+        except RuntimeError:  # outside an activity (tests calling the checks directly)
+            pass
 
     @activity.defn(name="policy_check_handoff")
     async def check_handoff(self, check: HandoffCheck) -> Verdict:
         """Screened again when the run takes the handoff: membership and signature, under the
         current file (a handoff that arrived before the run's policy snapshot was not)."""
-        tenant, digest = self._tenant(check.tenant)
+        tenant, policies, digest = self._policies(check.tenant)
         handoff = check.handoff
-        refusal = policy.handoff_member_refusal(tenant, handoff.by)
+        judgement = cedar.judge_person(policies, check.tenant, tenant, action="hand_off", person=handoff.by,
+                                       requested_by=check.requested_by or handoff.by)
+        await self._log([judgement], check.tenant, digest, check="handoff", decision_id=handoff.decision_id or "",
+                        person=handoff.by)
+        refusal = cedar_refusal(judgement, policy.handoff_member_refusal(tenant, handoff.by), handoff.by, "hand off",
+                                check.tenant)
         if tenant is None:
             refusal = Refusal(rule="tenant", message="the run's tenant is not in the policy file")
         if refusal is None:
@@ -469,13 +670,14 @@ class PolicyActivities:
             )
             refusal = signature_refusal(tenant, handoff.by, payload, handoff.signature, what="handoff")
         verified = refusal is None and _has_key(tenant, handoff.by)
-        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified))
+        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified,
+                                             policies=list(judgement.policies)))
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
         """The current file in full over the approvals in force (and a plan's auto-approval);
         given ``check.call``, the capability for exactly that write attempt."""
-        tenant, digest = self._tenant(check.tenant)
+        tenant, policies, digest = self._policies(check.tenant)
 
         def signature_problem(approval: AcceptedApproval) -> Refusal | None:
             decision = ApprovalDecision.model_construct(
@@ -490,8 +692,19 @@ class PolicyActivities:
 
         if check.undo is not None:
             # A compensation: its own re-check (the plan hash that covered it, the undo tool).
-            refusal = policy.undo_refusal(tenant, undo=check.undo, compensator=check.compensator, call=check.call)
-            return self._attested(check, Verdict(refusal=refusal, policy_hash=digest))
+            refusal = policy.undo_refusal(tenant, undo=check.undo, call=check.call)
+            ids: list[str] = []
+            if refusal is None and check.compensator:
+                # The person who asked for a compensation run: Cedar's `compensate`.
+                judgement = cedar.judge_person(policies, check.tenant, tenant, action="compensate",
+                                               person=check.compensator, requested_by=check.requested_by or check.compensator)
+                await self._log([judgement], check.tenant, digest, check="compensate", person=check.compensator)
+                refusal = cedar_refusal(judgement, policy.compensator_refusal(tenant, check.compensator),
+                                        check.compensator, "compensate", check.tenant)
+                ids = list(judgement.policies)
+            return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, policies=ids))
+        approvals_judged: list[cedar.Judgement] = []
+        approver_problem = cedar_approver_problem(tenant, policies, check.tenant, check.requested_by, approvals_judged)
         refusal = policy.authority_refusal(
             tenant,
             approvals=check.approvals,
@@ -505,8 +718,15 @@ class PolicyActivities:
             escalated_roles=check.escalated_roles,
             requested_by=check.requested_by,
             signature_problem=signature_problem,
+            approver_problem=approver_problem,
         )
-        verdict = Verdict(refusal=refusal, policy_hash=digest)
+        written, judged = judge_writes(tenant, policies, check, check.tenant)
+        judged = approvals_judged + judged
+        refusal = refusal or written
+        await self._log(judged, check.tenant, digest, check="write", plan_hash=check.plan_hash,
+                        tool_call_id=check.call.tool_call_id if check.call else "")
+        deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
+        verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)
         if refusal is not None:
             # A new request asks for what the current file asks, and for someone who can give it.
             review = policy.review_plan(

@@ -134,6 +134,10 @@ async def test_each_approval_rule_refuses_and_accepts(ts_env: WorkflowEnvironmen
             record = await settled(handle, decision.decision_id)
             assert record.kind == "refused" and record.rule == rule, record
             assert text in record.reason
+            # The Cedar policies that decided it are on the record (a signature is no policy's).
+            assert f"default.{rule}" in record.refs.policies if rule != "signature_required" else (
+                record.refs.policies == ["default.decide"]
+            ), record.refs
         bad = decide("frank", snap, signature=base64.b64encode(b"x" * 64).decode())
         await handle.signal("approve", bad)
         assert (await settled(handle, bad.decision_id)).rule == "bad_signature"
@@ -147,6 +151,7 @@ async def test_each_approval_rule_refuses_and_accepts(ts_env: WorkflowEnvironmen
     assert outcome.state == S.COMPLETED
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
     assert approved.actor == "user:frank (signed)"
+    assert approved.refs.policies == ["default.decide"]
     assert is_legal_path(outcome.timeline)
 
 
@@ -226,6 +231,7 @@ async def test_tool_withdrawn_after_approval_sends_the_run_back_to_approval(
             raise AssertionError("the run did not go back to AWAITING_APPROVAL")
         back = next(r for r in timeline if r.from_state == S.APPROVED)
         assert "tool_withdrawn" in back.reason
+        assert back.refs.policies == ["default.tools"]  # the Cedar policy that stopped the write
         assert billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}") == []
         current = await snapshot(handle)
         assert current.state == S.AWAITING_APPROVAL and current.pending_approval.approvals == []

@@ -96,6 +96,8 @@ class Approvals(RunModel):
             "already_approved": [a.approver for a in pending.approvals],
             "editors": pending.editors,
             "steps_digest": decision.revised_hash() if isinstance(decision, RevisionRequest) else None,
+            "risk": pending.risk,
+            "stage": pending.stage,
         }
 
     def _remember_decision(self, decision_id: str) -> None:
@@ -140,7 +142,8 @@ class Approvals(RunModel):
                 proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
             self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
             return
-        refs = Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id, request_id=pending.request_id or None)
+        refs = self._decided(Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id,
+                                  request_id=pending.request_id or None))
         if kind == "reject":
             data.pending_approval = None
             self.move(S.REJECTED, at=at, actor=actor, reason=plain.reason or "rejected", refs=refs)
@@ -281,7 +284,8 @@ class Approvals(RunModel):
             already_approved=[],
             editors=pending.editors,
         )
-        refs = Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id, request_id=pending.request_id or None)
+        refs = self._decided(Refs(plan_hash=pending.plan_hash, decision_id=decision.decision_id,
+                                  request_id=pending.request_id or None))
         if refusal is not None:
             self._refuse_decision("approve", decision.model_copy(update={"plan_hash": pending.plan_hash}), refusal, at)
             return
@@ -355,7 +359,8 @@ class Approvals(RunModel):
             actor=f"user:{decision.approver}",
             reason=f"{kind} refused: {refusal.message}",
             rule=refusal.rule,
-            refs=Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id, request_id=decision.request_id),
+            refs=self._decided(Refs(plan_hash=decision.plan_hash, decision_id=decision.decision_id,
+                                    request_id=decision.request_id)),
         )
         if record is None:  # counted in a flood, not recorded: its sender still gets the rule
             self.unrecorded_refusals[decision.decision_id] = refusal
@@ -550,7 +555,8 @@ class Inbox(RunModel):
             self.inbox.pop(0)
             ids = self.ids(f"decision:{decision.decision_id}")
             self.decide(
-                lambda now: self.settle_decision(kind, decision, verdict.refusal, now, verdict.verified, new_id=ids)
+                lambda now: self.settle_decision(kind, decision, verdict.refusal, now, verdict.verified, new_id=ids),
+                policies=verdict.policies,
             )
             self.answer(decision.decision_id)
             return

@@ -92,12 +92,12 @@ class Drive(RunModel):
                 if not self.review().needs_approval:
                     # Auto-approved by the run's snapshot: the current file must agree.
                     verdict = yield from self._authority(from_step=0)
-                self.decide(lambda now: self.after_validated(now, _refusal(verdict), verdict))
+                self.decide(lambda now: self.after_validated(now, _refusal(verdict), verdict), policies=_policies(verdict))
             elif state == S.AWAITING_APPROVAL:
                 yield from self._await_decision()
             elif state == S.APPROVED:
                 verdict = yield from self._authority(from_step=data.next_step)
-                self.decide(lambda now: self.after_approved(_refusal(verdict), now, verdict))
+                self.decide(lambda now: self.after_approved(_refusal(verdict), now, verdict), policies=_policies(verdict))
             elif state == S.EXECUTING_TOOL:
                 yield from self._execute_step()
             elif state == S.COMPENSATING:
@@ -108,7 +108,7 @@ class Drive(RunModel):
                 verdict = None
                 if self.current_step() is not None:
                     verdict = yield from self._authority(from_step=data.next_step)
-                self.decide(lambda now: self.after_observation(_refusal(verdict), now, verdict))
+                self.decide(lambda now: self.after_observation(_refusal(verdict), now, verdict), policies=_policies(verdict))
             else:
                 raise RunFailed(f"no handler for working state {state.value}", "IllegalState")
             if data.lifecycle.state != S.AWAITING_APPROVAL and self.inbox:
@@ -133,3 +133,7 @@ class Drive(RunModel):
 
 def _refusal(verdict: Verdict | None) -> Refusal | None:
     return verdict.refusal if verdict is not None else None
+
+
+def _policies(verdict: Verdict | None) -> list[str] | None:
+    return verdict.policies if verdict is not None else None

@@ -122,13 +122,15 @@ class Handoff(RunModel):
                 workflow_id=self.workflow_id,
                 first_run_id=self.data.first_run_id,
                 handoff=request,
+                requested_by=self.request.requested_by,
             ),
             Verdict,
             "policy check · handoff",
         )
         self.pending_handoff = None
         return self.decide(
-            lambda now: self.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs)
+            lambda now: self.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs),
+            policies=verdict.policies,
         )
 
 

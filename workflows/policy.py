@@ -403,6 +403,7 @@ def authority_refusal(
     requested_by: str = "",
     signature_problem: Callable[[AcceptedApproval], Refusal | None] | None = None,
     escalated_roles: Collection[str] = (),
+    approver_problem: Callable[[str, list[str], list[str], str], Refusal | None] | None = None,
 ) -> Refusal | None:
     """Do the approvals a plan got still hold, under the current policy, for these tools?
 
@@ -412,6 +413,8 @@ def authority_refusal(
     roles and number of approvals it asks for the remaining ``steps`` now, membership,
     four-eyes, and the signature rule (``signature_problem``: the activity's check of the
     approval's kept signature; an unsigned approval fails it once signatures are required).
+    ``approver_problem(approver, roles, already_approved, risk)``: who judges each approval
+    (the policy activity's Cedar); by default :func:`approver_refusal`.
     """
     if tenant is None:
         return Refusal(rule="tenant", message="the run's tenant was removed from the policy file")
@@ -432,12 +435,15 @@ def authority_refusal(
             return None
         valid: list[str] = []
         lost: list[str] = []
+        roles = [*review.roles, *(r for r in escalated_roles if r not in review.roles)]
         for a in approved:
-            why = approver_refusal(
-                tenant, approver=a.approver, requested_by=requested_by, kind="approve",
-                roles=[*review.roles, *(r for r in escalated_roles if r not in review.roles)],
-                already_approved=valid,
-            )
+            if approver_problem is not None:
+                why = approver_problem(a.approver, roles, list(valid), review.risk)
+            else:
+                why = approver_refusal(
+                    tenant, approver=a.approver, requested_by=requested_by, kind="approve", roles=roles,
+                    already_approved=valid,
+                )
             if why is None and signature_problem is not None:
                 why = signature_problem(a)
             if why is None:

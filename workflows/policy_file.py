@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator, model_serializer
 
 from workflows.contract import Contract, OnFailure
 from workflows.identity import normalize_name
+
+
+def omit_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A model's fields less those at the given defaults: fields added later are left out of
+    what was recorded (and attested) before they existed, so old histories replay unchanged."""
+    return {k: v for k, v in data.items() if k not in defaults or v != defaults[k]}
 
 
 class Approver(Contract):
@@ -155,8 +161,16 @@ class TenantPolicy(Contract):
     # Per risk level, the stages a waiting plan escalates through before it expires.
     escalation: Escalation = Field(default_factory=Escalation)
     budgets: Budgets = Field(default_factory=Budgets)
+    # The tenant's own Cedar policies (files, relative to the policy file; schema:
+    # activities/tether.cedarschema): they decide who may do what in place of the rules above,
+    # which `tether policy export` writes as Cedar to start from (docs/policy.md, "Cedar").
+    cedar: list[str] | None = Field(None, min_length=1)
     # A signed start is good for this long after its issued_at: seconds, or "90s" / "10m" / "1h".
     start_signature_ttl: float = Field(600.0, gt=0, le=7 * 24 * 3600)
+
+    @model_serializer(mode="wrap")
+    def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"cedar": None})  # see omit_defaults
 
     @field_validator("start_signature_ttl", mode="before")
     @classmethod

@@ -9,7 +9,7 @@ are passed in.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeVar
@@ -137,6 +137,8 @@ class RunModel:
         self.outbox: list[tuple[TransitionRecord, list[str]]] = []
         # Decision refusals counted but not recorded (a flood), until their sender is answered.
         self.unrecorded_refusals: dict[str, Refusal] = {}
+        # While a decision is settled: the Cedar policies that decided it (its records name them).
+        self.deciding_policies: list[str] | None = None
         # Where the current plan writes (step indexes), worked out once per plan and catalog:
         # every step asks whether writes remain (authority_check).
         self._writes: tuple[tuple[Any, ...], list[int]] = ((), [])
@@ -157,13 +159,19 @@ class RunModel:
         """The carried state's seal held: this run is that generation of the run chain."""
         self.data.generation = generation
 
-    def decide(self, step: Callable[[datetime], T]) -> T:
+    def decide(self, step: Callable[[datetime], T], *, policies: Sequence[str] | None = None) -> T:
         """One decision at the current workflow time; a move the table denies, or a state the
-        engine cannot act in, fails the run."""
+        engine cannot act in, fails the run. ``policies``: the Cedar policies that decided the
+        policy check it follows, named on the records it writes (``refs.policies``)."""
+        before = self.deciding_policies
+        if policies:
+            self.deciding_policies = list(policies)
         try:
             return step(self.at)
         except (IllegalTransition, IllegalState) as e:
             raise RunFailed(str(e), type(e).__name__) from None
+        finally:
+            self.deciding_policies = before
 
     def ids(self, basis: str) -> Callable[[int], str]:
         """Tool call ids (and so idempotency keys) from the run chain and the decision that made
@@ -235,12 +243,18 @@ class RunModel:
     def move(self, to: RunState, *, at: datetime, actor: str, reason: str, refs: Refs | None = None) -> None:
         """Raises IllegalTransition for a move the table denies (the workflow makes that a
         non-retryable failure)."""
-        record = self.data.lifecycle.move(to, at=at, actor=actor, reason=reason, refs=refs)
+        record = self.data.lifecycle.move(to, at=at, actor=actor, reason=reason, refs=self._decided(refs))
         self.data.updated_at = record.at
         self.on_record(record)
 
     def refuse(self, *, at: datetime, actor: str, reason: str, rule: str, refs: Refs | None = None) -> None:
-        self.on_record(self.data.lifecycle.refuse(at=at, actor=actor, reason=reason, refs=refs, rule=rule))
+        self.on_record(self.data.lifecycle.refuse(at=at, actor=actor, reason=reason, refs=self._decided(refs), rule=rule))
+
+    def _decided(self, refs: Refs | None) -> Refs | None:
+        """A record written while a policy check's outcome is applied names its Cedar policies."""
+        if not self.deciding_policies or (refs is not None and refs.policies is not None):
+            return refs
+        return (refs or Refs()).model_copy(update={"policies": list(self.deciding_policies)})
 
     # The step a cancel waited for, as tool_settled_on_cancel recorded it: (step, outcome, code).
     _settled: tuple[PlanStep, EffectOutcome, str | None] | None = None

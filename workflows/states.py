@@ -165,6 +165,8 @@ class Refs(BaseModel):
     # Set on every record that ends a tool step (success, failure, retry wait, handoff, cancel,
     # budget): what happened to the step's effect.
     outcome: EffectOutcome | None = None
+    # A decision judged by Cedar: the @id of each policy that decided it (docs/policy.md, "Cedar").
+    policies: list[str] | None = None
 
     @model_serializer(mode="wrap")
     def _set_only(self, handler: Any) -> dict[str, Any]:

@@ -394,7 +394,7 @@ class Steps(RunModel):
                 refusal = (verdict.refusal if verdict else None) or Refusal(
                     rule="capability_invalid", message="no re-check for this write"
                 )
-                self.decide(lambda now: self.write_refused(refusal, now))
+                self.decide(lambda now: self.write_refused(refusal, now), policies=verdict.policies if verdict else None)
                 return
             call = yield Mint(call, activity_id, check, timeouts.start_to_close)
             yield Checkpoint(rest=False)  # the record of the approval is in the sink before a write

@@ -22,8 +22,8 @@ from workflows.contract import (
     ToolCatalog,
     json_digest,
 )
-from workflows.policy_file import EscalationStage, TenantPolicy
-from workflows.states import RunState, TransitionRecord, Packed
+from workflows.policy_file import EscalationStage, TenantPolicy, omit_defaults
+from workflows.states import Packed, RunState, TransitionRecord
 
 
 # Error types the ``execute_tool`` activity reports besides the tools' own codes.
@@ -252,6 +252,15 @@ class DecisionCheck(BaseModel):
     editors: list[str] = Field(default_factory=list)
     # A revision: the sha256 of its revised steps, which its signature covers.
     steps_digest: str | None = None
+    # The pending request's risk level and the escalation stages that fired (Cedar's Run).
+    risk: str = "normal"
+    stage: int = 0
+
+    @model_serializer(mode="wrap")
+    def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
+        # Left out at their defaults: a check is attested as sent, and one recorded before these
+        # fields existed replays with the same digest.
+        return omit_defaults(handler(self), {"risk": "normal", "stage": 0})
 
 
 class HandoffCheck(BaseModel):
@@ -259,6 +268,7 @@ class HandoffCheck(BaseModel):
     workflow_id: str
     first_run_id: str
     handoff: HandoffRequest
+    requested_by: str = ""  # the run's requester (Cedar's Run.requester)
 
 
 class AuthorityCheck(BaseModel):
@@ -340,9 +350,16 @@ class Verdict(BaseModel):
     approvals_required: int = 0
     roles: list[str] = Field(default_factory=list)
     tenant_policy: TenantPolicy | None = None
+    # The Cedar policies that decided (their @id): the permits that allowed it, or the forbids
+    # that refused it (none: nothing permitted it). Recorded as refs.policies.
+    policies: list[str] = Field(default_factory=list)
     # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
     # activity and checked by the workflow code before the run acts on it.
     attestation: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"policies": []})  # as DecisionCheck's
 
 
 class RecoveryRequest(BaseModel):

@@ -1,0 +1,592 @@
+"""Cedar: who may do what, as Cedar policies judged by the Cedar engine (docs/policy.md, "Cedar").
+
+Three parts, each a pure function of its inputs (no clock, no randomness; the policy files are
+read by the callers):
+
+- **the world**: the entities and request of a decision (``tether.cedarschema``), built from the
+  same inputs the TOML rules (``workflows/policy.py``) take: the tenant's people and roles from the
+  policy file, the run's requester, the roles its pending request asks for, who approved and who
+  revised it; a step's tool, what the catalog declares about it and the run's sums per amount;
+- **the export**: a tenant's TOML rules as equivalent Cedar policies (``tether policy export``),
+  each with an ``@id`` (``TENANT.RULE``, what records and ``tether policy explain`` name) and a
+  ``@rule`` (the refusal rule the TOML engine names for the same decision);
+- **the checks**: a policy set validated against the schema, each problem with its file and line.
+
+Amounts are Cedar decimals (four places): a run's sum is rounded up and a limit's ``max`` down, so
+a fifth decimal can only make a step need approval, never spare it one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import cedarpy
+
+from workflows.contract import PlanStep, ToolCatalog, ToolEffect
+from workflows.identity import skeleton
+from workflows.policy import spend
+from workflows.policy_file import AmountRule, PolicyDocument, TenantPolicy
+
+SCHEMA_PATH = Path(__file__).with_name("tether.cedarschema")
+NS = "Tether"
+
+# The actions of the schema, by who takes them.
+PERSON_ACTIONS = ("approve", "approve_steps", "reject", "revise", "hand_off", "cancel", "compensate")
+STEP_ACTIONS = ("auto_approve", "execute_write")
+ACTIONS = PERSON_ACTIONS + STEP_ACTIONS
+# The action groups of the schema, as entities: without the schema per call, the engine learns
+# from these that an approve_steps is an approve.
+ACTION_GROUPS = (
+    {"uid": {"type": f"{NS}::Action", "id": "approve_steps"}, "attrs": {}, "parents": [{"type": f"{NS}::Action", "id": "approve"}]},
+)
+# The TOML engine's kinds of decision (workflows/policy.approver_refusal) as actions.
+KIND_ACTIONS = {"approve": "approve", "reject": "reject", "revise": "revise"}
+
+# When several forbid policies decide one request, the refusal names the rule the TOML engine
+# checks first (workflows/policy.approver_refusal's order); a tenant's own rules come after.
+RULE_ORDER = (
+    "tenant", "four_eyes", "editor_approval", "tenant_membership", "role", "distinct_approvers",
+    "tool_withdrawn", "high_risk",
+)
+# A denial no forbid policy named: nothing permitted it.
+NOT_PERMITTED = {"auto_approve": "approval_needed", "execute_write": "not_permitted"}
+
+_DECIMAL_MAX = Decimal("922337203685477.5807")
+_FOUR_PLACES = Decimal("0.0001")
+
+
+@functools.cache
+def schema_text() -> str:
+    return SCHEMA_PATH.read_text()
+
+
+@functools.cache
+def schema() -> cedarpy.Schema:
+    return cedarpy.Schema.from_str(schema_text())
+
+
+# ----------------------------------------------------------------------------- literals
+
+
+def cedar_string(text: str) -> str:
+    """A Cedar string literal: quotes, backslashes and control characters escaped."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{{{ord(ch):x}}}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def decimal_text(value: float | int, *, rounding: str = ROUND_CEILING) -> str:
+    """A number as Cedar's decimal takes it: four places at most (rounded ``rounding``), clamped
+    to the decimal's range."""
+    try:
+        d = Decimal(repr(value) if isinstance(value, float) else value).quantize(_FOUR_PLACES, rounding=rounding)
+    except InvalidOperation:
+        d = _DECIMAL_MAX if value > 0 else -_DECIMAL_MAX
+    d = max(min(d, _DECIMAL_MAX), -_DECIMAL_MAX)
+    text = format(d.normalize(), "f")
+    return text if "." in text else text + ".0"
+
+
+def _uid(kind: str, ident: str) -> dict[str, str]:
+    return {"type": f"{NS}::{kind}", "id": ident}
+
+
+def _euid(kind: str, ident: str) -> str:
+    return f"{NS}::{kind}::{cedar_string(ident)}"
+
+
+def _action(name: str) -> str:
+    return f'{NS}::Action::"{name}"'
+
+
+def _actions(names: Iterable[str]) -> str:
+    return "[" + ", ".join(_action(n) for n in names) + "]"
+
+
+# ----------------------------------------------------------------------------- the export
+
+
+def _policy(ident: str, rule: str | None, effect: str, actions: Sequence[str], resource: str, conditions: list[str],
+            unless: str | None = None, comment: str = "") -> str:
+    # `in`, never `==`: an action's group counts (approve_steps is an approve).
+    action = f"action in {_action(actions[0])}" if len(actions) == 1 else f"action in {_actions(actions)}"
+    lines = [f"// {comment}"] if comment else []
+    lines.append(f"@id({cedar_string(ident)})")
+    if rule:
+        lines.append(f"@rule({cedar_string(rule)})")
+    lines.append(f"{effect} (principal, {action}, resource is {NS}::{resource})")
+    lines.append("when { " + " && ".join(conditions) + " }")
+    if unless is not None:
+        lines.append(f"unless {{ {unless} }}")
+    return "\n".join(lines) + ";"
+
+
+def _amount_condition(rule: AmountRule) -> list[str]:
+    conditions = [f"resource.tool == {cedar_string(rule.tool)}"]
+    if rule.field is None:
+        return conditions
+    tag = cedar_string(rule.field)
+    conditions.append(f"resource.hasTag({tag})")
+    if rule.max is not None:
+        conditions.append(f'resource.getTag({tag}).lessThanOrEqual(decimal("{decimal_text(rule.max, rounding=ROUND_FLOOR)}"))')
+    if rule.above is not None:
+        conditions.append(f'resource.getTag({tag}).greaterThan(decimal("{decimal_text(rule.above)}"))')
+    return conditions
+
+
+def export_tenant(name: str, tenant: TenantPolicy) -> str:
+    """The tenant's authorization rules as Cedar policies, equivalent to the TOML engine's
+    decisions on them (tests/test_cedar.py compares the two on thousands of random decisions).
+    What is not authorization stays in the TOML: people and their keys, risk levels, approval
+    counts, TTLs, escalation timing, budgets, webhooks."""
+    of_tenant = f"resource.tenant == {_euid('Tenant', name)}"
+    member = f"principal in {_euid('Tenant', name)}"
+    policies = [
+        _policy(f"{name}.decide", None, "permit", ("approve", "reject", "revise", "hand_off", "cancel", "compensate"),
+                "Run", [of_tenant], comment=f"tenant {name}: its people decide on its runs, as the rules below allow"),
+    ]
+    if tenant.four_eyes:
+        policies.append(_policy(
+            f"{name}.four_eyes", "four_eyes", "forbid", ("approve",), "Run",
+            [of_tenant, "principal.skeleton == resource.requester.skeleton"],
+            comment="four_eyes: the requester (or a look-alike name) does not approve her own run"))
+    if not tenant.editor_may_approve:
+        policies.append(_policy(
+            f"{name}.editor_approval", "editor_approval", "forbid", ("approve",), "Run",
+            [of_tenant, "resource.revised_by.contains(principal.skeleton)"],
+            comment="editor_may_approve = false: whoever revised the plan does not approve it"))
+    if tenant.approvers is not None:
+        policies.append(_policy(
+            f"{name}.tenant_membership", "tenant_membership", "forbid",
+            ("approve", "reject", "revise", "hand_off", "compensate"), "Run", [of_tenant], unless=member,
+            comment="approvers: only the tenant's people decide on its runs"))
+        policies.append(_policy(
+            f"{name}.role", "role", "forbid", ("approve", "reject", "revise"), "Run", [of_tenant],
+            unless="principal in resource.roles",
+            comment="a decision needs one of the roles the pending request asks for"))
+        undo_roles = sorted(set(tenant.approval_roles) | set(tenant.high_risk.roles if tenant.high_risk else []))
+        held = "principal in [" + ", ".join(_euid("Role", r) for r in undo_roles) + "]" if undo_roles else "false"
+        policies.append(_policy(
+            f"{name}.compensate_role", "role", "forbid", ("compensate",), "Run", [of_tenant], unless=held,
+            comment="compensating (an undo is a write) needs an approval role of the tenant"))
+    policies.append(_policy(
+        f"{name}.distinct_approvers", "distinct_approvers", "forbid", ("approve",), "Run",
+        [of_tenant, "resource.approved_by.contains(principal.skeleton)"],
+        comment="one person (or look-alike name) approves a plan once"))
+    step_tenant = f"resource.tenant == {_euid('Tenant', name)}"
+    policies.append(_policy(f"{name}.write", None, "permit", ("execute_write",), "Step", [step_tenant],
+                            comment="a write runs when its approval (or auto-approval) holds and the rules below allow"))
+    if tenant.tools is not None:
+        allowed = "[" + ", ".join(cedar_string(t) for t in tenant.tools) + "]" if tenant.tools else None
+        policies.append(_policy(
+            f"{name}.tools", "tool_withdrawn", "forbid", ("execute_write",), "Step", [step_tenant],
+            unless=f"{allowed}.contains(resource.tool)" if allowed else "false",
+            comment="tools: what the tenant may use"))
+    if tenant.auto_approve.read_only:
+        policies.append(_policy(
+            f"{name}.auto_approve.read_only", None, "permit", ("auto_approve",), "Step",
+            [step_tenant, "resource.known", "!resource.requires_approval", 'resource.effect == "read_only"'],
+            comment="auto_approve.read_only: read-only steps that do not ask for approval need nobody"))
+    for i, rule in enumerate(tenant.auto_approve.limits, start=1):
+        policies.append(_policy(
+            f"{name}.auto_approve.limits.{i}", None, "permit", ("auto_approve",), "Step",
+            [step_tenant, "resource.known", "resource.requires_approval", *_amount_condition(rule)],
+            comment=f"auto_approve.limits[{i}]: judged on the run's sum, never one call's share"))
+    if tenant.high_risk is not None:
+        policies.append(_policy(
+            f"{name}.high_risk", "high_risk", "forbid", ("auto_approve",), "Step",
+            [step_tenant, 'resource.risk == "high"'],
+            comment=f"high_risk: a high-risk plan needs {tenant.high_risk.approvals} approvals, never none"))
+    return "\n\n".join(policies) + "\n"
+
+
+def export_document(document: PolicyDocument) -> str:
+    header = (
+        "// Exported by `tether policy export` from the policy file's authorization rules.\n"
+        "// The schema: activities/tether.cedarschema (docs/policy.md, \"Cedar\").\n"
+    )
+    parts = []
+    for name, t in document.tenants.items():
+        note = (f"// tenant {name} is decided by its own files ({', '.join(t.cedar)}): these, its TOML rules, are not in force\n"
+                if t.cedar else "")
+        parts.append(f"\n{note}{export_tenant(name, t)}")
+    return header + "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- policy sets
+
+
+@dataclass(frozen=True)
+class Policies:
+    """A parsed policy set and, per policy, its ``@id`` and ``@rule``."""
+
+    text: str
+    policy_set: cedarpy.PolicySet = field(repr=False)
+    ids: dict[str, str] = field(default_factory=dict)  # positional id -> @id (or itself)
+    rules: dict[str, str] = field(default_factory=dict)  # positional id -> @rule (or @id)
+
+    @classmethod
+    def from_text(cls, text: str) -> Policies:
+        policy_set = cedarpy.PolicySet.from_str(text)
+        est = json.loads(cedarpy.policies_to_json_str(text)).get("staticPolicies", {})
+        ids = {pid: p.get("annotations", {}).get("id") or pid for pid, p in est.items()}
+        rules = {pid: p.get("annotations", {}).get("rule") or ids[pid] for pid, p in est.items()}
+        return cls(text=text, policy_set=policy_set, ids=ids, rules=rules)
+
+
+@functools.lru_cache(maxsize=64)
+def tenant_policies(name: str, tenant_json: str) -> Policies:
+    """The exported policies of a tenant, parsed once per version of its rules."""
+    return Policies.from_text(export_tenant(name, TenantPolicy.model_validate_json(tenant_json)))
+
+
+def policies_for(name: str, tenant: TenantPolicy) -> Policies:
+    return tenant_policies(name, tenant.model_dump_json())
+
+
+# ----------------------------------------------------------------------------- the world
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """One Cedar decision: allowed or not, the ids of the policies that decided it (the permits
+    that allowed it, the forbids that refused it; none: nothing permitted it), the refusal
+    rule, and the entities and request it was judged on (what `tether policy explain` prints)."""
+
+    allowed: bool
+    policies: tuple[str, ...]
+    rule: str | None
+    request: dict[str, Any] = field(default_factory=dict, compare=False)
+    entities: tuple[dict[str, Any], ...] = field(default=(), compare=False)
+    errors: tuple[str, ...] = field(default=(), compare=False)
+
+
+def person_entity(name: str, tenant_name: str, tenant: TenantPolicy) -> dict[str, Any]:
+    """A person as the tenant's policy file lists them: member, and holder of their roles."""
+    parents: list[dict[str, str]] = []
+    if tenant.approvers is None:
+        parents.append(_uid("Tenant", tenant_name))  # no approvers listed: anyone is a member
+    elif (member := tenant.approvers.get(name)) is not None:
+        parents.append(_uid("Tenant", tenant_name))
+        parents += [_uid("Role", r) for r in member.roles]
+    return {"uid": _uid("Person", name), "attrs": {"skeleton": skeleton(name)}, "parents": parents}
+
+
+def run_entities(
+    tenant_name: str,
+    tenant: TenantPolicy,
+    *,
+    person: str,
+    requested_by: str,
+    roles: Collection[str] = (),
+    already_approved: Collection[str] = (),
+    editors: Collection[str] = (),
+    risk: str = "normal",
+    stage: int = 0,
+) -> list[dict[str, Any]]:
+    """The entities of a person's decision on a run."""
+    people = {name: person_entity(name, tenant_name, tenant) for name in (person, requested_by)}
+    run = {
+        "uid": _uid("Run", "run"),
+        "attrs": {
+            "tenant": {"__entity": _uid("Tenant", tenant_name)},
+            "requester": {"__entity": _uid("Person", requested_by)},
+            "risk": risk,
+            "stage": stage,
+            "roles": [{"__entity": _uid("Role", r)} for r in sorted(set(roles))],
+            "approved_by": sorted({skeleton(a) for a in already_approved}),
+            "revised_by": sorted({skeleton(e) for e in editors}),
+        },
+        "parents": [],
+    }
+    return [*people.values(), run]
+
+
+def judge_request(policies: Policies, request: dict[str, Any], entities: list[dict[str, Any]],
+                  tenant: object | None) -> Judgement:
+    """A request judged on these entities (a logged one again, under another policy: what-if)."""
+    return judge_requests(policies, [request], entities, tenant)[0]
+
+
+def action_name(request: dict[str, Any]) -> str:
+    """``approve`` of ``Tether::Action::"approve"``."""
+    return str(request.get("action", "")).rsplit("::", 1)[-1].strip('"')
+
+
+def judge_requests(policies: Policies, requests: list[dict[str, Any]], entities: list[dict[str, Any]],
+                   tenant: object | None) -> list[Judgement]:
+    """Requests judged on one set of entities, parsed once, in one call into the engine. The
+    entities are this module's own (``run_entities``, ``step_entities``), which tests check against
+    the schema; the policies were checked against it when they were loaded."""
+    handle = cedarpy.Entities.from_json_str(json.dumps([*entities, *ACTION_GROUPS]))
+    out = []
+    for request, result in zip(requests, cedarpy.is_authorized_batch(requests, policies.policy_set, handle)):
+        reasons = list(result.diagnostics.reasons)
+        ids = tuple(sorted(policies.ids.get(r, r) for r in reasons))
+        rule = None
+        if not result.allowed:
+            named = [policies.rules.get(r, r) for r in reasons]
+            named.sort(key=lambda r: (RULE_ORDER.index(r) if r in RULE_ORDER else len(RULE_ORDER), r))
+            rule = named[0] if named else (
+                "tenant" if tenant is None else NOT_PERMITTED.get(action_name(request), "not_permitted")
+            )
+        out.append(Judgement(
+            allowed=result.allowed, policies=ids, rule=rule, request=request, entities=tuple(entities),
+            errors=tuple(result.diagnostics.errors),
+        ))
+    return out
+
+
+def _denied_tenant(request: dict[str, Any]) -> Judgement:
+    return Judgement(allowed=False, policies=(), rule="tenant", request=request)
+
+
+def judge_person(
+    policies: Policies | None,
+    tenant_name: str,
+    tenant: TenantPolicy | None,
+    *,
+    action: str,
+    person: str,
+    requested_by: str,
+    **run: Any,
+) -> Judgement:
+    """May ``person`` take ``action`` (approve, approve_steps, reject, revise, hand_off, cancel,
+    compensate) on the run? The same inputs as ``workflows.policy.approver_refusal``; ``run``:
+    what :func:`run_entities` takes about the pending request (roles, already_approved, editors,
+    risk, stage)."""
+    request = {"principal": _uid("Person", person), "action": _action(action), "resource": _uid("Run", "run"), "context": {}}
+    if tenant is None or policies is None:
+        return _denied_tenant(request)
+    entities = run_entities(tenant_name, tenant, person=person, requested_by=requested_by, **run)
+    return judge_request(policies, request, entities, tenant)
+
+
+def step_entities(
+    tenant_name: str,
+    steps: Sequence[PlanStep],
+    catalog: ToolCatalog,
+    *,
+    spent: dict[str, float] | None = None,
+    risk: str = "none",
+    undo: Sequence[object | None] | None = None,
+    plan_hash: str = "",
+) -> list[dict[str, Any]]:
+    """The entities of the runtime's decisions on a plan's steps: a Plan and one Step each,
+    tagged with the run's sums (done and planned) of its tool's numeric arguments."""
+    totals = dict(spent or {})
+    for step in steps:
+        spend(totals, step.tool, step.args)
+    plan = {"uid": _uid("Plan", "plan"), "attrs": {"hash": plan_hash, "steps": len(steps)}, "parents": []}
+    entities: list[dict[str, Any]] = [plan, {"uid": _uid("Runtime", "tether"), "attrs": {}, "parents": []}]
+    for i, step in enumerate(steps, start=1):
+        info = catalog.get(step.tool)
+        prefix = f"{step.tool}."
+        tags = {
+            key[len(prefix):]: {"__extn": {"fn": "decimal", "arg": decimal_text(total)}}
+            for key, total in totals.items() if key.startswith(prefix)
+        }
+        entities.append({
+            "uid": _uid("Step", str(i)),
+            "attrs": {
+                "tenant": {"__entity": _uid("Tenant", tenant_name)},
+                "tool": step.tool,
+                "known": info is not None,
+                "effect": info.effect.value if info is not None else ToolEffect.UNSAFE.value,
+                "requires_approval": info.requires_approval if info is not None else True,
+                "destructive": info.destructive if info is not None else True,
+                "undo": bool(undo is not None and undo[i - 1] is not None),
+                "risk": risk,
+            },
+            "parents": [_uid("Plan", "plan")],
+            "tags": tags,
+        })
+    return entities
+
+
+def judge_steps(
+    policies: Policies | None,
+    tenant_name: str,
+    tenant: TenantPolicy | None,
+    *,
+    actions: Sequence[str],
+    steps: Sequence[PlanStep],
+    catalog: ToolCatalog,
+    spent: dict[str, float] | None = None,
+    risk: str = "none",
+    undo: Sequence[object | None] | None = None,
+    writes: Collection[int] | None = None,
+) -> list[Judgement]:
+    """The runtime's ``actions`` (auto_approve, execute_write) on each step: for each action,
+    each step in plan order (``execute_write`` only on the ``writes``, 1-based, when given),
+    judged in one call."""
+    entities = step_entities(tenant_name, steps, catalog, spent=spent, risk=risk, undo=undo)
+    requests = [
+        {"principal": _uid("Runtime", "tether"), "action": _action(action), "resource": _uid("Step", str(i)), "context": {}}
+        for action in actions
+        for i in range(1, len(steps) + 1)
+        if action != "execute_write" or writes is None or i in writes
+    ]
+    if tenant is None or policies is None:
+        return [_denied_tenant(r) for r in requests]
+    return judge_requests(policies, requests, entities, tenant) if requests else []
+
+
+def plan_auto_approved(judgements: Sequence[Judgement]) -> bool:
+    """A plan runs without a person when Cedar auto-approves every one of its steps."""
+    return all(j.allowed for j in judgements)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _statements(text: str) -> list[tuple[int, str]]:
+    """The policies of a Cedar text, each with the line (1-based) it starts on: split at each
+    ``;`` outside strings and comments (a policy ends there and nowhere else)."""
+    out: list[tuple[int, str]] = []
+    start: int | None = None
+    line, start_line, i = 1, 1, 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\n":
+            line += 1
+        elif text.startswith("//", i):
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+            continue
+        elif not ch.isspace() and start is None:
+            start, start_line = i, line
+        if ch == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                if text[i] == "\n":
+                    line += 1
+                i += 2 if text[i] == "\\" else 1
+        elif ch == ";" and start is not None:
+            out.append((start_line, text[start : i + 1]))
+            start = None
+        i += 1
+    if start is not None:
+        out.append((start_line, text[start:]))
+    return out
+
+
+def cedar_problems(text: str, source: str) -> list[str]:
+    """Everything wrong with a Cedar policy text, one line each with the file and line: a
+    syntax error, and what the schema refuses (an unknown attribute, a type error, an action
+    that does not exist); ``@id`` annotations used twice (records name policies by them)."""
+    statements = _statements(text)
+    try:
+        parsed = Policies.from_text(text)
+    except ValueError as e:
+        for line, statement in statements:
+            try:
+                cedarpy.PolicySet.from_str(statement)
+            except ValueError as inner:
+                return [f"{source}: line {line}: {inner}"]
+        return [f"{source}: {e}"]
+    problems = []
+    result = cedarpy.validate_policies(text, schema())
+    for error in result.errors:
+        index = int(error.policy_id.removeprefix("policy")) if error.policy_id.startswith("policy") else -1
+        line = statements[index][0] if 0 <= index < len(statements) else None
+        message = error.error.removeprefix(f"for policy `{error.policy_id}`, ")
+        name = parsed.ids.get(error.policy_id, error.policy_id)
+        problems.append(f"{source}: {f'line {line}, ' if line else ''}policy {name}: {message}")
+    seen: dict[str, int] = {}
+    for index, (pid, ident) in enumerate(parsed.ids.items()):
+        line = statements[index][0] if index < len(statements) else 0
+        if ident != pid and ident in seen:
+            problems.append(f"{source}: line {line}: @id({ident}) is also the id of the policy on line "
+                            f"{seen[ident]}: records name policies by id, so give each its own")
+        seen.setdefault(ident, line)
+    return list(dict.fromkeys(problems))
+
+
+class CedarFileError(ValueError):
+    """A tenant's Cedar files with problems, one line each (file, line, problem)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def tenant_files(tenant: TenantPolicy, base: Path) -> list[Path]:
+    return [(base / rel) for rel in tenant.cedar or []]
+
+
+def read_tenant_cedar(name: str, tenant: TenantPolicy, base: Path) -> str:
+    """A tenant's own Cedar files (``cedar = [...]``, relative to the policy file's folder) as one
+    policy text, checked against the schema; raises :class:`CedarFileError` naming each problem."""
+    texts, problems = [], []
+    for path in tenant_files(tenant, base):
+        try:
+            text = path.read_text()
+        except OSError as e:
+            problems.append(f"{path}: cannot read it ({e.strerror}): key tenants.{name}.cedar names it")
+            continue
+        problems += cedar_problems(text, str(path))
+        texts.append(text)
+    if problems:
+        raise CedarFileError(problems)
+    combined = "\n".join(texts)
+    if not combined.strip():
+        raise CedarFileError([f"tenants.{name}.cedar: its files hold no policy: every decision would be refused"])
+    return combined
+
+
+def policies_of(name: str, tenant: TenantPolicy, cedar_text: str | None) -> Policies:
+    """The policies deciding for a tenant: its own Cedar files' (read by the caller), else its
+    TOML rules exported."""
+    if cedar_text is not None:
+        return _parsed(cedar_text)
+    return policies_for(name, tenant)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> Policies:
+    return Policies.from_text(text)
+
+
+def check_file(path: Path) -> tuple[list[str], str]:
+    """``tether policy validate``: a policy file (TOML, with the Cedar files its tenants name)
+    or a Cedar file, checked against the schema. The problems (file, line, problem) and, when
+    there are none, what was checked."""
+    from activities.policy import PolicyFileError, load_cedar_files, parse_policy
+
+    try:
+        text = path.read_text()
+    except OSError as e:
+        return [f"{path}: cannot read it ({e.strerror})"], ""
+    if path.suffix == ".cedar":
+        problems = cedar_problems(text, str(path))
+        return problems, f"{len(_statements(text))} Cedar policies, valid against the schema"
+    try:
+        document = parse_policy(text, str(path))
+        own = load_cedar_files(document, path)
+    except PolicyFileError as e:
+        return str(e).splitlines(), ""
+    exported = {name: export_tenant(name, t) for name, t in document.tenants.items() if name not in own}
+    problems = [p for name, t in exported.items() for p in cedar_problems(t, f"{path} (tenant {name}, exported)")]
+    return problems, (
+        f"{len(document.tenants)} tenant(s): {len(exported)} decided by their TOML rules (exported to Cedar), "
+        f"{len(own)} by their own Cedar files; all valid against the schema"
+    )

@@ -1,0 +1,307 @@
+"""The judgement log: every Cedar judgement the policy activities made (a person's decision, a
+write's pre-check), with the entities and request it was judged on and the policies that decided.
+
+Where the audit sink is: JSON lines, ``judgements.jsonl`` beside its folders (``TETHER_AUDIT_DIR``,
+default ``.tether/audit``), or PostgreSQL (``TETHER_AUDIT_DSN``: table ``tether_judgements``). Records on the run's timeline name the deciding policy ids (audit by
+reference); this log holds what they were judged on, for ``tether policy explain RUN`` and for
+``tether policy what-if NEW_POLICY``, which judges each one again under a proposed policy. A
+retried activity writes its lines again: readers keep the last line of each judgement's key.
+A line that cannot be written is logged and counted, never a reason to refuse a decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from activities import cedar
+from activities.audit import DEFAULT_AUDIT_DIR, redact_dsn
+
+FILE = "judgements.jsonl"
+logger = logging.getLogger("tether.judgements")
+
+
+def key(entry: dict[str, Any]) -> tuple[str, ...]:
+    """One judgement: the run, the activity that judged, and which of its judgements."""
+    return (entry.get("workflow_id", ""), entry.get("run_id", ""), entry.get("activity_id", ""), str(entry.get("index", 0)))
+
+
+class JudgementLog(Protocol):
+    """Where judgements are logged: JSON lines beside the audit sink's folders, or PostgreSQL."""
+
+    failures: int
+
+    def describe(self) -> str: ...
+
+    def write(self, entries: list[dict[str, Any]]) -> None: ...
+
+    def read(self, *, since: datetime | None = None, tenant: str | None = None,
+             workflow_id: str | None = None) -> list[dict[str, Any]]: ...
+
+
+def log_from_env(audit_dir: str | None = None, dsn: str | None = None) -> JudgementLog:
+    """The audit sink's choice: PostgreSQL with ``TETHER_AUDIT_DSN`` (table ``tether_judgements``),
+    else JSON lines under ``TETHER_AUDIT_DIR``. An explicit ``audit_dir`` picks JSON lines."""
+    dsn = dsn or (None if audit_dir else os.environ.get("TETHER_AUDIT_DSN"))
+    if dsn:
+        return PostgresJudgementLog(dsn)
+    return JsonlJudgementLog(Path(audit_dir or os.environ.get("TETHER_AUDIT_DIR") or DEFAULT_AUDIT_DIR))
+
+
+async def append(log: JudgementLog, entries: list[dict[str, Any]]) -> None:
+    """Write in a thread (the worker's event loop never waits for the disk or the database); a
+    failure is logged and counted, never raised: the decision stands without its log line."""
+    if not entries:
+        return
+    try:
+        await asyncio.to_thread(log.write, entries)
+    except Exception as e:
+        log.failures += 1
+        logger.warning("judgement log %s not written (%s): explain and what-if miss %d judgement(s)",
+                       log.describe(), " ".join(str(e).split())[:300], len(entries))
+
+
+@dataclass
+class JsonlJudgementLog:
+    root: Path
+    failures: int = 0
+
+    @property
+    def path(self) -> Path:
+        return self.root / FILE
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def write(self, entries: list[dict[str, Any]]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        body = b"".join(json.dumps(e, sort_keys=True, ensure_ascii=False).encode() + b"\n" for e in entries)
+        with open(self.path, "ab") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # whole lines, across worker processes
+            f.write(body)
+            f.flush()
+
+    def read(self, *, since: datetime | None = None, tenant: str | None = None,
+             workflow_id: str | None = None) -> list[dict[str, Any]]:
+        """The judgements (the last line of each), oldest first, filtered."""
+        if not self.path.exists():
+            return []
+        latest: dict[tuple[str, ...], dict[str, Any]] = {}
+        with open(self.path, "rb") as f:
+            for raw in f:
+                try:
+                    entry = json.loads(raw)
+                except ValueError:
+                    continue  # a line torn by a worker killed mid-write
+                latest[key(entry)] = entry
+        return [e for e in sorted(latest.values(), key=lambda e: (e.get("at", ""), key(e))) if _matches(e, since, tenant, workflow_id)]
+
+
+PG_TABLE = "tether_judgements"
+PG_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {PG_TABLE} (
+    workflow_id text NOT NULL,
+    run_id text NOT NULL,
+    activity_id text NOT NULL,
+    idx integer NOT NULL,
+    tenant text NOT NULL,
+    at timestamptz NOT NULL,
+    line jsonb NOT NULL,
+    PRIMARY KEY (workflow_id, run_id, activity_id, idx)
+);
+CREATE INDEX IF NOT EXISTS {PG_TABLE}_at ON {PG_TABLE} (at);
+"""
+
+
+@dataclass
+class PostgresJudgementLog:
+    """The fleet's judgement log, beside the PostgreSQL audit sink: one row per judgement (a
+    retried activity's row is replaced by its last attempt's)."""
+
+    dsn: str
+    failures: int = 0
+    _conn: Any = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def describe(self) -> str:
+        return f"PostgreSQL {redact_dsn(self.dsn)} (table {PG_TABLE})"
+
+    def _run(self, work: Any) -> Any:
+        import psycopg
+
+        with self._lock:  # one connection per process; its statements one at a time
+            try:
+                if self._conn is None or self._conn.closed:
+                    conn = psycopg.connect(self.dsn, connect_timeout=5)
+                    with conn.transaction():
+                        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (PG_TABLE,))
+                        conn.execute(PG_SCHEMA)
+                    self._conn = conn
+                return work(self._conn)
+            except Exception:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                raise
+
+    def write(self, entries: list[dict[str, Any]]) -> None:
+        def insert(conn: Any) -> None:
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(
+                    f"INSERT INTO {PG_TABLE} (workflow_id, run_id, activity_id, idx, tenant, at, line) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (workflow_id, run_id, activity_id, idx) "
+                    "DO UPDATE SET tenant = EXCLUDED.tenant, at = EXCLUDED.at, line = EXCLUDED.line",
+                    [(e.get("workflow_id", ""), e.get("run_id", ""), e.get("activity_id", ""), e.get("index", 0),
+                      e.get("tenant", ""), e.get("at"), json.dumps(e, ensure_ascii=False)) for e in entries],
+                )
+
+        self._run(insert)
+
+    def read(self, *, since: datetime | None = None, tenant: str | None = None,
+             workflow_id: str | None = None) -> list[dict[str, Any]]:
+        def select(conn: Any) -> list[dict[str, Any]]:
+            cur = conn.execute(
+                f"SELECT line::text FROM {PG_TABLE} WHERE (%s::timestamptz IS NULL OR at >= %s) "
+                "AND (%s::text IS NULL OR tenant = %s) AND (%s::text IS NULL OR workflow_id = %s) "
+                "ORDER BY at, workflow_id, run_id, activity_id, idx",
+                (since, since, tenant, tenant, workflow_id, workflow_id),
+            )
+            rows = [json.loads(line) for (line,) in cur.fetchall()]
+            conn.rollback()
+            return rows
+
+        return self._run(select)
+
+
+def _matches(entry: dict[str, Any], since: datetime | None, tenant: str | None, workflow_id: str | None) -> bool:
+    if tenant is not None and entry.get("tenant") != tenant:
+        return False
+    if workflow_id is not None and entry.get("workflow_id") != workflow_id:
+        return False
+    if since is not None:
+        try:
+            return datetime.fromisoformat(entry["at"]) >= since
+        except (KeyError, ValueError):
+            return False
+    return True
+
+
+def entries(judgements: Iterable[Any], **common: Any) -> list[dict[str, Any]]:
+    """Log lines for Cedar judgements (activities.cedar.Judgement), numbered within their activity."""
+    return [
+        {
+            # Who decided, for a person's action (a pre-write check judges approvals again too).
+            "person": _person_of(j.request),
+            **common,
+            "index": i,
+            "action": cedar.action_name(j.request),
+            "allowed": j.allowed,
+            "rule": j.rule,
+            "policies": list(j.policies),
+            "request": j.request,
+            "entities": list(j.entities),
+        }
+        for i, j in enumerate(judgements)
+    ]
+
+
+def _person_of(request: dict[str, Any]) -> str:
+    principal = request.get("principal")
+    return principal.get("id", "") if isinstance(principal, dict) and principal.get("type") == f"{cedar.NS}::Person" else ""
+
+
+# ----------------------------------------------------------------------------- what-if
+
+
+@dataclass(frozen=True)
+class Change:
+    """A recorded judgement that a proposed policy decides otherwise."""
+
+    entry: dict[str, Any]
+    allowed: bool
+    rule: str | None
+    policies: tuple[str, ...]
+
+    @property
+    def meaning(self) -> str:
+        action, was = self.entry.get("action", ""), self.entry.get("allowed")
+        if was and not self.allowed:
+            return {
+                "approve": "an approval that would be refused: the run would have needed another approver",
+                "approve_steps": "a partial approval that would be refused: the run would have needed another approver",
+                "auto_approve": "an auto-approval that would need a person",
+                "execute_write": "a write that would have been stopped",
+            }.get(action, f"a {action} that would be refused")
+        if not was and self.allowed:
+            return f"a {action} that was refused and would be allowed"
+        return f"refused by another rule ({self.entry.get('rule')} -> {self.rule})"
+
+
+class ProposedPolicy:
+    """A proposed policy to judge recorded judgements by: a policy file (TOML, its tenants' people
+    and rules, and their own Cedar files) or a Cedar file (for every tenant, on the people as
+    they were judged). Raises ValueError naming each problem (file, line) when it is invalid."""
+
+    def __init__(self, path: Path) -> None:
+        from activities.policy import PolicyFileError, load_cedar_files, parse_policy
+
+        self.path = path
+        self.document = None
+        self.own: dict[str, str] = {}
+        self.cedar_policies = None
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+        if path.suffix == ".cedar":
+            if problems := cedar.cedar_problems(text, str(path)):
+                raise ValueError("\n".join(problems))
+            self.cedar_policies = cedar.Policies.from_text(text)
+            return
+        try:
+            self.document = parse_policy(text, str(path))
+            self.own = load_cedar_files(self.document, path)
+        except PolicyFileError as e:
+            raise ValueError(str(e)) from None
+
+    def judge(self, entry: dict[str, Any]) -> tuple[bool, str | None, tuple[str, ...]]:
+        """The entry's request judged again under this policy."""
+        name = entry.get("tenant", "")
+        entities = entry.get("entities", [])
+        if self.cedar_policies is not None:
+            policies, tenant = self.cedar_policies, object()  # a Cedar file speaks for every tenant
+        else:
+            assert self.document is not None
+            tenant = self.document.tenants.get(name)
+            if tenant is None:
+                return False, "tenant", ()
+            policies = cedar.policies_of(name, tenant, self.own.get(name))
+            # Who holds which roles is the proposed file's: people are judged as it lists them.
+            entities = [
+                cedar.person_entity(e["uid"]["id"], name, tenant) if e.get("uid", {}).get("type") == f"{cedar.NS}::Person" else e
+                for e in entities
+            ]
+        if not entities:
+            return False, "tenant", ()
+        j = cedar.judge_request(policies, entry.get("request", {}), entities, tenant)
+        return j.allowed, j.rule, j.policies
+
+
+def what_if(recorded: list[dict[str, Any]], proposed: ProposedPolicy) -> list[Change]:
+    """The recorded judgements a proposed policy decides otherwise (allowed or not, or by
+    another refusal rule), oldest first."""
+    changes = []
+    for entry in recorded:
+        allowed, rule, policies = proposed.judge(entry)
+        if (allowed, rule) != (entry.get("allowed"), entry.get("rule")):
+            changes.append(Change(entry=entry, allowed=allowed, rule=rule, policies=policies))
+    return changes

@@ -1,0 +1,539 @@
+"""Cedar (activities/cedar.py): the exported example tenants decide as the TOML engine does.
+
+The heart of it is ``test_cedar_decides_as_the_toml_rules``: for every tenant of every example
+policy file, and for random tenants covering every option the export reads, thousands of seeded
+random decisions judged by both engines, verdict and refusal rule compared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import cedarpy
+import pytest
+
+from activities import cedar
+from activities.policy import cedar_approver_problem, judge_writes, parse_policy
+from tests.conftest import ROOT
+from workflows import policy
+from workflows.contract import AcceptedApproval, Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
+from workflows.wire import AuthorityCheck
+from workflows.policy_file import AmountRule, Approver, AutoApprove, HighRisk, TenantPolicy
+
+EXAMPLES = [ROOT / "examples/billing/policy.toml", ROOT / "examples/billing/policy.image.toml", ROOT / "examples/git/policy.toml"]
+STRANGERS = ["mallory", "a1ice", "b0b", "rnallory", "zed"]  # a1ice looks like alice, rnallory like mallory
+ROLES = ["approver", "finance", "support", "manager"]
+AMOUNTS = [0, 1, 1999, 2000, 2001, 4999, 5000, 5000.5, 5001, 20000, 49999.75, 50000, 50001, 120000]
+SEED = 32
+AT = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def example_tenants() -> list[tuple[str, str, TenantPolicy]]:
+    out = []
+    for path in EXAMPLES:
+        document = parse_policy(path.read_text(), str(path))
+        out += [(path.name, name, tenant) for name, tenant in document.tenants.items()]
+    return out
+
+
+def random_tenant(rng: random.Random, tools: list[str]) -> TenantPolicy:
+    """A tenant setting every option the export reads, at random."""
+
+    def amount_rule(kind: str) -> AmountRule:
+        tool = rng.choice(tools)
+        if rng.random() < 0.2:
+            return AmountRule(tool=tool)
+        bound = float(rng.choice([2000, 5000, 5000.25, 50000]))
+        return AmountRule(tool=tool, field="amount_cents", **{kind: bound})
+
+    people = ["alice", "bob", "carol", "erin", "dana", "mallory"]
+    approvers = None if rng.random() < 0.25 else {
+        who: Approver(roles=rng.sample(ROLES, rng.randint(0, 2))) for who in rng.sample(people, rng.randint(0, 5))
+    }
+    high_risk = None if rng.random() < 0.3 else HighRisk(
+        when=[amount_rule("above") for _ in range(rng.randint(0, 2))], destructive=rng.random() < 0.5,
+        approvals=rng.randint(1, 3), roles=rng.sample(ROLES, rng.randint(1, 2)),
+    )
+    return TenantPolicy(
+        tools=None if rng.random() < 0.3 else rng.sample(tools, rng.randint(0, len(tools))),
+        approvers=approvers,
+        approval_roles=rng.sample(ROLES, rng.randint(0, 2)),
+        four_eyes=rng.random() < 0.7,
+        editor_may_approve=rng.random() < 0.6,
+        auto_approve=AutoApprove(
+            read_only=rng.random() < 0.7, limits=[amount_rule("max") for _ in range(rng.randint(0, 2))]
+        ),
+        high_risk=high_risk,
+    )
+
+
+def random_catalog(rng: random.Random, tools: list[str]) -> ToolCatalog:
+    """Each tool with a random declared effect (one is left out: a tool the worker lacks)."""
+    known = tools[:-1] if rng.random() < 0.5 else tools
+    return ToolCatalog(tools=[
+        ToolInfo(
+            name=t, effect=rng.choice(list(ToolEffect)), requires_approval=rng.random() < 0.6,
+            destructive=rng.random() < 0.2, args_schema={}, timeout_seconds=10, max_retries=1,
+        )
+        for t in known
+    ])
+
+
+def names_of(tenant: TenantPolicy) -> list[str]:
+    return sorted(set(tenant.approvers or {}) | {"alice", "bob", "carol"}) + STRANGERS
+
+
+def cedar_verdict(j: cedar.Judgement) -> tuple[bool, str | None]:
+    assert not j.errors, j.errors  # an evaluation error would be a deny for the wrong reason
+    if j.entities and next(JUDGED) % 50 == 0:
+        # The engine is not given the schema per call (the cost): the entities are held to it here.
+        cedarpy.Entities.from_json_str(json.dumps(list(j.entities)), cedar.schema())
+    return j.allowed, j.rule
+
+
+JUDGED = itertools.count()
+
+
+def toml_verdict(refusal: policy.Refusal | None) -> tuple[bool, str | None]:
+    return refusal is None, refusal.rule if refusal else None
+
+
+def compare_decisions(
+    rng: random.Random, name: str, tenant: TenantPolicy, tools: list[str], n: int, seen: Counter[str]
+) -> int:
+    """``n`` random decisions of each kind on one tenant, judged by both engines; ``seen``
+    counts the verdicts (by refusal rule) they agreed on."""
+    policies = cedar.policies_for(name, tenant)
+    people = names_of(tenant)
+    roles_pool = sorted(set(ROLES) | {r for a in (tenant.approvers or {}).values() for r in a.roles})
+    compared = 0
+    for _ in range(n):
+        person, requester = rng.choice(people), rng.choice(people)
+        roles = rng.sample(roles_pool, rng.randint(1, 3))
+        approved = rng.sample(people, rng.randint(0, 2))
+        editors = rng.sample(people, rng.randint(0, 2))
+        for kind, action in (("approve", "approve"), ("approve", "approve_steps"), ("reject", "reject"), ("revise", "revise")):
+            expected = toml_verdict(policy.approver_refusal(
+                tenant, approver=person, requested_by=requester, kind=kind, roles=roles,
+                already_approved=approved, editors=editors,
+            ))
+            got = cedar_verdict(cedar.judge_person(
+                policies, name, tenant, action=action, person=person, requested_by=requester, roles=roles,
+                already_approved=approved, editors=editors,
+            ))
+            assert got == expected, (name, kind, action, person, requester, roles, approved, editors)
+            seen[got[1] or "allowed"] += 1
+        expected = toml_verdict(policy.handoff_member_refusal(tenant, person))
+        assert cedar_verdict(cedar.judge_person(policies, name, tenant, action="hand_off", person=person,
+                                                requested_by=requester)) == expected, (name, "hand_off", person)
+        expected = toml_verdict(policy.compensator_refusal(tenant, person))
+        assert cedar_verdict(cedar.judge_person(policies, name, tenant, action="compensate", person=person,
+                                                requested_by=requester)) == expected, (name, "compensate", person)
+        # A plan: auto-approved by both or by neither; each write allowed by both or neither.
+        catalog = random_catalog(rng, tools)
+        steps = [
+            PlanStep(tool_call_id=f"s{i}", tool=rng.choice(tools + ["unknown_tool"]),
+                     args={"amount_cents": rng.choice(AMOUNTS)} if rng.random() < 0.8 else {"note": "x"})
+            for i in range(rng.randint(1, 4))
+        ]
+        spent = {f"{rng.choice(tools)}.amount_cents": rng.choice(AMOUNTS)} if rng.random() < 0.4 else {}
+        review = policy.review_plan(Plan(steps=steps, plan_hash=""), catalog, tenant, spent)
+        judged = cedar.judge_steps(policies, name, tenant, actions=["auto_approve"], steps=steps, catalog=catalog,
+                                   spent=spent, risk=review.risk)
+        assert all(not j.errors for j in judged)
+        assert (not cedar.plan_auto_approved(judged)) == review.needs_approval, (name, steps, spent, catalog)
+        seen[f"plan {review.risk}"] += 1
+        writes = cedar.judge_steps(policies, name, tenant, actions=["execute_write"], steps=steps, catalog=catalog)
+        for step, j in zip(steps, writes, strict=True):
+            why = policy.tool_refusal(tenant, step.tool)
+            assert cedar_verdict(j) == (why is None, "tool_withdrawn" if why else None), (name, step.tool)
+            seen["tool_withdrawn" if why else "write allowed"] += 1
+        # The activity's whole pre-write check of a plan that runs without approval, both ways.
+        write_tools = [s.tool for s in steps if (i := catalog.get(s.tool)) is None or i.effect != ToolEffect.READ_ONLY]
+        check = AuthorityCheck(tenant=name, approvals=[], tools=write_tools, roles=[], approvals_required=0,
+                               steps=steps, catalog=catalog, spent=spent)
+        expected = toml_verdict(policy.authority_refusal(
+            tenant, approvals=[], tools=write_tools, roles=[], approvals_required=0, steps=steps, catalog=catalog,
+            spent=spent))
+        refusal, judged = judge_writes(tenant, policies, check, name)
+        assert toml_verdict(refusal) == expected, (name, steps, spent, catalog)
+        seen[f"pre-write {expected[1] or 'allowed'}"] += 1
+        # An approved plan's check: each approval in force judged again, by Cedar and by the TOML.
+        approved = [AcceptedApproval(approver=who, decision_id=f"d{k}", at=AT) for k, who in enumerate(approved)]
+        terms = dict(approvals=[a.approver for a in approved], tools=write_tools, roles=roles, approvals_required=1,
+                     steps=steps, catalog=catalog, spent=spent, approved=approved, requested_by=requester)
+        expected = toml_verdict(policy.authority_refusal(tenant, **terms))
+        problem = cedar_approver_problem(tenant, policies, name, requester, [])
+        assert toml_verdict(policy.authority_refusal(tenant, **terms, approver_problem=problem)) == expected, (
+            name, approved, requester, steps)
+        seen[f"approvals {expected[1] or 'hold'}"] += 1
+        compared += 13 + len(steps)
+    return compared
+
+
+def test_cedar_decides_as_the_toml_rules() -> None:
+    rng = random.Random(SEED)
+    compared, seen = 0, Counter[str]()
+    billing = ["get_order", "issue_refund", "post_ledger_entry", "send_email", "void_refund"]
+    for source, name, tenant in example_tenants():
+        tools = list(tenant.tools or billing)
+        compared += compare_decisions(rng, name, tenant, tools, n=200, seen=seen)
+    for i in range(120):
+        compared += compare_decisions(rng, f"t{i}", random_tenant(rng, billing), billing, n=10, seen=seen)
+    print(f"{compared} decisions compared: {dict(seen)}")
+    assert compared > 20_000
+    # Every verdict the rules can give came up, each many times: the sample reaches them all.
+    rules = ["allowed", "four_eyes", "editor_approval", "tenant_membership", "role", "distinct_approvers",
+             "tool_withdrawn", "write allowed", "plan none", "plan normal", "plan high",
+             "pre-write allowed", "pre-write approval_needed", "pre-write tool_withdrawn",
+             "approvals hold", "approvals approver_revoked"]
+    assert all(seen[r] >= 50 for r in rules), seen
+
+
+def test_a_missing_tenant_is_refused_by_both() -> None:
+    j = cedar.judge_person(None, "ghost", None, action="approve", person="bob", requested_by="alice")
+    assert cedar_verdict(j) == toml_verdict(policy.approver_refusal(
+        None, approver="bob", requested_by="alice", kind="approve", roles=["approver"], already_approved=[]))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_example_exports_validate_against_the_schema(path: Path) -> None:
+    text = cedar.export_document(parse_policy(path.read_text(), str(path)))
+    result = cedarpy.validate_policies(text, cedar.schema())
+    assert result.validation_passed, [str(e) for e in result.errors]
+    assert cedarpy.format_policies(text)  # the formatter reads it too
+
+
+def test_the_deciding_policies_are_named() -> None:
+    """A verdict names the policies that decided it: the forbids that refused, the permit that allowed."""
+    tenant = parse_policy((ROOT / "examples/billing/policy.toml").read_text()).tenants["default"]
+    policies = cedar.policies_for("default", tenant)
+    ok = cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice", roles=["approver"])
+    assert (ok.allowed, ok.policies) == (True, ("default.decide",))
+    own = cedar.judge_person(policies, "default", tenant, action="approve", person="a1ice", requested_by="alice",
+                             roles=["finance"])
+    assert (own.allowed, own.rule) == (False, "four_eyes")
+    assert own.policies == ("default.four_eyes", "default.role", "default.tenant_membership")
+    refund = [PlanStep(tool_call_id="s1", tool="issue_refund", args={"amount_cents": 4000})]
+    catalog = ToolCatalog(tools=[ToolInfo(name="issue_refund", effect=ToolEffect.IDEMPOTENT, requires_approval=True,
+                                          args_schema={}, timeout_seconds=10, max_retries=1)])
+    [auto] = cedar.judge_steps(policies, "default", tenant, actions=["auto_approve"], steps=refund, catalog=catalog)
+    assert (auto.allowed, auto.policies) == (True, ("default.auto_approve.limits.1",))
+    # Four refunds of 49.99 are one refund of 199.96: the run's sum is the step's tag.
+    [summed] = cedar.judge_steps(policies, "default", tenant, actions=["auto_approve"], steps=refund, catalog=catalog,
+                                 spent={"issue_refund.amount_cents": 1001})
+    assert (summed.allowed, summed.rule) == (False, "approval_needed")
+
+
+def test_amounts_round_toward_needing_approval() -> None:
+    assert cedar.decimal_text(5000) == "5000.0"
+    assert cedar.decimal_text(0.1 + 0.2) == "0.3001"  # over 0.3, as the float is
+    assert cedar.decimal_text(5000.00009, rounding="ROUND_FLOOR") == "5000.0"
+    assert cedar.decimal_text(10**30) == "922337203685477.5807"
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_policy_export_writes_cedar_that_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import starter
+
+    out = tmp_path / "billing.cedar"
+    assert starter.main(["policy", "export", str(ROOT / "examples/billing/policy.toml"), "--out", str(out)]) == 0
+    assert '@id("default.four_eyes")' in out.read_text() and '@id("acme.tools")' in out.read_text()
+    assert starter.main(["policy", "validate", str(out)]) == 0
+    assert "Cedar policies, valid against the schema" in capsys.readouterr().out
+    assert starter.main(["policy", "validate", str(ROOT / "examples/billing/policy.toml")]) == 0
+
+
+def test_policy_validate_names_file_line_and_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import starter
+
+    bad = tmp_path / "bad.cedar"
+    bad.write_text(
+        '// a comment; with a semicolon\n'
+        '@id("ok")\npermit (principal, action in Tether::Action::"approve", resource is Tether::Run)\n'
+        'when { resource.tenant == Tether::Tenant::"x;y" };\n\n'
+        '@id("typo")\nforbid (principal, action in Tether::Action::"revise", resource is Tether::Run)\n'
+        'when { resource.requestor.skeleton == principal.skeleton };\n'
+        '@id("launch")\npermit (principal, action in Tether::Action::"launch", resource);\n'
+        '@id("types")\nforbid (principal, action in Tether::Action::"approve", resource is Tether::Run)\n'
+        'when { resource.stage == "2" };\n'
+    )
+    assert starter.main(["policy", "validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: line 6, policy typo: attribute `requestor` on entity type `Tether::Run` not found" in err
+    assert f'{bad}: line 9, policy launch: unrecognized action `Tether::Action::"launch"`' in err
+    assert f"{bad}: line 11, policy types: the types Long and String are not compatible" in err
+    bad.write_text('@id("a")\npermit (principal, action, resource);\n@id("b")\nforbid (principal action, resource);\n')
+    assert starter.main(["policy", "validate", str(bad)]) == 2
+    assert f"{bad}: line 3: unexpected token `action`" in capsys.readouterr().err
+
+
+def test_a_tenants_own_cedar_files_are_checked_at_start(tmp_path: Path) -> None:
+    """The worker and the inbox load the file through PolicyStore: a bad Cedar file stops them,
+    naming its line; a good one decides for its tenant and is part of the policy hash."""
+    from activities.policy import PolicyFileError, PolicyStore, check_policy_file
+
+    toml = tmp_path / "policy.toml"
+    toml.write_text('[tenants.default]\ncedar = ["default.cedar"]\n[tenants.default.approvers]\nbob = {}\n')
+    own = tmp_path / "default.cedar"
+    own.write_text('@id("open")\npermit (principal, action in Tether::Action::"approve", resource)\nwhen { resource.risk == 1 };\n')
+    with pytest.raises(PolicyFileError, match=r"default.cedar: line 1, policy open: the types"):
+        PolicyStore(toml).load()
+    assert any("line 1, policy open" in p for p in check_policy_file(toml, []))
+    own.write_text('@id("open")\npermit (principal, action in Tether::Action::"approve", resource);\n')
+    store = PolicyStore(toml)
+    tenant, policies, digest = store.policies("default")
+    assert policies is not None and list(policies.ids.values()) == ["open"]
+    j = cedar.judge_person(policies, "default", tenant, action="approve", person="alice", requested_by="alice")
+    assert (j.allowed, j.policies) == (True, ("open",))  # this tenant's own rules: no four-eyes
+    own.write_text('@id("closed")\nforbid (principal, action, resource);\n')
+    assert store.policies("default")[2] != digest  # an edit to a Cedar file is a new policy
+
+
+# ----------------------------------------------------------------------------- recorded runs
+
+RECORDED_POLICY = """
+[tenants.default]
+tools = ["get_order", "issue_refund"]
+[tenants.default.approvers]
+alice = { roles = ["approver"] }
+bob = { roles = ["approver"] }
+[tenants.default.auto_approve]
+limits = [{ tool = "issue_refund", field = "amount_cents", max = %d }]
+"""
+
+
+def refund_step(amount: int) -> dict:
+    # A-9999 does not exist: nothing is refunded whatever happens; the checks before it are made.
+    return {"tool": "issue_refund", "args": {"order_id": "A-9999", "amount_cents": amount, "reason": "what-if"}}
+
+
+async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
+    ts_env: Any, billing: Any, tmp_path: Path, audit_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import starter
+
+    def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own
+        return asyncio.to_thread(starter.main, argv)
+
+    from activities.judgements import log_from_env
+    from activities.policy import PolicyActivities, PolicyStore
+    from client import run_outcome
+    from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
+
+    live = tmp_path / "policy.toml"
+    live.write_text(RECORDED_POLICY % 5000)  # refunds up to 50.00 need nobody
+    store = PolicyStore.from_env(str(live))
+    judged_dir = tmp_path / "judged"  # this test's judgements only (the session's sink has others')
+    rules = PolicyActivities(store, judgement_log=log_from_env(str(judged_dir)))
+    async with running_worker(ts_env.client, policy=store, rules=rules) as worker:
+        forty = await start_run(ts_env.client, worker, make_request([refund_step(4000)], requested_by="alice"))
+        ten = await start_run(ts_env.client, worker, make_request([refund_step(1000)], requested_by="alice"))
+        sixty = await start_run(ts_env.client, worker, make_request([refund_step(6000)], requested_by="alice"))
+        snap = await wait_for_state(sixty, "AWAITING_APPROVAL")
+        await sixty.signal("approve", approval_for(snap, "bob"))
+        for handle in (forty, ten, sixty):
+            await run_outcome(handle)
+        import client as tether_client
+
+        status = await tether_client.status(ts_env.client, sixty.id, live=True)
+        timeline = await tether_client.full_timeline(ts_env.client, sixty.id, str(audit_dir))
+    # Records and `tether status` name the policies that decided (audit by reference).
+    assert "[policies: default.decide]" in starter.format_status(status)
+    assert "policies=default.decide" in starter.format_timeline(timeline)
+    ours = {forty.id, ten.id, sixty.id}
+    logged = log_from_env(str(judged_dir)).read()
+    assert {e["workflow_id"] for e in logged} == ours
+    assert {(e["workflow_id"], e["action"]) for e in logged} >= {
+        (forty.id, "auto_approve"), (forty.id, "execute_write"), (ten.id, "auto_approve"),
+        (sixty.id, "approve"), (sixty.id, "execute_write"),
+    }
+    assert all(e["allowed"] for e in logged)
+    # explain: the policies that decided each judgement, and the entity data.
+    capsys.readouterr()
+    assert await cli(["policy", "explain", sixty.id, "--audit-dir", str(judged_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "decision approve by bob: allowed by default.decide" in out
+    assert 'Tether::Person::"bob" skeleton=bob; in Tenant:default, Role:approver' in out
+    assert "requester=alice revised_by=[] risk=normal roles=[approver]" in out
+    assert "write execute_write issue_refund (step 1): allowed by default.write" in out
+    assert "amounts amount_cents=6000.0" in out
+
+    async def what_if(policy: Path) -> tuple[int, list[str]]:
+        capsys.readouterr()
+        code = await cli(["policy", "what-if", str(policy), "--audit-dir", str(judged_dir)])
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-1].endswith(f"judgement(s) of 3 run(s) change under {policy}"), lines
+        return code, lines[:-1]
+
+    # The limit lowered to 20.00: the 40.00 refund's auto-approvals would need a person; nothing else.
+    tighter = tmp_path / "tighter.toml"
+    tighter.write_text(RECORDED_POLICY % 2000)
+    code, changed = await what_if(tighter)
+    forty_auto = [e for e in logged if (e["workflow_id"], e["action"]) == (forty.id, "auto_approve")]
+    assert code == 1 and len(changed) == len(forty_auto) >= 1, changed
+    assert all(line.startswith(f"{forty.id} ") and "auto_approve step 1: allowed -> refused (approval_needed)" in line
+               and "an auto-approval that would need a person" in line for line in changed), changed
+    # The same policy changes nothing.
+    code, changed = await what_if(live)
+    assert (code, changed) == (0, [])
+    # A Cedar file: four-eyes widened to bob approving anything (the live rules, plus one forbid).
+    proposal = tmp_path / "proposal.cedar"
+    proposal.write_text(cedar.export_tenant("default", parse_policy(live.read_text()).tenants["default"])
+                        + '\n@id("default.not_bob")\nforbid (principal == Tether::Person::"bob", '
+                        'action in Tether::Action::"approve", resource);\n')
+    code, changed = await what_if(proposal)
+    # bob's approval: the decision, and its judgement again before each write (plan, attempt).
+    bobs = [e for e in logged if (e["workflow_id"], e["action"], e.get("person", "bob")) == (sixty.id, "approve", "bob")]
+    assert code == 1 and len(changed) == len(bobs) >= 2 and all(c.startswith(f"{sixty.id} ") for c in changed), changed
+    assert [c.split(" ", 3)[2] for c in changed] == [e["check"] for e in bobs] and bobs[0]["check"] == "decision"
+    assert all("approve by bob: allowed -> refused (default.not_bob) by default.not_bob" in c
+               and "the run would have needed another approver" in c for c in changed), changed
+    # An invalid proposal: exit 2, naming the line.
+    proposal.write_text('@id("x")\npermit (principal, action in Tether::Action::"launch", resource);\n')
+    capsys.readouterr()
+    assert await cli(["policy", "what-if", str(proposal), "--audit-dir", str(judged_dir)]) == 2
+    assert "line 1, policy x: unrecognized action" in capsys.readouterr().err
+
+
+def test_the_action_groups_are_the_schemas() -> None:
+    """Evaluation skips the schema (its cost per call): the action groups it would add are given."""
+    import re
+
+    groups = re.findall(r"action (\w+) in \[(\w+)\]", cedar.schema_text())
+    assert [(g["uid"]["id"], g["parents"][0]["id"]) for g in cedar.ACTION_GROUPS] == groups
+    assert set(re.findall(r"action (\w+)", cedar.schema_text())) == set(cedar.ACTIONS)
+
+
+def test_the_policy_bench_prints_both_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make bench-policy` runs and prints its table (tiny parameters; never timings)."""
+    from bench import policy as bench_policy
+
+    bench_policy.main(["--decisions", "20", "--policy", str(ROOT / "examples/billing/policy.toml")])
+    out = capsys.readouterr().out
+    labels = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "decision " not in line[:12]]
+    assert labels == ["decision: TOML rules", "decision: Cedar", "decision: the activity's (Cedar + wording)",
+                      "pre-write check, 3 steps: TOML rules", "pre-write check, 3 steps: Cedar"], out
+
+
+async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothing(
+    ts_env: Any, billing: Any, tmp_path: Path, audit_dir: Path
+) -> None:
+    """A tighter shadow (refunds up to 20.00) on a live policy (up to 50.00): a 40.00 refund
+    still runs without a person; its auto-approvals' disagreements are logged and counted."""
+    from activities.judgements import ProposedPolicy, log_from_env
+    from activities.policy import PolicyActivities, PolicyStore
+    from client import run_outcome
+    from tests.conftest import make_request, running_worker, start_run
+
+    live = tmp_path / "policy.toml"
+    live.write_text(RECORDED_POLICY % 5000)
+    shadow = tmp_path / "shadow.toml"
+    shadow.write_text(RECORDED_POLICY % 2000)
+    store = PolicyStore.from_env(str(live))
+    rules = PolicyActivities(store, shadow=ProposedPolicy(shadow))
+    async with running_worker(ts_env.client, policy=store, rules=rules) as worker:
+        forty = await start_run(ts_env.client, worker, make_request([refund_step(4000)], requested_by="alice"))
+        outcome = await run_outcome(forty)
+    assert all(r.to_state.value != "AWAITING_APPROVAL" for r in outcome.timeline)  # enforced nothing
+    logged = [e for e in log_from_env(str(audit_dir)).read() if e["workflow_id"] == forty.id]
+    disagreeing = [e for e in logged if not e["shadow"]["agrees"]]
+    assert disagreeing and all(e["action"] == "auto_approve" and e["allowed"] for e in disagreeing)
+    assert all(e["shadow"] == {"allowed": False, "rule": "approval_needed", "policies": [], "agrees": False}
+               for e in disagreeing)
+    assert all(e["shadow"]["agrees"] for e in logged if e["action"] == "execute_write")
+    assert rules.shadow_disagreements == {"auto_approve": len(disagreeing)}
+    # An invalid shadow policy stops the worker at start, naming the line.
+    shadow.write_text("[tenants.default]\nfour_eyes = 3\n")
+    with pytest.raises(ValueError, match="line 2, key tenants.default.four_eyes"):
+        ProposedPolicy(shadow)
+
+
+async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, billing: Any, tmp_path: Path) -> None:
+    from activities.policy import PolicyStore
+    from client import run_outcome
+    from tests.conftest import make_request, running_worker, start_run, wait_for_state
+    from workflows.contract import HandoffRequest
+
+    live = tmp_path / "policy.toml"
+    live.write_text(RECORDED_POLICY % 5000)
+    async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(live))) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund_step(6000)], requested_by="alice"))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("handoff", HandoffRequest(by="bob", reason="a person takes it", decision_id="h-1"))
+        outcome = await run_outcome(handle)
+    handed = next(r for r in outcome.timeline if r.to_state.value == "HANDED_OFF")
+    assert (handed.refs.decision_id, handed.refs.policies) == ("h-1", ["default.decide"])
+
+
+def test_what_if_reads_the_log_since_and_for_a_tenant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--since and --tenant choose the judgements; a retried activity's lines count once; none
+    logged is no change (exit 0), saying where it looked."""
+    import starter
+    from activities.judgements import JsonlJudgementLog, entries
+
+    tenant = parse_policy(RECORDED_POLICY % 5000).tenants["default"]
+    policies = cedar.policies_for("default", tenant)
+    judged = [cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice",
+                                 roles=["approver"])]
+    log = JsonlJudgementLog(tmp_path)
+    old = datetime.now(timezone.utc) - timedelta(days=10)
+    for at, name, run in [(old, "default", "old"), (datetime.now(timezone.utc), "default", "new"),
+                          (datetime.now(timezone.utc), "acme", "other"), (datetime.now(timezone.utc), "default", "new")]:
+        log.write(entries(judged, at=at.isoformat(), tenant=name, workflow_id=run, run_id="r", activity_id="1",
+                          check="decision"))
+    assert sorted(e["workflow_id"] for e in log.read()) == ["new", "old", "other"]  # "new" written twice: once
+    assert {e["workflow_id"] for e in log.read(since=datetime.now(timezone.utc) - timedelta(days=7))} == {"new", "other"}
+    proposal = tmp_path / "proposal.cedar"
+    proposal.write_text('@id("nobody")\nforbid (principal, action, resource);\n')
+    assert starter.main(["policy", "what-if", str(proposal), "--since", "7d", "--tenant", "default",
+                         "--audit-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("1 of 1 judgement(s) of 1 run(s) change under"), out
+    assert "new " in out and "decision approve by bob: allowed -> refused (nobody) by nobody" in out
+    assert starter.main(["policy", "what-if", str(proposal), "--audit-dir", str(tmp_path / "empty")]) == 0
+    assert "0 of 0 judgement(s) of 0 run(s) change" in capsys.readouterr().out
+    assert starter.main(["policy", "what-if", str(proposal), "--since", "soon", "--audit-dir", str(tmp_path)]) == 2
+
+
+def test_the_judgement_log_in_postgres_is_read_like_the_json_lines(
+    postgres: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With TETHER_AUDIT_DSN the judgements go where the records go (table tether_judgements):
+    a retried activity's row is its last attempt's; explain and what-if read it."""
+    import starter
+    from activities.judgements import PostgresJudgementLog, entries, log_from_env
+
+    monkeypatch.setenv("TETHER_AUDIT_DSN", postgres)
+    log = log_from_env()
+    assert isinstance(log, PostgresJudgementLog) and "tether_judgements" in log.describe()
+    tenant = parse_policy(RECORDED_POLICY % 5000).tenants["default"]
+    policies = cedar.policies_for("default", tenant)
+    judged = [cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice",
+                                 roles=["approver"])]
+    run = f"pg-{tmp_path.name}"
+    now = datetime.now(timezone.utc)
+    for at, name, ident in [(now - timedelta(days=10), "default", f"{run}-old"), (now, "default", run),
+                            (now, "default", run), (now, "acme", f"{run}-acme")]:
+        log.write(entries(judged, at=at.isoformat(), tenant=name, workflow_id=ident, run_id="r", activity_id="1",
+                          check="decision"))
+    mine = [e for e in log.read() if e["workflow_id"].startswith(run)]
+    assert sorted(e["workflow_id"] for e in mine) == sorted([run, f"{run}-old", f"{run}-acme"])
+    assert [e["workflow_id"] for e in log.read(since=now - timedelta(days=7), tenant="default") if e["workflow_id"].startswith(run)] == [run]
+    assert starter.main(["policy", "explain", run]) == 0
+    assert "decision approve by bob: allowed by default.decide" in capsys.readouterr().out
+    proposal = tmp_path / "proposal.cedar"
+    proposal.write_text('@id("nobody")\nforbid (principal, action, resource);\n')
+    assert starter.main(["policy", "what-if", str(proposal), "--since", "7d", "--tenant", "acme"]) == 1
+    out = capsys.readouterr().out
+    assert f"{run}-acme " in out and f"{run} " not in out.replace(f"{run}-acme ", "")
