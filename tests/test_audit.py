@@ -175,6 +175,21 @@ async def test_a_long_or_non_ascii_workflow_id_completes_with_every_record_in_th
     assert (audit_path(audit_dir, run_id, trail.current_run_id).parent / "workflow_id").read_text() == run_id + "\n"
 
 
+async def test_the_end_records_reach_the_sink_where_the_server_cannot_list_runs(
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The time-skipping test server lists no runs: the audit collector looks at each run that
+    named itself instead (a describe each), and the end's records reach the sink all the same."""
+    audit_dir = tmp_path / "audit"
+    async with running_worker(ts_env.client, audit=AuditActivities(sink=JsonlAuditSink(audit_dir))) as worker:
+        handles = [await start_run(ts_env.client, worker, make_request(REFUND[:1])) for _ in range(3)]
+        for handle in handles:
+            assert (await run_outcome(handle)).state == S.COMPLETED
+        trails = [await audit_collected(ts_env.client, h.id, str(audit_dir)) for h in handles]
+    for trail in trails:
+        assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
+
+
 async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_catches_up(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
