@@ -117,15 +117,16 @@ class ToolInfo(BaseModel):
     effect: ToolEffect
     requires_approval: bool
     args_schema: dict[str, Any]
-    timeout_seconds: float
-    max_retries: int
+    # The tool decorator's defaults (activities/tools.py): a snapshot leaves them out.
+    timeout_seconds: float = 30.0
+    max_retries: int = 3
     # Arguments worth showing an approver (the target, the amount); never secrets or personal data.
     summary_fields: list[str] = Field(default_factory=list)
     # May destroy data (MCP destructiveHint; see workflows/mcp_effects.py): shown in the risk
     # summary, and a policy's high_risk.destructive makes plans that call it high risk.
     destructive: bool = False
     # Where the tool comes from: "python" (a tool module) or "mcp:<server>".
-    source: str = ""
+    source: str = "python"
     # How its effect is undone (None: no recovery path).
     compensate: Compensation | None = None
 

@@ -205,6 +205,11 @@ class SnapshotRequest(BaseModel):
     issued_at: datetime | None = None
     started_at: datetime | None = None  # when the run began (workflow time)
 
+    @model_serializer(mode="wrap")
+    def _unsigned_left_out(self, handler: Any) -> dict[str, Any]:
+        # With every planner call's first: a start without a signature says nothing of one.
+        return omit_defaults(handler(self), {"requester_signature": None, "nonce": None, "issued_at": None})
+
 
 class RunSetup(BaseModel):
     """What a run snapshots as it starts, in one local activity (``run_setup``): the tool
