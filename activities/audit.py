@@ -469,6 +469,9 @@ class AuditCollector(Interceptor, Plugin):
                         continue
                     log.warning("audit collector could not read the runs that ended: %s", e)
                     continue
+                except Exception as e:  # never the end of collecting: the next look tries again
+                    log.warning("audit collector could not read the runs that ended: %s", e)
+                    continue
                 for key, view in closed:
                     self._waiting.pop(key, None)
                     self._remember(*key)
@@ -488,7 +491,7 @@ class AuditCollector(Interceptor, Plugin):
         async for execution in self.client.list_workflows(query):
             key = (execution.id, execution.run_id)
             if key in self._waiting:
-                found.append((key, await execution.memo_value(VIEW_MEMO, None)))
+                found.append((key, await _end_view(execution, key)))
         return found
 
     async def _described(self) -> list[tuple[tuple[str, str], Any]]:
@@ -496,7 +499,7 @@ class AuditCollector(Interceptor, Plugin):
         for key in list(self._waiting):
             description = await self.client.get_workflow_handle(key[0], run_id=key[1]).describe()
             if description.status != WorkflowExecutionStatus.RUNNING:
-                found.append((key, await description.memo_value(VIEW_MEMO, None)))
+                found.append((key, await _end_view(description, key)))
         return found
 
     def _write_soon(self, workflow_id: str, run_id: str, view: Any) -> None:
@@ -504,12 +507,11 @@ class AuditCollector(Interceptor, Plugin):
         self._writing.add(task)
         task.add_done_callback(self._writing.discard)
 
-    async def write(self, workflow_id: str, run_id: str, view: Any) -> None:
+    async def write(self, workflow_id: str, run_id: str, view: RunView | None) -> None:
         """The records ``view`` (a run's end view) says are not in the sink yet, until written:
         a sink that fails is retried on a backoff while this worker runs (logged, counted)."""
         if view is None:
             return
-        view = RunView.model_validate(view)  # published packed (RunView.packed): bytes
         snap = view.snapshot
         # What the run had not written itself: its last ``audit_waiting`` records.
         records = [r for r in view.timeline if r.seq > snap.timeline_records - snap.audit_waiting]
@@ -549,7 +551,7 @@ class AuditCollector(Interceptor, Plugin):
             async for execution in self.client.list_workflows(query):
                 if (execution.id, execution.run_id) in self._seen:
                     continue
-                view = await execution.memo_value(VIEW_MEMO, None)
+                view = await _end_view(execution, (execution.id, execution.run_id))
                 await self.write(execution.id, execution.run_id, view)
                 self._remember(execution.id, execution.run_id)
         except asyncio.CancelledError:
@@ -564,6 +566,19 @@ class AuditCollector(Interceptor, Plugin):
         deadline = loop.time() + COLLECT_DRAIN.total_seconds()
         while (self._waiting or self._writing) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+
+
+async def _end_view(execution: Any, key: tuple[str, str]) -> RunView | None:
+    """A closed run's view (memo ``tether``, published packed), or None when it has none or one
+    this worker cannot read (another build's, a forgery, another encryption key): logged, and
+    never the end of the collection."""
+    try:
+        raw = await execution.memo_value(VIEW_MEMO, None)
+        return None if raw is None else RunView.model_validate(raw)
+    except Exception as e:
+        log.warning("audit collector: run %s/%s left a view it cannot read (%s): its last records "
+                    "are not written", key[0][:200], key[1], " ".join(str(e).split())[:300])
+        return None
 
 
 def _quoted(text: str) -> str:

@@ -190,6 +190,38 @@ async def test_the_end_records_reach_the_sink_where_the_server_cannot_list_runs(
         assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
 
 
+async def test_a_view_the_collector_cannot_read_is_logged_and_the_others_are_written(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run closed with a view no worker of ours wrote (a poller without the code, another
+    build): the collector says so and goes on; the run beside it gets its records."""
+    from activities.audit import AuditCollector
+
+    async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(tmp_path / "first"))) as worker:
+        good = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
+        assert (await run_outcome(good)).state == S.COMPLETED
+        queue = worker.task_queue
+    # No worker polls the queue now: this run closes with the memo its starter gave it.
+    bad = await dev_env.client.start_workflow(
+        "AgentRun", make_request(REFUND[:1]), id=unique("forged-view"), task_queue=queue, memo={"tether": b"not a view"},
+    )
+    await bad.terminate("closed with a view no worker wrote")
+    root = tmp_path / "second"
+    collector = AuditCollector(dev_env.client, JsonlAuditSink(root))
+    collector.task_queue = queue
+    collector._loop = asyncio.get_running_loop()
+    task = asyncio.create_task(collector.collect())
+    try:
+        collector.named(bad.id, bad.result_run_id)
+        collector.named(good.id, (await good.describe()).run_id)
+        trail = await audit_collected(dev_env.client, good.id, str(root))
+    finally:
+        task.cancel()
+    assert trail.missing == [] and [r.seq for r in trail.branches[0].records] == list(range(1, trail.written + 1))
+    logged = [r.getMessage() for r in caplog.records if r.name == "tether.audit"]
+    assert any(bad.id in m and "cannot read" in m for m in logged), logged
+
+
 async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_catches_up(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
