@@ -393,6 +393,8 @@ class RunStatus(RunSnapshot):
     task_queue: str | None = None
     worker_serving: bool | None = None  # a worker serves the run's queue now (None: cannot tell)
     stuck: StuckTask | None = None  # its workflow task keeps failing
+    # Why the view in its memo was not shown: not signed by the fleet for this run (read live).
+    view_unverified: str | None = None
 
     @property
     def ended(self) -> bool:
@@ -423,6 +425,7 @@ class RunSummary(BaseModel):
     closed_by_temporal: str | None = None  # as in RunStatus
     published_at: datetime | None = None  # when the run last published its view (None: never)
     view: RunView | None = Field(None, exclude=True)  # what it published (for the inbox; not listed out)
+    view_unverified: str | None = None  # its memo holds a view the fleet did not sign for it
     stuck: StuckTask | None = None  # with ``list_runs(stuck=True)``: its workflow task keeps failing
 
 
@@ -555,6 +558,9 @@ class AuditTrail(BaseModel):
     unchecked: str | None = None  # why the sink could not be checked against the run (gone, no worker)
     # The run's own counts are from the view it published at this workflow time (None: asked live).
     published_at: datetime | None = None
+    # What in the sink does not verify (signature, chain), first one first; and how many were checked.
+    unverified: list[str] = []
+    verified: int = 0
 
     def line(self) -> list[TransitionRecord]:
         """The current run's line (first run, continued runs, resets it descends from): each
@@ -629,10 +635,13 @@ async def audit_trail(
     if current is not None:
         # What the run published where it last rested fills the sink's gaps and says how many
         # records it had written; only a run that has published nothing is asked (a query).
-        view = await published_view(description)
+        try:
+            view = await published_view(description)
+        except ViewUnverified as e:
+            view, unchecked = None, f"{e}: the records are the sink's alone"
         if view is not None:
             window, snap, published_at = view.timeline, view.snapshot, view.published_at
-        else:
+        elif unchecked is None:
             try:
                 queue = description.task_queue
                 if await worker_serving(client, queue) is False:
@@ -681,6 +690,13 @@ async def audit_trail(
         closed=closed,
         audit_error=snap.audit_error if snap else None, unchecked=unchecked, published_at=published_at,
     )
+    from activities.audit import verify_streams
+
+    try:
+        check = verify_streams(public_keys(), run_id, streams)
+        trail.unverified, trail.verified = check.problems, check.records - len(check.problems)
+    except TetherError as e:
+        trail.unverified = [str(e)]
     held = {r.seq for r in trail.line()}
     if snap is None:
         trail.written = max(held, default=0)
@@ -707,15 +723,52 @@ async def full_timeline(client: Client, run_id: str, audit_dir: str | None = Non
 DESCRIBE_CONCURRENCY = 8
 
 
+class ViewUnverified(TetherError):
+    """A run's memo holds a view the fleet's key did not sign for that run: whoever completes a
+    task (or starts a workflow) can write a memo. Never shown as the run's state."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, rule="view_unverified")
+
+
+_PUBLIC_KEYS: Any = None
+
+
+def public_keys() -> Any:
+    """The fleet's public keys (TETHER_PUBLIC_KEYS, else the ring's .pub, else the ring): what
+    verifies a view or a record; TetherError naming the setting when there are none."""
+    global _PUBLIC_KEYS
+    if _PUBLIC_KEYS is None:
+        from activities.keys import KeyRingError, PublicKeys
+
+        try:
+            _PUBLIC_KEYS = PublicKeys.from_env()
+        except KeyRingError as e:
+            raise TetherError(str(e)) from None
+    return _PUBLIC_KEYS
+
+
 async def published_view(description: Any) -> RunView | None:
-    """The RunView the run last published in its memo (None: it has published none yet)."""
+    """The RunView the run last published in its memo (None: it has published none yet).
+    ViewUnverified when the fleet's key did not sign it for this run."""
     try:
         view = await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
         # Published packed (RunView.packed): a binary payload, read back as bytes.
-        return view if view is None or isinstance(view, RunView) else RunView.model_validate(view)
+        view = view if view is None or isinstance(view, RunView) else RunView.model_validate(view)
     except (ValueError, TypeError, KeyError, ValidationError) as e:  # another version's, or encrypted by a key not here
         raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
+    if view is None:
+        return None
+    from activities.audit import view_problem
+
+    try:
+        why = view_problem(public_keys(), description.id, description.run_id, view)
+    except TetherError as e:
+        why = f"it cannot be verified here ({e})"
+    if why is not None:
+        raise ViewUnverified(f"unverified: {why}")
+    return view
 
 
 def age(at: datetime, now: datetime | None = None) -> str:
@@ -843,9 +896,16 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     description = await _describe(client, run_id)
     queue = description.task_queue
     serving = await worker_serving(client, queue)
-    view = None if live else await published_view(description)
+    unverified = None
+    try:
+        view = None if live else await published_view(description)
+    except ViewUnverified as e:
+        # Read live where a worker can answer; nothing of the memo is shown as the run's.
+        view, unverified = None, str(e)
     if view is None:
         if serving is False:
+            if unverified:
+                raise ViewUnverified(f"run {run_id}: {unverified}; and {no_worker_message(queue)}")
             raise TetherError(no_worker_message(queue), rule="no_worker")
         snap = await snapshot(client, run_id)
         records = await timeline(client, run_id)
@@ -862,6 +922,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         if listed and listed != result.state.value:
             result.listed_state = listed  # it has moved on since it published (states.to_publish)
     result.task_queue = queue
+    result.view_unverified = unverified
     result.worker_serving = serving
     result.temporal_status = description.status.name if description.status else None
     result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
@@ -1453,8 +1514,11 @@ async def list_runs(
     try:
         async for wf in client.list_workflows(query, limit=limit):
             attrs = wf.typed_search_attributes
+            unverified = None
             try:
                 view = await published_view(wf)
+            except ViewUnverified as e:
+                view, unverified = None, str(e)  # listed all the same, its view never shown
             except TetherError:
                 view = None  # listed all the same; `tether status` says why it cannot be read
             rows.append(
@@ -1467,6 +1531,7 @@ async def list_runs(
                     closed_by_temporal=closed_note(attrs.get(STATE_ATTRIBUTE), wf.status.name if wf.status else None),
                     published_at=view.published_at if view else None,
                     view=view,
+                    view_unverified=unverified,
                 )
             )
     except RPCError as e:
@@ -1686,6 +1751,19 @@ def plan_summary(plan: Plan | None, tools: Sequence[Any], limit: int = 600) -> s
         parts.append(f"{escape_text(v.tool, 64)}" + (f" ({fields})" if fields else "") + f": {v.effect}")
     text = f"{len(writes)} of {len(views)} step(s) write: " + "; ".join(parts)  # escaped part by part
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def approval_offer_problem(snap: RunSnapshot) -> str | None:
+    """Why a page or CLI must offer no Approve on this snapshot (None: the steps it shows hash
+    to the plan hash the pending approval binds). A view that lies about the arguments then
+    offers nothing; one that shows the real ones binds the real hash."""
+    pending = snap.pending_approval
+    if pending is None:
+        return "no approval is pending"
+    if snap.plan is None or snap.plan.plan_hash != pending.plan_hash or not snap.plan.hashes_to_itself():
+        return ("the steps shown do not hash to the plan hash the approval binds: what is shown is not "
+                "the run's plan (check `tether status RUN --live`)")
+    return None
 
 
 def approvals_needed(pending: PendingApproval) -> str:

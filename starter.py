@@ -134,6 +134,8 @@ def format_status(s: client.RunStatus) -> str:
     if s.published_at is not None:
         moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")
+    if s.view_unverified:
+        lines.append(f"view       {show(s.view_unverified, 400)} (read live instead)")
     if s.worker_serving is False and s.task_queue is not None:
         lines.append(f"worker     {client.no_worker_message(s.task_queue)}")
     if s.stuck is not None:
@@ -169,8 +171,12 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"pending    {p.risk} risk approval until {p.expires_at.isoformat()}: {client.approvals_needed(p)}")
         if p.request_id:
             lines.append(f"request    {show(p.request_id)}")
-        lines.append(f"           approve: {invoked_as()} approve {show(shlex.quote(s.run_id))} --by NAME "
-                     f"--plan-hash {show(p.plan_hash[:client.HASH_PREFIX])}")
+        refused = client.approval_offer_problem(s)
+        if refused:
+            lines.append(f"           approve: not offered: {refused}")
+        else:
+            lines.append(f"           approve: {invoked_as()} approve {show(shlex.quote(s.run_id))} --by NAME "
+                         f"--plan-hash {show(p.plan_hash[:client.HASH_PREFIX])}")
         if p.escalation:
             lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
                          + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
@@ -581,6 +587,9 @@ def audit_warnings(trail: client.AuditTrail) -> list[str]:
         )
     if trail.waiting:
         warnings.append(f"{trail.waiting} record(s) not yet written to the sink by the run")
+    if trail.unverified:
+        warnings.append(f"{len(trail.unverified)} record(s) in the audit sink are not the fleet's (signature or "
+                        f"chain); the first: {show(trail.unverified[0], 400)} (tether audit verify {show(trail.workflow_id)})")
     return warnings
 
 
@@ -635,7 +644,42 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
     warnings = audit_warnings(trail)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    return REFUSED if trail.missing or trail.audit_error else OK
+    return REFUSED if trail.missing or trail.audit_error or trail.unverified else OK
+
+
+async def cmd_audit(args: argparse.Namespace) -> int:
+    """`tether audit verify RUN | --all`: every record in the audit sink, its signature and its
+    chain link, with the public keys alone; names the first that fails and exits 1."""
+    from activities.audit import sink_from_env, verify_streams
+
+    if bool(args.run) == bool(args.all):
+        raise TetherError("name one run, or --all", USAGE)
+    publics = client.public_keys()
+    sink = sink_from_env(args.audit_dir)
+    try:
+        ids = [args.run] if args.run else await sink.workflow_ids()
+        checked, bad = 0, 0
+        for workflow_id in ids:
+            streams = await sink.read(workflow_id)
+            if args.run and not streams:
+                raise TetherError(f"unknown run {args.run!r}: the audit sink ({sink.describe()}) holds no record of it", USAGE)
+            check = verify_streams(publics, workflow_id, streams)
+            checked += check.records
+            if check.problems:
+                bad += 1
+                print(f"{show(workflow_id)}: {len(check.problems)} problem(s); first: {show(check.problems[0], 400)}")
+    finally:
+        await sink.aclose()
+    print(f"{checked} record(s) of {len(ids)} run(s) checked against {show(publics.source)}: "
+          + (f"{bad} run(s) with records that are not the fleet's" if bad else "every signature and chain link verifies"))
+    return REFUSED if bad else OK
+
+
+def _audit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["verify"], help="verify: signatures and chain links of the sink's records")
+    p.add_argument("run", nargs="?", help="the run (workflow id); or --all")
+    p.add_argument("--all", action="store_true", help="every run the audit sink holds")
+    p.add_argument("--audit-dir", metavar="DIR", help="the workers' audit sink (env TETHER_AUDIT_DIR / TETHER_AUDIT_DSN)")
 
 
 async def cmd_tools(args: argparse.Namespace) -> int:
@@ -747,7 +791,10 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         from activities.judgements import log_from_env
 
         log = log_from_env(args.audit_dir)
-        found = log.read(workflow_id=args.target)
+        found = log.read(workflow_id=args.target, publics=client.public_keys())
+        if log.unverified:
+            print(f"warning: {log.unverified} line(s) of {show(log.describe())} are not signed by the fleet: "
+                  f"skipped", file=sys.stderr)
         if not found:
             raise TetherError(
                 f"no judgement of run {args.target} in {log.describe()}: the run made no decision or write yet, or its "
@@ -783,7 +830,10 @@ def what_if(args: argparse.Namespace) -> int:
         print("the proposed policy is invalid: fix it, then run what-if again", file=sys.stderr)
         return USAGE
     log = log_from_env(args.audit_dir)
-    recorded = log.read(since=since, tenant=args.tenant)
+    recorded = log.read(since=since, tenant=args.tenant, publics=client.public_keys())
+    if log.unverified:
+        print(f"warning: {log.unverified} line(s) of {show(log.describe())} are not signed by the fleet: "
+              f"skipped", file=sys.stderr)
     changes = judge_again(recorded, proposed)
     runs = {e.get("workflow_id") for e in recorded}
     for change in changes:
@@ -1062,6 +1112,7 @@ COMMANDS: list[Command] = [
     Command("status", "a run's state, plan, pending approval, and why it ended", _status_args, cmd_status),
     Command("timeline", "a run's audit timeline", _timeline_args, cmd_timeline),
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
+    Command("audit", "verify the audit sink's records: signatures and chain (public keys only)", _audit_args, cmd_audit),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
     Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),

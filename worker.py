@@ -87,7 +87,9 @@ def create_worker(
         rules.judgements = log_from_env()
     notify = NotifyActivities(rules.store)
     # What a run leaves with its end view, into the same sink once it has closed.
-    collector = AuditCollector(client, audit.sink)
+    if audit.publics is None:
+        audit.publics = keys.public_keys()  # the sink takes only records the fleet signed
+    collector = AuditCollector(client, audit.sink, publics=audit.publics)
     recovery = RecoveryActivities(client, keys, ledger)
     setup = SetupActivities(tools, rules)
     return Worker(

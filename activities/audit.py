@@ -58,20 +58,83 @@ from temporalio.worker import (
     WorkflowInterceptorClassInput,
 )
 
+from workflows import keys as ring_math
 from workflows.published import COLLECT_EXTERN, VIEW_MEMO
 from workflows.run_state import RunView
 from workflows.wire import AuditAck, AuditBatch
-from workflows.states import TransitionRecord
+from workflows.states import TransitionRecord, record_link
 
 DEFAULT_AUDIT_DIR = ".tether/audit"
 AUDIT_TABLE = "tether_audit"
 SINK_UNAVAILABLE = "audit_sink_unavailable"  # the ApplicationError type the workflow shows
 SINK_FAILURES = "tether_audit_sink_failures"
+RECORD_UNVERIFIED = "record_unverified"  # the ApplicationError type of a refused batch
+RECORDS_REFUSED = "tether_audit_records_refused"
 _TAIL = 64 * 1024  # enough to hold the last complete record line
 _PREFIX_CHARS = 48
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 log = logging.getLogger("tether.audit")
+
+
+# ----------------------------------------------------------------------------- signatures
+# A record or a view is the fleet's word only when the fleet's key signed it for the run it
+# names (workflows/keys.py): whoever completes a task can schedule audit_append with records of
+# its own, or write a memo. Verified with the public keys alone (activities/keys.PublicKeys).
+
+
+def record_problem(publics: Any, workflow_id: str, run_id: str, record: TransitionRecord) -> str | None:
+    """Why ``record`` is not the fleet's record of run ``run_id`` (None: it is)."""
+    why = publics.problem(ring_math.record_statement(workflow_id, run_id, record.seq, record_link(record)), record.sig)
+    return None if why is None else f"record seq {record.seq} of run {run_id}: {why}"
+
+
+def view_problem(publics: Any, workflow_id: str, run_id: str, view: RunView) -> str | None:
+    """Why ``view`` is not what run ``run_id`` published (None: it is)."""
+    why = publics.problem(ring_math.view_statement(workflow_id, run_id, ring_math.view_digest(view)), view.sig)
+    return None if why is None else f"the view run {run_id} shows is not signed by the fleet ({why})"
+
+
+@dataclass
+class TrailCheck:
+    """``tether audit verify``: every record of a workflow id's streams, signature and chain."""
+
+    records: int = 0
+    problems: list[str] = field(default_factory=list)  # the first one names the first bad record
+
+
+def verify_streams(publics: Any, workflow_id: str, streams: dict[str, list[TransitionRecord]]) -> TrailCheck:
+    """Each record verifies for its stream (run id), and each links to the one before it in the
+    workflow id's chain: in its own stream, or (a stream's first record: a continued or a reset
+    run) a verified record of the seq before it in another stream of the workflow id. A record
+    missing between two, or one out of the chain, is named."""
+    check = TrailCheck()
+    links: dict[int, set[str]] = {}
+    good: dict[str, list[TransitionRecord]] = {}
+    for run_id, records in streams.items():
+        for record in sorted(records, key=lambda r: r.seq):
+            check.records += 1
+            why = record_problem(publics, workflow_id, run_id, record)
+            if why:
+                check.problems.append(why)
+                continue
+            good.setdefault(run_id, []).append(record)
+            links.setdefault(record.seq, set()).add(record_link(record))
+    for run_id, records in good.items():
+        before: TransitionRecord | None = None
+        for record in records:
+            if before is not None and before.seq != record.seq - 1:
+                check.problems.append(f"run {run_id}: records seq {before.seq + 1}..{record.seq - 1} are missing")
+            if record.seq == 1:
+                chained = record.prev == ""
+            elif before is not None and before.seq == record.seq - 1:
+                chained = record.prev == record_link(before)
+            else:
+                chained = record.prev in links.get(record.seq - 1, set())
+            if not chained:
+                check.problems.append(f"record seq {record.seq} of run {run_id}: not chained to the record before it")
+            before = record
+    return check
 
 
 # ----------------------------------------------------------------------------- names
@@ -128,6 +191,10 @@ class AuditSink(Protocol):
         """Every record of every execution of ``workflow_id``: run id -> records in seq order."""
         ...
 
+    async def workflow_ids(self) -> list[str]:
+        """Every workflow id the sink holds records of (``tether audit verify --all``)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -168,6 +235,15 @@ class JsonlAuditSink:
                 os.fsync(f.fileno())
                 last = max(r.seq for r in batch.records)
             return last
+
+    async def workflow_ids(self) -> list[str]:
+        def names() -> list[str]:
+            found = []
+            for marker in sorted(self.root.glob("*/workflow_id")) if self.root.is_dir() else []:
+                found.append(marker.read_text().removesuffix("\n"))
+            return found
+
+        return await asyncio.to_thread(names)
 
     async def read(self, workflow_id: str) -> dict[str, list[TransitionRecord]]:
         streams: dict[str, list[TransitionRecord]] = {}
@@ -292,6 +368,13 @@ class PostgresAuditSink:
 
         return await self.with_connection(insert)
 
+    async def workflow_ids(self) -> list[str]:
+        async def select(conn: Any) -> list[str]:
+            cur = await conn.execute(f"SELECT DISTINCT workflow_id FROM {AUDIT_TABLE} ORDER BY workflow_id")
+            return [row[0] for row in await cur.fetchall()]
+
+        return await self.with_connection(select)
+
     async def read(self, workflow_id: str) -> dict[str, list[TransitionRecord]]:
         async def select(conn: Any) -> dict[str, list[TransitionRecord]]:
             cur = await conn.execute(
@@ -336,16 +419,18 @@ def merge_timeline(sink: list[TransitionRecord], window: list[TransitionRecord])
 
 
 class AuditActivities:
-    def __init__(self, sink: AuditSink | None = None) -> None:
+    def __init__(self, sink: AuditSink | None = None, publics: Any = None) -> None:
         self.sink = sink or sink_from_env()
+        self.publics = publics  # the fleet's public keys (worker.create_worker sets them)
 
     @activity.defn(name="audit_append")
     async def audit_append(self, batch: AuditBatch | bytes) -> AuditAck:
         info = activity.info()
         if not isinstance(batch, AuditBatch):  # packed (AuditBatch.packed), as the workflow sends it
             batch = AuditBatch.model_validate(batch)
-        # The execution that asks is the stream's key (a batch of an older worker has no run id).
+        # The execution that asks is the stream's key, and its workflow id (never the batch's).
         batch = batch.model_copy(update={"run_id": info.workflow_run_id or batch.run_id})
+        self._refuse_unsigned(info.workflow_id, batch)
         try:
             return AuditAck(last_seq=await self.sink.append(batch))
         except Exception as e:  # any sink error: visible on the run, in the log, in a metric
@@ -360,6 +445,25 @@ class AuditActivities:
                 SINK_FAILURES, "Audit sink writes that failed (the run retries them)", "1"
             ).add(1, {"sink": type(self.sink).__name__})
             raise ApplicationError(f"{self.sink.describe()}: {cause}", type=SINK_UNAVAILABLE) from None
+
+    def _refuse_unsigned(self, workflow_id: str, batch: AuditBatch) -> None:
+        """Only the run's own signed records, into its own stream: anything else is refused
+        whole (nothing of the batch is written), logged and counted."""
+        if batch.workflow_id != workflow_id:
+            why = f"the batch names workflow {batch.workflow_id[:200]!r}, not the run that asks"
+        elif self.publics is None:
+            why = "this worker has no public keys to verify records with"
+        else:
+            why = next(
+                (p for r in batch.records if (p := record_problem(self.publics, workflow_id, batch.run_id, r))), None
+            )
+        if why is None:
+            return
+        log.error("audit sink refused a batch for workflow %s run %s: %s", workflow_id[:200], batch.run_id, why)
+        activity.metric_meter().create_counter(
+            RECORDS_REFUSED, "Audit records refused: not signed by the fleet for the run that asked", "1"
+        ).add(len(batch.records))
+        raise ApplicationError(f"audit records refused: {why}", type=RECORD_UNVERIFIED, non_retryable=True)
 
 
 # ----------------------------------------------------------------------------- the end's records
@@ -386,9 +490,12 @@ class AuditCollector(Interceptor, Plugin):
     runs; the time-skipping test server does not).
     """
 
-    def __init__(self, client: Client, sink: AuditSink, *, lookback: timedelta = COLLECT_LOOKBACK) -> None:
+    def __init__(
+        self, client: Client, sink: AuditSink, *, lookback: timedelta = COLLECT_LOOKBACK, publics: Any = None
+    ) -> None:
         self.client = client
         self.sink = sink
+        self.publics = publics  # a view and its records are written only when the fleet signed them
         self.lookback = lookback
         self.task_queue = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -516,6 +623,17 @@ class AuditCollector(Interceptor, Plugin):
         # What the run had not written itself: its last ``audit_waiting`` records.
         records = [r for r in view.timeline if r.seq > snap.timeline_records - snap.audit_waiting]
         if not records:
+            return
+        why = (
+            "this worker has no public keys to verify views with" if self.publics is None
+            else view_problem(self.publics, workflow_id, run_id, view)
+            or next((p for r in records if (p := record_problem(self.publics, workflow_id, run_id, r))), None)
+        )
+        if why is not None:
+            log.error("audit collector refused the end view of run %s/%s: %s", workflow_id[:200], run_id, why)
+            self._meter().create_counter(
+                RECORDS_REFUSED, "Audit records refused: not signed by the fleet for the run that asked", "1"
+            ).add(len(records))
             return
         batch = AuditBatch(
             workflow_id=workflow_id, first_run_id=snap.first_run_id or run_id, run_id=run_id,

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 from activities import cedar
 from activities.audit import DEFAULT_AUDIT_DIR, redact_dsn
+from workflows import keys as ring_math
+from workflows.contract import json_digest
 
 FILE = "judgements.jsonl"
 logger = logging.getLogger("tether.judgements")
@@ -35,17 +37,39 @@ def key(entry: dict[str, Any]) -> tuple[str, ...]:
     return (entry.get("workflow_id", ""), entry.get("run_id", ""), entry.get("activity_id", ""), str(entry.get("index", 0)))
 
 
+def sign(ring: Any, entry: dict[str, Any]) -> dict[str, Any]:
+    """The line, signed by the fleet (the policy activity holds the ring): an auditor verifies it
+    with the public keys alone, and a hand-written line is skipped by explain and what-if."""
+    return {**entry, "sig": ring.sign_statement(ring_math.judgement_statement(_line_digest(entry)))}
+
+
+def _line_digest(entry: dict[str, Any]) -> str:
+    return json_digest({k: v for k, v in entry.items() if k != "sig"})
+
+
+def unsigned_problem(publics: Any, entry: Any) -> str | None:
+    """Why this line is not one the fleet signed (None: it is)."""
+    if not isinstance(entry, dict):
+        return "not a judgement line"
+    try:
+        return publics.problem(ring_math.judgement_statement(_line_digest(entry)), entry.get("sig") or "")
+    except (TypeError, ValueError) as e:  # a value canonical JSON refuses
+        return f"unreadable ({e})"
+
+
 class JudgementLog(Protocol):
-    """Where judgements are logged: JSON lines beside the audit sink's folders, or PostgreSQL."""
+    """Where judgements are logged: JSON lines beside the audit sink's folders, or PostgreSQL.
+    ``read(publics=...)`` skips the lines the fleet did not sign and counts them in ``unverified``."""
 
     failures: int
+    unverified: int
 
     def describe(self) -> str: ...
 
     def write(self, entries: list[dict[str, Any]]) -> None: ...
 
     def read(self, *, since: datetime | None = None, tenant: str | None = None,
-             workflow_id: str | None = None) -> list[dict[str, Any]]: ...
+             workflow_id: str | None = None, publics: Any = None) -> list[dict[str, Any]]: ...
 
 
 def log_from_env(audit_dir: str | None = None, dsn: str | None = None) -> JudgementLog:
@@ -74,6 +98,7 @@ async def append(log: JudgementLog, entries: list[dict[str, Any]]) -> None:
 class JsonlJudgementLog:
     root: Path
     failures: int = 0
+    unverified: int = 0
 
     @property
     def path(self) -> Path:
@@ -91,8 +116,9 @@ class JsonlJudgementLog:
             f.flush()
 
     def read(self, *, since: datetime | None = None, tenant: str | None = None,
-             workflow_id: str | None = None) -> list[dict[str, Any]]:
-        """The judgements (the last line of each), oldest first, filtered."""
+             workflow_id: str | None = None, publics: Any = None) -> list[dict[str, Any]]:
+        """The judgements (the last signed line of each), oldest first, filtered."""
+        self.unverified = 0
         if not self.path.exists():
             return []
         latest: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -102,6 +128,9 @@ class JsonlJudgementLog:
                     entry = json.loads(raw)
                 except ValueError:
                     continue  # a line torn by a worker killed mid-write
+                if publics is not None and unsigned_problem(publics, entry) is not None:
+                    self.unverified += 1  # before it could stand in for a signed line of its key
+                    continue
                 latest[key(entry)] = entry
         return [e for e in sorted(latest.values(), key=lambda e: (e.get("at", ""), key(e))) if _matches(e, since, tenant, workflow_id)]
 
@@ -129,6 +158,7 @@ class PostgresJudgementLog:
 
     dsn: str
     failures: int = 0
+    unverified: int = 0
     _conn: Any = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -167,7 +197,9 @@ class PostgresJudgementLog:
         self._run(insert)
 
     def read(self, *, since: datetime | None = None, tenant: str | None = None,
-             workflow_id: str | None = None) -> list[dict[str, Any]]:
+             workflow_id: str | None = None, publics: Any = None) -> list[dict[str, Any]]:
+        self.unverified = 0
+
         def select(conn: Any) -> list[dict[str, Any]]:
             cur = conn.execute(
                 f"SELECT line::text FROM {PG_TABLE} WHERE (%s::timestamptz IS NULL OR at >= %s) "
@@ -179,7 +211,12 @@ class PostgresJudgementLog:
             conn.rollback()
             return rows
 
-        return self._run(select)
+        rows = self._run(select)
+        if publics is None:
+            return rows
+        signed = [e for e in rows if unsigned_problem(publics, e) is None]
+        self.unverified = len(rows) - len(signed)
+        return signed
 
 
 def _matches(entry: dict[str, Any], since: datetime | None, tenant: str | None, workflow_id: str | None) -> bool:

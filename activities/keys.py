@@ -12,12 +12,21 @@ create the dev key up front (``python -m activities.keys genkey --if-missing PAT
 worker that may take a run's tasks must hold the key ids its seals and capabilities name; one
 that lacks an id fails the *workflow task* (another worker takes it), never the run.
 
+Each key also derives an Ed25519 key pair (``signing_seed``): the workflow code signs records,
+published views and the policy activities' judgement lines with it, and anyone verifies them
+with the public halves alone (``PublicKeys``): an auditor needs no secret. ``genkey`` writes them
+beside the ring (``PATH.pub``, one ``<key id> <base64 public key>`` a line).
+
     python -m activities.keys genkey [--if-missing] PATH   # append a new newest key to PATH
+    python -m activities.keys public PATH                  # (re)write PATH.pub from the ring
     python -m activities.keys ids PATH                     # the ids in a ring, newest last
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import os
 import secrets
 import sys
@@ -26,6 +35,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Interceptor, WorkflowInboundInterceptor, WorkflowInterceptorClassInput
@@ -42,17 +54,44 @@ from workflows.wire import (
 
 DEFAULT_STATE_KEY = ".tether/state.key"
 KEY_SETTING = "TETHER_STATE_KEY_FILE"
+# The fleet's public keys, for processes that verify and hold no secret (the CLI, the inbox,
+# an auditor); default: the ring's file name + ".pub", else derived from the ring itself.
+PUBLIC_SETTING = "TETHER_PUBLIC_KEYS"
+PUBLIC_SUFFIX = ".pub"
 MIN_KEY_CHARS = 32
+_SIGNING_LABEL = b"tether statement signing key v1"
 
-__all__ = ["KeyRing", "KeyRingError", "KeyRingInterceptor", "MissingKey", "key_id", "attest", "genkey"]
+__all__ = ["KeyRing", "KeyRingError", "KeyRingInterceptor", "MissingKey", "PublicKeys", "key_id", "attest", "genkey"]
 
 
 class KeyRingError(ValueError):
     """No usable key ring: the message names the setting and the file."""
 
 
+def _signing_key(key: bytes) -> Ed25519PrivateKey:
+    # Derived, never stored: the ring stays one file of secrets, and its public half is a view.
+    return Ed25519PrivateKey.from_private_bytes(hmac.new(key, _SIGNING_LABEL, hashlib.sha256).digest())
+
+
+_SIGNERS: dict[bytes, Any] = {}  # key -> its Ed25519 sign function (derivation costs ~50 µs)
+
+
 class KeyRing(ring_math.KeyRing):
     """The fleet's ring as read from its file (the MAC math is workflows/keys.py's)."""
+
+    def signer(self, kid: str) -> Any:
+        key = self.keys.get(kid)
+        if key is None:
+            raise MissingKey(kid)
+        sign = _SIGNERS.get(key)
+        if sign is None:
+            sign = _SIGNERS[key] = _signing_key(key).sign
+        return sign
+
+    def public_keys(self) -> PublicKeys:
+        return PublicKeys(
+            {kid: _signing_key(key).public_key() for kid, key in self.keys.items()}, f"the ring {self.source}".strip()
+        )
 
     @classmethod
     def of(cls, *keys: bytes, source: str = "") -> KeyRing:
@@ -89,6 +128,80 @@ class KeyRing(ring_math.KeyRing):
         except OSError as e:
             raise KeyRingError(f"cannot read the state key ring {chosen} ({KEY_SETTING}): {e.strerror}") from None
         return cls.parse(text, str(chosen))
+
+
+class PublicKeys:
+    """The fleet's Ed25519 public keys by key id: verify what the fleet signed, holding no secret."""
+
+    def __init__(self, keys: dict[str, Ed25519PublicKey], source: str = "") -> None:
+        self.keys = keys
+        self.source = source
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> PublicKeys:
+        keys: dict[str, Ed25519PublicKey] = {}
+        for number, line in enumerate(text.splitlines(), start=1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            kid, _, b64 = line.partition(" ")
+            try:
+                keys[kid] = Ed25519PublicKey.from_public_bytes(base64.b64decode(b64.strip(), validate=True))
+            except ValueError:
+                raise KeyRingError(f"{source}: line {number}: not '<key id> <base64 Ed25519 public key>'") from None
+        if not keys:
+            raise KeyRingError(f"{source}: holds no public key")
+        return cls(keys, source)
+
+    @classmethod
+    def from_env(cls, path: str | None = None) -> PublicKeys:
+        """``path`` / ``TETHER_PUBLIC_KEYS``; else the ring's ``.pub`` file beside it; else the
+        ring itself (a process that holds it). KeyRingError naming the settings when none is there."""
+        chosen = path or os.environ.get(PUBLIC_SETTING)
+        ring_path = Path(os.environ.get(KEY_SETTING) or DEFAULT_STATE_KEY)
+        candidates = [Path(chosen)] if chosen else [ring_path.with_name(ring_path.name + PUBLIC_SUFFIX)]
+        for candidate in candidates:
+            try:
+                return cls.parse(candidate.read_text(), str(candidate))
+            except FileNotFoundError:
+                if chosen:
+                    raise KeyRingError(f"no public keys at {candidate} ({PUBLIC_SETTING})") from None
+            except OSError as e:
+                raise KeyRingError(f"cannot read the public keys {candidate}: {e.strerror}") from None
+        try:
+            return KeyRing.from_env(str(ring_path)).public_keys()
+        except KeyRingError:
+            raise KeyRingError(
+                f"no public keys to verify the fleet's signatures: set {PUBLIC_SETTING} to the fleet's "
+                f"public key file (`python -m activities.keys public RING` writes RING{PUBLIC_SUFFIX})"
+            ) from None
+
+    def text(self) -> str:
+        return "".join(
+            f"{kid} {base64.b64encode(key.public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()}\n"
+            for kid, key in self.keys.items()
+        )
+
+    def problem(self, fields: Any, signature: str) -> str | None:
+        """Why ``signature`` is not the fleet's over ``fields`` (None: it is)."""
+        kid, _, b64 = (signature or "").partition(":")
+        if not b64:
+            return "unsigned"
+        key = self.keys.get(kid)
+        if key is None:
+            return f"signed by key id {kid[:32]!r}, not one of the fleet's public keys ({self.source})"
+        try:
+            key.verify(base64.b64decode(b64, validate=True), ring_math.statement_bytes(fields))
+        except (InvalidSignature, ValueError):
+            return "its signature does not verify"
+        return None
+
+
+def write_public(path: Path) -> Path:
+    """Write the ring's public keys beside it (``PATH.pub``); returns that path."""
+    out = path.with_name(path.name + PUBLIC_SUFFIX)
+    out.write_text(KeyRing.from_env(str(path)).public_keys().text())
+    return out
 
 
 class KeyRingInterceptor(Interceptor):
@@ -181,12 +294,15 @@ def capability_refusal(keys: KeyRing | None, call: ToolCall) -> ApplicationError
 def genkey(path: Path, *, if_missing: bool = False) -> str:
     """Append a new newest key to the ring at ``path`` (0600); returns its id."""
     if if_missing and path.exists():
+        if not path.with_name(path.name + PUBLIC_SUFFIX).exists():
+            write_public(path)
         return KeyRing.from_env(str(path)).newest
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_hex(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(key + "\n")
+    write_public(path)
     return key_id(key.encode())
 
 
@@ -194,6 +310,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["genkey"] and len(args) in (2, 3) and (len(args) == 2 or args[1] == "--if-missing"):
         print(genkey(Path(args[-1]), if_missing=len(args) == 3))
+        return 0
+    if args[:1] == ["public"] and len(args) == 2:
+        try:
+            print(write_public(Path(args[1])))
+        except KeyRingError as e:
+            print(e, file=sys.stderr)
+            return 1
         return 0
     if args[:1] == ["ids"] and len(args) == 2:
         try:
@@ -203,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print("\n".join(ring.keys))
         return 0
-    print(__doc__.strip().splitlines()[-2].strip() + "\n" + __doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+    print("\n".join(line.strip() for line in __doc__.strip().splitlines()[-3:]), file=sys.stderr)
     return 2
 
 

@@ -615,6 +615,8 @@ class PolicyActivities:
             for line in lines:
                 self._shadow(line)
         if self.judgements is not None:
+            if self.keys is not None:
+                lines = [judgements.sign(self.keys, line) for line in lines]
             await judgements.append(self.judgements, lines)
 
     def _shadow(self, line: dict[str, Any]) -> None:

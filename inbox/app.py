@@ -169,6 +169,8 @@ class Inbox:
     async def _published(self, row: tether.RunSummary) -> tuple[RunSnapshot | None, datetime | None]:
         if row.view is not None:
             return row.view.snapshot, row.view.published_at
+        if row.view_unverified:
+            return None, None  # only runs whose view the fleet signed are listed
         try:
             return await tether.snapshot(await self.client(), row.run_id), None
         except tether.TetherError:

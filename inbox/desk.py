@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime
 
+from client import approval_offer_problem
 from workflows import policy
 from workflows.policy_file import PolicyDocument, TenantPolicy
 from workflows.wire import Refusal
@@ -45,6 +46,9 @@ def decide_refusal(
         return Refusal(rule="not_awaiting_approval", message=f"run is {snap.state.value}, not AWAITING_APPROVAL")
     if now >= pending.expires_at:
         return Refusal(rule="approval_expired", message=f"approval expired at {pending.expires_at.isoformat()}")
+    mismatch = approval_offer_problem(snap)
+    if mismatch is not None:
+        return Refusal(rule="plan_unverified", message=mismatch)
     refusal = policy.approver_refusal(
         tenant,
         approver=person,

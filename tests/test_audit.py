@@ -20,6 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 import client as tether_client
 from activities.audit import AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
 from activities.policy import PolicyActivities, PolicyStore
+from activities.keys import KeyRing
 from client import run_outcome
 from tests.conftest import (
     audit_collected,
@@ -207,7 +208,7 @@ async def test_a_view_the_collector_cannot_read_is_logged_and_the_others_are_wri
     )
     await bad.terminate("closed with a view no worker wrote")
     root = tmp_path / "second"
-    collector = AuditCollector(dev_env.client, JsonlAuditSink(root))
+    collector = AuditCollector(dev_env.client, JsonlAuditSink(root), publics=KeyRing.from_env().public_keys())
     collector.task_queue = queue
     collector._loop = asyncio.get_running_loop()
     task = asyncio.create_task(collector.collect())

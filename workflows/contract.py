@@ -268,6 +268,14 @@ class Plan(BaseModel):
                     item["compensate"] = comp.model_dump(mode="json")
         return json_digest(payload)
 
+    def hashes_to_itself(self) -> bool:
+        """Do the steps (and undos) shown hash to the plan hash shown? A page or CLI that offers
+        Approve checks it, so a view that lies about the arguments offers nothing to approve."""
+        try:
+            return self.hash_steps(self.steps, self.undo) == self.plan_hash
+        except ValueError:  # undo of another length, a value canonical JSON refuses
+            return False
+
 
 class ApprovalDecision(Contract):
     """Payload of the ``approve`` and ``reject`` signals."""

@@ -12,6 +12,7 @@ Decisions are not made here: what to call, with what, and what an answer means i
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -50,7 +51,7 @@ from workflows.engine import Engine
 from workflows.published import COLLECT_EXTERN, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_model import ToolFailure
 from workflows.run_state import RunSnapshot, RunView
-from workflows.states import RunState, TransitionRecord, to_publish
+from workflows.states import RunState, TransitionRecord, record_link, to_publish
 from workflows.wire import (
     ATTEMPT_STILL_RUNNING,
     AuditAck,
@@ -210,6 +211,13 @@ class Effects:
         return settled
 
     def on_record(self, record: TransitionRecord) -> None:
+        # Signed here, by the workflow code, for the stream this execution writes it to: a sink,
+        # a view or an auditor takes it as the fleet's only with this signature.
+        info = workflow.info()
+        with self.keyed():
+            record.sig = self.ring().sign_statement(
+                keys.record_statement(info.workflow_id, info.run_id, record.seq, record_link(record))
+            )
         self.audit.append(record)
         if record.kind == "refused":
             run_metrics.on_refusal(record)
@@ -291,8 +299,14 @@ class Effects:
         if show:
             self.show()
         self.calls += 1
-        # Ours, not the SDK's sequence number, so the attestation can bind it.
-        activity_id = f"{name}.{self.calls}"
+        # Ours, not the SDK's sequence number, so the attestation can bind it; and bound to this
+        # execution: the suffix digests a draw from the run's random stream (a reset reseeds it)
+        # and the workflow task's time (the reset point's task is done again later than the
+        # original did it, before the reseed reaches the workflow). A reset run replays the ids
+        # (and answers) of the prefix it copied, but what it asks from the reset point on is
+        # answered for it alone: another execution's answer never verifies here.
+        drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
+        activity_id = f"{name}.{self.calls}.{hashlib.sha256(drawn.encode()).hexdigest()[:16]}"
         # What was asked, as it was sent (the run may change a model it holds meanwhile).
         asked = keys.digest(arg) if attested else ""
         try:
@@ -518,12 +532,17 @@ class Effects:
         if ending and self.audit:
             by_seq = {r.seq: r for r in [*self.audit, *timeline]}
             timeline = [by_seq[seq] for seq in sorted(by_seq)]
+        info = workflow.info()
         view = RunView(
             snapshot=self.snapshot(),
             timeline=timeline,
             published_at=workflow.now(),
-            continued_from=workflow.info().continued_run_id,
+            continued_from=info.continued_run_id,
         )
+        # Signed for this run: whoever completes a task can write a memo, and only this
+        # signature makes it the run's word (tether status, the inbox, the audit collector).
+        with self.keyed():
+            view.sig = self.ring().sign_statement(keys.view_statement(info.workflow_id, info.run_id, keys.view_digest(view)))
         workflow.upsert_memo({VIEW_MEMO: view.packed()})
 
     def _details(self) -> str:

@@ -13,6 +13,7 @@ process may hold different rings.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 from collections.abc import Callable, Mapping
@@ -82,6 +83,51 @@ class KeyRing:
     def verify(self, kid: str, fields: Mapping[str, Any], mac: str) -> bool:
         """Does ``mac`` verify under key ``kid``? MissingKey when the ring lacks that id."""
         return hmac.compare_digest(self.mac(kid, fields), mac)
+
+    def signer(self, kid: str) -> Callable[[bytes], bytes]:
+        """The Ed25519 signing function that key ``kid`` derives (activities/keys.py's ring
+        has them: the math needs a library workflow code does not import)."""
+        raise KeyMissing(kid)
+
+    def sign_statement(self, fields: Mapping[str, Any]) -> str:
+        """A signature anyone holding the fleet's public keys verifies, by the newest key:
+        ``"<key id>:<base64 Ed25519 signature>"`` over ``statement_bytes(fields)``. Ed25519 is
+        deterministic, so workflow code signs: a replay makes the same signature."""
+        kid = self.newest
+        return f"{kid}:{base64.b64encode(self.signer(kid)(statement_bytes(fields))).decode()}"
+
+
+# ----------------------------------------------------------------------------- signed statements
+# What the fleet says to people and auditors (records, views, judgement lines) is signed with
+# Ed25519 keys derived from the ring's keys, and verified with their public halves alone
+# (activities/keys.py: PublicKeys, `python -m activities.keys public`).
+
+
+def statement_bytes(fields: Mapping[str, Any]) -> bytes:
+    return canonical_json(dict(fields)).encode()
+
+
+def record_statement(workflow_id: str, run_id: str, seq: int, link: str) -> dict[str, Any]:
+    """What a record's signature covers: its workflow id, the run whose stream it goes to (a
+    reset or a continued run writes its own), its seq and its link (states.record_link), which
+    covers the record and the link before it."""
+    return {"kind": "record", "workflow_id": workflow_id, "run_id": run_id, "seq": seq, "link": link}
+
+
+def view_statement(workflow_id: str, run_id: str, digest: str) -> dict[str, Any]:
+    """What a published view's signature covers: the run that published it and the view."""
+    return {"kind": "view", "workflow_id": workflow_id, "run_id": run_id, "digest": digest}
+
+
+def judgement_statement(digest: str) -> dict[str, Any]:
+    """What a judgement line's signature covers: the line (it names its run and activity)."""
+    return {"kind": "judgement", "digest": digest}
+
+
+def view_digest(view: BaseModel) -> str:
+    """The digest a view's signature covers: the view without its signature, the fields at
+    their defaults left out (the packed form it is published in leaves them out too)."""
+    return json_digest(view.model_dump(mode="json", exclude_defaults=True, exclude={"sig"}))
 
 
 # ----------------------------------------------------------------------------- the worker's ring

@@ -216,6 +216,9 @@ class RunView(Packed):
     timeline: list[TransitionRecord] = Field(default_factory=list)
     published_at: datetime
     continued_from: str | None = None  # the run this one continued as new from (the sink's stream says so)
+    # The fleet's signature over this view for the run that published it (workflows/keys.py,
+    # ``view_statement``): a view without one that verifies is a claim, never the run's state.
+    sig: str = ""
 
 
 class RunOutcome(BaseModel):

@@ -7,6 +7,7 @@ changes state only through :meth:`Lifecycle.move`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from datetime import datetime
@@ -199,6 +200,21 @@ class TransitionRecord(BaseModel):
     # 1, 2, 3, ... over the whole run (across continue-as-new): the audit sink's key, and how a
     # reader merges the workflow's window with the sink.
     seq: int = 0
+    # The chain: the link (``record_link``) of the record before this one in its workflow id's
+    # chain, across continue-as-new ("" for the first); a reset branch chains from its reset point.
+    prev: str = ""
+    # The fleet's signature (workflows/keys.py, ``record_statement``) over the workflow id, the
+    # run that wrote it to the sink, the seq and this record's link: made by the workflow code.
+    sig: str = ""
+
+
+def record_link(record: TransitionRecord) -> str:
+    """A record's link in its chain: the sha256 of its JSON without its signature, the fields at
+    their defaults left out (so a field a later build adds does not change an older record's
+    link). Pure, so an auditor's verifier computes the same from the sink."""
+    body = record.model_dump(mode="json", exclude_defaults=True, exclude={"sig"})
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # What a run sends for itself alone (the audit batch, the published view): JSON without the
@@ -303,6 +319,7 @@ class Lifecycle(BaseModel):
     records: int = 0  # records written in all; the last one's seq
     omitted: int = 0  # records dropped from the window (still in the audit sink)
     refusals: dict[str, int] = Field(default_factory=dict)  # "rule actor" -> count
+    chain: str = ""  # the link of the last record written: the next one's ``prev``
 
     @property
     def terminal(self) -> bool:
@@ -405,6 +422,8 @@ class Lifecycle(BaseModel):
         self.records += 1
         record.seq = self.records
         record.reason = clip(record.reason, REASON_CHARS)
+        record.prev = self.chain
+        self.chain = record_link(record)
         self.timeline.append(record)
         if len(self.timeline) > TIMELINE_WINDOW:
             del self.timeline[TIMELINE_HEAD]  # the oldest after the head; the sink has it
