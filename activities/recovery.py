@@ -13,17 +13,17 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.keys import KeyRing, attest
-from activities.undo_ledger import LedgerEntry, UndoLedger
+from activities.effect_ledger import EffectLedger, LedgerEntry
 from workflows.contract import CompensationCall
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal
 from workflows.run_state import RunSnapshot
 
 
 class RecoveryActivities:
-    def __init__(self, client: Client, keys: KeyRing, ledger: UndoLedger | None = None) -> None:
+    def __init__(self, client: Client, keys: KeyRing, ledger: EffectLedger | None = None) -> None:
         self.client = client
         self.keys = keys  # attests the answer: a keyless poller cannot say what gets undone
-        self.ledger = ledger  # what any run already undid, or started (activities/undo_ledger.py)
+        self.ledger = ledger  # what any run already undid, or started (activities/effect_ledger.py)
 
     @activity.defn(name="recovery_source")
     async def recovery_source(self, request: RecoveryRequest) -> RecoverySource:
@@ -59,7 +59,7 @@ class RecoveryActivities:
         return await self.standing_in(self.ledger, compensations)
 
     @staticmethod
-    async def standing_in(ledger: UndoLedger, compensations: list[CompensationCall]) -> list[CompensationCall]:
+    async def standing_in(ledger: EffectLedger, compensations: list[CompensationCall]) -> list[CompensationCall]:
         entries = await ledger.entries([c.idempotency_key for c in compensations if c.tool and c.status != "ok"])
         return [undo_standing(c, entries.get(c.idempotency_key)) for c in compensations]
 
