@@ -1,0 +1,266 @@
+"""The effect ledger (issue 39): every write is claimed by its idempotency key in the tool worker
+before the tool runs, so a repeated key (a retry, a reset run, a repair, a replayed capability)
+never reaches an unsafe tool again. The ledger is a witness: a lost one is an error, never an
+empty answer (issue 46). Real dev server, real billing service (its database counts the
+effects), real SQLite ledgers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sqlite3
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, ResetReapplyType
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+
+import examples.billing.tools  # noqa: F401 (registers the billing tools)
+from activities.effect_ledger import LEDGER_FILE, LedgerUnavailable, SqliteEffectLedger
+from activities.keys import KeyRing
+from activities.tools import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
+from client import run_outcome
+from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, unique, wait_for_state
+from tests.test_reset import outcome_of
+from workflows import keys
+from workflows.run_state import RunOutcome
+from workflows.wire import UNDO_LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
+
+
+def counts_in_db(billing: Billing, key_prefix: str) -> dict[str, int]:
+    """Refunds, ledger entries and emails whose key starts with ``key_prefix``, read from the
+    billing service's own database (not its API)."""
+    with sqlite3.connect(billing.db) as db:
+        like = key_prefix.replace("%", r"\%").replace("_", r"\_") + "%"
+        return {
+            "refunds": db.execute(r"SELECT count(*) FROM refunds WHERE idempotency_key LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
+            "ledger": db.execute(r"SELECT count(*) FROM ledger WHERE key LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
+            "emails": db.execute(r"SELECT count(*) FROM emails WHERE request_ref LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
+        }
+
+
+def write_call(tool: str, args: dict, key: str, *, workflow_id: str = "wf", run_id: str = "wf-run",
+               activity_id: str = "tc-1.1.0", attempt: int = 1) -> ToolCall:
+    """A write as the run's workflow code schedules it: its capability minted with the fleet key
+    for exactly this call, run and activity id."""
+    call = ToolCall(tool=tool, args=args, tool_call_id=key.rsplit(":", 1)[-1], idempotency_key=key,
+                    run_id=workflow_id, tenant="default", attempt=attempt)
+    call.capability = keys.mint(
+        KeyRing.from_env(), call, workflow_id=workflow_id, run_id=run_id, activity_id=activity_id, request_id="",
+        plan_hash="h" * 64, now=datetime.now(timezone.utc), ttl_seconds=60,
+    )
+    return call
+
+
+async def execute(tools: ToolActivities, call: ToolCall, *, workflow_id: str = "wf", run_id: str = "wf-run",
+                  activity_id: str = "tc-1.1.0") -> ToolOutcome:
+    """``execute_tool`` as the tool worker runs it for that activity (the server's activity info)."""
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, workflow_id=workflow_id, workflow_run_id=run_id, activity_id=activity_id)
+    return await env.run(tools.execute_tool, call)
+
+
+def email_args() -> dict:
+    return {"to": f"{uuid.uuid4().hex[:8]}@example.com", "subject": "s", "body": "b"}
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> SqliteEffectLedger:
+    return SqliteEffectLedger(tmp_path / "audit" / LEDGER_FILE)
+
+
+async def test_a_replayed_capability_sends_one_email_in_turn_or_at_once(billing: Billing, ledger: SqliteEffectLedger) -> None:
+    """The documented remainder: a captured capability replayed under the same run and activity
+    id is the same call. One after the other: the recorded outcome, attested for this call, no
+    second email. Both at once: one email; the other is refused, the tool not called."""
+    tools = ToolActivities(REGISTRY, KeyRing.from_env(), ledger)
+    key = f"{unique('wf')}:tc-1"
+    call = write_call("send_email", email_args(), key)
+    first = await execute(tools, call)
+    for _ in range(3):
+        again = await execute(tools, call)
+        assert again.observation == first.observation and again.attestation is not None
+    assert counts_in_db(billing, key)["emails"] == 1
+
+    key = f"{unique('wf')}:tc-1"
+    call = write_call("send_email", email_args(), key)
+    answers = await asyncio.gather(*(execute(tools, call) for _ in range(4)), return_exceptions=True)
+    sent = [a for a in answers if isinstance(a, ToolOutcome)]
+    refused = [a for a in answers if isinstance(a, ApplicationError)]
+    assert counts_in_db(billing, key)["emails"] == 1, answers
+    # Whoever came while the first was running was refused as "may have applied" (an unsafe tool
+    # is never started twice); whoever came after it finished got its outcome.
+    assert len(sent) + len(refused) == 4 and sent and all(e.type == MAY_HAVE_APPLIED for e in refused), answers
+    assert all(not e.non_retryable for e in refused)  # the run takes it as an unknown outcome
+
+
+async def test_an_unsafe_write_that_may_have_applied_is_never_started_again(billing: Billing, ledger: SqliteEffectLedger) -> None:
+    """The service took the email, then its answer was lost (a 503 after the write): a second call
+    under the key, from any run, any attempt number, is may_have_applied, never a second email."""
+    tools = ToolActivities(REGISTRY, KeyRing.from_env(), ledger)
+    key = f"{unique('wf')}:tc-1"
+    billing.fail_next("emails", 1, status=503, when="after_commit")
+    with pytest.raises(ApplicationError):
+        await execute(tools, write_call("send_email", email_args(), key))
+    assert (await ledger.entries([key]))[key].state == "unknown"
+    for attempt, run in ((1, "wf-reset-run"), (2, "wf-run"), (1, "wf-repair-run")):
+        with pytest.raises(ApplicationError) as refused:
+            await execute(tools, write_call("send_email", email_args(), key, run_id=run, attempt=attempt), run_id=run)
+        assert refused.value.type == MAY_HAVE_APPLIED and not refused.value.non_retryable
+        assert "may have applied" in refused.value.message
+    assert counts_in_db(billing, key)["emails"] == 1
+
+
+async def test_a_reconcilable_write_looks_up_first_on_a_repeated_key_whatever_the_attempt(
+    billing: Billing, ledger: SqliteEffectLedger
+) -> None:
+    """The ledger post applied and its answer was lost. A reset run calls it again as its first
+    attempt: the key is in the ledger, so it is looked up, found, and not posted twice (before:
+    409 duplicate_key, the step failed, the entry left without its undo)."""
+    tools = ToolActivities(REGISTRY, KeyRing.from_env(), ledger)
+    key = f"{unique('wf')}:tc-2"
+    args = {"order_id": "A-1002", "amount_cents": -100, "memo": "ledger test"}
+    billing.fail_next("ledger", 1, status=503, when="after_commit")
+    with pytest.raises(ApplicationError):
+        await execute(tools, write_call("post_ledger_entry", args, key))
+    found = await execute(tools, write_call("post_ledger_entry", args, key, run_id="wf-reset-run", attempt=1), run_id="wf-reset-run")
+    assert key in found.observation and counts_in_db(billing, key)["ledger"] == 1
+    entry = (await ledger.entries([key]))[key]
+    assert (entry.state, entry.by_run) == ("done", "wf-reset-run")
+    # Done now: the recorded outcome, whoever asks, no look-up and no post.
+    billing.fail_next("ledger", 5, status=500)  # a call reaching the service would fail
+    again = await execute(tools, write_call("post_ledger_entry", args, key, run_id="wf-other", attempt=1), run_id="wf-other")
+    assert again.observation == found.observation
+
+
+async def test_an_idempotent_write_runs_again_under_its_key_but_not_beside_a_live_attempt(
+    billing: Billing, ledger: SqliteEffectLedger
+) -> None:
+    """A refund whose attempt may still be running (claimed, within its time) is not started
+    beside it; once that is over (outcome unknown) it runs again under the same key, and the
+    service dedupes."""
+    tools = ToolActivities(REGISTRY, KeyRing.from_env(), ledger)
+    key = f"{unique('wf')}:tc-1"
+    args = {"order_id": "A-1002", "amount_cents": 150, "reason": "ledger test"}
+    await ledger.claim(key, tool="issue_refund", workflow_id="wf", run_id="wf-old-run")
+    with pytest.raises(ApplicationError) as busy:
+        await execute(tools, write_call("issue_refund", args, key, run_id="wf-reset-run"), run_id="wf-reset-run")
+    assert busy.value.type == IN_FLIGHT and not busy.value.non_retryable
+    assert counts_in_db(billing, key)["refunds"] == 0
+    await ledger.unknown(key)  # that attempt is over, its outcome unknown
+    billing.fail_next("refunds", 1, status=503, when="after_commit")
+    with pytest.raises(ApplicationError):
+        await execute(tools, write_call("issue_refund", args, key, run_id="wf-reset-run"), run_id="wf-reset-run")
+    done = await execute(tools, write_call("issue_refund", args, key, run_id="wf-reset-run", attempt=2), run_id="wf-reset-run")
+    assert counts_in_db(billing, key)["refunds"] == 1 and (await ledger.entries([key]))[key].state == "done"
+    assert "refund_id" in done.observation
+
+
+async def test_a_lost_ledger_is_an_error_not_an_empty_ledger(billing: Billing, tmp_path: Path) -> None:
+    """Issue 46: the ledger file deleted (or unreadable) starts no write and no undo and reads as
+    an error, never as "nothing claimed"; an empty one begins only on the operator's word."""
+    path = tmp_path / "audit" / LEDGER_FILE
+    ledger = SqliteEffectLedger(path)
+    tools = ToolActivities(REGISTRY, KeyRing.from_env(), ledger)
+    key = f"{unique('wf')}:tc-1"
+    call = write_call("send_email", email_args(), key)
+    await execute(tools, call)
+    assert (await ledger.entries([key]))[key].state == "done"
+
+    path.unlink()  # under a worker that holds it open, and for one that starts now
+    for holder in (ledger, SqliteEffectLedger(path)):
+        with pytest.raises(LedgerUnavailable, match="--new-ledger"):
+            await holder.entries([key])
+        with pytest.raises(ApplicationError) as refused:
+            await execute(ToolActivities(REGISTRY, KeyRing.from_env(), holder), call)
+        assert refused.value.type == UNDO_LEDGER_UNAVAILABLE and "missing" in refused.value.message
+    assert not path.exists() and counts_in_db(billing, key)["emails"] == 1
+
+    # A file that is not a ledger: unreadable, the same refusal.
+    garbage = tmp_path / "garbage" / LEDGER_FILE
+    garbage.parent.mkdir()
+    garbage.write_bytes(b"not a database" * 100)
+    with pytest.raises(ApplicationError) as refused:
+        await execute(ToolActivities(REGISTRY, KeyRing.from_env(), SqliteEffectLedger(garbage)), call)
+    assert refused.value.type == UNDO_LEDGER_UNAVAILABLE and "DatabaseError" in refused.value.message
+
+    # The operator's word (--new-ledger): an empty ledger; what the old one recorded is gone.
+    fresh = SqliteEffectLedger(path, new_ledger=True)
+    other = f"{unique('wf')}:tc-1"
+    await execute(ToolActivities(REGISTRY, KeyRing.from_env(), fresh), write_call("send_email", email_args(), other))
+    assert (await SqliteEffectLedger(path).entries([other]))[other].state == "done"
+
+    # A folder where no ledger was ever created reads as empty (nothing was claimed there).
+    assert await SqliteEffectLedger(tmp_path / "never" / LEDGER_FILE).entries([key]) == {}
+
+
+# ----------------------------------------------------------------------------- plain resets
+
+
+async def reset_run_outcome(client: Client, workflow_id: str, run_id: str) -> tuple[RunOutcome, bool]:
+    """How a reset run ends; where it waits for an approval again (the reapplied one came before
+    the run asked for it, and was refused), bob approves again, as an operator's approver would."""
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+    approved = False
+    while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+        snap = await snapshot(handle)
+        if snap.state.value == "AWAITING_APPROVAL" and not approved:
+            await handle.signal("approve", approval_for(snap, "bob"))
+            approved = True
+        await asyncio.sleep(0.05)
+    return await outcome_of(client, workflow_id, run_id), approved
+
+
+def three_writes(to: str) -> list[dict]:
+    """A refund (idempotent), a ledger entry (reconcilable), an email (unsafe)."""
+    return [
+        {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 700, "reason": "reset everywhere"}},
+        {"tool": "post_ledger_entry", "args": {"order_id": "A-1002", "amount_cents": -700, "memo": "reset everywhere"}},
+        {"tool": "send_email", "args": {"to": to, "subject": "your refund", "body": "sent once"}},
+    ]
+
+
+async def test_a_plain_reset_to_every_completed_workflow_task_repeats_no_write(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Issue 39: an approved 3-write run, reset (`temporal workflow reset --event-id`, what the
+    Web UI's Reset button does) to each of its completed workflow tasks in turn: one refund, one
+    ledger entry, one email in the billing database, and every reset run COMPLETED."""
+    client = dev_env.client
+    to = f"{uuid.uuid4().hex[:10]}@example.com"
+    async with running_worker(client) as worker:
+        handle = await start_run(client, worker, make_request(three_writes(to)))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        first = await run_outcome(handle)
+        assert first.state.value == "COMPLETED"
+        assert counts_in_db(billing, handle.id) == {"refunds": 1, "ledger": 1, "emails": 1}
+        events = (await handle.fetch_history()).events
+        points = [e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED]
+        assert len(points) >= 10, points
+        ended = {}
+        for point in points:
+            reset = await client.workflow_service.reset_workflow_execution(
+                ResetWorkflowExecutionRequest(
+                    namespace=client.namespace,
+                    workflow_execution=WorkflowExecution(workflow_id=handle.id, run_id=handle.result_run_id),
+                    reason=f"test: reset to workflow task {point}",
+                    workflow_task_finish_event_id=point,
+                    request_id=uuid.uuid4().hex,
+                    reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+                )
+            )
+            again, approved_again = await reset_run_outcome(client, handle.id, reset.run_id)
+            ended[point] = again.state.value + (" (approved again)" if approved_again else "")
+            assert [s.tool_call_id for s in again.steps] == [s.tool_call_id for s in first.steps], point
+    assert {state.split()[0] for state in ended.values()} == {"COMPLETED"}, ended
+    # The resets before the approval was taken find it refused when it is reapplied (the run is
+    # not waiting for it yet): bob approves again, as he would; the later ones need no one.
+    assert any("approved again" in state for state in ended.values()) and ended[points[-1]] == "COMPLETED", ended
+    assert counts_in_db(billing, handle.id) == {"refunds": 1, "ledger": 1, "emails": 1}
