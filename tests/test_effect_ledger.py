@@ -264,3 +264,51 @@ async def test_a_plain_reset_to_every_completed_workflow_task_repeats_no_write(
     # not waiting for it yet): bob approves again, as he would; the later ones need no one.
     assert any("approved again" in state for state in ended.values()) and ended[points[-1]] == "COMPLETED", ended
     assert counts_in_db(billing, handle.id) == {"refunds": 1, "ledger": 1, "emails": 1}
+
+
+# ----------------------------------------------------------------------------- a lost ledger, end to end
+
+
+async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 46: a write undone by a compensation run, then the ledger file deleted. `tether
+    status` says unknown (never pending) and names the ledger's error; `tether compensate` is
+    refused; a compensation run started anyway undoes nothing (before: the void was sent again)."""
+    import client as tether_client
+    import starter
+    from tests.test_recovery import VOIDS, approved_run, requests_to
+
+    monkeypatch.setenv("TETHER_AUDIT_DIR", str(tmp_path / "audit"))  # this test's sink and ledger only
+    billing.fail_next("emails", 1, status=400)
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker)
+        assert outcome.state.value == "EXECUTION_FAILED"
+        undo = await tether_client.run_outcome(await tether_client.compensate(
+            ts_env.client, outcome.run_id, by="bob", queue=worker.task_queue))
+        assert undo.state.value == "COMPENSATED"
+        voids = requests_to(billing, VOIDS)
+        undone = starter.format_status(await tether_client.status(ts_env.client, outcome.run_id))
+        assert "undone (void_refund" in undone
+
+        (tmp_path / "audit" / LEDGER_FILE).unlink()
+        status = await tether_client.status(ts_env.client, outcome.run_id)
+        shown = starter.format_status(status)
+        assert status.ledger_error and "missing" in status.ledger_error and "--new-ledger" in status.ledger_error
+        assert {c.status for c in status.compensations if c.tool} == {"unknown"}, status.compensations
+        assert "pending" not in shown and "unknown (the ledger cannot be read)" in shown and "ledger     " in shown, shown
+        with pytest.raises(tether_client.TetherError) as refused:
+            await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
+        assert refused.value.rule == "ledger_unavailable" and refused.value.code == 2
+        # A client that skips the check: the worker reads its ledger for what is left, cannot,
+        # and starts nothing (the read is retried; the run stays before any undo).
+        forced = await start_run(ts_env.client, worker, make_request(
+            [], compensate_run=outcome.run_id, requested_by="carol"))
+        for _ in range(600):
+            pending = (await forced.describe()).raw_description.pending_activities
+            if pending and pending[0].last_failure.message:
+                break
+            await asyncio.sleep(0.05)
+        assert "missing" in pending[0].last_failure.message, pending
+        await forced.terminate("test over")
+    assert requests_to(billing, VOIDS) == voids
