@@ -312,3 +312,47 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
         assert "missing" in pending[0].last_failure.message, pending
         await forced.terminate("test over")
     assert requests_to(billing, VOIDS) == voids
+
+
+async def test_a_dropped_postgres_ledger_is_an_error_until_the_operator_begins_a_new_one(postgres: str) -> None:
+    """The fleet's ledger (PostgreSQL, beside the audit sink): its table dropped, every worker's
+    claim and every client's read is LedgerUnavailable, not an empty ledger; --new-ledger begins
+    an empty one. A database of its own (the session's is shared)."""
+    import psycopg
+
+    from activities.audit import PostgresAuditSink
+    from activities.effect_ledger import LEDGER_TABLE, ledger_for
+
+    name = f"ledger_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(postgres, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    dsn = postgres.rsplit("/", 1)[0] + f"/{name}"
+    key = f"wf-{uuid.uuid4().hex[:8]}:tc-1"
+    first = ledger_for(PostgresAuditSink(dsn))
+    try:
+        assert await first.claim(key, tool="send_email", workflow_id="wf", run_id="r1") is None
+        await first.done(key, "{}", workflow_id="wf", run_id="r1")
+    finally:
+        await first.aclose()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE {LEDGER_TABLE}")
+    for _ in range(2):  # a worker starting now, a client reading
+        ledger = ledger_for(PostgresAuditSink(dsn))
+        try:
+            with pytest.raises(LedgerUnavailable, match="--new-ledger"):
+                await ledger.claim(key, tool="send_email", workflow_id="wf", run_id="r2")
+            with pytest.raises(LedgerUnavailable):
+                await ledger.entries([key])
+        finally:
+            await ledger.aclose()
+    fresh = ledger_for(PostgresAuditSink(dsn), new_ledger=True)
+    try:
+        assert await fresh.entries([key]) == {}
+        assert await fresh.claim(key, tool="send_email", workflow_id="wf", run_id="r3") is None
+    finally:
+        await fresh.aclose()
+    again = ledger_for(PostgresAuditSink(dsn))  # the new one is marked: used as it is
+    try:
+        assert (await again.entries([key]))[key].by_run == "r3"
+    finally:
+        await again.aclose()
