@@ -18,6 +18,7 @@ from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyType
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
@@ -356,3 +357,58 @@ async def test_a_dropped_postgres_ledger_is_an_error_until_the_operator_begins_a
         assert (await again.entries([key]))[key].by_run == "r3"
     finally:
         await again.aclose()
+
+
+async def test_a_capability_replayed_by_a_rogue_poller_under_the_same_activity_id_sends_one_email(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """The documented remainder, as a hostile worker does it: a run sent its approved email and
+    waits to retry its next step; a keyless poller takes the run's next workflow task and
+    schedules the captured `execute_tool` input again under the email's own activity id (so the
+    capability matches the run, the attempt and the call). The tool worker answers from its
+    ledger: one email, not two."""
+    from tests.test_trust_chain import emails, rogue_answer, schedule_tool
+
+    client = dev_env.client
+    to = f"{uuid.uuid4().hex[:10]}@example.com"
+    queue = unique("tq")
+    plan = [
+        {"tool": "send_email", "args": {"to": to, "subject": "once", "body": "only once"}},
+        {"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_cents": 100, "reason": "replay"}},
+    ]
+    billing.fail_next("refunds", 20, status=503)  # the run waits between retries of its refund
+    async with running_worker(client, task_queue=queue) as worker:
+        handle = await start_run(client, worker, make_request(plan))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        await wait_for_state(handle, "RETRY_WAIT")
+    # No worker of the run's queue now: its next workflow task goes to whoever polls.
+    assert len(emails(billing, to)) == 1
+    scheduled = next(
+        e.activity_task_scheduled_event_attributes for e in (await handle.fetch_history()).events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"
+    )
+    captured = pydantic_data_converter.payload_converter.from_payloads(scheduled.input.payloads, [ToolCall])[0]
+    assert captured.tool == "send_email" and captured.capability is not None
+    replay_queue = unique("tq")
+    await rogue_answer(client, queue, handle.id, [schedule_tool(replay_queue, captured, scheduled.activity_id)])
+    async with running_worker(client, task_queue=replay_queue):
+        last = None
+        for _ in range(600):
+            events = (await handle.fetch_history()).events
+            replays = [e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                       and e.activity_task_scheduled_event_attributes.task_queue.name == replay_queue]
+            ended = [e for e in events if replays and (
+                e.activity_task_completed_event_attributes.scheduled_event_id == replays[0]
+                or e.activity_task_failed_event_attributes.scheduled_event_id == replays[0])]
+            if ended:
+                last = ended[0]
+                break
+            await asyncio.sleep(0.05)
+    await handle.terminate("test over")
+    assert last is not None and last.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED, last  # answered, not refused
+    answer = pydantic_data_converter.payload_converter.from_payloads(
+        last.activity_task_completed_event_attributes.result.payloads, [ToolOutcome])[0]
+    assert to in answer.observation and answer.attestation is not None
+    assert len(emails(billing, to)) == 1
