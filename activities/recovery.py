@@ -13,7 +13,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.keys import KeyRing, attest
-from activities.effect_ledger import EffectLedger, LedgerEntry
+from activities.effect_ledger import EffectLedger, LedgerEntry, LedgerUnavailable
 from workflows.contract import CompensationCall
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal
 from workflows.run_state import RunSnapshot
@@ -48,7 +48,13 @@ class RecoveryActivities:
         if snap.tenant != request.tenant:
             # Same answer as an unknown run: one tenant does not learn about another's runs.
             return refused("unknown_run", f"no run {request.run_id!r} in tenant {request.tenant!r}")
-        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=await self.standing(snap.compensations))
+        try:
+            standing = await self.standing(snap.compensations)
+        except LedgerUnavailable as e:
+            # The ledger is the witness of what was undone: without it nothing is, and the run
+            # says why (a ledger that is only unreachable for now raises instead: read again).
+            return refused("ledger_unavailable", f"{e}; nothing was undone: restore it, then tether compensate again")
+        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=standing)
 
     async def standing(self, compensations: list[CompensationCall]) -> list[CompensationCall]:
         """The original's compensations as the undo ledger says they stand now: done by a

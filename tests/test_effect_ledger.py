@@ -302,16 +302,14 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
             await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=worker.task_queue)
         assert refused.value.rule == "ledger_unavailable" and refused.value.code == 2
         # A client that skips the check: the worker reads its ledger for what is left, cannot,
-        # and starts nothing (the read is retried; the run stays before any undo).
-        forced = await start_run(ts_env.client, worker, make_request(
-            [], compensate_run=outcome.run_id, requested_by="carol"))
-        for _ in range(600):
-            pending = (await forced.describe()).raw_description.pending_activities
-            if pending and pending[0].last_failure.message:
-                break
-            await asyncio.sleep(0.05)
-        assert "missing" in pending[0].last_failure.message, pending
-        await forced.terminate("test over")
+        # and undoes nothing; the compensation run says why (last_error, status), and the
+        # original stays compensable once the ledger is back.
+        forced = await tether_client.run_outcome(await start_run(ts_env.client, worker, make_request(
+            [], compensate_run=outcome.run_id, requested_by="carol")))
+        assert forced.state.value == "FAILED" and forced.timeline[-1].refs.error_code == "ledger_unavailable"
+        refused_run = await tether_client.status(ts_env.client, forced.run_id)
+        assert refused_run.last_error.startswith("ledger_unavailable: ") and "missing" in refused_run.last_error
+        assert refused_run.end_rule == "ledger_unavailable" and "nothing was undone" in starter.format_status(refused_run)
     assert requests_to(billing, VOIDS) == voids
 
 
