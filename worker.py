@@ -38,7 +38,7 @@ from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, ch
 from activities.recovery import RecoveryActivities
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
-from activities.effect_ledger import ledger_for
+from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
@@ -161,6 +161,13 @@ async def serve(
         audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR
     except ValueError as e:
         raise SystemExit(f"invalid audit sink: {e}") from None
+    try:
+        # A ledger lost where one was: refuse to start (unless --new-ledger), not every write.
+        await check_ledger(audit.sink, new_ledger=new_ledger)
+    except LedgerUnavailable as e:
+        raise SystemExit(f"effect ledger: {e}") from None
+    except Exception as e:  # noqa: BLE001 (not reachable now: each write waits for it, the error on the run)
+        logging.warning("effect ledger %s not readable now: %s", audit.sink.describe(), e)
     # MCP servers' tools join the registry before the worker is built (a server that is down is
     # logged and left out); their sessions close after the worker has finished its tasks.
     mcp_servers = await mcp.start_servers(mcp_config, registry)
@@ -261,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--new-ledger",
         action="store_true",
         help="begin an empty effect ledger where one was created and is gone (what it recorded, writes "
-        "and undos, may then be started again); without it such a worker starts no write",
+        "and undos, may then be started again); without it the worker refuses to start there",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -226,9 +226,9 @@ class SqliteEffectLedger:
             return {}
         if not self.path.exists():
             gone = self._gone()
-            if gone is not None:
+            if gone is not None and not self.new_ledger:
                 raise gone
-            return {}  # no ledger was ever created here: nothing was claimed
+            return {}  # no ledger was ever created here (or the operator begins anew): nothing claimed
 
         def work(conn: sqlite3.Connection) -> dict[str, LedgerEntry]:
             marks = ", ".join("?" for _ in keys)
@@ -363,6 +363,20 @@ def ledger_for(sink: Any, *, new_ledger: bool = False) -> EffectLedger:
         return PostgresEffectLedger(sink, new_ledger)
     root = sink.root if isinstance(sink, JsonlAuditSink) else JsonlAuditSink.from_env().root
     return SqliteEffectLedger(root / LEDGER_FILE, new_ledger)
+
+
+async def check_ledger(sink: Any, *, new_ledger: bool = False) -> None:
+    """At worker start: raise LedgerUnavailable where the ledger is missing but one was created
+    (the worker refuses to start rather than refuse every write). Other errors (a database not
+    reachable yet) raise as they are: the caller decides."""
+    if isinstance(sink, PostgresAuditSink):
+        await PostgresEffectLedger(sink, new_ledger).entries(["-"])  # the sink stays open: the worker's
+        return
+    ledger = ledger_for(sink, new_ledger=new_ledger)
+    try:
+        await ledger.entries(["-"])
+    finally:
+        await ledger.aclose()
 
 
 # The names of the undo ledger it grew from.

@@ -410,3 +410,25 @@ async def test_a_capability_replayed_by_a_rogue_poller_under_the_same_activity_i
         last.activity_task_completed_event_attributes.result.payloads, [ToolOutcome])[0]
     assert to in answer.observation and answer.attestation is not None
     assert len(emails(billing, to)) == 1
+
+
+async def test_a_worker_refuses_to_start_on_a_lost_ledger_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a ledger was created and is gone, `python worker.py` exits naming --new-ledger
+    (before it reaches Temporal); a folder that never had one starts as always."""
+    import worker
+
+    folder = tmp_path / "audit"
+    monkeypatch.setenv("TETHER_AUDIT_DIR", str(folder))
+    ledger = SqliteEffectLedger(folder / LEDGER_FILE)
+    await ledger.claim("wf:tc-1", tool="send_email", workflow_id="wf", run_id="r")
+    await ledger.aclose()
+    (folder / LEDGER_FILE).unlink()
+    with pytest.raises(SystemExit) as refused:
+        await worker.serve(["examples.billing.tools"], unique("tq"))
+    assert "effect ledger" in str(refused.value.code) and "--new-ledger" in str(refused.value.code)
+    # With the operator's word the check passes; the new ledger begins with the first write.
+    from activities.audit import JsonlAuditSink
+    from activities.effect_ledger import check_ledger
+
+    await check_ledger(JsonlAuditSink(folder), new_ledger=True)
+    await check_ledger(JsonlAuditSink(tmp_path / "never"))
