@@ -47,7 +47,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.keys import KeyRing, attest, capability_refusal
-from activities.effect_ledger import EffectLedger
+from activities.effect_ledger import EffectLedger, LedgerUnavailable
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
@@ -497,8 +497,11 @@ class ToolActivities:
             held = await self.ledger.claim(key, tool=spec.name, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
         except Exception as e:  # noqa: BLE001 (any ledger error: the tool is not called)
             log.warning("effect ledger %s unavailable for %s: %s", self.ledger.describe(), key[:200], e)
+            # Our own words for a lost ledger (what to do: --new-ledger); else only the error's
+            # type on the run (a driver's text stays in the worker log).
+            why = f"{type(e).__name__}: {str(e)[:300]}" if isinstance(e, LedgerUnavailable) else type(e).__name__
             raise ApplicationError(
-                f"the effect ledger ({self.ledger.describe()}) is unavailable: {type(e).__name__}: {str(e)[:300]}; "
+                f"the effect ledger ({self.ledger.describe()}) is unavailable: {why}; "
                 f"the {what} was not started, and is scheduled again",
                 type=UNDO_LEDGER_UNAVAILABLE, non_retryable=True,
             ) from None
