@@ -395,6 +395,8 @@ class RunStatus(RunSnapshot):
     stuck: StuckTask | None = None  # its workflow task keeps failing
     # Why the view in its memo was not shown: not signed by the fleet for this run (read live).
     view_unverified: str | None = None
+    # Why the effect ledger could not be read: where each write stands is then unknown.
+    ledger_error: str | None = None
 
     @property
     def ended(self) -> bool:
@@ -857,23 +859,30 @@ async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]
 
 
 async def undo_standing(compensations: list[CompensationCall]) -> list[CompensationCall]:
-    """Each write's undo as the workers' undo ledger (beside their audit sink: TETHER_AUDIT_DSN /
+    """Each write's undo as the workers' effect ledger (beside their audit sink: TETHER_AUDIT_DSN /
     TETHER_AUDIT_DIR) says it stands: undone by which run and when, or started with its outcome
-    unknown (it may have applied). As the run recorded it when this client cannot read the ledger."""
+    unknown (it may have applied). ``unknown`` where this client cannot read the ledger (the
+    ledger is the witness: never "pending" for want of it); ``ledger_standing`` says why."""
+    return (await ledger_standing(compensations))[0]
+
+
+async def ledger_standing(compensations: list[CompensationCall]) -> tuple[list[CompensationCall], str | None]:
+    """``undo_standing``, and why the ledger could not be read (None when it was)."""
     if not any(c.tool and c.status != "ok" for c in compensations):
-        return compensations
+        return compensations, None
     from activities.audit import sink_from_env
+    from activities.effect_ledger import ledger_for
     from activities.recovery import RecoveryActivities
-    from activities.undo_ledger import ledger_for
 
     try:
         ledger = ledger_for(sink_from_env())
         try:
-            return await RecoveryActivities.standing_in(ledger, compensations)
+            return await RecoveryActivities.standing_in(ledger, compensations), None
         finally:
             await ledger.aclose()
-    except Exception:  # noqa: BLE001 (not this client's ledger to read: the run's record is shown)
-        return compensations
+    except Exception as e:  # noqa: BLE001 (any reason: where each write stands is unknown)
+        unread = [c.model_copy(update={"status": "unknown"}) if c.tool and c.status != "ok" else c for c in compensations]
+        return unread, f"the effect ledger cannot be read ({type(e).__name__}: {str(e)[:300]})"
 
 
 async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
@@ -882,11 +891,11 @@ async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatu
     By default from what the run published where it last rested (its memo; ``published_at``
     says when): no worker is needed and nothing reaches the run. ``live``: the ``snapshot`` and
     ``timeline`` queries, through a worker. A run that has published nothing yet is read live.
-    Each write's undo is shown as the undo ledger says it stands (``undo_standing``).
+    Each write's undo is shown as the effect ledger says it stands (``ledger_standing``).
     """
     result = (await read_run(client, run_id, live=live))[0]
     if result.ended:
-        result.compensations = await undo_standing(result.compensations)
+        result.compensations, result.ledger_error = await ledger_standing(result.compensations)
     return result
 
 
@@ -1446,7 +1455,12 @@ async def compensate(
         raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
     # Refused here, before anything starts, where this client can tell (a refused request leaves
     # no Failed execution behind); the compensation run's worker judges everything again.
-    refused = compensate_refusal(by, snap, await undo_standing(snap.compensations), policy_path)
+    standing, unread = await ledger_standing(snap.compensations)
+    if unread is not None:
+        # What no run undid yet is what the ledger says: without it, nothing is started.
+        raise TetherError(f"run {run_id} is not compensated now: {unread}; fix the workers' audit sink "
+                          "(TETHER_AUDIT_DIR / TETHER_AUDIT_DSN) and try again", USAGE, rule="ledger_unavailable")
+    refused = compensate_refusal(by, snap, standing, policy_path)
     if refused is not None:
         raise refused
     try:

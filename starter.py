@@ -183,13 +183,18 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
     for c in s.compensations:
         # Each ok write and where its undo stands (ids and names, escaped).
-        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {wording.write_standing(c)}")
-    if s.ended and s.state in policy.COMPENSABLE_STATES | {RunState.COMPLETED} and any(
+        standing = wording.write_standing(c)
+        if s.ledger_error and c.tool and c.status == "unknown" and not c.undone_by:
+            standing = f"unknown (the ledger cannot be read); undo: {show(c.tool, 64)}"
+        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {standing}")
+    if s.ledger_error:
+        lines.append(f"ledger     {show(s.ledger_error, 400)}: where each write stands is unknown")
+    elif s.ended and s.state in policy.COMPENSABLE_STATES | {RunState.COMPLETED} and any(
         c.status != "ok" and c.tool for c in s.compensations
     ):
         approved = " (kept by design: the undos need an approval first)" if s.state == RunState.COMPLETED else ""
         lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME{approved}")
-    if any(c.status == "unknown" for c in s.compensations):
+    if not s.ledger_error and any(c.status == "unknown" for c in s.compensations):
         lines.append(f"           check the target, then: {invoked_as()} compensate {show(shlex.quote(s.run_id))} "
                      "--by NAME --rerun-unknown STEP")
     if s.answer:

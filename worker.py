@@ -38,7 +38,7 @@ from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, ch
 from activities.recovery import RecoveryActivities
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
-from activities.undo_ledger import ledger_for
+from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for
 from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
@@ -64,21 +64,23 @@ def create_worker(
     keys: KeyRing | None = None,
     rules: PolicyActivities | None = None,
     extra_workflows: Sequence[type] = (),
+    new_ledger: bool = False,
     **options: Any,
 ) -> Worker:
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
 
     ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
-    activities, to those over ``policy``.
+    activities, to those over ``policy``. ``new_ledger``: begin an empty effect ledger where one
+    was created and is gone (else every write and undo is refused, ``undo_ledger_unavailable``).
     """
     # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): the workflow code seals
     # carried state, mints every write's capability and checks every attested answer with it;
     # the activities attest their answers and verify capabilities.
     keys = keys or KeyRing.from_env()
-    # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR), and the undo ledger beside it: each
-    # undo is started at most once, whichever run asks (activities/undo_ledger.py).
+    # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR), and the effect ledger beside it: each
+    # write and each undo is started at most once, whichever run asks (activities/effect_ledger.py).
     audit = audit or AuditActivities()
-    ledger = ledger_for(audit.sink)
+    ledger = ledger_for(audit.sink, new_ledger=new_ledger)
     tools = ToolActivities(registry, keys, ledger)
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
     if rules.keys is None:
@@ -137,6 +139,7 @@ async def serve(
     policy_path: str | None = None,
     mcp_config_path: str | None = None,
     shadow_policy_path: str | None = None,
+    new_ledger: bool = False,
 ) -> None:
     registry = load_tool_modules(tool_modules)
     try:
@@ -160,6 +163,13 @@ async def serve(
         audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR
     except ValueError as e:
         raise SystemExit(f"invalid audit sink: {e}") from None
+    try:
+        # A ledger lost where one was: refuse to start (unless --new-ledger), not every write.
+        await check_ledger(audit.sink, new_ledger=new_ledger)
+    except LedgerUnavailable as e:
+        raise SystemExit(f"effect ledger: {e}") from None
+    except Exception as e:  # noqa: BLE001 (not reachable now: each write waits for it, the error on the run)
+        logging.warning("effect ledger %s not readable now: %s", audit.sink.describe(), e)
     # MCP servers' tools join the registry before the worker is built (a server that is down is
     # logged and left out); their sessions close after the worker has finished its tasks.
     mcp_servers = await mcp.start_servers(mcp_config, registry)
@@ -189,7 +199,9 @@ async def serve(
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
     rules = PolicyActivities(policy, keys, shadow=shadow)
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules)
+    worker = create_worker(
+        client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules, new_ledger=new_ledger
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -254,6 +266,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="TOML file of MCP servers whose tools this worker offers (env TETHER_MCP_CONFIG; "
         "see docs/mcp.md)",
     )
+    parser.add_argument(
+        "--new-ledger",
+        action="store_true",
+        help="begin an empty effect ledger where one was created and is gone (what it recorded, writes "
+        "and undos, may then be started again); without it the worker refuses to start there",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(
@@ -265,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             policy_path=args.policy,
             mcp_config_path=args.mcp_config,
             shadow_policy_path=args.shadow_policy,
+            new_ledger=args.new_ledger,
         )
     )
 

@@ -13,17 +13,17 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.keys import KeyRing, attest
-from activities.undo_ledger import LedgerEntry, UndoLedger
+from activities.effect_ledger import EffectLedger, LedgerEntry, LedgerUnavailable
 from workflows.contract import CompensationCall
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal
 from workflows.run_state import RunSnapshot
 
 
 class RecoveryActivities:
-    def __init__(self, client: Client, keys: KeyRing, ledger: UndoLedger | None = None) -> None:
+    def __init__(self, client: Client, keys: KeyRing, ledger: EffectLedger | None = None) -> None:
         self.client = client
         self.keys = keys  # attests the answer: a keyless poller cannot say what gets undone
-        self.ledger = ledger  # what any run already undid, or started (activities/undo_ledger.py)
+        self.ledger = ledger  # what any run already undid, or started (activities/effect_ledger.py)
 
     @activity.defn(name="recovery_source")
     async def recovery_source(self, request: RecoveryRequest) -> RecoverySource:
@@ -48,7 +48,13 @@ class RecoveryActivities:
         if snap.tenant != request.tenant:
             # Same answer as an unknown run: one tenant does not learn about another's runs.
             return refused("unknown_run", f"no run {request.run_id!r} in tenant {request.tenant!r}")
-        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=await self.standing(snap.compensations))
+        try:
+            standing = await self.standing(snap.compensations)
+        except LedgerUnavailable as e:
+            # The ledger is the witness of what was undone: without it nothing is, and the run
+            # says why (a ledger that is only unreachable for now raises instead: read again).
+            return refused("ledger_unavailable", f"{e}; nothing was undone: restore it, then tether compensate again")
+        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=standing)
 
     async def standing(self, compensations: list[CompensationCall]) -> list[CompensationCall]:
         """The original's compensations as the undo ledger says they stand now: done by a
@@ -59,7 +65,7 @@ class RecoveryActivities:
         return await self.standing_in(self.ledger, compensations)
 
     @staticmethod
-    async def standing_in(ledger: UndoLedger, compensations: list[CompensationCall]) -> list[CompensationCall]:
+    async def standing_in(ledger: EffectLedger, compensations: list[CompensationCall]) -> list[CompensationCall]:
         entries = await ledger.entries([c.idempotency_key for c in compensations if c.tool and c.status != "ok"])
         return [undo_standing(c, entries.get(c.idempotency_key)) for c in compensations]
 

@@ -47,7 +47,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.keys import KeyRing, attest, capability_refusal
-from activities.undo_ledger import UndoLedger
+from activities.effect_ledger import EffectLedger, LedgerUnavailable
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
@@ -62,9 +62,12 @@ log = logging.getLogger("tether.tools")
 # does not grow with the size of tool results. The digest covers the full result.
 MAX_OBSERVATION_CHARS = 4000
 
-# An undo whose earlier start never settled, of an unsafe tool: not run again (outcome unknown).
+# A write (an undo) of an unsafe tool whose earlier start never settled: not run again, its
+# outcome unknown; the run treats it as any attempt whose outcome is unknown (HANDED_OFF).
+MAY_HAVE_APPLIED = "may_have_applied"
 UNDO_MAY_HAVE_APPLIED = "undo_may_have_applied"
-# An undo another run's attempt may be running right now: tried again after a backoff.
+# A write (an undo) another attempt may be running right now: tried again after a backoff.
+IN_FLIGHT = "write_in_flight"
 UNDO_IN_FLIGHT = "undo_in_flight"
 
 
@@ -401,10 +404,10 @@ def bounded_observation(result: Any) -> ToolOutcome:
 class ToolActivities:
     """The activities that expose a registry's tools to the workflow."""
 
-    def __init__(self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None, ledger: UndoLedger | None = None) -> None:
+    def __init__(self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None, ledger: EffectLedger | None = None) -> None:
         self.registry = registry
         self.keys = keys  # verifies the capability every write attempt must carry
-        self.ledger = ledger  # each undo started at most once, whoever asks (activities/undo_ledger.py)
+        self.ledger = ledger  # each write (undos too) started at most once, whoever asks (activities/effect_ledger.py)
 
     @activity.defn(name="execute_tool")
     async def execute_tool(self, call: ToolCall) -> ToolOutcome:
@@ -443,82 +446,113 @@ class ToolActivities:
                 deadline=datetime.now(timezone.utc) + timedelta(seconds=timeouts.run),
             )
             attempt = _Attempt(ctx, timeouts, started)
-            undo = self._undo_key(spec, call)
+            key = self._ledger_key(spec, call)
             look_up_first = call.attempt > 1
-            if undo is not None:
-                held = await self._claim(spec, call, undo)
+            if key is not None:
+                held = await self._claim(spec, call, key)
                 if isinstance(held, ToolOutcome):
                     return self._outcome(spec, call, held)
                 look_up_first = look_up_first or held
             try:
                 if spec.effect == ToolEffect.RECONCILABLE and look_up_first and spec.lookup_fn:
-                    # A previous attempt may have acted before we lost its answer: find it first.
-                    # The workflow starts this attempt only once the previous one is over.
+                    # A previous attempt (of this run, a reset run, a repair) may have acted before
+                    # its answer was lost: find it first. Nothing else runs under the key now.
                     previous = await attempt.run(spec.lookup_fn, ctx)
                     if previous is not None:
                         activity.logger.info("reconciled %s by key %s", spec.name, ctx.idempotency_key)
-                        return await self._settled(spec, call, undo, bounded_observation(previous))
+                        return await self._settled(spec, call, key, bounded_observation(previous))
                     attempt.stop_if_cancelled()
                 result = await attempt.run(spec.fn, args, ctx)
             except ToolError as e:
-                if undo is not None and self.ledger is not None:
-                    # Refused by the target: known not applied. Else the attempt is over (not
-                    # racing anyone now) and it may have applied.
-                    await (self.ledger.release(undo) if e.permanent else self.ledger.unknown(undo))
+                # Refused by the target: known not applied. Else the attempt is over (not racing
+                # anyone now) and it may have applied.
+                await self._settle(key, "released" if e.permanent else "unknown")
                 raise ApplicationError(str(e), type=e.code, non_retryable=e.permanent) from None
-            return await self._settled(spec, call, undo, bounded_observation(result))
+            except ApplicationError as e:
+                if e.type != ATTEMPT_STILL_RUNNING:  # still running: it stays claimed
+                    await self._settle(key, "unknown")
+                raise
+            except Exception:
+                await self._settle(key, "unknown")
+                raise
+            return await self._settled(spec, call, key, bounded_observation(result))
 
-    def _undo_key(self, spec: ToolSpec, call: ToolCall) -> str | None:
-        """The ledger key of an undo: its idempotency key, which derives from the original write's
-        and which the call's capability (minted by the run's workflow code) covers."""
-        if self.ledger is None or spec.effect == ToolEffect.READ_ONLY or not call.idempotency_key.endswith(UNDO_KEY_SUFFIX):
+    def _ledger_key(self, spec: ToolSpec, call: ToolCall) -> str | None:
+        """The ledger key of a write (an undo included): its idempotency key, which the call's
+        capability (minted by the run's workflow code) covers. None for a read."""
+        if self.ledger is None or spec.effect == ToolEffect.READ_ONLY:
             return None
         return call.idempotency_key
 
     async def _claim(self, spec: ToolSpec, call: ToolCall, key: str) -> ToolOutcome | bool:
-        """Claim the undo before the tool is called. Its recorded outcome when some run already
+        """Claim the write before the tool is called. Its recorded outcome when some call already
         did it (the tool is not called again); True when an earlier claim never settled (it may
-        have applied) and the undo tool's effect allows running it again; else refused."""
+        have applied) and the tool's effect allows running it again; False when it was free;
+        else refused."""
         assert self.ledger is not None
         info = activity.info()
+        undo = key.endswith(UNDO_KEY_SUFFIX)
+        what = "undo" if undo else "write"
         try:
             held = await self.ledger.claim(key, tool=spec.name, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
         except Exception as e:  # noqa: BLE001 (any ledger error: the tool is not called)
-            log.warning("undo ledger %s unavailable for %s: %s", self.ledger.describe(), key[:200], e)
+            log.warning("effect ledger %s unavailable for %s: %s", self.ledger.describe(), key[:200], e)
+            # Our own words for a lost ledger (what to do: --new-ledger); else only the error's
+            # type on the run (a driver's text stays in the worker log).
+            why = f"{type(e).__name__}: {str(e)[:300]}" if isinstance(e, LedgerUnavailable) else type(e).__name__
             raise ApplicationError(
-                f"the undo ledger ({self.ledger.describe()}) is unavailable: {type(e).__name__}; the undo was not started",
+                f"the effect ledger ({self.ledger.describe()}) is unavailable: {why}; "
+                f"the {what} was not started, and is scheduled again",
                 type=UNDO_LEDGER_UNAVAILABLE, non_retryable=True,
             ) from None
         if held is None:
             return False
         if held.state == "done":
-            log.info("undo %s already done by %s at %s: not started again", key[:200], held.by_workflow[:200], held.at)
+            log.info("%s %s already done by %s at %s: not started again", what, key[:200], held.by_workflow[:200], held.at)
             return ToolOutcome.model_validate_json(held.outcome)
         rerun = call.capability is not None and call.capability.rerun_unknown
         if spec.effect == ToolEffect.UNSAFE and not rerun:
             raise ApplicationError(
-                f"the undo {call.tool_call_id} ({spec.name}) may have applied: run {held.by_workflow} started it at "
+                f"the {what} {call.tool_call_id} ({spec.name}) may have applied: run {held.by_workflow} started it at "
                 f"{held.at.isoformat(timespec='seconds')} and its outcome is unknown; {spec.name} is unsafe, so it "
-                "is re-run only on an approver's recorded instruction (tether compensate RUN --rerun-unknown STEP)",
-                type=UNDO_MAY_HAVE_APPLIED,
+                + ("is re-run only on an approver's recorded instruction (tether compensate RUN --rerun-unknown STEP)"
+                   if undo else "is not run again: a person decides (the run hands it off)"),
+                type=UNDO_MAY_HAVE_APPLIED if undo else MAY_HAVE_APPLIED,
             )
-        if held.state == "claimed" and held.by_workflow != info.workflow_id and datetime.now(timezone.utc) - held.at < timedelta(
+        if held.state == "claimed" and datetime.now(timezone.utc) - held.at < timedelta(
             seconds=tool_timeouts(spec.timeout_seconds).start_to_close
         ):
-            # Another run's attempt may still be running it: not a second request now; this run
-            # tries again after its backoff, and by then finds it done (or its outcome unknown).
+            # Another attempt (another run's, a reset run's, a replayed capability's) may still be
+            # running it: a run's own next attempt starts only once its last is over, which is
+            # later than this. Not a second request now; tried again after a backoff, by then
+            # done (or its outcome unknown).
             raise ApplicationError(
-                f"the undo {call.tool_call_id} ({spec.name}) is being run by run {held.by_workflow} "
+                f"the {what} {call.tool_call_id} ({spec.name}) is being run by run {held.by_workflow} "
                 f"(started at {held.at.isoformat(timespec='seconds')}): not started twice at once",
-                type=UNDO_IN_FLIGHT,
+                type=UNDO_IN_FLIGHT if undo else IN_FLIGHT,
             )
         await self.ledger.reclaim(key, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
         return True  # idempotent: the target dedupes on the same key; reconcilable: look it up first
 
-    async def _settled(self, spec: ToolSpec, call: ToolCall, undo: str | None, outcome: ToolOutcome) -> ToolOutcome:
-        if undo is not None and self.ledger is not None:
+    async def _settle(self, key: str | None, state: str) -> None:
+        """Record how an attempt that did not succeed ended (released, unknown). A ledger that
+        fails now leaves the claim ``claimed``: a later call treats it as may-have-applied."""
+        if key is None or self.ledger is None:
+            return
+        try:
+            await (self.ledger.release(key) if state == "released" else self.ledger.unknown(key))
+        except Exception as e:  # noqa: BLE001 (the attempt's own error is what the run must see)
+            log.warning("effect ledger %s: could not record %s as %s: %s", self.ledger.describe(), key[:200], state, e)
+
+    async def _settled(self, spec: ToolSpec, call: ToolCall, key: str | None, outcome: ToolOutcome) -> ToolOutcome:
+        if key is not None and self.ledger is not None:
             info = activity.info()
-            await self.ledger.done(undo, outcome.model_dump_json(), workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+            try:
+                await self.ledger.done(key, outcome.model_dump_json(), workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+            except Exception as e:  # noqa: BLE001 (the write happened: the run gets its outcome)
+                # The claim stays ``claimed``: a later call under the key looks up, re-runs an
+                # idempotent tool, or refuses an unsafe one (may have applied); never blind.
+                log.warning("effect ledger %s: could not record %s as done: %s", self.ledger.describe(), key[:200], e)
         return self._outcome(spec, call, outcome)
 
     def _outcome(self, spec: ToolSpec, call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:

@@ -9,6 +9,8 @@ variant, in a rotating order so machine noise hits all of them:
 - ``governed``: ``AgentRun`` with read-only tools (policy needs no approval);
 - ``governed+approval``: ``AgentRun`` whose plan writes once, so each run waits for one
   approval; the benchmark sends it as soon as the run shows ``AgentRunState=AWAITING_APPROVAL``;
+- ``governed+writes``: ``AgentRun`` whose every step writes (one approval): a write step's
+  worker CPU, which the effect ledger's cost per write is measured against (bench/ledger.py);
 - ``bare``: ``BareAgentLoop`` (bench/bare.py) calling the same ``plan`` and ``execute_tool``
   activities.
 
@@ -48,18 +50,21 @@ from bench.common import (
     stack_or_new,
     table,
 )
+from bench import ledger
 from bench.profile import Recorder, report as profile_report
 from client import start_run
 from workflows.run_state import RunRequest
 
-GOVERNED, APPROVAL, BARE = "governed", "governed+approval", "bare"
-VARIANTS = (GOVERNED, APPROVAL, BARE)
+GOVERNED, APPROVAL, WRITES, BARE = "governed", "governed+approval", "governed+writes", "bare"
+VARIANTS = (GOVERNED, APPROVAL, WRITES, BARE)
 
 
 def playbook(variant: str, steps: int) -> list[dict]:
     reads = [{"tool": "bench_read", "args": {"key": f"k{i}"}} for i in range(steps)]
     if variant == APPROVAL:  # the first step writes: the plan needs one approval
         reads[0] = {"tool": "bench_write", "args": {"key": "k0"}}
+    if variant == WRITES:  # every step writes (one approval covers them)
+        return [{"tool": "bench_write", "args": {"key": f"k{i}"}} for i in range(steps)]
     return reads
 
 
@@ -103,6 +108,7 @@ async def start_bare(stack: Stack, ids: Sequence[str], steps: int, tenant: str) 
 TETHER = {
     GOVERNED: Variant(GOVERNED, agent_runs(GOVERNED)),
     APPROVAL: Variant(APPROVAL, agent_runs(APPROVAL), approvals=True),
+    WRITES: Variant(WRITES, agent_runs(WRITES), approvals=True),
     BARE: Variant(BARE, start_bare),
 }
 
@@ -362,7 +368,9 @@ async def main_async(args: argparse.Namespace, stack: Stack | None = None) -> No
         print(f"dev server {stack.address} (pid {stack.server.pid}), worker pid {stack.worker.pid}, "
               f"worker options: {' '.join(wargs) or 'create_worker defaults'}")
         rounds = await run_rounds(stack, [TETHER[v] for v in VARIANTS], args)
-        await report(stack.client, rounds)
+        stats = await report(stack.client, rounds)
+    print()
+    print(ledger.report_line(await ledger.ledger_cpu_ms_per_write(), stats[WRITES]["wcpu"]))
 
 
 def parser(description: str, *, quiet_approvals: int = 20) -> argparse.ArgumentParser:

@@ -43,7 +43,7 @@ async def test_overhead_prints_every_variant_with_history_and_latency(stack: Sta
     )
     out = capsys.readouterr().out
     main = {r[0]: r for r in rows(out, "variant")}
-    assert list(main) == ["governed", "governed+approval", "bare"]
+    assert list(main) == ["governed", "governed+approval", "governed+writes", "bare"]
     assert all(r[1] == "2" for r in main.values())  # runs counted
     assert main["bare"][4] == "1.00"  # the base against itself
     # Same plan and tools, so the same activity tasks: the setup rides on the first planner call
@@ -57,6 +57,8 @@ async def test_overhead_prints_every_variant_with_history_and_latency(stack: Sta
     assert "governed+approval, one run at a time" in latency
     assert "what governance adds to reacting to an approval" in out
     assert "WORKFLOW_EXECUTION_SIGNALED" in out  # the event-type table
+    # The effect ledger's cost per write, against the write-steps variant's worker CPU per step.
+    assert "effect ledger: " in out and "ms CPU per write" in out and "governed+writes" in out
 
 
 @pytest.mark.skipif(not HAVE_PEER, reason="the extra `bench` (pydantic-ai) is not installed: make bench-peer")
