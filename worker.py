@@ -71,7 +71,7 @@ def create_worker(
 
     ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
     activities, to those over ``policy``. ``new_ledger``: begin an empty effect ledger where one
-    was created and is gone (else every write and undo is refused, ``undo_ledger_unavailable``).
+    was created and is gone (else every write and undo is refused, ``ledger_unavailable``).
     """
     # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): the workflow code seals
     # carried state, mints every write's capability and checks every attested answer with it;

@@ -51,7 +51,7 @@ from activities.effect_ledger import EffectLedger, LedgerUnavailable
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
-from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, UNDO_LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
+from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
 from workflows.recovery import UNDO_KEY_SUFFIX
 from workflows.retries import ToolTimeouts, tool_timeouts
 from workflows.validation import BoundedValidator, PatternError, schema_problem
@@ -503,7 +503,7 @@ class ToolActivities:
             raise ApplicationError(
                 f"the effect ledger ({self.ledger.describe()}) is unavailable: {why}; "
                 f"the {what} was not started, and is scheduled again",
-                type=UNDO_LEDGER_UNAVAILABLE, non_retryable=True,
+                type=LEDGER_UNAVAILABLE, non_retryable=True,
             ) from None
         if held is None:
             return False

@@ -31,7 +31,7 @@ from tests.conftest import Billing, approval_for, make_request, running_worker, 
 from tests.test_reset import outcome_of
 from workflows import keys
 from workflows.run_state import RunOutcome
-from workflows.wire import UNDO_LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
+from workflows.wire import LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
 
 
 def counts_in_db(billing: Billing, key_prefix: str) -> dict[str, int]:
@@ -180,7 +180,7 @@ async def test_a_lost_ledger_is_an_error_not_an_empty_ledger(billing: Billing, t
             await holder.entries([key])
         with pytest.raises(ApplicationError) as refused:
             await execute(ToolActivities(REGISTRY, KeyRing.from_env(), holder), call)
-        assert refused.value.type == UNDO_LEDGER_UNAVAILABLE and "missing" in refused.value.message
+        assert refused.value.type == LEDGER_UNAVAILABLE and "missing" in refused.value.message
     assert not path.exists() and counts_in_db(billing, key)["emails"] == 1
 
     # A file that is not a ledger: unreadable, the same refusal.
@@ -189,7 +189,7 @@ async def test_a_lost_ledger_is_an_error_not_an_empty_ledger(billing: Billing, t
     garbage.write_bytes(b"not a database" * 100)
     with pytest.raises(ApplicationError) as refused:
         await execute(ToolActivities(REGISTRY, KeyRing.from_env(), SqliteEffectLedger(garbage)), call)
-    assert refused.value.type == UNDO_LEDGER_UNAVAILABLE and "DatabaseError" in refused.value.message
+    assert refused.value.type == LEDGER_UNAVAILABLE and "DatabaseError" in refused.value.message
 
     # The operator's word (--new-ledger): an empty ledger; what the old one recorded is gone.
     fresh = SqliteEffectLedger(path, new_ledger=True)

@@ -734,14 +734,14 @@ async def test_an_undo_whose_ledger_is_unavailable_is_not_started(tmp_path) -> N
     from activities.keys import KeyRing
     from activities.tools import ToolActivities
     from activities.undo_ledger import SqliteUndoLedger
-    from workflows.wire import UNDO_LEDGER_UNAVAILABLE
+    from workflows.wire import LEDGER_UNAVAILABLE
 
     (tmp_path / "not-a-folder").write_text("")
     counts: dict[str, int] = {}
     tools = ToolActivities(_undo_tools(counts, {}), KeyRing.from_env(), SqliteUndoLedger(tmp_path / "not-a-folder" / "x"))
     with pytest.raises(ApplicationError) as refused:
         await run_undo(tools, "void_it", as_run="orig")
-    assert refused.value.type == UNDO_LEDGER_UNAVAILABLE and counts == {}
+    assert refused.value.type == LEDGER_UNAVAILABLE and counts == {}
 
 
 def age_claim(ledger, key: str) -> None:

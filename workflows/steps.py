@@ -16,7 +16,7 @@ from workflows.states import EffectOutcome, Refs
 from workflows.wire import (
     CAPABILITY_EXPIRED,
     CAPABILITY_KEY_MISSING,
-    UNDO_LEDGER_UNAVAILABLE,
+    LEDGER_UNAVAILABLE,
     AuthorityCheck,
     Refusal,
     ToolCall,
@@ -411,7 +411,7 @@ class Steps(RunModel):
         )
         if isinstance(answer, ToolFailure):
             failure = answer
-            bounced = (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED, UNDO_LEDGER_UNAVAILABLE)
+            bounced = (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED, LEDGER_UNAVAILABLE)
             if activity_id and failure.code in bounced and self.bounces < MAX_BOUNCES:
                 # The tool was not called: schedule the attempt again, fresh capability, soon.
                 self.bounces += 1

@@ -84,7 +84,7 @@ CAPABILITY_EXPIRED = "capability_expired"
 
 # The tool worker could not reach its undo ledger (activities/undo_ledger.py) to claim an undo:
 # the tool was not called, and the run schedules the attempt again as for a capability that bounced.
-UNDO_LEDGER_UNAVAILABLE = "undo_ledger_unavailable"
+LEDGER_UNAVAILABLE = "ledger_unavailable"
 
 
 # A local activity found a seal naming a key id this worker does not hold.
