@@ -566,6 +566,16 @@ def test_the_sink_is_chosen_from_the_environment_and_a_dsn_never_shows_its_passw
 
 
 
+def signed(workflow_id: str, run_id: str, records: list) -> None:
+    """Sign records as the workflow code does (the fleet's ring): for a sink written by hand."""
+    from workflows import keys as ring_math
+    from workflows.states import record_link
+
+    ring = KeyRing.from_env()
+    for r in records:
+        r.sig = ring.sign_statement(ring_math.record_statement(workflow_id, run_id, r.seq, record_link(r)))
+
+
 async def test_timeline_all_of_a_run_temporal_no_longer_has_shows_the_sink(
     dev_env: WorkflowEnvironment, tmp_path: Path
 ) -> None:
@@ -581,6 +591,7 @@ async def test_timeline_all_of_a_run_temporal_no_longer_has_shows_the_sink(
     for state in (S.PLANNING, S.VALIDATED, S.EXECUTING_TOOL):
         lifecycle.move(state, at=at, actor="runtime", reason="then")
     gone, sink = unique("gone"), JsonlAuditSink(tmp_path)
+    signed(gone, "r-1", lifecycle.timeline)  # what the fleet's workers wrote
     await sink.append(AuditBatch(workflow_id=gone, first_run_id="r-1", run_id="r-1", records=lifecycle.timeline))
     trail = await tether_client.audit_trail(dev_env.client, gone, str(tmp_path))
     assert trail.unchecked and "no run" in trail.unchecked and trail.missing == []
@@ -593,6 +604,7 @@ async def test_timeline_all_of_a_run_temporal_no_longer_has_shows_the_sink(
         assert code == 2 and "neither Temporal nor the audit sink" in err, (out, err)
     lifecycle.move(S.OBSERVING_RESULT, at=at, actor="runtime", reason="a record the sink lost")
     lifecycle.move(S.COMPLETED, at=at, actor="runtime", reason="done")
+    signed(gone, "r-1", lifecycle.timeline[-1:])
     await sink.append(AuditBatch(workflow_id=gone, first_run_id="r-1", run_id="r-1", records=[lifecycle.timeline[-1]]))
     trail = await tether_client.audit_trail(dev_env.client, gone, str(tmp_path))
     assert trail.missing == [4]

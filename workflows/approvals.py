@@ -62,6 +62,10 @@ class Approvals(RunModel):
             reason=f"{reason} ({version}request {data.pending_approval.request_id})",
             refs=Refs(plan_hash=data.plan.plan_hash, request_id=data.pending_approval.request_id or None),
         )
+        # Decisions that came before the run asked are judged now, like any other.
+        held, self.early = self.early, []
+        for kind, decision in held:
+            self.receive(kind, decision, at)
 
     def adopt(self, ask: Verdict | None) -> None:
         """A re-check under the current policy file refused: from now on the run judges by that
@@ -457,11 +461,18 @@ def _duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+# Where a run has not asked for an approval yet but may (a reset run early in its copied history).
+BEFORE_ASKING = frozenset({S.RECEIVED, S.PLANNING, S.VALIDATED, S.VALIDATION_FAILED})
+EARLY_DECISIONS = 8  # held at most; more are refused at once, as before
+
+
 class Inbox(RunModel):
     """Decisions as they arrive and as the run answers them; a waiting plan's wait."""
 
     def receive(self, kind: DecisionKind, decision: Decision, at: datetime) -> None:
         """Cheap, state-only checks now; the policy check follows in the run's program."""
+        if self.hold_early(kind, decision):
+            return
         if self.screen_decision(kind, decision, at):
             self.inbox.append((kind, decision))
         else:
@@ -513,10 +524,36 @@ class Inbox(RunModel):
             decision_id=decision_id, outcome=record.kind, state=record.to_state, reason=record.reason, rule=record.rule
         )
 
+    def hold_early(self, kind: DecisionKind, decision: Decision) -> bool:
+        """A decision naming a request while the run has not asked for one yet is held (at most
+        EARLY_DECISIONS), and judged in full once the run asks (``request_approval``): a reset
+        run gets again the decisions the execution it copied got, possibly before it asks
+        again. A decision for another request is refused then as stale; one the run never asks
+        for is refused on its record when the run ends or continues as new."""
+        plain = _plain(decision)
+        if self.state not in BEFORE_ASKING or not plain.request_id or len(self.early) >= EARLY_DECISIONS:
+            return False
+        if policy.repeated_decision_refusal(plain.decision_id, self.data) is not None or any(
+            _plain(d).decision_id == plain.decision_id for _, d in self.early
+        ):
+            return False
+        self.early.append((kind, decision))
+        return True
+
+    def refuse_early(self, at: datetime, *, ended: bool = False) -> None:
+        """Held decisions the run did not ask for: refused on the record, their Updates answered."""
+        held, self.early = self.early, []
+        for kind, decision in held:
+            self._remember_decision(_plain(decision).decision_id)
+            self.refuse_unsettled(kind, decision, at, ended=ended)
+            self.answer(decision.decision_id)
+
     def _flush_inbox(self, *, ended: bool = False) -> None:
         """The run left AWAITING_APPROVAL (``ended``: the run is over): decisions still queued
         can no longer count."""
         ended = ended or self.data.lifecycle.terminal
+        if ended and self.early:
+            self.refuse_early(self.at, ended=True)
         for kind, decision in self.inbox:
             self.refuse_unsettled(kind, decision, self.at, ended=ended)
             self.answer(decision.decision_id)

@@ -60,6 +60,10 @@ class Carry(RunModel):
         self.loops += 1
         seen = yield Probe()
         suggested = self.wants_continue(seen) or self.updates_exhausted(seen.handlers_finished)
+        if suggested and self.early:
+            # Not carried: refused on the record here, so their Updates end and the run continues.
+            self.decide(lambda now: self.refuse_early(now))
+            seen = yield Probe()
         if not suggested and self.loops % 16:
             return
         # Only between steps: no tool in flight and nothing accepted but not yet acted on.

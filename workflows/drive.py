@@ -121,7 +121,7 @@ class Drive(RunModel):
         if self.pending_handoff is not None:
             self.handoff_unhonoured(self.pending_handoff, self.at)
             self.pending_handoff = None
-        if self.inbox:
+        if self.inbox or self.early:
             self._flush_inbox(ended=True)
         yield Notify()
         # The ending's own event (expired, failed, handed off) and any still being retried:

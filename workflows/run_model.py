@@ -148,6 +148,8 @@ class RunModel:
         # many this execution took; writes scheduled again for a capability; loops of the
         # program, and the history bytes at which a deferred continue-as-new is due.
         self.inbox: list[tuple[DecisionKind, Decision]] = []
+        # Decisions for a request the run has not asked yet (approvals.Inbox.hold_early).
+        self.early: list[tuple[DecisionKind, Decision]] = []
         self.pending_handoff: HandoffRequest | None = None
         self.verdicts: dict[str, DecideResult | None] = {}
         self.updates = 0
