@@ -97,7 +97,8 @@ async def reset_scenario_with(
     env: WorkflowEnvironment, sink: JsonlAuditSink | PostgresAuditSink, *, cli_env: dict, audit_dir: str | None = None,
     dsn: str | None = None,
 ) -> tuple:
-    """bob approves, the run completes; `temporal workflow reset --type FirstWorkflowTask`;
+    """bob approves, the run completes; `temporal workflow reset --type FirstWorkflowTask`
+    without bob's signal applied again (a reset run that gets it takes it: test_effect_ledger);
     carol approves the reset run. Returns the trail, both run ids and the CLI's output."""
     async with running_worker(env.client, policy=POLICY, audit=AuditActivities(sink=sink)) as worker:
         handle = await start_run(env.client, worker, make_request(REFUND))
@@ -107,7 +108,7 @@ async def reset_scenario_with(
         original = (await handle.describe()).run_id
         await temporal_cli(
             env, "workflow", "reset", "--workflow-id", handle.id, "--type", "FirstWorkflowTask",
-            "--reason", "operator re-runs the refund",
+            "--reason", "operator re-runs the refund", "--reapply-exclude", "Signal",
         )
         reset = env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
         assert (await reset.describe()).run_id != original

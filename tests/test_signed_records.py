@@ -307,3 +307,59 @@ async def test_an_answer_made_for_one_execution_never_verifies_in_a_reset_one(
     asked_again = [a[1] for a in after if a[0] > cut]
     assert copied and copied == [b for b in before if b[0] < cut]  # the prefix: the same ids
     assert asked_again and not set(asked_again) & {b[1] for b in before}  # after it: none the same
+
+
+async def test_a_keyless_pollers_end_view_is_neither_collected_nor_shown(
+    dev_env: WorkflowEnvironment, billing: Billing, audit_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It completes a waiting run with a made-up end view ("decision by user:bob: APPROVED",
+    COMPLETED, the records it made up waiting for the collector). The collector writes none of
+    them, and status never shows that view as the run's state."""
+    from temporalio.api.command.v1 import (
+        CompleteWorkflowExecutionCommandAttributes, ModifyWorkflowPropertiesCommandAttributes,
+    )
+    from temporalio.api.common.v1 import Memo
+
+    client = dev_env.client
+    queue = unique("tq")
+    async with running_worker(client, task_queue=queue) as worker:
+        victim = await start_run(client, worker, make_request([refund(116)]))
+        await wait_for_state(victim, "AWAITING_APPROVAL")
+        genuine = await tether_client.published_view(await victim.describe())
+    assert genuine is not None
+    done = forged(genuine.snapshot.timeline_records + 1, "approved by bob", RunState.COMPLETED)
+    view = genuine.model_copy(update={
+        "sig": "", "timeline": [*genuine.timeline, done],
+        "snapshot": genuine.snapshot.model_copy(update={
+            "state": RunState.COMPLETED, "timeline_records": done.seq, "audit_waiting": 1, "pending_approval": None}),
+    })
+    await victim.signal("approve", {"decision_id": "d-y", "approver": "mallory", "plan_hash": "0" * 12,
+                                     "request_id": "nope"})
+    await rogue_answer(client, queue, victim.id, [
+        Command(
+            command_type=CommandType.COMMAND_TYPE_MODIFY_WORKFLOW_PROPERTIES,
+            modify_workflow_properties_command_attributes=ModifyWorkflowPropertiesCommandAttributes(
+                upserted_memo=Memo(fields={VIEW_MEMO: CONVERTER.to_payload(view.packed())})),
+        ),
+        Command(
+            command_type=CommandType.COMMAND_TYPE_COMPLETE_WORKFLOW_EXECUTION,
+            complete_workflow_execution_command_attributes=CompleteWorkflowExecutionCommandAttributes(),
+        ),
+    ])
+    async with running_worker(client, task_queue=queue) as worker:
+        # A new worker's collector reads the runs of its queue that closed: this one among them.
+        with pytest.raises(tether_client.TetherError) as err:
+            await tether_client.status(client, victim.id)
+        assert err.value.code != 0
+        # Its sink never gets the made-up record: the collector's catch-up refuses the view.
+        for _ in range(1200):
+            if any(victim.id in r.getMessage() and "refused the end view" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the collector never judged the forged end view")
+        streams = await JsonlAuditSink(audit_dir).read(victim.id)
+        assert all(r.reason != "approved by bob" for records in streams.values() for r in records)
+        assert verify_streams(publics(), victim.id, streams).problems == []
+        code, out, err_text = await Cli(dev_env, worker)("status", victim.id)
+        assert code != 0 and "COMPLETED" not in out, out + err_text
