@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import os
 import re
 import secrets
@@ -1490,6 +1491,8 @@ async def list_runs(
 
 # Completed workflow tasks tried, newest first, for one that replays on this code.
 REPAIR_CANDIDATES = 20
+# The namespace of reset request ids (uuid5): fixed, so every client derives the same id.
+RESET_IDS = uuid.UUID("5b0f3c1e-8a52-4d0e-9b57-3f2d6c1a9e47")
 # A write whose result a reset drops is run again under its own idempotency key: only where the
 # target system dedupes by that key, or nothing was written at all.
 RERUN_SAFE = {"read_only", "idempotent"}
@@ -1508,6 +1511,85 @@ class RepairResult(BaseModel):
     rerun: list[str] = []  # tool calls whose results the reset drops: run again under their keys
 
 
+RESET_CLAIM_TYPE = "TetherResetClaim"  # a workflow type no worker serves: its id is the claim
+RESET_CLAIM_QUEUE = "tether-reset-claims"  # a task queue no worker polls
+
+
+def reset_request_id(base_run_id: str, event_id: int) -> str:
+    """A reset's request id, derived from the execution judged and the task reset to (the same
+    judgement, the same id: Temporal's own record of the reset names it)."""
+    return str(uuid.uuid5(RESET_IDS, f"{base_run_id}/{event_id}"))
+
+
+def reset_claim_id(run_id: str, base_run_id: str) -> str:
+    """The workflow id that claims the one reset of execution ``base_run_id`` of ``run_id``:
+    the server starts one workflow under an id, ever (bounded: a hash of the run id)."""
+    return f"tether-reset-claim/{hashlib.sha256(run_id.encode()).hexdigest()[:32]}/{base_run_id}"
+
+
+def moved_on(run_id: str, judged: str, current: Any, *, ours: str | None = None, claimed: bool = False) -> TetherError:
+    """REFUSED: the execution a repair or hand-off judged is no longer the current, running one
+    (``claimed``: another repair or hand-off is resetting it; ``ours``: this one's reset, undone)."""
+    status_name = current.status.name if current.status else "closed"
+    if claimed:
+        what = f"another repair or hand-off has reset run {judged} (now run {current.run_id} is current, {status_name})"
+    else:
+        what = f"run {current.run_id} is current ({status_name}), not run {judged} that was judged"
+    done = f" (this command's reset made run {ours}, and another reset came after it)" if ours else ""
+    return TetherError(f"the run moved on: {what}{done}; look at it again: tether status {run_id}", REFUSED)
+
+
+async def reset_judged(client: Client, run_id: str, judged: str, event_id: int, reason: str) -> str:
+    """Reset execution ``judged`` of ``run_id`` to the workflow task completed at ``event_id``
+    (signals and Updates after it applied again), compare-and-set: only while ``judged`` is the
+    current, running execution (looked at right before), and only once whoever asks: the reset
+    first claims the execution by starting a workflow under an id derived from it, which the
+    server starts once (a second claim, a repair or hand-off racing this one: "moved on").
+    Checked after it too (a reset made meanwhile outside Tether: "moved on"). Returns the new
+    execution's run id."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    current = await _describe(client, run_id)
+    if current.run_id != judged or current.status != WorkflowExecutionStatus.RUNNING:
+        raise moved_on(run_id, judged, current)
+    try:
+        claim = await client.start_workflow(
+            RESET_CLAIM_TYPE, id=reset_claim_id(run_id, judged), task_queue=RESET_CLAIM_QUEUE,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            memo={"workflow_id": run_id, "run_id": judged, "event_id": event_id},
+            static_summary=f"the reset of run {judged} to event {event_id}"[:200], rpc_timeout=QUERY_TIMEOUT,
+        )
+    except WorkflowAlreadyStartedError:
+        raise moved_on(run_id, judged, await _describe(client, run_id), claimed=True) from None
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    try:
+        await claim.terminate("claimed: its id is the record", rpc_timeout=QUERY_TIMEOUT)  # nothing runs it
+    except RPCError:
+        pass  # it holds the claim all the same; the server's retention removes it
+    try:
+        response = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=run_id, run_id=judged),
+                reason=reason[:1000],
+                workflow_task_finish_event_id=event_id,
+                request_id=reset_request_id(judged, event_id),
+                reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_ALL_ELIGIBLE,
+                identity=client.identity,
+            ),
+            timeout=QUERY_TIMEOUT,
+        )
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    after = await _describe(client, run_id)
+    if after.run_id != response.run_id:
+        raise moved_on(run_id, judged, after, ours=response.run_id)
+    return response.run_id
+
+
 async def repair(
     client: Client,
     run_id: str,
@@ -1515,6 +1597,7 @@ async def repair(
     reason: str | None = None,
     event_id: int | None = None,
     workflows: Sequence[type] = (),  # the workflow classes to replay with (default: AgentRun)
+    base_run_id: str | None = None,  # the execution judged (default: the current one, described now)
 ) -> RepairResult:
     """Reset a stuck run to the last workflow task that completed before its failure and whose
     history this code replays (Temporal's ResetWorkflowExecution): the new execution keeps the
@@ -1524,16 +1607,20 @@ async def repair(
     Refused (REFUSED) for a run that is not stuck (unless ``event_id`` names the task), one no
     task of which replays, or where the reset would run a write again that is not safe to repeat
     (effect other than read_only or idempotent): hand it off instead.
+
+    Compare-and-set: the repair judges one execution (``base_run_id``, else the current one) and
+    resets only while that execution is still the current, running one (``reset_judged``):
+    otherwise REFUSED, "the run moved on".
     """
-    from temporalio.api.common.v1 import WorkflowExecution
-    from temporalio.api.enums.v1 import EventType, ResetReapplyType
-    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+    from temporalio.api.enums.v1 import EventType
     from temporalio.client import WorkflowHistory
 
     from worker import create_replayer
     from workflows.wire import ToolCall
 
     description = await _describe(client, run_id)
+    if base_run_id is not None and description.run_id != base_run_id:
+        raise moved_on(run_id, base_run_id, description)
     if description.status != WorkflowExecutionStatus.RUNNING:
         status_name = description.status.name if description.status else "closed"
         raise TetherError(f"run {run_id} is {status_name}: only a running run can be repaired", REFUSED)
@@ -1602,23 +1689,9 @@ async def repair(
                             EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
     )
     why = reason or (f"tether repair: workflow task failing ({stuck.cause})" if stuck else "tether repair")
-    try:
-        response = await client.workflow_service.reset_workflow_execution(
-            ResetWorkflowExecutionRequest(
-                namespace=client.namespace,
-                workflow_execution=WorkflowExecution(workflow_id=run_id, run_id=description.run_id),
-                reason=why[:1000],
-                workflow_task_finish_event_id=chosen.event_id,
-                request_id=str(uuid.uuid4()),
-                reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_ALL_ELIGIBLE,
-                identity=client.identity,
-            ),
-            timeout=QUERY_TIMEOUT,
-        )
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
+    to_run_id = await reset_judged(client, run_id, description.run_id, chosen.event_id, why)
     return RepairResult(
-        run_id=run_id, from_run_id=description.run_id, to_run_id=response.run_id, event_id=chosen.event_id,
+        run_id=run_id, from_run_id=description.run_id, to_run_id=to_run_id, event_id=chosen.event_id,
         failure=stuck, skipped=skipped, reapplied=reapplied, rerun=rerun,
     )
 

@@ -522,7 +522,9 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 async def cmd_repair(args: argparse.Namespace) -> int:
-    done = await client.repair(await client.connect(), args.run, reason=args.reason, event_id=args.event_id)
+    done = await client.repair(
+        await client.connect(), args.run, reason=args.reason, event_id=args.event_id, base_run_id=args.run_id,
+    )
     if args.json:
         _print_json(done.model_dump(mode="json"))
         return OK
@@ -1006,6 +1008,9 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reason", metavar="TEXT", help="recorded with the reset (default: the failure's cause)")
     p.add_argument("--event-id", type=int, metavar="N",
                    help="reset to this completed workflow task (default: the last before the failure that replays)")
+    p.add_argument("--run-id", metavar="ID",
+                   help="the execution you judged (`status` shows it): refused if it is no longer the current, "
+                        "running one (default: the current one)")
     p.add_argument("--json", action="store_true")
 
 
