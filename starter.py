@@ -530,7 +530,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 async def cmd_repair(args: argparse.Namespace) -> int:
     done = await client.repair(
-        await client.connect(), args.run, reason=args.reason, event_id=args.event_id, base_run_id=args.run_id,
+        await client.connect(), args.run, reason=args.reason, event_id=args.event_id,
     )
     if args.json:
         _print_json(done.model_dump(mode="json"))
@@ -1018,9 +1018,6 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reason", metavar="TEXT", help="recorded with the reset (default: the failure's cause)")
     p.add_argument("--event-id", type=int, metavar="N",
                    help="reset to this completed workflow task (default: the last before the failure that replays)")
-    p.add_argument("--run-id", metavar="ID",
-                   help="the execution you judged (`status` shows it): refused if it is no longer the current, "
-                        "running one (default: the current one)")
     p.add_argument("--json", action="store_true")
 
 
@@ -1080,9 +1077,9 @@ COMMANDS: list[Command] = [
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
     Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
-    Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
+    Command("handoff", "hand a run to a human: HANDED_OFF", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
-    Command("repair", "heal a stuck run: reset to its last task that replays",
+    Command("repair", "reset a stuck run to its last task that replays",
             _repair_args, cmd_repair),
     Command("compensate", "undo an ended run's kept writes",
             _compensate_args, cmd_compensate),

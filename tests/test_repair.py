@@ -130,8 +130,11 @@ async def test_two_repairs_at_once_one_slowed_make_one_reset_and_one_email(
         assert slow.returncode == 1, (out_b, err_b)
         assert f"the run moved on: run {first.to_run_id} is current (COMPLETED), not run {base}" in err_b.decode()
         # A repair naming an execution that is no longer current is refused before it judges.
-        code, out, err = await cli("repair", run_id, "--run-id", base)
-        assert code == 1 and f"the run moved on: run {first.to_run_id} is current" in err, (out, err)
+        try:
+            await tether_client.repair(dev_env.client, run_id, base_run_id=base)
+            raise AssertionError("a repair of an execution no longer current went through")
+        except tether_client.TetherError as e:
+            assert e.code == 1 and f"the run moved on: run {first.to_run_id} is current" in str(e), e
         latest = await dev_env.client.get_workflow_handle(run_id).describe()
     assert latest.run_id == first.to_run_id and latest.status.name == "COMPLETED"
     assert len(emails(billing, to)) == 1
