@@ -1314,19 +1314,13 @@ async def _forced_reset(client: Client, description: Any, workflows: Sequence[ty
     """Where a forced hand-off resets a stuck run to (``to_run_id`` left empty), and the writes
     the reset leaves out (``in_flight``: not run again, they may have applied)."""
     run_id = description.id
-    stuck = await stuck_task(client, description)
-    if stuck is None:
-        raise TetherError(
-            f"run {run_id} is not stuck: its workflow tasks complete, so it takes a hand-off as it is "
-            f"(`tether handoff {run_id} --by NAME --reason TEXT`, without --force)", REFUSED
-        )
-    events = await _history_events(client, run_id, description.run_id)
-    chosen, skipped = await _reset_point(client, run_id, events, stuck, workflows, settled=True)
-    if chosen is None:
-        raise TetherError(
-            f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays on "
-            f"this code with no tool call pending at it: deploy a build that replays it, then try again", REFUSED
-        )
+    stuck, events, chosen, skipped = await _judged(
+        client, description, workflows, settled=True,
+        not_stuck=f"run {run_id} is not stuck: its workflow tasks complete, so it takes a hand-off as it is "
+                  f"(`tether handoff {run_id} --by NAME --reason TEXT`, without --force)",
+        no_point=f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays "
+                 f"on this code with no tool call pending at it: deploy a build that replays it, then try again",
+    )
     started = chosen.workflow_task_completed_event_attributes.started_event_id
     dropped = [e for e in events if e.event_id > started]
     calls = await _dropped_calls(client, dropped, await _tool_effects(description))
@@ -1680,20 +1674,15 @@ async def repair(
     if description.status != WorkflowExecutionStatus.RUNNING:
         status_name = description.status.name if description.status else "closed"
         raise TetherError(f"run {run_id} is {status_name}: only a running run can be repaired", REFUSED)
-    stuck = await stuck_task(client, description)
-    if stuck is None and event_id is None:
-        raise TetherError(
+    stuck, events, chosen, skipped = await _judged(
+        client, description, workflows, event_id=event_id,
+        not_stuck=None if event_id is not None else (
             f"run {run_id} is not stuck: its workflow tasks complete, nothing to repair "
-            f"(`--event-id N` resets to a task of your choice)", REFUSED
-        )
-    events = await _history_events(client, run_id, description.run_id)
-    chosen, skipped = await _reset_point(client, run_id, events, stuck, workflows, event_id=event_id)
-    if chosen is None:
-        raise TetherError(
-            f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays on "
-            f"this code: hand the run off (`tether handoff {run_id} --force --by NAME --reason TEXT`) or fix "
-            f"the code first", REFUSED
-        )
+            f"(`--event-id N` resets to a task of your choice)"),
+        no_point=f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays on "
+                 f"this code: end the run on the record (`tether handoff {run_id} --force --by NAME --reason TEXT`) "
+                 f"or fix the code first",
+    )
     started = chosen.workflow_task_completed_event_attributes.started_event_id
     dropped = [e for e in events if e.event_id > started]
     calls = await _dropped_calls(client, dropped, await _tool_effects(description))
@@ -1716,6 +1705,23 @@ async def repair(
         run_id=run_id, from_run_id=description.run_id, to_run_id=to_run_id, event_id=chosen.event_id,
         failure=stuck, skipped=skipped, reapplied=reapplied, rerun=rerun,
     )
+
+
+async def _judged(
+    client: Client, description: Any, workflows: Sequence[type], *, not_stuck: str | None, no_point: str,
+    event_id: int | None = None, settled: bool = False,
+) -> tuple[StuckTask | None, list[Any], Any, list[int]]:
+    """A reset's judgement of one execution: whether it is stuck (else REFUSED ``not_stuck``,
+    unless None), its history, and the task to reset to (``_reset_point``; none: REFUSED
+    ``no_point``) with the later ones skipped."""
+    stuck = await stuck_task(client, description)
+    if stuck is None and not_stuck is not None:
+        raise TetherError(not_stuck, REFUSED)
+    events = await _history_events(client, description.id, description.run_id)
+    chosen, skipped = await _reset_point(client, description.id, events, stuck, workflows, event_id=event_id, settled=settled)
+    if chosen is None:
+        raise TetherError(no_point, REFUSED)
+    return stuck, events, chosen, skipped
 
 
 async def _history_events(client: Client, run_id: str, execution: str) -> list[Any]:

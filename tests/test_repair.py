@@ -34,17 +34,22 @@ async def wait_stuck(env: WorkflowEnvironment, run_id: str) -> tether_client.Stu
     raise AssertionError(f"run {run_id} never got stuck")
 
 
+async def approved_on(env: WorkflowEnvironment, queue: str, build: type, steps: list[dict], monkeypatch) -> tuple:
+    """A run of ``steps`` approved by bob on a bad ``build`` of AgentRun, once it is stuck."""
+    with monkeypatch.context() as m:
+        m.setattr(worker_module, "AgentRun", build)
+        broken = worker_module.create_worker(env.client, task_queue=queue)
+    async with broken:
+        handle = await start_run(env.client, broken, make_request(steps))
+        await handle.signal("approve", approval_for(await wait_for_state(handle, "AWAITING_APPROVAL"), "bob"))
+        return handle, await wait_stuck(env, handle.id)
+
+
 async def test_a_stuck_run_is_listed_with_its_error_and_repair_brings_it_to_completion_writing_once(
     dev_env: WorkflowEnvironment, billing: Billing, monkeypatch
 ) -> None:
     queue = unique("repair")
-    with monkeypatch.context() as m:
-        m.setattr(worker_module, "AgentRun", TamperedAgentRun)
-        broken = worker_module.create_worker(dev_env.client, task_queue=queue)
-    async with broken:
-        handle = await start_run(dev_env.client, broken, make_request(REFUND))
-        await handle.signal("approve", approval_for(await wait_for_state(handle, "AWAITING_APPROVAL"), "bob"))
-        stuck = await wait_stuck(dev_env, handle.id)
+    handle, stuck = await approved_on(dev_env, queue, TamperedAgentRun, REFUND, monkeypatch)
     assert BROKEN in stuck.error and stuck.cause == "WORKFLOW_WORKER_UNHANDLED_FAILURE", stuck
     def written() -> list[str]:
         return [r["idempotency_key"] for r in billing.get("/refunds")["refunds"] if r["idempotency_key"].startswith(handle.id)]
@@ -84,13 +89,7 @@ async def stuck_after_refund(env: WorkflowEnvironment, queue: str, to: str, monk
     result on: stuck before the email, its refund written."""
     steps = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 555, "reason": "repair"}},
              {"tool": "send_email", "args": {"to": to, "subject": "Refund", "body": "Refunded 5.55."}}]
-    with monkeypatch.context() as m:
-        m.setattr(worker_module, "AgentRun", StuckAfterFirstWrite)
-        broken = worker_module.create_worker(env.client, task_queue=queue)
-    async with broken:
-        handle = await start_run(env.client, broken, make_request(steps))
-        await handle.signal("approve", approval_for(await wait_for_state(handle, "AWAITING_APPROVAL"), "bob"))
-        stuck = await wait_stuck(env, handle.id)
+    handle, stuck = await approved_on(env, queue, StuckAfterFirstWrite, steps, monkeypatch)
     assert STUCK_AFTER_WRITE in stuck.error, stuck
     return handle.id, stuck
 
