@@ -1283,7 +1283,10 @@ async def handoff(
     reset = None
     if force:
         reset = await _forced_reset(client, description, workflows)
-        request.in_flight = reset.in_flight
+        try:
+            request = HandoffRequest.model_validate({**request.model_dump(), "in_flight": reset.in_flight})
+        except ValidationError as e:
+            raise invalid("handoff", e) from None
     elif (stuck := await stuck_task(client, description)) is not None:
         raise TetherError(
             f"run {run_id} is stuck (workflow task attempt {stuck.attempt} failing: {stuck.cause}): it takes no "
@@ -1306,7 +1309,15 @@ async def handoff(
         except RPCError as e:
             raise rpc_error(e, run_id) from None
     record = await _await_record(client, run_id, request.decision_id or "", timeout)
-    _refused(record)
+    try:
+        _refused(record)
+    except TetherError as e:
+        if reset is None:
+            raise
+        raise TetherError(
+            f"{e}; run {reset.from_run_id} was reset all the same (new run {reset.to_run_id}), which does not run "
+            f"again what was in flight: {', '.join(reset.in_flight) or 'nothing'} (may have applied)", REFUSED, rule=e.rule,
+        ) from None
     return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record, reset=reset)
 
 

@@ -149,6 +149,9 @@ class RunModel:
         # program, and the history bytes at which a deferred continue-as-new is due.
         self.inbox: list[tuple[DecisionKind, Decision]] = []
         self.pending_handoff: HandoffRequest | None = None
+        # Tool calls a forced hand-off named as in flight in the execution its reset replaced:
+        # never scheduled again, whether that hand-off is honoured or refused.
+        self.ended_in_flight: list[str] = []
         self.verdicts: dict[str, DecideResult | None] = {}
         self.updates = 0
         self.bounces = 0

@@ -441,14 +441,16 @@ class Steps(RunModel):
         self.decide(self.retry)
 
     def _in_flight_handoff(self) -> Program[bool]:
-        """A forced hand-off (`tether handoff RUN --force`) naming this step's call: its attempt was
+        """A forced hand-off (`tether handoff RUN --force`) named this step's call: its attempt was
         in flight in the execution the operator ended, and may have applied. The run never
-        schedules it again: it takes the hand-off with the step's outcome unknown, or, refused,
-        goes on as after an attempt with that outcome (an unsafe write is not re-run). False, and
-        nothing done, for any other hand-off or none."""
-        step, request = self.current_step(), self.pending_handoff
-        if step is None or request is None or step.tool_call_id not in request.in_flight:
+        schedules it again: it takes the pending hand-off with the step's outcome unknown, or,
+        with none to take (refused on arrival or by the policy check), goes on as after an
+        attempt with that outcome (an unsafe write is not re-run). False, and nothing done, for
+        any other step."""
+        step = self.current_step()
+        if step is None or step.tool_call_id not in self.ended_in_flight:
             return False
+        self.ended_in_flight.remove(step.tool_call_id)
         self.data.step_outcome = "unknown"
         detail = (f"tool call {step.tool_call_id} ({step.tool}) was in flight when its run was ended: "
                   f"it may have applied, outcome unknown; not run again")
@@ -456,7 +458,7 @@ class Steps(RunModel):
             self.step_handed_off()
             return True
         yield from self._attempt_failed(ToolFailure(
-            code=IN_FLIGHT_ENDED, message="in flight when its run was ended; the hand-off was refused",
+            code=IN_FLIGHT_ENDED, message="in flight when its run was ended; no hand-off taken",
             permanent=False, started=True,
         ))
         return True
