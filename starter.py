@@ -517,8 +517,15 @@ async def cmd_reject(args: argparse.Namespace) -> int:
 async def cmd_handoff(args: argparse.Namespace) -> int:
     verdict = await client.handoff(
         await client.connect(), args.run, by=args.by, reason=args.reason, decision_id=args.decision_id,
-        key=Path(args.key) if args.key else None,
+        key=Path(args.key) if args.key else None, force=args.force,
     )
+    if (done := verdict.reset) is not None:
+        if done.failure is not None:
+            print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
+                  f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
+        print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}, the "
+              f"hand-off applied again: new run {show(done.to_run_id)}")
+        print(f"in flight, may have applied, not run again: {', '.join(show(t) for t in done.in_flight) or 'none'}")
     return _print_verdict(verdict)
 
 
@@ -533,7 +540,9 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 async def cmd_repair(args: argparse.Namespace) -> int:
-    done = await client.repair(await client.connect(), args.run, reason=args.reason, event_id=args.event_id)
+    done = await client.repair(
+        await client.connect(), args.run, reason=args.reason, event_id=args.event_id,
+    )
     if args.json:
         _print_json(done.model_dump(mode="json"))
         return OK
@@ -999,6 +1008,9 @@ def _handoff_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reason", required=True, metavar="TEXT")
     p.add_argument("--decision-id", metavar="ID", help="unique id of this handoff (default: random)")
     p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the handoff (see keygen)")
+    p.add_argument("--force", action="store_true",
+                   help="a stuck run (its workflow tasks keep failing): reset it with the hand-off to its last task "
+                        "that replays; writes in flight are named on the record, never run again")
 
 
 def _cancel_args(p: argparse.ArgumentParser) -> None:
@@ -1121,9 +1133,9 @@ COMMANDS: list[Command] = [
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
     Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
-    Command("handoff", "hand a run to a human (ends in HANDED_OFF)", _handoff_args, cmd_handoff),
+    Command("handoff", "hand a run to a human: HANDED_OFF", _handoff_args, cmd_handoff),
     Command("cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel),
-    Command("repair", "heal a stuck run: reset to its last task that replays",
+    Command("repair", "reset a stuck run to its last task that replays",
             _repair_args, cmd_repair),
     Command("compensate", "undo an ended run's kept writes",
             _compensate_args, cmd_compensate),

@@ -475,6 +475,9 @@ COLLECT_SKEW = timedelta(seconds=10)  # the server's clock against this worker's
 COLLECT_DRAIN = timedelta(seconds=10)  # at shutdown, at most this long for the collections left
 COLLECT_SEEN = 10_000  # runs remembered as collected (a replay names a run again)
 COLLECT_BACKOFF_MAX = 30.0  # seconds between a failing sink's retries, at most
+COLLECT_EVERY = timedelta(seconds=30)  # between two sweeps of the queue's closed runs (TETHER_AUDIT_SWEEP_SECONDS)
+COLLECT_OVERLAP = timedelta(minutes=5)  # a sweep looks back this far before the previous one began
+SWEPT = "tether_audit_swept_runs"
 
 
 class AuditCollector(Interceptor, Plugin):
@@ -485,18 +488,25 @@ class AuditCollector(Interceptor, Plugin):
     collector (an extern function of the worker, like the key ring: worker configuration, no I/O
     in workflow code). The collector waits until the run has closed, reads the view and appends
     its records: idempotent per (workflow id, run id, seq), like every append. A worker that
-    stops first is caught up by the next one to start on the task queue: at start, the collector
-    reads the views of the runs closed in the last COLLECT_LOOKBACK (where the server lists
+    stops first (killed, say) is caught up by any other collector of the task queue: each one
+    sweeps the runs of its queue that closed, at start those of the last COLLECT_LOOKBACK, then
+    every ``every`` those closed since shortly before its previous sweep (where the server lists
     runs; the time-skipping test server does not).
     """
 
     def __init__(
-        self, client: Client, sink: AuditSink, *, lookback: timedelta = COLLECT_LOOKBACK, publics: Any = None
+        self, client: Client, sink: AuditSink, *, lookback: timedelta = COLLECT_LOOKBACK, every: timedelta | None = None,
+        publics: Any = None,
     ) -> None:
         self.client = client
         self.sink = sink
         self.publics = publics  # a view and its records are written only when the fleet signed them
         self.lookback = lookback
+        if every is None:
+            every = timedelta(seconds=float(os.environ.get("TETHER_AUDIT_SWEEP_SECONDS") or COLLECT_EVERY.total_seconds()))
+        if every <= timedelta(0):
+            raise ValueError(f"the collector's sweep interval must be positive, not {every}")
+        self.every = every
         self.task_queue = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: dict[tuple[str, str], datetime] = {}  # named, not yet seen closed
@@ -614,16 +624,17 @@ class AuditCollector(Interceptor, Plugin):
         self._writing.add(task)
         task.add_done_callback(self._writing.discard)
 
-    async def write(self, workflow_id: str, run_id: str, view: RunView | None) -> None:
+    async def write(self, workflow_id: str, run_id: str, view: RunView | None) -> bool:
         """The records ``view`` (a run's end view) says are not in the sink yet, until written:
-        a sink that fails is retried on a backoff while this worker runs (logged, counted)."""
+        a sink that fails is retried on a backoff while this worker runs (logged, counted).
+        False when the view left none to write."""
         if view is None:
-            return
+            return False
         snap = view.snapshot
         # What the run had not written itself: its last ``audit_waiting`` records.
         records = [r for r in view.timeline if r.seq > snap.timeline_records - snap.audit_waiting]
         if not records:
-            return
+            return False
         why = (
             "this worker has no public keys to verify views with" if self.publics is None
             else view_problem(self.publics, workflow_id, run_id, view)
@@ -634,7 +645,7 @@ class AuditCollector(Interceptor, Plugin):
             self._meter().create_counter(
                 RECORDS_REFUSED, "Audit records refused: not signed by the fleet for the run that asked", "1"
             ).add(len(records))
-            return
+            return False
         batch = AuditBatch(
             workflow_id=workflow_id, first_run_id=snap.first_run_id or run_id, run_id=run_id,
             continued_from=view.continued_from, records=records,
@@ -643,7 +654,7 @@ class AuditCollector(Interceptor, Plugin):
         while True:
             try:
                 await self.sink.append(batch)
-                return
+                return True
             except Exception as e:
                 log.warning(
                     "audit sink failing (%s) for workflow %s run %s, records %s-%s left at its end: %s; "
@@ -662,20 +673,50 @@ class AuditCollector(Interceptor, Plugin):
         return (self.client.service_client.config.runtime or Runtime.default()).metric_meter
 
     async def sweep(self) -> None:
-        """Catch up with the runs that closed while no collector was running."""
-        since = (datetime.now(timezone.utc) - self.lookback).strftime("%Y-%m-%dT%H:%M:%SZ")
-        query = f"WorkflowType = 'AgentRun' AND TaskQueue = '{_quoted(self.task_queue)}' AND CloseTime > '{since}'"
-        try:
-            async for execution in self.client.list_workflows(query):
-                if (execution.id, execution.run_id) in self._seen:
-                    continue
-                view = await _end_view(execution, (execution.id, execution.run_id))
-                await self.write(execution.id, execution.run_id, view)
-                self._remember(execution.id, execution.run_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a server that cannot list (the time-skipping one), a sink down
-            log.info("audit collector: no catch-up of closed runs (%s)", " ".join(str(e).split())[:300])
+        """Until the worker stops: the runs of this queue that closed and that no collector has
+        written yet (their worker stopped or was killed first), at start over COLLECT_LOOKBACK,
+        then every ``every`` since COLLECT_OVERLAP before the previous sweep began. Idempotent:
+        another collector writing the same run writes nothing twice."""
+        since = datetime.now(timezone.utc) - self.lookback
+        while True:
+            began = datetime.now(timezone.utc)
+            try:
+                await self.sweep_once(since)
+                since = began - COLLECT_OVERLAP
+            except asyncio.CancelledError:
+                raise
+            except RPCError as e:
+                if e.status == RPCStatusCode.UNIMPLEMENTED:  # the time-skipping test server: no listing
+                    log.info("audit collector: the server lists no runs, no sweep of closed runs")
+                    return
+                log.warning("audit collector: the sweep of closed runs failed, next in %s: %s", self.every, e)
+            except Exception as e:  # a sink down: the next sweep tries again
+                log.warning("audit collector: the sweep of closed runs failed, next in %s: %s", self.every,
+                            " ".join(f"{type(e).__name__}: {e}".split())[:300])
+            await asyncio.sleep(self.every.total_seconds())
+
+    async def sweep_once(self, since: datetime) -> int:
+        """One sweep of the runs of this queue closed since ``since`` (the server lists the
+        newest first) that this collector has not written: returns how many it wrote the end
+        records of (appends are idempotent, so a run another worker collected is unchanged).
+        Logged and counted (``tether_audit_swept_runs``)."""
+        query = (f"WorkflowType = 'AgentRun' AND TaskQueue = '{_quoted(self.task_queue)}' "
+                 f"AND ExecutionStatus != 'Running' AND CloseTime > '{since.strftime('%Y-%m-%dT%H:%M:%SZ')}'")
+        wrote = 0
+        async for execution in self.client.list_workflows(query):
+            key = (execution.id, execution.run_id)
+            if key in self._seen or key in self._waiting:  # collected, or being collected here
+                continue
+            if await self.write(*key, await _end_view(execution, key)):
+                wrote += 1
+            self._remember(*key)
+        if wrote:
+            log.info("audit collector: the sweep of queue %s wrote the end records of %d closed run(s)",
+                     self.task_queue[:200], wrote)
+            self._meter().create_counter(
+                SWEPT, "Closed runs whose end records a collector's sweep wrote (idempotently)", "1"
+            ).add(wrote)
+        return wrote
 
     async def drain(self) -> None:
         """At shutdown: the runs named and the writes begun, for at most COLLECT_DRAIN (what is

@@ -1,9 +1,11 @@
 """A worker whose audit sink stops in the middle of a write and waits to be killed:
 tests/test_bounded_runs.py (JSON lines: half a line on disk) and tests/test_audit.py
 (PostgreSQL: a transaction with some of the batch's rows, not committed) SIGKILL it there.
-Run as a script (the sandbox re-imports modules):
+With ``held``, its sink writes nothing at all: each batch's workflow id goes on a line of MARKER
+and the append waits until the worker is killed (tests/test_audit.py: another worker's sweep
+must collect those runs). Run as a script (the sandbox re-imports modules):
 
-    python -m tests.audit_kill_worker QUEUE AUDIT_DIR|postgresql://DSN MARKER
+    python -m tests.audit_kill_worker QUEUE AUDIT_DIR|postgresql://DSN MARKER [held]
 """
 
 from __future__ import annotations
@@ -68,19 +70,35 @@ class TornPostgresSink(Torn, PostgresAuditSink):
         self.marker.write_text(f"seq {first.seq} inserted, not committed")
 
 
-async def main(queue: str, target: str, marker: str) -> None:
+class HeldSink(JsonlAuditSink):
+    """Names each batch's run in the marker and never writes it: the worker holds it until killed."""
+
+    def __init__(self, root: Path, marker: Path) -> None:
+        super().__init__(root)
+        self.marker = marker
+
+    async def append(self, batch: AuditBatch) -> int:
+        with open(self.marker, "a") as f:
+            f.write(batch.workflow_id + "\n")
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def main(queue: str, target: str, marker: str, mode: str = "torn") -> None:
     from worker import create_worker
 
     client = await connect()
-    if target.startswith("postgresql://"):
+    if mode == "held":
+        sink: JsonlAuditSink | PostgresAuditSink = HeldSink(Path(target), Path(marker))
+    elif target.startswith("postgresql://"):
         sink: JsonlAuditSink | PostgresAuditSink = TornPostgresSink(target, Path(marker))
     else:
-        sink = TornSink(Path(target), Path(marker))
+        sink = TornSink(Path(target), Path(marker))  # type: ignore[assignment]
     async with create_worker(client, task_queue=queue, audit=AuditActivities(sink=sink)):
         print("worker ready", flush=True)
         await asyncio.Event().wait()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:5]))
     exit_process(0)

@@ -31,3 +31,19 @@ class TamperedAgentRun(AgentRun):
         await workflow.wait_condition(lambda: main.done() or self.data.lifecycle.terminal)
         timer.cancel()
         raise RuntimeError(BROKEN)
+
+
+STUCK_AFTER_WRITE = "deliberately broken build: the task after the first write fails"
+
+
+@workflow.defn(name="AgentRun")
+class StuckAfterFirstWrite(AgentRun):
+    """A bad build whose workflow task fails every time from the one that takes the plan's
+    first step's result on: its history up to there replays on today's code, so `tether repair`
+    resets to the task that scheduled the write (a refund: idempotent, safe to run again)."""
+
+    @workflow.run
+    async def run(self, *args: Any) -> RunOutcome:
+        main = asyncio.create_task(super().run(*args))
+        await workflow.wait_condition(lambda: main.done() or bool(self.data.executed))
+        raise RuntimeError(STUCK_AFTER_WRITE)

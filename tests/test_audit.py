@@ -609,3 +609,63 @@ async def test_timeline_all_of_a_run_temporal_no_longer_has_shows_the_sink(
     await sink.append(AuditBatch(workflow_id=gone, first_run_id="r-1", run_id="r-1", records=[lifecycle.timeline[-1]]))
     trail = await tether_client.audit_trail(dev_env.client, gone, str(tmp_path))
     assert trail.missing == [4]
+
+
+async def test_a_killed_workers_runs_reach_the_sink_through_another_workers_sweep(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any worker of the fleet collects (issue 46): a worker SIGKILLed before it wrote the end
+    records of the runs whose last task it ran. The other worker of the queue, running since
+    before those runs closed (its start-up catch-up cannot see them), sweeps them into the sink
+    while it runs; every record of every run, once."""
+    import signal
+    import subprocess
+    import sys
+
+    from temporalio.api.enums.v1 import EventType
+
+    root, marker, queue = tmp_path / "audit", tmp_path / "held", unique("sweep")
+    marker.touch()
+    monkeypatch.setenv("TETHER_AUDIT_SWEEP_SECONDS", "1")  # the default is 30 s; the same sweep
+    env = {**os.environ, "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.audit_kill_worker", queue, str(tmp_path / "never"), str(marker), "held"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+
+    async def last_task_by(handle: WorkflowHandle) -> str:
+        events = (await handle.fetch_history()).events
+        done = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED]
+        return done[-1].workflow_task_completed_event_attributes.identity
+
+    handles: list[WorkflowHandle] = []
+    try:
+        assert proc.stdout is not None and (await asyncio.to_thread(proc.stdout.readline)).strip() == b"worker ready"
+        async with running_worker(dev_env.client, task_queue=queue, audit=AuditActivities(sink=JsonlAuditSink(root))) as worker:
+            held: set[str] = set()
+            while not held:  # rounds of six runs until the doomed worker ended some of them
+                batch = [await start_run(dev_env.client, worker, make_request(REFUND[:1])) for _ in range(6)]
+                for handle in batch:  # its result only: a query would replay the run here
+                    assert RunOutcome.model_validate(await handle.result()).state == S.COMPLETED
+                handles += batch
+                held = {h.id for h in batch if (await last_task_by(h)).startswith(f"{proc.pid}@")}
+            # Its collector has taken them (and holds them, writing nothing) before it is killed.
+            while not held <= set(marker.read_text().split()):
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            # The sink and the runs' published views only: a query would replay a run's end on
+            # this worker, and that names the run to its collector.
+            sink = JsonlAuditSink(root)
+            for handle in handles:
+                description = await handle.describe()
+                view = await tether_client.published_view(description)
+                assert view is not None and view.snapshot.audit_waiting > 0  # left for a collector
+                while [r.seq for r in (await sink.read(handle.id)).get(description.run_id, [])] != list(
+                    range(1, view.snapshot.timeline_records + 1)
+                ):
+                    await asyncio.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

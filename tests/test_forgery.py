@@ -10,16 +10,26 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
 
 from temporalio.api.common.v1 import Payloads
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
+import pytest
+
 import client as tether_client
 from activities.keys import KeyRing
+from activities.policy import PolicyStore
+from activities.tools import ToolContext, ToolRegistry, tool
+from examples.billing.tools import EmailArgs, call
 from tests.conftest import (
     ROOT,
+    audit_collected,
     Billing,
     approval_for,
     make_request,
@@ -29,9 +39,11 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
+from tests.test_dev_server import Cli
 from tests.test_trust_chain import CONVERTER, continue_as_new, rogue_answer
-from workflows.contract import CompensationCall
-from workflows.wire import RecoverySource
+from workflows.contract import CompensationCall, ToolEffect
+from workflows.wire import RecoverySource, ToolCall, ToolOutcome
+from temporalio.contrib.pydantic import pydantic_data_converter as CONVERTER_CLIENT
 from workflows.run_state import RunData, RunOutcome, RunRequest
 from workflows.states import RunState
 
@@ -139,3 +151,101 @@ async def test_a_forged_continue_as_new_state_makes_no_undo(dev_env: WorkflowEnv
     assert "the carried state" in message
     assert not voided(billing, refund)
     assert not await events_of(client, waiting.id, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
+
+
+HELD = ToolRegistry()
+RELEASED: dict[str, threading.Event] = {}  # recipient -> the test lets the honest call answer
+
+
+@tool(effect=ToolEffect.UNSAFE, timeout=60, name="held_email", registry=HELD)
+def held_email(args: EmailArgs, ctx: ToolContext) -> dict:
+    """Sends the email, then holds its answer until the test says (a forger answers meanwhile)."""
+    sent = call("POST", "/emails", args.model_dump(), headers={"X-Request-Ref": ctx.idempotency_key})
+    RELEASED.setdefault(args.to, threading.Event()).wait(60)
+    return sent
+
+
+WEDGED_POLICY = """
+[tenants.default]
+tools = ["held_email"]
+approval_roles = ["approver"]
+
+[tenants.default.approvers]
+bob = { roles = ["approver"] }
+dana = { roles = ["support"] }
+"""
+
+
+@pytest.mark.parametrize("by", ["dana", "mallory"])
+async def test_a_run_wedged_by_a_forged_answer_to_an_unsafe_write_ends_handed_off_on_the_record(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, by: str
+) -> None:
+    """Issue 46: a keyless client completes the email's activity task while the honest worker is
+    inside the call (the email is sent). The forged answer is refused and every workflow task
+    fails; `repair` would send the email again, so it refuses; a plain hand-off never reaches the
+    run. `tether handoff RUN --force` ends it HANDED_OFF, the email on the record as in flight
+    (outcome unknown), by whom, and never sent again. By someone the tenant refuses (mallory):
+    the hand-off is refused, and still the email is not sent again (HANDED_OFF by the runtime)."""
+    client = dev_env.client
+    queue, to = unique("wedged"), f"{uuid.uuid4().hex[:10]}@example.com"
+    step = {"tool": "held_email", "args": {"to": to, "subject": "Refund", "body": "Your refund is on its way."}}
+    forger = await Client.connect(  # holds no key: a client of the namespace, nothing more
+        client.service_client.config.target_host, namespace=client.namespace, data_converter=CONVERTER_CLIENT,
+    )
+    (tmp_path / "policy.toml").write_text(WEDGED_POLICY)
+    policy = PolicyStore(tmp_path / "policy.toml")
+    cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]
+    async with running_worker(client, task_queue=queue, registry=HELD, policy=policy) as worker:
+        try:
+            handle = await start_run(client, worker, make_request([step]))
+            await handle.signal("approve", approval_for(await wait_for_state(handle, "AWAITING_APPROVAL"), "bob"))
+            while len(emails_to(billing, to)) < 1:  # the honest worker is inside the call: the email is out
+                await asyncio.sleep(0.05)
+            base = (await handle.describe()).run_id
+            [scheduled] = [e.activity_task_scheduled_event_attributes
+                           for e in await events_of(client, handle.id, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
+                           if e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"]
+            await forger.get_async_activity_handle(workflow_id=handle.id, run_id=base, activity_id=scheduled.activity_id).complete(
+                ToolOutcome(observation='{"sent": false}', digest="0" * 64, size=15)
+            )
+            message = await task_failure(client, handle.id, "forgery")
+        finally:
+            RELEASED.setdefault(to, threading.Event()).set()  # the honest answer comes too late
+        assert "The forged answer was refused" in message and "may have applied" in message
+        assert "Nothing was written" not in message and f"tether handoff {handle.id} --force" in message
+        code, out, err = await cli("repair", handle.id)
+        assert code == 1 and "not safe to repeat" in err and f"tether handoff {handle.id} --force" in err, (out, err)
+        code, out, err = await cli("handoff", handle.id, "--by", by, "--reason", "forged answer")
+        assert code == 1 and "is stuck" in err and "--force" in err, (out, err)
+        code, out, err = await cli("handoff", handle.id, "--by", by, "--reason", "forged answer", "--force")
+        tool_call_id = scheduled_call(scheduled).tool_call_id
+        if by == "dana":
+            assert code == 0 and "HANDED_OFF: handed off by dana" in out, (out, err)
+            assert f"in flight, may have applied, not run again: {tool_call_id}" in out, (out, err)
+        else:
+            assert code == 1 and "mallory is not a member of this tenant" in err, (out, err)
+            assert "was reset all the same" in err and f"{tool_call_id} (may have applied)" in err, (out, err)
+        latest = client.get_workflow_handle(handle.id, result_type=RunOutcome)
+        outcome = await asyncio.wait_for(tether_client.run_outcome(latest), 120)
+        trail = await audit_collected(client, handle.id)
+    assert outcome.state == RunState.HANDED_OFF
+    [ended] = [r for r in outcome.timeline if r.to_state == RunState.HANDED_OFF]
+    assert ended.refs.outcome == "unknown" and ended.refs.tool_call_id == tool_call_id
+    if by == "dana":
+        assert ended.actor == "operator:dana"
+        assert "was in flight when its run was ended: it may have applied, outcome unknown; not run again" in ended.reason
+    else:
+        assert ended.actor == "runtime" and "[in_flight_when_ended], outcome unknown" in ended.reason
+    assert [(s.tool_call_id, s.outcome) for s in outcome.steps] == [(tool_call_id, "unknown")]
+    assert len(emails_to(billing, to)) == 1  # sent once, by the attempt the forger answered; never again
+    assert [b.origin for b in trail.branches] == ["first", "reset"]
+    assert f"tether handoff --force by {by}: forged answer" in (trail.branches[1].reason or "")
+
+
+def emails_to(billing: Billing, to: str) -> list[dict]:
+    return billing.get(f"/emails?to={to}")["emails"]
+
+
+def scheduled_call(scheduled) -> ToolCall:  # noqa: ANN001
+    [found] = CONVERTER_CLIENT.payload_converter.from_payloads(scheduled.input.payloads, [ToolCall])
+    return found

@@ -16,7 +16,7 @@ import json
 import hashlib
 from datetime import datetime
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import rfc8785
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator
@@ -379,6 +379,16 @@ class HandoffRequest(Contract):
     # clients that only signal.
     decision_id: str | None = Field(None, min_length=1, max_length=128)
     signature: str | None = Field(None, max_length=200)
+    # A forced hand-off (`tether handoff RUN --force`, a run whose workflow tasks kept failing,
+    # reset with it): the tool call ids whose attempts were in flight in the execution the
+    # operator ended. They may have applied: the run never schedules them again.
+    in_flight: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(default_factory=list, max_length=20)
+
+    @model_serializer(mode="wrap")
+    def _in_flight_left_out(self, handler: Any) -> dict[str, Any]:
+        # Left out when empty: a hand-off (and the check it rides in) reads and hashes as it did
+        # before forced ones existed, so recorded histories replay unchanged.
+        return {k: v for k, v in handler(self).items() if not (k == "in_flight" and not v)}
 
 
 class AcceptedApproval(BaseModel):

@@ -103,7 +103,10 @@ class Handoff(RunModel):
         self.move(S.CANCELLED, at=at, actor=actor, reason=why, refs=refs)
 
     def receive_handoff(self, request: HandoffRequest, at: datetime) -> None:
-        """A handoff arrives: one at a time, screened now, taken where the table allows."""
+        """A handoff arrives: one at a time, screened now, taken where the table allows. The
+        calls a forced one names as in flight are kept whatever its screening says: its reset
+        dropped them, and they may have applied."""
+        self.ended_in_flight.extend(c for c in request.in_flight if c not in self.ended_in_flight)
         if self.pending_handoff is not None:
             self.refuse_handoff(request, Refusal(rule="handoff_pending", message="a handoff is already pending"), at)
         elif self.screen_handoff(request, at):

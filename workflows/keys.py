@@ -41,8 +41,9 @@ class MissingKey(LookupError):
 class Forgery(RuntimeError):
     """Something read from history does not bear the fleet key's MAC: a worker without the key
     wrote it. Raised in workflow code it fails the workflow task (never the run), so the run
-    stands where it was, with no write and no undo, until an operator resets it to before the
-    forged task."""
+    acts on nothing the forgery says and stands where it was until an operator resets it to
+    before the forged task (or ends it: a forced hand-off). An attempt the forgery answered may
+    have applied all the same: the answer is refused, not the attempt undone."""
 
 
 class KeyMissing(RuntimeError):
@@ -266,9 +267,11 @@ def check_attested(
 
 def forgery_message(what: str, workflow_id: str, why: str) -> str:
     return (
-        f"forgery: {what} was not written by a worker holding the fleet key ({why}). Nothing was "
-        f"written or undone; the run stands where it was. Find and stop the worker without the key, "
-        f"then reset the run to before the forged task: tether repair {workflow_id}"
+        f"forgery: {what} was not written by a worker holding the fleet key ({why}). The forged "
+        f"answer was refused: the run acts on nothing it says and stands where it was, but the "
+        f"attempt it answered may have applied. Find and stop the worker without the key, then reset "
+        f"the run to before the forged task: tether repair {workflow_id} (where that would repeat a "
+        f"write not safe to repeat, end it on the record: tether handoff {workflow_id} --force)"
     )
 
 

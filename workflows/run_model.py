@@ -151,6 +151,9 @@ class RunModel:
         # Decisions for a request the run has not asked yet (approvals.Inbox.hold_early).
         self.early: list[tuple[DecisionKind, Decision]] = []
         self.pending_handoff: HandoffRequest | None = None
+        # Tool calls a forced hand-off named as in flight in the execution its reset replaced:
+        # never scheduled again, whether that hand-off is honoured or refused.
+        self.ended_in_flight: list[str] = []
         self.verdicts: dict[str, DecideResult | None] = {}
         self.updates = 0
         self.bounces = 0

@@ -26,6 +26,8 @@ from workflows.wire import (
 
 # A write that reached workers lacking its capability's key this many times in a row fails.
 MAX_BOUNCES = 50
+# The failure a forced hand-off's in-flight attempt counts as when the hand-off is refused.
+IN_FLIGHT_ENDED = "in_flight_when_ended"
 
 
 class Steps(RunModel):
@@ -367,6 +369,8 @@ class Steps(RunModel):
         info = self.tool_info(step) if step else None
         if step is None or info is None:
             raise RunFailed("no executable plan step", "IllegalState")
+        if (yield from self._in_flight_handoff()):
+            return
         detail, refs = self.handoff_point()
         if (yield from self._take_handoff(detail=detail, refs=refs)):
             self.step_handed_off()
@@ -398,6 +402,8 @@ class Steps(RunModel):
                 return
             call = yield Mint(call, activity_id, check, timeouts.start_to_close)
             yield Checkpoint(rest=False)  # the record of the approval is in the sink before a write
+            if (yield from self._in_flight_handoff()):  # the task a forced hand-off resets to
+                return
         else:
             yield Show()  # a read is no place the run rests: the sink gets its records later
         answer = yield RunTool(
@@ -419,12 +425,40 @@ class Steps(RunModel):
                 yield Checkpoint()
                 yield Sleep(1, "write scheduled again (capability)")
                 return
-            delay = self.decide(lambda now: self.tool_failed(failure, now))
-            if delay is None:
-                return
-            yield Checkpoint()
-            yield Wait(delay, "retry backoff", until=("handoff",))
-            self.decide(self.retry)
+            yield from self._attempt_failed(failure)
             return
         self.bounces = 0
         self.decide(lambda now: self.tool_succeeded(answer, now))
+
+    def _attempt_failed(self, failure: ToolFailure) -> Program[None]:
+        """The retry rule for a failed attempt: the step ends, or the run waits out the backoff
+        (a handoff cuts it short) and tries again."""
+        delay = self.decide(lambda now: self.tool_failed(failure, now))
+        if delay is None:
+            return
+        yield Checkpoint()
+        yield Wait(delay, "retry backoff", until=("handoff",))
+        self.decide(self.retry)
+
+    def _in_flight_handoff(self) -> Program[bool]:
+        """A forced hand-off (`tether handoff RUN --force`) named this step's call: its attempt was
+        in flight in the execution the operator ended, and may have applied. The run never
+        schedules it again: it takes the pending hand-off with the step's outcome unknown, or,
+        with none to take (refused on arrival or by the policy check), goes on as after an
+        attempt with that outcome (an unsafe write is not re-run). False, and nothing done, for
+        any other step."""
+        step = self.current_step()
+        if step is None or step.tool_call_id not in self.ended_in_flight:
+            return False
+        self.ended_in_flight.remove(step.tool_call_id)
+        self.data.step_outcome = "unknown"
+        detail = (f"tool call {step.tool_call_id} ({step.tool}) was in flight when its run was ended: "
+                  f"it may have applied, outcome unknown; not run again")
+        if (yield from self._take_handoff(detail=detail, refs=self._end_refs(step, "unknown", "handed_off"))):
+            self.step_handed_off()
+            return True
+        yield from self._attempt_failed(ToolFailure(
+            code=IN_FLIGHT_ENDED, message="in flight when its run was ended; no hand-off taken",
+            permanent=False, started=True,
+        ))
+        return True
