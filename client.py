@@ -1576,10 +1576,14 @@ async def repair(
     if view is not None:  # the run's own catalog entries for its plan's tools
         effects = {t.name: t.effect.value for t in view.snapshot.tools}
     else:  # what the tool modules the workers load declare (TETHER_TOOLS, as `tether tools`)
+        from activities.loading import LoadError
         from activities.tools import REGISTRY, load_tool_modules
 
         modules = os.environ.get("TETHER_TOOLS", "examples.billing.tools").split(",")
-        effects = {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
+        try:
+            effects = {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
+        except LoadError as e:
+            raise TetherError(f"{e} (TETHER_TOOLS)", USAGE) from None
     rerun, unsafe = [], []
     for event in dropped:
         if event.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:

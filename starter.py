@@ -641,6 +641,7 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
 async def cmd_tools(args: argparse.Namespace) -> int:
     """The tools a worker with these options would serve, with each one's effect and why."""
     from activities import mcp
+    from activities.loading import LoadError
     from activities.tools import REGISTRY, load_tool_modules
 
     modules = [m for m in args.tools.split(",") if m.strip()]
@@ -648,8 +649,12 @@ async def cmd_tools(args: argparse.Namespace) -> int:
         config = mcp.config_from_env(args.mcp_config)
     except mcp.McpConfigError as e:
         raise client.TetherError(f"invalid MCP config: {e}", client.USAGE) from None
+    try:  # resolved as the worker resolves them (activities/loading.py)
+        registry = load_tool_modules(modules, REGISTRY)
+    except LoadError as e:
+        raise client.TetherError(str(e), client.USAGE) from None
     if config is None:
-        print(mcp.format_tools(mcp.describe_tools(load_tool_modules(modules, REGISTRY))))
+        print(mcp.format_tools(mcp.describe_tools(registry)))
         return OK
     return await mcp.print_tools(config, modules)
 

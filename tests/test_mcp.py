@@ -20,7 +20,6 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities import planning
 from activities.mcp import McpServers, describe_tools, format_tools, mcp_tools, parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
@@ -333,9 +332,7 @@ async def test_model_planner_is_offered_mcp_tools_and_its_proposal_is_checked_ag
         )
         toml = git_server("git", repo, "trust_annotations = true")
         async with mcp_registry(toml) as (registry, _), running_worker(ts_env.client, registry=registry) as worker:
-            # The model planner offers the process's global registry unless told otherwise; this
-            # worker's registry holds the MCP tools only (worker.py registers them globally).
-            monkeypatch.setitem(planning.PLANNERS, "model", planning.ModelPlanner(catalog=registry.catalog))
+            # The model planner offers the tools of the worker it runs on: here, the MCP tools only.
             request = make_request([], goal="What is the state of the repository?", planner="model")
             outcome = await run_outcome(await start_run(ts_env.client, worker, request))
         first = fake.completions[0]

@@ -1,0 +1,196 @@
+"""Planners of your own: a pydantic-ai ``Agent`` (its ``FunctionModel``, offline) plans a
+governed run on a real dev server with the real billing service; the planner registry a worker
+is configured with; tools and planners load the same way in the worker and the ``tether``
+command (real processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, ToolReturnPart, UserPromptPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from temporalio.testing import WorkflowEnvironment
+
+from activities.loading import LoadError
+from activities.planners.pydantic_agent import AgentPlanner
+from activities.planning import BUILTIN_PLANNERS, load_planners
+from activities.policy import PolicyStore
+from client import run_outcome
+from examples.agents.refund_agent import refund_model
+from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
+from workflows.run_state import RunOutcome
+from workflows.states import RunState, is_legal_path
+
+ROOT = Path(__file__).resolve().parent.parent
+S = RunState
+
+
+class RecordingAgent:
+    """The example's scripted model, with what each of its model calls was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[ModelMessage]] = []
+        self.tools: list[list[str]] = []
+
+        def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            self.seen.append(list(messages))
+            self.tools.append([t.name for t in info.function_tools])
+            return refund_model(messages, info)
+
+        self.planner = AgentPlanner(Agent(FunctionModel(model), instructions="You refund orders."))
+
+
+def refunds_of(billing: Billing, outcome: RunOutcome) -> list[dict]:
+    keys = {r.refs.idempotency_key for r in outcome.timeline if r.refs.idempotency_key}
+    return [r for key in keys for r in billing.refunds(key)]
+
+
+async def test_a_pydantic_ai_agent_plans_a_governed_run(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    agent = RecordingAgent()
+    before = a1001_refunds(billing)
+    async with running_worker(dev_env.client, planners={**BUILTIN_PLANNERS, "refunds": agent.planner}) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([], planner="refunds"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL", timeout=60)
+        # The lookup ran without approval; the refund the agent asked for next waits for one.
+        assert [s.tool for s in snap.plan.steps] == ["issue_refund"] and snap.step == 1
+        assert snap.plan.steps[0].args["amount_cents"] == 4999
+        assert a1001_refunds(billing) == before and len(agent.seen) == 2
+        await handle.signal("approve", approval_for(snap, "bob"))
+        outcome = await run_outcome(handle)
+    assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline)
+    assert [s.tool for s in outcome.steps] == ["get_order", "issue_refund"]
+    [refund] = refunds_of(billing, outcome)
+    assert refund["amount_cents"] == 4999 and refund["order_id"] == "A-1001"
+    # The agent's final answer is the run's answer, built from the refund's result.
+    assert outcome.answer == f"Refunded 49.99 on order A-1001 (refund {refund['refund_id']})."
+    # Three model calls, each offered the worker's tools; each saw the executed steps as its own
+    # tool calls with their results, under the run's tool call ids.
+    assert len(agent.seen) == 3 and all("issue_refund" in tools for tools in agent.tools)
+    returns = [p for p in (part for m in agent.seen[-1] for part in m.parts) if isinstance(p, ToolReturnPart)]
+    assert [(p.tool_name, p.tool_call_id) for p in returns] == [(s.tool, s.tool_call_id) for s in outcome.steps]
+    assert '"total_cents": 4999' in returns[0].content
+
+
+def a1001_refunds(billing: Billing) -> int:
+    return sum(1 for r in billing.refunds() if r["order_id"] == "A-1001")
+
+
+async def test_a_withdrawn_tool_is_refused_to_the_agent_and_nothing_is_written(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text(textwrap.dedent("""\
+        [tenants.default]
+        tools = ["get_order"]            # the refund tool is withdrawn
+        [tenants.default.approvers]
+        bob = { roles = ["approver"] }
+    """))
+    agent = RecordingAgent()
+    async with running_worker(dev_env.client, policy=PolicyStore(policy), planners={"refunds": agent.planner}) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([], planner="refunds"))
+        outcome = await run_outcome(handle)
+    assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline), outcome.timeline[-1].reason
+    assert [s.tool for s in outcome.steps] == ["get_order"]
+    assert refunds_of(billing, outcome) == []
+    refused = [r for r in outcome.timeline if r.to_state == S.VALIDATION_FAILED]
+    assert refused and "issue_refund" in refused[0].reason
+    # The agent was told, in its conversation, and its answer says so.
+    told = [p.content for m in agent.seen[-1] for p in m.parts if isinstance(p, UserPromptPart)]
+    assert any(str(t).startswith("The runtime refused your last proposal") and "issue_refund" in str(t) for t in told)
+    assert outcome.answer.startswith("I could not refund: refused")
+
+
+async def test_a_run_naming_a_planner_the_worker_lacks_fails_naming_the_choices(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    async with running_worker(dev_env.client) as worker:
+        outcome = await run_outcome(await start_run(dev_env.client, worker, make_request([], planner="nobody")))
+    assert outcome.state == S.FAILED
+    reason = outcome.timeline[-1].reason
+    assert "unknown planner 'nobody'" in reason and "model, playbook" in reason and "--planner" in reason
+
+
+def test_planners_load_from_configuration_or_say_what_is_wrong() -> None:
+    loaded = load_planners(["refunds=examples.agents.refund_agent:planner", " "])
+    assert set(loaded) == {"playbook", "model", "refunds"} and isinstance(loaded["refunds"], AgentPlanner)
+    # A factory is called once, at load.
+    assert isinstance(load_planners(["mine=tests.test_planners:make_planner"])["mine"], AgentPlanner)
+    cases = {
+        "refunds": "not NAME=MODULE:ATTR",
+        "Refunds=examples.agents.refund_agent:planner": "not NAME=MODULE:ATTR",
+        "refunds=examples.agents.refund_agent": "is not MODULE:ATTR",
+        "refunds=no_such_module_xyz:planner": "no planner 'refunds' 'no_such_module_xyz'",
+        "refunds=examples.agents.refund_agent:nothing": "has no 'nothing'",
+        "refunds=examples.agents.refund_agent:ORDER": "neither a planner",
+        "model=examples.agents.refund_agent:planner": "configured twice (or is built in)",
+        "refunds=tests.test_planners:broken_factory": "broken_factory() failed: RuntimeError: no key",
+    }
+    for spec, expected in cases.items():
+        with pytest.raises(LoadError, match=None) as caught:
+            load_planners([spec])
+        assert expected in str(caught.value), (spec, str(caught.value))
+    with pytest.raises(LoadError, match="configured twice"):
+        load_planners(["a=examples.agents.refund_agent:planner", "a=examples.agents.refund_agent:planner"])
+
+
+def make_planner() -> AgentPlanner:
+    return RecordingAgent().planner
+
+
+def broken_factory() -> AgentPlanner:
+    raise RuntimeError("no key")
+
+
+# ----------------------------------------------------------------------------- one way to load
+
+
+def tether(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TETHER_TOOLS", "PYTHONPATH")}
+    return subprocess.run([str(Path(sys.executable).parent / "tether"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_tether_tools_names_a_missing_module_in_one_line(tmp_path: Path) -> None:
+    result = tether("tools", "--tools", "no_such_module", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert "no_such_module" in line and "tool module" in line
+
+
+def test_tether_tools_lists_a_module_from_the_current_directory_as_the_worker_does(tmp_path: Path) -> None:
+    (tmp_path / "my_tools.py").write_text(textwrap.dedent('''\
+        from pydantic import BaseModel
+        from activities.tools import ToolContext, tool
+
+        class Ref(BaseModel):
+            parcel_id: str
+
+        @tool(effect="read_only")
+        def track_parcel(args: Ref, ctx: ToolContext) -> dict:
+            """Where a parcel is."""
+            return {}
+    '''))
+    result = tether("tools", "--tools", "my_tools", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "track_parcel" in result.stdout and "read_only" in result.stdout
+    # A module that fails on import is named with its error, in one line.
+    (tmp_path / "broken_tools.py").write_text("import no_such_dependency_xyz\n")
+    result = tether("tools", "--tools", "broken_tools", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert "broken_tools" in line and "no_such_dependency_xyz" in line
+    # The worker resolves the same modules the same way, and refuses a bad planner in one line,
+    # before it connects to anything.
+    worker = subprocess.run(
+        [sys.executable, str(ROOT / "worker.py"), "--tools", "my_tools", "--planner", "x=my_tools:track_parcel"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "TETHER_PLANNERS"},
+    )
+    assert worker.returncode == 1
+    assert worker.stderr.strip().splitlines()[-1].startswith("planner 'x': my_tools:track_parcel")
