@@ -2,7 +2,7 @@
 reference servers ``mcp-server-git`` and ``mcp-server-time`` from PyPI (nobody here wrote them),
 over a temporary git repository, and our own fault server (tests/mcp_fault_server.py) for the
 failures. Real Temporal (time-skipping test server; the dev server for the worker kill), real
-worker processes for the kill, the real ``openai`` client against tests/fake_openai.py."""
+worker processes for the kill, the real ``openai`` client against examples/fake_openai.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
 from client import run_outcome
 from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
-from tests.fake_openai import FakeOpenAI, call, text, tool_calls
+from examples.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.contract import ToolEffect
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path

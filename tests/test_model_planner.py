@@ -1,5 +1,5 @@
 """The model planner end to end: the real ``openai`` client over real HTTP against a local
-OpenAI-compatible server (tests/fake_openai.py) that replays a per-test script and records
+OpenAI-compatible server (examples/fake_openai.py) that replays a per-test script and records
 what it was sent; real Temporal (time-skipping test server) and the real billing service.
 
 The model is untrusted input: whatever it proposes goes through the same validation, approval
@@ -33,7 +33,7 @@ from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import OrderRef, RefundArgs
 from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
-from tests.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
+from examples.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
 from workflows.contract import ApprovalDecision, ExecutedStep, ToolCatalog, ToolEffect
 from workflows.wire import PlannerInput
 from workflows.run_state import RunSnapshot, RunOutcome
