@@ -10,7 +10,7 @@ NAME=MODULE:ATTR``), and each run names one (``RunRequest.planner``):
   OpenAI, vLLM, Ollama, llama.cpp, ...), through the official ``openai`` package (extra
   ``openai``).
 - your own: any object with ``propose`` below, e.g. a pydantic-ai ``Agent`` through
-  :class:`activities.planners.pydantic_ai.AgentPlanner`. See docs/model-planner.md.
+  :class:`activities.planners.pydantic_agent.AgentPlanner`. See docs/model-planner.md.
 
 The model planner's configuration is read here, inside the activity, on every call: it never
 enters workflow code, history or the timeline.
@@ -493,7 +493,7 @@ PLANNER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 
 def load_planners(specs: Iterable[str]) -> dict[str, Planner]:
     """The built-in planners and those configured as ``NAME=MODULE:ATTR``: ATTR is a planner
-    (an object with ``propose``) or a callable without arguments returning one, e.g.
+    (an object with ``propose``), a planner class or a callable without arguments returning one, e.g.
     ``refunds=examples.agents.refund_agent:planner``. Raises LoadError naming what is wrong."""
     planners = dict(BUILTIN_PLANNERS)
     for spec in specs:
@@ -510,7 +510,8 @@ def load_planners(specs: Iterable[str]) -> dict[str, Planner]:
         if name in planners:
             raise LoadError(f"planner {name!r} is configured twice (or is built in): give it another name")
         found = load_object(target, f"planner {name!r}")
-        planner = found if callable(getattr(found, "propose", None)) else None
+        # A planner object as it is; a class or a factory is called once, here.
+        planner = found if callable(getattr(found, "propose", None)) and not isinstance(found, type) else None
         if planner is None and callable(found):
             try:
                 planner = found()

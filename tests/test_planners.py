@@ -5,6 +5,7 @@ command (real processes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -194,3 +195,51 @@ def test_tether_tools_lists_a_module_from_the_current_directory_as_the_worker_do
     )
     assert worker.returncode == 1
     assert worker.stderr.strip().splitlines()[-1].startswith("planner 'x': my_tools:track_parcel")
+
+
+async def test_a_planner_of_plain_code_runs_governed(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    planners = load_planners(["desk=examples.agents.order_desk:OrderDesk"])
+    async with running_worker(dev_env.client, planners=planners) as worker:
+        request = make_request([], planner="desk", goal="How much were orders A-1001 and A-1003?")
+        outcome = await run_outcome(await start_run(dev_env.client, worker, request))
+    assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline), outcome.timeline[-1].reason
+    assert [s.tool for s in outcome.steps] == ["get_order", "get_order"]  # one plan, no approval
+    assert outcome.answer == "A-1001: 49.99 EUR; A-1003: 8.99 EUR"
+
+
+async def test_the_fake_openai_endpoint_runs_the_model_planner_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from activities.planning import ModelPlanner
+    from activities.tools import REGISTRY, load_tool_modules
+    from temporalio.exceptions import ApplicationError
+    from workflows.wire import PlannerInput
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "examples.fake_openai", "--port", "0", "--script", "examples/agents/refund.model-script.json"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = server.stdout.readline()  # printed once it listens
+        url = line.split("OPENAI_BASE_URL=")[1].split()[0]
+        monkeypatch.setenv("OPENAI_BASE_URL", url)
+        monkeypatch.setenv("TETHER_MODEL", "fake")
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        catalog = load_tool_modules(["examples.billing.tools"], REGISTRY).catalog()
+        request = PlannerInput(goal="Refund order A-1001", planner="model", playbook=[], executed=[])
+        first = await ModelPlanner().propose(request, catalog)
+        assert [(s.tool, json.loads(s.args)["order_id"]) for s in first.steps] == [("get_order", "A-1001"), ("issue_refund", "A-1001")]
+        assert (await ModelPlanner().propose(request, catalog)).answer == "Refunded 49.99 EUR on order A-1001."
+        with pytest.raises(ApplicationError, match="no scripted response left"):
+            await ModelPlanner().propose(request, catalog)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+    bad = tmp_path / "script.json"
+    bad.write_text('[{"text": "ok"}, {"say": "what"}]')
+    result = subprocess.run([sys.executable, "-m", "examples.fake_openai", "--port", "0", "--script", str(bad)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert "reply 2" in line
