@@ -889,7 +889,7 @@ def _start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goal", required=True, metavar="TEXT", help="what the run should achieve")
     p.add_argument("--requested-by", required=True, metavar="NAME", help="who asks (four-eyes: may not approve it)")
     p.add_argument("--playbook", metavar="PATH", help="JSON file of {tool, args} steps (needed by the playbook planner)")
-    p.add_argument("--planner", default="playbook", metavar="NAME", help="playbook or model (default: playbook)")
+    p.add_argument("--planner", default="playbook", metavar="NAME", help="playbook, model, or one the worker is configured with (default: playbook)")
     p.add_argument("--tenant", default="default", metavar="NAME")
     p.add_argument("--id", metavar="RUN", help="run (workflow) id (default: run-<random>)")
     p.add_argument("--allow-id-reuse", action="store_true",
