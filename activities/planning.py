@@ -10,7 +10,8 @@ NAME=MODULE:ATTR``), and each run names one (``RunRequest.planner``):
   OpenAI, vLLM, Ollama, llama.cpp, ...), through the official ``openai`` package (extra
   ``openai``).
 - your own: any object with ``propose`` below, e.g. a pydantic-ai ``Agent`` through
-  :class:`activities.planners.pydantic_agent.AgentPlanner`. See docs/model-planner.md.
+  :class:`activities.planners.pydantic_agent.AgentPlanner`, an OpenAI Agents SDK ``Agent``
+  through :class:`activities.planners.openai_agents.AgentsSDKPlanner`. See docs/model-planner.md.
 
 The model planner's configuration is read here, inside the activity, on every call: it never
 enters workflow code, history or the timeline.

@@ -243,3 +243,66 @@ async def test_the_fake_openai_endpoint_runs_the_model_planner_offline(
     assert result.returncode == 2 and result.stdout == ""
     [line] = result.stderr.splitlines()
     assert "reply 2" in line
+
+
+# ----------------------------------------------------------------------------- OpenAI Agents SDK
+
+
+def agents_sdk_refunder(seen: list[list]) -> "AgentsSDKPlanner":
+    """An Agents SDK agent on its ScriptedModel: get_order, then a refund of the total, then an
+    answer; told the runtime refused, it answers so."""
+    from agents import Agent as SDKAgent
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from activities.planners.openai_agents import AgentsSDKPlanner
+
+    def respond(call):
+        items = [i for i in call.input if isinstance(i, dict)]
+        seen.append(items)
+        said = [i["content"] for i in items if i.get("role") == "user" and isinstance(i.get("content"), str)]
+        if any(s.startswith("The runtime refused") for s in said):
+            return [assistant_message(f"I could not refund: refused ({said[-1].splitlines()[0]})")]
+        results = {i["call_id"]: i["output"] for i in items if i.get("type") == "function_call_output"}
+        calls = {i["name"]: i["call_id"] for i in items if i.get("type") == "function_call"}
+        if "issue_refund" in calls:
+            refund = json.loads(results[calls["issue_refund"]])
+            return [assistant_message(f"Refunded {refund['amount_cents'] / 100:.2f} ({refund['refund_id']}).")]
+        if "get_order" in calls:
+            order = json.loads(results[calls["get_order"]])
+            return [function_call("issue_refund", {"order_id": order["id"], "amount_cents": order["total_cents"],
+                                                   "reason": "damaged"}, call_id="model-2")]
+        return [function_call("get_order", {"order_id": "A-1001"}, call_id="model-1")]
+
+    model = ScriptedModel([ModelStep.respond(respond) for _ in range(5)])
+    return AgentsSDKPlanner(SDKAgent(name="refunds", instructions="You refund orders.", model=model))
+
+
+async def test_an_openai_agents_sdk_agent_plans_a_governed_run(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    seen: list[list] = []
+    before = a1001_refunds(billing)
+    async with running_worker(dev_env.client, planners={"refunds": agents_sdk_refunder(seen)}) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([], planner="refunds"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL", timeout=60)
+        assert [s.tool for s in snap.plan.steps] == ["issue_refund"] and a1001_refunds(billing) == before
+        await handle.signal("approve", approval_for(snap, "bob"))
+        outcome = await run_outcome(handle)
+    assert outcome.state == S.COMPLETED and is_legal_path(outcome.timeline)
+    [refund] = refunds_of(billing, outcome)
+    assert refund["amount_cents"] == 4999
+    assert outcome.answer == f"Refunded 49.99 ({refund['refund_id']})."
+    # The last model call saw both steps as its function calls with their outputs, by call id.
+    outputs = [i["call_id"] for i in seen[-1] if i.get("type") == "function_call_output"]
+    assert outputs == [s.tool_call_id for s in outcome.steps]
+
+
+async def test_a_withdrawn_tool_is_refused_to_the_agents_sdk_agent(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[tenants.default]\ntools = ["get_order"]\n[tenants.default.approvers]\nbob = { roles = ["approver"] }\n')
+    seen: list[list] = []
+    async with running_worker(dev_env.client, policy=PolicyStore(policy), planners={"refunds": agents_sdk_refunder(seen)}) as worker:
+        outcome = await run_outcome(await start_run(dev_env.client, worker, make_request([], planner="refunds")))
+    assert outcome.state == S.COMPLETED and [s.tool for s in outcome.steps] == ["get_order"]
+    assert refunds_of(billing, outcome) == []
+    assert outcome.answer.startswith("I could not refund: refused") and "issue_refund" in outcome.answer
