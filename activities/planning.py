@@ -291,16 +291,27 @@ def parse_completion(completion: Any) -> Proposal:
             name, arguments = function.name or "", function.arguments
         else:  # a non-function tool call: no such tool in any catalog, validation says so
             name, arguments = str(getattr(call, "type", "") or "unnamed"), None
-        if isinstance(arguments, str) and len(arguments) > MAX_ARGUMENT_CHARS:
-            arguments = arguments[:MAX_ARGUMENT_CHARS]
-        steps.append(ProposedStep(tool=name[:200], args=arguments))
+        steps.append(proposed_step(name, arguments))
     if steps:
         return Proposal(steps=steps, usage_tokens=tokens)
     text = message.content or getattr(message, "refusal", None)
     if text and text.strip():
-        return Proposal(answer=text.strip()[:MAX_ANSWER_CHARS], usage_tokens=tokens)
+        return answer_proposal(text, tokens)
     # Neither: validation turns this into "no steps and no answer" feedback.
     return Proposal(usage_tokens=tokens)
+
+
+def proposed_step(tool: str, arguments: Any) -> ProposedStep:
+    """A tool call as a model sent it, bounded for history: longer arguments are cut (and then
+    fail validation as malformed JSON); validation parses and checks them."""
+    if isinstance(arguments, str) and len(arguments) > MAX_ARGUMENT_CHARS:
+        arguments = arguments[:MAX_ARGUMENT_CHARS]
+    return ProposedStep(tool=tool[:200], args=arguments)
+
+
+def answer_proposal(text: str, tokens: int) -> Proposal:
+    """A model's final text as the run's answer, bounded (empty: validation asks again)."""
+    return Proposal(answer=text.strip()[:MAX_ANSWER_CHARS] or None, usage_tokens=tokens)
 
 
 def redact(text: str, *secrets: str | None) -> str:

@@ -25,17 +25,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from activities.planning import (
-    MAX_ANSWER_CHARS,
-    MAX_ARGUMENT_CHARS,
-    PlannerError,
-    bound_observations,
-    observation_text,
-    runtime_notes,
-    tool_definitions,
-)
+from activities import planning
 from workflows.contract import ToolCatalog
-from workflows.wire import PlannerInput, Proposal, ProposedStep
+from workflows.wire import PlannerInput, Proposal
 
 try:
     from agents import Agent, FunctionTool, RunConfig, Runner
@@ -45,7 +37,7 @@ except ImportError as e:  # pragma: no cover - the dev extra installs it
 
 async def _never_here(context: Any, arguments: str) -> str:
     # Every Tether tool needs approval, so the SDK stops before calling it.
-    raise PlannerError("a Tether tool was invoked inside the planner: it must only be proposed")
+    raise planning.PlannerError("a Tether tool was invoked inside the planner: it must only be proposed")
 
 
 def proposed_tools(catalog: ToolCatalog) -> list[FunctionTool]:
@@ -59,18 +51,18 @@ def proposed_tools(catalog: ToolCatalog) -> list[FunctionTool]:
             strict_json_schema=False,  # the tool's own schema, checked by Tether's validation
             needs_approval=True,
         )
-        for d in tool_definitions(catalog)
+        for d in planning.tool_definitions(catalog)
     ]
 
 
 def run_input(request: PlannerInput) -> list[dict[str, Any]]:
     """The run so far as the agent's input items."""
     items: list[dict[str, Any]] = [{"role": "user", "content": f"Goal: {request.goal}"}]
-    for step in bound_observations(request.executed):
+    for step in planning.bound_observations(request.executed):
         items.append({"type": "function_call", "call_id": step.tool_call_id, "name": step.tool,
                       "arguments": json.dumps(step.args, sort_keys=True)})
-        items.append({"type": "function_call_output", "call_id": step.tool_call_id, "output": observation_text(step)})
-    items.extend({"role": "user", "content": note} for note in runtime_notes(request))
+        items.append({"type": "function_call_output", "call_id": step.tool_call_id, "output": planning.observation_text(step)})
+    items.extend({"role": "user", "content": note} for note in planning.runtime_notes(request))
     return items
 
 
@@ -91,23 +83,16 @@ class AgentsSDKPlanner:
         try:
             result = await Runner.run(agent, run_input(request), run_config=self.run_config, max_turns=self.max_turns)
         except (UserError, MaxTurnsExceeded) as e:  # configuration, or a loop: retrying cannot fix it
-            raise PlannerError(f"OpenAI Agents SDK agent: {type(e).__name__}: {e}") from None
+            raise planning.PlannerError(f"OpenAI Agents SDK agent: {type(e).__name__}: {e}") from None
         tokens = result.context_wrapper.usage.total_tokens or 0
         calls = [item.raw_item for item in result.interruptions]
         if calls:
-            steps = [ProposedStep(tool=str(_field(c, "name"))[:200], args=_bounded(_field(c, "arguments"))) for c in calls]
+            steps = [planning.proposed_step(str(_field(c, "name")), _field(c, "arguments")) for c in calls]
             return Proposal(steps=steps, usage_tokens=tokens)
         output = result.final_output
-        text = (output if isinstance(output, str) else json.dumps(output, default=str)).strip()
-        return Proposal(answer=text[:MAX_ANSWER_CHARS] or None, usage_tokens=tokens)
+        return planning.answer_proposal(output if isinstance(output, str) else json.dumps(output, default=str), tokens)
 
 
 def _field(raw: Any, name: str) -> Any:
     return raw.get(name) if isinstance(raw, dict) else getattr(raw, name, None)
 
-
-def _bounded(arguments: Any) -> Any:
-    """The call's arguments as the model sent them (validation parses and checks them)."""
-    if isinstance(arguments, str) and len(arguments) > MAX_ARGUMENT_CHARS:
-        return arguments[:MAX_ARGUMENT_CHARS]
-    return arguments

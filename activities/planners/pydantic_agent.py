@@ -24,20 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from activities.planning import (
-    MAX_ANSWER_CHARS,
-    MAX_ARGUMENT_CHARS,
-    PlannerError,
-    bound_observations,
-    observation_text,
-    runtime_notes,
-    tool_definitions,
-)
+from activities import planning
 from workflows.contract import ToolCatalog
-from workflows.wire import PlannerInput, Proposal, ProposedStep
+from workflows.wire import PlannerInput, Proposal
 
 try:
     from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.exceptions import UserError
     from pydantic_ai.messages import (
         ModelMessage,
         ModelRequest,
@@ -62,7 +55,7 @@ def external_tools(catalog: ToolCatalog) -> ExternalToolset:
                 description=d["function"]["description"],
                 parameters_json_schema=d["function"]["parameters"],
             )
-            for d in tool_definitions(catalog)
+            for d in planning.tool_definitions(catalog)
         ],
         id="tether",
     )
@@ -75,11 +68,11 @@ def message_history(request: PlannerInput) -> list[ModelMessage]:
     first: list[Any] = [UserPromptPart(f"Goal: {request.goal}")]
     messages: list[ModelMessage] = []
     pending = first
-    for step in bound_observations(request.executed):
+    for step in planning.bound_observations(request.executed):
         messages.append(ModelRequest(parts=pending))
         messages.append(ModelResponse(parts=[ToolCallPart(step.tool, dict(step.args), tool_call_id=step.tool_call_id)]))
-        pending = [ToolReturnPart(step.tool, observation_text(step), tool_call_id=step.tool_call_id)]
-    pending.extend(UserPromptPart(note) for note in runtime_notes(request))
+        pending = [ToolReturnPart(step.tool, planning.observation_text(step), tool_call_id=step.tool_call_id)]
+    pending.extend(UserPromptPart(note) for note in planning.runtime_notes(request))
     messages.append(ModelRequest(parts=pending))
     return messages
 
@@ -100,27 +93,12 @@ class AgentPlanner:
                 toolsets=[external_tools(catalog)],
                 output_type=[str, DeferredToolRequests],
             )
-        except Exception as e:
-            from pydantic_ai.exceptions import UserError
-
-            if isinstance(e, UserError):  # the agent's own configuration: retrying cannot fix it
-                raise PlannerError(f"pydantic-ai agent: {e}") from None
-            raise
+        except UserError as e:  # the agent's own configuration: retrying cannot fix it
+            raise planning.PlannerError(f"pydantic-ai agent: {e}") from None
         tokens = result.usage.total_tokens or 0
         output = result.output
         if isinstance(output, DeferredToolRequests):
-            steps = [
-                ProposedStep(tool=call.tool_name[:200], args=_bounded_args(call.args))
-                for call in [*output.calls, *output.approvals]
-            ]
+            steps = [planning.proposed_step(call.tool_name, call.args) for call in [*output.calls, *output.approvals]]
             return Proposal(steps=steps, usage_tokens=tokens)
-        text = str(output).strip()
-        # An empty answer: validation turns it into "no steps and no answer" feedback.
-        return Proposal(answer=text[:MAX_ANSWER_CHARS] or None, usage_tokens=tokens)
+        return planning.answer_proposal(str(output), tokens)
 
-
-def _bounded_args(args: Any) -> Any:
-    """The call's arguments as the model sent them (validation parses and checks them)."""
-    if isinstance(args, str) and len(args) > MAX_ARGUMENT_CHARS:
-        return args[:MAX_ARGUMENT_CHARS]
-    return args
