@@ -306,3 +306,54 @@ async def test_a_withdrawn_tool_is_refused_to_the_agents_sdk_agent(
     assert outcome.state == S.COMPLETED and [s.tool for s in outcome.steps] == ["get_order"]
     assert refunds_of(billing, outcome) == []
     assert outcome.answer.startswith("I could not refund: refused") and "issue_refund" in outcome.answer
+
+
+async def test_what_a_planner_returns_or_raises_is_checked_at_the_activity_boundary() -> None:
+    from temporalio.exceptions import ApplicationError
+
+    from activities.planning import PlannerError, plan
+    from workflows.contract import ToolCatalog
+    from workflows.wire import PlannerInput, Proposal
+
+    class Returns:
+        def __init__(self, value: object) -> None:
+            self.value = value
+
+        async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> object:
+            if isinstance(self.value, Exception):
+                raise self.value
+            return self.value
+
+    request = PlannerInput(goal="g", planner="p", playbook=[], executed=[])
+    # Not a Proposal (a dict that looks like one): refused, not retried.
+    with pytest.raises(ApplicationError, match="returned dict, not a Proposal") as caught:
+        await plan(request, ToolCatalog(), {"p": Returns({"answer": "done"})})
+    assert caught.value.non_retryable
+    # A PlannerError fails the run with its message; any other error is retried by the activity.
+    with pytest.raises(ApplicationError, match="no key configured") as caught:
+        await plan(request, ToolCatalog(), {"p": Returns(PlannerError("no key configured"))})
+    assert caught.value.non_retryable and caught.value.type == "planner_error"
+    with pytest.raises(ConnectionError):
+        await plan(request, ToolCatalog(), {"p": Returns(ConnectionError("model down"))})
+    # A huge answer enters history only as its size and digest.
+    huge = await plan(request, ToolCatalog(), {"p": Returns(Proposal(answer="x" * 1_000_000))})
+    assert huge.answer is None and huge.oversized_bytes > 1_000_000
+
+
+async def test_one_agent_plans_concurrent_runs_without_crossing_them(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    # The planner keeps nothing between calls: each call's conversation is its own run's.
+    agent = RecordingAgent()
+    async with running_worker(dev_env.client, planners={"refunds": agent.planner}) as worker:
+        handles = [await start_run(dev_env.client, worker, make_request([], planner="refunds", goal=f"Refund order {o}"))
+                   for o in ("A-1001", "A-1003")]
+        waiting = [await wait_for_state(h, "AWAITING_APPROVAL", timeout=60) for h in handles]
+        assert [s.plan.steps[0].args["order_id"] for s in waiting] == ["A-1001", "A-1003"]
+        for handle, snap in zip(handles, waiting):
+            await handle.signal("approve", approval_for(snap, "bob"))
+        outcomes = [await run_outcome(h) for h in handles]
+    refunds = [refunds_of(billing, o) for o in outcomes]
+    assert [[(r["order_id"], r["amount_cents"]) for r in rs] for rs in refunds] == [[("A-1001", 4999)], [("A-1003", 899)]]
+    assert [o.answer for o in outcomes] == [
+        f"Refunded 49.99 on order A-1001 (refund {refunds[0][0]['refund_id']}).",
+        f"Refunded 8.99 on order A-1003 (refund {refunds[1][0]['refund_id']}).",
+    ]
