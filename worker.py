@@ -208,10 +208,10 @@ async def serve(
         print(
             f"worker ready on task queue {queue!r} with tools: "
             f"{', '.join(sorted(registry.tools)) or 'none'}"
-            f"; planners: {', '.join(sorted(planners))}"
             # Left out at load (bad listing entries, unbounded patterns): the log and `tools` say why.
             + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
                if registry.refused else "")
+            + f"; planners: {', '.join(sorted(planners))}"
             + f"; policy {policy.source}"
             + (f" (shadow: {shadow.path}, enforcing nothing)" if shadow else "")
             + f"; audit sink {audit.sink.describe()}; payload encryption "

@@ -1,10 +1,11 @@
 """Loading the code a worker is configured with: tool modules (``--tools``) and planners
 (``--planner NAME=MODULE:ATTR``), the same way in the worker and in the ``tether`` command.
 
-A module is looked up in the current directory first, then in the installed packages, as
-``python -m`` does: a module in the checkout (``my_tools.py`` beside ``worker.py``) loads
-whether the worker is started as ``python worker.py``, by the dev stack or through the
-installed ``tether`` entry point, which alone would not see the checkout.
+A module is looked up on the interpreter's path and then in the current directory: a module
+in the checkout (``my_tools.py`` beside ``worker.py``) loads whether the worker is started as
+``python worker.py``, by the dev stack or through the installed ``tether`` entry point, which
+alone would not see the checkout. The current directory comes last, so a file there never
+shadows a module the process already relies on.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ def import_named(name: str, what: str) -> ModuleType:
     """Import module ``name`` (``what`` says what it is for, e.g. "tool module")."""
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
-        sys.path.insert(0, here)
+        sys.path.append(here)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name and (name == e.name or name.startswith(e.name + ".")):
             raise LoadError(
-                f"no {what} {name!r}: no module of that name in {here} or the installed packages; "
+                f"no {what} {name!r}: no module of that name in the installed packages or {here}; "
                 f"check the spelling, or start from the directory that holds it"
             ) from None
         raise LoadError(f"cannot import {what} {name!r}: {e}") from None
