@@ -1876,10 +1876,14 @@ async def _tool_effects(description: Any) -> dict[str, str]:
     view = await published_view(description)
     if view is not None:
         return {t.name: t.effect.value for t in view.snapshot.tools}
+    from activities.loading import LoadError
     from activities.tools import REGISTRY, load_tool_modules
 
     modules = os.environ.get("TETHER_TOOLS", "examples.billing.tools").split(",")
-    return {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
+    try:
+        return {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
+    except LoadError as e:
+        raise TetherError(f"{e} (TETHER_TOOLS)", USAGE) from None
 
 
 async def _dropped_calls(client: Client, dropped: list[Any], effects: dict[str, str]) -> list[tuple[Any, str]]:

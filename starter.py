@@ -699,6 +699,7 @@ def _audit_args(p: argparse.ArgumentParser) -> None:
 async def cmd_tools(args: argparse.Namespace) -> int:
     """The tools a worker with these options would serve, with each one's effect and why."""
     from activities import mcp
+    from activities.loading import LoadError
     from activities.tools import REGISTRY, load_tool_modules
 
     modules = [m for m in args.tools.split(",") if m.strip()]
@@ -706,8 +707,12 @@ async def cmd_tools(args: argparse.Namespace) -> int:
         config = mcp.config_from_env(args.mcp_config)
     except mcp.McpConfigError as e:
         raise client.TetherError(f"invalid MCP config: {e}", client.USAGE) from None
+    try:  # resolved as the worker resolves them (activities/loading.py)
+        registry = load_tool_modules(modules, REGISTRY)
+    except LoadError as e:
+        raise client.TetherError(str(e), client.USAGE) from None
     if config is None:
-        print(mcp.format_tools(mcp.describe_tools(load_tool_modules(modules, REGISTRY))))
+        print(mcp.format_tools(mcp.describe_tools(registry)))
         return OK
     return await mcp.print_tools(config, modules)
 
@@ -948,7 +953,7 @@ def _start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goal", required=True, metavar="TEXT", help="what the run should achieve")
     p.add_argument("--requested-by", required=True, metavar="NAME", help="who asks (four-eyes: may not approve it)")
     p.add_argument("--playbook", metavar="PATH", help="JSON file of {tool, args} steps (needed by the playbook planner)")
-    p.add_argument("--planner", default="playbook", metavar="NAME", help="playbook or model (default: playbook)")
+    p.add_argument("--planner", default="playbook", metavar="NAME", help="playbook, model, or one the worker is configured with (default: playbook)")
     p.add_argument("--tenant", default="default", metavar="NAME")
     p.add_argument("--id", metavar="RUN", help="run (workflow) id (default: run-<random>)")
     p.add_argument("--allow-id-reuse", action="store_true",

@@ -1,7 +1,8 @@
 """Run a Tether worker: the AgentRun workflow, the planner and tool activities, and the
 configured tool modules.
 
-    python worker.py [--tools examples.billing.tools] [--task-queue tether] [--metrics-port 9000]
+    python worker.py [--tools examples.billing.tools] [--planner NAME=MODULE:ATTR] [--task-queue tether]
+                     [--metrics-port 9000]
 
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); the defaults are localhost:7233 and
@@ -18,7 +19,7 @@ import os
 from pathlib import Path
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +37,8 @@ from activities.notify import NotifyActivities
 from activities.judgements import ProposedPolicy, log_from_env
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
+from activities.loading import LoadError
+from activities.planning import Planner, load_planners
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for
@@ -65,13 +68,15 @@ def create_worker(
     rules: PolicyActivities | None = None,
     extra_workflows: Sequence[type] = (),
     new_ledger: bool = False,
+    planners: Mapping[str, Planner] | None = None,
     **options: Any,
 ) -> Worker:
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
 
     ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
-    activities, to those over ``policy``. ``new_ledger``: begin an empty effect ledger where one
-    was created and is gone (else every write and undo is refused, ``ledger_unavailable``).
+    activities, to those over ``policy``; ``planners``, the planners runs may name, to the
+    built-in ones (``load_planners`` adds your own). ``new_ledger``: begin an empty effect ledger
+    where one was created and is gone (else every write and undo is refused, ``ledger_unavailable``).
     """
     # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): the workflow code seals
     # carried state, mints every write's capability and checks every attested answer with it;
@@ -93,7 +98,7 @@ def create_worker(
         audit.publics = keys.public_keys()  # the sink takes only records the fleet signed
     collector = AuditCollector(client, audit.sink, publics=audit.publics)
     recovery = RecoveryActivities(client, keys, ledger)
-    setup = SetupActivities(tools, rules)
+    setup = SetupActivities(tools, rules, planners)
     return Worker(
         client,
         task_queue=task_queue,
@@ -140,8 +145,13 @@ async def serve(
     mcp_config_path: str | None = None,
     shadow_policy_path: str | None = None,
     new_ledger: bool = False,
+    planner_specs: Sequence[str] = (),
 ) -> None:
-    registry = load_tool_modules(tool_modules)
+    try:
+        registry = load_tool_modules(tool_modules)
+        planners = load_planners(planner_specs)
+    except LoadError as e:
+        raise SystemExit(str(e)) from None
     try:
         keys = KeyRing.from_env()  # refuses to start without the fleet's ring, naming the setting
     except KeyRingError as e:
@@ -199,9 +209,8 @@ async def serve(
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
     rules = PolicyActivities(policy, keys, shadow=shadow)
-    worker = create_worker(
-        client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules, new_ledger=new_ledger
-    )
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules,
+                           planners=planners, new_ledger=new_ledger)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -214,6 +223,7 @@ async def serve(
             # Left out at load (bad listing entries, unbounded patterns): the log and `tools` say why.
             + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
                if registry.refused else "")
+            + f"; planners: {', '.join(sorted(planners))}"
             + f"; policy {policy.source}"
             + (f" (shadow: {shadow.path}, enforcing nothing)" if shadow else "")
             + f"; audit sink {audit.sink.describe()}; payload encryption "
@@ -234,6 +244,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--tools",
         default=os.environ.get("TETHER_TOOLS", DEFAULT_TOOLS),
         help="comma-separated tool modules to load (env TETHER_TOOLS)",
+    )
+    parser.add_argument(
+        "--planner",
+        action="append",
+        default=[p for p in os.environ.get("TETHER_PLANNERS", "").split(",") if p.strip()],
+        metavar="NAME=MODULE:ATTR",
+        help="a planner of your own that runs may name (--planner NAME), e.g. "
+        "refunds=examples.agents.refund_agent:planner; repeatable (env TETHER_PLANNERS, comma-separated)",
     )
     parser.add_argument("--task-queue", default=task_queue(), help="env TETHER_TASK_QUEUE")
     parser.add_argument(
@@ -284,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             mcp_config_path=args.mcp_config,
             shadow_policy_path=args.shadow_policy,
             new_ledger=args.new_ledger,
+            planner_specs=args.planner,
         )
     )
 

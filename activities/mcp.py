@@ -46,6 +46,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from activities.toml_config import parse_toml
+from activities.loading import LoadError
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, ToolSpec, load_tool_modules
 from workflows.display import escape_text
 from workflows.mcp_effects import Hints, effect_for
@@ -683,7 +684,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     modules = [m for m in args.tools.split(",") if m.strip()]
-    return asyncio.run(print_tools(config, modules))
+    try:
+        return asyncio.run(print_tools(config, modules))
+    except LoadError as e:
+        print(e, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """The planner activity and its back-ends.
 
 A planner proposes; it never decides. Whatever it returns is validated by the workflow against
-the run's tool catalog snapshot. Back-ends share one interface (:class:`Planner`) and are chosen
-by ``RunRequest.planner``:
+the run's tool catalog snapshot. Back-ends share one interface (:class:`Planner`): a worker
+serves the built-in ones and those it is configured with (``worker.py --planner
+NAME=MODULE:ATTR``), and each run names one (``RunRequest.planner``):
 
 - ``playbook``: the steps the request carries, in order.
 - ``model``: any OpenAI-compatible chat-completions endpoint with tool calling (OpenAI, Azure
   OpenAI, vLLM, Ollama, llama.cpp, ...), through the official ``openai`` package (extra
-  ``openai``). See docs/model-planner.md.
+  ``openai``).
+- your own: any object with ``propose`` below, e.g. a pydantic-ai ``Agent`` through
+  :class:`activities.planners.pydantic_agent.AgentPlanner`, an OpenAI Agents SDK ``Agent``
+  through :class:`activities.planners.openai_agents.AgentsSDKPlanner`. See docs/model-planner.md.
 
 The model planner's configuration is read here, inside the activity, on every call: it never
 enters workflow code, history or the timeline.
@@ -32,19 +36,30 @@ import os
 import re
 import time
 from datetime import timedelta
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.loading import LoadError, load_object
 from workflows.budgets import PROPOSAL_BYTES
 from workflows.contract import ExecutedStep, ToolCatalog, ToolEffect
 from workflows.wire import PlannerInput, Proposal, ProposedStep
 
 
 class Planner(Protocol):
-    async def propose(self, request: PlannerInput) -> Proposal: ...
+    """Given the goal, the tools and what happened so far (``request``: the goal, the steps run
+    with their results, the feedback on a refused proposal, the steps a person left out),
+    propose the next plan (``Proposal(steps=...)``) or finish (``Proposal(answer=...)``).
+
+    Runs inside the ``plan`` activity: it may do I/O (call a model); it is retried by the
+    activity's retry policy (raise :class:`PlannerError` for what retrying cannot fix). Whatever
+    it returns is untrusted: the workflow validates it against ``catalog``'s schemas, the
+    tenant's tools and the run's budget, and a plan that writes waits for an approval."""
+
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal: ...
 
 
 class PlannerError(Exception):
@@ -55,7 +70,7 @@ class PlaybookPlanner:
     """Plans from the steps the request carries: proposes every step not yet executed as one
     plan, and finishes with a summary once all have run."""
 
-    async def propose(self, request: PlannerInput) -> Proposal:
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
         if not request.playbook:
             raise PlannerError(
                 "the playbook has no steps: pass --playbook PATH with a JSON list of "
@@ -176,7 +191,8 @@ def bound_observations(
     return kept
 
 
-def _observation_text(step: ExecutedStep, limit: int) -> str:
+def observation_text(step: ExecutedStep, limit: int = MODEL_OBSERVATION_CHARS) -> str:
+    """A step's result as a planner is shown it: cut, with the full result's digest; a failure says so."""
     if step.status != "ok":
         return "FAILED: the tool call did not succeed; it will not be retried by itself."
     digest = f"sha256 {step.digest}" if step.digest else "no digest"
@@ -223,31 +239,34 @@ def build_messages(
             {
                 "role": "tool",
                 "tool_call_id": step.tool_call_id,
-                "content": _observation_text(step, observation_chars),
+                "content": observation_text(step, observation_chars),
             }
         )
+    messages.extend({"role": "user", "content": note} for note in runtime_notes(request))
+    return messages
+
+
+def runtime_notes(request: PlannerInput) -> list[str]:
+    """What the runtime tells a planner besides the tool results: the steps a person left out
+    of its last plan, and why its last proposal was refused (every model-backed planner says
+    it in these words)."""
+    notes = []
     if request.not_approved:
         left_out = "; ".join(
             f"step {n.step}: {n.tool} {json.dumps(n.args, sort_keys=True)}" for n in request.not_approved
         )
-        messages.append(
-            {
-                "role": "user",
-                "content": "A person approved only part of your last plan; these steps were not "
-                f"approved and did not run: {left_out}\nDo not propose them again unchanged: "
-                "a step proposed again needs a new approval.",
-            }
+        notes.append(
+            "A person approved only part of your last plan; these steps were not "
+            f"approved and did not run: {left_out}\nDo not propose them again unchanged: "
+            "a step proposed again needs a new approval."
         )
     if request.feedback:
-        messages.append(
-            {
-                "role": "user",
-                "content": "The runtime rejected your last proposal, nothing of it was "
-                f"executed: {request.feedback}\nPropose again with valid tool calls, or answer "
-                "in plain text if the goal cannot be achieved.",
-            }
+        notes.append(
+            "The runtime refused your last proposal, nothing of it was "
+            f"executed: {request.feedback}\nPropose again with valid tool calls, or answer "
+            "in plain text if the goal cannot be achieved."
         )
-    return messages
+    return notes
 
 
 def parse_completion(completion: Any) -> Proposal:
@@ -272,16 +291,27 @@ def parse_completion(completion: Any) -> Proposal:
             name, arguments = function.name or "", function.arguments
         else:  # a non-function tool call: no such tool in any catalog, validation says so
             name, arguments = str(getattr(call, "type", "") or "unnamed"), None
-        if isinstance(arguments, str) and len(arguments) > MAX_ARGUMENT_CHARS:
-            arguments = arguments[:MAX_ARGUMENT_CHARS]
-        steps.append(ProposedStep(tool=name[:200], args=arguments))
+        steps.append(proposed_step(name, arguments))
     if steps:
         return Proposal(steps=steps, usage_tokens=tokens)
     text = message.content or getattr(message, "refusal", None)
     if text and text.strip():
-        return Proposal(answer=text.strip()[:MAX_ANSWER_CHARS], usage_tokens=tokens)
+        return answer_proposal(text, tokens)
     # Neither: validation turns this into "no steps and no answer" feedback.
     return Proposal(usage_tokens=tokens)
+
+
+def proposed_step(tool: str, arguments: Any) -> ProposedStep:
+    """A tool call as a model sent it, bounded for history: longer arguments are cut (and then
+    fail validation as malformed JSON); validation parses and checks them."""
+    if isinstance(arguments, str) and len(arguments) > MAX_ARGUMENT_CHARS:
+        arguments = arguments[:MAX_ARGUMENT_CHARS]
+    return ProposedStep(tool=tool[:200], args=arguments)
+
+
+def answer_proposal(text: str, tokens: int) -> Proposal:
+    """A model's final text as the run's answer, bounded (empty: validation asks again)."""
+    return Proposal(answer=text.strip()[:MAX_ANSWER_CHARS] or None, usage_tokens=tokens)
 
 
 def redact(text: str, *secrets: str | None) -> str:
@@ -393,18 +423,7 @@ class ModelPlanner:
     Temporal retry policy is the only retry loop, so every attempt is visible and bounded.
     """
 
-    def __init__(self, catalog: Any = None) -> None:
-        # A callable returning the ToolCatalog to offer; defaults to the worker's registry.
-        self._catalog = catalog
-
-    def catalog(self) -> ToolCatalog:
-        if self._catalog is not None:
-            return self._catalog()
-        from activities.tools import REGISTRY
-
-        return REGISTRY.catalog()
-
-    async def propose(self, request: PlannerInput) -> Proposal:
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
         try:
             import openai
         except ImportError:
@@ -429,7 +448,7 @@ class ModelPlanner:
             timeout = float(os.environ.get("TETHER_MODEL_TIMEOUT") or DEFAULT_MODEL_TIMEOUT_SECONDS)
         except ValueError:
             raise PlannerError("TETHER_MODEL_TIMEOUT must be a number of seconds") from None
-        tools = tool_definitions(self.catalog())
+        tools = tool_definitions(catalog)
         messages = build_messages(request)
         try:
             client = openai.AsyncOpenAI(api_key=api_key, max_retries=0, timeout=timeout)
@@ -479,22 +498,67 @@ class ModelPlanner:
         return proposal
 
 
-PLANNERS: dict[str, Planner] = {"playbook": PlaybookPlanner(), "model": ModelPlanner()}
+# The planners every worker serves; ``load_planners`` adds the configured ones.
+BUILTIN_PLANNERS: dict[str, Planner] = {"playbook": PlaybookPlanner(), "model": ModelPlanner()}
+PLANNER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 
 
-@activity.defn(name="plan")
-async def plan(request: PlannerInput) -> Proposal:
-    planner = PLANNERS.get(request.planner)
+def load_planners(specs: Iterable[str]) -> dict[str, Planner]:
+    """The built-in planners and those configured as ``NAME=MODULE:ATTR``: ATTR is a planner
+    (an object with ``propose``), a planner class or a callable without arguments returning one, e.g.
+    ``refunds=examples.agents.refund_agent:planner``. Raises LoadError naming what is wrong."""
+    planners = dict(BUILTIN_PLANNERS)
+    for spec in specs:
+        spec = spec.strip()
+        if not spec:
+            continue
+        name, sep, target = spec.partition("=")
+        name = name.strip()
+        if not sep or not PLANNER_NAME.match(name):
+            raise LoadError(
+                f"planner {spec!r} is not NAME=MODULE:ATTR with NAME in lower case letters, digits, - and _ "
+                f"(e.g. refunds=examples.agents.refund_agent:planner)"
+            )
+        if name in planners:
+            raise LoadError(f"planner {name!r} is configured twice (or is built in): give it another name")
+        found = load_object(target, f"planner {name!r}")
+        # A planner object as it is; a class or a factory is called once, here.
+        planner = found if callable(getattr(found, "propose", None)) and not isinstance(found, type) else None
+        if planner is None and callable(found):
+            try:
+                planner = found()
+            except Exception as e:
+                raise LoadError(f"planner {name!r}: {target.strip()}() failed: {type(e).__name__}: {e}") from None
+        if not callable(getattr(planner, "propose", None)):
+            raise LoadError(
+                f"planner {name!r}: {target.strip()} is neither a planner (an object with "
+                f"async propose(request, catalog)) nor a function returning one"
+            )
+        planners[name] = planner
+    return planners
+
+
+async def plan(request: PlannerInput, catalog: ToolCatalog, planners: Mapping[str, Planner] = BUILTIN_PLANNERS) -> Proposal:
+    """The ``plan`` activity's work (activities/setup.py registers it): the run's planner, by
+    name, among this worker's."""
+    planner = planners.get(request.planner)
     if planner is None:
         raise ApplicationError(
-            f"unknown planner {request.planner!r}; available: {', '.join(sorted(PLANNERS))}",
+            f"unknown planner {request.planner!r} on this worker; available: {', '.join(sorted(planners))} "
+            f"(a planner of your own is configured on the worker: worker.py --planner NAME=MODULE:ATTR)",
             type="unknown_planner",
             non_retryable=True,
         )
     try:
-        proposal = await planner.propose(request)
+        proposal = await planner.propose(request, catalog)
     except PlannerError as e:
         raise ApplicationError(str(e), type="planner_error", non_retryable=True) from None
+    if not isinstance(proposal, Proposal):
+        raise ApplicationError(
+            f"planner {request.planner!r} returned {type(proposal).__name__}, not a Proposal",
+            type="planner_error",
+            non_retryable=True,
+        )
     return bounded_proposal(proposal)
 
 

@@ -8,6 +8,8 @@ it with its first planner call (``plan`` here wraps the planner activity).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -15,13 +17,18 @@ from activities import planning
 from activities.keys import KeyRing, attest
 from activities.policy import PolicyActivities
 from activities.tools import ToolActivities
+from workflows.contract import ToolCatalog
 from workflows.wire import PlannerInput, Proposal, RunSetup, SnapshotRequest
 
 
 class SetupActivities:
-    def __init__(self, tools: ToolActivities, rules: PolicyActivities) -> None:
+    def __init__(
+        self, tools: ToolActivities, rules: PolicyActivities, planners: Mapping[str, planning.Planner] | None = None
+    ) -> None:
         self.tools = tools
         self.rules = rules
+        # The built-in planners and this worker's own (worker.py --planner), by name.
+        self.planners = planners if planners is not None else planning.BUILTIN_PLANNERS
 
     async def snapshot(self, request: SnapshotRequest) -> RunSetup:
         return RunSetup(catalog=self.tools.registry.catalog(), policy=await self.rules.policy_snapshot(request))
@@ -37,13 +44,17 @@ class SetupActivities:
         run). Where the setup refuses the run (its tenant is not in the policy, its requester's
         signature does not hold), nothing is planned: no model is asked for a run that fails."""
         if request.setup is None:
-            return await planning.plan(request)
+            return await self._propose(request)
         setup = await self.snapshot(request.setup)
         if setup.policy.requester_refusal is None and setup.policy.policy is not None:
-            proposal = await planning.plan(request.model_copy(update={"setup": None}))
+            proposal = await self._propose(request.model_copy(update={"setup": None}), setup.catalog)
         else:
             proposal = Proposal()
         return attest(self._ring(), request, proposal.model_copy(update={"setup": setup}))
+
+    async def _propose(self, request: PlannerInput, catalog: ToolCatalog | None = None) -> Proposal:
+        """The run's planner, offered the tools this worker serves."""
+        return await planning.plan(request, catalog or self.tools.registry.catalog(), self.planners)
 
     def _ring(self) -> KeyRing:
         if self.rules.keys is None:

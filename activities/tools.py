@@ -29,7 +29,6 @@ import asyncio
 import contextvars
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 import logging
@@ -48,6 +47,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.keys import KeyRing, attest, capability_refusal
 from activities.effect_ledger import EffectLedger, LedgerUnavailable
+from activities.loading import LoadError, import_named
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
@@ -262,15 +262,16 @@ def compensation_problem(spec: ToolSpec, tools: dict[str, ToolSpec]) -> None:
 
 
 def load_tool_modules(modules: Iterable[str], registry: ToolRegistry = REGISTRY) -> ToolRegistry:
+    """Import the tool modules (their tools register on import) and check the registry; raises
+    LoadError naming the module or tool that is wrong (activities/loading.py)."""
     for name in modules:
         name = name.strip()
-        if not name:
-            continue
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise SystemExit(f"cannot import tool module {name!r}: {e}") from e
-    registry.check()
+        if name:
+            import_named(name, "tool module")
+    try:
+        registry.check()
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     return registry
 
 

@@ -1,7 +1,13 @@
 """The local stack behind `make demo`, `make dev-server` and `make down`.
 
     python -m examples.devstack up [dev-server] [billing] [worker] [inbox] [mcp-worker]
+    python -m examples.devstack restart [worker] [inbox]
     python -m examples.devstack down
+
+``restart`` (default: the worker) stops the named services and starts them again with the
+current environment: ``TETHER_TOOLS=examples.billing.tools,my_tools TETHER_POLICY=my_policy.toml
+python -m examples.devstack restart worker inbox`` swaps the demo's worker for one serving your
+tools under your policy (docs/writing-tools.md); ``TETHER_PLANNERS`` adds your planners.
 
 ``mcp-worker`` (only when named; `make demo-mcp`) is a worker whose tools come from MCP servers:
 ``--mcp-config`` from TETHER_MCP_CONFIG (default: examples/git/mcp.toml), on its own task queue
@@ -351,14 +357,18 @@ def stop(service: Service) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("action", choices=["up", "down", "restart"])
     parser.add_argument("services", nargs="*", help=f"any of {', '.join(SERVICES)} (default: all)")
     args = parser.parse_args(argv)
     unknown = [n for n in args.services if n not in SERVICES]
     if unknown:
         parser.error(f"unknown service {unknown[0]!r}; choose from {', '.join(SERVICES)}")
     names = args.services or [n for n, s in SERVICES.items() if s.default or args.action == "down"]
-    if args.action == "up":
+    if args.action == "restart":
+        names = args.services or ["worker"]
+        for name in reversed(names):
+            stop(SERVICES[name])
+    if args.action in ("up", "restart"):
         if {"worker", "inbox"} & set(names):
             # The example policy's signed tenant and [signers.inbox] list these keys: make them first.
             from client import ensure_keys

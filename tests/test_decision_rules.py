@@ -202,6 +202,7 @@ def test_patch_paths() -> None:
 async def test_planners_hear_which_steps_were_not_approved() -> None:
     from activities.planning import PlaybookPlanner, build_messages
     from workflows.contract import ExecutedStep, NotApproved, PlaybookStep
+    from workflows.contract import ToolCatalog
     from workflows.wire import PlannerInput
 
     playbook = [PlaybookStep(tool=s.tool, args=s.args) for s in (READ, REFUND, EMAIL)]
@@ -211,10 +212,10 @@ async def test_planners_hear_which_steps_were_not_approved() -> None:
     said = [m["content"] for m in build_messages(request) if m["role"] == "user"]
     assert any("not approved" in text and "step 3: send_email" in text and "needs a new approval" in text for text in said)
     # The playbook planner does not propose the step again unchanged: it finishes, saying so.
-    answer = await PlaybookPlanner().propose(request)
+    answer = await PlaybookPlanner().propose(request, ToolCatalog())
     assert answer.steps == [] and "not approved: send_email" in (answer.answer or "")
     # Without the note it would propose it (again a new plan, needing a new approval).
-    again = await PlaybookPlanner().propose(request.model_copy(update={"not_approved": []}))
+    again = await PlaybookPlanner().propose(request.model_copy(update={"not_approved": []}), ToolCatalog())
     assert [s.tool for s in again.steps] == ["send_email"]
 
 

@@ -7,7 +7,7 @@ after the other), a stale plan hash, a decision for a run that is no longer wait
 
 "An approval for an old plan after a replan" needs a replan that changes the plan: the playbook
 planner proposes the same steps again (same hash), so this uses the model planner against the
-local fake OpenAI endpoint (tests/fake_openai.py), scripted to propose a different refund after
+local fake OpenAI endpoint (examples/fake_openai.py), scripted to propose a different refund after
 the first approval request expired (``on_expiry="replan"``).
 """
 
@@ -27,7 +27,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
-from tests.fake_openai import FakeOpenAI, call, text, tool_calls
+from examples.fake_openai import FakeOpenAI, call, text, tool_calls
 from tests.invariants import check_timeline, tools_by_call
 from workflows.contract import ApprovalDecision, HandoffRequest
 from workflows.run_state import RunSnapshot, RunOutcome

@@ -2,7 +2,7 @@
 reference servers ``mcp-server-git`` and ``mcp-server-time`` from PyPI (nobody here wrote them),
 over a temporary git repository, and our own fault server (tests/mcp_fault_server.py) for the
 failures. Real Temporal (time-skipping test server; the dev server for the worker kill), real
-worker processes for the kill, the real ``openai`` client against tests/fake_openai.py."""
+worker processes for the kill, the real ``openai`` client against examples/fake_openai.py."""
 
 from __future__ import annotations
 
@@ -20,13 +20,12 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities import planning
 from activities.mcp import McpServers, describe_tools, format_tools, mcp_tools, parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
 from client import run_outcome
 from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
-from tests.fake_openai import FakeOpenAI, call, text, tool_calls
+from examples.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.contract import ToolEffect
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
@@ -333,9 +332,7 @@ async def test_model_planner_is_offered_mcp_tools_and_its_proposal_is_checked_ag
         )
         toml = git_server("git", repo, "trust_annotations = true")
         async with mcp_registry(toml) as (registry, _), running_worker(ts_env.client, registry=registry) as worker:
-            # The model planner offers the process's global registry unless told otherwise; this
-            # worker's registry holds the MCP tools only (worker.py registers them globally).
-            monkeypatch.setitem(planning.PLANNERS, "model", planning.ModelPlanner(catalog=registry.catalog))
+            # The model planner offers the tools of the worker it runs on: here, the MCP tools only.
             request = make_request([], goal="What is the state of the repository?", planner="model")
             outcome = await run_outcome(await start_run(ts_env.client, worker, request))
         first = fake.completions[0]

@@ -1,5 +1,5 @@
 """The model planner end to end: the real ``openai`` client over real HTTP against a local
-OpenAI-compatible server (tests/fake_openai.py) that replays a per-test script and records
+OpenAI-compatible server (examples/fake_openai.py) that replays a per-test script and records
 what it was sent; real Temporal (time-skipping test server) and the real billing service.
 
 The model is untrusted input: whatever it proposes goes through the same validation, approval
@@ -33,8 +33,8 @@ from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import OrderRef, RefundArgs
 from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
-from tests.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
-from workflows.contract import ApprovalDecision, ExecutedStep, ToolEffect
+from examples.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
+from workflows.contract import ApprovalDecision, ExecutedStep, ToolCatalog, ToolEffect
 from workflows.wire import PlannerInput
 from workflows.run_state import RunSnapshot, RunOutcome
 from workflows.states import RunState, is_legal_path
@@ -160,7 +160,7 @@ async def test_invalid_json_arguments_then_corrected_after_feedback(
     assert "not valid JSON" in failed.reason
     # The next planning call sees the feedback; the first one had none.
     first, second, _ = fake.completions
-    assert not any("rejected your last proposal" in str(m["content"]) for m in first.messages)
+    assert not any("refused your last proposal" in str(m["content"]) for m in first.messages)
     assert second.messages[-1]["role"] == "user"
     assert "not valid JSON" in second.messages[-1]["content"]
     assert [s.tool for s in outcome.steps] == ["get_order"]
@@ -370,12 +370,12 @@ async def test_missing_configuration_is_a_permanent_planner_error(monkeypatch: p
     request = PlannerInput(goal="g", planner="model", playbook=[], executed=[])
     monkeypatch.delenv("TETHER_MODEL", raising=False)
     with pytest.raises(PlannerError, match="TETHER_MODEL is not set"):
-        await ModelPlanner().propose(request)
+        await ModelPlanner().propose(request, ToolCatalog())
     monkeypatch.setenv("TETHER_MODEL", MODEL)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     with pytest.raises(PlannerError, match="OPENAI_API_KEY is not set"):
-        await ModelPlanner().propose(request)
+        await ModelPlanner().propose(request, ToolCatalog())
 
 
 async def test_planner_input_in_history_is_bounded_whatever_the_tool_results(

@@ -1,10 +1,17 @@
-"""A local OpenAI-compatible HTTP server for the model planner tests.
+"""A local OpenAI-compatible endpoint that answers from a script: the model planner without a model.
 
-A real HTTP server on 127.0.0.1 (a free port) that serves ``POST /v1/chat/completions`` from a
-per-test script of responses, in order, and records every request it got (path, headers, JSON
-body). The planner talks to it through the real ``openai`` client, over real HTTP: nothing is
-patched. When the script runs out it answers 400, so a test that under-scripts fails fast with
-a clear reason instead of hanging in retries.
+    python -m examples.fake_openai --script examples/agents/refund.model-script.json --port 8089
+    TETHER_MODEL=fake OPENAI_BASE_URL=http://127.0.0.1:8089/v1 python worker.py ...
+
+A real HTTP server on 127.0.0.1 that serves ``POST /v1/chat/completions`` from a script of
+responses, in order, and records every request it got (path, headers, JSON body). The planner
+talks to it through the real ``openai`` client, over real HTTP: nothing is patched. When the
+script runs out it answers 400 (``script_exhausted``), so a run that asks more than was
+scripted fails fast with a clear reason instead of hanging in retries.
+
+The script file is a JSON list, one reply per model call: ``{"text": "..."}`` (a final answer),
+``{"tool_calls": [{"name": "get_order", "args": {...}}, ...]}`` (a plan), or
+``{"error": 429, "message": "..."}``. In tests:
 
     with FakeOpenAI() as fake:
         fake.script(tool_calls(call("get_order", {"order_id": "A-1001"})), text("Done."))
@@ -14,13 +21,17 @@ a clear reason instead of hanging in retries.
 
 from __future__ import annotations
 
+import argparse
 import json
+import signal
+import sys
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 
@@ -92,7 +103,7 @@ def error(status: int, message: str, *, code: str | None = None, headers: dict[s
 
 
 class FakeOpenAI:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self._replies: deque[Reply] = deque()
         self._lock = threading.Lock()
         self.requests: list[Recorded] = []
@@ -132,7 +143,7 @@ class FakeOpenAI:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -170,3 +181,56 @@ class FakeOpenAI:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def load_script(path: Path) -> list[Reply]:
+    """A script file (see the module's docstring) as replies; ValueError names the bad entry."""
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read script {path}: {e}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"script {path}: a JSON list of replies, e.g. [{{\"text\": \"Done.\"}}]")
+    replies = []
+    for i, entry in enumerate(entries, 1):
+        if isinstance(entry, dict) and isinstance(entry.get("text"), str):
+            replies.append(text(entry["text"]))
+        elif isinstance(entry, dict) and isinstance(entry.get("tool_calls"), list) and entry["tool_calls"] and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in entry["tool_calls"]
+        ):
+            replies.append(tool_calls(*(call(c["name"], c.get("args", {})) for c in entry["tool_calls"])))
+        elif isinstance(entry, dict) and isinstance(entry.get("error"), int):
+            replies.append(error(entry["error"], str(entry.get("message", "scripted error"))))
+        else:
+            raise ValueError(
+                f"script {path}, reply {i}: give {{\"text\": ...}}, {{\"tool_calls\": [{{\"name\": ..., "
+                f"\"args\": {{...}}}}]}} or {{\"error\": STATUS, \"message\": ...}}"
+            )
+    return replies
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m examples.fake_openai", description=__doc__.splitlines()[0])
+    parser.add_argument("--script", required=True, type=Path, help="JSON list of replies, one per model call")
+    parser.add_argument("--port", type=int, default=8089, help="port on 127.0.0.1 (default 8089; 0: any free one)")
+    args = parser.parse_args(argv)
+    try:
+        replies = load_script(args.script)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with FakeOpenAI(args.port) as fake:
+        fake.script(*replies)
+        print(f"fake OpenAI endpoint on {fake.base_url} with {len(replies)} scripted replies: "
+              f"OPENAI_BASE_URL={fake.base_url} TETHER_MODEL=fake", flush=True)
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

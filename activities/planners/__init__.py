@@ -1,0 +1,1 @@
+"""Planners for agents people already have (the interface: activities/planning.py, Planner)."""

@@ -1,0 +1,1 @@
+"""Agents of your own as Tether planners (docs/model-planner.md): they propose, Tether decides."""
