@@ -73,6 +73,17 @@ def schedule_append(queue: str, batch: AuditBatch, activity_id: str) -> Command:
     )
 
 
+async def published(handle, state: str) -> RunView:
+    """The view the run published once it rests in ``state`` (it publishes where it rests, a
+    moment after a query can see the state)."""
+    for _ in range(600):
+        view = await tether_client.published_view(await handle.describe())
+        if view is not None and view.snapshot.state.value == state:
+            return view
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run {handle.id} never published a view in {state}")
+
+
 async def activity_failures(client: Client, workflow_id: str, kind: str) -> list[str]:
     events = (await client.get_workflow_handle(workflow_id).fetch_history()).events
     return [
@@ -249,9 +260,8 @@ async def test_a_start_with_a_view_of_its_own_is_unverified_and_never_waiting_on
     real_queue = unique("tq")
     async with running_worker(client, task_queue=real_queue) as worker:
         real = await start_run(client, worker, make_request([refund(114)]))
-        await wait_for_state(real, "AWAITING_APPROVAL")
-        genuine = await tether_client.published_view(await real.describe())
-        assert genuine is not None and genuine.sig
+        genuine = await published(real, "AWAITING_APPROVAL")
+        assert genuine.sig
         # A fake start: an unsigned view, and a genuine one copied from another run.
         for view in (genuine.model_copy(update={"sig": ""}), genuine):
             fake = await client.start_workflow(
@@ -324,9 +334,7 @@ async def test_a_keyless_pollers_end_view_is_neither_collected_nor_shown(
     queue = unique("tq")
     async with running_worker(client, task_queue=queue) as worker:
         victim = await start_run(client, worker, make_request([refund(116)]))
-        await wait_for_state(victim, "AWAITING_APPROVAL")
-        genuine = await tether_client.published_view(await victim.describe())
-    assert genuine is not None
+        genuine = await published(victim, "AWAITING_APPROVAL")
     done = forged(genuine.snapshot.timeline_records + 1, "approved by bob", RunState.COMPLETED)
     view = genuine.model_copy(update={
         "sig": "", "timeline": [*genuine.timeline, done],
