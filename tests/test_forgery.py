@@ -228,15 +228,19 @@ async def test_a_run_wedged_by_a_forged_answer_to_an_unsafe_write_ends_handed_of
         latest = client.get_workflow_handle(handle.id, result_type=RunOutcome)
         outcome = await asyncio.wait_for(tether_client.run_outcome(latest), 120)
         trail = await audit_collected(client, handle.id)
-    assert outcome.state == RunState.HANDED_OFF
-    [ended] = [r for r in outcome.timeline if r.to_state == RunState.HANDED_OFF]
-    assert ended.refs.outcome == "unknown" and ended.refs.tool_call_id == tool_call_id
     if by == "dana":
+        assert outcome.state == RunState.HANDED_OFF
+        [ended] = [r for r in outcome.timeline if r.to_state == RunState.HANDED_OFF]
+        assert ended.refs.outcome == "unknown" and ended.refs.tool_call_id == tool_call_id
         assert ended.actor == "operator:dana"
         assert "was in flight when its run was ended: it may have applied, outcome unknown; not run again" in ended.reason
+        assert [(s.tool_call_id, s.outcome) for s in outcome.steps] == [(tool_call_id, "unknown")]
     else:
-        assert ended.actor == "runtime" and "[in_flight_when_ended], outcome unknown" in ended.reason
-    assert [(s.tool_call_id, s.outcome) for s in outcome.steps] == [(tool_call_id, "unknown")]
+        # The refused hand-off's names change nothing (anyone who may signal can send them): the
+        # write is scheduled again, and the effect ledger answers with what the attempt the
+        # forger answered did: the email, sent once; the run completes on the real outcome.
+        assert outcome.state == RunState.COMPLETED
+        assert [(s.tool_call_id, s.outcome) for s in outcome.steps] == [(tool_call_id, "ok")]
     assert len(emails_to(billing, to)) == 1  # sent once, by the attempt the forger answered; never again
     assert [b.origin for b in trail.branches] == ["first", "reset"]
     assert f"tether handoff --force by {by}: forged answer" in (trail.branches[1].reason or "")

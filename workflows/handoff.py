@@ -104,8 +104,8 @@ class Handoff(RunModel):
 
     def receive_handoff(self, request: HandoffRequest, at: datetime) -> None:
         """A handoff arrives: one at a time, screened now, taken where the table allows. The
-        calls a forced one names as in flight are kept whatever its screening says: its reset
-        dropped them, and they may have applied."""
+        calls a forced one names as in flight (its reset dropped them: they may have applied)
+        end their step with the hand-off, if it is taken (steps._in_flight_handoff)."""
         self.ended_in_flight.extend(c for c in request.in_flight if c not in self.ended_in_flight)
         if self.pending_handoff is not None:
             self.refuse_handoff(request, Refusal(rule="handoff_pending", message="a handoff is already pending"), at)

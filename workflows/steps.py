@@ -27,7 +27,6 @@ from workflows.wire import (
 # A write that reached workers lacking its capability's key this many times in a row fails.
 MAX_BOUNCES = 50
 # The failure a forced hand-off's in-flight attempt counts as when the hand-off is refused.
-IN_FLIGHT_ENDED = "in_flight_when_ended"
 
 
 class Steps(RunModel):
@@ -442,11 +441,10 @@ class Steps(RunModel):
 
     def _in_flight_handoff(self) -> Program[bool]:
         """A forced hand-off (`tether handoff RUN --force`) named this step's call: its attempt was
-        in flight in the execution the operator ended, and may have applied. The run never
-        schedules it again: it takes the pending hand-off with the step's outcome unknown, or,
-        with none to take (refused on arrival or by the policy check), goes on as after an
-        attempt with that outcome (an unsafe write is not re-run). False, and nothing done, for
-        any other step."""
+        in flight in the execution the operator ended, and may have applied. The run takes the
+        pending hand-off with the step's outcome unknown. With none to take (refused on arrival
+        or by the policy check: a name anyone who may signal can send) the step goes on as any
+        other, and the effect ledger says what its call already did. False for any other step."""
         step = self.current_step()
         if step is None or step.tool_call_id not in self.ended_in_flight:
             return False
@@ -457,8 +455,9 @@ class Steps(RunModel):
         if (yield from self._take_handoff(detail=detail, refs=self._end_refs(step, "unknown", "handed_off"))):
             self.step_handed_off()
             return True
-        yield from self._attempt_failed(ToolFailure(
-            code=IN_FLIGHT_ENDED, message="in flight when its run was ended; no hand-off taken",
-            permanent=False, started=True,
-        ))
-        return True
+        # No hand-off taken (refused on arrival or by the policy check): the names it carried
+        # change nothing, whoever sent them. The step goes on, and the tool worker's effect
+        # ledger answers its call: the recorded outcome, or may_have_applied for an unsafe write.
+        self.data.step_outcome = None
+        self.ended_in_flight.clear()
+        return False
