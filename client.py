@@ -237,9 +237,11 @@ def _probe_unsupported(err: RPCError) -> bool:
     )
 
 
-async def _gone_workers(client: Client, queue: str, now: datetime) -> set[str] | None:
-    """Identities of the workers on ``queue`` that said they stopped, or have not reported for
-    HEARTBEAT_FRESH (ListWorkers, from the workers' own heartbeats); None: not available."""
+async def _gone_workers(client: Client, queue: str, now: datetime) -> dict[str, datetime | None] | None:
+    """The workers on ``queue`` that said they stopped, or have not reported for HEARTBEAT_FRESH
+    (ListWorkers, from the workers' own heartbeats), by identity: when they were last heard from
+    (None: never). An identity with one process still reporting RUNNING is not gone. None: not
+    available."""
     from temporalio.api.enums.v1 import WorkerStatus
     from temporalio.api.workflowservice.v1 import ListWorkersRequest
 
@@ -253,20 +255,17 @@ async def _gone_workers(client: Client, queue: str, now: datetime) -> set[str] |
         if _probe_unsupported(e) or timed_out(e):
             return None
         raise rpc_error(e, queue) from None
-    gone = set()
+    gone: dict[str, datetime | None] = {}
+    running = set()
     for info in response.workers_info:
         beat = info.worker_heartbeat
         seen = beat.heartbeat_time.ToDatetime(timezone.utc) if beat.HasField("heartbeat_time") else None
-        if beat.status != WorkerStatus.WORKER_STATUS_RUNNING or seen is None or now - seen > HEARTBEAT_FRESH:
-            gone.add(beat.worker_identity)
-    # A worker that reported RUNNING under an identity that also stopped (a restart in place)
-    # still serves.
-    running = {
-        info.worker_heartbeat.worker_identity for info in response.workers_info
-        if info.worker_heartbeat.status == WorkerStatus.WORKER_STATUS_RUNNING
-        and info.worker_heartbeat.worker_identity not in gone
-    }
-    return gone - running
+        if beat.status == WorkerStatus.WORKER_STATUS_RUNNING and seen is not None and now - seen <= HEARTBEAT_FRESH:
+            running.add(beat.worker_identity)  # one process of this identity reports itself alive
+        else:
+            last = gone.get(beat.worker_identity)
+            gone[beat.worker_identity] = seen if last is None or (seen is not None and seen > last) else last
+    return {identity: seen for identity, seen in gone.items() if identity not in running}
 
 
 async def worker_serving(client: Client, queue: str) -> bool | None:
@@ -274,7 +273,9 @@ async def worker_serving(client: Client, queue: str) -> bool | None:
 
     Temporal lists a poller for minutes after its worker died, so a listed poller is not
     enough: one counts only if it polled within POLLER_FRESH and its worker has not reported
-    itself stopped (or silent) in its heartbeats (ListWorkers). False: none does; None: this
+    itself stopped (or silent) in its heartbeats (ListWorkers), or it polled after that report:
+    a worker restarted in place (the same identity, as a container's PID 1 on the same host)
+    serves from its first poll, before its first heartbeat. False: none does; None: this
     server does not let us tell (DescribeTaskQueue refused). Callers that act on a run still
     find out for sure when a worker takes (or never takes) the run's task.
     """
@@ -292,14 +293,21 @@ async def worker_serving(client: Client, queue: str) -> bool | None:
             return None
         raise rpc_error(e, queue) from None
     now = datetime.now(timezone.utc)
-    fresh = [
-        p.identity for p in response.pollers
+    fresh = {
+        p.identity: p.last_access_time.ToDatetime(timezone.utc) for p in response.pollers
         if p.HasField("last_access_time") and now - p.last_access_time.ToDatetime(timezone.utc) <= POLLER_FRESH
-    ]
+    }
     if not fresh:
         return False
-    gone = await _gone_workers(client, queue, now)
-    return any(identity not in (gone or set()) for identity in fresh)
+    gone = await _gone_workers(client, queue, now) or {}
+
+    def alive(identity: str, polled: datetime) -> bool:
+        if identity not in gone:
+            return True
+        stopped = gone[identity]
+        return stopped is not None and polled > stopped  # polled after it said it stopped: restarted
+
+    return any(alive(identity, polled) for identity, polled in fresh.items())
 
 
 async def has_worker(client: Client, queue: str) -> bool:
