@@ -956,11 +956,17 @@ async def wait_settled(
 
 
 async def _await_record(client: Client, run_id: str, decision_id: str, timeout: float) -> TransitionRecord | None:
-    """The run decides; read its verdict back from the timeline (refs.decision_id)."""
+    """The run decides; read its verdict back from the timeline (refs.decision_id): the
+    ``timeline`` query, or where no worker that replays the run answers it (another build's
+    took it), what the run published and its audit records."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        for record in reversed(await timeline(client, run_id)):
+        try:
+            records = await timeline(client, run_id)
+        except TetherError:
+            records = (await read_run(client, run_id))[1]
+        for record in reversed(records):
             if record.refs.decision_id == decision_id:
                 return record
         if loop.time() > deadline:
@@ -1153,9 +1159,15 @@ async def decide(
 
 
 async def pending_request(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
-    """The run's pending request (a worker is there to take a decision), or REFUSED."""
+    """The run's pending request (a worker is there to take a decision), or REFUSED.
+
+    Read from the view the run published where it rests (awaiting approval is such a place), so
+    no query, and no question of which build's worker answers it, decides whether a decision is
+    sent: the decide Update judges it against the run's own state. Only a run that has
+    published nothing yet is asked (the ``snapshot`` query)."""
     await require_worker(client, run_id)
-    snap = await snapshot(client, run_id)
+    view = await published_view(await _describe(client, run_id))
+    snap = view.snapshot if view is not None else await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
         raise TetherError(
@@ -1209,10 +1221,24 @@ async def _send_decision(
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
             raise pending_verdict from None
         except RPCError as e:
-            raise rpc_error(e, run_id) from None
+            if not _task_failing(e) or asyncio.get_running_loop().time() >= deadline:
+                raise rpc_error(e, run_id) from None
+            # Not taken: the run's workflow task failed on a worker that does not replay it (another
+            # build's, on an unversioned queue). Temporal retries the task; a worker of the run's
+            # own build takes it, and then the decision.
+            await asyncio.sleep(TASK_FAILING_RETRY)
     if result.outcome == "refused":
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
     return await _await_record(client, run_id, decision.decision_id, timeout)
+
+
+# How soon a decision is sent again that Temporal refused while the run's workflow task failed.
+TASK_FAILING_RETRY = 0.5
+
+
+def _task_failing(err: RPCError) -> bool:
+    """Temporal takes no Update while the run's last workflow task failed (until one completes)."""
+    return err.status == RPCStatusCode.FAILED_PRECONDITION and "workflow task in failed state" in err.message.lower()
 
 
 def _refused_update(err: WorkflowUpdateFailedError) -> TetherError:
@@ -1429,15 +1455,30 @@ def list_query(state: str | None, tenant: str | None) -> str:
     return " AND ".join(clauses)
 
 
+def build_order(build: str) -> int:
+    """Where a build marker (``tether-build-N``) stands among builds: N; -1 for anything else
+    (a run from before builds had a number)."""
+    m = re.fullmatch(r"tether-build-(\d+)", build)
+    return int(m.group(1)) if m else -1
+
+
+def run_build(markers: Sequence[str] | None) -> str | None:
+    """The build that started a run, from its TemporalChangeVersion markers (None: none)."""
+    builds = [m for m in markers or [] if build_order(m) >= 0]
+    return max(builds, key=build_order) if builds else None
+
+
 async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
-    """The open runs no worker of this build replays: started by an earlier build (their first
-    task wrote another build's marker, or none). Old-build workers must serve them until this
-    list is empty (docs/changing-workflows.md)."""
+    """The open runs started by a build older than this one (by build order: their first task
+    wrote an earlier build's marker, or none). Their build's workers must serve them until this
+    list is empty (docs/changing-workflows.md); a newer build's runs are never listed."""
     rows = []
+    ours = build_order(BUILD)
     try:
         async for wf in client.list_workflows("WorkflowType = 'AgentRun' AND ExecutionStatus = 'Running'", limit=limit):
             attrs = wf.typed_search_attributes
-            if BUILD in (attrs.get(CHANGE_VERSION_ATTRIBUTE) or []):
+            started_by = run_build(attrs.get(CHANGE_VERSION_ATTRIBUTE))
+            if started_by is not None and build_order(started_by) >= ours:
                 continue
             rows.append(RunSummary(
                 run_id=wf.id, state=attrs.get(STATE_ATTRIBUTE), tenant=attrs.get(TENANT_ATTRIBUTE),
