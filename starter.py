@@ -689,15 +689,30 @@ async def cmd_list(args: argparse.Namespace) -> int:
 
 
 async def cmd_drain(args: argparse.Namespace) -> int:
-    rows = await client.drain(await client.connect())
+    conn = await client.connect()
+    rows = await client.drain(conn)
+    deployment = os.environ.get(client.DEPLOYMENT_ENV) or None
+    state = await client.deployment_status(conn, client.deployment_name(deployment)) if deployment else None
+    waiting = bool(rows) or (state is not None and any(not v.retirable and not v.routed for v in state.versions))
     if args.json:
-        _print_json([r.model_dump(mode="json") for r in rows])
-    elif not rows:
+        if state is None:
+            _print_json([r.model_dump(mode="json") for r in rows])
+        else:  # the deployment's builds, and the older builds' runs (`runs`)
+            _print_json({**state.model_dump(mode="json"), "runs": [r.model_dump(mode="json") for r in rows]})
+        return REFUSED if waiting else OK
+    if state is not None:
+        print(f"Worker Deployment {show(state.deployment)}: new runs start on {show(state.current or 'unversioned workers')}"
+              + (f", {state.ramp_percent:g}% on {show(state.ramping)}" if state.ramping else ""))
+        for v in state.versions:
+            what = ("new runs start here" if v.routed else "can be retired: stop its workers" if v.retirable
+                    else "keep its workers until its runs end")
+            print(f"  {show(v.build)}  {v.status}  {v.open_runs} open run(s): {what}")
+    if not rows:
         print(f"no open run needs an older build than {BUILD}: its workers can be stopped")
     else:
         print(f"{len(rows)} open run(s) started by a build older than {BUILD}: keep its workers until they end")
         print(format_list(rows))
-    return OK if not rows else REFUSED
+    return REFUSED if waiting else OK
 
 
 async def cmd_keygen(args: argparse.Namespace) -> int:

@@ -23,8 +23,9 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer, Worker
+from temporalio.worker import Replayer, Worker, WorkerDeploymentConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import mcp
@@ -39,9 +40,10 @@ from activities.recovery import RecoveryActivities
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from activities.undo_ledger import ledger_for
-from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
+from client import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
+from workflows.published import BUILD
 
 DEFAULT_TOOLS = "examples.billing.tools"
 # The metrics endpoint answers anyone who can reach it: this machine only, unless told.
@@ -54,10 +56,24 @@ DEFAULT_METRICS_HOST = "127.0.0.1"
 WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
 
 
+def deployment_config(deployment: str | None, build: str = BUILD) -> WorkerDeploymentConfig | None:
+    """The worker as version ``build`` (the build marker its runs write) of Worker Deployment
+    ``deployment``; its runs are pinned to it, activities included, so a build's runs meet only
+    that build's workers. None: ``deployment`` is empty (an unversioned worker)."""
+    if not deployment:
+        return None
+    return WorkerDeploymentConfig(
+        version=WorkerDeploymentVersion(deployment_name=deployment, build_id=build),
+        use_worker_versioning=True,
+        default_versioning_behavior=VersioningBehavior.PINNED,
+    )
+
+
 def create_worker(
     client: Client,
     *,
     task_queue: str = DEFAULT_TASK_QUEUE,
+    deployment: str | None = None,
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
@@ -69,7 +85,8 @@ def create_worker(
     """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
 
     ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
-    activities, to those over ``policy``.
+    activities, to those over ``policy``. ``deployment``: the Worker Deployment this worker is a
+    version of (build id: the build marker, ``BUILD``); None: unversioned.
     """
     # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): the workflow code seals
     # carried state, mints every write's capability and checks every attested answer with it;
@@ -110,6 +127,7 @@ def create_worker(
         plugins=[collector, *options.pop("plugins", ())],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         workflow_runner=options.pop("workflow_runner", WORKFLOW_RUNNER),
+        deployment_config=options.pop("deployment_config", deployment_config(deployment)),
         **options,
     )
 
@@ -135,6 +153,7 @@ async def serve(
     policy_path: str | None = None,
     mcp_config_path: str | None = None,
     shadow_policy_path: str | None = None,
+    deployment: str | None = None,
 ) -> None:
     registry = load_tool_modules(tool_modules)
     try:
@@ -187,7 +206,8 @@ async def serve(
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
     rules = PolicyActivities(policy, keys, shadow=shadow)
-    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules)
+    worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules,
+                           deployment=deployment)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -205,6 +225,9 @@ async def serve(
             + f"; audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + f"; state keys {', '.join(keys.keys)} (newest {keys.newest})"
+            + (f"; version {BUILD} of Worker Deployment {deployment!r} (its runs are pinned to it; new runs come "
+               f"once it is current: `temporal worker deployment set-current-version --deployment-name {deployment} "
+               f"--build-id {BUILD}`)" if deployment else f"; unversioned (build {BUILD})")
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
         )
@@ -252,7 +275,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="TOML file of MCP servers whose tools this worker offers (env TETHER_MCP_CONFIG; "
         "see docs/mcp.md)",
     )
+    parser.add_argument(
+        "--deployment",
+        default=os.environ.get(DEPLOYMENT_ENV) or None,
+        help=f"run as version {BUILD} of this Worker Deployment: its runs stay on this build's workers "
+        f"(env {DEPLOYMENT_ENV}; default: unversioned; docs/changing-workflows.md)",
+    )
     args = parser.parse_args(argv)
+    if args.deployment:
+        try:
+            deployment_name(args.deployment)
+        except TetherError as e:
+            raise SystemExit(str(e)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(
         serve(
@@ -263,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             policy_path=args.policy,
             mcp_config_path=args.mcp_config,
             shadow_policy_path=args.shadow_policy,
+            deployment=args.deployment,
         )
     )
 
