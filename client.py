@@ -401,6 +401,9 @@ class RunStatus(RunSnapshot):
     task_queue: str | None = None
     worker_serving: bool | None = None  # a worker serves the run's queue now (None: cannot tell)
     stuck: StuckTask | None = None  # its workflow task keeps failing
+    # Set when the run had published nothing and no worker answered at once: what is shown is
+    # only what Temporal lists (its state, start), and why.
+    unanswered: str | None = None
 
     @property
     def ended(self) -> bool:
@@ -845,6 +848,26 @@ async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatu
     return result
 
 
+# A run that has published nothing yet is asked (the snapshot query) for at most this long when
+# not read live: a worker that died holding it looks alive for a minute (its pollers and last
+# heartbeat), and the query would wait on it until Temporal gives up (ten seconds). A live
+# worker answers from its cache in milliseconds; one that does not in time leaves the answer
+# to what Temporal lists (and `--live`).
+UNPUBLISHED_QUERY_SECONDS = 0.5
+
+
+def _listed_snapshot(description: Any) -> RunSnapshot:
+    """What Temporal lists of a run that has published nothing: its listed state and start."""
+    attrs = description.typed_search_attributes
+    listed = attrs.get(STATE_ATTRIBUTE)
+    return RunSnapshot(
+        run_id=description.id, tenant=attrs.get(TENANT_ATTRIBUTE) or "",
+        state=RunState(listed) if listed in RunState.__members__ else RunState.RECEIVED,
+        previous_state=None, state_version=0, plan=None, pending_approval=None, step=0, retries=0, last_error=None,
+        approved_by=[], answer=None, created_at=description.start_time, updated_at=None,
+    )
+
+
 async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
     """``status`` and the records it was read with (the published view's latest records, or
     the ``timeline`` query's window when ``live``)."""
@@ -855,9 +878,20 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     if view is None:
         if serving is False:
             raise TetherError(no_worker_message(queue), rule="no_worker")
-        snap = await snapshot(client, run_id)
-        records = await timeline(client, run_id)
-        result = RunStatus(**snap.model_dump())
+        try:
+            snap = await snapshot(client, run_id, timeout=None if live else UNPUBLISHED_QUERY_SECONDS)
+        except TetherError as e:
+            if live or e.rule != "no_worker":
+                raise
+            snap, records = _listed_snapshot(description), []
+            result = RunStatus(**snap.model_dump(), unanswered=(
+                f"the run has published nothing yet (it publishes where it rests) and no worker answered within "
+                f"{UNPUBLISHED_QUERY_SECONDS:g}s on task queue '{escape_text(queue)}': the one holding it may have died "
+                f"(`tether status --live {run_id}` waits for an answer)"
+            ))
+        else:
+            records = await timeline(client, run_id)
+            result = RunStatus(**snap.model_dump())
     else:
         # The view holds the latest few records, and the run does not publish it again for every
         # decision it refuses while it waits (a flood would write one each): the audit sink has

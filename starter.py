@@ -136,6 +136,8 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")
     if s.worker_serving is False and s.task_queue is not None:
         lines.append(f"worker     {client.no_worker_message(s.task_queue)}")
+    if s.unanswered:
+        lines.append(f"worker     {s.unanswered}")
     if s.stuck is not None:
         lines.append(f"stuck      its workflow task keeps failing (attempt {s.stuck.attempt}, {show(s.stuck.cause)}): "
                      f"{show(s.stuck.error, 400)}")

@@ -12,11 +12,13 @@ this worker starts write BUILD_ID, and it replays no history another build start
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from temporalio.testing import WorkflowEnvironment
 
@@ -44,13 +46,14 @@ class BuildWorker:
 
 
 async def start_build_worker(
-    env: WorkflowEnvironment, queue: str, build: str, *, deployment: str | None = None, identity: str | None = None
+    env: WorkflowEnvironment, queue: str, build: str, *, deployment: str | None = None, identity: str | None = None,
+    environ: dict[str, str] | None = None,
 ) -> BuildWorker:
-    """A worker process of ``build`` on ``queue``, once it polls."""
+    """A worker process of ``build`` on ``queue`` (``environ``: settings over this process's), once it polls."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.build_worker", env.client.service_client.config.target_host,
         env.client.namespace, queue, build, deployment or "-", identity or "-",
-        stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, cwd=ROOT, env={**os.environ, **(environ or {})},
     )
     assert proc.stdout is not None
     line = await proc.stdout.readline()  # an event: it polls, or it died (EOF)
@@ -61,7 +64,7 @@ async def start_build_worker(
 
 
 @asynccontextmanager
-async def build_worker(env: WorkflowEnvironment, queue: str, build: str, **options: str | None) -> AsyncIterator[BuildWorker]:
+async def build_worker(env: WorkflowEnvironment, queue: str, build: str, **options: Any) -> AsyncIterator[BuildWorker]:
     worker = await start_build_worker(env, queue, build, **options)
     try:
         yield worker

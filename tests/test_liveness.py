@@ -26,6 +26,7 @@ from tests.test_published_views import wait_published
 from workflows.published import BUILD
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "liveness"}}]
+READ_ONLY = [{"tool": "get_order", "args": {"order_id": "A-1002"}}]  # runs with no approval
 
 
 async def _until(check, what: str) -> None:  # noqa: ANN001
@@ -100,3 +101,37 @@ def _now():  # noqa: ANN202
 
 async def _is(value, expected) -> bool:  # noqa: ANN001
     return (await value) is expected
+
+
+async def test_status_of_a_run_that_published_nothing_does_not_wait_on_its_dead_worker(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    client = dev_env.client
+    queue = unique("dead-unpublished")
+    # The billing service as the run's read-only step finds it: it takes the call and never
+    # answers, so the step is in flight when the worker dies (before any place the run rests).
+    called = asyncio.Event()
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        called.set()
+        await reader.read()  # until the caller goes away
+
+    silent = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    worker = await start_build_worker(dev_env, queue, BUILD, environ={"BILLING_URL": f"http://127.0.0.1:{port}"})
+    try:
+        run = await start_run(client, SimpleNamespace(task_queue=queue), make_request(READ_ONLY))  # type: ignore[arg-type]
+        await asyncio.wait_for(called.wait(), 120)  # an event (bounded only against a hang): the call is out
+    finally:
+        await worker.kill()
+        silent.close()
+    assert await tether_client.published_view(await run.describe()) is None
+    cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]
+    # The dead worker holds the run: a query would wait on it until Temporal gives up, and fail.
+    # status answers with what Temporal lists, and says why.
+    code, out, err = await cli("status", run.id)
+    assert code == 0, (code, out, err)
+    assert f"run        {run.id}" in out and "has published nothing yet" in out and "may have died" in out, out
+    # --live waits for an answer, and says no worker gave one.
+    code, out, err = await cli("status", "--live", run.id)
+    assert code == 2 and "no worker answered" in err, (code, out, err)
