@@ -709,6 +709,8 @@ async def cmd_drain(args: argparse.Namespace) -> int:
             what = ("new runs start here" if v.routed else "can be retired: stop its workers" if v.retirable
                     else "keep its workers until its runs end")
             print(f"  {show(v.build)}  {v.status}  {v.open_runs} open run(s): {what}")
+        if state.unversioned_runs:
+            print(f"  unversioned  {state.unversioned_runs} open run(s) in the namespace no versioned worker has taken yet")
     if not rows:
         print(f"no open run needs an older build than {BUILD}: its workers can be stopped")
     else:
