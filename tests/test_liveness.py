@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from datetime import timezone
 from types import SimpleNamespace
+from typing import Any
 
 from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -29,13 +30,14 @@ REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents"
 READ_ONLY = [{"tool": "get_order", "args": {"order_id": "A-1002"}}]  # runs with no approval
 
 
-async def _until(check, what: str) -> None:  # noqa: ANN001
-    """Until ``check()`` is true: an event, bounded only against a hang."""
+async def until(check: Any, what: str) -> Any:
+    """Until ``check()`` gives a truthy value, which it returns: an event, bounded only against a hang."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 120
-    while not await check():
+    while not (value := await check()):
         assert loop.time() < deadline, what
         await asyncio.sleep(0.1)
+    return value
 
 
 async def test_a_worker_restarted_in_place_serves_at_once(dev_env: WorkflowEnvironment, billing: Billing) -> None:
@@ -48,7 +50,7 @@ async def test_a_worker_restarted_in_place_serves_at_once(dev_env: WorkflowEnvir
         await wait_for_state(run, "AWAITING_APPROVAL")
         await first.stop()
         # Its shutdown heartbeat has reached the server: with nobody polling, it is gone.
-        await _until(lambda: _is(tether_client.worker_serving(client, queue), False), "the stopped worker still serves")
+        await until(lambda: _is(tether_client.worker_serving(client, queue), False), "the stopped worker still serves")
         gone = await tether_client._gone_workers(client, queue, _now())  # noqa: SLF001
         assert gone is not None and identity in gone
         stopped_at = gone[identity]
@@ -63,7 +65,7 @@ async def test_a_worker_restarted_in_place_serves_at_once(dev_env: WorkflowEnvir
             ))).pollers
             return any(p.identity == identity and p.last_access_time.ToDatetime(timezone.utc) > stopped_at for p in pollers)
 
-        await _until(polled_since, "the restarted worker never polled")
+        await until(polled_since, "the restarted worker never polled")
         try:
             assert await tether_client.worker_serving(client, queue) is True
             cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]

@@ -19,20 +19,11 @@ import client as tether_client
 from tests.build_worker import start_build_worker
 from tests.conftest import BIN, Billing, flood_until_continued, make_request, running_worker, start_run, unique, wait_for_state
 from tests.test_dev_server import Cli
+from tests.test_liveness import until
 from tests.test_two_builds import other_build
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "versioning"}}]
-
-
-async def _until(check: Any, what: str) -> Any:
-    """Until ``check()`` gives a truthy value: an event, bounded only against a hang."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 120
-    while not (value := await check()):
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.1)
-    return value
 
 
 async def _temporal(env: WorkflowEnvironment, *args: str) -> tuple[int, str]:
@@ -52,7 +43,7 @@ async def _make_current(env: WorkflowEnvironment, deployment: str, build: str) -
                                   "--build-id", build, "--yes")
         return code == 0
 
-    await _until(made, f"{build} never became current")
+    await until(made, f"{build} never became current")
 
 
 async def _pinned_to(handle: WorkflowHandle) -> tuple[str, list[str]]:
@@ -116,7 +107,7 @@ async def test_a_new_build_deploys_without_draining(small_history_env: WorkflowE
             first_run = (await waiting.describe()).run_id
             await flood_until_continued(waiting, first_run, unique("flood"))
             moved = client.get_workflow_handle(waiting.id)
-            assert await _until(lambda: _is_pinned(moved, b), "the continued run never moved to B")
+            assert await until(lambda: _is_pinned(moved, b), "the continued run never moved to B")
             assert (await wait_for_state(moved, "AWAITING_APPROVAL", timeout=120)).state.value == "AWAITING_APPROVAL"
 
             # Rollback: A is current again; new runs go to A, B's runs stay on B.
@@ -136,7 +127,7 @@ async def test_a_new_build_deploys_without_draining(small_history_env: WorkflowE
                 versions = {v.build: v for v in (await tether_client.deployment_status(client, deployment)).versions}
                 return versions[b].retirable and not versions[a].retirable
 
-            await _until(retirable, "B never became retirable")
+            await until(retirable, "B never became retirable")
             await back.terminate("test over")
         finally:
             await worker_b.stop()
