@@ -47,7 +47,7 @@ from temporalio.client import (
     WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
-from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.enums.v1 import PendingWorkflowTaskState, TaskQueueKind, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -332,7 +332,6 @@ async def require_worker(client: Client, run_id: str) -> None:
 def untaken_seconds(description: Any) -> float | None:
     """How long the run's workflow task has waited for a worker to take it (None: no task is
     waiting; a worker has it or the run has nothing to do)."""
-    from temporalio.api.enums.v1 import PendingWorkflowTaskState
 
     task = description.raw_description.pending_workflow_task
     if task.state != PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or not task.HasField("scheduled_time"):
@@ -999,7 +998,10 @@ async def _await_record(client: Client, run_id: str, decision_id: str, timeout: 
         try:
             records = await timeline(client, run_id)
         except TetherError:
-            records = (await read_run(client, run_id))[1]
+            try:
+                records = (await read_run(client, run_id))[1]
+            except TetherError:
+                records = []  # sent all the same: the verdict is read later (`tether status`)
         for record in reversed(records):
             if record.refs.decision_id == decision_id:
                 return record
@@ -1225,6 +1227,8 @@ async def _send_decision(
         PENDING,
     )
     deadline = asyncio.get_running_loop().time() + timeout
+    resent = False  # sent again after Temporal refused it while the run's task failed
+    result: DecideResult | None = None
     while True:
         update = None
         try:
@@ -1239,6 +1243,8 @@ async def _send_decision(
             break
         except WorkflowUpdateFailedError as e:
             refused = _refused_update(e)
+            if resent and refused.rule == "duplicate_decision":
+                break  # the first one was kept and taken once the task went through: read its verdict
             if refused.rule != "continuing_as_new" or asyncio.get_running_loop().time() >= deadline:
                 raise refused from None
             # The run continues as new in a moment: the handle's latest run takes it then.
@@ -1248,20 +1254,26 @@ async def _send_decision(
                 raise pending_verdict from None  # accepted: on the run's record, to be judged
             # Not acknowledged in time: a worker is in the middle of the run's task (the policy
             # check runs in it, and the acceptance goes out with it), or no worker is there.
-            if await _task_started(handle):
+            task = await _pending_task(handle)
+            if task is not None and task.attempt > 1:
+                raise _task_failing_error(run_id) from None
+            if task is not None and task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
                 raise pending_verdict from None
             raise await no_answer(client, run_id, timeout) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
             raise pending_verdict from None
         except RPCError as e:
-            if not _task_failing(e) or asyncio.get_running_loop().time() >= deadline:
+            if not _task_failing(e):
                 raise rpc_error(e, run_id) from None
+            if asyncio.get_running_loop().time() >= deadline:
+                raise _task_failing_error(run_id) from None
             # Not taken: the run's workflow task failed on a worker that does not replay it (another
             # build's, on an unversioned queue). Temporal retries the task; a worker of the run's
             # own build takes it, and then the decision.
+            resent = True
             await asyncio.sleep(TASK_FAILING_RETRY)
-    if result.outcome == "refused":
+    if result is not None and result.outcome == "refused":
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
     return await _await_record(client, run_id, decision.decision_id, timeout)
 
@@ -1281,15 +1293,23 @@ def _refused_update(err: WorkflowUpdateFailedError) -> TetherError:
     return TetherError(message, REFUSED, rule=rule)
 
 
-async def _task_started(handle: WorkflowHandle) -> bool:
-    """A worker has the run's workflow task in hand (it is working on the run right now)."""
-    from temporalio.api.enums.v1 import PendingWorkflowTaskState
-
+async def _pending_task(handle: WorkflowHandle) -> Any:
+    """The run's pending workflow task (STARTED: a worker is working on the run right now;
+    attempt > 1: it keeps failing); None: none, or the run cannot be described."""
     try:
-        task = (await handle.describe()).raw_description.pending_workflow_task
+        description = await handle.describe()
     except RPCError:
-        return False
-    return task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
+        return None
+    raw = description.raw_description
+    return raw.pending_workflow_task if raw.HasField("pending_workflow_task") else None
+
+
+def _task_failing_error(run_id: str) -> TetherError:
+    return TetherError(
+        f"run {run_id} takes no decision while its workflow task keeps failing: `tether status {run_id}` says why "
+        f"(older_build: a worker of another build took it, run one of the run's own build; otherwise "
+        f"`tether repair {run_id}`)", rule="task_failing",
+    )
 
 
 def _update_refusal(err: WorkflowUpdateFailedError) -> str:

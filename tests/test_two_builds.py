@@ -78,3 +78,25 @@ async def test_drain_compares_builds_by_their_order(dev_env: WorkflowEnvironment
     assert code == 1 and runs[-1].id in listed and runs[1].id not in listed, (code, out, err)
     for handle in runs.values():
         await handle.terminate("test over")
+
+
+async def test_no_worker_of_the_runs_build_left_approve_says_so_and_sends_nothing(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    client = dev_env.client
+    queue = unique("gone-build")
+    old = await start_build_worker(dev_env, queue, other_build(-1))
+    try:
+        run = await start_run(client, SimpleNamespace(task_queue=queue), make_request(REFUND))  # type: ignore[arg-type]
+        await wait_published(dev_env, run.id, "AWAITING_APPROVAL")
+    finally:
+        await old.stop()
+    async with running_worker(client, task_queue=queue):  # only the newer build polls
+        cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]
+        code, out, err = await cli("approve", run.id, "--by", "bob", "--unreviewed", env={"TETHER_VERDICT_TIMEOUT": "3"})
+        assert code == 2 and "keeps failing" in err and "own build" in err, (code, out, err)
+        assert len(err.strip().splitlines()) == 1, err
+        await task_failure(client, run.id, "older_build")
+        # Nothing reached the run's record: its view still waits for the same request.
+        code, out, err = await cli("status", run.id)
+        assert code == 0 and "AWAITING_APPROVAL" in out and "stuck" in out, (code, out, err)
