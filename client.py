@@ -48,7 +48,7 @@ from temporalio.client import (
     WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
-from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.enums.v1 import PendingWorkflowTaskState, TaskQueueKind, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -238,9 +238,11 @@ def _probe_unsupported(err: RPCError) -> bool:
     )
 
 
-async def _gone_workers(client: Client, queue: str, now: datetime) -> set[str] | None:
-    """Identities of the workers on ``queue`` that said they stopped, or have not reported for
-    HEARTBEAT_FRESH (ListWorkers, from the workers' own heartbeats); None: not available."""
+async def _gone_workers(client: Client, queue: str, now: datetime) -> dict[str, datetime | None] | None:
+    """The workers on ``queue`` that said they stopped, or have not reported for HEARTBEAT_FRESH
+    (ListWorkers, from the workers' own heartbeats), by identity: when they were last heard from
+    (None: never). An identity with one process still reporting RUNNING is not gone. None: not
+    available."""
     from temporalio.api.enums.v1 import WorkerStatus
     from temporalio.api.workflowservice.v1 import ListWorkersRequest
 
@@ -254,20 +256,17 @@ async def _gone_workers(client: Client, queue: str, now: datetime) -> set[str] |
         if _probe_unsupported(e) or timed_out(e):
             return None
         raise rpc_error(e, queue) from None
-    gone = set()
+    gone: dict[str, datetime | None] = {}
+    running = set()
     for info in response.workers_info:
         beat = info.worker_heartbeat
         seen = beat.heartbeat_time.ToDatetime(timezone.utc) if beat.HasField("heartbeat_time") else None
-        if beat.status != WorkerStatus.WORKER_STATUS_RUNNING or seen is None or now - seen > HEARTBEAT_FRESH:
-            gone.add(beat.worker_identity)
-    # A worker that reported RUNNING under an identity that also stopped (a restart in place)
-    # still serves.
-    running = {
-        info.worker_heartbeat.worker_identity for info in response.workers_info
-        if info.worker_heartbeat.status == WorkerStatus.WORKER_STATUS_RUNNING
-        and info.worker_heartbeat.worker_identity not in gone
-    }
-    return gone - running
+        if beat.status == WorkerStatus.WORKER_STATUS_RUNNING and seen is not None and now - seen <= HEARTBEAT_FRESH:
+            running.add(beat.worker_identity)  # one process of this identity reports itself alive
+        else:
+            last = gone.get(beat.worker_identity)
+            gone[beat.worker_identity] = seen if last is None or (seen is not None and seen > last) else last
+    return {identity: seen for identity, seen in gone.items() if identity not in running}
 
 
 async def worker_serving(client: Client, queue: str) -> bool | None:
@@ -275,7 +274,9 @@ async def worker_serving(client: Client, queue: str) -> bool | None:
 
     Temporal lists a poller for minutes after its worker died, so a listed poller is not
     enough: one counts only if it polled within POLLER_FRESH and its worker has not reported
-    itself stopped (or silent) in its heartbeats (ListWorkers). False: none does; None: this
+    itself stopped (or silent) in its heartbeats (ListWorkers), or it polled after that report:
+    a worker restarted in place (the same identity, as a container's PID 1 on the same host)
+    serves from its first poll, before its first heartbeat. False: none does; None: this
     server does not let us tell (DescribeTaskQueue refused). Callers that act on a run still
     find out for sure when a worker takes (or never takes) the run's task.
     """
@@ -293,14 +294,21 @@ async def worker_serving(client: Client, queue: str) -> bool | None:
             return None
         raise rpc_error(e, queue) from None
     now = datetime.now(timezone.utc)
-    fresh = [
-        p.identity for p in response.pollers
+    fresh = {
+        p.identity: p.last_access_time.ToDatetime(timezone.utc) for p in response.pollers
         if p.HasField("last_access_time") and now - p.last_access_time.ToDatetime(timezone.utc) <= POLLER_FRESH
-    ]
+    }
     if not fresh:
         return False
-    gone = await _gone_workers(client, queue, now)
-    return any(identity not in (gone or set()) for identity in fresh)
+    gone = await _gone_workers(client, queue, now) or {}
+
+    def alive(identity: str, polled: datetime) -> bool:
+        if identity not in gone:
+            return True
+        stopped = gone[identity]
+        return stopped is not None and polled > stopped  # polled after it said it stopped: restarted
+
+    return any(alive(identity, polled) for identity, polled in fresh.items())
 
 
 async def has_worker(client: Client, queue: str) -> bool:
@@ -325,7 +333,6 @@ async def require_worker(client: Client, run_id: str) -> None:
 def untaken_seconds(description: Any) -> float | None:
     """How long the run's workflow task has waited for a worker to take it (None: no task is
     waiting; a worker has it or the run has nothing to do)."""
-    from temporalio.api.enums.v1 import PendingWorkflowTaskState
 
     task = description.raw_description.pending_workflow_task
     if task.state != PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or not task.HasField("scheduled_time"):
@@ -398,6 +405,9 @@ class RunStatus(RunSnapshot):
     view_unverified: str | None = None
     # Why the effect ledger could not be read: where each write stands is then unknown.
     ledger_error: str | None = None
+    # Set when the run had published nothing and no worker answered at once: what is shown is
+    # only what Temporal lists (its state, start), and why.
+    unanswered: str | None = None
 
     @property
     def ended(self) -> bool:
@@ -916,6 +926,26 @@ async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatu
     return result
 
 
+# A run that has published nothing yet is asked (the snapshot query) for at most this long when
+# not read live: a worker that died holding it looks alive for a minute (its pollers and last
+# heartbeat), and the query would wait on it until Temporal gives up (ten seconds). A live
+# worker answers from its cache in milliseconds; one that does not in time leaves the answer
+# to what Temporal lists (and `--live`).
+UNPUBLISHED_QUERY_SECONDS = 0.5
+
+
+def _listed_snapshot(description: Any) -> RunSnapshot:
+    """What Temporal lists of a run that has published nothing: its listed state and start."""
+    attrs = description.typed_search_attributes
+    listed = attrs.get(STATE_ATTRIBUTE)
+    return RunSnapshot(
+        run_id=description.id, tenant=attrs.get(TENANT_ATTRIBUTE) or "",
+        state=RunState(listed) if listed in RunState.__members__ else RunState.RECEIVED,
+        previous_state=None, state_version=0, plan=None, pending_approval=None, step=0, retries=0, last_error=None,
+        approved_by=[], answer=None, created_at=description.start_time, updated_at=None,
+    )
+
+
 async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
     """``status`` and the records it was read with (the published view's latest records, or
     the ``timeline`` query's window when ``live``)."""
@@ -933,9 +963,22 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
             if unverified:
                 raise ViewUnverified(f"run {run_id}: {unverified}; and {no_worker_message(queue)}")
             raise TetherError(no_worker_message(queue), rule="no_worker")
-        snap = await snapshot(client, run_id)
-        records = await timeline(client, run_id)
-        result = RunStatus(**snap.model_dump())
+        try:
+            snap = await snapshot(client, run_id, timeout=None if live else UNPUBLISHED_QUERY_SECONDS)
+        except TetherError as e:
+            if unverified:  # what Temporal lists is no better than the memo: nothing is shown
+                raise ViewUnverified(f"run {run_id}: {unverified}; and the run did not answer ({e})") from None
+            if live or e.rule != "no_worker":
+                raise
+            snap, records = _listed_snapshot(description), []
+            result = RunStatus(**snap.model_dump(), unanswered=(
+                f"the run has published nothing yet (it publishes where it rests) and no worker answered within "
+                f"{UNPUBLISHED_QUERY_SECONDS:g}s on task queue '{escape_text(queue)}': the one holding it may have died "
+                f"(`tether status --live {run_id}` waits for an answer)"
+            ))
+        else:
+            records = await timeline(client, run_id)
+            result = RunStatus(**snap.model_dump())
     else:
         # The view holds the latest few records, and the run does not publish it again for every
         # decision it refuses while it waits (a flood would write one each): the audit sink has
@@ -1035,11 +1078,20 @@ async def wait_settled(
 
 
 async def _await_record(client: Client, run_id: str, decision_id: str, timeout: float) -> TransitionRecord | None:
-    """The run decides; read its verdict back from the timeline (refs.decision_id)."""
+    """The run decides; read its verdict back from the timeline (refs.decision_id): the
+    ``timeline`` query, or where no worker that replays the run answers it (another build's
+    took it), what the run published and its audit records."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        for record in reversed(await timeline(client, run_id)):
+        try:
+            records = await timeline(client, run_id)
+        except TetherError:
+            try:
+                records = (await read_run(client, run_id))[1]
+            except TetherError:
+                records = []  # sent all the same: the verdict is read later (`tether status`)
+        for record in reversed(records):
             if record.refs.decision_id == decision_id:
                 return record
         if loop.time() > deadline:
@@ -1232,9 +1284,15 @@ async def decide(
 
 
 async def pending_request(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
-    """The run's pending request (a worker is there to take a decision), or REFUSED."""
+    """The run's pending request (a worker is there to take a decision), or REFUSED.
+
+    Read from the view the run published where it rests (awaiting approval is such a place), so
+    no query, and no question of which build's worker answers it, decides whether a decision is
+    sent: the decide Update judges it against the run's own state. Only a run that has
+    published nothing yet is asked (the ``snapshot`` query)."""
     await require_worker(client, run_id)
-    snap = await snapshot(client, run_id)
+    view = await published_view(await _describe(client, run_id))
+    snap = view.snapshot if view is not None else await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
         raise TetherError(
@@ -1258,6 +1316,8 @@ async def _send_decision(
         PENDING,
     )
     deadline = asyncio.get_running_loop().time() + timeout
+    resent = False  # sent again after Temporal refused it while the run's task failed
+    result: DecideResult | None = None
     while True:
         update = None
         try:
@@ -1272,6 +1332,8 @@ async def _send_decision(
             break
         except WorkflowUpdateFailedError as e:
             refused = _refused_update(e)
+            if resent and refused.rule == "duplicate_decision":
+                break  # the first one was kept and taken once the task went through: read its verdict
             if refused.rule != "continuing_as_new" or asyncio.get_running_loop().time() >= deadline:
                 raise refused from None
             # The run continues as new in a moment: the handle's latest run takes it then.
@@ -1281,17 +1343,37 @@ async def _send_decision(
                 raise pending_verdict from None  # accepted: on the run's record, to be judged
             # Not acknowledged in time: a worker is in the middle of the run's task (the policy
             # check runs in it, and the acceptance goes out with it), or no worker is there.
-            if await _task_started(handle):
+            task = await _pending_task(handle)
+            if task is not None and task.attempt > 1:
+                raise _task_failing_error(run_id) from None
+            if task is not None and task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
                 raise pending_verdict from None
             raise await no_answer(client, run_id, timeout) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
             raise pending_verdict from None
         except RPCError as e:
-            raise rpc_error(e, run_id) from None
-    if result.outcome == "refused":
+            if not _task_failing(e):
+                raise rpc_error(e, run_id) from None
+            if asyncio.get_running_loop().time() >= deadline:
+                raise _task_failing_error(run_id) from None
+            # Not taken: the run's workflow task failed on a worker that does not replay it (another
+            # build's, on an unversioned queue). Temporal retries the task; a worker of the run's
+            # own build takes it, and then the decision.
+            resent = True
+            await asyncio.sleep(TASK_FAILING_RETRY)
+    if result is not None and result.outcome == "refused":
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
     return await _await_record(client, run_id, decision.decision_id, timeout)
+
+
+# How soon a decision is sent again that Temporal refused while the run's workflow task failed.
+TASK_FAILING_RETRY = 0.5
+
+
+def _task_failing(err: RPCError) -> bool:
+    """Temporal takes no Update while the run's last workflow task failed (until one completes)."""
+    return err.status == RPCStatusCode.FAILED_PRECONDITION and "workflow task in failed state" in err.message.lower()
 
 
 def _refused_update(err: WorkflowUpdateFailedError) -> TetherError:
@@ -1300,15 +1382,23 @@ def _refused_update(err: WorkflowUpdateFailedError) -> TetherError:
     return TetherError(message, REFUSED, rule=rule)
 
 
-async def _task_started(handle: WorkflowHandle) -> bool:
-    """A worker has the run's workflow task in hand (it is working on the run right now)."""
-    from temporalio.api.enums.v1 import PendingWorkflowTaskState
-
+async def _pending_task(handle: WorkflowHandle) -> Any:
+    """The run's pending workflow task (STARTED: a worker is working on the run right now;
+    attempt > 1: it keeps failing); None: none, or the run cannot be described."""
     try:
-        task = (await handle.describe()).raw_description.pending_workflow_task
+        description = await handle.describe()
     except RPCError:
-        return False
-    return task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
+        return None
+    raw = description.raw_description
+    return raw.pending_workflow_task if raw.HasField("pending_workflow_task") else None
+
+
+def _task_failing_error(run_id: str) -> TetherError:
+    return TetherError(
+        f"run {run_id} takes no decision while its workflow task keeps failing: `tether status {run_id}` says why "
+        f"(older_build: a worker of another build took it, run one of the run's own build; otherwise "
+        f"`tether repair {run_id}`)", rule="task_failing",
+    )
 
 
 def _update_refusal(err: WorkflowUpdateFailedError) -> str:
@@ -1567,15 +1657,30 @@ def list_query(state: str | None, tenant: str | None) -> str:
     return " AND ".join(clauses)
 
 
+def build_order(build: str) -> int:
+    """Where a build marker (``tether-build-N``) stands among builds: N; -1 for anything else
+    (a run from before builds had a number)."""
+    m = re.fullmatch(r"tether-build-(\d+)", build)
+    return int(m.group(1)) if m else -1
+
+
+def run_build(markers: Sequence[str] | None) -> str | None:
+    """The build that started a run, from its TemporalChangeVersion markers (None: none)."""
+    builds = [m for m in markers or [] if build_order(m) >= 0]
+    return max(builds, key=build_order) if builds else None
+
+
 async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
-    """The open runs no worker of this build replays: started by an earlier build (their first
-    task wrote another build's marker, or none). Old-build workers must serve them until this
-    list is empty (docs/changing-workflows.md)."""
+    """The open runs started by a build older than this one (by build order: their first task
+    wrote an earlier build's marker, or none). Their build's workers must serve them until this
+    list is empty (docs/changing-workflows.md); a newer build's runs are never listed."""
     rows = []
+    ours = build_order(BUILD)
     try:
         async for wf in client.list_workflows("WorkflowType = 'AgentRun' AND ExecutionStatus = 'Running'", limit=limit):
             attrs = wf.typed_search_attributes
-            if BUILD in (attrs.get(CHANGE_VERSION_ATTRIBUTE) or []):
+            started_by = run_build(attrs.get(CHANGE_VERSION_ATTRIBUTE))
+            if started_by is not None and build_order(started_by) >= ours:
                 continue
             rows.append(RunSummary(
                 run_id=wf.id, state=attrs.get(STATE_ATTRIBUTE), tenant=attrs.get(TENANT_ATTRIBUTE),
@@ -1584,6 +1689,107 @@ async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
     except RPCError as e:
         raise TetherError(f"listing failed: {e.message}") from None
     return rows
+
+
+# ----------------------------------------------------------------------------- worker deployments
+
+# The Worker Deployment the workers are versions of (worker.py; docs/changing-workflows.md).
+DEPLOYMENT_ENV = "TETHER_DEPLOYMENT"
+
+
+class DeployedVersion(BaseModel):
+    """One build of a Worker Deployment: its routing, its open runs, whether it can be retired."""
+
+    build: str
+    status: str  # current, ramping, draining, drained, inactive, created
+    ramp_percent: float | None = None
+    open_runs: int = 0  # open runs pinned to it (its workers must serve them until they end)
+    routed: bool = False  # current or ramping: new runs start on it
+    retirable: bool = False  # not routed, and no open run: its workers can stop
+
+
+class DeploymentStatus(BaseModel):
+    deployment: str
+    current: str | None = None  # the build new runs start on (None: unversioned workers)
+    ramping: str | None = None
+    ramp_percent: float | None = None
+    versions: list[DeployedVersion] = []
+    unversioned_runs: int = 0  # open runs on unversioned workers (from before versioning)
+
+
+def deployment_name(given: str | None) -> str:
+    name = given or os.environ.get(DEPLOYMENT_ENV) or ""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,200}", name):
+        raise TetherError(
+            f"give the Worker Deployment with --deployment NAME (env {DEPLOYMENT_ENV}), as its workers were started"
+            if not name else f"invalid deployment name {name[:80]!r}: letters, digits, '-' and '_'",
+            field="deployment",
+        )
+    return name
+
+
+def _deployment_error(err: RPCError, deployment: str) -> TetherError:
+    if err.status == RPCStatusCode.NOT_FOUND:
+        return TetherError(
+            f"Temporal knows no Worker Deployment {escape_text(deployment)!r}: its workers register it with their first "
+            f"poll (start them with {DEPLOYMENT_ENV}={escape_text(deployment)})"
+        )
+    return rpc_error(err, deployment)
+
+
+def _routed_build(version: Any, legacy: str) -> str | None:
+    """The build a routing field names (None: unversioned workers, or nothing)."""
+    if version is not None and version.build_id:
+        return version.build_id
+    if legacy and legacy != "__unversioned__":
+        return legacy.split(".", 1)[-1]
+    return None
+
+
+async def _count_open(client: Client, clause: str) -> int:
+    query = f"WorkflowType = 'AgentRun' AND ExecutionStatus = 'Running' AND {clause}"
+    try:
+        return (await client.count_workflows(query, rpc_timeout=QUERY_TIMEOUT)).count
+    except RPCError as e:
+        raise TetherError(f"counting runs failed: {e.message}") from None
+
+
+async def deployment_status(client: Client, deployment: str) -> DeploymentStatus:
+    """The deployment's versions with their open runs: which can be retired (no open run pinned
+    to it, neither current nor ramping), which must keep their workers. Routing new runs is
+    Temporal's own CLI (`temporal worker deployment set-current-version`, `set-ramping-version`)."""
+    from temporalio.api.enums.v1 import WorkerDeploymentVersionStatus
+    from temporalio.api.workflowservice.v1 import DescribeWorkerDeploymentRequest
+
+    try:
+        info = (await client.workflow_service.describe_worker_deployment(
+            DescribeWorkerDeploymentRequest(namespace=client.namespace, deployment_name=deployment), timeout=QUERY_TIMEOUT,
+        )).worker_deployment_info
+    except RPCError as e:
+        raise _deployment_error(e, deployment) from None
+    routing = info.routing_config
+    result = DeploymentStatus(
+        deployment=deployment,
+        current=_routed_build(routing.current_deployment_version if routing.HasField("current_deployment_version") else None,
+                              routing.current_version),
+        ramping=_routed_build(routing.ramping_deployment_version if routing.HasField("ramping_deployment_version") else None,
+                              routing.ramping_version),
+    )
+    if result.ramping:
+        result.ramp_percent = routing.ramping_version_percentage
+    for summary in info.version_summaries:
+        build = summary.deployment_version.build_id or summary.version.split(".", 1)[-1]
+        status = WorkerDeploymentVersionStatus.Name(summary.status).removeprefix("WORKER_DEPLOYMENT_VERSION_STATUS_").lower()
+        open_runs = await _count_open(client, f"TemporalWorkerDeploymentVersion = '{deployment}:{build}'")
+        result.versions.append(DeployedVersion(
+            build=build, status=status, open_runs=open_runs,
+            ramp_percent=result.ramp_percent if build == result.ramping else None,
+            routed=build in (result.current, result.ramping),
+            retirable=build not in (result.current, result.ramping) and open_runs == 0,
+        ))
+    result.versions.sort(key=lambda v: (build_order(v.build), v.build))
+    result.unversioned_runs = await _count_open(client, "TemporalWorkerDeploymentVersion IS NULL")
+    return result
 
 
 async def list_runs(

@@ -24,8 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer, Worker
+from temporalio.worker import Replayer, Worker, WorkerDeploymentConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import mcp
@@ -42,9 +43,10 @@ from activities.planning import Planner, load_planners
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for
-from client import DEFAULT_TASK_QUEUE, TetherError, connect, exit_process, task_queue
+from client import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
+from workflows.published import BUILD
 
 DEFAULT_TOOLS = "examples.billing.tools"
 # The metrics endpoint answers anyone who can reach it: this machine only, unless told.
@@ -57,10 +59,24 @@ DEFAULT_METRICS_HOST = "127.0.0.1"
 WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
 
 
+def deployment_config(deployment: str | None, build: str = BUILD) -> WorkerDeploymentConfig | None:
+    """The worker as version ``build`` (the build marker its runs write) of Worker Deployment
+    ``deployment``; its runs are pinned to it, activities included, so a build's runs meet only
+    that build's workers. None: ``deployment`` is empty (an unversioned worker)."""
+    if not deployment:
+        return None
+    return WorkerDeploymentConfig(
+        version=WorkerDeploymentVersion(deployment_name=deployment, build_id=build),
+        use_worker_versioning=True,
+        default_versioning_behavior=VersioningBehavior.PINNED,
+    )
+
+
 def create_worker(
     client: Client,
     *,
     task_queue: str = DEFAULT_TASK_QUEUE,
+    deployment: str | None = None,
     registry: ToolRegistry = REGISTRY,
     policy: PolicyStore | None = None,
     audit: AuditActivities | None = None,
@@ -77,6 +93,8 @@ def create_worker(
     activities, to those over ``policy``; ``planners``, the planners runs may name, to the
     built-in ones (``load_planners`` adds your own). ``new_ledger``: begin an empty effect ledger
     where one was created and is gone (else every write and undo is refused, ``ledger_unavailable``).
+    ``deployment``: the Worker Deployment this worker is a version of (build id: the build
+    marker, ``BUILD``); None: unversioned.
     """
     # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): the workflow code seals
     # carried state, mints every write's capability and checks every attested answer with it;
@@ -119,6 +137,7 @@ def create_worker(
         plugins=[collector, *options.pop("plugins", ())],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         workflow_runner=options.pop("workflow_runner", WORKFLOW_RUNNER),
+        deployment_config=options.pop("deployment_config", deployment_config(deployment)),
         **options,
     )
 
@@ -146,6 +165,7 @@ async def serve(
     shadow_policy_path: str | None = None,
     new_ledger: bool = False,
     planner_specs: Sequence[str] = (),
+    deployment: str | None = None,
 ) -> None:
     try:
         registry = load_tool_modules(tool_modules)
@@ -210,7 +230,7 @@ async def serve(
         raise SystemExit(str(e)) from None
     rules = PolicyActivities(policy, keys, shadow=shadow)
     worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules,
-                           planners=planners, new_ledger=new_ledger)
+                           planners=planners, new_ledger=new_ledger, deployment=deployment)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -229,6 +249,9 @@ async def serve(
             + f"; audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")
             + f"; state keys {', '.join(keys.keys)} (newest {keys.newest})"
+            + (f"; version {BUILD} of Worker Deployment {deployment!r} (its runs are pinned to it; new runs come "
+               f"once it is current: `temporal worker deployment set-current-version --deployment-name {deployment} "
+               f"--build-id {BUILD}`)" if deployment else f"; unversioned (build {BUILD})")
             + (f"; metrics on http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
             flush=True,
         )
@@ -290,7 +313,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="begin an empty effect ledger where one was created and is gone (what it recorded, writes "
         "and undos, may then be started again); without it the worker refuses to start there",
     )
+    parser.add_argument(
+        "--deployment",
+        default=os.environ.get(DEPLOYMENT_ENV) or None,
+        help=f"run as version {BUILD} of this Worker Deployment: its runs stay on this build's workers "
+        f"(env {DEPLOYMENT_ENV}; default: unversioned; docs/changing-workflows.md)",
+    )
     args = parser.parse_args(argv)
+    if args.deployment:
+        try:
+            deployment_name(args.deployment)
+        except TetherError as e:
+            raise SystemExit(str(e)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(
         serve(
@@ -303,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             shadow_policy_path=args.shadow_policy,
             new_ledger=args.new_ledger,
             planner_specs=args.planner,
+            deployment=args.deployment,
         )
     )
 

@@ -569,6 +569,9 @@ class Effects:
                     SearchAttributePair(TENANT_ATTRIBUTE, self.request.tenant),
                 ]
             ),
+            # On Worker Versioning, the next run starts on the deployment's current build (a
+            # run waiting weeks moves on at its next continue-as-new); unversioned: no effect.
+            initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
         )
 
 
