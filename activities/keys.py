@@ -184,14 +184,14 @@ class PublicKeys:
 
     def problem(self, fields: Any, signature: str) -> str | None:
         """Why ``signature`` is not the fleet's over ``fields`` (None: it is)."""
-        kid, _, b64 = (signature or "").partition(":")
-        if not b64:
+        kid, _, sig = (signature or "").partition(":")
+        if not sig:
             return "unsigned"
         key = self.keys.get(kid)
         if key is None:
             return f"signed by key id {kid[:32]!r}, not one of the fleet's public keys ({self.source})"
         try:
-            key.verify(base64.b64decode(b64, validate=True), ring_math.statement_bytes(fields))
+            key.verify(bytes.fromhex(sig), ring_math.statement_bytes(fields))
         except (InvalidSignature, ValueError):
             return "its signature does not verify"
         return None

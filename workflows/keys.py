@@ -13,7 +13,6 @@ process may hold different rings.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 from collections.abc import Callable, Mapping
@@ -92,10 +91,10 @@ class KeyRing:
 
     def sign_statement(self, fields: Mapping[str, Any]) -> str:
         """A signature anyone holding the fleet's public keys verifies, by the newest key:
-        ``"<key id>:<base64 Ed25519 signature>"`` over ``statement_bytes(fields)``. Ed25519 is
+        ``"<key id>:<hex Ed25519 signature>"`` over ``statement_bytes(fields)``. Ed25519 is
         deterministic, so workflow code signs: a replay makes the same signature."""
         kid = self.newest
-        return f"{kid}:{base64.b64encode(self.signer(kid)(statement_bytes(fields))).decode()}"
+        return f"{kid}:{self.signer(kid)(statement_bytes(fields)).hex()}"
 
 
 # ----------------------------------------------------------------------------- signed statements
