@@ -1153,10 +1153,10 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
 # The one list of subcommands: the parser, `--help` and the README's table come from it.
 COMMANDS: list[Command] = [
     Command("start", "start a run", _start_args, cmd_start),
-    Command("status", "a run's state, plan, pending approval, and why it ended", _status_args, cmd_status),
+    Command("status", "a run's state, plan, approval, why it ended", _status_args, cmd_status),
     Command("timeline", "a run's audit timeline", _timeline_args, cmd_timeline),
     Command("list", "find runs by state and tenant", _list_args, cmd_list),
-    Command("audit", "verify the audit sink's records: signatures and chain (public keys only)", _audit_args, cmd_audit),
+    Command("audit", "check the audit sink's signatures and chain", _audit_args, cmd_audit),
     Command("approve", "approve a run's pending plan", _decision_args("approve"), cmd_approve),
     Command("reject", "reject a run's pending plan", _decision_args("reject"), cmd_reject),
     Command("revise", "revise a run's pending plan", _revise_args, cmd_revise),
@@ -1166,11 +1166,11 @@ COMMANDS: list[Command] = [
             _repair_args, cmd_repair),
     Command("compensate", "undo an ended run's kept writes",
             _compensate_args, cmd_compensate),
-    Command("drain", "open runs started by an older worker build (exit 1 while any is left)", _drain_args, cmd_drain),
-    Command("tools", "the tools a worker serves: source, effect, undo and why", _tools_args, cmd_tools),
+    Command("drain", "runs an older worker build still holds (exit 1 while any)", _drain_args, cmd_drain),
+    Command("tools", "a worker's tools: source, effect, undo", _tools_args, cmd_tools),
     Command("keygen", "make an Ed25519 key pair for signed approvals", _keygen_args, cmd_keygen),
     Command("inbox", "serve the approvers' web inbox (docs/inbox.md)", _inbox_args, cmd_inbox),
-    Command("policy", "Cedar: export, validate, explain a run, what-if (docs/policy.md)", _policy_args, cmd_policy),
+    Command("policy", "Cedar: export, validate, explain, what-if", _policy_args, cmd_policy),
 ]
 
 
