@@ -1319,34 +1319,15 @@ def cancel_refusal(by: str, tenant: str, policy_path: Path | None) -> TetherErro
     built-in default lets anyone."""
     if policy_path is None:
         return None
-    from activities.policy import PolicyFileError, PolicyStore
-
     try:
-        tenant_policy, _ = PolicyStore(policy_path).tenant(tenant)
-    except (PolicyFileError, OSError, ValueError) as e:
-        return TetherError(f"cannot read the policy file {policy_path}: {e}")
-    if tenant_policy is None:
-        return unknown_tenant(tenant, policy_path, REFUSED)
+        tenant_policy = policy_tenant(tenant, policy_path, REFUSED)
+    except TetherError as e:
+        return e
     refusal = policy.handoff_member_refusal(tenant_policy, by)
     if refusal is not None:
         return TetherError(f"{refusal.message}: only its members may cancel its runs [rule: {refusal.rule}]",
                            REFUSED, rule=refusal.rule)
     return None
-
-
-def unknown_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> TetherError:
-    """A tenant the policy file does not name, with the nearest names it does ("did you mean")."""
-    import difflib
-
-    from activities.policy import PolicyStore
-
-    document, _ = PolicyStore(policy_path).load()
-    known = sorted(document.tenants) if document is not None else []
-    near = difflib.get_close_matches(tenant, known, n=3, cutoff=0.6)
-    hint = (f"did you mean {' or '.join(repr(escape_text(n)) for n in near)}?" if near
-            else f"its tenants: {', '.join(map(escape_text, known)) or 'none'}")
-    return TetherError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}: {hint}", code,
-                       field="tenant", rule="tenant_unknown")
 
 
 def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
@@ -1355,13 +1336,34 @@ def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
     worker's is the only word, as for ``cancel_refusal``."""
     if policy_path is None:
         return None
+    try:
+        policy_tenant(tenant, policy_path)
+    except TetherError as e:
+        return e
+    return None
+
+
+def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
+    """``tenant``'s policy in the file; a tenant it does not name raises with the nearest names
+    it does ("did you mean"), with ``code``; a file that cannot be read, a usage error."""
+    import difflib
+
     from activities.policy import PolicyFileError, PolicyStore
 
+    store = PolicyStore(policy_path)
     try:
-        tenant_policy, _ = PolicyStore(policy_path).tenant(tenant)
+        tenant_policy, _ = store.tenant(tenant)
+        document, _ = store.load()
     except (PolicyFileError, OSError, ValueError) as e:
-        return TetherError(f"cannot read the policy file {policy_path}: {e}")
-    return unknown_tenant(tenant, policy_path) if tenant_policy is None else None
+        raise TetherError(f"cannot read the policy file {policy_path}: {e}") from None
+    if tenant_policy is not None:
+        return tenant_policy
+    known = sorted(document.tenants) if document is not None else []
+    near = difflib.get_close_matches(tenant, known, n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(repr(escape_text(n)) for n in near)}?" if near
+            else f"its tenants: {', '.join(map(escape_text, known)) or 'none'}")
+    raise TetherError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}: {hint}", code,
+                      field="tenant", rule="tenant_unknown")
 
 
 def policy_file() -> Path | None:
