@@ -1113,12 +1113,18 @@ def keygen(path: Path, *, force: bool = False) -> str:
     public = base64.b64encode(
         key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     ).decode()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-        path.with_name(path.name + ".pub").write_text(public + "\n")
+        # Each file whole or not at all (written aside, then renamed), the public one first: a
+        # reader never sees half a key, nor a private key without its public one.
+        for target, data, mode in ((path.with_name(path.name + ".pub"), (public + "\n").encode(), 0o644),
+                                   (path, private, 0o600)):
+            aside = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(aside, target)
     except OSError as e:
         raise TetherError(f"cannot write {path}: {e.strerror}") from None
     return public
@@ -1126,10 +1132,16 @@ def keygen(path: Path, *, force: bool = False) -> str:
 
 def ensure_keys(folder: Path, names: Sequence[str]) -> None:
     """Key pairs for these people under ``folder`` (NAME.pem, NAME.pem.pub), made if missing:
-    what `make demo` signs with, and what the example policy's signed tenant lists."""
-    for name in names:
-        if not (folder / f"{name}.pem").exists():
-            keygen(folder / f"{name}.pem")
+    what `make demo` signs with, and what the example policy's signed tenant lists. Processes
+    that ask at once (the demo, the inbox, parallel tests) take turns: one makes each pair."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".ensure.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name in names:
+            if not (folder / f"{name}.pem").exists():
+                keygen(folder / f"{name}.pem")
 
 
 def load_private_key(path: Path) -> Any:
