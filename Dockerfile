@@ -26,11 +26,13 @@ FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/tether/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
+# One folder per secret: each is the mount point of a volume of its own (docker-compose.yml),
+# and an empty volume takes the folder's owner and mode on first use.
 RUN groupadd --system --gid 10001 tether \
     && useradd --system --uid 10001 --gid tether --home-dir /app --shell /usr/sbin/nologin tether \
-    && mkdir -p /app /data /keys \
-    && chown tether:tether /app /data /keys \
-    && chmod 700 /keys
+    && mkdir -p /app /data /keys/payload /keys/state /keys/inbox \
+    && chown tether:tether /app /data /keys /keys/payload /keys/state /keys/inbox \
+    && chmod 700 /keys /keys/payload /keys/state /keys/inbox
 COPY --from=build /opt/tether /opt/tether
 WORKDIR /app
 # Data files the example stack reads (the code itself is in the venv): the billing policy for

@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PYTEST_ARGS ?=
+# The suite in parallel (pytest-xdist): worker processes, each with its own Temporal servers;
+# most of a test's time is waiting on servers, so more processes than cores. PYTEST_ARGS comes
+# after and wins: PYTEST_ARGS="-n0" runs it serially.
+PYTEST_PARALLEL ?= -n 4 --dist worksteal
 PLANNER ?= playbook
 BENCH_ARGS ?=
 REPRO_ARGS ?=
@@ -43,14 +47,14 @@ demo-mcp: $(STAMP)
 	$(PY) -m examples.git.demo
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # The suite on a busy machine: two CPU-bound processes run beside it, stopped at the end
 # whatever the result (and on Ctrl-C).
 test-busy: $(STAMP)
 	@pids=""; trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
 	for i in 1 2; do $(PYTHON) -c 'while 1: pass' & pids="$$pids $$!"; done; \
-	echo "busy loops: $$pids"; $(PY) -m pytest $(PYTEST_ARGS)
+	echo "busy loops: $$pids"; $(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # The embedded Temporal dev server (SQLite under .tether/, Web UI on :8233) and the billing
 # service; with TETHER_ENCRYPTION_KEY_FILE set, also the codec server the UI decodes through.

@@ -12,8 +12,9 @@ functions; none of them needs argparse. Each returns a pydantic model or raises
                 verdict follows on the run's record (`tether status RUN`)
 
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
-TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); payload encryption from
-``TETHER_ENCRYPTION_KEY_FILE`` (``activities/codec.py``).
+TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); where they name no server, from the
+checkout's own dev stack (``.tether/stack.json``, ``examples/devstack.py``); payload encryption
+from ``TETHER_ENCRYPTION_KEY_FILE`` (``activities/codec.py``).
 
     client = await connect()
     handle = await start_run(client, RunRequest(...), run_id="run-1")
@@ -128,13 +129,36 @@ def exit_process(code: int | None) -> None:
     os._exit(code or 0)
 
 
+# The dev stack of the checkout this code runs from (`make demo`, `make dev-server`): its
+# server address, task queue and worker's policy file. An installed package has none.
+STACK_FILE = Path(__file__).resolve().parent / ".tether" / "stack.json"
+
+
+def checkout_stack() -> dict[str, Any]:
+    """This checkout's dev stack, as ``examples/devstack.py`` recorded it, when Temporal's
+    configuration names no server ({} otherwise, or when there is none): a second checkout's
+    commands use its own stack, never the first one's on the default port."""
+    import json
+
+    if "target_host" in ClientConfig.load_client_connect_config():  # TEMPORAL_ADDRESS, a profile
+        return {}
+    try:
+        record = json.loads(STACK_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def task_queue() -> str:
-    return os.environ.get("TETHER_TASK_QUEUE", DEFAULT_TASK_QUEUE)
+    return os.environ.get("TETHER_TASK_QUEUE") or checkout_stack().get("task_queue") or DEFAULT_TASK_QUEUE
 
 
 def connect_config(**overrides: Any) -> dict[str, Any]:
-    """Temporal's environment configuration (env vars, profiles), with our defaults."""
+    """Temporal's environment configuration (env vars, profiles), with our defaults: where it
+    names no server, the checkout's dev stack, else localhost:7233."""
     config: dict[str, Any] = dict(ClientConfig.load_client_connect_config())
+    if isinstance(address := checkout_stack().get("temporal"), str):
+        config["target_host"] = address
     config.setdefault("target_host", "localhost:7233")
     config.setdefault("namespace", "default")
     config.update(overrides)
@@ -1228,12 +1252,18 @@ def keygen(path: Path, *, force: bool = False) -> str:
     public = base64.b64encode(
         key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     ).decode()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-        path.with_name(path.name + ".pub").write_text(public + "\n")
+        # Each file whole or not at all (written aside, then renamed), the public one first: a
+        # reader never sees half a key, nor a private key without its public one.
+        for target, data, mode in ((path.with_name(path.name + ".pub"), (public + "\n").encode(), 0o644),
+                                   (path, private, 0o600)):
+            aside = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(aside, target)
     except OSError as e:
         raise TetherError(f"cannot write {path}: {e.strerror}") from None
     return public
@@ -1241,10 +1271,16 @@ def keygen(path: Path, *, force: bool = False) -> str:
 
 def ensure_keys(folder: Path, names: Sequence[str]) -> None:
     """Key pairs for these people under ``folder`` (NAME.pem, NAME.pem.pub), made if missing:
-    what `make demo` signs with, and what the example policy's signed tenant lists."""
-    for name in names:
-        if not (folder / f"{name}.pem").exists():
-            keygen(folder / f"{name}.pem")
+    what `make demo` signs with, and what the example policy's signed tenant lists. Processes
+    that ask at once (the demo, the inbox, parallel tests) take turns: one makes each pair."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".ensure.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name in names:
+            if not (folder / f"{name}.pem").exists():
+                keygen(folder / f"{name}.pem")
 
 
 def load_private_key(path: Path) -> Any:
@@ -1526,20 +1562,58 @@ def cancel_refusal(by: str, tenant: str, policy_path: Path | None) -> TetherErro
     built-in default lets anyone."""
     if policy_path is None:
         return None
-    from activities.policy import PolicyFileError, PolicyStore
-
     try:
-        tenant_policy, _ = PolicyStore(policy_path).tenant(tenant)
-    except (PolicyFileError, OSError, ValueError) as e:
-        return TetherError(f"cannot read the policy file {policy_path}: {e}")
-    if tenant_policy is None:
-        return TetherError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}", REFUSED,
-                           rule="tenant_unknown")
+        tenant_policy = policy_tenant(tenant, policy_path, REFUSED)
+    except TetherError as e:
+        return e
     refusal = policy.handoff_member_refusal(tenant_policy, by)
     if refusal is not None:
         return TetherError(f"{refusal.message}: only its members may cancel its runs [rule: {refusal.rule}]",
                            REFUSED, rule=refusal.rule)
     return None
+
+
+def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
+    """A start for a tenant the policy file does not name, refused before anything is sent (a
+    typo would otherwise start a run the worker fails at once). No policy file here: the
+    worker's is the only word, as for ``cancel_refusal``."""
+    if policy_path is None:
+        return None
+    try:
+        policy_tenant(tenant, policy_path)
+    except TetherError as e:
+        return e
+    return None
+
+
+def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
+    """``tenant``'s policy in the file; a tenant it does not name raises with the nearest names
+    it does ("did you mean"), with ``code``; a file that cannot be read, a usage error."""
+    import difflib
+
+    from activities.policy import PolicyFileError, PolicyStore
+
+    store = PolicyStore(policy_path)
+    try:
+        tenant_policy, _ = store.tenant(tenant)
+        document, _ = store.load()
+    except (PolicyFileError, OSError, ValueError) as e:
+        raise TetherError(f"cannot read the policy file {policy_path}: {e}") from None
+    if tenant_policy is not None:
+        return tenant_policy
+    known = sorted(document.tenants) if document is not None else []
+    near = difflib.get_close_matches(tenant, known, n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(repr(escape_text(n)) for n in near)}?" if near
+            else f"its tenants: {', '.join(map(escape_text, known)) or 'none'}")
+    raise TetherError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}: {hint}", code,
+                      field="tenant", rule="tenant_unknown")
+
+
+def policy_file() -> Path | None:
+    """The policy file a client checks against: TETHER_POLICY, else the one the checkout's dev
+    stack's worker applies (none: the worker's alone decides)."""
+    path = os.environ.get("TETHER_POLICY") or checkout_stack().get("policy")
+    return Path(path) if isinstance(path, str) and path else None
 
 
 async def cancel(

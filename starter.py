@@ -339,6 +339,8 @@ async def cmd_start(args: argparse.Namespace) -> int:
         )
     except ValidationError as e:
         raise client.invalid("run request", e) from None
+    if (unknown := client.tenant_refusal(request.tenant, client.policy_file())) is not None:
+        raise unknown  # a typo'd tenant: nothing started
     run_id = args.id or f"run-{uuid.uuid4().hex[:12]}"
     if args.key:
         request = client.sign_request(request, run_id, Path(args.key))

@@ -113,6 +113,12 @@ class Service:
         return STATE_DIR / f"{self.name}.log"
 
 
+def worker_policy() -> str:
+    """The policy file the stack's worker and inbox apply: TETHER_POLICY, else the example's
+    (recorded in stack.json, where the checkout's CLI checks a tenant before it starts a run)."""
+    return os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")
+
+
 def _worker_ready(name: str = "worker") -> bool:
     log = STATE_DIR / f"{name}.log"
     pid = _pid(STATE_DIR / f"{name}.pid")
@@ -153,7 +159,7 @@ SERVICES = {
     "worker": Service(
         "worker",
         lambda: [sys.executable, str(ROOT / "worker.py"), "--task-queue", TASK_QUEUE, "--policy",
-                 os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")],
+                 worker_policy()],
         _worker_ready,
     ),
     # The approvers' web inbox, with the dev sign-in (loopback only) and the demo's inbox key,
@@ -161,7 +167,7 @@ SERVICES = {
     "inbox": Service(
         "inbox",
         lambda: [str(BIN / "tether"), "inbox", "--port", str(INBOX_PORT), "--dev-login",
-                 "--policy", os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml"),
+                 "--policy", worker_policy(),
                  "--key", str(KEYS_DIR / "inbox.pem"), "--web-ui", f"http://localhost:{UI_PORT}"],
         lambda: http_ok(f"http://127.0.0.1:{INBOX_PORT}/healthz"),
         ports=lambda: {"TETHER_INBOX_PORT": INBOX_PORT},
@@ -216,7 +222,7 @@ def stack_record() -> dict:
         record = {}
     record.update(
         checkout=str(ROOT), temporal=f"127.0.0.1:{TEMPORAL_PORT}", ui_port=UI_PORT,
-        billing_port=BILLING_PORT, codec_port=CODEC_PORT, task_queue=TASK_QUEUE,
+        billing_port=BILLING_PORT, codec_port=CODEC_PORT, task_queue=TASK_QUEUE, policy=worker_policy(),
     )
     record.setdefault("services", {})
     return record

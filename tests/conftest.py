@@ -140,6 +140,20 @@ async def small_history_env() -> AsyncIterator[WorkflowEnvironment]:
     await env.shutdown()
 
 
+def in_ci() -> bool:
+    """CI sets CI=true: there everything the suite needs is installed (.ci/run), so a missing
+    part is a failure, never a skip."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def unavailable(reason: str) -> None:
+    """A system part the suite needs (PostgreSQL, Chromium) is missing: skip locally, with the
+    one line saying how to install it; fail in CI, which installs it."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI is set, so this is a failure, not a skip)", pytrace=False)
+    pytest.skip(reason)
+
+
 def _postgres_bin() -> Path:
     """Debian's PostgreSQL binaries (`apt-get install postgresql`; .ci/run installs them)."""
     import glob
@@ -148,8 +162,7 @@ def _postgres_bin() -> Path:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
     initdb = Path(found[-1]) if found else (Path(shutil.which("initdb")) if shutil.which("initdb") else None)
     if initdb is None:
-        # Fail, never skip: the PostgreSQL sink's tests are part of the suite.
-        pytest.fail("PostgreSQL is not installed (initdb not found): apt-get install -y postgresql")
+        unavailable("PostgreSQL is not installed (initdb not found): apt-get install -y postgresql")
     return initdb.parent
 
 

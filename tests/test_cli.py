@@ -253,3 +253,35 @@ def test_starter_outside_the_virtualenv_says_how_to_run_it() -> None:
     proc = subprocess.run([sys.executable, "-S", "starter.py", "status", "x"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "is not installed" in one_line(proc.stderr) and ".venv/bin/tether" in proc.stderr
+
+
+def test_processes_making_the_demo_keys_at_once_end_with_one_whole_pair_each(tmp_path: Path) -> None:
+    """`make demo`, the inbox and parallel test workers may all make the demo's keys in a fresh
+    checkout at the same moment: one pair per person survives, each private key matches the
+    public key every process read, and nothing half-written is left."""
+    folder = tmp_path / "keys"
+    names = ["alice", "bob", "inbox"]
+    script = (
+        "import sys; from pathlib import Path; from client import ensure_keys; "
+        f"ensure_keys(Path(sys.argv[1]), {names!r}); "
+        f"print(' '.join((Path(sys.argv[1]) / (n + '.pem.pub')).read_text().strip() for n in {names!r}))"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(folder)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    seen = set()
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        seen.add(out.strip())
+    assert len(seen) == 1, seen  # every process read the same public keys
+    from cryptography.hazmat.primitives import serialization
+
+    from client import load_private_key
+
+    for name, public in zip(names, seen.pop().split()):
+        derived = load_private_key(folder / f"{name}.pem").public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        assert __import__("base64").b64encode(derived).decode() == public, name
+        assert (folder / f"{name}.pem").stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [".ensure.lock", *(f"{n}.pem" for n in names), *(f"{n}.pem.pub" for n in names)])

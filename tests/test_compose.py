@@ -119,11 +119,15 @@ def test_health_checks_and_start_order() -> None:
         "state-keygen": "service_completed_successfully",
         "billing": "service_healthy",
     }
-    # Key jobs one at a time: two must not initialise one empty volume at once.
-    assert _depends("state-keygen") == {"keygen": "service_completed_successfully"}
-    assert _depends("inbox-keygen") == {"state-keygen": "service_completed_successfully"}
+    # Each key job writes a volume of its own (test_each_secret_only_where_it_is_needed): none
+    # waits for another, and each service waits for the jobs whose keys it reads.
+    assert all(not _depends(job) for job in ("keygen", "state-keygen", "inbox-keygen"))
     assert _depends("inbox") == {
-        "temporal-setup": "service_completed_successfully", "inbox-keygen": "service_completed_successfully",
+        "temporal-setup": "service_completed_successfully", "keygen": "service_completed_successfully",
+        "inbox-keygen": "service_completed_successfully",
+    }
+    assert _depends("cli") == {
+        "temporal-setup": "service_completed_successfully", "keygen": "service_completed_successfully",
     }
 
     # One start order exists (no cycle), and it is the documented one.
@@ -139,7 +143,8 @@ def test_health_checks_and_start_order() -> None:
     assert pos("postgresql") < pos("temporal-schema") < pos("temporal") < pos("temporal-setup")
     assert pos("temporal-setup") < pos("worker") and pos("temporal-setup") < pos("temporal-ui")
     assert pos("keygen") < pos("codec-server") < pos("temporal-ui")
-    assert pos("keygen") < pos("state-keygen") < pos("inbox-keygen") < pos("inbox")
+    assert pos("keygen") < pos("inbox") and pos("inbox-keygen") < pos("inbox")
+    assert pos("state-keygen") < pos("worker")
 
 
 def test_schema_and_server_use_postgresql() -> None:
@@ -221,6 +226,109 @@ def test_worker_environment_and_scaling() -> None:
     assert {k: cli[k] for k in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE")} == {
         k: env[k] for k in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE")
     }
+
+
+# Who may read which secret: each secret is written by its one-shot job into a volume of its
+# own, and read (read-only) by these services and no other. The payload keys where payloads are
+# decoded; the fleet's state ring where workflow code and tools run; the inbox's signing key (it
+# can decide as anyone in the tenants it may attest for) in the inbox alone; the cli reads what a
+# client needs and nothing that signs.
+SECRETS = {
+    # secret: (volume, the job that writes it, the services that read it)
+    "payload keys": ("tether-payload-keys", "keygen", {"worker", "codec-server", "inbox", "cli"}),
+    "state key ring": ("tether-state-keys", "state-keygen", {"worker"}),
+    "inbox signing key": ("tether-inbox-key", "inbox-keygen", {"inbox"}),
+}
+
+
+def _mounts(service: str) -> dict[str, tuple[str, bool]]:
+    """A service's mounts: container path -> (source, read-only), short or long syntax."""
+    found = {}
+    for v in SERVICES[service].get("volumes", []):
+        if isinstance(v, dict):
+            found[v["target"]] = (str(v.get("source", "")), bool(v.get("read_only")))
+        else:
+            source, target, *mode = str(v).split(":")
+            found[target] = (source, "ro" in (mode[0].split(",") if mode else []))
+    return found
+
+
+def _written_file(job: str) -> str:
+    """The key file a key job's command writes (the argument after --if-missing / --out)."""
+    argv = SERVICES[job]["command"]
+    paths = [w for w in argv if w.startswith("/")]
+    assert len(paths) == 1, argv
+    return paths[0]
+
+
+def _readers() -> dict[str, dict[str, bool]]:
+    """Each secret volume: the services that mount it, and whether read-only."""
+    readers: dict[str, dict[str, bool]] = {volume: {} for volume, _, _ in SECRETS.values()}
+    for name in SERVICES:
+        for source, read_only in _mounts(name).values():
+            if source in readers:
+                readers[source][name] = read_only
+    return readers
+
+
+def test_each_secret_only_where_it_is_needed() -> None:
+    readers = _readers()
+    for secret, (volume, job, expected) in SECRETS.items():
+        assert volume in COMPOSE["volumes"], secret
+        # The job writes it (the only writable mount), the services that need it read it.
+        assert readers[volume] == {job: False, **{name: True for name in expected}}, (secret, readers[volume])
+        target = next(t for t, (src, _) in _mounts(job).items() if src == volume)
+        assert _written_file(job).startswith(target + "/"), (job, target)
+        # Everyone reads it at the same path, and it is the path their settings name.
+        for name in expected:
+            assert _mounts(name).get(target, ("", True))[0] == volume, (name, target)
+    # The key each service is configured with lies in a volume it mounts; the paths it names
+    # that it does not mount would not exist in its container.
+    for name in SERVICES:
+        settings = " ".join([*_env(name).values(), *map(str, SERVICES[name].get("command") or [])])
+        for path in re.findall(r"/keys/[\w./-]+", settings):
+            assert any(path.startswith(t + "/") for t in _mounts(name)), (name, path)
+    # Nothing else carries a key: no other volume or bind mount under /keys, no compose secrets.
+    secret_volumes = {volume for volume, _, _ in SECRETS.values()}
+    for name in SERVICES:
+        for target, (source, _) in _mounts(name).items():
+            assert not target.startswith("/keys") or source in secret_volumes, (name, target, source)
+    assert "secrets" not in COMPOSE
+    # What each service can read, spelled out: the cli and the codec server hold nothing that signs.
+    can_read = {name: {s for s, (v, _, _) in SECRETS.items() if v in {src for src, _ in _mounts(name).values()}}
+                for name in SERVICES}
+    assert can_read["cli"] == {"payload keys"}
+    assert can_read["codec-server"] == {"payload keys"}
+    assert can_read["worker"] == {"payload keys", "state key ring"}
+    assert can_read["inbox"] == {"payload keys", "inbox signing key"}
+    assert all(not can_read[n] for n in ("postgresql", "temporal", "temporal-ui", "prometheus", "billing",
+                                         "temporal-schema", "temporal-setup"))
+    # The image makes each mount point for its user (an empty volume takes its owner and mode).
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for volume, job, _ in SECRETS.values():
+        target = next(t for t, (src, _) in _mounts(job).items() if src == volume)
+        assert re.search(rf"mkdir -p [^\n]*{re.escape(target)}(\s|$)", dockerfile), target
+        assert re.search(rf"chmod 700 [^\n]*{re.escape(target)}(\s|$)", dockerfile), target
+
+
+def test_production_doc_names_the_secrets_as_the_compose_file_mounts_them() -> None:
+    """docs/production.md's table "Who holds which key" is the compose file's, row for row."""
+    doc = (ROOT / "docs/production.md").read_text()
+    section = doc.split("## Who holds which key", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|") and not line.startswith("|---")][1:]
+    table = {row[0]: row[1:] for row in rows}
+    assert set(table) == set(SECRETS)
+    readers = _readers()
+    for secret, (volume, job, _) in SECRETS.items():
+        volume_cell, file_cell, job_cell, readers_cell = table[secret]
+        assert volume_cell == f"`{volume}`", secret
+        assert file_cell == f"`{_written_file(job)}`", secret
+        assert job_cell == f"`{job}`", secret
+        named = set(re.findall(r"`([\w-]+)`", readers_cell))
+        assert named == {n for n, ro in readers[volume].items() if ro}, (secret, named)
+    # Step 5 reads the inbox's public key from the inbox's own volume, not through the cli.
+    assert "--entrypoint cat cli" not in doc
 
 
 def test_ui_codec_endpoint_is_the_codec_server() -> None:
@@ -424,17 +532,20 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
             return s.getsockname()[1]
 
     ports = {"8081": free_port(), "8765": free_port(), "9000": free_port(), "8900": free_port()}
-    volumes = {"/keys": tmp_path / "keys", "/data": tmp_path / "data", "/app": app}
-    for folder in volumes.values():
-        folder.mkdir(exist_ok=True)
+    # Each named volume a folder of its own; a service sees only the volumes it mounts (a path it
+    # does not mount stays a container path, which does not exist here).
+    named = {name: tmp_path / "volumes" / name for name in COMPOSE["volumes"]}
+    for folder in named.values():
+        folder.mkdir(parents=True)
     hosts = {"temporal:7233": dev_env.client.service_client.config.target_host,
              "billing:8765": f"127.0.0.1:{ports['8765']}"}
 
-    def rewrite(value: str) -> str:
+    def rewrite(value: str, service: str) -> str:
         value = _interpolate_default(value)
         for old, new in hosts.items():
             value = value.replace(old, new)
-        for old, new in volumes.items():
+        volumes = {target: named[source] for target, (source, _) in _mounts(service).items()}
+        for old, new in sorted({**volumes, "/app": app}.items(), key=lambda kv: -len(kv[0])):
             value = re.sub(rf"(?<![\w/]){re.escape(old)}(?=/|$)", str(new), value)
         for old, new in ports.items():
             value = re.sub(rf"(?<![\w.]){old}(?!\d)", str(new), value)
@@ -444,12 +555,12 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
     base_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1",
                 "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{site}{os.pathsep}{deps}"}
 
-    def argv(words: list[str]) -> list[str]:
+    def argv(words: list[str], service: str) -> list[str]:
         assert words[0] == "python", words
-        return [sys.executable, "-S", *(rewrite(w) for w in words[1:])]
+        return [sys.executable, "-S", *(rewrite(w, service) for w in words[1:])]
 
     def env_for(service: str) -> dict[str, str]:
-        env = {k: rewrite(v) for k, v in _env(service).items()}
+        env = {k: rewrite(v, service) for k, v in _env(service).items()}
         if "TETHER_AUDIT_DSN" in env:  # the stack's PostgreSQL: here the tests' own server
             env["TETHER_AUDIT_DSN"] = postgres
         if "TETHER_TASK_QUEUE" in env:
@@ -458,18 +569,20 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
 
     async def run(service: str, words: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(
-            *argv(words), cwd=app, env=env or env_for(service),
+            *argv(words, service), cwd=app, env=env or env_for(service),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         return proc.returncode or 0, out.decode()
 
-    # The key jobs in their one order (each after the one it depends on), twice: a second `up`
-    # keeps every key.
+    # The key jobs, each into its own volume, twice: a second `up` keeps every key.
     for _ in range(2):
         for one_shot in ("keygen", "state-keygen", "inbox-keygen"):
             code, out = await run(one_shot, SERVICES[one_shot]["command"])
             assert code == 0, out
-    inbox_key = (tmp_path / "keys/inbox.pem").read_bytes()
+    inbox_key = (named["tether-inbox-key"] / "inbox.pem").read_bytes()
+    assert sorted(p.name for p in named["tether-inbox-key"].iterdir()) == ["inbox.pem", "inbox.pem.pub"]
+    assert [p.name for p in named["tether-state-keys"].iterdir()] == ["state.keys"]
+    assert [p.name for p in named["tether-payload-keys"].iterdir()] == ["tether.keys"]
     # The organisation's sign-in, as a test plays it: a JWKS file and the tokens it signs.
     from tests.inbox_stack import AUDIENCE, ISSUER, Sso
 
@@ -490,7 +603,7 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
                 env = {**env, **sign_in}
             with logs[name].open("w") as log:
                 started[name] = await asyncio.create_subprocess_exec(
-                    *argv(SERVICES[name]["command"]), cwd=app, env=env, stdout=log, stderr=log)
+                    *argv(SERVICES[name]["command"], name), cwd=app, env=env, stdout=log, stderr=log)
         # Ready as the compose file's own health checks say, while the process keeps running.
         loop = asyncio.get_running_loop()
         for name, proc in started.items():
@@ -533,7 +646,7 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
 
         forged = sso.token("bob", key=ec.generate_private_key(ec.SECP256R1()))
         assert await asyncio.to_thread(_http_status, inbox_url + "/api/approvals", forged) == 401
-        assert (tmp_path / "keys/inbox.pem").read_bytes() == inbox_key
+        assert (named["tether-inbox-key"] / "inbox.pem").read_bytes() == inbox_key
     finally:
         for proc in started.values():
             if proc.returncode is None:

@@ -42,6 +42,12 @@ def test_cancel_names_who_and_the_policy_says_who_may() -> None:
     assert "mallory" in str(refused) and "only its members may cancel" in str(refused)
     unknown = client.cancel_refusal("dana", "no-such-tenant", policy)
     assert unknown is not None and unknown.code == client.REFUSED
+    assert str(unknown).endswith("its tenants: acme, default, signed")
+    typo = client.cancel_refusal("dana", "Default", policy)
+    assert typo is not None and typo.rule == "tenant_unknown" and str(typo).endswith("did you mean 'default'?")
+    # A name from outside reaches the message escaped, as every name does.
+    hostile = client.cancel_refusal("dana", "defau\x1b[2Jlt", policy)
+    assert hostile is not None and "\x1b" not in str(hostile) and "did you mean 'default'?" in str(hostile)
     assert client.cancel_refusal("mallory", "default", None) is None  # no file here: the worker's default
     # A name that is no name is a usage error before anything is sent (Temporal unreachable here).
     done = tether("cancel", "run-1", "--by", "bob\x1b[2J", "--reason", "r")

@@ -191,8 +191,11 @@ async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
     await latest.signal("approve", approval_for(first.pending_approval.plan_hash, "bob"))  # a workflow task
     await rogue_answer(client, queue, handle.id, [continue_as_new(queue, captured)])
     # 2. The captured continue-as-new input, continued into the same id from another workflow.
-    other = await client.start_workflow("Forger", {"x": 1}, id=unique("replayed"), task_queue=queue)
-    await rogue_answer(client, queue, other.id, [continue_as_new(queue, captured)])
+    #    That workflow's own task is on a queue of its own: on `queue` the first forgery's new run
+    #    already waits, and a poller there may be handed either task (a queue is not FIFO).
+    rogue_queue = unique("tq-rogue")
+    other = await client.start_workflow("Forger", {"x": 1}, id=unique("replayed"), task_queue=rogue_queue)
+    await rogue_answer(client, rogue_queue, other.id, [continue_as_new(queue, captured)])
     # A forgery stops each run where it stands: its workflow task fails naming the carried state.
     async with running_worker(client, task_queue=queue):
         for target in (handle.id, other.id):

@@ -22,7 +22,7 @@ import pytest_asyncio
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from tests.conftest import BIN, ROOT
+from tests.conftest import BIN, ROOT, unavailable
 from workflows.published import SEARCH_ATTRIBUTES
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -42,17 +42,6 @@ CHROMIUM_ARGS = [
 ]
 # Where the test writes its screenshots; `make screenshots` points it at docs/.
 SCREENSHOT_DIR = Path(os.environ.get("TETHER_SCREENSHOT_DIR") or ROOT / "build" / "e2e-screenshots")
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def unavailable(reason: str) -> None:
-    """Skip locally; fail in CI, where the browser is part of the job."""
-    if in_ci():
-        pytest.fail(f"{reason} (CI is set, so this is a failure, not a skip)", pytrace=False)
-    pytest.skip(reason)
 
 
 def find_chromium() -> str | None:
