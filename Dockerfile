@@ -30,9 +30,9 @@ ENV PATH=/opt/tether/bin:$PATH \
 # and an empty volume takes the folder's owner and mode on first use.
 RUN groupadd --system --gid 10001 tether \
     && useradd --system --uid 10001 --gid tether --home-dir /app --shell /usr/sbin/nologin tether \
-    && mkdir -p /app /data /keys/payload /keys/state /keys/inbox \
-    && chown tether:tether /app /data /keys /keys/payload /keys/state /keys/inbox \
-    && chmod 700 /keys /keys/payload /keys/state /keys/inbox
+    && mkdir -p /app /data /keys/payload /keys/state /keys/inbox /keys/public \
+    && chown tether:tether /app /data /keys /keys/payload /keys/state /keys/inbox /keys/public \
+    && chmod 700 /keys /keys/payload /keys/state /keys/inbox /keys/public
 COPY --from=build /opt/tether /opt/tether
 WORKDIR /app
 # Data files the example stack reads (the code itself is in the venv): the billing policy for

@@ -17,7 +17,7 @@ published views and the policy activities' judgement lines with it, and anyone v
 with the public halves alone (``PublicKeys``): an auditor needs no secret. ``genkey`` writes them
 beside the ring (``PATH.pub``, one ``<key id> <base64 public key>`` a line).
 
-    python -m activities.keys genkey [--if-missing] PATH   # append a new newest key to PATH
+    python -m activities.keys genkey [--if-missing] [--public PUB] PATH  # a new newest key
     python -m activities.keys public PATH                  # (re)write PATH.pub from the ring
     python -m activities.keys ids PATH                     # the ids in a ring, newest last
 """
@@ -197,9 +197,10 @@ class PublicKeys:
         return None
 
 
-def write_public(path: Path) -> Path:
-    """Write the ring's public keys beside it (``PATH.pub``); returns that path."""
-    out = path.with_name(path.name + PUBLIC_SUFFIX)
+def write_public(path: Path, out: Path | None = None) -> Path:
+    """Write the ring's public keys to ``out`` (default beside it, ``PATH.pub``); returns it."""
+    out = out or path.with_name(path.name + PUBLIC_SUFFIX)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(KeyRing.from_env(str(path)).public_keys().text())
     return out
 
@@ -291,26 +292,33 @@ def capability_refusal(keys: KeyRing | None, call: ToolCall) -> ApplicationError
     return None
 
 
-def genkey(path: Path, *, if_missing: bool = False) -> str:
-    """Append a new newest key to the ring at ``path`` (0600); returns its id."""
+def genkey(path: Path, *, if_missing: bool = False, public: Path | None = None) -> str:
+    """Append a new newest key to the ring at ``path`` (0600), and write its public keys (to
+    ``public``, else beside it); returns its id."""
     if if_missing and path.exists():
-        if not path.with_name(path.name + PUBLIC_SUFFIX).exists():
-            write_public(path)
+        if not (public or path.with_name(path.name + PUBLIC_SUFFIX)).exists():
+            write_public(path, public)
         return KeyRing.from_env(str(path)).newest
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_hex(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(key + "\n")
-    write_public(path)
+    write_public(path, public)
     return key_id(key.encode())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["genkey"] and len(args) in (2, 3) and (len(args) == 2 or args[1] == "--if-missing"):
-        print(genkey(Path(args[-1]), if_missing=len(args) == 3))
-        return 0
+    if args[:1] == ["genkey"]:
+        words, public = args[1:], None
+        if "--public" in words[:-1]:
+            at = words.index("--public")
+            public = Path(words[at + 1])
+            del words[at : at + 2]
+        if len(words) in (1, 2) and (len(words) == 1 or words[0] == "--if-missing"):
+            print(genkey(Path(words[-1]), if_missing=len(words) == 2, public=public))
+            return 0
     if args[:1] == ["public"] and len(args) == 2:
         try:
             print(write_public(Path(args[1])))

@@ -124,10 +124,11 @@ def test_health_checks_and_start_order() -> None:
     assert all(not _depends(job) for job in ("keygen", "state-keygen", "inbox-keygen"))
     assert _depends("inbox") == {
         "temporal-setup": "service_completed_successfully", "keygen": "service_completed_successfully",
-        "inbox-keygen": "service_completed_successfully",
+        "inbox-keygen": "service_completed_successfully", "state-keygen": "service_completed_successfully",
     }
     assert _depends("cli") == {
         "temporal-setup": "service_completed_successfully", "keygen": "service_completed_successfully",
+        "state-keygen": "service_completed_successfully",  # the fleet's public keys
     }
 
     # One start order exists (no cycle), and it is the documented one.
@@ -204,6 +205,8 @@ def test_worker_environment_and_scaling() -> None:
     # One state key ring for the fleet (a worker never creates one), from the same volume.
     state_keys = env["TETHER_STATE_KEY_FILE"]
     assert SERVICES["state-keygen"]["command"][-2:] == ["--if-missing", state_keys]
+    public = SERVICES["state-keygen"]["command"]
+    assert _env("cli")["TETHER_PUBLIC_KEYS"] == _env("inbox")["TETHER_PUBLIC_KEYS"] == public[public.index("--public") + 1]
     assert any(v.endswith(":ro") and state_keys.startswith(v.split(":")[1] + "/") for v in worker["volumes"])
     # Metrics served inside the network; Prometheus finds every replica by DNS.
     assert env["TETHER_METRICS_PORT"] == "9000" and worker["expose"] == ["9000"]
@@ -238,6 +241,8 @@ SECRETS = {
     "payload keys": ("tether-payload-keys", "keygen", {"worker", "codec-server", "inbox", "cli"}),
     "state key ring": ("tether-state-keys", "state-keygen", {"worker"}),
     "inbox signing key": ("tether-inbox-key", "inbox-keygen", {"inbox"}),
+    # Not a secret, but the fleet's word: what verifies its records and views, signs nothing.
+    "fleet public keys": ("tether-public-keys", "state-keygen", {"inbox", "cli"}),
 }
 
 
@@ -253,10 +258,11 @@ def _mounts(service: str) -> dict[str, tuple[str, bool]]:
     return found
 
 
-def _written_file(job: str) -> str:
-    """The key file a key job's command writes (the argument after --if-missing / --out)."""
+def _written_file(job: str, target: str = "") -> str:
+    """The key file a key job's command writes (the argument after --if-missing / --out), the
+    one under ``target`` (a volume's mount) where it writes two."""
     argv = SERVICES[job]["command"]
-    paths = [w for w in argv if w.startswith("/")]
+    paths = [w for w in argv if w.startswith(target + "/")]
     assert len(paths) == 1, argv
     return paths[0]
 
@@ -278,7 +284,7 @@ def test_each_secret_only_where_it_is_needed() -> None:
         # The job writes it (the only writable mount), the services that need it read it.
         assert readers[volume] == {job: False, **{name: True for name in expected}}, (secret, readers[volume])
         target = next(t for t, (src, _) in _mounts(job).items() if src == volume)
-        assert _written_file(job).startswith(target + "/"), (job, target)
+        assert _written_file(job, target).startswith(target + "/"), (job, target)
         # Everyone reads it at the same path, and it is the path their settings name.
         for name in expected:
             assert _mounts(name).get(target, ("", True))[0] == volume, (name, target)
@@ -297,10 +303,10 @@ def test_each_secret_only_where_it_is_needed() -> None:
     # What each service can read, spelled out: the cli and the codec server hold nothing that signs.
     can_read = {name: {s for s, (v, _, _) in SECRETS.items() if v in {src for src, _ in _mounts(name).values()}}
                 for name in SERVICES}
-    assert can_read["cli"] == {"payload keys"}
+    assert can_read["cli"] == {"payload keys", "fleet public keys"}
     assert can_read["codec-server"] == {"payload keys"}
     assert can_read["worker"] == {"payload keys", "state key ring"}
-    assert can_read["inbox"] == {"payload keys", "inbox signing key"}
+    assert can_read["inbox"] == {"payload keys", "inbox signing key", "fleet public keys"}
     assert all(not can_read[n] for n in ("postgresql", "temporal", "temporal-ui", "prometheus", "billing",
                                          "temporal-schema", "temporal-setup"))
     # The image makes each mount point for its user (an empty volume takes its owner and mode).
@@ -323,7 +329,8 @@ def test_production_doc_names_the_secrets_as_the_compose_file_mounts_them() -> N
     for secret, (volume, job, _) in SECRETS.items():
         volume_cell, file_cell, job_cell, readers_cell = table[secret]
         assert volume_cell == f"`{volume}`", secret
-        assert file_cell == f"`{_written_file(job)}`", secret
+        target = next(t for t, (src, _) in _mounts(job).items() if src == volume)
+        assert file_cell == f"`{_written_file(job, target)}`", secret
         assert job_cell == f"`{job}`", secret
         named = set(re.findall(r"`([\w-]+)`", readers_cell))
         assert named == {n for n, ro in readers[volume].items() if ro}, (secret, named)
@@ -582,6 +589,7 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
     inbox_key = (named["tether-inbox-key"] / "inbox.pem").read_bytes()
     assert sorted(p.name for p in named["tether-inbox-key"].iterdir()) == ["inbox.pem", "inbox.pem.pub"]
     assert [p.name for p in named["tether-state-keys"].iterdir()] == ["state.keys"]
+    assert [p.name for p in named["tether-public-keys"].iterdir()] == ["state.pub"]
     assert [p.name for p in named["tether-payload-keys"].iterdir()] == ["tether.keys"]
     # The organisation's sign-in, as a test plays it: a JWKS file and the tokens it signs.
     from tests.inbox_stack import AUDIENCE, ISSUER, Sso
