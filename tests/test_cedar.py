@@ -21,6 +21,15 @@ import pytest
 from activities import cedar
 from activities.policy import cedar_approver_problem, judge_writes, parse_policy
 from tests.conftest import ROOT
+
+
+def signed_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Judgement lines as the policy activity logs them: signed with the fleet's ring."""
+    from activities.judgements import sign
+    from activities.keys import KeyRing
+
+    ring = KeyRing.from_env()
+    return [sign(ring, line) for line in lines]
 from workflows import policy
 from workflows.contract import AcceptedApproval, Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.wire import AuthorityCheck
@@ -490,8 +499,8 @@ def test_what_if_reads_the_log_since_and_for_a_tenant(tmp_path: Path, capsys: py
     old = datetime.now(timezone.utc) - timedelta(days=10)
     for at, name, run in [(old, "default", "old"), (datetime.now(timezone.utc), "default", "new"),
                           (datetime.now(timezone.utc), "acme", "other"), (datetime.now(timezone.utc), "default", "new")]:
-        log.write(entries(judged, at=at.isoformat(), tenant=name, workflow_id=run, run_id="r", activity_id="1",
-                          check="decision"))
+        log.write(signed_lines(entries(judged, at=at.isoformat(), tenant=name, workflow_id=run, run_id="r",
+                                       activity_id="1", check="decision")))
     assert sorted(e["workflow_id"] for e in log.read()) == ["new", "old", "other"]  # "new" written twice: once
     assert {e["workflow_id"] for e in log.read(since=datetime.now(timezone.utc) - timedelta(days=7))} == {"new", "other"}
     proposal = tmp_path / "proposal.cedar"
@@ -525,8 +534,8 @@ def test_the_judgement_log_in_postgres_is_read_like_the_json_lines(
     now = datetime.now(timezone.utc)
     for at, name, ident in [(now - timedelta(days=10), "default", f"{run}-old"), (now, "default", run),
                             (now, "default", run), (now, "acme", f"{run}-acme")]:
-        log.write(entries(judged, at=at.isoformat(), tenant=name, workflow_id=ident, run_id="r", activity_id="1",
-                          check="decision"))
+        log.write(signed_lines(entries(judged, at=at.isoformat(), tenant=name, workflow_id=ident, run_id="r",
+                                       activity_id="1", check="decision")))
     mine = [e for e in log.read() if e["workflow_id"].startswith(run)]
     assert sorted(e["workflow_id"] for e in mine) == sorted([run, f"{run}-old", f"{run}-acme"])
     assert [e["workflow_id"] for e in log.read(since=now - timedelta(days=7), tenant="default") if e["workflow_id"].startswith(run)] == [run]
