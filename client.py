@@ -1322,19 +1322,31 @@ async def decide(
 async def pending_request(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
     """The run's pending request (a worker is there to take a decision), or REFUSED.
 
-    Read from the view the run published where it rests (awaiting approval is such a place), so
-    no query, and no question of which build's worker answers it, decides whether a decision is
-    sent: the decide Update judges it against the run's own state. Only a run that has
-    published nothing yet is asked (the ``snapshot`` query)."""
+    Asked first (the ``snapshot`` query, briefly): the view a run publishes where it rests lags
+    a moment behind a revision or a new request. Where no worker of the run's build answers at
+    once (another build's worker took the query, or none is left), read from the view it
+    published, so no query routing decides whether a decision is sent: the decide Update judges
+    it against the run's own state. Either way the steps shown must hash to the plan hash the
+    request binds (``approval_offer_problem``), or nothing is offered."""
     await require_worker(client, run_id)
-    view = await published_view(await _describe(client, run_id))
-    snap = view.snapshot if view is not None else await snapshot(client, run_id)
+    try:
+        snap = await snapshot(client, run_id, timeout=PENDING_QUERY_SECONDS)
+    except TetherError:
+        view = await published_view(await _describe(client, run_id))
+        snap = view.snapshot if view is not None else await snapshot(client, run_id)
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
         raise TetherError(
             f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
         )
+    problem = approval_offer_problem(snap)
+    if problem is not None:
+        raise TetherError(f"run {run_id}: {problem}", REFUSED, rule="plan_unverified")
     return snap, pending
+
+
+# How long `approve` asks the run for its pending request before it reads the published view.
+PENDING_QUERY_SECONDS = 2.0
 
 
 # How soon a decision the run had no room for is sent again (it is continuing as new).

@@ -14,15 +14,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from temporalio.api.command.v1 import Command, ScheduleActivityTaskCommandAttributes
-from temporalio.api.common.v1 import ActivityType, Payloads, RetryPolicy
+from temporalio.api.command.v1 import Command
 from temporalio.api.enums.v1 import CommandType, EventType
-from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
-from google.protobuf.duration_pb2 import Duration
 
 import client as tether_client
 from activities.audit import JsonlAuditSink, verify_streams
@@ -34,7 +31,7 @@ from tests.conftest import (
 )
 from tests.test_dev_server import Cli
 from tests.test_reset import outcome_of, reset_before_signal
-from tests.test_trust_chain import rogue_answer
+from tests.test_trust_chain import rogue_answer, schedule
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_state import RunSnapshot, RunView
 from workflows.states import RunState, TransitionRecord, record_link
@@ -56,20 +53,6 @@ def forged(seq: int, reason: str, to_state: RunState = RunState.APPROVED) -> Tra
     return TransitionRecord(
         from_state=RunState.AWAITING_APPROVAL, to_state=to_state, at=datetime.now(timezone.utc),
         actor="user:bob", reason=reason, state_version=seq, seq=seq,
-    )
-
-
-def schedule_append(queue: str, batch: AuditBatch, activity_id: str) -> Command:
-    return Command(
-        command_type=CommandType.COMMAND_TYPE_SCHEDULE_ACTIVITY_TASK,
-        schedule_activity_task_command_attributes=ScheduleActivityTaskCommandAttributes(
-            activity_id=activity_id,
-            activity_type=ActivityType(name="audit_append"),
-            task_queue=TaskQueue(name=queue),
-            input=Payloads(payloads=[CONVERTER.to_payload(batch)]),
-            start_to_close_timeout=Duration(seconds=30),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-        ),
     )
 
 
@@ -233,8 +216,8 @@ async def test_a_keyless_pollers_records_are_refused_by_the_sink(
         forged(90, "approved by bob"), forged(91, "send_email succeeded"),
         forged(92, "COMPLETED", RunState.COMPLETED)])
     theirs = AuditBatch(workflow_id=other.id, first_run_id="", records=[forged(90, "COMPLETED", RunState.COMPLETED)])
-    await rogue_answer(client, queue, victim.id, [schedule_append(queue, own, "rogue-own"),
-                                                  schedule_append(queue, theirs, "rogue-theirs")])
+    await rogue_answer(client, queue, victim.id, [schedule(queue, "audit_append", own, "rogue-own"),
+                                                  schedule(queue, "audit_append", theirs, "rogue-theirs")])
     async with running_worker(client, task_queue=queue):
         for _ in range(600):
             refused = await activity_failures(client, victim.id, "record_unverified")

@@ -71,18 +71,23 @@ async def rogue_answer(client: Client, queue: str, workflow_id: str, commands: l
     raise AssertionError("the rogue poller got no workflow task")
 
 
-def schedule_tool(queue: str, call: ToolCall, activity_id: str = "rogue-1") -> Command:
+def schedule(queue: str, activity: str, arg: Any, activity_id: str) -> Command:
+    """A ScheduleActivityTask command as a keyless poller writes it: any activity, any input."""
     return Command(
         command_type=CommandType.COMMAND_TYPE_SCHEDULE_ACTIVITY_TASK,
         schedule_activity_task_command_attributes=ScheduleActivityTaskCommandAttributes(
             activity_id=activity_id,
-            activity_type=ActivityType(name="execute_tool"),
+            activity_type=ActivityType(name=activity),
             task_queue=TaskQueue(name=queue),
-            input=Payloads(payloads=[CONVERTER.to_payload(call)]),
+            input=Payloads(payloads=[CONVERTER.to_payload(arg)]),
             start_to_close_timeout=Duration(seconds=30),
             retry_policy=RetryPolicy(maximum_attempts=1),
         ),
     )
+
+
+def schedule_tool(queue: str, call: ToolCall, activity_id: str = "rogue-1") -> Command:
+    return schedule(queue, "execute_tool", call, activity_id)
 
 
 async def tool_failures(client: Client, workflow_id: str, run_id: str | None = None) -> list[str]:
