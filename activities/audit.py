@@ -62,7 +62,7 @@ from workflows import keys as ring_math
 from workflows.published import COLLECT_EXTERN, VIEW_MEMO
 from workflows.run_state import RunView
 from workflows.wire import AuditAck, AuditBatch
-from workflows.states import TransitionRecord, record_link
+from workflows.states import TransitionRecord, record_link, with_links
 
 DEFAULT_AUDIT_DIR = ".tether/audit"
 AUDIT_TABLE = "tether_audit"
@@ -84,9 +84,19 @@ log = logging.getLogger("tether.audit")
 
 
 def record_problem(publics: Any, workflow_id: str, run_id: str, record: TransitionRecord) -> str | None:
-    """Why ``record`` is not the fleet's record of run ``run_id`` (None: it is)."""
+    """Why ``record``'s signature is not the fleet's for run ``run_id`` (None: it is)."""
     why = publics.problem(ring_math.record_statement(workflow_id, run_id, record.seq, record_link(record)), record.sig)
     return None if why is None else f"record seq {record.seq} of run {run_id}: {why}"
+
+
+def batch_problem(publics: Any, workflow_id: str, run_id: str, records: list[TransitionRecord]) -> str | None:
+    """Why ``records`` (a batch a run sends out, in seq order) are not the fleet's for run
+    ``run_id`` (None: they are): each links to the one before it, and the last bears the fleet's
+    signature, which through the chain covers the rest."""
+    for before, record in zip(records, records[1:]):
+        if record.seq != before.seq + 1 or record.prev != record_link(before):
+            return f"record seq {record.seq} of run {run_id}: not chained to the record before it"
+    return record_problem(publics, workflow_id, run_id, records[-1]) if records else None
 
 
 def view_problem(publics: Any, workflow_id: str, run_id: str, view: RunView) -> str | None:
@@ -104,36 +114,46 @@ class TrailCheck:
 
 
 def verify_streams(publics: Any, workflow_id: str, streams: dict[str, list[TransitionRecord]]) -> TrailCheck:
-    """Each record verifies for its stream (run id), and each links to the one before it in the
-    workflow id's chain: in its own stream, or (a stream's first record: a continued or a reset
-    run) a verified record of the seq before it in another stream of the workflow id. A record
-    missing between two, or one out of the chain, is named."""
+    """Every record of each stream (run id) links to the one before it and is covered by a
+    signature of the fleet's for that stream on it or on a record chained after it (a run signs
+    the last record of each batch it sends). A stream's first record links to a covered record
+    of the seq before it in another stream of the workflow id (a continued or a reset run), or
+    is seq 1. A record missing, out of the chain or not covered is named, first one first."""
     check = TrailCheck()
-    links: dict[int, set[str]] = {}
-    good: dict[str, list[TransitionRecord]] = {}
+    covered: dict[str, list[TransitionRecord]] = {}
+    problems: list[tuple[int, str]] = []
     for run_id, records in streams.items():
-        for record in sorted(records, key=lambda r: r.seq):
-            check.records += 1
-            why = record_problem(publics, workflow_id, run_id, record)
-            if why:
-                check.problems.append(why)
-                continue
-            good.setdefault(run_id, []).append(record)
-            links.setdefault(record.seq, set()).add(record_link(record))
-    for run_id, records in good.items():
-        before: TransitionRecord | None = None
-        for record in records:
-            if before is not None and before.seq != record.seq - 1:
-                check.problems.append(f"run {run_id}: records seq {before.seq + 1}..{record.seq - 1} are missing")
-            if record.seq == 1:
-                chained = record.prev == ""
-            elif before is not None and before.seq == record.seq - 1:
-                chained = record.prev == record_link(before)
+        ordered = sorted(records, key=lambda r: r.seq)
+        check.records += len(ordered)
+        good: list[TransitionRecord] = []
+        signed = False  # walking back: a verified signature covers what chains before it
+        after: TransitionRecord | None = None
+        for record in reversed(ordered):
+            if after is not None and (after.seq != record.seq + 1 or after.prev != record_link(record)):
+                what = (f"records seq {record.seq + 1}..{after.seq - 1} are missing" if after.seq > record.seq + 1
+                        else f"record seq {after.seq} is not chained to the record before it")
+                problems.append((after.seq, f"run {run_id}: {what}"))
+                signed = False
+            if record.sig:
+                why = record_problem(publics, workflow_id, run_id, record)
+                if why:
+                    problems.append((record.seq, why))
+                signed = why is None
+            if signed:
+                good.append(record)
             else:
-                chained = record.prev in links.get(record.seq - 1, set())
-            if not chained:
-                check.problems.append(f"record seq {record.seq} of run {run_id}: not chained to the record before it")
-            before = record
+                problems.append((record.seq, f"record seq {record.seq} of run {run_id}: not covered by a signature of the fleet's"))
+            after = record
+        covered[run_id] = good
+    links: dict[int, set[str]] = {}
+    for records in covered.values():
+        for record in records:
+            links.setdefault(record.seq, set()).add(record_link(record))
+    for run_id, records in covered.items():
+        first = min(records, key=lambda r: r.seq, default=None)
+        if first is not None and not (first.seq == 1 and first.prev == "" or first.prev in links.get(first.seq - 1, set())):
+            problems.append((first.seq, f"record seq {first.seq} of run {run_id}: not chained to a record before it"))
+    check.problems = [why for _, why in sorted(problems, key=lambda p: p[0])]
     return check
 
 
@@ -428,8 +448,12 @@ class AuditActivities:
         info = activity.info()
         if not isinstance(batch, AuditBatch):  # packed (AuditBatch.packed), as the workflow sends it
             batch = AuditBatch.model_validate(batch)
-        # The execution that asks is the stream's key, and its workflow id (never the batch's).
-        batch = batch.model_copy(update={"run_id": info.workflow_run_id or batch.run_id})
+        # The execution that asks is the stream's key, and its workflow id (never the batch's);
+        # its records' links, which the run leaves out after the first, are filled in again.
+        batch = batch.model_copy(update={
+            "run_id": info.workflow_run_id or batch.run_id,
+            "records": with_links(sorted(batch.records, key=lambda r: r.seq)),
+        })
         self._refuse_unsigned(info.workflow_id, batch)
         try:
             return AuditAck(last_seq=await self.sink.append(batch))
@@ -454,9 +478,7 @@ class AuditActivities:
         elif self.publics is None:
             why = "this worker has no public keys to verify records with"
         else:
-            why = next(
-                (p for r in batch.records if (p := record_problem(self.publics, workflow_id, batch.run_id, r))), None
-            )
+            why = batch_problem(self.publics, workflow_id, batch.run_id, batch.records)
         if why is None:
             return
         log.error("audit sink refused a batch for workflow %s run %s: %s", workflow_id[:200], batch.run_id, why)
@@ -631,14 +653,15 @@ class AuditCollector(Interceptor, Plugin):
         if view is None:
             return False
         snap = view.snapshot
-        # What the run had not written itself: its last ``audit_waiting`` records.
-        records = [r for r in view.timeline if r.seq > snap.timeline_records - snap.audit_waiting]
+        # What the run had not written itself: its last ``audit_waiting`` records, their links
+        # (left out after the first) filled in again.
+        records = with_links([r.model_copy() for r in view.timeline if r.seq > snap.timeline_records - snap.audit_waiting])
         if not records:
             return False
         why = (
             "this worker has no public keys to verify views with" if self.publics is None
             else view_problem(self.publics, workflow_id, run_id, view)
-            or next((p for r in records if (p := record_problem(self.publics, workflow_id, run_id, r))), None)
+            or batch_problem(self.publics, workflow_id, run_id, records)
         )
         if why is not None:
             log.error("audit collector refused the end view of run %s/%s: %s", workflow_id[:200], run_id, why)

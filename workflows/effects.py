@@ -51,7 +51,7 @@ from workflows.engine import Engine
 from workflows.published import COLLECT_EXTERN, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_model import ToolFailure
 from workflows.run_state import RunSnapshot, RunView
-from workflows.states import RunState, TransitionRecord, record_link, to_publish
+from workflows.states import RunState, TransitionRecord, implied_links, record_link, to_publish
 from workflows.wire import (
     ATTEMPT_STILL_RUNNING,
     AuditAck,
@@ -211,13 +211,6 @@ class Effects:
         return settled
 
     def on_record(self, record: TransitionRecord) -> None:
-        # Signed here, by the workflow code, for the stream this execution writes it to: a sink,
-        # a view or an auditor takes it as the fleet's only with this signature.
-        info = workflow.info()
-        with self.keyed():
-            record.sig = self.ring().sign_statement(
-                keys.record_statement(info.workflow_id, info.run_id, record.seq, record_link(record))
-            )
         self.audit.append(record)
         if record.kind == "refused":
             run_metrics.on_refusal(record)
@@ -225,6 +218,19 @@ class Effects:
             run_metrics.on_transition(self.data.lifecycle, record)
 
     # ------------------------------------------------------------------ keys
+
+    def seal(self, records: list[TransitionRecord]) -> None:
+        """Sign the last of ``records`` for the stream this execution writes (workflow id, run id,
+        seq, link): its link covers the chain before it, so a sink, a view or an auditor takes
+        them as the fleet's. One signature a batch, made by the workflow code (Ed25519 is
+        deterministic: a replay signs the same)."""
+        if not records:
+            return
+        last, info = records[-1], workflow.info()
+        with self.keyed():
+            last.sig = self.ring().sign_statement(
+                keys.record_statement(info.workflow_id, info.run_id, last.seq, record_link(last))
+            )
 
     def ring(self) -> keys.KeyRing:
         return keys.worker_ring(workflow.extern_functions)
@@ -306,7 +312,7 @@ class Effects:
         # (and answers) of the prefix it copied, but what it asks from the reset point on is
         # answered for it alone: another execution's answer never verifies here.
         drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
-        activity_id = f"{name}.{self.calls}.{hashlib.sha256(drawn.encode()).hexdigest()[:16]}"
+        activity_id = f"{name}.{self.calls}.{hashlib.sha256(drawn.encode()).hexdigest()[:12]}"
         # What was asked, as it was sent (the run may change a model it holds meanwhile).
         asked = keys.digest(arg) if attested else ""
         try:
@@ -396,11 +402,12 @@ class Effects:
         failures = 0
         while self.audit:
             batch = self.audit[:AUDIT_BATCH]
+            self.seal(batch)
             try:
                 await self.activity(
                     "audit_append",
                     AuditBatch(
-                        workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=batch,
+                        workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=implied_links(batch),
                         run_id=info.run_id, continued_from=info.continued_run_id,
                     ).packed(),
                     AuditAck,
@@ -528,9 +535,12 @@ class Effects:
         if key == self._viewed and not ending:
             return
         self._viewed = key
-        timeline = data.lifecycle.timeline[-VIEW_RECORDS:]
+        # For people: the latest records, their links left out (the sink has them).
+        timeline = [r.model_copy(update={"prev": ""}) for r in data.lifecycle.timeline[-VIEW_RECORDS:]]
         if ending and self.audit:
-            by_seq = {r.seq: r for r in [*self.audit, *timeline]}
+            # And the records the collector takes from here to the sink: chained, the last sealed.
+            self.seal(self.audit)
+            by_seq = {r.seq: r for r in [*timeline, *implied_links(self.audit)]}
             timeline = [by_seq[seq] for seq in sorted(by_seq)]
         info = workflow.info()
         view = RunView(

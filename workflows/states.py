@@ -204,17 +204,35 @@ class TransitionRecord(BaseModel):
     # chain, across continue-as-new ("" for the first); a reset branch chains from its reset point.
     prev: str = ""
     # The fleet's signature (workflows/keys.py, ``record_statement``) over the workflow id, the
-    # run that wrote it to the sink, the seq and this record's link: made by the workflow code.
+    # run that wrote it to the sink, the seq and this record's link, made by the workflow code on
+    # the last record of each batch it sends out: through the chain it covers the records before.
     sig: str = ""
 
 
 def record_link(record: TransitionRecord) -> str:
-    """A record's link in its chain: the sha256 of its JSON without its signature, the fields at
-    their defaults left out (so a field a later build adds does not change an older record's
-    link). Pure, so an auditor's verifier computes the same from the sink."""
+    """A record's link in its chain: the sha256 (128 bits of it, hex) of its JSON without its
+    signature, the fields at their defaults left out (so a field a later build adds does not
+    change an older record's link). It covers ``prev``, so a signature over one record's link
+    covers every record chained before it. Pure: an auditor's verifier computes the same."""
     body = record.model_dump(mode="json", exclude_defaults=True, exclude={"sig"})
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def implied_links(records: list[TransitionRecord]) -> list[TransitionRecord]:
+    """Records as a run sends them (a batch, its end view): each after the first with its
+    ``prev`` left out, which the receiver fills in again (``with_links``): a batch is a run of
+    consecutive records of one chain."""
+    return records[:1] + [r.model_copy(update={"prev": ""}) for r in records[1:]]
+
+
+def with_links(records: list[TransitionRecord]) -> list[TransitionRecord]:
+    """The ``prev`` of each record after the first, from the record before it (``implied_links``
+    left them out); a record that names one keeps it."""
+    for before, record in zip(records, records[1:]):
+        if not record.prev and record.seq == before.seq + 1:
+            record.prev = record_link(before)
+    return records
 
 
 # What a run sends for itself alone (the audit batch, the published view): JSON without the
