@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
@@ -245,10 +246,19 @@ class Policies:
 
     @classmethod
     def from_text(cls, text: str) -> Policies:
+        """Parsed once the text is within the sizes a parser survives (``size_problem``); ids and
+        rules read from the text itself, with no recursive decode of its JSON form (a valid deny
+        list of a few hundred ``||`` terms is deeper than Python's recursion limit)."""
+        why = size_problem(text, "the policy text")
+        if why is not None:
+            raise ValueError(why)
         policy_set = cedarpy.PolicySet.from_str(text)
-        est = json.loads(cedarpy.policies_to_json_str(text)).get("staticPolicies", {})
-        ids = {pid: p.get("annotations", {}).get("id") or pid for pid, p in est.items()}
-        rules = {pid: p.get("annotations", {}).get("rule") or ids[pid] for pid, p in est.items()}
+        ids: dict[str, str] = {}
+        rules: dict[str, str] = {}
+        for index, (_, statement) in enumerate(_statements(text)):
+            pid, notes = f"policy{index}", annotations(statement)
+            ids[pid] = notes.get("id") or pid
+            rules[pid] = notes.get("rule") or ids[pid]
         return cls(text=text, policy_set=policy_set, ids=ids, rules=rules)
 
 
@@ -489,10 +499,63 @@ def _statements(text: str) -> list[tuple[int, str]]:
     return out
 
 
+# The Cedar parser recurses on nesting: some hundreds of levels of ( [ { overflow its stack and
+# kill the process that reads the file (a segfault: `validate`, every worker, the inbox). Bounded
+# here, before any parser sees a text; policies people write nest a handful of levels.
+MAX_NESTING = 64
+MAX_POLICY_BYTES = 1024 * 1024
+_ANNOTATION = re.compile(r'\s*(?://[^\n]*\n\s*)*@(\w+)\s*\(\s*"((?:[^"\\]|\\.)*)"\s*\)')
+
+
+def size_problem(text: str, source: str) -> str | None:
+    """Why ``text`` is beyond what Tether lets a Cedar parser see (None: within): over
+    MAX_POLICY_BYTES, or nested deeper than MAX_NESTING (outside strings and comments)."""
+    size = len(text.encode())
+    if size > MAX_POLICY_BYTES:
+        return f"{source}: {size} bytes: a Cedar text holds at most {MAX_POLICY_BYTES} (docs/policy.md, sizes)"
+    depth, line, i = 0, 1, 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\n":
+            line += 1
+        elif text.startswith("//", i):
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+            continue
+        elif ch == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                line += text[i] == "\n"
+                i += 2 if text[i] == "\\" else 1
+        elif ch in "([{":
+            depth += 1
+            if depth > MAX_NESTING:
+                return (f"{source}: line {line}: nested deeper than {MAX_NESTING} levels of ( [ {{: a parser "
+                        f"would overflow its stack (docs/policy.md, sizes)")
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        i += 1
+    return None
+
+
+def annotations(statement: str) -> dict[str, str]:
+    """A policy's annotations (``@id("...")``, ``@rule("...")``), read from its text."""
+    found: dict[str, str] = {}
+    pos = 0
+    while (match := _ANNOTATION.match(statement, pos)) is not None:
+        found.setdefault(match.group(1), match.group(2).replace('\\"', '"').replace("\\\\", "\\"))
+        pos = match.end()
+    return found
+
+
 def cedar_problems(text: str, source: str) -> list[str]:
     """Everything wrong with a Cedar policy text, one line each with the file and line: a
-    syntax error, and what the schema refuses (an unknown attribute, a type error, an action
-    that does not exist); ``@id`` annotations used twice (records name policies by them)."""
+    text beyond the sizes a parser survives, a syntax error, and what the schema refuses (an
+    unknown attribute, a type error, an action that does not exist); ``@id`` annotations used
+    twice (records name policies by them)."""
+    why = size_problem(text, source)
+    if why is not None:
+        return [why]
     statements = _statements(text)
     try:
         parsed = Policies.from_text(text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -546,3 +547,47 @@ def test_the_judgement_log_in_postgres_is_read_like_the_json_lines(
     assert starter.main(["policy", "what-if", str(proposal), "--since", "7d", "--tenant", "acme"]) == 1
     out = capsys.readouterr().out
     assert f"{run}-acme " in out and f"{run} " not in out.replace(f"{run}-acme ", "")
+
+
+def _validate(path: Path) -> subprocess.CompletedProcess:
+    """`tether policy validate` in a process of its own: a parser that overflows its stack kills
+    the process (SIGSEGV), which must never be the test's own."""
+    from tests.conftest import BIN
+
+    return subprocess.run([str(BIN / "tether"), "policy", "validate", str(path)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_a_deeply_nested_condition_is_one_line_of_problem_not_a_crash(tmp_path: Path) -> None:
+    """Issue 43's finding: 2,000 nested parentheses (4 KB) overflowed the Rust parser's stack in
+    every process that read the file. Bounded before any parser sees it."""
+    path = tmp_path / "nested.cedar"
+    path.write_text('@id("deep")\npermit(principal, action, resource)\nwhen { ' + "(" * 2000 + "true" + ")" * 2000 + " };\n")
+    done = _validate(path)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    first = done.stderr.splitlines()[0]
+    assert str(path) in first and "line 3" in first and f"deeper than {cedar.MAX_NESTING}" in first, done.stderr
+    with pytest.raises(ValueError, match="deeper than"):
+        cedar.Policies.from_text(path.read_text())
+    # As deep as people write is fine.
+    path.write_text('permit(principal, action, resource) when { ' + "(" * 20 + "true" + ")" * 20 + " };\n")
+    assert _validate(path).returncode == 0
+
+
+def test_a_valid_deny_list_of_500_terms_loads_and_judges(tmp_path: Path) -> None:
+    """Issue 43's finding: the policy's JSON form of a 500-term `||` chain is deeper than Python's
+    recursion limit, so a valid file could not be loaded. Ids are read from the text now."""
+    people = [f"p{i}" for i in range(500)]
+    text = ('@id("deny-list")\nforbid(principal, action, resource) when { '
+            + " || ".join(f'principal == Tether::Person::"{p}"' for p in people) + " };\n"
+            + '@id("everyone")\npermit(principal, action, resource);\n')
+    path = tmp_path / "deny.cedar"
+    path.write_text(text)
+    done = _validate(path)
+    assert done.returncode == 0, done.stderr
+    policies = cedar.Policies.from_text(text)
+    assert sorted(policies.ids.values()) == ["deny-list", "everyone"]
+    request = {"principal": 'Tether::Person::"p499"', "action": 'Tether::Action::"approve"',
+               "resource": 'Tether::Run::"r"', "context": {}}
+    result = cedarpy.is_authorized(request, policies.policy_set, "[]")
+    assert result.decision == cedarpy.Decision.Deny
