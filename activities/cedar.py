@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
 from pathlib import Path
@@ -468,32 +468,39 @@ def plan_auto_approved(judgements: Sequence[Judgement]) -> bool:
 # ----------------------------------------------------------------------------- checks
 
 
+def _code(text: str) -> Iterator[tuple[int, str, int]]:
+    """(index, character, line) of each character of a Cedar text outside its comments; a string
+    literal is one item, its opening quote (what it holds is never code)."""
+    line, i = 1, 0
+    while i < len(text):
+        ch = text[i]
+        if text.startswith("//", i):
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+            continue
+        yield i, ch, line
+        if ch == "\n":
+            line += 1
+        elif ch == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                line += text[i] == "\n"
+                i += 2 if text[i] == "\\" else 1
+        i += 1
+
+
 def _statements(text: str) -> list[tuple[int, str]]:
     """The policies of a Cedar text, each with the line (1-based) it starts on: split at each
     ``;`` outside strings and comments (a policy ends there and nowhere else)."""
     out: list[tuple[int, str]] = []
     start: int | None = None
-    line, start_line, i = 1, 1, 0
-    while i < len(text):
-        ch = text[i]
-        if ch == "\n":
-            line += 1
-        elif text.startswith("//", i):
-            end = text.find("\n", i)
-            i = len(text) if end < 0 else end
-            continue
-        elif not ch.isspace() and start is None:
+    start_line = 1
+    for i, ch, line in _code(text):
+        if start is None and not ch.isspace():
             start, start_line = i, line
-        if ch == '"':
-            i += 1
-            while i < len(text) and text[i] != '"':
-                if text[i] == "\n":
-                    line += 1
-                i += 2 if text[i] == "\\" else 1
-        elif ch == ";" and start is not None:
+        if ch == ";" and start is not None:
             out.append((start_line, text[start : i + 1]))
             start = None
-        i += 1
     if start is not None:
         out.append((start_line, text[start:]))
     return out
@@ -513,28 +520,15 @@ def size_problem(text: str, source: str) -> str | None:
     size = len(text.encode())
     if size > MAX_POLICY_BYTES:
         return f"{source}: {size} bytes: a Cedar text holds at most {MAX_POLICY_BYTES} (docs/policy.md, sizes)"
-    depth, line, i = 0, 1, 0
-    while i < len(text):
-        ch = text[i]
-        if ch == "\n":
-            line += 1
-        elif text.startswith("//", i):
-            end = text.find("\n", i)
-            i = len(text) if end < 0 else end
-            continue
-        elif ch == '"':
-            i += 1
-            while i < len(text) and text[i] != '"':
-                line += text[i] == "\n"
-                i += 2 if text[i] == "\\" else 1
-        elif ch in "([{":
+    depth = 0
+    for _, ch, line in _code(text):
+        if ch in "([{":
             depth += 1
             if depth > MAX_NESTING:
                 return (f"{source}: line {line}: nested deeper than {MAX_NESTING} levels of ( [ {{: a parser "
                         f"would overflow its stack (docs/policy.md, sizes)")
         elif ch in ")]}":
             depth = max(0, depth - 1)
-        i += 1
     return None
 
 
