@@ -79,6 +79,10 @@ class Carry(RunModel):
             if not continue_due(history_bytes=seen.history_bytes, history_events=seen.history_events, carry_bytes=carried):
                 self.continue_at = CARRY_AMORTIZE * carried  # asked again once history is there
                 return
+        # Held early decisions are not carried (a continue for size, not suggested, reaches here
+        # with some): refused on the record first, never lost.
+        if self.early:
+            self.decide(lambda now: self.refuse_early(now))
         # Every record to the sink and the view published first; then nothing is awaited until
         # the run continues, so the state sealed is the state carried (signals that come in
         # meanwhile wait for the next loop).
