@@ -277,7 +277,8 @@ class AgentRun:
         if refusal is None:
             refusal = policy.updates_refusal(self.engine.updates)  # it continues as new first
         if refusal is not None:
-            raise ValueError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}")
+            # The rule is the error's type: a client maps it, never parses the message.
+            raise ApplicationError(f"{decision.kind} refused [{refusal.rule}]: {refusal.message}", type=refusal.rule)
 
     def _decide_payload(self, args: Sequence[Any]) -> DecideRequest | ReviseDecideRequest:
         if len(args) != 1:

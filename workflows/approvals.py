@@ -521,7 +521,8 @@ class Inbox(RunModel):
             )
             return
         self.verdicts[decision_id] = DecideResult(
-            decision_id=decision_id, outcome=record.kind, state=record.to_state, reason=record.reason, rule=record.rule
+            decision_id=decision_id, outcome=record.kind, state=record.to_state, reason=record.reason, rule=record.rule,
+            record=record.model_copy(update={"prev": ""}),  # its link is the sink's business
         )
 
     def hold_early(self, kind: DecisionKind, decision: Decision) -> bool:

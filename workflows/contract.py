@@ -22,7 +22,7 @@ import rfc8785
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator
 
 from workflows.identity import Name
-from workflows.states import EffectOutcome, RunState
+from workflows.states import EffectOutcome, RunState, TransitionRecord
 
 
 # Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
@@ -361,13 +361,15 @@ class ReviseDecideRequest(RevisionRequest):
 
 
 class DecideResult(BaseModel):
-    """The verdict the ``decide`` Update answers with: the record the run wrote for it."""
+    """The verdict the ``decide`` Update answers with: the record the run wrote for it (``record``,
+    whole: what a client prints, with no timeline query after it)."""
 
     decision_id: str
     outcome: Literal["transition", "accepted", "refused"]
     state: RunState
     reason: str
     rule: str | None = None
+    record: TransitionRecord | None = None
 
 
 class HandoffRequest(Contract):
