@@ -104,7 +104,7 @@ def create_worker(
     # write and each undo is started at most once, whichever run asks (activities/effect_ledger.py).
     audit = audit or AuditActivities()
     ledger = ledger_for(audit.sink, new_ledger=new_ledger)
-    tools = ToolActivities(registry, keys, ledger)
+    tools = ToolActivities(registry, keys, ledger, records=audit.write)
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
     if rules.keys is None:
         rules.keys = keys

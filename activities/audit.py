@@ -61,14 +61,12 @@ from temporalio.worker import (
 from workflows import keys as ring_math
 from workflows.published import COLLECT_EXTERN, VIEW_MEMO
 from workflows.run_state import RunView
-from workflows.wire import AuditAck, AuditBatch
+from workflows.wire import RECORD_UNVERIFIED, SINK_UNAVAILABLE, AuditAck, AuditBatch
 from workflows.states import TransitionRecord, record_link, with_links
 
 DEFAULT_AUDIT_DIR = ".tether/audit"
 AUDIT_TABLE = "tether_audit"
-SINK_UNAVAILABLE = "audit_sink_unavailable"  # the ApplicationError type the workflow shows
 SINK_FAILURES = "tether_audit_sink_failures"
-RECORD_UNVERIFIED = "record_unverified"  # the ApplicationError type of a refused batch
 RECORDS_REFUSED = "tether_audit_records_refused"
 _TAIL = 64 * 1024  # enough to hold the last complete record line
 _PREFIX_CHARS = 48
@@ -445,6 +443,12 @@ class AuditActivities:
 
     @activity.defn(name="audit_append")
     async def audit_append(self, batch: AuditBatch | bytes) -> AuditAck:
+        return AuditAck(last_seq=await self.write(batch))
+
+    async def write(self, batch: AuditBatch | bytes) -> int:
+        """The records a run sends (``audit_append``, or along with a write: execute_tool), into
+        the stream of the execution whose activity this is; the last seq written. Refused whole
+        unless the fleet signed them for that run; a failing sink is an ApplicationError."""
         info = activity.info()
         if not isinstance(batch, AuditBatch):  # packed (AuditBatch.packed), as the workflow sends it
             batch = AuditBatch.model_validate(batch)
@@ -456,7 +460,7 @@ class AuditActivities:
         })
         self._refuse_unsigned(info.workflow_id, batch)
         try:
-            return AuditAck(last_seq=await self.sink.append(batch))
+            return await self.sink.append(batch)
         except Exception as e:  # any sink error: visible on the run, in the log, in a metric
             cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             log.warning(

@@ -603,8 +603,12 @@ class PolicyActivities:
                 kind=check.kind, decision=check.decision, signers=self._signers(), steps_digest=check.steps_digest,
             )
         verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
-        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified,
-                                             policies=list(judgement.policies)))
+        verdict = Verdict(refusal=refusal, policy_hash=digest, verified=verified, policies=list(judgement.policies))
+        if refusal is None and check.then is not None:
+            # The approval puts the plan in force: its re-check before the first write, here, so
+            # the run goes from the decision to the write with no other activity between.
+            verdict.then = await self._authority(check.then)
+        return self._attested(check, verdict)
 
     async def _log(self, judged: list[cedar.Judgement], tenant: str, digest: str, **what: Any) -> None:
         if not judged or (self.judgements is None and self.shadow is None):
@@ -677,8 +681,11 @@ class PolicyActivities:
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:
-        """The current file in full over the approvals in force (and a plan's auto-approval);
-        given ``check.call``, the capability for exactly that write attempt."""
+        """The current file in full over the approvals in force (and a plan's auto-approval),
+        just before a write (``check.call``) or before the steps that lead to one."""
+        return self._attested(check, await self._authority(check))
+
+    async def _authority(self, check: AuthorityCheck) -> Verdict:
         tenant, policies, digest = self._policies(check.tenant)
 
         def signature_problem(approval: AcceptedApproval) -> Refusal | None:
@@ -704,7 +711,7 @@ class PolicyActivities:
                 refusal = cedar_refusal(judgement, policy.compensator_refusal(tenant, check.compensator),
                                         check.compensator, "compensate", check.tenant)
                 ids = list(judgement.policies)
-            return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, policies=ids))
+            return Verdict(refusal=refusal, policy_hash=digest, policies=ids)
         approvals_judged: list[cedar.Judgement] = []
         approver_problem = cedar_approver_problem(tenant, policies, check.tenant, check.requested_by, approvals_judged)
         refusal = policy.authority_refusal(
@@ -736,7 +743,7 @@ class PolicyActivities:
             )
             verdict.approvals_required, verdict.roles = policy.request_terms(review, tenant)
             verdict.tenant_policy = tenant
-        return self._attested(check, verdict)
+        return verdict
 
     def _attested(self, check: Any, verdict: Verdict) -> Verdict:
         """The verdict, with the fleet key's MAC over the check and itself: the run acts on no

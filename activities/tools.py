@@ -26,6 +26,7 @@ only when the tool has: a tool still running a grace period after its deadline i
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextvars
 import functools
 import hashlib
@@ -34,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, get_type_hints
@@ -51,10 +52,15 @@ from activities.loading import LoadError, import_named
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
-from workflows.wire import ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
+from workflows.wire import (
+    ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, LEDGER_UNAVAILABLE, RECORD_UNVERIFIED, SINK_UNAVAILABLE, ToolCall, ToolOutcome,
+)
 from workflows.recovery import UNDO_KEY_SUFFIX
 from workflows.retries import ToolTimeouts, tool_timeouts
 from workflows.validation import BoundedValidator, PatternError, schema_problem
+
+# Writes a run's packed records to the audit sink (activities/audit.py AuditActivities.write).
+RecordWriter = Callable[[bytes], Awaitable[int]]
 
 log = logging.getLogger("tether.tools")
 
@@ -405,10 +411,16 @@ def bounded_observation(result: Any) -> ToolOutcome:
 class ToolActivities:
     """The activities that expose a registry's tools to the workflow."""
 
-    def __init__(self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None, ledger: EffectLedger | None = None) -> None:
+    def __init__(
+        self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None, ledger: EffectLedger | None = None,
+        records: RecordWriter | None = None,
+    ) -> None:
         self.registry = registry
         self.keys = keys  # verifies the capability every write attempt must carry
         self.ledger = ledger  # each write (undos too) started at most once, whoever asks (activities/effect_ledger.py)
+        # The audit sink's writer (AuditActivities.write): the records a write takes along go in
+        # before the tool is called.
+        self.records = records
 
     @activity.defn(name="execute_tool")
     async def execute_tool(self, call: ToolCall) -> ToolOutcome:
@@ -428,6 +440,8 @@ class ToolActivities:
                 refused = capability_refusal(self.keys, call)
                 if refused is not None:
                     raise refused
+            if call.records is not None:
+                await self._write_records(call.records)
             try:
                 args = spec.parse_args(call.args)
             except ValidationError as e:
@@ -477,6 +491,22 @@ class ToolActivities:
                 await self._settle(key, "unknown")
                 raise
             return await self._settled(spec, call, key, bounded_observation(result))
+
+    async def _write_records(self, records: str) -> None:
+        """The run's records before this write, into the audit sink before the tool is called
+        (refused whole unless the fleet signed them for this run: activities/audit.py). Any
+        failure is the sink's: the tool is not called, and the run writes them itself."""
+        if self.records is None:
+            raise ApplicationError(
+                "this worker has no audit sink for the records before a write (worker.create_worker wires it)",
+                type=SINK_UNAVAILABLE,
+            )
+        try:
+            packed = base64.b64decode(records, validate=True)
+        except ValueError:
+            raise ApplicationError("the records before this write are not base64", type=RECORD_UNVERIFIED,
+                                   non_retryable=True) from None
+        await self.records(packed)
 
     def _ledger_key(self, spec: ToolSpec, call: ToolCall) -> str | None:
         """The ledger key of a write (an undo included): its idempotency key, which the call's

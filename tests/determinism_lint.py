@@ -63,6 +63,7 @@ ALLOWED_IMPORTS = frozenset({
     "hashlib", "json", "math", "typing", "unicodedata",
     "hmac",  # MACs by the fleet key computed in workflow code (issue 33): pure, bytes in and out
     "zlib",  # what a run sends for itself alone, packed (states.pack_json): pure, bytes in and out
+    "base64",  # the records a write takes along (effects.Effects.tool): pure, bytes in and out
     "contextlib",  # contextmanager; its process-wide helpers (chdir, redirect_*) are ESCAPES
     "pydantic", "jsonschema", "jsonschema.validators", "re2", "rfc8785", "confusable_homoglyphs",
     "jsonpatch",  # RFC 6902 diffs of a revised plan (workflows/revision.py): pure, json only

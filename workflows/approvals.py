@@ -18,7 +18,7 @@ from workflows.policy_file import EscalationStage
 from workflows.run_model import Decision, DecisionKind, Program, RunFailed, RunModel, S, require
 from workflows.run_state import PendingApproval
 from workflows.states import Refs
-from workflows.wire import DecisionCheck, Proposal, ProposedStep, Refusal, Verdict
+from workflows.wire import AuthorityCheck, DecisionCheck, Proposal, ProposedStep, Refusal, Verdict
 
 
 class Approvals(RunModel):
@@ -295,30 +295,37 @@ class Approvals(RunModel):
             return
         self._approve(decision, actor, at, refs)
 
+    def authority_if_approved(self, kind: DecisionKind, decision: Decision) -> AuthorityCheck | None:
+        """The re-check of the plan's remaining writes under the approval ``decision`` would put
+        in force, for the policy activity to judge with the decision (one activity between a
+        decision and its write). None: it would not put the plan in force (an approval more is
+        needed, a partial approval, a revision, a rejection), or nothing left writes."""
+        data = self.data
+        pending = data.pending_approval
+        if kind != "approve" or isinstance(decision, RevisionRequest) or pending is None or data.plan is None:
+            return None
+        if policy.partial_steps(decision, data.plan) is not None:
+            return None
+        approvals = [*pending.approvals, _accepted(decision, self.at)]
+        if len(approvals) < pending.approvals_required or self._reviser_alone(pending, approvals):
+            return None
+        return self.authority_check(from_step=data.next_step, approval=pending.model_copy(update={"approvals": approvals}))
+
+    def _reviser_alone(self, pending: PendingApproval, approvals: list[AcceptedApproval]) -> bool:
+        """Only the plan's revisers approved it, which the tenant does not allow alone."""
+        allowed = self.tenant is not None and self.tenant.reviser_may_approve_alone
+        return not allowed and _by_revisers(pending, approvals) and len(approvals) >= pending.approvals_required
+
     def _approve(self, decision: ApprovalDecision, actor: str, at: datetime, refs: Refs) -> None:
         data = self.data
         pending = data.pending_approval
         require(pending is not None, "no pending approval")
-        pending.approvals.append(
-            AcceptedApproval(
-                approver=decision.approver,
-                decision_id=decision.decision_id,
-                at=at,
-                # Kept: the re-check before every write verifies it again under the current file.
-                signature=decision.signature,
-                request_id=decision.request_id or "",
-                plan_hash=decision.plan_hash,
-                attested_by=decision.attested_by,
-                steps=decision.steps,
-            )
-        )
+        # Kept: the re-check before every write verifies it again under the current file.
+        pending.approvals.append(_accepted(decision, at))
         data.approved_by = [a.approver for a in pending.approvals]
         unreviewed = " (unreviewed: not bound to a plan the approver was shown)" if decision.unreviewed else ""
         # Whoever changed the plan's steps is not its only approver, unless the tenant allows it.
-        by_revisers = bool(pending.revisers) and all(
-            any(same_person(a.approver, r) for r in pending.revisers) for a in pending.approvals
-        )
-        alone = by_revisers and len(pending.approvals) >= pending.approvals_required
+        alone = _by_revisers(pending, pending.approvals) and len(pending.approvals) >= pending.approvals_required
         if alone and self.tenant is not None and self.tenant.reviser_may_approve_alone:
             unreviewed += " (approved by its own reviser alone: reviser_may_approve_alone = true)"
         elif alone:
@@ -449,6 +456,23 @@ class Approvals(RunModel):
         self.enter_step(at=at, reason="approved plan: executing")
 
 
+def _accepted(decision: ApprovalDecision, at: datetime) -> AcceptedApproval:
+    return AcceptedApproval(
+        approver=decision.approver,
+        decision_id=decision.decision_id,
+        at=at,
+        signature=decision.signature,
+        request_id=decision.request_id or "",
+        plan_hash=decision.plan_hash,
+        attested_by=decision.attested_by,
+        steps=decision.steps,
+    )
+
+
+def _by_revisers(pending: PendingApproval, approvals: list[AcceptedApproval]) -> bool:
+    return bool(pending.revisers) and all(any(same_person(a.approver, r) for r in pending.revisers) for a in approvals)
+
+
 def _plain(decision: Decision) -> ApprovalDecision:
     """The fields every decision has (a revision's editor as its approver)."""
     return decision.as_decision() if isinstance(decision, RevisionRequest) else decision
@@ -577,6 +601,7 @@ class Inbox(RunModel):
             # Left in the inbox while the policy is consulted: whatever ends the run meanwhile
             # (a cancel, a failure) still answers it (the run's ending).
             kind, decision = self.inbox[0]
+            then = self.authority_if_approved(kind, decision)
             verdict = yield Call(
                 "policy_check_decision",
                 DecisionCheck(
@@ -585,6 +610,7 @@ class Inbox(RunModel):
                     requested_by=self.request.requested_by,
                     first_run_id=self.data.first_run_id,
                     requester_verified=self.data.requester_verified,
+                    then=then,
                     **self.decision_check(kind, decision),
                 ),
                 Verdict,
@@ -596,6 +622,8 @@ class Inbox(RunModel):
                 lambda now: self.settle_decision(kind, decision, verdict.refusal, now, verdict.verified, new_id=ids),
                 policies=verdict.policies,
             )
+            # The approved plan's re-check came with the verdict: the run enters the plan on it.
+            self.remember_check(then, verdict.then)
             self.answer(decision.decision_id)
             return
         if self.at >= wake:

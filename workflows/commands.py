@@ -42,6 +42,9 @@ class RunTool:
     start_to_close: float
     heartbeat: float
     summary: str
+    # A write: the records not yet in the audit sink go along (the tool worker appends them
+    # before it calls the tool).
+    records: bool = False
 
 
 @dataclass(frozen=True)

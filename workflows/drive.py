@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from workflows.commands import Call, Checkpoint, Command, End, HandlersDone, Notified, Notify
+from workflows.commands import Call, Checkpoint, Command, End, HandlersDone, Notified, Notify, RunTool, Sleep, Wait
 from workflows.run_model import Program, RunFailed, RunModel, S
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal, RunSetup, Verdict
 
@@ -39,6 +39,8 @@ class Drive(RunModel):
             self._program = None
             return End()
         self._result = None
+        if isinstance(command, (Call, RunTool, Sleep, Wait)):
+            self.checked = None  # the run waits: a re-check it had covers no write after this
         return command
 
     def on(self, command: Command, result: Any, now: datetime) -> None:

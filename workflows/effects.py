@@ -12,6 +12,7 @@ Decisions are not made here: what to call, with what, and what an answer means i
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,6 +78,8 @@ PLANNER = (PLANNER_TIMEOUT, PLANNER_RETRY)
 TOOL_RETRY = RetryPolicy(maximum_attempts=1)
 # Records per audit_append call: each call's input stays far below the payload limit.
 AUDIT_BATCH = 200
+# Records a write takes along to the sink, at most (more are written on their own first).
+WRITE_RECORDS = 50
 # audit_append tries a few times in quick succession, then the run shows the error and retries on
 # a timer: 1 s, 2 s, 4 s, ... up to a minute.
 AUDIT_RETRY = RetryPolicy(
@@ -146,7 +149,7 @@ class Effects:
                 try:
                     return await self.tool(
                         command.call, activity_id=command.activity_id, start_to_close=command.start_to_close,
-                        heartbeat=command.heartbeat, summary=command.summary,
+                        heartbeat=command.heartbeat, summary=command.summary, records=command.records,
                     )
                 except ActivityError as err:
                     failure = activity_failure(err)
@@ -343,11 +346,31 @@ class Effects:
         start_to_close: float,
         heartbeat: float,
         summary: str,
+        records: bool = False,
     ) -> ToolOutcome:
         """One ``execute_tool`` attempt. A write's (``activity_id`` given) answer is attested.
         The run's cancel is not let to lose the attempt: it is cancelled and waited for, what it
-        did is kept (``take_settled``), and the cancel goes on. A failure raises ActivityError."""
+        did is kept (``take_settled``), and the cancel goes on. A failure raises ActivityError.
+
+        ``records``: the records not yet in the audit sink go with the call, and the tool worker
+        appends them before it calls the tool: no write starts while the records before it are not
+        in the sink, and no activity of their own stands before it. They leave the run's queue
+        once the attempt has answered; until then (and after a failure) they are sent again, and
+        the sink keeps each seq once."""
         writes = activity_id is not None
+        sent: list[TransitionRecord] = []
+        if records and self.audit:
+            if len(self.audit) > WRITE_RECORDS:
+                await self.flush_audit()  # a long backlog: first on its own
+            sent = list(self.audit)
+            if sent:
+                self.seal(sent)
+                info = workflow.info()
+                batch = AuditBatch(
+                    workflow_id=info.workflow_id, first_run_id=self.data.first_run_id, records=implied_links(sent),
+                    run_id=info.run_id, continued_from=info.continued_run_id,
+                )
+                call = call.model_copy(update={"records": base64.b64encode(batch.packed()).decode("ascii")})
         handle = workflow.start_activity(
             "execute_tool",
             call,
@@ -385,12 +408,20 @@ class Effects:
                 failure = ToolFailure("cancelled", "the attempt's result was lost to the cancel", False)
             if outcome is not None and writes:
                 self.check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
+            if outcome is not None:
+                self._written(sent)
             self._settled = (outcome, failure)
             raise
         if writes:
             # What a write did decides what gets undone: only the fleet's tool worker says so.
             self.check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
+        self._written(sent)
         return outcome
+
+    def _written(self, sent: list[TransitionRecord]) -> None:
+        """The tool worker appended ``sent`` (the attempt answered): off the run's queue."""
+        if sent and self.audit[: len(sent)] == sent:
+            del self.audit[: len(sent)]
 
     # ------------------------------------------------------------------ the audit sink
 

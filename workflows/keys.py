@@ -218,8 +218,9 @@ def _digest(model: BaseModel) -> str:
 
 def attested_call(call: ToolCall) -> ToolCall:
     """What a write's outcome is attested over: the call without its capability, which names
-    the run that scheduled the attempt (a reset run replays the outcome under its own id)."""
-    return call.model_copy(update={"capability": None})
+    the run that scheduled the attempt (a reset run replays the outcome under its own id), and
+    without the records it took along to the sink."""
+    return call.model_copy(update={"capability": None, "records": None})
 
 
 def digest(model: BaseModel) -> str:

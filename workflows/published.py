@@ -18,5 +18,5 @@ COLLECT_EXTERN = "tether_audit_collect"
 # TemporalChangeVersion search attribute, which `tether drain` reads). It replays no history
 # started by an earlier build: those runs drain on the build that started them
 # (docs/changing-workflows.md). A new command order is a new build id, never a patch branch.
-BUILD = "tether-build-8"
+BUILD = "tether-build-9"
 CHANGE_VERSION_ATTRIBUTE = SearchAttributeKey.for_keyword_list("TemporalChangeVersion")

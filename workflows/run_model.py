@@ -32,7 +32,7 @@ from workflows.contract import (
 from workflows.policy_file import TenantPolicy
 from workflows.run_state import RunData, RunRequest
 from workflows.states import EffectOutcome, IllegalTransition, Refs, RunState, TransitionRecord
-from workflows.wire import PlanReview, Refusal, ToolOutcome
+from workflows.wire import AuthorityCheck, PlanReview, Refusal, ToolOutcome, Verdict
 
 
 S = RunState
@@ -159,6 +159,10 @@ class RunModel:
         self.bounces = 0
         self.loops = 0
         self.continue_at: int | None = None
+        # The re-check the run last had allowed in this execution, with nothing awaited since
+        # (Drive.next forgets it at the next wait): the write it covers mints on it, no second
+        # check (Steps.checked_verdict).
+        self.checked: tuple[AuthorityCheck, Verdict] | None = None
 
     def carried_over(self, generation: int) -> None:
         """The carried state's seal held: this run is that generation of the run chain."""

@@ -12,11 +12,13 @@ from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, Checkpoint, Mint, RunTool, Show, Sleep, Wait
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect
 from workflows.run_model import Program, RunFailed, RunModel, S, ToolFailure, require
+from workflows.run_state import PendingApproval
 from workflows.states import EffectOutcome, Refs
 from workflows.wire import (
     CAPABILITY_EXPIRED,
     CAPABILITY_KEY_MISSING,
     LEDGER_UNAVAILABLE,
+    RECORDS_NOT_WRITTEN,
     AuthorityCheck,
     Refusal,
     ToolCall,
@@ -45,9 +47,10 @@ class Steps(RunModel):
             ])
         return self._writes[1]
 
-    def authority_check(self, *, from_step: int) -> AuthorityCheck | None:
+    def authority_check(self, *, from_step: int, approval: PendingApproval | None = None) -> AuthorityCheck | None:
         """What to re-check against the current policy file before the plan's remaining writes
-        run, approved or auto-approved (None: nothing left writes)."""
+        run, approved or auto-approved (None: nothing left writes). ``approval``: judge under
+        this approval instead of the one in force (one a decision would put in force)."""
         data = self.data
         if self.state == S.COMPENSATING:
             return self._undo_check()
@@ -58,7 +61,7 @@ class Steps(RunModel):
         if not writes:
             return None
         tools = [s.tool for s in writes]
-        approval = data.approval
+        approval = approval or data.approval
         # The remaining steps, their catalog entries and what the run has done: the current
         # file judges them (auto-approval, or the roles and count an approval needs now).
         context = dict(
@@ -357,11 +360,33 @@ class Steps(RunModel):
 
     def _authority(self, *, from_step: int) -> Program[Verdict | None]:
         """Re-check, through the policy activity, the approvals of the plan's remaining writes
-        under the current file."""
+        under the current file; none when this execution has just had exactly this check allowed
+        (a decision's activity judged it with the decision). An allowed verdict also covers the
+        write at ``from_step`` if it comes next: one check a write."""
         check = self.authority_check(from_step=from_step)
         if check is None:
             return None
-        return (yield Call("policy_check_authority", check, Verdict, "policy re-check before writes"))
+        verdict = self.checked_verdict(check)
+        if verdict is None:
+            verdict = yield Call("policy_check_authority", check, Verdict, "policy re-check before writes")
+            self.remember_check(check, verdict)
+        return verdict
+
+    def remember_check(self, check: AuthorityCheck | None, verdict: Verdict | None) -> None:
+        """A re-check's verdict stands for the same check until the run next waits: an allowed
+        one covers the write it precedes, a refusal is not asked for again."""
+        self.checked = (check, verdict) if check is not None and verdict is not None else None
+
+    def checked_verdict(self, check: AuthorityCheck, *, take: bool = False) -> Verdict | None:
+        """The verdict this execution already has on exactly ``check`` (the approvals' times
+        aside: a decision's activity judged them before they were accepted), with nothing awaited
+        since; ``take``: it is used up (a write mints on it)."""
+        if self.checked is None or not _same_check(self.checked[0], check):
+            return None
+        verdict = self.checked[1]
+        if take:
+            self.checked = None
+        return verdict
 
     def _execute_step(self) -> Program[None]:
         step = self.current_step()
@@ -389,10 +414,14 @@ class Steps(RunModel):
             check = self.authority_check(from_step=self.data.next_step)
             verdict = None
             if check is not None:
-                verdict = yield Call(
-                    "policy_check_authority", check.model_copy(update={"call": call}), Verdict,
-                    "policy re-check before this write",
-                )
+                # The re-check that let the run enter this step covers its first attempt; a retry,
+                # an undo, or a step entered after a wait is checked here.
+                verdict = self.checked_verdict(check, take=True)
+                if verdict is None:
+                    verdict = yield Call(
+                        "policy_check_authority", check.model_copy(update={"call": call}), Verdict,
+                        "policy re-check before this write",
+                    )
             if verdict is None or verdict.refusal is not None:
                 refusal = (verdict.refusal if verdict else None) or Refusal(
                     rule="capability_invalid", message="no re-check for this write"
@@ -400,22 +429,27 @@ class Steps(RunModel):
                 self.decide(lambda now: self.write_refused(refusal, now), policies=verdict.policies if verdict else None)
                 return
             call = yield Mint(call, activity_id, check, timeouts.start_to_close)
-            yield Checkpoint(rest=False)  # the record of the approval is in the sink before a write
-            if (yield from self._in_flight_handoff()):  # the task a forced hand-off resets to
-                return
-        else:
-            yield Show()  # a read is no place the run rests: the sink gets its records later
+        # A read is no place the run rests: the sink gets its records later. A write takes them
+        # along: its tool worker appends them before it calls the tool.
+        yield Show()
         answer = yield RunTool(
             call,
             activity_id,
             timeouts.start_to_close,
             timeouts.heartbeat,
+            records=writes,
             # The Web UI's line for the call: a write names its effect class, a read only itself.
             summary=f"{step.tool} · " + ("" if not writes else f"{info.effect.value} · ")
             + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
         )
         if isinstance(answer, ToolFailure):
             failure = answer
+            if activity_id and failure.code in RECORDS_NOT_WRITTEN:
+                # The records before the write did not reach the sink, so the tool was not called:
+                # the run writes them itself, on the sink's backoff, and schedules the write again.
+                self.capability_bounced(failure)
+                yield Checkpoint()
+                return
             bounced = (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED, LEDGER_UNAVAILABLE)
             if activity_id and failure.code in bounced and self.bounces < MAX_BOUNCES:
                 # The tool was not called: schedule the attempt again, fresh capability, soon.
@@ -461,3 +495,12 @@ class Steps(RunModel):
         self.data.step_outcome = None
         self.ended_in_flight.clear()
         return False
+
+
+def _same_check(a: AuthorityCheck, b: AuthorityCheck) -> bool:
+    """The same re-check, whenever its approvals were accepted (and whatever call it names)."""
+    return _untimed(a) == _untimed(b)
+
+
+def _untimed(check: AuthorityCheck) -> AuthorityCheck:
+    return check.model_copy(update={"call": None, "approved": [a.model_copy(update={"at": None}) for a in check.approved]})

@@ -85,6 +85,11 @@ CAPABILITY_EXPIRED = "capability_expired"
 # The tool worker could not reach its undo ledger (activities/undo_ledger.py) to claim an undo:
 # the tool was not called, and the run schedules the attempt again as for a capability that bounced.
 LEDGER_UNAVAILABLE = "ledger_unavailable"
+# The audit sink failed, or refused the records a write took along (activities/audit.py): the
+# tool was not called; the run writes them itself (audit backoff) and schedules the write again.
+SINK_UNAVAILABLE = "audit_sink_unavailable"
+RECORD_UNVERIFIED = "record_unverified"
+RECORDS_NOT_WRITTEN = (SINK_UNAVAILABLE, RECORD_UNVERIFIED)
 
 
 # A local activity found a seal naming a key id this worker does not hold.
@@ -105,6 +110,11 @@ class ToolCall(BaseModel):
     attempt: int = 1
     # Required for every tool that is not read_only (activities/tools.py refuses the call without).
     capability: Capability | None = None
+    # A write's: the run's records not yet in the audit sink (AuditBatch, packed, base64). The
+    # tool worker appends them before it calls the tool, so they travel with the write instead of
+    # costing an activity of their own; neither the capability nor the attestation covers them
+    # (the sink checks their chain and signature itself).
+    records: str | None = None
 
 
 class ToolOutcome(BaseModel):
@@ -260,12 +270,16 @@ class DecisionCheck(BaseModel):
     # The pending request's risk level and the escalation stages that fired (Cedar's Run).
     risk: str = "normal"
     stage: int = 0
+    # An approval that would put the plan in force: the re-check of its remaining writes under the
+    # current file (the approval included), judged in the same activity when the decision is
+    # allowed, so no activity stands between the decision and the first write but this one.
+    then: AuthorityCheck | None = None
 
     @model_serializer(mode="wrap")
     def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
         # Left out at their defaults: a check is attested as sent, and one recorded before these
         # fields existed replays with the same digest.
-        return omit_defaults(handler(self), {"risk": "normal", "stage": 0})
+        return omit_defaults(handler(self), {"risk": "normal", "stage": 0, "then": None})
 
 
 class HandoffCheck(BaseModel):
@@ -361,10 +375,13 @@ class Verdict(BaseModel):
     # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
     # activity and checked by the workflow code before the run acts on it.
     attestation: str | None = None
+    # The verdict on a DecisionCheck's ``then``: the approved plan's re-check (given only when the
+    # decision itself was allowed).
+    then: Verdict | None = None
 
     @model_serializer(mode="wrap")
     def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
-        return omit_defaults(handler(self), {"policies": []})  # as DecisionCheck's
+        return omit_defaults(handler(self), {"policies": [], "then": None})  # as DecisionCheck's
 
 
 class RecoveryRequest(BaseModel):
@@ -402,3 +419,5 @@ class AuditAck(BaseModel):
 
 
 AuthorityCheck.model_rebuild()
+DecisionCheck.model_rebuild()
+Verdict.model_rebuild()
