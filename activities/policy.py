@@ -732,7 +732,9 @@ class PolicyActivities:
         written, judged = judge_writes(tenant, policies, check, check.tenant)
         judged = approvals_judged + judged
         refusal = refusal or written
-        await self._log(judged, check.tenant, digest, check="write", plan_hash=check.plan_hash,
+        # "plan": before the steps (planning time, an approved plan, the next step); "write": the
+        # check just before a write attempt.
+        await self._log(judged, check.tenant, digest, check="write" if check.call else "plan", plan_hash=check.plan_hash,
                         tool_call_id=check.call.tool_call_id if check.call else "")
         deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
         verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)

@@ -445,6 +445,9 @@ class Effects:
                     f"audit · {len(batch)} record(s)",
                     retry=AUDIT_RETRY,
                     attested=False,  # what it answers decides nothing
+                    # The state is published once its records are in (the checkpoint shows it
+                    # after): a run listed as waiting has its request on the record.
+                    show=False,
                 )
             except ActivityError as err:
                 failures += 1

@@ -168,8 +168,14 @@ class Planning(RunModel):
         if not review.needs_approval and refusal is None:
             self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
             return
-        why = f"policy changed [{refusal.rule}]: {refusal.message}; " if refusal else ""
-        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}", ask=ask if refusal else None)
+        if review.needs_approval and (refusal is None or refusal.rule == "approval_needed"):
+            # What the snapshot said, and the current file too (or it would let the writes run
+            # alone, and a person decides all the same): the snapshot's terms.
+            self.request_approval(at=at, reason=f"approval needed: {review.summary}")
+            return
+        assert refusal is not None
+        why = f"policy changed [{refusal.rule}]: {refusal.message}; "
+        self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}", ask=ask)
 
     def snapshot_request(self, workflow_id: str, started_at: datetime) -> SnapshotRequest:
         """What the run's policy snapshot asks for: the tenant and the start's signature."""
