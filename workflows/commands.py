@@ -59,11 +59,10 @@ class Mint:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Every record to the audit sink, notifications started, the state published; where the
-    run rests (``rest``), its view too. At the run's ``end`` the records not yet in the sink go
-    with the view (the worker's audit collector writes them from there)."""
+    """Where the run rests: every record to the audit sink, notifications started, the state
+    and its view published. At the run's ``end`` the records not yet in the sink go with the view
+    (the worker's audit collector writes them from there). (A write takes its records along.)"""
 
-    rest: bool = True
     end: bool = False
 
 

@@ -158,7 +158,7 @@ class Effects:
             case Mint():
                 return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds)
             case Checkpoint():
-                await self.checkpoint(rest=command.rest, end=command.end)
+                await self.checkpoint(end=command.end)
             case Show():
                 self.show()
             case Publish():
@@ -469,11 +469,11 @@ class Effects:
             workflow.logger.info("audit sink writes again after %d failed attempt(s)", failures)
             self.audit_error = None
 
-    async def checkpoint(self, *, rest: bool = True, end: bool = False) -> None:
-        """Before a write, and where the run rests (a wait, a timer, continue-as-new, the end):
-        the audit sink has every record, people who take an event are being told, the state is
-        visible; where it rests (``rest``), the view Tether's own tools read without a worker is
-        published too.
+    async def checkpoint(self, *, end: bool = False) -> None:
+        """Where the run rests (a wait, a timer, continue-as-new, the end): the audit sink has
+        every record, people who take an event are being told, the state is visible, and so is
+        the view Tether's own tools read without a worker. (A write takes its records along:
+        ``tool``.)
 
         At the ``end`` the records not in the sink yet go with the published view, and the
         worker's audit collector (activities/audit.py) writes them from there once the run has
@@ -489,8 +489,7 @@ class Effects:
             return
         await self.flush_audit()
         self.show()
-        if rest:
-            self.publish_view()
+        self.publish_view()
 
     # ------------------------------------------------------------------ notifications
 
