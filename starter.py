@@ -155,6 +155,8 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"last error {show(s.last_error)}")
     if s.audit_error:
         lines.append(f"audit      {show(s.audit_error, 600)}")
+    if s.policy_problem:
+        lines.append(f"policy     {show(s.policy_problem, 600)}")
     if s.last_decision is not None:
         d = s.last_decision
         verdict = d.kind if d.kind != "transition" else d.to_state.value

@@ -44,6 +44,7 @@ from workflows.wire import (
 )
 
 SHADOW_DISAGREEMENTS = "tether_policy_shadow_disagreements"
+RELOAD_FAILURES = "tether_policy_reload_failures"
 log = logging.getLogger("tether.policy")
 
 DEFAULT_SOURCE = "built-in default (no policy file): every write needs one approval from someone other than the requester"
@@ -100,11 +101,24 @@ def parse_policy(text: str, source: str = "policy") -> PolicyDocument:
 
 @dataclass
 class PolicyStore:
-    """The policy file, re-read when its modification time changes."""
+    """The policy file, re-read when its modification time changes. A change that does not load
+    (invalid TOML or Cedar, past the size bounds) leaves the last good policy in force: it is
+    logged and counted once per version of the file, and ``problem`` says so (the verdicts carry
+    it to the run, ``tether status`` and the inbox show it) until a good version replaces it."""
 
     path: Path | None
     _cache: tuple[tuple[Any, ...], PolicyDocument, str] | None = field(default=None, repr=False)
     _cedar: dict[str, str] = field(default_factory=dict, repr=False)  # tenant -> its own Cedar text
+    # The last change that did not load: (its version, why). None: the file in force is the file.
+    _bad: tuple[tuple[Any, ...], str] | None = field(default=None, repr=False)
+    reload_failures: int = 0
+
+    @property
+    def problem(self) -> str | None:
+        """Why the file on disk is not the policy in force (the last good one is), or None."""
+        if self._bad is None or self._cache is None:
+            return None
+        return f"{self._bad[1]} (kept the last good policy, hash {self._cache[2][:12]})"
 
     @classmethod
     def from_env(cls, path: str | None = None) -> PolicyStore:
@@ -120,22 +134,48 @@ class PolicyStore:
             return None, hashlib.sha256(DEFAULT_SOURCE.encode()).hexdigest()
         try:
             stat = self.path.stat()
+            version: tuple[Any, ...] = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions())
         except FileNotFoundError:
-            raise PolicyFileError(f"policy file not found: {self.path}") from None
-        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions())
+            stat, version = None, ("missing",)
         if self._cache is None or self._cache[0] != version:
-            text = self.path.read_text()
-            document = parse_policy(text, str(self.path))
-            complete = resolve_key_files(document, self.path, strict=False)
-            cedar_texts = load_cedar_files(document, self.path)
-            digest = hashlib.sha256(text.encode())
-            for name in sorted(cedar_texts):
-                digest.update(cedar_texts[name].encode())
-            self._cedar = cedar_texts
-            version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document))
-            # A key file that is not there yet (keygen still to run) is looked for again next time.
-            self._cache = (version if complete else (0, 0, 0), document, digest.hexdigest())
+            if self._cache is not None and self._bad is not None and self._bad[0] == version:
+                return self._cache[1], self._cache[2]  # that change did not load: said once already
+            try:
+                if stat is None:
+                    raise PolicyFileError(f"policy file not found: {self.path}")
+                self._read(stat)
+            except (PolicyFileError, OSError, UnicodeDecodeError) as e:
+                if self._cache is None:
+                    if isinstance(e, PolicyFileError):
+                        raise  # nothing good to keep: a worker does not start on it
+                    raise PolicyFileError(f"{self.path}: cannot be read: {e}") from None
+                self._bad = (version, str(e))
+                self.reload_failures += 1
+                try:
+                    activity.metric_meter().create_counter(
+                        RELOAD_FAILURES, "Policy file changes that did not load (the last good policy stays)", "1"
+                    ).add(1)
+                except RuntimeError:  # outside an activity (the inbox counts it on its health page)
+                    pass
+                log.error("policy file %s changed and does not load: %s; the last good policy (hash %s) stays in "
+                          "force until the file is fixed", self.path, e, self._cache[2][:12])
+                return self._cache[1], self._cache[2]
+            self._bad = None
         return self._cache[1], self._cache[2]
+
+    def _read(self, stat: os.stat_result) -> None:
+        assert self.path is not None
+        text = self.path.read_text()
+        document = parse_policy(text, str(self.path))
+        complete = resolve_key_files(document, self.path, strict=False)
+        cedar_texts = load_cedar_files(document, self.path)
+        digest = hashlib.sha256(text.encode())
+        for name in sorted(cedar_texts):
+            digest.update(cedar_texts[name].encode())
+        self._cedar = cedar_texts
+        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document))
+        # A key file that is not there yet (keygen still to run) is looked for again next time.
+        self._cache = (version if complete else (0, 0, 0), document, digest.hexdigest())
 
     def _cedar_versions(self, document: PolicyDocument | None = None) -> tuple[tuple[int, int], ...]:
         """The Cedar files' versions: an edit to one is read like an edit to the TOML."""
@@ -753,4 +793,6 @@ class PolicyActivities:
         mints a write's capability only after an attested verdict allowed it."""
         if self.keys is None:
             raise ApplicationError("this worker has no key ring to attest its verdicts", type="key_missing", non_retryable=True)
+        # A file that changed and did not load: judged by the last good one, and the run says so.
+        verdict.policy_problem = self.store.problem
         return attest(self.keys, check, verdict)

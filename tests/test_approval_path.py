@@ -170,3 +170,32 @@ async def test_a_policy_tightened_while_the_plan_waits_is_judged_with_the_decisi
         # One policy activity judged the decision and the plan (then the run rests again, waiting).
         after = events[events.index(("update", "decide")) + 1 :]
         assert [name for kind, name in after if name.startswith("policy_")] == ["policy_check_decision"], events
+
+
+async def test_a_policy_file_that_stops_loading_keeps_the_last_good_one_and_the_run_says_so(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """Issue 43: a change that does not load (here 2,000 nested parentheses in a tenant's Cedar
+    file, which once killed the parser's process) leaves the worker judging by the last good
+    policy: the run goes on, and its status, snapshot and Web UI details say which problem."""
+    from tests.test_policy import refund
+
+    cedar_file = tmp_path / "tenant.cedar"
+    cedar_file.write_text('@id("anyone may decide")\npermit (principal, action, resource);\n')
+    path = tmp_path / "policy.toml"
+    path.write_text('[tenants.default]\ntools = ["get_order", "issue_refund"]\ncedar = ["tenant.cedar"]\n'
+                    '[tenants.default.approvers]\nbob = { roles = ["approver"] }\n')
+    store = PolicyStore.from_env(str(path))
+    async with running_worker(dev_env.client, policy=store) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([refund(1300)]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        cedar_file.write_text("permit (principal, action, resource) when { " + "(" * 2000 + "true" + ")" * 2000 + " };\n")
+        answer = await handle.execute_update(
+            "decide", DecideRequest(**approval_for(snap, "bob").model_dump(), kind="approve"), result_type=DecideResult
+        )
+        assert answer.outcome == "transition", answer
+        outcome = await tether_client.run_outcome(handle)
+        assert outcome.state == RunState.COMPLETED, outcome
+        assert store.reload_failures == 1 and store.problem is not None and "nest" in store.problem, store.problem
+        status = await tether_client.status(dev_env.client, handle.id)
+        assert status.policy_problem is not None and "last good policy" in status.policy_problem, status

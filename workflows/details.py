@@ -123,6 +123,8 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
         lines += ["", f"**Last error:** {text(data.last_error, 200)}"]
     if audit_error:
         lines += ["", f"**Audit sink:** {text(audit_error, 400)} — nothing new starts until it writes"]
+    if data.policy_problem:
+        lines += ["", f"**Policy file:** {text(data.policy_problem, 400)}"]
     if lc.refusals:
         lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
     plan, catalog = data.plan, data.catalog or ToolCatalog()

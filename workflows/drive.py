@@ -47,6 +47,8 @@ class Drive(RunModel):
         """What ``command`` came to: the program goes on from there at the next ``next``."""
         self.at = now
         self._result = result
+        if isinstance(result, Verdict):  # what the worker's policy file is, as its verdict says
+            self.data.policy_problem = result.policy_problem
 
     def _driving(self) -> Program[None]:
         data = self.data

@@ -145,6 +145,9 @@ class RunData(BaseModel):
     retries: int = 0
     feedback: str | None = None
     last_error: str | None = None
+    # The worker's policy file changed and did not load: why (the verdicts came from its last
+    # good policy), as the latest verdict said; None again once one comes from the file.
+    policy_problem: str | None = None
     answer: str | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
@@ -198,6 +201,7 @@ class RunSnapshot(BaseModel):
     # retries on a backoff timer and starts nothing new).
     audit_waiting: int = 0
     audit_error: str | None = None
+    policy_problem: str | None = None  # RunData.policy_problem
     # decide Updates this execution took (Temporal allows 2,000 per run: it continues as new first).
     updates: int = 0
     # The run's catalog entries (taken at run start) for the tools its plan calls: what an

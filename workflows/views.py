@@ -59,6 +59,7 @@ class Views(RunModel):
             compensations=data.compensations,
             audit_waiting=audit_waiting,
             audit_error=audit_error,
+            policy_problem=data.policy_problem,
             updates=self.updates,
             tools=self._plan_tools(),
             revisions=data.revisions,

@@ -378,10 +378,12 @@ class Verdict(BaseModel):
     # The verdict on a DecisionCheck's ``then``: the approved plan's re-check (given only when the
     # decision itself was allowed).
     then: Verdict | None = None
+    # The policy file changed and did not load: why (the last good policy judged this).
+    policy_problem: str | None = None
 
     @model_serializer(mode="wrap")
     def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
-        return omit_defaults(handler(self), {"policies": [], "then": None})  # as DecisionCheck's
+        return omit_defaults(handler(self), {"policies": [], "then": None, "policy_problem": None})  # as DecisionCheck's
 
 
 class RecoveryRequest(BaseModel):
