@@ -647,14 +647,18 @@ class PolicyActivities:
         if refusal is None and check.then is not None:
             # The approval puts the plan in force: its re-check before the first write, here, so
             # the run goes from the decision to the write with no other activity between.
-            verdict.then = await self._authority(check.then)
+            verdict.then = await self._authority(check.then, first=1)
         return self._attested(check, verdict)
 
-    async def _log(self, judged: list[cedar.Judgement], tenant: str, digest: str, **what: Any) -> None:
+    async def _log(self, judged: list[cedar.Judgement], tenant: str, digest: str, *, first: int = 0, **what: Any) -> None:
+        """``first``: the index of the first of these among the activity's judgements (a decision's
+        activity logs the approved plan's re-check after the decision)."""
         if not judged or (self.judgements is None and self.shadow is None):
             return
         at = datetime.now(timezone.utc).isoformat()
         lines = judgements.entries(judged, at=at, tenant=tenant, policy_hash=digest, **_where(), **what)
+        for line in lines:
+            line["index"] += first
         if self.shadow is not None:
             for line in lines:
                 self._shadow(line)
@@ -725,7 +729,7 @@ class PolicyActivities:
         just before a write (``check.call``) or before the steps that lead to one."""
         return self._attested(check, await self._authority(check))
 
-    async def _authority(self, check: AuthorityCheck) -> Verdict:
+    async def _authority(self, check: AuthorityCheck, *, first: int = 0) -> Verdict:
         tenant, policies, digest = self._policies(check.tenant)
 
         def signature_problem(approval: AcceptedApproval) -> Refusal | None:
@@ -747,7 +751,7 @@ class PolicyActivities:
                 # The person who asked for a compensation run: Cedar's `compensate`.
                 judgement = cedar.judge_person(policies, check.tenant, tenant, action="compensate",
                                                person=check.compensator, requested_by=check.requested_by or check.compensator)
-                await self._log([judgement], check.tenant, digest, check="compensate", person=check.compensator)
+                await self._log([judgement], check.tenant, digest, first=first, check="compensate", person=check.compensator)
                 refusal = cedar_refusal(judgement, policy.compensator_refusal(tenant, check.compensator),
                                         check.compensator, "compensate", check.tenant)
                 ids = list(judgement.policies)
@@ -774,7 +778,7 @@ class PolicyActivities:
         refusal = refusal or written
         # "plan": before the steps (planning time, an approved plan, the next step); "write": the
         # check just before a write attempt.
-        await self._log(judged, check.tenant, digest, check="write" if check.call else "plan", plan_hash=check.plan_hash,
+        await self._log(judged, check.tenant, digest, first=first, check="write" if check.call else "plan", plan_hash=check.plan_hash,
                         tool_call_id=check.call.tool_call_id if check.call else "")
         deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
         verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)

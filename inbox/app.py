@@ -486,7 +486,10 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+        # Serving all the same when the policy file changed and did not load: the last good one.
+        inbox.store.load()
+        problem = inbox.store.problem
+        return {"status": "ok"} if problem is None else {"status": "ok", "policy_problem": problem}
 
     # ------------------------------------------------------------------ sign-in (dev only)
 
