@@ -15,6 +15,7 @@ COPY workflows ./workflows
 COPY activities ./activities
 COPY examples ./examples
 COPY inbox ./inbox
+COPY tether ./tether
 # A non-editable install into its own venv: the final stage copies only the venv. Runtime
 # dependencies only (cryptography, for the codec and signed approvals, is one of them); set
 # TETHER_EXTRAS=otel for tracing, or openai for the model planner.

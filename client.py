@@ -2,19 +2,10 @@
 
 The ``tether`` CLI (``starter.py``), the demo, the benchmarks and the tests all go through these
 functions; none of them needs argparse. Each returns a pydantic model or raises
-:class:`TetherError`, whose ``code`` is the CLI's exit code:
-
-    0 OK        done
-    1 REFUSED   the run refused it (stale plan hash, four-eyes, not a member, not awaiting
-                approval, already finished) or, for a wait, the run ended other than COMPLETED
-    2 USAGE     bad input, unknown run, Temporal unreachable
-    3 PENDING   a decision the run accepted but has not judged yet (a slow policy check): the
-                verdict follows on the run's record (`tether status RUN`)
-
-Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
-TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); where they name no server, from the
-checkout's own dev stack (``.tether/stack.json``, ``examples/devstack.py``); payload encryption
-from ``TETHER_ENCRYPTION_KEY_FILE`` (``activities/codec.py``).
+:class:`TetherError`, whose ``code`` is the CLI's exit code (0 OK, 1 REFUSED, 2 USAGE, 3 PENDING:
+``tether.connection`` says what each means, and where the connection's settings come from).
+The connection, TetherError and repair live in the ``tether`` package (``tether.connection``,
+``tether.repair``); this module names them too, for one release.
 
     client = await connect()
     handle = await start_run(client, RunRequest(...), run_id="run-1")
@@ -26,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import os
 import re
 import secrets
-import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,16 +42,14 @@ from temporalio.api.enums.v1 import PendingWorkflowTaskState, TaskQueueKind, Tas
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
-from temporalio.envconfig import ClientConfig
 from temporalio.exceptions import ApplicationError, CancelledError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.codec import KeyFileError, data_converter_from_env
 from workflows import policy
 from workflows.display import escape_text, show_value
 from workflows import states
 from workflows.wording import effect_words, money
-from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
+from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.details import start_details, start_summary
 from workflows.contract import (
     NAME_PATTERN,
@@ -78,30 +65,16 @@ from workflows.contract import (
 from workflows.run_state import PendingApproval, RunOutcome, RunView, RunRequest, RunSnapshot
 from workflows.states import TERMINAL, RunState, TransitionRecord
 
-OK, REFUSED, USAGE, PENDING = 0, 1, 2, 3
-DEFAULT_TASK_QUEUE = "tether"
-MCP_TASK_QUEUE = "tether-mcp"  # the MCP demo's worker (examples/devstack.py, docs/mcp.md)
-QUERY_TIMEOUT = timedelta(seconds=10)
+# Moved to the `tether` package (what programs import); client.py names them too, for one release.
+from tether.connection import (  # noqa: F401  (connect_config, exit_process: re-exported)
+    DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, MCP_TASK_QUEUE, OK, PENDING, QUERY_TIMEOUT, REFUSED, USAGE, TetherError,
+    checkout_stack, connect, connect_config, deployment_name, exit_process, rpc_error, task_queue, timed_out,
+)
+from tether.repair import RepairResult, forced_reset as _forced_reset, repair, reset_judged  # noqa: F401  (repair)
+from tether.runs import StuckTask, ViewUnverified, describe as _describe, public_keys, published_view, stuck_task
+
 # Seconds a decision or handoff waits for the run's verdict (TETHER_VERDICT_TIMEOUT).
 VERDICT_TIMEOUT = float(os.environ.get("TETHER_VERDICT_TIMEOUT") or 10.0)
-CONNECT_HINT = "start it with `make dev-server` or set TEMPORAL_ADDRESS"
-
-
-class TetherError(Exception):
-    """A failed operation, as one line for a person, with the CLI's exit code.
-
-    ``field`` names the input that was invalid (a model field such as ``approver``), so a front
-    end can point at its own option for it.
-    """
-
-    def __init__(
-        self, message: str, code: int = USAGE, *, field: str | None = None, detail: str = "", rule: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
-        self.detail = detail or message
-        self.rule = rule  # the run's rule that refused it (four_eyes, stale_plan_hash, ...), when one did
 
 
 def invalid(what: str, err: ValidationError) -> TetherError:
@@ -109,119 +82,6 @@ def invalid(what: str, err: ValidationError) -> TetherError:
     first = err.errors()[0]
     names = [str(p) for p in first["loc"] if not isinstance(p, int)]
     return TetherError(f"invalid {what}: {first_error(err)}", field=names[-1] if names else None, detail=first["msg"])
-
-
-# ----------------------------------------------------------------------------- connection
-
-
-def exit_process(code: int | None) -> None:
-    """Exit without interpreter teardown, after flushing output.
-
-    The Temporal client's native threads can outlive the event loop and crash CPython's
-    finalization (SIGABRT, "PyGILState_Release ... must be current"; sdk-python issue #300),
-    which would turn a successful command into exit code 134.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # the reader went away (`| head`): nothing left to tell it
-    os._exit(code or 0)
-
-
-# The dev stack of the checkout this code runs from (`make demo`, `make dev-server`): its
-# server address, task queue and worker's policy file. An installed package has none.
-STACK_FILE = Path(__file__).resolve().parent / ".tether" / "stack.json"
-
-
-def checkout_stack() -> dict[str, Any]:
-    """This checkout's dev stack, as ``examples/devstack.py`` recorded it, when Temporal's
-    configuration names no server ({} otherwise, or when there is none): a second checkout's
-    commands use its own stack, never the first one's on the default port."""
-    import json
-
-    if "target_host" in ClientConfig.load_client_connect_config():  # TEMPORAL_ADDRESS, a profile
-        return {}
-    try:
-        record = json.loads(STACK_FILE.read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def task_queue() -> str:
-    return os.environ.get("TETHER_TASK_QUEUE") or checkout_stack().get("task_queue") or DEFAULT_TASK_QUEUE
-
-
-def connect_config(**overrides: Any) -> dict[str, Any]:
-    """Temporal's environment configuration (env vars, profiles), with our defaults: where it
-    names no server, the checkout's dev stack, else localhost:7233."""
-    config: dict[str, Any] = dict(ClientConfig.load_client_connect_config())
-    if isinstance(address := checkout_stack().get("temporal"), str):
-        config["target_host"] = address
-    config.setdefault("target_host", "localhost:7233")
-    config.setdefault("namespace", "default")
-    config.update(overrides)
-    return config
-
-
-def target_host() -> str:
-    return connect_config()["target_host"]
-
-
-def connect_cause(text: str) -> str:
-    """The readable part of the SDK's connection error (a nested Rust debug string)."""
-    kind = re.search(r'ConnectError\("([^"]+)"', text)
-    details = re.findall(r'(?:message|error): "([^"]+)"', text)
-    parts = [p for p in (kind.group(1) if kind else None, details[-1] if details else None) if p]
-    return ": ".join(parts) if parts else " ".join(text.split())
-
-
-async def connect(**overrides: Any) -> Client:
-    """Connect with Temporal's environment configuration and Tether's data converter.
-
-    The converter is pydantic's; when ``TETHER_ENCRYPTION_KEY_FILE`` names a key file it also
-    encrypts every payload and failure message (``activities/codec.py``). Overrides (target_host,
-    namespace, runtime, interceptors, data_converter, ...) go to ``Client.connect``. A server
-    that cannot be reached raises :class:`TetherError` naming the address and the cause.
-    """
-    config = connect_config(**overrides)
-    try:
-        if "data_converter" not in config:
-            config["data_converter"] = data_converter_from_env()
-        return await Client.connect(**config)
-    except KeyFileError as e:
-        raise TetherError(f"payload encryption: {e}") from None
-    except RuntimeError as e:
-        raise TetherError(
-            f"cannot reach Temporal at {config['target_host']} ({connect_cause(str(e))}); {CONNECT_HINT}"
-        ) from None
-
-
-# ----------------------------------------------------------------------------- errors
-
-
-def timed_out(err: RPCError) -> bool:
-    """The call's own rpc timeout ran out (the SDK reports it as CANCELLED "Timeout expired"):
-    for a query or an Update, no worker answered in time."""
-    return err.status == RPCStatusCode.DEADLINE_EXCEEDED or (
-        err.status == RPCStatusCode.CANCELLED and "timeout expired" in err.message.lower()
-    )
-
-
-def rpc_error(err: RPCError, run_id: str) -> TetherError:
-    if err.status == RPCStatusCode.NOT_FOUND:
-        if "completed" in err.message.lower():
-            return TetherError(f"run {run_id} already finished", REFUSED)
-        return TetherError(f"unknown run {run_id!r}: check the id with `tether list`")
-    if timed_out(err):
-        return TetherError(f"no worker answered for run {run_id}: start one with `make worker`")
-    if err.status == RPCStatusCode.RESOURCE_EXHAUSTED:
-        # E.g. Temporal's limit of 10 decide Updates in flight per run: nothing was sent.
-        return TetherError(f"Temporal is limiting calls to run {run_id} ({err.message}): nothing was sent; try again in a moment")
-    if err.status == RPCStatusCode.UNAVAILABLE:
-        return TetherError(f"Temporal became unreachable ({err.message.splitlines()[0] if err.message else 'unavailable'})")
-    return TetherError(f"Temporal refused the call for {run_id}: {err.message}")
 
 
 # ----------------------------------------------------------------------------- workers
@@ -393,19 +253,6 @@ async def no_answer(client: Client, run_id: str, waited: float) -> TetherError:
 # ----------------------------------------------------------------------------- runs
 
 
-class StuckTask(BaseModel):
-    """A run whose workflow task keeps failing: no worker moves it on while the cause stays
-    (``tether repair RUN``)."""
-
-    attempt: int  # the pending workflow task's attempt (2: the task failed once)
-    cause: str  # Temporal's WorkflowTaskFailedCause, e.g. NON_DETERMINISTIC_ERROR
-    # The failure that began the streak: Temporal records the first failure of a streak in the
-    # history, not the attempts after it.
-    error: str
-    event_id: int | None = None  # its WorkflowTaskFailed event
-    since: datetime | None = None
-
-
 class RunStatus(RunSnapshot):
     """The ``snapshot`` query, plus why the run ended (the final record) once it has."""
 
@@ -464,21 +311,6 @@ class RunSummary(BaseModel):
     view: RunView | None = Field(None, exclude=True)  # what it published (for the inbox; not listed out)
     view_unverified: str | None = None  # its memo holds a view the fleet did not sign for it
     stuck: StuckTask | None = None  # with ``list_runs(stuck=True)``: its workflow task keeps failing
-
-
-class RepairResult(BaseModel):
-    """What ``tether repair`` (or a forced hand-off) did: the reset, where to, and what the new
-    run does again (or, a forced hand-off, never runs again)."""
-
-    run_id: str  # the workflow id
-    from_run_id: str  # the stuck execution
-    to_run_id: str  # the new execution the reset made
-    event_id: int  # the WorkflowTaskCompleted event reset to: that task is done again
-    failure: StuckTask | None = None
-    skipped: list[int] = []  # later completed tasks whose history does not replay on this code
-    reapplied: int = 0  # signals and Updates after the reset point, applied again to the new run
-    rerun: list[str] = []  # tool calls whose results the reset drops: run again under their keys
-    in_flight: list[str] = []  # a forced hand-off: writes the reset drops, not run again (they may have applied)
 
 
 class Verdict(BaseModel):
@@ -776,54 +608,6 @@ async def full_timeline(client: Client, run_id: str, audit_dir: str | None = Non
 DESCRIBE_CONCURRENCY = 8
 
 
-class ViewUnverified(TetherError):
-    """A run's memo holds a view the fleet's key did not sign for that run: whoever completes a
-    task (or starts a workflow) can write a memo. Never shown as the run's state."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, rule="view_unverified")
-
-
-_PUBLIC_KEYS: Any = None
-
-
-def public_keys() -> Any:
-    """The fleet's public keys (TETHER_PUBLIC_KEYS, else the ring's .pub, else the ring): what
-    verifies a view or a record; TetherError naming the setting when there are none."""
-    global _PUBLIC_KEYS
-    if _PUBLIC_KEYS is None:
-        from activities.keys import KeyRingError, PublicKeys
-
-        try:
-            _PUBLIC_KEYS = PublicKeys.from_env()
-        except KeyRingError as e:
-            raise TetherError(str(e)) from None
-    return _PUBLIC_KEYS
-
-
-async def published_view(description: Any) -> RunView | None:
-    """The RunView the run last published in its memo (None: it has published none yet).
-    ViewUnverified when the fleet's key did not sign it for this run."""
-    try:
-        view = await description.memo_value(VIEW_MEMO, None, type_hint=RunView)
-        # Published packed (RunView.packed): a binary payload, read back as bytes.
-        view = view if view is None or isinstance(view, RunView) else RunView.model_validate(view)
-    except (ValueError, TypeError, KeyError, ValidationError) as e:  # another version's, or encrypted by a key not here
-        raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
-                          f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
-    if view is None:
-        return None
-    from activities.audit import view_problem
-
-    try:
-        why = view_problem(public_keys(), description.id, description.run_id, view)
-    except TetherError as e:
-        why = f"it cannot be verified here ({e})"
-    if why is not None:
-        raise ViewUnverified(f"unverified: {why}")
-    return view
-
-
 def age(at: datetime, now: datetime | None = None) -> str:
     """How long ago ``at`` was, for a person: ``4 s``, ``12 min``, ``3 h 5 min``."""
     seconds = max(0, int(((now or datetime.now(timezone.utc)) - at).total_seconds()))
@@ -837,60 +621,6 @@ def age(at: datetime, now: datetime | None = None) -> str:
 def freshness(published_at: datetime, now: datetime | None = None) -> str:
     """``as published at 20:51:03 UTC, 4 s ago``: how old what a view shows is."""
     return f"as published at {published_at.astimezone(timezone.utc):%H:%M:%S} UTC, {age(published_at, now)} ago"
-
-
-async def _describe(client: Client, run_id: str) -> Any:
-    try:
-        return await client.get_workflow_handle(run_id).describe(rpc_timeout=QUERY_TIMEOUT)
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
-
-
-async def stuck_task(client: Client, description: Any) -> StuckTask | None:
-    """Whether the run's workflow task keeps failing (its pending task is past its first attempt),
-    and with what: the WorkflowTaskFailed event that began the streak, read from the history's
-    end."""
-    from temporalio.api.common.v1 import WorkflowExecution
-    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
-    from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
-
-    task = description.raw_description.pending_workflow_task
-    if description.status != WorkflowExecutionStatus.RUNNING or task.attempt < 2:
-        return None
-    stuck = StuckTask(attempt=task.attempt, cause="unknown", error="(no failure recorded)")
-    if task.HasField("original_scheduled_time"):
-        stuck.since = task.original_scheduled_time.ToDatetime(timezone.utc)
-    token = b""
-    try:
-        for _ in range(5):  # the streak's first failure is within the history's last events
-            page = await client.workflow_service.get_workflow_execution_history_reverse(
-                GetWorkflowExecutionHistoryReverseRequest(
-                    namespace=client.namespace,
-                    execution=WorkflowExecution(workflow_id=description.id, run_id=description.run_id),
-                    maximum_page_size=100,
-                    next_page_token=token,
-                ),
-                timeout=QUERY_TIMEOUT,
-            )
-            for event in page.history.events:
-                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
-                    return stuck  # no failure after the last completed task: timeouts, not failures
-                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
-                    failed = event.workflow_task_failed_event_attributes
-                    stuck.cause = WorkflowTaskFailedCause.Name(failed.cause).removeprefix("WORKFLOW_TASK_FAILED_CAUSE_")
-                    stuck.event_id = event.event_id
-                    try:
-                        error = await client.data_converter.decode_failure(failed.failure)
-                        stuck.error = str(error) or failed.failure.message
-                    except Exception:  # noqa: BLE001 (encoded with a key this client lacks)
-                        stuck.error = failed.failure.message
-                    return stuck
-            token = page.next_page_token
-            if not token:
-                break
-    except RPCError as e:
-        raise rpc_error(e, description.id) from None
-    return stuck
 
 
 async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]:
@@ -1529,27 +1259,6 @@ async def handoff(
     return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record, reset=reset)
 
 
-async def _forced_reset(client: Client, description: Any, workflows: Sequence[type]) -> RepairResult:
-    """Where a forced hand-off resets a stuck run to (``to_run_id`` left empty), and the writes
-    the reset leaves out (``in_flight``: not run again, they may have applied)."""
-    run_id = description.id
-    stuck, events, chosen, skipped = await _judged(
-        client, description, workflows, settled=True,
-        not_stuck=f"run {run_id} is not stuck: its workflow tasks complete, so it takes a hand-off as it is "
-                  f"(`tether handoff {run_id} --by NAME --reason TEXT`, without --force)",
-        no_point=f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays "
-                 f"on this code with no tool call pending at it: deploy a build that replays it, then try again",
-    )
-    started = chosen.workflow_task_completed_event_attributes.started_event_id
-    dropped = [e for e in events if e.event_id > started]
-    calls = await _dropped_calls(client, dropped, await _tool_effects(description))
-    in_flight = list(dict.fromkeys(call.tool_call_id for call, effect in calls if effect != "read_only"))
-    return RepairResult(
-        run_id=run_id, from_run_id=description.run_id, to_run_id="", event_id=chosen.event_id, failure=stuck,
-        skipped=skipped, reapplied=1, in_flight=in_flight,
-    )
-
-
 def person_name(by: str) -> str:
     """A person's name as the run takes it (normalised), or a usage error naming ``--by``."""
     from pydantic import TypeAdapter
@@ -1779,10 +1488,6 @@ async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
 
 # ----------------------------------------------------------------------------- worker deployments
 
-# The Worker Deployment the workers are versions of (worker.py; docs/changing-workflows.md).
-DEPLOYMENT_ENV = "TETHER_DEPLOYMENT"
-
-
 class DeployedVersion(BaseModel):
     """One build of a Worker Deployment: its routing, its open runs, whether it can be retired."""
 
@@ -1801,17 +1506,6 @@ class DeploymentStatus(BaseModel):
     ramp_percent: float | None = None
     versions: list[DeployedVersion] = []
     unversioned_runs: int = 0  # open runs on unversioned workers (from before versioning)
-
-
-def deployment_name(given: str | None) -> str:
-    name = given or os.environ.get(DEPLOYMENT_ENV) or ""
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,200}", name):
-        raise TetherError(
-            f"give the Worker Deployment with --deployment NAME (env {DEPLOYMENT_ENV}), as its workers were started"
-            if not name else f"invalid deployment name {name[:80]!r}: letters, digits, '-' and '_'",
-            field="deployment",
-        )
-    return name
 
 
 def _deployment_error(err: RPCError, deployment: str) -> TetherError:
@@ -1926,275 +1620,6 @@ async def list_runs(
 
     await asyncio.gather(*(check(r) for r in rows))
     return [r for r in rows if r.stuck is not None]
-
-
-# ----------------------------------------------------------------------------- repair
-
-# Completed workflow tasks tried, newest first, for one that replays on this code.
-REPAIR_CANDIDATES = 20
-# The namespace of reset request ids (uuid5): fixed, so every client derives the same id.
-RESET_IDS = uuid.UUID("5b0f3c1e-8a52-4d0e-9b57-3f2d6c1a9e47")
-# A write whose result a reset drops is run again under its own idempotency key: only where the
-# target system dedupes by that key, or nothing was written at all.
-RERUN_SAFE = {"read_only", "idempotent"}
-
-
-RESET_CLAIM_TYPE = "TetherResetClaim"  # a workflow type no worker serves: its id is the claim
-RESET_CLAIM_QUEUE = "tether-reset-claims"  # a task queue no worker polls
-
-
-def reset_request_id(base_run_id: str, event_id: int) -> str:
-    """A reset's request id, derived from the execution judged and the task reset to (the same
-    judgement, the same id: Temporal's own record of the reset names it)."""
-    return str(uuid.uuid5(RESET_IDS, f"{base_run_id}/{event_id}"))
-
-
-def reset_claim_id(run_id: str, base_run_id: str) -> str:
-    """The workflow id that claims the one reset of execution ``base_run_id`` of ``run_id``:
-    the server starts one workflow under an id, ever (bounded: a hash of the run id)."""
-    return f"tether-reset-claim/{hashlib.sha256(run_id.encode()).hexdigest()[:32]}/{base_run_id}"
-
-
-def moved_on(run_id: str, judged: str, current: Any, *, ours: str | None = None, claimed: bool = False) -> TetherError:
-    """REFUSED: the execution a repair or hand-off judged is no longer the current, running one
-    (``claimed``: another repair or hand-off is resetting it; ``ours``: this one's reset, undone)."""
-    status_name = current.status.name if current.status else "closed"
-    if claimed:
-        what = f"another repair or hand-off has reset run {judged} (now run {current.run_id} is current, {status_name})"
-    else:
-        what = f"run {current.run_id} is current ({status_name}), not run {judged} that was judged"
-    done = f" (this command's reset made run {ours}, and another reset came after it)" if ours else ""
-    return TetherError(f"the run moved on: {what}{done}; look at it again: tether status {run_id}", REFUSED)
-
-
-async def reset_judged(
-    client: Client, run_id: str, judged: str, event_id: int, reason: str, *, handoff: HandoffRequest | None = None,
-) -> str:
-    """Reset execution ``judged`` of ``run_id`` to the workflow task completed at ``event_id``
-    (signals and Updates after it applied again), compare-and-set: only while ``judged`` is the
-    current, running execution (looked at right before), and only once whoever asks: the reset
-    first claims the execution by starting a workflow under an id derived from it, which the
-    server starts once (a second claim, a repair or hand-off racing this one: "moved on").
-    Checked after it too (a reset made meanwhile outside Tether: "moved on"). ``handoff``: once
-    claimed, signalled to ``judged`` (a stuck run's history takes it), applied again by the
-    reset. Returns the new execution's run id."""
-    from temporalio.api.common.v1 import WorkflowExecution
-    from temporalio.api.enums.v1 import ResetReapplyType
-    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
-
-    current = await _describe(client, run_id)
-    if current.run_id != judged or current.status != WorkflowExecutionStatus.RUNNING:
-        raise moved_on(run_id, judged, current)
-    try:
-        claim = await client.start_workflow(
-            RESET_CLAIM_TYPE, id=reset_claim_id(run_id, judged), task_queue=RESET_CLAIM_QUEUE,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            memo={"workflow_id": run_id, "run_id": judged, "event_id": event_id},
-            static_summary=f"the reset of run {judged} to event {event_id}"[:200], rpc_timeout=QUERY_TIMEOUT,
-        )
-    except WorkflowAlreadyStartedError:
-        raise moved_on(run_id, judged, await _describe(client, run_id), claimed=True) from None
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
-    try:
-        await claim.terminate("claimed: its id is the record", rpc_timeout=QUERY_TIMEOUT)  # nothing runs it
-    except RPCError:
-        pass  # it holds the claim all the same; the server's retention removes it
-    if handoff is not None:
-        try:
-            await client.get_workflow_handle(run_id, run_id=judged).signal("handoff", handoff, rpc_timeout=QUERY_TIMEOUT)
-        except RPCError as e:
-            raise rpc_error(e, run_id) from None
-    try:
-        response = await client.workflow_service.reset_workflow_execution(
-            ResetWorkflowExecutionRequest(
-                namespace=client.namespace,
-                workflow_execution=WorkflowExecution(workflow_id=run_id, run_id=judged),
-                reason=reason[:1000],
-                workflow_task_finish_event_id=event_id,
-                request_id=reset_request_id(judged, event_id),
-                reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_ALL_ELIGIBLE,
-                identity=client.identity,
-            ),
-            timeout=QUERY_TIMEOUT,
-        )
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
-    after = await _describe(client, run_id)
-    if after.run_id != response.run_id:
-        raise moved_on(run_id, judged, after, ours=response.run_id)
-    return response.run_id
-
-
-async def repair(
-    client: Client,
-    run_id: str,
-    *,
-    reason: str | None = None,
-    event_id: int | None = None,
-    workflows: Sequence[type] = (),  # the workflow classes to replay with (default: AgentRun)
-    base_run_id: str | None = None,  # the execution judged (default: the current one, described now)
-) -> RepairResult:
-    """Reset a stuck run to the last workflow task that completed before its failure and whose
-    history this code replays (Temporal's ResetWorkflowExecution): the new execution keeps the
-    history up to that task, does the task again, and gets every signal and Update that came
-    after it again. Records go on in the audit sink under the new run id.
-
-    Refused (REFUSED) for a run that is not stuck (unless ``event_id`` names the task), one no
-    task of which replays, or where the reset would run a write again that is not safe to repeat
-    (effect other than read_only or idempotent): hand it off instead.
-
-    Compare-and-set: the repair judges one execution (``base_run_id``, else the current one) and
-    resets only while that execution is still the current, running one (``reset_judged``):
-    otherwise REFUSED, "the run moved on".
-    """
-    from temporalio.api.enums.v1 import EventType
-
-    description = await _describe(client, run_id)
-    if base_run_id is not None and description.run_id != base_run_id:
-        raise moved_on(run_id, base_run_id, description)
-    if description.status != WorkflowExecutionStatus.RUNNING:
-        status_name = description.status.name if description.status else "closed"
-        raise TetherError(f"run {run_id} is {status_name}: only a running run can be repaired", REFUSED)
-    stuck, events, chosen, skipped = await _judged(
-        client, description, workflows, event_id=event_id,
-        not_stuck=None if event_id is not None else (
-            f"run {run_id} is not stuck: its workflow tasks complete, nothing to repair "
-            f"(`--event-id N` resets to a task of your choice)"),
-        no_point=f"no workflow task of run {run_id} among the last {REPAIR_CANDIDATES} before the failure replays on "
-                 f"this code: end the run on the record (`tether handoff {run_id} --force --by NAME --reason TEXT`) "
-                 f"or fix the code first",
-    )
-    started = chosen.workflow_task_completed_event_attributes.started_event_id
-    dropped = [e for e in events if e.event_id > started]
-    calls = await _dropped_calls(client, dropped, await _tool_effects(description))
-    rerun = [call.tool_call_id for call, _ in calls]
-    unsafe = [f"{call.tool_call_id} ({call.tool}, effect {effect})" for call, effect in calls if effect not in RERUN_SAFE]
-    if unsafe:
-        raise TetherError(
-            f"resetting run {run_id} to event {chosen.event_id} would run {', '.join(unsafe)} again, which is not "
-            f"safe to repeat: end the run on the record instead, without running it again "
-            f"(`tether handoff {run_id} --force --by NAME --reason TEXT`)", REFUSED
-        )
-    reapplied = sum(
-        1 for e in dropped
-        if e.event_type in (EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ADMITTED,
-                            EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
-    )
-    why = reason or (f"tether repair: workflow task failing ({stuck.cause})" if stuck else "tether repair")
-    to_run_id = await reset_judged(client, run_id, description.run_id, chosen.event_id, why)
-    return RepairResult(
-        run_id=run_id, from_run_id=description.run_id, to_run_id=to_run_id, event_id=chosen.event_id,
-        failure=stuck, skipped=skipped, reapplied=reapplied, rerun=rerun,
-    )
-
-
-async def _judged(
-    client: Client, description: Any, workflows: Sequence[type], *, not_stuck: str | None, no_point: str,
-    event_id: int | None = None, settled: bool = False,
-) -> tuple[StuckTask | None, list[Any], Any, list[int]]:
-    """A reset's judgement of one execution: whether it is stuck (else REFUSED ``not_stuck``,
-    unless None), its history, and the task to reset to (``_reset_point``; none: REFUSED
-    ``no_point``) with the later ones skipped."""
-    stuck = await stuck_task(client, description)
-    if stuck is None and not_stuck is not None:
-        raise TetherError(not_stuck, REFUSED)
-    events = await _history_events(client, description.id, description.run_id)
-    chosen, skipped = await _reset_point(client, description.id, events, stuck, workflows, event_id=event_id, settled=settled)
-    if chosen is None:
-        raise TetherError(no_point, REFUSED)
-    return stuck, events, chosen, skipped
-
-
-async def _history_events(client: Client, run_id: str, execution: str) -> list[Any]:
-    try:
-        return list((await client.get_workflow_handle(run_id, run_id=execution).fetch_history()).events)
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
-
-
-async def _reset_point(
-    client: Client, run_id: str, events: list[Any], stuck: StuckTask | None, workflows: Sequence[type], *,
-    event_id: int | None = None, settled: bool = False,
-) -> tuple[Any | None, list[int]]:
-    """The newest workflow task completed before the failure (``event_id``: that one) whose
-    history replays on this code (at most REPAIR_CANDIDATES tried), and the later ones skipped
-    because they do not. ``settled``: only a task with no tool call pending at it (Temporal would
-    send such a call to a worker again after the reset)."""
-    from temporalio.api.enums.v1 import EventType
-    from temporalio.client import WorkflowHistory
-
-    from worker import create_replayer
-
-    bound = stuck.event_id if stuck is not None and stuck.event_id else events[-1].event_id + 1
-    completed = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < bound]
-    if event_id is not None:
-        completed = [e for e in completed if e.event_id == event_id]
-        if not completed:
-            raise TetherError(f"event {event_id} of run {run_id} is no completed workflow task before the failure")
-    tools = {e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-             and e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"}
-    # The replayer holds the fleet's ring (TETHER_STATE_KEY_FILE): replay checks every seal and attestation.
-    replayer = create_replayer(workflows=workflows, data_converter=client.data_converter)
-    skipped = []
-    for candidate in list(reversed(completed))[:REPAIR_CANDIDATES]:
-        started = candidate.workflow_task_completed_event_attributes.started_event_id
-        if settled and _pending_at(events, tools, started):
-            continue
-        prefix = WorkflowHistory(run_id, [e for e in events if e.event_id <= started])
-        replayed = await replayer.replay_workflow(prefix, raise_on_replay_failure=False)
-        if replayed.replay_failure is None:
-            return candidate, skipped
-        skipped.append(candidate.event_id)
-    return None, skipped
-
-
-def _pending_at(events: list[Any], tools: set[int], started: int) -> bool:
-    """Whether a tool call scheduled before event ``started`` had not closed by then."""
-    closed = set()
-    for e in events:
-        if e.event_id > started:
-            break
-        for field in ("activity_task_completed_event_attributes", "activity_task_failed_event_attributes",
-                      "activity_task_timed_out_event_attributes", "activity_task_canceled_event_attributes"):
-            if e.HasField(field):
-                closed.add(getattr(e, field).scheduled_event_id)
-    return any(t < started and t not in closed for t in tools)
-
-
-async def _tool_effects(description: Any) -> dict[str, str]:
-    """Each tool's effect class: the run's own catalog entries, else what the tool modules the
-    workers load declare (TETHER_TOOLS, as `tether tools`)."""
-    view = await published_view(description)
-    if view is not None:
-        return {t.name: t.effect.value for t in view.snapshot.tools}
-    from activities.loading import LoadError
-    from activities.tools import REGISTRY, load_tool_modules
-
-    modules = os.environ.get("TETHER_TOOLS", "examples.billing.tools").split(",")
-    try:
-        return {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
-    except LoadError as e:
-        raise TetherError(f"{e} (TETHER_TOOLS)", USAGE) from None
-
-
-async def _dropped_calls(client: Client, dropped: list[Any], effects: dict[str, str]) -> list[tuple[Any, str]]:
-    """The tool calls scheduled among ``dropped`` (the events a reset leaves out), each with its
-    effect class ("unknown" for a tool no catalog names)."""
-    from temporalio.api.enums.v1 import EventType
-
-    from workflows.wire import ToolCall
-
-    calls = []
-    for event in dropped:
-        if event.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-            continue
-        scheduled = event.activity_task_scheduled_event_attributes
-        if scheduled.activity_type.name != "execute_tool":
-            continue
-        [call] = await client.data_converter.decode(scheduled.input.payloads, [ToolCall])
-        calls.append((call, effects.get(call.tool, "unknown")))
-    return calls
 
 
 # ----------------------------------------------------------------------------- what a person is shown

@@ -25,14 +25,12 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer, Worker, WorkerDeploymentConfig
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities import mcp
 from activities.audit import AuditActivities, AuditCollector
 from activities.codec import EncryptionCodec
-from activities.keys import KeyRing, KeyRingError, KeyRingInterceptor
+from activities.keys import KeyRing, KeyRingError
 from activities.metrics import prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.judgements import ProposedPolicy, log_from_env
@@ -43,7 +41,8 @@ from activities.planning import Planner, load_planners
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for
-from client import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
+from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
+from tether.plugin import WORKFLOW_RUNNER, TetherPlugin, create_replayer  # noqa: F401  (create_replayer: named here too)
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
 from workflows.published import BUILD
@@ -51,12 +50,6 @@ from workflows.published import BUILD
 DEFAULT_TOOLS = "examples.billing.tools"
 # The metrics endpoint answers anyone who can reach it: this machine only, unless told.
 DEFAULT_METRICS_HOST = "127.0.0.1"
-
-
-# The workflow modules, agent_run.py included, are checked for determinism from their source
-# (tests/determinism_lint.py): passed through, the sandbox does not re-import and re-define the
-# AgentRun class for every run it starts or replays (docs/performance.md).
-WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
 
 
 def deployment_config(deployment: str | None, build: str = BUILD) -> WorkerDeploymentConfig | None:
@@ -117,9 +110,10 @@ def create_worker(
     collector = AuditCollector(client, audit.sink, publics=audit.publics)
     recovery = RecoveryActivities(client, keys, ledger)
     setup = SetupActivities(tools, rules, planners)
-    return Worker(
-        client,
-        task_queue=task_queue,
+    # What a Tether worker is (the workflow, the sandbox, the ring as the workflow code's
+    # configuration, workflows/keys.py): the plugin a replay of its histories uses too.
+    plugin = TetherPlugin(
+        keys=keys,
         workflows=[AgentRun, *extra_workflows],
         activities=[
             tools.execute_tool,
@@ -132,24 +126,15 @@ def create_worker(
             audit.audit_append,
             recovery.recovery_source,
         ],
-        # The ring reaches the workflow code as this worker's configuration (workflows/keys.py).
-        interceptors=[KeyRingInterceptor(keys), *options.pop("interceptors", ())],
-        plugins=[collector, *options.pop("plugins", ())],
-        graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
-        workflow_runner=options.pop("workflow_runner", WORKFLOW_RUNNER),
-        deployment_config=options.pop("deployment_config", deployment_config(deployment)),
-        **options,
+        collector=collector,
+        workflow_runner=options.pop("workflow_runner", None),
     )
-
-
-def create_replayer(*, keys: KeyRing | None = None, workflows: Sequence[type] = (), **options: Any) -> Replayer:
-    """The one way to replay Tether histories (tests, benchmarks, `tether` tools): with the
-    fleet's ring (``keys``, else TETHER_STATE_KEY_FILE), since replay checks every attestation
-    and seal the run acted on."""
-    return Replayer(
-        workflows=list(workflows) or [AgentRun],
-        data_converter=options.pop("data_converter", pydantic_data_converter),
-        interceptors=[KeyRingInterceptor(keys or KeyRing.from_env()), *options.pop("interceptors", ())],
+    return Worker(
+        client,
+        task_queue=task_queue,
+        plugins=[plugin, *options.pop("plugins", ())],
+        graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
+        deployment_config=options.pop("deployment_config", deployment_config(deployment)),
         **options,
     )
 

@@ -1,8 +1,8 @@
 """The audit sink: every timeline record, in order, behind an activity.
 
 **Audit sink.** The workflow keeps a bounded window of its timeline (workflows/budgets.py); every
-record also comes here, in order, through the local activity ``audit_append``. Records are keyed
-by workflow id, **run id** and ``seq``: each execution of a workflow id is its own stream, so a
+record also comes here, in order, through the activity ``audit_append``. Records are keyed by
+workflow id, **run id** and ``seq``: each execution of a workflow id is its own stream, so a
 reset (a new run whose history copies the old one up to the reset point, and which writes its
 own records from there) never overwrites or hides what the original run wrote. Appends are
 idempotent per stream: a retried or repeated batch never writes a record twice.
@@ -13,10 +13,10 @@ Two sinks, one contract:
   folder per workflow id, named by a readable prefix and a hash (``refund-A-1001-3f2c…``: bounded
   whatever the id's length or script), one file per run id. A line torn by a worker killed
   mid-write is cut off and written again by the retry.
-- PostgreSQL (``TETHER_AUDIT_DSN=postgresql://…``), for fleets whose workers run on several
-  machines: one append-only table (``tether_audit``; a trigger refuses UPDATE and DELETE) with a
-  unique key on (workflow_id, run_id, seq); a batch is one transaction, ``ON CONFLICT DO
-  NOTHING``.
+- PostgreSQL (``TETHER_AUDIT_DSN=postgresql://…``, kept by activities/postgres.py), for fleets
+  whose workers run on several machines: one append-only table (``tether_audit``; a trigger
+  refuses UPDATE and DELETE) with a unique key on (workflow_id, run_id, seq); a batch is one
+  transaction, ``ON CONFLICT DO NOTHING``.
 
 A sink that cannot write raises ``audit_sink_unavailable`` after a few quick attempts; the
 workflow shows the error on the run and retries on a backoff timer, and starts no further work
@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
@@ -58,6 +57,7 @@ from temporalio.worker import (
     WorkflowInterceptorClassInput,
 )
 
+from activities.postgres import Postgres, Table, cause as db_cause, dsn_from_env, redact_dsn
 from workflows import keys as ring_math
 from workflows.published import COLLECT_EXTERN, VIEW_MEMO
 from workflows.run_state import RunView
@@ -181,18 +181,6 @@ def workflow_dir(root: Path, workflow_id: str) -> Path:
 def audit_path(root: Path, workflow_id: str, run_id: str) -> Path:
     """The JSON-lines file of one execution (workflow id + run id)."""
     return workflow_dir(root, workflow_id) / _run_file(run_id)
-
-
-def redact_dsn(dsn: str) -> str:
-    """A DSN for a log line or a run's error: the password replaced by ***."""
-    try:
-        parts = urlsplit(dsn)
-        if parts.password:
-            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-            return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "postgresql://(unparsable DSN)"
-    return re.sub(r"password=\S+", "password=***", dsn)
 
 
 # ----------------------------------------------------------------------------- sinks
@@ -338,37 +326,14 @@ class PostgresAuditSink:
     """The fleet's sink: every worker writes to one table, whichever machine runs a task."""
 
     dsn: str
-    _conn: Any = field(default=None, repr=False)
-    _lock: asyncio.Lock | None = field(default=None, repr=False)
+    # The worker's one connection (activities/postgres.py); the effect ledger's table shares it.
+    db: Postgres = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.db = Postgres(self.dsn, [Table(AUDIT_TABLE, SCHEMA)])
 
     def describe(self) -> str:
-        return f"PostgreSQL {redact_dsn(self.dsn)}"
-
-    async def _connection(self) -> Any:
-        import psycopg
-
-        if self._conn is not None and not self._conn.closed:
-            return self._conn
-        conn = await psycopg.AsyncConnection.connect(self.dsn, connect_timeout=5)
-        async with conn.transaction():
-            # Several workers may create the table at once: one at a time.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (AUDIT_TABLE,))
-            await conn.execute(SCHEMA)
-        self._conn = conn
-        return conn
-
-    async def with_connection(self, work: Any) -> Any:
-        """``work(conn)`` on the worker's one connection (the undo ledger's table shares it)."""
-        self._lock = self._lock or asyncio.Lock()
-        async with self._lock:  # one connection per worker; its statements one at a time
-            try:
-                conn = await self._connection()
-                return await work(conn)
-            except Exception:
-                if self._conn is not None:
-                    await self._conn.close()
-                self._conn = None
-                raise
+        return self.db.describe()
 
     async def append(self, batch: AuditBatch) -> int:
         async def insert(conn: Any) -> int:
@@ -384,14 +349,14 @@ class PostgresAuditSink:
                 )
             return max((r.seq for r in batch.records), default=0)
 
-        return await self.with_connection(insert)
+        return await self.db.run(insert)
 
     async def workflow_ids(self) -> list[str]:
         async def select(conn: Any) -> list[str]:
             cur = await conn.execute(f"SELECT DISTINCT workflow_id FROM {AUDIT_TABLE} ORDER BY workflow_id")
             return [row[0] for row in await cur.fetchall()]
 
-        return await self.with_connection(select)
+        return await self.db.run(select)
 
     async def read(self, workflow_id: str) -> dict[str, list[TransitionRecord]]:
         async def select(conn: Any) -> dict[str, list[TransitionRecord]]:
@@ -405,23 +370,17 @@ class PostgresAuditSink:
             await conn.rollback()
             return streams
 
-        return await self.with_connection(select)
+        return await self.db.run(select)
 
     async def aclose(self) -> None:
-        if self._conn is not None:
-            await self._conn.close()
-            self._conn = None
+        await self.db.aclose()
 
 
 def sink_from_env(audit_dir: str | None = None, dsn: str | None = None) -> AuditSink:
     """``TETHER_AUDIT_DSN`` (PostgreSQL) when set, else JSON lines under ``TETHER_AUDIT_DIR``.
     An explicit ``audit_dir`` picks the JSON-lines sink."""
-    dsn = dsn or (None if audit_dir else os.environ.get("TETHER_AUDIT_DSN"))
-    if dsn:
-        if not dsn.startswith(("postgresql://", "postgres://")):
-            raise ValueError(f"TETHER_AUDIT_DSN must be a postgresql:// URL, not {redact_dsn(dsn)!r}")
-        return PostgresAuditSink(dsn)
-    return JsonlAuditSink.from_env(audit_dir)
+    dsn = dsn_from_env(audit_dir, dsn)
+    return PostgresAuditSink(dsn) if dsn else JsonlAuditSink.from_env(audit_dir)
 
 
 def merge_timeline(sink: list[TransitionRecord], window: list[TransitionRecord]) -> list[TransitionRecord]:
@@ -462,7 +421,7 @@ class AuditActivities:
         try:
             return await self.sink.append(batch)
         except Exception as e:  # any sink error: visible on the run, in the log, in a metric
-            cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            cause = db_cause(e)
             log.warning(
                 "audit sink failing (%s) for workflow %s run %s, records %s-%s, attempt %s: %s",
                 self.sink.describe(), batch.workflow_id[:200], batch.run_id,

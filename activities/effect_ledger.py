@@ -19,7 +19,8 @@ recorded re-run instruction (``tether compensate RUN --rerun-unknown STEP``).
 
 It lives where the audit sink lives: a SQLite file in the JSON-lines sink's folder
 (``TETHER_AUDIT_DIR``; ``undo-ledger.sqlite3``), or a table of the PostgreSQL sink
-(``tether_undo_ledger``, ``TETHER_AUDIT_DSN``) for fleets whose workers run on several machines.
+(``tether_undo_ledger``, ``TETHER_AUDIT_DSN``; over the sink's connection, activities/postgres.py)
+for fleets whose workers run on several machines.
 The names are those of the undo ledger it grew from: an existing undo ledger is this ledger, used
 as it is (same columns; writes' keys join the undos'). The CLI reads the same place to say where
 each write stands (``client.undo_standing``).
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from activities.audit import JsonlAuditSink, PostgresAuditSink
+from activities.postgres import LOCK
 
 LEDGER_FILE = "undo-ledger.sqlite3"
 LEDGER_TABLE = "tether_undo_ledger"
@@ -276,7 +278,7 @@ class PostgresEffectLedger:
     async def _open(self, conn: Any) -> None:
         """Once per connection's life here: the table, unless it is missing where one was made."""
         # Several workers may create the table at once: one at a time.
-        await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (LEDGER_TABLE,))
+        await conn.execute(LOCK, (LEDGER_TABLE,))
         cur = await conn.execute("SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL", (LEDGER_TABLE, MARKER_TABLE))
         table, marked = await cur.fetchone()
         if not table and marked and not self.new_ledger:
@@ -301,7 +303,7 @@ class PostgresEffectLedger:
             self._ready = True
             return result
 
-        return await self.sink.with_connection(in_transaction)
+        return await self.sink.db.run(in_transaction)
 
     async def claim(self, key: str, *, tool: str, workflow_id: str, run_id: str) -> LedgerEntry | None:
         async def work(conn: Any) -> LedgerEntry | None:

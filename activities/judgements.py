@@ -16,7 +16,6 @@ import fcntl
 import json
 import logging
 import os
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,7 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from activities import cedar
-from activities.audit import DEFAULT_AUDIT_DIR, redact_dsn
+from activities.audit import DEFAULT_AUDIT_DIR
+from activities.postgres import PostgresSync, Table, cause, dsn_from_env
 from workflows import keys as ring_math
 from workflows.contract import json_digest
 
@@ -75,7 +75,7 @@ class JudgementLog(Protocol):
 def log_from_env(audit_dir: str | None = None, dsn: str | None = None) -> JudgementLog:
     """The audit sink's choice: PostgreSQL with ``TETHER_AUDIT_DSN`` (table ``tether_judgements``),
     else JSON lines under ``TETHER_AUDIT_DIR``. An explicit ``audit_dir`` picks JSON lines."""
-    dsn = dsn or (None if audit_dir else os.environ.get("TETHER_AUDIT_DSN"))
+    dsn = dsn_from_env(audit_dir, dsn)
     if dsn:
         return PostgresJudgementLog(dsn)
     return JsonlJudgementLog(Path(audit_dir or os.environ.get("TETHER_AUDIT_DIR") or DEFAULT_AUDIT_DIR))
@@ -91,7 +91,7 @@ async def append(log: JudgementLog, entries: list[dict[str, Any]]) -> None:
     except Exception as e:
         log.failures += 1
         logger.warning("judgement log %s not written (%s): explain and what-if miss %d judgement(s)",
-                       log.describe(), " ".join(str(e).split())[:300], len(entries))
+                       log.describe(), cause(e), len(entries))
 
 
 @dataclass
@@ -159,29 +159,14 @@ class PostgresJudgementLog:
     dsn: str
     failures: int = 0
     unverified: int = 0
-    _conn: Any = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # One connection per process (activities/postgres.py), its statements one at a time.
+    db: PostgresSync = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.db = PostgresSync(self.dsn, [Table(PG_TABLE, PG_SCHEMA)])
 
     def describe(self) -> str:
-        return f"PostgreSQL {redact_dsn(self.dsn)} (table {PG_TABLE})"
-
-    def _run(self, work: Any) -> Any:
-        import psycopg
-
-        with self._lock:  # one connection per process; its statements one at a time
-            try:
-                if self._conn is None or self._conn.closed:
-                    conn = psycopg.connect(self.dsn, connect_timeout=5)
-                    with conn.transaction():
-                        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (PG_TABLE,))
-                        conn.execute(PG_SCHEMA)
-                    self._conn = conn
-                return work(self._conn)
-            except Exception:
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn = None
-                raise
+        return f"{self.db.describe()} (table {PG_TABLE})"
 
     def write(self, entries: list[dict[str, Any]]) -> None:
         def insert(conn: Any) -> None:
@@ -194,7 +179,7 @@ class PostgresJudgementLog:
                       e.get("tenant", ""), e.get("at"), json.dumps(e, ensure_ascii=False)) for e in entries],
                 )
 
-        self._run(insert)
+        self.db.run(insert)
 
     def read(self, *, since: datetime | None = None, tenant: str | None = None,
              workflow_id: str | None = None, publics: Any = None) -> list[dict[str, Any]]:
@@ -211,7 +196,7 @@ class PostgresJudgementLog:
             conn.rollback()
             return rows
 
-        rows = self._run(select)
+        rows = self.db.run(select)
         if publics is None:
             return rows
         signed = [e for e in rows if unsigned_problem(publics, e) is None]

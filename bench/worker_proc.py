@@ -62,16 +62,8 @@ async def serve(args: argparse.Namespace) -> None:
     registry = load_tool_modules(args.tools.split(","))
     client = await connect(target_host=args.address, namespace="default")
     options = parse_options(args.option, args.autoscale_pollers)
-    # create_worker's configuration, with the bare baseline registered next to AgentRun. (Core
-    # refuses two workers on one queue, so the template is built on a queue that is never
-    # polled: the worker that runs is created once, from its config.)
-    template = create_worker(
-        client, task_queue=f"{args.task_queue}-template", registry=registry, **options
-    )
-    config = template.config()
-    config["task_queue"] = args.task_queue
-    config["workflows"] = [*config["workflows"], BareAgentLoop]
-    worker = Worker(**config)
+    # create_worker's configuration (its TetherPlugin), with the bare baseline next to AgentRun.
+    worker = create_worker(client, task_queue=args.task_queue, registry=registry, extra_workflows=[BareAgentLoop], **options)
     peer = await peer_worker(args, options) if args.peer else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

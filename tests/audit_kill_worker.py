@@ -61,7 +61,7 @@ class TornPostgresSink(Torn, PostgresAuditSink):
     hangs until killed (the server rolls the transaction back when the connection drops)."""
 
     async def tear(self, batch: AuditBatch) -> None:
-        conn = await self._connection()
+        conn = await self.db._connection()  # the sink's one connection (activities/postgres.py)
         first = batch.records[0]
         await conn.execute(
             f"INSERT INTO {AUDIT_TABLE} (workflow_id, run_id, seq, first_run_id, record) VALUES (%s, %s, %s, %s, %s)",

@@ -171,7 +171,7 @@ async def _replay(paths: Sequence[Path]) -> dict[str, dict[str, str | None]]:
 
         config = Replayer(workflows=[AgentRun], data_converter=pydantic_data_converter).config()
     else:
-        config = base().config()
+        config = base().config(active_config=True)  # with its TetherPlugin's configuration applied
     config["workflow_runner"] = _runner()
     config["interceptors"] = [*(config.get("interceptors") or ()), _interceptor()]
     replayer = Replayer(**config)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
+import tether.repair as tether_repair
 import worker as worker_module
 from client import run_outcome
 from tests.conftest import ROOT, Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
@@ -152,7 +153,7 @@ async def test_two_resets_of_one_judgement_at_once_make_one_reset(
     point = max(e.event_id for e in history.events if e.HasField("workflow_task_completed_event_attributes")
                 and e.event_id < stuck.event_id)
     # Both look (the real describe) before either resets: each waits for the other's look.
-    look, together, looked = tether_client._describe, asyncio.Barrier(2), []
+    look, together, looked = tether_repair.describe, asyncio.Barrier(2), []
 
     async def both_look_first(client, workflow_id: str):  # noqa: ANN001, ANN202
         description = await look(client, workflow_id)
@@ -161,7 +162,7 @@ async def test_two_resets_of_one_judgement_at_once_make_one_reset(
             await together.wait()
         return description
 
-    monkeypatch.setattr(tether_client, "_describe", both_look_first)
+    monkeypatch.setattr(tether_repair, "describe", both_look_first)
     async with running_worker(dev_env.client, task_queue=queue):
         results = await asyncio.gather(
             *(tether_client.reset_judged(dev_env.client, run_id, base, point, f"race {n}") for n in range(2)),

@@ -1,0 +1,46 @@
+"""Tether for programs: connect to Temporal, configure a worker or a replayer, repair a stuck run.
+
+    from tether import connect, TetherError, TetherPlugin
+    from tether.repair import repair
+
+Modules: ``tether.connection`` (connect, TetherError and its exit codes, task queue and Worker
+Deployment names), ``tether.plugin`` (TetherPlugin: what a worker and a replayer are),
+``tether.runs`` (one run as Temporal holds it), ``tether.repair`` (a stuck run's reset). The rest
+of the client API is ``client.py`` for now, which names these too, for one release.
+"""
+
+from tether.connection import (
+    DEFAULT_TASK_QUEUE,
+    OK,
+    PENDING,
+    REFUSED,
+    USAGE,
+    TetherError,
+    connect,
+    deployment_name,
+    task_queue,
+)
+
+__all__ = [
+    "DEFAULT_TASK_QUEUE",
+    "OK",
+    "PENDING",
+    "REFUSED",
+    "USAGE",
+    "TetherError",
+    "TetherPlugin",
+    "connect",
+    "create_replayer",
+    "deployment_name",
+    "task_queue",
+]
+
+
+def __getattr__(name: str) -> object:
+    """The worker's configuration (it imports the workflow and the activities) on first use: a
+    program that only connects, or the CLI, starts without it."""
+    if name in ("TetherPlugin", "create_replayer"):
+        from tether import plugin
+
+        return getattr(plugin, name)
+    raise AttributeError(f"module 'tether' has no attribute {name!r}")

@@ -1,0 +1,95 @@
+"""What a Tether worker is, in one place: :class:`TetherPlugin` (temporalio's ``SimplePlugin``)
+configures a worker and a replayer alike, so a replay of a recorded history (tests, `tether
+repair`, benchmarks) runs the very configuration a worker ran it with:
+
+- the workflow (``AgentRun``; a test or a benchmark may name its own);
+- the sandbox, with ``workflows/`` passed through (``WORKFLOW_RUNNER``);
+- the fleet's key ring, handed to the workflow code as an extern function of this worker only
+  (``KeyRingInterceptor``: seals, capabilities, attestations);
+- the data converter: pydantic's, with the payload codec when ``TETHER_ENCRYPTION_KEY_FILE``
+  names a key (a worker takes its client's, made by ``tether.connection.connect``);
+- a worker's activities, and the audit collector that writes a run's end records (worker only:
+  a replay does no I/O).
+
+``worker.create_worker`` builds the activities over the worker's stores and hands them here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from temporalio.converter import DataConverter
+from temporalio.plugin import SimplePlugin
+from temporalio.worker import Replayer, Worker, WorkerConfig, WorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from activities.audit import AuditCollector
+from activities.codec import data_converter_from_env
+from activities.keys import KeyRing, KeyRingInterceptor
+from workflows.agent_run import AgentRun
+
+PLUGIN_NAME = "tether.TetherPlugin"
+
+# The workflow modules, agent_run.py included, are checked for determinism from their source
+# (tests/determinism_lint.py): passed through, the sandbox does not re-import and re-define the
+# AgentRun class for every run it starts or replays (docs/performance.md).
+WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
+
+
+class TetherPlugin(SimplePlugin):
+    """A Tether worker's configuration, for ``Worker(plugins=[...])`` and ``Replayer(plugins=[...])``.
+
+    ``keys``: the fleet's ring (default: ``TETHER_STATE_KEY_FILE``, never created here).
+    ``workflows``: the workflow classes (default: ``AgentRun``). ``activities`` and ``collector``:
+    a worker's (a replayer takes neither). ``data_converter``: a replayer's (default: the one
+    ``connect`` makes from the environment). ``workflow_runner``: default ``WORKFLOW_RUNNER``.
+    """
+
+    def __init__(
+        self,
+        *,
+        keys: KeyRing | None = None,
+        workflows: Sequence[type] = (),
+        activities: Sequence[Callable[..., Any]] = (),
+        collector: AuditCollector | None = None,
+        data_converter: DataConverter | None = None,
+        workflow_runner: WorkflowRunner | None = None,
+    ) -> None:
+        self.keys = keys or KeyRing.from_env()
+        self.collector = collector
+        super().__init__(
+            PLUGIN_NAME,
+            data_converter=lambda given: data_converter or _chosen(given) or data_converter_from_env(),
+            interceptors=[KeyRingInterceptor(self.keys)],
+            activities=list(activities) or None,
+            workflows=list(workflows) or [AgentRun],
+            workflow_runner=workflow_runner or WORKFLOW_RUNNER,
+        )
+
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        config = super().configure_worker(config)
+        return self.collector.configure_worker(config) if self.collector is not None else config
+
+    async def run_worker(self, worker: Worker, next: Callable[[Worker], Awaitable[None]]) -> None:
+        if self.collector is None:
+            await next(worker)
+        else:  # collects the end records of the runs this worker ends, until it stops
+            await self.collector.run_worker(worker, next)
+
+
+def _chosen(converter: DataConverter | None) -> DataConverter | None:
+    """A converter the caller chose (None: the SDK's default, which knows no pydantic model)."""
+    return None if converter is None or converter is DataConverter.default else converter
+
+
+def create_replayer(
+    *, keys: KeyRing | None = None, workflows: Sequence[type] = (), data_converter: DataConverter | None = None,
+    workflow_runner: WorkflowRunner | None = None, **options: Any,
+) -> Replayer:
+    """The one way to replay Tether histories (tests, benchmarks, `tether repair`): a worker's
+    configuration (:class:`TetherPlugin`) with the fleet's ring (``keys``, else
+    TETHER_STATE_KEY_FILE), since replay checks every attestation and seal the run acted on.
+    ``workflows`` replace ``AgentRun`` (an older or a broken build, replayed on purpose)."""
+    plugin = TetherPlugin(keys=keys, workflows=workflows, data_converter=data_converter, workflow_runner=workflow_runner)
+    return Replayer(workflows=[], plugins=[plugin, *options.pop("plugins", ())], **options)
