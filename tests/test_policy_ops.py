@@ -7,6 +7,7 @@ The judgement lines here are made the way the policy activity makes them (``ceda
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -246,3 +247,112 @@ def test_explain_shows_the_policies_that_errored(tmp_path: Path, capsys: pytest.
     assert errored[0].endswith("; allowed without it")
     assert errored[1].endswith("; refused: policy_error")
     assert "decision approve by bob: refused (policy_error) by default.overflow" in "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- one policy, each says which
+
+WORKER_POLICY = """
+[tenants.{tenant}]
+approval_roles = ["finance"]
+[tenants.{tenant}.approvers]
+alice = {{ roles = ["approver"] }}
+carol = {{ roles = ["finance"] }}
+"""
+
+INBOX_POLICY = """
+[tenants.{tenant}]
+approval_roles = ["approver"]
+[tenants.{tenant}.approvers]
+alice = {{ roles = ["approver"] }}
+bob   = {{ roles = ["approver"] }}
+carol = {{ roles = ["approver", "finance"] }}
+"""
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_own_file(
+    dev_env: Any, billing: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker started with another policy file than the inbox's: its runs need role finance
+    (the worker's file), the inbox's file asks for approver. The inbox shows the run to carol
+    (finance), not to bob (approver only), tells bob why on the run's page, names both policies,
+    and says its own file and hash on every page and on /healthz."""
+    import uuid
+
+    import httpx
+
+    import client as tether_client
+    from activities.policy import PolicyStore
+    from inbox.app import InboxConfig, create_app
+    from tests.conftest import make_request, running_worker
+    from tests.inbox_stack import AUDIENCE, ISSUER, Sso, _serve, free_port
+
+    tenant = f"fleet-{uuid.uuid4().hex[:8]}"
+    worker_file, inbox_file = tmp_path / "worker.toml", tmp_path / "inbox.toml"
+    worker_file.write_text(WORKER_POLICY.format(tenant=tenant))
+    inbox_file.write_text(INBOX_POLICY.format(tenant=tenant))
+    worker_hash, inbox_hash = PolicyStore(worker_file).load()[1], PolicyStore(inbox_file).load()[1]
+    assert worker_hash != inbox_hash
+    sso = Sso()
+    (tmp_path / "jwks.json").write_text(json.dumps(sso.jwks()))
+    app = create_app(InboxConfig(policy=inbox_file, jwks=str(tmp_path / "jwks.json"), issuer=ISSUER,
+                                 audience=AUDIENCE, key=tmp_path / "none.pem", poll_ms=300), temporal=dev_env.client)
+    port = free_port()
+    server, task = await _serve(app, port)
+    url = f"http://127.0.0.1:{port}"
+
+    def who(name: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {sso.token(name)}"}
+
+    try:
+        async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(worker_file))) as worker, \
+                httpx.AsyncClient(base_url=url, timeout=30) as http:
+            run_id = f"fleet-run-{uuid.uuid4().hex[:10]}"
+            await tether_client.start_run(dev_env.client, make_request(tenant=tenant, requested_by="alice"),
+                                          run_id=run_id, queue=worker.task_queue)
+            while (snap := await tether_client.snapshot(dev_env.client, run_id)).state.value != "AWAITING_APPROVAL":
+                assert snap.state.value not in ("FAILED", "COMPLETED", "CANCELLED"), snap
+                await asyncio.sleep(0.1)
+            assert snap.pending_approval.roles == ["finance"]  # the worker's file, on the run's signed view
+            # Carol holds finance (this inbox's file says who she is): the run waits on her.
+            while not [r for r in (await http.get("/api/approvals", headers=who("carol"))).json()["approvals"]
+                       if r["run_id"] == run_id]:
+                await asyncio.sleep(0.2)
+            page = (await http.get(f"/api/runs/{run_id}", headers=who("carol"))).json()
+            assert page["may_decide"] is True and page["pending"]["roles"] == ["finance"]
+            assert page["pending"]["deciders"] == ["carol"]  # bob holds approver only
+            assert page["policy"]["run"] == worker_hash and page["policy"]["inbox"] == inbox_hash
+            assert page["policy"]["same"] is False and worker_hash[:12] in page["policy"]["note"]
+            # Bob (approver, what the inbox's own file asks for) is not offered it, and told why.
+            assert [r for r in (await http.get("/api/approvals", headers=who("bob"))).json()["approvals"]
+                    if r["run_id"] == run_id] == []
+            bobs = (await http.get(f"/api/runs/{run_id}", headers=who("bob"))).json()
+            assert bobs["may_decide"] is False and bobs["why_not"]["rule"] == "role", bobs
+            assert "needs one of ['finance']" in bobs["why_not"]["message"]
+            assert f"judged under policy {worker_hash[:12]}" in bobs["why_not"]["message"]
+            html = (await http.get(f"/runs/{run_id}", headers=who("bob"))).text
+            assert 'id="why-not"' in html and 'id="run-policy"' in html
+            assert f"sha256 <code title=\"{inbox_hash}\">{inbox_hash[:12]}</code>" in html  # the footer
+            # Someone this inbox's file does not list in the tenant: nothing, not even whether it exists.
+            assert (await http.get(f"/api/runs/{run_id}", headers=who("dana"))).status_code == 404
+            health = (await http.get("/healthz")).json()
+            assert health == {"status": "ok", "policy": str(inbox_file), "policy_hash": inbox_hash}
+            # Carol's approval goes through; the run (the worker's file) accepts it.
+            decided = await http.post(f"/api/runs/{run_id}/decisions", headers=who("carol"), json={
+                "kind": "approve", "request_id": page["pending"]["request_id"], "plan_hash": page["pending"]["plan_hash"]})
+            assert decided.status_code == 200 and decided.json()["outcome"] != "refused", decided.json()
+            # `tether policy show --run`: the run's recorded hash against each file.
+            monkeypatch.setenv("TEMPORAL_ADDRESS", dev_env.client.service_client.config.target_host)
+            monkeypatch.setenv("TEMPORAL_NAMESPACE", dev_env.client.namespace)
+            capsys.readouterr()
+            assert await asyncio.to_thread(starter.main, ["policy", "show", "--policy", str(worker_file),
+                                                          "--run", run_id]) == 0
+            assert await asyncio.to_thread(starter.main, ["policy", "show", "--policy", str(inbox_file),
+                                                          "--run", run_id]) == 1
+            out = capsys.readouterr().out
+            assert f"hash    {worker_hash}" in out and f"hash    {inbox_hash}" in out
+            assert f"policy hash {worker_hash} (recorded at its start): the same file" in out
+            assert "ANOTHER policy than this file" in out
+    finally:
+        server.should_exit = True
+        await task
