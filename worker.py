@@ -216,9 +216,8 @@ async def serve(
         raise SystemExit("invalid policy:\n" + "\n".join(problems))
     # Only now Temporal: a configuration error is reported whether or not the server is up.
     extra: dict[str, Any] = {}
-    # Which policy this worker reads, said at start and in its metrics: one file for the fleet.
+    # Which policy this worker reads, said in its ready line and its metrics: one file for the fleet.
     _, policy_digest = policy.load()
-    logging.getLogger("tether.worker").info("policy %s sha256 %s", policy.source, policy_digest)
     if metrics_port:
         # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
         extra["runtime"] = prometheus_runtime(f"{metrics_host}:{metrics_port}")
