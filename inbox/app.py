@@ -328,9 +328,12 @@ class Inbox:
 
     async def decide(self, person: Person, run_id: str, body: DecisionBody) -> dict[str, Any]:
         """Send the decision through client.decide; the outcome as the run recorded (or refused) it."""
-        document, snap, _, signer, _ = await self._visible(person, run_id)
+        document, snap, records, signer, refusal = await self._visible(person, run_id)
         temporal = await self.client()
         decision_id = desk.decision_id(run_id, body.request_id, body.plan_hash, person.name, body.kind)
+        if refusal is not None and not desk.has_acted(person.name, snap, records):
+            # Shown only to say why not (a run judged under another policy file): nothing is sent.
+            return self._outcome(decision_id, "refused", rule=refusal.rule, reason=refusal.message)
         comment = body.comment.strip() if body.comment and body.comment.strip() else None
         if body.kind == "reject" and comment is None:
             return self._outcome(decision_id, "refused", rule="reason_required", reason="a rejection needs a reason")

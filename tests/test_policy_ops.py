@@ -333,6 +333,11 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
             html = (await http.get(f"/runs/{run_id}", headers=who("bob"))).text
             assert 'id="why-not"' in html and 'id="run-policy"' in html
             assert f"sha256 <code title=\"{inbox_hash}\">{inbox_hash[:12]}</code>" in html  # the footer
+            # Shown to say why not, and nothing more: bob's decision is not sent to the run.
+            tried = await http.post(f"/api/runs/{run_id}/decisions", headers=who("bob"), json={
+                "kind": "approve", "request_id": bobs["pending"]["request_id"], "plan_hash": bobs["pending"]["plan_hash"]})
+            assert tried.status_code == 409 and tried.json()["rule"] == "role", tried.json()
+            assert not [r for r in await tether_client.timeline(dev_env.client, run_id) if "bob" in r.actor]
             # Someone this inbox's file does not list in the tenant: nothing, not even whether it exists.
             assert (await http.get(f"/api/runs/{run_id}", headers=who("dana"))).status_code == 404
             health = (await http.get("/healthz")).json()
@@ -356,3 +361,31 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
     finally:
         server.should_exit = True
         await task
+
+
+def test_policy_show_names_the_file_its_hash_and_tenants(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from activities.policy import PolicyStore
+
+    path = policy(tmp_path, "fleet.toml", 5000)
+    digest = PolicyStore(path).load()[1]
+    monkeypatch.setenv("TETHER_POLICY", str(path))
+    assert starter.main(["policy", "show"]) == 0  # TETHER_POLICY, as every process reads it
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"policy  {path}", f"hash    {digest}", "tenant  default: approvers alice, bob; approval roles approver"]
+    # An edit is another hash; --policy wins over the environment.
+    other = policy(tmp_path, "other.toml", 2000)
+    assert starter.main(["policy", "show", "--policy", str(other)]) == 0
+    assert f"hash    {PolicyStore(other).load()[1]}" in capsys.readouterr().out and PolicyStore(other).load()[1] != digest
+    # No file: the built-in default, with its own hash.
+    monkeypatch.delenv("TETHER_POLICY")
+    assert starter.main(["policy", "show"]) == 0
+    assert "built-in default" in capsys.readouterr().out
+    # An invalid or missing file: exit 2, naming it.
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tenants.default]\nfour_eyes = 3\n")
+    assert starter.main(["policy", "show", "--policy", str(bad)]) == 2
+    assert "line 2, key tenants.default.four_eyes" in capsys.readouterr().err
+    assert starter.main(["policy", "show", "--policy", str(tmp_path / "none.toml")]) == 2
+    assert "policy file not found" in capsys.readouterr().err
