@@ -10,8 +10,6 @@ functions; none of them needs argparse. Each returns a pydantic model or raises
     2 USAGE     bad input, unknown run, Temporal unreachable
     3 PENDING   a decision the run accepted but has not judged yet (a slow policy check): the
                 verdict follows on the run's record (`tether status RUN`)
-    4 LOG_UNREADABLE  `tether policy what-if` / `explain`: the judgement log could not be read
-                at all (a missing file, no permission, the database down)
 
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); where they name no server, from the
@@ -81,7 +79,6 @@ from workflows.run_state import PendingApproval, RunOutcome, RunView, RunRequest
 from workflows.states import TERMINAL, RunState, TransitionRecord
 
 OK, REFUSED, USAGE, PENDING = 0, 1, 2, 3
-LOG_UNREADABLE = 4  # the judgement log could not be read (tether policy what-if, explain)
 DEFAULT_TASK_QUEUE = "tether"
 MCP_TASK_QUEUE = "tether-mcp"  # the MCP demo's worker (examples/devstack.py, docs/mcp.md)
 QUERY_TIMEOUT = timedelta(seconds=10)
@@ -2289,9 +2286,3 @@ def approvals_needed(pending: PendingApproval) -> str:
     who = ("someone with role " + " or ".join(escape_text(r, 64) for r in pending.roles)) if pending.roles else "an approver of the tenant"
     others = f", other than {', '.join(escape_text(a, 64) for a in done)}" if done else ""
     return f"{got}; {left} more needed from {who}{others}"
-
-
-def recorded_policy_hash(records: Sequence[TransitionRecord]) -> str | None:
-    """The policy file's hash a run recorded at its start (``refs.policy_hash`` of its first
-    transition), from its signed records; None when the records at hand do not hold it."""
-    return next((r.refs.policy_hash for r in sorted(records, key=lambda r: r.seq) if r.refs.policy_hash), None)

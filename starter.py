@@ -45,6 +45,9 @@ except ModuleNotFoundError as e:  # `python starter.py` with a Python outside th
     sys.exit(2)
 
 PROG = "tether"
+# `tether policy what-if` / `explain`: the judgement log could not be read at all (a missing file,
+# no permission, the database down); after 0-3 (client.py), apart from 2 "NEW_POLICY is invalid".
+LOG_UNREADABLE = 4
 
 # Model fields as the options that set them, so a validation error names what the user typed.
 OPTIONS = {
@@ -857,6 +860,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     tenants; with --run, the hash the run recorded at its start and whether it is this file's
     (exit 1 when it is not: the run was judged under another policy file)."""
     from activities.policy import PolicyFileError, PolicyStore
+    from inbox.desk import recorded_policy_hash
 
     chosen = args.policy or args.target or os.environ.get("TETHER_POLICY") or None
     store = PolicyStore(Path(chosen) if chosen else None)
@@ -874,7 +878,7 @@ async def show_policy(args: argparse.Namespace) -> int:
         return OK
     temporal = await client.connect()
     _, records = await client.read_run(temporal, args.run)
-    recorded = client.recorded_policy_hash(records) or client.recorded_policy_hash(await client.timeline(temporal, args.run))
+    recorded = recorded_policy_hash(records) or recorded_policy_hash(await client.timeline(temporal, args.run))
     if recorded is None:
         raise TetherError(f"run {args.run} has recorded no policy hash yet (it records one when its worker takes "
                           "it): try again in a moment", USAGE)
@@ -936,7 +940,7 @@ def read_judgements(log: Any, **filters: Any) -> list[dict[str, Any]]:
         found = log.read(publics=client.public_keys(), **filters)
     except LogUnreadable as e:
         raise TetherError(f"could not read the judgement log: {e}; point at the workers' log with --audit-dir, "
-                          "env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN", client.LOG_UNREADABLE) from None
+                          "env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN", LOG_UNREADABLE) from None
     if log.skipped:
         print(f"warning: {show(log.describe())}: {log.skipped} line(s) skipped: not a judgement line", file=sys.stderr)
     if log.unverified:

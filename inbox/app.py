@@ -240,7 +240,7 @@ class Inbox:
         signer = desk.attester(document, self.public_key, snap.tenant)
         refusal = desk.decide_refusal(document.tenants[snap.tenant], snap, person.name,
                                       now=datetime.now(timezone.utc), can_attest=signer is not None)
-        note = self.policy_note(tether.recorded_policy_hash(records))
+        note = self.policy_note(desk.recorded_policy_hash(records))
         if refusal is not None and note["note"] is not None and snap.pending_approval is not None:
             refusal = refusal.model_copy(update={"message": f"{refusal.message} ({note['note']})"})
         elif refusal is not None and not desk.has_acted(person.name, snap, records):
@@ -299,7 +299,7 @@ class Inbox:
                 "approvals_left": max(pending.approvals_required - len(pending.approvals), 0),
                 "deciders": desk.deciders(tenant, snap),
             },
-            "policy": self.policy_note(tether.recorded_policy_hash(records)),
+            "policy": self.policy_note(desk.recorded_policy_hash(records)),
             "may_decide": refusal is None,
             "why_not": None if refusal is None else {"rule": refusal.rule, "message": refusal.message},
             "acted": acted,
