@@ -31,7 +31,7 @@ from activities import mcp
 from activities.audit import AuditActivities, AuditCollector
 from activities.codec import EncryptionCodec
 from activities.keys import KeyRing, KeyRingError
-from activities.metrics import prometheus_runtime, tracing_interceptors
+from activities.metrics import policy_info, prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.judgements import ProposedPolicy, log_from_env
 from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
@@ -201,9 +201,12 @@ async def serve(
         raise SystemExit("invalid policy:\n" + "\n".join(problems))
     # Only now Temporal: a configuration error is reported whether or not the server is up.
     extra: dict[str, Any] = {}
+    # Which policy this worker reads, said in its ready line and its metrics: one file for the fleet.
+    _, policy_digest = policy.load()
     if metrics_port:
         # Temporal's SDK metrics and Tether's own, at http://HOST:PORT/metrics.
         extra["runtime"] = prometheus_runtime(f"{metrics_host}:{metrics_port}")
+        policy_info(extra["runtime"], policy.source, policy_digest)
     interceptors = tracing_interceptors()
     if interceptors:
         extra["interceptors"] = interceptors
@@ -229,7 +232,7 @@ async def serve(
             + (f" ({len(registry.refused)} left out: {escape_text(', '.join(sorted(registry.refused)), 300)})"
                if registry.refused else "")
             + f"; planners: {', '.join(sorted(planners))}"
-            + f"; policy {policy.source}"
+            + f"; policy {policy.source} (sha256 {policy_digest})"
             + (f" (shadow: {shadow.path}, enforcing nothing)" if shadow else "")
             + f"; audit sink {audit.sink.describe()}; payload encryption "
             + (f"on (active key {codec.keyring.active})" if isinstance(codec, EncryptionCodec) else "off")

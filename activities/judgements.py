@@ -7,6 +7,8 @@ reference); this log holds what they were judged on, for ``tether policy explain
 ``tether policy what-if NEW_POLICY``, which judges each one again under a proposed policy. A
 retried activity writes its lines again: readers keep the last line of each judgement's key.
 A line that cannot be written is logged and counted, never a reason to refuse a decision.
+A line of another shape (or torn by a worker killed mid-write) is skipped and counted in
+``skipped``; a log that cannot be read at all raises :class:`LogUnreadable`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -47,6 +50,27 @@ def _line_digest(entry: dict[str, Any]) -> str:
     return json_digest({k: v for k, v in entry.items() if k != "sig"})
 
 
+class LogUnreadable(Exception):
+    """The judgement log could not be read at all (a missing file, no permission, the database
+    down): not the same as a log with no judgement in it."""
+
+
+def judgement_line(entry: Any) -> bool:
+    """Is this a line shaped as ``entries`` writes one (what explain and what-if read)?"""
+    return (
+        isinstance(entry, dict)
+        and all(isinstance(entry.get(k), str) for k in ("workflow_id", "at", "action"))
+        and all(isinstance(entry.get(k, ""), str) for k in ("run_id", "activity_id", "tenant", "person", "check"))
+        and isinstance(entry.get("index", 0), int)
+        and isinstance(entry.get("allowed"), bool)
+        and isinstance(entry.get("request"), dict)
+        and isinstance(entry.get("entities"), list)
+        and all(isinstance(e, dict) and isinstance(e.get("uid"), dict) for e in entry["entities"])
+        and isinstance(entry.get("policies", []), list)
+        and isinstance(entry.get("errors", []), list)
+    )
+
+
 def unsigned_problem(publics: Any, entry: Any) -> str | None:
     """Why this line is not one the fleet signed (None: it is)."""
     if not isinstance(entry, dict):
@@ -59,10 +83,13 @@ def unsigned_problem(publics: Any, entry: Any) -> str | None:
 
 class JudgementLog(Protocol):
     """Where judgements are logged: JSON lines beside the audit sink's folders, or PostgreSQL.
-    ``read(publics=...)`` skips the lines the fleet did not sign and counts them in ``unverified``."""
+    ``read`` skips the lines of another shape and counts them in ``skipped``; ``read(publics=...)``
+    skips the lines the fleet did not sign and counts them in ``unverified``; it raises
+    :class:`LogUnreadable` when the log cannot be read at all."""
 
     failures: int
     unverified: int
+    skipped: int
 
     def describe(self) -> str: ...
 
@@ -99,6 +126,7 @@ class JsonlJudgementLog:
     root: Path
     failures: int = 0
     unverified: int = 0
+    skipped: int = 0
 
     @property
     def path(self) -> Path:
@@ -118,20 +146,24 @@ class JsonlJudgementLog:
     def read(self, *, since: datetime | None = None, tenant: str | None = None,
              workflow_id: str | None = None, publics: Any = None) -> list[dict[str, Any]]:
         """The judgements (the last signed line of each), oldest first, filtered."""
-        self.unverified = 0
-        if not self.path.exists():
-            return []
+        self.unverified = self.skipped = 0
         latest: dict[tuple[str, ...], dict[str, Any]] = {}
-        with open(self.path, "rb") as f:
-            for raw in f:
-                try:
-                    entry = json.loads(raw)
-                except ValueError:
-                    continue  # a line torn by a worker killed mid-write
-                if publics is not None and unsigned_problem(publics, entry) is not None:
-                    self.unverified += 1  # before it could stand in for a signed line of its key
-                    continue
-                latest[key(entry)] = entry
+        try:
+            with open(self.path, "rb") as f:
+                for raw in f:
+                    try:
+                        entry = json.loads(raw)
+                    except ValueError:  # a line torn by a worker killed mid-write, or not JSON
+                        entry = None
+                    if not judgement_line(entry):
+                        self.skipped += 1
+                        continue
+                    if publics is not None and unsigned_problem(publics, entry) is not None:
+                        self.unverified += 1  # before it could stand in for a signed line of its key
+                        continue
+                    latest[key(entry)] = entry
+        except OSError as e:
+            raise LogUnreadable(f"{self.path}: cannot read it ({e.strerror or e})") from None
         return [e for e in sorted(latest.values(), key=lambda e: (e.get("at", ""), key(e))) if _matches(e, since, tenant, workflow_id)]
 
 
@@ -160,6 +192,7 @@ class PostgresJudgementLog:
     failures: int = 0
     unverified: int = 0
     # One connection per process (activities/postgres.py), its statements one at a time.
+    skipped: int = 0
     db: PostgresSync = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -183,7 +216,7 @@ class PostgresJudgementLog:
 
     def read(self, *, since: datetime | None = None, tenant: str | None = None,
              workflow_id: str | None = None, publics: Any = None) -> list[dict[str, Any]]:
-        self.unverified = 0
+        self.unverified = self.skipped = 0
 
         def select(conn: Any) -> list[dict[str, Any]]:
             cur = conn.execute(
@@ -196,7 +229,13 @@ class PostgresJudgementLog:
             conn.rollback()
             return rows
 
-        rows = self.db.run(select)
+        try:
+            rows = self.db.run(select)
+        except Exception as e:  # psycopg's errors, and the driver not installed
+            raise LogUnreadable(f"{self.describe()}: cannot read it ({' '.join(str(e).split())[:300]})") from None
+        shaped = [e for e in rows if judgement_line(e)]
+        self.skipped = len(rows) - len(shaped)
+        rows = shaped
         if publics is None:
             return rows
         signed = [e for e in rows if unsigned_problem(publics, e) is None]
@@ -217,8 +256,10 @@ def _matches(entry: dict[str, Any], since: datetime | None, tenant: str | None, 
     return True
 
 
-def entries(judgements: Iterable[Any], **common: Any) -> list[dict[str, Any]]:
-    """Log lines for Cedar judgements (activities.cedar.Judgement), numbered within their activity."""
+def entries(judgements: Iterable[Any], *, ids: dict[str, str] | None = None, **common: Any) -> list[dict[str, Any]]:
+    """Log lines for Cedar judgements (activities.cedar.Judgement), numbered within their activity.
+    ``ids``: the policies' positional ids to their ``@id`` (``Policies.ids``), so that an
+    evaluation error names the policy as records do."""
     return [
         {
             # Who decided, for a person's action (a pre-write check judges approvals again too).
@@ -231,9 +272,26 @@ def entries(judgements: Iterable[Any], **common: Any) -> list[dict[str, Any]]:
             "policies": list(j.policies),
             "request": j.request,
             "entities": list(j.entities),
+            # Cedar's evaluation errors (a policy that errored is skipped by Cedar): explain shows them.
+            **({"errors": [_named_error(str(e), ids or {}) for e in j.errors]} if j.errors else {}),
         }
         for i, j in enumerate(judgements)
     ]
+
+
+_ERROR_POLICY = re.compile(r"^error while evaluating policy `([^`]*)`: (.*)$", re.S)
+
+
+def _named_error(error: str, ids: dict[str, str]) -> str:
+    """Cedar's ``error while evaluating policy `policy11`: ...`` naming the policy by its @id."""
+    m = _ERROR_POLICY.match(error)
+    return f"error while evaluating policy `{ids.get(m[1], m[1])}`: {m[2]}" if m else error
+
+
+def error_words(error: str) -> tuple[str, str]:
+    """An evaluation error as (the policy it names, what went wrong), for a person."""
+    m = _ERROR_POLICY.match(error)
+    return (m[1], m[2]) if m else ("?", error)
 
 
 def _person_of(request: dict[str, Any]) -> str:
@@ -264,7 +322,15 @@ class Change:
                 "execute_write": "a write that would have been stopped",
             }.get(action, f"a {action} that would be refused")
         if not was and self.allowed:
-            return f"a {action} that was refused and would be allowed"
+            if action == "auto_approve":
+                roles = self.entry.get("roles")
+                named = f" (roles {', '.join(map(str, roles))})" if isinstance(roles, list) and roles else ""
+                return f"needed approval{named}, would need nobody"
+            return {
+                "approve": "refused -> allowed: an approval that was refused would count",
+                "approve_steps": "refused -> allowed: a partial approval that was refused would count",
+                "execute_write": "refused -> allowed: a write that was stopped would run",
+            }.get(action, f"refused -> allowed: this {action} would be allowed")
         return f"refused by another rule ({self.entry.get('rule')} -> {self.rule})"
 
 

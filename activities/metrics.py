@@ -16,6 +16,7 @@ tether_tool_calls                  counter    tool, effect, outcome (ok/error/  
 tether_tool_retries                counter    tool, effect + activity labels         activity
 tether_key_missing                 counter    key_id, what + activity labels         activity
 tether_audit_sink_failures         counter    sink + activity labels                 activity
+tether_policy_info                 gauge (1)  policy (the file), hash (its sha256)   worker start
 =================================  =========  =====================================  ============
 
 Workflow-side metrics live in ``workflows/metrics.py`` (replay-safe ``workflow.metric_meter()``).
@@ -36,6 +37,7 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 TOOL_CALLS = "tether_tool_calls"
 TOOL_RETRIES = "tether_tool_retries"
+POLICY_INFO = "tether_policy_info"
 
 # Seconds a person took to decide: from a minute to a day. Prometheus defaults are for latencies.
 APPROVAL_WAIT_BUCKETS = [1, 10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 8 * 3600, 24 * 3600, 72 * 3600]
@@ -53,6 +55,15 @@ def prometheus_runtime(bind_address: str) -> Runtime:
             ),
         )
     )
+
+
+def policy_info(runtime: Runtime, source: str, digest: str) -> None:
+    """``tether_policy_info{policy, hash} 1``: which policy file this process reads, and its
+    sha256 (``refs.policy_hash`` of the runs it starts): one value across the fleet, or a
+    worker that reads another file."""
+    runtime.metric_meter.create_gauge(
+        POLICY_INFO, "The policy file this worker reads (label policy) and its sha256 (label hash); always 1", "1"
+    ).set(1, {"policy": source, "hash": digest})
 
 
 def tracing_interceptors() -> list[Any]:

@@ -138,6 +138,23 @@ class Inbox:
         document, _ = self.store.load()
         return document
 
+    def policy(self) -> dict[str, str]:
+        """The policy file this inbox reads and its sha256 (pages' footer, /healthz)."""
+        _, digest = self.store.load()
+        return {"policy": self.store.source, "policy_hash": digest}
+
+    def policy_note(self, run_hash: str | None) -> dict[str, Any]:
+        """The run's policy (the hash it recorded at its start) beside this inbox's: the roles a run
+        needs are the run's own (its signed view); this inbox's file says only who a person is."""
+        mine = self.policy()["policy_hash"]
+        same = None if run_hash is None else run_hash == mine
+        note = None
+        if same is False:
+            note = (f"this run was judged under policy {run_hash[:12]}, not this inbox's file "
+                    f"{self.store.source} ({mine[:12]}): the roles it needs are the run's own; who you are (your "
+                    "roles) is this inbox's file; the run decides")
+        return {"run": run_hash, "inbox": mine, "same": same, "note": note}
+
     async def client(self) -> Client:
         if self.temporal is None:
             self.temporal = await tether.connect()
@@ -216,12 +233,17 @@ class Inbox:
 
     async def _visible(self, person: Person, run_id: str, live: bool = False):  # noqa: ANN202
         """The run, when the person may see it: they may decide it now, or a decision of theirs
-        counted on it. GET and POST answer the same (404 otherwise: not even whether it exists)."""
+        counted on it; or, a member of its tenant, they are told why not when the run was judged
+        under another policy file than this inbox's. GET and POST answer the same (404 otherwise:
+        not even whether it exists)."""
         document, snap, records = await self._member_snapshot(person, run_id, live)
         signer = desk.attester(document, self.public_key, snap.tenant)
         refusal = desk.decide_refusal(document.tenants[snap.tenant], snap, person.name,
                                       now=datetime.now(timezone.utc), can_attest=signer is not None)
-        if refusal is not None and not desk.has_acted(person.name, snap, records):
+        note = self.policy_note(desk.recorded_policy_hash(records))
+        if refusal is not None and note["note"] is not None and snap.pending_approval is not None:
+            refusal = refusal.model_copy(update={"message": f"{refusal.message} ({note['note']})"})
+        elif refusal is not None and not desk.has_acted(person.name, snap, records):
             raise NotYours()
         return document, snap, records, signer, refusal
 
@@ -277,6 +299,7 @@ class Inbox:
                 "approvals_left": max(pending.approvals_required - len(pending.approvals), 0),
                 "deciders": desk.deciders(tenant, snap),
             },
+            "policy": self.policy_note(desk.recorded_policy_hash(records)),
             "may_decide": refusal is None,
             "why_not": None if refusal is None else {"rule": refusal.rule, "message": refusal.message},
             "acted": acted,
@@ -305,9 +328,12 @@ class Inbox:
 
     async def decide(self, person: Person, run_id: str, body: DecisionBody) -> dict[str, Any]:
         """Send the decision through client.decide; the outcome as the run recorded (or refused) it."""
-        document, snap, _, signer, _ = await self._visible(person, run_id)
+        document, snap, records, signer, refusal = await self._visible(person, run_id)
         temporal = await self.client()
         decision_id = desk.decision_id(run_id, body.request_id, body.plan_hash, person.name, body.kind)
+        if refusal is not None and not desk.has_acted(person.name, snap, records):
+            # Shown only to say why not (a run judged under another policy file): nothing is sent.
+            return self._outcome(decision_id, "refused", rule=refusal.rule, reason=refusal.message)
         comment = body.comment.strip() if body.comment and body.comment.strip() else None
         if body.kind == "reject" and comment is None:
             return self._outcome(decision_id, "refused", rule="reason_required", reason="a rejection needs a reason")
@@ -449,6 +475,10 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
     def page(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
         context.setdefault("dev_login", dev is not None)
         context.setdefault("poll_ms", config.poll_ms)
+        try:
+            context.setdefault("inbox_policy", inbox.policy())
+        except PolicyFileError:
+            context.setdefault("inbox_policy", {"policy": store.source, "policy_hash": "invalid"})
         if isinstance(context.get("person"), Person):
             context.setdefault("csrf", inbox.csrf_token(context["person"]))
         return templates.TemplateResponse(request, name, context, status_code=status)
@@ -485,11 +515,16 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         return page(request, "error.html", 502, person=None, message=str(e))
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        # Serving all the same when the policy file changed and did not load: the last good one.
-        inbox.store.load()
-        problem = inbox.store.problem
-        return {"status": "ok"} if problem is None else {"status": "ok", "policy_problem": problem}
+    async def healthz() -> Response:
+        # Which policy file this inbox reads, and its hash: the workers' should be the same. A
+        # change that did not load: serving by the last good one, and saying why.
+        try:
+            found = {"status": "ok", **inbox.policy()}
+        except PolicyFileError as e:
+            return JSONResponse({"status": "policy_invalid", "policy": store.source, "detail": str(e)}, 503)
+        if inbox.store.problem is not None:
+            found["policy_problem"] = inbox.store.problem
+        return JSONResponse(found)
 
     # ------------------------------------------------------------------ sign-in (dev only)
 

@@ -6,6 +6,7 @@ their decision. The runtime decides again, authoritatively; these only choose wh
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from datetime import datetime
 
 from client import approval_offer_problem
@@ -78,6 +79,12 @@ def deciders(tenant: TenantPolicy | None, snap: RunSnapshot) -> list[str]:
             already_approved=done,
         ) is None
     ]
+
+
+def recorded_policy_hash(records: Sequence[TransitionRecord]) -> str | None:
+    """The policy file's hash a run recorded at its start (``refs.policy_hash`` of its first
+    transition), from its signed records; None when the records at hand do not hold it."""
+    return next((r.refs.policy_hash for r in sorted(records, key=lambda r: r.seq) if r.refs.policy_hash), None)
 
 
 def has_acted(person: str, snap: RunSnapshot, records: list[TransitionRecord]) -> bool:

@@ -395,7 +395,8 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     code, changed = await what_if(tighter)
     forty_auto = [e for e in logged if (e["workflow_id"], e["action"]) == (forty.id, "auto_approve")]
     assert code == 1 and len(changed) == len(forty_auto) >= 1, changed
-    assert all(line.startswith(f"{forty.id} ") and "auto_approve step 1: allowed -> refused (approval_needed)" in line
+    assert all(line.startswith(f"{forty.id} ") and "auto_approve step 1 (issue_refund amount_cents=4000.0): allowed -> "
+               "refused (approval_needed)" in line
                and "an auto-approval that would need a person" in line for line in changed), changed
     # The same policy changes nothing.
     code, changed = await what_if(live)
@@ -514,8 +515,12 @@ def test_what_if_reads_the_log_since_and_for_a_tenant(tmp_path: Path, capsys: py
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("1 of 1 judgement(s) of 1 run(s) change under"), out
     assert "new " in out and "decision approve by bob: allowed -> refused (nobody) by nobody" in out
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "judgements.jsonl").write_text("")
     assert starter.main(["policy", "what-if", str(proposal), "--audit-dir", str(tmp_path / "empty")]) == 0
     assert "0 of 0 judgement(s) of 0 run(s) change" in capsys.readouterr().out
+    # No log there at all: "could not read the log" (4), not "no change" (0) nor "invalid" (2).
+    assert starter.main(["policy", "what-if", str(proposal), "--audit-dir", str(tmp_path / "none")]) == 4
     assert starter.main(["policy", "what-if", str(proposal), "--since", "soon", "--audit-dir", str(tmp_path)]) == 2
 
 

@@ -189,10 +189,8 @@ def test_worker_environment_and_scaling() -> None:
     assert "--address" not in worker["command"] and "--namespace" not in worker["command"]
     assert env["BILLING_URL"] == "http://billing:8765"
     assert env["TETHER_TASK_QUEUE"] == "tether"
-    # The policy file the worker reads is one the image ships (Dockerfile COPY into /app).
-    assert env["TETHER_POLICY"].startswith("/app/")
-    assert (ROOT / env["TETHER_POLICY"].removeprefix("/app/")).is_file()
-    assert env["TETHER_POLICY"].removeprefix("/app/") in (ROOT / "Dockerfile").read_text()
+    # The policy file the worker reads is the deployment's policy config (test_one_policy_for_every_process).
+    assert _configs("worker")[env["TETHER_POLICY"]] == POLICY_CONFIG
     # Encryption on, with the key from the keygen volume, read-only.
     key_file = env["TETHER_ENCRYPTION_KEY_FILE"]
     assert any(
@@ -256,6 +254,49 @@ def _mounts(service: str) -> dict[str, tuple[str, bool]]:
             source, target, *mode = str(v).split(":")
             found[target] = (source, "ro" in (mode[0].split(",") if mode else []))
     return found
+
+
+POLICY_CONFIG = "tether-policy"
+
+
+def _configs(service: str) -> dict[str, str]:
+    """A service's configs: container path -> the config's name (short syntax mounts at /NAME)."""
+    found = {}
+    for c in SERVICES[service].get("configs", []):
+        source, target = (c["source"], c.get("target", f"/{c['source']}")) if isinstance(c, dict) else (c, f"/{c}")
+        found[target] = source
+    return found
+
+
+def _config_file(name: str) -> Path:
+    """Where a ``file:`` config comes from on the host, as compose reads it with no variable set."""
+    return ROOT / _interpolate_default(COMPOSE["configs"][name]["file"])
+
+
+def test_one_policy_for_every_process() -> None:
+    """The worker, the inbox and the cli read one policy file: one config mounted into each at
+    the path each one's one setting (TETHER_POLICY) names; nothing names another policy file."""
+    readers = {name for name in SERVICES if POLICY_CONFIG in _configs(name).values()}
+    assert readers == {"worker", "inbox", "cli"}, readers
+    paths = {_env(name).get("TETHER_POLICY") for name in readers}
+    assert len(paths) == 1 and None not in paths, paths
+    [path] = paths
+    assert all(_configs(name)[path] == POLICY_CONFIG for name in readers)
+    for name, svc in SERVICES.items():
+        words = [str(w) for w in [*(svc.get("command") or []), *(svc.get("entrypoint") or [])]]
+        assert "--policy" not in words and "--shadow-policy" not in words, (name, words)
+        assert name in readers or "TETHER_POLICY" not in _env(name), name
+        # No other path to a policy file: the image's own copy is not read by any service.
+        settings = " ".join([*_env(name).values(), *words])
+        assert "policy.image.toml" not in settings and "policy.toml" not in settings.replace(path, ""), (name, settings)
+    # By default the image's example policy, which a worker starts with (no key file to read);
+    # TETHER_POLICY_FILE is the one host setting that replaces it everywhere at once.
+    assert COMPOSE["configs"][POLICY_CONFIG]["file"] == "${TETHER_POLICY_FILE:-./examples/billing/policy.image.toml}"
+    assert _config_file(POLICY_CONFIG).is_file()
+    from activities.policy import check_policy_file
+    from activities.tools import REGISTRY
+
+    assert check_policy_file(_config_file(POLICY_CONFIG), REGISTRY.tools) == []
 
 
 def _written_file(job: str, target: str = "") -> str:
@@ -552,7 +593,9 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
         for old, new in hosts.items():
             value = value.replace(old, new)
         volumes = {target: named[source] for target, (source, _) in _mounts(service).items()}
-        for old, new in sorted({**volumes, "/app": app}.items(), key=lambda kv: -len(kv[0])):
+        configs = {target: _config_file(source) for target, source in _configs(service).items()
+                   if "file" in COMPOSE["configs"][source]}
+        for old, new in sorted({**volumes, **configs, "/app": app}.items(), key=lambda kv: -len(kv[0])):
             value = re.sub(rf"(?<![\w/]){re.escape(old)}(?=/|$)", str(new), value)
         for old, new in ports.items():
             value = re.sub(rf"(?<![\w.]){old}(?!\d)", str(new), value)

@@ -24,6 +24,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import client as tether_client
 from activities.metrics import prometheus_runtime
+from activities.policy import PolicyStore
 from client import run_outcome
 from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refusal_rule
@@ -208,8 +209,10 @@ async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:
         assert value(samples, "temporal_activity_execution_failed", **q) >= 1
 
 
-def test_worker_process_serves_metrics(dev_env, billing) -> None:
+def test_worker_process_serves_metrics(dev_env, billing, tmp_path) -> None:
     port = free_port()
+    policy = tmp_path / "fleet.toml"
+    policy.write_text('[tenants.default]\ntools = ["get_order", "issue_refund"]\n')
     env = {
         **os.environ,
         "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host,
@@ -219,7 +222,8 @@ def test_worker_process_serves_metrics(dev_env, billing) -> None:
     }
     env.pop("TETHER_ENCRYPTION_KEY_FILE", None)
     proc = subprocess.Popen(
-        [sys.executable, "worker.py", "--metrics-port", str(port)],  # no host: loopback
+        # no host: loopback
+        [sys.executable, "worker.py", "--metrics-port", str(port), "--policy", str(policy)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -229,6 +233,9 @@ def test_worker_process_serves_metrics(dev_env, billing) -> None:
             line = proc.stdout.readline()
         assert "worker ready" in line, line
         assert "payload encryption off" in line and f"http://127.0.0.1:{port}/metrics" in line
+        # Which policy it reads, and its hash (the one its runs record): in the line and the metrics.
+        digest = PolicyStore(policy).load()[1]
+        assert f"; policy {policy} (sha256 {digest});" in line, line
         # The kernel's word: the one socket listening on the port is bound to 127.0.0.1 only.
         listening = [
             fields[1] for fields in (row.split() for row in Path("/proc/net/tcp").read_text().splitlines()[1:])
@@ -244,6 +251,9 @@ def test_worker_process_serves_metrics(dev_env, billing) -> None:
                 break
             time.sleep(0.1)
         assert any(n.startswith("temporal_") for n in names), sorted(names)
+        info = [(labels, v) for n, labels, v in scrape(port) if n == "tether_policy_info"]
+        assert [(labels.get("policy"), labels.get("hash"), v) for labels, v in info] == [
+            (str(policy), digest, 1.0)], info
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -149,7 +149,8 @@ def test_a_hand_written_judgement_line_is_skipped_and_counted(tmp_path: Path) ->
     ring = KeyRing.from_env()
     log = JsonlJudgementLog(tmp_path)
     genuine = {"workflow_id": "refund-9", "run_id": "r", "activity_id": "a", "index": 0, "at": "2026-01-01T00:00:00+00:00",
-               "tenant": "default", "person": "bob", "allowed": False, "rule": "not_an_approver"}
+               "tenant": "default", "person": "bob", "action": "approve", "allowed": False, "rule": "not_an_approver",
+               "request": {}, "entities": []}
     log.write([sign_line(ring, genuine)])
     # Someone with write access to the log: "ceo approved refund-9", unsigned and re-signed badly.
     hand = {**genuine, "index": 1, "person": "ceo", "allowed": True, "rule": None}
