@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import cedarpy
+from cedarpy import pst
 
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect
 from workflows.identity import skeleton
@@ -244,6 +245,8 @@ class Policies:
     policy_set: cedarpy.PolicySet = field(repr=False)
     ids: dict[str, str] = field(default_factory=dict)  # positional id -> @id (or itself)
     rules: dict[str, str] = field(default_factory=dict)  # positional id -> @rule (or @id)
+    # Per set of actions, the policies that can apply to them (``for_actions``).
+    _subsets: dict[frozenset[str], cedarpy.PolicySet] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_text(cls, text: str) -> Policies:
@@ -261,6 +264,58 @@ class Policies:
             ids[pid] = notes.get("id") or pid
             rules[pid] = notes.get("rule") or ids[pid]
         return cls(text=text, policy_set=policy_set, ids=ids, rules=rules)
+
+    def for_actions(self, actions: Collection[str]) -> cedarpy.PolicySet:
+        """The policies whose action scope admits one of ``actions`` (the schema's, or an action
+        group of one), under their own ids: the engine answers a request of those actions on
+        them as on the whole set (Cedar checks the scope before the conditions, so a policy whose
+        scope excludes the request is neither satisfied nor in error), and evaluates fewer. The
+        whole set when its nodes cannot be read (templates, or deeper than the engine converts)."""
+        key = frozenset(actions)
+        subset = self._subsets.get(key)
+        if subset is None:
+            subset = self.policy_set
+            if key <= _ACTION_NAMES:
+                try:
+                    nodes = self.policy_set.to_pst()
+                except ValueError:
+                    nodes = None
+                if nodes is not None and not nodes.templates and not nodes.template_links:
+                    keep = {pid: node for pid, node in nodes.static_policies.items()
+                            if any(_admits(node.action, name) for name in key)}
+                    subset = cedarpy.PolicySet.from_pst(pst.PolicySet(templates={}, static_policies=keep, template_links=()))
+            self._subsets[key] = subset  # a handful per version: the action sets the runtime asks
+        return subset
+
+
+_ACTION_NAMES = frozenset(ACTIONS)
+_ACTION_TYPE = pst.EntityType(basename="Action", namespace=(NS,))
+
+
+def _groups(name: str) -> set[str]:
+    """An action and the groups it is in (the schema's ``in``, given to the engine as
+    ``ACTION_GROUPS``)."""
+    found, todo = {name}, [name]
+    while todo:
+        current = todo.pop()
+        for group in ACTION_GROUPS:
+            if group["uid"]["id"] == current:
+                for parent in group["parents"]:
+                    if parent["id"] not in found:
+                        found.add(parent["id"])
+                        todo.append(parent["id"])
+    return found
+
+
+def _admits(scope: object, name: str) -> bool:
+    """Can a policy of this action ``scope`` apply to a request of action ``name``? Whatever it
+    cannot tell (a scope of a kind it does not know) it admits."""
+    if isinstance(scope, pst.ActionEq):
+        return scope.entity.type == _ACTION_TYPE and scope.entity.id == name
+    if isinstance(scope, pst.ActionIn):
+        groups = _groups(name)
+        return any(uid.type == _ACTION_TYPE and uid.id in groups for uid in scope.entities)
+    return True
 
 
 K = TypeVar("K", bound=Hashable)
@@ -441,11 +496,12 @@ def action_name(request: dict[str, Any]) -> str:
 
 def judge_requests(policies: Policies, requests: list[dict[str, Any]], entities: list[dict[str, Any]],
                    tenant: object | None) -> list[Judgement]:
-    """Requests judged on one set of entities, parsed whole, in one call into the engine. The
+    """Requests judged on one set of entities, parsed whole, by the whole policy set, in one call
+    into the engine (nothing cached: what-if, and the reference tests hold the cached path to). The
     entities are this module's own (``run_entities``, ``step_entities``), which tests check against
     the schema; the policies were checked against it when they were loaded."""
     handle = cedarpy.Entities.from_json_str(json.dumps([*entities, *ACTION_GROUPS]))
-    return _judge(policies, requests, entities, handle, tenant)
+    return _judge(policies, requests, entities, handle, tenant, whole=True)
 
 
 def _engine_request(request: dict[str, Any]) -> dict[str, Any]:
@@ -462,9 +518,13 @@ def _engine_request(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _judge(policies: Policies, requests: list[dict[str, Any]], entities: list[dict[str, Any]],
-           handle: cedarpy.Entities, tenant: object | None) -> list[Judgement]:
-    """Requests judged on the parsed ``handle`` of ``entities`` (what the judgement records)."""
-    results = cedarpy.is_authorized_batch([_engine_request(r) for r in requests], policies.policy_set, handle)
+           handle: cedarpy.Entities, tenant: object | None, whole: bool = False) -> list[Judgement]:
+    """Requests judged on the parsed ``handle`` of ``entities`` (what the judgement records), by
+    the policies that can apply to their actions (``whole``: by every policy)."""
+    engine = [_engine_request(r) for r in requests]
+    named = [r["action"]["id"] for r in engine if isinstance(r.get("action"), dict)]
+    policy_set = policies.for_actions(named) if len(named) == len(engine) and not whole else policies.policy_set
+    results = cedarpy.is_authorized_batch(engine, policy_set, handle)
     out = []
     recorded = tuple(entities)
     for request, result in zip(requests, results, strict=True):

@@ -606,16 +606,17 @@ def uncached_person(tenant_name: str, tenant: TenantPolicy, action: str, person:
     return cedar.judge_request(policies, cedar.person_request(action, person), entities, tenant)
 
 
-def same(a: cedar.Judgement, b: cedar.Judgement) -> tuple[Any, ...]:
-    """Everything a judgement says and records, to compare two of them whole."""
+def same(a: cedar.Judgement, b: cedar.Judgement) -> bool:
+    """Two judgements say and record the same: verdict, policies, rule, errors, request, entities."""
     return (a.allowed, a.policies, a.rule, a.errors, a.request, a.entities) == (
-        b.allowed, b.policies, b.rule, b.errors, b.request, b.entities), (a, b)
+        b.allowed, b.policies, b.rule, b.errors, b.request, b.entities)
 
 
 def test_the_cached_path_judges_as_the_uncached_one() -> None:
     """Each decision judged by the caches (parsed policy sets, people and plans parsed once per
-    tenant version, the run's entities added) equals the same judged with nothing cached: verdict,
-    deciding policies, rule, errors, and the request and entities it records."""
+    tenant version, the run's entities added, only the policies that can apply to its actions)
+    equals the same judged with nothing cached and by every policy: verdict, deciding policies,
+    rule, errors, and the request and entities it records."""
     rng = random.Random(SEED + 1)
     billing = ["get_order", "issue_refund", "post_ledger_entry", "send_email", "void_refund"]
     tenants = [(name, t) for _, name, t in example_tenants()] + [(f"t{i}", random_tenant(rng, billing)) for i in range(40)]
@@ -630,7 +631,8 @@ def test_the_cached_path_judges_as_the_uncached_one() -> None:
                        stage=rng.randint(0, 2))
             action = rng.choice(cedar.PERSON_ACTIONS)
             cached = cedar.judge_person(policies, name, tenant, action=action, person=person, requested_by=requester, **run)
-            assert same(cached, uncached_person(name, tenant, action, person, requester, **run))
+            whole = uncached_person(name, tenant, action, person, requester, **run)
+            assert same(cached, whole), (cached, whole)
             catalog = random_catalog(rng, tools)
             steps = [PlanStep(tool_call_id=f"s{i}", tool=rng.choice(tools + ["unknown_tool"]),
                               args={"amount_cents": rng.choice(AMOUNTS)}) for i in range(rng.randint(1, 4))]
@@ -642,7 +644,9 @@ def test_the_cached_path_judges_as_the_uncached_one() -> None:
                 cedar.Policies.from_text(cedar.export_tenant(name, tenant)),
                 cedar.step_requests(cedar.STEP_ACTIONS, len(steps), writes),
                 cedar.step_entities(name, steps, catalog, spent=spent, risk="normal"), tenant)
-            assert len(cached_steps) == len(whole) and all(same(a, b) for a, b in zip(cached_steps, whole))
+            assert len(cached_steps) == len(whole)
+            for a, b in zip(cached_steps, whole):
+                assert same(a, b), (a, b)
             compared += 1 + len(whole)
     assert compared > 2_000
 
@@ -657,7 +661,7 @@ def test_an_erroring_policy_reports_the_same_errors_cached_and_not() -> None:
                                 person="bob", requested_by="alice", stage=2)
     entities = cedar.run_entities("default", tenant, person="bob", requested_by="alice", stage=2)
     whole = cedar.judge_request(cedar.Policies.from_text(text), cedar.person_request("approve", "bob"), entities, tenant)
-    assert same(cached, whole)
+    assert same(cached, whole), (cached, whole)
     assert cached.errors and "policy0" in cached.errors[0], cached.errors
 
 
@@ -763,7 +767,7 @@ def test_many_distinct_policies_and_people_do_not_grow_the_caches_without_bound(
     assert sizes["policy sets"][0] == cedar.POLICY_SETS.size and sizes["skeletons"][0] == sizes["skeletons"][1], sizes
     again = cedar.judge_person(cedar.policies_for("x", first), "x", first, action="approve", person="bob",
                                requested_by="alice", roles=["approver"])
-    assert same(again, before)
+    assert same(again, before), (again, before)
 
 
 def test_threads_judging_at_once_through_small_caches_agree_with_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -794,3 +798,60 @@ def test_threads_judging_at_once_through_small_caches_agree_with_one_thread(monk
         together = list(pool.map(judge, cases))
     assert together == alone
     assert all(len(lru) <= 3 for lru in (cedar.POLICY_SETS, cedar._TENANT_KEYS, cedar._PEOPLE, cedar._BASES))
+
+
+SCOPES = """
+@id("eq-approve") forbid (principal, action == Tether::Action::"approve", resource) when { resource.stage == 1 };
+@id("in-approve") forbid (principal, action in Tether::Action::"approve", resource) when { resource.stage == 2 };
+@id("in-list") forbid (principal, action in [Tether::Action::"reject", Tether::Action::"execute_write"], resource)
+  when { resource has stage && resource.stage == 3 };
+@id("any") forbid (principal, action, resource) when { resource has stage && resource.stage == 4 };
+@id("errs") forbid (principal, action in Tether::Action::"approve_steps", resource)
+  when { resource has stage && resource.stage * 9223372036854775807 > 9223372036854775807 };
+@id("elsewhere") forbid (principal, action == Other::Action::"approve", resource);
+@id("everyone") permit (principal, action, resource);
+"""
+
+
+@pytest.mark.parametrize("text", [SCOPES, "\n".join([
+    '@id("deny-list") forbid (principal, action == Tether::Action::"approve", resource) when { '
+    + " || ".join(f'principal == Tether::Person::"p{i}"' for i in range(500)) + " };",
+    '@id("everyone") permit (principal, action, resource);'])], ids=["scopes", "deny-list-500"])
+def test_only_the_policies_an_action_can_meet_are_evaluated_with_the_same_answer(text: str) -> None:
+    """Each action of the schema on each stage, judged by the policies whose scope admits it
+    (`==` is that action alone, `in` its groups too: approve_steps is an approve; another
+    namespace's action is none of ours) equals the judgement of the whole set, errors included.
+    A set too deep for the engine's nodes (a 500-term deny list) is judged whole."""
+    tenant = TenantPolicy(approvers=None)
+    policies = cedar.policies_of("default", tenant, text)
+    seen: Counter[str] = Counter()
+    for action in cedar.PERSON_ACTIONS:
+        for stage in range(6):
+            for person in ("bob", "p499"):
+                cached = cedar.judge_person(policies, "default", tenant, action=action, person=person,
+                                            requested_by="alice", stage=stage)
+                entities = cedar.run_entities("default", tenant, person=person, requested_by="alice", stage=stage)
+                whole = cedar.judge_request(policies, cedar.person_request(action, person), entities, tenant)
+                assert same(cached, whole), (cached, whole)
+                seen[",".join(cached.policies) + ("!" if cached.errors else "")] += 1
+    steps = [PlanStep(tool_call_id="s1", tool="x", args={})]
+    for action in cedar.STEP_ACTIONS:
+        [cached] = cedar.judge_steps(policies, "default", tenant, actions=[action], steps=steps, catalog=ToolCatalog())
+        [whole] = cedar.judge_requests(policies, cedar.step_requests([action], 1),
+                                       cedar.step_entities("default", steps, ToolCatalog()), tenant)
+        assert same(cached, whole), (cached, whole)
+    if text == SCOPES:
+        # Each scope decided some of them, and only where Cedar says it applies.
+        assert {"eq-approve", "in-approve", "in-list", "any", "everyone!"} <= set(seen), seen
+        def verdict(action: str, stage: int) -> tuple[bool, tuple[str, ...], bool]:
+            j = cedar.judge_person(policies, "default", tenant, action=action, person="bob", requested_by="alice",
+                                   stage=stage)
+            return j.allowed, j.policies, bool(j.errors)
+
+        assert verdict("approve", 1) == (False, ("eq-approve",), False)
+        assert verdict("approve_steps", 1) == (True, ("everyone",), False)  # `==` approve is approve alone
+        assert verdict("approve_steps", 2) == (False, ("in-approve",), True)  # `in` approve: its group too
+        assert verdict("reject", 3) == (False, ("in-list",), False)
+        assert 0 < len(policies.for_actions(["approve"])) < len(policies.policy_set)
+    else:
+        assert seen["deny-list"] > 0 and policies.for_actions(["approve"]) is policies.policy_set
