@@ -816,7 +816,10 @@ SCOPES = """
 @pytest.mark.parametrize("text", [SCOPES, "\n".join([
     '@id("deny-list") forbid (principal, action == Tether::Action::"approve", resource) when { '
     + " || ".join(f'principal == Tether::Person::"p{i}"' for i in range(500)) + " };",
-    '@id("everyone") permit (principal, action, resource);'])], ids=["scopes", "deny-list-500"])
+    '@id("everyone") permit (principal, action, resource);']), "\n".join([
+    *(f'@id("n{i}") forbid (principal, action == Tether::Action::"{cedar.PERSON_ACTIONS[i % 7]}", resource) '
+      f'when {{ resource.stage == {i % 6} && principal == Tether::Person::"p499" }};' for i in range(cedar.SUBSET_MAX_POLICIES)),
+    '@id("everyone") permit (principal, action, resource);'])], ids=["scopes", "deny-list-500", "many"])
 def test_only_the_policies_an_action_can_meet_are_evaluated_with_the_same_answer(text: str) -> None:
     """Each action of the schema on each stage, judged by the policies whose scope admits it
     (`==` is that action alone, `in` its groups too: approve_steps is an approve; another
@@ -853,5 +856,8 @@ def test_only_the_policies_an_action_can_meet_are_evaluated_with_the_same_answer
         assert verdict("approve_steps", 2) == (False, ("in-approve",), True)  # `in` approve: its group too
         assert verdict("reject", 3) == (False, ("in-list",), False)
         assert 0 < len(policies.for_actions(["approve"])) < len(policies.policy_set)
-    else:
+    elif text.startswith('@id("deny-list")'):
         assert seen["deny-list"] > 0 and policies.for_actions(["approve"]) is policies.policy_set
+    else:  # more policies than are worth a subset: the whole set
+        assert len(policies.ids) > cedar.SUBSET_MAX_POLICIES and policies.for_actions(["approve"]) is policies.policy_set
+        assert sum(n for k, n in seen.items() if k.startswith("n")) > 0, seen
