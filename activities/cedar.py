@@ -397,6 +397,8 @@ def policies_for(name: str, tenant: TenantPolicy) -> Policies:
 
 def parsed(text: str) -> Policies:
     """A Cedar policy text, parsed once per content (``Policies.from_text``'s bounds first)."""
+    if len(text) > MAX_POLICY_BYTES:  # refused by the bounds, and never kept as a key
+        return Policies.from_text(text)
     digest = _TEXT_DIGESTS.get(text, lambda: _sha256(text))
     return POLICY_SETS.get("cedar:" + digest, lambda: Policies.from_text(text))
 

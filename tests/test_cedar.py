@@ -762,6 +762,11 @@ def test_many_distinct_policies_and_people_do_not_grow_the_caches_without_bound(
     for i in range(5000):
         cedar.judge_person(cedar.policies_for("x", first), "x", first, action="approve", person=f"someone{i}",
                            requested_by=f"else{i}", already_approved=[f"a{i}"], editors=[f"e{i}"])
+    huge = "permit (principal, action, resource);\n" * (cedar.MAX_POLICY_BYTES // 30)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="bytes"):
+            cedar.policies_of("x", first, huge)
+    assert all(text is not huge for text in cedar._TEXT_DIGESTS._items)  # an oversized text is never a key
     sizes = cache_sizes()
     assert all(n <= bound for n, bound in sizes.values()), sizes
     assert sizes["policy sets"][0] == cedar.POLICY_SETS.size and sizes["skeletons"][0] == sizes["skeletons"][1], sizes
