@@ -436,8 +436,10 @@ def test_the_policy_bench_prints_both_engines(capsys: pytest.CaptureFixture[str]
     bench_policy.main(["--decisions", "20", "--policy", str(ROOT / "examples/billing/policy.toml")])
     out = capsys.readouterr().out
     labels = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "decision " not in line[:12]]
-    assert labels == ["decision: TOML rules", "decision: Cedar", "decision: the activity's (Cedar + wording)",
-                      "pre-write check, 3 steps: TOML rules", "pre-write check, 3 steps: Cedar"], out
+    assert labels == ["decision: TOML rules", "decision: Cedar, uncached", "decision: Cedar",
+                      "decision: the activity's (lookup, Cedar, wording)", "pre-write check, 3 steps: TOML rules",
+                      "pre-write check, 3 steps: Cedar, uncached", "pre-write check, 3 steps: the activity's (Cedar)"], out
+    assert "CPU p99 µs" in out
 
 
 async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothing(
@@ -599,3 +601,276 @@ def test_a_valid_deny_list_of_500_terms_loads_and_judges(tmp_path: Path) -> None
                "resource": 'Tether::Run::"r"', "context": {}}
     result = cedarpy.is_authorized(request, policies.policy_set, "[]")
     assert result.decision == cedarpy.Decision.Deny
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def uncached_person(tenant_name: str, tenant: TenantPolicy, action: str, person: str, requested_by: str,
+                    **run: Any) -> cedar.Judgement:
+    """A person's decision judged as before any cache: the policy text parsed, the entities whole."""
+    policies = cedar.Policies.from_text(cedar.export_tenant(tenant_name, tenant))
+    entities = cedar.run_entities(tenant_name, tenant, person=person, requested_by=requested_by, **run)
+    return cedar.judge_request(policies, cedar.person_request(action, person), entities, tenant)
+
+
+def same(a: cedar.Judgement, b: cedar.Judgement) -> bool:
+    """Two judgements say and record the same: verdict, policies, rule, errors, request, entities."""
+    return (a.allowed, a.policies, a.rule, a.errors, a.request, a.entities) == (
+        b.allowed, b.policies, b.rule, b.errors, b.request, b.entities)
+
+
+def test_the_cached_path_judges_as_the_uncached_one() -> None:
+    """Each decision judged by the caches (parsed policy sets, people and plans parsed once per
+    tenant version, the run's entities added, only the policies that can apply to its actions)
+    equals the same judged with nothing cached and by every policy: verdict, deciding policies,
+    rule, errors, and the request and entities it records."""
+    rng = random.Random(SEED + 1)
+    billing = ["get_order", "issue_refund", "post_ledger_entry", "send_email", "void_refund"]
+    tenants = [(name, t) for _, name, t in example_tenants()] + [(f"t{i}", random_tenant(rng, billing)) for i in range(40)]
+    compared = 0
+    for name, tenant in tenants:
+        policies = cedar.policies_for(name, tenant)
+        people, tools = names_of(tenant), list(tenant.tools or billing)
+        for _ in range(25):
+            person, requester = rng.choice(people), rng.choice(people)
+            run = dict(roles=rng.sample(ROLES, rng.randint(0, 3)), already_approved=rng.sample(people, rng.randint(0, 2)),
+                       editors=rng.sample(people, rng.randint(0, 2)), risk=rng.choice(["none", "normal", "high"]),
+                       stage=rng.randint(0, 2))
+            action = rng.choice(cedar.PERSON_ACTIONS)
+            cached = cedar.judge_person(policies, name, tenant, action=action, person=person, requested_by=requester, **run)
+            whole = uncached_person(name, tenant, action, person, requester, **run)
+            assert same(cached, whole), (cached, whole)
+            catalog = random_catalog(rng, tools)
+            steps = [PlanStep(tool_call_id=f"s{i}", tool=rng.choice(tools + ["unknown_tool"]),
+                              args={"amount_cents": rng.choice(AMOUNTS)}) for i in range(rng.randint(1, 4))]
+            spent = {f"{rng.choice(tools)}.amount_cents": rng.choice(AMOUNTS)} if rng.random() < 0.4 else {}
+            writes = [i for i in range(1, len(steps) + 1) if rng.random() < 0.7]
+            cached_steps = cedar.judge_steps(policies, name, tenant, actions=list(cedar.STEP_ACTIONS), steps=steps,
+                                             catalog=catalog, spent=spent, risk="normal", writes=writes)
+            whole = cedar.judge_requests(
+                cedar.Policies.from_text(cedar.export_tenant(name, tenant)),
+                cedar.step_requests(cedar.STEP_ACTIONS, len(steps), writes),
+                cedar.step_entities(name, steps, catalog, spent=spent, risk="normal"), tenant)
+            assert len(cached_steps) == len(whole)
+            for a, b in zip(cached_steps, whole):
+                assert same(a, b), (a, b)
+            compared += 1 + len(whole)
+    assert compared > 2_000
+
+
+def test_an_erroring_policy_reports_the_same_errors_cached_and_not() -> None:
+    """A tenant's own policy that errors at evaluation (a Long overflow, issue 43): the errors the
+    engine reports, and which policy they name, are the same on the cached path."""
+    text = ('@id("overflow")\nforbid (principal, action, resource) when { resource.stage * 9223372036854775807 > 1 };\n'
+            '@id("everyone")\npermit (principal, action, resource);\n')
+    tenant = TenantPolicy(approvers=None)
+    cached = cedar.judge_person(cedar.policies_of("default", tenant, text), "default", tenant, action="approve",
+                                person="bob", requested_by="alice", stage=2)
+    entities = cedar.run_entities("default", tenant, person="bob", requested_by="alice", stage=2)
+    whole = cedar.judge_request(cedar.Policies.from_text(text), cedar.person_request("approve", "bob"), entities, tenant)
+    assert same(cached, whole), (cached, whole)
+    assert cached.errors and "policy0" in cached.errors[0], cached.errors
+
+
+def test_a_changed_policy_file_gives_the_new_answer_at_once(tmp_path: Path) -> None:
+    """An edit to a tenant's Cedar file, or to its TOML rules (exported, and who holds which role),
+    is a new content hash: the very next decision is judged by the new policy, nothing stale."""
+    import os
+
+    from activities.policy import PolicyStore
+
+    toml, own = tmp_path / "policy.toml", tmp_path / "own.cedar"
+    toml.write_text('[tenants.own]\ncedar = ["own.cedar"]\n[tenants.own.approvers]\nbob = { roles = ["approver"] }\n'
+                    '[tenants.rules]\n[tenants.rules.approvers]\nbob = { roles = ["approver"] }\n')
+    own.write_text('@id("open")\npermit (principal, action, resource);\n')
+    store = PolicyStore(toml)
+    stamp = [1_700_000_000_000_000_000]
+
+    def edit(path: Path, text: str) -> None:
+        path.write_text(text)
+        stamp[0] += 10**9  # a new modification time, whatever the file system's clock resolution
+        os.utime(path, ns=(stamp[0], stamp[0]))
+
+    def judge(name: str, **run: Any) -> tuple[bool, str | None, tuple[str, ...], str]:
+        tenant, policies, digest = store.policies(name)
+        j = cedar.judge_person(policies, name, tenant, action="approve", person="bob", requested_by="alice", **run)
+        return j.allowed, j.rule, j.policies, digest
+
+    first = judge("own")
+    assert first[:3] == (True, None, ("open",))
+    edit(own, '@id("closed")\nforbid (principal, action, resource);\n@id("open")\npermit (principal, action, resource);\n')
+    second = judge("own")
+    assert second[:3] == (False, "closed", ("closed",)) and second[3] != first[3]
+    edit(own, '@id("open")\npermit (principal, action, resource);\n')
+    assert judge("own")[:3] == first[:3]  # back to the first text: its answer again
+
+    assert judge("rules", roles=["approver"])[:2] == (True, None)
+    # bob loses the role: the person's entity (cached per tenant version) is the new one.
+    edit(toml, toml.read_text().replace('[tenants.rules.approvers]\nbob = { roles = ["approver"] }',
+                                        '[tenants.rules.approvers]\nbob = { roles = ["support"] }'))
+    assert judge("rules", roles=["approver"])[:2] == (False, "role")
+    # four_eyes off: alice may approve her own run (an exported rule of the new version).
+    edit(toml, toml.read_text().replace("[tenants.rules]\n", "[tenants.rules]\nfour_eyes = false\n")
+         .replace('bob = { roles = ["support"] }', 'bob = { roles = ["approver"] }\nalice = { roles = ["approver"] }'))
+    tenant, policies, _ = store.policies("rules")
+    mine = cedar.judge_person(policies, "rules", tenant, action="approve", person="alice", requested_by="alice",
+                              roles=["approver"])
+    assert (mine.allowed, mine.rule) == (True, None)
+
+
+def test_a_tenant_at_a_freed_ones_address_is_not_taken_for_it() -> None:
+    """The tenant's hash is remembered by the object's identity: a new TenantPolicy at the address
+    of a freed one (CPython reuses them) is hashed afresh, never judged by the old one's rules."""
+    addresses: set[int] = set()
+    for i in range(200):
+        four_eyes = i % 2 == 0
+        tenant = TenantPolicy(four_eyes=four_eyes)
+        addresses.add(id(tenant))
+        j = cedar.judge_person(cedar.policies_for("t", tenant), "t", tenant, action="approve", person="alice",
+                               requested_by="alice", roles=["approver"])
+        assert (j.allowed, j.rule) == ((False, "four_eyes") if four_eyes else (True, None)), i
+        del tenant, j
+    assert len(addresses) < 200  # the hostile case happened: addresses were reused
+
+
+def cache_sizes() -> dict[str, tuple[int, int]]:
+    """Each cache of activities/cedar.py: (entries, bound)."""
+    info = cedar._skeleton.cache_info()
+    return {
+        "policy sets": (len(cedar.POLICY_SETS), cedar.POLICY_SETS.size),
+        "text digests": (len(cedar._TEXT_DIGESTS), cedar._TEXT_DIGESTS.size),
+        "tenant keys": (len(cedar._TENANT_KEYS), cedar._TENANT_KEYS.size),
+        "people": (len(cedar._PEOPLE), cedar._PEOPLE.size),
+        "entity bases": (len(cedar._BASES), cedar._BASES.size),
+        "skeletons": (info.currsize, info.maxsize or 0),
+    }
+
+
+def test_many_distinct_policies_and_people_do_not_grow_the_caches_without_bound() -> None:
+    """Hostile: a stream of distinct policy versions (each a new hash: tenants' rules and Cedar
+    texts) and of distinct people. Every cache stays within its bound, and an evicted policy,
+    asked again, is parsed again and answers as before."""
+    first = TenantPolicy(tools=["t0"], approvers={"bob": Approver(roles=["approver"])})
+    before = cedar.judge_person(cedar.policies_for("x", first), "x", first, action="approve", person="bob",
+                                requested_by="alice", roles=["approver"])
+    tenants = []
+    for i in range(cedar.POLICY_SETS.size * 3):
+        tenant = TenantPolicy(tools=[f"t{i}"], approvers={f"p{i}": Approver(roles=["approver"])})
+        tenants.append(tenant)  # alive: none of their identities is freed and reused
+        text = f'@id("v{i}")\npermit (principal, action, resource) when {{ resource.stage == {i} }};\n'
+        for name in (f"p{i}", f"q{i}", "bob"):
+            cedar.judge_person(cedar.policies_for("x", tenant), "x", tenant, action="approve", person=name,
+                               requested_by=f"r{i}", roles=["approver"])
+            cedar.judge_person(cedar.policies_of("x", tenant, text), "x", tenant, action="approve", person=name,
+                               requested_by=f"r{i}", stage=i)
+        steps = [PlanStep(tool_call_id=f"s{k}", tool=f"t{i}", args={}) for k in range(1 + i % 40)]
+        cedar.judge_steps(cedar.policies_for("x", tenant), "x", tenant, actions=["execute_write"], steps=steps,
+                          catalog=ToolCatalog())
+    for i in range(5000):
+        cedar.judge_person(cedar.policies_for("x", first), "x", first, action="approve", person=f"someone{i}",
+                           requested_by=f"else{i}", already_approved=[f"a{i}"], editors=[f"e{i}"])
+    huge = "permit (principal, action, resource);\n" * (cedar.MAX_POLICY_BYTES // 30)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="bytes"):
+            cedar.policies_of("x", first, huge)
+    assert all(text is not huge for text in cedar._TEXT_DIGESTS._items)  # an oversized text is never a key
+    sizes = cache_sizes()
+    assert all(n <= bound for n, bound in sizes.values()), sizes
+    assert sizes["policy sets"][0] == cedar.POLICY_SETS.size and sizes["skeletons"][0] == sizes["skeletons"][1], sizes
+    again = cedar.judge_person(cedar.policies_for("x", first), "x", first, action="approve", person="bob",
+                               requested_by="alice", roles=["approver"])
+    assert same(again, before), (again, before)
+
+
+def test_threads_judging_at_once_through_small_caches_agree_with_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker judges in several threads: with caches small enough to evict all the time,
+    judgements made concurrently equal the same made one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for lru in (cedar.POLICY_SETS, cedar._TENANT_KEYS, cedar._PEOPLE, cedar._BASES):
+        monkeypatch.setattr(lru, "size", 3)
+    rng = random.Random(SEED + 2)
+    billing = ["get_order", "issue_refund", "send_email"]
+    tenants = [(f"t{i}", random_tenant(rng, billing)) for i in range(12)]
+    cases = []
+    for k in range(600):
+        name, tenant = tenants[k % len(tenants)]
+        people = names_of(tenant)
+        cases.append((name, tenant, rng.choice(["approve", "reject", "compensate"]), rng.choice(people),
+                      rng.choice(people), rng.sample(ROLES, 2)))
+
+    def judge(case: tuple[Any, ...]) -> tuple[bool, str | None, tuple[str, ...]]:
+        name, tenant, action, person, requester, roles = case
+        j = cedar.judge_person(cedar.policies_for(name, tenant), name, tenant, action=action, person=person,
+                               requested_by=requester, roles=roles)
+        return j.allowed, j.rule, j.policies
+
+    alone = [judge(c) for c in cases]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(judge, cases))
+    assert together == alone
+    assert all(len(lru) <= 3 for lru in (cedar.POLICY_SETS, cedar._TENANT_KEYS, cedar._PEOPLE, cedar._BASES))
+
+
+SCOPES = """
+@id("eq-approve") forbid (principal, action == Tether::Action::"approve", resource) when { resource.stage == 1 };
+@id("in-approve") forbid (principal, action in Tether::Action::"approve", resource) when { resource.stage == 2 };
+@id("in-list") forbid (principal, action in [Tether::Action::"reject", Tether::Action::"execute_write"], resource)
+  when { resource has stage && resource.stage == 3 };
+@id("any") forbid (principal, action, resource) when { resource has stage && resource.stage == 4 };
+@id("errs") forbid (principal, action in Tether::Action::"approve_steps", resource)
+  when { resource has stage && resource.stage * 9223372036854775807 > 9223372036854775807 };
+@id("elsewhere") forbid (principal, action == Other::Action::"approve", resource);
+@id("everyone") permit (principal, action, resource);
+"""
+
+
+@pytest.mark.parametrize("text", [SCOPES, "\n".join([
+    '@id("deny-list") forbid (principal, action == Tether::Action::"approve", resource) when { '
+    + " || ".join(f'principal == Tether::Person::"p{i}"' for i in range(500)) + " };",
+    '@id("everyone") permit (principal, action, resource);']), "\n".join([
+    *(f'@id("n{i}") forbid (principal, action == Tether::Action::"{cedar.PERSON_ACTIONS[i % 7]}", resource) '
+      f'when {{ resource.stage == {i % 6} && principal == Tether::Person::"p499" }};' for i in range(cedar.SUBSET_MAX_POLICIES)),
+    '@id("everyone") permit (principal, action, resource);'])], ids=["scopes", "deny-list-500", "many"])
+def test_only_the_policies_an_action_can_meet_are_evaluated_with_the_same_answer(text: str) -> None:
+    """Each action of the schema on each stage, judged by the policies whose scope admits it
+    (`==` is that action alone, `in` its groups too: approve_steps is an approve; another
+    namespace's action is none of ours) equals the judgement of the whole set, errors included.
+    A set too deep for the engine's nodes (a 500-term deny list) is judged whole."""
+    tenant = TenantPolicy(approvers=None)
+    policies = cedar.policies_of("default", tenant, text)
+    seen: Counter[str] = Counter()
+    for action in cedar.PERSON_ACTIONS:
+        for stage in range(6):
+            for person in ("bob", "p499"):
+                cached = cedar.judge_person(policies, "default", tenant, action=action, person=person,
+                                            requested_by="alice", stage=stage)
+                entities = cedar.run_entities("default", tenant, person=person, requested_by="alice", stage=stage)
+                whole = cedar.judge_request(policies, cedar.person_request(action, person), entities, tenant)
+                assert same(cached, whole), (cached, whole)
+                seen[",".join(cached.policies) + ("!" if cached.errors else "")] += 1
+    steps = [PlanStep(tool_call_id="s1", tool="x", args={})]
+    for action in cedar.STEP_ACTIONS:
+        [cached] = cedar.judge_steps(policies, "default", tenant, actions=[action], steps=steps, catalog=ToolCatalog())
+        [whole] = cedar.judge_requests(policies, cedar.step_requests([action], 1),
+                                       cedar.step_entities("default", steps, ToolCatalog()), tenant)
+        assert same(cached, whole), (cached, whole)
+    if text == SCOPES:
+        # Each scope decided some of them, and only where Cedar says it applies.
+        assert {"eq-approve", "in-approve", "in-list", "any", "everyone!"} <= set(seen), seen
+        def verdict(action: str, stage: int) -> tuple[bool, tuple[str, ...], bool]:
+            j = cedar.judge_person(policies, "default", tenant, action=action, person="bob", requested_by="alice",
+                                   stage=stage)
+            return j.allowed, j.policies, bool(j.errors)
+
+        assert verdict("approve", 1) == (False, ("eq-approve",), False)
+        assert verdict("approve_steps", 1) == (True, ("everyone",), False)  # `==` approve is approve alone
+        assert verdict("approve_steps", 2) == (False, ("in-approve",), True)  # `in` approve: its group too
+        assert verdict("reject", 3) == (False, ("in-list",), False)
+        assert 0 < len(policies.for_actions(["approve"])) < len(policies.policy_set)
+    elif text.startswith('@id("deny-list")'):
+        assert seen["deny-list"] > 0 and policies.for_actions(["approve"]) is policies.policy_set
+    else:  # more policies than are worth a subset: the whole set
+        assert len(policies.ids) > cedar.SUBSET_MAX_POLICIES and policies.for_actions(["approve"]) is policies.policy_set
+        assert sum(n for k, n in seen.items() if k.startswith("n")) > 0, seen
