@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 import cedarpy
 from cedarpy import pst
 
-from workflows.contract import PlanStep, ToolCatalog, ToolEffect
+from workflows.contract import PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.identity import skeleton
 from workflows.policy import spend
 from workflows.policy_file import AmountRule, PolicyDocument, TenantPolicy
@@ -545,11 +545,24 @@ def _judge(policies: Policies, requests: list[dict[str, Any]], entities: list[di
             rule = named[0] if named else (
                 "tenant" if tenant is None else NOT_PERMITTED.get(action_name(request), "not_permitted")
             )
+        errors = tuple(result.diagnostics.errors)
+        allowed = result.allowed
+        if errors and allowed:
+            # Cedar skips a policy that errors (an erroring forbid would let the request through):
+            # an evaluation error in any policy that applies is a refusal, naming that policy
+            # (already refused: by the policies that refused it).
+            erring = tuple(sorted({policies.ids.get(m[1], m[1]) for e in errors if (m := _ERRORED.match(str(e)))}))
+            allowed, rule, ids = False, POLICY_ERROR, erring or ids
         out.append(Judgement(
-            allowed=result.allowed, policies=ids, rule=rule, request=request, entities=recorded,
-            errors=tuple(result.diagnostics.errors),
+            allowed=allowed, policies=ids, rule=rule, request=request, entities=recorded, errors=errors,
         ))
     return out
+
+
+# The rule of a refusal by a policy that errored at evaluation (fail closed).
+POLICY_ERROR = "policy_error"
+# How the engine names a policy that errored: "error while evaluating policy `policy3`: ...".
+_ERRORED = re.compile(r"^error while evaluating policy `([^`]*)`")
 
 
 def _denied_tenant(request: dict[str, Any]) -> Judgement:
@@ -780,7 +793,47 @@ def cedar_problems(text: str, source: str) -> list[str]:
             problems.append(f"{source}: line {line}: @id({ident}) is also the id of the policy on line "
                             f"{seen[ident]}: records name policies by id, so give each its own")
         seen.setdefault(ident, line)
+    if not problems:
+        problems = _evaluation_problems(parsed, statements, source)
     return list(dict.fromkeys(problems))
+
+
+# Inputs a condition meets at run time, for what the schema's validator cannot tell: a condition
+# that errors (a Long overflow, a decimal out of range) on some of them. Such a policy refuses
+# every request it errors on (POLICY_ERROR): `validate` names it before it is live.
+_PROBE_STAGES = (0, 1, 2, 3, 10, 1000)
+_PROBE_AMOUNTS = (0, 1, 5000, 1_000_000, 10**12)
+_PERSON_ACTIONS = ("approve", "approve_steps", "reject", "revise", "hand_off", "cancel", "compensate")
+
+
+def _evaluation_problems(parsed: Policies, statements: list[tuple[int, str]], source: str) -> list[str]:
+    tenant = TenantPolicy(approvers=None)
+    probe = ToolCatalog(tools=[ToolInfo(name="probe", effect=ToolEffect.UNSAFE, requires_approval=True, args_schema={})])
+    found: dict[str, tuple[str, str]] = {}  # policy id -> (what went wrong, on which sample)
+
+    def judge(requests: list[dict[str, Any]], entities: list[dict[str, Any]], sample: str) -> None:
+        for j in judge_requests(parsed, requests, entities, tenant):
+            for error in j.errors:
+                if (m := _ERRORED.match(str(error))) is not None and m[1] not in found:
+                    found[m[1]] = (str(error)[m.end():].lstrip(": ")[:200], f"{action_name(j.request)} {sample}")
+
+    for risk in ("normal", "high"):
+        for stage in _PROBE_STAGES:
+            entities = run_entities("probe", tenant, person="probe-a", requested_by="probe-b", roles=("approver",),
+                                    risk=risk, stage=stage)
+            judge([person_request(a, "probe-a") for a in _PERSON_ACTIONS], entities, f"(risk {risk}, stage {stage})")
+        for amount in _PROBE_AMOUNTS:
+            steps = [PlanStep(tool_call_id="probe-1", tool="probe", args={"amount": amount})]
+            judge(step_requests(("auto_approve", "execute_write"), 1), step_entities("probe", steps, probe, risk=risk),
+                  f"(risk {risk}, an amount of {amount})")
+    problems = []
+    for pid, (what, sample) in sorted(found.items(), key=lambda item: item[0]):
+        index = int(pid.removeprefix("policy")) if pid.removeprefix("policy").isdigit() else -1
+        line = statements[index][0] if 0 <= index < len(statements) else None
+        problems.append(f"{source}: {f'line {line}, ' if line else ''}policy {parsed.ids.get(pid, pid)}: its condition "
+                        f"errors at evaluation ({what}) on {sample}: a policy that errors refuses what it applies to "
+                        f"(policy_error); guard the condition")
+    return problems
 
 
 class CedarFileError(ValueError):

@@ -489,11 +489,20 @@ def cedar_refusal(judgement: cedar.Judgement, worded: Refusal | None, who: str, 
     if worded is not None and worded.rule == judgement.rule:
         return worded
     ids = ", ".join(judgement.policies)
+    if judgement.rule == cedar.POLICY_ERROR:
+        return Refusal(rule=cedar.POLICY_ERROR, message=_errored(judgement))
     if ids:
         message = f"{who} may not {what} this run: Cedar policy {ids} forbids it"
     else:
         message = f"no Cedar policy of tenant {tenant} permits {who} to {what} this run"
     return Refusal(rule=judgement.rule or "not_permitted", message=message)
+
+
+def _errored(judgement: cedar.Judgement) -> str:
+    """A refusal's words for a policy that errored at evaluation (fail closed)."""
+    what = judgements.error_words(str(judgement.errors[0]))[1] if judgement.errors else "an evaluation error"
+    return (f"Cedar policy {', '.join(judgement.policies) or '?'} errored at evaluation ({what[:200]}): refused, as "
+            f"any request a policy errors on is (fix the policy: guard the condition)")
 
 
 def cedar_approver_problem(
@@ -532,6 +541,9 @@ def judge_writes(
     judged = cedar.judge_steps(policies, tenant_name, tenant, actions=actions, steps=check.steps, catalog=catalog,
                                spent=check.spent, risk=review.risk, writes=writes)
     for j in judged:
+        if j.rule == cedar.POLICY_ERROR:
+            step = check.steps[int(j.request["resource"]["id"]) - 1]
+            return Refusal(rule=cedar.POLICY_ERROR, message=f"{step.tool}: {_errored(j)}"), judged
         if not j.allowed:
             step = check.steps[int(j.request["resource"]["id"]) - 1]
             by = f"Cedar policy {', '.join(j.policies)}" if j.policies else "no Cedar policy permitting it"
@@ -635,7 +647,7 @@ class PolicyActivities:
     async def check_decision(self, check: DecisionCheck) -> Verdict:
         tenant, policies, digest = self._policies(check.tenant)
         refusal, judgement = judge_decision(tenant, policies, check)
-        await self._log([judgement], check.tenant, digest, check="decision", kind=check.kind,
+        await self._log([judgement], check.tenant, digest, ids=policies.ids if policies else None, check="decision", kind=check.kind,
                         decision_id=check.decision.decision_id, person=check.decision.approver)
         if refusal is None:
             refusal = decision_signature_refusal(
@@ -650,13 +662,16 @@ class PolicyActivities:
             verdict.then = await self._authority(check.then, first=1)
         return self._attested(check, verdict)
 
-    async def _log(self, judged: list[cedar.Judgement], tenant: str, digest: str, *, first: int = 0, **what: Any) -> None:
+    async def _log(
+        self, judged: list[cedar.Judgement], tenant: str, digest: str, *, first: int = 0,
+        ids: Mapping[str, str] | None = None, **what: Any,
+    ) -> None:
         """``first``: the index of the first of these among the activity's judgements (a decision's
         activity logs the approved plan's re-check after the decision)."""
         if not judged or (self.judgements is None and self.shadow is None):
             return
         at = datetime.now(timezone.utc).isoformat()
-        lines = judgements.entries(judged, at=at, tenant=tenant, policy_hash=digest, **_where(), **what)
+        lines = judgements.entries(judged, ids=ids, at=at, tenant=tenant, policy_hash=digest, **_where(), **what)
         for line in lines:
             line["index"] += first
         if self.shadow is not None:
@@ -701,7 +716,7 @@ class PolicyActivities:
         handoff = check.handoff
         judgement = cedar.judge_person(policies, check.tenant, tenant, action="hand_off", person=handoff.by,
                                        requested_by=check.requested_by or handoff.by)
-        await self._log([judgement], check.tenant, digest, check="handoff", decision_id=handoff.decision_id or "",
+        await self._log([judgement], check.tenant, digest, ids=policies.ids if policies else None, check="handoff", decision_id=handoff.decision_id or "",
                         person=handoff.by)
         refusal = cedar_refusal(judgement, policy.handoff_member_refusal(tenant, handoff.by), handoff.by, "hand off",
                                 check.tenant)
@@ -751,7 +766,7 @@ class PolicyActivities:
                 # The person who asked for a compensation run: Cedar's `compensate`.
                 judgement = cedar.judge_person(policies, check.tenant, tenant, action="compensate",
                                                person=check.compensator, requested_by=check.requested_by or check.compensator)
-                await self._log([judgement], check.tenant, digest, first=first, check="compensate", person=check.compensator)
+                await self._log([judgement], check.tenant, digest, ids=policies.ids if policies else None, first=first, check="compensate", person=check.compensator)
                 refusal = cedar_refusal(judgement, policy.compensator_refusal(tenant, check.compensator),
                                         check.compensator, "compensate", check.tenant)
                 ids = list(judgement.policies)
@@ -778,7 +793,7 @@ class PolicyActivities:
         refusal = refusal or written
         # "plan": before the steps (planning time, an approved plan, the next step); "write": the
         # check just before a write attempt.
-        await self._log(judged, check.tenant, digest, first=first, check="write" if check.call else "plan", plan_hash=check.plan_hash,
+        await self._log(judged, check.tenant, digest, ids=policies.ids if policies else None, first=first, check="write" if check.call else "plan", plan_hash=check.plan_hash,
                         tool_call_id=check.call.tool_call_id if check.call else "")
         deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
         verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)

@@ -858,7 +858,8 @@ def test_only_the_policies_an_action_can_meet_are_evaluated_with_the_same_answer
         assert same(cached, whole), (cached, whole)
     if text == SCOPES:
         # Each scope decided some of them, and only where Cedar says it applies.
-        assert {"eq-approve", "in-approve", "in-list", "any", "everyone!"} <= set(seen), seen
+        # An error where nothing else refuses: the erroring policy refuses (fails closed).
+        assert {"eq-approve", "in-approve", "in-list", "any", "errs!"} <= set(seen), seen
         def verdict(action: str, stage: int) -> tuple[bool, tuple[str, ...], bool]:
             j = cedar.judge_person(policies, "default", tenant, action=action, person="bob", requested_by="alice",
                                    stage=stage)
@@ -874,3 +875,34 @@ def test_only_the_policies_an_action_can_meet_are_evaluated_with_the_same_answer
     else:  # more policies than are worth a subset: the whole set
         assert len(policies.ids) > cedar.SUBSET_MAX_POLICIES and policies.for_actions(["approve"]) is policies.policy_set
         assert sum(n for k, n in seen.items() if k.startswith("n")) > 0, seen
+
+
+OVERFLOWING = ('@id("overflow")\nforbid (principal, action == Tether::Action::"approve", resource)\n'
+               '  when { resource.stage * 9223372036854775807 > 1 };\n'
+               '@id("everyone")\npermit (principal, action, resource);\n')
+
+
+def test_a_forbid_that_overflows_is_a_validate_problem_and_refuses_live(tmp_path: Path) -> None:
+    """Issue 43's finding: a forbid whose condition overflows a Long at evaluation passed
+    `validate`, and Cedar skipped it, so the decision was allowed. `validate` now judges every
+    policy on the inputs a run gives it and names one that errors (exit 2, one line); a condition
+    that still errors live refuses (policy_error, naming the policy) instead of allowing."""
+    path = tmp_path / "overflow.cedar"
+    path.write_text(OVERFLOWING)
+    done = _validate(path)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    first = done.stderr.splitlines()[0]
+    assert str(path) in first and "line 1, policy overflow" in first and "integer overflow" in first, done.stderr
+    # Live (a condition the samples did not meet): the erroring forbid refuses, it never allows.
+    tenant = TenantPolicy(approvers=None)
+    judged = cedar.judge_person(cedar.policies_of("default", tenant, OVERFLOWING), "default", tenant, action="approve",
+                                person="bob", requested_by="alice", stage=2)
+    assert (judged.allowed, judged.rule, judged.policies) == (False, "policy_error", ("overflow",)), judged
+    from activities.policy import cedar_refusal
+
+    refusal = cedar_refusal(judged, None, "bob", "approve", "default")
+    assert refusal is not None and refusal.rule == "policy_error" and "overflow errored" in refusal.message, refusal
+    # Where it does not error (stage 0: no overflow, the forbid does not apply), as written.
+    fine = cedar.judge_person(cedar.policies_of("default", tenant, OVERFLOWING), "default", tenant, action="approve",
+                              person="bob", requested_by="alice", stage=0)
+    assert fine.allowed and not fine.errors, fine

@@ -219,33 +219,31 @@ OVERFLOW = ('\n@id("default.overflow")\n@rule("overflow")\nforbid (principal, ac
 
 
 def test_explain_shows_the_policies_that_errored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A forbid whose condition overflows a Long: Cedar skips it. The line carries the error,
-    naming the policy by its @id; explain shows it, allowed (as Cedar decided) or refused
-    (``policy_error``, as a fail-closed runtime records it)."""
+    """A forbid whose condition overflows a Long: Cedar skips it, and the judgement fails closed
+    (refused, ``policy_error``, naming the policy). The line carries the error, naming the policy
+    by its @id; explain shows it."""
     tenant = tenant_of()
     policies = cedar.Policies.from_text(cedar.export_tenant("default", tenant) + OVERFLOW)
     judged = cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice",
                                 roles=["approver"], stage=1)
-    assert judged.allowed and judged.errors  # what Cedar itself does with an erroring forbid
-    closed = cedar.Judgement(allowed=False, policies=("default.overflow",), rule="policy_error", request=judged.request,
-                             entities=judged.entities, errors=judged.errors)
+    assert (judged.allowed, judged.rule, judged.policies) == (False, "policy_error", ("default.overflow",)), judged
+    assert judged.errors
     clean = cedar.judge_person(policies, "default", tenant, action="approve", person="bob", requested_by="alice",
                                roles=["approver"], stage=0)
     assert not clean.errors
     now = datetime.now(timezone.utc).isoformat()
-    lines = entries([judged, closed, clean], ids=policies.ids, at=now, tenant="default", workflow_id="run-err",
+    lines = entries([judged, clean], ids=policies.ids, at=now, tenant="default", workflow_id="run-err",
                     run_id="r", activity_id="1", check="decision")
-    assert [len(line.get("errors", [])) for line in lines] == [1, 1, 0] and "errors" not in lines[2]
+    assert [len(line.get("errors", [])) for line in lines] == [1, 0] and "errors" not in lines[1]
     assert lines[0]["errors"][0].startswith("error while evaluating policy `default.overflow`: integer overflow")
     JsonlJudgementLog(tmp_path).write(signed_lines(lines))
     capsys.readouterr()
     assert starter.main(["policy", "explain", "run-err", "--audit-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     errored = [line.strip() for line in out if "errored" in line]
-    assert len(errored) == 2, out
+    assert len(errored) == 1, out
     assert errored[0].startswith("policy default.overflow errored: integer overflow while attempting to add")
-    assert errored[0].endswith("; allowed without it")
-    assert errored[1].endswith("; refused: policy_error")
+    assert errored[0].endswith("; refused: policy_error")
     assert "decision approve by bob: refused (policy_error) by default.overflow" in "\n".join(out)
 
 
