@@ -111,6 +111,8 @@ class PolicyStore:
     _cedar: dict[str, str] = field(default_factory=dict, repr=False)  # tenant -> its own Cedar text
     # The last change that did not load: (its version, why). None: the file in force is the file.
     _bad: tuple[tuple[Any, ...], str] | None = field(default=None, repr=False)
+    # Key files the file names that were not there (keygen still to run): looked for at each load.
+    _missing_keys: tuple[Path, ...] = field(default=(), repr=False)
     reload_failures: int = 0
 
     @property
@@ -134,7 +136,8 @@ class PolicyStore:
             return None, hashlib.sha256(DEFAULT_SOURCE.encode()).hexdigest()
         try:
             stat = self.path.stat()
-            version: tuple[Any, ...] = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions())
+            version: tuple[Any, ...] = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(),
+                                        *(p.exists() for p in self._missing_keys))
         except FileNotFoundError:
             stat, version = None, ("missing",)
         if self._cache is None or self._cache[0] != version:
@@ -167,15 +170,22 @@ class PolicyStore:
         assert self.path is not None
         text = self.path.read_text()
         document = parse_policy(text, str(self.path))
-        complete = resolve_key_files(document, self.path, strict=False)
+        resolve_key_files(document, self.path, strict=False)
         cedar_texts = load_cedar_files(document, self.path)
         digest = hashlib.sha256(text.encode())
         for name in sorted(cedar_texts):
             digest.update(cedar_texts[name].encode())
         self._cedar = cedar_texts
-        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document))
-        # A key file that is not there yet (keygen still to run) is looked for again next time.
-        self._cache = (version if complete else (0, 0, 0), document, digest.hexdigest())
+        # A key file that is not there yet (keygen still to run): its appearing is a new version.
+        self._missing_keys = tuple(
+            (self.path.parent / holder.public_key_file).resolve()
+            for holder in [*document.signers.values(),
+                           *(a for tenant in document.tenants.values() for a in (tenant.approvers or {}).values())]
+            if holder.public_key_file is not None and holder.public_key is None
+        )
+        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document),
+                   *(p.exists() for p in self._missing_keys))
+        self._cache = (version, document, digest.hexdigest())
 
     def _cedar_versions(self, document: PolicyDocument | None = None) -> tuple[tuple[int, int], ...]:
         """The Cedar files' versions: an edit to one is read like an edit to the TOML."""

@@ -115,6 +115,9 @@ async def test_a_failing_sink_holds_the_write_until_its_records_are_in(dev_env: 
     async with running_worker(dev_env.client, registry=WITNESSED, audit=AuditActivities(sink)) as worker:
         handle = await start_run(dev_env.client, worker, write_request(tag))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        while snap.audit_waiting:  # the records of its rest are in: the next append is the write's
+            await asyncio.sleep(0.02)
+            snap = await tether_client.snapshot(dev_env.client, handle.id)
         sink.failures = 2  # the write's own append, then the run's first retry of it
         await handle.execute_update(
             "decide", DecideRequest(**approval_for(snap, "bob").model_dump(), kind="approve"), result_type=DecideResult
