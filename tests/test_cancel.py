@@ -1,0 +1,132 @@
+"""The run judges cancel and compensate (issue 43): a person's cancel is a request the run's
+policy decides (the ``cancel`` Update, the policy activity, on the record), never a Temporal
+cancel sent by whoever runs the CLI; a compensation request is judged before `tether
+compensate` says "started", and `--wait` exits 0 only once the undos are done. Real dev
+server, real worker, the installed `tether` script with no policy file in its shell."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.testing import WorkflowEnvironment
+
+from activities.policy import PolicyStore
+from tests.conftest import ROOT, Billing, running_worker, unique, wait_for_state
+from tests.test_dev_server import Cli
+
+POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
+SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cancel"}}]
+# Two refunds of A-1001 (49.99): the second is over what is left (fails for good), the first stays.
+OVER_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_cents": 3000, "reason": "cancel"}}] * 2
+NO_POLICY = {"TETHER_POLICY": ""}  # the shell knows no policy: the run's is the only word
+
+
+async def test_the_run_judges_a_cancel(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
+    playbook = tmp_path / "small.json"
+    playbook.write_text(json.dumps(SMALL_REFUND))
+    async with running_worker(dev_env.client, policy=POLICY) as worker:
+        cli = Cli(dev_env, worker)
+
+        async def tether(code: int, *args: str) -> tuple[str, str]:
+            done, out, err = await cli(*args, env=NO_POLICY)
+            assert done == code and "Traceback" not in err, (args, done, out, err)
+            return out, err
+
+        async def waiting() -> str:
+            run_id = unique("cancel")
+            await tether(0, "start", "--goal", "Refund (cancel test)", "--playbook", str(playbook),
+                         "--requested-by", "alice", "--id", run_id, "--wait")
+            return run_id
+
+        # A non-member: refused by the run, exit 1 with the rule; the run goes on and completes.
+        run_id = await waiting()
+        _, err = await tether(1, "cancel", run_id, "--by", "mallory", "--reason", "not mine to stop")
+        assert "[rule: tenant_membership]" in err and "mallory" in err, err
+        records = json.loads((await tether(0, "timeline", run_id, "--json"))[0])
+        refused = records[-1]
+        assert refused["kind"] == "refused" and refused["rule"] == "tenant_membership", refused
+        assert refused["actor"] == "user:mallory" and refused["refs"]["decision_id"], refused
+        handle = dev_env.client.get_workflow_handle(run_id)
+        assert (await wait_for_state(handle, "AWAITING_APPROVAL")).state.value == "AWAITING_APPROVAL"
+        await tether(0, "approve", run_id, "--by", "bob", "--unreviewed")
+        await wait_for_state(handle, "COMPLETED")
+        # An ended run takes no cancel: 1, and nothing changes.
+        _, err = await tether(1, "cancel", run_id, "--by", "bob", "--reason", "too late")
+        assert "already finished" in err
+
+        # A member: cancelled by the run's verdict, exit 0, CANCELLED with user:bob and the reason.
+        run_id = await waiting()
+        out, _ = await tether(0, "cancel", run_id, "--by", "bob", "--reason", "customer withdrew")
+        assert out.startswith("CANCELLED: cancellation requested: customer withdrew"), out
+        handle = dev_env.client.get_workflow_handle(run_id)
+        assert (await wait_for_state(handle, "CANCELLED")).state.value == "CANCELLED"
+        final = json.loads((await tether(0, "timeline", run_id, "--json"))[0])[-1]
+        assert final["to_state"] == "CANCELLED" and final["actor"] == "user:bob", final
+        assert "customer withdrew" in final["reason"] and final["refs"]["decision_id"], final
+        status = json.loads((await tether(0, "status", run_id, "--json"))[0])
+        assert status["state"] == "CANCELLED" and status["end_actor"] == "user:bob", status
+
+        # Forged: a raw Update with a bad payload, and the name as a raw signal, are refused on
+        # the record; the run goes on untouched.
+        run_id = await waiting()
+        handle = dev_env.client.get_workflow_handle(run_id)
+        with pytest.raises(WorkflowUpdateFailedError) as refused_update:
+            await handle.execute_update("cancel", {"by": "bob", "decision_id": "forged-1"})  # no reason
+        assert "malformed" in str(refused_update.value.cause)
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("cancel", {"by": "bob", "reason": "r", "decision_id": "x", "admin": True})
+        await handle.signal("cancel", {"by": "bob", "reason": "r", "decision_id": "forged-2"})
+        await tether(1, "cancel", run_id, "--by", "mallory", "--reason", "again")  # the run is still there to refuse
+        records = json.loads((await tether(0, "timeline", run_id, "--json"))[0])
+        rules = [r["rule"] for r in records if r["kind"] == "refused"]
+        assert rules == ["malformed_signal", "malformed_signal", "unknown_signal", "tenant_membership"], rules
+        assert all(r["to_state"] != "CANCELLED" for r in records)
+        assert (await wait_for_state(handle, "AWAITING_APPROVAL")).state.value == "AWAITING_APPROVAL"
+        out, _ = await tether(0, "cancel", run_id, "--by", "bob", "--reason", "now for real")
+        assert out.startswith("CANCELLED"), out
+
+
+async def test_the_compensation_run_judges_before_started(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    playbooks = {}
+    for name, steps in (("small", SMALL_REFUND), ("over", OVER_REFUND)):
+        playbooks[name] = tmp_path / f"{name}.json"
+        playbooks[name].write_text(json.dumps(steps))
+    async with running_worker(dev_env.client, policy=POLICY) as worker:
+        cli = Cli(dev_env, worker)
+
+        async def tether(code: int, *args: str) -> tuple[str, str]:
+            done, out, err = await cli(*args, env=NO_POLICY)
+            assert done == code and "Traceback" not in err, (args, done, out, err)
+            return out, err
+
+        async def ended(playbook: str, state: str) -> str:
+            run_id = unique("comp")
+            await tether(0, "start", "--goal", "Refund (compensate test)", "--playbook", str(playbooks[playbook]),
+                         "--requested-by", "alice", "--id", run_id, "--wait")
+            await tether(0, "approve", run_id, "--by", "bob", "--unreviewed")
+            await wait_for_state(dev_env.client.get_workflow_handle(run_id), state)
+            return run_id
+
+        # dana (support, no approval role): the compensation run refuses her, and the CLI says so
+        # before anything is said to have started: exit 1 with the rule; refused on its record.
+        failed = await ended("over", "EXECUTION_FAILED")
+        out, err = await tether(1, "compensate", failed, "--by", "dana")
+        assert "started" not in out and "[rule: role]" in err and "compensation refused" in err, (out, err)
+        records = json.loads((await tether(0, "timeline", f"{failed}-compensate", "--json"))[0])
+        assert records[-1]["to_state"] == "FAILED" and records[-1]["refs"]["error_code"] == "role", records[-1]
+        # bob may: started, and --wait exits 0 once the undo is done.
+        out, _ = await tether(0, "compensate", failed, "--by", "bob", "--wait")
+        assert out.startswith(f"started {failed}-compensate") and "COMPENSATED" in out, out
+
+        # A COMPLETED run's undos are a plan to approve: --wait does not say done while that
+        # approval is pending; it says what it waits on, exit 3.
+        completed = await ended("small", "COMPLETED")
+        out, err = await tether(3, "compensate", completed, "--by", "bob", "--wait")
+        assert out.startswith(f"started {completed}-compensate"), out
+        assert "nothing is undone yet" in err and "its approval" in err and "expires" in err, err
+        assert f"approve {completed}-compensate" in err, err
