@@ -6,6 +6,7 @@ server, real worker, the installed `tether` script with no policy file in its sh
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -13,9 +14,13 @@ import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
+import client as tether_client
 from activities.policy import PolicyStore
-from tests.conftest import ROOT, Billing, running_worker, unique, wait_for_state
+from tests.conftest import (
+    ROOT, Billing, approval_for, make_request, running_worker, start_run, timeline, unique, wait_for_state,
+)
 from tests.test_dev_server import Cli
+from tests.test_recovery import LEDGER, REFUND
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
 SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cancel"}}]
@@ -130,3 +135,36 @@ async def test_the_compensation_run_judges_before_started(
         assert out.startswith(f"started {completed}-compensate"), out
         assert "nothing is undone yet" in err and "its approval" in err and "expires" in err, err
         assert f"approve {completed}-compensate" in err, err
+
+
+async def test_a_cancel_the_run_takes_between_states_honours_on_cancel_and_takes_one_at_a_time(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    # The run waits in a retry backoff (the read after two writes keeps failing): a cancel taken
+    # there puts the writes back first (on_cancel=compensate), named as bob's on the record. Two
+    # cancels at once: one is taken, the other refused (cancel_pending), never two cancels.
+    billing.fail_next("orders", 10, status=503)
+    plan = [REFUND, LEDGER, {"tool": "get_order", "args": {"order_id": "A-1002"}}]
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(plan, on_cancel="compensate"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        await wait_for_state(handle, "RETRY_WAIT")
+        answers = await asyncio.gather(
+            tether_client.cancel(dev_env.client, handle.id, by="bob", reason="customer called back"),
+            tether_client.cancel(dev_env.client, handle.id, by="carol", reason="me too"),
+            return_exceptions=True,
+        )
+        taken = [a for a in answers if not isinstance(a, Exception)]
+        refused = [a for a in answers if isinstance(a, tether_client.TetherError)]
+        assert len(taken) == 1 and len(refused) == 1, answers
+        assert refused[0].code == tether_client.REFUSED and refused[0].rule == "cancel_pending", refused[0]
+        assert taken[0].state.value == "COMPENSATING", taken[0]
+        outcome = await tether_client.run_outcome(handle)
+        records = await timeline(handle)
+    assert outcome.state.value == "COMPENSATED", records[-1].reason
+    entered = next(r for r in records if r.to_state is not None and r.to_state.value == "COMPENSATING")
+    assert entered.from_state.value == "RETRY_WAIT" and entered.refs.decision_id == taken[0].decision_id
+    who = "bob" if "customer called back" in entered.reason else "carol"
+    assert entered.actor == f"user:{who}", entered
+    assert [r.rule for r in records if r.kind == "refused"] == ["cancel_pending"]
