@@ -7,20 +7,24 @@ server, real worker, the installed `tether` script with no policy file in its sh
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
-from temporalio.testing import WorkflowEnvironment
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 import client as tether_client
-from activities.policy import PolicyStore
+from activities.keys import KeyRing
+from activities.policy import PolicyActivities, PolicyStore
 from tests.conftest import (
     ROOT, Billing, approval_for, make_request, running_worker, start_run, timeline, unique, wait_for_state,
 )
 from tests.test_dev_server import Cli
 from tests.test_recovery import LEDGER, REFUND
+from workflows import policy
+from workflows.wire import PersonCheck
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
 SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cancel"}}]
@@ -29,17 +33,22 @@ OVER_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_c
 NO_POLICY = {"TETHER_POLICY": ""}  # the shell knows no policy: the run's is the only word
 
 
+def expecting(cli: Cli):
+    """`tether ARGS` with no policy in the shell, asserting its exit code: (stdout, stderr)."""
+
+    async def tether(code: int, *args: str) -> tuple[str, str]:
+        done, out, err = await cli(*args, env=NO_POLICY)
+        assert done == code and "Traceback" not in err, (args, done, out, err)
+        return out, err
+
+    return tether
+
+
 async def test_the_run_judges_a_cancel(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
     playbook = tmp_path / "small.json"
     playbook.write_text(json.dumps(SMALL_REFUND))
     async with running_worker(dev_env.client, policy=POLICY) as worker:
-        cli = Cli(dev_env, worker)
-
-        async def tether(code: int, *args: str) -> tuple[str, str]:
-            done, out, err = await cli(*args, env=NO_POLICY)
-            assert done == code and "Traceback" not in err, (args, done, out, err)
-            return out, err
-
+        tether = expecting(Cli(dev_env, worker))
         async def waiting() -> str:
             run_id = unique("cancel")
             await tether(0, "start", "--goal", "Refund (cancel test)", "--playbook", str(playbook),
@@ -102,13 +111,7 @@ async def test_the_compensation_run_judges_before_started(
         playbooks[name] = tmp_path / f"{name}.json"
         playbooks[name].write_text(json.dumps(steps))
     async with running_worker(dev_env.client, policy=POLICY) as worker:
-        cli = Cli(dev_env, worker)
-
-        async def tether(code: int, *args: str) -> tuple[str, str]:
-            done, out, err = await cli(*args, env=NO_POLICY)
-            assert done == code and "Traceback" not in err, (args, done, out, err)
-            return out, err
-
+        tether = expecting(Cli(dev_env, worker))
         async def ended(playbook: str, state: str) -> str:
             run_id = unique("comp")
             await tether(0, "start", "--goal", "Refund (compensate test)", "--playbook", str(playbooks[playbook]),
@@ -168,3 +171,40 @@ async def test_a_cancel_the_run_takes_between_states_honours_on_cancel_and_takes
     who = "bob" if "customer called back" in entered.reason else "carol"
     assert entered.actor == f"user:{who}", entered
     assert [r.rule for r in records if r.kind == "refused"] == ["cancel_pending"]
+
+
+async def test_the_policy_activity_judges_a_cancel_and_a_compensation_request(tmp_path: Path) -> None:
+    # policy_check_person under a file that requires signatures: membership, Cedar, and a
+    # signature bound to the run, the kind and the decision id; a compensation's requester needs
+    # an approval role (its start's signature is the policy snapshot's business).
+    bob_key, dana_key = tmp_path / "bob.pem", tmp_path / "dana.pem"
+    keys = {name: tether_client.keygen(path) for name, path in (("bob", bob_key), ("dana", dana_key))}
+    file = tmp_path / "policy.toml"
+    file.write_text(
+        '[tenants.t]\nrequire_signatures = true\napproval_roles = ["approver"]\n[tenants.t.approvers]\n'
+        f'bob = {{ roles = ["approver"], public_key = "{keys["bob"]}" }}\n'
+        f'dana = {{ roles = ["support"], public_key = "{keys["dana"]}" }}\n'
+    )
+    rules = PolicyActivities(PolicyStore(file), keys=KeyRing.from_env())
+
+    def signed(by: Path, name: str, decision_id: str) -> str:
+        payload = policy.signature_payload(workflow_id="w", first_run_id="r", tenant="t", request_id="", plan_hash="",
+                                           kind="cancel", decision_id=decision_id, signer=name)
+        return base64.b64encode(tether_client.load_private_key(by).sign(payload)).decode()
+
+    async def judged(action: str, by: str, signature: str | None = None, tenant: str = "t") -> tuple[str | None, bool]:
+        check = PersonCheck(tenant=tenant, workflow_id="w", first_run_id="r", action=action, by=by, decision_id="d-1",
+                            signature=signature, requested_by="alice")
+        verdict = await ActivityEnvironment().run(rules.check_person, check)  # attested: in an activity's context
+        return (verdict.refusal.rule if verdict.refusal else None), verdict.verified
+
+    assert await judged("cancel", "mallory") == ("tenant_membership", False)
+    assert await judged("cancel", "bob") == ("signature_required", False)
+    assert await judged("cancel", "bob", signed(bob_key, "bob", "d-2")) == ("bad_signature", False)  # another decision's
+    assert await judged("cancel", "bob", signed(dana_key, "bob", "d-1")) == ("bad_signature", False)  # another's key
+    assert await judged("cancel", "bob", signed(bob_key, "bob", "d-1")) == (None, True)
+    assert await judged("cancel", "dana", signed(dana_key, "dana", "d-1")) == (None, True)  # a member may stop it
+    assert await judged("compensate", "dana") == ("role", False)  # an undo is a write
+    assert await judged("compensate", "mallory") == ("tenant_membership", False)
+    assert await judged("compensate", "bob") == (None, False)
+    assert await judged("cancel", "bob", signed(bob_key, "bob", "d-1"), tenant="other") == ("tenant", False)
