@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+from worker import create_replayer
 
 import client as tether_client
 from activities.keys import KeyRing
@@ -22,6 +23,7 @@ from tests.conftest import (
     ROOT, Billing, approval_for, make_request, running_worker, start_run, timeline, unique, wait_for_state,
 )
 from tests.test_dev_server import Cli
+from tests.test_effects import DONE, REGISTRY, _event, approved_run, emails
 from tests.test_recovery import LEDGER, REFUND
 from workflows import policy
 from workflows.wire import PersonCheck
@@ -208,3 +210,27 @@ async def test_the_policy_activity_judges_a_cancel_and_a_compensation_request(tm
     assert await judged("compensate", "mallory") == ("tenant_membership", False)
     assert await judged("compensate", "bob") == (None, False)
     assert await judged("cancel", "bob", signed(bob_key, "bob", "d-1"), tenant="other") == ("tenant", False)
+
+
+async def test_a_cancel_the_run_takes_while_a_tool_runs_waits_for_its_outcome(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    # The email went out and the tool is still running: the run's verdict stops it the way a
+    # Temporal cancel does (the cancel reaches the tool, its outcome is kept on the step and the
+    # record), and the answer comes once CANCELLED is written. The history replays as it ran.
+    tag = unique("mail")
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle, key, call_id = await approved_run(dev_env, worker, "patient_email", tag)
+        assert await asyncio.to_thread(_event(DONE, tag).wait, 30)  # the email went out
+        done = await tether_client.cancel(dev_env.client, handle.id, by="bob", reason="customer withdrew")
+        outcome = await tether_client.run_outcome(handle)
+        records = await timeline(handle)
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    assert emails(billing, key) == 1
+    last = records[-1]
+    assert outcome.state.value == "CANCELLED" and done.state.value == "CANCELLED"
+    assert done.record is not None and (done.record.seq, done.record.reason) == (last.seq, last.reason)
+    assert last.from_state.value == "EXECUTING_TOOL" and last.actor == "user:bob" and last.refs.decision_id == done.decision_id
+    assert "customer withdrew" in last.reason and call_id in last.reason and "outcome ok" in last.reason
+    assert last.refs.tool_call_id == call_id and last.refs.outcome == "ok"
