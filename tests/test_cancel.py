@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,11 @@ from tests.test_dev_server import Cli
 from tests.test_effects import DONE, REGISTRY, _event, approved_run, emails
 from tests.test_recovery import LEDGER, REFUND
 from workflows import policy
-from workflows.wire import PersonCheck
+from workflows.commands import Call
+from workflows.contract import CancelRequest
+from workflows.engine import Engine
+from workflows.run_state import RunData, RunRequest
+from workflows.wire import PersonCheck, Refusal, Verdict
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
 SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cancel"}}]
@@ -234,3 +239,37 @@ async def test_a_cancel_the_run_takes_while_a_tool_runs_waits_for_its_outcome(
     assert last.from_state.value == "EXECUTING_TOOL" and last.actor == "user:bob" and last.refs.decision_id == done.decision_id
     assert "customer withdrew" in last.reason and call_id in last.reason and "outcome ok" in last.reason
     assert last.refs.tool_call_id == call_id and last.refs.outcome == "ok"
+
+
+def test_the_engine_decides_a_cancel_request_and_the_table_moves_it() -> None:
+    # The pure phase: what a cancel request meets (a run that ended, another cancel, a refusal
+    # from the policy check, an allowed one), every answer the run's own record.
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    engine = Engine(RunData(), RunRequest(goal="g", requested_by="alice"), workflow_id="w", first_run_id="r")
+    first = CancelRequest(by="bob", reason="withdrawn", decision_id="c-1")
+    check = engine.receive_cancel(first, at)
+    assert isinstance(check, Call) and check.name == "policy_check_person" and check.catch
+    assert (check.arg.action, check.arg.by, check.arg.decision_id) == ("cancel", "bob", "c-1")
+    # The same id again while it is judged: answered at once, on no record; another id: refused.
+    assert engine.receive_cancel(first, at).rule == "duplicate_decision"
+    second = engine.receive_cancel(CancelRequest(by="carol", reason="me too", decision_id="c-2"), at)
+    assert (second.outcome, second.rule, second.record.actor) == ("refused", "cancel_pending", "user:carol")
+    # The policy refused: on the record with its rule and the policies that decided; nothing moves.
+    refused = Verdict(refusal=Refusal(rule="tenant_membership", message="bob is not a member"), policy_hash="h",
+                      policies=["t.membership"])
+    assert engine.take_cancel(first, refused, at) is False
+    verdict = engine.take_verdict("c-1")
+    assert (verdict.outcome, verdict.rule, verdict.state.value) == ("refused", "tenant_membership", "RECEIVED")
+    assert verdict.record.refs.policies == ["t.membership"] and engine.cancel_taken is None
+    # Allowed (signed): taken; the cancel, once the program stopped, names who and why.
+    again = CancelRequest(by="bob", reason="withdrawn", decision_id="c-3")
+    assert isinstance(engine.receive_cancel(again, at), Call)
+    assert engine.take_cancel(again, Verdict(policy_hash="h", verified=True), at) is True
+    engine.cancelled(None, at)
+    verdict = engine.take_verdict("c-3")
+    assert (verdict.outcome, verdict.state.value) == ("transition", "CANCELLED")
+    assert verdict.record.actor == "user:bob (signed)" and verdict.record.refs.decision_id == "c-3"
+    assert "withdrawn" in verdict.reason
+    # Ended: refused (run_ended) on the record, answered at once.
+    late = engine.receive_cancel(CancelRequest(by="bob", reason="again", decision_id="c-4"), at)
+    assert (late.outcome, late.rule) == ("refused", "run_ended")
