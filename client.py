@@ -53,6 +53,7 @@ from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE
 from workflows.details import start_details, start_summary
 from workflows.contract import (
     NAME_PATTERN,
+    CancelRequest,
     CompensationCall,
     DecideRequest,
     DecideResult,
@@ -1271,33 +1272,10 @@ def person_name(by: str) -> str:
         raise TetherError(f"invalid name: {first_error(e)}", field="by", detail=first_error(e)) from None
 
 
-def cancellation_reason(by: str | None, reason: str) -> str:
-    """What Temporal carries as the cancellation's reason: ``by NAME: REASON``, which the run
-    records as actor ``user:NAME`` (without a name, the runtime is the actor)."""
-    return f"by {by}: {reason}" if by else reason
-
-
-def cancel_refusal(by: str, tenant: str, policy_path: Path | None) -> TetherError | None:
-    """The policy's word on who may cancel a run of ``tenant``, as far as a client can tell:
-    a member of the tenant (the people it lists), as for a handoff. No policy file here: the
-    built-in default lets anyone."""
-    if policy_path is None:
-        return None
-    try:
-        tenant_policy = policy_tenant(tenant, policy_path, REFUSED)
-    except TetherError as e:
-        return e
-    refusal = policy.handoff_member_refusal(tenant_policy, by)
-    if refusal is not None:
-        return TetherError(f"{refusal.message}: only its members may cancel its runs [rule: {refusal.rule}]",
-                           REFUSED, rule=refusal.rule)
-    return None
-
-
 def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
     """A start for a tenant the policy file does not name, refused before anything is sent (a
     typo would otherwise start a run the worker fails at once). No policy file here: the
-    worker's is the only word, as for ``cancel_refusal``."""
+    worker's is the only word."""
     if policy_path is None:
         return None
     try:
@@ -1338,28 +1316,55 @@ def policy_file() -> Path | None:
 
 
 async def cancel(
-    client: Client, run_id: str, *, reason: str, by: str | None = None, policy_path: Path | None = None
-) -> None:
-    """Request Temporal cancellation as ``by`` (the actor on the run's record); the run ends in
-    CANCELLED once any tool in flight settles. With ``policy_path``, a name the policy does not
-    let cancel the run is refused here, before anything is sent."""
-    if by is not None:
-        by = person_name(by)
-    if not reason.strip():
-        raise TetherError("give a reason for the cancel", field="reason", detail="give a reason")
+    client: Client, run_id: str, *, reason: str, by: str, decision_id: str | None = None, key: Path | None = None,
+    timeout: float = VERDICT_TIMEOUT,
+) -> DecideResult:
+    """Ask the run to stop, as ``by``: the run's policy decides (the ``cancel`` Update) and the
+    answer is its record: CANCELLED (or COMPENSATING, with on_cancel=compensate) once any tool
+    in flight has settled. Refused by the run: REFUSED with the rule (on its record too); no
+    verdict within ``timeout``: PENDING. A Temporal cancel (the Web UI, ``temporal workflow
+    cancel``) is an operator's, and is not sent from here."""
+    try:
+        request = CancelRequest(by=by, reason=reason, decision_id=decision_id or uuid.uuid4().hex)
+    except ValidationError as e:
+        raise invalid("cancel", e) from None
     handle = client.get_workflow_handle(run_id)
     try:
         description = await handle.describe(rpc_timeout=QUERY_TIMEOUT)
-        if description.status != WorkflowExecutionStatus.RUNNING:
-            raise TetherError(f"run {run_id} already finished", REFUSED)
-        if by is not None:
-            tenant = description.typed_search_attributes.get(TENANT_ATTRIBUTE) or "default"
-            refused = cancel_refusal(by, tenant, policy_path)
-            if refused is not None:
-                raise refused
-        await handle.cancel(reason=cancellation_reason(by, reason), rpc_timeout=QUERY_TIMEOUT)
     except RPCError as e:
         raise rpc_error(e, run_id) from None
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        raise TetherError(f"run {run_id} already finished", REFUSED, rule="run_ended")
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
+    if key is not None:
+        snap = await snapshot(client, run_id)
+        payload = policy.signature_payload(
+            workflow_id=run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, request_id="",
+            plan_hash="", kind="cancel", decision_id=request.decision_id, signer=request.by,
+        )
+        request.signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
+    update = None
+    try:
+        update = await handle.start_update(
+            "cancel", request, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
+            rpc_timeout=timedelta(seconds=timeout),
+        )
+        result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
+    except WorkflowUpdateFailedError as e:
+        raise _refused_update(e) from None
+    except (WorkflowUpdateRPCTimeoutOrCancelledError, asyncio.TimeoutError):
+        if update is None:
+            raise await no_answer(client, run_id, timeout) from None
+        raise TetherError(
+            f"cancel {request.decision_id} accepted, verdict pending: the run is judging it, or waits for a tool in "
+            f"flight to settle (`tether status {run_id}` shows the verdict once it is there)", PENDING,
+        ) from None
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if result.outcome == "refused":
+        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
+    return result
 
 
 def compensation_id(run_id: str) -> str:
@@ -1398,14 +1403,15 @@ def compensate_refusal(
 
 async def compensate(
     client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
-    rerun_unknown: Sequence[str] = (), policy_path: Path | None = None,
+    rerun_unknown: Sequence[str] = (), policy_path: Path | None = None, timeout: float = VERDICT_TIMEOUT,
 ) -> WorkflowHandle:
     """Start the governed compensation run of an ended run: it undoes the ok writes the
     original's approvals covered (read from the original's record by the worker, not sent
     from here), as ``by`` — who must hold an approval role of the run's tenant. Nothing a
     compensation run does uses recovery up: another may follow it, and the worker's undo ledger
     starts each undo at most once whichever run asks. ``rerun_unknown``: the steps (tool call
-    ids) whose unsafe undo may have applied that ``by`` instructs it to run again."""
+    ids) whose unsafe undo may have applied that ``by`` instructs it to run again. Returns once
+    the compensation run has judged the request (``compensation_judged``): refused, REFUSED."""
     snap = await snapshot(client, run_id)  # its tenant; the worker checks everything again
     if snap.state not in TERMINAL:
         raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
@@ -1430,11 +1436,40 @@ async def compensate(
     if key is not None:
         request = sign_request(request, new_id, key)
     try:
-        return await start_run(client, request, run_id=new_id, queue=queue, allow_id_reuse=True)
+        handle = await start_run(client, request, run_id=new_id, queue=queue, allow_id_reuse=True)
     except TetherError as e:
         if "already exists" in str(e):
             raise TetherError(f"run {run_id} is being compensated now by {new_id}: see `tether status {new_id}`", REFUSED) from None
         raise
+    await compensation_judged(client, new_id, timeout)
+    return handle
+
+
+async def compensation_judged(client: Client, run_id: str, timeout: float) -> RunSnapshot:
+    """The compensation run's first judgement (its requester may ask it: the current file, Cedar's
+    ``compensate``; then what the original left to undo): it has left RECEIVED. Refused (it
+    ended FAILED on its record): REFUSED with the rule; no judgement within ``timeout``:
+    PENDING."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    await require_worker(client, run_id)
+    while True:
+        try:
+            snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
+        except TetherError as e:
+            if e.rule != "no_worker" or loop.time() >= deadline:
+                raise
+            continue
+        if snap.state != RunState.RECEIVED:
+            break
+        if loop.time() >= deadline:
+            raise TetherError(f"compensation {run_id} started, verdict pending: the run has not judged it yet "
+                              f"(`tether status {run_id}` shows it)", PENDING)
+        await asyncio.sleep(0.2)
+    if snap.state == RunState.FAILED:
+        final = (await timeline(client, run_id))[-1]
+        raise TetherError(f"{final.reason} [rule: {final.refs.error_code}]", REFUSED, rule=final.refs.error_code)
+    return snap
 
 
 def list_query(state: str | None, tenant: str | None) -> str:

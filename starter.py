@@ -542,12 +542,10 @@ async def cmd_handoff(args: argparse.Namespace) -> int:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
-    policy_path = args.policy or os.environ.get("TETHER_POLICY") or None
     client.person_name(args.by)  # a usage error before connecting
-    await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
-                        policy_path=Path(policy_path) if policy_path else None)
-    print(f"cancellation requested for {show(args.run)} by {show(args.by)}: the run ends in CANCELLED once any tool "
-          f"in flight has settled")
+    done = await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
+                               key=Path(args.key) if args.key else None)
+    print(f"{done.state.value}: {show(done.reason)} (decision {show(done.decision_id)})")
     return OK
 
 
@@ -741,11 +739,21 @@ async def cmd_compensate(args: argparse.Namespace) -> int:
         return OK
     status = await client.wait_settled(conn, handle.id, args.wait_timeout)
     print(format_status(status))
-    if status.ended and status.state != RunState.COMPENSATED:
+    if status.state == RunState.COMPENSATED:
+        return OK  # the undos are done
+    if status.ended:
         why = f": {show(status.end_reason)}" if status.end_reason else ""
         print(f"error: compensation {show(handle.id)} ended in {status.state.value}{why}", file=sys.stderr)
         return REFUSED
-    return OK
+    pending = status.pending_approval
+    if status.state == RunState.AWAITING_APPROVAL and pending is not None:
+        waits = (f"its approval ({client.approvals_needed(pending)}; request expires "
+                 f"{pending.expires_at.isoformat(timespec='seconds')}): "
+                 f"{invoked_as()} approve {show(shlex.quote(handle.id))} --by NAME")
+    else:
+        waits = f"{status.state.value} after {args.wait_timeout:g}s"
+    print(f"error: compensation {show(handle.id)} is not done, nothing is undone yet; it waits on {waits}", file=sys.stderr)
+    return client.PENDING
 
 
 async def cmd_list(args: argparse.Namespace) -> int:
@@ -1127,8 +1135,7 @@ def _cancel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run")
     p.add_argument("--by", required=True, metavar="NAME", help="who cancels: a member of the run's tenant (on the record)")
     p.add_argument("--reason", required=True, metavar="TEXT")
-    p.add_argument("--policy", metavar="PATH",
-                   help="the policy file, to refuse a name it does not let cancel before sending (default TETHER_POLICY)")
+    p.add_argument("--key", metavar="PEM", help="Ed25519 private key: sign the cancel (where the tenant requires it)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -1165,7 +1172,8 @@ def _compensate_args(p: argparse.ArgumentParser) -> None:
                    help="the policy file, to refuse a name it does not let compensate before starting (default TETHER_POLICY)")
     p.add_argument("--rerun-unknown", action="append", metavar="STEP",
                    help="run again the unsafe undo of this step (tool call id) that may have applied (repeatable)")
-    p.add_argument("--wait", action="store_true", help="wait until it has ended; exit 1 unless COMPENSATED")
+    p.add_argument("--wait", action="store_true",
+                   help="wait until its undos are done (0); ended otherwise: 1; still waiting (its approval): 3")
     p.add_argument("--wait-timeout", type=float, default=60.0, metavar="SECONDS")
 
 

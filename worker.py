@@ -122,6 +122,7 @@ def create_worker(
             rules.check_decision,
             rules.check_authority,
             rules.check_handoff,
+            rules.check_person,
             notify.notify,
             audit.audit_append,
             recovery.recovery_source,

@@ -37,6 +37,7 @@ from workflows.wire import (
     AuthorityCheck,
     DecisionCheck,
     HandoffCheck,
+    PersonCheck,
     PolicySnapshot,
     Refusal,
     SnapshotRequest,
@@ -449,6 +450,19 @@ def signature_refusal(
     return None
 
 
+def person_signature_refusal(
+    tenant: TenantPolicy | None, check: HandoffCheck | PersonCheck, kind: str, by: str, decision_id: str,
+    signature: str | None,
+) -> Refusal | None:
+    """A handoff's or a cancel's signature (bound to the run, its kind and its decision id),
+    where the tenant requires it or the policy lists the person's key."""
+    payload = policy.signature_payload(
+        workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant=check.tenant, request_id="",
+        plan_hash="", kind=kind, decision_id=decision_id, signer=by,
+    )
+    return signature_refusal(tenant, by, payload, signature, what=kind)
+
+
 def decision_signature_refusal(
     tenant: TenantPolicy | None, *, workflow_id: str, first_run_id: str, tenant_name: str, kind: str,
     decision: ApprovalDecision, signers: Mapping[str, Signer] | None = None, steps_digest: str | None = None,
@@ -733,20 +747,37 @@ class PolicyActivities:
         if tenant is None:
             refusal = Refusal(rule="tenant", message="the run's tenant is not in the policy file")
         if refusal is None:
-            payload = policy.signature_payload(
-                workflow_id=check.workflow_id,
-                first_run_id=check.first_run_id,
-                tenant=check.tenant,
-                request_id="",
-                plan_hash="",
-                kind="handoff",
-                decision_id=handoff.decision_id or "",
-                signer=handoff.by,
-            )
-            refusal = signature_refusal(tenant, handoff.by, payload, handoff.signature, what="handoff")
+            refusal = person_signature_refusal(tenant, check, "handoff", handoff.by, handoff.decision_id or "",
+                                               handoff.signature)
         verified = refusal is None and _has_key(tenant, handoff.by)
         return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified,
                                              policies=list(judgement.policies)))
+
+    @activity.defn(name="policy_check_person")
+    async def check_person(self, check: PersonCheck) -> Verdict:
+        """A person's request the run judges, like a handoff, under the current file: a cancel
+        (membership of the run's tenant, Cedar's ``cancel``, the signature rule), or the first
+        judgement of a compensation run (Cedar's ``compensate``: membership and an approval
+        role; its requester's signature was checked with the run's policy snapshot)."""
+        tenant, policies, digest = self._policies(check.tenant)
+        compensate = check.action == "compensate"
+        member = (policy.compensator_refusal if compensate else policy.handoff_member_refusal)(tenant, check.by)
+        judgement = cedar.judge_person(policies, check.tenant, tenant, action=check.action, person=check.by,
+                                       requested_by=check.requested_by or check.by)
+        await self._log([judgement], check.tenant, digest, check=check.action, decision_id=check.decision_id,
+                        person=check.by)
+        refusal = cedar_refusal(judgement, member, check.by, check.action, check.tenant)
+        if tenant is None:
+            refusal = Refusal(rule="tenant", message="the run's tenant is not in the policy file")
+        if not compensate:
+            # Only the tenant's people stop its runs, whatever its Cedar permits.
+            refusal = refusal or member
+        if refusal is None and not compensate:
+            refusal = person_signature_refusal(tenant, check, "cancel", check.by, check.decision_id, check.signature)
+        verified = refusal is None and not compensate and _has_key(tenant, check.by)
+        # The Cedar policies that decided, where Cedar's verdict is the run's.
+        decided = list(judgement.policies) if judgement.allowed == (refusal is None) else []
+        return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified, policies=decided))
 
     @activity.defn(name="policy_check_authority")
     async def check_authority(self, check: AuthorityCheck) -> Verdict:

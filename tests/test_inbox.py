@@ -93,7 +93,7 @@ async def test_without_a_verified_identity_everything_is_401_and_nothing_is_reco
     after = await tether_client.snapshot(stack.client, run_id)
     assert after.state.value == "AWAITING_APPROVAL" and after.approved_by == []
     assert after.timeline_records == snap.timeline_records and after.state_version == snap.state_version
-    await tether_client.cancel(stack.client, run_id, reason="test over")
+    await stack.client.get_workflow_handle(run_id).cancel(reason="test over")  # an operator's cancel
 
 
 def test_dev_login_is_refused_unless_bound_to_loopback(tmp_path: Path) -> None:
@@ -196,7 +196,7 @@ async def test_browser_credentials_need_csrf_and_same_origin(stack: Stack, billi
         cross = {**proxy, "Origin": "https://evil.example"}
         assert (await http.post(f"/runs/{run_id}/decide", headers=cross, data=form)).status_code == 403
     assert (await tether_client.snapshot(stack.client, run_id)).approved_by == []
-    await tether_client.cancel(stack.client, run_id, reason="test over")
+    await stack.client.get_workflow_handle(run_id).cancel(reason="test over")  # an operator's cancel
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -291,7 +291,7 @@ async def test_untrusted_text_reaches_the_page_escaped(stack: Stack, billing: Bi
         assert "<script>alert" not in text and "\u202e" not in text and "\x1b" not in text
         assert "&lt;script&gt;alert(1)&lt;/script&gt;\\u202e\\x1b[31m" in text  # display.show_value, then HTML-escaped
     assert "<script" not in html.replace('<script src="/static/inbox.js" defer></script>', "")
-    await tether_client.cancel(stack.client, run_id, reason="test over")
+    await stack.client.get_workflow_handle(run_id).cancel(reason="test over")  # an operator's cancel
 
 
 def test_a_jwks_url_is_read_through_pyjwkclient() -> None:

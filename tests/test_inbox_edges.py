@@ -192,7 +192,7 @@ async def test_post_answers_like_get_for_who_may_see_the_run(stack: Stack, billi
         assert r.status_code == 404
     after = await tether_client.snapshot(stack.client, run_id)
     assert after.approved_by == [] and after.timeline_records == snap.timeline_records
-    await tether_client.cancel(stack.client, run_id, reason="test over")
+    await stack.client.get_workflow_handle(run_id).cancel(reason="test over")  # an operator's cancel
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -239,4 +239,4 @@ async def test_an_approver_reads_money_effects_in_words_and_the_approvals_left(s
         assert "49.99 EUR" in html and "`" not in html, html
     assert "<strong class=\"money\">49.99 EUR</strong> (4999)" in page and "cannot be undone" in page
     assert "1 more needed from someone with role approver" in listed
-    await tether_client.cancel(stack.client, run_id, reason="test over")
+    await stack.client.get_workflow_handle(run_id).cancel(reason="test over")  # an operator's cancel

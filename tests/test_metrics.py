@@ -105,6 +105,7 @@ def test_refusal_labels_are_fixed_sets_whatever_the_sender_names() -> None:
         "kind": "other", "rule": "malformed_signal"}
     assert labels("approve refused: stale plan hash 0123") == {"kind": "approve", "rule": "stale_plan_hash"}
     assert labels("decide refused: x", "four_eyes") == {"kind": "decide", "rule": "four_eyes"}
+    assert labels("cancel refused: x", "tenant_membership") == {"kind": "cancel", "rule": "tenant_membership"}
     assert labels("approve refused: x", "a-rule-nobody-named") == {"kind": "approve", "rule": "other"}
 
 
@@ -120,7 +121,7 @@ def test_every_rule_the_code_names_is_a_known_label() -> None:
                 named.add(node.value.value)
     named.discard(None)
     assert named and named - {"other"} <= RULES, sorted(named - RULES)
-    assert KINDS == {"approve", "reject", "revise", "handoff", "decide"}
+    assert KINDS == {"approve", "reject", "revise", "handoff", "decide", "cancel"}
 
 
 async def test_metrics_endpoint_shows_run_metrics(dev_env, billing) -> None:

@@ -33,22 +33,20 @@ def test_states_are_taken_in_any_case() -> None:
         raise AssertionError("an unknown state was taken")
 
 
-def test_cancel_names_who_and_the_policy_says_who_may() -> None:
-    assert client.cancellation_reason("dana", "withdrawn") == "by dana: withdrawn"
+def test_a_tenant_the_policy_does_not_name_is_refused_by_name() -> None:
+    # Who may cancel is the run's word (tests/test_cancel.py); a client that has the policy file
+    # still names a tenant it does not know, with the nearest ones.
     policy = ROOT / "examples/billing/policy.toml"
-    assert client.cancel_refusal("dana", "default", policy) is None  # a member (support)
-    refused = client.cancel_refusal("mallory", "default", policy)
-    assert refused is not None and refused.code == client.REFUSED and refused.rule == "tenant_membership"
-    assert "mallory" in str(refused) and "only its members may cancel" in str(refused)
-    unknown = client.cancel_refusal("dana", "no-such-tenant", policy)
-    assert unknown is not None and unknown.code == client.REFUSED
+    assert client.tenant_refusal("default", policy) is None
+    assert client.tenant_refusal("no-such-tenant", None) is None  # no file here: the worker's word
+    unknown = client.tenant_refusal("no-such-tenant", policy)
+    assert unknown is not None and unknown.code == client.USAGE
     assert str(unknown).endswith("its tenants: acme, default, signed")
-    typo = client.cancel_refusal("dana", "Default", policy)
+    typo = client.tenant_refusal("Default", policy)
     assert typo is not None and typo.rule == "tenant_unknown" and str(typo).endswith("did you mean 'default'?")
     # A name from outside reaches the message escaped, as every name does.
-    hostile = client.cancel_refusal("dana", "defau\x1b[2Jlt", policy)
+    hostile = client.tenant_refusal("defau\x1b[2Jlt", policy)
     assert hostile is not None and "\x1b" not in str(hostile) and "did you mean 'default'?" in str(hostile)
-    assert client.cancel_refusal("mallory", "default", None) is None  # no file here: the worker's default
     # A name that is no name is a usage error before anything is sent (Temporal unreachable here).
     done = tether("cancel", "run-1", "--by", "bob\x1b[2J", "--reason", "r")
     assert done.returncode == 2 and done.stderr.startswith("error: --by:") and "\x1b" not in done.stderr, done

@@ -25,7 +25,8 @@ from workflows import policy
 from workflows.engine import Engine
 from workflows.contract import Compensation, ToolEffect, CompensationCall
 from workflows.policy_file import HighRisk, TenantPolicy, AmountRule, Approver
-from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySource
+from workflows.commands import Call
+from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySource, Verdict
 from workflows.run_state import RunData, RunRequest
 from workflows.recovery import PointerError, compensation_call, resolve_pointer, result_document
 from tests.invariants import check_timeline, tools_by_call
@@ -272,9 +273,24 @@ def test_who_may_start_a_compensation_run_and_of_what(by: str, src: RecoverySour
     tenant = TenantPolicy(approvers={"carol": Approver(roles=["approver"]), "dana": Approver(roles=["support"])})
     data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=tenant, policy_hash="h", source="t"))
     engine = Engine(data, RunRequest(goal="g", requested_by=by, compensate_run="orig"), workflow_id="orig-compensate")
-    engine.received(NOW)
-    assert engine.state == S.RECEIVED  # waits for the original's record
-    engine.begin_compensation(src, NOW)
+    # The run's program: first whether the requester may (the policy activity, answered here by
+    # the rule it judges by), then, if so, the original's record.
+    engine.start()
+    asked = []
+    command = engine.next(NOW)
+    while engine.state == S.RECEIVED:
+        assert isinstance(command, Call), command
+        asked.append(command.name)
+        if command.name == "policy_check_person":
+            assert (command.arg.action, command.arg.by) == ("compensate", by)
+            result = Verdict(refusal=policy.compensator_refusal(tenant, by), policy_hash="h")
+        else:
+            assert command.name == "recovery_source", command
+            result = src
+        engine.on(command, result, NOW)
+        command = engine.next(NOW)
+    assert asked == (["policy_check_person"] if rule in ("role", "tenant_membership")
+                     else ["policy_check_person", "recovery_source"])
     last = engine.data.lifecycle.timeline[-1]
     if rule is None:
         assert engine.state == S.COMPENSATING and last.actor == "user:carol"

@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.contract import (
         STRICT,
         ApprovalDecision,
+        CancelRequest,
         DecideRequest,
         DecideResult,
         ExecutedStep,
@@ -45,15 +46,15 @@ with workflow.unsafe.imports_passed_through():
     from workflows.engine import Engine
     from workflows.identity import LOOK_ALIKE
     from workflows.published import BUILD, STATE_ATTRIBUTE
-    from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, derived_id
+    from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, ToolFailure, derived_id
     from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot
     from workflows.states import IllegalTransition, RunState, TransitionRecord
 
 S = RunState
 T = TypeVar("T")
-M = TypeVar("M", ApprovalDecision, HandoffRequest, RevisionRequest)
+M = TypeVar("M", ApprovalDecision, CancelRequest, HandoffRequest, RevisionRequest)
 
-DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff"
+DECIDE_HINT = "approve, reject, revise (signals or the decide update), handoff, the cancel update"
 
 
 @workflow.defn(name="AgentRun")
@@ -82,6 +83,7 @@ class AgentRun:
         # The carried state bore the workers' seal (or there was none): a run failing on a
         # forged one publishes nothing of it.
         self._verified = False
+        self._program_task: asyncio.Task[Any] | None = None  # the run's program (run), once started
         # The Temporal side: activities, the audit sink, notifications, what the run publishes.
         self.effects = Effects(self.engine, snapshot=self.snapshot)
 
@@ -123,6 +125,10 @@ class AgentRun:
                 f"older_build: this run was started by a worker build older than {BUILD}, which this worker "
                 f"does not replay: run a worker of the build that started it until it ends (tether drain lists them)"
             )
+        # What a cancel request the run takes stops (the cancel Update), as a Temporal cancel does.
+        self._program_task = asyncio.current_task()
+        if self.engine.cancel_taken is not None and self._program_task is not None:
+            self._program_task.cancel()  # taken before the program began: it stops at its first wait
         try:
             self._verify_carryover()
             await self._drive()
@@ -131,7 +137,11 @@ class AgentRun:
             if self.data.lifecycle.state == S.COMPENSATING:
                 await self._drive()  # on_cancel=compensate: put the ok writes back first
             await self._drive(ending=True)
-            raise
+            if self.engine.cancel_taken is None or workflow.cancellation_reason() is not None:
+                raise  # an operator's Temporal cancel: the execution is Canceled
+            # The run's own verdict on a person's request: the execution completes, its outcome
+            # CANCELLED (Temporal takes no cancel a run asks of itself).
+            return self.engine.outcome(workflow.info().workflow_id)
         except (ApplicationError, ActivityError):
             # Failing (an illegal state, a check that failed for good): every decision still gets
             # its answer.
@@ -232,6 +242,40 @@ class AgentRun:
         request = self._decode("handoff", args, HandoffRequest)
         if request is not None:
             self.engine.receive_handoff(request, workflow.now())
+
+    @workflow.update(
+        name="cancel",
+        description="Ask the run to stop; the run's policy decides (membership of its tenant, Cedar's "
+        "cancel, a signature where required) and the answer (DecideResult) is its record: the cancel "
+        "(CANCELLED, or COMPENSATING with on_cancel=compensate, once a tool in flight has settled) or "
+        "the refusal, with its rule. Data (CancelRequest): {\"by\": name, \"reason\": text, "
+        "\"decision_id\": unique, \"signature\": where required}. A malformed payload is refused on "
+        "the record too.",
+    )
+    async def cancel(self, *args: Any) -> DecideResult:
+        request = self._decode("cancel", args, CancelRequest)
+        if request is None:
+            raise ApplicationError("cancel refused [malformed]: expected one CancelRequest (see the run's record)",
+                                   type="malformed")
+        engine = self.engine
+        judge = engine.receive_cancel(request, workflow.now())
+        if isinstance(judge, DecideResult):
+            return judge
+        verdict = await self.effects.perform(judge)
+        if isinstance(verdict, ToolFailure):
+            engine.cancel_unjudged(request, verdict.code, workflow.now())
+        elif engine.take_cancel(request, verdict, workflow.now()) and self._program_task is not None:
+            self._program_task.cancel()  # the run stops where it is, as for a Temporal cancel
+        await workflow.wait_condition(lambda: engine.verdicts.get(request.decision_id) is not None)
+        return engine.take_verdict(request.decision_id)
+
+    @cancel.validator
+    def _validate_cancel(self, *args: Any) -> None:
+        # Before history: only an Update this execution has no room for (sent again, it counts
+        # in the continued run). Everything else is judged on the run's record.
+        refusal = policy.updates_refusal(self.engine.updates)
+        if refusal is not None:
+            raise ApplicationError(f"cancel refused [{refusal.rule}]: {refusal.message}", type=refusal.rule)
 
     @workflow.signal(dynamic=True)
     def unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:

@@ -160,13 +160,20 @@ class Compensating(RunModel):
             refs=Refs(plan_hash=self.data.plan.plan_hash),
         )
 
+    def compensation_refused(self, refusal: Refusal, at: datetime) -> None:
+        """A compensation run ends refused (FAILED), saying why, with the rule."""
+        require(self.state == S.RECEIVED and self.request.compensate_run is not None, "not a compensation run")
+        self.data.last_error = f"{refusal.rule}: {refusal.message}"
+        self.move(S.FAILED, at=at, actor=self.actor(self.request.requested_by, self.data.requester_verified),
+                  reason=f"compensation refused [{refusal.rule}]: {refusal.message}", refs=Refs(error_code=refusal.rule))
+
     def begin_compensation(self, source: RecoverySource, at: datetime) -> None:
         """A compensation run (``tether compensate``): the original run's record is in. Run the
         compensations its approvals covered, if the requester may; else fail, saying why."""
         require(self.state == S.RECEIVED and self.request.compensate_run is not None, "not a compensation run")
         by = self.request.requested_by
         actor = self.actor(by, self.data.requester_verified)
-        refusal = source.refusal or policy.compensator_refusal(self.tenant, by)
+        refusal = source.refusal  # whether the requester may: judged before (compensation_refused)
         pending = [c for c in source.compensations if c.status != "ok"]
         compensable = policy.COMPENSABLE_STATES | {S.COMPLETED}  # COMPLETED: its undos approved first
         if refusal is None and source.state not in compensable:
@@ -178,9 +185,7 @@ class Compensating(RunModel):
         if refusal is None and any(not c.plan_hash for c in pending):
             refusal = Refusal(rule="not_approved", message="a compensation of that run is covered by no plan hash")
         if refusal is not None:
-            self.data.last_error = f"{refusal.rule}: {refusal.message}"
-            self.move(S.FAILED, at=at, actor=actor, reason=f"compensation refused [{refusal.rule}]: {refusal.message}",
-                      refs=Refs(error_code=refusal.rule))
+            self.compensation_refused(refusal, at)
             return
         self.data.compensations = [self._to_run(c) for c in pending]
         if source.state == S.COMPLETED:

@@ -393,6 +393,18 @@ class HandoffRequest(Contract):
         return {k: v for k, v in handler(self).items() if not (k == "in_flight" and not v)}
 
 
+class CancelRequest(Contract):
+    """Payload of the ``cancel`` Update: a person asks the run to stop. The run judges it under
+    its policy (membership of its tenant, Cedar's ``cancel``, the signature rule) and answers
+    with its record of it (DecideResult)."""
+
+    by: Name
+    reason: str = Field(min_length=1, max_length=2000)
+    # The sender finds the run's verdict by it (refs.decision_id); one verdict per id.
+    decision_id: str = Field(min_length=1, max_length=128)
+    signature: str | None = Field(None, max_length=200)
+
+
 class AcceptedApproval(BaseModel):
     approver: str
     decision_id: str

@@ -73,16 +73,22 @@ class Drive(RunModel):
             elif failure is not None:
                 self.decide(lambda now: self.planner_failed(failure, now))
         if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:
-            # A compensation run: the original's closed record says what its approvals covered
-            # (attested by the fleet key: a keyless poller cannot say what gets undone).
-            source = yield Call(
-                "recovery_source",
-                RecoveryRequest(run_id=self.request.compensate_run, tenant=self.request.tenant),
-                RecoverySource,
-                f"recovery source · {self.request.compensate_run}",
-                show=False,
-            )
-            self.decide(lambda now: self.begin_compensation(source, now))
+            # A compensation run: its first judgement is whether its requester may ask it (the
+            # current file: Cedar's compensate), what `tether compensate` waits for.
+            judged = yield self.person_check("compensate", self.request.requested_by)
+            if judged.refusal is not None:
+                self.decide(lambda now: self.compensation_refused(judged.refusal, now), policies=judged.policies)
+            else:
+                # The original's closed record says what its approvals covered (attested by the
+                # fleet key: a keyless poller cannot say what gets undone).
+                source = yield Call(
+                    "recovery_source",
+                    RecoveryRequest(run_id=self.request.compensate_run, tenant=self.request.tenant),
+                    RecoverySource,
+                    f"recovery source · {self.request.compensate_run}",
+                    show=False,
+                )
+                self.decide(lambda now: self.begin_compensation(source, now), policies=judged.policies)
 
         while not data.lifecycle.terminal:
             yield from self._maybe_continue_as_new()

@@ -11,7 +11,7 @@ Two hooks, called by ``AgentRun`` right after the lifecycle records something:
   outcome}`` with outcome ``delivered`` or ``dead`` (no retry reached the webhook).
 - :func:`on_refusal` (for every refused record): ``tether_decisions_refused{kind, rule}``.
   ``kind`` is the reason's first word when it is a signal or update this run takes
-  (:data:`KINDS`: approve, reject, revise, handoff, decide), else "other" (an unknown signal's name is
+  (:data:`KINDS`: approve, reject, revise, handoff, decide, cancel), else "other" (an unknown signal's name is
   the sender's choice); ``rule`` is the record's own ``rule`` when the runtime named one, else
   looked up from the words after "refused: " in :data:`REFUSAL_RULES`; either way one of
   :data:`RULES` or "other". Labels stay a small, fixed set.
@@ -51,7 +51,7 @@ REFUSAL_RULES: tuple[tuple[str, str], ...] = (
 # signal), so ``kind`` is one of the names this run takes, and ``rule`` one of the rules the
 # runtime names; anything else counts as "other". tests/test_metrics.py checks that every rule
 # the code names is here.
-KINDS = frozenset({"approve", "reject", "revise", "handoff", "decide"})
+KINDS = frozenset({"approve", "reject", "revise", "handoff", "decide", "cancel"})
 RULES = frozenset(
     {rule for _, rule in REFUSAL_RULES}
     | {
@@ -66,6 +66,8 @@ RULES = frozenset(
         "unknown_run", "still_running",
         # a decide Update the execution has no room for (refused before history, never counted)
         "continuing_as_new",
+        # a cancel request the run judges (issue 43)
+        "cancel_pending", "policy_check_failed",
     }
 )
 

@@ -19,6 +19,7 @@ from workflows.commands import Command
 from workflows.budgets import EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW
 from workflows.contract import (
     ApprovalDecision,
+    CancelRequest,
     CompensationCall,
     DecideResult,
     ExecutedStep,
@@ -151,6 +152,11 @@ class RunModel:
         # Decisions for a request the run has not asked yet (approvals.Inbox.hold_early).
         self.early: list[tuple[DecisionKind, Decision]] = []
         self.pending_handoff: HandoffRequest | None = None
+        # A cancel request being judged (the policy activity), and the one the run took (with
+        # whether its signature verified): the workflow stops its program for it.
+        self.pending_cancel: CancelRequest | None = None
+        self.cancel_taken: tuple[CancelRequest, bool] | None = None
+        self.cancelling = False  # a cancel (the run's or Temporal's) is being carried out
         # Tool calls a forced hand-off named as in flight in the execution its reset replaced:
         # never scheduled again, whether that hand-off is honoured or refused.
         self.ended_in_flight: list[str] = []

@@ -290,6 +290,20 @@ class HandoffCheck(BaseModel):
     requested_by: str = ""  # the run's requester (Cedar's Run.requester)
 
 
+class PersonCheck(BaseModel):
+    """A person's request the run judges under the current file (``policy_check_person``): a
+    cancel, or the first judgement of a compensation run (its requester)."""
+
+    tenant: str
+    workflow_id: str
+    first_run_id: str
+    action: Literal["cancel", "compensate"]
+    by: str
+    decision_id: str = ""
+    signature: str | None = None  # a cancel's, where the tenant requires it
+    requested_by: str = ""  # the run's requester (Cedar's Run.requester)
+
+
 class AuthorityCheck(BaseModel):
     tenant: str
     approvals: list[str]
