@@ -179,7 +179,7 @@ def export_tenant(name: str, tenant: TenantPolicy) -> str:
     if tenant.approvers is not None:
         policies.append(_policy(
             f"{name}.tenant_membership", "tenant_membership", "forbid",
-            ("approve", "reject", "revise", "hand_off", "compensate"), "Run", [of_tenant], unless=member,
+            ("approve", "reject", "revise", "hand_off", "cancel", "compensate"), "Run", [of_tenant], unless=member,
             comment="approvers: only the tenant's people decide on its runs"))
         policies.append(_policy(
             f"{name}.role", "role", "forbid", ("approve", "reject", "revise"), "Run", [of_tenant],
