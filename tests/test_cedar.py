@@ -398,6 +398,12 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     assert all(line.startswith(f"{forty.id} ") and "auto_approve step 1 (issue_refund amount_cents=4000.0): allowed -> "
                "refused (approval_needed)" in line
                and "an auto-approval that would need a person" in line for line in changed), changed
+    # The limit raised to 100.00 (loosening): the 60.00 refund bob had to approve would need nobody.
+    looser = tmp_path / "looser.toml"
+    looser.write_text(RECORDED_POLICY % 10000)
+    code, changed = await what_if(looser)
+    assert code == 1 and len(changed) == 1 and changed[0].startswith(f"{sixty.id} "), changed
+    assert "auto_approve" in changed[0] and "would need nobody" in changed[0], changed
     # The same policy changes nothing.
     code, changed = await what_if(live)
     assert (code, changed) == (0, [])
