@@ -21,7 +21,7 @@ from tether.plugin import WORKFLOW_RUNNER
 from workflows.agent_run import AgentRun
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
-ACTIVITIES = {"execute_tool", "plan", "run_setup", "policy_check_decision", "policy_check_authority", "policy_check_handoff", "notify",
+ACTIVITIES = {"execute_tool", "plan", "run_setup", "policy_check_decision", "policy_check_authority", "policy_check_handoff", "policy_check_person", "notify",
               "audit_append", "recovery_source"}
 
 

@@ -52,8 +52,10 @@ def batch(workflow_id: str, n: int = 1) -> AuditBatch:
 
 
 def judgement(workflow_id: str, index: int) -> dict[str, Any]:
+    # Shaped as activities/judgements.entries writes one (a line of another shape is skipped on read).
     return {"workflow_id": workflow_id, "run_id": "r1", "activity_id": "1", "index": index, "tenant": "default",
-            "at": datetime.now(timezone.utc).isoformat()}
+            "at": datetime.now(timezone.utc).isoformat(), "action": "approve", "allowed": True, "request": {},
+            "entities": [], "policies": []}
 
 
 def closed_port() -> int:

@@ -69,7 +69,7 @@ async def test_a_long_argument_money_and_effects_are_shown_in_full(stack: Stack,
     assert "`" not in await page.locator("table.steps").inner_text()
     await expect(page.locator("#approve")).to_be_visible()
     await page.screenshot(path=str(SCREENSHOT_DIR / "inbox-long-argument.png"), full_page=True)
-    await tether_client.cancel(stack.client, run_id, reason="test over")
+    await stack.client.get_workflow_handle(run_id).cancel(reason="test over")  # an operator's cancel
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -106,4 +106,4 @@ async def test_a_plan_swapped_under_the_open_page_is_refused_as_stale(stack: Sta
     await expect(page.locator("table.steps")).to_contain_text("490.00 EUR (49000)")
     await expect(page.locator("table.steps")).to_contain_text("mallory@evil.example")
     await expect(page.get_by_text("version 2, hash")).to_be_visible()  # the plan's own version
-    await tether_client.cancel(stack.client, run_id, reason="test over")
+    await stack.client.get_workflow_handle(run_id).cancel(reason="test over")  # an operator's cancel
