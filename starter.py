@@ -49,7 +49,7 @@ class _OnUse:
         except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
             print(f"error: {e.name} is not installed for {sys.executable}; run `make install`, then use "
                   ".venv/bin/tether", file=sys.stderr)
-            raise SystemExit(2) from None
+            raise SystemExit(USAGE) from None
         return getattr(module, attr)
 
 
