@@ -341,8 +341,7 @@ def sign_request(request: RunRequest, run_id: str, key: Path) -> RunRequest:
         nonce=request.nonce,
         issued_at=request.issued_at,
     )
-    signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
-    return request.model_copy(update={"requester_signature": signature})
+    return request.model_copy(update={"requester_signature": sign(key, payload)})
 
 
 async def start_run(
@@ -383,7 +382,7 @@ async def start_run(
             static_details=start_details(request),
         )
     except WorkflowAlreadyStartedError:
-        raise TetherError(f"a run with id {run_id!r} already exists: pick another id") from None
+        raise TetherError(f"a run with id {run_id!r} already exists: pick another id", rule="already_started") from None
     except RPCError as e:
         raise rpc_error(e, run_id) from None
 
@@ -544,7 +543,8 @@ async def audit_trail(
     except Exception as e:  # the sink cannot be read: say which and why
         raise TetherError(f"cannot read the audit sink: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     if current is None and not streams:
-        raise TetherError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it")
+        raise TetherError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it",
+                          rule="unknown_run")
     runs = sorted({*streams, *([current] if current else [])})
     branches = await asyncio.gather(*(_origin(client, run_id, r) for r in runs))
     for branch in branches:
@@ -922,7 +922,7 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
         payload = policy.decision_signature_payload(
             workflow_id=snap.run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind=kind, decision=decision
         )
-        decision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
+        decision.signature = sign(given.key, payload)
     return decision
 
 
@@ -942,12 +942,14 @@ async def revise(
     given: DecisionInput,
     steps: list[dict[str, Any]],
     *,
+    held: RunSnapshot | None = None,
     timeout: float = VERDICT_TIMEOUT,
 ) -> Verdict:
     """Revise the run's pending plan (the whole revised list of steps); returns the run's record
     of it (VALIDATED: a new plan version, then a new approval request), or raises REFUSED with
-    the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...)."""
-    snap, pending = await pending_request(client, run_id)
+    the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...).
+    ``held``: the run as the caller read it, as for ``decide``."""
+    snap, pending = await pending_request(client, run_id, held=held)
     try:
         revision = ReviseDecideRequest(
             kind="revise",
@@ -966,7 +968,7 @@ async def revise(
             workflow_id=snap.run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind="revise",
             decision=revision.as_decision(), steps_digest=revision.revised_hash(),
         )
-        revision.signature = base64.b64encode(load_private_key(given.key).sign(payload)).decode()
+        revision.signature = sign(given.key, payload)
     record = await _send_decision(client, run_id, revision, timeout)
     return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
 
@@ -1014,6 +1016,12 @@ def ensure_keys(folder: Path, names: Sequence[str]) -> None:
                 keygen(folder / f"{name}.pem")
 
 
+def sign(key: Path, payload: bytes) -> str:
+    """The Ed25519 signature (base64) of ``payload`` with the private key in ``key`` (PEM): the one
+    way a start, decision, revision or hand-off is signed."""
+    return base64.b64encode(load_private_key(key).sign(payload)).decode()
+
+
 def load_private_key(path: Path) -> Any:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
@@ -1035,14 +1043,18 @@ async def decide(
     kind: Literal["approve", "reject"],
     given: DecisionInput,
     *,
+    held: RunSnapshot | None = None,
     timeout: float = VERDICT_TIMEOUT,
 ) -> Verdict:
     """Approve or reject the run's pending plan; returns the run's record of the decision.
 
+    ``held``: the run as the caller read it and showed it (``pending_request``): its pending
+    request is the one decided, not read a second time.
+
     Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
     role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
     """
-    snap, pending = await pending_request(client, run_id)
+    snap, pending = await pending_request(client, run_id, held=held)
     # A stale plan hash is sent all the same: the run records the attempt, and refuses it
     # (stale_plan_hash) on its timeline.
     decision = build_decision(snap, kind, given)
@@ -1050,8 +1062,14 @@ async def decide(
     return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
-async def pending_request(client: Client, run_id: str) -> tuple[RunSnapshot, PendingApproval]:
+async def pending_request(
+    client: Client, run_id: str, *, held: RunSnapshot | None = None
+) -> tuple[RunSnapshot, PendingApproval]:
     """The run's pending request (a worker is there to take a decision), or REFUSED.
+
+    ``held``: the run as the caller already read it (this function, or a status whose worker
+    probe it judged): taken as it is when it holds a pending request, with no call; one that
+    holds none (a published view a moment behind the run) is read again, as without one.
 
     Asked first (the ``snapshot`` query, briefly): the view a run publishes where it rests lags
     a moment behind a revision or a new request. Where no worker of the run's build answers at
@@ -1059,21 +1077,31 @@ async def pending_request(client: Client, run_id: str) -> tuple[RunSnapshot, Pen
     published, so no query routing decides whether a decision is sent: the decide Update judges
     it against the run's own state. Either way the steps shown must hash to the plan hash the
     request binds (``approval_offer_problem``), or nothing is offered."""
+    if held is not None and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
+        if isinstance(held, RunStatus) and held.worker_serving is False and held.task_queue is not None:
+            raise TetherError(no_worker_message(held.task_queue), rule="no_worker")  # as its probe said
+        return held, held_request(held)
     await require_worker(client, run_id)
     try:
         snap = await snapshot(client, run_id, timeout=PENDING_QUERY_SECONDS)
     except TetherError:
         view = await published_view(await _describe(client, run_id))
         snap = view.snapshot if view is not None else await snapshot(client, run_id)
+    return snap, held_request(snap)
+
+
+def held_request(snap: RunSnapshot) -> PendingApproval:
+    """The pending request of a run as read, or REFUSED: it is not awaiting approval, or the steps
+    shown do not hash to the plan hash the request binds (``approval_offer_problem``)."""
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
         raise TetherError(
-            f"run {run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
+            f"run {snap.run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
         )
     problem = approval_offer_problem(snap)
     if problem is not None:
-        raise TetherError(f"run {run_id}: {problem}", REFUSED, rule="plan_unverified")
-    return snap, pending
+        raise TetherError(f"run {snap.run_id}: {problem}", REFUSED, rule="plan_unverified")
+    return pending
 
 
 # How long `approve` asks the run for its pending request before it reads the published view.
@@ -1110,7 +1138,7 @@ async def _send_decision(
             result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
             break
         except WorkflowUpdateFailedError as e:
-            refused = _refused_update(e)
+            refused = _refused_update(e, decision.kind)
             if resent and refused.rule == "duplicate_decision":
                 break  # the first one was kept and taken once the task went through: read its verdict
             if refused.rule != "continuing_as_new" or asyncio.get_running_loop().time() >= deadline:
@@ -1143,6 +1171,9 @@ async def _send_decision(
             await asyncio.sleep(TASK_FAILING_RETRY)
     if result is not None and result.outcome == "refused":
         raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
+    if result is not None and result.record is not None:
+        return result.record  # the run's own record of it, in its answer: nothing more to ask
+    # A run of an older build answers with the verdict alone: its record is read back.
     return await _await_record(client, run_id, decision.decision_id, timeout)
 
 
@@ -1155,10 +1186,17 @@ def _task_failing(err: RPCError) -> bool:
     return err.status == RPCStatusCode.FAILED_PRECONDITION and "workflow task in failed state" in err.message.lower()
 
 
-def _refused_update(err: WorkflowUpdateFailedError) -> TetherError:
-    message = _update_refusal(err)
-    rule = m.group(1) if (m := re.search(r"\[rule: ([\w-]+)\]$", message)) else None
-    return TetherError(message, REFUSED, rule=rule)
+def _refused_update(err: WorkflowUpdateFailedError, kind: str) -> TetherError:
+    """The decide validator's refusal: its rule is the failure's type (``approve refused [rule]:
+    why`` shown as ``approve refused: why [rule: rule]``). An older build's validator raised a
+    plain error, typed by its Python class (``ValueError``): no rule, its message as it is."""
+    cause = err.cause
+    message = str(getattr(cause, "message", None) or cause or err)
+    rule = cause.type if isinstance(cause, ApplicationError) else None
+    if not rule or not rule.islower():  # ValueError, TypeError: a class name, not a rule
+        return TetherError(message, REFUSED)
+    why = message.removeprefix(f"{kind} refused [{rule}]: ")
+    return TetherError(f"{kind} refused: {why} [rule: {rule}]", REFUSED, rule=rule)
 
 
 async def _pending_task(handle: WorkflowHandle) -> Any:
@@ -1178,14 +1216,6 @@ def _task_failing_error(run_id: str) -> TetherError:
         f"(older_build: a worker of another build took it, run one of the run's own build; otherwise "
         f"`tether repair {run_id}`)", rule="task_failing",
     )
-
-
-def _update_refusal(err: WorkflowUpdateFailedError) -> str:
-    """The validator's one-line verdict (``approve refused [rule]: why``) as "why [rule: rule]"."""
-    message = str(getattr(err.cause, "message", None) or err.cause or err)
-    if m := re.match(r"^(\w+ refused) \[([\w-]+)\]: (.*)$", message, flags=re.S):
-        return f"{m.group(1)}: {m.group(3)} [rule: {m.group(2)}]"
-    return message
 
 
 async def handoff(
@@ -1238,7 +1268,7 @@ async def handoff(
             workflow_id=run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, request_id="",
             plan_hash="", kind="handoff", decision_id=request.decision_id or "", signer=request.by,
         )
-        request.signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
+        request.signature = sign(key, payload)
     if reset is not None:
         why = f"tether handoff --force by {by}: {reason}"
         reset.to_run_id = await reset_judged(client, run_id, reset.from_run_id, reset.event_id, why, handoff=request)
@@ -1438,7 +1468,7 @@ async def compensate(
     try:
         handle = await start_run(client, request, run_id=new_id, queue=queue, allow_id_reuse=True)
     except TetherError as e:
-        if "already exists" in str(e):
+        if e.rule == "already_started":
             raise TetherError(f"run {run_id} is being compensated now by {new_id}: see `tether status {new_id}`", REFUSED) from None
         raise
     await compensation_judged(client, new_id, timeout)
@@ -1733,6 +1763,28 @@ def approval_offer_problem(snap: RunSnapshot) -> str | None:
         return ("the steps shown do not hash to the plan hash the approval binds: what is shown is not "
                 "the run's plan (check `tether status RUN --live`)")
     return None
+
+
+def plan_to_run(verdict: Verdict, steps: Sequence[int] | None = None) -> Plan | None:
+    """The plan an approval lets run, read from the run's record of it (no call): the plan
+    decided, or for a partial approval (``steps``) its kept steps, the plan's next version, when
+    they hash to the plan hash the record names. None: the record does not tell (it names no
+    plan, or the kept steps do not hash to it): ask the run (``snapshot``)."""
+    record, plan = verdict.record, verdict.plan
+    if record is None or plan is None or not record.refs.plan_hash:
+        return None
+    if record.refs.plan_hash == plan.plan_hash:
+        return plan
+    kept = sorted(set(steps or ()))
+    if not kept or kept[-1] > len(plan.steps) or kept[0] < 1:
+        return None
+    narrowed = plan.model_copy(update={
+        "steps": [plan.steps[n - 1] for n in kept],
+        "undo": None if plan.undo is None else [plan.undo[n - 1] for n in kept],
+        "plan_hash": record.refs.plan_hash,
+        "version": plan.version + 1,  # a partial approval revises the plan: its next version
+    })
+    return narrowed if narrowed.hashes_to_itself() else None
 
 
 def approvals_needed(pending: PendingApproval) -> str:

@@ -16,7 +16,7 @@ error (a script's decision naming no plan, too), unknown run, Temporal unreachab
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib
 import json
 import os
 import shlex
@@ -24,30 +24,46 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-try:
-    from pydantic import BaseModel, ValidationError
-    from temporalio.client import WorkflowFailureError
+from workflows.display import escape_text as show  # the standard library's alone
 
+if TYPE_CHECKING:
     import client
-    from client import OK, REFUSED, USAGE, TetherError, exit_process, start_run  # noqa: F401  (start_run: public re-export)
-    from workflows.display import escape_text as show
-    from workflows.contract import Limits, Plan, PlaybookStep, RevisedStep
-    from workflows.run_state import RunRequest
-    from workflows.published import BUILD
-    from workflows import policy, wording
-    from workflows.states import RunState, TransitionRecord
-except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
-    print(f"error: {e.name} is not installed for {sys.executable}; run `make install`, then use "
-          ".venv/bin/tether", file=sys.stderr)
-    sys.exit(2)
+    import pydantic
+    from temporalio import client as temporal
+    from workflows import contract, policy, published, run_state, states, wording
+
+
+class _OnUse:
+    """A module imported when a command first uses it, not when ``tether --help`` parses: the
+    client, Temporal, pydantic and the workflow models take most of a second to import."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        try:
+            module = importlib.import_module(self._name)
+        except ModuleNotFoundError as e:  # `python starter.py` with a Python outside the virtualenv
+            print(f"error: {e.name} is not installed for {sys.executable}; run `make install`, then use "
+                  ".venv/bin/tether", file=sys.stderr)
+            raise SystemExit(USAGE) from None
+        return getattr(module, attr)
+
+
+if not TYPE_CHECKING:
+    client, pydantic, temporal = _OnUse("client"), _OnUse("pydantic"), _OnUse("temporalio.client")
+    contract, policy, published = _OnUse("workflows.contract"), _OnUse("workflows.policy"), _OnUse("workflows.published")
+    run_state, states, wording = _OnUse("workflows.run_state"), _OnUse("workflows.states"), _OnUse("workflows.wording")
 
 PROG = "tether"
 # `tether policy what-if` / `explain`: the judgement log could not be read at all (a missing file,
 # no permission, the database down); after 0-3 (client.py), apart from 2 "NEW_POLICY is invalid".
 LOG_UNREADABLE = 4
+# client.USAGE (argparse's own code too): a usage error is told before anything is imported.
+USAGE = 2
 
 # Model fields as the options that set them, so a validation error names what the user typed.
 OPTIONS = {
@@ -149,7 +165,7 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"           repair:  {invoked_as()} repair {show(shlex.quote(s.run_id))}")
     if s.closed_by_temporal:
         lines.append(f"closed     {s.closed_by_temporal}")
-    if s.end_reason and s.state != RunState.COMPLETED:
+    if s.end_reason and s.state != states.RunState.COMPLETED:
         lines.append(f"why        {show(s.end_reason)}" + (f" [rule: {show(s.end_rule)}]" if s.end_rule else "")
                      + (f" ({show(s.end_actor)})" if s.end_actor else ""))
     if s.approved_by and s.pending_approval is None:  # while pending: the `pending` line counts them
@@ -196,10 +212,10 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {standing}")
     if s.ledger_error:
         lines.append(f"ledger     {show(s.ledger_error, 400)}: where each write stands is unknown")
-    elif s.ended and s.state in policy.COMPENSABLE_STATES | {RunState.COMPLETED} and any(
+    elif s.ended and s.state in policy.COMPENSABLE_STATES | {states.RunState.COMPLETED} and any(
         c.status != "ok" and c.tool for c in s.compensations
     ):
-        approved = " (kept by design: the undos need an approval first)" if s.state == RunState.COMPLETED else ""
+        approved = " (kept by design: the undos need an approval first)" if s.state == states.RunState.COMPLETED else ""
         lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME{approved}")
     if not s.ledger_error and any(c.status == "unknown" for c in s.compensations):
         lines.append(f"           check the target, then: {invoked_as()} compensate {show(shlex.quote(s.run_id))} "
@@ -209,7 +225,7 @@ def format_status(s: client.RunStatus) -> str:
     return "\n".join(lines)
 
 
-def format_timeline(records: Sequence[TransitionRecord]) -> str:
+def format_timeline(records: Sequence[states.TransitionRecord]) -> str:
     lines = []
     for r in records:
         # Hashes shortened for reading; `timeline --json` has them in full.
@@ -257,11 +273,11 @@ def parse_edits(edits: Sequence[Sequence[str]]) -> list[tuple[int, str, Any]]:
     out: list[tuple[int, str, Any]] = []
     for edit in edits:
         if len(edit) < 2 or not edit[0].isdigit() or int(edit[0]) < 1:
-            raise TetherError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
+            raise client.TetherError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
         for pair in edit[1:]:
             key, sep, text = pair.partition("=")
             if not sep or not key:
-                raise TetherError(f"--step: {pair[:60]!r} is not KEY=VALUE")
+                raise client.TetherError(f"--step: {pair[:60]!r} is not KEY=VALUE")
             try:
                 value: Any = json.loads(text)
             except json.JSONDecodeError:
@@ -270,25 +286,26 @@ def parse_edits(edits: Sequence[Sequence[str]]) -> list[tuple[int, str, Any]]:
     return out
 
 
-def load_steps_file(path: Path, what: str = "steps file", model: type[BaseModel] = RevisedStep) -> list[Any]:
+def load_steps_file(path: Path, what: str = "steps file", model: type[pydantic.BaseModel] | None = None) -> list[Any]:
     """A JSON list of ``{tool, args}`` steps (or ``{"steps": [...]}``), each validated as
-    ``model``: a playbook, or the whole revised plan of ``tether revise --steps-file``."""
+    ``model``: a playbook, or (by default) the whole revised plan of ``tether revise --steps-file``."""
+    model = model or contract.RevisedStep
     try:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, IsADirectoryError):
-        raise TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
+        raise client.TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
+        raise client.TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
     raw = raw.get("steps") if isinstance(raw, dict) else raw
     if not isinstance(raw, list):
-        raise TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
+        raise client.TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
     try:
         return [model.model_validate(s) for s in raw]
-    except ValidationError as e:
+    except pydantic.ValidationError as e:
         raise client.invalid(f"{what} {path}", e) from None
 
 
-def revision_diff(plan: Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
+def revision_diff(plan: contract.Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
     """What a revision changes, for the person making it: RFC 6902 operations with their values
     (escaped), e.g. ``replace /1/args/amount_cents: 9000 -> 1000``. Never recorded."""
     from workflows.display import escape_text, show_value
@@ -296,7 +313,7 @@ def revision_diff(plan: Plan, steps: Sequence[dict[str, Any]]) -> list[str]:
 
     old = [{"tool": s.tool, "args": s.args} for s in plan.steps]
     lines = []
-    for op in patch(plan.steps, [RevisedStep.model_validate(s) for s in steps]):
+    for op in patch(plan.steps, [contract.RevisedStep.model_validate(s) for s in steps]):
         path = op["path"]
         if op["op"] == "replace":
             before = _pointer(old, path)
@@ -317,22 +334,22 @@ def _pointer(document: Any, path: str) -> Any:
         return None
 
 
-def _load_playbook(path: str | None) -> list[PlaybookStep]:
-    return load_steps_file(Path(path), "playbook", PlaybookStep) if path is not None else []
+def _load_playbook(path: str | None) -> list[contract.PlaybookStep]:
+    return load_steps_file(Path(path), "playbook", contract.PlaybookStep) if path is not None else []
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
     playbook = _load_playbook(args.playbook)
     if args.planner == "playbook" and not playbook:
-        raise TetherError("the playbook planner needs steps: pass --playbook PATH")
+        raise client.TetherError("the playbook planner needs steps: pass --playbook PATH")
     try:
-        request = RunRequest(
+        request = run_state.RunRequest(
             goal=args.goal,
             tenant=args.tenant,
             requested_by=args.requested_by,
             planner=args.planner,
             playbook=playbook,
-            limits=Limits(
+            limits=contract.Limits(
                 approval_ttl_seconds=args.approval_ttl,
                 on_expiry=args.on_expiry,
                 max_steps=args.max_steps,
@@ -342,7 +359,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
             on_failure=args.on_failure,
             on_cancel=args.on_cancel,
         )
-    except ValidationError as e:
+    except pydantic.ValidationError as e:
         raise client.invalid("run request", e) from None
     if (unknown := client.tenant_refusal(request.tenant, client.policy_file())) is not None:
         raise unknown  # a typo'd tenant: nothing started
@@ -363,19 +380,19 @@ async def cmd_start(args: argparse.Namespace) -> int:
             _print_json({"run_id": run_id})
         print(f"{'error' if args.wait else 'note'}: {client.no_worker_message(queue)}; run {show(run_id)} "
               f"stays in RECEIVED until one does", file=sys.stderr)
-        return REFUSED if args.wait else OK
+        return client.REFUSED if args.wait else client.OK
     if not args.wait:
-        return OK
+        return client.OK
     progress = _progress_line(run_id) if sys.stderr.isatty() and not args.json else None
     try:
         status = await client.wait_settled(conn, run_id, args.wait_timeout, progress=progress)
-    except TetherError as e:
+    except client.TetherError as e:
         if e.rule != "no_worker":
             raise
         if args.json:
             _print_json({"run_id": run_id})
         print(_error_line(e), file=sys.stderr)
-        return REFUSED  # the run was started; the wait for it failed
+        return client.REFUSED  # the run was started; the wait for it failed
     finally:
         if progress is not None:
             print("\r\x1b[K", end="", file=sys.stderr, flush=True)
@@ -383,13 +400,13 @@ async def cmd_start(args: argparse.Namespace) -> int:
         _print_json(status.model_dump(mode="json"))
     else:
         print(format_status(status))
-    if status.ended and status.state != RunState.COMPLETED:
+    if status.ended and status.state != states.RunState.COMPLETED:
         why = f": {show(status.end_reason)}" if status.end_reason else ""
         print(f"error: run {show(run_id)} ended in {status.state.value}{why}", file=sys.stderr)
-        return REFUSED
-    if not status.ended and status.state != RunState.AWAITING_APPROVAL:
+        return client.REFUSED
+    if not status.ended and status.state != states.RunState.AWAITING_APPROVAL:
         print(f"note: run {show(run_id)} is still {status.state.value} after {args.wait_timeout:g}s", file=sys.stderr)
-    return OK
+    return client.OK
 
 
 def _progress_line(run_id: str) -> Callable[[object, float], None]:
@@ -408,9 +425,9 @@ def _step_numbers(text: str | None) -> list[int] | None:
     try:
         numbers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise TetherError(f"--steps: expected step numbers like 1,2, got {text[:60]!r}") from None
+        raise client.TetherError(f"--steps: expected step numbers like 1,2, got {text[:60]!r}") from None
     if not numbers:
-        raise TetherError("--steps: name at least one step")
+        raise client.TetherError("--steps: name at least one step")
     return numbers
 
 
@@ -419,10 +436,10 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
     or, on a terminal, the plan shown here and confirmed; ``--unreviewed`` says neither."""
     steps = _step_numbers(getattr(args, "steps", None))
     if args.plan_hash is not None and args.unreviewed:
-        raise TetherError("--plan-hash and --unreviewed exclude each other: name the plan you reviewed, or say you did not")
+        raise client.TetherError("--plan-hash and --unreviewed exclude each other: name the plan you reviewed, or say you did not")
     asks = args.plan_hash is None and not args.unreviewed
     if asks and not sys.stdin.isatty():
-        raise TetherError(
+        raise client.TetherError(
             f"{kind}: name the plan you reviewed with --plan-hash HASH (its first {client.HASH_PREFIX} characters "
             f"will do: `{invoked_as()} status {shlex.quote(args.run)}` prints it), or pass --unreviewed to {kind} "
             f"whatever plan is pending (the run's record says so); on a terminal, tether shows the plan and asks"
@@ -448,37 +465,44 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
             answer = ""
         if answer.strip().lower() not in ("y", "yes"):
             print(f"not sent: nothing was decided on run {show(args.run)}", file=sys.stderr)
-            return REFUSED
+            return client.REFUSED
     given = client.DecisionInput(
         by=args.by, plan_hash=plan_hash, request_id=pending.request_id or None, decision_id=args.decision_id,
         comment=getattr(args, "comment", None), reason=getattr(args, "reason", None),
         key=Path(args.key) if args.key else None, steps=steps, unreviewed=args.unreviewed,
     )
     try:
-        verdict = await client.decide(conn, args.run, kind, given)  # type: ignore[arg-type]
-    except TetherError as e:
+        # The request read above is the one decided: no second read, no second worker probe.
+        verdict = await client.decide(conn, args.run, kind, given, held=snap)  # type: ignore[arg-type]
+    except client.TetherError as e:
         if e.code != client.PENDING:
             raise
         print(e)  # accepted, not judged yet: not an error, and not a verdict (exit 3)
         return e.code
     code = _print_verdict(verdict)
     if kind == "approve" and verdict.record is not None and verdict.record.kind != "refused":
-        await _print_plan_to_run(conn, args.run, plan_hash)
+        await _print_plan_to_run(conn, verdict, plan_hash, steps, snap.tools)
     return code
 
 
-async def _print_plan_to_run(conn: object, run_id: str, decided: str) -> None:
-    """The plan the approval lets run: the one shown, or, for --steps, the narrowed one."""
-    try:
-        after = await client.snapshot(conn, run_id)  # type: ignore[arg-type]
-    except TetherError:
-        return  # no worker that replays the run answered (another build's did): the verdict above stands
-    if after.plan is None or after.plan.plan_hash == decided:
+async def _print_plan_to_run(
+    conn: object, verdict: client.Verdict, decided: str, steps: list[int] | None, tools: Sequence[object]
+) -> None:
+    """The plan the approval lets run: the one shown, or, for --steps, the narrowed one; as the
+    run's record of the approval names it, else (a record that does not tell) as the run answers."""
+    plan, pending = client.plan_to_run(verdict, steps), None
+    if plan is None:
+        try:
+            after = await client.snapshot(conn, verdict.run_id)  # type: ignore[arg-type]
+        except client.TetherError:
+            return  # no worker that replays the run answered (another build's did): the verdict above stands
+        plan, pending, tools = after.plan, after.pending_approval, after.tools
+    if plan is None or plan.plan_hash == decided:
         print(f"the plan that runs is the one shown ({show(decided[:client.HASH_PREFIX])})")
         return
-    print(f"the plan that runs: v{after.plan.version} {show(after.plan.plan_hash)}"
-          + (f" ({client.approvals_needed(after.pending_approval)})" if after.pending_approval else "") + ":")
-    for line in _steps(after.plan, after.tools):
+    print(f"the plan that runs: v{plan.version} {show(plan.plan_hash)}"
+          + (f" ({client.approvals_needed(pending)})" if pending else "") + ":")
+    for line in _steps(plan, tools):
         print(line)
 
 
@@ -492,7 +516,7 @@ def _print_verdict(verdict: client.Verdict) -> int:
         print(f"{show(r.reason)} (decision {decision})")
     else:
         print(f"{r.to_state.value}: {show(r.reason)} (decision {decision})")
-    return OK
+    return client.OK
 
 
 async def cmd_approve(args: argparse.Namespace) -> int:
@@ -501,11 +525,10 @@ async def cmd_approve(args: argparse.Namespace) -> int:
 
 async def cmd_revise(args: argparse.Namespace) -> int:
     if bool(args.step) == bool(args.steps_file):
-        raise TetherError("revise: give --step N KEY=VALUE (repeatable) or --steps-file PATH")
+        raise client.TetherError("revise: give --step N KEY=VALUE (repeatable) or --steps-file PATH")
     conn = await client.connect()
-    snap = await client.status(conn, args.run)
-    if snap.plan is None or snap.pending_approval is None:
-        raise TetherError(f"run {args.run} is {snap.state.value}, not awaiting approval", REFUSED)
+    snap, _ = await client.pending_request(conn, args.run)  # read once: the revision is of this request
+    assert snap.plan is not None  # a pending request binds a plan (client.held_request)
     steps = (
         [s.model_dump() for s in load_steps_file(Path(args.steps_file))] if args.steps_file
         else client.revised_steps(snap.plan, parse_edits(args.step))
@@ -518,7 +541,7 @@ async def cmd_revise(args: argparse.Namespace) -> int:
     print(f"revising plan v{snap.plan.version} {snap.plan.plan_hash} of run {args.run}:")
     for line in revision_diff(snap.plan, steps) or ["(no change)"]:
         print(f"  {line}")
-    verdict = await client.revise(conn, args.run, given, steps)
+    verdict = await client.revise(conn, args.run, given, steps, held=snap)
     return _print_verdict(verdict)
 
 
@@ -546,7 +569,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     done = await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
                                key=Path(args.key) if args.key else None)
     print(f"{done.state.value}: {show(done.reason)} (decision {show(done.decision_id)})")
-    return OK
+    return client.OK
 
 
 async def cmd_repair(args: argparse.Namespace) -> int:
@@ -555,7 +578,7 @@ async def cmd_repair(args: argparse.Namespace) -> int:
     )
     if args.json:
         _print_json(done.model_dump(mode="json"))
-        return OK
+        return client.OK
     if done.failure is not None:
         print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
               f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
@@ -566,7 +589,7 @@ async def cmd_repair(args: argparse.Namespace) -> int:
     print(f"signals and Updates applied again: {done.reapplied}; tool calls run again under their own "
           f"idempotency keys: {', '.join(show(t) for t in done.rerun) or 'none'}")
     print(f"follow it: {invoked_as()} status {show(shlex.quote(done.run_id))}")
-    return OK
+    return client.OK
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
@@ -575,7 +598,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
         _print_json(status.model_dump(mode="json"))
     else:
         print(format_status(status))
-    return OK
+    return client.OK
 
 
 def format_branch(b: client.AuditBranch) -> str:
@@ -622,7 +645,7 @@ async def _undone_later(conn: Any, run_id: str) -> str:
     ledger's word), each naming the run, so the timeline links them."""
     try:
         status = await client.status(conn, run_id)
-    except TetherError:
+    except client.TetherError:
         return ""
     return "".join(
         f"later      {show(c.of, 128)} {show(c.of_tool, 64)}: {wording.write_standing(c)}\n"
@@ -639,14 +662,14 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
             _print_json([r.model_dump(mode="json") for r in records])
         else:
             print(format_timeline(records))
-        return OK
+        return client.OK
     trail = await client.audit_trail(conn, args.run, args.audit_dir)
     if not args.all:
         # The run's line from the audit sink, the published view filling what it lacks: no
         # worker needed, nothing reaches the run.
         records = trail.line()
         if not records and trail.unchecked:
-            raise TetherError(trail.unchecked)  # it has published nothing, and nobody can ask it
+            raise client.TetherError(trail.unchecked)  # it has published nothing, and nobody can ask it
         if args.json:
             _print_json([r.model_dump(mode="json") for r in records])
         else:
@@ -657,7 +680,7 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
                   f"as of now", file=sys.stderr)
         for warning in audit_warnings(trail):
             print(f"warning: {warning}", file=sys.stderr)
-        return OK
+        return client.OK
     if args.json:
         _print_json(trail.model_dump(mode="json"))
     else:
@@ -668,7 +691,7 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
     warnings = audit_warnings(trail)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    return REFUSED if trail.missing or trail.audit_error or trail.unverified else OK
+    return client.REFUSED if trail.missing or trail.audit_error or trail.unverified else client.OK
 
 
 async def cmd_audit(args: argparse.Namespace) -> int:
@@ -677,7 +700,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     from activities.audit import sink_from_env, verify_streams
 
     if bool(args.run) == bool(args.all):
-        raise TetherError("name one run, or --all", USAGE)
+        raise client.TetherError("name one run, or --all", USAGE)
     publics = client.public_keys()
     sink = sink_from_env(args.audit_dir)
     try:
@@ -686,7 +709,8 @@ async def cmd_audit(args: argparse.Namespace) -> int:
         for workflow_id in ids:
             streams = await sink.read(workflow_id)
             if args.run and not streams:
-                raise TetherError(f"unknown run {args.run!r}: the audit sink ({sink.describe()}) holds no record of it", USAGE)
+                raise client.TetherError(f"unknown run {args.run!r}: the audit sink ({sink.describe()}) holds no record of it",
+                                         USAGE, rule="unknown_run")
             check = verify_streams(publics, workflow_id, streams)
             checked += check.records
             if check.problems:
@@ -696,7 +720,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
         await sink.aclose()
     print(f"{checked} record(s) of {len(ids)} run(s) checked against {show(publics.source)}: "
           + (f"{bad} run(s) with records that are not the fleet's" if bad else "every signature and chain link verifies"))
-    return REFUSED if bad else OK
+    return client.REFUSED if bad else client.OK
 
 
 def _audit_args(p: argparse.ArgumentParser) -> None:
@@ -716,14 +740,14 @@ async def cmd_tools(args: argparse.Namespace) -> int:
     try:
         config = mcp.config_from_env(args.mcp_config)
     except mcp.McpConfigError as e:
-        raise client.TetherError(f"invalid MCP config: {e}", client.USAGE) from None
+        raise client.TetherError(f"invalid MCP config: {e}", USAGE) from None
     try:  # resolved as the worker resolves them (activities/loading.py)
         registry = load_tool_modules(modules, REGISTRY)
     except LoadError as e:
-        raise client.TetherError(str(e), client.USAGE) from None
+        raise client.TetherError(str(e), USAGE) from None
     if config is None:
         print(mcp.format_tools(mcp.describe_tools(registry)))
-        return OK
+        return client.OK
     return await mcp.print_tools(config, modules)
 
 
@@ -736,17 +760,17 @@ async def cmd_compensate(args: argparse.Namespace) -> int:
     )
     print(f"started {show(handle.id)}: the compensation of {show(args.run)}")
     if not args.wait:
-        return OK
+        return client.OK
     status = await client.wait_settled(conn, handle.id, args.wait_timeout)
     print(format_status(status))
-    if status.state == RunState.COMPENSATED:
-        return OK  # the undos are done
+    if status.state == states.RunState.COMPENSATED:
+        return client.OK  # the undos are done
     if status.ended:
         why = f": {show(status.end_reason)}" if status.end_reason else ""
         print(f"error: compensation {show(handle.id)} ended in {status.state.value}{why}", file=sys.stderr)
-        return REFUSED
+        return client.REFUSED
     pending = status.pending_approval
-    if status.state == RunState.AWAITING_APPROVAL and pending is not None:
+    if status.state == states.RunState.AWAITING_APPROVAL and pending is not None:
         waits = (f"its approval ({client.approvals_needed(pending)}; request expires "
                  f"{pending.expires_at.isoformat(timespec='seconds')}): "
                  f"{invoked_as()} approve {show(shlex.quote(handle.id))} --by NAME")
@@ -765,7 +789,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
         _print_json([r.model_dump(mode="json") for r in rows])
     else:
         print(format_list(rows))
-    return OK
+    return client.OK
 
 
 async def cmd_drain(args: argparse.Namespace) -> int:
@@ -779,7 +803,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
             _print_json([r.model_dump(mode="json") for r in rows])
         else:  # the deployment's builds, and the older builds' runs (`runs`)
             _print_json({**state.model_dump(mode="json"), "runs": [r.model_dump(mode="json") for r in rows]})
-        return REFUSED if waiting else OK
+        return client.REFUSED if waiting else client.OK
     if state is not None:
         print(f"Worker Deployment {show(state.deployment)}: new runs start on {show(state.current or 'unversioned workers')}"
               + (f", {state.ramp_percent:g}% on {show(state.ramping)}" if state.ramping else ""))
@@ -790,24 +814,24 @@ async def cmd_drain(args: argparse.Namespace) -> int:
         if state.unversioned_runs:
             print(f"  unversioned  {state.unversioned_runs} open run(s) in the namespace no versioned worker has taken yet")
     if not rows:
-        print(f"no open run needs an older build than {BUILD}: its workers can be stopped")
+        print(f"no open run needs an older build than {published.BUILD}: its workers can be stopped")
     else:
-        print(f"{len(rows)} open run(s) started by a build older than {BUILD}: keep its workers until they end")
+        print(f"{len(rows)} open run(s) started by a build older than {published.BUILD}: keep its workers until they end")
         print(format_list(rows))
-    return REFUSED if waiting else OK
+    return client.REFUSED if waiting else client.OK
 
 
 async def cmd_keygen(args: argparse.Namespace) -> int:
     path = Path(args.out)
     if args.if_missing and path.exists():
         print(f"{path} exists: kept")
-        return OK
+        return client.OK
     encoded = client.keygen(path, force=args.force)
     public_path = path.with_name(path.name + ".pub")
     print(f"private key written to {path} (keep it secret); public key to {public_path}")
     print("add the public key to the approver in the policy file:")
     print(f'public_key = "{encoded}"   # or: public_key_file = "{public_path}"')
-    return OK
+    return client.OK
 
 
 async def cmd_policy(args: argparse.Namespace) -> int:
@@ -816,7 +840,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
     from activities import cedar
 
     if args.action != "show" and not args.target:
-        raise TetherError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)", USAGE)
+        raise client.TetherError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)", USAGE)
     if args.action == "validate":
         problems, checked = cedar.check_file(Path(args.target))
         for problem in problems:
@@ -826,7 +850,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
                   f"activities/tether.cedarschema)", file=sys.stderr)
             return USAGE
         print(f"{show(args.target)}: {checked}")
-        return OK
+        return client.OK
     if args.action == "export":
         from activities.policy import PolicyFileError, parse_policy
 
@@ -834,9 +858,9 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         try:
             document = parse_policy(path.read_text(), str(path))
         except OSError as e:
-            raise TetherError(f"{path}: cannot read it ({e.strerror})", USAGE) from None
+            raise client.TetherError(f"{path}: cannot read it ({e.strerror})", USAGE) from None
         except PolicyFileError as e:
-            raise TetherError(f"{e}; `tether policy validate {path}` lists every problem", USAGE) from None
+            raise client.TetherError(f"{e}; `tether policy validate {path}` lists every problem", USAGE) from None
         text = cedar.export_document(document)
         if args.out:
             Path(args.out).write_text(text)
@@ -844,25 +868,25 @@ async def cmd_policy(args: argparse.Namespace) -> int:
                   f"`tether policy validate {show(args.out)}`")
         else:
             sys.stdout.write(text)
-        return OK
+        return client.OK
     if args.action == "explain":
         from activities.judgements import log_from_env
 
         log = log_from_env(args.audit_dir)
         found = read_judgements(log, workflow_id=args.target)
         if not found:
-            raise TetherError(
+            raise client.TetherError(
                 f"no judgement of run {args.target} in {log.describe()}: the run made no decision or write yet, or its "
                 "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN)", USAGE)
         print(f"run {show(args.target)}: {len(found)} Cedar judgement(s), from {show(log.describe())}")
         for entry in found:
             print("\n".join(format_judgement(entry)))
-        return OK
+        return client.OK
     if args.action == "what-if":
         return what_if(args)
     if args.action == "show":
         return await show_policy(args)
-    raise TetherError(f"unknown policy action {args.action!r}", USAGE)
+    raise client.TetherError(f"unknown policy action {args.action!r}", USAGE)
 
 
 async def show_policy(args: argparse.Namespace) -> int:
@@ -877,7 +901,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     try:
         document, digest = store.load()
     except (PolicyFileError, OSError) as e:
-        raise TetherError(f"{e}; `tether policy validate {chosen}` lists every problem", USAGE) from None
+        raise client.TetherError(f"{e}; `tether policy validate {chosen}` lists every problem", USAGE) from None
     print(f"policy  {show(store.source)}")
     print(f"hash    {digest}")
     for name, tenant in sorted((document.tenants if document else {}).items()):
@@ -885,18 +909,18 @@ async def show_policy(args: argparse.Namespace) -> int:
         own = f"; own Cedar: {', '.join(tenant.cedar)}" if tenant.cedar else ""
         print(show(f"tenant  {name}: approvers {people}; approval roles {', '.join(tenant.approval_roles)}{own}", 600))
     if not args.run:
-        return OK
+        return client.OK
     temporal = await client.connect()
     _, records = await client.read_run(temporal, args.run)
     recorded = recorded_policy_hash(records) or recorded_policy_hash(await client.timeline(temporal, args.run))
     if recorded is None:
-        raise TetherError(f"run {args.run} has recorded no policy hash yet (it records one when its worker takes "
+        raise client.TetherError(f"run {args.run} has recorded no policy hash yet (it records one when its worker takes "
                           "it): try again in a moment", USAGE)
     same = recorded == digest
     print(f"run     {show(args.run)}: policy hash {recorded} (recorded at its start): "
           + ("the same file" if same else "ANOTHER policy than this file: it was judged by the worker's file, "
              "not this one (`tether policy show --policy FILE` on the worker's file names it)"))
-    return OK if same else REFUSED
+    return client.OK if same else client.REFUSED
 
 
 def what_if(args: argparse.Namespace) -> int:
@@ -912,7 +936,7 @@ def what_if(args: argparse.Namespace) -> int:
         try:
             since = datetime.now(timezone.utc) - timedelta(seconds=float(parse_duration(args.since)))
         except (ValueError, TypeError) as e:
-            raise TetherError(f"--since {args.since!r}: {e}", USAGE) from None
+            raise client.TetherError(f"--since {args.since!r}: {e}", USAGE) from None
     try:
         proposed = ProposedPolicy(Path(args.target))
     except ValueError as e:
@@ -937,7 +961,7 @@ def what_if(args: argparse.Namespace) -> int:
                    f"{' (' + amounts + ')' if amounts else ''}: {was} -> {now} by {by}: {change.meaning}", 600))
     print(f"{len(changes)} of {len(recorded)} judgement(s) of {len(runs)} run(s) change under {show(args.target)}"
           + ("" if recorded else f" (none logged in {show(log.describe())}{' since ' + args.since if args.since else ''})"))
-    return REFUSED if changes else OK
+    return client.REFUSED if changes else client.OK
 
 
 def read_judgements(log: Any, **filters: Any) -> list[dict[str, Any]]:
@@ -949,7 +973,7 @@ def read_judgements(log: Any, **filters: Any) -> list[dict[str, Any]]:
     try:
         found = log.read(publics=client.public_keys(), **filters)
     except LogUnreadable as e:
-        raise TetherError(f"could not read the judgement log: {e}; point at the workers' log with --audit-dir, "
+        raise client.TetherError(f"could not read the judgement log: {e}; point at the workers' log with --audit-dir, "
                           "env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN", LOG_UNREADABLE) from None
     if log.skipped:
         print(f"warning: {show(log.describe())}: {log.skipped} line(s) skipped: not a judgement line", file=sys.stderr)
@@ -1034,7 +1058,7 @@ async def cmd_inbox(args: argparse.Namespace) -> int:
     from inbox.app import InboxConfig, serve
 
     if args.port < 1 or args.port > 65535:
-        raise TetherError(f"--port must be 1-65535, not {args.port}", field="port")
+        raise client.TetherError(f"--port must be 1-65535, not {args.port}", field="port")
     config = InboxConfig(
         policy=Path(args.policy or os.environ.get("TETHER_POLICY") or "examples/billing/policy.toml"),
         dev_login=args.dev_login,
@@ -1309,7 +1333,7 @@ def cli_table(parser: argparse.ArgumentParser | None = None) -> str:
 # ----------------------------------------------------------------------------- entry points
 
 
-def _error_line(e: TetherError) -> str:
+def _error_line(e: client.TetherError) -> str:
     # Errors quote what the run or the user sent (reasons, ids): one escaped line.
     if e.field in OPTIONS:
         return f"error: {OPTIONS[e.field]}: {show(e.detail)}"
@@ -1318,18 +1342,22 @@ def _error_line(e: TetherError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import asyncio
+
+    # Every command goes through the client: imported once the arguments parse (not for --help).
+    failed, run_failed = client.TetherError, temporal.WorkflowFailureError
     try:
         return asyncio.run(args.fn(args))
-    except TetherError as e:
+    except failed as e:
         print(_error_line(e), file=sys.stderr)
         return e.code
-    except WorkflowFailureError as e:
+    except run_failed as e:
         print(f"error: {show(str(e))}", file=sys.stderr)
-        return REFUSED
+        return client.REFUSED
     except BrokenPipeError:
         # The reader stopped early (`tether timeline RUN | head`): not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return OK
+        return client.OK
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a bug or an unforeseen failure: still one line, the trace on demand
@@ -1345,7 +1373,17 @@ def run() -> None:
         code: int | str | None = main()
     except SystemExit as e:  # argparse: --help (0) and usage errors (2)
         code = e.code
-    exit_process(code if isinstance(code, int) or code is None else USAGE)
+    code = code if isinstance(code, int) or code is None else USAGE
+    if "client" in sys.modules:  # Temporal's native threads may be running: no interpreter teardown
+        client.exit_process(code)
+    sys.exit(code)  # --help, a usage error: nothing was imported that needs more
+
+
+def __getattr__(name: str) -> Any:
+    """``starter.start_run``, as before the client was imported on first use."""
+    if name == "start_run":
+        return client.start_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

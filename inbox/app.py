@@ -224,7 +224,7 @@ class Inbox:
         try:
             snap, records = await tether.read_run(await self.client(), run_id, live=live)
         except tether.TetherError as e:
-            if e.code == tether.USAGE and "unknown run" in str(e):
+            if e.rule == "unknown_run":
                 raise NotYours() from None
             raise
         if snap.tenant not in desk.tenants_of(document, person.name):
@@ -348,7 +348,8 @@ class Inbox:
             attest_as=signer,
         )
         try:
-            verdict = await tether.decide(temporal, run_id, body.kind, given)
+            # The run as read above (its worker probed) holds the request decided: not read again.
+            verdict = await tether.decide(temporal, run_id, body.kind, given, held=snap)
         except tether.TetherError as e:
             if e.code == tether.PENDING:  # accepted, the run is still checking it: not an error
                 return self._outcome(decision_id, "sent", reason=str(e))

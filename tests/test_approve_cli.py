@@ -13,6 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from client import run_outcome
 from tests.conftest import BIN, ROOT, Billing, running_worker, timeline, unique, wait_for_state
+from tests.round_trips import counting_proxy
 from tests.test_cli import POLICY, one_line
 from tests.test_dev_server import Cli
 from tests.terminal import in_terminal
@@ -146,6 +147,104 @@ async def test_status_says_how_many_approvals_are_still_needed_and_from_whom(
         assert "1 of 2 approval(s) (by carol); 1 more needed from someone with role finance, other than carol" in out
         assert "approved   by" not in out  # not approved yet: one of two
         await cli("cancel", run, "--reason", "test over")
+
+
+async def test_approve_asks_the_server_at_most_seven_times_and_prints_the_runs_own_record(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """Every gRPC call the `tether approve` process makes, counted on the wire by a proxy in front
+    of the dev server: one connection, one read of the run with its worker probe, the Update and
+    its answer. What it prints is the record the Update answered with (no timeline query, no
+    second snapshot)."""
+    async with running_worker(dev_env.client, policy=POLICY) as worker:
+        cli = Cli(dev_env, worker)
+        run = await start(cli, tmp_path, PLAN[:2])
+        handle = dev_env.client.get_workflow_handle(run, result_type=RunOutcome)
+        pending = (await handle.query("snapshot"))["pending_approval"]
+        async with counting_proxy(cli.env["TEMPORAL_ADDRESS"]) as (address, counter):
+            code, out, err = await cli("approve", run, "--by", "bob", "--plan-hash", pending["plan_hash"][:12],
+                                       "--decision-id", "counted", env={"TEMPORAL_ADDRESS": address})
+        assert code == 0, (out, err)
+        # GetSystemInfo; DescribeWorkflowExecution, DescribeTaskQueue, ListWorkers; QueryWorkflow
+        # (snapshot); UpdateWorkflowExecution, PollWorkflowExecutionUpdate. Fewer than 5: not counted.
+        assert 5 <= counter.calls <= 7, (counter.calls, out, err)
+        [approved] = [r for r in await timeline(handle) if r.refs.decision_id == "counted"]
+        assert f"APPROVED: {approved.reason} (decision counted)" in out and approved.actor == "user:bob"
+        assert f"the plan that runs is the one shown ({pending['plan_hash'][:12]})" in out
+        assert (await run_outcome(handle)).state.value == "COMPLETED"
+
+
+async def test_a_refused_decision_exits_1_with_the_rule_the_run_typed(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The validator's refusal (a decision id already counted) comes back as the failure's type,
+    the run's own verdict (four-eyes) as the answer's rule: exit 1 with the rule either way."""
+    huge = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 60000, "reason": "cli"}}]
+    async with running_worker(dev_env.client, policy=POLICY) as worker:
+        cli = Cli(dev_env, worker)
+        run = await start(cli, tmp_path, huge)  # two approvals from finance: it still waits after one
+        plan_hash = (await dev_env.client.get_workflow_handle(run).query("snapshot"))["pending_approval"]["plan_hash"]
+        code, out, err = await cli("approve", run, "--by", "carol", "--plan-hash", plan_hash, "--decision-id", "once")
+        assert code == 0 and "approval 1 of 2 accepted" in out, (out, err)
+        for by in ("carol", "erin"):  # the same id again, whoever sends it: counted once
+            code, out, err = await cli("approve", run, "--by", by, "--plan-hash", plan_hash, "--decision-id", "once")
+            assert code == 1 and one_line(err).endswith("[rule: duplicate_decision]"), (by, out, err)
+            assert "approve refused: duplicate decision_id once" in one_line(err) and "[duplicate_decision]" not in err
+        code, out, err = await cli("approve", run, "--by", "alice", "--plan-hash", plan_hash)
+        assert code == 1 and "[rule: four_eyes]" in one_line(err), (out, err)
+        code, out, _ = await cli("status", run)
+        assert "1 of 2 approval(s) (by carol)" in out
+        await cli("cancel", run, "--by", "alice", "--reason", "test over")
+
+
+def test_an_update_refusal_is_read_by_its_type_never_from_its_message() -> None:
+    """The rule is the ApplicationError's type; an older build's validator raised a plain
+    ValueError (typed by its class): no rule then, and its message as it is."""
+    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.exceptions import ApplicationError
+
+    from client import REFUSED, _refused_update
+
+    typed = _refused_update(WorkflowUpdateFailedError(
+        ApplicationError("approve refused [duplicate_decision]: decision_id d is already being decided", type="duplicate_decision")
+    ), "approve")
+    assert (typed.code, typed.rule) == (REFUSED, "duplicate_decision")
+    assert str(typed) == "approve refused: decision_id d is already being decided [rule: duplicate_decision]"
+    # A message that names a rule its type does not: the type decides.
+    forged = _refused_update(WorkflowUpdateFailedError(ApplicationError("approve refused [four_eyes]: x", type="continuing_as_new")), "approve")
+    assert forged.rule == "continuing_as_new"
+    older = _refused_update(WorkflowUpdateFailedError(
+        ApplicationError("approve refused [duplicate_decision]: decision_id d is already being decided", type="ValueError")
+    ), "approve")
+    assert (older.code, older.rule) == (REFUSED, None)
+    assert str(older) == "approve refused [duplicate_decision]: decision_id d is already being decided"
+
+
+def test_the_plan_an_approval_lets_run_is_read_from_its_record_only_when_the_steps_hash_to_it() -> None:
+    """`tether approve` prints the plan that runs from the Update's record, with no query: the
+    plan decided, or for --steps its kept steps as the next version, only when they hash to the
+    plan hash the run recorded; anything else (a record naming another plan) is asked for."""
+    from client import Verdict, plan_to_run
+    from workflows.contract import Compensation, Plan, PlanStep
+    from workflows.states import Refs, RunState, TransitionRecord
+
+    steps = [PlanStep(tool_call_id=f"c{n}", tool=tool, args={"order_id": "A-1"}) for n, tool in
+             enumerate(("get_order", "issue_refund", "send_email"), start=1)]
+    undo = [None, Compensation(tool="void_refund", args={"refund_id": "/result/refund_id"}), None]
+    plan = Plan(steps=steps, undo=undo, plan_hash=Plan.hash_steps(steps, undo), version=3)
+
+    def verdict(plan_hash: str | None) -> Verdict:
+        record = TransitionRecord(from_state=RunState.AWAITING_APPROVAL, to_state=RunState.APPROVED, at="2026-01-01T00:00:00Z",
+                                  actor="user:bob", reason="approved", state_version=5, refs=Refs(plan_hash=plan_hash))
+        return Verdict(run_id="r", decision_id="d", record=record, plan=plan)
+
+    assert plan_to_run(verdict(plan.plan_hash)) is plan
+    kept = Plan.hash_steps([steps[0], steps[1]], undo[:2])
+    narrowed = plan_to_run(verdict(kept), [2, 1, 2])
+    assert narrowed is not None and (narrowed.version, narrowed.plan_hash) == (4, kept)
+    assert [s.tool for s in narrowed.steps] == ["get_order", "issue_refund"] and narrowed.hashes_to_itself()
+    for named, chosen in ((kept, [1, 3]), (kept, None), (kept, [0, 1]), (kept, [1, 4]), ("0" * 64, [1, 2]), (None, [1, 2])):
+        assert plan_to_run(verdict(named), chosen) is None, (named, chosen)
 
 
 def test_money_comes_only_from_the_schema_and_effects_read_as_words() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
@@ -71,12 +71,14 @@ async def decide(handle: WorkflowHandle, **payload: Any) -> DecideResult:
     try:
         return await handle.execute_update("decide", payload, result_type=DecideResult)
     except WorkflowUpdateFailedError as e:
-        message = str(getattr(e.cause, "message", "") or e.cause)
-        match = re.match(r"^\w+ refused \[([\w-]+)\]: (.*)$", message, flags=re.S)
-        assert match, message
+        # The validator's refusal is typed by its rule; its message keeps the form "kind refused [rule]: why".
+        assert isinstance(e.cause, ApplicationError) and e.cause.type, e.cause
+        rule, head = e.cause.type, f"{payload.get('kind')} refused [{e.cause.type}]: "
+        assert e.cause.message.startswith(head), (e.cause.message, head)
         snap = await handle.query("snapshot", result_type=RunSnapshot)
         return DecideResult(
-            decision_id=payload["decision_id"], outcome="refused", state=snap.state, reason=match[2], rule=match[1]
+            decision_id=payload["decision_id"], outcome="refused", state=snap.state, reason=e.cause.message.removeprefix(head),
+            rule=rule,
         )
 
 

@@ -23,9 +23,10 @@ import client as tether_client
 import starter
 from activities.policy import check_policy_file, parse_policy, signature_refusal
 from inbox import desk
-from inbox.app import InboxConfig, check_config
+from inbox.app import InboxConfig, check_config, create_app
 from tests.conftest import PLAYBOOK, Billing
-from tests.inbox_stack import AUDIENCE, ISSUER, Stack, inbox_stack, raw_public
+from tests.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack, raw_public
+from tests.round_trips import counting_proxy
 from workflows import policy
 from workflows.contract import ApprovalDecision
 from workflows.policy_file import Signer, TenantPolicy
@@ -165,6 +166,30 @@ async def test_bob_approves_through_the_api_and_the_run_completes_with_one_refun
     logged = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith(("tether.inbox", "uvicorn")))
     for secret in (bob, alice, bob.split(".")[2], "A-1001"):
         assert secret not in logged
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_approval_post_asks_the_server_at_most_five_times(stack: Stack, billing: Billing) -> None:
+    """Every gRPC call the inbox makes for one approval, counted on the wire by a proxy in front of
+    the dev server: the run's description and its worker probe (the page's read, the one the
+    decision is sent on), then the Update and its answer (no second read, no timeline query)."""
+    run_id, snap = await waiting_run(stack)
+    async with counting_proxy(stack.client.service_client.config.target_host) as (address, counter):
+        temporal = await tether_client.connect(target_host=address, namespace=stack.client.namespace)
+        app = create_app(InboxConfig(policy=stack.policy, jwks=str(stack.key_dir / "jwks.json"), issuer=ISSUER,
+                                     audience=AUDIENCE, key=stack.key_dir / "inbox.pem"), temporal=temporal)
+        server, task = await _serve(app, port := free_port())
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                before = counter.calls
+                r = await http.post(f"/api/runs/{run_id}/decisions", headers=bearer(stack.sso.token("bob")), json=body(snap))
+                calls = counter.calls - before
+        finally:
+            server.should_exit = True
+            await task
+    assert r.status_code == 200 and r.json()["state"] == "APPROVED", r.text
+    assert before >= 1 and 4 <= calls <= 5, (before, calls)  # the connection's own call counted before
+    assert (await stack.wait(run_id, "COMPLETED")).approved_by == ["bob"]
 
 
 @pytest.mark.asyncio(loop_scope="session")

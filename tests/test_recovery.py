@@ -560,6 +560,26 @@ async def test_compensate_after_an_unknown_outcome_hand_off(ts_env: WorkflowEnvi
     assert refunds[0]["voided_at"] is not None and len(reversals) == 1
 
 
+async def test_a_second_compensation_while_one_runs_is_refused_naming_it(ts_env: WorkflowEnvironment, billing: Billing) -> None:
+    # One compensation run at a time: Temporal refuses a second start of its id while the first
+    # runs (WorkflowAlreadyStartedError), and the client says which run is compensating it.
+    billing.fail_next("emails", 1, status=503, when="after_commit")
+    async with running_worker(ts_env.client) as worker:
+        outcome = await approved_run(ts_env, worker, on_failure="compensate")
+        assert outcome.state == S.HANDED_OFF
+        # Started on a queue no worker polls: it stays running.
+        first = await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=f"nobody-{uuid.uuid4().hex[:8]}")
+        with pytest.raises(tether_client.TetherError) as again:
+            await tether_client.compensate(ts_env.client, outcome.run_id, by="erin", queue=worker.task_queue)
+        assert again.value.code == tether_client.REFUSED, again.value
+        assert str(again.value) == (f"run {outcome.run_id} is being compensated now by {first.id}: "
+                                    f"see `tether status {first.id}`")
+        assert (await first.describe()).status.name == "RUNNING"
+        await first.terminate("test over")
+    _, reversals = undo_state(billing, outcome)
+    assert reversals == []  # nothing was undone by either
+
+
 async def test_compensate_refuses_a_running_run_and_an_unknown_one(ts_env: WorkflowEnvironment, billing: Billing) -> None:
     async with running_worker(ts_env.client) as worker:
         handle = await start_run(ts_env.client, worker, make_request(PLAN))

@@ -161,7 +161,7 @@ def rpc_error(err: RPCError, run_id: str) -> TetherError:
     if err.status == RPCStatusCode.NOT_FOUND:
         if "completed" in err.message.lower():
             return TetherError(f"run {run_id} already finished", REFUSED)
-        return TetherError(f"unknown run {run_id!r}: check the id with `tether list`")
+        return TetherError(f"unknown run {run_id!r}: check the id with `tether list`", rule="unknown_run")
     if timed_out(err):
         return TetherError(f"no worker answered for run {run_id}: start one with `make worker`")
     if err.status == RPCStatusCode.RESOURCE_EXHAUSTED:
