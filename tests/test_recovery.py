@@ -567,8 +567,10 @@ async def test_a_second_compensation_while_one_runs_is_refused_naming_it(ts_env:
     async with running_worker(ts_env.client) as worker:
         outcome = await approved_run(ts_env, worker, on_failure="compensate")
         assert outcome.state == S.HANDED_OFF
-        # Started on a queue no worker polls: it stays running.
-        first = await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=f"nobody-{uuid.uuid4().hex[:8]}")
+        # Started on a queue no worker polls: it stays running (and no verdict comes: no worker).
+        with pytest.raises(tether_client.TetherError, match="no worker answered"):
+            await tether_client.compensate(ts_env.client, outcome.run_id, by="carol", queue=f"nobody-{uuid.uuid4().hex[:8]}")
+        first = ts_env.client.get_workflow_handle(tether_client.compensation_id(outcome.run_id))
         with pytest.raises(tether_client.TetherError) as again:
             await tether_client.compensate(ts_env.client, outcome.run_id, by="erin", queue=worker.task_queue)
         assert again.value.code == tether_client.REFUSED, again.value
