@@ -1320,7 +1320,7 @@ def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
     it does ("did you mean"), with ``code``; a file that cannot be read, a usage error."""
     import difflib
 
-    from activities.policy import PolicyFileError, PolicyStore
+    from activities.policy_file import PolicyFileError, PolicyStore
 
     store = PolicyStore(policy_path)
     try:
@@ -1415,7 +1415,7 @@ def compensate_refusal(
         return TetherError(f"run {snap.run_id} ended {snap.state.value}: its writes are kept; only runs ended {states} "
                            "are compensated [rule: not_compensable]", REFUSED, rule="not_compensable")
     if policy_path is not None:
-        from activities.policy import PolicyFileError, PolicyStore
+        from activities.policy_file import PolicyFileError, PolicyStore
 
         try:
             tenant_policy, _ = PolicyStore(policy_path).tenant(snap.tenant)

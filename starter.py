@@ -838,11 +838,12 @@ async def cmd_policy(args: argparse.Namespace) -> int:
     """Cedar (docs/policy.md, "Cedar"): export a policy file's rules, validate a file, explain a
     run's decisions, judge recorded decisions under a proposed policy."""
     from activities import cedar
+    from activities.policy_file import validate_file
 
     if args.action != "show" and not args.target:
         raise client.TetherError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)", USAGE)
     if args.action == "validate":
-        problems, checked = cedar.check_file(Path(args.target))
+        problems, checked = validate_file(Path(args.target))
         for problem in problems:
             print(show(problem), file=sys.stderr)
         if problems:
@@ -852,7 +853,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         print(f"{show(args.target)}: {checked}")
         return client.OK
     if args.action == "export":
-        from activities.policy import PolicyFileError, parse_policy
+        from activities.policy_file import PolicyFileError, parse_policy
 
         path = Path(args.target)
         try:
@@ -893,7 +894,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     """`tether policy show [--policy FILE] [--run RUN]`: the file a process would read, its hash and
     tenants; with --run, the hash the run recorded at its start and whether it is this file's
     (exit 1 when it is not: the run was judged under another policy file)."""
-    from activities.policy import PolicyFileError, PolicyStore
+    from activities.policy_file import PolicyFileError, PolicyStore
     from inbox.desk import recorded_policy_hash
 
     chosen = args.policy or args.target or os.environ.get("TETHER_POLICY") or None

@@ -34,7 +34,8 @@ from activities.keys import KeyRing, KeyRingError
 from activities.metrics import policy_info, prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.judgements import ProposedPolicy, log_from_env
-from activities.policy import PolicyActivities, PolicyFileError, PolicyStore, check_policy_file
+from activities.policy import PolicyActivities
+from activities.policy_file import PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
 from activities.loading import LoadError
 from activities.planning import Planner, load_planners

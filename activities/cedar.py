@@ -876,27 +876,7 @@ def policies_of(name: str, tenant: TenantPolicy, cedar_text: str | None) -> Poli
     return policies_for(name, tenant)
 
 
-def check_file(path: Path) -> tuple[list[str], str]:
-    """``tether policy validate``: a policy file (TOML, with the Cedar files its tenants name)
-    or a Cedar file, checked against the schema. The problems (file, line, problem) and, when
-    there are none, what was checked."""
-    from activities.policy import PolicyFileError, load_cedar_files, parse_policy
-
-    try:
-        text = path.read_text()
-    except OSError as e:
-        return [f"{path}: cannot read it ({e.strerror})"], ""
-    if path.suffix == ".cedar":
-        problems = cedar_problems(text, str(path))
-        return problems, f"{len(_statements(text))} Cedar policies, valid against the schema"
-    try:
-        document = parse_policy(text, str(path))
-        own = load_cedar_files(document, path)
-    except PolicyFileError as e:
-        return str(e).splitlines(), ""
-    exported = {name: export_tenant(name, t) for name, t in document.tenants.items() if name not in own}
-    problems = [p for name, t in exported.items() for p in cedar_problems(t, f"{path} (tenant {name}, exported)")]
-    return problems, (
-        f"{len(document.tenants)} tenant(s): {len(exported)} decided by their TOML rules (exported to Cedar), "
-        f"{len(own)} by their own Cedar files; all valid against the schema"
-    )
+def check_text(text: str, source: str) -> tuple[list[str], str]:
+    """A Cedar file's text checked against the schema: its problems (file, line, problem) and,
+    when there are none, what was checked (``tether policy validate FILE.cedar``)."""
+    return cedar_problems(text, source), f"{len(_statements(text))} Cedar policies, valid against the schema"

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from activities import cedar
 from activities.audit import DEFAULT_AUDIT_DIR
+from activities.policy_file import PolicyFileError, load_cedar_files, parse_policy
 from activities.postgres import PostgresSync, Table, cause, dsn_from_env
 from workflows import keys as ring_math
 from workflows.contract import json_digest
@@ -340,8 +341,6 @@ class ProposedPolicy:
     they were judged). Raises ValueError naming each problem (file, line) when it is invalid."""
 
     def __init__(self, path: Path) -> None:
-        from activities.policy import PolicyFileError, load_cedar_files, parse_policy
-
         self.path = path
         self.document = None
         self.own: dict[str, str] = {}

@@ -1,38 +1,43 @@
-"""The policy file and the activities that apply it.
+"""The activities that apply the policy file (their verdicts attested), and the judging they do:
+Cedar's verdicts on a decision, a handoff, a cancel and the writes, worded as refusals.
 
-The file is TOML (``TETHER_POLICY`` or ``worker.py --policy PATH``; example:
-``examples/billing/policy.toml``). It is read here, never in workflow code; the decisions are the
-pure functions in ``workflows/policy.py``. The file is re-read when it changes, so revoking an
-approver takes effect for runs already under way (approvals are re-checked before writes run).
-
-Ed25519 signatures on decisions are verified here too (the ``cryptography`` package).
+The file itself (reading, checking, the store that keeps it in force) is
+``activities/policy_file.py``; signatures are ``activities/signatures.py``; the log of judgements
+and what-if are ``activities/judgements.py``; the decisions are the pure functions in
+``workflows/policy.py``.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
-import os
-import re
-import tomllib
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
-from pathlib import Path
 
-from pydantic import ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from workflows import policy
 from activities import cedar, judgements
 from activities.keys import KeyRing, attest
-from workflows.identity import skeleton
-from workflows.contract import SIGNER_NAME, STRICT, AcceptedApproval, ApprovalDecision, Plan, ToolCatalog, ToolEffect
-from workflows.policy_file import Approver, PolicyDocument, Signer, TenantPolicy
+from activities.policy_file import PolicyFileError, PolicyStore
+from activities.signatures import decision_signature_refusal, has_key, person_signature_refusal, signature_refusal
+
+# What moved to activities/policy_file.py and activities/signatures.py (issue 44), at its old
+# import path for one release: import it from its own module.
+from activities.policy_file import (  # noqa: F401
+    DEFAULT_SOURCE,
+    RELOAD_FAILURES,
+    _locate,
+    check_policy_file,
+    load_cedar_files,
+    parse_policy,
+    resolve_key_files,
+)
+from activities.signatures import verify_signature  # noqa: F401
+from workflows import policy
+from workflows.contract import AcceptedApproval, ApprovalDecision, Plan, ToolCatalog, ToolEffect
+from workflows.policy_file import Signer, TenantPolicy
 from workflows.wire import (
     AuthorityCheck,
     DecisionCheck,
@@ -45,439 +50,7 @@ from workflows.wire import (
 )
 
 SHADOW_DISAGREEMENTS = "tether_policy_shadow_disagreements"
-RELOAD_FAILURES = "tether_policy_reload_failures"
 log = logging.getLogger("tether.policy")
-
-DEFAULT_SOURCE = "built-in default (no policy file): every write needs one approval from someone other than the requester"
-
-
-class PolicyFileError(ValueError):
-    """An invalid policy file, with the line and key that are wrong."""
-
-
-_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-_KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'.]+)\s*=")
-
-
-def _locate(text: str, loc: tuple) -> int | None:
-    """The line (1-based) where the key at ``loc`` is written, best effort."""
-    wanted = [str(p) for p in loc if not isinstance(p, int)]
-    best, best_len = None, 0
-    table: list[str] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if m := _HEADER.match(line):
-            table = [p.strip().strip('"') for p in m.group(1).split(".")]
-            path = table
-        elif m := _KEY.match(line):
-            path = table + [p.strip().strip('"') for p in m.group(1).split(".")]
-        else:
-            continue
-        common = 0
-        for a, b in zip(path, wanted):
-            if a != b:
-                break
-            common += 1
-        if common > best_len or (common == best_len and common == len(path) and best is None):
-            best, best_len = number, common
-    return best
-
-
-def parse_policy(text: str, source: str = "policy") -> PolicyDocument:
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise PolicyFileError(f"{source}: not valid TOML: {e}") from None
-    try:
-        return PolicyDocument.model_validate(raw, context=STRICT)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = tuple(err["loc"])
-        if (unknown := re.search(r"unknown field\(s\): ([^,\s]+)", err["msg"])) is not None:
-            loc += (unknown.group(1),)  # point at the unknown key itself
-        key = ".".join(str(p) for p in loc)
-        line = _locate(text, loc)
-        where = f"line {line}, " if line else ""
-        raise PolicyFileError(f"{source}: {where}key {key}: {err['msg']}") from None
-
-
-@dataclass
-class PolicyStore:
-    """The policy file, re-read when its modification time changes. A change that does not load
-    (invalid TOML or Cedar, past the size bounds) leaves the last good policy in force: it is
-    logged and counted once per version of the file, and ``problem`` says so (the verdicts carry
-    it to the run, ``tether status`` and the inbox show it) until a good version replaces it."""
-
-    path: Path | None
-    _cache: tuple[tuple[Any, ...], PolicyDocument, str] | None = field(default=None, repr=False)
-    _cedar: dict[str, str] = field(default_factory=dict, repr=False)  # tenant -> its own Cedar text
-    # The last change that did not load: (its version, why). None: the file in force is the file.
-    _bad: tuple[tuple[Any, ...], str] | None = field(default=None, repr=False)
-    # Key files the file names that were not there (keygen still to run): looked for at each load.
-    _missing_keys: tuple[Path, ...] = field(default=(), repr=False)
-    reload_failures: int = 0
-
-    @property
-    def problem(self) -> str | None:
-        """Why the file on disk is not the policy in force (the last good one is), or None."""
-        if self._bad is None or self._cache is None:
-            return None
-        return f"{self._bad[1]} (kept the last good policy, hash {self._cache[2][:12]})"
-
-    @classmethod
-    def from_env(cls, path: str | None = None) -> PolicyStore:
-        chosen = path or os.environ.get("TETHER_POLICY") or None
-        store = cls(Path(chosen) if chosen else None)
-        store.load()  # fail at worker start on a bad file, naming the line and the key
-        return store
-
-    def load(self) -> tuple[PolicyDocument | None, str]:
-        """The document (None: no file, the built-in default applies) and its content hash (the
-        TOML's, and the Cedar files' its tenants name)."""
-        if self.path is None:
-            return None, hashlib.sha256(DEFAULT_SOURCE.encode()).hexdigest()
-        try:
-            stat = self.path.stat()
-            version: tuple[Any, ...] = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(),
-                                        *(p.exists() for p in self._missing_keys))
-        except FileNotFoundError:
-            stat, version = None, ("missing",)
-        if self._cache is None or self._cache[0] != version:
-            if self._cache is not None and self._bad is not None and self._bad[0] == version:
-                return self._cache[1], self._cache[2]  # that change did not load: said once already
-            try:
-                if stat is None:
-                    raise PolicyFileError(f"policy file not found: {self.path}")
-                self._read(stat)
-            except (PolicyFileError, OSError, UnicodeDecodeError) as e:
-                if self._cache is None:
-                    if isinstance(e, PolicyFileError):
-                        raise  # nothing good to keep: a worker does not start on it
-                    raise PolicyFileError(f"{self.path}: cannot be read: {e}") from None
-                self._bad = (version, str(e))
-                self.reload_failures += 1
-                try:
-                    activity.metric_meter().create_counter(
-                        RELOAD_FAILURES, "Policy file changes that did not load (the last good policy stays)", "1"
-                    ).add(1)
-                except RuntimeError:  # outside an activity (the inbox counts it on its health page)
-                    pass
-                log.error("policy file %s changed and does not load: %s; the last good policy (hash %s) stays in "
-                          "force until the file is fixed", self.path, e, self._cache[2][:12])
-                return self._cache[1], self._cache[2]
-            self._bad = None
-        return self._cache[1], self._cache[2]
-
-    def _read(self, stat: os.stat_result) -> None:
-        assert self.path is not None
-        text = self.path.read_text()
-        document = parse_policy(text, str(self.path))
-        resolve_key_files(document, self.path, strict=False)
-        cedar_texts = load_cedar_files(document, self.path)
-        digest = hashlib.sha256(text.encode())
-        for name in sorted(cedar_texts):
-            digest.update(cedar_texts[name].encode())
-        self._cedar = cedar_texts
-        # A key file that is not there yet (keygen still to run): its appearing is a new version.
-        self._missing_keys = tuple(
-            (self.path.parent / holder.public_key_file).resolve()
-            for holder in [*document.signers.values(),
-                           *(a for tenant in document.tenants.values() for a in (tenant.approvers or {}).values())]
-            if holder.public_key_file is not None and holder.public_key is None
-        )
-        version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document),
-                   *(p.exists() for p in self._missing_keys))
-        self._cache = (version, document, digest.hexdigest())
-
-    def _cedar_versions(self, document: PolicyDocument | None = None) -> tuple[tuple[int, int], ...]:
-        """The Cedar files' versions: an edit to one is read like an edit to the TOML."""
-        if document is None:
-            document = self._cache[1] if self._cache is not None else None
-        if document is None or self.path is None:
-            return ()
-        out = []
-        for tenant in document.tenants.values():
-            for path in cedar.tenant_files(tenant, self.path.parent):
-                try:
-                    st = path.stat()
-                    out.append((st.st_mtime_ns, st.st_size))
-                except OSError:
-                    out.append((0, 0))
-        return tuple(out)
-
-    def policies(self, name: str) -> tuple[TenantPolicy | None, cedar.Policies | None, str]:
-        """The tenant, the Cedar policies that decide for it (its own files', else its TOML rules
-        exported) and the file's hash; None, None when the tenant is not in the file."""
-        tenant, digest = self.tenant(name)
-        if tenant is None:
-            return None, None, digest
-        return tenant, cedar.policies_of(name, tenant, self._cedar.get(name)), digest
-
-    def tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
-        document, digest = self.load()
-        if document is None:
-            return policy.DEFAULT_TENANT_POLICY, digest
-        return document.tenants.get(name), digest
-
-    def signers(self) -> dict[str, Signer]:
-        """The trusted signers (``[signers.NAME]``; none without a policy file)."""
-        document, _ = self.load()
-        return document.signers if document is not None else {}
-
-    @property
-    def source(self) -> str:
-        return str(self.path) if self.path else DEFAULT_SOURCE
-
-    @property
-    def recorded_source(self) -> str:
-        """The file as runs record it (with its hash beside it, in refs.policy_hash): relative to
-        the worker's directory, never the machine's absolute path; a file elsewhere by its last
-        two path parts."""
-        if self.path is None:
-            return DEFAULT_SOURCE
-        resolved = self.path.resolve()
-        try:
-            return resolved.relative_to(Path.cwd().resolve()).as_posix()
-        except ValueError:
-            return Path(*resolved.parts[-2:]).as_posix()
-
-
-def load_cedar_files(document: PolicyDocument, path: Path) -> dict[str, str]:
-    """Each tenant's own Cedar files (``cedar = [...]``) as one text, checked against the schema;
-    a problem is a :class:`PolicyFileError` naming the file, the line and the problem."""
-    texts, problems = {}, []
-    for name, tenant in document.tenants.items():
-        if tenant.cedar is None:
-            continue
-        try:
-            texts[name] = cedar.read_tenant_cedar(name, tenant, path.parent)
-        except cedar.CedarFileError as e:
-            problems += e.problems
-    if problems:
-        raise PolicyFileError("\n".join(problems))
-    return texts
-
-
-def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = True) -> bool:
-    """Fill in ``public_key`` from each approver's and signer's ``public_key_file`` (relative to
-    the policy file). A file that cannot be read raises (``strict``: the worker's start check) or
-    leaves the key unset (at run time: their signatures cannot verify). True when all were read."""
-    complete = True
-    holders: list[tuple[str, Approver | Signer]] = [(f"signers.{n}", s) for n, s in document.signers.items()]
-    holders += [
-        (f"tenants.{t}.approvers.{who}", a)
-        for t, tenant in document.tenants.items()
-        for who, a in (tenant.approvers or {}).items()
-    ]
-    for where, holder in holders:
-        if holder.public_key_file is None or holder.public_key is not None:
-            continue
-        key_path = (path.parent / holder.public_key_file).resolve()
-        try:
-            holder.public_key = key_path.read_text().strip()
-        except OSError as e:
-            complete = False
-            if strict:
-                raise PolicyFileError(
-                    f"{path}: key {where}.public_key_file: cannot read {key_path} ({e.strerror}); "
-                    "make it with `tether keygen --out KEY.pem`"
-                ) from None
-    return complete
-
-
-def _public_key_problem(value: str) -> str | None:
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except ValueError:
-        return "not valid base64"
-    if len(raw) != 32:
-        return f"decodes to {len(raw)} bytes; a raw Ed25519 public key is 32 (`tether keygen` prints one)"
-    return None
-
-
-def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
-    """Everything wrong with a policy file as a whole, one line each (file, line, key), for
-    the worker to refuse to start on. Runtime reads (``PolicyStore``) only check the schema.
-
-    ``tool_names``: every tool the worker serves (its registry, and any other tool sources).
-    """
-    try:
-        text = path.read_text()
-    except (FileNotFoundError, IsADirectoryError):
-        return [f"policy file not found: {path}"]
-    try:
-        document = parse_policy(text, str(path))
-        resolve_key_files(document, path)
-        load_cedar_files(document, path)
-    except PolicyFileError as e:
-        return str(e).splitlines()
-
-    problems: list[str] = []
-
-    def problem(loc: tuple, message: str) -> None:
-        line = _locate(text, loc)
-        problems.append(f"{path}: {f'line {line}, ' if line else ''}key {'.'.join(map(str, loc))}: {message}")
-
-    if not document.tenants:
-        problems.append(f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing "
-                        "file, not an empty one, means the built-in default)")
-    for name, signer in document.signers.items():
-        at = ("signers", name)
-        if not re.match(SIGNER_NAME, name):
-            problem(at, f"a signer's name is lowercase letters, digits, '_', '.', '-' ({SIGNER_NAME})")
-        if signer.public_key is None:
-            problem(at, "no public_key or public_key_file: its attestations could never verify")
-        elif why := _public_key_problem(signer.public_key):
-            problem(at + ("public_key",), why)
-        for tenant_name in signer.may_attest:
-            if tenant_name not in document.tenants:
-                problem(at + ("may_attest",), f"unknown tenant {tenant_name!r}")
-    raw_tenants = tomllib.loads(text).get("tenants", {})
-    known = set(tool_names)
-    for hook_name, hook in document.notify.webhooks.items():
-        if hook.secret_file is not None and not (path.parent / hook.secret_file).is_file():
-            problem(("notify", "webhooks", hook_name, "secret_file"), f"no such file: {path.parent / hook.secret_file}")
-    for name, tenant in document.tenants.items():
-        at = ("tenants", name)
-        if not raw_tenants.get(name):
-            problem(at, "empty tenant: set tools and approvers (or remove it)")
-            continue
-        for level in ("normal", "high"):
-            for i, stage in enumerate(getattr(tenant.escalation, level)):
-                for hook_name in stage.notify:
-                    if hook_name not in document.notify.webhooks:
-                        problem(
-                            at + ("escalation", level),
-                            f"stage {i + 1} notifies {hook_name!r}: no [notify.webhooks.{hook_name}]",
-                        )
-        named = [(at + ("tools",), t) for t in tenant.tools or []]
-        named += [(at + ("auto_approve", "limits"), r.tool) for r in tenant.auto_approve.limits]
-        named += [(at + ("high_risk", "when"), r.tool) for r in (tenant.high_risk.when if tenant.high_risk else [])]
-        for loc, tool in named:
-            if tool not in known:
-                problem(loc, f"unknown tool {tool!r}; the worker has {', '.join(sorted(known)) or 'no tools'}")
-        if tenant.tools == []:
-            problem(at + ("tools",), "empty: this tenant may use no tool")
-        if tenant.approvers is None:
-            continue
-        for who, approver in tenant.approvers.items():
-            if approver.public_key is not None and (why := _public_key_problem(approver.public_key)):
-                problem(at + ("approvers", who, "public_key"), why)
-        # Two approvers people cannot tell apart (one UTS #39 skeleton): 'alice' and 'a1ice'.
-        by_skeleton: dict[str, list[str]] = {}
-        for who in tenant.approvers:
-            by_skeleton.setdefault(skeleton(who), []).append(who)
-        for alike in (names for names in by_skeleton.values() if len(names) > 1):
-            problem(at + ("approvers", alike[1]), f"looks like approver {alike[0]!r}: people could not tell "
-                    f"{' and '.join(map(repr, alike))} apart; rename one")
-        held = {role for a in tenant.approvers.values() for role in a.roles}
-        wanted = [("approval_roles", r) for r in tenant.approval_roles]
-        wanted += [("high_risk", r) for r in (tenant.high_risk.roles if tenant.high_risk else [])]
-        wanted += [
-            ("escalation", r) for level in (tenant.escalation.normal, tenant.escalation.high) for st in level for r in st.roles
-        ]
-        for key, role in wanted:
-            if role not in held:
-                loc = at + (key,) if key in ("approval_roles", "escalation") else at + ("high_risk", "roles")
-                problem(loc, f"role {role!r} is held by no approver: no plan needing it could be approved")
-    return problems
-
-
-def verify_signature(public_key_b64: str, payload: bytes, signature_b64: str | None) -> str | None:
-    """Why a signature does not verify, or None when it does."""
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    if not signature_b64:
-        return "this approver's decisions must be signed (tether approve --key PATH)"
-    try:
-        key = Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key_b64))
-        key.verify(base64.b64decode(signature_b64, validate=True), payload)
-    except (InvalidSignature, ValueError):
-        return "the signature does not match this decision, its request and its run"
-    return None
-
-
-def signature_refusal(
-    tenant: TenantPolicy | None,
-    person: str,
-    payload: bytes,
-    signature: str | None,
-    *,
-    what: str,
-    attested_by: str | None = None,
-    signers: Mapping[str, Signer] | None = None,
-    tenant_name: str = "",
-) -> Refusal | None:
-    """Is ``person``'s signature over ``payload`` required here, and does it verify?
-
-    Required where the tenant requires signatures, and for anyone whose key the policy lists.
-    With ``attested_by`` the signature is a trusted signer's (``signers``, the policy's
-    ``[signers.NAME]``): it must verify by that signer's key, and the signer must be allowed to
-    attest for ``tenant_name`` (``may_attest``); then it stands in for the person's own. Every
-    check of a decision's signature (on arrival, and again before writes) goes through here.
-    """
-    if tenant is None:
-        return None
-    if attested_by is not None:
-        signer = (signers or {}).get(attested_by)
-        if signer is None or not signer.public_key:
-            return Refusal(rule="signer_not_trusted", message=f"the policy lists no signer {attested_by!r}")
-        if tenant_name not in signer.may_attest:
-            return Refusal(
-                rule="signer_not_trusted", message=f"signer {attested_by} may not attest for tenant {tenant_name}"
-            )
-        if not signature:
-            return Refusal(rule="signature_required", message=f"an attestation by {attested_by} must be signed")
-        if verify_signature(signer.public_key, payload, signature) is not None:
-            return Refusal(
-                rule="bad_signature",
-                message=f"{attested_by}'s signature does not match this decision, its request and its run",
-            )
-        return None
-    member = tenant.approvers.get(person) if tenant.approvers is not None else None
-    key = member.public_key if member is not None else None
-    if key is None:
-        if tenant.require_signatures:
-            return Refusal(
-                rule="signature_required",
-                message=f"this tenant requires signed {what}s and the policy lists no key for {person}",
-            )
-        return None
-    if not signature:
-        return Refusal(rule="signature_required", message=f"{person}'s {what}s must be signed (--key PATH)")
-    if (why := verify_signature(key, payload, signature)) is not None:
-        return Refusal(rule="bad_signature", message=why)
-    return None
-
-
-def person_signature_refusal(
-    tenant: TenantPolicy | None, check: HandoffCheck | PersonCheck, kind: str, by: str, decision_id: str,
-    signature: str | None,
-) -> Refusal | None:
-    """A handoff's or a cancel's signature (bound to the run, its kind and its decision id),
-    where the tenant requires it or the policy lists the person's key."""
-    payload = policy.signature_payload(
-        workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant=check.tenant, request_id="",
-        plan_hash="", kind=kind, decision_id=decision_id, signer=by,
-    )
-    return signature_refusal(tenant, by, payload, signature, what=kind)
-
-
-def decision_signature_refusal(
-    tenant: TenantPolicy | None, *, workflow_id: str, first_run_id: str, tenant_name: str, kind: str,
-    decision: ApprovalDecision, signers: Mapping[str, Signer] | None = None, steps_digest: str | None = None,
-) -> Refusal | None:
-    """The one check of a decision's signature (a person's, or a trusted signer's attestation):
-    when it arrives (``policy_check_decision``) and again before every write
-    (``policy_check_authority``), under the file as it is then."""
-    payload = policy.decision_signature_payload(
-        workflow_id=workflow_id, first_run_id=first_run_id, tenant=tenant_name, kind=kind, decision=decision,
-        steps_digest=steps_digest,
-    )
-    return signature_refusal(
-        tenant, decision.approver, payload, decision.signature, what="decision",
-        attested_by=decision.attested_by, signers=signers, tenant_name=tenant_name,
-    )
 
 
 def decision_action(check: DecisionCheck) -> str:
@@ -587,13 +160,6 @@ def _where() -> dict[str, str]:
     return {"workflow_id": info.workflow_id or "", "run_id": info.workflow_run_id or "", "activity_id": info.activity_id}
 
 
-def _has_key(tenant: TenantPolicy | None, person: str, attested_by: str | None = None) -> bool:
-    """Does the policy list a key for this person, or did a trusted signer attest for them (so
-    a passed signature check verified them)?"""
-    if attested_by is not None:
-        return True
-    member = tenant.approvers.get(person) if tenant is not None and tenant.approvers else None
-    return bool(member and member.public_key)
 
 
 # ----------------------------------------------------------------------------- activities
@@ -654,7 +220,7 @@ class PolicyActivities:
                 started = min(request.started_at, now) if request.started_at else now
                 refusal = policy.start_freshness_refusal(request.issued_at, started, tenant.start_signature_ttl)
             # Verified only by a signature that checked out, never by the absence of a rule.
-            verified = refusal is None and _has_key(tenant, request.requested_by)
+            verified = refusal is None and has_key(tenant, request.requested_by)
         document, _ = self.store.load()
         webhooks = {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {}
         return PolicySnapshot(
@@ -678,7 +244,7 @@ class PolicyActivities:
                 tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
                 kind=check.kind, decision=check.decision, signers=self._signers(), steps_digest=check.steps_digest,
             )
-        verified = refusal is None and _has_key(tenant, check.decision.approver, check.decision.attested_by)
+        verified = refusal is None and has_key(tenant, check.decision.approver, check.decision.attested_by)
         verdict = Verdict(refusal=refusal, policy_hash=digest, verified=verified, policies=list(judgement.policies))
         if refusal is None and check.then is not None:
             # The approval puts the plan in force: its re-check before the first write, here, so
@@ -749,7 +315,7 @@ class PolicyActivities:
         if refusal is None:
             refusal = person_signature_refusal(tenant, check, "handoff", handoff.by, handoff.decision_id or "",
                                                handoff.signature)
-        verified = refusal is None and _has_key(tenant, handoff.by)
+        verified = refusal is None and has_key(tenant, handoff.by)
         return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified,
                                              policies=list(judgement.policies)))
 
@@ -774,7 +340,7 @@ class PolicyActivities:
             refusal = refusal or member
         if refusal is None and not compensate:
             refusal = person_signature_refusal(tenant, check, "cancel", check.by, check.decision_id, check.signature)
-        verified = refusal is None and not compensate and _has_key(tenant, check.by)
+        verified = refusal is None and not compensate and has_key(tenant, check.by)
         # The Cedar policies that decided, where Cedar's verdict is the run's.
         decided = list(judgement.policies) if judgement.allowed == (refusal is None) else []
         return self._attested(check, Verdict(refusal=refusal, policy_hash=digest, verified=verified, policies=decided))

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from activities.policy import _locate  # the one line-locating helper for TOML config errors
+from activities.policy_file import _locate  # the one line-locating helper for TOML config errors
 
 M = TypeVar("M", bound=BaseModel)
 

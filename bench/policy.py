@@ -30,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from activities import cedar
-from activities.policy import judge_decision, judge_writes, parse_policy
+from activities.policy import judge_decision, judge_writes
+from activities.policy_file import parse_policy
 from bench.common import machine_line, table
 from workflows import policy
 from workflows.contract import ApprovalDecision, Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo

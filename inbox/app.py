@@ -33,7 +33,7 @@ from pydantic import Field
 from temporalio.client import Client
 
 import client as tether
-from activities.policy import PolicyFileError, PolicyStore
+from activities.policy_file import PolicyFileError, PolicyStore
 from inbox import desk
 from inbox.identity import SESSION_COOKIE, DEV_SESSION_SECONDS, DevLogin, Person, Unauthenticated, Verifier
 from workflows import wording
