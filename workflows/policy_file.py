@@ -48,7 +48,7 @@ class AmountRule(Contract):
     max: float | None = None  # auto_approve: at most this
     above: float | None = None  # high_risk: more than this
 
-    def matches(self, tool: str, args: dict) -> bool:
+    def matches(self, tool: str, args: dict[str, Any]) -> bool:
         if tool != self.tool:
             return False
         if self.field is None:
@@ -98,6 +98,8 @@ Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=366 
 
 # What a webhook may be told about (the `events` of [notify.webhooks.NAME]).
 NotifyEvent = Literal["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
+# What a webhook is sent when its ``events`` are not given: every event.
+ALL_EVENTS: tuple[NotifyEvent, ...] = ("awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed")
 
 
 class EscalationStage(Contract):
@@ -206,9 +208,7 @@ class Webhook(Contract):
     (relative to the policy file; its content, stripped)."""
 
     url: str = Field(pattern=r"^https?://", max_length=2000)
-    events: list[NotifyEvent] = Field(
-        default_factory=lambda: ["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
-    )
+    events: list[NotifyEvent] = Field(default_factory=lambda: list(ALL_EVENTS))
     secret_file: str | None = None
 
 
