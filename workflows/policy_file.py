@@ -6,7 +6,7 @@ workflows/policy.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_serializer
 
@@ -98,8 +98,6 @@ Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=366 
 
 # What a webhook may be told about (the `events` of [notify.webhooks.NAME]).
 NotifyEvent = Literal["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
-# What a webhook is sent when its ``events`` are not given: every event.
-ALL_EVENTS: tuple[NotifyEvent, ...] = ("awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed")
 
 
 class EscalationStage(Contract):
@@ -208,7 +206,7 @@ class Webhook(Contract):
     (relative to the policy file; its content, stripped)."""
 
     url: str = Field(pattern=r"^https?://", max_length=2000)
-    events: list[NotifyEvent] = Field(default_factory=lambda: list(ALL_EVENTS))
+    events: list[NotifyEvent] = Field(default_factory=lambda: list(get_args(NotifyEvent)))  # every event
     secret_file: str | None = None
 
 
