@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 from workflows import policy
 from workflows import revision as revisions
@@ -15,7 +16,7 @@ from workflows.commands import Call, Checkpoint, Wait
 from workflows.contract import AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Revision, RevisionRequest
 from workflows.identity import same_person
 from workflows.policy_file import EscalationStage
-from workflows.run_model import Decision, DecisionKind, Program, RunFailed, RunModel, S, require
+from workflows.run_model import Decision, DecisionKind, IllegalState, Program, RunFailed, RunModel, S, require
 from workflows.run_state import PendingApproval
 from workflows.states import Refs
 from workflows.wire import AuthorityCheck, DecisionCheck, Proposal, ProposedStep, Refusal, Verdict
@@ -31,15 +32,15 @@ class Approvals(RunModel):
         request takes. Either way it asks for at least one approval from roles someone can hold.
         """
         data = self.data
-        require(data.plan is not None, "no validated plan")
+        plan = require(data.plan, "no validated plan")
         self.adopt(ask)
         review = self.review()
         ttl = self.request.limits.approval_ttl_seconds
         if review.ttl_seconds is not None:
             ttl = min(ttl, review.ttl_seconds)  # the stricter of the run's and the policy's
         required, roles = policy.request_terms(review, self.tenant)
-        data.pending_approval = PendingApproval(
-            plan_hash=data.plan.plan_hash,
+        data.pending_approval = pending = PendingApproval(
+            plan_hash=plan.plan_hash,
             request_id=self.new_request_id(),
             expires_at=at + timedelta(seconds=ttl),
             summary=review.summary,
@@ -54,13 +55,13 @@ class Approvals(RunModel):
         )
         data.approval = None
         data.approved_by = []
-        version = f"plan v{data.plan.version}, " if data.plan.version > 1 else ""
+        version = f"plan v{plan.version}, " if plan.version > 1 else ""
         self.move(
             S.AWAITING_APPROVAL,
             at=at,
             actor="runtime",
-            reason=f"{reason} ({version}request {data.pending_approval.request_id})",
-            refs=Refs(plan_hash=data.plan.plan_hash, request_id=data.pending_approval.request_id or None),
+            reason=f"{reason} ({version}request {pending.request_id})",
+            refs=Refs(plan_hash=plan.plan_hash, request_id=pending.request_id or None),
         )
         # Decisions that came before the run asked are judged now, like any other.
         held, self.early = self.early, []
@@ -88,11 +89,10 @@ class Approvals(RunModel):
             return False
         return True
 
-    def decision_check(self, kind: DecisionKind, decision: Decision) -> dict:
+    def decision_check(self, kind: DecisionKind, decision: Decision) -> dict[str, Any]:
         """What the policy activity needs to judge ``decision`` (DecisionCheck's fields, less
         the run's ids): who decides on which request, and what a revision's signature covers."""
-        pending = self.data.pending_approval
-        require(pending is not None, "no pending approval")
+        pending = require(self.data.pending_approval, "no pending approval")
         return {
             "kind": kind,
             "decision": _plain(decision),
@@ -134,17 +134,17 @@ class Approvals(RunModel):
         if refusal is not None:
             self._refuse_decision(kind, plain, refusal, at)
             return
-        pending = data.pending_approval
-        require(pending is not None and data.plan is not None, "no pending approval")
+        pending = require(data.pending_approval, "no pending approval")
+        plan = require(data.plan, "no pending approval")
         actor = self.actor(plain.approver, verified, plain.attested_by)
         if isinstance(decision, RevisionRequest):
-            require(new_id is not None, "a revision needs tool call ids")
+            ids = require(new_id, "a revision needs tool call ids")
             body = decision.model_dump_json(include={"steps"})
             if len(body) > PROPOSAL_BYTES:  # the proposal's budget: the plan is carried and hashed
                 proposal = Proposal(oversized_bytes=len(body), oversized_digest=hashlib.sha256(body.encode()).hexdigest())
             else:
                 proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
-            self._revise(proposal, plain, actor, at, new_id, why=f"plan revised by {plain.approver}: {decision.reason}")
+            self._revise(proposal, plain, actor, at, ids, why=f"plan revised by {plain.approver}: {decision.reason}")
             return
         refs = self._decided(Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id,
                                   request_id=pending.request_id or None))
@@ -152,10 +152,9 @@ class Approvals(RunModel):
             data.pending_approval = None
             self.move(S.REJECTED, at=at, actor=actor, reason=plain.reason or "rejected", refs=refs)
             return
-        kept = policy.partial_steps(plain, data.plan)
+        kept = policy.partial_steps(plain, plan)
         if kept is not None:
-            require(new_id is not None, "a partial approval needs tool call ids")
-            self._approve_part(plain, kept, actor, at, new_id, verified)
+            self._approve_part(plain, kept, actor, at, require(new_id, "a partial approval needs tool call ids"), verified)
             return
         self._approve(plain, actor, at, refs)
 
@@ -174,8 +173,8 @@ class Approvals(RunModel):
         version, back to VALIDATED (the run then asks for a new approval). Refused
         (``invalid_revision``, nothing changed) when it does not validate or changes nothing."""
         data = self.data
-        old, pending = data.plan, data.pending_approval
-        require(old is not None and pending is not None, "no pending plan to revise")
+        old = require(data.plan, "no pending plan to revise")
+        pending = require(data.pending_approval, "no pending plan to revise")
         kind: DecisionKind = "approve" if partial else "revise"
         result = self.validate(proposal, new_id)
         problem = result.reason if result.plan is None else None
@@ -237,8 +236,8 @@ class Approvals(RunModel):
         """A partial approval: a revision to the kept steps, then this approval of the result
         (it counts for the new request like any approval; others needed approve the subset)."""
         data = self.data
-        old, before = data.plan, data.pending_approval
-        require(old is not None and before is not None, "no pending plan")
+        old = require(data.plan, "no pending plan")
+        before = require(data.pending_approval, "no pending plan")
         left_out = [n for n in range(1, len(old.steps) + 1) if n not in kept]
         dropped = [NotApproved(step=n, tool=old.steps[n - 1].tool, args=old.steps[n - 1].args, by=decision.approver) for n in left_out]
         proposal = Proposal(steps=[ProposedStep(tool=old.steps[n - 1].tool, args=old.steps[n - 1].args) for n in kept])
@@ -271,8 +270,7 @@ class Approvals(RunModel):
         data.not_approved = dropped
         review = self.review()
         self.request_approval(at=at, reason=f"approval of the approved part: {review.summary}")
-        pending = data.pending_approval
-        require(pending is not None, "no pending approval")
+        pending = require(data.pending_approval, "no pending approval")
         if escalated:
             # The subset's request stands where the request it narrows had escalated to.
             pending.roles = sorted({*pending.roles, *escalated})
@@ -306,7 +304,7 @@ class Approvals(RunModel):
             return None
         if policy.partial_steps(decision, data.plan) is not None:
             return None
-        approvals = [*pending.approvals, _accepted(decision, self.at)]
+        approvals = [*pending.approvals, _accepted(decision, self.workflow_time)]
         if len(approvals) < pending.approvals_required or self._reviser_alone(pending, approvals):
             return None
         return self.authority_check(from_step=data.next_step, approval=pending.model_copy(update={"approvals": approvals}))
@@ -318,8 +316,7 @@ class Approvals(RunModel):
 
     def _approve(self, decision: ApprovalDecision, actor: str, at: datetime, refs: Refs) -> None:
         data = self.data
-        pending = data.pending_approval
-        require(pending is not None, "no pending approval")
+        pending = require(data.pending_approval, "no pending approval")
         # Kept: the re-check before every write verifies it again under the current file.
         pending.approvals.append(_accepted(decision, at))
         data.approved_by = [a.approver for a in pending.approvals]
@@ -387,8 +384,7 @@ class Approvals(RunModel):
     def next_timer(self, escalate: bool = True) -> tuple[datetime, str]:
         """When the waiting plan's timer fires next, and what for: an escalation stage (where
         ``escalate``: the policy sets stages) inside the window, else the expiry."""
-        pending = self.data.pending_approval
-        require(pending is not None, "no pending approval")
+        pending = require(self.data.pending_approval, "no pending approval")
         due = self.next_escalation() if escalate else None
         if due is not None and due < pending.expires_at:
             return due, f"escalation stage {pending.stage + 1}"
@@ -398,7 +394,7 @@ class Approvals(RunModel):
         """The timer ``next_timer`` named fired: escalate, or expire. A run that was away past
         several stages takes them one by one; past the expiry, the expiry is the last word."""
         wake, _ = self.next_timer(escalate)
-        pending = self.data.pending_approval
+        pending = require(self.data.pending_approval, "no pending approval")  # next_timer required it
         if wake < pending.expires_at and at < pending.expires_at:
             self.escalate(at)
         else:
@@ -407,12 +403,10 @@ class Approvals(RunModel):
     def escalate(self, at: datetime) -> EscalationStage:
         """The next escalation stage's timer fired: record it and widen the roles that may
         approve. Returns the stage (the workflow tells its webhooks)."""
-        pending = self.data.pending_approval
-        due = self.next_escalation()
-        require(
-            pending is not None and self.state == S.AWAITING_APPROVAL and due is not None and due <= at < pending.expires_at,
-            "an escalation timer fired with no stage due",
-        )
+        why = "an escalation timer fired with no stage due"
+        pending = require(self.data.pending_approval, why)
+        due = require(self.next_escalation(), why)
+        require(self.state == S.AWAITING_APPROVAL and due <= at < pending.expires_at, why)
         stage = pending.escalation[pending.stage]
         pending.stage += 1
         added = [r for r in stage.roles if r not in pending.roles]
@@ -434,8 +428,9 @@ class Approvals(RunModel):
     def expire(self, at: datetime) -> None:
         """The approval timer fired."""
         data = self.data
-        pending = data.pending_approval
-        require(pending is not None and at >= pending.expires_at, "the approval timer fired with nothing pending, or before expiry")
+        why = "the approval timer fired with nothing pending, or before expiry"
+        pending = require(data.pending_approval, why)
+        require(at >= pending.expires_at, why)
         expired = f"approval expired at {pending.expires_at.isoformat()}"
         refs = Refs(plan_hash=pending.plan_hash)
         if self.limits.on_expiry == "replan":
@@ -544,8 +539,12 @@ class Inbox(RunModel):
                 rule=unrecorded.rule if unrecorded else "flood",
             )
             return
+        outcome = record.kind
+        # What a record naming a decision is: a transition, an accepted approval or a refusal.
+        if outcome not in ("transition", "accepted", "refused"):
+            raise IllegalState(f"a {outcome} record names decision {decision_id[:64]}")
         self.verdicts[decision_id] = DecideResult(
-            decision_id=decision_id, outcome=record.kind, state=record.to_state, reason=record.reason, rule=record.rule,
+            decision_id=decision_id, outcome=outcome, state=record.to_state, reason=record.reason, rule=record.rule,
             record=record.model_copy(update={"prev": ""}),  # its link is the sink's business
         )
 
@@ -578,9 +577,9 @@ class Inbox(RunModel):
         can no longer count."""
         ended = ended or self.data.lifecycle.terminal
         if ended and self.early:
-            self.refuse_early(self.at, ended=True)
+            self.refuse_early(self.workflow_time, ended=True)
         for kind, decision in self.inbox:
-            self.refuse_unsettled(kind, decision, self.at, ended=ended)
+            self.refuse_unsettled(kind, decision, self.workflow_time, ended=ended)
             self.answer(decision.decision_id)
         self.inbox.clear()
 
@@ -590,7 +589,7 @@ class Inbox(RunModel):
             raise RunFailed("AWAITING_APPROVAL without a pending approval", "IllegalState")
         # The expiry, or the next escalation stage where the policy sets stages.
         wake, summary = self.next_timer(bool(pending.escalation))
-        remaining = (wake - self.at).total_seconds()
+        remaining = (wake - self.workflow_time).total_seconds()
         if remaining > 0 and not self.inbox and self.pending_handoff is None:
             yield Checkpoint()
             # A refusal recorded while waiting goes to the sink now, not at the next step.
@@ -626,7 +625,7 @@ class Inbox(RunModel):
             self.remember_check(then, verdict.then)
             self.answer(decision.decision_id)
             return
-        if self.at >= wake:
+        if self.workflow_time >= wake:
             self.decide(lambda now: self.timer_fired(now, bool(pending.escalation)))
         # Otherwise woken to continue as new (or to write refusals to the sink): the loop does
         # that and comes back here.

@@ -55,7 +55,7 @@ EXECUTED_WINDOW = 20
 EXECUTED_OBSERVATION_CHARS = 32 * KIB
 
 
-def continue_due(*, history_bytes: int, history_events: int, carry_bytes: int) -> bool:
+def continue_due(*, history_bytes: int, history_events: int, carry_bytes: float) -> bool:
     """The server suggests continue-as-new: is it worth what it writes yet?"""
     return (
         history_bytes >= CARRY_AMORTIZE * carry_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import hashlib
+from collections.abc import Sequence
 from datetime import datetime
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -253,7 +254,7 @@ class Plan(BaseModel):
     version: int = 1
 
     @staticmethod
-    def hash_steps(steps: list[PlanStep], undo: list[Compensation | None] | None = None) -> str:
+    def hash_steps(steps: Sequence[PlanStep | RevisedStep], undo: list[Compensation | None] | None = None) -> str:
         """sha256 of the canonical JSON of the tools and arguments, in order, and, given
         ``undo``, of each step's compensation: an approval of the hash approves the undo too.
 
@@ -334,7 +335,7 @@ class RevisionRequest(Contract):
 
     def revised_hash(self) -> str:
         """sha256 of the revised steps (tools + arguments), as the plan hash would be."""
-        return Plan.hash_steps(self.steps)  # type: ignore[arg-type]  (tool and args are all it reads)
+        return Plan.hash_steps(self.steps)
 
     def as_decision(self) -> ApprovalDecision:
         """The decision fields every decision has: screened and signed like an approval's."""

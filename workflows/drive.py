@@ -129,7 +129,7 @@ class Drive(RunModel):
         (``run_ended``) and its decide Update answered; an accepted handoff is said to be
         unhonoured; notifications get their bounded wait; the sink gets every record."""
         if self.pending_handoff is not None:
-            self.handoff_unhonoured(self.pending_handoff, self.at)
+            self.handoff_unhonoured(self.pending_handoff, self.workflow_time)
             self.pending_handoff = None
         if self.inbox or self.early:
             self._flush_inbox(ended=True)

@@ -64,7 +64,7 @@ from workflows.wire import (
     ToolOutcome,
 )
 
-T = TypeVar("T")
+T = TypeVar("T", bound=BaseModel)  # what an activity answers: a pydantic model (attested: its MAC covers it)
 
 SETUP_TIMEOUT = timedelta(seconds=30)
 PLANNER_TIMEOUT = timedelta(minutes=2)
@@ -319,7 +319,7 @@ class Effects:
         # What was asked, as it was sent (the run may change a model it holds meanwhile).
         asked = keys.digest(arg) if attested else ""
         try:
-            result = await workflow.execute_activity(
+            result: T = await workflow.execute_activity(
                 name,
                 arg,
                 activity_id=activity_id,
@@ -389,7 +389,7 @@ class Effects:
         outcome: ToolOutcome | None = None
         try:
             # Shielded: the run's cancellation is handled below, not by losing the handle.
-            outcome = await asyncio.shield(handle)
+            answered: ToolOutcome = await asyncio.shield(handle)
         except asyncio.CancelledError:
             failure: ToolFailure | None = None
             # The attempt may have ended in the very workflow task the cancel came in: let
@@ -414,9 +414,9 @@ class Effects:
             raise
         if writes:
             # What a write did decides what gets undone: only the fleet's tool worker says so.
-            self.check(activity_id or "", "execute_tool", keys.attested_call(call), outcome)
+            self.check(activity_id or "", "execute_tool", keys.attested_call(call), answered)
         self._written(sent)
-        return outcome
+        return answered
 
     def _written(self, sent: list[TransitionRecord]) -> None:
         """The tool worker appended ``sent`` (the attempt answered): off the run's queue."""

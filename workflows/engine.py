@@ -8,7 +8,9 @@ tests drive this same code with random event sequences.
 The engine is one run model (``workflows/run_model.py``: the run's state, the only code that
 writes it, and the helpers the phases share) and its phases, one module each: planning,
 approvals, steps, handoff (and cancel), compensating, outbox, carry and views; and the run's
-program (``workflows/drive.py``), which says what to do next, one command at a time.
+program (``workflows/drive.py``), which says what to do next, one command at a time. The
+phases call one another only through what ``run_model.Phases`` declares: the type checker
+(``tests/test_types.py``) fails a rename there, and ``Engine(...)`` with a declared method missing.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ undoes the run's ok writes first where the run asks for it).
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from workflows import policy
 from workflows.commands import Call
@@ -116,7 +117,7 @@ class Handoff(RunModel):
             self.answer(taken[0].decision_id)
 
     def person_check(
-        self, action: str, by: str, *, decision_id: str = "", signature: str | None = None, catch: bool = False
+        self, action: Literal["cancel", "compensate"], by: str, *, decision_id: str = "", signature: str | None = None, catch: bool = False
     ) -> Call:
         """The policy activity's judgement of a person's request (``cancel``, ``compensate``);
         ``catch``: its failure is the answer (a ToolFailure), not the run's end."""

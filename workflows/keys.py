@@ -135,7 +135,7 @@ def view_digest(view: BaseModel) -> str:
 
 def worker_ring(extern: Callable[[], Mapping[str, Callable[..., Any]]]) -> KeyRing:
     """The ring of the worker running this workflow task (``extern``: workflow.extern_functions)."""
-    get = extern().get(EXTERN)
+    get: Callable[[], KeyRing] | None = extern().get(EXTERN)
     if get is None:
         raise KeyMissing(
             "this worker was built without the fleet's key ring: build workers with "

@@ -23,6 +23,8 @@ task_queue, workflow_type) plus the ones above: never tenants, run ids or reason
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from temporalio import workflow
 
 from workflows.states import TERMINAL, Lifecycle, RunState, TransitionRecord
@@ -116,7 +118,7 @@ def on_refusal(record: TransitionRecord) -> None:
     ).add(1, refusal_labels(record))
 
 
-def _entered_awaiting_approval(lifecycle: Lifecycle, record: TransitionRecord):
+def _entered_awaiting_approval(lifecycle: Lifecycle, record: TransitionRecord) -> datetime | None:
     for earlier in reversed(lifecycle.timeline):
         if earlier is record or earlier.kind != "transition":
             continue

@@ -29,12 +29,12 @@ class Planning(RunModel):
         data = self.data
         if data.created_at is None:
             data.created_at = at
-        require(data.policy is not None, "no policy snapshot")
+        snapshot = require(data.policy, "no policy snapshot")
         # The policy's content hash goes on the timeline: a run's decisions stay explainable.
-        refs = Refs(policy_hash=data.policy.policy_hash)
-        data.requester_verified = data.policy.requester_verified
-        if data.policy.requester_refusal is not None:
-            refusal = data.policy.requester_refusal
+        refs = Refs(policy_hash=snapshot.policy_hash)
+        data.requester_verified = snapshot.requester_verified
+        if snapshot.requester_refusal is not None:
+            refusal = snapshot.requester_refusal
             data.last_error = f"{refusal.rule}: {refusal.message}"
             self.move(
                 S.FAILED,
@@ -43,17 +43,17 @@ class Planning(RunModel):
                 reason=f"run request refused [{refusal.rule}]: {refusal.message}",
                 refs=refs.model_copy(update={"error_code": refusal.rule}),
             )
-        elif data.policy.policy is None:
+        elif snapshot.policy is None:
             self.move(
                 S.FAILED,
                 at=at,
                 actor="runtime",
                 reason=f"tenant {self.request.tenant!r} is not in the policy file "
-                f"{data.policy.source}: add it under [tenants.{self.request.tenant}]",
+                f"{snapshot.source}: add it under [tenants.{self.request.tenant}]",
                 refs=refs,
             )
         elif self.request.compensate_run is None:
-            self.move(S.PLANNING, at=at, actor="runtime", reason=f"run received; policy {data.policy.source}", refs=refs)
+            self.move(S.PLANNING, at=at, actor="runtime", reason=f"run received; policy {snapshot.source}", refs=refs)
 
     def token_budget_refusal(self) -> str | None:
         max_tokens = self.request.limits.max_model_tokens
@@ -177,7 +177,7 @@ class Planning(RunModel):
         why = f"policy changed [{refusal.rule}]: {refusal.message}; "
         self.request_approval(at=at, reason=f"{why}approval needed: {review.summary}", ask=ask)
 
-    def snapshot_request(self, workflow_id: str, started_at: datetime) -> SnapshotRequest:
+    def snapshot_request(self, workflow_id: str, started_at: datetime | None) -> SnapshotRequest:
         """What the run's policy snapshot asks for: the tenant and the start's signature."""
         request = self.request
         return SnapshotRequest(

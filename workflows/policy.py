@@ -7,6 +7,7 @@ Each refusal is a short reason a person can act on; ``None`` means allowed.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 from datetime import datetime, timezone
 
 from workflows.contract import (
@@ -155,7 +156,7 @@ def tool_refusal(tenant: TenantPolicy | None, tool: str) -> str | None:
     return None
 
 
-def spend(spent: dict[str, float], tool: str, args: dict) -> None:
+def spend(spent: dict[str, float], tool: str, args: dict[str, Any]) -> None:
     """Add a step that may have applied to the run's sums (per "tool.field", numeric fields)."""
     for field, value in args.items():
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -194,7 +195,7 @@ def _step_needs_approval(step: PlanStep, info: ToolInfo | None, tenant: TenantPo
     return not any(_rule_holds(rule, step.tool, totals) for rule in tenant.auto_approve.limits)
 
 
-def _describe_step(tool: str, args: dict, info: ToolInfo | None, undo: Compensation | None | bool = False) -> str:
+def _describe_step(tool: str, args: dict[str, Any], info: ToolInfo | None, undo: Compensation | None | bool = False) -> str:
     """One write for the approver, in plain words (workflows/wording.py): what it does to the
     world, and its declared summary fields, money as amount and currency beside the raw value.
     ``undo``: its compensation as the plan hash covers it (None: no recovery path)."""
@@ -438,18 +439,18 @@ def authority_refusal(
         roles = [*review.roles, *(r for r in escalated_roles if r not in review.roles)]
         for a in approved:
             if approver_problem is not None:
-                why = approver_problem(a.approver, roles, list(valid), review.risk)
+                refused = approver_problem(a.approver, roles, list(valid), review.risk)
             else:
-                why = approver_refusal(
+                refused = approver_refusal(
                     tenant, approver=a.approver, requested_by=requested_by, kind="approve", roles=roles,
                     already_approved=valid,
                 )
-            if why is None and signature_problem is not None:
-                why = signature_problem(a)
-            if why is None:
+            if refused is None and signature_problem is not None:
+                refused = signature_problem(a)
+            if refused is None:
                 valid.append(a.approver)
             else:
-                lost.append(f"{a.approver} ({why.rule}: {why.message})")
+                lost.append(f"{a.approver} ({refused.rule}: {refused.message})")
         if len(valid) < review.approvals_required:
             return Refusal(
                 rule="approver_revoked",

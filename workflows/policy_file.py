@@ -6,7 +6,7 @@ workflows/policy.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_serializer
 
@@ -48,7 +48,7 @@ class AmountRule(Contract):
     max: float | None = None  # auto_approve: at most this
     above: float | None = None  # high_risk: more than this
 
-    def matches(self, tool: str, args: dict) -> bool:
+    def matches(self, tool: str, args: dict[str, Any]) -> bool:
         if tool != self.tool:
             return False
         if self.field is None:
@@ -206,9 +206,7 @@ class Webhook(Contract):
     (relative to the policy file; its content, stripped)."""
 
     url: str = Field(pattern=r"^https?://", max_length=2000)
-    events: list[NotifyEvent] = Field(
-        default_factory=lambda: ["awaiting_approval", "escalated", "expired", "revised", "handed_off", "failed"]
-    )
+    events: list[NotifyEvent] = Field(default_factory=lambda: list(get_args(NotifyEvent)))  # every event
     secret_file: str | None = None
 
 

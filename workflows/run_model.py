@@ -12,10 +12,10 @@ import hashlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 from workflows import policy
-from workflows.commands import Command
+from workflows.commands import Call, Command
 from workflows.budgets import EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW
 from workflows.contract import (
     ApprovalDecision,
@@ -25,15 +25,26 @@ from workflows.contract import (
     ExecutedStep,
     HandoffRequest,
     Limits,
+    Plan,
     PlanStep,
     RevisionRequest,
     ToolCatalog,
     ToolInfo,
 )
 from workflows.policy_file import TenantPolicy
-from workflows.run_state import RunData, RunRequest
+from workflows.run_state import PendingApproval, RunData, RunRequest
 from workflows.states import EffectOutcome, IllegalTransition, Refs, RunState, TransitionRecord
-from workflows.wire import AuthorityCheck, PlanReview, Refusal, ToolOutcome, Verdict
+from workflows.validation import Validation
+from workflows.wire import (
+    AuthorityCheck,
+    PlanReview,
+    Proposal,
+    RecoverySource,
+    Refusal,
+    SnapshotRequest,
+    ToolOutcome,
+    Verdict,
+)
 
 
 S = RunState
@@ -62,9 +73,13 @@ class RunFailed(Exception):
         self.kind = kind
 
 
-def require(condition: object, what: str) -> None:
+def require(condition: T | None, what: str) -> T:
+    """Fails the run (:class:`IllegalState`) unless ``condition`` holds, and returns it: given a
+    value the run's state guarantees here (``pending = require(data.pending_approval, "...")``),
+    the value, which the type checker then knows is there."""
     if not condition:
         raise IllegalState(what)
+    return condition
 
 
 @dataclass(frozen=True)
@@ -109,7 +124,91 @@ def derived_id(kind: str, *parts: str) -> str:
     return f"{kind}-{derived_digest(kind, *parts)[:24]}"
 
 
-class RunModel:
+class Phases(Protocol):
+    """What each phase of the engine offers the others (and the run's program, ``drive.py``).
+
+    The phases are mixins of one class (:class:`~workflows.engine.Engine`) and call one another
+    through ``self``; this is where those calls are declared, so the type checker sees them: a
+    phase method renamed, removed or given another signature fails the check (``Engine(...)``
+    cannot be made with a method left abstract here), not a run. A method one phase alone calls
+    does not belong here. Grouped by the phase that implements it.
+    """
+
+    # planning.Planning
+    def received(self, at: datetime) -> None: ...
+    def planner_failed(self, failure: ToolFailure, at: datetime) -> None: ...
+    def validate(self, proposal: Proposal, new_id: Callable[[int], str]) -> Validation: ...
+    def _adopt(self, plan: Plan) -> None: ...
+    def after_validation_failed(self, at: datetime) -> None: ...
+    def _replan_or_end(
+        self, end: RunState, *, at: datetime, actor: str, why: str, end_reason: str, refs: Refs | None = None
+    ) -> None: ...
+    def after_validated(self, at: datetime, refusal: Refusal | None = None, ask: Verdict | None = None) -> None: ...
+    def snapshot_request(self, workflow_id: str, started_at: datetime | None) -> SnapshotRequest: ...
+    def _first_plan(self) -> Program[tuple[Proposal | None, ToolFailure | None]]: ...
+    def _plan(self) -> Program[None]: ...
+    def _planned(self, proposal: Proposal) -> Program[None]: ...
+
+    # approvals.Approvals
+    def request_approval(self, *, at: datetime, reason: str, ask: Verdict | None = None) -> None: ...
+    def adopt(self, ask: Verdict | None) -> None: ...
+    def screen_decision(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool: ...
+    def decision_check(self, kind: DecisionKind, decision: Decision) -> dict[str, Any]: ...
+    def _remember_decision(self, decision_id: str) -> None: ...
+    def settle_decision(
+        self,
+        kind: DecisionKind,
+        decision: Decision,
+        verdict: Refusal | None,
+        at: datetime,
+        verified: bool = False,
+        *,
+        new_id: Callable[[int], str] | None = None,
+    ) -> None: ...
+    def authority_if_approved(self, kind: DecisionKind, decision: Decision) -> AuthorityCheck | None: ...
+    def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None: ...
+    def next_timer(self, escalate: bool = True) -> tuple[datetime, str]: ...
+    def timer_fired(self, at: datetime, escalate: bool = True) -> None: ...
+    def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None: ...
+
+    # approvals.Inbox
+    def receive(self, kind: DecisionKind, decision: Decision, at: datetime) -> None: ...
+    def take_verdict(self, decision_id: str) -> DecideResult: ...
+    def answer(self, decision_id: str) -> None: ...
+    def refuse_early(self, at: datetime, *, ended: bool = False) -> None: ...
+    def _flush_inbox(self, *, ended: bool = False) -> None: ...
+    def _await_decision(self) -> Program[None]: ...
+
+    # steps.Steps
+    def authority_check(self, *, from_step: int, approval: PendingApproval | None = None) -> AuthorityCheck | None: ...
+    def after_observation(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None: ...
+    def enter_step(self, *, at: datetime, reason: str) -> None: ...
+    def _step_ended_by(self, code: str) -> tuple[Refs, str] | None: ...
+    def _authority(self, *, from_step: int) -> Program[Verdict | None]: ...
+    def remember_check(self, check: AuthorityCheck | None, verdict: Verdict | None) -> None: ...
+    def _execute_step(self) -> Program[None]: ...
+
+    # handoff.Handoff
+    def handoff_unhonoured(self, request: HandoffRequest, at: datetime) -> None: ...
+    def person_check(
+        self, action: Literal["cancel", "compensate"], by: str, *, decision_id: str = "", signature: str | None = None, catch: bool = False
+    ) -> Call: ...
+    def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> Program[bool]: ...
+
+    # compensating.Compensating
+    def _undo_check(self) -> AuthorityCheck | None: ...
+    def on_cancel(self) -> str: ...
+    def compensates(self) -> bool: ...
+    def _note_compensation(self, step: PlanStep, outcome: ToolOutcome) -> str: ...
+    def compensation_ready(self, at: datetime) -> bool: ...
+    def compensation_refused(self, refusal: Refusal, at: datetime) -> None: ...
+    def begin_compensation(self, source: RecoverySource, at: datetime) -> None: ...
+
+    # carry.Carry
+    def _maybe_continue_as_new(self) -> Program[None]: ...
+
+
+class RunModel(Phases):
     """One run's state and the records of its changes. Every state change goes through
     ``data.lifecycle.move`` (:meth:`move`)."""
 
@@ -182,7 +281,7 @@ class RunModel:
         if policies:
             self.deciding_policies = list(policies)
         try:
-            return step(self.at)
+            return step(self.workflow_time)
         except (IllegalTransition, IllegalState) as e:
             raise RunFailed(str(e), type(e).__name__) from None
         finally:
@@ -199,6 +298,12 @@ class RunModel:
             self._on_record(record)
             if notify_event(record) is not None:
                 self.outbox.append((record, []))
+
+    @property
+    def workflow_time(self) -> datetime:
+        """``at``, which ``Engine.next`` and ``on`` set before the run's program goes on: every
+        decision of the program has it."""
+        return require(self.at, "no workflow time: the run's program runs from Engine.next and on")
 
     @property
     def state(self) -> RunState:
@@ -245,8 +350,8 @@ class RunModel:
         )
 
     def review(self) -> PlanReview:
-        require(self.data.plan is not None, "no validated plan to review")
-        return policy.review_plan(self.data.plan, self.catalog, self.tenant, self.data.spent)
+        plan = require(self.data.plan, "no validated plan to review")
+        return policy.review_plan(plan, self.catalog, self.tenant, self.data.spent)
 
     def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
         """How a person shows on the timeline: verified identities say how (their own
@@ -265,6 +370,10 @@ class RunModel:
     def refuse(self, *, at: datetime, actor: str, reason: str, rule: str, refs: Refs | None = None) -> None:
         self.on_record(self.data.lifecycle.refuse(at=at, actor=actor, reason=reason, refs=self._decided(refs), rule=rule))
 
+    @overload
+    def _decided(self, refs: Refs) -> Refs: ...
+    @overload
+    def _decided(self, refs: Refs | None) -> Refs | None: ...
     def _decided(self, refs: Refs | None) -> Refs | None:
         """A record written while a policy check's outcome is applied names its Cedar policies."""
         if not self.deciding_policies or (refs is not None and refs.policies is not None):
@@ -295,8 +404,8 @@ class RunModel:
     def _record_step(self, step: PlanStep, outcome: EffectOutcome, result: ToolOutcome | None) -> None:
         compensating = self.state == S.COMPENSATING
         if compensating:
-            undo = self.current_undo()
-            require(undo is not None and undo.tool_call_id == step.tool_call_id, "no compensation under way")
+            undo = require(self.current_undo(), "no compensation under way")
+            require(undo.tool_call_id == step.tool_call_id, "no compensation under way")
             undo.status = outcome
         self.data.executed.append(
             ExecutedStep(

@@ -6,6 +6,7 @@ cancel or handoff that meets a step under way.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from workflows import retries
 from workflows.budgets import REASON_CHARS, clip
@@ -64,7 +65,7 @@ class Steps(RunModel):
         approval = approval or data.approval
         # The remaining steps, their catalog entries and what the run has done: the current
         # file judges them (auto-approval, or the roles and count an approval needs now).
-        context = dict(
+        context: dict[str, Any] = dict(
             tenant=self.request.tenant,
             tools=tools,
             steps=remaining,
@@ -117,8 +118,7 @@ class Steps(RunModel):
             self.move(S.COMPENSATING, at=at, actor="runtime", reason=f"{reason}; {self._undo_left(start=True)}",
                       refs=Refs(plan_hash=self.data.plan.plan_hash if self.data.plan else None))
             return
-        step = self.current_step()
-        require(step is not None, "no plan step to execute")
+        step = require(self.current_step(), "no plan step to execute")
         self.data.step_retries = 0
         self.data.step_outcome = None
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=reason, refs=self.step_refs(step))
@@ -126,11 +126,9 @@ class Steps(RunModel):
     def next_tool_call(self, at: datetime) -> ToolCall | None:
         """The call to schedule now, or None when the step may not run (the run has moved)."""
         data = self.data
-        step = self.current_step()
-        require(
-            step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING),
-            "no plan step to execute, or not in EXECUTING_TOOL",
-        )
+        why = "no plan step to execute, or not in EXECUTING_TOOL"
+        require(self.state in (S.EXECUTING_TOOL, S.COMPENSATING), why)
+        step = require(self.current_step(), why)
         max_calls = self.tenant.budgets.max_tool_calls if self.tenant else None
         # Compensations are not held to the budget: an undo must not be stopped by the calls
         # that made it necessary (they are bounded by the ok writes and their retry rules).
@@ -154,8 +152,8 @@ class Steps(RunModel):
     def write_refused(self, refusal: Refusal, at: datetime) -> None:
         """The re-check just before a write attempt (the one that mints its capability) refused:
         the attempt does not start. An earlier attempt may have applied: then a human decides."""
-        step = self.current_step()
-        require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt to refuse")
+        require(self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt to refuse")
+        step = require(self.current_step(), "no write attempt to refuse")
         self.data.tool_calls -= 1  # not scheduled after all
         if self.state == S.COMPENSATING:
             # An undo the current file refuses is not run, nor its later ones: a person decides
@@ -201,8 +199,8 @@ class Steps(RunModel):
         it waited past its expiry) or claim its undo (the undo ledger unavailable): the tool was
         not called; the run schedules it again with a
         fresh capability. ``last_error`` (the Web UI details) names why (the key id)."""
-        step = self.current_step()
-        require(step is not None and self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt")
+        require(self.state in (S.EXECUTING_TOOL, S.COMPENSATING), "no write attempt")
+        step = require(self.current_step(), "no write attempt")
         self.data.tool_calls -= 1  # never reached the tool
         self.data.last_error = clip(
             f"{failure.code}: tool call {step.tool_call_id} ({step.tool}) not started, scheduled again: "
@@ -211,11 +209,10 @@ class Steps(RunModel):
         )
 
     def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None:
-        step = self.current_step()
-        require(step is not None, "no plan step to execute")
+        step = require(self.current_step(), "no plan step to execute")
         refs = self.step_refs(step).model_copy(update={"outcome": "ok"})
         if self.state == S.COMPENSATING:
-            undo = self.current_undo()
+            undo = require(self.current_undo(), "no compensation under way")
             self._record_step(step, "ok", outcome)
             self.data.last_error, self.data.step_retries, self.data.step_outcome = None, 0, None
             self.move(
@@ -227,14 +224,14 @@ class Steps(RunModel):
             )
             return
         self._record_step(step, "ok", outcome)
-        undo = self._note_compensation(step, outcome)
+        noted = self._note_compensation(step, outcome)
         self.data.last_error = None
         self.data.next_step += 1
         self.move(
             S.OBSERVING_RESULT,
             at=at,
             actor="runtime",
-            reason=f"tool call {step.tool_call_id} ({step.tool}) succeeded" + undo,
+            reason=f"tool call {step.tool_call_id} ({step.tool}) succeeded" + noted,
             refs=refs,
         )
 
@@ -245,8 +242,7 @@ class Steps(RunModel):
         error's text (it may quote arguments); the workflow logs the text.
         """
         data = self.data
-        step = self.current_step()
-        require(step is not None, "no plan step to execute")
+        step = require(self.current_step(), "no plan step to execute")
         info = self.tool_info(step)
         effect = info.effect if info else ToolEffect.UNSAFE
         outcome = retries.failure_outcome(effect, permanent=failure.permanent, started=failure.started)
@@ -291,8 +287,7 @@ class Steps(RunModel):
         return delay
 
     def retry(self, at: datetime) -> None:
-        step = self.current_step()
-        require(step is not None, "no plan step to execute")
+        step = require(self.current_step(), "no plan step to execute")
         if self.state == S.COMPENSATING:
             return  # recorded when the retry was decided; the next attempt follows
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", reason=f"retry {self.data.step_retries}", refs=self.step_refs(step))
@@ -300,8 +295,7 @@ class Steps(RunModel):
     def handoff_point(self) -> tuple[str, Refs | None]:
         """What a handoff taken before the current step's (next) attempt says: the detail for
         its reason, and refs naming the outcome of an earlier attempt if one failed."""
-        step = self.current_step()
-        require(step is not None, "no plan step to execute")
+        step = require(self.current_step(), "no plan step to execute")
         outcome = self.data.step_outcome
         if outcome is None:
             return f"tool call {step.tool_call_id} not started", None
@@ -321,8 +315,7 @@ class Steps(RunModel):
     def tool_settled_on_cancel(self, outcome: ToolOutcome | None, failure: ToolFailure | None = None) -> None:
         """A cancellation reached the tool in flight and waited for it: keep what it did.
         ``cancelled()`` then ends the run naming the step and its outcome."""
-        step = self.current_step()
-        require(step is not None, "no plan step to execute")
+        step = require(self.current_step(), "no plan step to execute")
         if outcome is not None:
             compensating = self.state == S.COMPENSATING
             self._record_step(step, "ok", outcome)
@@ -347,8 +340,8 @@ class Steps(RunModel):
         """Refs and a description for a record that ends the run mid-step (a cancel), after
         recording the step; None when no step was under way."""
         if self._settled is not None:
-            step, outcome, settled_code = self._settled
-            return self._end_refs(step, outcome, settled_code), self._describe(step, outcome)
+            settled_step, settled, settled_code = self._settled
+            return self._end_refs(settled_step, settled, settled_code), self._describe(settled_step, settled)
         step = self.current_step()
         outcome = self.data.step_outcome
         if step is None or outcome is None or self.state not in (S.EXECUTING_TOOL, S.RETRY_WAIT, S.COMPENSATING):
@@ -422,7 +415,7 @@ class Steps(RunModel):
                         "policy_check_authority", check.model_copy(update={"call": call}), Verdict,
                         "policy re-check before this write",
                     )
-            if verdict is None or verdict.refusal is not None:
+            if check is None or verdict is None or verdict.refusal is not None:  # no check: no verdict
                 refusal = (verdict.refusal if verdict else None) or Refusal(
                     rule="capability_invalid", message="no re-check for this write"
                 )

@@ -59,7 +59,7 @@ class Validation:
         return clip("; ".join(shown) + (f" (+{more} more problems)" if more > 0 else ""), FEEDBACK_CHARS)
 
 
-def closed_schema(schema: dict) -> dict:
+def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with unknown keys refused wherever it lists properties and says nothing else.
 
     An argument the schema does not name would be hashed and approved, then dropped by the
@@ -112,7 +112,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"{where}: " + template.format(expected=str(error.validator_value)[:60], rule=error.validator)
 
 
-def _args_problem(args: object, schema: dict) -> tuple[dict | None, str | None]:
+def _args_problem(args: object, schema: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     """Arguments as a dict, or why they are not acceptable (path and rule, never the value)."""
     if isinstance(args, str):
         # Models often send arguments as a JSON string; malformed JSON is a validation failure.
@@ -239,7 +239,7 @@ def pattern_search(pattern: str, text: str) -> bool:
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
-def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict]]:
+def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
     """Every (sub)schema object in a schema, with its JSON pointer."""
     if isinstance(node, dict):
         yield path, node
@@ -280,12 +280,12 @@ def schema_problem(schema: Any) -> str | None:
     return None
 
 
-def _pattern(validator: Any, patrn: str, instance: Any, schema: dict) -> Iterator[jsonschema.ValidationError]:
+def _pattern(validator: Any, patrn: str, instance: Any, schema: dict[str, Any]) -> Iterator[jsonschema.ValidationError]:
     if validator.is_type(instance, "string") and not pattern_search(patrn, instance):
         yield jsonschema.ValidationError("does not match the required pattern")
 
 
-def _pattern_properties(validator: Any, pattern_properties: dict, instance: Any, schema: dict) -> Iterator[Any]:
+def _pattern_properties(validator: Any, pattern_properties: dict[str, Any], instance: Any, schema: dict[str, Any]) -> Iterator[Any]:
     if not validator.is_type(instance, "object"):
         return
     for patrn, subschema in pattern_properties.items():
@@ -294,7 +294,7 @@ def _pattern_properties(validator: Any, pattern_properties: dict, instance: Any,
                 yield from validator.descend(v, subschema, path=k, schema_path=patrn)
 
 
-def _additional_properties(validator: Any, ap: Any, instance: Any, schema: dict) -> Iterator[Any]:
+def _additional_properties(validator: Any, ap: Any, instance: Any, schema: dict[str, Any]) -> Iterator[Any]:
     if not validator.is_type(instance, "object"):
         return
     properties = schema.get("properties", {})

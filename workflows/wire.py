@@ -338,7 +338,7 @@ class AuthorityCheck(BaseModel):
     def _compact(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
         # Sent before every write: the fields at their defaults are left out, and so are the
         # catalog entries' (read back, they are the same; the attestation covers this form).
-        out = handler(self)
+        out: dict[str, Any] = handler(self)
         for name, field in type(self).model_fields.items():
             # The defaults here are None, "", 0, [] and {}: each dumps as itself.
             if not field.is_required() and name in out and out[name] == field.get_default(call_default_factory=True):
