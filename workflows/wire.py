@@ -5,6 +5,8 @@ notifications, recovery, the audit sink), and the error types activities report.
 
 from __future__ import annotations
 
+import functools
+
 from datetime import datetime
 from typing import Any, Literal
 
@@ -339,13 +341,23 @@ class AuthorityCheck(BaseModel):
         # Sent before every write: the fields at their defaults are left out, and so are the
         # catalog entries' (read back, they are the same; the attestation covers this form).
         out: dict[str, Any] = handler(self)
-        for name, field in type(self).model_fields.items():
-            # The defaults here are None, "", 0, [] and {}: each dumps as itself.
-            if not field.is_required() and name in out and out[name] == field.get_default(call_default_factory=True):
+        for name, default in _optional_defaults(type(self)).items():
+            if name in out and out[name] == default:
                 del out[name]
         if self.catalog is not None:
             out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True)
         return out
+
+
+@functools.cache
+def _optional_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's optional fields and their defaults, worked out once (asking pydantic for a default
+    factory's default inspects its signature every time). The defaults here are None, "", 0, []
+    and {}: each dumps as itself, and they are only compared, never handed out."""
+    return {
+        name: field.get_default(call_default_factory=True)
+        for name, field in model.model_fields.items() if not field.is_required()
+    }
 
 
 class Notification(BaseModel):
