@@ -148,10 +148,19 @@ class _Scope:
         return None
 
 
-def _plain(cls: ast.ClassDef) -> bool:
-    """A class whose instances' repr and str are ``object``'s: their address (no base, no
-    decorator such as @dataclass, no __repr__ / __str__ / __format__ of its own)."""
-    if cls.decorator_list or any(not (isinstance(b, ast.Name) and b.id == "object") for b in cls.bases) or cls.keywords:
+def _plain(cls: ast.ClassDef, classes: dict[str, ast.ClassDef] | None = None) -> bool:
+    """A class whose instances' repr and str are ``object``'s: their address (no base but
+    ``object``, ``typing.Protocol`` or a plain class of the same module (``classes``), no decorator
+    such as @dataclass, no __repr__ / __str__ / __format__ of its own)."""
+    def plain_base(b: ast.expr) -> bool:
+        if not isinstance(b, ast.Name):
+            return False
+        if b.id in ("object", "Protocol"):
+            return True
+        base = (classes or {}).get(b.id)
+        return base is not None and base is not cls and _plain(base, classes)
+
+    if cls.decorator_list or not all(plain_base(b) for b in cls.bases) or cls.keywords:
         return False
     return not any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name in {"__repr__", "__str__", "__format__"}
                    for f in cls.body)
@@ -190,6 +199,8 @@ class _Module:
         self.scope_of: dict[ast.AST, _Scope] = {}
         self.method_of: dict[ast.AST, ast.ClassDef] = {}
         self.parent: dict[ast.AST, ast.AST] = {}
+        # The module's own classes: a base among them is judged as the class itself is (_plain).
+        self.classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
         self.top = _Scope("module", None)
         self._visit(tree, self.top)
 
@@ -354,9 +365,9 @@ class _Module:
                 elif b[0] == "def":
                     out.add("setfunc" if _setish(b[1].returns) == "set" else "opaque")
                 elif b[0] == "class":
-                    out.add("plainclass" if _plain(b[1]) else "opaque")
+                    out.add("plainclass" if _plain(b[1], self.classes) else "opaque")
                 elif b[0] == "instance":
-                    out.add("addressed" if _plain(b[1]) else "opaque")
+                    out.add("addressed" if _plain(b[1], self.classes) else "opaque")
                 else:
                     out.add("opaque")
             return out

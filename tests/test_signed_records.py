@@ -208,8 +208,9 @@ async def test_a_keyless_pollers_records_are_refused_by_the_sink(
     async with running_worker(client, task_queue=queue) as worker:
         other = await start_run(client, worker, make_request([refund(112)]))
         victim = await start_run(client, worker, make_request([refund(113)]))
-        await wait_for_state(other, "AWAITING_APPROVAL")
-        await wait_for_state(victim, "AWAITING_APPROVAL")
+        # Resting: each has published its view (its records are in, its workflow task is done).
+        await published(other, "AWAITING_APPROVAL")
+        await published(victim, "AWAITING_APPROVAL")
     # No honest worker polls now: the rogue takes the victim's next task (a refused decision).
     await victim.signal("approve", {"decision_id": "d-x", "approver": "mallory", "plan_hash": "0" * 12,
                                      "request_id": "nope"})
