@@ -356,3 +356,37 @@ async def test_a_keyless_pollers_end_view_is_neither_collected_nor_shown(
         assert verify_streams(publics(), victim.id, streams).problems == []
         code, out, err_text = await Cli(dev_env, worker)("status", victim.id)
         assert code != 0 and "COMPLETED" not in out, out + err_text
+
+
+async def test_a_keyless_pollers_records_riding_on_a_read_are_refused_before_the_tool(
+    dev_env: WorkflowEnvironment, billing: Billing, audit_dir: Path
+) -> None:
+    """A write takes the run's records along (``ToolCall.records``), and so may any execute_tool
+    call a keyless poller schedules: a read needs no capability. Its forged "approved by bob"
+    batch is refused whole before the tool is called, the honest sink holds none of it."""
+    import base64
+
+    from tests.test_trust_chain import schedule_tool
+    from workflows.wire import ToolCall
+
+    client = dev_env.client
+    queue = unique("tq")
+    async with running_worker(client, task_queue=queue) as worker:
+        victim = await start_run(client, worker, make_request([refund(118)]))
+        await published(victim, "AWAITING_APPROVAL")
+    await victim.signal("approve", {"decision_id": "d-z", "approver": "mallory", "plan_hash": "0" * 12,
+                                     "request_id": "nope"})  # a workflow task for the rogue to take
+    batch = AuditBatch(workflow_id=victim.id, first_run_id="", records=[forged(90, "approved by bob")])
+    call = ToolCall(tool="get_order", args={"order_id": ORDER}, tool_call_id="tc-rogue", idempotency_key="k",
+                    run_id=victim.id, tenant="default", records=base64.b64encode(batch.packed()).decode())
+    await rogue_answer(client, queue, victim.id, [schedule_tool(queue, call, "rogue-read")])
+    async with running_worker(client, task_queue=queue):
+        for _ in range(600):
+            refused = await activity_failures(client, victim.id, "record_unverified")
+            if refused:
+                break
+            await asyncio.sleep(0.05)
+        assert len(refused) == 1
+    streams = await JsonlAuditSink(audit_dir).read(victim.id)
+    assert "approved by bob" not in [r.reason for records in streams.values() for r in records]
+    assert verify_streams(publics(), victim.id, streams).problems == []
