@@ -1,5 +1,5 @@
 """The policy file's shapes: the organisation's rules, per tenant (the TOML file read by
-activities/policy.py): who approves, which tools, what is auto-approved, what counts as high
+activities/policy_file.py): who approves, which tools, what is auto-approved, what counts as high
 risk, approval TTLs, escalation, budgets and webhooks. The decisions over them live in
 workflows/policy.py.
 """

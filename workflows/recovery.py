@@ -95,8 +95,3 @@ def compensation_call(
         except PointerError as e:
             return base.model_copy(update={"error": f"argument {name}: pointer {e}"})
     return base.model_copy(update={"tool": declared.tool, "args": built})
-
-
-def describe_undo(declared: Compensation | None) -> str:
-    """What the approver reads per write: ``undo: void_refund`` or ``no recovery path``."""
-    return f"undo: {declared.tool}" if declared is not None else "no recovery path"

@@ -94,7 +94,7 @@ RECORD_UNVERIFIED = "record_unverified"
 RECORDS_NOT_WRITTEN = (SINK_UNAVAILABLE, RECORD_UNVERIFIED)
 
 
-# A local activity found a seal naming a key id this worker does not hold.
+# An activity found a seal or capability naming a key id this worker does not hold.
 KEY_MISSING = "key_missing"
 
 
@@ -224,8 +224,8 @@ class SnapshotRequest(BaseModel):
 
 
 class RunSetup(BaseModel):
-    """What a run snapshots as it starts, in one local activity (``run_setup``): the tool
-    catalog and the tenant's policy (one marker in history instead of two)."""
+    """What a run snapshots as it starts, with its first planner call or in one activity
+    (``run_setup``): the tool catalog and the tenant's policy."""
 
     catalog: ToolCatalog
     policy: PolicySnapshot
