@@ -243,6 +243,9 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
         cli = Cli(dev_env, worker)
         handle = await start_run(dev_env.client, worker, make_request(REFUND))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        while snap.audit_waiting:  # the records of its rest are in: the sink fails for the write's
+            await asyncio.sleep(0.02)
+            snap = await tether_client.snapshot(dev_env.client, handle.id)
         key = f"{handle.id}:{snap.plan.steps[1].tool_call_id}"
         # The sink's folder becomes a file: no folder can be created under it.
         shutil.move(root, tmp_path / "aside")
@@ -535,6 +538,9 @@ async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_
     async with running_worker(dev_env.client, policy=POLICY, audit=AuditActivities(sink=sink)) as worker:
         handle = await start_run(dev_env.client, worker, make_request(REFUND))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        while snap.audit_waiting:  # the records of its rest are in: the sink fails for the write's
+            await asyncio.sleep(0.02)
+            snap = await tether_client.snapshot(dev_env.client, handle.id)
         key = f"{handle.id}:{snap.plan.steps[1].tool_call_id}"
         postgres_server.stop()
         try:
