@@ -64,3 +64,14 @@ def test_pip_install_packages_tether() -> None:
     found = find_packages(ROOT, config["packages"]["find"]["include"])
     assert "tether" in found and not [p for p in found if p.startswith("tests")]
     assert "COPY tether ./tether" in (ROOT / "Dockerfile").read_text()  # the image installs it too
+
+
+def test_a_tool_author_imports_from_tether_alone() -> None:
+    """`from tether import tool, ToolContext, ToolError, ToolEffect`: the very objects
+    the worker uses, loaded on first use (a program that only connects does not load the tools)."""
+    code = ("import sys, tether; assert 'activities.tools' not in sys.modules, 'tools loaded at import'\n"
+            "from tether import ToolContext, ToolEffect, ToolError, tool\n"
+            "import activities.tools as t, workflows.contract as c\n"
+            "assert (tool, ToolContext, ToolError, ToolEffect) == (t.tool, t.ToolContext, t.ToolError, c.ToolEffect)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

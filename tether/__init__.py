@@ -2,6 +2,7 @@
 
     from tether import connect, TetherError, TetherPlugin
     from tether.repair import repair
+    from tether import tool, ToolContext, ToolError, ToolEffect   # for tool authors
 
 Modules: ``tether.connection`` (connect, TetherError and its exit codes, task queue and Worker
 Deployment names), ``tether.plugin`` (TetherPlugin: what a worker and a replayer are),
@@ -29,11 +30,19 @@ __all__ = [
     "USAGE",
     "TetherError",
     "TetherPlugin",
+    "ToolContext",
+    "ToolEffect",
+    "ToolError",
     "connect",
     "create_replayer",
     "deployment_name",
     "task_queue",
+    "tool",
 ]
+
+# What a tool author imports, and where it lives (loaded on first use, as the worker's parts are).
+_TOOLS = {"tool": "activities.tools", "ToolContext": "activities.tools", "ToolError": "activities.tools",
+          "ToolEffect": "workflows.contract"}
 
 
 def __getattr__(name: str) -> object:
@@ -43,4 +52,8 @@ def __getattr__(name: str) -> object:
         from tether import plugin
 
         return getattr(plugin, name)
+    if name in _TOOLS:
+        import importlib
+
+        return getattr(importlib.import_module(_TOOLS[name]), name)
     raise AttributeError(f"module 'tether' has no attribute {name!r}")

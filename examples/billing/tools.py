@@ -25,8 +25,7 @@ from pydantic import BaseModel, Field
 # The service's HTTP client, in a module of its own: other tool modules use it without
 # registering these tools (docs/writing-tools.md).
 from examples.billing.api import HTTP_TIMEOUT_SECONDS, billing_url, call  # noqa: F401
-from activities.tools import ToolContext, tool
-from workflows.models import ToolEffect
+from tether import ToolContext, ToolEffect, tool
 
 ORDER_ID = r"^[A-Z]-\d{4}$"
 
