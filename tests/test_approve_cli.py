@@ -15,7 +15,7 @@ from client import run_outcome
 from tests.conftest import BIN, ROOT, Billing, running_worker, timeline, unique, wait_for_state
 from tests.round_trips import counting_proxy
 from tests.test_cli import POLICY, one_line
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from tests.terminal import in_terminal
 from workflows.run_state import RunOutcome
 

@@ -35,7 +35,7 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from workflows.contract import DecideRequest, DecideResult
 from workflows.wire import DecisionCheck, Verdict
 from workflows.run_state import RunOutcome, RunSnapshot

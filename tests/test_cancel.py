@@ -23,7 +23,7 @@ from activities.policy import PolicyActivities, PolicyStore
 from tests.conftest import (
     ROOT, Billing, approval_for, make_request, running_worker, start_run, timeline, unique, wait_for_state,
 )
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from tests.test_effects import DONE, REGISTRY, _event, approved_run, emails
 from tests.test_recovery import LEDGER, REFUND
 from workflows import policy

@@ -17,7 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
 from tests.conftest import BIN, ROOT, Billing, running_worker, unique, wait_for_state
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from tests.terminal import in_terminal
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from client import run_outcome
+from tests.helpers.cli import Cli
 from tests.conftest import (
     approval_for,
-    BIN,
     CAN_THRESHOLD,
     Billing,
     flood_until_continued,
@@ -93,28 +91,6 @@ async def test_an_approved_run_is_not_listed_as_waiting_while_it_writes(dev_env:
     left_at, left_to = published[waited + 1]
     write_at = next(i for i in tools if i > published[waited][0])
     assert left_to not in ("AWAITING_APPROVAL", "RECEIVED") and left_at < write_at, (published, write_at)
-
-
-class Cli:
-    """The installed ``tether`` script (.venv/bin/tether) in a subprocess, against ``env``."""
-
-    def __init__(self, env: WorkflowEnvironment, worker: Worker) -> None:
-        self.env = {
-            **os.environ,
-            "TEMPORAL_ADDRESS": env.client.service_client.config.target_host,
-            "TEMPORAL_NAMESPACE": env.client.namespace,
-            "TETHER_TASK_QUEUE": worker.task_queue,
-        }
-
-    async def __call__(self, *args: str, env: dict | None = None) -> tuple[int, str, str]:
-        # Async subprocess: the in-process worker keeps running while the CLI waits.
-        proc = await asyncio.create_subprocess_exec(
-            str(BIN / "tether"), *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**self.env, **(env or {})}, cwd=ROOT,
-        )
-        out, err = await proc.communicate()
-        return proc.returncode, out.decode(), err.decode()
 
 
 async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:

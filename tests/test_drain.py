@@ -13,7 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from tests.conftest import Billing, make_request, running_worker, start_run, unique, wait_for_state
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE
 
 

@@ -365,7 +365,8 @@ async def test_a_capability_replayed_by_a_rogue_poller_under_the_same_activity_i
     schedules the captured `execute_tool` input again under the email's own activity id (so the
     capability matches the run, the attempt and the call). The tool worker answers from its
     ledger: one email, not two."""
-    from tests.test_trust_chain import emails, rogue_answer, schedule_tool
+    from tests.helpers.rogue import rogue_answer, schedule_tool
+    from tests.test_trust_chain import emails
 
     client = dev_env.client
     to = f"{uuid.uuid4().hex[:10]}@example.com"

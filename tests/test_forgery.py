@@ -39,8 +39,8 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
-from tests.test_dev_server import Cli
-from tests.test_trust_chain import CONVERTER, continue_as_new, rogue_answer
+from tests.helpers.cli import Cli
+from tests.helpers.rogue import CONVERTER, continue_as_new, rogue_answer
 from workflows.contract import CompensationCall, ToolEffect
 from workflows.wire import RecoverySource, ToolCall, ToolOutcome
 from temporalio.contrib.pydantic import pydantic_data_converter as CONVERTER_CLIENT

@@ -22,7 +22,7 @@ from temporalio.testing import WorkflowEnvironment
 import client as tether_client
 from tests.build_worker import start_build_worker
 from tests.conftest import Billing, make_request, start_run, unique, wait_for_state
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from tests.test_published_views import wait_published
 from workflows.published import BUILD
 

@@ -15,7 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
 from tests.conftest import Billing, running_worker, unique
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "no worker"}}]
 

@@ -19,7 +19,7 @@ import worker as worker_module
 from client import run_outcome
 from tests.conftest import ROOT, Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from tests.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWrite, TamperedAgentRun
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from workflows.run_state import RunOutcome
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 777, "reason": "repair"}}]

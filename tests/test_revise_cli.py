@@ -11,7 +11,7 @@ from temporalio.testing import WorkflowEnvironment
 from client import run_outcome
 from tests.conftest import Billing, running_worker, unique
 from tests.test_cli import POLICY, one_line
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from workflows.run_state import RunOutcome
 
 PLAN = [

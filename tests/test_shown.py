@@ -25,7 +25,7 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from workflows.states import TEMPORAL_STATUS, RunState
 
 S = RunState

@@ -29,9 +29,9 @@ from inbox import desk
 from tests.conftest import (
     Billing, approval_for, audit_collected, make_request, running_worker, start_run, unique, wait_for_state,
 )
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from tests.test_reset import outcome_of, reset_before_signal
-from tests.test_trust_chain import rogue_answer, schedule
+from tests.helpers.rogue import rogue_answer, schedule
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_state import RunSnapshot, RunView
 from workflows.states import RunState, TransitionRecord, record_link
@@ -366,7 +366,7 @@ async def test_a_keyless_pollers_records_riding_on_a_read_are_refused_before_the
     batch is refused whole before the tool is called, the honest sink holds none of it."""
     import base64
 
-    from tests.test_trust_chain import schedule_tool
+    from tests.helpers.rogue import schedule_tool
     from workflows.wire import ToolCall
 
     client = dev_env.client

@@ -5,7 +5,6 @@ own. Real dev servers, the real billing service (its email endpoint counts every
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import logging
 import uuid
@@ -14,26 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.api.command.v1 import (
-    Command,
-    ContinueAsNewWorkflowExecutionCommandAttributes,
-    ScheduleActivityTaskCommandAttributes,
-)
-from temporalio.api.common.v1 import ActivityType, Payloads, RetryPolicy, WorkflowType
-from temporalio.api.enums.v1 import CommandType, EventType
-from temporalio.api.history.v1 import HistoryEvent
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest, RespondWorkflowTaskCompletedRequest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowQueryFailedError
 from temporalio.service import RPCError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
-from google.protobuf.duration_pb2 import Duration
 
 import client as tether_client
 from activities.keys import genkey
 from activities.policy import PolicyStore
 from client import run_outcome
+from tests.helpers.rogue import continue_as_new, rogue_answer, schedule_tool
 from tests.conftest import task_failure, Billing, approval_for, flood_until_continued, make_request, running_worker, snapshot, unique, wait_for_state
 from workflows.contract import canonical_json
 from workflows.wire import Capability, PolicySnapshot, Proposal, ProposedStep, ToolCall, args_digest
@@ -48,46 +38,6 @@ def email_step(to: str) -> dict:
 
 def emails(billing: Billing, to: str) -> list[dict]:
     return billing.get(f"/emails?to={to}")["emails"]
-
-
-async def rogue_answer(client: Client, queue: str, workflow_id: str, commands: list[Command], timeout: float = 120) -> list[HistoryEvent]:
-    """Poll one workflow task of ``workflow_id`` as a worker without keys would, and complete it
-    with ``commands``. Returns the history the task came with."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        task = await client.workflow_service.poll_workflow_task_queue(
-            PollWorkflowTaskQueueRequest(namespace=client.namespace, task_queue=TaskQueue(name=queue), identity="rogue")
-        )
-        if not task.task_token:
-            continue
-        assert task.workflow_execution.workflow_id == workflow_id
-        await client.workflow_service.respond_workflow_task_completed(
-            RespondWorkflowTaskCompletedRequest(
-                namespace=client.namespace, task_token=task.task_token, commands=commands, identity="rogue"
-            )
-        )
-        return list(task.history.events)
-    raise AssertionError("the rogue poller got no workflow task")
-
-
-def schedule(queue: str, activity: str, arg: Any, activity_id: str) -> Command:
-    """A ScheduleActivityTask command as a keyless poller writes it: any activity, any input."""
-    return Command(
-        command_type=CommandType.COMMAND_TYPE_SCHEDULE_ACTIVITY_TASK,
-        schedule_activity_task_command_attributes=ScheduleActivityTaskCommandAttributes(
-            activity_id=activity_id,
-            activity_type=ActivityType(name=activity),
-            task_queue=TaskQueue(name=queue),
-            input=Payloads(payloads=[CONVERTER.to_payload(arg)]),
-            start_to_close_timeout=Duration(seconds=30),
-            retry_policy=RetryPolicy(maximum_attempts=1),
-        ),
-    )
-
-
-def schedule_tool(queue: str, call: ToolCall, activity_id: str = "rogue-1") -> Command:
-    return schedule(queue, "execute_tool", call, activity_id)
 
 
 async def tool_failures(client: Client, workflow_id: str, run_id: str | None = None) -> list[str]:
@@ -207,15 +157,6 @@ async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
             message = await task_failure(client, target, "forgery")
             assert "the carried state" in message and "seal" in message
     assert emails(billing, to) == []
-
-
-def continue_as_new(queue: str, payloads: Payloads) -> Command:
-    return Command(
-        command_type=CommandType.COMMAND_TYPE_CONTINUE_AS_NEW_WORKFLOW_EXECUTION,
-        continue_as_new_workflow_execution_command_attributes=ContinueAsNewWorkflowExecutionCommandAttributes(
-            workflow_type=WorkflowType(name="AgentRun"), task_queue=TaskQueue(name=queue), input=payloads
-        ),
-    )
 
 
 # ----------------------------------------------------------------------------- fresh signed starts

@@ -16,7 +16,7 @@ import client as tether_client
 from client import TetherError
 from tests.build_worker import start_build_worker
 from tests.conftest import Billing, make_request, running_worker, start_run, task_failure, unique, wait_for_state
-from tests.test_dev_server import Cli
+from tests.helpers.cli import Cli
 from tests.test_published_views import wait_published
 from workflows.published import BUILD
 

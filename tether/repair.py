@@ -21,7 +21,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from tether.connection import QUERY_TIMEOUT, REFUSED, USAGE, TetherError, rpc_error
-from tether.runs import StuckTask, describe, published_view, stuck_task
+from tether.runs import StuckTask, ViewUnverified, describe, published_view, stuck_task
 from workflows.contract import HandoffRequest
 
 # Completed workflow tasks tried, newest first, for one that replays on this code.
@@ -273,8 +273,12 @@ def _pending_at(events: list[Any], tools: set[int], started: int) -> bool:
 
 async def _tool_effects(description: Any) -> dict[str, str]:
     """Each tool's effect class: the run's own catalog entries, else what the tool modules the
-    workers load declare (TETHER_TOOLS, as `tether tools`)."""
-    view = await published_view(description)
+    workers load declare (TETHER_TOOLS, as `tether tools`). A view the fleet did not sign (a
+    keyless poller's, which is what a repair often follows) says nothing: the modules decide."""
+    try:
+        view = await published_view(description)
+    except ViewUnverified:
+        view = None
     if view is not None:
         return {t.name: t.effect.value for t in view.snapshot.tools}
     from activities.loading import LoadError

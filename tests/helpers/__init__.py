@@ -1,0 +1,2 @@
+"""What several test modules share: each helper in a module of its own (tests import from here,
+never from one another)."""
