@@ -1018,7 +1018,7 @@ def ensure_keys(folder: Path, names: Sequence[str]) -> None:
 
 def sign(key: Path, payload: bytes) -> str:
     """The Ed25519 signature (base64) of ``payload`` with the private key in ``key`` (PEM): the one
-    way a start, decision, revision or hand-off is signed."""
+    way a start, decision, revision, hand-off or cancel is signed."""
     return base64.b64encode(load_private_key(key).sign(payload)).decode()
 
 
@@ -1373,7 +1373,7 @@ async def cancel(
             workflow_id=run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, request_id="",
             plan_hash="", kind="cancel", decision_id=request.decision_id, signer=request.by,
         )
-        request.signature = base64.b64encode(load_private_key(key).sign(payload)).decode()
+        request.signature = sign(key, payload)
     update = None
     try:
         update = await handle.start_update(
