@@ -28,6 +28,7 @@ from temporalio import activity
 
 from activities import cedar
 from workflows import policy
+from workflows.budgets import clip
 from workflows.contract import SIGNER_NAME, STRICT
 from workflows.identity import skeleton
 from workflows.policy_file import Approver, PolicyDocument, Signer, TenantPolicy
@@ -87,6 +88,10 @@ def parse_policy(text: str, source: str = "policy") -> PolicyDocument:
         raise PolicyFileError(f"{source}: {where}key {key}: {err['msg']}") from None
 
 
+# A policy file's problem as verdicts carry it to the runs: at most this many characters.
+PROBLEM_CHARS = 600
+
+
 @dataclass
 class PolicyStore:
     """The policy file, re-read when its modification time changes. A change that does not load
@@ -105,10 +110,13 @@ class PolicyStore:
 
     @property
     def problem(self) -> str | None:
-        """Why the file on disk is not the policy in force (the last good one is), or None."""
+        """Why the file on disk is not the policy in force (the last good one is), or None. Bounded:
+        every verdict carries it into the run's state, its views and its details (a file's
+        problems can run to many lines; `tether policy validate` lists them all)."""
         if self._bad is None or self._cache is None:
             return None
-        return f"{self._bad[1]} (kept the last good policy, hash {self._cache[2][:12]})"
+        kept = f" (kept the last good policy, hash {self._cache[2][:12]})"
+        return clip(" ".join(self._bad[1].split()), PROBLEM_CHARS - len(kept)) + kept
 
     @classmethod
     def from_env(cls, path: str | None = None) -> PolicyStore:

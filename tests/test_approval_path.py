@@ -202,3 +202,21 @@ async def test_a_policy_file_that_stops_loading_keeps_the_last_good_one_and_the_
         assert store.reload_failures == 1 and store.problem is not None and "nest" in store.problem, store.problem
         status = await tether_client.status(dev_env.client, handle.id)
         assert status.policy_problem is not None and "last good policy" in status.policy_problem, status
+
+
+def test_a_policy_problem_carried_to_every_run_is_bounded(tmp_path: Path) -> None:
+    """Every verdict carries the problem into the run's state, views and details: a changed file
+    with thousands of problems (one per policy) still gives one bounded line, naming the first."""
+    from activities.policy_file import PROBLEM_CHARS
+
+    cedar_file = tmp_path / "tenant.cedar"
+    cedar_file.write_text('@id("anyone")\npermit (principal, action, resource);\n')
+    path = tmp_path / "policy.toml"
+    path.write_text('[tenants.default]\ncedar = ["tenant.cedar"]\n')
+    store = PolicyStore.from_env(str(path))
+    cedar_file.write_text("".join(f'@id("p{i}")\npermit (principal, action == Tether::Action::"launch{i}", resource);\n'
+                                  for i in range(3000)))
+    store.load()
+    problem = store.problem
+    assert problem is not None and len(problem) <= PROBLEM_CHARS and "\n" not in problem, problem
+    assert "launch0" in problem and problem.endswith(f"(kept the last good policy, hash {store.load()[1][:12]})")
