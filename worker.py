@@ -28,7 +28,8 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities import mcp
-from activities.audit import AuditActivities, AuditCollector
+from activities.audit import AuditActivities
+from activities.audit_collector import AuditCollector
 from activities.codec import EncryptionCodec
 from activities.keys import KeyRing, KeyRingError
 from activities.metrics import policy_info, prometheus_runtime, tracing_interceptors

@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from activities.audit import JsonlAuditSink, PostgresAuditSink
+from activities.audit_sink import JsonlAuditSink, PostgresAuditSink
 from activities.postgres import LOCK
 
 LEDGER_FILE = "undo-ledger.sqlite3"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from activities import cedar
-from activities.audit import DEFAULT_AUDIT_DIR
+from activities.audit_sink import DEFAULT_AUDIT_DIR
 from activities.policy_file import PolicyFileError, load_cedar_files, parse_policy
 from activities.postgres import PostgresSync, Table, cause, dsn_from_env
 from workflows import keys as ring_math

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import examples.billing.tools  # noqa: F401  (the tools the run uses)
-from activities.audit import AUDIT_TABLE, AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path
+from activities.audit import AuditActivities
+from activities.audit_sink import AUDIT_TABLE, JsonlAuditSink, PostgresAuditSink, audit_path
 from client import connect, exit_process
 from workflows.wire import AuditBatch
 

@@ -23,7 +23,9 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
-from activities.audit import AuditActivities, JsonlAuditSink, verify_streams
+from activities.audit import AuditActivities
+from activities.audit_sink import JsonlAuditSink
+from activities.audit_verify import verify_streams
 from activities.keys import KeyRing
 from activities.policy import PolicyStore
 from activities.tools import ToolContext, ToolEffect, ToolRegistry, tool

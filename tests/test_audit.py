@@ -18,7 +18,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
-from activities.audit import AuditActivities, JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
+from activities.audit import AuditActivities
+from activities.audit_sink import JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
 from activities.policy import PolicyActivities, PolicyStore
 from activities.keys import KeyRing
 from client import run_outcome
@@ -197,7 +198,7 @@ async def test_a_view_the_collector_cannot_read_is_logged_and_the_others_are_wri
 ) -> None:
     """A run closed with a view no worker of ours wrote (a poller without the code, another
     build): the collector says so and goes on; the run beside it gets its records."""
-    from activities.audit import AuditCollector
+    from activities.audit_collector import AuditCollector
 
     async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(tmp_path / "first"))) as worker:
         good = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
@@ -558,7 +559,8 @@ async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_
 
 
 def test_the_sink_is_chosen_from_the_environment_and_a_dsn_never_shows_its_password(monkeypatch) -> None:
-    from activities.audit import redact_dsn, sink_from_env
+    from activities.audit_sink import sink_from_env
+    from activities.postgres import redact_dsn
 
     assert redact_dsn("postgresql://tether:s3cret@db:5432/audit") == "postgresql://tether:***@db:5432/audit"
     assert "s3cret" not in redact_dsn("host=db password=s3cret dbname=audit")

@@ -17,7 +17,8 @@ from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
-from activities.audit import AuditActivities, JsonlAuditSink, merge_timeline
+from activities.audit import AuditActivities
+from activities.audit_sink import JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
 from client import run_outcome
 from tests.conftest import Billing, audit_collected, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state

@@ -319,7 +319,7 @@ async def test_a_dropped_postgres_ledger_is_an_error_until_the_operator_begins_a
     an empty one. A database of its own (the session's is shared)."""
     import psycopg
 
-    from activities.audit import PostgresAuditSink
+    from activities.audit_sink import PostgresAuditSink
     from activities.effect_ledger import LEDGER_TABLE, ledger_for
 
     name = f"ledger_{uuid.uuid4().hex[:8]}"
@@ -428,7 +428,7 @@ async def test_a_worker_refuses_to_start_on_a_lost_ledger_unless_told(tmp_path: 
         await worker.serve(["examples.billing.tools"], unique("tq"))
     assert "effect ledger" in str(refused.value.code) and "--new-ledger" in str(refused.value.code)
     # With the operator's word the check passes; the new ledger begins with the first write.
-    from activities.audit import JsonlAuditSink
+    from activities.audit_sink import JsonlAuditSink
     from activities.effect_ledger import check_ledger
 
     await check_ledger(JsonlAuditSink(folder), new_ledger=True)

@@ -13,7 +13,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from activities.audit import AuditCollector
+from activities.audit_collector import AuditCollector
 from activities.codec import EncryptionCodec, KEY_FILE_ENV, new_key_line
 from activities.keys import KeyRing, KeyRingInterceptor
 from tether import TetherPlugin, create_replayer

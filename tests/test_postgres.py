@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from activities.audit import PostgresAuditSink
+from activities.audit_sink import PostgresAuditSink
 from activities.effect_ledger import ledger_for
 from activities.judgements import PostgresJudgementLog
 from activities.postgres import Postgres, PostgresSync, PostgresUnavailable, Table, dsn_from_env

@@ -1057,7 +1057,7 @@ async def test_an_unsafe_undo_that_may_have_applied_runs_again_only_on_an_approv
 async def test_the_undo_ledger_holds_one_claim_per_undo_on_either_sink(backend: str, tmp_path, request) -> None:
     """The ledger's contract, the same beside either audit sink: one claim per key; a done
     entry keeps its outcome and who did it; a released one may be claimed again."""
-    from activities.audit import JsonlAuditSink, PostgresAuditSink
+    from activities.audit_sink import JsonlAuditSink, PostgresAuditSink
     from activities.undo_ledger import ledger_for
 
     sink = PostgresAuditSink(request.getfixturevalue("postgres")) if backend == "postgres" else JsonlAuditSink(tmp_path)

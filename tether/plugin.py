@@ -24,7 +24,7 @@ from temporalio.plugin import SimplePlugin
 from temporalio.worker import Replayer, Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities.audit import AuditCollector
+from activities.audit_collector import AuditCollector
 from activities.codec import data_converter_from_env
 from activities.keys import KeyRing, KeyRingInterceptor
 from workflows.agent_run import AgentRun

@@ -53,7 +53,7 @@ async def published_view(description: Any) -> RunView | None:
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
     if view is None:
         return None
-    from activities.audit import view_problem
+    from activities.audit_verify import view_problem
 
     try:
         why = view_problem(public_keys(), description.id, description.run_id, view)
