@@ -27,11 +27,12 @@ from temporalio.client import Client
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
-from activities import mcp
 from activities.audit import AuditActivities
 from activities.audit_collector import AuditCollector
 from activities.codec import EncryptionCodec
 from activities.keys import KeyRing, KeyRingError
+from activities.mcp_catalog import start_servers
+from activities.mcp_config import McpConfigError, config_from_env
 from activities.metrics import policy_info, prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
 from activities.judgements import ProposedPolicy, log_from_env
@@ -174,8 +175,8 @@ async def serve(
     except ValueError as e:
         raise SystemExit(f"invalid shadow policy:\n{e}") from None
     try:
-        mcp_config = mcp.config_from_env(mcp_config_path)
-    except mcp.McpConfigError as e:
+        mcp_config = config_from_env(mcp_config_path)
+    except McpConfigError as e:
         raise SystemExit(f"invalid MCP config: {e}") from None
     try:
         audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR
@@ -190,7 +191,7 @@ async def serve(
         logging.warning("effect ledger %s not readable now: %s", audit.sink.describe(), e)
     # MCP servers' tools join the registry before the worker is built (a server that is down is
     # logged and left out); their sessions close after the worker has finished its tasks.
-    mcp_servers = await mcp.start_servers(mcp_config, registry)
+    mcp_servers = await start_servers(mcp_config, registry)
     # The whole file against the tools this worker serves, MCP catalogs included: a typo must
     # not wait for a run. A down server's tools are only warned about (it may come back).
     down = [f"{name}__" for name in (mcp_servers.unavailable if mcp_servers else {})]

@@ -20,7 +20,9 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.mcp import McpServers, describe_tools, format_tools, mcp_tools, parse_config
+from activities.mcp import describe_tools, format_tools
+from activities.mcp_catalog import McpServers, mcp_tools
+from activities.mcp_config import parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
 from client import run_outcome

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from activities.mcp import McpConfigError, parse_config
+from activities.mcp_config import McpConfigError, parse_config
 from workflows.mcp_effects import Hints, effect_for
 from workflows.contract import Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.policy_file import HighRisk, TenantPolicy
@@ -125,7 +125,8 @@ def test_destructive_tools_show_in_the_risk_summary_and_match_high_risk() -> Non
 def test_untrusted_listings_are_bounded_and_checked_before_they_reach_the_catalog(caplog) -> None:
     from mcp.types import Tool, ToolAnnotations
 
-    from activities import mcp
+    from activities.mcp_catalog import MAX_DESCRIPTION_CHARS, MAX_SERVER_CATALOG_CHARS, tool_specs
+    from activities.mcp_session import Connection
 
     ok = {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"type": "string"}}}
     config = parse_config(
@@ -138,12 +139,12 @@ def test_untrusted_listings_are_bounded_and_checked_before_they_reach_the_catalo
         Tool(name="bad.name/x", input_schema={"type": "object"}),
         Tool(name="broken", input_schema={"type": "objekt"}),
         Tool(name="remote", input_schema={"type": "object", "properties": {"x": {"$ref": "https://evil.example/s.json"}}}),
-        Tool(name="huge", input_schema={"type": "object", "description": "h" * mcp.MAX_SERVER_CATALOG_CHARS}),
+        Tool(name="huge", input_schema={"type": "object", "description": "h" * MAX_SERVER_CATALOG_CHARS}),
         Tool(name="put", input_schema={"type": "object"}),
     ]
-    specs = {s.name: s for s in mcp.tool_specs("s", config, mcp.Connection("s", config), tools)}
+    specs = {s.name: s for s in tool_specs("s", config, Connection("s", config), tools)}
     assert sorted(specs) == ["s__good", "s__put"]
-    assert specs["s__good"].effect == E.READ_ONLY and len(specs["s__good"].description) == mcp.MAX_DESCRIPTION_CHARS
+    assert specs["s__good"].effect == E.READ_ONLY and len(specs["s__good"].description) == MAX_DESCRIPTION_CHARS
     # reconcilable without its lookup tool on the server: the safe class instead.
     assert specs["s__put"].effect == E.UNSAFE and "'missing' is not published" in specs["s__put"].why
     log = caplog.text
