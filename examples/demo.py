@@ -155,7 +155,7 @@ def fresh_order(order_id: str = "A-1001", like: str | None = None) -> None:
     import json
     import urllib.request
 
-    from examples.billing.service import SEED_ORDERS
+    from examples.billing.db import SEED_ORDERS
 
     _, email, total, currency, _ = next(o for o in SEED_ORDERS if o[0] == (like or order_id))
     url = os.environ.get("BILLING_URL") or f"http://127.0.0.1:{BILLING_PORT}"

@@ -37,7 +37,8 @@ from temporalio.worker import Worker
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
 import client as tether_client
-from examples.billing.service import SEED_ORDERS, make_server
+from examples.billing.db import SEED_ORDERS
+from examples.billing.service import make_server
 from worker import create_worker
 from workflows.published import SEARCH_ATTRIBUTES
 from workflows.contract import STRICT, ApprovalDecision
