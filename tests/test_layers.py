@@ -93,6 +93,17 @@ PROGRAMS = {"client", "worker", "starter", "inbox", "examples"}
 # names); signatures; the judgement log and what-if; the activities that judge and attest.
 POLICY_MODULES = ("activities.cedar", "activities.policy_file", "activities.signatures", "activities.judgements",
                   "activities.policy")
+# Files split along their jobs, each family in the same order (each imports only those before it):
+# what the others use first, the module the programs import last (imported by none of the others).
+SPLIT_MODULES = {
+    # the fleet-signature checks; the sinks; the collector of a run's end records; the activities
+    "audit": ("activities.audit_verify", "activities.audit_sink", "activities.audit_collector", "activities.audit"),
+    # the config file; a server's session and listing; a call; the catalog; the `tools` listing
+    "mcp": ("activities.mcp_config", "activities.mcp_session", "activities.mcp_call", "activities.mcp_catalog",
+            "activities.mcp"),
+    # the database; a request's model and the state; the routes; the HTTP server
+    "billing": ("examples.billing.db", "examples.billing.model", "examples.billing.routes", "examples.billing.service"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -172,6 +183,15 @@ def test_the_policy_modules_import_one_way() -> None:
     assert "activities.cedar" in graph["activities.policy_file"]  # it loads the Cedar files a policy file names
 
 
+def test_the_split_modules_import_one_way() -> None:
+    """Each family of SPLIT_MODULES imports only backward, and every module of it is in the house."""
+    graph = house_imports()
+    for family, modules in SPLIT_MODULES.items():
+        assert set(modules) <= set(graph), f"{family}: not in the house: {sorted(set(modules) - set(graph))}"
+        backward = sorted(f"{m} imports {d}" for i, m in enumerate(modules) for d in graph[m] if d in modules[i:])
+        assert not backward, f"{family}: {backward}"
+
+
 def test_what_moved_keeps_its_old_import_path() -> None:
     """For one release, `from activities.policy import ...` still finds what moved out of it."""
     import activities.policy as old
@@ -183,6 +203,35 @@ def test_what_moved_keeps_its_old_import_path() -> None:
              **{n: signatures for n in ("signature_refusal", "verify_signature", "person_signature_refusal",
                                         "decision_signature_refusal")}}
     assert {n: getattr(old, n, None) for n in moved} == {n: getattr(m, n) for n, m in moved.items()}
+
+
+def test_what_the_house_imports_from_a_split_module_is_there() -> None:
+    """Every name the house, the tests and the benchmarks take from a module of SPLIT_MODULES
+    (``from m import n``, or ``m.n`` after ``from package import m``), at the top or inside a
+    function (a CLI command's import runs only when the command does), is found in it: a move
+    that left an importer behind fails here, not in front of a user."""
+    import importlib
+
+    split = {m for modules in SPLIT_MODULES.values() for m in modules}
+    files = [ROOT / p for p in HOUSE if p.endswith(".py")]
+    files += [f for folder in (*[p for p in HOUSE if not p.endswith(".py")], "tests", "bench")
+              for f in sorted((ROOT / folder).rglob("*.py")) if "histories" not in f.parts]
+    missing = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}  # a name bound to a split module in this file -> the module
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                for a in n.names:
+                    if f"{n.module}.{a.name}" in split:
+                        aliases[a.asname or a.name] = f"{n.module}.{a.name}"
+                    elif n.module in split and not hasattr(importlib.import_module(n.module), a.name):
+                        missing.append(f"{path.relative_to(ROOT)}:{n.lineno}: {n.module}.{a.name}")
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+                    and not hasattr(importlib.import_module(aliases[n.value.id]), n.attr)):
+                missing.append(f"{path.relative_to(ROOT)}:{n.lineno}: {aliases[n.value.id]}.{n.attr}")
+    assert not missing, missing
 
 
 def test_the_house_imports_only_downward() -> None:
