@@ -169,8 +169,8 @@ async def _raw_page(
 ) -> tuple[list[Any], str | None]:
     """One ``tools/list`` page as the server sent it, each entry validated on its own.
 
-    The SDK (``mcp`` 2.x, pinned) validates a page whole; this sends the request as its
-    ``send_request`` does, without that step.
+    The SDK (``mcp`` 2.x, the range pyproject.toml allows) validates a page whole; this sends
+    the request as its ``send_request`` does, without that step.
     """
     from mcp_types import Tool
 

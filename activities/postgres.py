@@ -4,9 +4,11 @@
 
 It owns what the three share: reading and checking the DSN (and redacting its password for a
 person), connecting (one connection per process and store, reconnected after any error, a
-``CONNECT_TIMEOUT`` to reach the server), creating the tables idempotently (under an advisory
-lock: several workers may start at once), and mapping the driver's errors to
-:class:`PostgresUnavailable`, one line that names the error without the DSN's secrets.
+``CONNECT_TIMEOUT`` to reach the server), creating a store's tables idempotently (under an
+advisory lock, ``LOCK``: several workers may start at once; the effect ledger creates its own
+under the same lock, once it has checked that no ledger was lost: activities/effect_ledger.py),
+and mapping the driver's errors to :class:`PostgresUnavailable`, one line that names the error
+without the DSN's secrets.
 
 ``Postgres`` is the asynchronous connection (the sink and the ledger share one per worker, their
 statements one at a time); ``PostgresSync`` the blocking one (the judgement log, written from a

@@ -1,7 +1,7 @@
 """TOML configuration files validated by a pydantic model, with errors that name the file, the
 line and the key (``line 5, key servers.git.tools.git_add.effect: Input should be ...``).
 
-Used by the MCP config (activities/mcp.py); the policy file's ``parse_policy`` has the same
+Used by the MCP config (activities/mcp_config.py); the policy file's ``parse_policy`` has the same
 steps and can be a call of :func:`parse_toml` (``_locate`` would then move here).
 """
 

@@ -1,4 +1,4 @@
-"""Tests for the example billing service (examples/billing/service.py)."""
+"""Tests for the example billing service (examples/billing/: service.py and the db, model and routes it serves)."""
 
 from __future__ import annotations
 
