@@ -79,6 +79,62 @@ from activities.cedar_text import (  # noqa: F401
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.policy_file import TenantPolicy
 
+# What this module holds and what it imports from its parts, for the modules that import it.
+__all__ = [
+    "ACTIONS",
+    "ACTION_GROUPS",
+    "CedarFileError",
+    "Judgement",
+    "Lru",
+    "MAX_NESTING",
+    "MAX_POLICY_BYTES",
+    "NOT_PERMITTED",
+    "NS",
+    "PERSON_ACTIONS",
+    "POLICY_ERROR",
+    "POLICY_SETS",
+    "Policies",
+    "RULE_ORDER",
+    "SCHEMA_PATH",
+    "STEP_ACTIONS",
+    "SUBSET_MAX_POLICIES",
+    "_BASES",
+    "_ERRORED",
+    "_PEOPLE",
+    "_TENANT_KEYS",
+    "_TEXT_DIGESTS",
+    "_skeleton",
+    "_statements",
+    "action_name",
+    "annotations",
+    "cedar_problems",
+    "cedar_string",
+    "check_text",
+    "decimal_text",
+    "export_document",
+    "export_tenant",
+    "judge_person",
+    "judge_request",
+    "judge_requests",
+    "judge_steps",
+    "parsed",
+    "person_entity",
+    "person_request",
+    "plan_auto_approved",
+    "policies_for",
+    "policies_of",
+    "read_tenant_cedar",
+    "run_entities",
+    "schema",
+    "schema_text",
+    "size_problem",
+    "step_entities",
+    "step_requests",
+    "tenant_files",
+    "tenant_key",
+]
+
+
 # ----------------------------------------------------------------------------- checks
 
 
