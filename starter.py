@@ -929,7 +929,7 @@ def what_if(args: argparse.Namespace) -> int:
     exit 0 when none changes, 1 when some do (each printed), 2 when NEW_POLICY is invalid."""
     from datetime import datetime, timedelta, timezone
 
-    from activities.judgements import ProposedPolicy, log_from_env, what_if as judge_again
+    from activities.judgements import ProposedPolicy, before_escalation, log_from_env, what_if as judge_again
     from workflows.policy_file import parse_duration
 
     since = None
@@ -960,6 +960,9 @@ def what_if(args: argparse.Namespace) -> int:
         by = ", ".join(change.policies) or "no policy"
         print(show(f"{e.get('workflow_id')} {e.get('at', '')[:19]} {e.get('check')} {e.get('action')}{who}{what}"
                    f"{' (' + amounts + ')' if amounts else ''}: {was} -> {now} by {by}: {change.meaning}", 600))
+    if uncompared := before_escalation(recorded, proposed):
+        print(f"note: {uncompared} plan(s) that needed approval were logged before judgement lines recorded their "
+              "escalation stages: what-if compares their verdicts, not their escalation", file=sys.stderr)
     print(f"{len(changes)} of {len(recorded)} judgement(s) of {len(runs)} run(s) change under {show(args.target)}"
           + ("" if recorded else f" (none logged in {show(log.describe())}{' since ' + args.since if args.since else ''})"))
     return client.REFUSED if changes else client.OK
@@ -1025,7 +1028,7 @@ def _entity_words(entity: dict[str, Any]) -> str:
 
 def format_judgement(entry: dict[str, Any]) -> list[str]:
     """A logged Cedar judgement: what was decided, by which policies, on which entity data."""
-    from activities.judgements import error_words
+    from activities.judgements import error_words, escalation_words
 
     request = entry.get("request", {})
     by = ", ".join(entry.get("policies", [])) or "no policy"
@@ -1052,6 +1055,9 @@ def format_judgement(entry: dict[str, Any]) -> list[str]:
                 other = entities.get(json.dumps(ref.get("__entity"), sort_keys=True)) if isinstance(ref, dict) else None
                 if other is not None and other is not entities.get(json.dumps(request.get("principal"), sort_keys=True)):
                     lines.append(f"  {key:9} {_entity_words(other)}")
+    # The plan's escalation stages (planning time), or the stage a decision stood at.
+    if (stages := escalation_words(entry)) is not None:
+        lines.append("  " + show(stages, 600))
     return lines
 
 

@@ -30,7 +30,9 @@ from activities.audit_sink import DEFAULT_AUDIT_DIR
 from activities.policy_file import PolicyFileError, load_cedar_files, parse_policy
 from activities.postgres import PostgresSync, Table, cause, dsn_from_env
 from workflows import keys as ring_math
+from workflows.approvals import _duration as duration_words
 from workflows.contract import json_digest
+from workflows.policy_file import TenantPolicy
 
 FILE = "judgements.jsonl"
 logger = logging.getLogger("tether.judgements")
@@ -305,16 +307,27 @@ def _person_of(request: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Change:
-    """A recorded judgement that a proposed policy decides otherwise."""
+    """A recorded judgement that a proposed policy decides otherwise, or escalates otherwise."""
 
     entry: dict[str, Any]
     allowed: bool
     rule: str | None
     policies: tuple[str, ...]
+    # The escalation the proposal sets otherwise, in words (None: the same, or not comparable).
+    escalation: str | None = None
 
     @property
     def meaning(self) -> str:
+        decided = self._decided()
+        if self.escalation is None:
+            return decided or "the same verdict"
+        return self.escalation if decided is None else f"{decided}; {self.escalation}"
+
+    def _decided(self) -> str | None:
+        """The change of verdict in words (None: the same verdict, by the same rule)."""
         action, was = self.entry.get("action", ""), self.entry.get("allowed")
+        if (was, self.entry.get("rule")) == (self.allowed, self.rule):
+            return None
         if was and not self.allowed:
             return {
                 "approve": "an approval that would be refused: the run would have needed another approver",
@@ -377,18 +390,164 @@ class ProposedPolicy:
                 cedar.person_entity(e["uid"]["id"], name, tenant) if e.get("uid", {}).get("type") == f"{cedar.NS}::Person" else e
                 for e in entities
             ]
+            # A decision under an escalated request: the roles its stages added are the proposal's.
+            if (fired := _fired(entry, tenant)) is not None:
+                entities = [_escalated_run(e, entry["escalated"], fired) for e in entities]
         if not entities:
             return False, "tenant", ()
         j = cedar.judge_request(policies, entry.get("request", {}), entities, tenant)
         return j.allowed, j.rule, j.policies
 
+    def escalation(self, entry: dict[str, Any], allowed: bool) -> str | None:
+        """How the proposed file escalates otherwise than the line records, in words (None: the
+        same, or nothing to compare: a line from before escalation was recorded, a Cedar file,
+        which sets no stages, a tenant the proposal does not have). ``allowed``: the proposal's
+        verdict on the line (a plan it would let run alone waits for nobody: its change says so)."""
+        if self.document is None or (tenant := self.document.tenants.get(entry.get("tenant", ""))) is None:
+            return None
+        risk = _risk(entry)
+        if "escalation" in entry:  # the plan's stages, judged at planning time
+            was = _stages(entry["escalation"])
+            if was is None or entry.get("allowed") or allowed:
+                return None
+            now = _stages(escalation_stages(tenant, risk))
+            if now == was:
+                return None
+            return f"escalates to {_stage_words(was)}, would {_would(now)}"
+        fired = _fired(entry, tenant)
+        if fired is None:
+            return None
+        stood = entry["escalated"]
+        was_roles = _strings(stood.get("roles"))
+        if set(r for _, rs in fired for r in rs) == set(was_roles):
+            return None
+        at = f"{', '.join(was_roles) or 'no new role'} after {duration_words(stood['after'])} (stage {stood.get('stage')})"
+        return f"escalated to {at}, would {_would(fired)}"
+
+
+def _fired(entry: dict[str, Any], tenant: TenantPolicy) -> list[tuple[float, tuple[str, ...]]] | None:
+    """For a line under an escalated request: the stages the proposed ``tenant`` would have fired
+    by the time the stage the line stood at fired (None: not such a line, or one without it)."""
+    stood = entry.get("escalated")
+    if not isinstance(stood, dict) or not isinstance(after := stood.get("after"), int | float):
+        return None
+    return [(a, rs) for a, rs in _stages(escalation_stages(tenant, _risk(entry))) or [] if a <= after]
+
+
+def _escalated_run(entity: dict[str, Any], stood: dict[str, Any], fired: list[tuple[float, tuple[str, ...]]]) -> dict[str, Any]:
+    """The run of a decision under an escalated request, with the roles its stages ``added`` (as
+    recorded) in place of those the proposal's ``fired`` stages add. Other entities as they are."""
+    attrs = entity.get("attrs")
+    if entity.get("uid", {}).get("type") != f"{cedar.NS}::Run" or not isinstance(attrs, dict):
+        return entity
+    added = set(_strings(stood.get("added")))
+    kept = [r["__entity"]["id"] for r in attrs.get("roles", []) if isinstance(r, dict) and isinstance(r.get("__entity"), dict)
+            and r["__entity"].get("id") not in added]
+    roles = sorted({*kept, *(r for _, rs in fired for r in rs)})
+    return {**entity, "attrs": {**attrs, "roles": [{"__entity": {"type": f"{cedar.NS}::Role", "id": r}} for r in roles]}}
+
+
+def _strings(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def escalation_stages(tenant: TenantPolicy | None, risk: str) -> list[dict[str, Any]]:
+    """The escalation stages a tenant's file sets for a request of this risk level, as judgement
+    lines record them: seconds ``after`` the request opened, the ``roles`` it adds. The list
+    ``workflows.policy.review_plan`` picks for the level, less the stages at or past the file's
+    approval TTL for it (they never fire; a run's own shorter limit may drop more)."""
+    if tenant is None or risk not in ("normal", "high"):
+        return []
+    high = risk == "high"
+    stages = tenant.escalation.high if high else tenant.escalation.normal
+    ttl = tenant.approval_ttl_seconds.high if high else tenant.approval_ttl_seconds.normal
+    return [{"after": s.after, "roles": list(s.roles)} for s in stages if ttl is None or s.after < ttl]
+
+
+def stood_at(tenant: TenantPolicy | None, risk: str, asked: list[str], *, stage: int | None = None,
+             roles: list[str] | None = None) -> dict[str, Any]:
+    """The escalation stage a judgement under an escalated request stood at, as its line records
+    it: the ``stage`` (1-based; the run's count of stages fired, or else the first of the file's
+    stages whose roles so far are the request's escalated ``roles``), when it fired (``after``;
+    None where the file sets no such stage), the ``roles`` the stages so far added, and those of
+    them the request did not ask for itself (``added``: not in ``asked``)."""
+    stages = escalation_stages(tenant, risk)
+    if stage is None and roles is not None:
+        stage = next((k for k in range(1, len(stages) + 1)
+                      if [r for s in stages[:k] for r in s["roles"]] == list(roles)), None)
+    known = stage is not None and 1 <= stage <= len(stages)
+    if roles is None:
+        roles = [r for s in stages[:stage] for r in s["roles"]] if known and stage else []
+    return {"stage": stage, "after": stages[stage - 1]["after"] if known and stage else None, "roles": list(roles),
+            "added": sorted(set(roles) - set(asked))}
+
+
+def _stages(value: Any) -> list[tuple[float, tuple[str, ...]]] | None:
+    """Recorded stages as (after, roles), None when they are not a list of stages."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for stage in value:
+        if not isinstance(stage, dict) or not isinstance(after := stage.get("after"), int | float):
+            return None
+        roles = stage.get("roles")
+        out.append((float(after), tuple(str(r) for r in roles) if isinstance(roles, list) else ()))
+    return out
+
+
+def _stage_words(stages: list[tuple[float, tuple[str, ...]]]) -> str:
+    return ", then ".join(f"{', '.join(roles) or 'no new role'} after {duration_words(after)}" for after, roles in stages)
+
+
+def _would(stages: list[tuple[float, tuple[str, ...]]] | None) -> str:
+    return f"escalate to {_stage_words(stages)}" if stages else "not escalate"
+
+
+def _risk(entry: dict[str, Any]) -> str:
+    """The risk level the line's request was judged at (its run's, or its step's)."""
+    for entity in entry.get("entities", []):
+        attrs = entity.get("attrs") if isinstance(entity, dict) else None
+        if isinstance(attrs, dict) and isinstance(attrs.get("risk"), str):
+            return str(attrs["risk"])
+    return "none"
+
+
+def escalation_words(entry: dict[str, Any]) -> str | None:
+    """What the line records of escalation, for ``tether policy explain`` (None: nothing)."""
+    if "escalation" in entry:
+        stages = _stages(entry["escalation"])
+        return f"escalation  {_stage_words(stages) if stages else 'none'}" if stages is not None else None
+    stood = entry.get("escalated")
+    if isinstance(stood, dict):
+        roles = _strings(stood.get("roles"))
+        after = stood.get("after")
+        when = f" after {duration_words(after)}" if isinstance(after, int | float) else ""
+        return f"escalated   stage {stood.get('stage')}: {', '.join(map(str, roles)) or 'no new role'}{when}"
+    return None
+
 
 def what_if(recorded: list[dict[str, Any]], proposed: ProposedPolicy) -> list[Change]:
     """The recorded judgements a proposed policy decides otherwise (allowed or not, or by
-    another refusal rule), oldest first."""
+    another refusal rule) or escalates otherwise (the plan's stages, or the stage a decision
+    stood at), oldest first."""
     changes = []
     for entry in recorded:
         allowed, rule, policies = proposed.judge(entry)
-        if (allowed, rule) != (entry.get("allowed"), entry.get("rule")):
-            changes.append(Change(entry=entry, allowed=allowed, rule=rule, policies=policies))
+        escalation = proposed.escalation(entry, allowed)
+        if (allowed, rule) != (entry.get("allowed"), entry.get("rule")) or escalation is not None:
+            changes.append(Change(entry=entry, allowed=allowed, rule=rule, policies=policies, escalation=escalation))
     return changes
+
+
+def before_escalation(recorded: list[dict[str, Any]], proposed: ProposedPolicy) -> int:
+    """Planning-time lines logged before lines recorded the plan's escalation stages, of tenants
+    the proposal escalates: what-if cannot tell whether their escalation changes (0: none such)."""
+    if proposed.document is None:
+        return 0
+    escalating = {name for name, t in proposed.document.tenants.items() if t.escalation.normal or t.escalation.high}
+    return sum(
+        1 for e in recorded
+        if e.get("check") == "plan" and e.get("action") == "auto_approve" and not e.get("allowed")
+        and "escalation" not in e and e.get("tenant") in escalating
+        and isinstance(e.get("request", {}).get("resource"), dict) and e["request"]["resource"].get("id") == "1"
+    )

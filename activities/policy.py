@@ -43,6 +43,7 @@ from workflows.wire import (
     DecisionCheck,
     HandoffCheck,
     PersonCheck,
+    PlanReview,
     PolicySnapshot,
     Refusal,
     SnapshotRequest,
@@ -122,15 +123,17 @@ def cedar_approver_problem(
 
 
 def judge_writes(
-    tenant: TenantPolicy | None, policies: cedar.Policies | None, check: AuthorityCheck, tenant_name: str
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, check: AuthorityCheck, tenant_name: str,
+    review: PlanReview | None = None,
 ) -> tuple[Refusal | None, list[cedar.Judgement]]:
     """The pre-write check in Cedar: may each remaining step write (``execute_write``), and, for
     a plan that runs without approval, is each still auto-approved (``auto_approve``)? The TOML
-    engine's check (approvals in force, counts, signatures) runs beside it; the stricter wins."""
+    engine's check (approvals in force, counts, signatures) runs beside it; the stricter wins.
+    ``review``: the remaining steps' review under ``tenant`` (:func:`remaining_review`), if made."""
     if not check.steps or tenant is None:
         return None, []
     catalog = check.catalog or ToolCatalog()
-    review = policy.review_plan(Plan(steps=check.steps, plan_hash=""), catalog, tenant, check.spent)
+    review = review or remaining_review(tenant, check)
     actions = ["execute_write", "auto_approve"] if check.approvals_required == 0 else ["execute_write"]
     # The writes among the remaining steps (the TOML check judges the tools of these, ``tools``).
     writes = [i for i, s in enumerate(check.steps, start=1)
@@ -149,6 +152,39 @@ def judge_writes(
             # Whichever policy denied it (a high-risk forbid, no limit permitting it), the run asks a person.
             return Refusal(rule="approval_needed", message=f"{step.tool} may not run without approval: {by}"), judged
     return None, judged
+
+
+def request_roles(tenant: TenantPolicy | None, risk: str) -> list[str]:
+    """The roles a request of this risk level asks for before any escalation stage fired (the
+    review's, through ``request_terms``)."""
+    high = tenant.high_risk if tenant is not None and risk == "high" else None
+    roles = high.roles if high is not None else (tenant or policy.DEFAULT_TENANT_POLICY).approval_roles
+    review = PlanReview(needs_approval=True, risk="high" if high else "normal", approvals_required=1, roles=roles, summary="")
+    return policy.request_terms(review, tenant)[1]
+
+
+def remaining_review(tenant: TenantPolicy | None, check: AuthorityCheck) -> PlanReview:
+    """What the file says about the check's remaining steps (approval, risk, escalation)."""
+    return policy.review_plan(Plan(steps=check.steps, plan_hash=""), check.catalog or ToolCatalog(), tenant, check.spent)
+
+
+def escalation_fields(tenant: TenantPolicy | None, check: AuthorityCheck, review: PlanReview | None,
+                      judged: list[cedar.Judgement], approvals: int) -> dict[int, dict[str, Any]]:
+    """What the check's judgement lines record of escalation, by their place in ``judged`` (the
+    ``approvals`` re-judged approvals first): at planning time (auto-approval judged), the plan's
+    first ``auto_approve`` line carries the stages the file sets for the plan; under an escalated
+    request, each re-judged approval the stage it stood at. what-if compares them."""
+    risk = review.risk if review is not None else "none"
+    fields: dict[int, dict[str, Any]] = {}
+    if check.escalated_roles:
+        # The roles the approvals were judged on are the review's and the stages' (authority_refusal).
+        asked = list(review.roles) if review is not None else []
+        stood = judgements.stood_at(tenant, risk, asked, roles=list(check.escalated_roles))
+        fields.update({i: {"escalated": stood} for i in range(approvals)})
+    first = next((i for i, j in enumerate(judged) if cedar.action_name(j.request) == "auto_approve"), None)
+    if first is not None:
+        fields[first] = {"escalation": judgements.escalation_stages(tenant, risk)}
+    return fields
 
 
 def _where() -> dict[str, str]:
@@ -237,8 +273,10 @@ class PolicyActivities:
     async def check_decision(self, check: DecisionCheck) -> Verdict:
         tenant, policies, digest = self._policies(check.tenant)
         refusal, judgement = judge_decision(tenant, policies, check)
+        # A decision on an escalated request: the stage it stood at (what-if compares it).
+        stood = {0: {"escalated": judgements.stood_at(tenant, check.risk, request_roles(tenant, check.risk), stage=check.stage)}} if check.stage else None
         await self._log([judgement], check.tenant, digest, ids=policies.ids if policies else None, check="decision", kind=check.kind,
-                        decision_id=check.decision.decision_id, person=check.decision.approver)
+                        decision_id=check.decision.decision_id, person=check.decision.approver, extra=stood)
         if refusal is None:
             refusal = decision_signature_refusal(
                 tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
@@ -254,15 +292,17 @@ class PolicyActivities:
 
     async def _log(
         self, judged: list[cedar.Judgement], tenant: str, digest: str, *, first: int = 0,
-        ids: Mapping[str, str] | None = None, **what: Any,
+        ids: Mapping[str, str] | None = None, extra: Mapping[int, Mapping[str, Any]] | None = None, **what: Any,
     ) -> None:
         """``first``: the index of the first of these among the activity's judgements (a decision's
-        activity logs the approved plan's re-check after the decision)."""
+        activity logs the approved plan's re-check after the decision). ``extra``: fields of some
+        lines only, by their place in ``judged`` (escalation)."""
         if not judged or (self.judgements is None and self.shadow is None):
             return
         at = datetime.now(timezone.utc).isoformat()
         lines = judgements.entries(judged, ids=ids, at=at, tenant=tenant, policy_hash=digest, **_where(), **what)
-        for line in lines:
+        for i, line in enumerate(lines):
+            line.update((extra or {}).get(i, {}))
             line["index"] += first
         if self.shadow is not None:
             for line in lines:
@@ -395,20 +435,20 @@ class PolicyActivities:
             signature_problem=signature_problem,
             approver_problem=approver_problem,
         )
-        written, judged = judge_writes(tenant, policies, check, check.tenant)
+        review = remaining_review(tenant, check) if check.steps and tenant is not None else None
+        written, judged = judge_writes(tenant, policies, check, check.tenant, review)
         judged = approvals_judged + judged
         refusal = refusal or written
         # "plan": before the steps (planning time, an approved plan, the next step); "write": the
         # check just before a write attempt.
         await self._log(judged, check.tenant, digest, ids=policies.ids if policies else None, first=first, check="write" if check.call else "plan", plan_hash=check.plan_hash,
-                        tool_call_id=check.call.tool_call_id if check.call else "")
+                        tool_call_id=check.call.tool_call_id if check.call else "",
+                        extra=escalation_fields(tenant, check, review, judged, len(approvals_judged)))
         deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
         verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)
         if refusal is not None:
             # A new request asks for what the current file asks, and for someone who can give it.
-            review = policy.review_plan(
-                Plan(steps=check.steps, plan_hash=""), check.catalog or ToolCatalog(), tenant, check.spent
-            )
+            review = review or remaining_review(tenant, check)
             verdict.approvals_required, verdict.roles = policy.request_terms(review, tenant)
             verdict.tenant_policy = tenant
         return verdict

@@ -387,3 +387,137 @@ def test_policy_show_names_the_file_its_hash_and_tenants(
     assert "line 2, key tenants.default.four_eyes" in capsys.readouterr().err
     assert starter.main(["policy", "show", "--policy", str(tmp_path / "none.toml")]) == 2
     assert "policy file not found" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- escalation
+
+ESCALATING = """
+[tenants.default]
+tools = ["get_order", "issue_refund"]
+[tenants.default.approvers]
+alice = { roles = ["approver"] }
+bob = { roles = ["approver"] }
+fay = { roles = ["finance"] }
+lee = { roles = ["legal"] }
+[tenants.default.escalation]
+normal = [%s]
+"""
+FINANCE_1H = '{ after = "1h", roles = ["finance"] }'
+
+
+async def test_what_if_sees_a_recorded_runs_escalation_change(
+    ts_env: Any, billing: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 60.00 refund needs a person; an hour on, the request escalates to finance and fay
+    (finance) approves it. The judgement log records the plan's stages and the stage fay's
+    approvals stood at. what-if: the same file changes nothing (exit 0); a file without the
+    stage, or with it later, reports the plan's escalation and fay's approvals as refused (exit
+    1); a stage with another role added (loosening) and one earlier are reported too."""
+    from activities.judgements import log_from_env
+    from activities.policy import PolicyActivities, PolicyStore
+    from client import run_outcome
+    from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
+    from tests.test_cedar import refund_step
+    from workflows.run_state import RunSnapshot
+
+    def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own
+        return asyncio.to_thread(starter.main, argv)
+
+    live = tmp_path / "policy.toml"
+    live.write_text(ESCALATING % FINANCE_1H)
+    store = PolicyStore.from_env(str(live))
+    judged_dir = tmp_path / "judged"
+    rules = PolicyActivities(store, judgement_log=log_from_env(str(judged_dir)))
+    async with running_worker(ts_env.client, policy=store, rules=rules) as worker:
+        handle = await start_run(ts_env.client, worker, make_request([refund_step(6000)], requested_by="alice"))
+        await wait_for_state(handle, "AWAITING_APPROVAL")
+        await ts_env.sleep(3600 + 60)
+        while True:  # the stage's timer fired on the skipped hour: the request escalated
+            snap = await handle.query("snapshot", result_type=RunSnapshot)
+            if snap.pending_approval is not None and snap.pending_approval.stage == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert snap.pending_approval.roles == ["approver", "finance"]
+        await handle.signal("approve", approval_for(snap, "fay"))
+        await run_outcome(handle)
+    logged = log_from_env(str(judged_dir)).read()
+    plan = [e for e in logged if (e["check"], e["action"]) == ("plan", "auto_approve")]
+    assert len(plan) == 1 and not plan[0]["allowed"], plan
+    assert plan[0]["escalation"] == [{"after": 3600.0, "roles": ["finance"]}], plan[0]
+    fays = [e for e in logged if (e["action"], e.get("person")) == ("approve", "fay")]
+    assert fays[0]["check"] == "decision" and len(fays) >= 2 and all(e["allowed"] for e in fays), fays
+    stood = {"stage": 1, "after": 3600.0, "roles": ["finance"], "added": ["finance"]}
+    assert all(e["escalated"] == stood for e in fays), fays
+    assert not any("escalated" in e for e in logged if e not in fays), "only a decision under the stage records it"
+
+    # explain shows the plan's stages and the stage a decision stood at.
+    capsys.readouterr()
+    assert await cli(["policy", "explain", handle.id, "--audit-dir", str(judged_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "  escalation  finance after 1h" in out and "  escalated   stage 1: finance after 1h" in out, out
+
+    async def what_if(stages: str) -> tuple[int, list[str]]:
+        proposal = tmp_path / "proposal.toml"
+        proposal.write_text(ESCALATING % stages)
+        capsys.readouterr()
+        code = await cli(["policy", "what-if", str(proposal), "--audit-dir", str(judged_dir)])
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-1].endswith(f"of {len(logged)} judgement(s) of 1 run(s) change under {proposal}"), lines
+        return code, lines[:-1]
+
+    assert await what_if(FINANCE_1H) == (0, [])
+    # The stage removed (tightening): the plan would not escalate, and fay could not have approved.
+    code, changed = await what_if("")
+    assert code == 1 and len(changed) == 1 + len(fays), changed
+    assert "plan auto_approve step 1" in changed[0] and changed[0].endswith(
+        "refused (approval_needed) -> refused (approval_needed) by no policy: "
+        "escalates to finance after 1h, would not escalate"), changed[0]
+    for line in changed[1:]:
+        assert "approve by fay: allowed -> refused (role)" in line and line.endswith(
+            "an approval that would be refused: the run would have needed another approver; "
+            "escalated to finance after 1h (stage 1), would not escalate"), line
+    # Later: at the hour the stage fired, the proposal had not escalated yet.
+    code, changed = await what_if('{ after = "2h", roles = ["finance"] }')
+    assert code == 1 and len(changed) == 1 + len(fays), changed
+    assert changed[0].endswith("escalates to finance after 1h, would escalate to finance after 2h"), changed[0]
+    assert all("allowed -> refused (role)" in c and c.endswith("would not escalate") for c in changed[1:]), changed
+    # Earlier: the plan escalates otherwise; fay's approvals stood on the same roles.
+    code, changed = await what_if('{ after = "30m", roles = ["finance"] }')
+    assert code == 1 and len(changed) == 1, changed
+    assert changed[0].endswith("escalates to finance after 1h, would escalate to finance after 30m"), changed
+    # Loosening: legal too at the same stage; fay's approvals still count, on wider roles.
+    code, changed = await what_if('{ after = "1h", roles = ["finance", "legal"] }')
+    assert code == 1 and len(changed) == 1 + len(fays), changed
+    assert changed[0].endswith("would escalate to finance, legal after 1h"), changed[0]
+    assert all("approve by fay: allowed -> allowed" in c and c.endswith(
+        "escalated to finance after 1h (stage 1), would escalate to finance, legal after 1h") for c in changed[1:]), changed
+
+
+def test_lines_from_before_escalation_was_recorded_count_as_unchanged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A planning-time line without the plan's stages, a decision without the stage it stood at,
+    and a malformed escalation field (signed all the same) are unchanged under any stages: the
+    note on stderr says the plans' escalation was not compared where the proposal escalates."""
+    now = datetime.now(timezone.utc)
+    log = JsonlJudgementLog(tmp_path)
+    old = auto_approvals("run-old", 12500, at=now - timedelta(minutes=2))
+    assert "escalation" not in old[0] and not old[0]["allowed"]
+    log.write(old)
+    log.write(bobs_approval("run-old", now - timedelta(minutes=1)))
+    mangled = auto_approvals("run-odd", 12500, at=now, escalation="soon")
+    log.write(mangled + signed_lines([{**bobs_approval("run-odd", now)[0], "escalated": {"stage": 1, "after": "1h"}}]))
+    # Forged: a signed line whose stages were edited afterwards is not the fleet's, and is skipped.
+    log.write([{**mangled[0], "escalation": [{"after": 60, "roles": ["cfo"]}]}])
+    capsys.readouterr()
+    unchanged = policy(tmp_path, "same.toml", 5000)
+    with_stage = tmp_path / "staged.toml"
+    with_stage.write_text(unchanged.read_text() + '[tenants.default.escalation]\nnormal = [{ after = "1h", roles = ["cfo"] }]\n')
+    assert starter.main(["policy", "what-if", str(with_stage), "--audit-dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1] == f"0 of 4 judgement(s) of 2 run(s) change under {with_stage}", captured.out
+    assert "note: 1 plan(s) that needed approval were logged before judgement lines recorded their escalation" in captured.err
+    assert "1 line(s) of" in captured.err and "not signed by the fleet: skipped" in captured.err, captured.err
+    # Without stages in the proposal the note has nothing to say.
+    assert starter.main(["policy", "what-if", str(unchanged), "--audit-dir", str(tmp_path)]) == 0
+    assert "note:" not in capsys.readouterr().err
