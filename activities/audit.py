@@ -21,7 +21,7 @@ Two sinks, one contract:
 A sink that cannot write raises ``audit_sink_unavailable`` after a few quick attempts; the
 workflow shows the error on the run and retries on a backoff timer, and starts no further work
 until every record is in (workflows/agent_run.py). Each failure is logged here and counted
-(``tether_audit_sink_failures``). ``tether timeline RUN --all`` reads the sink (client.py).
+(``tether_audit_sink_failures``). ``tether timeline RUN --all`` reads the sink (tether.client.audit_trail).
 
 The carried-state seal lives in ``activities/keys.py``.
 """
