@@ -19,6 +19,7 @@ from tether.runs import ViewUnverified, public_keys, published_view
 from tether.client.workers import no_worker_message, worker_serving
 from tether.client.reads import snapshot, timeline
 
+
 class AuditBranch(BaseModel):
     """One execution's records, as the audit sink holds them, and how that execution began."""
 
@@ -32,7 +33,6 @@ class AuditBranch(BaseModel):
     current: bool = False
     records: list[TransitionRecord] = []
     from_window: list[int] = []  # seqs the sink lacks, shown from the run's own window
-
 
 
 class AuditTrail(BaseModel):
@@ -74,7 +74,6 @@ class AuditTrail(BaseModel):
         return [records[k] for k in sorted(records)]
 
 
-
 async def _origin(client: Client, workflow_id: str, run_id: str) -> AuditBranch:
     """How an execution began, from its history: a reset (reason, by whom), continued, first."""
     from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
@@ -99,7 +98,6 @@ async def _origin(client: Client, workflow_id: str, run_id: str) -> AuditBranch:
     except RPCError:
         pass  # gone from Temporal (retention): the sink's records still show
     return branch
-
 
 
 async def audit_trail(
@@ -204,7 +202,6 @@ async def audit_trail(
             mine.from_window.append(record.seq)
     mine.records.sort(key=lambda r: r.seq)
     return trail
-
 
 
 async def full_timeline(client: Client, run_id: str, audit_dir: str | None = None) -> list[TransitionRecord]:

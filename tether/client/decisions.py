@@ -40,9 +40,9 @@ from tether.client.signing import sign
 from tether.client.shown import approval_offer_problem
 from tether.client.reads import RunStatus, read_run, snapshot, timeline
 
+
 # Seconds a decision or handoff waits for the run's verdict (TETHER_VERDICT_TIMEOUT).
 VERDICT_TIMEOUT = float(os.environ.get("TETHER_VERDICT_TIMEOUT") or 10.0)
-
 
 
 class Verdict(BaseModel):
@@ -54,7 +54,6 @@ class Verdict(BaseModel):
     plan: Plan | None = None
     pending: PendingApproval | None = None
     reset: RepairResult | None = None  # a forced hand-off's reset
-
 
 
 async def _await_record(client: Client, run_id: str, decision_id: str, timeout: float) -> TransitionRecord | None:
@@ -77,7 +76,6 @@ async def _await_record(client: Client, run_id: str, decision_id: str, timeout: 
         if loop.time() > deadline:
             return None
         await asyncio.sleep(0.2)
-
 
 
 @dataclass(frozen=True)
@@ -104,7 +102,6 @@ class DecisionInput:
 HASH_PREFIX = 12
 
 
-
 def resolve_plan_hash(given: str | None, pending: str) -> str:
     """The plan hash a decision names: ``given`` in full, or a prefix of at least HASH_PREFIX
     hex characters of the pending hash (the form tether prints) widened to it. Any other hash
@@ -118,7 +115,6 @@ def resolve_plan_hash(given: str | None, pending: str) -> str:
             f"(as `tether status RUN` prints it)", field="plan_hash", detail=f"give at least {HASH_PREFIX} hex characters of the plan hash",
         )
     return pending if pending.startswith(text) else text
-
 
 
 def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given: DecisionInput) -> DecideRequest:
@@ -150,7 +146,6 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     return decision
 
 
-
 def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
     """The whole plan as ``{tool, args}`` steps with the edits applied (the run validates it)."""
     steps = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
@@ -159,7 +154,6 @@ def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dic
             raise TetherError(f"--step {number}: the pending plan has {len(steps)} step(s)", REFUSED)
         steps[number - 1]["args"][key] = value
     return steps
-
 
 
 async def revise(
@@ -199,7 +193,6 @@ async def revise(
     return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
-
 async def decide(
     client: Client,
     run_id: str,
@@ -223,7 +216,6 @@ async def decide(
     decision = build_decision(snap, kind, given)
     record = await _send_decision(client, run_id, decision, timeout)
     return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
-
 
 
 async def pending_request(
@@ -254,7 +246,6 @@ async def pending_request(
     return snap, held_request(snap)
 
 
-
 def held_request(snap: RunSnapshot) -> PendingApproval:
     """The pending request of a run as read, or REFUSED: it is not awaiting approval, or the steps
     shown do not hash to the plan hash the request binds (``approval_offer_problem``)."""
@@ -275,7 +266,6 @@ PENDING_QUERY_SECONDS = 2.0
 
 # How soon a decision the run had no room for is sent again (it is continuing as new).
 CONTINUING_RETRY = 0.25
-
 
 
 async def _send_decision(
@@ -347,11 +337,9 @@ async def _send_decision(
 TASK_FAILING_RETRY = 0.5
 
 
-
 def _task_failing(err: RPCError) -> bool:
     """Temporal takes no Update while the run's last workflow task failed (until one completes)."""
     return err.status == RPCStatusCode.FAILED_PRECONDITION and "workflow task in failed state" in err.message.lower()
-
 
 
 async def _pending_task(handle: WorkflowHandle) -> Any:
@@ -365,14 +353,12 @@ async def _pending_task(handle: WorkflowHandle) -> Any:
     return raw.pending_workflow_task if raw.HasField("pending_workflow_task") else None
 
 
-
 def _task_failing_error(run_id: str) -> TetherError:
     return TetherError(
         f"run {run_id} takes no decision while its workflow task keeps failing: `tether status {run_id}` says why "
         f"(older_build: a worker of another build took it, run one of the run's own build; otherwise "
         f"`tether repair {run_id}`)", rule="task_failing",
     )
-
 
 
 async def handoff(
@@ -445,7 +431,6 @@ async def handoff(
             f"again what was in flight: {', '.join(reset.in_flight) or 'nothing'} (may have applied)", REFUSED, rule=e.rule,
         ) from None
     return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record, reset=reset)
-
 
 
 def plan_to_run(verdict: Verdict, steps: Sequence[int] | None = None) -> Plan | None:

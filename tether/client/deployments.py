@@ -13,6 +13,7 @@ from workflows.display import escape_text
 from tether.connection import DEPLOYMENT_ENV, QUERY_TIMEOUT, TetherError, rpc_error
 from tether.client.listing import build_order
 
+
 class DeployedVersion(BaseModel):
     """One build of a Worker Deployment: its routing, its open runs, whether it can be retired."""
 
@@ -24,7 +25,6 @@ class DeployedVersion(BaseModel):
     retirable: bool = False  # not routed, and no open run: its workers can stop
 
 
-
 class DeploymentStatus(BaseModel):
     deployment: str
     current: str | None = None  # the build new runs start on (None: unversioned workers)
@@ -32,7 +32,6 @@ class DeploymentStatus(BaseModel):
     ramp_percent: float | None = None
     versions: list[DeployedVersion] = []
     unversioned_runs: int = 0  # open runs on unversioned workers (from before versioning)
-
 
 
 def _deployment_error(err: RPCError, deployment: str) -> TetherError:
@@ -44,7 +43,6 @@ def _deployment_error(err: RPCError, deployment: str) -> TetherError:
     return rpc_error(err, deployment)
 
 
-
 def _routed_build(version: Any, legacy: str) -> str | None:
     """The build a routing field names (None: unversioned workers, or nothing)."""
     if version is not None and version.build_id:
@@ -54,14 +52,12 @@ def _routed_build(version: Any, legacy: str) -> str | None:
     return None
 
 
-
 async def _count_open(client: Client, clause: str) -> int:
     query = f"WorkflowType = 'AgentRun' AND ExecutionStatus = 'Running' AND {clause}"
     try:
         return (await client.count_workflows(query, rpc_timeout=QUERY_TIMEOUT)).count
     except RPCError as e:
         raise TetherError(f"counting runs failed: {e.message}") from None
-
 
 
 async def deployment_status(client: Client, deployment: str) -> DeploymentStatus:

@@ -13,6 +13,7 @@ from workflows.contract import first_error
 from workflows.states import TransitionRecord
 from tether.connection import REFUSED, TetherError
 
+
 def invalid(what: str, err: ValidationError) -> TetherError:
     """A pydantic error as a usage error naming the field (never a traceback)."""
     first = err.errors()[0]
@@ -20,11 +21,9 @@ def invalid(what: str, err: ValidationError) -> TetherError:
     return TetherError(f"invalid {what}: {first_error(err)}", field=names[-1] if names else None, detail=first["msg"])
 
 
-
 def _refused(record: TransitionRecord | None) -> None:
     if record is not None and record.kind == "refused":
         raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED, rule=record.rule)
-
 
 
 def _refused_update(err: WorkflowUpdateFailedError, kind: str) -> TetherError:

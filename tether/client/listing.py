@@ -21,6 +21,7 @@ from tether.connection import TetherError
 from tether.runs import StuckTask, ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.reads import closed_note
 
+
 class RunSummary(BaseModel):
     run_id: str
     state: str | None
@@ -38,7 +39,6 @@ class RunSummary(BaseModel):
 DESCRIBE_CONCURRENCY = 8
 
 
-
 def list_query(state: str | None, tenant: str | None) -> str:
     """The visibility query for runs; inputs are checked first (they are quoted into it)."""
     state = state.upper() if state else state  # `--state awaiting_approval` means the same
@@ -54,7 +54,6 @@ def list_query(state: str | None, tenant: str | None) -> str:
     return " AND ".join(clauses)
 
 
-
 def build_order(build: str) -> int:
     """Where a build marker (``tether-build-N``) stands among builds: N; -1 for anything else
     (a run from before builds had a number)."""
@@ -62,12 +61,10 @@ def build_order(build: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-
 def run_build(markers: Sequence[str] | None) -> str | None:
     """The build that started a run, from its TemporalChangeVersion markers (None: none)."""
     builds = [m for m in markers or [] if build_order(m) >= 0]
     return max(builds, key=build_order) if builds else None
-
 
 
 async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
@@ -89,7 +86,6 @@ async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
     except RPCError as e:
         raise TetherError(f"listing failed: {e.message}") from None
     return rows
-
 
 
 async def list_runs(

@@ -41,6 +41,7 @@ from tether.client.sink import ledger_standing
 from tether.client.reads import snapshot, timeline
 from tether.client.decisions import VERDICT_TIMEOUT
 
+
 async def start_run(
     client: Client,
     request: RunRequest,
@@ -84,7 +85,6 @@ async def start_run(
         raise rpc_error(e, run_id) from None
 
 
-
 def person_name(by: str) -> str:
     """A person's name as the run takes it (normalised), or a usage error naming ``--by``."""
     from pydantic import TypeAdapter
@@ -95,7 +95,6 @@ def person_name(by: str) -> str:
         return TypeAdapter(Name).validate_python(by)
     except ValidationError as e:
         raise TetherError(f"invalid name: {first_error(e)}", field="by", detail=first_error(e)) from None
-
 
 
 def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
@@ -109,7 +108,6 @@ def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
     except TetherError as e:
         return e
     return None
-
 
 
 def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
@@ -135,13 +133,11 @@ def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
                       field="tenant", rule="tenant_unknown")
 
 
-
 def policy_file() -> Path | None:
     """The policy file a client checks against: TETHER_POLICY, else the one the checkout's dev
     stack's worker applies (none: the worker's alone decides)."""
     path = os.environ.get("TETHER_POLICY") or checkout_stack().get("policy")
     return Path(path) if isinstance(path, str) and path else None
-
 
 
 async def cancel(
@@ -196,12 +192,10 @@ async def cancel(
     return result
 
 
-
 def compensation_id(run_id: str) -> str:
     """The workflow id of a run's compensation runs: one at a time; a new one may follow one
     that ended however it ended (refused, failed, cancelled, terminated, handed off)."""
     return f"{run_id}-compensate"
-
 
 
 def compensate_refusal(
@@ -230,7 +224,6 @@ def compensate_refusal(
         return TetherError(f"run {snap.run_id} has no write left to undo ({len(done)} undone) [rule: nothing_to_compensate]",
                            REFUSED, rule="nothing_to_compensate")
     return None
-
 
 
 async def compensate(
@@ -275,7 +268,6 @@ async def compensate(
         raise
     await compensation_judged(client, new_id, timeout)
     return handle
-
 
 
 async def compensation_judged(client: Client, run_id: str, timeout: float) -> RunSnapshot:

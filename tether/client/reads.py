@@ -23,6 +23,7 @@ from tether.runs import StuckTask, ViewUnverified, describe as _describe, publis
 from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
 from tether.client.sink import _sink_records, ledger_standing
 
+
 class RunStatus(RunSnapshot):
     """The ``snapshot`` query, plus why the run ended (the final record) once it has."""
 
@@ -55,7 +56,6 @@ class RunStatus(RunSnapshot):
         return self.state in TERMINAL
 
 
-
 def closed_note(state: str | None, temporal_status: str | None) -> str | None:
     """What to say of a run Temporal has closed while its last Tether state is a working one."""
     if temporal_status in (None, "RUNNING", "CONTINUED_AS_NEW") or state is None:
@@ -71,7 +71,6 @@ def closed_note(state: str | None, temporal_status: str | None) -> str | None:
     )
 
 
-
 async def snapshot(client: Client, run_id: str, *, timeout: float | None = None) -> RunSnapshot:
     handle = client.get_workflow_handle(run_id)
     rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
@@ -85,7 +84,6 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
         raise TetherError(f"run {run_id} could not answer: {e}") from None
 
 
-
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
@@ -96,7 +94,6 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
-
 
 
 async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
@@ -121,7 +118,6 @@ async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatu
 UNPUBLISHED_QUERY_SECONDS = 0.5
 
 
-
 def _listed_snapshot(description: Any) -> RunSnapshot:
     """What Temporal lists of a run that has published nothing: its listed state and start."""
     attrs = description.typed_search_attributes
@@ -132,7 +128,6 @@ def _listed_snapshot(description: Any) -> RunSnapshot:
         previous_state=None, state_version=0, plan=None, pending_approval=None, step=0, retries=0, last_error=None,
         approved_by=[], answer=None, created_at=description.start_time, updated_at=None,
     )
-
 
 
 async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
@@ -199,7 +194,6 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     return result, records
 
 
-
 async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
     """How a run ended (waits for it), whatever Temporal status it ended with.
 
@@ -229,7 +223,6 @@ async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
     return await _with_timeline(handle, raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw))
 
 
-
 async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutcome:
     if not outcome.records or outcome.timeline:
         return outcome  # a run recorded before: its result carried both
@@ -239,7 +232,6 @@ async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutc
     if outcome.steps_executed and not outcome.steps:
         outcome.steps = await last.query("steps", result_type=list[ExecutedStep], rpc_timeout=QUERY_TIMEOUT)
     return outcome
-
 
 
 async def wait_settled(

@@ -16,6 +16,7 @@ from workflows.wording import effect_words, money
 from workflows.contract import Plan
 from workflows.run_state import PendingApproval, RunSnapshot
 
+
 def age(at: datetime, now: datetime | None = None) -> str:
     """How long ago ``at`` was, for a person: ``4 s``, ``12 min``, ``3 h 5 min``."""
     seconds = max(0, int(((now or datetime.now(timezone.utc)) - at).total_seconds()))
@@ -26,11 +27,9 @@ def age(at: datetime, now: datetime | None = None) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-
 def freshness(published_at: datetime, now: datetime | None = None) -> str:
     """``as published at 20:51:03 UTC, 4 s ago``: how old what a view shows is."""
     return f"as published at {published_at.astimezone(timezone.utc):%H:%M:%S} UTC, {age(published_at, now)} ago"
-
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,6 @@ class ArgView:
     name: str
     value: Any  # as the plan holds it (the page escapes it; the terminal uses ``shown``)
     money: str | None  # ``600.00 EUR`` when the tool's schema declares the argument as money
-
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,6 @@ class StepView:
     writes: bool
     args: list[ArgView]
     summary: list[ArgView]  # the tool's declared summary fields
-
 
 
 def step_views(plan: Plan | None, tools: Sequence[Any]) -> list[StepView]:
@@ -78,12 +75,10 @@ def step_views(plan: Plan | None, tools: Sequence[Any]) -> list[StepView]:
     return views
 
 
-
 def shown_arg(arg: ArgView, limit: int | None = None) -> str:
     """``name: value`` for a terminal, money as ``600.00 EUR (60000)``; escaped."""
     value = show_value(arg.value, limit)
     return f"{escape_text(arg.name, 80)}: " + (f"{arg.money} ({value})" if arg.money else value)
-
 
 
 def plan_summary(plan: Plan | None, tools: Sequence[Any], limit: int = 600) -> str:
@@ -102,7 +97,6 @@ def plan_summary(plan: Plan | None, tools: Sequence[Any], limit: int = 600) -> s
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-
 def approval_offer_problem(snap: RunSnapshot) -> str | None:
     """Why a page or CLI must offer no Approve on this snapshot (None: the steps it shows hash
     to the plan hash the pending approval binds). A view that lies about the arguments then
@@ -114,7 +108,6 @@ def approval_offer_problem(snap: RunSnapshot) -> str | None:
         return ("the steps shown do not hash to the plan hash the approval binds: what is shown is not "
                 "the run's plan (check `tether status RUN --live`)")
     return None
-
 
 
 def approvals_needed(pending: PendingApproval) -> str:

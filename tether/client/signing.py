@@ -17,6 +17,7 @@ from workflows import policy
 from workflows.run_state import RunRequest
 from tether.connection import TetherError
 
+
 def sign_request(request: RunRequest, run_id: str, key: Path) -> RunRequest:
     """The request with the requester's Ed25519 signature over policy.start_signature_payload:
     where the tenant requires signatures, a run starts only with it."""
@@ -34,7 +35,6 @@ def sign_request(request: RunRequest, run_id: str, key: Path) -> RunRequest:
         issued_at=request.issued_at,
     )
     return request.model_copy(update={"requester_signature": sign(key, payload)})
-
 
 
 def keygen(path: Path, *, force: bool = False) -> str:
@@ -66,7 +66,6 @@ def keygen(path: Path, *, force: bool = False) -> str:
     return public
 
 
-
 def ensure_keys(folder: Path, names: Sequence[str]) -> None:
     """Key pairs for these people under ``folder`` (NAME.pem, NAME.pem.pub), made if missing:
     what `make demo` signs with, and what the example policy's signed tenant lists. Processes
@@ -81,12 +80,10 @@ def ensure_keys(folder: Path, names: Sequence[str]) -> None:
                 keygen(folder / f"{name}.pem")
 
 
-
 def sign(key: Path, payload: bytes) -> str:
     """The Ed25519 signature (base64) of ``payload`` with the private key in ``key`` (PEM): the one
     way a start, decision, revision, hand-off or cancel is signed."""
     return base64.b64encode(load_private_key(key).sign(payload)).decode()
-
 
 
 def load_private_key(path: Path) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from workflows.contract import CompensationCall
 from workflows.states import TransitionRecord
 
+
 async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]:
     """The records of this execution the audit sink (the workers', TETHER_AUDIT_DSN /
     TETHER_AUDIT_DIR) holds; none when this client cannot read it."""
@@ -23,14 +24,12 @@ async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]
     return streams.get(run_id, [])
 
 
-
 async def undo_standing(compensations: list[CompensationCall]) -> list[CompensationCall]:
     """Each write's undo as the workers' effect ledger (beside their audit sink: TETHER_AUDIT_DSN /
     TETHER_AUDIT_DIR) says it stands: undone by which run and when, or started with its outcome
     unknown (it may have applied). ``unknown`` where this client cannot read the ledger (the
     ledger is the witness: never "pending" for want of it); ``ledger_standing`` says why."""
     return (await ledger_standing(compensations))[0]
-
 
 
 async def ledger_standing(compensations: list[CompensationCall]) -> tuple[list[CompensationCall], str | None]:

@@ -17,6 +17,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from workflows.display import escape_text
 from tether.connection import DEFAULT_TASK_QUEUE, MCP_TASK_QUEUE, TetherError, rpc_error, task_queue, timed_out
 
+
 def start_worker_hint(queue: str) -> str:
     if queue == DEFAULT_TASK_QUEUE:
         return "`make worker`"
@@ -28,7 +29,6 @@ def start_worker_hint(queue: str) -> str:
 # A task is taken within milliseconds by a worker with a free slot: one scheduled this long
 # without being taken means no worker is taking the queue's tasks (or every one is saturated).
 TAKE_SECONDS = 10.0
-
 
 
 def no_worker_message(queue: str) -> str:
@@ -49,14 +49,12 @@ HEARTBEAT_FRESH = timedelta(seconds=150)
 PROBE_TIMEOUT = timedelta(seconds=5)
 
 
-
 def _probe_unsupported(err: RPCError) -> bool:
     """A server (or an authorizer) that does not offer the call: judge without it."""
     return err.status in (
         RPCStatusCode.UNIMPLEMENTED, RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.FAILED_PRECONDITION,
         RPCStatusCode.INVALID_ARGUMENT,
     )
-
 
 
 async def _gone_workers(client: Client, queue: str, now: datetime) -> dict[str, datetime | None] | None:
@@ -88,7 +86,6 @@ async def _gone_workers(client: Client, queue: str, now: datetime) -> dict[str, 
             last = gone.get(beat.worker_identity)
             gone[beat.worker_identity] = seen if last is None or (seen is not None and seen > last) else last
     return {identity: seen for identity, seen in gone.items() if identity not in running}
-
 
 
 async def worker_serving(client: Client, queue: str) -> bool | None:
@@ -133,11 +130,9 @@ async def worker_serving(client: Client, queue: str) -> bool | None:
     return any(alive(identity, polled) for identity, polled in fresh.items())
 
 
-
 async def has_worker(client: Client, queue: str) -> bool:
     """``worker_serving``, with "cannot tell" taken as yes (the call then finds out)."""
     return await worker_serving(client, queue) is not False
-
 
 
 async def require_worker(client: Client, run_id: str) -> None:
@@ -154,7 +149,6 @@ async def require_worker(client: Client, run_id: str) -> None:
         raise TetherError(untaken_message(run_id, description.task_queue, waiting), rule="no_worker")
 
 
-
 def untaken_seconds(description: Any) -> float | None:
     """How long the run's workflow task has waited for a worker to take it (None: no task is
     waiting; a worker has it or the run has nothing to do)."""
@@ -167,13 +161,11 @@ def untaken_seconds(description: Any) -> float | None:
     return (datetime.now(timezone.utc) - task.scheduled_time.ToDatetime(timezone.utc)).total_seconds()
 
 
-
 def untaken_message(run_id: str, queue: str, waited: float) -> str:
     return (
         f"no worker has taken run {run_id}'s task on task queue '{escape_text(queue)}' in {waited:.0f}s — "
         f"start one with {start_worker_hint(queue)} (if one runs, see its log: it may be saturated)"
     )
-
 
 
 async def no_answer(client: Client, run_id: str, waited: float) -> TetherError:
