@@ -14,7 +14,7 @@ A sink that cannot write raises ``audit_sink_unavailable``; ``audit_append`` tri
 in quick succession, then the workflow shows the error on the run and retries on a backoff
 timer, and starts no further work until every record is in (workflows/effects.py). Each failure
 is logged here and counted (``tether_audit_sink_failures``). ``tether timeline RUN --all`` reads
-the sink (client.py).
+the sink (tether.client).
 """
 
 from __future__ import annotations

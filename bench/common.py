@@ -20,7 +20,7 @@ from typing import AsyncIterator, Sequence
 from temporalio.client import Client
 
 from examples.devstack import dev_server_command
-from client import connect
+from tether.client import connect
 
 ROOT = Path(__file__).resolve().parent.parent
 RESERVED_PORTS = {7233, 8233, 8765}  # the demo stack's: never used here

@@ -52,7 +52,7 @@ from bench.common import (
 )
 from bench import ledger
 from bench.profile import Recorder, report as profile_report
-from client import start_run
+from tether.client import start_run
 from workflows.run_state import RunRequest
 
 GOVERNED, APPROVAL, WRITES, BARE = "governed", "governed+approval", "governed+writes", "bare"

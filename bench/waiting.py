@@ -16,7 +16,7 @@ import time
 import uuid
 
 from bench.common import approve_pending, bench_stack, cpu_seconds, machine_line, peak_rss_mb, rss_mb, table
-from client import start_run
+from tether.client import start_run
 from workflows.run_state import RunRequest
 
 

@@ -26,7 +26,7 @@ from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
 from activities.tools import load_tool_modules
 from bench.bare import BareAgentLoop
-from client import connect
+from tether.client import connect
 from worker import create_worker
 
 

@@ -15,9 +15,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import client
+import tether.client as client
 import starter
-from client import exit_process
+from tether.client import exit_process
 from examples.devstack import BILLING_PORT, DEMO_SIGNERS, INBOX_URL, KEYS_DIR, STATE_DIR, TEMPORAL_PORT, UI_PORT
 from workflows.run_state import RunSnapshot
 from workflows.states import TERMINAL, RunState

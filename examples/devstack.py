@@ -377,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action in ("up", "restart"):
         if {"worker", "inbox"} & set(names):
             # The example policy's signed tenant and [signers.inbox] list these keys: make them first.
-            from client import ensure_keys
+            from tether.client import ensure_keys
 
             ensure_keys(KEYS_DIR, DEMO_SIGNERS)
         for name in names:

@@ -19,7 +19,7 @@ from typing import Any
 import examples.billing.tools  # noqa: F401  (the tools the run uses)
 from activities.audit import AuditActivities
 from activities.audit_sink import AUDIT_TABLE, JsonlAuditSink, PostgresAuditSink, audit_path
-from client import connect, exit_process
+from tether.client import connect, exit_process
 from workflows.wire import AuditBatch
 
 TORN_CALL = 1  # the sink's first batch is the one torn (a read-only run's records reach it at its end, by the audit collector: the next worker's catch-up writes them)

@@ -36,7 +36,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
-import client as tether_client
+import tether.client as tether_client
 from examples.billing.db import SEED_ORDERS
 from examples.billing.service import make_server
 from worker import create_worker

@@ -23,7 +23,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-import client as tether_client
+import tether.client as tether_client
 from activities.policy import PolicyStore
 from inbox.app import InboxConfig, create_app
 from tests.conftest import make_request, running_worker

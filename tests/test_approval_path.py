@@ -22,7 +22,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from activities.audit import AuditActivities
 from activities.audit_sink import JsonlAuditSink
 from activities.audit_verify import verify_streams

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import BIN, ROOT, Billing, running_worker, timeline, unique, wait_for_state
 from tests.round_trips import counting_proxy
 from tests.test_cli import POLICY, one_line
@@ -203,7 +203,8 @@ def test_an_update_refusal_is_read_by_its_type_never_from_its_message() -> None:
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.exceptions import ApplicationError
 
-    from client import REFUSED, _refused_update
+    from tether.client import REFUSED
+    from tether.client.errors import _refused_update
 
     typed = _refused_update(WorkflowUpdateFailedError(
         ApplicationError("approve refused [duplicate_decision]: decision_id d is already being decided", type="duplicate_decision")
@@ -224,7 +225,7 @@ def test_the_plan_an_approval_lets_run_is_read_from_its_record_only_when_the_ste
     """`tether approve` prints the plan that runs from the Update's record, with no query: the
     plan decided, or for --steps its kept steps as the next version, only when they hash to the
     plan hash the run recorded; anything else (a record naming another plan) is asked for."""
-    from client import Verdict, plan_to_run
+    from tether.client import Verdict, plan_to_run
     from workflows.contract import Compensation, Plan, PlanStep
     from workflows.states import Refs, RunState, TransitionRecord
 
@@ -248,7 +249,7 @@ def test_the_plan_an_approval_lets_run_is_read_from_its_record_only_when_the_ste
 
 
 def test_money_comes_only_from_the_schema_and_effects_read_as_words() -> None:
-    from client import effect_words, money
+    from workflows.wording import effect_words, money
     from workflows.contract import Compensation, ToolEffect, ToolInfo
 
     eur = {"type": "integer", "x-money": {"currency": "EUR", "minor_units": 2}}

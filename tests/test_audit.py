@@ -17,12 +17,12 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, Wor
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from activities.audit import AuditActivities
 from activities.audit_sink import JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
 from activities.policy import PolicyActivities, PolicyStore
 from activities.keys import KeyRing
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import (
     audit_collected,
     BIN,

@@ -16,11 +16,12 @@ from pydantic import BaseModel
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from activities.audit import AuditActivities
 from activities.audit_sink import JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
-from client import run_outcome
+from tether.client import run_outcome
+from tether.client.decisions import _send_decision
 from tests.conftest import Billing, audit_collected, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
 from tests.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
@@ -212,7 +213,7 @@ async def test_an_update_flood_is_answered_and_continues_as_new_before_temporals
             # has continued, and the client sends it again to the continued run, where it counts.
             request = DecideRequest(kind="approve", **approval_for("0" * 64, "bob").model_dump())
             try:
-                await tether_client._send_decision(dev_env.client, handle.id, request, 30)
+                await _send_decision(dev_env.client, handle.id, request, 30)
             except tether_client.TetherError as refused:
                 return refused.rule
             return None

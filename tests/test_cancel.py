@@ -17,7 +17,7 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from worker import create_replayer
 
-import client as tether_client
+import tether.client as tether_client
 from activities.keys import KeyRing
 from activities.policy import PolicyActivities, PolicyStore
 from tests.conftest import (

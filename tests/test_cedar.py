@@ -338,7 +338,7 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
 
     from activities.judgements import log_from_env
     from activities.policy import PolicyActivities, PolicyStore
-    from client import run_outcome
+    from tether.client import run_outcome
     from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
 
     live = tmp_path / "policy.toml"
@@ -354,7 +354,7 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
         await sixty.signal("approve", approval_for(snap, "bob"))
         for handle in (forty, ten, sixty):
             await run_outcome(handle)
-        import client as tether_client
+        import tether.client as tether_client
 
         status = await tether_client.status(ts_env.client, sixty.id, live=True)
         timeline = await tether_client.full_timeline(ts_env.client, sixty.id, str(audit_dir))
@@ -455,7 +455,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
     still runs without a person; its auto-approvals' disagreements are logged and counted."""
     from activities.judgements import ProposedPolicy, log_from_env
     from activities.policy import PolicyActivities, PolicyStore
-    from client import run_outcome
+    from tether.client import run_outcome
     from tests.conftest import make_request, running_worker, start_run
 
     live = tmp_path / "policy.toml"
@@ -483,7 +483,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
 
 async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, billing: Any, tmp_path: Path) -> None:
     from activities.policy import PolicyStore
-    from client import run_outcome
+    from tether.client import run_outcome
     from tests.conftest import make_request, running_worker, start_run, wait_for_state
     from workflows.contract import HandoffRequest
 

@@ -282,7 +282,7 @@ def test_processes_making_the_demo_keys_at_once_end_with_one_whole_pair_each(tmp
     folder = tmp_path / "keys"
     names = ["alice", "bob", "inbox"]
     script = (
-        "import sys; from pathlib import Path; from client import ensure_keys; "
+        "import sys; from pathlib import Path; from tether.client import ensure_keys; "
         f"ensure_keys(Path(sys.argv[1]), {names!r}); "
         f"print(' '.join((Path(sys.argv[1]) / (n + '.pem.pub')).read_text().strip() for n in {names!r}))"
     )
@@ -296,7 +296,7 @@ def test_processes_making_the_demo_keys_at_once_end_with_one_whole_pair_each(tmp
     assert len(seen) == 1, seen  # every process read the same public keys
     from cryptography.hazmat.primitives import serialization
 
-    from client import load_private_key
+    from tether.client import load_private_key
 
     for name, public in zip(names, seen.pop().split()):
         derived = load_private_key(folder / f"{name}.pem").public_key().public_bytes(

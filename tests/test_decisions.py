@@ -19,10 +19,10 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import Billing, approval_for, flood_until_continued, make_request, running_worker, start_run, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
-from workflows.contract import DecideResult
+from workflows.contract import DecideResult, ReviseDecideRequest
 from workflows.wire import PlannerInput
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import RunState
@@ -433,7 +433,7 @@ async def test_a_signed_revision_covers_the_revised_steps(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
     ts_env = dev_env  # the client library checks for a worker (DescribeTaskQueue): a real server
-    import client as tether_client
+    import tether.client as tether_client
     from workflows import policy as rules
 
     keys = {name: tether_client.keygen(tmp_path / f"{name}.pem") for name in ("alice", "carol", "bob")}
@@ -450,7 +450,7 @@ async def test_a_signed_revision_covers_the_revised_steps(
         unsigned = await decide(handle, **revision(snap, lower))
         assert unsigned.rule == "signature_required", unsigned
         # Signed over other steps than those sent: the signature does not cover this revision.
-        other = tether_client.ReviseDecideRequest.model_validate(revision(snap, [READ, with_amount(2000)], decision_id="x"))
+        other = ReviseDecideRequest.model_validate(revision(snap, [READ, with_amount(2000)], decision_id="x"))
         payload = rules.decision_signature_payload(
             workflow_id=run_id, first_run_id=snap.first_run_id, tenant="default", kind="revise",
             decision=other.as_decision(), steps_digest=other.revised_hash(),

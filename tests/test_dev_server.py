@@ -9,7 +9,7 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
-from client import run_outcome
+from tether.client import run_outcome
 from tests.helpers.cli import Cli
 from tests.conftest import (
     approval_for,

@@ -26,7 +26,7 @@ import examples.billing.tools  # noqa: F401 (registers the billing tools)
 from activities.effect_ledger import LEDGER_FILE, LedgerUnavailable, SqliteEffectLedger
 from activities.keys import KeyRing
 from activities.tools import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from tests.test_reset import outcome_of
 from workflows import keys
@@ -276,7 +276,7 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
     """Issue 46: a write undone by a compensation run, then the ledger file deleted. `tether
     status` says unknown (never pending) and names the ledger's error; `tether compensate` is
     refused; a compensation run started anyway undoes nothing (before: the void was sent again)."""
-    import client as tether_client
+    import tether.client as tether_client
     import starter
     from tests.test_recovery import VOIDS, approved_run, requests_to
 

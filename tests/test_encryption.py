@@ -40,7 +40,7 @@ from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryRequest
 from temporalio.client import Client
 from worker import create_replayer
 
-import client as tether_client
+import tether.client as tether_client
 from activities.codec import (
     ENCODING,
     KEY_FILE_ENV,
@@ -50,7 +50,7 @@ from activities.codec import (
     data_converter,
     new_key_line,
 )
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, start_run, wait_for_state
 from workflows.agent_run import AgentRun
 from workflows.published import SEARCH_ATTRIBUTES

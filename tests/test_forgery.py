@@ -22,7 +22,7 @@ from temporalio.testing import WorkflowEnvironment
 
 import pytest
 
-import client as tether_client
+import tether.client as tether_client
 from activities.keys import KeyRing
 from activities.policy import PolicyStore
 from activities.tools import ToolContext, ToolRegistry, tool

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import BIN, ROOT, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
 from tests.helpers.cli import Cli

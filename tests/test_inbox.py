@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-import client as tether_client
+import tether.client as tether_client
 import starter
 from activities.policy import check_policy_file, parse_policy, signature_refusal
 from inbox import desk

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-import client as tether_client
+import tether.client as tether_client
 from inbox.app import InboxConfig, create_app
 from inbox.identity import SESSION_COOKIE
 from tests.conftest import Billing, make_request

@@ -20,12 +20,12 @@ from collections.abc import Iterator
 
 import pytest
 
-import client as tether_client
+import tether.client as tether_client
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from examples.fake_openai import FakeOpenAI, call, text, tool_calls
 from tests.invariants import check_timeline, tools_by_call

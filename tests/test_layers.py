@@ -84,8 +84,9 @@ def test_nothing_imports_in_a_cycle() -> None:
 
 # ----------------------------------------------------------------------------- the whole house
 
-# The programs (client.py, worker.py, starter.py, inbox/, examples/) import `tether`, which imports
-# `activities`, which imports `workflows`: never the other way round, and nothing in a circle.
+# The programs (worker.py, starter.py, inbox/, examples/, and client.py, tether.client's old import
+# path for one release) import `tether`, which imports `activities`, which imports `workflows`:
+# never the other way round, and nothing in a circle.
 HOUSE = ("client.py", "worker.py", "starter.py", "tether", "activities", "inbox", "examples")
 PROGRAMS = {"client", "worker", "starter", "inbox", "examples"}
 # The policy modules, in the order they import one another (each imports only those before it):
@@ -262,3 +263,42 @@ def test_the_cedar_modules_stay_under_600_lines() -> None:
     sizes = {p.name: len(p.read_text().splitlines()) for p in sorted((ROOT / "activities").glob("cedar*.py"))}
     assert set(sizes) >= {"cedar.py", "cedar_text.py", "cedar_export.py", "cedar_engine.py"}, sizes
     assert all(n < 600 for n in sizes.values()), sizes
+# ----------------------------------------------------------------------------- tether.client
+
+CLIENT = ROOT / "tether/client"
+
+
+def client_layers() -> list[str]:
+    """The modules of tether.client top down, as its face (__init__.py) imports them: each
+    imports only the modules after it in this list (the face lists them bottom first)."""
+    face = ast.parse((CLIENT / "__init__.py").read_text())
+    order = [n.module.split(".")[2] for n in face.body if isinstance(n, ast.ImportFrom)
+             and n.module and n.module.startswith("tether.client.")]
+    return [f"tether.client.{m}" for m in reversed(order)]
+
+
+def client_upward(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
+    """The imports that go up (or sideways to the face): ``layers`` is top down."""
+    rank = {m: i for i, m in enumerate(layers)}
+    return sorted(f"{m} imports {d}" for m in layers for d in graph.get(m, ())
+                  if d == "tether.client" or (d in rank and rank[d] <= rank[m]))
+
+
+def test_the_client_modules_import_one_way() -> None:
+    """Every module of tether.client is in its face, in the order it is imported there, and
+    imports only the modules below it: never one above, nor the face (a circle Python would
+    half-load)."""
+    layers = client_layers()
+    assert len(layers) == len(set(layers)), "the face imports a module twice: it is the layers' order"
+    on_disk = {f"tether.client.{p.stem}" for p in CLIENT.glob("*.py") if p.stem != "__init__"}
+    assert set(layers) == on_disk, f"modules the face does not import (or imports but are gone): {on_disk ^ set(layers)}"
+    assert client_upward(house_imports(), layers) == []
+
+
+def test_an_upward_client_import_is_found() -> None:
+    """The check itself, on the real graph with one edge added each way."""
+    graph, layers = house_imports(), client_layers()
+    low, high = layers[-1], layers[0]
+    assert client_upward({**graph, low: graph[low] | {high}}, layers) == [f"{low} imports {high}"]
+    assert client_upward({**graph, high: graph[high] | {"tether.client"}}, layers) == [f"{high} imports tether.client"]
+    assert client_upward({**graph, high: graph[high] | {high}}, layers) == [f"{high} imports {high}"]

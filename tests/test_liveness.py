@@ -19,7 +19,8 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
+from tether.client.workers import _gone_workers
 from tests.build_worker import start_build_worker
 from tests.conftest import Billing, make_request, start_run, unique, wait_for_state
 from tests.helpers.cli import Cli
@@ -51,7 +52,7 @@ async def test_a_worker_restarted_in_place_serves_at_once(dev_env: WorkflowEnvir
         await first.stop()
         # Its shutdown heartbeat has reached the server: with nobody polling, it is gone.
         await until(lambda: _is(tether_client.worker_serving(client, queue), False), "the stopped worker still serves")
-        gone = await tether_client._gone_workers(client, queue, _now())  # noqa: SLF001
+        gone = await _gone_workers(client, queue, _now())  # noqa: SLF001
         assert gone is not None and identity in gone
         stopped_at = gone[identity]
         assert stopped_at is not None

@@ -25,7 +25,7 @@ from activities.mcp_catalog import McpServers, mcp_tools
 from activities.mcp_config import parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
 from examples.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.contract import ToolEffect

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-import client as tether_client
+import tether.client as tether_client
 from activities.metrics import prometheus_runtime
 from activities.policy import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refusal_rule
 from workflows.contract import ApprovalDecision

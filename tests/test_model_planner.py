@@ -31,7 +31,7 @@ from activities.planning import (
 )
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import OrderRef, RefundArgs
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from examples.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
 from workflows.contract import ApprovalDecision, ExecutedStep, ToolCatalog, ToolEffect

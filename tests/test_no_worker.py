@@ -13,7 +13,7 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from tests.conftest import Billing, running_worker, unique
 from tests.helpers.cli import Cli
 

@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.notify import verify
 from activities.policy import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
 from tests.invariants import check_timeline, tools_by_call
 from tests.test_decisions import replays

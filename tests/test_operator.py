@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-import client
+import tether.client as client
 from tests.conftest import BIN, ROOT
 
 

@@ -22,7 +22,7 @@ from activities.loading import LoadError
 from activities.planners.pydantic_agent import AgentPlanner
 from activities.planning import BUILTIN_PLANNERS, load_planners
 from activities.policy import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from examples.agents.refund_agent import refund_model
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
 from workflows.run_state import RunOutcome

@@ -21,7 +21,7 @@ from temporalio.worker import Worker
 
 from activities.policy import PolicyFileError, PolicyStore, check_policy_file, parse_policy
 from activities.tools import REGISTRY
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
 from workflows import policy
 from workflows.contract import ApprovalDecision, HandoffRequest
@@ -350,7 +350,7 @@ def test_policy_checked_whole_against_the_workers_tools(tmp_path: Path) -> None:
         f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing file, "
         "not an empty one, means the built-in default)"
     ]
-    from client import ensure_keys
+    from tether.client import ensure_keys
     from examples.devstack import DEMO_SIGNERS, KEYS_DIR
 
     ensure_keys(KEYS_DIR, DEMO_SIGNERS)  # the signed tenant's key files, as `make demo` makes them

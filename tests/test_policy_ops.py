@@ -279,7 +279,7 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
 
     import httpx
 
-    import client as tether_client
+    import tether.client as tether_client
     from activities.policy import PolicyStore
     from inbox.app import InboxConfig, create_app
     from tests.conftest import make_request, running_worker

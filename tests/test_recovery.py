@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from activities.mcp import describe_tools, format_tools
 from activities.policy import PolicyStore
 from activities.tools import REGISTRY, ToolContext, ToolRegistry, tool

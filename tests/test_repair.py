@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 import tether.repair as tether_repair
 import worker as worker_module
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import ROOT, Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from tests.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWrite, TamperedAgentRun
 from tests.helpers.cli import Cli

@@ -15,7 +15,7 @@ from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
 from workflows.contract import RevisionRequest
 from workflows.run_state import RunOutcome

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import Billing, running_worker, unique
 from tests.test_cli import POLICY, one_line
 from tests.helpers.cli import Cli

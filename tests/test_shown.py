@@ -15,7 +15,7 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import (
     Billing,
     approval_for,

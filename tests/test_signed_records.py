@@ -21,7 +21,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from activities.audit_sink import JsonlAuditSink
 from activities.audit_verify import verify_streams
 from activities.judgements import JsonlJudgementLog, sign as sign_line

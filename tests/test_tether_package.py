@@ -3,8 +3,10 @@ for one release, what it leaves out of a CLI's start, and that `pip install .` i
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +29,9 @@ def test_the_face_names_only_what_it_has() -> None:
 def test_the_old_import_paths_are_the_same_objects() -> None:
     """`from client import repair, connect, TetherError` (and the worker's replayer) keep working
     for one release: the very objects of the `tether` package, not copies."""
-    import client
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # its own test below
+        import client
     import tether.connection
     import tether.plugin
     import tether.repair
@@ -41,9 +45,9 @@ def test_the_old_import_paths_are_the_same_objects() -> None:
 
 
 def test_a_program_that_only_connects_does_not_load_the_worker() -> None:
-    """`import client` (the CLI, the inbox) loads neither the workflow nor the worker's
-    configuration: they come with the first repair or replayer."""
-    code = "import sys, client, tether; print(sorted(m for m in ('tether.plugin', 'workflows.agent_run', 'worker') if m in sys.modules))"
+    """`import tether.client` (the CLI, the inbox; `client` too) loads neither the workflow nor the
+    worker's configuration: they come with the first repair or replayer."""
+    code = "import sys, tether.client, client, tether; print(sorted(m for m in ('tether.plugin', 'workflows.agent_run', 'worker') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
     assert out.strip() == "[]"
 
@@ -75,3 +79,79 @@ def test_a_tool_author_imports_from_tether_alone() -> None:
             "assert (tool, ToolContext, ToolError, ToolEffect) == (t.tool, t.ToolContext, t.ToolError, c.ToolEffect)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+# ----------------------------------------------------------------------------- tether.client
+
+CLIENT = ROOT / "tether/client"
+
+
+def client_modules() -> list[str]:
+    return sorted(p.stem for p in CLIENT.glob("*.py") if p.stem != "__init__")
+
+
+def test_the_client_face_names_every_public_name_of_its_modules_once() -> None:
+    """`from tether.client import X` for every public name any of its modules defines: the very
+    object, named once; and nothing the face names is missing or unknown."""
+    import importlib
+
+    import tether.client
+
+    face = tether.client.__all__
+    assert face == sorted(set(face)), "__all__ is sorted, each name once"
+    defined: dict[str, object] = {}
+    for stem in client_modules():
+        module = importlib.import_module(f"tether.client.{stem}")
+        for node in ast.parse((CLIENT / f"{stem}.py").read_text()).body:
+            names = ([node.name] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     else [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else [])
+            for name in names:
+                if not name.startswith("_"):
+                    assert name not in defined, f"{name} is defined in two modules of tether.client"
+                    defined[name] = getattr(module, name)
+    assert sorted(set(defined) - set(face)) == [], "public names the face does not name"
+    assert {n: getattr(tether.client, n) for n in defined} == defined, "the face names a copy, not the object"
+    unknown = [n for n in face if getattr(tether.client, n, None) is None]
+    assert unknown == []
+
+
+def test_no_client_module_is_above_600_lines() -> None:
+    sizes = {stem: len((CLIENT / f"{stem}.py").read_text().splitlines()) for stem in [*client_modules(), "__init__"]}
+    assert {s: n for s, n in sizes.items() if n > 600} == {}, "split the module by job"
+
+
+def test_client_py_is_tether_client_with_a_warning() -> None:
+    """The old path, for one release: importing it warns, saying where to import from (an error
+    under -W error, as a careful script runs); what it names is tether.client's own objects,
+    every one of them, and the helpers it held are found where they went."""
+    code = ("import warnings, sys\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import client\n"
+            "print(len(seen), seen[0].category.__name__, seen[0].filename, seen[0].message)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
+    assert out.stdout.split(" ", 3) == ["1", "DeprecationWarning", "<string>", "the top-level `client` module is "
+                                       "deprecated: import from tether.client\n"], out  # the importer's line, not the shim's
+    strict = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", "import client"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert strict.returncode == 1 and "import from tether.client" in strict.stderr.splitlines()[-1], strict.stderr
+
+    import tether.client
+    import tether.client.workers
+    from workflows.wording import money
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import client
+        from client import decide, start_run  # the form scripts use
+
+    assert (decide, start_run) == (tether.client.decide, tether.client.start_run)
+    assert client.__all__ == tether.client.__all__
+    assert [n for n in tether.client.__all__ if getattr(client, n) is not getattr(tether.client, n)] == []
+    assert client._gone_workers is tether.client.workers._gone_workers and client.money is money  # noqa: SLF001
+    try:
+        client.no_such_thing  # noqa: B018
+    except AttributeError as e:
+        assert "no_such_thing" in str(e) and "tether.client" in str(e)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")

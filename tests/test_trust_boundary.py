@@ -22,10 +22,10 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowUpdateFailedError, WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from activities.policy import PolicyStore
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, tool
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import (
     task_failure,
     Billing,

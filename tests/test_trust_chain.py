@@ -19,10 +19,10 @@ from temporalio.service import RPCError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from activities.keys import genkey
 from activities.policy import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from tests.helpers.rogue import continue_as_new, rogue_answer, schedule_tool
 from tests.conftest import task_failure, Billing, approval_for, flood_until_continued, make_request, running_worker, snapshot, unique, wait_for_state
 from workflows.contract import canonical_json

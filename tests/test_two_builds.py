@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
-from client import TetherError
+import tether.client as tether_client
+from tether.client import TetherError
 from tests.build_worker import start_build_worker
 from tests.conftest import Billing, make_request, running_worker, start_run, task_failure, unique, wait_for_state
 from tests.helpers.cli import Cli

@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.notify import body, deliver
 from activities.policy import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import Billing, make_request, running_worker, start_run, timeline, wait_for_state
 from workflows.wire import Notification
 from workflows.run_state import RunOutcome

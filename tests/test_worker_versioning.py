@@ -15,7 +15,7 @@ from typing import Any
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-import client as tether_client
+import tether.client as tether_client
 from tests.build_worker import start_build_worker
 from tests.conftest import BIN, Billing, flood_until_continued, make_request, running_worker, start_run, unique, wait_for_state
 from tests.helpers.cli import Cli

@@ -6,8 +6,8 @@
 
 Modules: ``tether.connection`` (connect, TetherError and its exit codes, task queue and Worker
 Deployment names), ``tether.plugin`` (TetherPlugin: what a worker and a replayer are),
-``tether.runs`` (one run as Temporal holds it), ``tether.repair`` (a stuck run's reset). The rest
-of the client API is ``client.py`` for now, which names these too, for one release.
+``tether.runs`` (one run as Temporal holds it), ``tether.repair`` (a stuck run's reset),
+``tether.client`` (the client API: start, read, decide, cancel, list; it names these too).
 """
 
 from tether.connection import (

@@ -3,7 +3,7 @@ forced hand-off makes. Repair is worker configuration: it replays the run's hist
 replayer a worker of this build would have (``tether.plugin``: the workflow, the fleet's key ring,
 the sandbox), and judges the writes a reset drops by the tools' effects.
 
-``client.py`` names ``repair`` too, for one release.
+``tether.client`` names ``repair`` too.
 """
 
 from __future__ import annotations

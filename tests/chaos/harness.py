@@ -27,7 +27,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import starter
 from examples.devstack import dev_server_command
-from client import run_outcome, timed_out
+from tether.client import run_outcome, timed_out
 from tests.chaos.markers import gate_name, marker_name
 from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
@@ -330,7 +330,7 @@ async def _start(client: Client, request: RunRequest, run_id: str, queue: str) -
     """Start a run, again if the server failed the call (an overloaded SQLite dev server times
     out its own persistence calls and answers NOT_FOUND or UNAVAILABLE): the run's id makes a
     second start of one that did begin a refusal, which is as good as a start here."""
-    from client import TetherError
+    from tether.client import TetherError
 
     for attempt in range(10):
         try:

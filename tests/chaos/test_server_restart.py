@@ -15,7 +15,7 @@ import starter
 from tests.chaos.conftest import Stack
 from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_worker
 from tests.invariants import check_timeline, tools_by_call
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import approval_for
 from workflows.contract import Limits
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-import client as tether_client
+import tether.client as tether_client
 from tests.conftest import Billing
 from tests.e2e.conftest import SCREENSHOT_DIR
 from inbox import desk

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-import client as tether_client
+import tether.client as tether_client
 from inbox import desk
 from tests.conftest import PLAYBOOK, Billing
 from tests.e2e.conftest import SCREENSHOT_DIR

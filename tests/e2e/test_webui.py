@@ -33,7 +33,7 @@ from datetime import timezone
 
 from temporalio.client import Client
 
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import (
     BIN,
     Billing,

@@ -1,0 +1,167 @@
+"""Drive Tether from a program: connect to Temporal, start runs, decide, hand off, cancel, inspect.
+
+The ``tether`` CLI, the inbox, the demo, the benchmarks and the tests all go through these
+functions; none of them needs argparse. Each returns a pydantic model or raises
+:class:`TetherError`, whose ``code`` is the CLI's exit code (0 OK, 1 REFUSED, 2 USAGE, 3 PENDING:
+``tether.connection`` says what each means, and where the connection's settings come from).
+
+    from tether.client import DecisionInput, connect, decide, start_run, wait_settled
+    from workflows.models import RunRequest
+
+    client = await connect()
+    handle = await start_run(client, RunRequest(...), run_id="run-1")
+    status = await wait_settled(client, "run-1", timeout=60)
+    verdict = await decide(client, "run-1", "approve", DecisionInput(by="bob"))
+
+One module a job, each importing only those above it in this list: ``errors`` (what went wrong,
+as a TetherError), ``workers`` (is a worker serving; what to say when none is), ``signing``
+(keys and signatures), ``shown`` (what a person is shown), ``sink`` (the audit sink and effect
+ledger, as a client reads them), ``reads`` (one run's status, queries and outcome),
+``audit_trail`` (every execution's records), ``listing`` (runs from visibility, builds),
+``deployments`` (Worker Deployment versions), ``decisions`` (approve, reject, revise, hand off),
+``operations`` (start, cancel, compensate). This face names the public API of them all, and
+what programs use from ``tether.connection``, ``tether.repair`` and ``tether.runs``.
+"""
+
+from __future__ import annotations
+
+from tether.connection import (
+    DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, MCP_TASK_QUEUE, OK, PENDING, QUERY_TIMEOUT, REFUSED, USAGE, TetherError,
+    checkout_stack, connect, connect_config, deployment_name, exit_process, rpc_error, task_queue, timed_out,
+)
+from tether.repair import RepairResult, repair, reset_judged
+from tether.runs import StuckTask, ViewUnverified, public_keys, published_view, stuck_task
+
+from tether.client.errors import invalid
+from tether.client.workers import (
+    HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, TAKE_SECONDS, has_worker, no_answer, no_worker_message,
+    require_worker, start_worker_hint, untaken_message, untaken_seconds, worker_serving,
+)
+from tether.client.signing import ensure_keys, keygen, load_private_key, sign, sign_request
+from tether.client.shown import (
+    ArgView, StepView, age, approval_offer_problem, approvals_needed, freshness, plan_summary, shown_arg,
+    step_views,
+)
+from tether.client.sink import ledger_standing, undo_standing
+from tether.client.reads import (
+    RunStatus, UNPUBLISHED_QUERY_SECONDS, closed_note, read_run, run_outcome, snapshot, status, timeline,
+    wait_settled,
+)
+from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full_timeline
+from tether.client.listing import DESCRIBE_CONCURRENCY, RunSummary, build_order, drain, list_query, list_runs, run_build
+from tether.client.deployments import DeployedVersion, DeploymentStatus, deployment_status
+from tether.client.decisions import (
+    CONTINUING_RETRY, DecisionInput, HASH_PREFIX, PENDING_QUERY_SECONDS, TASK_FAILING_RETRY, VERDICT_TIMEOUT,
+    Verdict, build_decision, decide, handoff, held_request, pending_request, plan_to_run, resolve_plan_hash, revise,
+    revised_steps,
+)
+from tether.client.operations import (
+    cancel, compensate, compensate_refusal, compensation_id, compensation_judged, person_name, policy_file,
+    policy_tenant, start_run, tenant_refusal,
+)
+
+__all__ = [
+    "ArgView",
+    "AuditBranch",
+    "AuditTrail",
+    "CONTINUING_RETRY",
+    "DEFAULT_TASK_QUEUE",
+    "DEPLOYMENT_ENV",
+    "DESCRIBE_CONCURRENCY",
+    "DecisionInput",
+    "DeployedVersion",
+    "DeploymentStatus",
+    "HASH_PREFIX",
+    "HEARTBEAT_FRESH",
+    "MCP_TASK_QUEUE",
+    "OK",
+    "PENDING",
+    "PENDING_QUERY_SECONDS",
+    "POLLER_FRESH",
+    "PROBE_TIMEOUT",
+    "QUERY_TIMEOUT",
+    "REFUSED",
+    "RepairResult",
+    "RunStatus",
+    "RunSummary",
+    "StepView",
+    "StuckTask",
+    "TAKE_SECONDS",
+    "TASK_FAILING_RETRY",
+    "TetherError",
+    "UNPUBLISHED_QUERY_SECONDS",
+    "USAGE",
+    "VERDICT_TIMEOUT",
+    "Verdict",
+    "ViewUnverified",
+    "age",
+    "approval_offer_problem",
+    "approvals_needed",
+    "audit_trail",
+    "build_decision",
+    "build_order",
+    "cancel",
+    "checkout_stack",
+    "closed_note",
+    "compensate",
+    "compensate_refusal",
+    "compensation_id",
+    "compensation_judged",
+    "connect",
+    "connect_config",
+    "decide",
+    "deployment_name",
+    "deployment_status",
+    "drain",
+    "ensure_keys",
+    "exit_process",
+    "freshness",
+    "full_timeline",
+    "handoff",
+    "has_worker",
+    "held_request",
+    "invalid",
+    "keygen",
+    "ledger_standing",
+    "list_query",
+    "list_runs",
+    "load_private_key",
+    "no_answer",
+    "no_worker_message",
+    "pending_request",
+    "person_name",
+    "plan_summary",
+    "plan_to_run",
+    "policy_file",
+    "policy_tenant",
+    "public_keys",
+    "published_view",
+    "read_run",
+    "repair",
+    "require_worker",
+    "reset_judged",
+    "resolve_plan_hash",
+    "revise",
+    "revised_steps",
+    "rpc_error",
+    "run_build",
+    "run_outcome",
+    "shown_arg",
+    "sign",
+    "sign_request",
+    "snapshot",
+    "start_run",
+    "start_worker_hint",
+    "status",
+    "step_views",
+    "stuck_task",
+    "task_queue",
+    "tenant_refusal",
+    "timed_out",
+    "timeline",
+    "undo_standing",
+    "untaken_message",
+    "untaken_seconds",
+    "wait_settled",
+    "worker_serving",
+]

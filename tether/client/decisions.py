@@ -1,0 +1,455 @@
+"""A person's word on a run: approve or reject (``decide``, ``build_decision``), revise, hand off;
+through the run's decide Update or handoff signal, answered by the run's record of it
+(``Verdict``); and the plan an approval lets run (``plan_to_run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+    WorkflowUpdateStage,
+)
+from temporalio.api.enums.v1 import PendingWorkflowTaskState
+from temporalio.service import RPCError, RPCStatusCode
+
+from workflows import policy
+from workflows.contract import DecideRequest, DecideResult, HandoffRequest, Plan, ReviseDecideRequest
+from workflows.run_state import PendingApproval, RunSnapshot
+from workflows.states import RunState, TransitionRecord
+from tether.connection import PENDING, REFUSED, TetherError, rpc_error
+from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
+from tether.runs import describe as _describe, published_view, stuck_task
+from tether.client.errors import _refused, _refused_update, invalid
+from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
+from tether.client.signing import sign
+from tether.client.shown import approval_offer_problem
+from tether.client.reads import RunStatus, read_run, snapshot, timeline
+
+
+# Seconds a decision or handoff waits for the run's verdict (TETHER_VERDICT_TIMEOUT).
+VERDICT_TIMEOUT = float(os.environ.get("TETHER_VERDICT_TIMEOUT") or 10.0)
+
+
+class Verdict(BaseModel):
+    """The run's record of a decision or handoff (``record`` None: not processed in time)."""
+
+    run_id: str
+    decision_id: str
+    record: TransitionRecord | None = None
+    plan: Plan | None = None
+    pending: PendingApproval | None = None
+    reset: RepairResult | None = None  # a forced hand-off's reset
+
+
+async def _await_record(client: Client, run_id: str, decision_id: str, timeout: float) -> TransitionRecord | None:
+    """The run decides; read its verdict back from the timeline (refs.decision_id): the
+    ``timeline`` query, or where no worker that replays the run answers it (another build's
+    took it), what the run published and its audit records."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            records = await timeline(client, run_id)
+        except TetherError:
+            try:
+                records = (await read_run(client, run_id))[1]
+            except TetherError:
+                records = []  # sent all the same: the verdict is read later (`tether status`)
+        for record in reversed(records):
+            if record.refs.decision_id == decision_id:
+                return record
+        if loop.time() > deadline:
+            return None
+        await asyncio.sleep(0.2)
+
+
+@dataclass(frozen=True)
+
+class DecisionInput:
+    """What a person decides on a pending plan (``plan_hash`` None: the pending one)."""
+
+    by: str
+    plan_hash: str | None = None
+    decision_id: str | None = None  # None: a random one
+    comment: str | None = None
+    reason: str | None = None
+    key: Path | None = None  # PEM Ed25519 private key: sign the decision
+    request_id: str | None = None  # None: the pending one (else refused when it is not)
+    # A trusted signer's name (policy [signers.NAME]): ``key`` is that signer's, attesting that
+    # it verified ``by`` itself (the inbox); the run shows ``user:BY via NAME``.
+    attest_as: str | None = None
+    steps: list[int] | None = None  # approve only these steps (1-based); None: all
+    # Not bound to a plan the person was shown (`tether approve --unreviewed`): the record says so.
+    unreviewed: bool = False
+
+
+# The shortest plan hash prefix a decision may name: what `tether` prints (timeline, refusals).
+HASH_PREFIX = 12
+
+
+def resolve_plan_hash(given: str | None, pending: str) -> str:
+    """The plan hash a decision names: ``given`` in full, or a prefix of at least HASH_PREFIX
+    hex characters of the pending hash (the form tether prints) widened to it. Any other hash
+    is sent as given, and the run refuses it as stale on its record."""
+    if given is None:
+        return pending
+    text = given.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]+", text) or len(text) < HASH_PREFIX:
+        raise TetherError(
+            f"plan hash {given[:80]!r}: give the plan's hash, or at least its first {HASH_PREFIX} hex characters "
+            f"(as `tether status RUN` prints it)", field="plan_hash", detail=f"give at least {HASH_PREFIX} hex characters of the plan hash",
+        )
+    return pending if pending.startswith(text) else text
+
+
+def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given: DecisionInput) -> DecideRequest:
+    """The one place a decision is built and, with ``given.key``, signed (Ed25519 over
+    ``policy.signature_payload``); the approval contract lives here for every client."""
+    pending = snap.pending_approval
+    if pending is None:
+        raise TetherError(f"run {snap.run_id} has no pending approval", REFUSED)
+    try:
+        decision = DecideRequest(
+            kind=kind,
+            decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
+            approver=given.by,
+            plan_hash=resolve_plan_hash(given.plan_hash, pending.plan_hash),
+            request_id=given.request_id or pending.request_id or None,
+            comment=given.comment,
+            reason=given.reason,
+            attested_by=given.attest_as,
+            steps=given.steps,
+            unreviewed=given.unreviewed,
+        )
+    except ValidationError as e:
+        raise invalid("decision", e) from None
+    if given.key is not None:
+        payload = policy.decision_signature_payload(
+            workflow_id=snap.run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind=kind, decision=decision
+        )
+        decision.signature = sign(given.key, payload)
+    return decision
+
+
+def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
+    """The whole plan as ``{tool, args}`` steps with the edits applied (the run validates it)."""
+    steps = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
+    for number, key, value in edits:
+        if number > len(steps):
+            raise TetherError(f"--step {number}: the pending plan has {len(steps)} step(s)", REFUSED)
+        steps[number - 1]["args"][key] = value
+    return steps
+
+
+async def revise(
+    client: Client,
+    run_id: str,
+    given: DecisionInput,
+    steps: list[dict[str, Any]],
+    *,
+    held: RunSnapshot | None = None,
+    timeout: float = VERDICT_TIMEOUT,
+) -> Verdict:
+    """Revise the run's pending plan (the whole revised list of steps); returns the run's record
+    of it (VALIDATED: a new plan version, then a new approval request), or raises REFUSED with
+    the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...).
+    ``held``: the run as the caller read it, as for ``decide``."""
+    snap, pending = await pending_request(client, run_id, held=held)
+    try:
+        revision = ReviseDecideRequest(
+            kind="revise",
+            decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
+            editor=given.by,
+            plan_hash=resolve_plan_hash(given.plan_hash, pending.plan_hash),  # a stale one is sent, refused on the record
+            request_id=given.request_id or pending.request_id or None,
+            steps=steps,
+            reason=given.reason or "",
+            attested_by=given.attest_as,
+        )
+    except ValidationError as e:
+        raise invalid("revision", e) from None
+    if given.key is not None:
+        payload = policy.decision_signature_payload(
+            workflow_id=snap.run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind="revise",
+            decision=revision.as_decision(), steps_digest=revision.revised_hash(),
+        )
+        revision.signature = sign(given.key, payload)
+    record = await _send_decision(client, run_id, revision, timeout)
+    return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+async def decide(
+    client: Client,
+    run_id: str,
+    kind: Literal["approve", "reject"],
+    given: DecisionInput,
+    *,
+    held: RunSnapshot | None = None,
+    timeout: float = VERDICT_TIMEOUT,
+) -> Verdict:
+    """Approve or reject the run's pending plan; returns the run's record of the decision.
+
+    ``held``: the run as the caller read it and showed it (``pending_request``): its pending
+    request is the one decided, not read a second time.
+
+    Refused before sending (not awaiting approval, stale plan hash) or by the run (four-eyes,
+    role, signature, ...): :class:`TetherError` with code REFUSED and the rule.
+    """
+    snap, pending = await pending_request(client, run_id, held=held)
+    # A stale plan hash is sent all the same: the run records the attempt, and refuses it
+    # (stale_plan_hash) on its timeline.
+    decision = build_decision(snap, kind, given)
+    record = await _send_decision(client, run_id, decision, timeout)
+    return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+async def pending_request(
+    client: Client, run_id: str, *, held: RunSnapshot | None = None
+) -> tuple[RunSnapshot, PendingApproval]:
+    """The run's pending request (a worker is there to take a decision), or REFUSED.
+
+    ``held``: the run as the caller already read it (this function, or a status whose worker
+    probe it judged): taken as it is when it holds a pending request, with no call; one that
+    holds none (a published view a moment behind the run) is read again, as without one.
+
+    Asked first (the ``snapshot`` query, briefly): the view a run publishes where it rests lags
+    a moment behind a revision or a new request. Where no worker of the run's build answers at
+    once (another build's worker took the query, or none is left), read from the view it
+    published, so no query routing decides whether a decision is sent: the decide Update judges
+    it against the run's own state. Either way the steps shown must hash to the plan hash the
+    request binds (``approval_offer_problem``), or nothing is offered."""
+    if held is not None and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
+        if isinstance(held, RunStatus) and held.worker_serving is False and held.task_queue is not None:
+            raise TetherError(no_worker_message(held.task_queue), rule="no_worker")  # as its probe said
+        return held, held_request(held)
+    await require_worker(client, run_id)
+    try:
+        snap = await snapshot(client, run_id, timeout=PENDING_QUERY_SECONDS)
+    except TetherError:
+        view = await published_view(await _describe(client, run_id))
+        snap = view.snapshot if view is not None else await snapshot(client, run_id)
+    return snap, held_request(snap)
+
+
+def held_request(snap: RunSnapshot) -> PendingApproval:
+    """The pending request of a run as read, or REFUSED: it is not awaiting approval, or the steps
+    shown do not hash to the plan hash the request binds (``approval_offer_problem``)."""
+    pending = snap.pending_approval
+    if snap.state != RunState.AWAITING_APPROVAL or pending is None:
+        raise TetherError(
+            f"run {snap.run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
+        )
+    problem = approval_offer_problem(snap)
+    if problem is not None:
+        raise TetherError(f"run {snap.run_id}: {problem}", REFUSED, rule="plan_unverified")
+    return pending
+
+
+# How long `approve` asks the run for its pending request before it reads the published view.
+PENDING_QUERY_SECONDS = 2.0
+
+
+# How soon a decision the run had no room for is sent again (it is continuing as new).
+CONTINUING_RETRY = 0.25
+
+
+async def _send_decision(
+    client: Client, run_id: str, decision: DecideRequest | ReviseDecideRequest, timeout: float
+) -> TransitionRecord | None:
+    """Through the decide Update; the run's record of it, or REFUSED / PENDING with the rule."""
+    handle = client.get_workflow_handle(run_id)
+    pending_verdict = TetherError(
+        f"decision {decision.decision_id} accepted, verdict pending: the run is still checking it "
+        f"(`tether status {run_id}` shows the verdict once it is there)",
+        PENDING,
+    )
+    deadline = asyncio.get_running_loop().time() + timeout
+    resent = False  # sent again after Temporal refused it while the run's task failed
+    result: DecideResult | None = None
+    while True:
+        update = None
+        try:
+            # The decide Update: only a malformed or repeated decision, or one the run has no
+            # room for until it continues as new, is refused before history; the answer is the
+            # run's own record of the decision (policy check included).
+            update = await handle.start_update(
+                "decide", decision, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
+                rpc_timeout=timedelta(seconds=timeout),
+            )
+            result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
+            break
+        except WorkflowUpdateFailedError as e:
+            refused = _refused_update(e, decision.kind)
+            if resent and refused.rule == "duplicate_decision":
+                break  # the first one was kept and taken once the task went through: read its verdict
+            if refused.rule != "continuing_as_new" or asyncio.get_running_loop().time() >= deadline:
+                raise refused from None
+            # The run continues as new in a moment: the handle's latest run takes it then.
+            await asyncio.sleep(CONTINUING_RETRY)
+        except WorkflowUpdateRPCTimeoutOrCancelledError:
+            if update is not None:
+                raise pending_verdict from None  # accepted: on the run's record, to be judged
+            # Not acknowledged in time: a worker is in the middle of the run's task (the policy
+            # check runs in it, and the acceptance goes out with it), or no worker is there.
+            task = await _pending_task(handle)
+            if task is not None and task.attempt > 1:
+                raise _task_failing_error(run_id) from None
+            if task is not None and task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
+                raise pending_verdict from None
+            raise await no_answer(client, run_id, timeout) from None
+        except asyncio.TimeoutError:
+            # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
+            raise pending_verdict from None
+        except RPCError as e:
+            if not _task_failing(e):
+                raise rpc_error(e, run_id) from None
+            if asyncio.get_running_loop().time() >= deadline:
+                raise _task_failing_error(run_id) from None
+            # Not taken: the run's workflow task failed on a worker that does not replay it (another
+            # build's, on an unversioned queue). Temporal retries the task; a worker of the run's
+            # own build takes it, and then the decision.
+            resent = True
+            await asyncio.sleep(TASK_FAILING_RETRY)
+    if result is not None and result.outcome == "refused":
+        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
+    if result is not None and result.record is not None:
+        return result.record  # the run's own record of it, in its answer: nothing more to ask
+    # A run of an older build answers with the verdict alone: its record is read back.
+    return await _await_record(client, run_id, decision.decision_id, timeout)
+
+
+# How soon a decision is sent again that Temporal refused while the run's workflow task failed.
+TASK_FAILING_RETRY = 0.5
+
+
+def _task_failing(err: RPCError) -> bool:
+    """Temporal takes no Update while the run's last workflow task failed (until one completes)."""
+    return err.status == RPCStatusCode.FAILED_PRECONDITION and "workflow task in failed state" in err.message.lower()
+
+
+async def _pending_task(handle: WorkflowHandle) -> Any:
+    """The run's pending workflow task (STARTED: a worker is working on the run right now;
+    attempt > 1: it keeps failing); None: none, or the run cannot be described."""
+    try:
+        description = await handle.describe()
+    except RPCError:
+        return None
+    raw = description.raw_description
+    return raw.pending_workflow_task if raw.HasField("pending_workflow_task") else None
+
+
+def _task_failing_error(run_id: str) -> TetherError:
+    return TetherError(
+        f"run {run_id} takes no decision while its workflow task keeps failing: `tether status {run_id}` says why "
+        f"(older_build: a worker of another build took it, run one of the run's own build; otherwise "
+        f"`tether repair {run_id}`)", rule="task_failing",
+    )
+
+
+async def handoff(
+    client: Client, run_id: str, *, by: str, reason: str, decision_id: str | None = None,
+    key: Path | None = None, timeout: float = VERDICT_TIMEOUT, force: bool = False, workflows: Sequence[type] = (),
+) -> Verdict:
+    """Hand the run to a human; returns the run's record of it (HANDED_OFF), or raises REFUSED
+    with the rule (not a member of the tenant, already ended, a handoff already pending).
+
+    A run in the middle of a tool call hands off once the call has settled: ``record`` is None
+    when that takes longer than ``timeout``.
+
+    ``force``: a run whose workflow tasks keep failing never takes a signal. The hand-off is
+    signalled to the execution judged, which is then reset (``reset_judged``: compare-and-set)
+    to its newest completed task that replays with no tool call pending at it, the hand-off
+    applied again: the new run takes it before it schedules anything. The tool calls the reset
+    leaves out were in flight and may have applied: the hand-off names them
+    (``HandoffRequest.in_flight``), the run never runs them again and records its step's outcome
+    as unknown.
+    """
+    try:
+        request = HandoffRequest(by=by, reason=reason, decision_id=decision_id or uuid.uuid4().hex)
+    except ValidationError as e:
+        raise invalid("handoff", e) from None
+    handle = client.get_workflow_handle(run_id)
+    try:
+        description = await handle.describe()
+    except RPCError as e:
+        raise rpc_error(e, run_id) from None
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        raise TetherError(f"run {run_id} already finished", REFUSED)
+    if not await has_worker(client, description.task_queue):
+        raise TetherError(no_worker_message(description.task_queue))
+    reset = None
+    if force:
+        reset = await _forced_reset(client, description, workflows)
+        try:
+            request = HandoffRequest.model_validate({**request.model_dump(), "in_flight": reset.in_flight})
+        except ValidationError as e:
+            raise invalid("handoff", e) from None
+    elif (stuck := await stuck_task(client, description)) is not None:
+        raise TetherError(
+            f"run {run_id} is stuck (workflow task attempt {stuck.attempt} failing: {stuck.cause}): it takes no "
+            f"signal, a hand-off included. Heal it (`tether repair {run_id}`) or end it on the record "
+            f"(`tether handoff {run_id} --force --by NAME --reason TEXT`)", REFUSED
+        )
+    if key is not None:
+        snap = await snapshot(client, run_id)
+        payload = policy.signature_payload(
+            workflow_id=run_id, first_run_id=snap.first_run_id, tenant=snap.tenant, request_id="",
+            plan_hash="", kind="handoff", decision_id=request.decision_id or "", signer=request.by,
+        )
+        request.signature = sign(key, payload)
+    if reset is not None:
+        why = f"tether handoff --force by {by}: {reason}"
+        reset.to_run_id = await reset_judged(client, run_id, reset.from_run_id, reset.event_id, why, handoff=request)
+    else:
+        try:
+            await handle.signal("handoff", request)
+        except RPCError as e:
+            raise rpc_error(e, run_id) from None
+    record = await _await_record(client, run_id, request.decision_id or "", timeout)
+    try:
+        _refused(record)
+    except TetherError as e:
+        if reset is None:
+            raise
+        raise TetherError(
+            f"{e}; run {reset.from_run_id} was reset all the same (new run {reset.to_run_id}), which does not run "
+            f"again what was in flight: {', '.join(reset.in_flight) or 'nothing'} (may have applied)", REFUSED, rule=e.rule,
+        ) from None
+    return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record, reset=reset)
+
+
+def plan_to_run(verdict: Verdict, steps: Sequence[int] | None = None) -> Plan | None:
+    """The plan an approval lets run, read from the run's record of it (no call): the plan
+    decided, or for a partial approval (``steps``) its kept steps, the plan's next version, when
+    they hash to the plan hash the record names. None: the record does not tell (it names no
+    plan, or the kept steps do not hash to it): ask the run (``snapshot``)."""
+    record, plan = verdict.record, verdict.plan
+    if record is None or plan is None or not record.refs.plan_hash:
+        return None
+    if record.refs.plan_hash == plan.plan_hash:
+        return plan
+    kept = sorted(set(steps or ()))
+    if not kept or kept[-1] > len(plan.steps) or kept[0] < 1:
+        return None
+    narrowed = plan.model_copy(update={
+        "steps": [plan.steps[n - 1] for n in kept],
+        "undo": None if plan.undo is None else [plan.undo[n - 1] for n in kept],
+        "plan_hash": record.refs.plan_hash,
+        "version": plan.version + 1,  # a partial approval revises the plan: its next version
+    })
+    return narrowed if narrowed.hashes_to_itself() else None

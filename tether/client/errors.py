@@ -1,0 +1,39 @@
+"""What went wrong, as a TetherError: a pydantic error as a usage error naming the field; the
+run's refusal (on its record, or from its decide or cancel Update's validator) as REFUSED with
+its rule.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+
+from workflows.contract import first_error
+from workflows.states import TransitionRecord
+from tether.connection import REFUSED, TetherError
+
+
+def invalid(what: str, err: ValidationError) -> TetherError:
+    """A pydantic error as a usage error naming the field (never a traceback)."""
+    first = err.errors()[0]
+    names = [str(p) for p in first["loc"] if not isinstance(p, int)]
+    return TetherError(f"invalid {what}: {first_error(err)}", field=names[-1] if names else None, detail=first["msg"])
+
+
+def _refused(record: TransitionRecord | None) -> None:
+    if record is not None and record.kind == "refused":
+        raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED, rule=record.rule)
+
+
+def _refused_update(err: WorkflowUpdateFailedError, kind: str) -> TetherError:
+    """The decide validator's refusal: its rule is the failure's type (``approve refused [rule]:
+    why`` shown as ``approve refused: why [rule: rule]``). An older build's validator raised a
+    plain error, typed by its Python class (``ValueError``): no rule, its message as it is."""
+    cause = err.cause
+    message = str(getattr(cause, "message", None) or cause or err)
+    rule = cause.type if isinstance(cause, ApplicationError) else None
+    if not rule or not rule.islower():  # ValueError, TypeError: a class name, not a rule
+        return TetherError(message, REFUSED)
+    why = message.removeprefix(f"{kind} refused [{rule}]: ")
+    return TetherError(f"{kind} refused: {why} [rule: {rule}]", REFUSED, rule=rule)

@@ -1,0 +1,261 @@
+"""One run, read: its status (from what it published, or live from its queries), the
+``snapshot`` and ``timeline`` queries, how it ended (``run_outcome``), and waiting until it
+settles (``wait_settled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
+from temporalio.exceptions import ApplicationError, CancelledError
+from temporalio.service import RPCError
+
+from workflows.display import escape_text
+from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.contract import ExecutedStep
+from workflows.run_state import RunOutcome, RunSnapshot
+from workflows.states import TERMINAL, RunState, TransitionRecord
+from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
+from tether.runs import StuckTask, ViewUnverified, describe as _describe, published_view, stuck_task
+from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
+from tether.client.sink import _sink_records, ledger_standing
+
+
+class RunStatus(RunSnapshot):
+    """The ``snapshot`` query, plus why the run ended (the final record) once it has."""
+
+    end_reason: str | None = None
+    end_rule: str | None = None  # the rule or error code on that record, when it names one
+    end_actor: str | None = None  # who or what ended it (user:bob, operator:dana, runtime)
+    temporal_status: str | None = None  # Temporal's word: RUNNING, COMPLETED, FAILED, TERMINATED, ...
+    # Set when Temporal has closed the run while its last Tether state is a working one (a
+    # failed or terminated run that still says AWAITING_APPROVAL): it will not go on.
+    closed_by_temporal: str | None = None
+    # The run's record of the latest decision or handoff (its verdict, once the run has one).
+    last_decision: TransitionRecord | None = None
+    # Read from what the run published (its memo) at this workflow time; None: read live (queries).
+    published_at: datetime | None = None
+    # The state the run is listed in (AgentRunState) when it has moved on since it published.
+    listed_state: str | None = None
+    task_queue: str | None = None
+    worker_serving: bool | None = None  # a worker serves the run's queue now (None: cannot tell)
+    stuck: StuckTask | None = None  # its workflow task keeps failing
+    # Why the view in its memo was not shown: not signed by the fleet for this run (read live).
+    view_unverified: str | None = None
+    # Why the effect ledger could not be read: where each write stands is then unknown.
+    ledger_error: str | None = None
+    # Set when the run had published nothing and no worker answered at once: what is shown is
+    # only what Temporal lists (its state, start), and why.
+    unanswered: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.state in TERMINAL
+
+
+def closed_note(state: str | None, temporal_status: str | None) -> str | None:
+    """What to say of a run Temporal has closed while its last Tether state is a working one."""
+    if temporal_status in (None, "RUNNING", "CONTINUED_AS_NEW") or state is None:
+        return None
+    try:
+        if RunState(state) in TERMINAL:
+            return None
+    except ValueError:
+        return None
+    return (
+        f"Temporal closed this run ({temporal_status}) while its last Tether state was {state}: "
+        f"it will not go on (see the Web UI / `temporal workflow show` for why)"
+    )
+
+
+async def snapshot(client: Client, run_id: str, *, timeout: float | None = None) -> RunSnapshot:
+    handle = client.get_workflow_handle(run_id)
+    rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
+    try:
+        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
+    except RPCError as e:
+        if timed_out(e):
+            raise await no_answer(client, run_id, rpc_timeout.total_seconds()) from None
+        raise rpc_error(e, run_id) from None
+    except WorkflowQueryFailedError as e:
+        raise TetherError(f"run {run_id} could not answer: {e}") from None
+
+
+async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
+    handle = client.get_workflow_handle(run_id)
+    try:
+        return await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as e:
+        if timed_out(e):
+            raise await no_answer(client, run_id, QUERY_TIMEOUT.total_seconds()) from None
+        raise rpc_error(e, run_id) from None
+    except WorkflowQueryFailedError as e:
+        raise TetherError(f"run {run_id} could not answer: {e}") from None
+
+
+async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
+    """The run's state, and for a run that has ended the reason on its final record.
+
+    By default from what the run published where it last rested (its memo; ``published_at``
+    says when): no worker is needed and nothing reaches the run. ``live``: the ``snapshot`` and
+    ``timeline`` queries, through a worker. A run that has published nothing yet is read live.
+    Each write's undo is shown as the effect ledger says it stands (``ledger_standing``).
+    """
+    result = (await read_run(client, run_id, live=live))[0]
+    if result.ended:
+        result.compensations, result.ledger_error = await ledger_standing(result.compensations)
+    return result
+
+
+# A run that has published nothing yet is asked (the snapshot query) for at most this long when
+# not read live: a worker that died holding it looks alive for a minute (its pollers and last
+# heartbeat), and the query would wait on it until Temporal gives up (ten seconds). A live
+# worker answers from its cache in milliseconds; one that does not in time leaves the answer
+# to what Temporal lists (and `--live`).
+UNPUBLISHED_QUERY_SECONDS = 0.5
+
+
+def _listed_snapshot(description: Any) -> RunSnapshot:
+    """What Temporal lists of a run that has published nothing: its listed state and start."""
+    attrs = description.typed_search_attributes
+    listed = attrs.get(STATE_ATTRIBUTE)
+    return RunSnapshot(
+        run_id=description.id, tenant=attrs.get(TENANT_ATTRIBUTE) or "",
+        state=RunState(listed) if listed in RunState.__members__ else RunState.RECEIVED,
+        previous_state=None, state_version=0, plan=None, pending_approval=None, step=0, retries=0, last_error=None,
+        approved_by=[], answer=None, created_at=description.start_time, updated_at=None,
+    )
+
+
+async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
+    """``status`` and the records it was read with (the published view's latest records, or
+    the ``timeline`` query's window when ``live``)."""
+    description = await _describe(client, run_id)
+    queue = description.task_queue
+    serving = await worker_serving(client, queue)
+    unverified = None
+    try:
+        view = None if live else await published_view(description)
+    except ViewUnverified as e:
+        # Read live where a worker can answer; nothing of the memo is shown as the run's.
+        view, unverified = None, str(e)
+    if view is None:
+        if serving is False:
+            if unverified:
+                raise ViewUnverified(f"run {run_id}: {unverified}; and {no_worker_message(queue)}")
+            raise TetherError(no_worker_message(queue), rule="no_worker")
+        try:
+            snap = await snapshot(client, run_id, timeout=None if live else UNPUBLISHED_QUERY_SECONDS)
+        except TetherError as e:
+            if unverified:  # what Temporal lists is no better than the memo: nothing is shown
+                raise ViewUnverified(f"run {run_id}: {unverified}; and the run did not answer ({e})") from None
+            if live or e.rule != "no_worker":
+                raise
+            snap, records = _listed_snapshot(description), []
+            result = RunStatus(**snap.model_dump(), unanswered=(
+                f"the run has published nothing yet (it publishes where it rests) and no worker answered within "
+                f"{UNPUBLISHED_QUERY_SECONDS:g}s on task queue '{escape_text(queue)}': the one holding it may have died "
+                f"(`tether status --live {run_id}` waits for an answer)"
+            ))
+        else:
+            records = await timeline(client, run_id)
+            result = RunStatus(**snap.model_dump())
+    else:
+        # The view holds the latest few records, and the run does not publish it again for every
+        # decision it refuses while it waits (a flood would write one each): the audit sink has
+        # every record of this execution, the decisions among them.
+        from activities.audit import merge_timeline
+
+        records = merge_timeline(await _sink_records(description.id, description.run_id), view.timeline)
+        result = RunStatus(**view.snapshot.model_dump(), published_at=view.published_at)
+        listed = description.typed_search_attributes.get(STATE_ATTRIBUTE)
+        if listed and listed != result.state.value:
+            result.listed_state = listed  # it has moved on since it published (states.to_publish)
+    result.task_queue = queue
+    result.view_unverified = unverified
+    result.worker_serving = serving
+    result.temporal_status = description.status.name if description.status else None
+    result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
+    result.stuck = await stuck_task(client, description)
+    result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
+    if result.ended:
+        moves = [r for r in records if r.kind == "transition"]
+        if moves:
+            final = moves[-1]
+            result.end_reason = final.reason
+            result.end_rule = final.rule or final.refs.error_code
+            result.end_actor = final.actor
+            if final.from_state == RunState.VALIDATION_FAILED and len(moves) > 1:
+                # "the replan budget is used up" says little without what failed validation.
+                result.end_reason += f"; last validation: {moves[-2].reason}"
+    return result, records
+
+
+async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
+    """How a run ended (waits for it), whatever Temporal status it ended with.
+
+    Completed: the workflow's result. Failed with a RunOutcome (FAILED, EXECUTION_FAILED): the
+    outcome is the failure's details. Canceled (CANCELLED): read back with the snapshot and
+    timeline queries (a cancelled execution carries no result; ``steps`` is then empty). Any
+    other failure (an invalid start input, a terminated run) raises WorkflowFailureError.
+    The result carries no timeline or steps (RunOutcome.records and steps_executed count them):
+    they are read with the ``timeline`` and ``steps`` queries (a worker replays the closed run
+    to answer them).
+    """
+    try:
+        raw = await handle.result()
+    except WorkflowFailureError as e:
+        cause = e.cause
+        if isinstance(cause, ApplicationError) and cause.details and cause.type in RunState.__members__:
+            return await _with_timeline(handle, RunOutcome.model_validate(cause.details[0]))
+        if isinstance(cause, CancelledError):
+            snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+            if snap.state == RunState.CANCELLED:
+                records = await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+                return RunOutcome(
+                    run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records,
+                    records=snap.timeline_records,
+                )
+        raise
+    return await _with_timeline(handle, raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw))
+
+
+async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutcome:
+    if not outcome.records or outcome.timeline:
+        return outcome  # a run recorded before: its result carried both
+    # The chain's last run (a run that continued as new ended in a later one than started).
+    last = handle._client.get_workflow_handle(handle.id)  # noqa: SLF001 (the handle's own client)
+    outcome.timeline = await last.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+    if outcome.steps_executed and not outcome.steps:
+        outcome.steps = await last.query("steps", result_type=list[ExecutedStep], rpc_timeout=QUERY_TIMEOUT)
+    return outcome
+
+
+async def wait_settled(
+    client: Client, run_id: str, timeout: float, *, approval_settles: bool = True,
+    progress: Any = None,
+) -> RunStatus:
+    """Poll until the run has ended (or waits for a person, with ``approval_settles``) or
+    ``timeout`` seconds have passed; returns its status then. A run no worker answers for
+    within ``timeout`` raises TetherError (rule ``no_worker``) naming its task queue.
+    ``progress(snapshot, seconds)`` is called after each look."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    deadline = began + timeout
+    await require_worker(client, run_id)
+    while True:
+        try:
+            snap = await snapshot(client, run_id, timeout=max(deadline - loop.time(), 1.0))
+        except TetherError as e:
+            if e.rule == "no_worker" and loop.time() < deadline:
+                continue  # a query can time out before the wait does
+            raise
+        if progress is not None:
+            progress(snap, loop.time() - began)
+        waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
+        if waiting or snap.state in TERMINAL or loop.time() > deadline:
+            return await status(client, run_id, live=True)  # as the query just saw it, not as last published
+        await asyncio.sleep(0.2)
