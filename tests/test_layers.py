@@ -84,10 +84,11 @@ def test_nothing_imports_in_a_cycle() -> None:
 
 # ----------------------------------------------------------------------------- the whole house
 
-# The programs (client.py, worker.py, starter.py, inbox/, examples/) import `tether`, which imports
-# `activities`, which imports `workflows`: never the other way round, and nothing in a circle.
+# The programs (client.py, worker.py, starter.py and the CLI it runs, tether/cli/, inbox/, examples/)
+# import `tether`, which imports `activities`, which imports `workflows`: never the other way round,
+# and nothing in a circle.
 HOUSE = ("client.py", "worker.py", "starter.py", "tether", "activities", "inbox", "examples")
-PROGRAMS = {"client", "worker", "starter", "inbox", "examples"}
+PROGRAMS = {"client", "worker", "starter", "tether.cli", "inbox", "examples"}
 # The policy modules, in the order they import one another (each imports only those before it):
 # Cedar the engine; the policy file read, checked and kept in force (it loads the Cedar files it
 # names); signatures; the judgement log and what-if; the activities that judge and attest.
@@ -186,11 +187,12 @@ def test_what_moved_keeps_its_old_import_path() -> None:
 
 
 def test_the_house_imports_only_downward() -> None:
-    """workflows imports none of the house; activities nothing above it; tether no program."""
+    """workflows imports none of the house; activities nothing above it; tether no program (its
+    CLI, tether.cli, is one: it prints through the client and serves the inbox)."""
     graph = house_imports()
 
     def top(module: str) -> str:
-        return module.split(".")[0]
+        return "tether.cli" if module.startswith("tether.cli.") or module == "tether.cli" else module.split(".")[0]
 
     above = {"workflows": {"activities", "tether", *PROGRAMS}, "activities": {"tether", *PROGRAMS}, "tether": PROGRAMS}
     upward = sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps if top(d) in above.get(top(m), ()))
@@ -204,3 +206,14 @@ def test_a_circle_is_found() -> None:
     graph = house_imports()
     assert "tether.plugin" in graph["tether.repair"]  # imported where a repair replays, not at the top
     assert circles({**graph, "tether.plugin": graph["tether.plugin"] | {"worker"}})  # worker -> tether.plugin
+
+
+def test_only_programs_import_the_cli() -> None:
+    """tether/cli/ is the `tether` command: starter.py runs it and the demo takes its hints' script
+    path from it; the library (tether, activities, workflows) and the inbox never import it."""
+    graph = house_imports()
+    users = sorted(m for m, deps in graph.items() if not m.startswith("tether.cli")
+                   for d in deps if d.startswith("tether.cli"))
+    assert users == ["examples.demo", "starter"], users
+    assert "client" in graph["tether.cli.base"]  # the one module of the CLI that names the client
+    assert not [m for m, deps in graph.items() if m.startswith("tether.cli.") and m != "tether.cli.base" and "client" in deps]
