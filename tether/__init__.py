@@ -8,6 +8,7 @@ Modules: ``tether.connection`` (connect, TetherError and its exit codes, task qu
 Deployment names), ``tether.plugin`` (TetherPlugin: what a worker and a replayer are),
 ``tether.runs`` (one run as Temporal holds it), ``tether.repair`` (a stuck run's reset). The rest
 of the client API is ``client.py`` for now, which names these too, for one release.
+``tether.cli`` is the `tether` command (a program over the client, not part of this API).
 """
 
 from __future__ import annotations
