@@ -15,8 +15,6 @@ from tether.cli.base import client, policy, states, wording
 from workflows.display import escape_text as show  # the standard library's alone
 
 PROG = "tether"
-
-
 # Model fields as the options that set them, so a validation error names what the user typed.
 OPTIONS = {
     "goal": "--goal", "tenant": "--tenant", "requested_by": "--requested-by", "planner": "--planner",

@@ -76,7 +76,3 @@ def _pointer(document: Any, path: str) -> Any:
         return jsonpointer.resolve_pointer(document, path)
     except jsonpointer.JsonPointerException:
         return None
-
-
-def _load_playbook(path: str | None) -> list[contract.PlaybookStep]:
-    return load_steps_file(Path(path), "playbook", contract.PlaybookStep) if path is not None else []

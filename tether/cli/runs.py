@@ -12,7 +12,7 @@ from typing import Any
 
 from tether.cli.base import USAGE, add_command, client, contract, pydantic, run_state, states, wording
 from tether.cli.output import error_line, format_list, format_status, format_timeline, print_json
-from tether.cli.plans import _load_playbook
+from tether.cli.plans import load_steps_file
 from workflows.display import escape_text as show  # the standard library's alone
 
 
@@ -41,6 +41,10 @@ def _start_args(p: argparse.ArgumentParser) -> None:
                    help="wait until the run needs an approval or has ended; exit 1 if it ended other than COMPLETED")
     p.add_argument("--wait-timeout", type=float, default=60.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true")
+
+
+def _load_playbook(path: str | None) -> list[contract.PlaybookStep]:
+    return load_steps_file(Path(path), "playbook", contract.PlaybookStep) if path is not None else []
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
