@@ -19,6 +19,7 @@ import tether.client as client
 import starter
 from tether.client import exit_process
 from examples.devstack import BILLING_PORT, DEMO_SIGNERS, INBOX_URL, KEYS_DIR, STATE_DIR, TEMPORAL_PORT, UI_PORT
+from tether.cli.output import script_path
 from workflows.run_state import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
@@ -30,7 +31,7 @@ CONNECTION_ENV = ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TETHER_TASK_QUEUE")
 
 def tether() -> str:
     """The installed `tether` script, as a path that works from the repository root."""
-    return starter.script_path()
+    return script_path()
 
 
 def command(argv: list[str]) -> str:

@@ -332,6 +332,7 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     import asyncio
 
     import starter
+    from tether.cli.output import format_status, format_timeline
 
     def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own
         return asyncio.to_thread(starter.main, argv)
@@ -359,8 +360,8 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
         status = await tether_client.status(ts_env.client, sixty.id, live=True)
         timeline = await tether_client.full_timeline(ts_env.client, sixty.id, str(audit_dir))
     # Records and `tether status` name the policies that decided (audit by reference).
-    assert "[policies: default.decide]" in starter.format_status(status)
-    assert "policies=default.decide" in starter.format_timeline(timeline)
+    assert "[policies: default.decide]" in format_status(status)
+    assert "policies=default.decide" in format_timeline(timeline)
     ours = {forty.id, ten.id, sixty.id}
     logged = log_from_env(str(judged_dir)).read()
     assert {e["workflow_id"] for e in logged} == ours

@@ -277,7 +277,7 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
     status` says unknown (never pending) and names the ledger's error; `tether compensate` is
     refused; a compensation run started anyway undoes nothing (before: the void was sent again)."""
     import tether.client as tether_client
-    import starter
+    from tether.cli.output import format_status
     from tests.test_recovery import VOIDS, approved_run, requests_to
 
     monkeypatch.setenv("TETHER_AUDIT_DIR", str(tmp_path / "audit"))  # this test's sink and ledger only
@@ -289,12 +289,12 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
             ts_env.client, outcome.run_id, by="bob", queue=worker.task_queue))
         assert undo.state.value == "COMPENSATED"
         voids = requests_to(billing, VOIDS)
-        undone = starter.format_status(await tether_client.status(ts_env.client, outcome.run_id))
+        undone = format_status(await tether_client.status(ts_env.client, outcome.run_id))
         assert "undone (void_refund" in undone
 
         (tmp_path / "audit" / LEDGER_FILE).unlink()
         status = await tether_client.status(ts_env.client, outcome.run_id)
-        shown = starter.format_status(status)
+        shown = format_status(status)
         assert status.ledger_error and "missing" in status.ledger_error and "--new-ledger" in status.ledger_error
         assert {c.status for c in status.compensations if c.tool} == {"unknown"}, status.compensations
         assert "pending" not in shown and "unknown (the ledger cannot be read)" in shown and "ledger     " in shown, shown
@@ -309,7 +309,7 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
         assert forced.state.value == "FAILED" and forced.timeline[-1].refs.error_code == "ledger_unavailable"
         refused_run = await tether_client.status(ts_env.client, forced.run_id)
         assert refused_run.last_error.startswith("ledger_unavailable: ") and "missing" in refused_run.last_error
-        assert refused_run.end_rule == "ledger_unavailable" and "nothing was undone" in starter.format_status(refused_run)
+        assert refused_run.end_rule == "ledger_unavailable" and "nothing was undone" in format_status(refused_run)
     assert requests_to(billing, VOIDS) == voids
 
 

@@ -84,11 +84,11 @@ def test_nothing_imports_in_a_cycle() -> None:
 
 # ----------------------------------------------------------------------------- the whole house
 
-# The programs (worker.py, starter.py, inbox/, examples/, and client.py, tether.client's old import
-# path for one release) import `tether`, which imports `activities`, which imports `workflows`:
-# never the other way round, and nothing in a circle.
+# The programs (client.py, tether.client's old import path for one release, worker.py, starter.py and the CLI it runs, tether/cli/, inbox/, examples/)
+# import `tether`, which imports `activities`, which imports `workflows`: never the other way round,
+# and nothing in a circle.
 HOUSE = ("client.py", "worker.py", "starter.py", "tether", "activities", "inbox", "examples")
-PROGRAMS = {"client", "worker", "starter", "inbox", "examples"}
+PROGRAMS = {"client", "worker", "starter", "tether.cli", "inbox", "examples"}
 # The policy modules, in the order they import one another (each imports only those before it):
 # Cedar's words, its export of the TOML rules, its engine and its checks (activities.cedar, which
 # the rest import); the policy file read, checked and kept in force (it loads the Cedar files it
@@ -237,11 +237,12 @@ def test_what_the_house_imports_from_a_split_module_is_there() -> None:
 
 
 def test_the_house_imports_only_downward() -> None:
-    """workflows imports none of the house; activities nothing above it; tether no program."""
+    """workflows imports none of the house; activities nothing above it; tether no program (its
+    CLI, tether.cli, is one: it prints through the client and serves the inbox)."""
     graph = house_imports()
 
     def top(module: str) -> str:
-        return module.split(".")[0]
+        return "tether.cli" if module.startswith("tether.cli.") or module == "tether.cli" else module.split(".")[0]
 
     above = {"workflows": {"activities", "tether", *PROGRAMS}, "activities": {"tether", *PROGRAMS}, "tether": PROGRAMS}
     upward = sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps if top(d) in above.get(top(m), ()))
@@ -263,6 +264,8 @@ def test_the_cedar_modules_stay_under_600_lines() -> None:
     sizes = {p.name: len(p.read_text().splitlines()) for p in sorted((ROOT / "activities").glob("cedar*.py"))}
     assert set(sizes) >= {"cedar.py", "cedar_text.py", "cedar_export.py", "cedar_engine.py"}, sizes
     assert all(n < 600 for n in sizes.values()), sizes
+
+
 # ----------------------------------------------------------------------------- tether.client
 
 CLIENT = ROOT / "tether/client"
@@ -302,3 +305,12 @@ def test_an_upward_client_import_is_found() -> None:
     assert client_upward({**graph, low: graph[low] | {high}}, layers) == [f"{low} imports {high}"]
     assert client_upward({**graph, high: graph[high] | {"tether.client"}}, layers) == [f"{high} imports tether.client"]
     assert client_upward({**graph, high: graph[high] | {high}}, layers) == [f"{high} imports {high}"]
+def test_only_programs_import_the_cli() -> None:
+    """tether/cli/ is the `tether` command: starter.py runs it and the demo takes its hints' script
+    path from it; the library (tether, activities, workflows) and the inbox never import it."""
+    graph = house_imports()
+    users = sorted(m for m, deps in graph.items() if not m.startswith("tether.cli")
+                   for d in deps if d.startswith("tether.cli"))
+    assert users == ["examples.demo", "starter"], users
+    assert "client" in graph["tether.cli.base"]  # the one module of the CLI that names the client
+    assert not [m for m, deps in graph.items() if m.startswith("tether.cli.") and m != "tether.cli.base" and "client" in deps]

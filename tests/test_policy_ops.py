@@ -19,7 +19,7 @@ import starter
 from activities import cedar
 from activities.judgements import JsonlJudgementLog, PostgresJudgementLog, entries
 from activities.policy import parse_policy
-from starter import LOG_UNREADABLE
+from tether.cli.policy import LOG_UNREADABLE
 from tests.test_cedar import RECORDED_POLICY, signed_lines
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect, ToolInfo
 

@@ -801,15 +801,15 @@ def requests_to(billing: Billing, *labels: str) -> list[int]:
 
 
 def shown(status) -> str:
-    import starter
+    from tether.cli.output import format_status
 
-    return starter.format_status(status)
+    return format_status(status)
 
 
 async def starter_undone_later(client, run_id: str) -> str:
-    import starter
+    from tether.cli.runs import _undone_later
 
-    return await starter._undone_later(client, run_id)
+    return await _undone_later(client, run_id)
 
 
 async def test_a_refused_compensation_leaves_the_original_compensable_and_status_says_where_each_write_stands(

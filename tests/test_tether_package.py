@@ -52,6 +52,18 @@ def test_a_program_that_only_connects_does_not_load_the_worker() -> None:
     assert out.strip() == "[]"
 
 
+def test_the_cli_imports_tether_without_temporal() -> None:
+    """tether.cli lives in the package, so `tether --help` imports `tether`: its face loads the
+    connection (Temporal) only when a name of it is first used, and that name is the connection's."""
+    code = ("import sys, tether, tether.cli.main\n"
+            "print(sorted(m for m in ('temporalio', 'tether.connection', 'client', 'pydantic') if m in sys.modules))\n"
+            "from tether import TetherError, connect\n"
+            "import tether.connection as c\n"
+            "print(connect is c.connect and TetherError is c.TetherError and tether.USAGE == c.USAGE == 2)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True"], out
+
+
 def test_the_checkout_stack_is_the_one_the_dev_stack_writes() -> None:
     import examples.devstack
     import tether.connection

@@ -489,7 +489,7 @@ def test_key_ids_are_fingerprints_and_the_newest_signs(tmp_path: Path) -> None:
 
 
 async def test_status_and_list_say_when_temporal_closed_a_run_left_waiting(dev_env: WorkflowEnvironment, billing: Billing) -> None:
-    from starter import format_status
+    from tether.cli.output import format_status
 
     async with running_worker(dev_env.client) as worker:
         handle = await tether_client.start_run(dev_env.client, make_request(), run_id=unique("closed"), queue=worker.task_queue)

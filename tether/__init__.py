@@ -8,19 +8,25 @@ Modules: ``tether.connection`` (connect, TetherError and its exit codes, task qu
 Deployment names), ``tether.plugin`` (TetherPlugin: what a worker and a replayer are),
 ``tether.runs`` (one run as Temporal holds it), ``tether.repair`` (a stuck run's reset),
 ``tether.client`` (the client API: start, read, decide, cancel, list; it names these too).
+``tether.cli`` is the `tether` command (a program over the client, not part of this API).
 """
 
-from tether.connection import (
-    DEFAULT_TASK_QUEUE,
-    OK,
-    PENDING,
-    REFUSED,
-    USAGE,
-    TetherError,
-    connect,
-    deployment_name,
-    task_queue,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tether.connection import (
+        DEFAULT_TASK_QUEUE,
+        OK,
+        PENDING,
+        REFUSED,
+        USAGE,
+        TetherError,
+        connect,
+        deployment_name,
+        task_queue,
+    )
 
 __all__ = [
     "DEFAULT_TASK_QUEUE",
@@ -40,14 +46,23 @@ __all__ = [
     "tool",
 ]
 
+# The connection's names (tether.connection imports Temporal): loaded on first use, so that the CLI
+# (tether.cli) prints its help and its usage errors without Temporal.
+_CONNECTION = ("DEFAULT_TASK_QUEUE", "OK", "PENDING", "REFUSED", "USAGE", "TetherError", "connect",
+               "deployment_name", "task_queue")
 # What a tool author imports, and where it lives (loaded on first use, as the worker's parts are).
 _TOOLS = {"tool": "activities.tools", "ToolContext": "activities.tools", "ToolError": "activities.tools",
           "ToolEffect": "workflows.contract"}
 
 
 def __getattr__(name: str) -> object:
-    """The worker's configuration (it imports the workflow and the activities) on first use: a
-    program that only connects, or the CLI, starts without it."""
+    """The connection on first use, and the worker's configuration (it imports the workflow and the
+    activities) on first use: a program that only connects starts without the worker, and the CLI
+    without either until a command runs."""
+    if name in _CONNECTION:
+        from tether import connection
+
+        return getattr(connection, name)
     if name in ("TetherPlugin", "create_replayer"):
         from tether import plugin
 

@@ -25,9 +25,8 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-import starter
 from examples.devstack import dev_server_command
-from tether.client import run_outcome, timed_out
+from tether.client import run_outcome, start_run, timed_out
 from tests.chaos.markers import gate_name, marker_name
 from tests.conftest import approval_for, Billing
 from tests.invariants import check_timeline, tools_by_call
@@ -334,7 +333,7 @@ async def _start(client: Client, request: RunRequest, run_id: str, queue: str) -
 
     for attempt in range(10):
         try:
-            return await starter.start_run(client, request, run_id=run_id, queue=queue)
+            return await start_run(client, request, run_id=run_id, queue=queue)
         except TetherError as e:
             if "already exists" in str(e) and attempt > 0:
                 return client.get_workflow_handle(run_id, result_type=RunOutcome)

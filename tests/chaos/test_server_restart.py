@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import starter
 from tests.chaos.conftest import Stack
 from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_worker
 from tests.invariants import check_timeline, tools_by_call
-from tether.client import run_outcome
+from tether.client import run_outcome, start_run
 from tests.conftest import approval_for
 from workflows.contract import Limits
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
@@ -56,7 +55,7 @@ async def test_runs_survive_a_dev_server_restart(stack: Stack) -> None:
         client = stack.client
 
         async def start(name: str, req: RunRequest):
-            return await starter.start_run(client, req, run_id=_unique(f"restart-{name}"), queue=queue)
+            return await start_run(client, req, run_id=_unique(f"restart-{name}"), queue=queue)
 
         # Baseline: an idempotent run that nothing disturbs.
         (chaos_dir / "release-before").touch()

@@ -1,0 +1,202 @@
+"""What the `tether` command prints: a run's status, its timeline, a list of runs, a verdict, an
+error line. Everything a requester, model, tool or signal sender could have written goes through
+the one escaping function (workflows/display.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tether.cli.base import client, policy, states, wording
+from workflows.display import escape_text as show  # the standard library's alone
+
+PROG = "tether"
+# Model fields as the options that set them, so a validation error names what the user typed.
+OPTIONS = {
+    "goal": "--goal", "tenant": "--tenant", "requested_by": "--requested-by", "planner": "--planner",
+    "max_steps": "--max-steps", "max_replans": "--max-replans", "approval_ttl_seconds": "--approval-ttl",
+    "on_expiry": "--on-expiry", "max_model_tokens": "--max-model-tokens", "approver": "--by", "by": "--by",
+    "decision_id": "--decision-id", "plan_hash": "--plan-hash", "comment": "--comment", "reason": "--reason",
+    "state": "--state", "limit": "--limit", "port": "--port", "dev_login": "--dev-login", "jwks": "--jwks",
+    "editor": "--by", "steps": "--steps", "on_failure": "--on-failure", "on_cancel": "--on-cancel",
+}
+
+
+def script_path() -> str:
+    """The installed `tether` script next to this Python, relative to the current directory when
+    under it (`.venv/bin/tether`): a bare `tether` is on PATH only in an activated virtualenv."""
+    script = Path(sys.executable).parent / PROG
+    if not script.exists():
+        return PROG
+    try:
+        relative = os.path.relpath(script)
+    except ValueError:
+        return str(script)
+    return relative if not relative.startswith("..") else str(script)
+
+
+def invoked_as() -> str:
+    """The command as the user typed it (`.venv/bin/tether`), for hints that paste; called
+    in-process (the demo, `python starter.py`), the installed script."""
+    typed = sys.argv[0] if sys.argv else ""
+    return typed if os.path.basename(typed) == PROG else script_path()
+
+
+def print_json(value: object) -> None:
+    # ASCII only: every control, bidi and invisible character a sender wrote is a \u escape.
+    print(json.dumps(value, indent=2, default=str, ensure_ascii=True))
+
+
+def step_lines(plan: object, tools: Sequence[object] = ()) -> list[str]:
+    """Every step of a plan, every argument in full (escaped), money as amount and currency,
+    and what the step does in plain words."""
+    lines = []
+    for v in client.step_views(plan, tools):  # type: ignore[arg-type]
+        lines.append(f"  {v.n}. {show(v.tool)}: {v.effect}")
+        lines.extend(f"       {client.shown_arg(a)}" for a in v.args)
+    return lines
+
+
+def format_status(s: client.RunStatus) -> str:
+    """A run's status for a terminal. Everything a requester, model, tool or signal sender could
+    have written (ids, reasons, summaries, arguments, answers) goes through workflows/display.py."""
+    lines = [
+        f"run        {show(s.run_id)}",
+        f"state      {s.state.value} (version {s.state_version}, was "
+        f"{s.previous_state.value if s.previous_state else '-'})",
+        f"tenant     {show(s.tenant)}",
+        f"steps      {s.step} executed, {s.retries} retries",
+    ]
+    if s.published_at is not None:
+        moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
+        lines.append(f"view       {client.freshness(s.published_at)}{moved}")
+    if s.view_unverified:
+        lines.append(f"view       {show(s.view_unverified, 400)} (read live instead)")
+    if s.worker_serving is False and s.task_queue is not None:
+        lines.append(f"worker     {client.no_worker_message(s.task_queue)}")
+    if s.unanswered:
+        lines.append(f"worker     {s.unanswered}")
+    if s.stuck is not None:
+        lines.append(f"stuck      its workflow task keeps failing (attempt {s.stuck.attempt}, {show(s.stuck.cause)}): "
+                     f"{show(s.stuck.error, 400)}")
+        lines.append(f"           repair:  {invoked_as()} repair {show(shlex.quote(s.run_id))}")
+    if s.closed_by_temporal:
+        lines.append(f"closed     {s.closed_by_temporal}")
+    if s.end_reason and s.state != states.RunState.COMPLETED:
+        lines.append(f"why        {show(s.end_reason)}" + (f" [rule: {show(s.end_rule)}]" if s.end_rule else "")
+                     + (f" ({show(s.end_actor)})" if s.end_actor else ""))
+    if s.approved_by and s.pending_approval is None:  # while pending: the `pending` line counts them
+        lines.append(f"approved   by {', '.join(show(a) for a in s.approved_by)}")
+    if s.last_error:
+        lines.append(f"last error {show(s.last_error)}")
+    if s.audit_error:
+        lines.append(f"audit      {show(s.audit_error, 600)}")
+    if s.policy_problem:
+        lines.append(f"policy     {show(s.policy_problem, 600)}")
+    if s.last_decision is not None:
+        d = s.last_decision
+        verdict = d.kind if d.kind != "transition" else d.to_state.value
+        lines.append(f"decision   {show(d.refs.decision_id, 128)} by {show(d.actor, 120)}: {verdict}: "
+                     f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else "")
+                     + (f" [policies: {show(', '.join(d.refs.policies), 300)}]" if d.refs.policies else ""))
+    if s.plan is not None:
+        lines.append(f"plan       v{s.plan.version} {show(s.plan.plan_hash)}")
+        lines.extend(step_lines(s.plan, s.tools))
+    for r in s.revisions:
+        what = "partial approval" if r.partial else "revised"
+        lines.append(f"revision   v{r.version} {what} by {show(r.editor, 128)} at {r.at.isoformat()}: "
+                     f"{show(', '.join(r.changed) or '-', 500)} (was {r.previous_plan_hash[:12]})")
+    if s.pending_approval is not None:
+        p = s.pending_approval
+        lines.append(f"pending    {p.risk} risk approval until {p.expires_at.isoformat()}: {client.approvals_needed(p)}")
+        if p.request_id:
+            lines.append(f"request    {show(p.request_id)}")
+        refused = client.approval_offer_problem(s)
+        if refused:
+            lines.append(f"           approve: not offered: {refused}")
+        else:
+            lines.append(f"           approve: {invoked_as()} approve {show(shlex.quote(s.run_id))} --by NAME "
+                         f"--plan-hash {show(p.plan_hash[:client.HASH_PREFIX])}")
+        if p.escalation:
+            lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
+                         + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
+        lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
+    for c in s.compensations:
+        # Each ok write and where its undo stands (ids and names, escaped).
+        standing = wording.write_standing(c)
+        if s.ledger_error and c.tool and c.status == "unknown" and not c.undone_by:
+            standing = f"unknown (the ledger cannot be read); undo: {show(c.tool, 64)}"
+        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {standing}")
+    if s.ledger_error:
+        lines.append(f"ledger     {show(s.ledger_error, 400)}: where each write stands is unknown")
+    elif s.ended and s.state in policy.COMPENSABLE_STATES | {states.RunState.COMPLETED} and any(
+        c.status != "ok" and c.tool for c in s.compensations
+    ):
+        approved = " (kept by design: the undos need an approval first)" if s.state == states.RunState.COMPLETED else ""
+        lines.append(f"           undo them: {invoked_as()} compensate {show(shlex.quote(s.run_id))} --by NAME{approved}")
+    if not s.ledger_error and any(c.status == "unknown" for c in s.compensations):
+        lines.append(f"           check the target, then: {invoked_as()} compensate {show(shlex.quote(s.run_id))} "
+                     "--by NAME --rerun-unknown STEP")
+    if s.answer:
+        lines.append(f"answer     {show(s.answer)}")
+    return "\n".join(lines)
+
+
+def format_timeline(records: Sequence[states.TransitionRecord]) -> str:
+    lines = []
+    for r in records:
+        # Hashes shortened for reading; `timeline --json` has them in full.
+        refs = ", ".join(
+            f"{k}={show(v[:12] if k.endswith('_hash') else ' '.join(v) if k == 'policies' else v)}"
+            for k, v in r.refs.model_dump(exclude_none=True).items()
+        )
+        arrow = (
+            f"{r.from_state.value} -> {r.to_state.value}"
+            if r.kind == "transition"
+            else f"{r.kind.upper()} in {r.from_state.value}"
+        )
+        lines.append(
+            f"v{r.state_version:<3} {r.at.strftime('%H:%M:%S.%f')[:-3]}  {arrow:<42} "
+            f"{show(r.actor):<18} {show(r.reason)}" + (f"  [{show(r.rule)}]" if r.rule else "")
+            + (f"  [{refs}]" if refs else "")
+        )
+    return "\n".join(lines)
+
+
+def format_list(rows: Sequence[client.RunSummary]) -> str:
+    if not rows:
+        return "no runs match"
+    lines = [f"{'RUN':<28} {'STATE':<18} {'TEMPORAL':<11} {'TENANT':<12} {'PUBLISHED':<11} STARTED"]
+    for row in rows:
+        started = row.started.isoformat() if row.started else "-"
+        closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
+        lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
+                     f"{show(row.tenant or '-'):<12} {(client.age(row.published_at) + ' ago') if row.published_at else '-':<11} {started}{closed}")
+        if row.stuck is not None:
+            lines.append(f"  stuck: workflow task attempt {row.stuck.attempt}, {show(row.stuck.cause)}: "
+                         f"{show(row.stuck.error, 300)}")
+    return "\n".join(lines)
+
+
+def print_verdict(verdict: client.Verdict) -> int:
+    r = verdict.record
+    decision = show(verdict.decision_id)
+    if r is None:
+        print(f"decision {decision} sent; the run has not recorded it yet "
+              f"(check `{invoked_as()} timeline {show(shlex.quote(verdict.run_id))}`)")
+    elif r.kind == "accepted":
+        print(f"{show(r.reason)} (decision {decision})")
+    else:
+        print(f"{r.to_state.value}: {show(r.reason)} (decision {decision})")
+    return client.OK
+
+
+def error_line(e: client.TetherError) -> str:
+    # Errors quote what the run or the user sent (reasons, ids): one escaped line.
+    if e.field in OPTIONS:
+        return f"error: {OPTIONS[e.field]}: {show(e.detail)}"
+    return f"error: {show(str(e))}"
