@@ -895,7 +895,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     tenants; with --run, the hash the run recorded at its start and whether it is this file's
     (exit 1 when it is not: the run was judged under another policy file)."""
     from activities.policy_file import PolicyFileError, PolicyStore
-    from inbox.desk import recorded_policy_hash
+    from tether.inbox.desk import recorded_policy_hash
 
     chosen = args.policy or args.target or os.environ.get("TETHER_POLICY") or None
     store = PolicyStore(Path(chosen) if chosen else None)
@@ -1056,7 +1056,7 @@ def format_judgement(entry: dict[str, Any]) -> list[str]:
 
 
 async def cmd_inbox(args: argparse.Namespace) -> int:
-    from inbox.app import InboxConfig, serve
+    from tether.inbox.app import InboxConfig, serve
 
     if args.port < 1 or args.port > 65535:
         raise client.TetherError(f"--port must be 1-65535, not {args.port}", field="port")

@@ -281,7 +281,7 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
 
     import client as tether_client
     from activities.policy import PolicyStore
-    from inbox.app import InboxConfig, create_app
+    from tether.inbox.app import InboxConfig, create_app
     from tests.conftest import make_request, running_worker
     from tests.inbox_stack import AUDIENCE, ISSUER, Sso, _serve, free_port
 
