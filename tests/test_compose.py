@@ -569,10 +569,14 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
     import uuid
 
     site, app = lay_out_image(tmp_path)
-    # The image holds the example data files the compose file names, and no signing keys.
+    # The package installs only itself; the image's working directory holds the example code and
+    # data files the compose file names (and client.py, until it moves into the package); no keys.
+    assert sorted(p.name for p in site.iterdir()) == ["activities", "starter.py", "tether", "worker.py", "workflows"]
     assert sorted(p.relative_to(app).as_posix() for p in app.rglob("*") if p.is_file()) == [
-        "examples/billing/policy.image.toml", "examples/billing/refund.playbook.json"]
-    assert not list(site.rglob("*.pem*")) and not (site / "tests").exists()
+        "client.py", "examples/__init__.py", "examples/billing/__init__.py", "examples/billing/api.py",
+        "examples/billing/policy.image.toml", "examples/billing/refund.playbook.json", "examples/billing/service.py",
+        "examples/billing/tools.py"]
+    assert not list(site.rglob("*.pem*")) and not list(app.rglob("*.pem*"))
 
     def free_port() -> int:
         with socket.socket() as s:

@@ -3,6 +3,7 @@ for one release, what it leaves out of a CLI's start, and that `pip install .` i
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,28 @@ def test_the_old_import_paths_are_the_same_objects() -> None:
     assert (client.OK, client.REFUSED, client.USAGE, client.PENDING) == (0, 1, 2, 3)
     assert worker.create_replayer is tether.plugin.create_replayer and worker.WORKFLOW_RUNNER is tether.plugin.WORKFLOW_RUNNER
     assert worker.TetherError is client.TetherError  # one error type: the CLI maps its code to the exit code
+
+
+def test_the_inbox_old_import_path_warns_and_gives_the_same_modules() -> None:
+    """`import inbox` / `from inbox.app import create_app` (the checkout's shim, for one release):
+    the very modules of `tether.inbox`, with a DeprecationWarning that says where they went."""
+    code = ("import json, warnings\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from inbox.app import create_app\n"
+            "    from inbox import desk, identity\n"
+            "import tether.inbox.app, tether.inbox.desk, tether.inbox.identity\n"
+            "assert create_app is tether.inbox.app.create_app\n"
+            "assert (desk, identity) == (tether.inbox.desk, tether.inbox.identity)\n"
+            "print(json.dumps([str(w.message) for w in seen if w.category is DeprecationWarning]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (message,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "tether.inbox" in message
+    # As an error (python -W error): the import fails, so a caller finds out before the path goes.
+    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", "import inbox"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode != 0 and "moved to `tether.inbox`" in done.stderr
 
 
 def test_a_program_that_only_connects_does_not_load_the_worker() -> None:
