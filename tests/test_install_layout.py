@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers.wheel import build_wheel, install_wheel
+from tests.helpers.wheel import build_wheel, checkout_copy, install_wheel
 
 INSTALLED = {"tether", "workflows", "activities", "worker.py", "starter.py"}
 INBOX = ROOT / "tether/inbox"
@@ -25,7 +25,8 @@ INBOX = ROOT / "tether/inbox"
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_wheel(tmp_path_factory.mktemp("wheel"))
+    into = tmp_path_factory.mktemp("wheel")
+    return build_wheel(checkout_copy(into / "source"), into / "dist")
 
 
 def _names(wheel: Path) -> list[str]:
@@ -67,17 +68,22 @@ def _run_installed(site: Path, cwd: Path, code: str) -> subprocess.CompletedProc
                           timeout=120)
 
 
-def test_the_installed_inbox_serves_its_pages_from_the_installed_copy(wheel: Path, tmp_path: Path) -> None:
-    """As in the image: the wheel installed, client.py in the working directory (until the client
-    library moves into the package), a policy file. The inbox's templates and static files are
-    found where it is installed, not in the checkout."""
+def _as_in_the_image(wheel: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The wheel installed (site), and a working directory (app) with client.py (until the client
+    library moves into the package) and a policy file, as the image has them."""
     site = install_wheel(wheel, tmp_path / "site")
-    # Beside the package: its metadata, and bin/ with the `tether` script.
-    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == sorted({*INSTALLED, "bin"})
     app = tmp_path / "app"
     app.mkdir()
     shutil.copyfile(ROOT / "client.py", app / "client.py")
     shutil.copyfile(ROOT / "examples/billing/policy.image.toml", app / "policy.toml")
+    return site, app
+
+
+def test_the_installed_inbox_serves_its_pages_from_the_installed_copy(wheel: Path, tmp_path: Path) -> None:
+    """The inbox's templates and static files are found where it is installed, not in the checkout."""
+    site, app = _as_in_the_image(wheel, tmp_path)
+    # Beside the package: its metadata, and bin/ with the `tether` script.
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == sorted({*INSTALLED, "bin"})
     code = """
 import json, sys
 from pathlib import Path
@@ -118,12 +124,8 @@ print(json.dumps({
 def test_a_template_missing_from_the_installed_copy_is_a_500_not_the_checkouts(wheel: Path, tmp_path: Path) -> None:
     """The check above can fail: with the installed login template removed, the installed inbox
     does not fall back to the checkout's (it fails to render)."""
-    site = install_wheel(wheel, tmp_path / "site")
+    site, app = _as_in_the_image(wheel, tmp_path)
     (site / "tether/inbox/templates/login.html").unlink()
-    app = tmp_path / "app"
-    app.mkdir()
-    shutil.copyfile(ROOT / "client.py", app / "client.py")
-    shutil.copyfile(ROOT / "examples/billing/policy.image.toml", app / "policy.toml")
     code = """
 from pathlib import Path
 from tether.inbox.app import InboxConfig, create_app

@@ -24,12 +24,17 @@ def _pip(*args: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def build_wheel(into: Path) -> Path:
-    """The wheel of a copy of this checkout (its build writes into the copy, not the checkout)."""
-    source = into / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCE), symlinks=True)
-    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "--wheel-dir", str(into / "dist"), str(source))
-    (wheel,) = (into / "dist").glob("*.whl")
+def checkout_copy(into: Path) -> Path:
+    """This checkout's files in ``into``, as a clean checkout has them (a build writes into its
+    source folder: into the copy, not the checkout)."""
+    shutil.copytree(ROOT, into, ignore=shutil.ignore_patterns(*NOT_SOURCE), symlinks=True)
+    return into
+
+
+def build_wheel(source: Path, into: Path) -> Path:
+    """The wheel of the project in ``source`` (a copy: the build writes there), in ``into``."""
+    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "--wheel-dir", str(into), str(source))
+    (wheel,) = into.glob("*.whl")
     return wheel
 
 
