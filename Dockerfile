@@ -10,11 +10,9 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY client.py worker.py starter.py ./
+COPY worker.py starter.py ./
 COPY workflows ./workflows
 COPY activities ./activities
-COPY examples ./examples
-COPY inbox ./inbox
 COPY tether ./tether
 # A non-editable install into its own venv: the final stage copies only the venv. Runtime
 # dependencies only (cryptography, for the codec and signed approvals, is one of them); set
@@ -36,10 +34,14 @@ RUN groupadd --system --gid 10001 tether \
     && chmod 700 /keys /keys/payload /keys/state /keys/inbox /keys/public
 COPY --from=build /opt/tether /opt/tether
 WORKDIR /app
-# Data files the example stack reads (the code itself is in the venv): the billing policy for
-# the worker (TETHER_POLICY; the image's version has no `signed` tenant, whose keys only the dev
-# stack has) and the playbook for `tether start --playbook`. Owned by root: the service user can
-# read them, not change them. tests/test_compose.py lays the image out from these lines.
+# What the example stack runs from the working directory (`python -m` puts it on the path; the
+# package in the venv holds none of it): the billing example's service and tool modules
+# (TETHER_TOOLS=examples.billing.tools), the billing policy for the worker (TETHER_POLICY; the
+# image's version has no `signed` tenant, whose keys only the dev stack has), the playbook for
+# `tether start --playbook`. Owned by root: the service user can read them, not change them.
+# tests/test_compose.py lays the image out from these lines.
+COPY examples/__init__.py /app/examples/
+COPY examples/billing/__init__.py examples/billing/api.py examples/billing/db.py examples/billing/model.py examples/billing/routes.py examples/billing/service.py examples/billing/tools.py /app/examples/billing/
 COPY examples/billing/policy.image.toml examples/billing/refund.playbook.json /app/examples/billing/
 USER 10001:10001
 # Prometheus metrics (worker.py --metrics-port).

@@ -15,9 +15,14 @@ REPRO_ARGS ?=
 
 .PHONY: install demo demo-order demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling bench-policy
 
+# Editable in setuptools' compat mode: the checkout's folder on the venv's path, so what runs from
+# the checkout but is not installed (client.py, examples/, tests/, bench/) imports in every process
+# of the venv, `.venv/bin/tether` included; `pip install .` installs only the package (pyproject.toml).
+EDITABLE := --config-settings editable_mode=compat
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check $(EDITABLE) -e '.[dev]'
 	@# Bytecode up front: the workflow sandbox re-imports the workflow modules for every run,
 	@# and with PYTHONDONTWRITEBYTECODE set nothing would cache them (docs/performance.md).
 	$(PY) -m compileall -q workflows activities examples
@@ -27,7 +32,7 @@ install: $(STAMP)
 
 # The optional extra `bench` (pydantic-ai on Temporal, for `make bench-peer`), on top of dev.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check $(EDITABLE) -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
 
 # PLANNER=model: the configured model plans (TETHER_MODEL, OPENAI_BASE_URL / OPENAI_API_KEY

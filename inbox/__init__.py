@@ -1,8 +1,15 @@
-"""The approver's inbox: a small web app where signed-in people see what waits on them and decide.
-
-``tether inbox --port PORT`` (``inbox.app.main``). Identity comes from the sign-in layer, never
-from a form field: a JWT verified against the organisation's JWKS (``inbox.identity``), or, on
-127.0.0.1 only, ``--dev-login``. Decisions go through ``client.decide`` (the ``decide`` Update),
-signed with the inbox's own key as an attestation the policy can trust (``[signers.inbox]``).
-Docs: docs/inbox.md.
+"""Deprecated: the inbox is ``tether.inbox`` now. This shim, in the checkout only (``pip install .``
+does not install it), keeps ``import inbox`` and ``from inbox.app import ...`` working for one
+release: the very modules of ``tether.inbox``, with a DeprecationWarning.
 """
+
+import sys
+import warnings
+
+from tether.inbox import app, desk, guards, identity, pages, service
+
+warnings.warn("the `inbox` package moved to `tether.inbox`: import from there (this path goes in the next release)",
+              DeprecationWarning, stacklevel=2)
+for _name, _module in {"app": app, "desk": desk, "guards": guards, "identity": identity, "pages": pages,
+                       "service": service}.items():
+    sys.modules[f"{__name__}.{_name}"] = _module

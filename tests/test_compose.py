@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.wheel import build_wheel, install_wheel
 from workflows.published import SEARCH_ATTRIBUTES
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra")
@@ -430,7 +431,7 @@ def test_dockerfile_runtime_image() -> None:
 #
 # No Docker engine here: the image's files are laid out in a temporary directory exactly as the
 # Dockerfile and .dockerignore say (the build context filtered, the build stage's COPY lines,
-# the package setuptools would install from them, the final stage's COPY lines into WORKDIR),
+# the wheel setuptools builds from them, installed; the final stage's COPY lines into WORKDIR),
 # and each service's command from docker-compose.yml runs there with the compose environment.
 # What is rewritten, and only that: the service host names (temporal, billing) become the test's
 # servers, container paths (/keys, /data, /app) the temporary directories, fixed ports free
@@ -503,20 +504,6 @@ def _dockerfile_copies() -> tuple[list[tuple[list[str], str]], list[tuple[list[s
     return copies(stages[0]), copies(stages[1]), workdir
 
 
-def find_packages(src: Path, include: list[str]) -> list[str]:
-    """setuptools.find_packages(where=src, include=include), or the same rule where setuptools
-    is not installed (Python 3.12 venvs): folders with an __init__.py whose dotted name matches."""
-    try:
-        import setuptools
-    except ImportError:
-        from fnmatch import fnmatchcase
-
-        found = [".".join(p.parent.relative_to(src).parts) for p in src.rglob("__init__.py")]
-        return sorted(n for n in found if n and any(fnmatchcase(n, pat) for pat in include)
-                      and all((src / Path(*n.split(".")[:i]) / "__init__.py").exists() for i in range(1, n.count(".") + 2)))
-    return setuptools.find_packages(where=str(src), include=include)
-
-
 def lay_out_image(target: Path) -> tuple[Path, Path]:
     """The image's package directory (site) and working directory (app) under ``target``."""
     import shutil
@@ -540,22 +527,8 @@ def lay_out_image(target: Path) -> tuple[Path, Path]:
 
     build, final, workdir = _dockerfile_copies()
     copy(build, target / "build", "/src")
-    src = target / "build/src"
-    # `pip install .`: what setuptools installs from /src, per pyproject.toml.
-    config = __import__("tomllib").loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]
-    site = target / "site"
-    site.mkdir()
-    for module in config["py-modules"]:
-        shutil.copyfile(src / f"{module}.py", site / f"{module}.py")
-    for package in find_packages(src, config["packages"]["find"]["include"]):
-        folder = Path(*package.split("."))
-        (site / folder).mkdir(parents=True, exist_ok=True)
-        for f in (src / folder).glob("*.py"):
-            shutil.copyfile(f, site / folder / f.name)
-        for pattern in config.get("package-data", {}).get(package, []):  # [tool.setuptools.package-data]
-            for f in (src / folder).glob(pattern):
-                (site / folder / f.relative_to(src / folder)).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(f, site / folder / f.relative_to(src / folder))
+    # `pip install .` from /src: the wheel setuptools builds of what the build stage copied, installed.
+    site = install_wheel(build_wheel(target / "build/src", target / "dist"), target / "site")
     copy(final, target / "image", workdir)
     return site, target / "image" / workdir.lstrip("/")
 
@@ -569,10 +542,15 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
     import uuid
 
     site, app = lay_out_image(tmp_path)
-    # The image holds the example data files the compose file names, and no signing keys.
+    # The package installs only itself; the image's working directory holds the example code and
+    # data files the compose file names; no keys.
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == [
+        "activities", "bin", "starter.py", "tether", "worker.py", "workflows"]
     assert sorted(p.relative_to(app).as_posix() for p in app.rglob("*") if p.is_file()) == [
-        "examples/billing/policy.image.toml", "examples/billing/refund.playbook.json"]
-    assert not list(site.rglob("*.pem*")) and not (site / "tests").exists()
+        "examples/__init__.py", "examples/billing/__init__.py", "examples/billing/api.py", "examples/billing/db.py",
+        "examples/billing/model.py", "examples/billing/policy.image.toml", "examples/billing/refund.playbook.json",
+        "examples/billing/routes.py", "examples/billing/service.py", "examples/billing/tools.py"]
+    assert not list(site.rglob("*.pem*")) and not list(app.rglob("*.pem*"))
 
     def free_port() -> int:
         with socket.socket() as s:

@@ -2,7 +2,7 @@
 identities are JWTs this test mints from its own keys; decisions go through the decide Update.
 
 Also the attestation rule itself (activities/policy.signature_refusal) and the inbox's pure
-choices (inbox/desk.py), tested directly.
+choices (tether/inbox/desk.py), tested directly.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 import tether.client as tether_client
 import starter
 from activities.policy import check_policy_file, parse_policy, signature_refusal
-from inbox import desk
-from inbox.app import InboxConfig, check_config, create_app
+from tether.inbox import desk
+from tether.inbox.app import InboxConfig, check_config, create_app
 from tests.conftest import PLAYBOOK, Billing
 from tests.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack, raw_public
 from tests.round_trips import counting_proxy
@@ -324,7 +324,7 @@ def test_a_jwks_url_is_read_through_pyjwkclient() -> None:
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from inbox.identity import Unauthenticated, Verifier
+    from tether.inbox.identity import Unauthenticated, Verifier
     from tests.inbox_stack import Sso
 
     sso = Sso()

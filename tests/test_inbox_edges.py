@@ -19,8 +19,8 @@ import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 import tether.client as tether_client
-from inbox.app import InboxConfig, create_app
-from inbox.identity import SESSION_COOKIE
+from tether.inbox.app import InboxConfig, create_app
+from tether.inbox.identity import SESSION_COOKIE
 from tests.conftest import Billing, make_request
 from tests.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack
 

@@ -281,7 +281,7 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
 
     import tether.client as tether_client
     from activities.policy import PolicyStore
-    from inbox.app import InboxConfig, create_app
+    from tether.inbox.app import InboxConfig, create_app
     from tests.conftest import make_request, running_worker
     from tests.inbox_stack import AUDIENCE, ISSUER, Sso, _serve, free_port
 
@@ -415,7 +415,7 @@ async def test_what_if_sees_a_recorded_runs_escalation_change(
     1); a stage with another role added (loosening) and one earlier are reported too."""
     from activities.judgements import log_from_env
     from activities.policy import PolicyActivities, PolicyStore
-    from client import run_outcome
+    from tether.client import run_outcome
     from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
     from tests.test_cedar import refund_step
     from workflows.run_state import RunSnapshot

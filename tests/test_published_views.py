@@ -17,7 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 import tether.client as tether_client
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from inbox.app import InboxConfig, create_app
+from tether.inbox.app import InboxConfig, create_app
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from tests.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public, write_pem
 from tests.helpers.cli import Cli

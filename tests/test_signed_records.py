@@ -26,7 +26,7 @@ from activities.audit_sink import JsonlAuditSink
 from activities.audit_verify import verify_streams
 from activities.judgements import JsonlJudgementLog, sign as sign_line
 from activities.keys import KeyRing, PublicKeys
-from inbox import desk
+from tether.inbox import desk
 from tests.conftest import (
     Billing, approval_for, audit_collected, make_request, running_worker, start_run, unique, wait_for_state,
 )

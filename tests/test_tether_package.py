@@ -4,6 +4,7 @@ for one release, what it leaves out of a CLI's start, and that `pip install .` i
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 import warnings
@@ -44,6 +45,28 @@ def test_the_old_import_paths_are_the_same_objects() -> None:
     assert worker.TetherError is client.TetherError  # one error type: the CLI maps its code to the exit code
 
 
+def test_the_inbox_old_import_path_warns_and_gives_the_same_modules() -> None:
+    """`import inbox` / `from inbox.app import create_app` (the checkout's shim, for one release):
+    the very modules of `tether.inbox`, with a DeprecationWarning that says where they went."""
+    code = ("import json, warnings\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from inbox.app import create_app\n"
+            "    from inbox import desk, identity\n"
+            "import tether.inbox.app, tether.inbox.desk, tether.inbox.identity\n"
+            "assert create_app is tether.inbox.app.create_app\n"
+            "assert (desk, identity) == (tether.inbox.desk, tether.inbox.identity)\n"
+            "print(json.dumps([str(w.message) for w in seen if w.category is DeprecationWarning]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (message,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "tether.inbox" in message
+    # As an error (python -W error): the import fails, so a caller finds out before the path goes.
+    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", "import inbox"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode != 0 and "moved to `tether.inbox`" in done.stderr
+
+
 def test_a_program_that_only_connects_does_not_load_the_worker() -> None:
     """`import tether.client` (the CLI, the inbox; `client` too) loads neither the workflow nor the
     worker's configuration: they come with the first repair or replayer."""
@@ -71,15 +94,10 @@ def test_the_checkout_stack_is_the_one_the_dev_stack_writes() -> None:
     assert tether.connection.STACK_FILE == examples.devstack.STACK_FILE
 
 
-def test_pip_install_packages_tether() -> None:
-    import tomllib
-
-    from tests.test_compose import find_packages
-
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = find_packages(ROOT, config["packages"]["find"]["include"])
-    assert "tether" in found and not [p for p in found if p.startswith("tests")]
-    assert "COPY tether ./tether" in (ROOT / "Dockerfile").read_text()  # the image installs it too
+def test_the_image_installs_tether() -> None:
+    """`pip install .` installs the package (tests/test_install_layout.py builds the wheel); the
+    image's build stage copies it in, to install it."""
+    assert "COPY tether ./tether" in (ROOT / "Dockerfile").read_text()
 
 
 def test_a_tool_author_imports_from_tether_alone() -> None:

@@ -16,7 +16,7 @@ import pytest_asyncio
 import tether.client as tether_client
 from tests.conftest import Billing
 from tests.e2e.conftest import SCREENSHOT_DIR
-from inbox import desk
+from tether.inbox import desk
 from tests.inbox_stack import Stack, inbox_stack
 
 EXPECT_TIMEOUT_MS = 15_000

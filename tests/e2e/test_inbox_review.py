@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 import tether.client as tether_client
-from inbox import desk
+from tether.inbox import desk
 from tests.conftest import PLAYBOOK, Billing
 from tests.e2e.conftest import SCREENSHOT_DIR
 from tests.e2e.test_inbox import EXPECT_TIMEOUT_MS, sign_in

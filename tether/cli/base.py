@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import client
+    from tether import client
     import pydantic
     from temporalio import client as temporal
     from workflows import contract, policy, published, run_state, states, wording
@@ -37,7 +37,7 @@ class _OnUse:
 
 
 if not TYPE_CHECKING:
-    client, pydantic, temporal = _OnUse("client"), _OnUse("pydantic"), _OnUse("temporalio.client")
+    client, pydantic, temporal = _OnUse("tether.client"), _OnUse("pydantic"), _OnUse("temporalio.client")
     contract, policy, published = _OnUse("workflows.contract"), _OnUse("workflows.policy"), _OnUse("workflows.published")
     run_state, states, wording = _OnUse("workflows.run_state"), _OnUse("workflows.states"), _OnUse("workflows.wording")
 

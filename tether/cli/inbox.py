@@ -32,7 +32,7 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
 
 
 async def cmd_inbox(args: argparse.Namespace) -> int:
-    from inbox.app import InboxConfig, serve
+    from tether.inbox.app import InboxConfig, serve
 
     if args.port < 1 or args.port > 65535:
         raise client.TetherError(f"--port must be 1-65535, not {args.port}", field="port")

@@ -100,7 +100,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     tenants; with --run, the hash the run recorded at its start and whether it is this file's
     (exit 1 when it is not: the run was judged under another policy file)."""
     from activities.policy_file import PolicyFileError, PolicyStore
-    from inbox.desk import recorded_policy_hash
+    from tether.inbox.desk import recorded_policy_hash
 
     chosen = args.policy or args.target or os.environ.get("TETHER_POLICY") or None
     store = PolicyStore(Path(chosen) if chosen else None)

@@ -9,7 +9,7 @@ import hashlib
 from collections.abc import Sequence
 from datetime import datetime
 
-from client import approval_offer_problem
+from tether.client import approval_offer_problem
 from workflows import policy
 from workflows.policy_file import PolicyDocument, TenantPolicy
 from workflows.wire import Refusal
