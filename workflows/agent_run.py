@@ -174,6 +174,9 @@ class AgentRun:
             try:
                 result = await effects.perform(command)
             except asyncio.CancelledError:
+                landed = effects.take_landed()
+                if landed is not None:  # the cancel met a parallel group: what each did is kept
+                    self._decide(lambda now: engine.group_settled_on_cancel(landed))
                 settled = effects.take_settled()
                 if settled is not None:  # the cancel met a tool call: what it did is kept
                     self._decide(lambda now: engine.tool_settled_on_cancel(*settled))

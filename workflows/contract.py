@@ -84,9 +84,39 @@ class Limits(Contract):
 OnFailure = Literal["stop", "compensate"]
 
 
+def omit_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A model's fields less those at the given defaults: fields added later are left out of
+    what was recorded (and attested) before they existed, so old histories replay unchanged."""
+    return {k: v for k, v in data.items() if k not in defaults or v != defaults[k]}
+
+
+# Steps of one parallel group, at most (the policy's max_parallel says how many run at once).
+GROUP_MAX = 16
+
+
 class PlaybookStep(Contract):
-    tool: str
+    """One step of a playbook: a tool call, or ``{"parallel": [step, ...]}``, a group of steps
+    that run at once (read-only and idempotent tools only: the validator says so)."""
+
+    tool: str = ""
     args: dict[str, Any] = Field(default_factory=dict)
+    parallel: list[PlaybookStep] | None = Field(None, min_length=1, max_length=GROUP_MAX)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PlaybookStep:
+        if self.parallel is None and not self.tool:
+            raise ValueError('a playbook step names a "tool", or is {"parallel": [step, ...]}')
+        if self.parallel is not None:
+            if self.tool or self.args:
+                raise ValueError('a parallel group has only "parallel": its steps name the tools')
+            if any(s.parallel is not None for s in self.parallel):
+                raise ValueError("a parallel group holds tool steps, not another group")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _plain_when_single(self, handler: Any) -> dict[str, Any]:
+        # A tool step reads (and its request signs) as it did before groups existed.
+        return omit_defaults(handler(self), {"parallel": None})
 
 
 class Compensation(Contract):
@@ -174,6 +204,13 @@ class PlanStep(BaseModel):
     tool_call_id: str
     tool: str
     args: dict[str, Any]
+    # Steps next to one another with the same group run at once (a playbook's "parallel"); the
+    # plan hash covers it. None: on its own.
+    group: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _group_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"group": None})  # older plans read as they did
 
 
 def first_error(err: ValidationError) -> str:
@@ -261,7 +298,10 @@ class Plan(BaseModel):
         Tool call ids are left out on purpose: the hash names *what* will be done, so the same
         proposal hashes the same after a replan.
         """
-        payload: list[dict[str, Any]] = [{"tool": s.tool, "args": s.args} for s in steps]
+        payload: list[dict[str, Any]] = [
+            {"tool": s.tool, "args": s.args} | ({"parallel": group} if (group := getattr(s, "group", None)) else {})
+            for s in steps
+        ]
         if undo is not None:
             # No key for a step without one: a plan that declares no undo hashes as before.
             for item, comp in zip(payload, undo, strict=True):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from workflows.commands import Call, Checkpoint, Command, End, HandlersDone, Notified, Notify, RunTool, Sleep, Wait
+from workflows.commands import Call, Checkpoint, Command, End, HandlersDone, Notified, Notify, RunGroup, RunTool, Sleep, Wait
 from workflows.run_model import Program, RunFailed, RunModel, S
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal, RunSetup, Verdict
 
@@ -39,7 +39,7 @@ class Drive(RunModel):
             self._program = None
             return End()
         self._result = None
-        if isinstance(command, (Call, RunTool, Sleep, Wait)):
+        if isinstance(command, (Call, RunTool, RunGroup, Sleep, Wait)):
             self.checked = None  # the run waits: a re-check it had covers no write after this
         return command
 
@@ -109,7 +109,7 @@ class Drive(RunModel):
                 verdict = yield from self._authority(from_step=data.next_step)
                 self.decide(lambda now: self.after_approved(_refusal(verdict), now, verdict), policies=_policies(verdict))
             elif state == S.EXECUTING_TOOL:
-                yield from self._execute_step()
+                yield from (self._execute_group() if self.in_group() else self._execute_step())
             elif state == S.COMPENSATING:
                 # The same step path as the plan's steps: one way to call a tool.
                 if self.decide(self.compensation_ready):

@@ -39,7 +39,9 @@ from workflows.commands import (
     Notify,
     Probe,
     Publish,
+    Landed,
     Readings,
+    RunGroup,
     RunTool,
     Show,
     Sleep,
@@ -121,6 +123,7 @@ class Effects:
         self.notifying = 0  # notify activities in flight
         self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
+        self._landed: list[Landed] | None = None
         start_attributes = info.typed_search_attributes
         self.published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
@@ -155,6 +158,8 @@ class Effects:
                     failure = activity_failure(err)
                     log_failure(command.call.tool_call_id, failure)
                     return failure
+            case RunGroup():
+                return await self.group(command)
             case Mint():
                 return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds)
             case Checkpoint():
@@ -417,6 +422,48 @@ class Effects:
             self.check(activity_id or "", "execute_tool", keys.attested_call(call), answered)
         self._written(sent)
         return answered
+
+    async def group(self, command: RunGroup) -> list[Landed]:
+        """A parallel group's attempts, ``limit`` at a time, each as ``tool`` runs one; the
+        answers in the order they landed. A cancel reaches each attempt in flight and waits for
+        it; what every attempt that ended did is kept (``take_landed``), and the cancel goes on."""
+        slots = asyncio.Semaphore(command.limit)
+        landed: list[Landed] = []
+        self._landed = landed
+
+        async def one(index: int, run: RunTool) -> None:
+            async with slots:
+                try:
+                    answer: Any = await self.tool(
+                        run.call, activity_id=run.activity_id, start_to_close=run.start_to_close,
+                        heartbeat=run.heartbeat, summary=run.summary,
+                    )
+                except ActivityError as err:
+                    answer = activity_failure(err)
+                    log_failure(run.call.tool_call_id, answer)
+                except asyncio.CancelledError:
+                    settled = self.take_settled()  # what ``tool`` kept of the attempt the cancel met
+                    if settled is not None:
+                        landed.append(Landed(index, settled[0] or settled[1], workflow.now()))
+                    raise
+                landed.append(Landed(index, answer, workflow.now()))
+
+        tasks = [asyncio.ensure_future(one(i, run)) for i, run in enumerate(command.members)]
+        try:
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            # Every attempt in flight is cancelled and waited for before the cancel goes on.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        self._landed = None
+        return landed
+
+    def take_landed(self) -> list[Landed] | None:
+        """What a group's attempts the run's cancel met came to (None: the cancel met no group)."""
+        landed, self._landed = self._landed, None
+        return landed
 
     def _written(self, sent: list[TransitionRecord]) -> None:
         """The tool worker appended ``sent`` (the attempt answered): off the run's queue."""
