@@ -45,7 +45,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.loading import LoadError, load_object
 from workflows.budgets import PROPOSAL_BYTES
-from workflows.contract import ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect
+from workflows.contract import DELEGATE, ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect
 from workflows.wire import PlannerInput, Proposal, ProposedStep
 
 
@@ -107,7 +107,9 @@ def flat_playbook(playbook: list[PlaybookStep]) -> list[ProposedStep]:
     (its place in the playbook, 1-based), so the plan runs them at once."""
     steps: list[ProposedStep] = []
     for n, item in enumerate(playbook, start=1):
-        if item.parallel is None:
+        if item.delegate is not None:
+            steps.append(ProposedStep(tool=DELEGATE, args=item.delegate.model_dump(mode="json")))
+        elif item.parallel is None:
             steps.append(ProposedStep(tool=item.tool, args=item.args))
         else:
             steps.extend(ProposedStep(tool=s.tool, args=s.args, group=n) for s in item.parallel)

@@ -9,21 +9,18 @@ that were ever in flight together, counted by the tools themselves.
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
-from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyActivities
 from activities.policy_file import PolicyStore
 from activities.keys import KeyRing
-from activities.tools import ToolContext, ToolError, ToolRegistry, tool
 from client import run_outcome
-from examples.billing.tools import call
+from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
 from tests.invariants import check_timeline
 from workflows.contract import PlaybookStep, ToolCatalog, ToolInfo, Limits
@@ -33,83 +30,6 @@ from workflows.validation import validate_proposal
 from workflows.wire import Proposal, ProposedStep
 
 S = RunState
-REGISTRY = ToolRegistry()
-STARTED: dict[str, threading.Semaphore] = defaultdict(lambda: threading.Semaphore(0))  # tag -> attempts begun
-GATES: dict[str, threading.Event] = defaultdict(threading.Event)  # tag -> released by the test
-ATTEMPTS: Counter[str] = Counter()  # "tag/n" -> attempts
-IN_FLIGHT: Counter[str] = Counter()
-MOST: Counter[str] = Counter()  # tag -> most attempts of it in flight at once
-ORDER: dict[str, list[str]] = defaultdict(list)  # tag -> "start n", "end n", "after"
-LOCK = threading.Lock()
-READ_ONLY = ("held_read", "flaky_read", "refused_read", "after_read")
-
-
-class Probe(BaseModel):
-    tag: str
-    n: int = 0
-
-
-def _held(args: Probe) -> dict:
-    with LOCK:
-        ATTEMPTS[f"{args.tag}/{args.n}"] += 1
-        IN_FLIGHT[args.tag] += 1
-        MOST[args.tag] = max(MOST[args.tag], IN_FLIGHT[args.tag])
-        ORDER[args.tag].append(f"start {args.n}")
-    STARTED[args.tag].release()
-    try:
-        GATES[args.tag].wait(60)
-        return {"n": args.n}
-    finally:
-        with LOCK:
-            IN_FLIGHT[args.tag] -= 1
-            ORDER[args.tag].append(f"end {args.n}")
-
-
-@tool(effect=ToolEffect.READ_ONLY, timeout=30, name="held_read", registry=REGISTRY)
-def held_read(args: Probe, ctx: ToolContext) -> dict:
-    """A lookup that runs until the test releases its tag."""
-    return _held(args)
-
-
-@tool(effect=ToolEffect.READ_ONLY, timeout=30, max_retries=2, name="flaky_read", registry=REGISTRY)
-def flaky_read(args: Probe, ctx: ToolContext) -> dict:
-    """Fails its first attempt (transient), then answers."""
-    with LOCK:
-        ATTEMPTS[f"{args.tag}/{args.n}"] += 1
-    if ctx.attempt == 1:
-        raise ToolError("upstream busy", code="busy")
-    return {"n": args.n}
-
-
-@tool(effect=ToolEffect.READ_ONLY, timeout=30, name="refused_read", registry=REGISTRY)
-def refused_read(args: Probe, ctx: ToolContext) -> dict:
-    """The target refuses it: a permanent failure."""
-    with LOCK:
-        ATTEMPTS[f"{args.tag}/{args.n}"] += 1
-    raise ToolError("no such record", code="not_found", permanent=True)
-
-
-@tool(effect=ToolEffect.READ_ONLY, timeout=30, name="after_read", registry=REGISTRY)
-def after_read(args: Probe, ctx: ToolContext) -> dict:
-    with LOCK:
-        ORDER[args.tag].append("after")
-    return {"after": True}
-
-
-@tool(effect=ToolEffect.IDEMPOTENT, timeout=10, max_retries=1, name="group_refund", registry=REGISTRY)
-def group_refund(args: Probe, ctx: ToolContext) -> dict:
-    """An idempotent write (the billing service dedupes by Idempotency-Key)."""
-    with LOCK:
-        ATTEMPTS[f"{args.tag}/{args.n}"] += 1
-    body = {"order_id": "A-1002", "amount_cents": 100 + args.n, "reason": f"{args.tag}-{args.n}"}
-    return call("POST", "/refunds", body, headers={"Idempotency-Key": ctx.idempotency_key}, timeout=ctx.seconds_left())
-
-
-@tool(effect=ToolEffect.UNSAFE, timeout=10, name="group_email", registry=REGISTRY)
-def group_email(args: Probe, ctx: ToolContext) -> dict:
-    return {"sent": args.tag}
-
-
 def group(*steps: dict) -> dict:
     return {"parallel": list(steps)}
 
@@ -122,12 +42,6 @@ def policy_with(tmp_path: Path, budgets: str = "") -> PolicyActivities:
     file = tmp_path / "policy.toml"
     file.write_text('[tenants.default]\nfour_eyes = true\n' + (f"[tenants.default.budgets]\n{budgets}\n" if budgets else ""))
     return PolicyActivities(PolicyStore(file), keys=KeyRing.from_env())
-
-
-async def _started(tag: str, count: int) -> None:
-    """Wait until ``count`` attempts of ``tag`` have begun (they are then running at once)."""
-    for _ in range(count):
-        assert await asyncio.to_thread(STARTED[tag].acquire, True, 60), f"an attempt of {tag} did not start"
 
 
 # ----------------------------------------------------------------------------- the playbook and the validator
@@ -190,7 +104,7 @@ async def test_a_group_runs_at_once_behind_a_barrier(dev_env: WorkflowEnvironmen
     playbook = [group(*(step("held_read", tag, n) for n in range(1, 4))), step("after_read", tag)]
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
         handle = await start_run(dev_env.client, worker, make_request(playbook))
-        await _started(tag, 3)  # all three are running: none waited for another
+        await started(tag, 3)  # all three are running: none waited for another
         assert "after" not in ORDER[tag]
         GATES[tag].set()
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
@@ -210,7 +124,7 @@ async def test_the_policy_sets_how_many_run_at_once(dev_env: WorkflowEnvironment
     playbook = [group(*(step("held_read", tag, n) for n in range(1, 6)))]
     async with running_worker(dev_env.client, registry=REGISTRY, rules=policy_with(tmp_path, "max_parallel = 2")) as worker:
         handle = await start_run(dev_env.client, worker, make_request(playbook))
-        await _started(tag, 2)
+        await started(tag, 2)
         GATES[tag].set()
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
     assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
@@ -234,7 +148,7 @@ async def test_a_step_that_fails_ends_the_run_after_its_siblings(dev_env: Workfl
     playbook = [group(step("refused_read", tag, 1), step("held_read", tag, 2)), step("after_read", tag)]
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
         handle = await start_run(dev_env.client, worker, make_request(playbook))
-        await _started(tag, 1)
+        await started(tag, 1)
         GATES[tag].set()  # the sibling ends after the failure: it was not cancelled
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
     assert outcome.state == S.EXECUTION_FAILED
@@ -265,7 +179,7 @@ async def test_a_cancel_during_a_group_leaves_nothing_stranded(dev_env: Workflow
     playbook = [group(*(step("held_read", tag, n) for n in range(1, 4))), step("after_read", tag)]
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
         handle = await start_run(dev_env.client, worker, make_request(playbook))
-        await _started(tag, 3)
+        await started(tag, 3)
         await handle.cancel()
         GATES[tag].set()  # the attempts end; the run has waited for each
         with pytest.raises(Exception):

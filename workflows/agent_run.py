@@ -131,6 +131,7 @@ class AgentRun:
             self._program_task.cancel()  # taken before the program began: it stops at its first wait
         try:
             self._verify_carryover()
+            self.engine.grant_problem = self.effects.grant_problem(self.request)
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))

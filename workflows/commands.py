@@ -67,6 +67,16 @@ class Landed:
 
 
 @dataclass(frozen=True)
+class RunChild:
+    """Start a child run (its request carries the grant, sealed by the workflow) and wait for
+    its end. Result: its RunOutcome, or a ToolFailure when it could not start or failed."""
+
+    request: Any  # a RunRequest
+    child_id: str
+    summary: str
+
+
+@dataclass(frozen=True)
 class Mint:
     """The write attempt's capability, minted with the fleet key. Result: the call bearing it."""
 
@@ -152,4 +162,4 @@ class End:
     """Nothing left to do: the program has ended."""
 
 
-Command = Call | RunTool | RunGroup | Mint | Checkpoint | Show | Publish | Notify | Notified | Sleep | Wait | Probe | ContinueAsNew | HandlersDone | End
+Command = Call | RunTool | RunGroup | RunChild | Mint | Checkpoint | Show | Publish | Notify | Notified | Sleep | Wait | Probe | ContinueAsNew | HandlersDone | End

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError, TimeoutError, WorkflowAlreadyStartedError
 from temporalio.workflow import ActivityCancellationType
 
 from workflows import keys
@@ -41,6 +41,7 @@ from workflows.commands import (
     Publish,
     Landed,
     Readings,
+    RunChild,
     RunGroup,
     RunTool,
     Show,
@@ -53,8 +54,8 @@ from workflows.details import run_details
 from workflows.engine import Engine
 from workflows.published import COLLECT_EXTERN, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_model import ToolFailure
-from workflows.run_state import RunSnapshot, RunView
-from workflows.states import RunState, TransitionRecord, implied_links, record_link, to_publish
+from workflows.run_state import RunOutcome, RunRequest, RunSnapshot, RunView
+from workflows.states import RunState, TransitionRecord, first_published, implied_links, record_link, to_publish
 from workflows.wire import (
     ATTEMPT_STILL_RUNNING,
     AuditAck,
@@ -160,6 +161,8 @@ class Effects:
                     return failure
             case RunGroup():
                 return await self.group(command)
+            case RunChild():
+                return await self.child(command)
             case Mint():
                 return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds)
             case Checkpoint():
@@ -248,6 +251,27 @@ class Effects:
         (workflow code; replay included), or the workflow task fails naming it."""
         with self.keyed():
             keys.check_attested(self.ring(), kind, workflow.info().workflow_id, activity_id, request, result)
+
+    def grant_problem(self, request: RunRequest) -> str | None:
+        """Why this run's grant is not one its parent's workflow code sealed for exactly this
+        child (the server names the parent), or None. A client's or a keyless poller's start
+        input cannot make one."""
+        grant = request.grant
+        if grant is None:
+            return None
+        info = workflow.info()
+        with self.keyed():
+            sealed = keys.grant_valid(self.ring(), grant.seal, grant.sealed_digest())
+        if not sealed:
+            return "the grant does not bear the fleet key's seal: only a parent run's workflow code makes one"
+        if grant.child != info.workflow_id:
+            return f"the grant was made for {grant.child}, not this run"
+        parent = info.parent
+        if info.continued_run_id is None and (parent is None or (parent.workflow_id, parent.run_id) != (grant.parent, grant.parent_run)):
+            return f"the grant names parent {grant.parent}, but this run was not started by it"
+        if (grant.tenant, grant.requested_by) != (request.tenant, request.requested_by):
+            return "the grant's tenant or requester differs from the run's"
+        return None
 
     def check_seal(self, seal: str | None, generation: int, carried: Any) -> None:
         """Carried state only from this run's own previous run: its seal names the run the server
@@ -459,6 +483,47 @@ class Effects:
             raise
         self._landed = None
         return landed
+
+    async def child(self, command: RunChild) -> RunOutcome | ToolFailure:
+        """A child run, its grant sealed here with the fleet key for exactly this parent execution
+        and child; its end (a cancel of this run reaches it, and waits for it to settle)."""
+        info = workflow.info()
+        grant = command.request.grant.model_copy(update={"parent_run": info.run_id})
+        with self.keyed():
+            grant.seal = keys.seal_grant(self.ring(), grant.sealed_digest())
+        request = command.request.model_copy(update={"grant": grant})
+        try:
+            outcome: RunOutcome = await workflow.execute_child_workflow(
+                "AgentRun",
+                request,
+                id=command.child_id,
+                result_type=RunOutcome,
+                task_queue=info.task_queue,
+                parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
+                cancellation_type=workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED,
+                search_attributes=TypedSearchAttributes([
+                    SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
+                    SearchAttributePair(STATE_ATTRIBUTE, first_published(compensation=False).value),
+                ]),
+                static_summary=command.summary,
+            )
+            return outcome
+        except ChildWorkflowError as err:
+            cause = err.cause
+            task = asyncio.current_task()
+            if isinstance(cause, CancelledError) and task is not None and task.cancelling():
+                # This run's cancel reached the child, which has settled: the cancel goes on here.
+                raise asyncio.CancelledError() from None
+            if isinstance(cause, ApplicationError) and cause.details:
+                # A run that ends failed says its outcome in the failure's details.
+                try:
+                    return RunOutcome.model_validate(cause.details[0])
+                except ValueError:
+                    pass
+            kind = (cause.type if isinstance(cause, ApplicationError) else type(cause).__name__) if cause else "unknown"
+            return ToolFailure("child_failed", f"child run {command.child_id} failed: {kind}", True)
+        except WorkflowAlreadyStartedError:
+            return ToolFailure("child_exists", f"child run {command.child_id} exists already (a reset of this run?)", True)
 
     def take_landed(self) -> list[Landed] | None:
         """What a group's attempts the run's cancel met came to (None: the cancel met no group)."""

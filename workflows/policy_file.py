@@ -129,10 +129,12 @@ class Budgets(Contract):
     max_replans: int | None = Field(None, ge=0)
     # Steps of a parallel group that run at once (None: 4).
     max_parallel: int | None = Field(None, ge=1, le=16)
+    # How deep child runs may nest (None: 2; 0: no delegation).
+    max_depth: int | None = Field(None, ge=0, le=8)
 
     @model_serializer(mode="wrap")
     def _parallel_when_set(self, handler: Any) -> dict[str, Any]:
-        return omit_defaults(handler(self), {"max_parallel": None})  # older snapshots read as they did
+        return omit_defaults(handler(self), {"max_parallel": None, "max_depth": None})  # older snapshots read as they did
 
 
 class TenantPolicy(Contract):

@@ -22,7 +22,7 @@ import jsonschema.validators
 import re2
 
 from workflows.budgets import FEEDBACK_CHARS, FEEDBACK_PROBLEMS, PROPOSAL_BYTES, clip
-from workflows.contract import GROUP_MAX, Limits, Plan, PlanStep, ToolCatalog, ToolEffect
+from workflows.contract import DELEGATE, GROUP_MAX, Limits, Plan, PlanStep, ToolCatalog, ToolEffect
 from workflows.wire import Proposal
 from workflows.policy import budget_refusal
 
@@ -147,6 +147,7 @@ def validate_proposal(
     limits: Limits,
     new_id: Callable[[int], str],
     tool_refusal: Callable[[str], str | None] = lambda tool: None,
+    delegation_problem: Callable[[dict[str, Any]], str | None] = lambda args: "this run cannot delegate",
 ) -> Validation:
     """Check every proposed step; return a plan with fresh tool call ids, or the problems. The
     plan carries each step's declared compensation and its hash covers them."""
@@ -176,6 +177,8 @@ def validate_proposal(
             problems.append(f"step {i}: {refused}")
             continue
         args, problem = _args_problem(proposed.args, info.args_schema)
+        if problem is None and info.name == DELEGATE:
+            problem = delegation_problem(args or {})
         if problem:
             problems.append(f"step {i} ({info.name}): {problem}")
             continue
@@ -220,7 +223,9 @@ def group_problems(steps: list[PlanStep], catalog: ToolCatalog) -> list[str]:
                 problems.append(f"parallel group {group}: {count} steps, over the {GROUP_MAX} a group may hold")
         previous = group
         info = catalog.get(step.tool)
-        if group is not None and _members(steps, group) > 1 and info is not None and info.effect not in PARALLEL_EFFECTS:
+        if group is not None and step.tool == DELEGATE:
+            problems.append(f"step {i}: a delegation runs on its own, not in a parallel group")
+        elif group is not None and _members(steps, group) > 1 and info is not None and info.effect not in PARALLEL_EFFECTS:
             problems.append(
                 f"step {i} ({step.tool}): a {info.effect.value} step never runs in parallel (only read_only and "
                 "idempotent steps do): propose it on its own, after the group"
