@@ -86,6 +86,7 @@ screenshots: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m compileall -q workflows activities
 	$(PY) -m bench.overhead $(BENCH_ARGS)
+	$(PY) -m bench.parallel
 
 # Tether governed, the bare loop and pydantic-ai on Temporal (one planning request / one request
 # per call), side by side on one dev server; installs the extra `bench` (bench/peer.py).

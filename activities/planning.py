@@ -45,7 +45,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.loading import LoadError, load_object
 from workflows.budgets import PROPOSAL_BYTES
-from workflows.contract import ExecutedStep, ToolCatalog, ToolEffect
+from workflows.contract import DELEGATE, ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect
 from workflows.wire import PlannerInput, Proposal, ProposedStep
 
 
@@ -79,14 +79,15 @@ class PlaybookPlanner:
         # steps_done counts every step; executed is only the recent window (older runs: None).
         ran = [(step.tool, step.args) for step in request.executed if step.status == "ok"]
         done = request.steps_done if request.steps_done is not None else len(ran)
+        playbook = flat_playbook(request.playbook)
         # The first ``done`` playbook steps are taken as run (a revision may have changed their
         # arguments). A later one that ran too is not proposed again: a partial approval runs a
         # later step before an earlier one, which it left out.
-        for s in request.playbook[:done]:
+        for s in playbook[:done]:
             if (s.tool, s.args) in ran:
                 ran.remove((s.tool, s.args))
         remaining = []
-        for s in request.playbook[done:]:
+        for s in playbook[done:]:
             if (s.tool, s.args) in ran:
                 ran.remove((s.tool, s.args))
             else:
@@ -98,7 +99,21 @@ class PlaybookPlanner:
             tools = ", ".join(step.tool for step in request.executed)
             skipped = f"; not approved: {', '.join(n.tool for n in request.not_approved)}" if refused else ""
             return Proposal(answer=f"Done: {request.goal} ({done} step(s): {tools}{skipped})")
-        return Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in remaining])
+        return Proposal(steps=remaining)
+
+
+def flat_playbook(playbook: list[PlaybookStep]) -> list[ProposedStep]:
+    """The playbook's tool steps in order; a ``parallel`` group's steps carry the group's number
+    (its place in the playbook, 1-based), so the plan runs them at once."""
+    steps: list[ProposedStep] = []
+    for n, item in enumerate(playbook, start=1):
+        if item.delegate is not None:
+            steps.append(ProposedStep(tool=DELEGATE, args=item.delegate.model_dump(mode="json")))
+        elif item.parallel is None:
+            steps.append(ProposedStep(tool=item.tool, args=item.args))
+        else:
+            steps.extend(ProposedStep(tool=s.tool, args=s.args, group=n) for s in item.parallel)
+    return steps
 
 
 # ----------------------------------------------------------------------------- model planner

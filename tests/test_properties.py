@@ -21,7 +21,7 @@ from activities.tools import REGISTRY
 from workflows import policy
 import pytest
 
-from workflows.commands import Call, Command, ContinueAsNew, End, Mint, Probe, Readings, RunTool, Sleep, Wait
+from workflows.commands import Call, Command, ContinueAsNew, End, Landed, Mint, Probe, Readings, RunGroup, RunTool, Sleep, Wait
 from workflows.engine import Engine
 from workflows.run_model import IllegalState, ToolFailure
 from workflows.contract import ApprovalDecision, HandoffRequest, RevisionRequest, ToolEffect
@@ -49,10 +49,17 @@ PROPOSALS = {
     "propose_split": Proposal(steps=[REFUND.model_copy(update={"args": {**REFUND.args, "amount_cents": 2000}})] * 4),
     "propose_small": Proposal(steps=[REFUND.model_copy(update={"args": {**REFUND.args, "amount_cents": 2000}})]),
     "answer": Proposal(answer="done"),
+    # A parallel group (a read and two idempotent writes), then an unsafe step after its barrier.
+    "propose_group": Proposal(steps=[
+        READ.model_copy(update={"group": 1}), REFUND.model_copy(update={"group": 1}),
+        REFUND.model_copy(update={"group": 1, "args": {**REFUND.args, "amount_cents": 300}}), EMAIL,
+    ]),
+    # A reconcilable write in a group: validation refuses it.
+    "propose_group_reconcilable": Proposal(steps=[READ.model_copy(update={"group": 2}), LEDGER.model_copy(update={"group": 2})]),
 }
 # Weighted by repetition: runs should get far enough to execute tools often.
 EVENTS = [
-    *PROPOSALS, "propose_writes", "propose_unsafe",
+    *PROPOSALS, "propose_writes", "propose_unsafe", "propose_group", "propose_group",
     "approve", "approve", "approve", "approve_old_plan", "approve_policy_refused", "duplicate", "reject",
     "approve_earlier_request", "approve_as_requester", "propose_split", "propose_split", "propose_small",
     "tool_ok", "tool_ok", "tool_ok",
@@ -139,7 +146,7 @@ class Driver:
                 continue
             if isinstance(command, Call) and command.name == "plan":
                 return
-            if isinstance(command, (RunTool, Wait, Sleep)):
+            if isinstance(command, (RunTool, RunGroup, Wait, Sleep)):
                 if isinstance(command, RunTool) and self.state == S.COMPENSATING:
                     undo = self.engine.current_undo()
                     self.undo_sent.append((undo.of, undo.plan_hash, undo.tool))
@@ -257,23 +264,37 @@ class Driver:
                 self.now = max(self.now, self.wake_at)
             self.respond(None)
             self.advance()
+        if self.running() and isinstance(self.command, RunGroup):
+            # The event is the first step's answer; its siblings succeed, landing before it.
+            landed = []
+            for i, run in enumerate(self.command.members):
+                self.effects[run.call.idempotency_key] = CATALOG.get(run.call.tool).effect
+                self.sent[run.call.idempotency_key] += 1
+                result = self.tool_result(event if i == 0 else "tool_ok")
+                landed.append(Landed(i, result, self.now))
+            self.respond(landed[1:] + landed[:1])
+            self.advance()
+            return
         if not self.running() or not isinstance(self.command, RunTool):
             return
         call = self.command.call
         self.effects[call.idempotency_key] = CATALOG.get(call.tool).effect
         self.sent[call.idempotency_key] += 1  # the call reaches the external system
-        if event == "tool_ok":
-            self.respond(ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT)))
-        elif event == "tool_ok_no_id":
-            # A result without the id the undo points at: no recovery path, recorded.
-            self.respond(ToolOutcome(observation="{}", digest="d", size=2))
-        else:
-            self.respond({
-                "tool_retryable": ToolFailure("http_503", "unavailable", permanent=False),
-                "tool_permanent": ToolFailure("http_422", "bad input", permanent=True),
-                "tool_unknown": ToolFailure("timeout_start_to_close", "outcome unknown", permanent=False),
-            }[event])
+        self.respond(self.tool_result(event))
         self.advance()
+
+    @staticmethod
+    def tool_result(event: str) -> ToolOutcome | ToolFailure:
+        if event == "tool_ok":
+            return ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT))
+        if event == "tool_ok_no_id":
+            # A result without the id the undo points at: no recovery path, recorded.
+            return ToolOutcome(observation="{}", digest="d", size=2)
+        return {
+            "tool_retryable": ToolFailure("http_503", "unavailable", permanent=False),
+            "tool_permanent": ToolFailure("http_422", "bad input", permanent=True),
+            "tool_unknown": ToolFailure("timeout_start_to_close", "outcome unknown", permanent=False),
+        }[event]
 
     def cancel(self) -> None:
         """The run's cancel reaches whatever it awaits; a tool attempt not yet started is
@@ -281,6 +302,8 @@ class Driver:
         e = self.engine
         if isinstance(self.command, RunTool):
             e.tool_settled_on_cancel(None, ToolFailure("cancelled", "activity cancelled", False, started=False))
+        if isinstance(self.command, RunGroup):  # none of its attempts had started
+            e.group_settled_on_cancel([])
         e.cancelled("test", self.tick())
         if e.state == S.COMPENSATING:
             e.start()

@@ -131,6 +131,7 @@ class AgentRun:
             self._program_task.cancel()  # taken before the program began: it stops at its first wait
         try:
             self._verify_carryover()
+            self.engine.grant_problem = self.effects.grant_problem(self.request)
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
@@ -174,6 +175,9 @@ class AgentRun:
             try:
                 result = await effects.perform(command)
             except asyncio.CancelledError:
+                landed = effects.take_landed()
+                if landed is not None:  # the cancel met a parallel group: what each did is kept
+                    self._decide(lambda now: engine.group_settled_on_cancel(landed))
                 settled = effects.take_settled()
                 if settled is not None:  # the cancel met a tool call: what it did is kept
                     self._decide(lambda now: engine.tool_settled_on_cancel(*settled))

@@ -6,6 +6,7 @@ calls; the engine never awaits anything itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal
 
 from workflows.states import RunState
@@ -45,6 +46,34 @@ class RunTool:
     # A write: the records not yet in the audit sink go along (the tool worker appends them
     # before it calls the tool).
     records: bool = False
+
+
+@dataclass(frozen=True)
+class RunGroup:
+    """A parallel group's attempts, at most ``limit`` at once. Result: a Landed for each attempt
+    that ended, in the order they ended."""
+
+    members: tuple[RunTool, ...]
+    limit: int
+
+
+@dataclass(frozen=True)
+class Landed:
+    """One attempt of a RunGroup that ended: its ToolOutcome or ToolFailure, and when."""
+
+    index: int  # into RunGroup.members
+    result: Any
+    at: datetime
+
+
+@dataclass(frozen=True)
+class RunChild:
+    """Start a child run (its request carries the grant, sealed by the workflow) and wait for
+    its end. Result: its RunOutcome, or a ToolFailure when it could not start or failed."""
+
+    request: Any  # a RunRequest
+    child_id: str
+    summary: str
 
 
 @dataclass(frozen=True)
@@ -133,4 +162,4 @@ class End:
     """Nothing left to do: the program has ended."""
 
 
-Command = Call | RunTool | Mint | Checkpoint | Show | Publish | Notify | Notified | Sleep | Wait | Probe | ContinueAsNew | HandlersDone | End
+Command = Call | RunTool | RunGroup | RunChild | Mint | Checkpoint | Show | Publish | Notify | Notified | Sleep | Wait | Probe | ContinueAsNew | HandlersDone | End

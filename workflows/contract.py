@@ -84,9 +84,89 @@ class Limits(Contract):
 OnFailure = Literal["stop", "compensate"]
 
 
+def omit_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A model's fields less those at the given defaults: fields added later are left out of
+    what was recorded (and attested) before they existed, so old histories replay unchanged."""
+    return {k: v for k, v in data.items() if k not in defaults or v != defaults[k]}
+
+
+# Steps of one parallel group, at most (the policy's max_parallel says how many run at once).
+GROUP_MAX = 16
+
+
+# The plan step that delegates (a child run): its arguments are a Delegation.
+DELEGATE = "tether.delegate"
+
+
 class PlaybookStep(Contract):
-    tool: str
+    """One step of a playbook: a tool call; ``{"parallel": [step, ...]}``, a group of steps
+    that run at once (read-only and idempotent tools only: the validator says so); or
+    ``{"delegate": {...}}``, a child run with a narrowed grant."""
+
+    tool: str = ""
     args: dict[str, Any] = Field(default_factory=dict)
+    parallel: list[PlaybookStep] | None = Field(None, min_length=1, max_length=GROUP_MAX)
+    delegate: Delegation | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PlaybookStep:
+        kinds = [k for k, set_ in (("tool", bool(self.tool)), ("parallel", self.parallel is not None),
+                                   ("delegate", self.delegate is not None)) if set_]
+        if len(kinds) != 1:
+            raise ValueError('a playbook step is one of {"tool": ...}, {"parallel": [step, ...]} or {"delegate": {...}}')
+        if kinds[0] != "tool" and self.args:
+            raise ValueError(f'a {kinds[0]} step has no "args"')
+        if self.parallel is not None and any(s.tool == "" for s in self.parallel):
+            raise ValueError("a parallel group holds tool steps, not groups or delegations")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _plain_when_single(self, handler: Any) -> dict[str, Any]:
+        # A tool step reads (and its request signs) as it did before groups existed.
+        return omit_defaults(handler(self), {"parallel": None, "delegate": None})
+
+
+class Delegation(Contract):
+    """What a plan step hands a child run: its goal, the tools it may use (a subset of the
+    parent's), its step budget (within the parent's remaining steps) and, optionally, its own
+    playbook. The parent's workflow code turns it into a signed Grant."""
+
+    goal: str = Field(min_length=1, max_length=2000)
+    tools: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(min_length=1, max_length=64)
+    max_steps: int = Field(5, ge=1, le=1000)
+    playbook: list[PlaybookStep] | None = Field(None, min_length=1, max_length=200)
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"playbook": None})
+
+
+PlaybookStep.model_rebuild()
+
+
+class Grant(Contract):
+    """What a child run may do, minted by its parent's workflow code with the fleet key: never
+    more than the parent holds. The child's workflow code checks the seal, that it names this
+    child and that the server says this parent started it; anything else is refused."""
+
+    root: str = Field(min_length=1, max_length=256)  # the root run's workflow id
+    parent: str = Field(min_length=1, max_length=256)  # the parent's workflow id
+    parent_run: str = Field(min_length=1, max_length=256)  # the parent execution's run id
+    child: str = Field(min_length=1, max_length=512)  # this child's workflow id
+    depth: int = Field(ge=1, le=16)  # 1: a child of a root run
+    tenant: str = Field(min_length=1, max_length=128)
+    tools: list[str] = Field(min_length=1, max_length=64)
+    effects: list[ToolEffect] = Field(default_factory=list, max_length=4)
+    max_steps: int = Field(ge=1, le=1000)
+    requested_by: str = Field(min_length=1, max_length=128)  # the root's requester: four-eyes holds
+    parent_goal: str = Field("", max_length=2000)
+    # The parent's approved plan named these writes (tool and arguments): the parent's approval
+    # covers them in the child; any other write asks its own approval.
+    covered: list[PlaybookStep] = Field(default_factory=list, max_length=200)
+    seal: str = Field("", max_length=200)
+
+    def sealed_digest(self) -> str:
+        return json_digest(self.model_dump(mode="json", exclude={"seal"}))
 
 
 class Compensation(Contract):
@@ -174,6 +254,13 @@ class PlanStep(BaseModel):
     tool_call_id: str
     tool: str
     args: dict[str, Any]
+    # Steps next to one another with the same group run at once (a playbook's "parallel"); the
+    # plan hash covers it. None: on its own.
+    group: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _group_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"group": None})  # older plans read as they did
 
 
 def first_error(err: ValidationError) -> str:
@@ -261,7 +348,10 @@ class Plan(BaseModel):
         Tool call ids are left out on purpose: the hash names *what* will be done, so the same
         proposal hashes the same after a replan.
         """
-        payload: list[dict[str, Any]] = [{"tool": s.tool, "args": s.args} for s in steps]
+        payload: list[dict[str, Any]] = [
+            {"tool": s.tool, "args": s.args} | ({"parallel": group} if (group := getattr(s, "group", None)) else {})
+            for s in steps
+        ]
         if undo is not None:
             # No key for a step without one: a plan that declares no undo hashes as before.
             for item, comp in zip(payload, undo, strict=True):

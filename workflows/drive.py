@@ -12,7 +12,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from workflows.commands import Call, Checkpoint, Command, End, HandlersDone, Notified, Notify, RunTool, Sleep, Wait
+from workflows.commands import Call, Checkpoint, Command, End, HandlersDone, Notified, Notify, RunChild, RunGroup, RunTool, Sleep, Wait
+from workflows.contract import DELEGATE
+from workflows.delegation import with_delegation
 from workflows.run_model import Program, RunFailed, RunModel, S
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal, RunSetup, Verdict
 
@@ -39,7 +41,7 @@ class Drive(RunModel):
             self._program = None
             return End()
         self._result = None
-        if isinstance(command, (Call, RunTool, Sleep, Wait)):
+        if isinstance(command, (Call, RunTool, RunGroup, RunChild, Sleep, Wait)):
             self.checked = None  # the run waits: a re-check it had covers no write after this
         return command
 
@@ -50,9 +52,16 @@ class Drive(RunModel):
         if isinstance(result, Verdict):  # what the worker's policy file is, as its verdict says
             self.data.policy_problem = result.policy_problem
 
+    def delegating(self) -> bool:
+        step = self.current_step()
+        return self.state == S.EXECUTING_TOOL and step is not None and step.tool == DELEGATE
+
     def _driving(self) -> Program[None]:
         data = self.data
         first = failure = None
+        if self.grant_problem is not None and data.lifecycle.state == S.RECEIVED:
+            self.decide(self.grant_refused)  # a grant not the fleet's for this child: nothing runs
+            return
         if data.catalog is None or data.policy is None:
             # One snapshot per run: validation must not change under a run's feet. A run that
             # plans takes it with its first planner call.
@@ -63,7 +72,7 @@ class Drive(RunModel):
                 setup = yield Call(
                     "run_setup", self.snapshot_request(self.workflow_id, self.started_at), RunSetup, "run setup", show=False
                 )
-            data.catalog, data.policy = setup.catalog, setup.policy
+            data.catalog, data.policy = setup.catalog.model_copy(update={"tools": with_delegation(setup.catalog.tools)}), setup.policy
         if data.lifecycle.state == S.RECEIVED:
             self.decide(self.received)
         if data.lifecycle.state == S.PLANNING and self.request.compensate_run is None and data.planning_rounds == 0:
@@ -109,7 +118,10 @@ class Drive(RunModel):
                 verdict = yield from self._authority(from_step=data.next_step)
                 self.decide(lambda now: self.after_approved(_refusal(verdict), now, verdict), policies=_policies(verdict))
             elif state == S.EXECUTING_TOOL:
-                yield from self._execute_step()
+                if self.delegating():
+                    yield from self._delegate_step()
+                else:
+                    yield from (self._execute_group() if self.in_group() else self._execute_step())
             elif state == S.COMPENSATING:
                 # The same step path as the plan's steps: one way to call a tool.
                 if self.decide(self.compensation_ready):

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError, TimeoutError, WorkflowAlreadyStartedError
 from temporalio.workflow import ActivityCancellationType
 
 from workflows import keys
@@ -39,7 +39,10 @@ from workflows.commands import (
     Notify,
     Probe,
     Publish,
+    Landed,
     Readings,
+    RunChild,
+    RunGroup,
     RunTool,
     Show,
     Sleep,
@@ -51,8 +54,8 @@ from workflows.details import run_details
 from workflows.engine import Engine
 from workflows.published import COLLECT_EXTERN, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_model import ToolFailure
-from workflows.run_state import RunSnapshot, RunView
-from workflows.states import RunState, TransitionRecord, implied_links, record_link, to_publish
+from workflows.run_state import RunOutcome, RunRequest, RunSnapshot, RunView
+from workflows.states import RunState, TransitionRecord, first_published, implied_links, record_link, to_publish
 from workflows.wire import (
     ATTEMPT_STILL_RUNNING,
     AuditAck,
@@ -121,6 +124,7 @@ class Effects:
         self.notifying = 0  # notify activities in flight
         self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
+        self._landed: list[Landed] | None = None
         start_attributes = info.typed_search_attributes
         self.published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
@@ -155,6 +159,10 @@ class Effects:
                     failure = activity_failure(err)
                     log_failure(command.call.tool_call_id, failure)
                     return failure
+            case RunGroup():
+                return await self.group(command)
+            case RunChild():
+                return await self.child(command)
             case Mint():
                 return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds)
             case Checkpoint():
@@ -243,6 +251,27 @@ class Effects:
         (workflow code; replay included), or the workflow task fails naming it."""
         with self.keyed():
             keys.check_attested(self.ring(), kind, workflow.info().workflow_id, activity_id, request, result)
+
+    def grant_problem(self, request: RunRequest) -> str | None:
+        """Why this run's grant is not one its parent's workflow code sealed for exactly this
+        child (the server names the parent), or None. A client's or a keyless poller's start
+        input cannot make one."""
+        grant = request.grant
+        if grant is None:
+            return None
+        info = workflow.info()
+        with self.keyed():
+            sealed = keys.grant_valid(self.ring(), grant.seal, grant.sealed_digest())
+        if not sealed:
+            return "the grant does not bear the fleet key's seal: only a parent run's workflow code makes one"
+        if grant.child != info.workflow_id:
+            return f"the grant was made for {grant.child}, not this run"
+        parent = info.parent
+        if info.continued_run_id is None and (parent is None or (parent.workflow_id, parent.run_id) != (grant.parent, grant.parent_run)):
+            return f"the grant names parent {grant.parent}, but this run was not started by it"
+        if (grant.tenant, grant.requested_by) != (request.tenant, request.requested_by):
+            return "the grant's tenant or requester differs from the run's"
+        return None
 
     def check_seal(self, seal: str | None, generation: int, carried: Any) -> None:
         """Carried state only from this run's own previous run: its seal names the run the server
@@ -417,6 +446,89 @@ class Effects:
             self.check(activity_id or "", "execute_tool", keys.attested_call(call), answered)
         self._written(sent)
         return answered
+
+    async def group(self, command: RunGroup) -> list[Landed]:
+        """A parallel group's attempts, ``limit`` at a time, each as ``tool`` runs one; the
+        answers in the order they landed. A cancel reaches each attempt in flight and waits for
+        it; what every attempt that ended did is kept (``take_landed``), and the cancel goes on."""
+        slots = asyncio.Semaphore(command.limit)
+        landed: list[Landed] = []
+        self._landed = landed
+
+        async def one(index: int, run: RunTool) -> None:
+            async with slots:
+                try:
+                    answer: Any = await self.tool(
+                        run.call, activity_id=run.activity_id, start_to_close=run.start_to_close,
+                        heartbeat=run.heartbeat, summary=run.summary,
+                    )
+                except ActivityError as err:
+                    answer = activity_failure(err)
+                    log_failure(run.call.tool_call_id, answer)
+                except asyncio.CancelledError:
+                    settled = self.take_settled()  # what ``tool`` kept of the attempt the cancel met
+                    if settled is not None:
+                        landed.append(Landed(index, settled[0] or settled[1], workflow.now()))
+                    raise
+                landed.append(Landed(index, answer, workflow.now()))
+
+        tasks = [asyncio.ensure_future(one(i, run)) for i, run in enumerate(command.members)]
+        try:
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            # Every attempt in flight is cancelled and waited for before the cancel goes on.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        self._landed = None
+        return landed
+
+    async def child(self, command: RunChild) -> RunOutcome | ToolFailure:
+        """A child run, its grant sealed here with the fleet key for exactly this parent execution
+        and child; its end (a cancel of this run reaches it, and waits for it to settle)."""
+        info = workflow.info()
+        grant = command.request.grant.model_copy(update={"parent_run": info.run_id})
+        with self.keyed():
+            grant.seal = keys.seal_grant(self.ring(), grant.sealed_digest())
+        request = command.request.model_copy(update={"grant": grant})
+        try:
+            outcome: RunOutcome = await workflow.execute_child_workflow(
+                "AgentRun",
+                request,
+                id=command.child_id,
+                result_type=RunOutcome,
+                task_queue=info.task_queue,
+                parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
+                cancellation_type=workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED,
+                search_attributes=TypedSearchAttributes([
+                    SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
+                    SearchAttributePair(STATE_ATTRIBUTE, first_published(compensation=False).value),
+                ]),
+                static_summary=command.summary,
+            )
+            return outcome
+        except ChildWorkflowError as err:
+            cause = err.cause
+            task = asyncio.current_task()
+            if isinstance(cause, CancelledError) and task is not None and task.cancelling():
+                # This run's cancel reached the child, which has settled: the cancel goes on here.
+                raise asyncio.CancelledError() from None
+            if isinstance(cause, ApplicationError) and cause.details:
+                # A run that ends failed says its outcome in the failure's details.
+                try:
+                    return RunOutcome.model_validate(cause.details[0])
+                except ValueError:
+                    pass
+            kind = (cause.type if isinstance(cause, ApplicationError) else type(cause).__name__) if cause else "unknown"
+            return ToolFailure("child_failed", f"child run {command.child_id} failed: {kind}", True)
+        except WorkflowAlreadyStartedError:
+            return ToolFailure("child_exists", f"child run {command.child_id} exists already (a reset of this run?)", True)
+
+    def take_landed(self) -> list[Landed] | None:
+        """What a group's attempts the run's cancel met came to (None: the cancel met no group)."""
+        landed, self._landed = self._landed, None
+        return landed
 
     def _written(self, sent: list[TransitionRecord]) -> None:
         """The tool worker appended ``sent`` (the attempt answered): off the run's queue."""

@@ -169,6 +169,30 @@ def seal_valid(ring: KeyRing, sealed: str | None, workflow_id: str, run_id: str,
         raise KeyMissing(missing_message(kid, "the carried state's seal"), kid) from None
 
 
+# ----------------------------------------------------------------------------- grants
+
+
+def grant_fields(digest: str) -> dict[str, Any]:
+    return {"kind": "grant", "digest": digest}
+
+
+def seal_grant(ring: KeyRing, digest: str) -> str:
+    """A child run's grant, sealed by its parent's workflow code (the fleet key)."""
+    kid, mac = ring.sign(grant_fields(digest))
+    return f"{kid}:{mac}"
+
+
+def grant_valid(ring: KeyRing, sealed: str, digest: str) -> bool:
+    """Raises KeyMissing when the seal names a key this worker lacks."""
+    kid, _, mac = sealed.partition(":")
+    if not mac:
+        return False
+    try:
+        return ring.verify(kid, grant_fields(digest), mac)
+    except MissingKey:
+        raise KeyMissing(missing_message(kid, "the run's grant"), kid) from None
+
+
 # ----------------------------------------------------------------------------- capabilities
 
 

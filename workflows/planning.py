@@ -117,7 +117,8 @@ class Planning(RunModel):
             executed_steps=self.data.steps_executed,
             limits=self.limits,
             new_id=new_id,
-            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool),
+            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool) or self.grant_refusal(tool),
+            delegation_problem=self.delegation_problem,
         )
         if result.plan is not None:
             # The tenant's require_recovery: a write with no recovery path never reaches approval.

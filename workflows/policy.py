@@ -28,7 +28,7 @@ from workflows.budgets import UPDATES_CONTINUE_AT, clip
 from workflows import wording
 from workflows.display import show_value
 from workflows.identity import same_person
-from workflows.contract import Compensation, CompensationCall
+from workflows.contract import DELEGATE, Compensation, CompensationCall
 from workflows.wire import ToolCall
 from workflows.states import RunState
 
@@ -151,6 +151,8 @@ def effective_limits(limits: Limits, tenant: TenantPolicy | None) -> Limits:
 
 
 def tool_refusal(tenant: TenantPolicy | None, tool: str) -> str | None:
+    if tool == DELEGATE:
+        return None  # a child run: its tools are judged as the grant is made (max_depth, the tenant's tools)
     if tenant is not None and tenant.tools is not None and tool not in tenant.tools:
         return f"tool {tool!r} is not allowed for this tenant"
     return None

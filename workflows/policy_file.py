@@ -10,14 +10,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_serializer
 
-from workflows.contract import Contract, OnFailure
+from workflows.contract import Contract, OnFailure, omit_defaults
 from workflows.identity import normalize_name
-
-
-def omit_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """A model's fields less those at the given defaults: fields added later are left out of
-    what was recorded (and attested) before they existed, so old histories replay unchanged."""
-    return {k: v for k, v in data.items() if k not in defaults or v != defaults[k]}
 
 
 class Approver(Contract):
@@ -133,6 +127,14 @@ class Budgets(Contract):
     max_steps: int | None = Field(None, ge=1)
     max_tool_calls: int | None = Field(None, ge=1)
     max_replans: int | None = Field(None, ge=0)
+    # Steps of a parallel group that run at once (None: 4).
+    max_parallel: int | None = Field(None, ge=1, le=16)
+    # How deep child runs may nest (None: 2; 0: no delegation).
+    max_depth: int | None = Field(None, ge=0, le=8)
+
+    @model_serializer(mode="wrap")
+    def _parallel_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"max_parallel": None, "max_depth": None})  # older snapshots read as they did
 
 
 class TenantPolicy(Contract):

@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar, overload
 
 from workflows import policy
-from workflows.commands import Call, Command
+from workflows.commands import Call, Command, Landed
 from workflows.budgets import EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW
 from workflows.contract import (
     ApprovalDecision,
@@ -188,6 +188,24 @@ class Phases(Protocol):
     def remember_check(self, check: AuthorityCheck | None, verdict: Verdict | None) -> None: ...
     def _execute_step(self) -> Program[None]: ...
 
+    # delegation.Delegating
+    def grant_refusal(self, tool: str) -> str | None: ...
+    def delegation_problem(self, args: dict[str, Any]) -> str | None: ...
+    def grant_refused(self, at: datetime) -> None: ...
+    def _delegate_step(self) -> Program[None]: ...
+
+    # groups.Groups
+    def in_group(self) -> bool: ...
+    def _execute_group(self) -> Program[None]: ...
+    def group_settled_on_cancel(self, landed: list[Landed]) -> None: ...
+
+    # steps.Steps (the step a handoff or a cancel meets)
+    def handoff_point(self) -> tuple[str, Refs | None]: ...
+    def step_handed_off(self) -> None: ...
+    def tool_succeeded(self, outcome: ToolOutcome, at: datetime) -> None: ...
+    def tool_failed(self, failure: ToolFailure, at: datetime) -> float | None: ...
+    def checked_verdict(self, check: AuthorityCheck, *, take: bool = False) -> Verdict | None: ...
+
     # handoff.Handoff
     def handoff_unhonoured(self, request: HandoffRequest, at: datetime) -> None: ...
     def person_check(
@@ -315,8 +333,11 @@ class RunModel(Phases):
 
     @property
     def limits(self) -> Limits:
-        """The run's limits, tightened by the tenant's budgets."""
-        return policy.effective_limits(self.request.limits, self.tenant)
+        """The run's limits, tightened by the tenant's budgets (and a child's by its grant)."""
+        limits = policy.effective_limits(self.request.limits, self.tenant)
+        if self.request.grant is not None and self.request.grant.max_steps < limits.max_steps:
+            limits = limits.model_copy(update={"max_steps": self.request.grant.max_steps})
+        return limits
 
     @property
     def catalog(self) -> ToolCatalog:
@@ -379,6 +400,9 @@ class RunModel(Phases):
         if not self.deciding_policies or (refs is not None and refs.policies is not None):
             return refs
         return (refs or Refs()).model_copy(update={"policies": list(self.deciding_policies)})
+
+    # Why the run's grant was refused at its start (the workflow checks its seal), or None.
+    grant_problem: str | None = None
 
     # The step a cancel waited for, as tool_settled_on_cancel recorded it: (step, outcome, code).
     _settled: tuple[PlanStep, EffectOutcome, str | None] | None = None

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, model_serializer, model_validator
 from workflows.budgets import REQUEST_BUDGET
 from workflows.contract import (
     AcceptedApproval,
+    Grant,
     CompensationCall,
     Contract,
     ExecutedStep,
@@ -66,11 +67,15 @@ class RunRequest(Contract):
     # worker's seal over it. A start input that carries state is refused (docs/architecture.md).
     carryover: RunData | None = None
     carryover_seal: str | None = Field(None, max_length=200)
+    # Set by a parent run's workflow code only: this run is its child, and may do what the grant
+    # says, no more. A grant the fleet key did not seal for this child is refused (FAILED).
+    grant: Grant | None = None
 
     @model_serializer(mode="wrap")
     def _without_unset_rerun(self, handler: Any) -> dict[str, Any]:
         # Left out when empty: a request reads (and sizes) as it did before it existed.
-        return {k: v for k, v in handler(self).items() if not (k == "rerun_unknown" and v == [])}
+        return {k: v for k, v in handler(self).items()
+                if not ((k == "rerun_unknown" and v == []) or (k == "grant" and v is None))}
 
     @model_validator(mode="after")
     def _within_budget(self) -> RunRequest:

@@ -65,8 +65,10 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.APPROVED: frozenset({S.EXECUTING_TOOL, S.AWAITING_APPROVAL, S.CANCELLED, S.COMPENSATING}),
     # COMPENSATING instead of EXECUTION_FAILED when the run asked for on_failure=compensate
     # (or after a cancel, with on_cancel=compensate).
+    # EXECUTING_TOOL again for each step of a parallel group that ends (its result on the record
+    # as it lands); the group's barrier then moves on.
     S.EXECUTING_TOOL: frozenset(
-        {S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.COMPENSATING, S.HANDED_OFF, S.CANCELLED}
+        {S.EXECUTING_TOOL, S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.COMPENSATING, S.HANDED_OFF, S.CANCELLED}
     ),
     S.RETRY_WAIT: frozenset({S.EXECUTING_TOOL, S.EXECUTION_FAILED, S.CANCELLED, S.COMPENSATING}),
     # EXECUTING_TOOL for the next step of the plan that was already approved.

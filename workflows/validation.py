@@ -22,7 +22,7 @@ import jsonschema.validators
 import re2
 
 from workflows.budgets import FEEDBACK_CHARS, FEEDBACK_PROBLEMS, PROPOSAL_BYTES, clip
-from workflows.contract import Limits, Plan, PlanStep, ToolCatalog
+from workflows.contract import DELEGATE, GROUP_MAX, Limits, Plan, PlanStep, ToolCatalog, ToolEffect
 from workflows.wire import Proposal
 from workflows.policy import budget_refusal
 
@@ -147,6 +147,7 @@ def validate_proposal(
     limits: Limits,
     new_id: Callable[[int], str],
     tool_refusal: Callable[[str], str | None] = lambda tool: None,
+    delegation_problem: Callable[[dict[str, Any]], str | None] = lambda args: "this run cannot delegate",
 ) -> Validation:
     """Check every proposed step; return a plan with fresh tool call ids, or the problems. The
     plan carries each step's declared compensation and its hash covers them."""
@@ -176,20 +177,60 @@ def validate_proposal(
             problems.append(f"step {i}: {refused}")
             continue
         args, problem = _args_problem(proposed.args, info.args_schema)
+        if problem is None and info.name == DELEGATE:
+            problem = delegation_problem(args or {})
         if problem:
             problems.append(f"step {i} ({info.name}): {problem}")
             continue
         steps.append(
-            PlanStep(tool_call_id=new_id(executed_steps + i), tool=info.name, args=args or {})
+            PlanStep(tool_call_id=new_id(executed_steps + i), tool=info.name, args=args or {}, group=proposed.group)
         )
+    if not problems:
+        problems.extend(group_problems(steps, catalog))
     if problems:
         return Validation(plan=None, problems=problems)
+    steps = [s if s.group is None or _members(steps, s.group) > 1 else s.model_copy(update={"group": None}) for s in steps]
     undo = [info.compensate if (info := catalog.get(s.tool)) else None for s in steps]
     try:
         plan_hash = Plan.hash_steps(steps, undo)
     except ValueError as e:  # e.g. an integer beyond what JSON numbers carry exactly
         return Validation(plan=None, problems=[f"arguments cannot be hashed exactly: {str(e)[:200]}"])
     return Validation(plan=Plan(steps=steps, plan_hash=plan_hash, undo=undo), problems=[])
+
+
+# Effect classes that may run in a parallel group: a retry or a second attempt changes nothing.
+PARALLEL_EFFECTS = frozenset({ToolEffect.READ_ONLY, ToolEffect.IDEMPOTENT})
+
+
+def _members(steps: list[PlanStep], group: int) -> int:
+    return sum(1 for s in steps if s.group == group)
+
+
+def group_problems(steps: list[PlanStep], catalog: ToolCatalog) -> list[str]:
+    """Why the plan's parallel groups cannot run as proposed: a group's steps stand next to one
+    another, number at most GROUP_MAX, and are read-only or idempotent (an unsafe or reconcilable
+    step never runs beside another: its outcome must be known before anything else runs)."""
+    problems: list[str] = []
+    seen: set[int] = set()
+    previous: int | None = None
+    for i, step in enumerate(steps, start=1):
+        group = step.group
+        if group is not None and group != previous:
+            if group in seen:
+                problems.append(f"step {i} ({step.tool}): parallel group {group} is split by other steps")
+            seen.add(group)
+            if (count := _members(steps, group)) > GROUP_MAX:
+                problems.append(f"parallel group {group}: {count} steps, over the {GROUP_MAX} a group may hold")
+        previous = group
+        info = catalog.get(step.tool)
+        if group is not None and step.tool == DELEGATE:
+            problems.append(f"step {i}: a delegation runs on its own, not in a parallel group")
+        elif group is not None and _members(steps, group) > 1 and info is not None and info.effect not in PARALLEL_EFFECTS:
+            problems.append(
+                f"step {i} ({step.tool}): a {info.effect.value} step never runs in parallel (only read_only and "
+                "idempotent steps do): propose it on its own, after the group"
+            )
+    return problems
 
 
 # ----------------------------------------------------------------------------- bounded-cost regexes

@@ -24,7 +24,8 @@ from workflows.contract import (
     ToolCatalog,
     json_digest,
 )
-from workflows.policy_file import EscalationStage, TenantPolicy, omit_defaults
+from workflows.contract import omit_defaults
+from workflows.policy_file import EscalationStage, TenantPolicy
 from workflows.states import Packed, RunState, TransitionRecord
 
 
@@ -136,6 +137,12 @@ class ProposedStep(BaseModel):
 
     tool: str
     args: Any = None
+    # Steps next to one another with the same group run at once (a playbook's "parallel").
+    group: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _group_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"group": None})  # attested answers read as they did
 
 
 class Proposal(BaseModel):

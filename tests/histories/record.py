@@ -167,6 +167,11 @@ async def main() -> None:
         ("revise", steps("refund"), {}, revise_path),
         ("partial", steps("get", "refund", "email"), {}, partial_path),
         ("compensated", steps("refund", "email"), {"on_failure": "compensate"}, compensated_path),
+        # A parallel group of a read and an idempotent write, approved, then a step after its barrier.
+        ("parallel", [{"parallel": steps("get", "refund")}, *steps("get")], {}, approve_path),
+        # A delegated lookup (a child run), then a refund with approval.
+        ("delegate", [{"delegate": {"goal": "look up the order", "tools": ["get_order"], "max_steps": 2,
+                                    "playbook": steps("get")}}, *steps("refund")], {}, approve_path),
     ]
 
     async def record(paths: list, extra_args: list[str]) -> None:

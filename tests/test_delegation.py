@@ -1,0 +1,179 @@
+"""Delegation: a plan step that hands a sub-task to a child run, on the dev server with real
+workers and the real billing service. A child never holds more than its parent: a tool outside
+its grant, a grandchild past the depth limit and a grant its parent's workflow code did not seal
+for it are refused, with nothing written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.testing import WorkflowEnvironment
+
+from activities.keys import KeyRing
+from activities.planning import BUILTIN_PLANNERS
+from activities.policy_file import PolicyStore
+from client import run_outcome
+from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.helpers import held_tools
+from tests.invariants import check_timeline
+from workflows.contract import DELEGATE, Grant, ToolCatalog
+from workflows.run_state import RunOutcome, RunRequest
+from workflows.states import RunState
+from workflows.wire import PlannerInput, Proposal, ProposedStep
+
+S = RunState
+LOOKUP = {"tool": "get_order", "args": {"order_id": "A-1001"}}
+
+
+def refund(order: str = "A-1002", cents: int = 700, reason: str = "delegation test") -> dict:
+    return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": cents, "reason": reason}}
+
+
+def delegate(*playbook: dict, tools: tuple[str, ...] = ("get_order",), max_steps: int = 3, goal: str = "look up the order") -> dict:
+    body: dict = {"goal": goal, "tools": list(tools), "max_steps": max_steps}
+    if playbook:
+        body["playbook"] = list(playbook)
+    return {"delegate": body}
+
+
+def refunds_with(billing: Billing, reason: str) -> list:
+    return [r for r in billing.get("/refunds")["refunds"] if r.get("reason") == reason]
+
+
+class Overreacher:
+    """A parent that delegates a lookup; as the child, it proposes a refund (a model gone wrong)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
+        if request.executed:
+            return Proposal(answer="done")
+        if request.goal.startswith("parent:"):
+            return Proposal(steps=[ProposedStep(tool=DELEGATE, args={"goal": "child: look up A-1003", "tools": ["get_order"], "max_steps": 2})])
+        return Proposal(steps=[ProposedStep(tool="issue_refund", args=refund("A-1003", 300, self.reason)["args"])])
+
+
+async def child_outcome(env: WorkflowEnvironment, parent: RunOutcome) -> tuple[str, RunOutcome]:
+    step = next(s for s in parent.steps if s.tool == DELEGATE)
+    child_id = f"{parent.run_id}.{step.tool_call_id}"
+    return child_id, await run_outcome(env.client.get_workflow_handle(child_id))
+
+
+async def test_a_parent_delegates_a_lookup_then_refunds_with_approval(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    async with running_worker(dev_env.client) as worker:
+        reason = uuid.uuid4().hex
+        handle = await start_run(dev_env.client, worker, make_request([delegate(LOOKUP), refund(reason=reason)]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert snap.plan.steps[0].tool == DELEGATE and snap.plan.steps[0].args["playbook"] == [LOOKUP]
+        await handle.signal("approve", approval_for(snap, "bob"))
+        parent = await asyncio.wait_for(run_outcome(handle), 90)
+        child_id, child = await child_outcome(dev_env, parent)
+    assert parent.state == S.COMPLETED, parent.timeline[-1].reason
+    assert child_id == f"{handle.id}.{parent.steps[0].tool_call_id}"  # derived from the parent's chain and step
+    assert child.state == S.COMPLETED and [s.tool for s in child.steps] == ["get_order"]
+    assert parent.steps[0].digest  # the child's outcome is the step's result
+    assert len(refunds_with(billing, reason)) == 1
+    check_timeline(parent.timeline, {s.tool_call_id: s.tool for s in parent.steps}, read_only=("get_order", DELEGATE))
+    # The child's start input names its grant: what it narrowed, sealed.
+    history = await dev_env.client.get_workflow_handle(child_id).fetch_history()
+    started = history.events[0].workflow_execution_started_event_attributes
+    grant = Grant.model_validate(json.loads(started.input.payloads[0].data)["grant"])
+    assert (grant.parent, grant.root, grant.depth, grant.tools, grant.max_steps) == (handle.id, handle.id, 1, ["get_order"], 3)
+    assert grant.seal and grant.requested_by == "alice"
+
+
+async def test_a_delegation_that_gives_what_it_does_not_name_is_refused(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client) as worker:
+        request = make_request([delegate(refund("A-1003", 300, reason), tools=("get_order",))], limits={"max_replans": 0})
+        outcome = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request)), 60)
+    assert outcome.state == S.FAILED
+    assert any("calls 'issue_refund', outside the tools it gives" in r.reason for r in outcome.timeline)
+    assert refunds_with(billing, reason) == []
+
+
+async def test_a_child_that_proposes_a_tool_its_grant_lacks_is_refused(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    reason = uuid.uuid4().hex
+    planners = {**BUILTIN_PLANNERS, "overreach": Overreacher(reason)}
+    async with running_worker(dev_env.client, planners=planners) as worker:
+        request = RunRequest(goal="parent: look into A-1003", requested_by="alice", planner="overreach",
+                             limits={"max_replans": 0})
+        parent = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request)), 60)
+        _, child = await child_outcome(dev_env, parent)
+    assert child.state == S.FAILED
+    assert any("tool 'issue_refund' is outside this run's grant" in r.reason for r in child.timeline)
+    assert parent.state == S.EXECUTION_FAILED and parent.timeline[-1].refs.error_code == "child_failed"
+    assert refunds_with(billing, reason) == []
+
+
+async def test_a_grandchild_beyond_the_depth_limit_is_refused(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[tenants.default]\n[tenants.default.budgets]\nmax_depth = 1\n")
+    inner = delegate(LOOKUP, goal="the grandchild")
+    async with running_worker(dev_env.client, policy=PolicyStore(policy)) as worker:
+        request = make_request([delegate(inner, tools=("get_order",), max_steps=4)], limits={"max_replans": 0})
+        parent = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request)), 60)
+        child_id, child = await child_outcome(dev_env, parent)
+    assert child.state == S.FAILED
+    assert any("beyond the depth limit: this run is at depth 1, max_depth is 1" in r.reason for r in child.timeline)
+    assert parent.state == S.EXECUTION_FAILED and parent.timeline[-1].refs.error_code == "child_failed"
+
+
+@pytest.mark.parametrize("how", ["made_up", "copied_to_another_id", "copied_to_the_same_id"])
+async def test_a_forged_grant_in_a_start_input_is_refused(dev_env: WorkflowEnvironment, billing: Billing, how: str) -> None:
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client) as worker:
+        run_id = f"forged-{uuid.uuid4().hex[:8]}"
+        grant = Grant(root="r", parent="p", parent_run="x", child=run_id, depth=1, tenant="default",
+                      tools=["issue_refund"], effects=["idempotent"], max_steps=3, requested_by="alice",
+                      seal=f"{KeyRing.from_env().newest}:" + "0" * 64)  # the fleet's key id, a made-up MAC
+        if how != "made_up":
+            # A real child's grant, read from its start input (whoever can read history can).
+            parent = await start_run(dev_env.client, worker, make_request([delegate(LOOKUP)]))
+            done = await asyncio.wait_for(run_outcome(parent), 60)
+            child_id, _ = await child_outcome(dev_env, done)
+            history = await dev_env.client.get_workflow_handle(child_id).fetch_history()
+            raw = json.loads(history.events[0].workflow_execution_started_event_attributes.input.payloads[0].data)
+            grant = Grant.model_validate(raw["grant"])
+            if how == "copied_to_the_same_id":
+                run_id = child_id  # the child has ended: its id may be used again
+        request = make_request([refund("A-1002", 300, reason)]).model_copy(update={"grant": grant})
+        handle = await start_run(dev_env.client, worker, request, run_id=run_id) if how != "copied_to_the_same_id" else \
+            await _start_again(dev_env, worker, request, run_id)
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 60)
+        snap = await snapshot(handle)
+    assert snap.state == S.FAILED and snap.last_error.startswith("grant_invalid: ")
+    assert refunds_with(billing, reason) == []
+
+
+async def _start_again(env: WorkflowEnvironment, worker, request: RunRequest, run_id: str):
+    from client import start_run as tether_start
+
+    return await tether_start(env.client, request, run_id=run_id, queue=worker.task_queue, allow_id_reuse=True)
+
+
+async def test_a_cancel_of_the_parent_reaches_its_running_child(dev_env: WorkflowEnvironment) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [delegate({"tool": "held_read", "args": {"tag": tag, "n": 1}}, tools=("held_read",)), {"tool": "after_read", "args": {"tag": tag}}]
+    async with running_worker(dev_env.client, registry=held_tools.REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await held_tools.started(tag, 1)  # the child's step is running
+        await handle.cancel()
+        held_tools.GATES[tag].set()
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 60)
+        parent = await snapshot(handle)
+        child = dev_env.client.get_workflow_handle(f"{handle.id}.{parent.plan.steps[0].tool_call_id}")
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(child.result(), 60)
+        child_snap = await snapshot(child)
+    assert parent.state == S.CANCELLED and child_snap.state == S.CANCELLED
+    assert held_tools.IN_FLIGHT[tag] == 0 and "after" not in held_tools.ORDER[tag]

@@ -1,0 +1,191 @@
+"""Parallel step groups, on the dev server with real workers: a playbook's ``{"parallel": [...]}``
+runs its steps at once, behind one barrier, each result on the record as it lands.
+
+The tools are held on events the test releases, so "every step of the group was running at
+once" is a fact the test waits for, not a timing; the limit is checked by the most attempts
+that were ever in flight together, counted by the tools themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from temporalio.testing import WorkflowEnvironment
+
+from activities.policy import PolicyActivities
+from activities.policy_file import PolicyStore
+from activities.keys import KeyRing
+from client import run_outcome
+from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
+from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.invariants import check_timeline
+from workflows.contract import PlaybookStep, ToolCatalog, ToolInfo, Limits
+from workflows.contract import STRICT, ToolEffect
+from workflows.states import RunState
+from workflows.validation import validate_proposal
+from workflows.wire import Proposal, ProposedStep
+
+S = RunState
+def group(*steps: dict) -> dict:
+    return {"parallel": list(steps)}
+
+
+def step(tool_name: str, tag: str, n: int = 0) -> dict:
+    return {"tool": tool_name, "args": {"tag": tag, "n": n}}
+
+
+def policy_with(tmp_path: Path, budgets: str = "") -> PolicyActivities:
+    file = tmp_path / "policy.toml"
+    file.write_text('[tenants.default]\nfour_eyes = true\n' + (f"[tenants.default.budgets]\n{budgets}\n" if budgets else ""))
+    return PolicyActivities(PolicyStore(file), keys=KeyRing.from_env())
+
+
+# ----------------------------------------------------------------------------- the playbook and the validator
+
+
+def test_a_playbook_group_is_a_list_of_tool_steps() -> None:
+    item = PlaybookStep.model_validate(group(step("held_read", "t", 1), step("held_read", "t", 2)), context=STRICT)
+    assert [s.tool for s in item.parallel or []] == ["held_read", "held_read"]
+    assert "parallel" not in PlaybookStep(tool="get_order").model_dump()  # a tool step reads as before
+    for bad in (
+        {"parallel": []},
+        {"parallel": [group(step("held_read", "t"))]},  # a group in a group
+        {"tool": "held_read", "parallel": [step("held_read", "t")]},
+        {},
+    ):
+        with pytest.raises(ValidationError):
+            PlaybookStep.model_validate(bad, context=STRICT)
+
+
+def _catalog(*effects: ToolEffect) -> ToolCatalog:
+    schema = {"type": "object", "properties": {"tag": {"type": "string"}, "n": {"type": "integer"}}}
+    return ToolCatalog(tools=[
+        ToolInfo(name=f"t_{e.value}", effect=e, requires_approval=e != ToolEffect.READ_ONLY, args_schema=schema)
+        for e in effects
+    ])
+
+
+def _validate(*steps: tuple[str, int | None]):
+    proposal = Proposal(steps=[ProposedStep(tool=t, args={"tag": "x", "n": i}, group=g) for i, (t, g) in enumerate(steps)])
+    catalog = _catalog(*ToolEffect)
+    return validate_proposal(proposal, catalog, executed_steps=0, limits=Limits(), new_id=lambda n: f"tc-{n}")
+
+
+@pytest.mark.parametrize("effect", [ToolEffect.UNSAFE, ToolEffect.RECONCILABLE])
+def test_an_unsafe_or_reconcilable_step_never_runs_in_parallel(effect: ToolEffect) -> None:
+    result = _validate(("t_read_only", 1), (f"t_{effect.value}", 1))
+    assert result.plan is None
+    assert f"step 2 (t_{effect.value}): a {effect.value} step never runs in parallel" in result.reason
+
+
+def test_read_only_and_idempotent_steps_may_share_a_group_and_the_hash_covers_it() -> None:
+    grouped = _validate(("t_read_only", 1), ("t_idempotent", 1), ("t_unsafe", None))
+    assert grouped.plan is not None and [s.group for s in grouped.plan.steps] == [1, 1, None]
+    alone = _validate(("t_read_only", None), ("t_idempotent", None), ("t_unsafe", None))
+    assert alone.plan is not None and alone.plan.plan_hash != grouped.plan.plan_hash  # what runs at once is approved
+    single = _validate(("t_read_only", 3), ("t_unsafe", None))  # a group of one runs on its own
+    assert single.plan is not None and single.plan.steps[0].group is None
+
+
+def test_a_group_split_by_another_step_is_refused() -> None:
+    result = _validate(("t_read_only", 1), ("t_read_only", None), ("t_read_only", 1))
+    assert result.plan is None and "parallel group 1 is split by other steps" in result.reason
+
+
+# ----------------------------------------------------------------------------- on the dev server
+
+
+async def test_a_group_runs_at_once_behind_a_barrier(dev_env: WorkflowEnvironment) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(*(step("held_read", tag, n) for n in range(1, 4))), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 3)  # all three are running: none waited for another
+        assert "after" not in ORDER[tag]
+        GATES[tag].set()
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert MOST[tag] == 3
+    # The barrier: the step after the group began once every step of it had ended.
+    assert ORDER[tag].index("after") > max(i for i, e in enumerate(ORDER[tag]) if e.startswith("end"))
+    assert [s.tool for s in outcome.steps] == ["held_read"] * 3 + ["after_read"]
+    landed = [r for r in outcome.timeline if r.from_state == S.EXECUTING_TOOL and r.to_state == S.EXECUTING_TOOL]
+    assert len(landed) == 3 and all("succeeded (parallel group 1:" in r.reason for r in landed)
+    assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in outcome.timeline)
+    check_timeline(outcome.timeline, {s.tool_call_id: s.tool for s in outcome.steps}, read_only=READ_ONLY)
+
+
+async def test_the_policy_sets_how_many_run_at_once(dev_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(*(step("held_read", tag, n) for n in range(1, 6)))]
+    async with running_worker(dev_env.client, registry=REGISTRY, rules=policy_with(tmp_path, "max_parallel = 2")) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 2)
+        GATES[tag].set()
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert MOST[tag] <= 2 and sum(ATTEMPTS[f"{tag}/{n}"] for n in range(1, 6)) == 5
+
+
+async def test_a_failed_step_retries_alone_and_cancels_no_sibling(dev_env: WorkflowEnvironment) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(step("flaky_read", tag, 1), step("held_read", tag, 2), step("held_read", tag, 3))]
+    GATES[tag].set()
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert (ATTEMPTS[f"{tag}/1"], ATTEMPTS[f"{tag}/2"], ATTEMPTS[f"{tag}/3"]) == (2, 1, 1)
+    assert any("failed [busy]" in r.reason and "its siblings go on" in r.reason for r in outcome.timeline)
+
+
+async def test_a_step_that_fails_ends_the_run_after_its_siblings(dev_env: WorkflowEnvironment) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(step("refused_read", tag, 1), step("held_read", tag, 2)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 1)
+        GATES[tag].set()  # the sibling ends after the failure: it was not cancelled
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
+    assert outcome.state == S.EXECUTION_FAILED
+    # In the order they landed, which neither step decides.
+    assert sorted((s.tool, s.outcome) for s in outcome.steps) == [("held_read", "ok"), ("refused_read", "failed")]
+    assert "after" not in ORDER[tag]
+    assert "parallel group 1: 1 of 2 steps did not succeed" in outcome.timeline[-1].reason
+    check_timeline(outcome.timeline, {s.tool_call_id: s.tool for s in outcome.steps}, read_only=READ_ONLY)
+
+
+async def test_approved_writes_in_a_group_each_run_once(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(step("group_refund", tag, 1), step("group_refund", tag, 2), step("flaky_read", tag, 3))]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert [s.group for s in snap.plan.steps] == [1, 1, 1]
+        await handle.signal("approve", approval_for(snap, "bob"))
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert (ATTEMPTS[f"{tag}/1"], ATTEMPTS[f"{tag}/2"]) == (1, 1)
+    for s in outcome.steps[:2]:
+        assert len(billing.get(f"/refunds?idempotency_key={handle.id}:{s.tool_call_id}")["refunds"]) == 1
+
+
+async def test_a_cancel_during_a_group_leaves_nothing_stranded(dev_env: WorkflowEnvironment) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(*(step("held_read", tag, n) for n in range(1, 4))), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 3)
+        await handle.cancel()
+        GATES[tag].set()  # the attempts end; the run has waited for each
+        with pytest.raises(Exception):
+            await asyncio.wait_for(handle.result(), 60)
+        snap = await snapshot(handle)
+        steps = await handle.query("steps")
+    assert snap.state == S.CANCELLED
+    assert IN_FLIGHT[tag] == 0 and "after" not in ORDER[tag]
+    assert len(steps) == 3  # what each attempt did is on the record

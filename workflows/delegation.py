@@ -1,0 +1,168 @@
+"""The delegation phase: a plan step that hands a sub-task to a child run, which can never hold
+more than its parent.
+
+A playbook writes it ``{"delegate": {"goal": ..., "tools": [...], "max_steps": N, "playbook":
+[...]}}``; in the plan it is a step of the tool ``tether.delegate`` whose arguments are the
+Delegation (the plan hash covers them: an approver sees what is handed on). Running it starts a
+child ``AgentRun`` (a Temporal child workflow, its id the parent's and the step's) with a Grant
+the parent's workflow code seals with the fleet key: a subset of the parent's tools and effect
+classes, at most its remaining steps, one level deeper (the policy's ``max_depth``), the same
+tenant, policy and requester. The child refuses a grant that is not sealed for it by the parent
+the server names, and proposes nothing outside it. The child's outcome is the step's result;
+the steps it ran count against the parent's tool call budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from workflows.budgets import REASON_CHARS, clip
+from workflows.commands import RunChild
+from workflows.contract import DELEGATE, STRICT, Delegation, Grant, Limits, ToolEffect, ToolInfo, first_error
+from workflows.run_model import Program, RunModel, S, ToolFailure, require
+from workflows.run_state import RunOutcome, RunRequest
+from workflows.wire import ToolOutcome
+
+# How deep delegation goes when the policy sets no max_depth (1: children, no grandchildren).
+DEFAULT_DEPTH = 2
+# The catalog's entry for the delegate step: it writes nothing itself (the child's writes are
+# gated in the child), so the parent runs it without an approval of its own.
+DELEGATE_INFO = ToolInfo(
+    name=DELEGATE,
+    description="Hand a sub-task to a child run with a narrowed grant: "
+    '{"goal": ..., "tools": [...], "max_steps": N, "playbook": [...]}',
+    effect=ToolEffect.READ_ONLY,
+    requires_approval=False,
+    args_schema={"type": "object"},
+    max_retries=0,
+)
+
+
+class Delegating(RunModel):
+    """Child runs: what a delegation may ask for, the grant it gets, and how its end counts."""
+
+    def depth(self) -> int:
+        return self.request.grant.depth if self.request.grant else 0
+
+    def max_depth(self) -> int:
+        budgets = self.tenant.budgets if self.tenant else None
+        return budgets.max_depth if budgets and budgets.max_depth is not None else DEFAULT_DEPTH
+
+    def grant_refusal(self, tool: str) -> str | None:
+        """A tool this run's grant does not give it (a child proposes it: refused at validation)."""
+        grant = self.request.grant
+        if grant is None or tool == DELEGATE:
+            return None
+        info = self.catalog.get(tool)
+        if tool not in grant.tools or (info is not None and info.effect not in grant.effects):
+            return f"tool {tool!r} is outside this run's grant from {grant.parent} (it may use: {', '.join(grant.tools)})"
+        return None
+
+    def delegation_problem(self, args: dict[str, Any]) -> str | None:
+        """Why a delegate step cannot be planned: its arguments, a tool the run cannot give, the
+        depth limit, a step budget beyond what the run has left."""
+        try:
+            delegation = Delegation.model_validate(args, context=STRICT)
+        except ValidationError as e:
+            return f"not a delegation: {first_error(e)}"
+        if self.depth() + 1 > self.max_depth():
+            return f"delegation beyond the depth limit: this run is at depth {self.depth()}, max_depth is {self.max_depth()}"
+        for tool in delegation.tools:
+            if tool == DELEGATE or self.catalog.get(tool) is None:
+                return f"delegation names {tool!r}, not a tool this run has"
+            if (why := self.grant_refusal(tool)) is not None:
+                return f"delegation names a tool it cannot give: {why}"
+        for step in delegation.playbook or []:
+            if step.tool and step.tool not in delegation.tools:
+                return f"the delegation's playbook calls {step.tool!r}, outside the tools it gives"
+        left = self.limits.max_steps - self.data.steps_executed
+        if delegation.max_steps > left:
+            return f"delegation of {delegation.max_steps} steps, over the {left} this run has left"
+        return None
+
+    def child_id(self, step_id: str) -> str:
+        return f"{self.workflow_id}.{step_id}"
+
+    def grant_for(self, delegation: Delegation, step_id: str) -> Grant:
+        """The child's grant (unsealed: the workflow seals it with the fleet key)."""
+        tools = [t for t in delegation.tools if self.grant_refusal(t) is None and self.catalog.get(t) is not None]
+        effects = sorted({info.effect for t in tools if (info := self.catalog.get(t))}, key=lambda e: e.value)
+        parent = self.request.grant
+        return Grant(
+            root=parent.root if parent else self.workflow_id,
+            parent=self.workflow_id,
+            parent_run="-",  # the execution's run id: the workflow fills it in as it seals
+            child=self.child_id(step_id),
+            depth=self.depth() + 1,
+            tenant=self.request.tenant,
+            tools=tools,
+            effects=effects,
+            max_steps=min(delegation.max_steps, self.limits.max_steps - self.data.steps_executed),
+            requested_by=self.request.requested_by,
+            parent_goal=self.request.goal[:2000],
+        )
+
+    def child_request(self, delegation: Delegation, grant: Grant) -> RunRequest:
+        return RunRequest(
+            goal=delegation.goal,
+            tenant=self.request.tenant,
+            requested_by=self.request.requested_by,
+            planner="playbook" if delegation.playbook else self.request.planner,
+            playbook=delegation.playbook or [],
+            limits=Limits(max_steps=grant.max_steps, max_replans=self.limits.max_replans,
+                          approval_ttl_seconds=self.limits.approval_ttl_seconds),
+            on_failure=self.request.on_failure,
+            on_cancel=self.request.on_cancel,
+            grant=grant,
+        )
+
+    def grant_refused(self, at: datetime) -> None:
+        """A start whose grant is not the fleet's for this child: nothing runs."""
+        problem = require(self.grant_problem, "no grant problem")
+        self.data.last_error = f"grant_invalid: {problem}"
+        self.move(S.FAILED, at=at, actor="runtime", reason=clip(f"run request refused [grant_invalid]: {problem}", REASON_CHARS))
+
+    def child_ended(self, result: RunOutcome | ToolFailure, at: datetime) -> None:
+        """The child's end is the delegate step's result; its steps count against this run."""
+        step = require(self.current_step(), "no delegate step")
+        if isinstance(result, ToolFailure):
+            self.tool_failed(result, at)
+            return
+        self.data.tool_calls += result.steps_executed
+        summary = {"child": self.child_id(step.tool_call_id), "state": result.state.value, "answer": result.answer}
+        observation = json.dumps(summary, sort_keys=True)
+        if result.state == S.COMPLETED:
+            digest = hashlib.sha256(observation.encode()).hexdigest()
+            self.tool_succeeded(ToolOutcome(observation=observation, digest=digest, size=len(observation)), at)
+            return
+        if result.state == S.HANDED_OFF:
+            # A write of the child's may have applied: a person takes the parent too.
+            self._end_step(step, "unknown", "child_handed_off")
+            self.move(S.HANDED_OFF, at=at, actor="runtime", refs=self._end_refs(step, "unknown", "child_handed_off"),
+                      reason=f"child run {summary['child']} handed off: a write of it may have applied; needs a human")
+            return
+        self.tool_failed(ToolFailure(f"child_{result.state.value.lower()}", f"child run ended {result.state.value}", True), at)
+
+    # ------------------------------------------------------------------ the program
+
+    def _delegate_step(self) -> Program[None]:
+        detail, refs = self.handoff_point()
+        if (yield from self._take_handoff(detail=detail, refs=refs)):
+            self.step_handed_off()
+            return
+        step = require(self.current_step(), "no delegate step")
+        delegation = Delegation.model_validate(step.args)
+        grant = self.grant_for(delegation, step.tool_call_id)
+        self.data.tool_calls += 1
+        result = yield RunChild(self.child_request(delegation, grant), grant.child, f"delegate · {delegation.goal[:80]}")
+        self.decide(lambda now: self.child_ended(result, now))
+
+
+def with_delegation(tools: list[ToolInfo]) -> list[ToolInfo]:
+    """The catalog's tools and the delegate step (once)."""
+    return [*(t for t in tools if t.name != DELEGATE), DELEGATE_INFO]
