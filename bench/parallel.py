@@ -16,7 +16,7 @@ import statistics
 import uuid
 
 from bench.common import bench_stack, machine_line, table
-from client import run_outcome, start_run
+from tether.client import run_outcome, start_run
 from workflows.run_state import RunRequest
 from workflows.states import RunState, TransitionRecord
 

@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.keys import KeyRing
 from activities.planning import BUILTIN_PLANNERS
 from activities.policy_file import PolicyStore
-from client import run_outcome
+from tether.client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
 from tests.helpers import held_tools
 from tests.invariants import check_timeline
@@ -155,7 +155,7 @@ async def test_a_forged_grant_in_a_start_input_is_refused(dev_env: WorkflowEnvir
 
 
 async def _start_again(env: WorkflowEnvironment, worker, request: RunRequest, run_id: str):
-    from client import start_run as tether_start
+    from tether.client import start_run as tether_start
 
     return await tether_start(env.client, request, run_id=run_id, queue=worker.task_queue, allow_id_reuse=True)
 

@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.policy import PolicyActivities
 from activities.policy_file import PolicyStore
 from activities.keys import KeyRing
-from client import run_outcome
+from tether.client import run_outcome
 from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
 from tests.invariants import check_timeline
