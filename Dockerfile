@@ -39,7 +39,7 @@ WORKDIR /app
 # Data files the example stack reads (the code itself is in the venv): the billing policy for
 # the worker (TETHER_POLICY; the image's version has no `signed` tenant, whose keys only the dev
 # stack has) and the playbook for `tether start --playbook`. Owned by root: the service user can
-# read them, not change them. tests/test_compose.py lays the image out from these lines.
+# read them, not change them. tests/operations/test_compose.py lays the image out from these lines.
 COPY examples/billing/policy.image.toml examples/billing/refund.playbook.json /app/examples/billing/
 USER 10001:10001
 # Prometheus metrics (worker.py --metrics-port).

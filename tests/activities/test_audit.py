@@ -230,7 +230,7 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
     from temporalio.contrib.pydantic import pydantic_data_converter
 
     from activities.metrics import prometheus_runtime
-    from tests.test_metrics import free_port, scrape, value
+    from tests.activities.test_metrics import free_port, scrape, value
 
     root = tmp_path / "audit"
     root.mkdir()
@@ -305,7 +305,7 @@ async def test_timeline_all_has_every_record_once_after_a_kill_during_the_sink_w
     audit_dir, marker, queue = tmp_path / "audit", tmp_path / "torn", unique("audit-kill")
     env = {**os.environ, "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.audit_kill_worker", queue, dsn or str(audit_dir), str(marker)],
+        [sys.executable, "-m", "tests.helpers.audit_kill_worker", queue, dsn or str(audit_dir), str(marker)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -635,7 +635,7 @@ async def test_a_killed_workers_runs_reach_the_sink_through_another_workers_swee
     monkeypatch.setenv("TETHER_AUDIT_SWEEP_SECONDS", "1")  # the default is 30 s; the same sweep
     env = {**os.environ, "TEMPORAL_ADDRESS": dev_env.client.service_client.config.target_host, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.audit_kill_worker", queue, str(tmp_path / "never"), str(marker), "held"],
+        [sys.executable, "-m", "tests.helpers.audit_kill_worker", queue, str(tmp_path / "never"), str(marker), "held"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
 

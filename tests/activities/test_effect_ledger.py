@@ -28,7 +28,7 @@ from activities.keys import KeyRing
 from activities.tools import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
 from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, unique, wait_for_state
-from tests.test_reset import outcome_of
+from tests.operations.test_reset import outcome_of
 from workflows import keys
 from workflows.run_state import RunOutcome
 from workflows.wire import LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
@@ -278,7 +278,7 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
     refused; a compensation run started anyway undoes nothing (before: the void was sent again)."""
     import client as tether_client
     import starter
-    from tests.test_recovery import VOIDS, approved_run, requests_to
+    from tests.operations.test_recovery import VOIDS, approved_run, requests_to
 
     monkeypatch.setenv("TETHER_AUDIT_DIR", str(tmp_path / "audit"))  # this test's sink and ledger only
     billing.fail_next("emails", 1, status=400)
@@ -366,7 +366,7 @@ async def test_a_capability_replayed_by_a_rogue_poller_under_the_same_activity_i
     capability matches the run, the attempt and the call). The tool worker answers from its
     ledger: one email, not two."""
     from tests.helpers.rogue import rogue_answer, schedule_tool
-    from tests.test_trust_chain import emails
+    from tests.activities.test_trust_chain import emails
 
     client = dev_env.client
     to = f"{uuid.uuid4().hex[:10]}@example.com"

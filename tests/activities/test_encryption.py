@@ -57,7 +57,7 @@ from workflows.published import SEARCH_ATTRIBUTES
 from workflows.run_state import RunOutcome
 from workflows.states import RunState
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UI_ORIGIN = "http://localhost:8233"
 TOKEN = "s3cret-codec-token"
 # The failure type (error code, e.g. "injected_fault") stays plain like every error code: only

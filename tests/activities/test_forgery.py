@@ -84,7 +84,7 @@ async def test_a_rogue_worker_answering_recovery_source_makes_no_undo(dev_env: W
     forged = RecoverySource(run_id=original.id, state=RunState.EXECUTION_FAILED,
                             compensations=[undo.model_copy(update={"plan_hash": "x"})])
     rogue = subprocess.Popen(
-        [sys.executable, "-m", "tests.rogue_worker", client.service_client.config.target_host, client.namespace,
+        [sys.executable, "-m", "tests.helpers.rogue_worker", client.service_client.config.target_host, client.namespace,
          queue, fleet.newest, forged.model_dump_json()],
         cwd=ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -1,6 +1,6 @@
 """MCP servers' tools as governed tools, against real servers run as stdio subprocesses: the
 reference servers ``mcp-server-git`` and ``mcp-server-time`` from PyPI (nobody here wrote them),
-over a temporary git repository, and our own fault server (tests/mcp_fault_server.py) for the
+over a temporary git repository, and our own fault server (tests/helpers/mcp_fault_server.py) for the
 failures. Real Temporal (time-skipping test server; the dev server for the worker kill), real
 worker processes for the kill, the real ``openai`` client against examples/fake_openai.py."""
 
@@ -31,7 +31,7 @@ from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 
 S, E = RunState, ToolEffect
-FAULT_SERVER = ROOT / "tests/mcp_fault_server.py"
+FAULT_SERVER = ROOT / "tests/helpers/mcp_fault_server.py"
 
 # What mcp-server-git publishes (listed from the real server, not from its source): seven tools
 # read only; git_add and git_reset idempotent (git_reset destructive); the rest plain writes.
@@ -371,7 +371,7 @@ async def test_an_mcp_tool_declares_its_undo_in_the_config(repo: Path, caplog: p
         parse_config(git_server("git", repo, '[servers.git.tools.git_add]\ncompensate = { tool = "git_reset", args = { repo_path = "repo" } }\n'))
 # ----------------------------------------------------------------------------- hostile listings
 
-BAD_LISTING_SERVER = ROOT / "tests/mcp_bad_listing_server.py"
+BAD_LISTING_SERVER = ROOT / "tests/helpers/mcp_bad_listing_server.py"
 
 
 async def test_one_bad_listing_never_stops_the_worker_and_a_nested_quantifier_never_freezes_it(

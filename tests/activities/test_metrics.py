@@ -32,7 +32,7 @@ from workflows.contract import ApprovalDecision
 from workflows.run_state import RunOutcome
 from workflows.states import RunState
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

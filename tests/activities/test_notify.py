@@ -21,8 +21,8 @@ from activities.notify import verify
 from activities.policy import PolicyStore
 from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
-from tests.invariants import check_timeline, tools_by_call
-from tests.test_decisions import replays
+from tests.helpers.invariants import check_timeline, tools_by_call
+from tests.workflows.test_decisions import replays
 from workflows.contract import DecideResult
 from workflows.run_state import RunSnapshot
 from workflows.states import RunState

@@ -28,7 +28,7 @@ from tests.conftest import Billing, approval_for, make_request, running_worker, 
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 S = RunState
 
 
@@ -121,7 +121,7 @@ def test_planners_load_from_configuration_or_say_what_is_wrong() -> None:
     loaded = load_planners(["refunds=examples.agents.refund_agent:planner", " "])
     assert set(loaded) == {"playbook", "model", "refunds"} and isinstance(loaded["refunds"], AgentPlanner)
     # A factory is called once, at load.
-    assert isinstance(load_planners(["mine=tests.test_planners:make_planner"])["mine"], AgentPlanner)
+    assert isinstance(load_planners(["mine=tests.activities.test_planners:make_planner"])["mine"], AgentPlanner)
     cases = {
         "refunds": "not NAME=MODULE:ATTR",
         "Refunds=examples.agents.refund_agent:planner": "not NAME=MODULE:ATTR",
@@ -130,7 +130,7 @@ def test_planners_load_from_configuration_or_say_what_is_wrong() -> None:
         "refunds=examples.agents.refund_agent:nothing": "has no 'nothing'",
         "refunds=examples.agents.refund_agent:ORDER": "neither a planner",
         "model=examples.agents.refund_agent:planner": "configured twice (or is built in)",
-        "refunds=tests.test_planners:broken_factory": "broken_factory() failed: RuntimeError: no key",
+        "refunds=tests.activities.test_planners:broken_factory": "broken_factory() failed: RuntimeError: no key",
     }
     for spec, expected in cases.items():
         with pytest.raises(LoadError, match=None) as caught:

@@ -30,7 +30,7 @@ from tests.conftest import (
     Billing, approval_for, audit_collected, make_request, running_worker, start_run, unique, wait_for_state,
 )
 from tests.helpers.cli import Cli
-from tests.test_reset import outcome_of, reset_before_signal
+from tests.operations.test_reset import outcome_of, reset_before_signal
 from tests.helpers.rogue import rogue_answer, schedule
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_state import RunSnapshot, RunView

@@ -163,7 +163,7 @@ async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
 
 
 def secure_policy(path: Path, extra: str = "") -> Path:
-    from tests.test_trust_boundary import POLICY
+    from tests.workflows.test_trust_boundary import POLICY
 
     path.write_text(POLICY.replace("require_signatures = true\n", f"require_signatures = true\n{extra}", 1))
     return path
@@ -174,7 +174,7 @@ async def test_a_captured_signed_start_replayed_after_the_window_is_refused(
 ) -> None:
     from cryptography.hazmat.primitives import serialization
 
-    from tests.test_trust_boundary import KEYS, signed
+    from tests.workflows.test_trust_boundary import KEYS, signed
 
     client = dev_env.client
     path = secure_policy(tmp_path / "policy.toml", 'start_signature_ttl = "3s"\n')
@@ -228,7 +228,7 @@ def test_start_signature_ttl_takes_seconds_or_durations() -> None:
 
 
 def tight_policy(path: Path, *, roles: str = '["approver"]', signatures: bool = False) -> Path:
-    from tests.test_trust_boundary import KEYS, public
+    from tests.workflows.test_trust_boundary import KEYS, public
 
     path.write_text(f"""
 [tenants.tight]
@@ -247,8 +247,8 @@ carol = {{ roles = ["approver", "finance"], public_key = "{public(KEYS['carol'])
 async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approval_that_can_be_given(
     ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
-    from tests.test_policy import refund
-    from tests.test_trust_boundary import signed
+    from tests.activities.test_policy import refund
+    from tests.workflows.test_trust_boundary import signed
 
     path = tight_policy(tmp_path / "policy.toml")
     get = {"tool": "get_order", "args": {"order_id": "A-1002"}}
@@ -345,8 +345,8 @@ async def test_two_workers_one_missing_the_fleets_newest_key_every_run_completes
 
     from activities.keys import KeyRing
     from activities.metrics import prometheus_runtime
-    from tests.forger import NewerWorker
-    from tests.test_metrics import free_port
+    from tests.helpers.forger import NewerWorker
+    from tests.activities.test_metrics import free_port
     from worker import create_worker
 
     env = dev_env
@@ -507,7 +507,7 @@ async def test_status_and_list_say_when_temporal_closed_a_run_left_waiting(dev_e
 async def test_a_retry_the_current_policy_no_longer_allows_is_not_started(ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
     """Retries carry a fresh capability from a fresh re-check: a tool withdrawn while the first
     attempt's failure waits out its backoff is not called again; the step ends naming why."""
-    from tests.test_trust_boundary import POLICY
+    from tests.workflows.test_trust_boundary import POLICY
 
     path = tmp_path / "policy.toml"
     path.write_text(POLICY)

@@ -27,7 +27,7 @@ import pytest
 
 from workflows.states import TERMINAL
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"(?:<!-- (?:file: (?P<file>[^ ]+)|(?P<tested>tested)) -->\n)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.S)
 
 

@@ -1,11 +1,11 @@
 """A worker whose audit sink stops in the middle of a write and waits to be killed:
-tests/test_bounded_runs.py (JSON lines: half a line on disk) and tests/test_audit.py
+tests/workflows/test_bounded_runs.py (JSON lines: half a line on disk) and tests/activities/test_audit.py
 (PostgreSQL: a transaction with some of the batch's rows, not committed) SIGKILL it there.
 With ``held``, its sink writes nothing at all: each batch's workflow id goes on a line of MARKER
-and the append waits until the worker is killed (tests/test_audit.py: another worker's sweep
+and the append waits until the worker is killed (tests/activities/test_audit.py: another worker's sweep
 must collect those runs). Run as a script (the sandbox re-imports modules):
 
-    python -m tests.audit_kill_worker QUEUE AUDIT_DIR|postgresql://DSN MARKER [held]
+    python -m tests.helpers.audit_kill_worker QUEUE AUDIT_DIR|postgresql://DSN MARKER [held]
 """
 
 from __future__ import annotations

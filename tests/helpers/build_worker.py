@@ -2,7 +2,7 @@
 (this checkout's, or one before or after it), a version of Worker Deployment DEPLOYMENT ('-':
 unversioned), polling QUEUE under IDENTITY ('-': the SDK's default).
 
-    python -m tests.build_worker ADDRESS NAMESPACE QUEUE BUILD_ID DEPLOYMENT IDENTITY
+    python -m tests.helpers.build_worker ADDRESS NAMESPACE QUEUE BUILD_ID DEPLOYMENT IDENTITY
 
 The build marker is the only thing that differs between two builds of the same code: the runs
 this worker starts write BUILD_ID, and it replays no history another build started. It prints
@@ -22,11 +22,11 @@ from typing import Any
 
 from temporalio.testing import WorkflowEnvironment
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class BuildWorker:
-    """A started ``tests.build_worker`` process."""
+    """A started ``tests.helpers.build_worker`` process."""
 
     def __init__(self, proc: asyncio.subprocess.Process, identity: str) -> None:
         self.proc = proc
@@ -51,7 +51,7 @@ async def start_build_worker(
 ) -> BuildWorker:
     """A worker process of ``build`` on ``queue`` (``environ``: settings over this process's), once it polls."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.build_worker", env.client.service_client.config.target_host,
+        sys.executable, "-m", "tests.helpers.build_worker", env.client.service_client.config.target_host,
         env.client.namespace, queue, build, deployment or "-", identity or "-",
         stdout=asyncio.subprocess.PIPE, cwd=ROOT, env={**os.environ, **(environ or {})},
     )

@@ -8,8 +8,8 @@ test happens to run. Re-importing them inside the sandbox for every run instead 
 ``python -m bench.sandbox_imports`` prints (docs/performance.md has the number);
 ``--measure`` here times the bare re-import of the modules.
 
-    python -m tests.determinism_lint [FILE...]     # default: workflows/**/*.py; exit 1 on a problem
-    python -m tests.determinism_lint --root DIR    # DIR/workflows/ (a copy with a mutant)
+    python -m tests.helpers.determinism_lint [FILE...]     # default: workflows/**/*.py; exit 1 on a problem
+    python -m tests.helpers.determinism_lint --root DIR    # DIR/workflows/ (a copy with a mutant)
 
 Names are checked by what they are bound to, not by how they are spelled (issue 33): every scope's
 bindings are collected with Python's rules, so ``h = hash; h(x)`` is a call of hash,
@@ -44,7 +44,7 @@ builtin. The rules (each problem names file, line and rule):
 
 What this cannot see (values flowing through calls into code it does not read, a class without
 ``__repr__`` formatted as text) the recorded histories replayed under several hash seeds with the
-sandbox's checks on catch instead (tests/determinism_replay.py).
+sandbox's checks on catch instead (tests/helpers/determinism_replay.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 ALLOWED_IMPORTS = frozenset({
     "__future__", "asyncio", "collections.abc", "copy", "dataclasses", "datetime", "enum", "functools",

@@ -2,7 +2,7 @@
 several ``PYTHONHASHSEED`` values, each seed in its own process (issue 33).
 
 Production passes ``workflows`` through the sandbox (worker.WORKFLOW_RUNNER: no re-import of the
-workflow modules per run), so there nothing checks that code at run time; tests/determinism_lint.py
+workflow modules per run), so there nothing checks that code at run time; tests/helpers/determinism_lint.py
 checks it from the source. This is the second layer, paid for in tests only:
 
 - the workflow modules are re-imported inside a default sandbox, so ``datetime.now()``,
@@ -17,7 +17,7 @@ checks it from the source. This is the second layer, paid for in tests only:
 - a string set's order, ``hash()`` of a str or an Enum differ between the seeds' processes, so
   what is sent must also be the same under every seed, timestamps included.
 
-    python -m tests.determinism_replay [--root DIR] [HISTORY.json...]
+    python -m tests.helpers.determinism_replay [--root DIR] [HISTORY.json...]
 
 prints ``{history file name: {"failure": why or null, "sent": digest of what replay sent}}`` as
 JSON. A failure is a replay failure (a command that differs, a restricted call) or an input that
@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HISTORIES = sorted((ROOT / "tests/histories").glob("*.json"))
 SEEDS = (0, 1, 2)
 # The histories make test replays under every seed (each costs ~0.3 s of CPU per seed: the
@@ -162,10 +162,10 @@ async def _replay(paths: Sequence[Path]) -> dict[str, dict[str, str | None]]:
     # agent_run.py's `with workflow.unsafe.imports_passed_through():` would pass the workflow
     # modules through; a no-op here, so the sandbox re-imports (and restricts) them.
     workflow.unsafe.imports_passed_through = staticmethod(contextlib.nullcontext)  # type: ignore[method-assign]
-    # The replayer tests/test_replay.py replays with (its key ring, its interceptors, if it has
+    # The replayer tests/workflows/test_replay.py replays with (its key ring, its interceptors, if it has
     # a replayer() of its own), with the sandbox's checks on and the capture added.
     try:
-        from tests.test_replay import replayer as base
+        from tests.workflows.test_replay import replayer as base
     except ImportError:
         from workflows.agent_run import AgentRun
 
@@ -197,7 +197,7 @@ def replay(root: Path, histories: Iterable[Path] = FEW, seeds: Iterable[int] = S
 
     def one(seed: int) -> dict[str, dict[str, str | None]]:
         env = {**os.environ, "PYTHONHASHSEED": str(seed)}
-        proc = subprocess.run([sys.executable, "-m", "tests.determinism_replay", "--root", str(root), *histories],
+        proc = subprocess.run([sys.executable, "-m", "tests.helpers.determinism_replay", "--root", str(root), *histories],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"replay under PYTHONHASHSEED={seed} exited {proc.returncode}: {proc.stderr[-3000:]}")

@@ -1,6 +1,6 @@
-"""An MCP server whose tool listing is partly bad, run as a stdio subprocess by tests/test_mcp.py:
+"""An MCP server whose tool listing is partly bad, run as a stdio subprocess by tests/activities/test_mcp.py:
 
-    python tests/mcp_bad_listing_server.py
+    python tests/helpers/mcp_bad_listing_server.py
 
 Plain JSON-RPC over stdio, no SDK: the SDK's server checks its own results, and this server
 must break the rules a well-behaved one keeps. It lists:

@@ -1,6 +1,6 @@
-"""An MCP server of our own for the fault cases, run as a stdio subprocess by tests/test_mcp.py:
+"""An MCP server of our own for the fault cases, run as a stdio subprocess by tests/activities/test_mcp.py:
 
-    python tests/mcp_fault_server.py STATE_DIR [--http PORT]   # stdio, or streamable HTTP on /mcp
+    python tests/helpers/mcp_fault_server.py STATE_DIR [--http PORT]   # stdio, or streamable HTTP on /mcp
 
 Built on the ``mcp`` package's server API (``MCPServer``), like the reference servers. Every call
 appends one line to ``STATE_DIR/calls`` (tool, idempotency key from the request ``_meta``, note)

@@ -4,7 +4,7 @@ fleet's (ids are fingerprints anyone can read in a history), and its ``recovery_
 what it likes: the void of another run's refund. It cannot reach the billing service itself
 (BILLING_URL points nowhere): its only way to a write is to make an honest worker do it.
 
-    python -m tests.rogue_worker ADDRESS NAMESPACE QUEUE FLEET_KEY_ID FORGED_SOURCE_JSON
+    python -m tests.helpers.rogue_worker ADDRESS NAMESPACE QUEUE FLEET_KEY_ID FORGED_SOURCE_JSON
 
 It prints "ready" once polling, and runs until killed.
 """

@@ -2,7 +2,7 @@
 the signals that came meanwhile, on the live worker only (docs/known-issues.md). Plain temporalio,
 no Tether code. `make sdk-core-repro` (not in `make test`: it breaks some runs, not all).
 
-    .venv/bin/python -m tests.sdk_core_repro [--runs 20] [--rounds 20] [--parallel 10] [--read describe]
+    .venv/bin/python -m tests.helpers.sdk_core_repro [--runs 20] [--rounds 20] [--parallel 10] [--read describe]
 
 ``--read describe`` reads with DescribeWorkflowExecution instead of the query: the control.
 

@@ -1,9 +1,9 @@
 """`tether` whose history replays wait for a gate: a repair slowed between judging a run and
 resetting it, as one replaying many candidate prefixes on a loaded machine is
-(tests/test_repair.py). Once it is about to replay it creates GATE.waiting; it replays once GATE
+(tests/tether/test_repair.py). Once it is about to replay it creates GATE.waiting; it replays once GATE
 exists. Run as a script:
 
-    python -m tests.slow_repair GATE repair RUN [options]
+    python -m tests.helpers.slow_repair GATE repair RUN [options]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A bad build of AgentRun, for `tether repair` to heal (tests/test_repair.py): once the run is
+"""A bad build of AgentRun, for `tether repair` to heal (tests/tether/test_repair.py): once the run is
 approved it starts a timer today's code never starts (its history no longer replays on today's
 code), and the workflow task that would end the run, after its write, fails every time. (Its own module: the workflow
 sandbox re-imports the module a workflow lives in.)"""

@@ -22,7 +22,7 @@ from workflows.published import SEARCH_ATTRIBUTES
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen", "state-keygen", "inbox-keygen"}
@@ -635,7 +635,7 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
     assert [p.name for p in named["tether-public-keys"].iterdir()] == ["state.pub"]
     assert [p.name for p in named["tether-payload-keys"].iterdir()] == ["tether.keys"]
     # The organisation's sign-in, as a test plays it: a JWKS file and the tokens it signs.
-    from tests.inbox_stack import AUDIENCE, ISSUER, Sso
+    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Sso
 
     sso = Sso()
     (tmp_path / "jwks.json").write_text(__import__("json").dumps(sso.jwks()))

@@ -20,10 +20,10 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
-from tests.build_worker import start_build_worker
+from tests.helpers.build_worker import start_build_worker
 from tests.conftest import Billing, make_request, start_run, unique, wait_for_state
 from tests.helpers.cli import Cli
-from tests.test_published_views import wait_published
+from tests.tether.test_published_views import wait_published
 from workflows.published import BUILD
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "liveness"}}]

@@ -29,7 +29,7 @@ from workflows.commands import Call
 from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySource, Verdict
 from workflows.run_state import RunData, RunRequest
 from workflows.recovery import PointerError, compensation_call, resolve_pointer, result_document
-from tests.invariants import check_timeline, tools_by_call
+from tests.helpers.invariants import check_timeline, tools_by_call
 from tests.conftest import (
     Billing,
     approval_for,
@@ -791,7 +791,7 @@ def age_claim(ledger, key: str) -> None:
 
 # ----------------------------------------------------------------------------- nothing uses up recovery
 
-EXAMPLE_POLICY = Path(__file__).resolve().parent.parent / "examples/billing/policy.toml"
+EXAMPLE_POLICY = Path(__file__).resolve().parents[2] / "examples/billing/policy.toml"
 VOIDS, REVERSALS = "POST /refunds/{id}/void", "POST /ledger/{id}/reverse"
 
 

@@ -14,10 +14,10 @@ from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
 from client import TetherError
-from tests.build_worker import start_build_worker
+from tests.helpers.build_worker import start_build_worker
 from tests.conftest import Billing, make_request, running_worker, start_run, task_failure, unique, wait_for_state
 from tests.helpers.cli import Cli
-from tests.test_published_views import wait_published
+from tests.tether.test_published_views import wait_published
 from workflows.published import BUILD
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "two builds"}}]

@@ -16,11 +16,11 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 import client as tether_client
-from tests.build_worker import start_build_worker
+from tests.helpers.build_worker import start_build_worker
 from tests.conftest import BIN, Billing, flood_until_continued, make_request, running_worker, start_run, unique, wait_for_state
 from tests.helpers.cli import Cli
-from tests.test_liveness import until
-from tests.test_two_builds import other_build
+from tests.operations.test_liveness import until
+from tests.operations.test_two_builds import other_build
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "versioning"}}]

@@ -13,10 +13,10 @@ from temporalio.testing import WorkflowEnvironment
 
 from client import run_outcome
 from tests.conftest import BIN, ROOT, Billing, running_worker, timeline, unique, wait_for_state
-from tests.round_trips import counting_proxy
-from tests.test_cli import POLICY, one_line
+from tests.helpers.round_trips import counting_proxy
+from tests.tether.test_cli import POLICY, one_line
 from tests.helpers.cli import Cli
-from tests.terminal import in_terminal
+from tests.helpers.terminal import in_terminal
 from workflows.run_state import RunOutcome
 
 # A-1002 (120.00 EUR; refunds up to 50.00 need nobody): the refund's undo is void_refund; the email cannot be unsent.

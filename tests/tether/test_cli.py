@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.policy import PolicyStore
 from tests.conftest import BIN, ROOT, Billing, running_worker, unique, wait_for_state
 from tests.helpers.cli import Cli
-from tests.terminal import in_terminal
+from tests.helpers.terminal import in_terminal
 
 POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
 SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cli"}}]

@@ -30,7 +30,7 @@ from workflows.contract import ApprovalDecision
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 700, "reason": "cli"}}]
 
 
@@ -141,7 +141,7 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         # The stale hash reached the run, and is on its record (issue 19: every attempt is).
         assert [r["rule"] for r in records if r["kind"] == "refused"] == ["stale_plan_hash"]
 
-        # Cancel through the CLI (reject and handoff: tests/test_cli.py).
+        # Cancel through the CLI (reject and handoff: tests/tether/test_cli.py).
         for verb, extra, final in (("cancel", ["--by", "dana", "--reason", "withdrawn"], "CANCELLED"),):
             rid = unique(verb)
             code, _, err = await cli("start", "--goal", "g", "--playbook", str(playbook),

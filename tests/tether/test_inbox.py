@@ -25,8 +25,8 @@ from activities.policy import check_policy_file, parse_policy, signature_refusal
 from inbox import desk
 from inbox.app import InboxConfig, check_config, create_app
 from tests.conftest import PLAYBOOK, Billing
-from tests.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack, raw_public
-from tests.round_trips import counting_proxy
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack, raw_public
+from tests.helpers.round_trips import counting_proxy
 from workflows import policy
 from workflows.contract import ApprovalDecision
 from workflows.policy_file import Signer, TenantPolicy
@@ -325,7 +325,7 @@ def test_a_jwks_url_is_read_through_pyjwkclient() -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from inbox.identity import Unauthenticated, Verifier
-    from tests.inbox_stack import Sso
+    from tests.helpers.inbox_stack import Sso
 
     sso = Sso()
 

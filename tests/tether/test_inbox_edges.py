@@ -22,7 +22,7 @@ import client as tether_client
 from inbox.app import InboxConfig, create_app
 from inbox.identity import SESSION_COOKIE
 from tests.conftest import Billing, make_request
-from tests.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import Billing
-from tests.inbox_stack import Stack, inbox_stack
+from tests.helpers.inbox_stack import Stack, inbox_stack
 
 HANG = 300.0
 

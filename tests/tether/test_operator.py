@@ -34,7 +34,7 @@ def test_states_are_taken_in_any_case() -> None:
 
 
 def test_a_tenant_the_policy_does_not_name_is_refused_by_name() -> None:
-    # Who may cancel is the run's word (tests/test_cancel.py); a client that has the policy file
+    # Who may cancel is the run's word (tests/workflows/test_cancel.py); a client that has the policy file
     # still names a tenant it does not know, with the nearest ones.
     policy = ROOT / "examples/billing/policy.toml"
     assert client.tenant_refusal("default", policy) is None

@@ -20,7 +20,7 @@ from tether import TetherPlugin, create_replayer
 from tether.plugin import WORKFLOW_RUNNER
 from workflows.agent_run import AgentRun
 
-HISTORIES = Path(__file__).resolve().parent / "histories"
+HISTORIES = Path(__file__).resolve().parents[1] / "histories"
 ACTIVITIES = {"execute_tool", "plan", "run_setup", "policy_check_decision", "policy_check_authority", "policy_check_handoff", "policy_check_person", "notify",
               "audit_append", "recovery_source"}
 
@@ -95,7 +95,7 @@ def test_the_replayer_takes_the_converter_connect_makes(tmp_path: Path, monkeypa
 def test_a_replayer_may_name_its_own_workflow_in_place_of_agent_run() -> None:
     """An older or deliberately broken build replays on purpose (tests, repair): it replaces
     AgentRun (two classes of one workflow name cannot both be registered)."""
-    from tests.tampered import TamperedAgentRun
+    from tests.helpers.tampered import TamperedAgentRun
 
     config = create_replayer(keys=recording_ring(), workflows=[TamperedAgentRun]).config(active_config=True)
     assert list(config["workflows"]) == [TamperedAgentRun]

@@ -19,7 +19,7 @@ from activities.policy import PolicyStore
 from client import run_outcome
 from inbox.app import InboxConfig, create_app
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
-from tests.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public, write_pem
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public, write_pem
 from tests.helpers.cli import Cli
 from workflows.run_state import RunView
 

@@ -18,7 +18,7 @@ import tether.repair as tether_repair
 import worker as worker_module
 from client import run_outcome
 from tests.conftest import ROOT, Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
-from tests.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWrite, TamperedAgentRun
+from tests.helpers.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWrite, TamperedAgentRun
 from tests.helpers.cli import Cli
 from workflows.run_state import RunOutcome
 
@@ -109,7 +109,7 @@ async def test_two_repairs_at_once_one_slowed_make_one_reset_and_one_email(
     gate = tmp_path / "gate"
     async with running_worker(dev_env.client, task_queue=queue):
         slow = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.slow_repair", str(gate), "repair", run_id, "--json",
+            sys.executable, "-m", "tests.helpers.slow_repair", str(gate), "repair", run_id, "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli.env, cwd=ROOT,
         )
         try:

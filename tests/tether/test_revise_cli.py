@@ -10,7 +10,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from client import run_outcome
 from tests.conftest import Billing, running_worker, unique
-from tests.test_cli import POLICY, one_line
+from tests.tether.test_cli import POLICY, one_line
 from tests.helpers.cli import Cli
 from workflows.run_state import RunOutcome
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_face_names_only_what_it_has() -> None:
@@ -58,7 +58,7 @@ def test_the_checkout_stack_is_the_one_the_dev_stack_writes() -> None:
 def test_pip_install_packages_tether() -> None:
     import tomllib
 
-    from tests.test_compose import find_packages
+    from tests.operations.test_compose import find_packages
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = find_packages(ROOT, config["packages"]["find"]["include"])

@@ -148,7 +148,7 @@ def tightening_policy(path: Path, *, high_above: int | None) -> Path:
 async def test_a_policy_tightened_while_the_plan_waits_is_judged_with_the_decision(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
-    from tests.test_policy import refund
+    from tests.activities.test_policy import refund
 
     path = tightening_policy(tmp_path / "policy.toml", high_above=None)
     async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(path))) as worker:
@@ -181,7 +181,7 @@ async def test_a_policy_file_that_stops_loading_keeps_the_last_good_one_and_the_
     """Issue 43: a change that does not load (here 2,000 nested parentheses in a tenant's Cedar
     file, which once killed the parser's process) leaves the worker judging by the last good
     policy: the run goes on, and its status, snapshot and Web UI details say which problem."""
-    from tests.test_policy import refund
+    from tests.activities.test_policy import refund
 
     cedar_file = tmp_path / "tenant.cedar"
     cedar_file.write_text('@id("anyone may decide")\npermit (principal, action, resource);\n')

@@ -21,7 +21,7 @@ from activities.audit import AuditActivities, JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
 from client import run_outcome
 from tests.conftest import Billing, audit_collected, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
-from tests.forger import NewerWorker
+from tests.helpers.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
 from workflows.contract import DecideRequest, DecideResult, ToolEffect, canonical_json
 from workflows.run_state import RunData, RunOutcome, RunSnapshot

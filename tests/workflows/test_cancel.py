@@ -24,8 +24,8 @@ from tests.conftest import (
     ROOT, Billing, approval_for, make_request, running_worker, start_run, timeline, unique, wait_for_state,
 )
 from tests.helpers.cli import Cli
-from tests.test_effects import DONE, REGISTRY, _event, approved_run, emails
-from tests.test_recovery import LEDGER, REFUND
+from tests.workflows.test_effects import DONE, REGISTRY, _event, approved_run, emails
+from tests.operations.test_recovery import LEDGER, REFUND
 from workflows import policy
 from workflows.commands import Call
 from workflows.contract import CancelRequest

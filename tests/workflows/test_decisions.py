@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.policy import PolicyStore
 from client import run_outcome
 from tests.conftest import Billing, approval_for, flood_until_continued, make_request, running_worker, start_run, wait_for_state
-from tests.invariants import check_timeline, tools_by_call
+from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.contract import DecideResult
 from workflows.wire import PlannerInput
 from workflows.run_state import RunOutcome, RunSnapshot

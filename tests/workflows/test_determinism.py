@@ -1,4 +1,4 @@
-"""Every module of workflows/ is deterministic by its source (tests/determinism_lint.py): the
+"""Every module of workflows/ is deterministic by its source (tests/helpers/determinism_lint.py): the
 sandbox never sees the modules agent_run.py imports passed through, so this check does.
 Mutants of the real run model (workflows/run_model.py, where the Engine's ``move`` lives),
 written to a temporary directory, must be caught."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.determinism_lint import ROOT, check, problems_in, workflow_modules
+from tests.helpers.determinism_lint import ROOT, check, problems_in, workflow_modules
 
 ENGINE = ROOT / "workflows/run_model.py"
 # Where a mutant goes: the first line of the run model's move (the Engine's) body.
@@ -40,10 +40,10 @@ def test_the_wall_clock_mutant_of_engine_py_is_caught(tmp_path: Path) -> None:
     line = 1 + mutated.read_text().splitlines().index("        at = datetime.now()")
     assert problems[0].startswith(f"{mutated}:{line}: ")
     # The command exits 1 and names it, as CI would run it.
-    proc = subprocess.run([sys.executable, "-m", "tests.determinism_lint", str(mutated)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.determinism_lint", str(mutated)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "reads the wall clock" in proc.stdout
-    clean = subprocess.run([sys.executable, "-m", "tests.determinism_lint"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    clean = subprocess.run([sys.executable, "-m", "tests.helpers.determinism_lint"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert clean.returncode == 0, clean.stdout
 
 

@@ -2,14 +2,14 @@
 (hash seeds, addresses) or between a run and its replay must be caught before they ship.
 
 The worker passes ``workflows/`` through the sandbox (worker.WORKFLOW_RUNNER), so in production
-nothing re-checks that code per run: tests/determinism_lint.py is the guard, and it must see
+nothing re-checks that code per run: tests/helpers/determinism_lint.py is the guard, and it must see
 these by what a name is bound to, not by the name written. Each mutant is injected into a copy
 of the whole ``workflows/`` package, into the body of the ``move`` that records a run's state
 changes, found by AST wherever it lives (engine.py is being split into phases: the test follows
 ``def move(`` of class ``Engine``, else of the run model, in any module under workflows/). The
 guard must name the mutant's line; the unmutated copy must be clean, so a finding is the mutant's.
 
-A second, slower layer (tests/determinism_replay.py: recorded histories replayed with the
+A second, slower layer (tests/helpers/determinism_replay.py: recorded histories replayed with the
 sandbox's checks on, under several PYTHONHASHSEED values) is shown to catch a mutant too.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.determinism_lint import ROOT, check_tree
+from tests.helpers.determinism_lint import ROOT, check_tree
 
 # Module-level names a mutant's line uses, and the import that binds them when the module that
 # holds ``move`` does not (appended at the end of the module: no line before it moves, and a
@@ -142,9 +142,9 @@ def test_the_guard_names_the_mutant_line(tree: Path, mutant: Mutant) -> None:
 
 
 def test_the_lint_command_fails_on_a_mutated_tree(tree: Path) -> None:
-    # As CI runs it: exit 1, naming file and line (exit 0 on the checkout: tests/test_determinism.py).
+    # As CI runs it: exit 1, naming file and line (exit 0 on the checkout: tests/workflows/test_determinism.py).
     path, line = inject(tree, MUTANTS[0])
-    proc = subprocess.run([sys.executable, "-m", "tests.determinism_lint", "--root", str(tree)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.determinism_lint", "--root", str(tree)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"{path.relative_to(tree)}:{line}: " in proc.stdout, proc.stdout + proc.stderr
 
@@ -154,7 +154,7 @@ def test_the_sandboxed_replay_catches_a_clock_mutant(tree: Path) -> None:
     sandbox (not passed through), a recorded history replayed on mutant 6 fails on the
     restricted datetime.now, though the lint's old name check let it through. It also shows the
     injection point is code every run executes (a move() nothing calls would replay clean)."""
-    from tests.determinism_replay import HISTORIES, replay
+    from tests.helpers.determinism_replay import HISTORIES, replay
 
     inject(tree, next(m for m in MUTANTS if m.name == "workflow-is-datetime"))
     approve = next(h for h in HISTORIES if h.stem == "approve")

@@ -27,7 +27,7 @@ from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import call
 from client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
-from tests.invariants import check_timeline
+from tests.helpers.invariants import check_timeline
 from workflows.agent_run import AgentRun
 from workflows.contract import HandoffRequest, ToolEffect
 from workflows.run_state import RunOutcome

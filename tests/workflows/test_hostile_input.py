@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from client import run_outcome
 from tests.conftest import BIN, ROOT, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
-from tests.invariants import check_timeline, tools_by_call
+from tests.helpers.invariants import check_timeline, tools_by_call
 from tests.helpers.cli import Cli
 from workflows.run_state import RunOutcome
 from workflows.states import RunState

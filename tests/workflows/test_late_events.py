@@ -1,8 +1,8 @@
 """Redelivered and late events: each one settles once or is refused with a record, and no run
 reaches EXECUTING_TOOL for a write step without an accepted approval of the current plan hash
-(``tests/invariants.py`` checks that over every timeline here).
+(``tests/helpers/invariants.py`` checks that over every timeline here).
 
-Already covered in tests/test_agent_run.py, not repeated: a repeated decision id (sent one
+Already covered in tests/workflows/test_agent_run.py, not repeated: a repeated decision id (sent one
 after the other), a stale plan hash, a decision for a run that is no longer waiting.
 
 "An approval for an old plan after a replan" needs a replan that changes the plan: the playbook
@@ -28,7 +28,7 @@ from temporalio.testing import WorkflowEnvironment
 from client import run_outcome
 from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from examples.fake_openai import FakeOpenAI, call, text, tool_calls
-from tests.invariants import check_timeline, tools_by_call
+from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.contract import ApprovalDecision, HandoffRequest
 from workflows.run_state import RunSnapshot, RunOutcome
 from workflows.states import RunState

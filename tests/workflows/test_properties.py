@@ -29,7 +29,7 @@ from workflows.policy_file import AmountRule, AutoApprove, TenantPolicy
 from workflows.wire import PolicySnapshot, Proposal, ProposedStep, Refusal, ToolOutcome, Verdict
 from workflows.run_state import RunData, RunRequest
 from workflows.states import TERMINAL, RunState, is_legal_path
-from tests.invariants import check_request_satisfiable
+from tests.helpers.invariants import check_request_satisfiable
 
 S = RunState
 CATALOG = REGISTRY.catalog()

@@ -13,7 +13,7 @@ from temporalio.worker import Replayer
 from tests.histories.incompatible import ReorderedAgentRun
 from workflows.agent_run import AgentRun
 
-HERE = Path(__file__).resolve().parent / "histories"
+HERE = Path(__file__).resolve().parents[1] / "histories"
 # This build's histories (make record-histories). A build replays only the histories it started:
 # runs an earlier build started drain on that build (docs/changing-workflows.md).
 HISTORIES = sorted(HERE.glob("*.json"))

@@ -1,5 +1,5 @@
 """The recorded histories replay with the sandbox's checks on and under several PYTHONHASHSEED
-values, each seed in its own process (tests/determinism_replay.py, issue 33).
+values, each seed in its own process (tests/helpers/determinism_replay.py, issue 33).
 
 Production passes workflows/ through the sandbox (no per-run cost), so only the lint checks that
 code; here the sandbox re-imports and restricts it, as a second layer. Between the seeds'
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.determinism_lint import ROOT
-from tests.determinism_replay import FEW, HISTORIES, SEEDS, replay
+from tests.helpers.determinism_lint import ROOT
+from tests.helpers.determinism_replay import FEW, HISTORIES, SEEDS, replay
 
 
 def test_the_replayed_histories_are_this_builds_main_paths() -> None:
@@ -39,7 +39,7 @@ def test_a_seed_dependent_order_is_caught_between_seeds(tmp_path: Path) -> None:
     (audit batches go by local activity, whose inputs history does not keep)."""
     import shutil
 
-    from tests.test_determinism_mutants import Mutant, inject
+    from tests.workflows.test_determinism_mutants import Mutant, inject
 
     shutil.copytree(ROOT / "workflows", tmp_path / "workflows", ignore=shutil.ignore_patterns("__pycache__"))
     # A set of five strings, in its order, ends up in the run's records: one of 120 orders,

@@ -38,9 +38,9 @@ from tests.conftest import (
     unique,
     wait_for_state,
 )
-from tests.forger import Forger
-from tests.test_policy import sign
-from tests.invariants import check_timeline, tools_by_call
+from tests.helpers.forger import Forger
+from tests.activities.test_policy import sign
+from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.contract import ApprovalDecision, HandoffRequest, Plan, PlanStep, ToolCatalog, ToolEffect
 from workflows.policy_file import TenantPolicy
 from workflows.wire import PolicySnapshot
