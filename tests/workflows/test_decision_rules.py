@@ -1,63 +1,77 @@
-"""The pure rules behind revisions, partial approval and escalation (workflows/engine.py,
-workflows/policy.py, the policy file), tested directly."""
+"""The rules behind revisions, partial approval and escalation (workflows/approvals.py,
+workflows/policy.py, the policy file). What a run does with them is driven as the workflow drives
+the engine (``Engine.next`` / ``Engine.on``, decisions through the decide Update, timers by time
+passing: tests/helpers/scripted.py); the policy file's and the signatures' rules are pure
+functions, tested directly."""
 
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-import examples.billing.tools  # noqa: F401  (registers the billing tools)
 from activities.policy import PolicyFileError, check_policy_file, parse_policy
 from activities.tools import REGISTRY
+from tests.helpers.scripted import START, Scripted
 from workflows import policy
-from workflows.engine import Engine
-from workflows.run_model import IllegalState
+from workflows.commands import Call, Command, Wait
 from workflows.contract import ApprovalDecision, RevisionRequest
 from workflows.policy_file import TenantPolicy, parse_duration
-from workflows.wire import PolicySnapshot, Proposal, ProposedStep
-from workflows.run_state import RunData, RunRequest
 from workflows.revision import changed_paths, patch
-from workflows.states import RunState
+from workflows.run_state import PendingApproval
+from workflows.states import RunState, TransitionRecord
+from workflows.wire import Proposal, ProposedStep, ToolOutcome
 
 S = RunState
-START = datetime(2026, 1, 1, tzinfo=timezone.utc)
 READ = ProposedStep(tool="get_order", args={"order_id": "A-1001"})
 REFUND = ProposedStep(tool="issue_refund", args={"order_id": "A-1001", "amount_cents": 9000, "reason": "r"})
 EMAIL = ProposedStep(tool="send_email", args={"to": "a@b.c", "subject": "s", "body": "b"})
 
 
-def engine(tenant: TenantPolicy | None = None, **limits: object) -> Engine:
-    data = RunData(
-        catalog=REGISTRY.catalog(),
-        policy=PolicySnapshot(tenant="default", policy=tenant or TenantPolicy(), policy_hash="h", source="test"),
-    )
-    request = RunRequest(goal="g", requested_by="alice", limits=limits or {})
-    e = Engine(data, request, workflow_id="wf", new_request_id=lambda: uuid.uuid4().hex)
-    e.received(START)
-    return e
+def waiting(tenant: TenantPolicy | None = None, **limits: object) -> Scripted:
+    """A run whose planner proposed a read, a refund and an email: it waits for approval."""
+    run = Scripted(tenant, proposals=[Proposal(steps=[READ, REFUND, EMAIL])], **limits)
+    assert run.engine.state == S.AWAITING_APPROVAL and isinstance(run.command, Wait)
+    return run
 
 
-def waiting(e: Engine, *steps: ProposedStep) -> None:
-    e.proposal(Proposal(steps=list(steps or (READ, REFUND, EMAIL))), at=START, new_id=lambda n: uuid.uuid4().hex)
-    e.after_validated(START)
-    assert e.state == S.AWAITING_APPROVAL
+def pending(run: Scripted) -> PendingApproval:
+    assert run.engine.data.pending_approval is not None, "nothing pending"
+    return run.engine.data.pending_approval
 
 
-def revise(e: Engine, steps: list[dict], editor: str = "carol") -> None:
-    pending = e.data.pending_approval
-    r = RevisionRequest(
-        decision_id=uuid.uuid4().hex, editor=editor, plan_hash=pending.plan_hash,
-        request_id=pending.request_id, steps=steps, reason="why",
-    )
-    assert e.screen_decision("revise", r, START)
-    e.settle_decision("revise", r, None, START, new_id=lambda n: uuid.uuid4().hex)
+def approval(run: Scripted, approver: str = "bob", **fields: object) -> ApprovalDecision:
+    p = pending(run)
+    return ApprovalDecision(decision_id=uuid.uuid4().hex, approver=approver, plan_hash=p.plan_hash,
+                            request_id=p.request_id, **fields)
 
 
-def body(e: Engine) -> list[dict]:
-    return [{"tool": s.tool, "args": dict(s.args)} for s in e.data.plan.steps]
+def revision(run: Scripted, steps: list[dict], editor: str = "carol") -> RevisionRequest:
+    p = pending(run)
+    return RevisionRequest(decision_id=uuid.uuid4().hex, editor=editor, plan_hash=p.plan_hash,
+                           request_id=p.request_id, steps=steps, reason="why")
+
+
+def state_is(run: Scripted, state: RunState) -> Callable[[Command], bool]:
+    """Stop the run at its first command once it is in ``state``."""
+    return lambda command: run.engine.state == state
+
+
+def body(run: Scripted) -> list[dict]:
+    plan = run.engine.data.plan
+    assert plan is not None
+    return [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
+
+
+def escalations(run: Scripted) -> list[TransitionRecord]:
+    return [r for r in run.engine.data.lifecycle.timeline if r.kind == "escalated"]
+
+
+def ok(observation: str = '{"refund_id": "R-1"}') -> ToolOutcome:
+    return ToolOutcome(observation=observation, digest="d", size=len(observation))
 
 
 def test_durations_take_seconds_or_units() -> None:
@@ -95,91 +109,115 @@ def test_stages_inside_the_window_fire_in_order_and_expiry_stays_last() -> None:
     tenant = TenantPolicy.model_validate(
         {"escalation": {"normal": [{"after": "1h", "roles": ["manager"]}, {"after": "2h"}, {"after": "1d"}]}}
     )
-    e = engine(tenant, approval_ttl_seconds=3 * 3600)
-    waiting(e)
-    pending = e.data.pending_approval
-    assert [s.after for s in pending.escalation] == [3600, 7200], "a stage at or past the expiry never fires"
-    with pytest.raises(IllegalState, match="no stage due"):
-        e.escalate(START + timedelta(minutes=59))  # early
-    assert e.next_escalation() == START + timedelta(hours=1)
-    e.escalate(START + timedelta(hours=1))
-    assert pending.roles == ["approver", "manager"] and pending.stage == 1
-    e.escalate(START + timedelta(hours=2))
-    assert e.next_escalation() is None
-    with pytest.raises(IllegalState):
-        e.escalate(START + timedelta(hours=2, minutes=1))  # none left
-    e.expire(START + timedelta(hours=3))
-    assert e.state == S.EXPIRED
-    kinds = [(r.kind, r.state_version) for r in e.data.lifecycle.timeline[-3:]]
+    run = waiting(tenant, approval_ttl_seconds=3 * 3600)
+    assert [s.after for s in pending(run).escalation] == [3600, 7200], "a stage at or past the expiry never fires"
+    # The run's timer is the first stage's: nothing escalates before it is due.
+    assert run.wait_ends() == (START + timedelta(hours=1), "escalation stage 1")
+    assert pending(run).stage == 0 and pending(run).roles == ["approver"]
+    run.elapse(START + timedelta(hours=1))
+    assert pending(run).roles == ["approver", "manager"] and pending(run).stage == 1
+    assert run.wait_ends() == (START + timedelta(hours=2), "escalation stage 2")
+    run.elapse(START + timedelta(hours=2))
+    # None left: the next timer is the expiry's, not a third stage.
+    assert run.wait_ends() == (START + timedelta(hours=3), "approval expiry")
+    assert pending(run).stage == 2 and len(escalations(run)) == 2
+    run.elapse(START + timedelta(hours=3))
+    assert run.engine.state == S.EXPIRED and run.ended
+    kinds = [(r.kind, r.state_version) for r in run.engine.data.lifecycle.timeline[-3:]]
     assert [k for k, _ in kinds] == ["escalated", "escalated", "transition"]
     assert kinds[0][1] == kinds[1][1], "an escalation changes no state"
 
 
 def test_a_revision_makes_a_new_version_with_paths_not_values() -> None:
-    e = engine()
-    waiting(e)
-    old = e.data.plan
-    steps = body(e)
+    run = waiting()
+    old = run.engine.data.plan
+    steps = body(run)
     steps[1]["args"]["amount_cents"] = 1234
     steps[2]["args"]["subject"] = "new subject"
-    revise(e, steps)
-    record = e.data.lifecycle.timeline[-1]
+    # Stopped where the revision is settled, before the run asks anew.
+    verdict = run.decide("revise", revision(run, steps), until=state_is(run, S.VALIDATED))
+    record = run.engine.data.lifecycle.timeline[-1]
+    assert verdict.outcome == "transition" and verdict.record == record.model_copy(update={"prev": ""})
     assert (record.from_state, record.to_state) == (S.AWAITING_APPROVAL, S.VALIDATED)
     assert record.refs.changed == ["replace /1/args/amount_cents", "replace /2/args/subject"]
     assert "1234" not in record.model_dump_json() and "new subject" not in record.model_dump_json()
-    assert e.data.plan.version == 2 and e.data.plan.plan_hash != old.plan_hash
-    assert e.data.pending_approval is None, "the old request is gone; VALIDATED asks anew"
-    e.after_validated(START)
-    assert e.data.pending_approval.editors == ["carol"]
+    plan = run.engine.data.plan
+    assert plan.version == 2 and plan.plan_hash != old.plan_hash
+    assert run.engine.data.pending_approval is None, "the old request is gone; VALIDATED asks anew"
+    run.go()
+    assert run.engine.state == S.AWAITING_APPROVAL and pending(run).editors == ["carol"]
+    assert pending(run).plan_hash == plan.plan_hash
     # A proposal from the planner later is the next version and has no editors.
-    assert e.data.revisions[-1].previous_plan_hash == old.plan_hash
+    assert run.engine.data.revisions[-1].previous_plan_hash == old.plan_hash
 
 
 def test_partial_approval_is_a_revision_then_an_approval() -> None:
-    e = engine()
-    waiting(e)
-    pending = e.data.pending_approval
-    d = ApprovalDecision(decision_id="d1", approver="bob", plan_hash=pending.plan_hash, request_id=pending.request_id, steps=[2, 1])
-    assert e.screen_decision("approve", d, START)
-    e.settle_decision("approve", d, None, START, new_id=lambda n: uuid.uuid4().hex)
-    assert e.state == S.APPROVED and [s.tool for s in e.data.plan.steps] == ["get_order", "issue_refund"]
-    assert [(n.step, n.tool) for n in e.data.not_approved] == [(3, "send_email")]
-    mine = [r for r in e.data.lifecycle.timeline if r.refs.decision_id == "d1"]
+    run = waiting()
+    before = pending(run)
+    d = approval(run, steps=[2, 1])
+    verdict = run.decide("approve", d, until=state_is(run, S.APPROVED))
+    data = run.engine.data
+    assert verdict.outcome == "transition" and verdict.state == S.APPROVED
+    assert [s.tool for s in data.plan.steps] == ["get_order", "issue_refund"]
+    assert [(n.step, n.tool) for n in data.not_approved] == [(3, "send_email")]
+    mine = [r for r in data.lifecycle.timeline if r.refs.decision_id == d.decision_id]
     assert [r.to_state for r in mine] == [S.VALIDATED, S.APPROVED]
-    assert mine[0].refs.request_id == pending.request_id != mine[1].refs.request_id
-    # The planner is told once: the list is cleared when its next proposal comes in.
-    e.data.lifecycle.state = S.PLANNING  # (skip executing the steps: not this test's subject)
-    e.proposal(Proposal(answer="done"), at=START, new_id=lambda n: "x")
-    assert e.data.not_approved == []
+    assert mine[0].refs.request_id == before.request_id != mine[1].refs.request_id
+    # The approved steps run; the planner is told once, with its next call, which steps were not
+    # approved (the list is cleared when its next proposal comes in).
+    run.tools += [ok('{"order_id": "A-1001"}'), ok()]
+    asked = run.go()
+    assert isinstance(asked, Call) and asked.name == "plan", asked
+    assert [(n.step, n.tool, n.by) for n in asked.arg.not_approved] == [(3, "send_email", "bob")]
+    assert data.steps_ok == 2 and not run.tools
+    run.proposals.append(Proposal(answer="done"))
+    run.go()
+    assert data.not_approved == [] and run.engine.state == S.COMPLETED
 
 
 def test_steps_that_are_not_in_the_plan_are_refused() -> None:
-    e = engine()
-    waiting(e)
-    pending = e.data.pending_approval
-    d = ApprovalDecision(decision_id="d1", approver="bob", plan_hash=pending.plan_hash, request_id=pending.request_id, steps=[1, 4])
-    refusal = policy.decision_refusal(d, e.data, now=START)
-    assert refusal is not None and refusal.rule == "invalid_steps" and "4" in refusal.message
+    run = waiting()
+    plan = run.engine.data.plan
+    refused = run.decide("approve", approval(run, steps=[1, 4]))
+    assert refused.outcome == "refused" and refused.rule == "invalid_steps" and "4" in refused.reason
     with pytest.raises(ValueError, match="twice"):
         ApprovalDecision(decision_id="d", approver="bob", plan_hash="h", steps=[1, 1])
     with pytest.raises(ValueError, match="start at 1"):
         ApprovalDecision(decision_id="d", approver="bob", plan_hash="h", steps=[0])
-    reject = policy.decision_refusal(d.model_copy(update={"steps": [1]}), e.data, now=START, kind="reject")
-    assert reject is not None and reject.rule == "invalid_steps"
-    # All steps named: an ordinary approval.
-    full = d.model_copy(update={"steps": [3, 2, 1]})
-    assert policy.partial_steps(full, e.data.plan) is None
+    reject = run.decide("reject", approval(run, steps=[1]))
+    assert reject.outcome == "refused" and reject.rule == "invalid_steps"
+    assert run.engine.state == S.AWAITING_APPROVAL and run.engine.data.plan == plan, "a refusal changes nothing"
+    # All steps named: an ordinary approval (the plan as it was, no revision, nothing left out).
+    full = run.decide("approve", approval(run, steps=[3, 2, 1]), until=state_is(run, S.APPROVED))
+    assert full.outcome == "transition" and full.state == S.APPROVED
+    data = run.engine.data
+    assert data.plan.plan_hash == plan.plan_hash and data.revisions == [] and data.not_approved == []
 
 
 def test_editor_may_approve_false_and_four_eyes() -> None:
-    strict = TenantPolicy(editor_may_approve=False)
-    args = dict(requested_by="alice", roles=["approver"], already_approved=[], editors=["carol"])
-    assert policy.approver_refusal(strict, approver="carol", kind="approve", **args).rule == "editor_approval"
-    assert policy.approver_refusal(strict, approver="bob", kind="approve", **args) is None
-    assert policy.approver_refusal(TenantPolicy(), approver="carol", kind="approve", **args) is None
+    def revised_by_carol(tenant: TenantPolicy) -> Scripted:
+        run = waiting(tenant)
+        steps = body(run)
+        steps[1]["args"]["amount_cents"] = 8000
+        assert run.decide("revise", revision(run, steps)).outcome == "transition"
+        assert run.engine.state == S.AWAITING_APPROVAL and pending(run).editors == ["carol"]
+        return run
+
+    strict = revised_by_carol(TenantPolicy(editor_may_approve=False))
+    assert strict.decide("approve", approval(strict, "carol")).rule == "editor_approval"
+    assert strict.decide("approve", approval(strict, "bob"), until=state_is(strict, S.APPROVED)).state == S.APPROVED
+    default = revised_by_carol(TenantPolicy())
+    # Her approval counts (someone who did not revise the plan must still approve: not this rule).
+    counted = default.decide("approve", approval(default, "carol"))
+    assert counted.outcome == "accepted" and counted.rule is None and pending(default).approvals[0].approver == "carol"
     # The requester may revise her run; never approve it, editor or not.
-    assert policy.approver_refusal(TenantPolicy(), approver="alice", kind="revise", **args) is None
-    assert policy.approver_refusal(TenantPolicy(), approver="alice", kind="approve", **args).rule == "four_eyes"
+    run = waiting()
+    steps = body(run)
+    steps[2]["args"]["subject"] = "by alice"
+    assert run.decide("revise", revision(run, steps, editor="alice")).outcome == "transition"
+    assert pending(run).editors == ["alice"]
+    assert run.decide("approve", approval(run, "alice")).rule == "four_eyes"
+    assert run.engine.state == S.AWAITING_APPROVAL
 
 
 def test_revision_signature_covers_the_revised_steps() -> None:
@@ -221,52 +259,60 @@ async def test_planners_hear_which_steps_were_not_approved() -> None:
 
 def test_a_run_away_past_several_stages_takes_them_in_order_then_expires() -> None:
     tenant = TenantPolicy.model_validate({"escalation": {"high": [], "normal": [{"after": 60}, {"after": 120}]}})
-    e = engine(tenant, approval_ttl_seconds=180)
-    waiting(e)
-    assert e.next_timer() == (START + timedelta(seconds=60), "escalation stage 1")
-    assert e.next_timer(escalate=False) == (START + timedelta(seconds=180), "approval expiry")
-    late = START + timedelta(seconds=130)  # the worker was down past both stages
-    e.timer_fired(late)
-    e.timer_fired(late)
-    assert e.data.pending_approval.stage == 2 and e.state == S.AWAITING_APPROVAL
-    assert e.next_timer() == (START + timedelta(seconds=180), "approval expiry")
-    e.timer_fired(START + timedelta(seconds=180))
-    assert e.state == S.EXPIRED
+    run = waiting(tenant, approval_ttl_seconds=180)
+    assert run.wait_ends() == (START + timedelta(seconds=60), "escalation stage 1")
+    run.elapse(START + timedelta(seconds=130))  # the worker was down past both stages
+    assert pending(run).stage == 2 and run.engine.state == S.AWAITING_APPROVAL
+    assert [r.reason.split(":")[0] for r in escalations(run)] == ["escalation stage 1/2", "escalation stage 2/2"]
+    assert run.wait_ends() == (START + timedelta(seconds=180), "approval expiry")
+    run.elapse(START + timedelta(seconds=180))
+    assert run.engine.state == S.EXPIRED
     # Down past the expiry itself: the expiry, no stage after it.
-    gone = engine(tenant, approval_ttl_seconds=180)
-    waiting(gone)
-    gone.timer_fired(START + timedelta(hours=1))
-    assert gone.state == S.EXPIRED and not any(r.kind == "escalated" for r in gone.data.lifecycle.timeline)
-    # Replaying a run from before escalation (escalate=False): the timer is the expiry's only.
-    e2 = engine(tenant, approval_ttl_seconds=180)
-    waiting(e2)
-    e2.timer_fired(START + timedelta(seconds=180), escalate=False)
-    assert e2.state == S.EXPIRED and not any(r.kind == "escalated" for r in e2.data.lifecycle.timeline)
+    gone = waiting(tenant, approval_ttl_seconds=180)
+    gone.elapse(START + timedelta(hours=1))
+    assert gone.engine.state == S.EXPIRED and not escalations(gone)
+    # A request an older build opened, with no stages on it, under a file that now sets them
+    # (a run carried from before escalation): its timer is the expiry's only.
+    older = Scripted(tenant, approval_ttl_seconds=180)  # stopped at the planner's call
+    older.proposals.append(Proposal(steps=[READ, REFUND, EMAIL]))
+    older.go(until=state_is(older, S.AWAITING_APPROVAL))  # asked, before its timer is set
+    pending(older).escalation = []
+    older.go()
+    assert older.wait_ends() == (START + timedelta(seconds=180), "approval expiry")
+    older.elapse(START + timedelta(seconds=180))
+    assert older.engine.state == S.EXPIRED and not escalations(older)
 
 
 def test_a_huge_revision_is_refused_like_a_huge_proposal() -> None:
-    e = engine()
-    waiting(e)
-    before = (e.data.plan, e.data.pending_approval)
+    run = waiting()
+    before = (run.engine.data.plan, pending(run).model_copy())
     huge = [{"tool": "send_email", "args": {"to": "a@b.c", "subject": "s", "body": "x" * 9000}}] * 40
-    revise(e, huge)
-    last = e.data.lifecycle.timeline[-1]
+    verdict = run.decide("revise", revision(run, huge))
+    last = [r for r in run.engine.data.lifecycle.timeline if r.kind == "refused"][-1]
+    assert verdict.outcome == "refused" and verdict.rule == "invalid_revision"
     assert last.kind == "refused" and last.rule == "invalid_revision" and "over the" in last.reason
-    assert (e.data.plan, e.data.pending_approval) == before
+    assert (run.engine.data.plan, pending(run)) == before and run.engine.state == S.AWAITING_APPROVAL
 
 
 def test_a_webhook_no_retry_reached_is_recorded_and_nothing_raises() -> None:
     """notification_done: the dead webhooks go on the record (a flood-counted record too); the
     handler never raises (it runs in a task nobody awaits: an exception there is lost)."""
-    from workflows.wire import Notification, NotificationResult
+    from workflows.wire import NotificationResult
 
-    e = engine()
-    note = Notification(event_id="run:e:3", event="awaiting_approval", webhooks=["ops"], run_id="run",
-                        tenant="default", state="AWAITING_APPROVAL")
-    before = e.data.lifecycle.records
-    e.notification_done(note, NotificationResult(dead={"ops": "http_500"}), START)
-    assert e.data.lifecycle.records == before + 1
-    last = e.data.lifecycle.timeline[-1]
-    assert last.kind == "notify_failed" and "ops (http_500)" in last.reason
-    e.notification_done(note, NotificationResult(delivered=["ops"]), START)  # all reached: nothing
-    assert e.data.lifecycle.records == before + 1
+    run = waiting(None, webhooks={"ops": ["awaiting_approval", "revised"]})
+    assert [(n.event, n.webhooks) for n in run.notes] == [("awaiting_approval", ["ops"])]
+    before = run.engine.data.lifecycle.records
+    note = run.deliver(NotificationResult(dead={"ops": "http_500"}))
+    assert run.engine.data.lifecycle.records == before + 1
+    last = run.engine.data.lifecycle.timeline[-1]
+    assert last.kind == "notify_failed" and "ops (http_500)" in last.reason and note.event in last.reason
+    assert run.engine.state == S.AWAITING_APPROVAL and isinstance(run.command, Wait), "the run waits on"
+    # A revision is the next event; all reached: nothing on the record.
+    steps = body(run)
+    steps[1]["args"]["amount_cents"] = 100
+    run.decide("revise", revision(run, steps))
+    assert [n.event for n in run.notes] == ["revised", "awaiting_approval"]
+    records = run.engine.data.lifecycle.records
+    run.deliver(NotificationResult(delivered=["ops"]))
+    run.deliver(NotificationResult(delivered=["ops"]))
+    assert run.engine.data.lifecycle.records == records
