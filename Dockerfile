@@ -39,7 +39,7 @@ WORKDIR /app
 # (TETHER_TOOLS=examples.billing.tools), the billing policy for the worker (TETHER_POLICY; the
 # image's version has no `signed` tenant, whose keys only the dev stack has), the playbook for
 # `tether start --playbook`. Owned by root: the service user can read them, not change them.
-# tests/test_compose.py lays the image out from these lines.
+# tests/operations/test_compose.py lays the image out from these lines.
 COPY examples/__init__.py /app/examples/
 COPY examples/billing/__init__.py examples/billing/api.py examples/billing/db.py examples/billing/model.py examples/billing/routes.py examples/billing/service.py examples/billing/tools.py /app/examples/billing/
 COPY examples/billing/policy.image.toml examples/billing/refund.playbook.json /app/examples/billing/

@@ -118,14 +118,14 @@ chaos: $(STAMP)
 # continue-as-new settings, and the query storm (20 runs flooded until they continue as new, four
 # timeline query loops on each); prints the figures (the short versions run in `make test`).
 soak: $(STAMP)
-	TETHER_SOAK=1 $(PY) -m pytest -s -q tests/test_bounded_runs.py -k "flood or long_read_only or storm"
+	TETHER_SOAK=1 $(PY) -m pytest -s -q tests/workflows/test_bounded_runs.py -k "flood or long_read_only or storm"
 
 # sdk-core reorders a local activity's result after signals when a query came in between
 # (docs/known-issues.md): plain temporalio, 20 runs; exit 1 if any broke. Not in `make test`: it
 # breaks some runs, not all.
 .PHONY: sdk-core-repro
 sdk-core-repro: $(STAMP)
-	$(PY) -m tests.sdk_core_repro $(REPRO_ARGS)
+	$(PY) -m tests.helpers.sdk_core_repro $(REPRO_ARGS)
 
 # Re-record tests/histories/*.json (the replay suite's reference runs). Only for a workflow
 # change that is compatible by design: see docs/changing-workflows.md.

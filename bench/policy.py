@@ -3,7 +3,7 @@
     python -m bench.policy [--decisions 5000] [--policy examples/billing/policy.toml] [--tenant default]
 
 No Temporal: the decisions themselves, as the policy activity makes them, on one thread. The
-same seeded random decisions for each engine (tests/test_cedar.py's generator): a person's
+same seeded random decisions for each engine (tests/activities/test_cedar.py's generator): a person's
 decision (approve, reject, revise: ``approver_refusal`` against ``cedar.judge_person``), the
 activity's whole judgement (the tenant's policies looked up, Cedar, and the TOML wording of a
 refusal), and a 3-step plan's pre-write check (``review_plan`` against the activity's

@@ -4,7 +4,7 @@
 
 ``workflows/agent_run.py`` imports the other ``workflows/`` modules passed through the Temporal
 sandbox, so they are imported once per process and the sandbox's checks (wall clock, I/O,
-environment) never see their calls; ``tests/determinism_lint.py`` checks their source instead.
+environment) never see their calls; ``tests/helpers/determinism_lint.py`` checks their source instead.
 The alternative is to let the sandbox import them afresh for every run (every workflow
 instance the worker creates: a new run, or a cached run evicted and replayed). This replays one
 recorded history ``--runs`` times, each as its own run, two ways:

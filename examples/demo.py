@@ -93,7 +93,7 @@ def own_order() -> tuple[str, str]:
 
 def next_steps(run_id: str) -> None:
     """The commands to try next, exactly as they paste (the demo's last words); each works as
-    printed, in order (tests/test_cli.py runs them all)."""
+    printed, in order (tests/tether/test_cli.py runs them all)."""
     order_id, playbook = own_order()
     new_run = f"refund-{order_id}-{uuid.uuid4().hex[:6]}"
     print("\nNext, try:")

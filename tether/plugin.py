@@ -32,7 +32,7 @@ from workflows.agent_run import AgentRun
 PLUGIN_NAME = "tether.TetherPlugin"
 
 # The workflow modules, agent_run.py included, are checked for determinism from their source
-# (tests/determinism_lint.py): passed through, the sandbox does not re-import and re-define the
+# (tests/helpers/determinism_lint.py): passed through, the sandbox does not re-import and re-define the
 # AgentRun class for every run it starts or replays (docs/performance.md).
 WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("workflows"))
 

@@ -29,7 +29,7 @@ from examples.devstack import dev_server_command
 from tether.client import run_outcome, start_run, timed_out
 from tests.chaos.markers import gate_name, marker_name
 from tests.conftest import approval_for, Billing
-from tests.invariants import check_timeline, tools_by_call
+from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState, TransitionRecord
 

@@ -14,7 +14,7 @@ kills the worker there, and restarts it:
 Then, per run: idempotent and reconcilable runs reach COMPLETED with exactly one effect per
 idempotency key; the unsafe tool was never called twice and, its outcome being unknown, the
 run is HANDED_OFF with a reason that names the tool call; and every timeline is a legal path
-with strictly increasing ``state_version`` and no unapproved write (``tests/invariants.py``).
+with strictly increasing ``state_version`` and no unapproved write (``tests/helpers/invariants.py``).
 
 In `make test` the rounds run side by side, ROUNDS_AT_ONCE at a time, the writes', the
 compensation's and the slow attempts' (most of each round is Temporal noticing the dead

@@ -13,7 +13,7 @@ import time
 
 from tests.chaos.conftest import Stack
 from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_worker
-from tests.invariants import check_timeline, tools_by_call
+from tests.helpers.invariants import check_timeline, tools_by_call
 from tether.client import run_outcome, start_run
 from tests.conftest import approval_for
 from workflows.contract import Limits

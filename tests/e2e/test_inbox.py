@@ -17,7 +17,7 @@ import tether.client as tether_client
 from tests.conftest import Billing
 from tests.e2e.conftest import SCREENSHOT_DIR
 from tether.inbox import desk
-from tests.inbox_stack import Stack, inbox_stack
+from tests.helpers.inbox_stack import Stack, inbox_stack
 
 EXPECT_TIMEOUT_MS = 15_000
 # What a person could type into the browser's console (Playwright's evaluate is not an inline

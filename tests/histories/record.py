@@ -1,7 +1,7 @@
 """Record real histories of the main paths into tests/histories/*.json (`make record-histories`).
 
 Each path runs on a local dev server with the real billing service and a worker in this
-process; its event history is saved as JSON. tests/test_replay.py replays them all with
+process; its event history is saved as JSON. tests/workflows/test_replay.py replays them all with
 Temporal's Replayer, so a workflow change that would break runs already in flight fails CI.
 Re-record only for a change that is compatible by design (see docs/changing-workflows.md).
 """

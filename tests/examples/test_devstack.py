@@ -1,0 +1,146 @@
+"""One dev stack per checkout: two checkouts on one machine (copies of this one, each running
+`python -m examples.devstack` from its own folder) do not tangle. The billing service stands in
+for every service: the port claims and the readiness rule are the same for all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkout(path: Path) -> Path:
+    ignore = shutil.ignore_patterns("__pycache__", ".tether")
+    for folder in ("examples", "activities", "workflows", "tether"):
+        shutil.copytree(ROOT / folder, path / folder, ignore=ignore)
+    for module in ("client.py", "worker.py", "starter.py"):
+        shutil.copyfile(ROOT / module, path / module)
+    return path
+
+
+def devstack(where: Path, claims: Path, *args: str, port: int | None = None, **settings: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TEMPORAL_"))}
+    env.update(TETHER_STACKS_DIR=str(claims), PYTHONDONTWRITEBYTECODE="1", **settings)
+    if port is not None:
+        env["TETHER_BILLING_PORT"] = str(port)
+    return subprocess.run([sys.executable, "-m", "examples.devstack", *args], cwd=where, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_checkout_is_refused_naming_the_first_or_runs_on_its_own_ports(tmp_path: Path) -> None:
+    first, second = checkout(tmp_path / "first"), checkout(tmp_path / "second")
+    claims = tmp_path / "claims"
+    port = free_port()
+    up = devstack(first, claims, "up", "billing", port=port)
+    try:
+        assert up.returncode == 0 and "billing: started" in up.stdout, up
+        record = json.loads((first / ".tether/stack.json").read_text())
+        assert record["checkout"] == str(first) and record["billing_port"] == port and record["task_queue"] == "tether"
+
+        # The second checkout, same port: refused, naming the first and how to run its own.
+        clash = devstack(second, claims, "up", "billing", port=port)
+        assert clash.returncode != 0 and "started" not in clash.stdout, clash
+        assert f"port {port} belongs to the dev stack of {first}" in clash.stderr
+        assert "task queue 'tether'" in clash.stderr and "TETHER_BILLING_PORT=" in clash.stderr
+        assert "TETHER_TASK_QUEUE=tether-second make demo" in clash.stderr
+
+        # With claims it cannot see (another folder) the second cannot know whose the port is;
+        # its billing service could not bind while the first one's answers the health check:
+        # it never says started.
+        blind = devstack(second, tmp_path / "other-claims", "up", "billing", port=port)
+        assert blind.returncode != 0 and "started" not in blind.stdout, blind
+        assert f"port {port} is already in use" in blind.stderr
+
+        # On a port of its own it runs, beside the first.
+        own = free_port()
+        up = devstack(second, claims, "up", "billing", port=own)
+        assert up.returncode == 0 and "billing: started" in up.stdout, up
+        assert json.loads((second / ".tether/stack.json").read_text())["billing_port"] == own
+    finally:
+        for where in (first, second):
+            assert devstack(where, claims, "down", "billing").returncode == 0
+    # Down released the claims.
+    assert list(claims.glob("port-*.json")) == []
+
+
+def cli(where: Path, *args: str, **settings: str) -> subprocess.CompletedProcess:
+    """The checkout's `tether` (python -m starter from its folder), with none of the caller's
+    Temporal or Tether settings unless given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TEMPORAL_"))}
+    env.update(PYTHONDONTWRITEBYTECODE="1", **settings)
+    return subprocess.run([sys.executable, "-m", "starter", *args], cwd=where, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+async def test_the_cli_follows_its_checkouts_stack_and_a_typod_tenant_gets_did_you_mean(
+    dev_env, tmp_path: Path
+) -> None:
+    """A second checkout whose stack runs on ports of its own: its plain `tether` talks to that
+    stack (server, task queue, the worker's policy), not to whatever answers on the default port."""
+    import asyncio
+    import uuid
+
+    from temporalio.client import WorkflowExecutionStatus
+
+    second = checkout(tmp_path / "second")
+    claims = tmp_path / "claims"
+    server_port = dev_env.client.service_client.config.target_host.rsplit(":", 1)[1]
+    queue = f"tether-second-{uuid.uuid4().hex[:6]}"
+    # The second checkout's stack: its Temporal port is the test's server, its own task queue.
+    up = devstack(second, claims, "up", "billing", port=free_port(), TETHER_TEMPORAL_PORT=server_port,
+                  TETHER_TASK_QUEUE=queue)
+    try:
+        assert up.returncode == 0 and "billing: started" in up.stdout, up
+        record = json.loads((second / ".tether/stack.json").read_text())
+        assert record["temporal"] == f"127.0.0.1:{server_port}" and record["task_queue"] == queue
+        assert record["policy"] == str(second / "examples/billing/policy.toml")
+
+        # A typo'd tenant: refused before anything starts, with the policy's nearest name.
+        playbook = str(ROOT / "examples/billing/refund.playbook.json")
+        typo = cli(second, "start", "--goal", "Refund A-1001", "--requested-by", "alice", "--tenant", "defualt",
+                   "--playbook", playbook)
+        assert typo.returncode == 2 and typo.stdout == "", typo
+        assert "tenant 'defualt' is not in the policy file" in typo.stderr and "did you mean 'default'?" in typo.stderr
+        far = cli(second, "start", "--goal", "Refund A-1001", "--requested-by", "alice", "--tenant", "zzz",
+                  "--playbook", playbook)
+        assert far.returncode == 2 and "its tenants: acme, default, signed" in far.stderr, far
+
+        # No TEMPORAL_ADDRESS: a plain start goes to the stack's server, on the stack's queue.
+        run_id = f"second-{uuid.uuid4().hex[:8]}"
+        started = cli(second, "start", "--goal", "Refund A-1001", "--requested-by", "alice", "--playbook", playbook,
+                      "--id", run_id)
+        assert started.returncode == 0 and f"started {run_id}" in started.stdout, started
+        assert f"no worker polls task queue '{queue}'" in started.stderr, started.stderr
+        handle = dev_env.client.get_workflow_handle(run_id)
+        try:
+            assert (await handle.describe()).task_queue == queue
+            # And `tether list` there lists it (visibility catches up: wait for it, not a time).
+            for _ in range(600):
+                listed = await asyncio.to_thread(cli, second, "list", "--limit", "200")
+                assert listed.returncode == 0, listed
+                if run_id in listed.stdout:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError(listed.stdout)
+        finally:
+            await handle.terminate("test over")
+        assert (await handle.describe()).status == WorkflowExecutionStatus.TERMINATED
+
+        # An explicit setting wins over the checkout's stack.
+        elsewhere = cli(second, "list", TEMPORAL_ADDRESS="127.0.0.1:1")
+        assert elsewhere.returncode == 2 and "cannot reach Temporal at 127.0.0.1:1" in elsewhere.stderr, elsewhere
+    finally:
+        assert devstack(second, claims, "down", "billing").returncode == 0

@@ -1,0 +1,62 @@
+"""The type checker sees the engine: ``mypy --strict`` (pyproject.toml, ``[tool.mypy]``) passes on
+workflows/, and the phases' calls to one another go through ``workflows.run_model.Phases``, so a
+phase method renamed, or called by a name no phase has, fails the check instead of a run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def mypy(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # The files and the options are the project's: [tool.mypy] in cwd's pyproject.toml.
+    return subprocess.run([sys.executable, "-m", "mypy", *args], cwd=cwd, capture_output=True, text=True, timeout=570)
+
+
+def test_workflows_type_check_strict() -> None:
+    proc = mypy(ROOT)
+    assert proc.returncode == 0, f"mypy --strict on workflows/ (pyproject.toml [tool.mypy]):\n{proc.stdout}{proc.stderr}"
+
+
+def test_a_phase_method_renamed_misspelled_or_resigned_fails_the_check(tmp_path: Path) -> None:
+    """The hostile copy: Handoff's ``_take_handoff`` renamed (Steps, Planning and Inbox still call
+    it), Compensating's ``_undo_check`` called by a misspelled name in Steps, and its ``on_cancel``
+    given a parameter Handoff does not pass. Each runs without complaint until a run reaches it;
+    the checker names all three."""
+    shutil.copytree(ROOT / "workflows", tmp_path / "workflows", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+
+    def mutate(name: str, old: str, new: str) -> None:
+        path = tmp_path / "workflows" / name
+        text = path.read_text()
+        assert text.count(old) == 1, f"{old!r} is not in workflows/{name} once: update this test"
+        path.write_text(text.replace(old, new))
+
+    mutate("handoff.py", "def _take_handoff(", "def _take_the_handoff(")
+    mutate("steps.py", "return self._undo_check()", "return self._undo_chek()")
+    mutate("compensating.py", "def on_cancel(self) -> str:", "def on_cancel(self, now: datetime) -> str:")
+    proc = mypy(tmp_path, "--cache-dir", str(tmp_path / "cache"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert 'Cannot instantiate abstract class "Engine" with abstract attribute "_take_handoff"' in out, out
+    assert 'workflows/steps.py' in out and '"Steps" has no attribute "_undo_chek"' in out, out
+    assert '"on_cancel" incompatible with supertype "workflows.run_model.Phases"' in out, out
+
+
+def test_require_gives_back_what_the_state_guarantees() -> None:
+    """``require`` returns its value (so the checker knows it is there) and fails the run, as
+    IllegalState, on None, False or an empty value: the same test as before it returned."""
+    from workflows.run_model import IllegalState, require
+
+    plan = object()
+    assert require(plan, "no plan") is plan
+    assert require(True, "never") is True
+    for missing in (None, False, 0, ""):
+        with pytest.raises(IllegalState, match="^no plan$"):
+            require(missing, "no plan")
