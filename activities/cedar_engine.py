@@ -394,7 +394,7 @@ def judge_person(
     compensate) on the run? The same inputs as ``workflows.policy.approver_refusal``; ``run``:
     what :func:`run_entities` takes about the pending request (roles, already_approved, editors,
     risk, stage). The entities are :func:`run_entities`', the people's parsed once per tenant
-    version (tests/test_cedar.py holds this equal to judging them whole)."""
+    version (tests/activities/test_cedar.py holds this equal to judging them whole)."""
     request = person_request(action, person)
     if tenant is None or policies is None:
         return _denied_tenant(request)

@@ -42,7 +42,7 @@ def _amount_condition(rule: AmountRule) -> list[str]:
 
 def export_tenant(name: str, tenant: TenantPolicy) -> str:
     """The tenant's authorization rules as Cedar policies, equivalent to the TOML engine's
-    decisions on them (tests/test_cedar.py compares the two on thousands of random decisions).
+    decisions on them (tests/activities/test_cedar.py compares the two on thousands of random decisions).
     What is not authorization stays in the TOML: people and their keys, risk levels, approval
     counts, TTLs, escalation timing, budgets, webhooks."""
     of_tenant = f"resource.tenant == {_euid('Tenant', name)}"

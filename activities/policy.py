@@ -65,7 +65,7 @@ def judge_decision(
     tenant: TenantPolicy | None, policies: cedar.Policies | None, check: DecisionCheck
 ) -> tuple[Refusal | None, cedar.Judgement]:
     """May this person take this decision? Cedar decides (the tenant's own policies, or its TOML
-    rules exported: tests/test_cedar.py holds the two equal); the refusal is worded as the TOML
+    rules exported: tests/activities/test_cedar.py holds the two equal); the refusal is worded as the TOML
     rule that refused it words it, or names the Cedar policies. Also the ids that decided."""
     judgement = cedar.judge_person(
         policies, check.tenant, tenant, action=decision_action(check), person=check.decision.approver,

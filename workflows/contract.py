@@ -277,7 +277,7 @@ def canonical_json(value: Any) -> str:
     """
     # Digests and MACs take it on every activity a run calls: the common values (no float
     # outside [1e-4, 1e16), no key past U+D7FF, no lone surrogate) go through the C encoder,
-    # whose text is then RFC 8785's (tests/test_states.py compares the two on random values);
+    # whose text is then RFC 8785's (tests/workflows/test_states.py compares the two on random values);
     # anything else through the reference implementation.
     try:
         text = json.dumps(_jcs_plain(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -10,7 +10,7 @@ writes it, and the helpers the phases share) and its phases, one module each: pl
 approvals, steps, parallel groups, delegation, handoff (and cancel), compensating, outbox, carry and views; and the run's
 program (``workflows/drive.py``), which says what to do next, one command at a time. The
 phases call one another only through what ``run_model.Phases`` declares: the type checker
-(``tests/test_types.py``) fails a rename there, and ``Engine(...)`` with a declared method missing.
+(``tests/workflows/test_types.py``) fails a rename there, and ``Engine(...)`` with a declared method missing.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ REFUSAL_RULES: tuple[tuple[str, str], ...] = (
 
 # The label sets are fixed: a sender chooses signal names (and could choose a label value per
 # signal), so ``kind`` is one of the names this run takes, and ``rule`` one of the rules the
-# runtime names; anything else counts as "other". tests/test_metrics.py checks that every rule
+# runtime names; anything else counts as "other". tests/activities/test_metrics.py checks that every rule
 # the code names is here.
 KINDS = frozenset({"approve", "reject", "revise", "handoff", "decide", "cancel"})
 RULES = frozenset(

@@ -54,7 +54,7 @@ FEW = [h for h in HISTORIES if h.stem in {"partial", "compensated", "continue_as
 # Passed through besides the sandbox's defaults (which include pydantic and pydantic_core): the
 # third-party packages importing workflows.agent_run loads, and nothing of workflows/. The
 # workflows modules only import libraries on the lint's list of pure ones
-# (tests/determinism_lint.ALLOWED_IMPORTS); these are those and their dependencies. The
+# (tests/helpers/determinism_lint.ALLOWED_IMPORTS); these are those and their dependencies. The
 # default restrictions alone replay too, but re-importing these libraries for every run costs
 # 40% more CPU here (10.4 s against 6.3 s for the 18 histories) and checks nothing of ours.
 PASSTHROUGH = (

@@ -95,7 +95,7 @@ def test_the_checkout_stack_is_the_one_the_dev_stack_writes() -> None:
 
 
 def test_the_image_installs_tether() -> None:
-    """`pip install .` installs the package (tests/test_install_layout.py builds the wheel); the
+    """`pip install .` installs the package (tests/tether/test_install_layout.py builds the wheel); the
     image's build stage copies it in, to install it."""
     assert "COPY tether ./tether" in (ROOT / "Dockerfile").read_text()
 

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cli_table(parser: argparse.ArgumentParser | None = None) -> str:
-    """The README's CLI table, generated from the parser (tests/test_docs.py keeps them equal)."""
+    """The README's CLI table, generated from the parser (tests/docs/test_docs.py keeps them equal)."""
     parser = parser or build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     rows = ["| Command | Arguments | What it does |", "|---|---|---|"]

@@ -21,7 +21,7 @@ from activities.policy_file import PolicyStore
 from tether.client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
 from tests.helpers import held_tools
-from tests.invariants import check_timeline
+from tests.helpers.invariants import check_timeline
 from workflows.contract import DELEGATE, Grant, ToolCatalog
 from workflows.run_state import RunOutcome, RunRequest
 from workflows.states import RunState

@@ -22,7 +22,7 @@ from activities.keys import KeyRing
 from tether.client import run_outcome
 from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
-from tests.invariants import check_timeline
+from tests.helpers.invariants import check_timeline
 from workflows.contract import PlaybookStep, ToolCatalog, ToolInfo, Limits
 from workflows.contract import STRICT, ToolEffect
 from workflows.states import RunState
