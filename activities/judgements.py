@@ -30,7 +30,7 @@ from activities.audit_sink import DEFAULT_AUDIT_DIR
 from activities.policy_file import PolicyFileError, load_cedar_files, parse_policy
 from activities.postgres import PostgresSync, Table, cause, dsn_from_env
 from workflows import keys as ring_math
-from workflows.approvals import _duration as duration_words
+from workflows.timers import duration_words
 from workflows.contract import json_digest
 from workflows.policy_file import TenantPolicy
 

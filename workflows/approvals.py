@@ -1,5 +1,6 @@
 """The approvals phase: opening an approval request, screening and settling decisions
-(approve, reject, revise, partial approval), escalation and expiry of a waiting plan.
+(approve, reject, revise, partial approval); its timers (escalation, expiry) are
+``workflows/timers.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from workflows.budgets import DECISIONS_WINDOW, PROPOSAL_BYTES, REASON_CHARS, RE
 from workflows.commands import Call, Checkpoint, Wait
 from workflows.contract import AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Revision, RevisionRequest
 from workflows.identity import same_person
-from workflows.policy_file import EscalationStage
 from workflows.run_model import Decision, DecisionKind, IllegalState, Program, RunFailed, RunModel, S, require
 from workflows.run_state import PendingApproval
 from workflows.states import Refs
@@ -23,7 +23,7 @@ from workflows.wire import AuthorityCheck, DecisionCheck, Proposal, ProposedStep
 
 
 class Approvals(RunModel):
-    """A validated plan waiting for people: requests, decisions, escalation, expiry."""
+    """A validated plan waiting for people: requests and decisions."""
 
     def request_approval(self, *, at: datetime, reason: str, ask: Verdict | None = None) -> None:
         """Open a fresh approval request for the current plan (no approvals carried over).
@@ -374,71 +374,6 @@ class Approvals(RunModel):
             self.unrecorded_refusals[decision.decision_id] = refusal
         self.on_record(record)
 
-    def next_escalation(self) -> datetime | None:
-        """When the pending request's next escalation stage is due (None: no stage left)."""
-        pending = self.data.pending_approval
-        if pending is None or pending.opened_at is None or pending.stage >= len(pending.escalation):
-            return None
-        return pending.opened_at + timedelta(seconds=pending.escalation[pending.stage].after)
-
-    def next_timer(self, escalate: bool = True) -> tuple[datetime, str]:
-        """When the waiting plan's timer fires next, and what for: an escalation stage (where
-        ``escalate``: the policy sets stages) inside the window, else the expiry."""
-        pending = require(self.data.pending_approval, "no pending approval")
-        due = self.next_escalation() if escalate else None
-        if due is not None and due < pending.expires_at:
-            return due, f"escalation stage {pending.stage + 1}"
-        return pending.expires_at, "approval expiry"
-
-    def timer_fired(self, at: datetime, escalate: bool = True) -> None:
-        """The timer ``next_timer`` named fired: escalate, or expire. A run that was away past
-        several stages takes them one by one; past the expiry, the expiry is the last word."""
-        wake, _ = self.next_timer(escalate)
-        pending = require(self.data.pending_approval, "no pending approval")  # next_timer required it
-        if wake < pending.expires_at and at < pending.expires_at:
-            self.escalate(at)
-        else:
-            self.expire(at)
-
-    def escalate(self, at: datetime) -> EscalationStage:
-        """The next escalation stage's timer fired: record it and widen the roles that may
-        approve. Returns the stage (the workflow tells its webhooks)."""
-        why = "an escalation timer fired with no stage due"
-        pending = require(self.data.pending_approval, why)
-        due = require(self.next_escalation(), why)
-        require(self.state == S.AWAITING_APPROVAL and due <= at < pending.expires_at, why)
-        stage = pending.escalation[pending.stage]
-        pending.stage += 1
-        added = [r for r in stage.roles if r not in pending.roles]
-        pending.roles = pending.roles + added
-        widened = f"; roles {', '.join(pending.roles)} may approve" if added else ""
-        told = f"; notifying {', '.join(stage.notify)}" if stage.notify else ""
-        self.on_record(
-            self.data.lifecycle.escalate(
-                at=at,
-                reason=f"escalation stage {pending.stage}/{len(pending.escalation)}: waiting "
-                f"{_duration(stage.after)} for approval{widened}{told}; expires {pending.expires_at.isoformat()}",
-                refs=Refs(plan_hash=pending.plan_hash, request_id=pending.request_id or None),
-            )
-        )
-        if self.outbox:
-            self.outbox[-1][1].extend(stage.notify)
-        return stage
-
-    def expire(self, at: datetime) -> None:
-        """The approval timer fired."""
-        data = self.data
-        why = "the approval timer fired with nothing pending, or before expiry"
-        pending = require(data.pending_approval, why)
-        require(at >= pending.expires_at, why)
-        expired = f"approval expired at {pending.expires_at.isoformat()}"
-        refs = Refs(plan_hash=pending.plan_hash)
-        if self.limits.on_expiry == "replan":
-            self._replan_or_end(S.EXPIRED, at=at, actor="timer", why=expired, end_reason=expired, refs=refs)
-        else:
-            self.move(S.EXPIRED, at=at, actor="timer", reason=expired, refs=refs)
-        data.pending_approval = None
-
     def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None:
         """Just before an approved plan's writes run: do its approvals still hold?"""
         if refusal is not None:
@@ -471,13 +406,6 @@ def _by_revisers(pending: PendingApproval, approvals: list[AcceptedApproval]) ->
 def _plain(decision: Decision) -> ApprovalDecision:
     """The fields every decision has (a revision's editor as its approver)."""
     return decision.as_decision() if isinstance(decision, RevisionRequest) else decision
-
-
-def _duration(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 # Where a run has not asked for an approval yet but may (a reset run early in its copied history).

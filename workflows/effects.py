@@ -14,20 +14,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError, TimeoutError, WorkflowAlreadyStartedError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError, WorkflowAlreadyStartedError
 from temporalio.workflow import ActivityCancellationType
 
 from workflows import keys
 from workflows import metrics as run_metrics
-from workflows.budgets import DETAILS_CHARS, clip
+from workflows.budgets import clip
 from workflows.commands import (
     Call,
     Checkpoint,
@@ -49,20 +48,16 @@ from workflows.commands import (
     Wait,
     Wake,
 )
-from workflows.contract import json_digest
-from workflows.details import run_details
 from workflows.engine import Engine
-from workflows.published import COLLECT_EXTERN, STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
+from workflows.failures import activity_failure, log_failure
+from workflows.published import COLLECT_EXTERN, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.publishing import Publishing
 from workflows.run_model import ToolFailure
-from workflows.run_state import RunOutcome, RunRequest, RunSnapshot, RunView
-from workflows.states import RunState, TransitionRecord, first_published, implied_links, record_link, to_publish
+from workflows.run_state import RunOutcome, RunSnapshot
+from workflows.states import TransitionRecord, first_published, implied_links
 from workflows.wire import (
-    ATTEMPT_STILL_RUNNING,
     AuditAck,
-    AuthorityCheck,
     AuditBatch,
-    Notification,
-    NotificationResult,
     ToolCall,
     ToolOutcome,
 )
@@ -89,25 +84,12 @@ AUDIT_RETRY = RetryPolicy(
     initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=1), maximum_attempts=3
 )
 AUDIT_BACKOFF_MAX = 60.0
-# Webhook deliveries are retried with backoff (0.5 s, 1 s, 2 s) and never awaited by the run's
-# progress; a run that ends waits for the ones in flight at most NOTIFY_BUDGET.
-NOTIFY_RETRY = RetryPolicy(
-    maximum_attempts=4, initial_interval=timedelta(seconds=0.5), backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-)
-NOTIFY_ATTEMPT = timedelta(seconds=15)
-NOTIFY_BUDGET = timedelta(seconds=75)
-# The records the published view (memo "tether") carries: the latest ones; the sink has all.
-VIEW_RECORDS = 5
 # At its end a run leaves up to this many records for the audit collector, with its view
 # (their packed size stays far below the memo's limit); more are written by the run first.
 END_RECORDS = 200
-# Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
-KEY_MISSING_METRIC = "tether_key_missing"
-FORGERY_METRIC = "tether_forgery"
 
 
-class Effects:
+class Effects(Publishing):
     """One run's Temporal calls, and what they need to remember between them: the activities
     scheduled (their ids), the records not yet in the audit sink, the notifications in flight
     and what the run last published."""
@@ -227,93 +209,6 @@ class Effects:
             run_metrics.on_refusal(record)
         elif record.kind == "transition":
             run_metrics.on_transition(self.data.lifecycle, record)
-
-    # ------------------------------------------------------------------ keys
-
-    def seal(self, records: list[TransitionRecord]) -> None:
-        """Sign the last of ``records`` for the stream this execution writes (workflow id, run id,
-        seq, link): its link covers the chain before it, so a sink, a view or an auditor takes
-        them as the fleet's. One signature a batch, made by the workflow code (Ed25519 is
-        deterministic: a replay signs the same)."""
-        if not records:
-            return
-        last, info = records[-1], workflow.info()
-        with self.keyed():
-            last.sig = self.ring().sign_statement(
-                keys.record_statement(info.workflow_id, info.run_id, last.seq, record_link(last))
-            )
-
-    def ring(self) -> keys.KeyRing:
-        return keys.worker_ring(workflow.extern_functions)
-
-    def check(self, activity_id: str, kind: str, request: BaseModel | str, result: BaseModel) -> None:
-        """An activity's answer bears the fleet key's MAC over exactly this request and answer
-        (workflow code; replay included), or the workflow task fails naming it."""
-        with self.keyed():
-            keys.check_attested(self.ring(), kind, workflow.info().workflow_id, activity_id, request, result)
-
-    def grant_problem(self, request: RunRequest) -> str | None:
-        """Why this run's grant is not one its parent's workflow code sealed for exactly this
-        child (the server names the parent), or None. A client's or a keyless poller's start
-        input cannot make one."""
-        grant = request.grant
-        if grant is None:
-            return None
-        info = workflow.info()
-        with self.keyed():
-            sealed = keys.grant_valid(self.ring(), grant.seal, grant.sealed_digest())
-        if not sealed:
-            return "the grant does not bear the fleet key's seal: only a parent run's workflow code makes one"
-        if grant.child != info.workflow_id:
-            return f"the grant was made for {grant.child}, not this run"
-        parent = info.parent
-        if info.continued_run_id is None and (parent is None or (parent.workflow_id, parent.run_id) != (grant.parent, grant.parent_run)):
-            return f"the grant names parent {grant.parent}, but this run was not started by it"
-        if (grant.tenant, grant.requested_by) != (request.tenant, request.requested_by):
-            return "the grant's tenant or requester differs from the run's"
-        return None
-
-    def check_seal(self, seal: str | None, generation: int, carried: Any) -> None:
-        """Carried state only from this run's own previous run: its seal names the run the server
-        says this one continued from and the next generation. Anything else is a forgery."""
-        info = workflow.info()
-        with self.keyed():
-            if not keys.seal_valid(
-                self.ring(), seal, info.workflow_id, info.continued_run_id or "", generation, json_digest(carried),
-            ):
-                raise keys.Forgery(keys.forgery_message(
-                    "the carried state", info.workflow_id,
-                    "it does not bear a seal by this run's previous run: an older or another run's state, or a made-up one",
-                ))
-
-    @contextmanager
-    def keyed(self) -> Iterator[None]:
-        """A key id this worker lacks, or a forgery, fails the workflow task: said in the worker's
-        log and counted (tether_key_missing, tether_forgery) before the task fails."""
-        try:
-            yield
-        except keys.KeyMissing as e:
-            workflow.logger.warning("%s", e)  # (the workflow logger and meter skip replays)
-            workflow.metric_meter().create_counter(
-                KEY_MISSING_METRIC, "Seals, capabilities and attestations naming a key id this worker lacks", "1"
-            ).add(1, {"key_id": e.key_id[:32], "what": "workflow"})
-            raise
-        except keys.Forgery as e:
-            workflow.logger.error("%s", e)
-            workflow.metric_meter().create_counter(
-                FORGERY_METRIC, "Answers and carried state a worker without the fleet key wrote", "1"
-            ).add(1)
-            raise
-
-    def mint(self, call: ToolCall, activity_id: str, check: AuthorityCheck, *, ttl_seconds: float) -> ToolCall:
-        """The write attempt's capability for exactly this call, minted with the fleet key once
-        the keyed re-check under the current file allowed it: nothing else can make a tool write."""
-        wf = workflow.info()
-        return call.model_copy(update={"capability": keys.mint(
-            self.ring(), call, workflow_id=wf.workflow_id, run_id=wf.run_id, activity_id=activity_id,
-            request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
-            ttl_seconds=ttl_seconds, rerun_unknown=check.undo is not None and check.undo.rerun,
-        )})
 
     # ------------------------------------------------------------------ activities
 
@@ -603,157 +498,3 @@ class Effects:
         self.show()
         self.publish_view()
 
-    # ------------------------------------------------------------------ notifications
-
-    def show(self) -> None:
-        """Before the run awaits anything: people who take an event are being told, and the
-        state is visible."""
-        self.notify()
-        self.publish()
-
-    def notify(self) -> None:
-        """Start a notify activity per event the policy has webhooks for; the run goes on."""
-        for note in self.engine.take_notifications(workflow.info().namespace):
-            self.notifying += 1
-            asyncio.create_task(self._deliver(note))
-
-    async def _deliver(self, note: Notification) -> None:
-        try:
-            result = await workflow.execute_activity(
-                "notify",
-                note.model_copy(update={"max_attempts": NOTIFY_RETRY.maximum_attempts}),
-                result_type=NotificationResult,
-                start_to_close_timeout=NOTIFY_ATTEMPT,
-                retry_policy=NOTIFY_RETRY,
-                summary=f"notify · {note.event} · {', '.join(note.webhooks)[:100]}",
-            )
-        except ActivityError as err:
-            result = NotificationResult(dead={name: activity_failure(err).code for name in note.webhooks})
-        except asyncio.CancelledError:
-            self.notifying -= 1
-            return  # the run is being cancelled: its own end is on the record
-        self.notifying -= 1
-        run_metrics.on_notification(note.event, len(result.delivered), len(result.dead))
-        self.engine.notification_done(note, result, workflow.now())
-
-    async def notified(self) -> None:
-        """The ending's own event (expired, failed, handed off) and any still being retried:
-        bounded by their backoff, so a dead webhook never holds the run."""
-        if self.notifying:
-            try:
-                await workflow.wait_condition(lambda: self.notifying == 0, timeout=NOTIFY_BUDGET, timeout_summary="notifications")
-            except asyncio.TimeoutError:
-                pass
-
-    # ------------------------------------------------------------------ publishing
-
-    def publish(self, listed_as: RunState | None = None) -> None:
-        """Make the state visible before the workflow waits.
-
-        Called before every await rather than on every move: states the run passes through
-        inside one workflow task are never observable, and each upsert costs a history event.
-        ``listed_as``: list the run as this state instead (RECEIVED while its first planner call
-        runs is listed as PLANNING, states.first_published).
-        """
-        state = listed_as or self.data.lifecycle.state
-        checked, self._published_checked = self._published_checked, True
-        if state.value != self.published and (not checked or to_publish(self.published, state)):
-            updates = [STATE_ATTRIBUTE.value_set(state.value)]
-            if not self._tenant_published:
-                updates.append(TENANT_ATTRIBUTE.value_set(self.request.tenant))
-                self._tenant_published = True
-            workflow.upsert_search_attributes(updates)
-            self.published = state.value
-        details = clip(self._details(), DETAILS_CHARS)
-        if details != self._shown:
-            workflow.set_current_details(details)
-            self._shown = details
-
-    def publish_view(self, *, ending: bool = False) -> None:
-        """Where the run rests: the view ``tether status``/``list``/``timeline`` and the inbox read
-        with no worker running (memo ``tether``), when it says something new. ``ending``: its
-        timeline holds every record not in the audit sink yet, too."""
-        data = self.data
-        # Not on every refused decision (a flood would write a view each): the sink has those.
-        key = (data.lifecycle.state_version, len(data.approved_by), self.audit_error,
-               data.pending_approval.request_id if data.pending_approval else None)
-        if key == self._viewed and not ending:
-            return
-        self._viewed = key
-        # For people: the latest records, their links left out (the sink has them).
-        timeline = [r.model_copy(update={"prev": ""}) for r in data.lifecycle.timeline[-VIEW_RECORDS:]]
-        if ending and self.audit:
-            # And the records the collector takes from here to the sink: chained, the last sealed.
-            self.seal(self.audit)
-            by_seq = {r.seq: r for r in [*timeline, *implied_links(self.audit)]}
-            timeline = [by_seq[seq] for seq in sorted(by_seq)]
-        info = workflow.info()
-        view = RunView(
-            snapshot=self.snapshot(),
-            timeline=timeline,
-            published_at=workflow.now(),
-            continued_from=info.continued_run_id,
-        )
-        # Signed for this run: whoever completes a task can write a memo, and only this
-        # signature makes it the run's word (tether status, the inbox, the audit collector).
-        with self.keyed():
-            view.sig = self.ring().sign_statement(keys.view_statement(info.workflow_id, info.run_id, keys.view_digest(view)))
-        workflow.upsert_memo({VIEW_MEMO: view.packed()})
-
-    def _details(self) -> str:
-        return run_details(
-            self.data, self.request, workflow_id=workflow.info().workflow_id,
-            continued=bool(workflow.info().continued_run_id), audit_error=self.audit_error,
-        )
-
-    # ------------------------------------------------------------------ continue-as-new
-
-    def continue_as_new(self) -> None:
-        """Continue as new with the run's (folded) state, sealed: the seal binds the state to this
-        run and to the generation it hands on, computed by the workflow code with the fleet key,
-        right before continuing, every time."""
-        data = self.data
-        info = workflow.info()
-        state = data.model_dump(mode="json")
-        sealed = keys.seal(self.ring(), info.workflow_id, info.run_id, data.generation + 1, json_digest(state))
-        workflow.continue_as_new(
-            self.request.model_copy(update={"carryover": data, "carryover_seal": sealed}),
-            search_attributes=TypedSearchAttributes(
-                [
-                    SearchAttributePair(STATE_ATTRIBUTE, data.lifecycle.state.value),
-                    SearchAttributePair(TENANT_ATTRIBUTE, self.request.tenant),
-                ]
-            ),
-            # On Worker Versioning, the next run starts on the deployment's current build (a
-            # run waiting weeks moves on at its next continue-as-new); unversioned: no effect.
-            initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
-        )
-
-
-def log_failure(tool_call_id: str, failure: ToolFailure) -> None:
-    # The error's text stays in the worker log: it may quote arguments, so the timeline and
-    # last_error only name its code.
-    workflow.logger.warning("tool call %s failed [%s]: %s", tool_call_id, failure.code, failure.message)
-
-
-def activity_failure(err: ActivityError) -> ToolFailure:
-    """What a failed activity tells the engine: code, message, permanent?, suggested delay,
-    and whether the attempt is known to be over."""
-    cause = err.cause
-    if isinstance(cause, ApplicationError):
-        delay = cause.next_retry_delay.total_seconds() if cause.next_retry_delay else None
-        code = cause.type or "error"
-        return ToolFailure(
-            code, cause.message, cause.non_retryable, delay, still_running=code == ATTEMPT_STILL_RUNNING
-        )
-    if isinstance(cause, TimeoutError):
-        # start_to_close: the deadline plus the grace period passed; heartbeat: the worker is
-        # gone. Either way the attempt is over, its outcome unknown.
-        code = f"timeout_{cause.type.name.lower()}" if cause.type else "timeout"
-        return ToolFailure(code, "no result in time (timeout or worker crash): outcome unknown", False)
-    if isinstance(cause, CancelledError):
-        # The server cancels an attempt no worker had started; a started one reports how its
-        # tool ended (activities/tools.py), so a cancel of a started one is not expected.
-        started = bool(err.started_event_id)
-        return ToolFailure("cancelled", "activity cancelled", False, started=started)
-    return ToolFailure(type(cause).__name__ if cause else "error", str(cause or err), False)

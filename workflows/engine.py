@@ -7,7 +7,7 @@ tests drive this same code with random event sequences.
 
 The engine is one run model (``workflows/run_model.py``: the run's state, the only code that
 writes it, and the helpers the phases share) and its phases, one module each: planning,
-approvals, steps, parallel groups, delegation, handoff (and cancel), compensating, outbox, carry and views; and the run's
+approvals and their timers, steps, parallel groups, delegation, handoff (and cancel), compensating, outbox, carry and views; and the run's
 program (``workflows/drive.py``), which says what to do next, one command at a time. The
 phases call one another only through what ``run_model.Phases`` declares: the type checker
 (``tests/workflows/test_types.py``) fails a rename there, and ``Engine(...)`` with a declared method missing.
@@ -25,9 +25,10 @@ from workflows.handoff import Handoff
 from workflows.outbox import Outbox
 from workflows.planning import Planning
 from workflows.steps import Steps
+from workflows.timers import Timers
 from workflows.views import Views
 
 
-class Engine(Drive, Planning, Approvals, Inbox, Steps, Groups, Delegating, Handoff, Compensating, Outbox, Carry, Views):
+class Engine(Drive, Planning, Approvals, Timers, Inbox, Steps, Groups, Delegating, Handoff, Compensating, Outbox, Carry, Views):
     """One run's decisions, and what it asks for next (``next``) and takes the result of
     (``on``). Every state change goes through ``data.lifecycle.move``."""

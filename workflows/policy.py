@@ -151,9 +151,8 @@ def effective_limits(limits: Limits, tenant: TenantPolicy | None) -> Limits:
 
 
 def tool_refusal(tenant: TenantPolicy | None, tool: str) -> str | None:
-    if tool == DELEGATE:
-        return None  # a child run: its tools are judged as the grant is made (max_depth, the tenant's tools)
-    if tenant is not None and tenant.tools is not None and tool not in tenant.tools:
+    # A child run (DELEGATE): its tools are judged as its grant is made (max_depth, the tenant's tools).
+    if tool != DELEGATE and tenant is not None and tenant.tools is not None and tool not in tenant.tools:
         return f"tool {tool!r} is not allowed for this tenant"
     return None
 
