@@ -94,10 +94,6 @@ def omit_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
 GROUP_MAX = 16
 
 
-# The plan step that delegates (a child run): its arguments are a Delegation.
-DELEGATE = "tether.delegate"
-
-
 class PlaybookStep(Contract):
     """One step of a playbook: a tool call; ``{"parallel": [step, ...]}``, a group of steps
     that run at once (read-only and idempotent tools only: the validator says so); or
@@ -110,13 +106,11 @@ class PlaybookStep(Contract):
 
     @model_validator(mode="after")
     def _one_kind(self) -> PlaybookStep:
-        kinds = [k for k, set_ in (("tool", bool(self.tool)), ("parallel", self.parallel is not None),
-                                   ("delegate", self.delegate is not None)) if set_]
-        if len(kinds) != 1:
+        # A tool step otherwise (an empty or unknown tool: validation says so, on the record).
+        kinds = [k for k, set_ in (("parallel", self.parallel is not None), ("delegate", self.delegate is not None)) if set_]
+        if len(kinds) > 1 or (kinds and (self.tool or self.args)):
             raise ValueError('a playbook step is one of {"tool": ...}, {"parallel": [step, ...]} or {"delegate": {...}}')
-        if kinds[0] != "tool" and self.args:
-            raise ValueError(f'a {kinds[0]} step has no "args"')
-        if self.parallel is not None and any(s.tool == "" for s in self.parallel):
+        if self.parallel is not None and any(s.parallel is not None or s.delegate is not None for s in self.parallel):
             raise ValueError("a parallel group holds tool steps, not groups or delegations")
         return self
 
@@ -217,6 +211,27 @@ class ToolCatalog(BaseModel):
 
     def get(self, name: str) -> ToolInfo | None:
         return next((t for t in self.tools if t.name == name), None)
+
+
+# The plan step that delegates (a child run): its arguments are a Delegation.
+DELEGATE = "tether.delegate"
+# Its catalog entry: it writes nothing itself (the child's writes are gated in the child), so
+# the parent runs it without an approval of its own.
+DELEGATE_INFO = ToolInfo(
+    name=DELEGATE,
+    description="Hand a sub-task to a child run with a narrowed grant: "
+    '{"goal": ..., "tools": [...], "max_steps": N, "playbook": [...]}',
+    effect=ToolEffect.READ_ONLY,
+    requires_approval=False,
+    args_schema={"type": "object"},
+    max_retries=0,
+)
+
+
+def run_catalog(catalog: ToolCatalog | None) -> ToolCatalog:
+    """The tools a run may plan with: its catalog snapshot's and the delegate step. (The
+    snapshot itself, which the run carries, stays as the worker gave it.)"""
+    return ToolCatalog(tools=[*(t for t in (catalog.tools if catalog else []) if t.name != DELEGATE), DELEGATE_INFO])
 
 
 class ExecutedStep(BaseModel):

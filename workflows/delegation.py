@@ -23,24 +23,13 @@ from pydantic import ValidationError
 
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import RunChild
-from workflows.contract import DELEGATE, STRICT, Delegation, Grant, Limits, ToolEffect, ToolInfo, first_error
+from workflows.contract import DELEGATE, STRICT, Delegation, Grant, Limits, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import RunOutcome, RunRequest
 from workflows.wire import ToolOutcome
 
 # How deep delegation goes when the policy sets no max_depth (1: children, no grandchildren).
 DEFAULT_DEPTH = 2
-# The catalog's entry for the delegate step: it writes nothing itself (the child's writes are
-# gated in the child), so the parent runs it without an approval of its own.
-DELEGATE_INFO = ToolInfo(
-    name=DELEGATE,
-    description="Hand a sub-task to a child run with a narrowed grant: "
-    '{"goal": ..., "tools": [...], "max_steps": N, "playbook": [...]}',
-    effect=ToolEffect.READ_ONLY,
-    requires_approval=False,
-    args_schema={"type": "object"},
-    max_retries=0,
-)
 
 
 class Delegating(RunModel):
@@ -161,8 +150,3 @@ class Delegating(RunModel):
         self.data.tool_calls += 1
         result = yield RunChild(self.child_request(delegation, grant), grant.child, f"delegate · {delegation.goal[:80]}")
         self.decide(lambda now: self.child_ended(result, now))
-
-
-def with_delegation(tools: list[ToolInfo]) -> list[ToolInfo]:
-    """The catalog's tools and the delegate step (once)."""
-    return [*(t for t in tools if t.name != DELEGATE), DELEGATE_INFO]

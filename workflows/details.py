@@ -16,7 +16,7 @@ from workflows.display import markdown_code as code
 from workflows.display import markdown_text as text
 from workflows.display import approve_command, shell_word, show_value
 from workflows import wording
-from workflows.contract import Plan, ToolCatalog
+from workflows.contract import Plan, ToolCatalog, run_catalog
 from workflows.run_state import RunData, RunRequest
 from workflows.states import RunState
 
@@ -127,7 +127,7 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
         lines += ["", f"**Policy file:** {text(data.policy_problem, 400)}"]
     if lc.refusals:
         lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
-    plan, catalog = data.plan, data.catalog or ToolCatalog()
+    plan, catalog = data.plan, run_catalog(data.catalog)
     if plan is not None and not lc.terminal:
         lines += ["", f"**Plan** v{plan.version} {code(plan.plan_hash)}", ""]
         if data.revisions:  # who revised it last, and the paths changed (values are in the steps)

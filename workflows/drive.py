@@ -14,7 +14,6 @@ from typing import Any
 
 from workflows.commands import Call, Checkpoint, Command, End, HandlersDone, Notified, Notify, RunChild, RunGroup, RunTool, Sleep, Wait
 from workflows.contract import DELEGATE
-from workflows.delegation import with_delegation
 from workflows.run_model import Program, RunFailed, RunModel, S
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal, RunSetup, Verdict
 
@@ -72,7 +71,7 @@ class Drive(RunModel):
                 setup = yield Call(
                     "run_setup", self.snapshot_request(self.workflow_id, self.started_at), RunSetup, "run setup", show=False
                 )
-            data.catalog, data.policy = setup.catalog.model_copy(update={"tools": with_delegation(setup.catalog.tools)}), setup.policy
+            data.catalog, data.policy = setup.catalog, setup.policy
         if data.lifecycle.state == S.RECEIVED:
             self.decide(self.received)
         if data.lifecycle.state == S.PLANNING and self.request.compensate_run is None and data.planning_rounds == 0:

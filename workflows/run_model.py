@@ -29,6 +29,7 @@ from workflows.contract import (
     PlanStep,
     RevisionRequest,
     ToolCatalog,
+    run_catalog,
     ToolInfo,
 )
 from workflows.policy_file import TenantPolicy
@@ -343,7 +344,9 @@ class RunModel(Phases):
 
     @property
     def catalog(self) -> ToolCatalog:
-        return self.data.catalog or ToolCatalog()
+        if self._catalog[0] is not self.data.catalog:  # the snapshot and the delegate step, once
+            self._catalog = (self.data.catalog, run_catalog(self.data.catalog))
+        return self._catalog[1]
 
     def current_step(self) -> PlanStep | None:
         """The plan's next step; while COMPENSATING, the next compensation as a step."""
@@ -405,6 +408,8 @@ class RunModel(Phases):
 
     # Why the run's grant was refused at its start (the workflow checks its seal), or None.
     grant_problem: str | None = None
+    # The catalog the run plans with, made from the snapshot it was made from.
+    _catalog: tuple[ToolCatalog | None, ToolCatalog] = (None, run_catalog(None))
 
     # The step a cancel waited for, as tool_settled_on_cancel recorded it: (step, outcome, code).
     _settled: tuple[PlanStep, EffectOutcome, str | None] | None = None

@@ -70,7 +70,7 @@ class Views(RunModel):
         if data.plan is None or data.catalog is None:
             return []
         names = dict.fromkeys(s.tool for s in data.plan.steps)
-        return [info for name in names if (info := data.catalog.get(name)) is not None]
+        return [info for name in names if (info := self.catalog.get(name)) is not None]
 
     def final_failure(self) -> str | None:
         """A run that ended FAILED or EXECUTION_FAILED fails its execution (Temporal's status

@@ -251,11 +251,11 @@ async def test_demo_prints_commands_that_paste(dev_env: WorkflowEnvironment, bil
 def test_help_imports_neither_the_client_nor_temporal_nor_pydantic() -> None:
     """`tether --help` (and a command's --help, and a usage error) print before anything heavy is
     imported: the client, Temporal, pydantic and the workflow models are imported on first use."""
-    heavy = ("client", "temporalio", "pydantic", "workflows.contract", "workflows.states", "asyncio")
+    heavy = ("tether.client", "temporalio", "pydantic", "workflows.contract", "workflows.states", "asyncio")
     script = (
         "import sys, starter\n"
         "try:\n    starter.main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
-        f"print(code, *sorted({{m.split('.')[0] if m.split('.')[0] != 'workflows' else m for m in sys.modules}} & {set(heavy)!r}), "
+        f"print(code, *sorted({{m.split('.')[0] if m.split('.')[0] not in ('workflows', 'tether') else '.'.join(m.split('.')[:2]) for m in sys.modules}} & {set(heavy)!r}), "
         "file=sys.stderr)"
     )
     for argv in (["--help"], ["status", "--help"], ["approve", "--help"], ["status"], ["--version"]):
@@ -263,7 +263,7 @@ def test_help_imports_neither_the_client_nor_temporal_nor_pydantic() -> None:
         assert proc.stderr.splitlines()[-1] == ("2" if argv == ["status"] else "0"), (argv, proc.stderr)
     # What a command needs is there once it runs (the README's table is generated from the same parser).
     proc = subprocess.run([sys.executable, "-c", "import sys, starter; starter.main(['status', 'no-such-run']); "
-                           "print('client' in sys.modules, 'temporalio' in sys.modules)"],
+                           "print('tether.client' in sys.modules, 'temporalio' in sys.modules)"],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TEMPORAL_ADDRESS": "127.0.0.1:1"})
     assert proc.stdout.split() == ["True", "True"] and "cannot reach Temporal" in proc.stderr, (proc.stdout, proc.stderr)
 

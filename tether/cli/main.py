@@ -124,6 +124,6 @@ def run() -> None:
     except SystemExit as e:  # argparse: --help (0) and usage errors (2)
         code = e.code
     code = code if isinstance(code, int) or code is None else USAGE
-    if "client" in sys.modules:  # Temporal's native threads may be running: no interpreter teardown
+    if "tether.client" in sys.modules:  # Temporal's native threads may be running: no interpreter teardown
         client.exit_process(code)
     sys.exit(code)  # --help, a usage error: nothing was imported that needs more
