@@ -401,7 +401,8 @@ class PolicyActivities:
                 attested_by=approval.attested_by, steps=approval.steps,
             )
             return decision_signature_refusal(
-                tenant, workflow_id=check.workflow_id, first_run_id=check.first_run_id, tenant_name=check.tenant,
+                tenant, workflow_id=check.approved_in or check.workflow_id,
+                first_run_id=check.approved_in_run or check.first_run_id, tenant_name=check.tenant,
                 kind="approve", decision=decision, signers=self._signers(),
             )
 

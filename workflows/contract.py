@@ -136,10 +136,12 @@ class Delegation(Contract):
     tools: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(min_length=1, max_length=64)
     max_steps: int = Field(5, ge=1, le=1000)
     playbook: list[PlaybookStep] | None = Field(None, min_length=1, max_length=200)
+    # The child's planner (None: "playbook" with a playbook, else the parent's).
+    planner: str | None = Field(None, min_length=1, max_length=64)
 
     @model_serializer(mode="wrap")
     def _without_unset(self, handler: Any) -> dict[str, Any]:
-        return omit_defaults(handler(self), {"playbook": None})
+        return omit_defaults(handler(self), {"playbook": None, "planner": None})
 
 
 PlaybookStep.model_rebuild()
@@ -162,8 +164,15 @@ class Grant(Contract):
     requested_by: str = Field(min_length=1, max_length=128)  # the root's requester: four-eyes holds
     parent_goal: str = Field("", max_length=2000)
     # The parent's approved plan named these writes (tool and arguments): the parent's approval
-    # covers them in the child; any other write asks its own approval.
+    # in force (who approved, for which request and plan of the parent's, the roles and count it
+    # met) covers them in the child; any other write asks its own approval.
     covered: list[PlaybookStep] = Field(default_factory=list, max_length=200)
+    approved: list[AcceptedApproval] = Field(default_factory=list, max_length=20)
+    approved_roles: list[str] = Field(default_factory=list, max_length=20)
+    approvals_required: int = Field(0, ge=0, le=20)
+    approved_request: str = Field("", max_length=128)
+    approved_plan: str = Field("", max_length=128)
+    parent_first_run: str = Field("", max_length=256)
     seal: str = Field("", max_length=200)
 
     def sealed_digest(self) -> str:
@@ -581,3 +590,6 @@ class CompensationCall(BaseModel):
     @property
     def tool_call_id(self) -> str:
         return f"{self.of}:undo"
+
+
+Grant.model_rebuild()  # it names AcceptedApproval, defined after it

@@ -23,9 +23,9 @@ from pydantic import ValidationError
 
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import RunChild
-from workflows.contract import DELEGATE, STRICT, Delegation, Grant, Limits, first_error
+from workflows.contract import DELEGATE, STRICT, Delegation, Grant, Limits, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
-from workflows.run_state import RunOutcome, RunRequest
+from workflows.run_state import PendingApproval, RunOutcome, RunRequest
 from workflows.wire import ToolOutcome
 
 # How deep delegation goes when the policy sets no max_depth (1: children, no grandchildren).
@@ -82,6 +82,21 @@ class Delegating(RunModel):
         tools = [t for t in delegation.tools if self.grant_refusal(t) is None and self.catalog.get(t) is not None]
         effects = sorted({info.effect for t in tools if (info := self.catalog.get(t))}, key=lambda e: e.value)
         parent = self.request.grant
+        # The approval in force (this run's own: one its grant lent it covers no grandchild) covers
+        # the writes the delegation's playbook names: the approved plan hash covers them.
+        approval = self.data.approval if self.data.approval is not None and not self.lent_approval() else None
+        covered = [
+            PlaybookStep(tool=s.tool, args=s.args) for s in (delegation.playbook or [])
+            if approval is not None and s.tool in tools and (info := self.catalog.get(s.tool)) is not None
+            and info.effect != ToolEffect.READ_ONLY
+        ]
+        coverage: dict[str, Any] = {}
+        if approval is not None and covered:
+            coverage = dict(
+                covered=covered, approved=list(approval.approvals), approved_roles=list(approval.roles),
+                approvals_required=approval.approvals_required, approved_request=approval.request_id,
+                approved_plan=approval.plan_hash, parent_first_run=self.data.first_run_id,
+            )
         return Grant(
             root=parent.root if parent else self.workflow_id,
             parent=self.workflow_id,
@@ -94,6 +109,7 @@ class Delegating(RunModel):
             max_steps=min(delegation.max_steps, self.limits.max_steps - self.data.steps_executed),
             requested_by=self.request.requested_by,
             parent_goal=self.request.goal[:2000],
+            **coverage,
         )
 
     def child_request(self, delegation: Delegation, grant: Grant) -> RunRequest:
@@ -101,7 +117,7 @@ class Delegating(RunModel):
             goal=delegation.goal,
             tenant=self.request.tenant,
             requested_by=self.request.requested_by,
-            planner="playbook" if delegation.playbook else self.request.planner,
+            planner=delegation.planner or ("playbook" if delegation.playbook else self.request.planner),
             playbook=delegation.playbook or [],
             limits=Limits(max_steps=grant.max_steps, max_replans=self.limits.max_replans,
                           approval_ttl_seconds=self.limits.approval_ttl_seconds),
@@ -109,6 +125,37 @@ class Delegating(RunModel):
             on_cancel=self.request.on_cancel,
             grant=grant,
         )
+
+    def lent_approval(self) -> bool:
+        """Is the approval in force the parent's, lent by this run's grant?"""
+        grant, approval = self.request.grant, self.data.approval
+        return grant is not None and approval is not None and bool(grant.approved_request) \
+            and approval.request_id == grant.approved_request
+
+    def covered_by_parent(self, from_step: int = 0) -> bool:
+        """Does the parent's approval cover the plan's remaining writes: each one a write its
+        approved plan named, the same tool and the same arguments?"""
+        grant, plan = self.request.grant, self.data.plan
+        if grant is None or not grant.approved or plan is None:
+            return False
+        covered = [(s.tool, s.args) for s in grant.covered]
+        writes = [s for s in plan.steps[from_step:] if (info := self.catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY]
+        return bool(writes) and all((s.tool, s.args) in covered for s in writes)
+
+    def lend_approval(self, at: datetime) -> None:
+        """The parent's approval covers the plan (and the current file still says so): it is
+        the approval in force here; the writes run under it, each re-checked as any write."""
+        grant, plan = require(self.request.grant, "no grant"), require(self.data.plan, "no plan")
+        self.data.approval = PendingApproval(
+            plan_hash=grant.approved_plan, request_id=grant.approved_request, expires_at=at,
+            summary=f"the approval of {grant.parent}", approvals_required=grant.approvals_required,
+            roles=list(grant.approved_roles), approvals=list(grant.approved),
+        )
+        self.data.approved_by = [a.approver for a in grant.approved]
+        self.enter_step(at=at, reason=(
+            f"covered by the approval of parent run {grant.parent} (request {grant.approved_request}, approved by "
+            f"{', '.join(self.data.approved_by)}): its approved plan named these writes (plan {plan.plan_hash[:12]})"
+        ))
 
     def grant_refused(self, at: datetime) -> None:
         """A start whose grant is not the fleet's for this child: nothing runs."""

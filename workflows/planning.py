@@ -169,6 +169,9 @@ class Planning(RunModel):
         if not review.needs_approval and refusal is None:
             self.enter_step(at=at, reason=f"policy needs no approval: {review.summary}")
             return
+        if review.needs_approval and refusal is None and self.covered_by_parent():
+            self.lend_approval(at)  # a child run: the writes its parent's approved plan named
+            return
         if review.needs_approval and (refusal is None or refusal.rule == "approval_needed"):
             # What the snapshot said, and the current file too (or it would let the writes run
             # alone, and a person decides all the same): the snapshot's terms.

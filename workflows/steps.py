@@ -77,9 +77,20 @@ class Steps(RunModel):
             requested_by=self.request.requested_by,
             plan_hash=data.plan.plan_hash,
         )
+        grant = self.request.grant
+        if approval is None and grant is not None and self.covered_by_parent(from_step):
+            # A child run: its parent's approval, judged again for these steps under the current
+            # file (the signatures name the parent's run).
+            return AuthorityCheck(
+                approvals=[a.approver for a in grant.approved], roles=grant.approved_roles,
+                approvals_required=grant.approvals_required, approved=grant.approved, request_id=grant.approved_request,
+                approved_in=grant.parent, approved_in_run=grant.parent_first_run, **context,
+            )
         if approval is None:
             # Ran without approval: the current policy must still say so, for what is left.
             return AuthorityCheck(approvals=[], roles=[], approvals_required=0, **context)
+        if grant is not None and approval is self.data.approval and self.lent_approval():
+            context.update(approved_in=grant.parent, approved_in_run=grant.parent_first_run)
         return AuthorityCheck(
             approvals=[a.approver for a in approval.approvals],
             roles=approval.roles,

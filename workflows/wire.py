@@ -334,6 +334,10 @@ class AuthorityCheck(BaseModel):
     requested_by: str = ""
     request_id: str = ""
     plan_hash: str = ""
+    # A child run whose writes its parent's approval covers: the parent run (workflow id, first
+    # run id) whose decisions the approvals' signatures name.
+    approved_in: str = ""
+    approved_in_run: str = ""
     # Given: the attempt to mint a capability for (its activity id, its deadline in seconds).
     call: ToolCall | None = None
     activity_id: str = ""

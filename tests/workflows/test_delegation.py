@@ -60,6 +60,20 @@ class Overreacher:
         return Proposal(steps=[ProposedStep(tool="issue_refund", args=refund("A-1003", 300, self.reason)["args"])])
 
 
+async def started_child(env: WorkflowEnvironment, child_id: str):
+    """The child's handle, once the parent has started it (waits for that event, not a time)."""
+    from temporalio.service import RPCError
+
+    handle = env.client.get_workflow_handle(child_id)
+    for _ in range(600):
+        try:
+            await handle.describe()
+            return handle
+        except RPCError:
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"the child {child_id} was never started")
+
+
 async def child_outcome(env: WorkflowEnvironment, parent: RunOutcome) -> tuple[str, RunOutcome]:
     step = next(s for s in parent.steps if s.tool == DELEGATE)
     child_id = f"{parent.run_id}.{step.tool_call_id}"
@@ -177,3 +191,37 @@ async def test_a_cancel_of_the_parent_reaches_its_running_child(dev_env: Workflo
         child_snap = await snapshot(child)
     assert parent.state == S.CANCELLED and child_snap.state == S.CANCELLED
     assert held_tools.IN_FLIGHT[tag] == 0 and "after" not in held_tools.ORDER[tag]
+
+
+async def test_the_parents_approval_covers_the_writes_its_plan_named(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    named, own = uuid.uuid4().hex, uuid.uuid4().hex
+    playbook = [delegate(refund("A-1002", 300, named), tools=("issue_refund",), goal="refund the named amount"),
+                refund("A-1002", 200, own)]
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        parent = await asyncio.wait_for(run_outcome(handle), 90)
+        _, child = await child_outcome(dev_env, parent)
+    assert parent.state == S.COMPLETED and child.state == S.COMPLETED, (parent.timeline[-1].reason, child.timeline[-1].reason)
+    assert not any(r.to_state == S.AWAITING_APPROVAL for r in child.timeline)  # it asked nobody
+    assert any(f"covered by the approval of parent run {handle.id}" in r.reason for r in child.timeline)
+    assert len(refunds_with(billing, named)) == 1 and len(refunds_with(billing, own)) == 1
+
+
+async def test_a_child_that_claims_its_parents_approval_for_other_arguments_asks_its_own(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    named, claimed = uuid.uuid4().hex, uuid.uuid4().hex
+    planners = {**BUILTIN_PLANNERS, "overreach": Overreacher(claimed)}  # the child proposes A-1003, not A-1002
+    body = delegate(refund("A-1002", 300, named), tools=("issue_refund",), goal="child: refund")
+    body["delegate"]["planner"] = "overreach"
+    async with running_worker(dev_env.client, planners=planners) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([body, refund("A-1002", 200, uuid.uuid4().hex)]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child = await started_child(dev_env, f"{handle.id}.{snap.plan.steps[0].tool_call_id}")
+        child_snap = await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        await handle.cancel()
+    assert child_snap.pending_approval is not None and child_snap.approved_by == []
+    assert refunds_with(billing, claimed) == [] and refunds_with(billing, named) == []
