@@ -225,3 +225,22 @@ async def test_a_child_that_claims_its_parents_approval_for_other_arguments_asks
         await handle.cancel()
     assert child_snap.pending_approval is not None and child_snap.approved_by == []
     assert refunds_with(billing, claimed) == [] and refunds_with(billing, named) == []
+
+
+async def test_the_documented_example_delegates_a_read_only_lookup_then_refunds(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """docs/architecture.md's worked example (examples/billing/delegate.playbook.json): a child
+    looks up three orders at once, read-only; the parent then refunds, with bob's approval."""
+    playbook = json.loads((Path(__file__).resolve().parents[2] / "examples/billing/delegate.playbook.json").read_text())
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook, goal="Refund A-1001 for the late delivery"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert [s.tool for s in snap.plan.steps] == [DELEGATE, "issue_refund"]
+        await handle.signal("approve", approval_for(snap, "bob"))
+        parent = await asyncio.wait_for(run_outcome(handle), 90)
+        _, child = await child_outcome(dev_env, parent)
+    assert parent.state == S.COMPLETED and child.state == S.COMPLETED
+    assert sorted(s.args.get("order_id", "") for s in child.steps) in (["A-1001", "A-1002", "A-1003"], ["", "", ""])
+    assert [s.tool for s in child.steps] == ["get_order"] * 3
+    assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in child.timeline)
+    grant = (await dev_env.client.get_workflow_handle(child.run_id).fetch_history()).events[0]
+    assert json.loads(grant.workflow_execution_started_event_attributes.input.payloads[0].data)["grant"]["tools"] == ["get_order"]
