@@ -27,6 +27,7 @@ from workflows.contract import (
     Revision,
     ToolCatalog,
     ToolInfo,
+    omit_defaults,
     json_digest,
 )
 from workflows.identity import Name
@@ -213,6 +214,18 @@ class RunSnapshot(BaseModel):
     # approver is shown about each step (effect, summary fields), as the run itself judges them.
     tools: list[ToolInfo] = Field(default_factory=list)
     revisions: list[Revision] = Field(default_factory=list)
+    # A child run: its parent, the parent's goal, its depth and the tools its grant gives; a
+    # parent: the child runs its delegate steps started (their workflow ids).
+    parent: str | None = None
+    parent_goal: str = ""
+    depth: int = 0
+    grant_tools: list[str] = Field(default_factory=list)
+    children: list[str] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _tree_when_set(self, handler: Any) -> dict[str, Any]:
+        # Left out for a run outside any tree: snapshots and views read as they did.
+        return omit_defaults(handler(self), {"parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": []})
 
 
 class RunView(Packed):

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from workflows.budgets import clip
-from workflows.contract import ExecutedStep, ToolInfo
-from workflows.run_model import RunModel
+from typing import Any
+
+from workflows.contract import DELEGATE, ExecutedStep, ToolInfo
+from workflows.run_model import RunModel, S
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import TEMPORAL_STATUS
 
@@ -63,7 +65,22 @@ class Views(RunModel):
             updates=self.updates,
             tools=self._plan_tools(),
             revisions=data.revisions,
+            **self._tree(),
         )
+
+    def _tree(self) -> dict[str, Any]:
+        """Where the run stands in a delegation tree: its parent and grant, its children."""
+        grant = self.request.grant
+        tree: dict[str, Any] = {}
+        if grant is not None:
+            tree.update(parent=grant.parent, parent_goal=grant.parent_goal, depth=grant.depth, grant_tools=grant.tools)
+        plan = self.data.plan
+        if plan is not None:
+            delegated = {s.tool_call_id for s in self.data.executed if s.tool == DELEGATE}
+            if self.state == S.EXECUTING_TOOL and (step := self.current_step()) is not None and step.tool == DELEGATE:
+                delegated.add(step.tool_call_id)  # the child under way
+            tree["children"] = [f"{self.workflow_id}.{s.tool_call_id}" for s in plan.steps if s.tool_call_id in delegated]
+        return tree
 
     def _plan_tools(self) -> list[ToolInfo]:
         data = self.data

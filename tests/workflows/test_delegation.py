@@ -244,3 +244,20 @@ async def test_the_documented_example_delegates_a_read_only_lookup_then_refunds(
     assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in child.timeline)
     grant = (await dev_env.client.get_workflow_handle(child.run_id).fetch_history()).events[0]
     assert json.loads(grant.workflow_execution_started_event_attributes.input.payloads[0].data)["grant"]["tools"] == ["get_order"]
+
+
+async def test_status_shows_the_tree(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """`tether status` of a parent names its children; of a child, its parent, the parent's
+    goal and what its grant gives it."""
+    from tether.cli.output import format_status
+    from tether.client import status
+
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([delegate(LOOKUP)], goal="Refund A-1001 (tree)"))
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        child_id, _ = await child_outcome(dev_env, parent)
+        shown_parent = format_status(await status(dev_env.client, handle.id, live=True))
+        shown_child = format_status(await status(dev_env.client, child_id, live=True))
+    assert f"child      {child_id}" in shown_parent
+    assert f"child of   {handle.id} (depth 1): Refund A-1001 (tree)" in shown_child
+    assert "grant      tools get_order" in shown_child

@@ -71,6 +71,11 @@ def format_status(s: client.RunStatus) -> str:
         f"tenant     {show(s.tenant)}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if s.parent:  # a child run: whose, and what its grant gives it
+        lines.append(f"child of   {show(s.parent)} (depth {s.depth}): {show(s.parent_goal, 200)}")
+        lines.append(f"grant      tools {', '.join(show(t) for t in s.grant_tools)}")
+    for child in s.children:
+        lines.append(f"child      {show(child)}  ({invoked_as()} status {show(shlex.quote(child))})")
     if s.published_at is not None:
         moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")
