@@ -334,3 +334,31 @@ def test_only_programs_import_the_cli() -> None:
     assert users == ["examples.demo", "starter"], users
     assert "tether.client" in graph["tether.cli.base"]  # the one module of the CLI that names the client
     assert not [m for m, deps in graph.items() if cli(m) and m != "tether.cli.base" and "tether.client" in deps]
+
+
+# ----------------------------------------------------------------------------- the house drawn
+
+HOUSE_ROW = re.compile(r"^(?P<room>[a-z.]+)\s*->\s*(?P<deps>.*)$")
+
+
+def room_of(module: str) -> str:
+    """A module's room in docs/architecture.md's drawing of the house."""
+    for room in ("tether.client", "tether.cli", "tether.inbox"):
+        if module == room or module.startswith(room + "."):
+            return room
+    return module.split(".")[0]
+
+
+def test_the_house_drawing_is_the_imports() -> None:
+    """docs/architecture.md draws the whole house, a room a line: the drawing is the imports."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    block = text.split("<!-- house -->", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    drawn = {m["room"]: set() if m["deps"].strip() == "(nothing)" else set(m["deps"].split())
+             for line in block.strip().splitlines() if (m := HOUSE_ROW.match(line.strip()))}
+    actual: dict[str, set[str]] = {}
+    for module, deps in house_imports().items():
+        room = actual.setdefault(room_of(module), set())
+        room |= {room_of(d) for d in deps} - {room_of(module)}
+    assert drawn == actual, {r: (sorted(drawn.get(r, ())), sorted(actual.get(r, ()))) for r in {*drawn, *actual}
+                             if drawn.get(r) != actual.get(r)}
+    assert not circles(actual)
