@@ -104,13 +104,6 @@ class PlaybookStep(Contract):
     parallel: list[PlaybookStep] | None = Field(None, min_length=1, max_length=GROUP_MAX)
     delegate: Delegation | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _names_its_kind(cls, value: Any) -> Any:
-        if isinstance(value, dict) and not {"tool", "parallel", "delegate"} & set(value):
-            raise ValueError('a playbook step names a "tool" (or is {"parallel": [...]} or {"delegate": {...}})')
-        return value
-
     @model_validator(mode="after")
     def _one_kind(self) -> PlaybookStep:
         # A tool step otherwise (an empty or unknown tool: validation says so, on the record).

@@ -55,7 +55,7 @@ def test_a_playbook_group_is_a_list_of_tool_steps() -> None:
         {"parallel": []},
         {"parallel": [group(step("held_read", "t"))]},  # a group in a group
         {"tool": "held_read", "parallel": [step("held_read", "t")]},
-        {},
+        {"delegate": {"goal": "g", "tools": ["held_read"]}, "parallel": [step("held_read", "t")]},
     ):
         with pytest.raises(ValidationError):
             PlaybookStep.model_validate(bad, context=STRICT)
