@@ -1,0 +1,192 @@
+"""Property tests over random delegation trees and parallel groups, driven through the real
+engine (workflows/engine.py, the code the workflow runs): planners that propose anything (tools
+outside a grant, delegations deeper than the policy allows, more steps than are left, writes in
+a group), people who approve or let requests expire, tools that answer.
+
+The world's part is played here, never the workflow's: each run's engine says what it does next
+(``Engine.next``), including starting a child run (``RunChild``), and this driver answers it
+(``Engine.on``); a child is another engine, driven the same way, whose outcome is its parent's
+step result. Invariants, checked as the runs go:
+- a grant never holds more than its parent: a subset of its tools and their effect classes, at
+  most its remaining steps, one level deeper and within ``max_depth``, the same tenant and
+  requester; the approval it lends is the parent's approval in force, for writes its plan named;
+- a child calls only tools its grant gives;
+- no write runs without an approval in force (a lent one only for a write the parent's approved
+  plan named: the same tool and arguments);
+- every unsafe write is sent at most once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import examples.billing.tools  # noqa: F401  (registers the billing tools)
+from activities.tools import REGISTRY
+from workflows.commands import Call, Checkpoint, End, Landed, Mint, Probe, Readings, RunChild, RunGroup, RunTool, Sleep, Wait
+from workflows.contract import DELEGATE, ApprovalDecision, ToolEffect
+from workflows.engine import Engine
+from workflows.policy_file import Budgets, TenantPolicy
+from workflows.run_state import RunData, RunOutcome, RunRequest
+from workflows.states import TERMINAL, RunState
+from workflows.wire import PolicySnapshot, Proposal, ProposedStep, ToolOutcome, Verdict
+
+S = RunState
+CATALOG = REGISTRY.catalog()
+TOOLS = [t.name for t in CATALOG.tools]
+START = datetime(2026, 1, 1, tzinfo=timezone.utc)
+OK_RESULT = '{"refund_id": "R-1", "entry_id": "L-1", "email_id": "E-1"}'
+STEPS = {
+    "get_order": {"order_id": "A-1001"},
+    "issue_refund": {"order_id": "A-1001", "amount_cents": 100, "reason": "r"},
+    "post_ledger_entry": {"order_id": "A-1001", "amount_cents": -100, "memo": "m"},
+    "send_email": {"to": "a@b.c", "subject": "s", "body": "b"},
+}
+MAX_COMMANDS = 400  # per run: a run that goes on longer is cut (nothing it did is unchecked)
+
+
+def effect(tool: str) -> ToolEffect:
+    info = CATALOG.get(tool)
+    return info.effect if info else ToolEffect.UNSAFE
+
+
+class Tree:
+    """The world around a tree of runs: planners, approvers, tools and the children's engines."""
+
+    def __init__(self, data: st.DataObject, max_depth: int) -> None:
+        self.draw = data.draw
+        self.max_depth = max_depth
+        self.tenant = TenantPolicy(budgets=Budgets(max_depth=max_depth, max_parallel=3))
+        self.sent: Counter[str] = Counter()
+        self.runs = 0
+
+    def engine(self, request: RunRequest, workflow_id: str) -> Engine:
+        data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=self.tenant, policy_hash="h", source="test"))
+        return Engine(data, request, workflow_id=workflow_id, new_request_id=lambda: uuid.uuid4().hex, started_at=START)
+
+    # ------------------------------------------------------------------ proposals
+
+    def step(self, depth: int, among: list[str] | None = None) -> tuple[str, Any]:
+        """A step: a tool (mostly one of ``among``, a delegation's tools) or a delegation."""
+        kind = self.draw(st.sampled_from(["tool", "tool", "delegate"] if depth < 4 else ["tool"]))
+        if kind == "tool":
+            pool = [t for t in (among or []) if t in STEPS] if among and self.draw(st.integers(0, 4)) else sorted(STEPS)
+            tool = self.draw(st.sampled_from(pool or sorted(STEPS)))
+            return tool, dict(STEPS[tool])
+        tools = self.draw(st.lists(st.sampled_from(TOOLS), min_size=1, max_size=4, unique=True))
+        playbook = None
+        if self.draw(st.integers(0, 3)):
+            inner = [self.step(depth + 1, among=tools) for _ in range(self.draw(st.integers(1, 3)))]
+            playbook = [{"delegate": args} if tool == DELEGATE else {"tool": tool, "args": args} for tool, args in inner]
+        args: dict[str, Any] = {"goal": f"sub-task at depth {depth + 1}", "tools": tools, "max_steps": self.draw(st.integers(1, 12))}
+        if playbook:
+            args["playbook"] = playbook
+        return DELEGATE, args
+
+    def proposal(self, engine: Engine) -> Proposal:
+        if engine.data.steps_executed and self.draw(st.booleans()):
+            return Proposal(answer="done")
+        steps = [ProposedStep(tool=t, args=a) for t, a in (self.step(engine.depth()) for _ in range(self.draw(st.integers(1, 3))))]
+        if len(steps) >= 2 and self.draw(st.booleans()):  # the first two as a parallel group
+            steps[0] = steps[0].model_copy(update={"group": 1})
+            steps[1] = steps[1].model_copy(update={"group": 1})
+        return Proposal(steps=steps)
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_grant(self, parent: Engine, command: RunChild) -> None:
+        grant = command.request.grant
+        allowed = set(parent.request.grant.tools) if parent.request.grant else set(TOOLS)
+        assert set(grant.tools) <= allowed, f"a grant of {grant.tools} from a parent holding {sorted(allowed)}"
+        assert set(grant.effects) <= {effect(t) for t in grant.tools}, "an effect class beyond the grant's tools"
+        assert grant.max_steps <= parent.limits.max_steps - parent.data.steps_executed, "more steps than the parent has left"
+        assert grant.depth == parent.depth() + 1 <= self.max_depth, "deeper than the policy allows"
+        assert (grant.tenant, grant.requested_by) == (parent.request.tenant, parent.request.requested_by)
+        assert command.request.limits.max_steps <= grant.max_steps
+        if grant.approved:
+            approval = parent.data.approval
+            assert approval is not None and grant.approved == approval.approvals, "a lent approval not in force"
+            step = parent.current_step()
+            named = [(s.get("tool"), s.get("args")) for s in step.args.get("playbook", [])]
+            assert all((c.tool, c.args) in named for c in grant.covered), "a covered write the parent's plan did not name"
+
+    def check_call(self, engine: Engine, tool: str, args: dict[str, Any], key: str) -> None:
+        grant = engine.request.grant
+        if grant is not None:
+            assert tool in grant.tools, f"a child called {tool}, outside its grant {grant.tools}"
+        if effect(tool) != ToolEffect.READ_ONLY:
+            approval = engine.data.approval
+            assert approval is not None and approval.approvals, f"a write of {tool} with no approval in force"
+            if engine.lent_approval():
+                assert (tool, args) in [(c.tool, c.args) for c in grant.covered], "a lent approval for a write it did not name"
+        self.sent[key] += 1
+        if effect(tool) == ToolEffect.UNSAFE:
+            assert self.sent[key] == 1, f"unsafe write {key} sent twice"
+
+    # ------------------------------------------------------------------ driving
+
+    def run(self, request: RunRequest, workflow_id: str) -> RunOutcome:
+        """Drive one run to its end (its children too, as it starts them)."""
+        self.runs += 1
+        e = self.engine(request, workflow_id)
+        now = START
+        e.start()
+        ending = False
+        for _ in range(MAX_COMMANDS):
+            now += timedelta(seconds=1)
+            command = e.next(now)
+            if isinstance(command, End):
+                if ending:
+                    break
+                ending = True
+                e.start(ending=True)
+                continue
+            e.on(command, self.answer(e, command), now + timedelta(seconds=1))
+        return e.outcome(workflow_id)
+
+    def answer(self, e: Engine, command: Any) -> Any:
+        if isinstance(command, Probe):
+            return Readings(suggested=False, history_bytes=0, history_events=0, handlers_finished=True, notifying=0)
+        if isinstance(command, Mint):
+            return command.call
+        if isinstance(command, Call):
+            if command.name == "plan":
+                return self.proposal(e)
+            if command.name in ("policy_check_authority", "policy_check_decision", "policy_check_handoff"):
+                return Verdict(policy_hash="h")
+            raise AssertionError(f"no answer to {command.name}")
+        if isinstance(command, RunTool):
+            self.check_call(e, command.call.tool, command.call.args, command.call.idempotency_key)
+            return ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT))
+        if isinstance(command, RunGroup):
+            landed = []
+            for i, run in enumerate(command.members):
+                self.check_call(e, run.call.tool, run.call.args, run.call.idempotency_key)
+                landed.append(Landed(i, ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT)), START))
+            return landed
+        if isinstance(command, RunChild):
+            self.check_grant(e, command)
+            return self.run(command.request, command.child_id)
+        if isinstance(command, Wait) and "inbox" in command.until and e.data.pending_approval is not None:
+            pending = e.data.pending_approval
+            if self.draw(st.integers(0, 4)) > 0:  # bob approves (else the wait runs out: expiry)
+                decision = ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=pending.plan_hash,
+                                            request_id=pending.request_id)
+                e.receive("approve", decision, e.at)
+            return None
+        assert isinstance(command, (Checkpoint, Sleep, Wait)) or type(command).__name__ in (
+            "Show", "Publish", "Notify", "Notified", "HandlersDone"), f"no answer to {command}"
+        return None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data(), max_depth=st.integers(0, 3))
+def test_random_delegation_trees_never_widen_a_grant_or_write_unapproved(data: st.DataObject, max_depth: int) -> None:
+    tree = Tree(data, max_depth)
+    outcome = tree.run(RunRequest(goal="g", requested_by="alice", limits={"max_steps": 12, "max_replans": 2}), "root")
+    assert outcome.state in TERMINAL, f"the root did not end in {MAX_COMMANDS} commands: {outcome.state.value}"
