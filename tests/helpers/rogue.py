@@ -1,5 +1,6 @@
 """A worker without keys, as a hostile test plays one: it polls a run's workflow task and answers it
-with any commands (schedule any activity with any input, continue as new with any state)."""
+with any commands (schedule any activity with any input, continue as new with any state, start
+a child run with any input)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from temporalio.api.command.v1 import (
     Command,
     ContinueAsNewWorkflowExecutionCommandAttributes,
     ScheduleActivityTaskCommandAttributes,
+    StartChildWorkflowExecutionCommandAttributes,
 )
 from temporalio.api.common.v1 import ActivityType, Payloads, RetryPolicy, WorkflowType
 from temporalio.api.enums.v1 import CommandType
@@ -70,5 +72,17 @@ def continue_as_new(queue: str, payloads: Payloads) -> Command:
         command_type=CommandType.COMMAND_TYPE_CONTINUE_AS_NEW_WORKFLOW_EXECUTION,
         continue_as_new_workflow_execution_command_attributes=ContinueAsNewWorkflowExecutionCommandAttributes(
             workflow_type=WorkflowType(name="AgentRun"), task_queue=TaskQueue(name=queue), input=payloads
+        ),
+    )
+
+
+def start_child(queue: str, namespace: str, workflow_id: str, arg: Any) -> Command:
+    """A StartChildWorkflowExecution command as a keyless poller writes it: the run it answers for
+    becomes the child's parent, as the server records it; the input is whatever it likes."""
+    return Command(
+        command_type=CommandType.COMMAND_TYPE_START_CHILD_WORKFLOW_EXECUTION,
+        start_child_workflow_execution_command_attributes=StartChildWorkflowExecutionCommandAttributes(
+            namespace=namespace, workflow_id=workflow_id, workflow_type=WorkflowType(name="AgentRun"),
+            task_queue=TaskQueue(name=queue), input=Payloads(payloads=[CONVERTER.to_payload(arg)]),
         ),
     )

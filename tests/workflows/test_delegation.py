@@ -261,3 +261,59 @@ async def test_status_shows_the_tree(dev_env: WorkflowEnvironment, billing: Bill
     assert f"child      {child_id}" in shown_parent
     assert f"child of   {handle.id} (depth 1): Refund A-1001 (tree)" in shown_child
     assert "grant      tools get_order" in shown_child
+
+
+async def test_a_keyless_poller_that_starts_a_child_with_a_forged_grant_gets_it_refused(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Whoever polls the queue can answer the parent's task with a child start of its own, the
+    parent the server records as the grant says: without the fleet key its grant's seal cannot be
+    made, and the child refuses it before anything runs."""
+    from tests.helpers.rogue import rogue_answer, start_child
+    from tests.conftest import unique
+
+    reason = uuid.uuid4().hex
+    queue = unique("tq")
+    parent = await dev_env.client.start_workflow("AgentRun", make_request([LOOKUP]).model_dump(mode="json"),
+                                                 id=unique("run"), task_queue=queue)
+    child_id = f"{parent.id}.forged"
+    grant = Grant(root=parent.id, parent=parent.id, parent_run=parent.result_run_id, child=child_id, depth=1,
+                  tenant="default", tools=["issue_refund"], effects=["idempotent"], max_steps=3, requested_by="alice",
+                  seal=f"{KeyRing.from_env().newest}:" + "1" * 64)
+    forged = make_request([refund("A-1002", 300, reason)]).model_copy(update={"grant": grant})
+    await rogue_answer(dev_env.client, queue, parent.id, [start_child(queue, dev_env.client.namespace, child_id, forged)])
+    async with running_worker(dev_env.client, task_queue=queue):
+        child = await started_child(dev_env, child_id)
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(child.result(), 60)
+        snap = await snapshot(child)
+    await parent.terminate("test over")
+    assert snap.state == S.FAILED and snap.last_error.startswith("grant_invalid: the grant does not bear the fleet key's seal")
+    assert refunds_with(billing, reason) == []
+
+
+async def test_a_cancel_of_the_root_during_a_grandchilds_parallel_group_leaves_nothing_stranded(dev_env: WorkflowEnvironment) -> None:
+    """The root delegates to a child, which delegates to a grandchild running a parallel group:
+    the root's cancel reaches both, every attempt in flight settles, nothing runs after."""
+    tag = uuid.uuid4().hex[:8]
+    held = [{"tool": "held_read", "args": {"tag": tag, "n": n}} for n in (1, 2, 3)]
+    grandchild = delegate({"parallel": held}, tools=("held_read",), goal="the grandchild", max_steps=3)
+    child = delegate(grandchild, {"tool": "after_read", "args": {"tag": tag}}, tools=("held_read", "after_read"), max_steps=5)
+    async with running_worker(dev_env.client, registry=held_tools.REGISTRY) as worker:
+        root = await start_run(dev_env.client, worker, make_request([child, {"tool": "after_read", "args": {"tag": tag}}]))
+        await held_tools.started(tag, 3)  # the grandchild's group is running, all three at once
+        await root.cancel()
+        held_tools.GATES[tag].set()
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(root.result(), 60)
+        ids = [root.id]
+        for _ in range(2):  # the child, then the grandchild: each the first step of its parent's plan
+            ids.append(f"{ids[-1]}.{(await snapshot(dev_env.client.get_workflow_handle(ids[-1]))).plan.steps[0].tool_call_id}")
+        ended = []
+        for run_id in ids:
+            handle = dev_env.client.get_workflow_handle(run_id)
+            with pytest.raises(WorkflowFailureError):
+                await asyncio.wait_for(handle.result(), 60)
+            ended.append((await snapshot(handle)).state)
+    assert ended == [S.CANCELLED] * 3
+    assert held_tools.IN_FLIGHT[tag] == 0 and "after" not in held_tools.ORDER[tag]
