@@ -317,3 +317,53 @@ async def test_a_cancel_of_the_root_during_a_grandchilds_parallel_group_leaves_n
             ended.append((await snapshot(handle)).state)
     assert ended == [S.CANCELLED] * 3
     assert held_tools.IN_FLIGHT[tag] == 0 and "after" not in held_tools.ORDER[tag]
+
+
+async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_parent(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """A child's write its parent's approval does not cover asks its own approval: the inbox
+    offers it to bob, saying whose child it is and the parent's goal; `tether list` says so too."""
+    import httpx
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from tether.client import list_runs
+    from tether.cli.output import format_list
+    from tether.inbox.app import InboxConfig, create_app
+    from tests.conftest import unique
+    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public
+
+    keys = {n: ed25519.Ed25519PrivateKey.generate() for n in ("alice", "bob", "inbox")}
+    tenant = unique("tree")
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY.format(inbox=raw_public(keys["inbox"]), alice=raw_public(keys["alice"]),
+                                    bob=raw_public(keys["bob"]), tenant=tenant, signed=unique("tree-signed")))
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client, policy=PolicyStore(policy)) as worker:
+        request = make_request([delegate(refund("A-1002", 300, reason), tools=("issue_refund",))],
+                               goal="Parent: refund A-1002 via a child", tenant=tenant)
+        root = await start_run(dev_env.client, worker, request)
+        snap = await wait_for_state(root, "EXECUTING_TOOL")
+        child = await started_child(dev_env, f"{root.id}.{snap.plan.steps[0].tool_call_id}")
+        await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        listed = format_list(await list_runs(dev_env.client, tenant=tenant))
+        sso = Sso()
+        (tmp_path / "jwks.json").write_text(json.dumps(sso.jwks()))
+        app = create_app(InboxConfig(policy=policy, jwks=str(tmp_path / "jwks.json"), issuer=ISSUER, audience=AUDIENCE,
+                                     key=tmp_path / "inbox.pem", poll_ms=300), temporal=dev_env.client)
+        port = free_port()
+        server, task = await _serve(app, port)
+        try:
+            auth = {"Authorization": f"Bearer {sso.token('bob')}"}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth, timeout=30) as http:
+                waiting = (await http.get("/api/approvals")).json()["approvals"]
+                page = await http.get(f"/runs/{child.id}")
+        finally:
+            server.should_exit = True
+            await task
+        await root.cancel()
+    assert child.id in [a["run_id"] for a in waiting]
+    assert page.status_code == 200 and 'id="parent"' in page.text and root.id in page.text
+    assert "Parent: refund A-1002 via a child" in page.text
+    assert f"  child of {root.id}" in listed
+    assert refunds_with(billing, reason) == []

@@ -181,6 +181,8 @@ def format_list(rows: Sequence[client.RunSummary]) -> str:
         closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
         lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
                      f"{show(row.tenant or '-'):<12} {(client.age(row.published_at) + ' ago') if row.published_at else '-':<11} {started}{closed}")
+        if row.parent:
+            lines.append(f"  child of {show(row.parent)}")
         if row.stuck is not None:
             lines.append(f"  stuck: workflow task attempt {row.stuck.attempt}, {show(row.stuck.cause)}: "
                          f"{show(row.stuck.error, 300)}")

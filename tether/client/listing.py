@@ -33,6 +33,7 @@ class RunSummary(BaseModel):
     view: RunView | None = Field(None, exclude=True)  # what it published (for the inbox; not listed out)
     view_unverified: str | None = None  # its memo holds a view the fleet did not sign for it
     stuck: StuckTask | None = None  # with ``list_runs(stuck=True)``: its workflow task keeps failing
+    parent: str | None = None  # a child run's parent, as the server records it (not a claim of the run's)
 
 
 # Describes at once when listing runs stuck: one each, a few at a time.
@@ -119,6 +120,7 @@ async def list_runs(
                     published_at=view.published_at if view else None,
                     view=view,
                     view_unverified=unverified,
+                    parent=wf.parent_id,
                 )
             )
     except RPCError as e:

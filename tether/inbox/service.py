@@ -261,6 +261,9 @@ class Inbox:
             "ended": snap.state in TERMINAL,
             "requested_by": snap.requested_by,
             "requester_verified": snap.requester_verified,
+            # A child run: its parent and the parent's goal (from the run's signed view).
+            "parent": snap.parent,
+            "parent_goal": snap.parent_goal,
             "plan_hash": snap.plan.plan_hash if snap.plan else None,
             "plan_version": snap.plan.version if snap.plan else 0,
             "steps": steps,
