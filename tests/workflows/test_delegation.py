@@ -21,6 +21,7 @@ from activities.policy_file import PolicyStore
 from tether.client import run_outcome
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
 from tests.helpers import held_tools
+from tests.helpers.cli import Cli
 from tests.helpers.invariants import check_timeline
 from workflows.contract import DELEGATE, Grant, ToolCatalog
 from workflows.run_state import RunOutcome, RunRequest
@@ -248,7 +249,8 @@ async def test_the_documented_example_delegates_a_read_only_lookup_then_refunds(
 
 async def test_status_shows_the_tree(dev_env: WorkflowEnvironment, billing: Billing) -> None:
     """`tether status` of a parent names its children; of a child, its parent, the parent's
-    goal and what its grant gives it."""
+    goal and what its grant gives it; `tether timeline --all` of the parent has the child's
+    records, each marked."""
     from tether.cli.output import format_status
     from tether.client import status
 
@@ -258,6 +260,10 @@ async def test_status_shows_the_tree(dev_env: WorkflowEnvironment, billing: Bill
         child_id, _ = await child_outcome(dev_env, parent)
         shown_parent = format_status(await status(dev_env.client, handle.id, live=True))
         shown_child = format_status(await status(dev_env.client, child_id, live=True))
+        code, out, err = await Cli(dev_env, worker)("timeline", handle.id, "--all")
+    assert code in (0, 1), err  # 1: the audit collector may not have every record yet
+    assert f"[child {child_id}] == run " in out and f"[child {child_id}]" in out.splitlines()[-1]
+    assert "(get_order) succeeded" in "\n".join(line for line in out.splitlines() if line.startswith(f"[child {child_id}]"))
     assert f"child      {child_id}" in shown_parent
     assert f"child of   {handle.id} (depth 1): Refund A-1001 (tree)" in shown_child
     assert "grant      tools get_order" in shown_child

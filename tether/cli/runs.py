@@ -183,17 +183,47 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
         for warning in audit_warnings(trail):
             print(f"warning: {warning}", file=sys.stderr)
         return client.OK
+    # A delegation tree: each child's records after its parent's, marked with the child's id.
+    children = await _tree_trails(conn, args.run, args.audit_dir)
     if args.json:
-        print_json(trail.model_dump(mode="json"))
+        print_json({**trail.model_dump(mode="json"), "children": {c: t.model_dump(mode="json") for c, t in children}})
     else:
         for branch in trail.branches:
             print(format_branch(branch))
             if branch.records:
                 print(format_timeline(branch.records))
-    warnings = audit_warnings(trail)
-    for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    return client.REFUSED if trail.missing or trail.audit_error or trail.unverified else client.OK
+        for child_id, child in children:
+            for branch in child.branches:
+                print(f"[child {show(child_id)}] {format_branch(branch)}")
+                if branch.records:
+                    print("\n".join(f"[child {show(child_id)}] {line}" for line in format_timeline(branch.records).splitlines()))
+    bad = False
+    for label, each in [("", trail), *((f"child {show(c)}: ", t) for c, t in children)]:
+        for warning in audit_warnings(each):
+            print(f"warning: {label}{warning}", file=sys.stderr)
+        bad = bad or bool(each.missing or each.audit_error or each.unverified)
+    return client.REFUSED if bad else client.OK
+
+
+# How far `timeline --all` follows a delegation tree (runs in all).
+TREE_RUNS = 100
+
+
+async def _tree_trails(conn: Any, root: str, audit_dir: str | None) -> list[tuple[str, Any]]:
+    """The audit trails of a run's children, their children's, ..., parents first (their ids from
+    each run's view: the children its delegate steps started)."""
+    found: list[tuple[str, Any]] = []
+    todo = [root]
+    while todo and len(found) < TREE_RUNS:
+        run_id = todo.pop(0)
+        try:
+            children = (await client.status(conn, run_id)).children
+        except client.TetherError:
+            continue  # a child whose view cannot be read: its own `timeline` says why
+        for child_id in children:
+            found.append((child_id, await client.audit_trail(conn, child_id, audit_dir)))
+            todo.append(child_id)
+    return found[:TREE_RUNS]
 
 
 def format_branch(b: client.AuditBranch) -> str:
