@@ -22,11 +22,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from workflows.budgets import REASON_CHARS, clip
-from workflows.commands import RunChild
+from workflows.commands import Call, RunChild
 from workflows.contract import DELEGATE, STRICT, Delegation, Grant, Limits, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
-from workflows.wire import ToolOutcome
+from workflows.wire import RecoveryRequest, RecoverySource, ToolOutcome
 
 # How deep delegation goes when the policy sets no max_depth (1: children, no grandchildren).
 DEFAULT_DEPTH = 2
@@ -196,4 +196,12 @@ class Delegating(RunModel):
         grant = self.grant_for(delegation, step.tool_call_id)
         self.data.tool_calls += 1
         result = yield RunChild(self.child_request(delegation, grant), grant.child, f"delegate · {delegation.goal[:80]}")
+        if isinstance(result, RunOutcome) and result.state == S.COMPLETED and result.compensations:
+            # The child's undos become this run's, newest last: what the child's closed record says
+            # (attested by the fleet key: a keyless poller's result for the child cannot add any).
+            source = yield Call(
+                "recovery_source", RecoveryRequest(run_id=grant.child, tenant=self.request.tenant), RecoverySource,
+                f"recovery source · {grant.child}", show=False,
+            )
+            self.data.compensations.extend(c for c in source.compensations if c.status == "pending")
         self.decide(lambda now: self.child_ended(result, now))

@@ -373,3 +373,21 @@ async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_p
     assert "Parent: refund A-1002 via a child" in page.text
     assert f"  child of {root.id}" in listed
     assert refunds_with(billing, reason) == []
+
+
+async def test_a_parents_compensation_undoes_its_childs_writes(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """on_failure=compensate: a step after the delegation fails, and the parent undoes the
+    writes its child made (from the child's closed record, attested), newest first."""
+    by_child, failing = uuid.uuid4().hex, uuid.uuid4().hex
+    playbook = [delegate(refund("A-1002", 300, by_child), tools=("issue_refund",), goal="refund in a child"),
+                refund("A-1003", 999_999, failing)]  # over the order's total: refused, nothing applied
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook, on_failure="compensate"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        parent = await asyncio.wait_for(run_outcome(handle), 90)
+    assert parent.state == S.COMPENSATED, parent.timeline[-1].reason
+    (made,) = refunds_with(billing, by_child)
+    assert made["voided_at"] is not None  # the child's refund, undone by the parent
+    assert refunds_with(billing, failing) == []
+    assert [c.status for c in parent.compensations] == ["ok"]

@@ -34,7 +34,7 @@ from workflows.engine import Engine
 from workflows.policy_file import Budgets, TenantPolicy
 from workflows.run_state import RunData, RunOutcome, RunRequest
 from workflows.states import TERMINAL, RunState
-from workflows.wire import PolicySnapshot, Proposal, ProposedStep, ToolOutcome, Verdict
+from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySource, ToolOutcome, Verdict
 
 S = RunState
 CATALOG = REGISTRY.catalog()
@@ -64,6 +64,7 @@ class Tree:
         self.tenant = TenantPolicy(budgets=Budgets(max_depth=max_depth, max_parallel=3))
         self.sent: Counter[str] = Counter()
         self.runs = 0
+        self.ended: dict[str, RunOutcome] = {}  # each child's outcome, by its workflow id
 
     def engine(self, request: RunRequest, workflow_id: str) -> Engine:
         data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=self.tenant, policy_hash="h", source="test"))
@@ -159,6 +160,9 @@ class Tree:
                 return self.proposal(e)
             if command.name in ("policy_check_authority", "policy_check_decision", "policy_check_handoff"):
                 return Verdict(policy_hash="h")
+            if command.name == "recovery_source":  # a completed child's undos, as its record says
+                ended = self.ended[command.arg.run_id]
+                return RecoverySource(run_id=ended.run_id, state=ended.state, compensations=ended.compensations)
             raise AssertionError(f"no answer to {command.name}")
         if isinstance(command, RunTool):
             self.check_call(e, command.call.tool, command.call.args, command.call.idempotency_key)
@@ -171,7 +175,8 @@ class Tree:
             return landed
         if isinstance(command, RunChild):
             self.check_grant(e, command)
-            return self.run(command.request, command.child_id)
+            self.ended[command.child_id] = self.run(command.request, command.child_id)
+            return self.ended[command.child_id]
         if isinstance(command, Wait) and "inbox" in command.until and e.data.pending_approval is not None:
             pending = e.data.pending_approval
             if self.draw(st.integers(0, 4)) > 0:  # bob approves (else the wait runs out: expiry)
