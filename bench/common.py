@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from temporalio.client import Client
 
-from examples.devstack import dev_server_command
+from examples.devstack import DEV_SERVER_DYNAMIC_CONFIG, dev_server_command
 from client import connect
 
 if TYPE_CHECKING:
@@ -129,32 +129,34 @@ class Stack:
     dynamic_config: list[str] = field(default_factory=list)
 
 
-def server_counter(stack: Stack, name: str) -> float | None:
-    """The sum of the dev server's counter ``name`` over the stack's task queues (None: the
-    server's metrics cannot be read)."""
+def server_counter(metrics_port: int | None, task_queue: str, name: str) -> float | None:
+    """The dev server's counter ``name`` for ``task_queue``, summed over its other labels, from
+    the server's Prometheus endpoint (``--metrics-port``); None: it cannot be read."""
     import urllib.request
 
-    if stack.metrics_port is None:
+    if metrics_port is None:
         return None
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10) as r:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
     except OSError:
         return None
-    total = 0.0
-    for line in text.splitlines():
-        # The server's label writes the queue's name with "_" for "-".
-        if line.startswith(name + "{") and f'taskqueue="{stack.task_queue.replace("-", "_")}"' in line.replace("-", "_"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    # The server's label writes the queue's name with "_" for "-".
+    label = f'taskqueue="{task_queue.replace("-", "_")}"'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line.replace("-", "_"))
 
 
 def eager_line(stack: Stack, before: float | None, scheduled: int) -> str:
     """What the bench ran with: the server's eager activity setting and how many of the
     activities it scheduled it handed to the worker in its reply to the workflow task."""
-    given = [v for v in stack.dynamic_config if v.startswith("system.enableActivityEagerExecution=")]
-    setting = given[0] if given else "system.enableActivityEagerExecution not given (the dev server's default)"
-    after = server_counter(stack, "activity_eager_execution")
+    key = "system.enableActivityEagerExecution="
+    given = [v for v in stack.dynamic_config if v.startswith(key)]
+    setting = (f"{given[-1]} (--dynamic-config)" if given else
+               next((f"{v} (the dev server's flags)" for v in DEV_SERVER_DYNAMIC_CONFIG if v.startswith(key)),
+                    f"{key.rstrip('=')} not set (the server's default)"))
+    after = server_counter(stack.metrics_port, stack.task_queue, "activity_eager_execution")
     if before is None or after is None:
         return f"eager activity execution: {setting}; the server's metrics were not read"
     return (f"eager activity execution: {setting}; {after - before:.0f} of the {scheduled} activities measured "
@@ -181,11 +183,9 @@ async def bench_stack(
     port, ui_port, metrics_port = free_port(), free_port(), free_port()
     address = f"127.0.0.1:{port}"
     # --http-port too: its default (port + 1000) may be taken by another process.
-    cmd = dev_server_command(port, ui_port, workdir / "temporal.db") + [
+    cmd = dev_server_command(port, ui_port, workdir / "temporal.db", dynamic_config) + [
         "--headless", "--http-port", str(free_port()), "--metrics-port", str(metrics_port),
     ]
-    for value in dynamic_config:
-        cmd += ["--dynamic-config-value", value]
     server_log = workdir / "server.log"
     server = subprocess.Popen(
         cmd, stdout=server_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True

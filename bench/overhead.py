@@ -69,6 +69,7 @@ from workflows.run_state import RunRequest
 
 GOVERNED, APPROVAL, WRITES, BARE = "governed", "governed+approval", "governed+writes", "bare"
 BARE_APPROVAL = "bare+approval"
+APPROVER_POLL = 0.01  # seconds between the approver's listings
 VARIANTS = (GOVERNED, APPROVAL, WRITES, BARE, BARE_APPROVAL)
 
 
@@ -173,7 +174,7 @@ async def approve_when_waiting(
             if wf.id not in signals:
                 signals[wf.id] = 0.0
                 sent.append(asyncio.create_task(approve(wf)))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(APPROVER_POLL)
     await asyncio.gather(*sent)
 
 
@@ -243,7 +244,7 @@ async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.N
         if args.warmup:
             await run_batch(stack, variant, min(args.runs, args.warmup), args.steps, f"w{stamp}{n}")
     batches: list[Batch] = []
-    eager_before = server_counter(stack, "activity_eager_execution")
+    eager_before = server_counter(stack.metrics_port, stack.task_queue, "activity_eager_execution")
     worker_rss_max = server_rss_max = 0.0
     recorders: dict[str, Recorder] = {}
     if getattr(args, "profile", None):
