@@ -159,8 +159,9 @@ def eager_line(stack: Stack, before: float | None, scheduled: int) -> str:
     after = server_counter(stack.metrics_port, stack.task_queue, "activity_eager_execution")
     if before is None or after is None:
         return f"eager activity execution: {setting}; the server's metrics were not read"
-    return (f"eager activity execution: {setting}; {after - before:.0f} of the {scheduled} activities measured "
-            f"were handed to the worker in the workflow task's reply (server metric activity_eager_execution)")
+    return (f"eager activity execution: {setting}; {after - before:.0f} activity tasks handed to the worker in the "
+            f"workflow task's reply while the {scheduled} activities measured ran (server metric "
+            f"activity_eager_execution; runs of the warm-up still going count too)")
 
 
 async def _wait_for(predicate, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
