@@ -3,6 +3,12 @@
 Planner activity, tool activities, repeat: no state machine, no approvals, no audit timeline,
 no search attributes. It calls the SAME ``plan`` and ``execute_tool`` activities as ``AgentRun``
 with the same inputs, so the difference between the two is what governance costs.
+
+``wait_for_approval``: the same loop with a person in it, as a user would write it on bare
+Temporal: before its first tool it lists itself as waiting (the search attributes ``AgentRun``
+publishes) and waits for the ``approve`` signal, then lists itself as executing. Its reaction
+to the signal (signal -> tool scheduled, one workflow task) is the baseline of the governed
+approval path's, measured at the same clock points under the same burst of approvals.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from workflows.contract import ExecutedStep
+    from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+    from workflows.states import RunState
     from workflows.wire import PlannerInput, Proposal, ToolCall, ToolOutcome
     from workflows.run_state import RunRequest
 
@@ -25,8 +33,15 @@ TOOL_RETRY = RetryPolicy(maximum_attempts=3)
 
 @workflow.defn(name="BareAgentLoop")
 class BareAgentLoop:
+    def __init__(self) -> None:
+        self.approved = False
+
+    @workflow.signal
+    def approve(self) -> None:
+        self.approved = True
+
     @workflow.run
-    async def run(self, request: RunRequest) -> str:
+    async def run(self, request: RunRequest, wait_for_approval: bool = False) -> str:
         run_id = workflow.info().workflow_id
         executed: list[ExecutedStep] = []
         rounds = 0
@@ -48,6 +63,13 @@ class BareAgentLoop:
             if proposal.answer is not None and not proposal.steps:
                 return proposal.answer
             for step in proposal.steps:
+                if wait_for_approval and not self.approved:
+                    workflow.upsert_search_attributes([
+                        TENANT_ATTRIBUTE.value_set(request.tenant),
+                        STATE_ATTRIBUTE.value_set(RunState.AWAITING_APPROVAL.value),
+                    ])
+                    await workflow.wait_condition(lambda: self.approved)
+                    workflow.upsert_search_attributes([STATE_ATTRIBUTE.value_set(RunState.EXECUTING_TOOL.value)])
                 tool_call_id = f"tc-{len(executed) + 1:03d}"
                 args = step.args if isinstance(step.args, dict) else {}
                 outcome = await workflow.execute_activity(

@@ -15,12 +15,15 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from temporalio.client import Client
 
-from examples.devstack import dev_server_command
+from examples.devstack import DEV_SERVER_DYNAMIC_CONFIG, dev_server_command
 from tether.client import connect
+
+if TYPE_CHECKING:
+    from workflows.run_state import PendingApproval
 
 ROOT = Path(__file__).resolve().parent.parent
 RESERVED_PORTS = {7233, 8233, 8765}  # the demo stack's: never used here
@@ -122,6 +125,43 @@ class Stack:
     worker: subprocess.Popen
     workdir: Path
     worker_options: list[str] = field(default_factory=list)
+    metrics_port: int | None = None  # the dev server's Prometheus endpoint (None: a stack given)
+    dynamic_config: list[str] = field(default_factory=list)
+
+
+def server_counter(metrics_port: int | None, task_queue: str, name: str) -> float | None:
+    """The dev server's counter ``name`` for ``task_queue``, summed over its other labels, from
+    the server's Prometheus endpoint (``--metrics-port``); None: it cannot be read."""
+    import urllib.request
+
+    if metrics_port is None:
+        return None
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    # The server's label writes the queue's name with "_" for "-".
+    label = f'taskqueue="{task_queue.replace("-", "_")}"'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line.replace("-", "_"))
+
+
+def eager_line(stack: Stack, before: float | None, scheduled: int) -> str:
+    """What the bench ran with: the server's eager activity setting and how many of the
+    activities it scheduled it handed to the worker in its reply to the workflow task."""
+    key = "system.enableActivityEagerExecution="
+    given = [v for v in stack.dynamic_config if v.startswith(key)]
+    setting = (f"{given[-1]} (--dynamic-config)" if given else
+               next((f"{v} (the dev server's flags)" for v in DEV_SERVER_DYNAMIC_CONFIG if v.startswith(key)),
+                    f"{key.rstrip('=')} not set (the server's default)"))
+    after = server_counter(stack.metrics_port, stack.task_queue, "activity_eager_execution")
+    if before is None or after is None:
+        return f"eager activity execution: {setting}; the server's metrics were not read"
+    return (f"eager activity execution: {setting}; {after - before:.0f} activity tasks handed to the worker in the "
+            f"workflow task's reply while the {scheduled} activities measured ran (server metric "
+            f"activity_eager_execution; runs of the warm-up still going count too)")
 
 
 async def _wait_for(predicate, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -141,14 +181,12 @@ async def bench_stack(
     """A dev server on free ports (search attributes registered, SQLite in a temp dir) and one
     worker process; both are stopped on exit."""
     workdir = Path(tempfile.mkdtemp(prefix="tether-bench-"))
-    port, ui_port = free_port(), free_port()
+    port, ui_port, metrics_port = free_port(), free_port(), free_port()
     address = f"127.0.0.1:{port}"
     # --http-port too: its default (port + 1000) may be taken by another process.
-    cmd = dev_server_command(port, ui_port, workdir / "temporal.db") + [
-        "--headless", "--http-port", str(free_port()),
+    cmd = dev_server_command(port, ui_port, workdir / "temporal.db", dynamic_config) + [
+        "--headless", "--http-port", str(free_port()), "--metrics-port", str(metrics_port),
     ]
-    for value in dynamic_config:
-        cmd += ["--dynamic-config-value", value]
     server_log = workdir / "server.log"
     server = subprocess.Popen(
         cmd, stdout=server_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
@@ -174,6 +212,8 @@ async def bench_stack(
 
             env["TETHER_STATE_KEY_FILE"] = str(workdir / "state.key")
             genkey(Path(env["TETHER_STATE_KEY_FILE"]))
+            # This process verifies the views the worker signs (``listed_pending``) with it.
+            os.environ["TETHER_STATE_KEY_FILE"] = env["TETHER_STATE_KEY_FILE"]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         worker_proc = subprocess.Popen(
             [sys.executable, "-m", "bench.worker_proc", "--address", address,
@@ -185,7 +225,8 @@ async def bench_stack(
             lambda: "bench worker ready" in worker_log.read_text(errors="replace"),
             "bench worker", worker_proc, worker_log, 60,
         )
-        yield Stack(address, task_queue, client, server, worker_proc, workdir, list(worker_args))
+        yield Stack(address, task_queue, client, server, worker_proc, workdir, list(worker_args), metrics_port,
+                    list(dynamic_config))
     finally:
         if worker_proc is not None:
             _stop(worker_proc)
@@ -210,16 +251,37 @@ def machine_line() -> str:
     return f"{os.cpu_count()} cores, {total:.0f} GiB RAM, load average {' '.join(load)} at start"
 
 
-async def approve_pending(client: Client, run_id: str, approver: str = "bench-approver") -> None:
+async def listed_pending(execution) -> PendingApproval | None:
+    """The pending request a listed run's published view shows (the memo a visibility listing
+    carries, as the inbox reads it), when the view verifies and the run waits for approval; else
+    None (``approve_pending`` then asks the run by query)."""
+    from tether.connection import TetherError
+    from tether.runs import published_view
+    from workflows.states import RunState
+
+    try:
+        view = await published_view(execution)
+    except TetherError:  # unverified or unreadable here: ask the run itself
+        return None
+    if view is None or view.snapshot.state != RunState.AWAITING_APPROVAL:
+        return None
+    return view.snapshot.pending_approval
+
+
+async def approve_pending(
+    client: Client, run_id: str, approver: str = "bench-approver", pending: PendingApproval | None = None
+) -> None:
     """Approve the run's pending request as a signal, as a client that only signals does: the
-    decision names the request id and plan hash the snapshot shows."""
+    decision names the request id and plan hash of ``pending`` (the listing's view,
+    ``listed_pending``), else of the snapshot the run answers a query with."""
     import uuid
 
     from workflows.contract import ApprovalDecision
     from workflows.run_state import RunSnapshot
 
     handle = client.get_workflow_handle(run_id)
-    pending = (await handle.query("snapshot", result_type=RunSnapshot)).pending_approval
+    if pending is None:
+        pending = (await handle.query("snapshot", result_type=RunSnapshot)).pending_approval
     assert pending is not None, f"{run_id} has nothing pending"
     await handle.signal(
         "approve",

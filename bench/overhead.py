@@ -12,13 +12,22 @@ variant, in a rotating order so machine noise hits all of them:
 - ``governed+writes``: ``AgentRun`` whose every step writes (one approval): a write step's
   worker CPU, which the effect ledger's cost per write is measured against (bench/ledger.py);
 - ``bare``: ``BareAgentLoop`` (bench/bare.py) calling the same ``plan`` and ``execute_tool``
-  activities.
+  activities;
+- ``bare+approval``: the bare loop waiting for one ``approve`` signal before its first tool,
+  listed as waiting by the same search attributes and approved the same way: the baseline of
+  ``governed+approval``'s reaction to its approval.
 
 Besides throughput, CPU and history per run, it reports latency under the same load: every
 activity's schedule-to-start (the queue), an activity's completion to the next one's schedule
 (one workflow task reacting to an event), and for the approval variant the server's signal
 event to the tool's schedule and start: what governance adds to reacting is the difference
-between the last and a bare workflow task's reaction plus its dispatch.
+between that and ``bare+approval``'s, measured at the same clock points (the server's signal
+event, the tool's schedule) under the same burst of approvals. One run at a time, after the
+rounds, the approvals alternate with bare approvals, so both are measured in one machine state.
+
+The approver finds waiting runs by listing visibility, as the inbox does, and takes the pending
+request from the view the run published in its memo (no query per run: a query is one more task
+for the worker, in the window the other runs' reactions are measured in).
 """
 
 from __future__ import annotations
@@ -34,19 +43,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecution, WorkflowHandle
 
 from bench.common import (
     HistoryFacts,
     Stack,
     approve_pending,
     cpu_seconds,
+    listed_pending,
     machine_line,
     ms,
     peak_rss_mb,
     percentile,
     rss_mb,
     run_facts,
+    eager_line,
+    server_counter,
     stack_or_new,
     table,
 )
@@ -56,7 +68,9 @@ from tether.client import start_run
 from workflows.run_state import RunRequest
 
 GOVERNED, APPROVAL, WRITES, BARE = "governed", "governed+approval", "governed+writes", "bare"
-VARIANTS = (GOVERNED, APPROVAL, WRITES, BARE)
+BARE_APPROVAL = "bare+approval"
+APPROVER_POLL = 0.01  # seconds between the approver's listings
+VARIANTS = (GOVERNED, APPROVAL, WRITES, BARE, BARE_APPROVAL)
 
 
 def playbook(variant: str, steps: int) -> list[dict]:
@@ -76,6 +90,16 @@ def bench_request(variant: str, steps: int, tenant: str) -> RunRequest:
 
 
 StartFn = Callable[[Stack, Sequence[str], int, str], Awaitable[list[WorkflowHandle]]]
+ApproveFn = Callable[[Client, WorkflowExecution], Awaitable[None]]
+
+
+async def approve_governed(client: Client, wf: WorkflowExecution) -> None:
+    """The request from the listing's view, as the inbox takes it: no query to the worker."""
+    await approve_pending(client, wf.id, pending=await listed_pending(wf))
+
+
+async def approve_bare(client: Client, wf: WorkflowExecution) -> None:
+    await client.get_workflow_handle(wf.id).signal("approve")
 
 
 @dataclass(frozen=True)
@@ -84,8 +108,13 @@ class Variant:
 
     name: str
     start: StartFn
-    approvals: bool = False  # each run waits for one approval, sent as soon as it shows waiting
+    # Each run waits for one approval, sent this way as soon as it shows waiting.
+    approve: ApproveFn | None = None
     tool_activity: str = "execute_tool"
+
+    @property
+    def approvals(self) -> bool:
+        return self.approve is not None
 
 
 def agent_runs(variant: str) -> StartFn:
@@ -97,19 +126,24 @@ def agent_runs(variant: str) -> StartFn:
     return start
 
 
-async def start_bare(stack: Stack, ids: Sequence[str], steps: int, tenant: str) -> list[WorkflowHandle]:
-    request = bench_request(BARE, steps, tenant)
-    return list(await asyncio.gather(*(
-        stack.client.start_workflow("BareAgentLoop", request, id=i, task_queue=stack.task_queue)
-        for i in ids
-    )))
+def bare_runs(wait_for_approval: bool) -> StartFn:
+    async def start(stack: Stack, ids: Sequence[str], steps: int, tenant: str) -> list[WorkflowHandle]:
+        request = bench_request(BARE, steps, tenant)
+        return list(await asyncio.gather(*(
+            stack.client.start_workflow("BareAgentLoop", args=[request, wait_for_approval], id=i, task_queue=stack.task_queue)
+            for i in ids
+        )))
+    return start
 
+
+start_bare = bare_runs(False)
 
 TETHER = {
     GOVERNED: Variant(GOVERNED, agent_runs(GOVERNED)),
-    APPROVAL: Variant(APPROVAL, agent_runs(APPROVAL), approvals=True),
-    WRITES: Variant(WRITES, agent_runs(WRITES), approvals=True),
+    APPROVAL: Variant(APPROVAL, agent_runs(APPROVAL), approve=approve_governed),
+    WRITES: Variant(WRITES, agent_runs(WRITES), approve=approve_governed),
     BARE: Variant(BARE, start_bare),
+    BARE_APPROVAL: Variant(BARE_APPROVAL, bare_runs(True), approve=approve_bare),
 }
 
 
@@ -125,22 +159,22 @@ class Batch:
 
 
 async def approve_when_waiting(
-    client: Client, tenant: str, expected: int, signals: dict[str, float]
+    client: Client, tenant: str, expected: int, signals: dict[str, float], approve_one: ApproveFn
 ) -> None:
     """Approve every run of the batch as soon as visibility shows it waiting."""
     query = f"AgentTenant='{tenant}' AND AgentRunState='AWAITING_APPROVAL'"
     sent: list[asyncio.Task] = []
 
-    async def approve(run_id: str) -> None:
-        signals[run_id] = time.time()
-        await approve_pending(client, run_id)
+    async def approve(wf: WorkflowExecution) -> None:
+        signals[wf.id] = time.time()
+        await approve_one(client, wf)
 
     while len(signals) < expected:
         async for wf in client.list_workflows(query, page_size=1000):
             if wf.id not in signals:
                 signals[wf.id] = 0.0
-                sent.append(asyncio.create_task(approve(wf.id)))
-        await asyncio.sleep(0.01)
+                sent.append(asyncio.create_task(approve(wf)))
+        await asyncio.sleep(APPROVER_POLL)
     await asyncio.gather(*sent)
 
 
@@ -151,8 +185,8 @@ async def run_batch(stack: Stack, variant: Variant, runs: int, steps: int, tag: 
     cpu_w0, cpu_s0 = cpu_seconds(stack.worker.pid), cpu_seconds(stack.server.pid)
     t0 = time.perf_counter()
     approver = None
-    if variant.approvals:
-        approver = asyncio.create_task(approve_when_waiting(stack.client, tenant, runs, signals))
+    if variant.approve is not None:
+        approver = asyncio.create_task(approve_when_waiting(stack.client, tenant, runs, signals, variant.approve))
     handles = await variant.start(stack, ids, steps, tenant)
     await asyncio.gather(*(h.result() for h in handles))
     seconds = time.perf_counter() - t0
@@ -194,11 +228,15 @@ class Rounds:
     server_peak: float
     quiet: list[tuple[Batch, list[HistoryFacts]]]
     profiles: dict[str, Path] = field(default_factory=dict)  # variant -> py-spy stacks (--profile)
+    stack: Stack | None = None
+    eager_before: float | None = None  # the server's eager activity count when the measuring began
 
 
 async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.Namespace) -> Rounds:
     """Warm-up, then ``args.rounds`` rounds of one batch per variant in rotating order, then
-    ``args.quiet_approvals`` approvals one run at a time (when a variant waits for approvals)."""
+    ``args.quiet_approvals`` approvals one run at a time (when a variant waits for approvals),
+    each followed by one of ``bare+approval`` when it is among the variants: the two are
+    measured in the same machine state (a server still digesting the rounds is slower)."""
     variants = list(variants)
     stamp = uuid.uuid4().hex[:6]
     # Warm-up: imports, sandbox, caches and connections; not counted.
@@ -206,6 +244,7 @@ async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.N
         if args.warmup:
             await run_batch(stack, variant, min(args.runs, args.warmup), args.steps, f"w{stamp}{n}")
     batches: list[Batch] = []
+    eager_before = server_counter(stack.metrics_port, stack.task_queue, "activity_eager_execution")
     worker_rss_max = server_rss_max = 0.0
     recorders: dict[str, Recorder] = {}
     if getattr(args, "profile", None):
@@ -229,14 +268,16 @@ async def run_rounds(stack: Stack, variants: Sequence[Variant], args: argparse.N
             print(f"  round {r + 1} {variant.name:<18} {b.runs / b.seconds:7.1f} runs/s "
                   f"({b.seconds:.2f}s)", flush=True)
     quiet = []
-    approving = next((v for v in variants if v.approvals), None)
+    approving = [v for v in variants if v.approvals and v.name != BARE_APPROVAL][:1]
+    approving += [v for v in variants if v.name == BARE_APPROVAL and approving]
     for i in range(args.quiet_approvals if approving else 0):
-        b = await run_batch(stack, approving, 1, args.steps, f"q{stamp}{i:03d}")
-        quiet.append((b, await batch_facts(stack.client, b, approving)))
+        for n, variant in enumerate(approving):
+            b = await run_batch(stack, variant, 1, args.steps, f"q{stamp}{n}{i:03d}")
+            quiet.append((b, await batch_facts(stack.client, b, variant)))
     return Rounds(
         variants, args.steps, batches, worker_rss_max, server_rss_max,
         peak_rss_mb(stack.worker.pid), peak_rss_mb(stack.server.pid), quiet,
-        {n: r.path for n, r in recorders.items()},
+        {n: r.path for n, r in recorders.items()}, stack, eager_before,
     )
 
 
@@ -319,27 +360,46 @@ async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, 
          ms(stats[n]["c_lat"])]
         for n in names
     ]
-    if rounds.quiet:
-        qf = [f for _, fs in rounds.quiet for f in fs]
-        qc = [x for b_, fs in rounds.quiet for x in client_latency(b_, fs)]
-        rows.append([
-            f"{rounds.quiet[0][0].variant}, one run at a time",
-            ms([x for f in qf for x in f.schedule_to_start]), ms([x for f in qf for x in f.turnaround]),
-            ms([x for f in qf for x in f.approval_to_schedule]), ms([x for f in qf for x in f.approval_to_start]),
-            ms(qc),
-        ])
+    quiet: dict[str, dict[str, list[float]]] = {}
+    for b_, fs in rounds.quiet:
+        q = quiet.setdefault(b_.variant, {"s2s": [], "turn": [], "a_sched": [], "a_start": [], "c_lat": []})
+        for f in fs:
+            q["s2s"] += f.schedule_to_start
+            q["turn"] += f.turnaround
+            q["a_sched"] += f.approval_to_schedule
+            q["a_start"] += f.approval_to_start
+        q["c_lat"] += client_latency(b_, fs)
+    for name, q in quiet.items():
+        rows.append([f"{name}, one run at a time", *(ms(q[k]) for k in ("s2s", "turn", "a_sched", "a_start", "c_lat"))])
     print(table(
         ["variant", "activity schedule -> start", "activity done -> next scheduled",
          "approval signal -> tool scheduled", "approval signal -> tool start", "client signal -> tool start"],
         rows,
     ))
-    if any(stats[n]["a_start"] for n in names) and stats[base]["turn"]:
-        approving = next(n for n in names if stats[n]["a_start"])
+    approving = next((n for n in names if n != BARE_APPROVAL and stats[n]["a_start"]), None)
+    if approving and stats[base]["turn"]:
         a, t, q = stats[approving]["a_sched"], stats[base]["turn"], stats[base]["s2s"]
         print(f"what governance adds to reacting to an approval, p50: {percentile(a, 50):.0f} ms from the "
               f"signal to the tool's schedule, against {percentile(t, 50):.0f} ms for {base}'s workflow task "
               f"reacting to an activity's result (the dispatch after it: {percentile(q, 50):.0f} ms "
               f"schedule-to-start in {base})")
+    if approving and BARE_APPROVAL in stats and stats[BARE_APPROVAL]["a_sched"]:
+        a, ba = stats[approving]["a_sched"], stats[BARE_APPROVAL]["a_sched"]
+        line = (f"targets: approval signal -> tool scheduled, {approving} vs {BARE_APPROVAL} (the same clock points, "
+                f"the same burst of approvals), p50 {percentile(a, 50):.0f} vs {percentile(ba, 50):.0f} ms = "
+                f"{percentile(a, 50) / percentile(ba, 50):.2f}x (<= 1.5x)")
+        qa, qb = quiet.get(approving, {}).get("a_sched"), quiet.get(BARE_APPROVAL, {}).get("a_sched")
+        if qa and qb:
+            line += (f"; one run at a time {percentile(qa, 50):.0f} ms (<= 60 ms), "
+                     f"{BARE_APPROVAL} {percentile(qb, 50):.0f} ms")
+        print(line)
+    if approving and base in stats:
+        ratios = [x / y for x, y in zip(stats[approving]["per_round"], b["per_round"])]
+        print(f"targets: {approving}/{base} median {statistics.median(ratios):.2f} (>= 0.75)")
+    if rounds.stack is not None:
+        scheduled = sum(s["activities"] * s["runs"] for s in stats.values())
+        scheduled += sum(f.activities for _, fs in rounds.quiet for f in fs)
+        print(eager_line(rounds.stack, rounds.eager_before, round(scheduled)))
     if rounds.profiles:
         print()
         print(f"where the worker's Python time goes (py-spy, {100} Hz, measured batches only; "

@@ -71,16 +71,33 @@ def http_ok(url: str) -> bool:
         return False
 
 
+# The dynamic config every dev server here runs with (the demo's, the tests', the benchmarks'):
+# eager activity execution. An activity a workflow task schedules on the run's own task queue
+# (the decision's policy check, the tools) comes back to the worker in the server's reply to that
+# task, with no trip through the task queue: under load it is most of an approval's path. The
+# CLI's dev server enables it by default; a production server does not (docs/production.md).
+DEV_SERVER_DYNAMIC_CONFIG = ("system.enableActivityEagerExecution=true",)
+
+
+def dynamic_config_args(given: Sequence[str] = ()) -> list[str]:
+    """``--dynamic-config-value`` arguments: DEV_SERVER_DYNAMIC_CONFIG, and ``given`` (KEY=VALUE)
+    in place of a default of the same key."""
+    keys = {value.partition("=")[0] for value in given}
+    values = [v for v in DEV_SERVER_DYNAMIC_CONFIG if v.partition("=")[0] not in keys] + list(given)
+    return [arg for value in values for arg in ("--dynamic-config-value", value)]
+
+
 def dev_server_command(
-    port: int = TEMPORAL_PORT, ui_port: int = UI_PORT, db: Path | None = None
+    port: int = TEMPORAL_PORT, ui_port: int = UI_PORT, db: Path | None = None, dynamic_config: Sequence[str] = ()
 ) -> list[str]:
-    """The dev server with our search attributes registered (unregistered ones leave runs stuck)."""
+    """The dev server with our search attributes registered (unregistered ones leave runs stuck)
+    and our dynamic config (``dynamic_config_args``)."""
     from workflows.published import SEARCH_ATTRIBUTES
     cmd = [
         str(BIN / "temporal"), "server", "start-dev",
         "--ip", "127.0.0.1", "--port", str(port), "--ui-port", str(ui_port),
         "--db-filename", str(db or STATE_DIR / "temporal.db"),
-        "--log-level", "warn", "--ui-disable-news-fetch",
+        "--log-level", "warn", "--ui-disable-news-fetch", *dynamic_config_args(dynamic_config),
     ]
     for key in SEARCH_ATTRIBUTES:
         cmd += ["--search-attribute", f"{key.name}=Keyword"]

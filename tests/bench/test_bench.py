@@ -43,7 +43,7 @@ async def test_overhead_prints_every_variant_with_history_and_latency(stack: Sta
     )
     out = capsys.readouterr().out
     main = {r[0]: r for r in rows(out, "variant")}
-    assert list(main) == ["governed", "governed+approval", "governed+writes", "bare"]
+    assert list(main) == ["governed", "governed+approval", "governed+writes", "bare", "bare+approval"]
     assert all(r[1] == "2" for r in main.values())  # runs counted
     assert main["bare"][4] == "1.00"  # the base against itself
     # Same plan and tools, so the same activity tasks: the setup rides on the first planner call
@@ -54,7 +54,16 @@ async def test_overhead_prints_every_variant_with_history_and_latency(stack: Sta
     approval = latency["governed+approval"]
     assert approval[3] != "-" and approval[4] != "-"  # signal -> tool scheduled / started measured
     assert latency["bare"][3] == "-"  # the bare loop has no approvals
-    assert "governed+approval, one run at a time" in latency
+    # Its baseline: the bare loop's reaction to the same signal, at the same clock points, in the
+    # same burst, and one at a time alternating with the governed approvals.
+    assert latency["bare+approval"][3] != "-"
+    assert "governed+approval, one run at a time" in latency and latency["bare+approval, one run at a time"][3] != "-"
+    assert "targets: approval signal -> tool scheduled, governed+approval vs bare+approval" in out
+    assert "; one run at a time " in out and "targets: governed+approval/bare median" in out
+    # The server's eager activity setting and what it did: the approval path's verdict activity
+    # and the tools are handed out in the workflow task's reply (the dev server enables it).
+    eager = next(line for line in out.splitlines() if line.startswith("eager activity execution: "))
+    assert int(eager.split("; ")[1].split()[0]) > 0, eager
     assert "what governance adds to reacting to an approval" in out
     assert "WORKFLOW_EXECUTION_SIGNALED" in out  # the event-type table
     # The effect ledger's cost per write, against the write-steps variant's worker CPU per step.
