@@ -161,11 +161,40 @@ _SECRET_PATTERNS = (
 )
 
 
+# The delegate step as a model calls it (function names allow no dot): a child run with a
+# narrowed grant, which plans with the same planner (docs/architecture.md, "Delegation").
+DELEGATE_FUNCTION = "tether_delegate"
+DELEGATE_DEFINITION = {
+    "type": "function",
+    "function": {
+        "name": DELEGATE_FUNCTION,
+        "description": (
+            "Hand a sub-task to a child run: it plans and runs the sub-task with only the tools you "
+            "name (a subset of yours) and at most max_steps steps, and its outcome comes back as this "
+            "step's result. Its writes need an approval like yours.\n\nEffect: none itself. Runs "
+            "without approval."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "goal": {"type": "string", "description": "the sub-task, in a sentence"},
+                "tools": {"type": "array", "items": {"type": "string"}, "description": "the tools it may use"},
+                "max_steps": {"type": "integer", "minimum": 1, "description": "the steps it may take"},
+            },
+            "required": ["goal", "tools"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
 def tool_definitions(catalog: ToolCatalog) -> list[dict[str, Any]]:
     """The catalog as chat-completions tools: description with the effect class, and the JSON
-    schema of the tool's pydantic argument model."""
+    schema of the tool's pydantic argument model; and the delegate step."""
     tools = []
     for info in catalog.tools:
+        if info.name == DELEGATE:
+            continue  # offered once, below, by a name a function may have
         approval = (
             "A human must approve any plan that calls it."
             if info.requires_approval
@@ -183,6 +212,7 @@ def tool_definitions(catalog: ToolCatalog) -> list[dict[str, Any]]:
                 },
             }
         )
+    tools.append(DELEGATE_DEFINITION)
     return tools
 
 
@@ -243,7 +273,7 @@ def build_messages(
                         "id": step.tool_call_id,
                         "type": "function",
                         "function": {
-                            "name": step.tool,
+                            "name": DELEGATE_FUNCTION if step.tool == DELEGATE else step.tool,
                             "arguments": json.dumps(step.args, sort_keys=True),
                         },
                     }
@@ -321,7 +351,7 @@ def proposed_step(tool: str, arguments: Any) -> ProposedStep:
     fail validation as malformed JSON); validation parses and checks them."""
     if isinstance(arguments, str) and len(arguments) > MAX_ARGUMENT_CHARS:
         arguments = arguments[:MAX_ARGUMENT_CHARS]
-    return ProposedStep(tool=tool[:200], args=arguments)
+    return ProposedStep(tool=DELEGATE if tool == DELEGATE_FUNCTION else tool[:200], args=arguments)
 
 
 def answer_proposal(text: str, tokens: int) -> Proposal:

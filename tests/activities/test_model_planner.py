@@ -123,7 +123,8 @@ async def test_two_step_plan_with_approval_end_to_end(
     assert [m["role"] for m in first.messages] == ["system", "user"]
     assert "Refund order A-1001" in first.messages[1]["content"]
     tools = {t["function"]["name"]: t["function"] for t in first.tools}
-    assert set(tools) == {"get_order", "issue_refund", "post_ledger_entry", "send_email", "void_refund", "reverse_ledger_entry"}
+    assert set(tools) == {"get_order", "issue_refund", "post_ledger_entry", "send_email", "void_refund", "reverse_ledger_entry",
+                          "tether_delegate"}
     assert tools["issue_refund"]["parameters"] == RefundArgs.model_json_schema()
     assert tools["get_order"]["parameters"] == OrderRef.model_json_schema()
     assert "Effect: idempotent" in tools["issue_refund"]["description"]
@@ -399,3 +400,28 @@ async def test_planner_input_in_history_is_bounded_whatever_the_tool_results(
     assert len(executed) == 6 and all(s["digest"] for s in executed)
     sizes = [len(s["observation"]) for s in executed]
     assert sum(sizes) <= MODEL_CONTEXT_CHARS and sizes[:2] == [0, 0] and sizes[2:] == [4000] * 4
+
+
+async def test_a_model_delegates_a_sub_task_to_a_child_run(ts_env: WorkflowEnvironment, billing: Billing, fake: FakeOpenAI) -> None:
+    """The model calls tether_delegate: the plan's step is the delegate step, the child plans
+    with the same model (only the tools its grant gives), and its outcome is the step's result."""
+    fake.script(
+        tool_calls(call("tether_delegate", {"goal": "look up order A-1001", "tools": ["get_order"], "max_steps": 2})),
+        tool_calls(call("get_order", {"order_id": "A-1001"})),  # the child's plan
+        text("A-1001 totals 49.99 EUR."),  # the child's answer
+        text("The order totals 49.99 EUR: no refund needed."),  # the parent's
+    )
+    async with running_worker(ts_env.client) as worker:
+        handle = await start_run(ts_env.client, worker, model_request(goal="Check order A-1001"))
+        outcome = await run_outcome(handle)
+        child = await run_outcome(ts_env.client.get_workflow_handle(f"{handle.id}.{outcome.steps[0].tool_call_id}"))
+    assert outcome.state == S.COMPLETED and [s.tool for s in outcome.steps] == ["tether.delegate"]
+    assert child.state == S.COMPLETED and [s.tool for s in child.steps] == ["get_order"]
+    assert child.answer == "A-1001 totals 49.99 EUR."
+    offered_to_child = {t["function"]["name"] for t in fake.completions[1].tools}
+    assert "get_order" in offered_to_child
+    # The parent's next turn shows the delegation as the model called it, with the child's outcome.
+    last = fake.completions[3].messages
+    called = [m for m in last if m["role"] == "assistant" and m.get("tool_calls")]
+    assert called[0]["tool_calls"][0]["function"]["name"] == "tether_delegate"
+    assert '"state": "COMPLETED"' in next(m for m in last if m["role"] == "tool")["content"]
