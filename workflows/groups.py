@@ -23,7 +23,7 @@ from workflows.states import EffectOutcome, RunState
 from workflows.wire import CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict
 
 # Steps of a group that run at once when the policy sets no max_parallel.
-DEFAULT_PARALLEL = 4
+DEFAULT_PARALLEL = 8
 # Answers that say the tool was not called (a key or the ledger missing, records not in the
 # sink): the step is scheduled again, not counted as a retry.
 NOT_CALLED = (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED, LEDGER_UNAVAILABLE, *RECORDS_NOT_WRITTEN)

@@ -127,7 +127,7 @@ class Budgets(Contract):
     max_steps: int | None = Field(None, ge=1)
     max_tool_calls: int | None = Field(None, ge=1)
     max_replans: int | None = Field(None, ge=0)
-    # Steps of a parallel group that run at once (None: 4).
+    # Steps of a parallel group that run at once (None: 8).
     max_parallel: int | None = Field(None, ge=1, le=16)
     # How deep child runs may nest (None: 2; 0: no delegation).
     max_depth: int | None = Field(None, ge=0, le=8)
