@@ -344,7 +344,7 @@ async def test_model_planner_is_offered_mcp_tools_and_its_proposal_is_checked_ag
     assert "git__git_add" in failed.reason and "files" in failed.reason
     assert "AWAITING_APPROVAL" not in path(outcome), "a read-only MCP tool runs without approval"
     offered = {t["function"]["name"]: t["function"] for t in first.tools}
-    assert set(offered) == {f"git__{name}" for name in GIT_EFFECTS}
+    assert set(offered) == {f"git__{name}" for name in GIT_EFFECTS} | {"tether_delegate"}  # and the delegate step
     assert offered["git__git_add"]["parameters"] == registry.get("git__git_add").args_schema
     assert "Effect: read_only" in offered["git__git_status"]["description"]
     assert "Effect: unsafe" in offered["git__git_commit"]["description"]
