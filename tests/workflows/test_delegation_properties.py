@@ -65,6 +65,7 @@ class Tree:
         self.sent: Counter[str] = Counter()
         self.runs = 0
         self.ended: dict[str, RunOutcome] = {}  # each child's outcome, by its workflow id
+        self.skip_to: datetime | None = None  # the time the next answer lands at, when later
 
     def engine(self, request: RunRequest, workflow_id: str) -> Engine:
         data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=self.tenant, policy_hash="h", source="test"))
@@ -147,7 +148,10 @@ class Tree:
                 ending = True
                 e.start(ending=True)
                 continue
-            e.on(command, self.answer(e, command), now + timedelta(seconds=1))
+            answer = self.answer(e, command)
+            if self.skip_to is not None:  # nobody approved: time runs to the request's expiry
+                now, self.skip_to = max(now, self.skip_to), None
+            e.on(command, answer, now + timedelta(seconds=1))
         return e.outcome(workflow_id)
 
     def answer(self, e: Engine, command: Any) -> Any:
@@ -183,6 +187,8 @@ class Tree:
                 decision = ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=pending.plan_hash,
                                             request_id=pending.request_id)
                 e.receive("approve", decision, e.at)
+            else:
+                self.skip_to = pending.expires_at
             return None
         assert isinstance(command, (Checkpoint, Sleep, Wait)) or type(command).__name__ in (
             "Show", "Publish", "Notify", "Notified", "HandlersDone"), f"no answer to {command}"
