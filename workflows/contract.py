@@ -29,6 +29,9 @@ from workflows.states import EffectOutcome, RunState, TransitionRecord
 # Tenants end up in search attributes and the Web UI: keep them to plain identifiers.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$"
 
+# The longest workflow id Temporal takes (its default limit): a child's id is its parent's and more.
+WORKFLOW_ID_CHARS = 1000
+
 
 # A trusted signer's name ([signers.NAME] in the policy file, ApprovalDecision.attested_by).
 SIGNER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
@@ -145,10 +148,10 @@ class Grant(Contract):
     more than the parent holds. The child's workflow code checks the seal, that it names this
     child and that the server says this parent started it; anything else is refused."""
 
-    root: str = Field(min_length=1, max_length=256)  # the root run's workflow id
-    parent: str = Field(min_length=1, max_length=256)  # the parent's workflow id
+    root: str = Field(min_length=1, max_length=WORKFLOW_ID_CHARS)  # the root run's workflow id
+    parent: str = Field(min_length=1, max_length=WORKFLOW_ID_CHARS)  # the parent's workflow id
     parent_run: str = Field(min_length=1, max_length=256)  # the parent execution's run id
-    child: str = Field(min_length=1, max_length=512)  # this child's workflow id
+    child: str = Field(min_length=1, max_length=WORKFLOW_ID_CHARS)  # this child's workflow id
     depth: int = Field(ge=1, le=16)  # 1: a child of a root run
     tenant: str = Field(min_length=1, max_length=128)
     tools: list[str] = Field(min_length=1, max_length=64)
@@ -160,7 +163,7 @@ class Grant(Contract):
     # in force (who approved, for which request and plan of the parent's, the roles and count it
     # met) covers them in the child; any other write asks its own approval.
     covered: list[PlaybookStep] = Field(default_factory=list, max_length=200)
-    approved: list[AcceptedApproval] = Field(default_factory=list, max_length=20)
+    approved: list[AcceptedApproval] = Field(default_factory=list, max_length=20)  # delegation.GRANT_APPROVALS
     approved_roles: list[str] = Field(default_factory=list, max_length=20)
     approvals_required: int = Field(0, ge=0, le=20)
     approved_request: str = Field("", max_length=128)

@@ -23,11 +23,13 @@ from pydantic import ValidationError
 
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, RunChild
-from workflows.contract import DELEGATE, STRICT, Delegation, Grant, Limits, PlaybookStep, ToolEffect, first_error
+from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, Limits, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
 from workflows.wire import RecoveryRequest, RecoverySource, ToolOutcome
 
+# Approvals a grant lends at most (more: the child asks its own).
+GRANT_APPROVALS = 20
 # How deep delegation goes when the policy sets no max_depth (1: children, no grandchildren).
 DEFAULT_DEPTH = 2
 
@@ -59,6 +61,8 @@ class Delegating(RunModel):
             delegation = Delegation.model_validate(args, context=STRICT)
         except ValidationError as e:
             return f"not a delegation: {first_error(e)}"
+        if len(self.child_id("tc-000-" + "0" * 12)) > WORKFLOW_ID_CHARS:
+            return f"this run's id is too long to name a child run by (over {WORKFLOW_ID_CHARS} characters)"
         if self.depth() + 1 > self.max_depth():
             return f"delegation beyond the depth limit: this run is at depth {self.depth()}, max_depth is {self.max_depth()}"
         for tool in delegation.tools:
@@ -91,7 +95,7 @@ class Delegating(RunModel):
             and info.effect != ToolEffect.READ_ONLY
         ]
         coverage: dict[str, Any] = {}
-        if approval is not None and covered:
+        if approval is not None and covered and len(approval.approvals) <= GRANT_APPROVALS:
             coverage = dict(
                 covered=covered, approved=list(approval.approvals), approved_roles=list(approval.roles),
                 approvals_required=approval.approvals_required, approved_request=approval.request_id,

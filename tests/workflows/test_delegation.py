@@ -391,3 +391,14 @@ async def test_a_parents_compensation_undoes_its_childs_writes(dev_env: Workflow
     assert made["voided_at"] is not None  # the child's refund, undone by the parent
     assert refunds_with(billing, failing) == []
     assert [c.status for c in parent.compensations] == ["ok"]
+
+
+async def test_a_run_whose_id_leaves_no_room_for_a_childs_is_refused_not_wedged(dev_env: WorkflowEnvironment) -> None:
+    """A child's id is its parent's and its step's: a parent id near Temporal's limit cannot name
+    one. Validation says so on the record; the run ends, its workflow tasks never fail."""
+    async with running_worker(dev_env.client) as worker:
+        run_id = "long-" + "x" * 985
+        request = make_request([delegate(LOOKUP)], limits={"max_replans": 0})
+        outcome = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request, run_id=run_id)), 60)
+    assert outcome.state == S.FAILED
+    assert any("too long to name a child run by" in r.reason for r in outcome.timeline)
