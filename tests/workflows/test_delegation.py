@@ -75,6 +75,19 @@ async def started_child(env: WorkflowEnvironment, child_id: str):
     raise AssertionError(f"the child {child_id} was never started")
 
 
+async def cancel_requested(env: WorkflowEnvironment, run_id: str) -> None:
+    """Wait for the run's history to hold the cancel request (an event, not a time)."""
+    from temporalio.api.enums.v1 import EventType
+
+    handle = env.client.get_workflow_handle(run_id)
+    for _ in range(600):
+        events = (await handle.fetch_history()).events
+        if any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED for e in events):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no cancel request reached {run_id}")
+
+
 async def child_outcome(env: WorkflowEnvironment, parent: RunOutcome) -> tuple[str, RunOutcome]:
     step = next(s for s in parent.steps if s.tool == DELEGATE)
     child_id = f"{parent.run_id}.{step.tool_call_id}"
@@ -308,13 +321,14 @@ async def test_a_cancel_of_the_root_during_a_grandchilds_parallel_group_leaves_n
     async with running_worker(dev_env.client, registry=held_tools.REGISTRY) as worker:
         root = await start_run(dev_env.client, worker, make_request([child, {"tool": "after_read", "args": {"tag": tag}}]))
         await held_tools.started(tag, 3)  # the grandchild's group is running, all three at once
-        await root.cancel()
-        held_tools.GATES[tag].set()
-        with pytest.raises(WorkflowFailureError):
-            await asyncio.wait_for(root.result(), 60)
         ids = [root.id]
         for _ in range(2):  # the child, then the grandchild: each the first step of its parent's plan
             ids.append(f"{ids[-1]}.{(await snapshot(dev_env.client.get_workflow_handle(ids[-1]))).plan.steps[0].tool_call_id}")
+        await root.cancel()
+        await cancel_requested(dev_env, ids[-1])  # the cancel has reached the grandchild: then its attempts end
+        held_tools.GATES[tag].set()
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(root.result(), 60)
         ended = []
         for run_id in ids:
             handle = dev_env.client.get_workflow_handle(run_id)
