@@ -23,10 +23,11 @@ from pydantic import ValidationError
 
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, RunChild
-from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, Limits, PlaybookStep, ToolEffect, first_error
+from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
-from workflows.wire import RecoveryRequest, RecoverySource, ToolOutcome
+from workflows.states import EffectOutcome
+from workflows.wire import CHILD_WOKEN, RecoveryRequest, RecoverySource, ToolOutcome, Verdict
 
 # Approvals a grant lends at most (more: the child asks its own).
 GRANT_APPROVALS = 20
@@ -36,6 +37,9 @@ DEFAULT_DEPTH = 2
 
 class Delegating(RunModel):
     """Child runs: what a delegation may ask for, the grant it gets, and how its end counts."""
+
+    # The reason to cancel the open child with: a hand-off of this run taken while it ran.
+    child_cancel: str | None = None
 
     def depth(self) -> int:
         return self.request.grant.depth if self.request.grant else 0
@@ -190,6 +194,20 @@ class Delegating(RunModel):
 
     # ------------------------------------------------------------------ the program
 
+    def handed_off_with_child(self, request: HandoffRequest, verdict: Verdict, child: str, at: datetime) -> None:
+        """A hand-off taken while the child ran: the child was cancelled and has settled (its
+        attempts ended, on its record); the delegate step ends with it, and a person takes the run."""
+        step = require(self.current_step(), "no delegate step")
+        grant = Delegation.model_validate(step.args)
+        # A child that could write may have: what it did is on its record.
+        wrote = any((info := self.catalog.get(t)) is None or info.effect != ToolEffect.READ_ONLY for t in grant.tools)
+        outcome: EffectOutcome = "unknown" if wrote else "failed"
+        self._end_step(step, outcome, "child_cancelled")
+        detail = f"child run {child} cancelled first, its attempts settled (on its record); delegate step outcome {outcome}"
+        self.take_handoff(request, at, detail, None, verdict.verified, refs=self._end_refs(step, outcome, "child_cancelled"))
+
+    # ------------------------------------------------------------------ the program
+
     def _delegate_step(self) -> Program[None]:
         detail, refs = self.handoff_point()
         if (yield from self._take_handoff(detail=detail, refs=refs)):
@@ -199,7 +217,29 @@ class Delegating(RunModel):
         delegation = Delegation.model_validate(step.args)
         grant = self.grant_for(delegation, step.tool_call_id)
         self.data.tool_calls += 1
-        result = yield RunChild(self.child_request(delegation, grant), grant.child, f"delegate · {delegation.goal[:80]}")
+        run = RunChild(self.child_request(delegation, grant), grant.child, f"delegate · {delegation.goal[:80]}")
+        result = yield run
+        taken: tuple[HandoffRequest, Verdict] | None = None
+        while isinstance(result, ToolFailure) and result.code == CHILD_WOKEN:
+            # A hand-off of this run while the child runs: judged now; taken, the child is
+            # cancelled first (it settles its attempts), and the run takes it once the child has ended.
+            request, verdict = yield from self._judge_handoff()
+            if verdict.refusal is not None:
+                refusal = verdict.refusal
+                self.decide(lambda now: self.refuse_handoff(request, refusal, now), policies=verdict.policies)
+            else:
+                taken = (request, verdict)
+                self.child_cancel = f"by {request.by}: parent run {self.workflow_id} handed off: {request.reason}"
+            result = yield run
+        self.child_cancel = None
+        if taken is not None and isinstance(result, ToolFailure) and result.code == "child_cancelled":
+            request, verdict = taken
+            self.decide(lambda now: self.handed_off_with_child(request, verdict, grant.child, now), policies=verdict.policies)
+            return
+        if taken is not None:
+            # The child ended before the cancel reached it: its end counts as any; the hand-off
+            # is taken at the run's next point that allows it (judged again there).
+            self.pending_handoff = taken[0]
         if isinstance(result, RunOutcome) and result.state == S.COMPLETED and result.compensations:
             # The child's undos become this run's, newest last: what the child's closed record says
             # (attested by the fleet key: a keyless poller's result for the child cannot add any).

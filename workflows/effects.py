@@ -56,6 +56,7 @@ from workflows.run_model import ToolFailure
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import TransitionRecord, first_published, implied_links
 from workflows.wire import (
+    CHILD_WOKEN,
     AuditAck,
     AuditBatch,
     ToolCall,
@@ -107,6 +108,7 @@ class Effects(Publishing):
         self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
         self._landed: list[Landed] | None = None
+        self._children: dict[str, Any] = {}  # child runs started and not yet ended, by id
         start_attributes = info.typed_search_attributes
         self.published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
@@ -118,7 +120,17 @@ class Effects(Publishing):
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == self.request.tenant
 
     async def perform(self, command: Command) -> Any:
-        """Carry out one command of the engine's; its result goes back to the engine."""
+        """Carry out one command of the engine's; its result goes back to the engine. A cancel
+        of the run reaches the child runs still open (one a hand-off woke the wait on) and waits
+        for each to settle."""
+        try:
+            return await self._perform(command)
+        except asyncio.CancelledError as err:
+            if self._children:
+                await self.settle_children(err.args)
+            raise
+
+    async def _perform(self, command: Command) -> Any:
         match command:
             case Call():
                 options = PLANNER if command.options == "planner" else SETUP
@@ -379,36 +391,54 @@ class Effects(Publishing):
         self._landed = None
         return landed
 
-    async def child(self, command: RunChild) -> RunOutcome | ToolFailure:
+    async def child(self, command: RunChild, *, wake: bool = True) -> RunOutcome | ToolFailure:
         """A child run, its grant sealed here with the fleet key for exactly this parent execution
-        and child; its end (a cancel of this run reaches it, and waits for it to settle)."""
-        info = workflow.info()
-        grant = command.request.grant.model_copy(update={"parent_run": info.run_id})
-        with self.keyed():
-            grant.seal = keys.seal_grant(self.ring(), grant.sealed_digest())
-        request = command.request.model_copy(update={"grant": grant})
+        and child; its end (a cancel of this run reaches it, and waits for it to settle).
+        ``wake``: a hand-off of this run wakes the wait while the child runs on (CHILD_WOKEN); the
+        next RunChild for it waits again, cancelling it first when the engine took the hand-off
+        (``child_cancel``, the reason the child's record names)."""
+        handle = self._children.get(command.child_id)
+        if handle is None:
+            info = workflow.info()
+            grant = command.request.grant.model_copy(update={"parent_run": info.run_id})
+            with self.keyed():
+                grant.seal = keys.seal_grant(self.ring(), grant.sealed_digest())
+            request = command.request.model_copy(update={"grant": grant})
+            try:
+                handle = await workflow.start_child_workflow(
+                    "AgentRun",
+                    request,
+                    id=command.child_id,
+                    result_type=RunOutcome,
+                    task_queue=info.task_queue,
+                    parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
+                    cancellation_type=workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED,
+                    search_attributes=TypedSearchAttributes([
+                        SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
+                        SearchAttributePair(STATE_ATTRIBUTE, first_published(compensation=False).value),
+                    ]),
+                    static_summary=command.summary,
+                )
+            except WorkflowAlreadyStartedError:
+                return ToolFailure("child_exists", f"child run {command.child_id} exists already (a reset of this run?)", True)
+            self._children[command.child_id] = handle
+        elif self.engine.child_cancel is not None:
+            handle.cancel(self.engine.child_cancel)
+        engine = self.engine
         try:
-            outcome: RunOutcome = await workflow.execute_child_workflow(
-                "AgentRun",
-                request,
-                id=command.child_id,
-                result_type=RunOutcome,
-                task_queue=info.task_queue,
-                parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
-                cancellation_type=workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED,
-                search_attributes=TypedSearchAttributes([
-                    SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
-                    SearchAttributePair(STATE_ATTRIBUTE, first_published(compensation=False).value),
-                ]),
-                static_summary=command.summary,
-            )
+            if wake:
+                await workflow.wait_condition(
+                    lambda: handle.done() or (engine.pending_handoff is not None and engine.child_cancel is None)
+                )
+                if not handle.done():
+                    return ToolFailure(CHILD_WOKEN, f"a hand-off of this run is pending; child run {command.child_id} runs on", False)
+            outcome: RunOutcome = await asyncio.shield(handle)
             return outcome
         except ChildWorkflowError as err:
             cause = err.cause
-            task = asyncio.current_task()
-            if isinstance(cause, CancelledError) and task is not None and task.cancelling():
-                # This run's cancel reached the child, which has settled: the cancel goes on here.
-                raise asyncio.CancelledError() from None
+            if isinstance(cause, CancelledError):
+                # Cancelled as this run asked (its hand-off): the child has settled.
+                return ToolFailure("child_cancelled", f"child run {command.child_id} was cancelled", True)
             if isinstance(cause, ApplicationError) and cause.details:
                 # A run that ends failed says its outcome in the failure's details.
                 try:
@@ -417,8 +447,17 @@ class Effects(Publishing):
                     pass
             kind = (cause.type if isinstance(cause, ApplicationError) else type(cause).__name__) if cause else "unknown"
             return ToolFailure("child_failed", f"child run {command.child_id} failed: {kind}", True)
-        except WorkflowAlreadyStartedError:
-            return ToolFailure("child_exists", f"child run {command.child_id} exists already (a reset of this run?)", True)
+        finally:
+            if handle.done():
+                self._children.pop(command.child_id, None)
+
+    async def settle_children(self, reason: tuple[Any, ...]) -> None:
+        """This run's cancel reaches every child run still open and waits for each to settle."""
+        handles = list(self._children.values())
+        for handle in handles:
+            handle.cancel(*reason)
+        await asyncio.gather(*handles, return_exceptions=True)
+        self._children.clear()
 
     def take_landed(self) -> list[Landed] | None:
         """What a group's attempts the run's cancel met came to (None: the cancel met no group)."""

@@ -12,7 +12,7 @@ from workflows import policy
 from workflows.commands import Call
 from workflows.contract import CancelRequest, DecideResult, HandoffRequest
 from workflows.identity import normalize_name
-from workflows.run_model import Program, RunModel, S
+from workflows.run_model import Program, RunModel, S, require
 from workflows.states import Refs
 from workflows.wire import HandoffCheck, PersonCheck, Refusal, Verdict
 
@@ -197,9 +197,18 @@ class Handoff(RunModel):
     def _take_handoff(self, detail: str | None = None, refs: Refs | None = None) -> Program[bool]:
         """Honour a pending handoff where the table allows, once the current policy file (and the
         sender's signature, where required) says it may. ``refs``: the step it ends."""
-        request = self.pending_handoff
-        if request is None or not self.can_take_handoff():
+        if self.pending_handoff is None or not self.can_take_handoff():
             return False
+        request, verdict = yield from self._judge_handoff()
+        return self.decide(
+            lambda now: self.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs),
+            policies=verdict.policies,
+        )
+
+    def _judge_handoff(self) -> Program[tuple[HandoffRequest, Verdict]]:
+        """The pending handoff, judged under the current policy file (and the sender's signature,
+        where required); no longer pending."""
+        request = require(self.pending_handoff, "no pending handoff")
         verdict = yield Call(
             "policy_check_handoff",
             HandoffCheck(
@@ -213,10 +222,7 @@ class Handoff(RunModel):
             "policy check · handoff",
         )
         self.pending_handoff = None
-        return self.decide(
-            lambda now: self.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs),
-            policies=verdict.policies,
-        )
+        return request, verdict
 
 
 def cancel_actor(reason: str | None) -> tuple[str, str | None]:

@@ -93,6 +93,8 @@ LEDGER_UNAVAILABLE = "ledger_unavailable"
 SINK_UNAVAILABLE = "audit_sink_unavailable"
 RECORD_UNVERIFIED = "record_unverified"
 RECORDS_NOT_WRITTEN = (SINK_UNAVAILABLE, RECORD_UNVERIFIED)
+# A child run's wait, woken by a hand-off of its parent (the child runs on): not its end.
+CHILD_WOKEN = "child_woken"
 
 
 # An activity found a seal or capability naming a key id this worker does not hold.

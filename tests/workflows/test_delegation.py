@@ -19,13 +19,13 @@ from activities.keys import KeyRing
 from activities.planning import BUILTIN_PLANNERS
 from activities.policy_file import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
 from tests.helpers import held_tools
 from tests.helpers.cli import Cli
 from tests.helpers.invariants import check_timeline
 from workflows.contract import DELEGATE, Grant, ToolCatalog
 from workflows.run_state import RunOutcome, RunRequest
-from workflows.states import RunState
+from workflows.states import RunState, TransitionRecord
 from workflows.wire import PlannerInput, Proposal, ProposedStep
 
 S = RunState
@@ -416,3 +416,79 @@ async def test_a_run_whose_id_leaves_no_room_for_a_childs_is_refused_not_wedged(
         outcome = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request, run_id=run_id)), 60)
     assert outcome.state == S.FAILED
     assert any("too long to name a child run by" in r.reason for r in outcome.timeline)
+
+
+async def refusals(handle, rule: str, count: int) -> list:
+    """The run's refused records of ``rule``, once there are ``count`` (an event, not a time)."""
+    for _ in range(600):
+        found = [r for r in await handle.query("timeline", result_type=list[TransitionRecord]) if r.kind == "refused" and r.rule == rule]
+        if len(found) >= count:
+            return found
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no {count} refusal(s) [{rule}] on {handle.id}")
+
+
+async def test_a_handoff_of_the_parent_while_its_child_runs_cancels_the_child_first(dev_env: WorkflowEnvironment) -> None:
+    """The parent waits on a child whose tool is held running: a hand-off of the parent wakes the
+    wait, cancels the child (its attempt settles, on its record), then the parent is HANDED_OFF
+    with the child's end on its record; nothing runs after, nothing is written twice."""
+    from workflows.contract import HandoffRequest
+
+    tag = uuid.uuid4().hex[:8]
+    playbook = [delegate({"tool": "held_read", "args": {"tag": tag, "n": 1}}, tools=("held_read",)),
+                {"tool": "after_read", "args": {"tag": tag}}]
+    async with running_worker(dev_env.client, registry=held_tools.REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await held_tools.started(tag, 1)  # the child's step is running
+        child_id = f"{handle.id}.{(await snapshot(handle)).plan.steps[0].tool_call_id}"
+        await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
+        await cancel_requested(dev_env, child_id)  # the hand-off reached the child: then its attempt ends
+        held_tools.GATES[tag].set()
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        child = dev_env.client.get_workflow_handle(child_id)
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(child.result(), 60)
+        child_snap = await snapshot(child)
+        child_records = await timeline(child)
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    last = parent.timeline[-1]
+    assert last.actor == "operator:dana" and f"child run {child_id} cancelled first" in last.reason
+    assert last.refs.error_code == "child_cancelled" and last.refs.outcome == "failed"  # a read-only child wrote nothing
+    assert [r.to_state for r in parent.timeline if r.kind == "transition"].count(S.HANDED_OFF) == 1
+    assert child_snap.state == S.CANCELLED and child_records[-1].actor == "user:dana"
+    assert "(held_read)" in child_records[-1].reason  # the child's attempt settled, on its record
+    assert held_tools.IN_FLIGHT[tag] == 0 and held_tools.ATTEMPTS[f"{tag}/1"] == 1 and "after" not in held_tools.ORDER[tag]
+    assert [s.tool for s in parent.steps] == [DELEGATE]
+    check_timeline(parent.timeline, {s.tool_call_id: s.tool for s in parent.steps}, read_only=("after_read", DELEGATE))
+
+
+async def test_a_handoff_of_a_parent_from_the_wrong_person_cancels_no_child(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """Refused as for any run: a non-member on arrival; a member whose key the policy lists,
+    unsigned, by the policy check (the wait woke for it). The child runs on and completes."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from tests.helpers.inbox_stack import raw_public
+    from workflows.contract import HandoffRequest
+
+    policy = tmp_path / "policy.toml"
+    key = raw_public(ed25519.Ed25519PrivateKey.generate())
+    policy.write_text(f'[tenants.default.approvers]\nalice = {{ roles = ["approver"] }}\nbob = {{ roles = ["approver"], public_key = "{key}" }}\n')
+    tag = uuid.uuid4().hex[:8]
+    playbook = [delegate({"tool": "held_read", "args": {"tag": tag, "n": 1}}, tools=("held_read",)),
+                {"tool": "after_read", "args": {"tag": tag}}]
+    async with running_worker(dev_env.client, registry=held_tools.REGISTRY, policy=PolicyStore(policy)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await held_tools.started(tag, 1)
+        child_id = f"{handle.id}.{(await snapshot(handle)).plan.steps[0].tool_call_id}"
+        await handle.signal("handoff", HandoffRequest(by="mallory", reason="let me"))
+        await refusals(handle, "tenant_membership", 1)
+        await handle.signal("handoff", HandoffRequest(by="bob", reason="unsigned"))
+        await refusals(handle, "signature_required", 1)
+        held_tools.GATES[tag].set()
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        child = await run_outcome(dev_env.client.get_workflow_handle(child_id))
+    assert parent.state == S.COMPLETED, parent.timeline[-1].reason
+    assert child.state == S.COMPLETED and not any(r.to_state == S.CANCELLED for r in child.timeline)
+    assert held_tools.ORDER[tag][-1] == "after"
