@@ -26,7 +26,6 @@ from workflows.commands import Call, RunChild
 from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
-from workflows.states import EffectOutcome
 from workflows.wire import CHILD_WOKEN, RecoveryRequest, RecoverySource, ToolOutcome, Verdict
 
 # Approvals a grant lends at most (more: the child asks its own).
@@ -201,10 +200,10 @@ class Delegating(RunModel):
         grant = Delegation.model_validate(step.args)
         # A child that could write may have: what it did is on its record.
         wrote = any((info := self.catalog.get(t)) is None or info.effect != ToolEffect.READ_ONLY for t in grant.tools)
-        outcome: EffectOutcome = "unknown" if wrote else "failed"
-        self._end_step(step, outcome, "child_cancelled")
-        detail = f"child run {child} cancelled first, its attempts settled (on its record); delegate step outcome {outcome}"
-        self.take_handoff(request, at, detail, None, verdict.verified, refs=self._end_refs(step, outcome, "child_cancelled"))
+        refs = self._end_refs(step, "unknown" if wrote else "failed", "child_cancelled")
+        self._end_step(step, refs.outcome or "unknown", "child_cancelled")
+        detail = f"child run {child} cancelled first, its attempts settled (on its record); delegate step outcome {refs.outcome}"
+        self.take_handoff(request, at, detail, None, verdict.verified, refs=refs)
 
     # ------------------------------------------------------------------ the program
 
