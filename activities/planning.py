@@ -107,13 +107,17 @@ def flat_playbook(playbook: list[PlaybookStep]) -> list[ProposedStep]:
     (its place in the playbook, 1-based), so the plan runs them at once."""
     steps: list[ProposedStep] = []
     for n, item in enumerate(playbook, start=1):
-        if item.delegate is not None:
-            steps.append(ProposedStep(tool=DELEGATE, args=item.delegate.model_dump(mode="json")))
-        elif item.parallel is None:
-            steps.append(ProposedStep(tool=item.tool, args=item.args))
+        if item.parallel is None:
+            steps.append(_proposed(item))
         else:
-            steps.extend(ProposedStep(tool=s.tool, args=s.args, group=n) for s in item.parallel)
+            steps.extend(_proposed(s, group=n) for s in item.parallel)
     return steps
+
+
+def _proposed(item: PlaybookStep, group: int | None = None) -> ProposedStep:
+    if item.delegate is not None:
+        return ProposedStep(tool=DELEGATE, args=item.delegate.model_dump(mode="json"), group=group)
+    return ProposedStep(tool=item.tool, args=item.args, group=group)
 
 
 # ----------------------------------------------------------------------------- model planner

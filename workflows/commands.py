@@ -50,10 +50,10 @@ class RunTool:
 
 @dataclass(frozen=True)
 class RunGroup:
-    """A parallel group's attempts, at most ``limit`` at once. Result: a Landed for each attempt
-    that ended, in the order they ended."""
+    """A parallel group's attempts (tool calls, child runs), at most ``limit`` at once. Result:
+    a Landed for each attempt that ended, in the order they ended."""
 
-    members: tuple[RunTool, ...]
+    members: tuple[RunTool | RunChild, ...]
     limit: int
 
 

@@ -99,7 +99,7 @@ GROUP_MAX = 16
 
 class PlaybookStep(Contract):
     """One step of a playbook: a tool call; ``{"parallel": [step, ...]}``, a group of steps
-    that run at once (read-only and idempotent tools only: the validator says so); or
+    that run at once (read-only and idempotent tools and delegations only: the validator says so); or
     ``{"delegate": {...}}``, a child run with a narrowed grant."""
 
     tool: str = ""
@@ -113,8 +113,8 @@ class PlaybookStep(Contract):
         kinds = [k for k, set_ in (("parallel", self.parallel is not None), ("delegate", self.delegate is not None)) if set_]
         if len(kinds) > 1 or (kinds and (self.tool or self.args)):
             raise ValueError('a playbook step is one of {"tool": ...}, {"parallel": [step, ...]} or {"delegate": {...}}')
-        if self.parallel is not None and any(s.parallel is not None or s.delegate is not None for s in self.parallel):
-            raise ValueError("a parallel group holds tool steps, not groups or delegations")
+        if self.parallel is not None and any(s.parallel is not None for s in self.parallel):
+            raise ValueError("a parallel group holds tool steps and delegations, not groups")
         return self
 
     @model_serializer(mode="wrap")

@@ -23,10 +23,10 @@ from pydantic import ValidationError
 
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, RunChild
-from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlaybookStep, ToolEffect, first_error
+from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlanStep, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
-from workflows.wire import CHILD_WOKEN, RecoveryRequest, RecoverySource, ToolOutcome, Verdict
+from workflows.wire import CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, RecoverySource, ToolOutcome, Verdict
 
 # Approvals a grant lends at most (more: the child asks its own).
 GRANT_APPROVALS = 20
@@ -170,26 +170,50 @@ class Delegating(RunModel):
         self.data.last_error = f"grant_invalid: {problem}"
         self.move(S.FAILED, at=at, actor="runtime", reason=clip(f"run request refused [grant_invalid]: {problem}", REASON_CHARS))
 
-    def child_ended(self, result: RunOutcome | ToolFailure, at: datetime) -> None:
-        """The child's end is the delegate step's result; its steps count against this run."""
-        step = require(self.current_step(), "no delegate step")
+    def child_answer(self, step: PlanStep, result: RunOutcome | ToolFailure) -> ToolOutcome | ToolFailure:
+        """The child's end as the delegate step's answer (COMPLETED: its summary; HANDED_OFF:
+        CHILD_HANDED_OFF; else a failure naming its end); the steps it ran count against this run."""
         if isinstance(result, ToolFailure):
-            self.tool_failed(result, at)
-            return
+            return result
         self.data.tool_calls += result.steps_executed
         summary = {"child": self.child_id(step.tool_call_id), "state": result.state.value, "answer": result.answer}
         observation = json.dumps(summary, sort_keys=True)
         if result.state == S.COMPLETED:
             digest = hashlib.sha256(observation.encode()).hexdigest()
-            self.tool_succeeded(ToolOutcome(observation=observation, digest=digest, size=len(observation)), at)
-            return
+            return ToolOutcome(observation=observation, digest=digest, size=len(observation))
         if result.state == S.HANDED_OFF:
+            return ToolFailure(CHILD_HANDED_OFF, f"child run {summary['child']} handed off", True)
+        return ToolFailure(f"child_{result.state.value.lower()}", f"child run ended {result.state.value}", True)
+
+    def child_ended(self, result: RunOutcome | ToolFailure, at: datetime) -> None:
+        """The child's end is the delegate step's result; its steps count against this run."""
+        step = require(self.current_step(), "no delegate step")
+        answer = self.child_answer(step, result)
+        if isinstance(answer, ToolOutcome):
+            self.tool_succeeded(answer, at)
+        elif answer.code == CHILD_HANDED_OFF:
             # A write of the child's may have applied: a person takes the parent too.
-            self._end_step(step, "unknown", "child_handed_off")
-            self.move(S.HANDED_OFF, at=at, actor="runtime", refs=self._end_refs(step, "unknown", "child_handed_off"),
-                      reason=f"child run {summary['child']} handed off: a write of it may have applied; needs a human")
-            return
-        self.tool_failed(ToolFailure(f"child_{result.state.value.lower()}", f"child run ended {result.state.value}", True), at)
+            self._end_step(step, "unknown", CHILD_HANDED_OFF)
+            self.move(S.HANDED_OFF, at=at, actor="runtime", refs=self._end_refs(step, "unknown", CHILD_HANDED_OFF),
+                      reason=f"child run {self.child_id(step.tool_call_id)} handed off: a write of it may have applied; needs a human")
+        else:
+            self.tool_failed(answer, at)
+
+    def child_run(self, step: PlanStep) -> RunChild:
+        """What starts the child run of a delegate step: its request, carrying its grant."""
+        delegation = Delegation.model_validate(step.args)
+        grant = self.grant_for(delegation, step.tool_call_id)
+        return RunChild(self.child_request(delegation, grant), grant.child, f"delegate · {delegation.goal[:80]}")
+
+    def child_undos(self, child: str, result: RunOutcome | ToolFailure) -> Program[None]:
+        """A completed child's undos become this run's, newest last: what the child's closed record
+        says (attested by the fleet key: a keyless poller's result for the child cannot add any)."""
+        if isinstance(result, RunOutcome) and result.state == S.COMPLETED and result.compensations:
+            source = yield Call(
+                "recovery_source", RecoveryRequest(run_id=child, tenant=self.request.tenant), RecoverySource,
+                f"recovery source · {child}", show=False,
+            )
+            self.data.compensations.extend(c for c in source.compensations if c.status == "pending")
 
     # ------------------------------------------------------------------ the program
 
@@ -212,11 +236,8 @@ class Delegating(RunModel):
         if (yield from self._take_handoff(detail=detail, refs=refs)):
             self.step_handed_off()
             return
-        step = require(self.current_step(), "no delegate step")
-        delegation = Delegation.model_validate(step.args)
-        grant = self.grant_for(delegation, step.tool_call_id)
+        run = self.child_run(require(self.current_step(), "no delegate step"))
         self.data.tool_calls += 1
-        run = RunChild(self.child_request(delegation, grant), grant.child, f"delegate · {delegation.goal[:80]}")
         result = yield run
         taken: tuple[HandoffRequest, Verdict] | None = None
         while isinstance(result, ToolFailure) and result.code == CHILD_WOKEN:
@@ -233,18 +254,11 @@ class Delegating(RunModel):
         self.child_cancel = None
         if taken is not None and isinstance(result, ToolFailure) and result.code == "child_cancelled":
             request, verdict = taken
-            self.decide(lambda now: self.handed_off_with_child(request, verdict, grant.child, now), policies=verdict.policies)
+            self.decide(lambda now: self.handed_off_with_child(request, verdict, run.child_id, now), policies=verdict.policies)
             return
         if taken is not None:
             # The child ended before the cancel reached it: its end counts as any; the hand-off
             # is taken at the run's next point that allows it (judged again there).
             self.pending_handoff = taken[0]
-        if isinstance(result, RunOutcome) and result.state == S.COMPLETED and result.compensations:
-            # The child's undos become this run's, newest last: what the child's closed record says
-            # (attested by the fleet key: a keyless poller's result for the child cannot add any).
-            source = yield Call(
-                "recovery_source", RecoveryRequest(run_id=grant.child, tenant=self.request.tenant), RecoverySource,
-                f"recovery source · {grant.child}", show=False,
-            )
-            self.data.compensations.extend(c for c in source.compensations if c.status == "pending")
+        yield from self.child_undos(run.child_id, result)
         self.decide(lambda now: self.child_ended(result, now))

@@ -53,7 +53,7 @@ class Drive(RunModel):
 
     def delegating(self) -> bool:
         step = self.current_step()
-        return self.state == S.EXECUTING_TOOL and step is not None and step.tool == DELEGATE
+        return self.state == S.EXECUTING_TOOL and step is not None and step.tool == DELEGATE and step.group is None
 
     def _driving(self) -> Program[None]:
         data = self.data

@@ -362,8 +362,11 @@ class Effects(Publishing):
         landed: list[Landed] = []
         self._landed = landed
 
-        async def one(index: int, run: RunTool) -> None:
+        async def one(index: int, run: RunTool | RunChild) -> None:
             async with slots:
+                if isinstance(run, RunChild):  # a child run: this run's cancel reaches it (``perform``)
+                    landed.append(Landed(index, await self.child(run, wake=False), workflow.now()))
+                    return
                 try:
                     answer: Any = await self.tool(
                         run.call, activity_id=run.activity_id, start_to_close=run.start_to_close,

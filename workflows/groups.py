@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from datetime import datetime
 from functools import partial
+from typing import Any
 
 from workflows import retries
 from workflows.budgets import REASON_CHARS, clip
-from workflows.commands import Call, Checkpoint, Landed, Mint, RunGroup, RunTool, Wait
-from workflows.contract import PlanStep, ToolEffect
+from workflows.commands import Call, Checkpoint, Landed, Mint, RunChild, RunGroup, RunTool, Wait
+from workflows.contract import DELEGATE, PlanStep, ToolEffect
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.states import EffectOutcome, RunState
-from workflows.wire import CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict
+from workflows.wire import CHILD_HANDED_OFF, CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict
 
 # Steps of a group that run at once when the policy sets no max_parallel.
 DEFAULT_PARALLEL = 8
@@ -109,6 +110,15 @@ class Groups(RunModel):
                   reason=f"{what}: {why} in {delay:g}s; its siblings go on")
         return delay, None
 
+    def member_handed_off(self, index: int, members: list[int], done: int, at: datetime) -> RunState:
+        """A child run of the group handed off: a write of it may have applied; the run is handed
+        off at the barrier (its siblings go on)."""
+        step = require(self.data.plan, "no plan").steps[index]
+        self._end_step(step, "unknown", CHILD_HANDED_OFF)
+        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", refs=self._end_refs(step, "unknown", CHILD_HANDED_OFF),
+                  reason=f"child run {step.tool_call_id} handed off: a write of it may have applied ({self._where(step, members, done)})")
+        return S.HANDED_OFF
+
     def member_not_started(self, index: int, code: str, why: str, at: datetime) -> RunState:
         step = require(self.data.plan, "no plan").steps[index]
         self._end_step(step, "failed", code)
@@ -149,7 +159,7 @@ class Groups(RunModel):
             return
         for item in landed:
             step = plan.steps[running[item.index]]
-            result = item.result
+            result = self.child_answer(step, item.result) if step.tool == DELEGATE else item.result
             if isinstance(result, ToolOutcome):
                 self._record_step(step, "ok", result)
                 self._note_compensation(step, result)
@@ -157,7 +167,8 @@ class Groups(RunModel):
             elif isinstance(result, ToolFailure):
                 info = self.tool_info(step)
                 effect = info.effect if info else ToolEffect.UNSAFE
-                settled: EffectOutcome = retries.failure_outcome(effect, permanent=result.permanent, started=result.started)
+                settled: EffectOutcome = "unknown" if result.code == CHILD_HANDED_OFF else \
+                    retries.failure_outcome(effect, permanent=result.permanent, started=result.started)
                 self._end_step(step, settled, result.code)
                 self._settled = (step, settled, result.code)
 
@@ -212,8 +223,11 @@ class Groups(RunModel):
                     yield Checkpoint()
             if not calls:
                 break
-            runs = []
+            runs: list[RunTool | RunChild] = []
             for i, call in calls:
+                if plan.steps[i].tool == DELEGATE:
+                    runs.append(self.child_run(plan.steps[i]))  # a child run: its own grant, its own gates
+                    continue
                 info = require(self.tool_info(plan.steps[i]), "no tool")
                 timeouts = retries.tool_timeouts(info.timeout_seconds)
                 sent, activity_id = minted.get(i, (call, None))
@@ -226,10 +240,19 @@ class Groups(RunModel):
             landed: list[Landed] = yield RunGroup(tuple(runs), self.parallel_limit())
             self.group_running = None
             now, pending, delay = self.at, [], 0.0
+            children: list[tuple[str, Any]] = []
             for item in landed:
                 index = calls[item.index][0]
                 result = item.result
                 self.at = item.at  # each result on the record at the time it landed
+                run = runs[item.index]
+                if isinstance(run, RunChild):
+                    children.append((run.child_id, result))
+                    result = self.child_answer(plan.steps[index], result)
+                    if isinstance(result, ToolFailure) and result.code == CHILD_HANDED_OFF:
+                        done += 1
+                        ended[index] = self.decide(partial(self.member_handed_off, index, members, done))
+                        continue
                 if isinstance(result, ToolOutcome):
                     done += 1
                     self.decide(partial(self.member_succeeded, index, result, members, done))
@@ -250,6 +273,8 @@ class Groups(RunModel):
                     pending.append(index)
                     delay = max(delay, wait)
             self.at = now
+            for child, result in children:
+                yield from self.child_undos(child, result)
             if pending:
                 yield Checkpoint()
                 yield Wait(delay, "retry backoff (parallel group)")

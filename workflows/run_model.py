@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar, overload
 
 from workflows import policy
-from workflows.commands import Call, Command, Landed
+from workflows.commands import Call, Command, Landed, RunChild
 from workflows.budgets import EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW
 from workflows.contract import (
     ApprovalDecision,
@@ -33,7 +33,7 @@ from workflows.contract import (
     ToolInfo,
 )
 from workflows.policy_file import TenantPolicy
-from workflows.run_state import PendingApproval, RunData, RunRequest
+from workflows.run_state import PendingApproval, RunData, RunOutcome, RunRequest
 from workflows.states import EffectOutcome, IllegalTransition, Refs, RunState, TransitionRecord
 from workflows.validation import Validation
 from workflows.wire import (
@@ -199,6 +199,9 @@ class Phases(Protocol):
     def delegation_problem(self, args: dict[str, Any]) -> str | None: ...
     def grant_refused(self, at: datetime) -> None: ...
     def _delegate_step(self) -> Program[None]: ...
+    def child_run(self, step: PlanStep) -> RunChild: ...
+    def child_answer(self, step: PlanStep, result: RunOutcome | ToolFailure) -> ToolOutcome | ToolFailure: ...
+    def child_undos(self, child: str, result: RunOutcome | ToolFailure) -> Program[None]: ...
 
     # groups.Groups
     def in_group(self) -> bool: ...

@@ -22,7 +22,7 @@ import jsonschema.validators
 import re2
 
 from workflows.budgets import FEEDBACK_CHARS, FEEDBACK_PROBLEMS, PROPOSAL_BYTES, clip
-from workflows.contract import DELEGATE, GROUP_MAX, Limits, Plan, PlanStep, ToolCatalog, ToolEffect
+from workflows.contract import DELEGATE, GROUP_MAX, Delegation, Limits, Plan, PlanStep, ToolCatalog, ToolEffect
 from workflows.wire import Proposal
 from workflows.policy import budget_refusal
 
@@ -186,7 +186,7 @@ def validate_proposal(
             PlanStep(tool_call_id=new_id(executed_steps + i), tool=info.name, args=args or {}, group=proposed.group)
         )
     if not problems:
-        problems.extend(group_problems(steps, catalog))
+        problems.extend(group_problems(steps, catalog, steps_left=limits.max_steps - executed_steps))
     if problems:
         return Validation(plan=None, problems=problems)
     steps = [s if s.group is None or _members(steps, s.group) > 1 else s.model_copy(update={"group": None}) for s in steps]
@@ -206,10 +206,11 @@ def _members(steps: list[PlanStep], group: int) -> int:
     return sum(1 for s in steps if s.group == group)
 
 
-def group_problems(steps: list[PlanStep], catalog: ToolCatalog) -> list[str]:
+def group_problems(steps: list[PlanStep], catalog: ToolCatalog, *, steps_left: int | None = None) -> list[str]:
     """Why the plan's parallel groups cannot run as proposed: a group's steps stand next to one
-    another, number at most GROUP_MAX, and are read-only or idempotent (an unsafe or reconcilable
-    step never runs beside another: its outcome must be known before anything else runs)."""
+    another, number at most GROUP_MAX, and are read-only or idempotent or delegations (an unsafe
+    or reconcilable step never runs beside another: its outcome must be known before anything
+    else runs); the child runs a group starts at once ask, together, at most ``steps_left``."""
     problems: list[str] = []
     seen: set[int] = set()
     previous: int | None = None
@@ -221,11 +222,13 @@ def group_problems(steps: list[PlanStep], catalog: ToolCatalog) -> list[str]:
             seen.add(group)
             if (count := _members(steps, group)) > GROUP_MAX:
                 problems.append(f"parallel group {group}: {count} steps, over the {GROUP_MAX} a group may hold")
+            asked = sum(Delegation.model_validate(s.args).max_steps for s in steps if s.group == group and s.tool == DELEGATE)
+            if steps_left is not None and asked > steps_left:
+                problems.append(f"parallel group {group}: its delegations ask {asked} steps together, over the "
+                                f"{steps_left} this run has left (the step budget): give them fewer max_steps")
         previous = group
         info = catalog.get(step.tool)
-        if group is not None and step.tool == DELEGATE:
-            problems.append(f"step {i}: a delegation runs on its own, not in a parallel group")
-        elif group is not None and _members(steps, group) > 1 and info is not None and info.effect not in PARALLEL_EFFECTS:
+        if group is not None and _members(steps, group) > 1 and info is not None and info.effect not in PARALLEL_EFFECTS:
             problems.append(
                 f"step {i} ({step.tool}): a {info.effect.value} step never runs in parallel (only read_only and "
                 "idempotent steps do): propose it on its own, after the group"

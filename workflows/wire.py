@@ -95,6 +95,8 @@ RECORD_UNVERIFIED = "record_unverified"
 RECORDS_NOT_WRITTEN = (SINK_UNAVAILABLE, RECORD_UNVERIFIED)
 # A child run's wait, woken by a hand-off of its parent (the child runs on): not its end.
 CHILD_WOKEN = "child_woken"
+# A child run that handed off: a write of it may have applied (its parent is handed off too).
+CHILD_HANDED_OFF = "child_handed_off"
 
 
 # An activity found a seal or capability naming a key id this worker does not hold.

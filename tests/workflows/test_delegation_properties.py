@@ -10,6 +10,7 @@ step result. Invariants, checked as the runs go:
 - a grant never holds more than its parent: a subset of its tools and their effect classes, at
   most its remaining steps, one level deeper and within ``max_depth``, the same tenant and
   requester; the approval it lends is the parent's approval in force, for writes its plan named;
+- the children one parallel group starts hold, together, at most the parent's remaining steps;
 - a child calls only tools its grant gives;
 - no write runs without an approval in force (a lent one only for a write the parent's approved
   plan named: the same tool and arguments);
@@ -113,7 +114,7 @@ class Tree:
         if grant.approved:
             approval = parent.data.approval
             assert approval is not None and grant.approved == approval.approvals, "a lent approval not in force"
-            step = parent.current_step()
+            step = next(s for s in parent.data.plan.steps if f"{parent.workflow_id}.{s.tool_call_id}" == command.child_id)
             named = [(s.get("tool"), s.get("args")) for s in step.args.get("playbook", [])]
             assert all((c.tool, c.args) in named for c in grant.covered), "a covered write the parent's plan did not name"
 
@@ -154,6 +155,11 @@ class Tree:
             e.on(command, answer, now + timedelta(seconds=1))
         return e.outcome(workflow_id)
 
+    def child(self, e: Engine, command: RunChild) -> RunOutcome:
+        self.check_grant(e, command)
+        self.ended[command.child_id] = self.run(command.request, command.child_id)
+        return self.ended[command.child_id]
+
     def answer(self, e: Engine, command: Any) -> Any:
         if isinstance(command, Probe):
             return Readings(suggested=False, history_bytes=0, history_events=0, handlers_finished=True, notifying=0)
@@ -173,14 +179,18 @@ class Tree:
             return ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT))
         if isinstance(command, RunGroup):
             landed = []
+            grants = [run.request.grant.max_steps for run in command.members if isinstance(run, RunChild)]
+            left = e.limits.max_steps - e.data.steps_executed
+            assert sum(grants) <= left, f"a group's children hold {sum(grants)} steps, over the {left} their parent has left"
             for i, run in enumerate(command.members):
+                if isinstance(run, RunChild):  # a child run in the group: its grant checked as any
+                    landed.append(Landed(i, self.child(e, run), START))
+                    continue
                 self.check_call(e, run.call.tool, run.call.args, run.call.idempotency_key)
                 landed.append(Landed(i, ToolOutcome(observation=OK_RESULT, digest="d", size=len(OK_RESULT)), START))
             return landed
         if isinstance(command, RunChild):
-            self.check_grant(e, command)
-            self.ended[command.child_id] = self.run(command.request, command.child_id)
-            return self.ended[command.child_id]
+            return self.child(e, command)
         if isinstance(command, Wait) and "inbox" in command.until and e.data.pending_approval is not None:
             pending = e.data.pending_approval
             if self.draw(st.integers(0, 4)) > 0:  # bob approves (else the wait runs out: expiry)

@@ -189,3 +189,78 @@ async def test_a_cancel_during_a_group_leaves_nothing_stranded(dev_env: Workflow
     assert snap.state == S.CANCELLED
     assert IN_FLIGHT[tag] == 0 and "after" not in ORDER[tag]
     assert len(steps) == 3  # what each attempt did is on the record
+
+
+# ----------------------------------------------------------------------------- child runs in a group
+
+
+def child(tag: str, n: int, max_steps: int = 2) -> dict:
+    """A delegation whose child runs one held read."""
+    return {"delegate": {"goal": f"read {n}", "tools": ["held_read"], "max_steps": max_steps, "playbook": [step("held_read", tag, n)]}}
+
+
+def test_a_delegation_may_share_a_group() -> None:
+    item = PlaybookStep.model_validate(group(child("t", 1), step("held_read", "t", 2)), context=STRICT)
+    assert [s.delegate is not None for s in item.parallel or []] == [True, False]
+
+
+async def test_two_children_and_a_read_run_at_once_behind_the_barrier(dev_env: WorkflowEnvironment) -> None:
+    """Each child a child workflow, started with the read; each outcome on the record as it
+    lands; the step after the group runs once all three have ended."""
+    from tether.client import run_outcome as outcome_of
+
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 3)  # both children's reads and the parent's own are running at once
+        assert "after" not in ORDER[tag]
+        GATES[tag].set()
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
+        children = [await outcome_of(dev_env.client.get_workflow_handle(f"{handle.id}.{s.tool_call_id}"))
+                    for s in outcome.steps if s.tool == "tether.delegate"]
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert MOST[tag] == 3 and len(children) == 2 and all(c.state == S.COMPLETED for c in children)
+    assert ORDER[tag].index("after") > max(i for i, e in enumerate(ORDER[tag]) if e.startswith("end"))
+    landed = [r for r in outcome.timeline if r.from_state == S.EXECUTING_TOOL and r.to_state == S.EXECUTING_TOOL]
+    assert len(landed) == 3 and all("succeeded (parallel group 1:" in r.reason for r in landed)
+    assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in outcome.timeline)
+    check_timeline(outcome.timeline, {s.tool_call_id: s.tool for s in outcome.steps}, read_only=(*READ_ONLY, "tether.delegate"))
+
+
+async def test_a_group_whose_children_ask_more_steps_than_the_run_has_is_refused(dev_env: WorkflowEnvironment) -> None:
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(child(tag, 1, max_steps=3), child(tag, 2, max_steps=3))]  # 6 together, each within the 5
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        request = make_request(playbook, limits={"max_steps": 5, "max_replans": 0})
+        outcome = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request)), 60)
+    assert outcome.state == S.FAILED
+    assert any("parallel group 1: its delegations ask 6 steps together, over the 5 this run has left (the step budget)" in r.reason
+               for r in outcome.timeline)
+    assert ATTEMPTS[f"{tag}/1"] == ATTEMPTS[f"{tag}/2"] == 0 and outcome.steps == []
+
+
+async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev_env: WorkflowEnvironment) -> None:
+    from tests.workflows.test_delegation import cancel_requested
+
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 3)
+        ids = [f"{handle.id}.{s.tool_call_id}" for s in (await snapshot(handle)).plan.steps[:2]]
+        await handle.cancel()
+        for child_id in ids:
+            await cancel_requested(dev_env, child_id)  # the cancel has reached each child: then the attempts end
+        GATES[tag].set()
+        with pytest.raises(Exception):
+            await asyncio.wait_for(handle.result(), 60)
+        ended = [(await snapshot(handle)).state]
+        for child_id in ids:
+            child_handle = dev_env.client.get_workflow_handle(child_id)
+            with pytest.raises(Exception):
+                await asyncio.wait_for(child_handle.result(), 60)
+            ended.append((await snapshot(child_handle)).state)
+    assert ended == [S.CANCELLED] * 3
+    assert IN_FLIGHT[tag] == 0 and "after" not in ORDER[tag]
+    assert sorted(e for e in ORDER[tag] if e.startswith("start")) == ["start 1", "start 2", "start 3"]  # none ran twice
