@@ -21,7 +21,7 @@ from temporalio.exceptions import ApplicationError
 from activities import cedar, judgements
 from activities.keys import KeyRing, attest
 from activities.policy_file import PolicyFileError, PolicyStore
-from activities.signatures import decision_signature_refusal, has_key, person_signature_refusal, signature_refusal
+from activities.signatures import decision_signature_refusal, granted_start, has_key, person_signature_refusal, signature_refusal
 
 # What moved to activities/policy_file.py and activities/signatures.py (issue 44), at its old
 # import path for one release: import it from its own module.
@@ -236,7 +236,7 @@ class PolicyActivities:
     async def policy_snapshot(self, request: SnapshotRequest) -> PolicySnapshot:
         tenant, digest = self._tenant(request.tenant)
         refusal, verified = None, False
-        if request.workflow_id and tenant is not None:
+        if request.workflow_id and tenant is not None and not granted_start(self.keys, request):
             payload = policy.start_signature_payload(
                 workflow_id=request.workflow_id,
                 tenant=request.tenant,

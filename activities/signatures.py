@@ -8,10 +8,26 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 
+from workflows import keys
 from workflows import policy
 from workflows.contract import ApprovalDecision
 from workflows.policy_file import Signer, TenantPolicy
-from workflows.wire import HandoffCheck, PersonCheck, Refusal
+from workflows.wire import HandoffCheck, PersonCheck, Refusal, SnapshotRequest
+
+
+def granted_start(ring: keys.KeyRing | None, request: SnapshotRequest) -> bool:
+    """Is this start a child run's, its authority a grant in place of the requester's signature?
+    The grant bears the fleet key's seal (only a parent run's workflow code makes one), names this
+    run, and was made by a run of the same tenant for the same requester; the child's workflow
+    code checked that the server names the grant's parent as its parent before asking."""
+    grant = request.grant
+    if ring is None or grant is None or not grant.seal:
+        return False
+    try:
+        sealed = keys.grant_valid(ring, grant.seal, grant.sealed_digest())
+    except keys.KeyMissing:
+        return False
+    return sealed and (grant.child, grant.tenant, grant.requested_by) == (request.workflow_id, request.tenant, request.requested_by)
 
 
 def verify_signature(public_key_b64: str, payload: bytes, signature_b64: str | None) -> str | None:

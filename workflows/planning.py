@@ -193,6 +193,7 @@ class Planning(RunModel):
             nonce=request.nonce,
             issued_at=request.issued_at,
             started_at=started_at,
+            grant=request.grant,
         )
 
     # ------------------------------------------------------------------ the program

@@ -17,6 +17,7 @@ from workflows.contract import (
     ApprovalDecision,
     CompensationCall,
     ExecutedStep,
+    Grant,
     HandoffRequest,
     NotApproved,
     PlanStep,
@@ -227,11 +228,14 @@ class SnapshotRequest(BaseModel):
     nonce: str | None = None
     issued_at: datetime | None = None
     started_at: datetime | None = None  # when the run began (workflow time)
+    # A child run's grant (its workflow code checked it): the start's authority in place of the
+    # requester's signature (activities/signatures.py, granted_start).
+    grant: Grant | None = None
 
     @model_serializer(mode="wrap")
     def _unsigned_left_out(self, handler: Any) -> dict[str, Any]:
         # With every planner call's first: a start without a signature says nothing of one.
-        return omit_defaults(handler(self), {"requester_signature": None, "nonce": None, "issued_at": None})
+        return omit_defaults(handler(self), {"requester_signature": None, "nonce": None, "issued_at": None, "grant": None})
 
 
 class RunSetup(BaseModel):

@@ -492,3 +492,93 @@ async def test_a_handoff_of_a_parent_from_the_wrong_person_cancels_no_child(
     assert parent.state == S.COMPLETED, parent.timeline[-1].reason
     assert child.state == S.COMPLETED and not any(r.to_state == S.CANCELLED for r in child.timeline)
     assert held_tools.ORDER[tag][-1] == "after"
+
+
+def signed_tenant(tmp_path: Path) -> tuple[str, Path, Path]:
+    """A tenant that requires signed starts; alice's key signs hers. (tenant, policy file, key)"""
+    from tether.client.signing import keygen
+    from tests.conftest import unique
+
+    key, tenant, policy = tmp_path / "alice.pem", unique("signed"), tmp_path / "policy.toml"
+    public = keygen(key)
+    policy.write_text(f'[tenants.{tenant}]\nrequire_signatures = true\n[tenants.{tenant}.approvers]\n'
+                      f'alice = {{ roles = ["approver"], public_key = "{public}" }}\nbob = {{ roles = ["approver"] }}\n')
+    return tenant, policy, key
+
+
+async def signed_root(env: WorkflowEnvironment, worker, tenant: str, key: Path, playbook: list):
+    from tether.client.signing import sign_request
+    from tests.conftest import unique
+
+    run_id = unique("run")
+    return await start_run(env.client, worker, sign_request(make_request(playbook, tenant=tenant), run_id, key), run_id=run_id)
+
+
+async def test_in_a_tenant_that_requires_signed_starts_a_root_delegates_and_its_child_runs(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The child's start carries its grant, not alice's signature: the grant is its authority."""
+    tenant, policy, key = signed_tenant(tmp_path)
+    async with running_worker(dev_env.client, policy=PolicyStore(policy)) as worker:
+        unsigned = await start_run(dev_env.client, worker, make_request([LOOKUP], tenant=tenant, limits={"max_replans": 0}))
+        refused = await asyncio.wait_for(run_outcome(unsigned), 60)  # the tenant does require them
+        handle = await signed_root(dev_env, worker, tenant, key, [delegate(LOOKUP)])
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        child_id, child = await child_outcome(dev_env, parent)
+    assert refused.state == S.FAILED and refused.timeline[-1].rule is None and "[signature_required]" in refused.timeline[-1].reason
+    assert parent.state == S.COMPLETED, parent.timeline[-1].reason
+    assert child.state == S.COMPLETED, child.timeline[-1].reason
+    assert [s.tool for s in child.steps] == ["get_order"]
+
+
+@pytest.mark.parametrize("where", ["another_id", "the_childs_id"])
+async def test_in_a_signed_start_tenant_a_copied_grant_without_its_parent_is_refused(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, where: str
+) -> None:
+    """A client starts a workflow with a real child's grant (read from history), no server
+    parent: refused before anything runs, nothing written."""
+    from tests.conftest import unique
+
+    tenant, policy, key = signed_tenant(tmp_path)
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client, policy=PolicyStore(policy)) as worker:
+        done = await asyncio.wait_for(run_outcome(await signed_root(dev_env, worker, tenant, key, [delegate(LOOKUP)])), 60)
+        child_id, _ = await child_outcome(dev_env, done)
+        history = await dev_env.client.get_workflow_handle(child_id).fetch_history()
+        grant = Grant.model_validate(json.loads(history.events[0].workflow_execution_started_event_attributes.input.payloads[0].data)["grant"])
+        request = make_request([refund("A-1002", 300, reason)], tenant=tenant).model_copy(update={"grant": grant})
+        if where == "the_childs_id":  # the child has ended: its id may be used again
+            handle = await _start_again(dev_env, worker, request, child_id)
+        else:
+            handle = await start_run(dev_env.client, worker, request, run_id=unique("copied"))
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 60)
+        snap, steps = await snapshot(handle), await handle.query("steps")
+    assert snap.state == S.FAILED and snap.last_error.startswith("grant_invalid: ")
+    assert steps == [] and refunds_with(billing, reason) == []
+
+
+def test_a_grant_is_a_starts_authority_only_when_sealed_for_this_run_tenant_and_requester() -> None:
+    """The policy's start check (activities/signatures.py, granted_start) with the fleet's ring."""
+    from activities.signatures import granted_start
+    from workflows import keys
+    from workflows.wire import SnapshotRequest
+
+    ring = KeyRing.from_env()
+    grant = Grant(root="p", parent="p", parent_run="r", child="p.tc-1", depth=1, tenant="t", tools=["get_order"],
+                  effects=["read_only"], max_steps=2, requested_by="alice")
+    grant.seal = keys.seal_grant(ring, grant.sealed_digest())
+    ask = SnapshotRequest(tenant="t", workflow_id="p.tc-1", requested_by="alice", grant=grant)
+    assert granted_start(ring, ask)
+    hostile = {
+        "another run": ask.model_copy(update={"workflow_id": "p.tc-2"}),
+        "another tenant": ask.model_copy(update={"tenant": "u"}),
+        "another requester": ask.model_copy(update={"requested_by": "mallory"}),
+        "widened after sealing": ask.model_copy(update={"grant": grant.model_copy(update={"tools": ["issue_refund"]})}),
+        "made-up seal": ask.model_copy(update={"grant": grant.model_copy(update={"seal": f"{ring.newest}:" + "0" * 64})}),
+        "a key nobody holds": ask.model_copy(update={"grant": grant.model_copy(update={"seal": "k-unknown:" + "0" * 64})}),
+        "no seal": ask.model_copy(update={"grant": grant.model_copy(update={"seal": ""})}),
+        "no grant": ask.model_copy(update={"grant": None}),
+    }
+    assert [name for name, request in hostile.items() if granted_start(ring, request)] == []
+    assert not granted_start(None, ask)  # a worker with no ring takes no grant as authority
