@@ -88,6 +88,17 @@ async def cancel_requested(env: WorkflowEnvironment, run_id: str) -> None:
     raise AssertionError(f"no cancel request reached {run_id}")
 
 
+async def cancelled_states(env: WorkflowEnvironment, run_ids: list[str]) -> list[RunState]:
+    """Each run's state once its execution has ended cancelled (its result raises)."""
+    ended = []
+    for run_id in run_ids:
+        handle = env.client.get_workflow_handle(run_id)
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 60)
+        ended.append((await snapshot(handle)).state)
+    return ended
+
+
 async def child_outcome(env: WorkflowEnvironment, parent: RunOutcome) -> tuple[str, RunOutcome]:
     step = next(s for s in parent.steps if s.tool == DELEGATE)
     child_id = f"{parent.run_id}.{step.tool_call_id}"
@@ -327,14 +338,7 @@ async def test_a_cancel_of_the_root_during_a_grandchilds_parallel_group_leaves_n
         await root.cancel()
         await cancel_requested(dev_env, ids[-1])  # the cancel has reached the grandchild: then its attempts end
         held_tools.GATES[tag].set()
-        with pytest.raises(WorkflowFailureError):
-            await asyncio.wait_for(root.result(), 60)
-        ended = []
-        for run_id in ids:
-            handle = dev_env.client.get_workflow_handle(run_id)
-            with pytest.raises(WorkflowFailureError):
-                await asyncio.wait_for(handle.result(), 60)
-            ended.append((await snapshot(handle)).state)
+        ended = await cancelled_states(dev_env, ids)
     assert ended == [S.CANCELLED] * 3
     assert held_tools.IN_FLIGHT[tag] == 0 and "after" not in held_tools.ORDER[tag]
 
