@@ -437,6 +437,11 @@ class Effects(Publishing):
                     return ToolFailure(CHILD_WOKEN, f"a hand-off of this run is pending; child run {command.child_id} runs on", False)
             outcome: RunOutcome = await asyncio.shield(handle)
             return outcome
+        except asyncio.CancelledError as err:
+            # This run's cancel reaches the child (at once, beside a group's attempts) and waits
+            # for it to settle.
+            await self.settle_children(err.args, [command.child_id])
+            raise
         except ChildWorkflowError as err:
             cause = err.cause
             if isinstance(cause, CancelledError):
@@ -454,13 +459,14 @@ class Effects(Publishing):
             if handle.done():
                 self._children.pop(command.child_id, None)
 
-    async def settle_children(self, reason: tuple[Any, ...]) -> None:
-        """This run's cancel reaches every child run still open and waits for each to settle."""
-        handles = list(self._children.values())
+    async def settle_children(self, reason: tuple[Any, ...], ids: list[str] | None = None) -> None:
+        """This run's cancel reaches the child runs still open (``ids``: those; else every one)
+        and waits for each to settle."""
+        ids = list(self._children) if ids is None else [i for i in ids if i in self._children]
+        handles = [self._children.pop(i) for i in ids]
         for handle in handles:
             handle.cancel(*reason)
         await asyncio.gather(*handles, return_exceptions=True)
-        self._children.clear()
 
     def take_landed(self) -> list[Landed] | None:
         """What a group's attempts the run's cancel met came to (None: the cancel met no group)."""

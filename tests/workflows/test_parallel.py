@@ -23,7 +23,7 @@ from tether.client import run_outcome
 from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
 from tests.helpers.invariants import check_timeline
-from workflows.contract import PlaybookStep, ToolCatalog, ToolInfo, Limits
+from workflows.contract import ExecutedStep, PlaybookStep, ToolCatalog, ToolInfo, Limits
 from workflows.contract import STRICT, ToolEffect
 from workflows.states import RunState
 from workflows.validation import validate_proposal
@@ -254,6 +254,10 @@ async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev
             await cancel_requested(dev_env, child_id)  # the cancel has reached each child: then the attempts end
         GATES[tag].set()
         ended = await cancelled_states(dev_env, [handle.id, *ids])
+        steps = await handle.query("steps", result_type=list[ExecutedStep])
     assert ended == [S.CANCELLED] * 3
+    # The cancel reached the children beside the parent's own attempt, not after it: that attempt
+    # ended as released (not timed out while the children's cancel waited for it).
+    assert [(s.tool, s.status) for s in steps if s.tool == "held_read"] == [("held_read", "ok")]
     assert IN_FLIGHT[tag] == 0 and "after" not in ORDER[tag]
     assert sorted(e for e in ORDER[tag] if e.startswith("start")) == ["start 1", "start 2", "start 3"]  # none ran twice
