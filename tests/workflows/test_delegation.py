@@ -23,6 +23,7 @@ from tests.conftest import Billing, approval_for, make_request, running_worker, 
 from tests.helpers import held_tools
 from tests.helpers.cli import Cli
 from tests.helpers.invariants import check_timeline
+from worker import create_replayer
 from workflows.contract import DELEGATE, Grant, ToolCatalog
 from workflows.run_state import RunOutcome, RunRequest
 from workflows.states import RunState, TransitionRecord
@@ -445,7 +446,8 @@ async def test_a_handoff_of_the_parent_while_its_child_runs_cancels_the_child_fi
         handle = await start_run(dev_env.client, worker, make_request(playbook))
         await held_tools.started(tag, 1)  # the child's step is running
         child_id = f"{handle.id}.{(await snapshot(handle)).plan.steps[0].tool_call_id}"
-        await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
+        await asyncio.gather(handle.signal("handoff", HandoffRequest(by="dana", reason="customer called")),
+                             handle.signal("handoff", HandoffRequest(by="erin", reason="me too")))
         await cancel_requested(dev_env, child_id)  # the hand-off reached the child: then its attempt ends
         held_tools.GATES[tag].set()
         parent = await asyncio.wait_for(run_outcome(handle), 60)
@@ -454,12 +456,17 @@ async def test_a_handoff_of_the_parent_while_its_child_runs_cancels_the_child_fi
             await asyncio.wait_for(child.result(), 60)
         child_snap = await snapshot(child)
         child_records = await timeline(child)
+        histories = [await handle.fetch_history(), await child.fetch_history()]
+    for history in histories:  # the wake, the judging and the cancel replay as they ran
+        assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
     assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
-    last = parent.timeline[-1]
-    assert last.actor == "operator:dana" and f"child run {child_id} cancelled first" in last.reason
-    assert last.refs.error_code == "child_cancelled" and last.refs.outcome == "failed"  # a read-only child wrote nothing
+    taken = next(r for r in parent.timeline if r.to_state == S.HANDED_OFF)
+    assert taken.actor in ("operator:dana", "operator:erin") and f"child run {child_id} cancelled first" in taken.reason
+    other = [r for r in parent.timeline if r.kind == "refused" and r.rule in ("handoff_pending", "run_ended")]
+    assert len(other) == 1 and other[0].actor != taken.actor  # the second is refused, never taken too
+    assert taken.refs.error_code == "child_cancelled" and taken.refs.outcome == "failed"  # a read-only child wrote nothing
     assert [r.to_state for r in parent.timeline if r.kind == "transition"].count(S.HANDED_OFF) == 1
-    assert child_snap.state == S.CANCELLED and child_records[-1].actor == "user:dana"
+    assert child_snap.state == S.CANCELLED and child_records[-1].actor == taken.actor.replace("operator:", "user:")
     assert "(held_read)" in child_records[-1].reason  # the child's attempt settled, on its record
     assert held_tools.IN_FLIGHT[tag] == 0 and held_tools.ATTEMPTS[f"{tag}/1"] == 1 and "after" not in held_tools.ORDER[tag]
     assert [s.tool for s in parent.steps] == [DELEGATE]

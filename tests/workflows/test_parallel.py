@@ -23,6 +23,7 @@ from tether.client import run_outcome
 from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
 from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
 from tests.helpers.invariants import check_timeline
+from worker import create_replayer
 from workflows.contract import ExecutedStep, PlaybookStep, ToolCatalog, ToolInfo, Limits
 from workflows.contract import STRICT, ToolEffect
 from workflows.states import RunState
@@ -219,6 +220,8 @@ async def test_two_children_and_a_read_run_at_once_behind_the_barrier(dev_env: W
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
         children = [await outcome_of(dev_env.client.get_workflow_handle(f"{handle.id}.{s.tool_call_id}"))
                     for s in outcome.steps if s.tool == "tether.delegate"]
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
     assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
     assert MOST[tag] == 3 and len(children) == 2 and all(c.state == S.COMPLETED for c in children)
     assert ORDER[tag].index("after") > max(i for i, e in enumerate(ORDER[tag]) if e.startswith("end"))
@@ -255,6 +258,8 @@ async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev
         GATES[tag].set()
         ended = await cancelled_states(dev_env, [handle.id, *ids])
         steps = await handle.query("steps", result_type=list[ExecutedStep])
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
     assert ended == [S.CANCELLED] * 3
     # The cancel reached the children beside the parent's own attempt, not after it: that attempt
     # ended as released (not timed out while the children's cancel waited for it).
