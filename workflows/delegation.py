@@ -26,7 +26,7 @@ from workflows.commands import Call, RunChild
 from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlanStep, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
-from workflows.wire import CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, RecoverySource, ToolOutcome, Verdict
+from workflows.wire import CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, RecoverySource, Refusal, ToolOutcome, Verdict
 
 # Approvals a grant lends at most (more: the child asks its own).
 GRANT_APPROVALS = 20
@@ -215,15 +215,13 @@ class Delegating(RunModel):
             )
             self.data.compensations.extend(c for c in source.compensations if c.status == "pending")
 
-    # ------------------------------------------------------------------ the program
-
     def handed_off_with_child(self, request: HandoffRequest, verdict: Verdict, child: str, at: datetime) -> None:
         """A hand-off taken while the child ran: the child was cancelled and has settled (its
         attempts ended, on its record); the delegate step ends with it, and a person takes the run."""
         step = require(self.current_step(), "no delegate step")
-        grant = Delegation.model_validate(step.args)
+        delegation = Delegation.model_validate(step.args)
         # A child that could write may have: what it did is on its record.
-        wrote = any((info := self.catalog.get(t)) is None or info.effect != ToolEffect.READ_ONLY for t in grant.tools)
+        wrote = any((info := self.catalog.get(t)) is None or info.effect != ToolEffect.READ_ONLY for t in delegation.tools)
         refs = self._end_refs(step, "unknown" if wrote else "failed", "child_cancelled")
         self._end_step(step, refs.outcome or "unknown", "child_cancelled")
         detail = f"child run {child} cancelled first, its attempts settled (on its record); delegate step outcome {refs.outcome}"
@@ -258,7 +256,12 @@ class Delegating(RunModel):
             return
         if taken is not None:
             # The child ended before the cancel reached it: its end counts as any; the hand-off
-            # is taken at the run's next point that allows it (judged again there).
+            # is taken at the run's next point that allows it (judged again there), before any
+            # that arrived since.
+            later = self.pending_handoff
+            if later is not None:
+                busy = Refusal(rule="handoff_pending", message="a handoff is already pending")
+                self.decide(lambda now: self.refuse_handoff(later, busy, now))
             self.pending_handoff = taken[0]
         yield from self.child_undos(run.child_id, result)
         self.decide(lambda now: self.child_ended(result, now))

@@ -364,7 +364,7 @@ class Effects(Publishing):
 
         async def one(index: int, run: RunTool | RunChild) -> None:
             async with slots:
-                if isinstance(run, RunChild):  # a child run: this run's cancel reaches it (``perform``)
+                if isinstance(run, RunChild):  # a child run: this run's cancel reaches it (``child``)
                     landed.append(Landed(index, await self.child(run, wake=False), workflow.now()))
                     return
                 try:
@@ -445,7 +445,7 @@ class Effects(Publishing):
         except ChildWorkflowError as err:
             cause = err.cause
             if isinstance(cause, CancelledError):
-                # Cancelled as this run asked (its hand-off): the child has settled.
+                # Cancelled (as this run's hand-off asked, or by someone else): the child has settled.
                 return ToolFailure("child_cancelled", f"child run {command.child_id} was cancelled", True)
             if isinstance(cause, ApplicationError) and cause.details:
                 # A run that ends failed says its outcome in the failure's details.

@@ -593,3 +593,57 @@ def test_a_grant_is_a_starts_authority_only_when_sealed_for_this_run_tenant_and_
     }
     assert [name for name, request in hostile.items() if granted_start(ring, request)] == []
     assert not granted_start(None, ask)  # a worker with no ring takes no grant as authority
+
+
+def test_a_handoff_taken_as_the_child_ends_on_its_own_is_taken_at_the_next_point() -> None:
+    """The engine (the workflow's own code), driven here: the hand-off is judged and taken, but
+    the child completes before the cancel reaches it. Its end counts as any; the hand-off is
+    taken before the next step runs, and one that arrived meanwhile is refused, not lost."""
+    import uuid as uuid_
+    from datetime import timedelta
+
+    from workflows.commands import Call, End, Probe, Readings, RunChild, RunTool
+    from workflows.contract import HandoffRequest
+    from workflows.engine import Engine
+    from workflows.policy_file import TenantPolicy
+    from workflows.run_model import ToolFailure
+    from workflows.run_state import RunData
+    from workflows.wire import CHILD_WOKEN, PolicySnapshot, Verdict
+    from tests.workflows.test_delegation_properties import CATALOG, START
+
+    policy = PolicySnapshot(tenant="default", policy=TenantPolicy(), policy_hash="h", source="test")
+    request = RunRequest(goal="g", requested_by="alice")
+    e = Engine(RunData(catalog=CATALOG, policy=policy), request, workflow_id="root", new_request_id=lambda: uuid_.uuid4().hex,
+               started_at=START)
+    plan = Proposal(steps=[ProposedStep(tool=DELEGATE, args=delegate(LOOKUP)["delegate"]), ProposedStep(**LOOKUP)])
+    now, waits, cancels, tools = START, 0, [], []
+    e.start()
+    for _ in range(200):
+        now += timedelta(seconds=1)
+        command = e.next(now)
+        answer = None
+        if isinstance(command, End):
+            break
+        if isinstance(command, Call):
+            answer = plan if command.name == "plan" else Verdict(policy_hash="h")
+        elif isinstance(command, Probe):
+            answer = Readings(suggested=False, history_bytes=0, history_events=0, handlers_finished=True, notifying=0)
+        elif isinstance(command, RunChild):
+            waits += 1
+            cancels.append(e.child_cancel)
+            if waits == 1:  # dana's hand-off wakes the wait; the child runs on
+                e.receive_handoff(HandoffRequest(by="dana", reason="customer called"), now)
+                answer = ToolFailure(CHILD_WOKEN, "woken", False)
+            else:  # erin's arrives; the child completed before the cancel reached it
+                e.receive_handoff(HandoffRequest(by="erin", reason="me too"), now)
+                answer = RunOutcome(run_id=command.child_id, state=S.COMPLETED, answer="found it")
+        elif isinstance(command, RunTool):
+            tools.append(command.call.tool)
+        e.on(command, answer, now)
+    outcome, records, steps = e.outcome("root"), e.data.lifecycle.timeline, e.steps()
+    assert waits == 2 and cancels[0] is None and cancels[1].startswith("by dana: parent run root handed off")
+    assert outcome.state == S.HANDED_OFF and records[-1].actor == "operator:dana"
+    assert "not started" in records[-1].reason and tools == []  # taken before the next step ran
+    assert [s.tool for s in steps] == [DELEGATE] and steps[0].status == "ok"  # the child's end counted
+    refused = [r for r in records if r.kind == "refused"]
+    assert [(r.actor, r.rule) for r in refused] == [("operator:erin", "handoff_pending")]
