@@ -647,3 +647,25 @@ def test_a_handoff_taken_as_the_child_ends_on_its_own_is_taken_at_the_next_point
     assert [s.tool for s in steps] == [DELEGATE] and steps[0].status == "ok"  # the child's end counted
     refused = [r for r in records if r.kind == "refused"]
     assert [(r.actor, r.rule) for r in refused] == [("operator:erin", "handoff_pending")]
+
+
+async def test_a_handoff_of_the_parent_while_its_writing_child_awaits_approval(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """A child that may write (its grant gives a refund) waits for its own approval: the hand-off
+    of the parent cancels it (nothing refunded) and the delegate step's outcome is unknown, its
+    record the child's to read."""
+    from workflows.contract import HandoffRequest
+
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([delegate(refund("A-1002", 300, reason), tools=("issue_refund",))]))
+        snap = await wait_for_state(handle, "EXECUTING_TOOL")
+        child = await started_child(dev_env, f"{handle.id}.{snap.plan.steps[0].tool_call_id}")
+        await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        await handle.signal("handoff", HandoffRequest(by="dana", reason="the customer called"))
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(child.result(), 60)
+        child_snap = await snapshot(child)
+    assert parent.state == S.HANDED_OFF and parent.timeline[-1].refs.outcome == "unknown"
+    assert child_snap.state == S.CANCELLED and child_snap.pending_approval is None
+    assert refunds_with(billing, reason) == []
