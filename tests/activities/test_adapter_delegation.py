@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai import AsyncOpenAI
@@ -73,6 +74,21 @@ def delegate(tools: list[str], max_steps: int, goal: str = "look up order A-1001
     return call(DELEGATE_FUNCTION, {"goal": goal, "tools": tools, "max_steps": max_steps})
 
 
+async def agent_run(env: WorkflowEnvironment, fake: FakeOpenAI, adapter: str, *, max_depth: int | None = None,
+                    tmp_path: Path | None = None, **request: Any) -> tuple[RunOutcome, RunOutcome | None]:
+    """A run the adapter plans against the fake endpoint, to its end, and its child's outcome
+    (None: it delegated nothing); under a policy that sets ``max_depth`` when one is given."""
+    options: dict[str, Any] = {"planners": {"agent": ADAPTERS[adapter](fake.base_url)}}
+    if max_depth is not None:
+        policy = (tmp_path or Path()) / "policy.toml"
+        policy.write_text(f"[tenants.default]\n[tenants.default.budgets]\nmax_depth = {max_depth}\n")
+        options["policy"] = PolicyStore(policy)
+    async with running_worker(env.client, **options) as worker:  # a query needs a worker, even of a closed run
+        parent = await run_outcome(await start_run(env.client, worker, make_request([], planner="agent", **request)))
+        delegated = any(s.tool == DELEGATE for s in parent.steps)
+        return parent, (await child_outcome(env, parent))[1] if delegated else None
+
+
 def told(request: Recorded) -> list[str]:
     """What the runtime told the agent in this model call (its notes arrive as user messages)."""
     return [m["content"] for m in request.messages if m["role"] == "user" and isinstance(m.get("content"), str)]
@@ -108,10 +124,8 @@ async def test_an_adapter_planned_run_delegates_a_lookup_to_a_child(
         text("Order A-1001 totals 49.99 EUR."),  # the parent's
     )
     refunds_before = len(billing.refunds())
-    async with running_worker(dev_env.client, planners={"agent": ADAPTERS[adapter](fake.base_url)}) as worker:
-        handle = await start_run(dev_env.client, worker, make_request([], planner="agent", goal="How much was order A-1001?"))
-        parent = await run_outcome(handle)
-        child_id, child = await child_outcome(dev_env, parent)
+    parent, child = await agent_run(dev_env, fake, adapter, goal="How much was order A-1001?")
+    assert child is not None
     assert parent.state == S.COMPLETED and is_legal_path(parent.timeline), parent.timeline[-1].reason
     assert [s.tool for s in parent.steps] == [DELEGATE] and parent.answer == "Order A-1001 totals 49.99 EUR."
     assert child.state == S.COMPLETED and is_legal_path(child.timeline)
@@ -125,7 +139,7 @@ async def test_an_adapter_planned_run_delegates_a_lookup_to_a_child(
     assert called["function"]["name"] == DELEGATE_FUNCTION and called["id"] == parent.steps[0].tool_call_id
     assert json.loads(called["function"]["arguments"]) == {"goal": "look up order A-1001", "tools": ["get_order"], "max_steps": 2}
     [result] = [m for m in last if m["role"] == "tool"]
-    assert json.loads(result["content"]) == {"child": child_id, "state": "COMPLETED", "answer": child.answer}
+    assert json.loads(result["content"]) == {"child": child.run_id, "state": "COMPLETED", "answer": child.answer}
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -141,10 +155,8 @@ async def test_a_delegation_beyond_the_parents_grant_is_refused_with_nothing_run
         text("The child could not refund."),  # the parent's
     )
     refunds_before = len(billing.refunds())
-    async with running_worker(dev_env.client, planners={"agent": ADAPTERS[adapter](fake.base_url)}) as worker:
-        request = make_request([], planner="agent", goal="Refund order A-1001", limits={"max_steps": 4})
-        parent = await run_outcome(await start_run(dev_env.client, worker, request))
-        _, child = await child_outcome(dev_env, parent)
+    parent, child = await agent_run(dev_env, fake, adapter, goal="Refund order A-1001", limits={"max_steps": 4})
+    assert child is not None
     refused = [r.reason for r in parent.timeline if r.to_state == S.VALIDATION_FAILED]
     assert len(refused) == 2 and "delegation names 'wire_money', not a tool this run has" in refused[0]
     assert "delegation of 50 steps, over the 4 this run has left" in refused[1]
@@ -165,12 +177,8 @@ async def test_a_delegation_beyond_the_parents_grant_is_refused_with_nothing_run
 async def test_a_run_that_may_not_delegate_is_not_offered_the_delegate_step(
     dev_env: WorkflowEnvironment, billing: Billing, fake: FakeOpenAI, adapter: str, tmp_path: Path
 ) -> None:
-    policy = tmp_path / "policy.toml"
-    policy.write_text("[tenants.default]\n[tenants.default.budgets]\nmax_depth = 0\n")
-    fake.script(text("49.99 EUR."), text("49.99 EUR."))
-    planners = {"agent": ADAPTERS[adapter](fake.base_url)}
-    async with running_worker(dev_env.client, policy=PolicyStore(policy), planners=planners) as worker:
-        outcome: RunOutcome = await run_outcome(await start_run(dev_env.client, worker, make_request([], planner="agent")))
+    fake.script(text("49.99 EUR."))
+    outcome, _ = await agent_run(dev_env, fake, adapter, max_depth=0, tmp_path=tmp_path)
     assert outcome.state == S.COMPLETED
     assert DELEGATE_FUNCTION not in offered(fake.completions[0])
 
@@ -180,14 +188,9 @@ async def test_a_run_that_may_not_delegate_is_not_offered_the_delegate_step(
 async def test_a_child_at_the_depth_limit_is_not_offered_the_delegate_step(
     dev_env: WorkflowEnvironment, billing: Billing, fake: FakeOpenAI, adapter: str, tmp_path: Path
 ) -> None:
-    policy = tmp_path / "policy.toml"
-    policy.write_text("[tenants.default]\n[tenants.default.budgets]\nmax_depth = 1\n")
     fake.script(tool_calls(delegate(["get_order"], 2)), text("I looked nothing up."), text("Nothing to do."))
-    planners = {"agent": ADAPTERS[adapter](fake.base_url)}
-    async with running_worker(dev_env.client, policy=PolicyStore(policy), planners=planners) as worker:
-        parent = await run_outcome(await start_run(dev_env.client, worker, make_request([], planner="agent")))
-        _, child = await child_outcome(dev_env, parent)
-    assert parent.state == S.COMPLETED and child.state == S.COMPLETED
+    parent, child = await agent_run(dev_env, fake, adapter, max_depth=1, tmp_path=tmp_path)
+    assert parent.state == S.COMPLETED and child is not None and child.state == S.COMPLETED
     parents_first, childs_first, parents_next = (offered(r) for r in fake.completions)
     assert DELEGATE_FUNCTION in parents_first and DELEGATE_FUNCTION in parents_next
     assert DELEGATE_FUNCTION not in childs_first and "get_order" in childs_first
