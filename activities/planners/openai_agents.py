@@ -11,12 +11,11 @@ Tether's tools are given to the agent as function tools that need approval
 its ``interruptions`` and runs nothing. They are the proposal (a call of ``tether_delegate``,
 the model planner's delegate step, is the plan's delegate step: a child run planned by the same
 agent); Tether validates it, gets it approved and executes each step as an activity. The next
-planning call starts a new
-``Runner.run`` whose input is the run so far as Responses items: the goal, each executed step
-as a ``function_call`` with its ``function_call_output`` (same call id), and the runtime's notes
-(a refusal, steps a person left out) as user messages. A final output without tool calls is the
-run's answer. The SDK's own approval state (``RunState``) is not used: Tether's approval is the
-one that counts, and it is bound to the plan.
+planning call starts a new ``Runner.run`` whose input is the run so far as Responses items: the
+goal, each executed step as a ``function_call`` with its ``function_call_output`` (same call
+id), and the runtime's notes (a refusal, steps a person left out) as user messages. A final
+output without tool calls is the run's answer. The SDK's own approval state (``RunState``) is
+not used: Tether's approval is the one that counts, and it is bound to the plan.
 
 The model calls run inside the ``plan`` activity. The SDK's tracing export is off unless the
 ``RunConfig`` you pass turns it on. Tools of the agent's own are replaced by Tether's.
