@@ -45,7 +45,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.loading import LoadError, load_object
 from workflows.budgets import PROPOSAL_BYTES
-from workflows.contract import DELEGATE, ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect
+from workflows.contract import DELEGATE, ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect, run_catalog
 from workflows.wire import PlannerInput, Proposal, ProposedStep
 
 
@@ -194,7 +194,8 @@ DELEGATE_DEFINITION = {
 
 def tool_definitions(catalog: ToolCatalog) -> list[dict[str, Any]]:
     """The catalog as chat-completions tools: description with the effect class, and the JSON
-    schema of the tool's pydantic argument model; and the delegate step."""
+    schema of the tool's pydantic argument model; and the delegate step, as
+    ``DELEGATE_FUNCTION``, when the catalog has it (every model-backed planner offers these)."""
     tools = []
     for info in catalog.tools:
         if info.name == DELEGATE:
@@ -216,8 +217,15 @@ def tool_definitions(catalog: ToolCatalog) -> list[dict[str, Any]]:
                 },
             }
         )
-    tools.append(DELEGATE_DEFINITION)
+    if catalog.get(DELEGATE) is not None:
+        tools.append(DELEGATE_DEFINITION)
     return tools
+
+
+def function_name(tool: str) -> str:
+    """A step's tool as a model called it (the delegate step's function name has no dot);
+    ``proposed_step`` maps it back."""
+    return DELEGATE_FUNCTION if tool == DELEGATE else tool
 
 
 def bound_observations(
@@ -277,7 +285,7 @@ def build_messages(
                         "id": step.tool_call_id,
                         "type": "function",
                         "function": {
-                            "name": DELEGATE_FUNCTION if step.tool == DELEGATE else step.tool,
+                            "name": function_name(step.tool),
                             "arguments": json.dumps(step.args, sort_keys=True),
                         },
                     }
@@ -599,7 +607,8 @@ async def plan(request: PlannerInput, catalog: ToolCatalog, planners: Mapping[st
             non_retryable=True,
         )
     try:
-        proposal = await planner.propose(request, catalog)
+        # The worker's tools and the delegate step: the tools a run may plan with (run_catalog).
+        proposal = await planner.propose(request, run_catalog(catalog))
     except PlannerError as e:
         raise ApplicationError(str(e), type="planner_error", non_retryable=True) from None
     if not isinstance(proposal, Proposal):

@@ -8,13 +8,14 @@
 
 Tether's tools are given to the agent as function tools that need approval
 (``needs_approval=True``): when the model calls them, ``Runner.run`` stops with those calls as
-its ``interruptions`` and runs nothing. They are the proposal; Tether validates it, gets it
-approved and executes each step as an activity. The next planning call starts a new
-``Runner.run`` whose input is the run so far as Responses items: the goal, each executed step
-as a ``function_call`` with its ``function_call_output`` (same call id), and the runtime's notes
-(a refusal, steps a person left out) as user messages. A final output without tool calls is the
-run's answer. The SDK's own approval state (``RunState``) is not used: Tether's approval is the
-one that counts, and it is bound to the plan.
+its ``interruptions`` and runs nothing. They are the proposal (a call of ``tether_delegate``,
+the model planner's delegate step, is the plan's delegate step: a child run planned by the same
+agent); Tether validates it, gets it approved and executes each step as an activity. The next
+planning call starts a new ``Runner.run`` whose input is the run so far as Responses items: the
+goal, each executed step as a ``function_call`` with its ``function_call_output`` (same call
+id), and the runtime's notes (a refusal, steps a person left out) as user messages. A final
+output without tool calls is the run's answer. The SDK's own approval state (``RunState``) is
+not used: Tether's approval is the one that counts, and it is bound to the plan.
 
 The model calls run inside the ``plan`` activity. The SDK's tracing export is off unless the
 ``RunConfig`` you pass turns it on. Tools of the agent's own are replaced by Tether's.
@@ -41,7 +42,8 @@ async def _never_here(context: Any, arguments: str) -> str:
 
 
 def proposed_tools(catalog: ToolCatalog) -> list[FunctionTool]:
-    """The catalog as function tools the SDK stops at (``needs_approval``) and never runs."""
+    """The catalog as function tools the SDK stops at (``needs_approval``) and never runs; the
+    delegate step, when the catalog has it, as the model planner offers it (``tether_delegate``)."""
     return [
         FunctionTool(
             name=d["function"]["name"],
@@ -59,7 +61,7 @@ def run_input(request: PlannerInput) -> list[dict[str, Any]]:
     """The run so far as the agent's input items."""
     items: list[dict[str, Any]] = [{"role": "user", "content": f"Goal: {request.goal}"}]
     for step in planning.bound_observations(request.executed):
-        items.append({"type": "function_call", "call_id": step.tool_call_id, "name": step.tool,
+        items.append({"type": "function_call", "call_id": step.tool_call_id, "name": planning.function_name(step.tool),
                       "arguments": json.dumps(step.args, sort_keys=True)})
         items.append({"type": "function_call_output", "call_id": step.tool_call_id, "output": planning.observation_text(step)})
     items.extend({"role": "user", "content": note} for note in planning.runtime_notes(request))

@@ -9,11 +9,12 @@
 The agent keeps its model, instructions and settings. Tether's tools are offered to it as
 *external* tools (pydantic-ai's ``ExternalToolset``): when the model calls them, the agent run
 stops with ``DeferredToolRequests`` instead of running anything, and those calls are the
-proposal. The workflow validates it, gets it approved and executes each step as an activity;
-on the next planning call the executed steps come back into the agent's message history as its
-own tool calls (``ToolCallPart``) with their results (``ToolReturnPart``), and what the runtime
-refused or a person left out as a note (the same words the model planner uses). A text answer
-without tool calls is the run's answer.
+proposal (a call of ``tether_delegate``, the model planner's delegate step, is the plan's
+delegate step: a child run planned by the same agent). The workflow validates it, gets it
+approved and executes each step as an activity; on the next planning call the executed steps
+come back into the agent's message history as its own tool calls (``ToolCallPart``) with their
+results (``ToolReturnPart``), and what the runtime refused or a person left out as a note (the
+same words the model planner uses). A text answer without tool calls is the run's answer.
 
 Each ``propose`` is one agent run inside the ``plan`` activity: its model calls happen there,
 retried by the activity's retry policy. Tools registered on the agent itself would run inside
@@ -47,7 +48,8 @@ except ImportError as e:  # pragma: no cover - the dev extra installs it
 
 def external_tools(catalog: ToolCatalog) -> ExternalToolset:
     """The catalog as tools the agent may call but never runs: name, description with the
-    effect class and whether it needs approval, and the JSON schema of the arguments."""
+    effect class and whether it needs approval, and the JSON schema of the arguments; the
+    delegate step, when the catalog has it, as the model planner offers it (``tether_delegate``)."""
     return ExternalToolset(
         [
             ToolDefinition(
@@ -70,8 +72,9 @@ def message_history(request: PlannerInput) -> list[ModelMessage]:
     pending = first
     for step in planning.bound_observations(request.executed):
         messages.append(ModelRequest(parts=pending))
-        messages.append(ModelResponse(parts=[ToolCallPart(step.tool, dict(step.args), tool_call_id=step.tool_call_id)]))
-        pending = [ToolReturnPart(step.tool, planning.observation_text(step), tool_call_id=step.tool_call_id)]
+        name = planning.function_name(step.tool)
+        messages.append(ModelResponse(parts=[ToolCallPart(name, dict(step.args), tool_call_id=step.tool_call_id)]))
+        pending = [ToolReturnPart(name, planning.observation_text(step), tool_call_id=step.tool_call_id)]
     pending.extend(UserPromptPart(note) for note in planning.runtime_notes(request))
     messages.append(ModelRequest(parts=pending))
     return messages
