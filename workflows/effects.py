@@ -87,6 +87,8 @@ AUDIT_BACKOFF_MAX = 60.0
 # At its end a run leaves up to this many records for the audit collector, with its view
 # (their packed size stays far below the memo's limit); more are written by the run first.
 END_RECORDS = 200
+# The patch under which a parent checks its child's sealed outcome.
+CHILD_OUTCOME_SEALED = "tether-child-outcome-sealed"
 
 
 class Effects(Publishing):
@@ -387,6 +389,9 @@ class Effects(Publishing):
         with self.keyed():
             grant.seal = keys.seal_grant(self.ring(), grant.sealed_digest())
         request = command.request.model_copy(update={"grant": grant})
+        # Children started by this build seal their outcome (a recorded history of an earlier
+        # build replays without the check).
+        sealed = workflow.patched(CHILD_OUTCOME_SEALED)
         try:
             outcome: RunOutcome = await workflow.execute_child_workflow(
                 "AgentRun",
@@ -402,6 +407,8 @@ class Effects(Publishing):
                 ]),
                 static_summary=command.summary,
             )
+            if sealed:
+                self.check_outcome(grant.seal, command.child_id, outcome)
             return outcome
         except ChildWorkflowError as err:
             cause = err.cause
@@ -412,9 +419,13 @@ class Effects(Publishing):
             if isinstance(cause, ApplicationError) and cause.details:
                 # A run that ends failed says its outcome in the failure's details.
                 try:
-                    return RunOutcome.model_validate(cause.details[0])
+                    ended = RunOutcome.model_validate(cause.details[0])
                 except ValueError:
-                    pass
+                    ended = None
+                if ended is not None:
+                    if sealed:
+                        self.check_outcome(grant.seal, command.child_id, ended)
+                    return ended
             kind = (cause.type if isinstance(cause, ApplicationError) else type(cause).__name__) if cause else "unknown"
             return ToolFailure("child_failed", f"child run {command.child_id} failed: {kind}", True)
         except WorkflowAlreadyStartedError:
