@@ -142,7 +142,7 @@ class AgentRun:
                 raise  # an operator's Temporal cancel: the execution is Canceled
             # The run's own verdict on a person's request: the execution completes, its outcome
             # CANCELLED (Temporal takes no cancel a run asks of itself).
-            return self.engine.outcome(workflow.info().workflow_id)
+            return self._outcome()
         except (ApplicationError, ActivityError):
             # Failing (an illegal state, a check that failed for good): every decision still gets
             # its answer.
@@ -150,13 +150,16 @@ class AgentRun:
                 await self._drive(ending=True)
             raise
         await self._drive(ending=True)
-        outcome = self.engine.outcome(workflow.info().workflow_id)
+        outcome = self._outcome()
         failed = self.engine.final_failure()
         if failed is not None:
             # The execution fails, non-retryable, with the outcome in the failure's details
             # (client.run_outcome reads it back).
             raise ApplicationError(failed, outcome, type=outcome.state.value, non_retryable=True)
         return outcome
+
+    def _outcome(self) -> RunOutcome:
+        return self.effects.seal_outcome(self.request, self.engine.outcome(workflow.info().workflow_id))
 
     async def _drive(self, *, ending: bool = False) -> None:
         """The run's one loop: the engine says what to do next, effects carry it out, the engine

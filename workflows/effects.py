@@ -88,6 +88,8 @@ AUDIT_BACKOFF_MAX = 60.0
 # At its end a run leaves up to this many records for the audit collector, with its view
 # (their packed size stays far below the memo's limit); more are written by the run first.
 END_RECORDS = 200
+# The patch under which a parent checks its child's sealed outcome.
+CHILD_OUTCOME_SEALED = "tether-child-outcome-sealed"
 
 
 class Effects(Publishing):
@@ -109,6 +111,7 @@ class Effects(Publishing):
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
         self._landed: list[Landed] | None = None
         self._children: dict[str, Any] = {}  # child runs started and not yet ended, by id
+        self._child_seals: dict[str, str] = {}  # the grant each child was started with, by id
         start_attributes = info.typed_search_attributes
         self.published: str | None = start_attributes.get(STATE_ATTRIBUTE)
         # A first run's attribute is what its client set (states.first_published): checked
@@ -400,6 +403,9 @@ class Effects(Publishing):
         ``wake``: a hand-off of this run wakes the wait while the child runs on (CHILD_WOKEN); the
         next RunChild for it waits again, cancelling it first when the engine took the hand-off
         (``child_cancel``, the reason the child's record names)."""
+        # Children started by this build seal their outcome (a recorded history of an earlier
+        # build replays without the check).
+        sealed = workflow.patched(CHILD_OUTCOME_SEALED)
         handle = self._children.get(command.child_id)
         if handle is None:
             info = workflow.info()
@@ -425,6 +431,7 @@ class Effects(Publishing):
             except WorkflowAlreadyStartedError:
                 return ToolFailure("child_exists", f"child run {command.child_id} exists already (a reset of this run?)", True)
             self._children[command.child_id] = handle
+            self._child_seals[command.child_id] = grant.seal
         elif self.engine.child_cancel is not None:
             handle.cancel(self.engine.child_cancel)
         engine = self.engine
@@ -436,6 +443,8 @@ class Effects(Publishing):
                 if not handle.done():
                     return ToolFailure(CHILD_WOKEN, f"a hand-off of this run is pending; child run {command.child_id} runs on", False)
             outcome: RunOutcome = await asyncio.shield(handle)
+            if sealed:
+                self.check_outcome(self._child_seals[command.child_id], command.child_id, outcome)
             return outcome
         except asyncio.CancelledError as err:
             # This run's cancel reaches the child (at once, beside a group's attempts) and waits
@@ -450,9 +459,13 @@ class Effects(Publishing):
             if isinstance(cause, ApplicationError) and cause.details:
                 # A run that ends failed says its outcome in the failure's details.
                 try:
-                    return RunOutcome.model_validate(cause.details[0])
+                    ended = RunOutcome.model_validate(cause.details[0])
                 except ValueError:
-                    pass
+                    ended = None
+                if ended is not None:
+                    if sealed:
+                        self.check_outcome(self._child_seals[command.child_id], command.child_id, ended)
+                    return ended
             kind = (cause.type if isinstance(cause, ApplicationError) else type(cause).__name__) if cause else "unknown"
             return ToolFailure("child_failed", f"child run {command.child_id} failed: {kind}", True)
         finally:

@@ -193,6 +193,28 @@ def grant_valid(ring: KeyRing, sealed: str, digest: str) -> bool:
         raise KeyMissing(missing_message(kid, "the run's grant"), kid) from None
 
 
+def outcome_fields(grant_seal: str, digest: str) -> dict[str, Any]:
+    return {"kind": "child_outcome", "grant": grant_seal, "digest": digest}
+
+
+def seal_outcome(ring: KeyRing, grant_seal: str, digest: str) -> str:
+    """A child run's outcome, sealed by its own workflow code for the grant it ran under: the
+    parent acts on no end a keyless poller wrote for the child."""
+    kid, mac = ring.sign(outcome_fields(grant_seal, digest))
+    return f"{kid}:{mac}"
+
+
+def outcome_valid(ring: KeyRing, sealed: str, grant_seal: str, digest: str) -> bool:
+    """Raises KeyMissing when the seal names a key this worker lacks."""
+    kid, _, mac = sealed.partition(":")
+    if not mac:
+        return False
+    try:
+        return ring.verify(kid, outcome_fields(grant_seal, digest), mac)
+    except MissingKey:
+        raise KeyMissing(missing_message(kid, "the child run's outcome"), kid) from None
+
+
 # ----------------------------------------------------------------------------- capabilities
 
 

@@ -266,6 +266,12 @@ class RunOutcome(BaseModel):
     steps_digest: str = ""
     # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
     compensations: list[CompensationCall] = Field(default_factory=list)
+    # A child run's: its workflow code's seal (the fleet key) over this outcome and its grant,
+    # which the parent checks before it acts on the child's end (``sealing.Keyed.check_outcome``).
+    seal: str = ""
+
+    def sealed_digest(self) -> str:
+        return json_digest(self.model_dump(mode="json", exclude={"seal"}))
 
     @model_serializer(mode="wrap")
     def _without_empty(self, handler: Any) -> dict[str, Any]:
@@ -275,7 +281,7 @@ class RunOutcome(BaseModel):
         return {k: v for k, v in handler(self).items() if not (k in _OUTCOME_OPTIONAL and v in ([], 0, ""))}
 
 
-_OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_digest", "compensations"})
+_OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_digest", "compensations", "seal"})
 
 
 RunData.model_rebuild()

@@ -14,7 +14,7 @@ from temporalio import workflow
 
 from workflows import keys
 from workflows.contract import json_digest
-from workflows.run_state import RunRequest
+from workflows.run_state import RunOutcome, RunRequest
 from workflows.states import TransitionRecord, record_link
 from workflows.wire import AuthorityCheck, ToolCall
 
@@ -68,6 +68,25 @@ class Keyed:
         if (grant.tenant, grant.requested_by) != (request.tenant, request.requested_by):
             return "the grant's tenant or requester differs from the run's"
         return None
+
+    def seal_outcome(self, request: RunRequest, outcome: RunOutcome) -> RunOutcome:
+        """A child run's outcome, sealed for its grant: its parent acts on no other."""
+        if request.grant is None:
+            return outcome
+        with self.keyed():
+            outcome.seal = keys.seal_outcome(self.ring(), request.grant.seal, outcome.sealed_digest())
+        return outcome
+
+    def check_outcome(self, grant_seal: str, child_id: str, outcome: RunOutcome) -> None:
+        """The child's end as its own workflow code sealed it for this grant, or a forgery (a
+        keyless poller completed the child's task): the workflow task fails, the parent acts on
+        nothing it says."""
+        with self.keyed():
+            if not keys.outcome_valid(self.ring(), outcome.seal, grant_seal, outcome.sealed_digest()):
+                raise keys.Forgery(keys.forgery_message(
+                    f"child run {child_id}'s outcome", workflow.info().workflow_id,
+                    "it does not bear the seal the child's own workflow code puts on its end",
+                ))
 
     def check_seal(self, seal: str | None, generation: int, carried: Any) -> None:
         """Carried state only from this run's own previous run: its seal names the run the server

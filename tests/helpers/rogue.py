@@ -1,6 +1,6 @@
 """A worker without keys, as a hostile test plays one: it polls a run's workflow task and answers it
 with any commands (schedule any activity with any input, continue as new with any state, start
-a child run with any input)."""
+a child run with any input, end the run with any result)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from google.protobuf.duration_pb2 import Duration
 from temporalio.api.command.v1 import (
     Command,
+    CompleteWorkflowExecutionCommandAttributes,
     ContinueAsNewWorkflowExecutionCommandAttributes,
     ScheduleActivityTaskCommandAttributes,
     StartChildWorkflowExecutionCommandAttributes,
@@ -84,5 +85,15 @@ def start_child(queue: str, namespace: str, workflow_id: str, arg: Any) -> Comma
         start_child_workflow_execution_command_attributes=StartChildWorkflowExecutionCommandAttributes(
             namespace=namespace, workflow_id=workflow_id, workflow_type=WorkflowType(name="AgentRun"),
             task_queue=TaskQueue(name=queue), input=Payloads(payloads=[CONVERTER.to_payload(arg)]),
+        ),
+    )
+
+
+def complete(result: Any) -> Command:
+    """A CompleteWorkflowExecution command as a keyless poller writes it: the run ends with any result."""
+    return Command(
+        command_type=CommandType.COMMAND_TYPE_COMPLETE_WORKFLOW_EXECUTION,
+        complete_workflow_execution_command_attributes=CompleteWorkflowExecutionCommandAttributes(
+            result=Payloads(payloads=[CONVERTER.to_payload(result)]),
         ),
     )
