@@ -46,6 +46,7 @@ from temporalio.exceptions import ApplicationError
 from activities.loading import LoadError, load_object
 from workflows.budgets import PROPOSAL_BYTES
 from workflows.contract import DELEGATE, ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect, run_catalog
+from workflows.policy import may_delegate
 from workflows.wire import PlannerInput, Proposal, ProposedStep
 
 
@@ -607,8 +608,9 @@ async def plan(request: PlannerInput, catalog: ToolCatalog, planners: Mapping[st
             non_retryable=True,
         )
     try:
-        # The worker's tools and the delegate step: the tools a run may plan with (run_catalog).
-        proposal = await planner.propose(request, run_catalog(catalog))
+        # The worker's tools and, where the run may delegate, the delegate step (run_catalog).
+        offered = run_catalog(catalog, delegate=may_delegate(request.depth, request.max_depth))
+        proposal = await planner.propose(request, offered)
     except PlannerError as e:
         raise ApplicationError(str(e), type="planner_error", non_retryable=True) from None
     if not isinstance(proposal, Proposal):

@@ -47,7 +47,8 @@ class SetupActivities:
             return await self._propose(request)
         setup = await self.snapshot(request.setup)
         if setup.policy.requester_refusal is None and setup.policy.policy is not None:
-            proposal = await self._propose(request.model_copy(update={"setup": None}), setup.catalog)
+            budgets = setup.policy.policy.budgets
+            proposal = await self._propose(request.model_copy(update={"setup": None, "max_depth": budgets.max_depth}), setup.catalog)
         else:
             proposal = Proposal()
         return attest(self._ring(), request, proposal.model_copy(update={"setup": setup}))

@@ -240,10 +240,11 @@ DELEGATE_INFO = ToolInfo(
 )
 
 
-def run_catalog(catalog: ToolCatalog | None) -> ToolCatalog:
-    """The tools a run may plan with: its catalog snapshot's and the delegate step. (The
-    snapshot itself, which the run carries, stays as the worker gave it.)"""
-    return ToolCatalog(tools=[*(t for t in (catalog.tools if catalog else []) if t.name != DELEGATE), DELEGATE_INFO])
+def run_catalog(catalog: ToolCatalog | None, *, delegate: bool = True) -> ToolCatalog:
+    """The tools a run may plan with: its catalog snapshot's and, where it may delegate, the
+    delegate step. (The snapshot itself, which the run carries, stays as the worker gave it.)"""
+    tools = [t for t in (catalog.tools if catalog else []) if t.name != DELEGATE]
+    return ToolCatalog(tools=[*tools, DELEGATE_INFO] if delegate else tools)
 
 
 class ExecutedStep(BaseModel):

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from workflows import policy
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, RunChild
 from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlanStep, PlaybookStep, ToolEffect, first_error
@@ -30,8 +31,6 @@ from workflows.wire import CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, Recov
 
 # Approvals a grant lends at most (more: the child asks its own).
 GRANT_APPROVALS = 20
-# How deep delegation goes when the policy sets no max_depth (1: children, no grandchildren).
-DEFAULT_DEPTH = 2
 
 
 class Delegating(RunModel):
@@ -43,9 +42,14 @@ class Delegating(RunModel):
     def depth(self) -> int:
         return self.request.grant.depth if self.request.grant else 0
 
-    def max_depth(self) -> int:
+    def max_depth(self) -> int | None:
+        """The tenant's max_depth (None: the policy sets none, policy.DEFAULT_DEPTH holds)."""
         budgets = self.tenant.budgets if self.tenant else None
-        return budgets.max_depth if budgets and budgets.max_depth is not None else DEFAULT_DEPTH
+        return budgets.max_depth if budgets else None
+
+    def cannot_give(self, tool: str) -> str | None:
+        """Why this run cannot hand ``tool`` on: the tenant's tools list, or its own grant."""
+        return policy.tool_refusal(self.tenant, tool) or self.grant_refusal(tool)
 
     def grant_refusal(self, tool: str) -> str | None:
         """A tool this run's grant does not give it (a child proposes it: refused at validation)."""
@@ -66,12 +70,13 @@ class Delegating(RunModel):
             return f"not a delegation: {first_error(e)}"
         if len(self.child_id("tc-000-" + "0" * 12)) > WORKFLOW_ID_CHARS:
             return f"this run's id is too long to name a child run by (over {WORKFLOW_ID_CHARS} characters)"
-        if self.depth() + 1 > self.max_depth():
-            return f"delegation beyond the depth limit: this run is at depth {self.depth()}, max_depth is {self.max_depth()}"
+        if not policy.may_delegate(self.depth(), self.max_depth()):
+            limit = policy.DEFAULT_DEPTH if self.max_depth() is None else self.max_depth()
+            return f"delegation beyond the depth limit: this run is at depth {self.depth()}, max_depth is {limit}"
         for tool in delegation.tools:
             if tool == DELEGATE or self.catalog.get(tool) is None:
                 return f"delegation names {tool!r}, not a tool this run has"
-            if (why := self.grant_refusal(tool)) is not None:
+            if (why := self.cannot_give(tool)) is not None:
                 return f"delegation names a tool it cannot give: {why}"
         for step in delegation.playbook or []:
             if step.tool and step.tool not in delegation.tools:
@@ -86,7 +91,7 @@ class Delegating(RunModel):
 
     def grant_for(self, delegation: Delegation, step_id: str) -> Grant:
         """The child's grant (unsealed: the workflow seals it with the fleet key)."""
-        tools = [t for t in delegation.tools if self.grant_refusal(t) is None and self.catalog.get(t) is not None]
+        tools = [t for t in delegation.tools if self.cannot_give(t) is None and self.catalog.get(t) is not None]
         effects = sorted({info.effect for t in tools if (info := self.catalog.get(t))}, key=lambda e: e.value)
         parent = self.request.grant
         # The approval in force (this run's own: one its grant lent it covers no grandchild) covers

@@ -117,7 +117,7 @@ class Planning(RunModel):
             executed_steps=self.data.steps_executed,
             limits=self.limits,
             new_id=new_id,
-            tool_refusal=lambda tool: policy.tool_refusal(self.tenant, tool) or self.grant_refusal(tool),
+            tool_refusal=self.cannot_give,
             delegation_problem=self.delegation_problem,
         )
         if result.plan is not None:
@@ -240,6 +240,8 @@ class Planning(RunModel):
                 steps_done=data.steps_ok,
                 not_approved=data.not_approved,
                 setup=setup,
+                depth=self.depth(),
+                max_depth=self.max_depth(),
             ),
             Proposal,
             f"plan · {self.request.planner} · round {round}",

@@ -150,6 +150,15 @@ def effective_limits(limits: Limits, tenant: TenantPolicy | None) -> Limits:
     )
 
 
+# How deep delegation goes when the policy sets no max_depth (2: children and grandchildren).
+DEFAULT_DEPTH = 2
+
+
+def may_delegate(depth: int, max_depth: int | None) -> bool:
+    """May a run at ``depth`` start a child, under the tenant's ``max_depth`` (None: not set)?"""
+    return depth + 1 <= (DEFAULT_DEPTH if max_depth is None else max_depth)
+
+
 def tool_refusal(tenant: TenantPolicy | None, tool: str) -> str | None:
     # A child run (DELEGATE): its tools are judged as its grant is made (max_depth, the tenant's tools).
     if tool != DELEGATE and tenant is not None and tenant.tools is not None and tool not in tenant.tools:

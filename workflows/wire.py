@@ -180,6 +180,14 @@ class PlannerInput(BaseModel):
     # A run's first call: take its setup too (the catalog and policy snapshot, as run_setup
     # would); where the policy refuses the run, nothing is planned.
     setup: SnapshotRequest | None = None
+    # How deep the run is, and the tenant's max_depth (None: not set, or on the first call not
+    # known yet: its setup says): a run that may not delegate is not offered the delegate step.
+    depth: int = 0
+    max_depth: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _depth_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"depth": 0, "max_depth": None})  # recorded inputs read as they did
 
 
 class PolicySnapshot(BaseModel):

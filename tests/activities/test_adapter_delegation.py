@@ -172,7 +172,6 @@ async def test_a_delegation_beyond_the_parents_grant_is_refused_with_nothing_run
     assert any("wire_money" in t for t in notes[0]) and any("issue_refund" in t for t in notes[2])
 
 
-@pytest.mark.xfail(strict=True, reason="the plan activity is not told the run may not delegate (a workflow change)")
 @pytest.mark.parametrize("adapter", ADAPTERS)
 async def test_a_run_that_may_not_delegate_is_not_offered_the_delegate_step(
     dev_env: WorkflowEnvironment, billing: Billing, fake: FakeOpenAI, adapter: str, tmp_path: Path
@@ -183,7 +182,6 @@ async def test_a_run_that_may_not_delegate_is_not_offered_the_delegate_step(
     assert DELEGATE_FUNCTION not in offered(fake.completions[0])
 
 
-@pytest.mark.xfail(strict=True, reason="the plan activity is not told the run may not delegate (a workflow change)")
 @pytest.mark.parametrize("adapter", ADAPTERS)
 async def test_a_child_at_the_depth_limit_is_not_offered_the_delegate_step(
     dev_env: WorkflowEnvironment, billing: Billing, fake: FakeOpenAI, adapter: str, tmp_path: Path

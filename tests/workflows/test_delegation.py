@@ -166,6 +166,21 @@ async def test_a_grandchild_beyond_the_depth_limit_is_refused(dev_env: WorkflowE
     assert parent.state == S.EXECUTION_FAILED and parent.timeline[-1].refs.error_code == "child_failed"
 
 
+async def test_a_delegation_of_a_tool_the_tenant_does_not_allow_is_refused(dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
+    # The tenant's tools list narrows the run; a delegation cannot hand on what the run lacks.
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[tenants.default]\ntools = ["get_order"]\n')
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client, policy=PolicyStore(policy)) as worker:
+        request = make_request([delegate(refund("A-1003", 300, reason), tools=("get_order", "issue_refund"))], limits={"max_replans": 0})
+        outcome = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request)), 60)
+    assert outcome.state == S.FAILED
+    assert any("delegation names a tool it cannot give: tool 'issue_refund' is not allowed for this tenant" in r.reason
+               for r in outcome.timeline), [r.reason for r in outcome.timeline]
+    assert not any(s.tool == DELEGATE for s in outcome.steps)  # no child was started
+    assert refunds_with(billing, reason) == []
+
+
 @pytest.mark.parametrize("how", ["made_up", "copied_to_another_id", "copied_to_the_same_id"])
 async def test_a_forged_grant_in_a_start_input_is_refused(dev_env: WorkflowEnvironment, billing: Billing, how: str) -> None:
     reason = uuid.uuid4().hex
