@@ -386,7 +386,12 @@ async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_p
         snap = await wait_for_state(root, "EXECUTING_TOOL")
         child = await started_child(dev_env, f"{root.id}.{snap.plan.steps[0].tool_call_id}")
         await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
-        listed = format_list(await list_runs(dev_env.client, tenant=tenant))
+        # The list reads visibility, which catches up with the run a moment later: wait for it.
+        for _ in range(600):
+            listed = format_list(await list_runs(dev_env.client, tenant=tenant))
+            if f"  child of {root.id}" in listed:
+                break
+            await asyncio.sleep(0.1)
         sso = Sso()
         (tmp_path / "jwks.json").write_text(json.dumps(sso.jwks()))
         app = create_app(InboxConfig(policy=policy, jwks=str(tmp_path / "jwks.json"), issuer=ISSUER, audience=AUDIENCE,
@@ -396,7 +401,11 @@ async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_p
         try:
             auth = {"Authorization": f"Bearer {sso.token('bob')}"}
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth, timeout=30) as http:
-                waiting = (await http.get("/api/approvals")).json()["approvals"]
+                for _ in range(600):
+                    waiting = (await http.get("/api/approvals")).json()["approvals"]
+                    if child.id in [a["run_id"] for a in waiting]:
+                        break
+                    await asyncio.sleep(0.1)
                 page = await http.get(f"/runs/{child.id}")
         finally:
             server.should_exit = True
