@@ -34,9 +34,6 @@ MAX_NOT_CALLED = 50
 class Groups(RunModel):
     """A group of the plan's steps, run at once behind one barrier."""
 
-    # Plan indexes of the steps the running RunGroup carries, in its order (for a cancel).
-    group_running: list[int] | None = None
-
     def in_group(self) -> bool:
         step = self.current_step()
         return self.state == S.EXECUTING_TOOL and step is not None and step.group is not None

@@ -421,6 +421,9 @@ class RunModel(Phases):
 
     # Why the run's grant was refused at its start (the workflow checks its seal), or None.
     grant_problem: str | None = None
+    # Plan indexes of the steps the running RunGroup carries, in its order (for a cancel, and
+    # the tree's children under way).
+    group_running: list[int] | None = None
     # The catalog the run plans with, made from the snapshot it was made from.
     _catalog: tuple[ToolCatalog | None, ToolCatalog] = (None, run_catalog(None))
 

@@ -79,6 +79,8 @@ class Views(RunModel):
             delegated = {s.tool_call_id for s in self.data.executed if s.tool == DELEGATE}
             if self.state == S.EXECUTING_TOOL and (step := self.current_step()) is not None and step.tool == DELEGATE:
                 delegated.add(step.tool_call_id)  # the child under way
+            # A group's children under way.
+            delegated |= {plan.steps[i].tool_call_id for i in self.group_running or [] if plan.steps[i].tool == DELEGATE}
             tree["children"] = [f"{self.workflow_id}.{s.tool_call_id}" for s in plan.steps if s.tool_call_id in delegated]
         return tree
 

@@ -216,6 +216,8 @@ async def test_two_children_and_a_read_run_at_once_behind_the_barrier(dev_env: W
         handle = await start_run(dev_env.client, worker, make_request(playbook))
         await started(tag, 3)  # both children's reads and the parent's own are running at once
         assert "after" not in ORDER[tag]
+        running = await snapshot(handle)  # the tree lists both children while they run
+        assert running.children == [f"{handle.id}.{s.tool_call_id}" for s in running.plan.steps[:2]]
         GATES[tag].set()
         outcome = await asyncio.wait_for(run_outcome(handle), 60)
         children = [await outcome_of(dev_env.client.get_workflow_handle(f"{handle.id}.{s.tool_call_id}"))
