@@ -107,35 +107,37 @@ async def test_two_repairs_at_once_one_slowed_make_one_reset_and_one_email(
     base = (await dev_env.client.get_workflow_handle(run_id).describe()).run_id
     cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]
     gate = tmp_path / "gate"
-    async with running_worker(dev_env.client, task_queue=queue):
-        slow = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.helpers.slow_repair", str(gate), "repair", run_id, "--json",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli.env, cwd=ROOT,
-        )
-        try:
-            while not gate.with_suffix(".waiting").exists():  # the slow one has judged the run
-                assert slow.returncode is None
-                await asyncio.sleep(0.05)
-            code, out, err = await cli("repair", run_id, "--json")
-            assert code == 0, (out, err)
-            first = tether_client.RepairResult.model_validate_json(out)
-            assert first.from_run_id == base
+    # Today's worker comes only after the first repair: the stuck run's task would otherwise be
+    # retried on it, which replays this history and completes the run before either repair.
+    slow = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.helpers.slow_repair", str(gate), "repair", run_id, "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli.env, cwd=ROOT,
+    )
+    try:
+        while not gate.with_suffix(".waiting").exists():  # the slow one has judged the run
+            assert slow.returncode is None
+            await asyncio.sleep(0.05)
+        code, out, err = await cli("repair", run_id, "--json")
+        assert code == 0, (out, err)
+        first = tether_client.RepairResult.model_validate_json(out)
+        assert first.from_run_id == base
+        async with running_worker(dev_env.client, task_queue=queue):
             outcome = await asyncio.wait_for(
                 run_outcome(dev_env.client.get_workflow_handle(run_id, result_type=RunOutcome)), 120
             )
-            assert outcome.state.value == "COMPLETED" and len(emails(billing, to)) == 1
-        finally:
-            gate.touch()
-            out_b, err_b = await slow.communicate()
-        assert slow.returncode == 1, (out_b, err_b)
-        assert f"the run moved on: run {first.to_run_id} is current (COMPLETED), not run {base}" in err_b.decode()
-        # A repair naming an execution that is no longer current is refused before it judges.
-        try:
-            await tether_client.repair(dev_env.client, run_id, base_run_id=base)
-            raise AssertionError("a repair of an execution no longer current went through")
-        except tether_client.TetherError as e:
-            assert e.code == 1 and f"the run moved on: run {first.to_run_id} is current" in str(e), e
-        latest = await dev_env.client.get_workflow_handle(run_id).describe()
+        assert outcome.state.value == "COMPLETED" and len(emails(billing, to)) == 1
+    finally:
+        gate.touch()
+        out_b, err_b = await slow.communicate()
+    assert slow.returncode == 1, (out_b, err_b)
+    assert f"the run moved on: run {first.to_run_id} is current (COMPLETED), not run {base}" in err_b.decode()
+    # A repair naming an execution that is no longer current is refused before it judges.
+    try:
+        await tether_client.repair(dev_env.client, run_id, base_run_id=base)
+        raise AssertionError("a repair of an execution no longer current went through")
+    except tether_client.TetherError as e:
+        assert e.code == 1 and f"the run moved on: run {first.to_run_id} is current" in str(e), e
+    latest = await dev_env.client.get_workflow_handle(run_id).describe()
     assert latest.run_id == first.to_run_id and latest.status.name == "COMPLETED"
     assert len(emails(billing, to)) == 1
 
@@ -163,16 +165,17 @@ async def test_two_resets_of_one_judgement_at_once_make_one_reset(
         return description
 
     monkeypatch.setattr(tether_repair, "describe", both_look_first)
+    # Today's worker comes after the resets (its retry of the stuck task would complete the run).
+    results = await asyncio.gather(
+        *(tether_client.reset_judged(dev_env.client, run_id, base, point, f"race {n}") for n in range(2)),
+        return_exceptions=True,
+    )
+    assert looked[:2] == [base, base]  # both judged the base run current
+    [made] = [r for r in results if isinstance(r, str)]
+    [refused] = [r for r in results if not isinstance(r, str)]
+    assert isinstance(refused, tether_client.TetherError) and refused.code == 1, refused
+    assert f"the run moved on: another repair or hand-off has reset run {base}" in str(refused), refused
     async with running_worker(dev_env.client, task_queue=queue):
-        results = await asyncio.gather(
-            *(tether_client.reset_judged(dev_env.client, run_id, base, point, f"race {n}") for n in range(2)),
-            return_exceptions=True,
-        )
-        assert looked[:2] == [base, base]  # both judged the base run current
-        [made] = [r for r in results if isinstance(r, str)]
-        [refused] = [r for r in results if not isinstance(r, str)]
-        assert isinstance(refused, tether_client.TetherError) and refused.code == 1, refused
-        assert f"the run moved on: another repair or hand-off has reset run {base}" in str(refused), refused
         outcome = await asyncio.wait_for(
             run_outcome(dev_env.client.get_workflow_handle(run_id, result_type=RunOutcome)), 120
         )
