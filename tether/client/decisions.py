@@ -63,19 +63,23 @@ async def _await_record(client: Client, run_id: str, decision_id: str, timeout: 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        try:
-            records = await timeline(client, run_id)
-        except TetherError:
-            try:
-                records = (await read_run(client, run_id))[1]
-            except TetherError:
-                records = []  # sent all the same: the verdict is read later (`tether status`)
-        for record in reversed(records):
-            if record.refs.decision_id == decision_id:
-                return record
+        if (record := await _record_now(client, run_id, decision_id)) is not None:
+            return record
         if loop.time() > deadline:
             return None
         await asyncio.sleep(0.2)
+
+
+async def _record_now(client: Client, run_id: str, decision_id: str) -> TransitionRecord | None:
+    """The run's record of the decision as it stands now (None: not on it, or not readable)."""
+    try:
+        records = await timeline(client, run_id)
+    except TetherError:
+        try:
+            records = (await read_run(client, run_id))[1]
+        except TetherError:
+            records = []  # sent all the same: the verdict is read later (`tether status`)
+    return next((r for r in reversed(records) if r.refs.decision_id == decision_id), None)
 
 
 @dataclass(frozen=True)
@@ -317,7 +321,13 @@ async def _send_decision(
             raise pending_verdict from None
         except RPCError as e:
             if not _task_failing(e):
-                raise rpc_error(e, run_id) from None
+                error = rpc_error(e, run_id)
+                if resent and error.code == REFUSED:
+                    # Sent while the run's task failed, Temporal may have kept it: the run took it
+                    # and ended before this resend. Its record says so.
+                    if (record := await _record_now(client, run_id, decision.decision_id)) is not None:
+                        return record
+                raise error from None
             if asyncio.get_running_loop().time() >= deadline:
                 raise _task_failing_error(run_id) from None
             # Not taken: the run's workflow task failed on a worker that does not replay it (another
