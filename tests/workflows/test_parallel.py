@@ -268,3 +268,114 @@ async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev
     assert [(s.tool, s.status) for s in steps if s.tool == "held_read"] == [("held_read", "ok")]
     assert IN_FLIGHT[tag] == 0 and "after" not in ORDER[tag]
     assert sorted(e for e in ORDER[tag] if e.startswith("start")) == ["start 1", "start 2", "start 3"]  # none ran twice
+
+
+# ----------------------------------------------------------------------------- a hand-off of the parent during a group
+
+
+def writer(tag: str, n: int) -> dict:
+    """A delegation whose child writes (an idempotent refund): it waits for its own approval."""
+    return {"delegate": {"goal": f"refund {n}", "tools": ["group_refund"], "max_steps": 2, "playbook": [step("group_refund", tag, n)]}}
+
+
+async def test_a_handoff_during_a_group_cancels_its_open_children_and_waits_for_its_read(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """One child awaits its own approval (it would wait for its TTL), one runs a held read, the
+    parent runs a held read: a hand-off of the parent cancels both children at once, the held
+    read is waited for (not cancelled) and on the record, then the parent is HANDED_OFF."""
+    from tests.workflows.test_delegation import cancel_requested, cancelled_states, started_child
+    from workflows.contract import HandoffRequest
+
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(writer(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 2)  # the second child's read and the parent's own are running
+        ids = [f"{handle.id}.{s.tool_call_id}" for s in (await snapshot(handle)).plan.steps[:2]]
+        await wait_for_state(await started_child(dev_env, ids[0]), "AWAITING_APPROVAL", timeout=60)
+        await handle.signal("handoff", HandoffRequest(by="dana", reason="the customer called"))
+        for child_id in ids:
+            await cancel_requested(dev_env, child_id)  # the hand-off reached both children at once
+        assert (await snapshot(handle)).state == S.EXECUTING_TOOL  # the parent's read is still held
+        GATES[tag].set()
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        ended = await cancelled_states(dev_env, ids)
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    assert ended == [S.CANCELLED, S.CANCELLED]
+    taken = parent.timeline[-1]
+    assert taken.actor == "operator:dana" and f"child runs {ids[0]}, {ids[1]} cancelled first" in taken.reason
+    assert taken.refs.error_code == "child_cancelled" and taken.refs.outcome == "unknown"  # one child could write
+    landed = [r for r in parent.timeline if r.from_state == S.EXECUTING_TOOL and r.to_state == S.EXECUTING_TOOL]
+    assert sorted(r.refs.error_code or "ok" for r in landed) == ["child_cancelled", "child_cancelled", "ok"]
+    assert [(s.tool, s.status) for s in parent.steps if s.tool == "held_read"] == [("held_read", "ok")]  # waited for
+    assert [s.outcome for s in parent.steps if s.tool == "tether.delegate"] in (["unknown", "failed"], ["failed", "unknown"])
+    assert [r.to_state for r in parent.timeline if r.kind == "transition"].count(S.HANDED_OFF) == 1
+    assert ATTEMPTS[f"{tag}/1"] == 0 and "after" not in ORDER[tag] and IN_FLIGHT[tag] == 0
+    assert [r for r in billing.get("/refunds")["refunds"] if r.get("reason") == f"{tag}-1"] == []  # nothing refunded
+    check_timeline(parent.timeline, {s.tool_call_id: s.tool for s in parent.steps}, read_only=(*READ_ONLY, "tether.delegate"))
+
+
+async def test_a_handoff_during_a_group_from_someone_the_policy_refuses_cancels_nothing(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """Bob's key is on file and his hand-off is unsigned: the wait wakes, the policy refuses it,
+    and the group goes on untouched: both children complete, the barrier, the step after."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from tests.helpers.inbox_stack import raw_public
+    from tests.workflows.test_delegation import refusals
+    from workflows.contract import HandoffRequest
+
+    policy = tmp_path / "policy.toml"
+    key = raw_public(ed25519.Ed25519PrivateKey.generate())
+    policy.write_text(f'[tenants.default.approvers]\nalice = {{ roles = ["approver"] }}\nbob = {{ roles = ["approver"], public_key = "{key}" }}\n')
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY, policy=PolicyStore(policy)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 3)
+        await handle.signal("handoff", HandoffRequest(by="bob", reason="unsigned"))
+        await refusals(handle, "signature_required", 1)
+        GATES[tag].set()
+        outcome = await asyncio.wait_for(run_outcome(handle), 60)
+        children = [await run_outcome(dev_env.client.get_workflow_handle(f"{handle.id}.{s.tool_call_id}"))
+                    for s in outcome.steps if s.tool == "tether.delegate"]
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert len(children) == 2 and all(c.state == S.COMPLETED for c in children)
+    assert not any(r.to_state == S.CANCELLED for c in children for r in c.timeline)
+    assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in outcome.timeline)
+    assert ORDER[tag][-1] == "after" and sorted(e for e in ORDER[tag] if e.startswith("start")) == ["start 1", "start 2", "start 3"]
+    check_timeline(outcome.timeline, {s.tool_call_id: s.tool for s in outcome.steps}, read_only=(*READ_ONLY, "tether.delegate"))
+
+
+async def test_two_handoffs_at_once_during_a_group_one_is_taken(dev_env: WorkflowEnvironment) -> None:
+    from tests.workflows.test_delegation import cancel_requested
+    from workflows.contract import HandoffRequest
+
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 3)
+        ids = [f"{handle.id}.{s.tool_call_id}" for s in (await snapshot(handle)).plan.steps[:2]]
+        await asyncio.gather(handle.signal("handoff", HandoffRequest(by="dana", reason="customer called")),
+                             handle.signal("handoff", HandoffRequest(by="erin", reason="me too")))
+        for child_id in ids:
+            await cancel_requested(dev_env, child_id)
+        GATES[tag].set()
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    taken = parent.timeline[-1]
+    assert taken.actor in ("operator:dana", "operator:erin") and taken.refs.outcome == "failed"  # read-only children
+    refused = [r for r in parent.timeline if r.kind == "refused"]
+    assert [r.rule for r in refused] == ["handoff_pending"] and refused[0].actor != taken.actor
+    assert [r.to_state for r in parent.timeline if r.kind == "transition"].count(S.HANDED_OFF) == 1
+    assert "after" not in ORDER[tag] and IN_FLIGHT[tag] == 0
+    check_timeline(parent.timeline, {s.tool_call_id: s.tool for s in parent.steps}, read_only=(*READ_ONLY, "tether.delegate"))
