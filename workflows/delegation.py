@@ -229,30 +229,32 @@ class Delegating(RunModel):
         return "unknown" if wrote else "failed"
 
     def handed_off_with_children(
-        self, request: HandoffRequest, verdict: Verdict, steps: list[PlanStep], at: datetime, *, ended: bool = False
+        self, request: HandoffRequest, verdict: Verdict, steps: list[PlanStep], at: datetime, *, ended: bool = False,
+        also: str | None = None,
     ) -> None:
         """A hand-off taken while children ran: they were cancelled and have settled (their
         attempts ended, on their records); the delegate steps end with them (``ended``: each is on
-        the record already, as a group's member), and a person takes the run. A hand-off that
-        arrived meanwhile is refused: this one is taken."""
+        the record already, as a group's member), and a person takes the run (``also``: what else
+        the record says). A hand-off that arrived meanwhile is refused: this one is taken."""
         later = self.pending_handoff
         if later is not None:
             self.pending_handoff = None
             self.refuse_handoff(later, Refusal(rule="handoff_pending", message="a handoff is already pending"), at)
         outcomes = [self.cancelled_outcome(step) for step in steps]
         outcome: Literal["unknown", "failed"] = "unknown" if "unknown" in outcomes else "failed"
-        refs = self._end_refs(steps[0], outcome, CHILD_CANCELLED)
+        refs = self._end_refs(steps[0], outcome, CHILD_CANCELLED) if steps else None
         if not ended:
             for step, settled in zip(steps, outcomes):
                 self._end_step(step, settled, CHILD_CANCELLED)
+        details = [also] if also else []
         if len(steps) == 1:
-            detail = f"child run {self.child_id(steps[0].tool_call_id)} cancelled first, its attempts settled (on its record); " \
-                     f"delegate step outcome {outcome}"
-        else:
+            details.insert(0, f"child run {self.child_id(steps[0].tool_call_id)} cancelled first, its attempts settled "
+                              f"(on its record); delegate step outcome {outcome}")
+        elif steps:
             names = ", ".join(self.child_id(step.tool_call_id) for step in steps)
-            detail = clip(f"child runs {names} cancelled first, their attempts settled (on their records); "
-                          f"parallel group {steps[0].group} outcome {outcome}", REASON_CHARS // 2)
-        self.take_handoff(request, at, detail, None, verdict.verified, refs=refs)
+            details.insert(0, f"child runs {names} cancelled first, their attempts settled (on their records); "
+                              f"outcome {outcome}")
+        self.take_handoff(request, at, "; ".join(details), None, verdict.verified, refs=refs)
 
     def handoff_later(self, request: HandoffRequest, at: datetime) -> None:
         """A hand-off taken while children ran, but none was cancelled (each ended first): their

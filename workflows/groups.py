@@ -302,14 +302,10 @@ class Groups(RunModel):
                 yield from self.child_undos(child, result)
             if taken is not None:
                 request, verdict = taken
-                if stopped:
+                if stopped or held_back:
                     # Every attempt has ended: the run is a person's now (a retry due is not made).
-                    self.decide(partial(self.handed_off_with_children, request, verdict, stopped, ended=True),
-                                policies=verdict.policies)
-                    return
-                if held_back:
-                    detail = f"parallel group {plan.steps[members[0]].group}: {held_back} step(s) not started"
-                    self.decide(lambda now: self.take_handoff(request, now, detail, None, verdict.verified),
+                    also = f"parallel group {plan.steps[members[0]].group}: {held_back} step(s) not started" if held_back else None
+                    self.decide(partial(self.handed_off_with_children, request, verdict, stopped, ended=True, also=also),
                                 policies=verdict.policies)
                     return
                 self.decide(partial(self.handoff_later, request))  # each child ended first

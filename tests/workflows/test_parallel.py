@@ -379,3 +379,97 @@ async def test_two_handoffs_at_once_during_a_group_one_is_taken(dev_env: Workflo
     assert [r.to_state for r in parent.timeline if r.kind == "transition"].count(S.HANDED_OFF) == 1
     assert "after" not in ORDER[tag] and IN_FLIGHT[tag] == 0
     check_timeline(parent.timeline, {s.tool_call_id: s.tool for s in parent.steps}, read_only=(*READ_ONLY, "tether.delegate"))
+
+
+@pytest.mark.parametrize("second", ["ended_on_its_own", "not_started"])
+def test_a_handoff_taken_during_a_group_whose_children_cancel_nothing(second: str) -> None:
+    """The engine (the workflow's own code), driven here: the hand-off is judged and taken while
+    a child of the group runs, but no open child is cancelled by it. ``ended_on_its_own``: every
+    child completed before the cancel reached it: the group ends as any, and the hand-off is taken
+    at the next point, before the next step runs (one that arrived meanwhile refused). ``not_started``:
+    the second child was kept from starting: the run is handed off once the group has ended."""
+    import uuid as uuid_
+    from datetime import timedelta
+
+    from tests.workflows.test_delegation import LOOKUP, delegate
+    from tests.workflows.test_delegation_properties import CATALOG, START
+    from workflows.commands import Call, End, Landed, Probe, Readings, RunGroup, RunTool
+    from workflows.contract import DELEGATE, HandoffRequest
+    from workflows.engine import Engine
+    from workflows.policy_file import TenantPolicy
+    from workflows.run_model import ToolFailure
+    from workflows.run_state import RunData, RunOutcome, RunRequest
+    from workflows.wire import CHILD_WOKEN, HANDOFF_NOT_STARTED, PolicySnapshot, ToolOutcome, Verdict
+
+    policy = PolicySnapshot(tenant="default", policy=TenantPolicy(), policy_hash="h", source="test")
+    e = Engine(RunData(catalog=CATALOG, policy=policy), RunRequest(goal="g", requested_by="alice"), workflow_id="root",
+               new_request_id=lambda: uuid_.uuid4().hex, started_at=START)
+    args = delegate(LOOKUP)["delegate"]
+    plan = Proposal(steps=[ProposedStep(tool=DELEGATE, args=args, group=1), ProposedStep(tool=DELEGATE, args=args, group=1),
+                           ProposedStep(group=1, **LOOKUP), ProposedStep(**LOOKUP)])
+    now, groups, tools = START, [], []
+    e.start()
+    for _ in range(200):
+        now += timedelta(seconds=1)
+        command = e.next(now)
+        answer = None
+        if isinstance(command, End):
+            break
+        if isinstance(command, Call):
+            answer = plan if command.name == "plan" else Verdict(policy_hash="h")
+        elif isinstance(command, Probe):
+            answer = Readings(suggested=False, history_bytes=0, history_events=0, handlers_finished=True, notifying=0)
+        elif isinstance(command, RunGroup):
+            groups.append((command, e.child_cancel))
+            if len(groups) == 1:  # dana's hand-off wakes the group; its attempts run on
+                e.receive_handoff(HandoffRequest(by="dana", reason="customer called"), now)
+                answer = ToolFailure(CHILD_WOKEN, "woken", False)
+            else:  # erin's arrives; the group ends without a child the cancel reached
+                e.receive_handoff(HandoffRequest(by="erin", reason="me too"), now)
+                done = RunOutcome(run_id="c", state=RunState.COMPLETED, answer="found it")
+                held = ToolFailure(HANDOFF_NOT_STARTED, "not started", True, started=False)
+                read = ToolOutcome(observation="{}", digest="d", size=2)
+                answer = [Landed(0, done, now), Landed(1, done if second == "ended_on_its_own" else held, now), Landed(2, read, now)]
+        elif isinstance(command, RunTool):
+            tools.append(command.call.tool)
+        e.on(command, answer, now)
+    records = e.data.lifecycle.timeline
+    assert len(groups) == 2 and groups[0][0] is groups[1][0]  # the same group waited for again
+    assert groups[0][1] is None and groups[1][1].startswith("by dana: parent run root handed off")
+    assert e.state == RunState.HANDED_OFF and records[-1].actor == "operator:dana" and tools == []  # nothing after the group
+    refused = [(r.actor, r.rule) for r in records if r.kind == "refused"]
+    assert refused == [("operator:erin", "handoff_pending")]
+    if second == "ended_on_its_own":
+        assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in records)
+        assert [s.status for s in e.steps()] == ["ok", "ok", "ok"]
+    else:
+        assert "parallel group 1: 1 step(s) not started" in records[-1].reason
+        assert [(s.tool, s.status) for s in e.steps()] == [(DELEGATE, "ok"), (DELEGATE, "failed"), ("get_order", "ok")]
+
+
+async def test_a_cancel_while_a_handoff_during_a_group_is_taken_leaves_nothing_stranded(dev_env: WorkflowEnvironment) -> None:
+    """The hand-off was taken (the children's cancel requested), the parent's read still held: a
+    cancel of the run then reaches the read and the children and waits for each; none runs twice."""
+    from tests.workflows.test_delegation import cancel_requested, cancelled_states
+    from workflows.contract import HandoffRequest
+
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        await started(tag, 3)
+        ids = [f"{handle.id}.{s.tool_call_id}" for s in (await snapshot(handle)).plan.steps[:2]]
+        await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
+        for child_id in ids:
+            await cancel_requested(dev_env, child_id)
+        await handle.cancel()
+        await cancel_requested(dev_env, handle.id)
+        GATES[tag].set()
+        ended = await cancelled_states(dev_env, [handle.id, *ids])
+        steps = await handle.query("steps", result_type=list[ExecutedStep])
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    assert ended == [S.CANCELLED] * 3
+    assert [(s.tool, s.status) for s in steps if s.tool == "held_read"] == [("held_read", "ok")]  # waited for, not lost
+    assert IN_FLIGHT[tag] == 0 and "after" not in ORDER[tag]
+    assert sorted(e for e in ORDER[tag] if e.startswith("start")) == ["start 1", "start 2", "start 3"]  # none ran twice
