@@ -131,8 +131,8 @@ class Effects(Publishing):
 
     async def perform(self, command: Command) -> Any:
         """Carry out one command of the engine's; its result goes back to the engine. A cancel
-        of the run reaches the child runs still open (one a hand-off woke the wait on) and waits
-        for each to settle."""
+        of the run reaches the child runs still open and the parallel group under way (one a
+        hand-off woke the wait on) and waits for each to settle."""
         try:
             return await self._perform(command)
         except asyncio.CancelledError as err:
@@ -414,8 +414,9 @@ class Effects(Publishing):
             # The engine took the hand-off that woke the group: its open children are cancelled
             # with its reason (each settles, on its own record); its tool attempts end on their own.
             for run in command.members:
-                if isinstance(run, RunChild) and run.child_id in self._children:
-                    self._children[run.child_id].cancel(self.engine.child_cancel)
+                handle = self._children.get(run.child_id) if isinstance(run, RunChild) else None
+                if handle is not None and not handle.done():
+                    handle.cancel(self.engine.child_cancel)
         _, tasks, landed, wakes = running
         try:
             if wakes:
