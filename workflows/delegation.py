@@ -17,17 +17,18 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from workflows import policy
 from workflows.budgets import REASON_CHARS, clip
-from workflows.commands import Call, RunChild
+from workflows.commands import Call, RunChild, RunGroup
 from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlanStep, PlaybookStep, ToolEffect, first_error
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
-from workflows.wire import CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, RecoverySource, Refusal, ToolOutcome, Verdict
+from workflows.wire import CHILD_CANCELLED, CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, RecoverySource, Refusal, ToolOutcome, Verdict
 
 # Approvals a grant lends at most (more: the child asks its own).
 GRANT_APPROVALS = 20
@@ -220,17 +221,69 @@ class Delegating(RunModel):
             )
             self.data.compensations.extend(c for c in source.compensations if c.status == "pending")
 
-    def handed_off_with_child(self, request: HandoffRequest, verdict: Verdict, child: str, at: datetime) -> None:
-        """A hand-off taken while the child ran: the child was cancelled and has settled (its
-        attempts ended, on its record); the delegate step ends with it, and a person takes the run."""
-        step = require(self.current_step(), "no delegate step")
+    def cancelled_outcome(self, step: PlanStep) -> Literal["unknown", "failed"]:
+        """A delegate step whose child a hand-off cancelled: ``unknown`` when its grant could write
+        (what it did is on its record), else ``failed``."""
         delegation = Delegation.model_validate(step.args)
-        # A child that could write may have: what it did is on its record.
         wrote = any((info := self.catalog.get(t)) is None or info.effect != ToolEffect.READ_ONLY for t in delegation.tools)
-        refs = self._end_refs(step, "unknown" if wrote else "failed", "child_cancelled")
-        self._end_step(step, refs.outcome or "unknown", "child_cancelled")
-        detail = f"child run {child} cancelled first, its attempts settled (on its record); delegate step outcome {refs.outcome}"
-        self.take_handoff(request, at, detail, None, verdict.verified, refs=refs)
+        return "unknown" if wrote else "failed"
+
+    def handed_off_with_children(
+        self, request: HandoffRequest, verdict: Verdict, steps: list[PlanStep], at: datetime, *, ended: bool = False,
+        also: str | None = None,
+    ) -> None:
+        """A hand-off taken while children ran: they were cancelled and have settled (their
+        attempts ended, on their records); the delegate steps end with them (``ended``: each is on
+        the record already, as a group's member), and a person takes the run (``also``: what else
+        the record says). A hand-off that arrived meanwhile is refused: this one is taken."""
+        later = self.pending_handoff
+        if later is not None:
+            self.pending_handoff = None
+            self.refuse_handoff(later, Refusal(rule="handoff_pending", message="a handoff is already pending"), at)
+        outcomes = [self.cancelled_outcome(step) for step in steps]
+        outcome: Literal["unknown", "failed"] = "unknown" if "unknown" in outcomes else "failed"
+        refs = self._end_refs(steps[0], outcome, CHILD_CANCELLED) if steps else None
+        if not ended:
+            for step, settled in zip(steps, outcomes):
+                self._end_step(step, settled, CHILD_CANCELLED)
+        details = [also] if also else []
+        if len(steps) == 1:
+            details.insert(0, f"child run {self.child_id(steps[0].tool_call_id)} cancelled first, its attempts settled "
+                              f"(on its record); delegate step outcome {outcome}")
+        elif steps:
+            names = ", ".join(self.child_id(step.tool_call_id) for step in steps)
+            details.insert(0, f"child runs {names} cancelled first, their attempts settled (on their records); "
+                              f"outcome {outcome}")
+        self.take_handoff(request, at, "; ".join(details), None, verdict.verified, refs=refs)
+
+    def handoff_later(self, request: HandoffRequest, at: datetime) -> None:
+        """A hand-off taken while children ran, but none was cancelled (each ended first): their
+        ends count as any; it is taken at the run's next point that allows it (judged again
+        there), before any that arrived since, which is refused."""
+        later = self.pending_handoff
+        if later is not None:
+            self.refuse_handoff(later, Refusal(rule="handoff_pending", message="a handoff is already pending"), at)
+        self.pending_handoff = request
+
+    def _await_children(self, command: RunChild | RunGroup) -> Program[tuple[Any, tuple[HandoffRequest, Verdict] | None]]:
+        """Wait for open child runs (a delegate step's RunChild, a parallel group's RunGroup): its
+        result, and the hand-off taken meanwhile (or None). A hand-off of this run wakes the wait
+        (CHILD_WOKEN: the children run on) and is judged now, as any: refused, on the record, the
+        wait goes on untouched; taken, the same command again cancels the open children first,
+        with its reason (``child_cancel``), and waits for everything in it to end."""
+        result = yield command
+        taken: tuple[HandoffRequest, Verdict] | None = None
+        while isinstance(result, ToolFailure) and result.code == CHILD_WOKEN:
+            request, verdict = yield from self._judge_handoff()
+            if verdict.refusal is not None:
+                refusal = verdict.refusal
+                self.decide(lambda now: self.refuse_handoff(request, refusal, now), policies=verdict.policies)
+            else:
+                taken = (request, verdict)
+                self.child_cancel = f"by {request.by}: parent run {self.workflow_id} handed off: {request.reason}"
+            result = yield command
+        self.child_cancel = None
+        return result, taken
 
     # ------------------------------------------------------------------ the program
 
@@ -241,32 +294,16 @@ class Delegating(RunModel):
             return
         run = self.child_run(require(self.current_step(), "no delegate step"))
         self.data.tool_calls += 1
-        result = yield run
-        taken: tuple[HandoffRequest, Verdict] | None = None
-        while isinstance(result, ToolFailure) and result.code == CHILD_WOKEN:
-            # A hand-off of this run while the child runs: judged now; taken, the child is
-            # cancelled first (it settles its attempts), and the run takes it once the child has ended.
-            request, verdict = yield from self._judge_handoff()
-            if verdict.refusal is not None:
-                refusal = verdict.refusal
-                self.decide(lambda now: self.refuse_handoff(request, refusal, now), policies=verdict.policies)
-            else:
-                taken = (request, verdict)
-                self.child_cancel = f"by {request.by}: parent run {self.workflow_id} handed off: {request.reason}"
-            result = yield run
-        self.child_cancel = None
-        if taken is not None and isinstance(result, ToolFailure) and result.code == "child_cancelled":
+        # A hand-off of this run while the child runs is judged now; taken, the child is cancelled
+        # first (it settles its attempts), and the run takes it once the child has ended.
+        result, taken = yield from self._await_children(run)
+        if taken is not None and isinstance(result, ToolFailure) and result.code == CHILD_CANCELLED:
             request, verdict = taken
-            self.decide(lambda now: self.handed_off_with_child(request, verdict, run.child_id, now), policies=verdict.policies)
+            step = require(self.current_step(), "no delegate step")
+            self.decide(lambda now: self.handed_off_with_children(request, verdict, [step], now), policies=verdict.policies)
             return
         if taken is not None:
-            # The child ended before the cancel reached it: its end counts as any; the hand-off
-            # is taken at the run's next point that allows it (judged again there), before any
-            # that arrived since.
-            later = self.pending_handoff
-            if later is not None:
-                busy = Refusal(rule="handoff_pending", message="a handoff is already pending")
-                self.decide(lambda now: self.refuse_handoff(later, busy, now))
-            self.pending_handoff = taken[0]
+            # The child ended before the cancel reached it: its end counts as any.
+            self.decide(partial(self.handoff_later, taken[0]))
         yield from self.child_undos(run.child_id, result)
         self.decide(lambda now: self.child_ended(result, now))

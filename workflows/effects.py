@@ -56,7 +56,9 @@ from workflows.run_model import ToolFailure
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import TransitionRecord, first_published, implied_links
 from workflows.wire import (
+    CHILD_CANCELLED,
     CHILD_WOKEN,
+    HANDOFF_NOT_STARTED,
     AuditAck,
     AuditBatch,
     ToolCall,
@@ -90,6 +92,8 @@ AUDIT_BACKOFF_MAX = 60.0
 END_RECORDS = 200
 # The patch under which a parent checks its child's sealed outcome.
 CHILD_OUTCOME_SEALED = "tether-child-outcome-sealed"
+# The patch under which a hand-off of the run wakes a parallel group with children.
+GROUP_HANDOFF_WAKES = "tether-group-handoff-wakes"
 
 
 class Effects(Publishing):
@@ -110,6 +114,9 @@ class Effects(Publishing):
         self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
         self._landed: list[Landed] | None = None
+        # The parallel group under way: its command, its attempts' tasks, what has landed, and
+        # whether a hand-off wakes it (kept across the commands a wake takes, as ``_children`` is).
+        self._group: tuple[RunGroup, list[asyncio.Future[None]], list[Landed], bool] | None = None
         self._children: dict[str, Any] = {}  # child runs started and not yet ended, by id
         self._child_seals: dict[str, str] = {}  # the grant each child was started with, by id
         start_attributes = info.typed_search_attributes
@@ -124,11 +131,13 @@ class Effects(Publishing):
 
     async def perform(self, command: Command) -> Any:
         """Carry out one command of the engine's; its result goes back to the engine. A cancel
-        of the run reaches the child runs still open (one a hand-off woke the wait on) and waits
-        for each to settle."""
+        of the run reaches the child runs still open and the parallel group under way (one a
+        hand-off woke the wait on) and waits for each to settle."""
         try:
             return await self._perform(command)
         except asyncio.CancelledError as err:
+            # A group a hand-off woke runs on while the engine judges it: the cancel reaches it too.
+            await self.settle_group()
             if self._children:
                 await self.settle_children(err.args)
             raise
@@ -357,45 +366,96 @@ class Effects(Publishing):
         self._written(sent)
         return answered
 
-    async def group(self, command: RunGroup) -> list[Landed]:
+    async def group(self, command: RunGroup) -> list[Landed] | ToolFailure:
         """A parallel group's attempts, ``limit`` at a time, each as ``tool`` runs one; the
         answers in the order they landed. A cancel reaches each attempt in flight and waits for
-        it; what every attempt that ended did is kept (``take_landed``), and the cancel goes on."""
-        slots = asyncio.Semaphore(command.limit)
-        landed: list[Landed] = []
-        self._landed = landed
+        it; what every attempt that ended did is kept (``take_landed``), and the cancel goes on.
 
-        async def one(index: int, run: RunTool | RunChild) -> None:
-            async with slots:
-                if isinstance(run, RunChild):  # a child run: this run's cancel reaches it (``child``)
-                    landed.append(Landed(index, await self.child(run, wake=False), workflow.now()))
-                    return
-                try:
-                    answer: Any = await self.tool(
-                        run.call, activity_id=run.activity_id, start_to_close=run.start_to_close,
-                        heartbeat=run.heartbeat, summary=run.summary,
-                    )
-                except ActivityError as err:
-                    answer = activity_failure(err)
-                    log_failure(run.call.tool_call_id, answer)
-                except asyncio.CancelledError:
-                    settled = self.take_settled()  # what ``tool`` kept of the attempt the cancel met
-                    if settled is not None:
-                        landed.append(Landed(index, settled[0] or settled[1], workflow.now()))
-                    raise
-                landed.append(Landed(index, answer, workflow.now()))
+        A group with children (this build's: GROUP_HANDOFF_WAKES) is woken by a hand-off of this
+        run while one of them is open, as ``child``'s wait is (CHILD_WOKEN): the attempts and the
+        children run on, and the same RunGroup again waits for them, cancelling the open children
+        first when the engine took the hand-off (``child_cancel``); a member that has not started
+        by then does not start."""
+        running = self._group
+        if running is None or running[0] is not command:
+            slots = asyncio.Semaphore(command.limit)
+            landed: list[Landed] = []
+            self._landed = landed
+            wakes = any(isinstance(run, RunChild) for run in command.members) and workflow.patched(GROUP_HANDOFF_WAKES)
 
-        tasks = [asyncio.ensure_future(one(i, run)) for i, run in enumerate(command.members)]
+            async def one(index: int, run: RunTool | RunChild) -> None:
+                async with slots:
+                    if wakes and self.engine.child_cancel is not None:
+                        landed.append(Landed(index, ToolFailure(
+                            HANDOFF_NOT_STARTED, "not started: a hand-off of this run was taken", True, started=False,
+                        ), workflow.now()))
+                        return
+                    if isinstance(run, RunChild):  # a child run: this run's cancel reaches it (``child``)
+                        landed.append(Landed(index, await self.child(run, wake=False), workflow.now()))
+                        return
+                    try:
+                        answer: Any = await self.tool(
+                            run.call, activity_id=run.activity_id, start_to_close=run.start_to_close,
+                            heartbeat=run.heartbeat, summary=run.summary,
+                        )
+                    except ActivityError as err:
+                        answer = activity_failure(err)
+                        log_failure(run.call.tool_call_id, answer)
+                    except asyncio.CancelledError:
+                        settled = self.take_settled()  # what ``tool`` kept of the attempt the cancel met
+                        if settled is not None:
+                            landed.append(Landed(index, settled[0] or settled[1], workflow.now()))
+                        raise
+                    landed.append(Landed(index, answer, workflow.now()))
+
+            running = (command, [asyncio.ensure_future(one(i, run)) for i, run in enumerate(command.members)], landed, wakes)
+            self._group = running
+        elif self.engine.child_cancel is not None:
+            # The engine took the hand-off that woke the group: its open children are cancelled
+            # with its reason (each settles, on its own record); its tool attempts end on their own.
+            for run in command.members:
+                handle = self._children.get(run.child_id) if isinstance(run, RunChild) else None
+                if handle is not None and not handle.done():
+                    handle.cancel(self.engine.child_cancel)
+        _, tasks, landed, wakes = running
         try:
+            if wakes:
+                await workflow.wait_condition(lambda: self._group_woken(command, tasks))
+                if not all(task.done() for task in tasks) and not self._group_failed(tasks):
+                    return ToolFailure(CHILD_WOKEN, "a hand-off of this run is pending; the group runs on", False)
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
-            # Every attempt in flight is cancelled and waited for before the cancel goes on.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.settle_group()
             raise
-        self._landed = None
+        self._group, self._landed = None, None
         return landed
+
+    def _group_woken(self, command: RunGroup, tasks: list[asyncio.Future[None]]) -> bool:
+        """Every attempt of the group has ended (or one failed the task), or a hand-off of this
+        run is pending, not yet judged, while a child of the group is open."""
+        if all(task.done() for task in tasks) or self._group_failed(tasks):
+            return True
+        engine = self.engine
+        return engine.pending_handoff is not None and engine.child_cancel is None and any(
+            isinstance(run, RunChild) and run.child_id in self._children and not self._children[run.child_id].done()
+            for run in command.members
+        )
+
+    @staticmethod
+    def _group_failed(tasks: list[asyncio.Future[None]]) -> bool:
+        """An attempt raised (a child's outcome not sealed, ...): the task fails as ``gather`` says."""
+        return any(task.done() and not task.cancelled() and task.exception() is not None for task in tasks)
+
+    async def settle_group(self) -> None:
+        """This run's cancel reaches every attempt and child of the open group and waits for each
+        (what each did is kept: ``take_landed``)."""
+        running, self._group = self._group, None
+        if running is None:
+            return
+        tasks = running[1]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def child(self, command: RunChild, *, wake: bool = True) -> RunOutcome | ToolFailure:
         """A child run, its grant sealed here with the fleet key for exactly this parent execution
@@ -455,7 +515,7 @@ class Effects(Publishing):
             cause = err.cause
             if isinstance(cause, CancelledError):
                 # Cancelled (as this run's hand-off asked, or by someone else): the child has settled.
-                return ToolFailure("child_cancelled", f"child run {command.child_id} was cancelled", True)
+                return ToolFailure(CHILD_CANCELLED, f"child run {command.child_id} was cancelled", True)
             if isinstance(cause, ApplicationError) and cause.details:
                 # A run that ends failed says its outcome in the failure's details.
                 try:

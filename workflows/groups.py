@@ -18,10 +18,10 @@ from typing import Any
 from workflows import retries
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, Checkpoint, Landed, Mint, RunChild, RunGroup, RunTool, Wait
-from workflows.contract import DELEGATE, PlanStep, ToolEffect
+from workflows.contract import DELEGATE, HandoffRequest, PlanStep, ToolEffect
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.states import EffectOutcome, RunState
-from workflows.wire import CHILD_HANDED_OFF, CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict
+from workflows.wire import CHILD_CANCELLED, CHILD_HANDED_OFF, HANDOFF_NOT_STARTED, CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict
 
 # Steps of a group that run at once when the policy sets no max_parallel.
 DEFAULT_PARALLEL = 8
@@ -114,6 +114,17 @@ class Groups(RunModel):
         self._end_step(step, "unknown", CHILD_HANDED_OFF)
         self.move(S.EXECUTING_TOOL, at=at, actor="runtime", refs=self._end_refs(step, "unknown", CHILD_HANDED_OFF),
                   reason=f"child run {step.tool_call_id} handed off: a write of it may have applied ({self._where(step, members, done)})")
+        return S.HANDED_OFF
+
+    def member_cancelled(self, index: int, members: list[int], done: int, at: datetime) -> RunState:
+        """A child run of the group that a hand-off of this run cancelled has settled (its
+        attempts ended, on its record): its step ends as a lone child's would."""
+        step = require(self.data.plan, "no plan").steps[index]
+        outcome = self.cancelled_outcome(step)
+        self._end_step(step, outcome, CHILD_CANCELLED)
+        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", refs=self._end_refs(step, outcome, CHILD_CANCELLED),
+                  reason=f"child run {self.child_id(step.tool_call_id)} cancelled for the hand-off, its attempts settled "
+                         f"(on its record), outcome {outcome} ({self._where(step, members, done)})")
         return S.HANDED_OFF
 
     def member_not_started(self, index: int, code: str, why: str, at: datetime) -> RunState:
@@ -234,8 +245,14 @@ class Groups(RunModel):
                     + f"step {i + 1} (parallel group {plan.steps[i].group})",
                 ))
             self.group_running = [i for i, _ in calls]
-            landed: list[Landed] = yield RunGroup(tuple(runs), self.parallel_limit())
+            # A hand-off of this run while a child of the group runs is judged now, as for a lone
+            # child; taken, the open children are cancelled first, the attempts in flight end on
+            # their own, and the run takes it once every one has ended.
+            answer, taken = yield from self._await_children(RunGroup(tuple(runs), self.parallel_limit()))
             self.group_running = None
+            landed: list[Landed] = answer
+            stopped: list[PlanStep] = []  # the children the hand-off cancelled
+            held_back = 0  # the steps it kept from starting
             now, pending, delay = self.at, [], 0.0
             children: list[tuple[str, Any]] = []
             for item in landed:
@@ -243,6 +260,17 @@ class Groups(RunModel):
                 result = item.result
                 self.at = item.at  # each result on the record at the time it landed
                 run = runs[item.index]
+                if isinstance(result, ToolFailure) and result.code == HANDOFF_NOT_STARTED:
+                    done, held_back = done + 1, held_back + 1
+                    self.data.tool_calls -= 1  # not called: the hand-off was taken first
+                    ended[index] = self.decide(partial(
+                        self.member_not_started, index, HANDOFF_NOT_STARTED, "a hand-off of the run was taken first"))
+                    continue
+                if isinstance(run, RunChild) and taken is not None and isinstance(result, ToolFailure) and result.code == CHILD_CANCELLED:
+                    done += 1
+                    stopped.append(plan.steps[index])
+                    ended[index] = self.decide(partial(self.member_cancelled, index, members, done))
+                    continue
                 if isinstance(run, RunChild):
                     children.append((run.child_id, result))
                     result = self.child_answer(plan.steps[index], result)
@@ -272,6 +300,15 @@ class Groups(RunModel):
             self.at = now
             for child, result in children:
                 yield from self.child_undos(child, result)
+            if taken is not None:
+                request, verdict = taken
+                if stopped or held_back:
+                    # Every attempt has ended: the run is a person's now (a retry due is not made).
+                    also = f"parallel group {plan.steps[members[0]].group}: {held_back} step(s) not started" if held_back else None
+                    self.decide(partial(self.handed_off_with_children, request, verdict, stopped, ended=True, also=also),
+                                policies=verdict.policies)
+                    return
+                self.decide(partial(self.handoff_later, request))  # each child ended first
             if pending:
                 yield Checkpoint()
                 yield Wait(delay, "retry backoff (parallel group)")

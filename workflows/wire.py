@@ -96,6 +96,10 @@ RECORD_UNVERIFIED = "record_unverified"
 RECORDS_NOT_WRITTEN = (SINK_UNAVAILABLE, RECORD_UNVERIFIED)
 # A child run's wait, woken by a hand-off of its parent (the child runs on): not its end.
 CHILD_WOKEN = "child_woken"
+# A child run cancelled (as a hand-off of its parent asked, or by someone else): it has settled.
+CHILD_CANCELLED = "child_cancelled"
+# A member of a parallel group that did not start: a hand-off of the run was taken first.
+HANDOFF_NOT_STARTED = "handoff_not_started"
 # A child run that handed off: a write of it may have applied (its parent is handed off too).
 CHILD_HANDED_OFF = "child_handed_off"
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import WorkflowFailureError
@@ -619,14 +621,15 @@ def test_a_grant_is_a_starts_authority_only_when_sealed_for_this_run_tenant_and_
     assert not granted_start(None, ask)  # a worker with no ring takes no grant as authority
 
 
-def test_a_handoff_taken_as_the_child_ends_on_its_own_is_taken_at_the_next_point() -> None:
-    """The engine (the workflow's own code), driven here: the hand-off is judged and taken, but
-    the child completes before the cancel reaches it. Its end counts as any; the hand-off is
-    taken before the next step runs, and one that arrived meanwhile is refused, not lost."""
+def woken_twice(plan: Proposal, ended: Callable[[Any], Any]):
+    """The engine (the workflow's own code), driven here with ``plan``: the first wait on its
+    children (a RunChild, a RunGroup) is woken by dana's hand-off (judged: taken); as the second
+    wait begins erin's arrives, and the wait answers ``ended(command)``. (engine, the waits as
+    (command, child_cancel), the tools called after)."""
     import uuid as uuid_
     from datetime import timedelta
 
-    from workflows.commands import Call, End, Probe, Readings, RunChild, RunTool
+    from workflows.commands import Call, End, Probe, Readings, RunChild, RunGroup, RunTool
     from workflows.contract import HandoffRequest
     from workflows.engine import Engine
     from workflows.policy_file import TenantPolicy
@@ -636,11 +639,9 @@ def test_a_handoff_taken_as_the_child_ends_on_its_own_is_taken_at_the_next_point
     from tests.workflows.test_delegation_properties import CATALOG, START
 
     policy = PolicySnapshot(tenant="default", policy=TenantPolicy(), policy_hash="h", source="test")
-    request = RunRequest(goal="g", requested_by="alice")
-    e = Engine(RunData(catalog=CATALOG, policy=policy), request, workflow_id="root", new_request_id=lambda: uuid_.uuid4().hex,
-               started_at=START)
-    plan = Proposal(steps=[ProposedStep(tool=DELEGATE, args=delegate(LOOKUP)["delegate"]), ProposedStep(**LOOKUP)])
-    now, waits, cancels, tools = START, 0, [], []
+    e = Engine(RunData(catalog=CATALOG, policy=policy), RunRequest(goal="g", requested_by="alice"), workflow_id="root",
+               new_request_id=lambda: uuid_.uuid4().hex, started_at=START)
+    now, waits, tools = START, [], []
     e.start()
     for _ in range(200):
         now += timedelta(seconds=1)
@@ -652,20 +653,28 @@ def test_a_handoff_taken_as_the_child_ends_on_its_own_is_taken_at_the_next_point
             answer = plan if command.name == "plan" else Verdict(policy_hash="h")
         elif isinstance(command, Probe):
             answer = Readings(suggested=False, history_bytes=0, history_events=0, handlers_finished=True, notifying=0)
-        elif isinstance(command, RunChild):
-            waits += 1
-            cancels.append(e.child_cancel)
-            if waits == 1:  # dana's hand-off wakes the wait; the child runs on
+        elif isinstance(command, (RunChild, RunGroup)):
+            waits.append((command, e.child_cancel))
+            if len(waits) == 1:  # dana's hand-off wakes the wait; the children run on
                 e.receive_handoff(HandoffRequest(by="dana", reason="customer called"), now)
                 answer = ToolFailure(CHILD_WOKEN, "woken", False)
-            else:  # erin's arrives; the child completed before the cancel reached it
+            else:
                 e.receive_handoff(HandoffRequest(by="erin", reason="me too"), now)
-                answer = RunOutcome(run_id=command.child_id, state=S.COMPLETED, answer="found it")
+                answer = ended(command)
         elif isinstance(command, RunTool):
             tools.append(command.call.tool)
         e.on(command, answer, now)
+    return e, waits, tools
+
+
+def test_a_handoff_taken_as_the_child_ends_on_its_own_is_taken_at_the_next_point() -> None:
+    """The hand-off is judged and taken, but the child completes before the cancel reaches it.
+    Its end counts as any; the hand-off is taken before the next step runs, and one that arrived
+    meanwhile is refused, not lost."""
+    plan = Proposal(steps=[ProposedStep(tool=DELEGATE, args=delegate(LOOKUP)["delegate"]), ProposedStep(**LOOKUP)])
+    e, waits, tools = woken_twice(plan, lambda command: RunOutcome(run_id=command.child_id, state=S.COMPLETED, answer="found it"))
     outcome, records, steps = e.outcome("root"), e.data.lifecycle.timeline, e.steps()
-    assert waits == 2 and cancels[0] is None and cancels[1].startswith("by dana: parent run root handed off")
+    assert len(waits) == 2 and waits[0][1] is None and waits[1][1].startswith("by dana: parent run root handed off")
     assert outcome.state == S.HANDED_OFF and records[-1].actor == "operator:dana"
     assert "not started" in records[-1].reason and tools == []  # taken before the next step ran
     assert [s.tool for s in steps] == [DELEGATE] and steps[0].status == "ok"  # the child's end counted

@@ -200,6 +200,28 @@ def child(tag: str, n: int, max_steps: int = 2) -> dict:
     return {"delegate": {"goal": f"read {n}", "tools": ["held_read"], "max_steps": max_steps, "playbook": [step("held_read", tag, n)]}}
 
 
+def two_children(tag: str) -> list[dict]:
+    """A group of two children (each runs one held read) and the parent's own held read; a read after."""
+    return [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+
+
+async def all_running(client, worker, playbook: list[dict], tag: str, count: int = 3) -> tuple:
+    """The run started, ``count`` of its held reads running at once: (its handle, its group's children's ids)."""
+    handle = await start_run(client, worker, make_request(playbook))
+    await started(tag, count)
+    return handle, [f"{handle.id}.{s.tool_call_id}" for s in (await snapshot(handle)).plan.steps[:2]]
+
+
+async def released(client, handle, tag: str, ids: list[str]) -> tuple:
+    """The held reads released: (the run's outcome, its children's); its history replays as it ran."""
+    GATES[tag].set()
+    outcome = await asyncio.wait_for(run_outcome(handle), 60)
+    children = [await run_outcome(client.get_workflow_handle(child_id)) for child_id in ids]
+    history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    return outcome, children
+
+
 def test_a_delegation_may_share_a_group() -> None:
     item = PlaybookStep.model_validate(group(child("t", 1), step("held_read", "t", 2)), context=STRICT)
     assert [s.delegate is not None for s in item.parallel or []] == [True, False]
@@ -208,22 +230,13 @@ def test_a_delegation_may_share_a_group() -> None:
 async def test_two_children_and_a_read_run_at_once_behind_the_barrier(dev_env: WorkflowEnvironment) -> None:
     """Each child a child workflow, started with the read; each outcome on the record as it
     lands; the step after the group runs once all three have ended."""
-    from tether.client import run_outcome as outcome_of
-
     tag = uuid.uuid4().hex[:8]
-    playbook = [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
-        handle = await start_run(dev_env.client, worker, make_request(playbook))
-        await started(tag, 3)  # both children's reads and the parent's own are running at once
+        # Both children's reads and the parent's own are running at once.
+        handle, ids = await all_running(dev_env.client, worker, two_children(tag), tag)
         assert "after" not in ORDER[tag]
-        running = await snapshot(handle)  # the tree lists both children while they run
-        assert running.children == [f"{handle.id}.{s.tool_call_id}" for s in running.plan.steps[:2]]
-        GATES[tag].set()
-        outcome = await asyncio.wait_for(run_outcome(handle), 60)
-        children = [await outcome_of(dev_env.client.get_workflow_handle(f"{handle.id}.{s.tool_call_id}"))
-                    for s in outcome.steps if s.tool == "tether.delegate"]
-        history = await handle.fetch_history()
-    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+        assert (await snapshot(handle)).children == ids  # the tree lists both children while they run
+        outcome, children = await released(dev_env.client, handle, tag, ids)
     assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
     assert MOST[tag] == 3 and len(children) == 2 and all(c.state == S.COMPLETED for c in children)
     assert ORDER[tag].index("after") > max(i for i, e in enumerate(ORDER[tag]) if e.startswith("end"))
@@ -245,15 +258,20 @@ async def test_a_group_whose_children_ask_more_steps_than_the_run_has_is_refused
     assert ATTEMPTS[f"{tag}/1"] == ATTEMPTS[f"{tag}/2"] == 0 and outcome.steps == []
 
 
-async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev_env: WorkflowEnvironment) -> None:
+@pytest.mark.parametrize("handed_off", [False, True])
+async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev_env: WorkflowEnvironment, handed_off: bool) -> None:
+    """``handed_off``: the cancel comes while a hand-off of the run is being taken (the children's
+    cancel requested, the parent's read still held): it reaches every attempt all the same."""
     from tests.workflows.test_delegation import cancel_requested, cancelled_states
+    from workflows.contract import HandoffRequest
 
     tag = uuid.uuid4().hex[:8]
-    playbook = [group(child(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
     async with running_worker(dev_env.client, registry=REGISTRY) as worker:
-        handle = await start_run(dev_env.client, worker, make_request(playbook))
-        await started(tag, 3)
-        ids = [f"{handle.id}.{s.tool_call_id}" for s in (await snapshot(handle)).plan.steps[:2]]
+        handle, ids = await all_running(dev_env.client, worker, two_children(tag), tag)
+        if handed_off:
+            await handle.signal("handoff", HandoffRequest(by="dana", reason="customer called"))
+            for child_id in ids:
+                await cancel_requested(dev_env, child_id)
         await handle.cancel()
         for child_id in ids:
             await cancel_requested(dev_env, child_id)  # the cancel has reached each child: then the attempts end
@@ -268,3 +286,141 @@ async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev
     assert [(s.tool, s.status) for s in steps if s.tool == "held_read"] == [("held_read", "ok")]
     assert IN_FLIGHT[tag] == 0 and "after" not in ORDER[tag]
     assert sorted(e for e in ORDER[tag] if e.startswith("start")) == ["start 1", "start 2", "start 3"]  # none ran twice
+
+
+# ----------------------------------------------------------------------------- a hand-off of the parent during a group
+
+
+def writer(tag: str, n: int) -> dict:
+    """A delegation whose child writes (an idempotent refund): it waits for its own approval."""
+    return {"delegate": {"goal": f"refund {n}", "tools": ["group_refund"], "max_steps": 2, "playbook": [step("group_refund", tag, n)]}}
+
+
+async def test_a_handoff_during_a_group_cancels_its_open_children_and_waits_for_its_read(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """One child awaits its own approval (it would wait for its TTL), one runs a held read, the
+    parent runs a held read: a hand-off of the parent cancels both children at once, the held
+    read is waited for (not cancelled) and on the record, then the parent is HANDED_OFF."""
+    from tests.workflows.test_delegation import cancel_requested, cancelled_states, started_child
+    from workflows.contract import HandoffRequest
+
+    tag = uuid.uuid4().hex[:8]
+    playbook = [group(writer(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        # The second child's read and the parent's own are running.
+        handle, ids = await all_running(dev_env.client, worker, playbook, tag, 2)
+        await wait_for_state(await started_child(dev_env, ids[0]), "AWAITING_APPROVAL", timeout=60)
+        await handle.signal("handoff", HandoffRequest(by="dana", reason="the customer called"))
+        for child_id in ids:
+            await cancel_requested(dev_env, child_id)  # the hand-off reached both children at once
+        assert (await snapshot(handle)).state == S.EXECUTING_TOOL  # the parent's read is still held
+        GATES[tag].set()
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        ended = await cancelled_states(dev_env, ids)
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    assert ended == [S.CANCELLED, S.CANCELLED]
+    taken = parent.timeline[-1]
+    assert taken.actor == "operator:dana" and f"child runs {ids[0]}, {ids[1]} cancelled first" in taken.reason
+    assert taken.refs.error_code == "child_cancelled" and taken.refs.outcome == "unknown"  # one child could write
+    landed = [r for r in parent.timeline if r.from_state == S.EXECUTING_TOOL and r.to_state == S.EXECUTING_TOOL]
+    assert sorted(r.refs.error_code or "ok" for r in landed) == ["child_cancelled", "child_cancelled", "ok"]
+    assert [(s.tool, s.status) for s in parent.steps if s.tool == "held_read"] == [("held_read", "ok")]  # waited for
+    assert [s.outcome for s in parent.steps if s.tool == "tether.delegate"] in (["unknown", "failed"], ["failed", "unknown"])
+    assert [r.to_state for r in parent.timeline if r.kind == "transition"].count(S.HANDED_OFF) == 1
+    assert ATTEMPTS[f"{tag}/1"] == 0 and "after" not in ORDER[tag] and IN_FLIGHT[tag] == 0
+    assert [r for r in billing.get("/refunds")["refunds"] if r.get("reason") == f"{tag}-1"] == []  # nothing refunded
+    check_timeline(parent.timeline, {s.tool_call_id: s.tool for s in parent.steps}, read_only=(*READ_ONLY, "tether.delegate"))
+
+
+async def test_a_handoff_during_a_group_from_someone_the_policy_refuses_cancels_nothing(
+    dev_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """Bob's key is on file and his hand-off is unsigned: the wait wakes, the policy refuses it,
+    and the group goes on untouched: both children complete, the barrier, the step after."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from tests.helpers.inbox_stack import raw_public
+    from tests.workflows.test_delegation import refusals
+    from workflows.contract import HandoffRequest
+
+    policy = tmp_path / "policy.toml"
+    key = raw_public(ed25519.Ed25519PrivateKey.generate())
+    policy.write_text(f'[tenants.default.approvers]\nalice = {{ roles = ["approver"] }}\nbob = {{ roles = ["approver"], public_key = "{key}" }}\n')
+    tag = uuid.uuid4().hex[:8]
+    async with running_worker(dev_env.client, registry=REGISTRY, policy=PolicyStore(policy)) as worker:
+        handle, ids = await all_running(dev_env.client, worker, two_children(tag), tag)
+        await handle.signal("handoff", HandoffRequest(by="bob", reason="unsigned"))
+        await refusals(handle, "signature_required", 1)
+        outcome, children = await released(dev_env.client, handle, tag, ids)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert len(children) == 2 and all(c.state == S.COMPLETED for c in children)
+    assert not any(r.to_state == S.CANCELLED for c in children for r in c.timeline)
+    assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in outcome.timeline)
+    assert ORDER[tag][-1] == "after" and sorted(e for e in ORDER[tag] if e.startswith("start")) == ["start 1", "start 2", "start 3"]
+    check_timeline(outcome.timeline, {s.tool_call_id: s.tool for s in outcome.steps}, read_only=(*READ_ONLY, "tether.delegate"))
+
+
+async def test_two_handoffs_at_once_during_a_group_one_is_taken(dev_env: WorkflowEnvironment) -> None:
+    from tests.workflows.test_delegation import cancel_requested
+    from workflows.contract import HandoffRequest
+
+    tag = uuid.uuid4().hex[:8]
+    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+        handle, ids = await all_running(dev_env.client, worker, two_children(tag), tag)
+        await asyncio.gather(handle.signal("handoff", HandoffRequest(by="dana", reason="customer called")),
+                             handle.signal("handoff", HandoffRequest(by="erin", reason="me too")))
+        for child_id in ids:
+            await cancel_requested(dev_env, child_id)
+        GATES[tag].set()
+        parent = await asyncio.wait_for(run_outcome(handle), 60)
+        history = await handle.fetch_history()
+    assert (await create_replayer().replay_workflow(history, raise_on_replay_failure=False)).replay_failure is None
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    taken = parent.timeline[-1]
+    assert taken.actor in ("operator:dana", "operator:erin") and taken.refs.outcome == "failed"  # read-only children
+    refused = [r for r in parent.timeline if r.kind == "refused"]
+    assert [r.rule for r in refused] == ["handoff_pending"] and refused[0].actor != taken.actor
+    assert [r.to_state for r in parent.timeline if r.kind == "transition"].count(S.HANDED_OFF) == 1
+    assert "after" not in ORDER[tag] and IN_FLIGHT[tag] == 0
+    check_timeline(parent.timeline, {s.tool_call_id: s.tool for s in parent.steps}, read_only=(*READ_ONLY, "tether.delegate"))
+
+
+@pytest.mark.parametrize("second", ["ended_on_its_own", "not_started"])
+def test_a_handoff_taken_during_a_group_whose_children_cancel_nothing(second: str) -> None:
+    """The engine (the workflow's own code), driven here: the hand-off is judged and taken while
+    a child of the group runs, but no open child is cancelled by it. ``ended_on_its_own``: every
+    child completed before the cancel reached it: the group ends as any, and the hand-off is taken
+    at the next point, before the next step runs (one that arrived meanwhile refused). ``not_started``:
+    the second child was kept from starting: the run is handed off once the group has ended."""
+    from tests.workflows.test_delegation import LOOKUP, delegate, woken_twice
+    from tests.workflows.test_delegation_properties import START
+    from workflows.commands import Landed
+    from workflows.contract import DELEGATE
+    from workflows.run_model import ToolFailure
+    from workflows.run_state import RunOutcome
+    from workflows.wire import HANDOFF_NOT_STARTED, ToolOutcome
+
+    args = delegate(LOOKUP)["delegate"]
+    plan = Proposal(steps=[ProposedStep(tool=DELEGATE, args=args, group=1), ProposedStep(tool=DELEGATE, args=args, group=1),
+                           ProposedStep(group=1, **LOOKUP), ProposedStep(**LOOKUP)])
+    done = RunOutcome(run_id="c", state=RunState.COMPLETED, answer="found it")
+    held = ToolFailure(HANDOFF_NOT_STARTED, "not started", True, started=False)
+    read = ToolOutcome(observation="{}", digest="d", size=2)
+    e, groups, tools = woken_twice(plan, lambda command: [  # the group ends without a child the cancel reached
+        Landed(0, done, START), Landed(1, done if second == "ended_on_its_own" else held, START), Landed(2, read, START)])
+    records = e.data.lifecycle.timeline
+    assert len(groups) == 2 and groups[0][0] is groups[1][0]  # the same group waited for again
+    assert groups[0][1] is None and groups[1][1].startswith("by dana: parent run root handed off")
+    assert e.state == RunState.HANDED_OFF and records[-1].actor == "operator:dana" and tools == []  # nothing after the group
+    refused = [(r.actor, r.rule) for r in records if r.kind == "refused"]
+    assert refused == [("operator:erin", "handoff_pending")]
+    if second == "ended_on_its_own":
+        assert any(r.reason == "parallel group 1: all 3 steps succeeded" for r in records)
+        assert [s.status for s in e.steps()] == ["ok", "ok", "ok"]
+    else:
+        assert "parallel group 1: 1 step(s) not started" in records[-1].reason
+        assert [(s.tool, s.status) for s in e.steps()] == [(DELEGATE, "ok"), (DELEGATE, "failed"), ("get_order", "ok")]
+
