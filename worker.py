@@ -100,12 +100,14 @@ def create_worker(
     # write and each undo is started at most once, whichever run asks (activities/effect_ledger.py).
     audit = audit or AuditActivities()
     ledger = ledger_for(audit.sink, new_ledger=new_ledger)
-    tools = ToolActivities(registry, keys, ledger, records=audit.write)
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
     if rules.keys is None:
         rules.keys = keys
     if rules.judgements is None:  # each Cedar judgement, where the audit sink is (TETHER_AUDIT_DSN or _DIR)
         rules.judgements = log_from_env()
+    # The tool worker judges the first call after a decision the run took on its roster, as the
+    # policy activity would (the same file, the same judgements logged).
+    tools = ToolActivities(registry, keys, ledger, records=audit.write, judge=rules.judge_decision)
     notify = NotifyActivities(rules.store)
     # What a run leaves with its end view, into the same sink once it has closed.
     if audit.publics is None:

@@ -36,9 +36,11 @@ from activities.policy_file import (  # noqa: F401
 )
 from activities.signatures import verify_signature  # noqa: F401
 from workflows import policy
+from workflows.identity import same_person
 from workflows.contract import AcceptedApproval, ApprovalDecision, Plan, ToolCatalog, ToolEffect
 from workflows.policy_file import Signer, TenantPolicy
 from workflows.wire import (
+    ApproverRoster,
     AuthorityCheck,
     DecisionCheck,
     HandoffCheck,
@@ -77,6 +79,44 @@ def judge_decision(
         roles=check.roles, already_approved=check.already_approved, editors=check.editors,
     )
     return cedar_refusal(judgement, worded, check.decision.approver, check.kind, check.tenant), judgement
+
+
+ROSTER_PEOPLE = 64  # a tenant listing more approvers gets no roster: its decisions take the policy activity
+ROSTER_PROBE = "tether.roster.anyone"  # judged for anyone the tenant does not list
+
+
+def approver_rosters(
+    tenant: TenantPolicy | None, policies: cedar.Policies | None, tenant_name: str, requested_by: str,
+) -> list[ApproverRoster]:
+    """Who may approve this requester's plans, for a request at each risk level as it opens
+    (its roles before any escalation, no approval yet, no reviser): Cedar's ``approve``, as the
+    policy activity judges a decision. Only people whose decisions need no signature (the tenant
+    does not require them and lists no key for them). Empty where none can be made."""
+    if tenant is None or policies is None or tenant.require_signatures:
+        return []
+    listed = tenant.approvers or {}
+    if len(listed) > ROSTER_PEOPLE:
+        return []
+    rosters = []
+    for risk in ("normal", "high"):
+        roles = request_roles(tenant, risk)
+
+        def judged(person: str) -> cedar.Judgement:
+            return cedar.judge_person(policies, tenant_name, tenant, action="approve", person=person,
+                                      requested_by=requested_by, roles=roles, already_approved=[], editors=[],
+                                      risk=risk, stage=0)
+
+        people = {name: list(j.policies) for name, member in sorted(listed.items())
+                  if not member.public_key and (j := judged(name)).allowed}
+        anyone = None
+        if tenant.approvers is None and tenant.cedar is None and not same_person(ROSTER_PROBE, requested_by):
+            # The tenant's rules (exported to Cedar) judge every unlisted person alike, the
+            # requester aside (four-eyes, by skeleton): one judgement stands for them all.
+            probe = judged(ROSTER_PROBE)
+            anyone = list(probe.policies) if probe.allowed else None
+        if people or anyone is not None:
+            rosters.append(ApproverRoster(risk=risk, roles=roles, people=people, anyone=anyone))
+    return rosters
 
 
 def cedar_refusal(judgement: cedar.Judgement, worded: Refusal | None, who: str, what: str, tenant: str) -> Refusal | None:
@@ -259,6 +299,11 @@ class PolicyActivities:
             verified = refusal is None and has_key(tenant, request.requested_by)
         document, _ = self.store.load()
         webhooks = {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {}
+        rosters: list[ApproverRoster] = []
+        if refusal is None and request.workflow_id:
+            _, policies, judged_under = self._policies(request.tenant)
+            if judged_under == digest:  # the file did not change between the two reads
+                rosters = approver_rosters(tenant, policies, request.tenant, request.requested_by)
         return PolicySnapshot(
             tenant=request.tenant,
             policy=tenant,
@@ -267,10 +312,17 @@ class PolicyActivities:
             webhooks=webhooks,
             requester_refusal=refusal,
             requester_verified=verified,
+            rosters=rosters,
         )
 
     @activity.defn(name="policy_check_decision")
     async def check_decision(self, check: DecisionCheck) -> Verdict:
+        return self._attested(check, await self.judge_decision(check))
+
+    async def judge_decision(self, check: DecisionCheck) -> Verdict:
+        """The decision (and the approved plan's re-check, ``then``) under the current file, its
+        judgements logged: the policy activity's verdict before it is attested, and the tool
+        worker's judgement of a decision the run took on its roster (``ToolCall.judge``)."""
         tenant, policies, digest = self._policies(check.tenant)
         refusal, judgement = judge_decision(tenant, policies, check)
         # A decision on an escalated request: the stage it stood at (what-if compares it).
@@ -288,7 +340,8 @@ class PolicyActivities:
             # The approval puts the plan in force: its re-check before the first write, here, so
             # the run goes from the decision to the write with no other activity between.
             verdict.then = await self._authority(check.then, first=1)
-        return self._attested(check, verdict)
+        verdict.policy_problem = self.store.problem
+        return verdict
 
     async def _log(
         self, judged: list[cedar.Judgement], tenant: str, digest: str, *, first: int = 0,

@@ -51,13 +51,17 @@ from activities.effect_ledger import EffectLedger, LedgerUnavailable
 from activities.loading import LoadError, import_named
 from workflows.keys import attested_call
 from activities.metrics import tool_call_metrics
-from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error
+from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error, json_digest
 from workflows.wire import (
-    ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, LEDGER_UNAVAILABLE, RECORD_UNVERIFIED, SINK_UNAVAILABLE, ToolCall, ToolOutcome,
+    ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, CAPABILITY_INVALID, DECISION_NOT_HELD, JUDGE_UNAVAILABLE, LEDGER_UNAVAILABLE,
+    RECORD_UNVERIFIED, SINK_UNAVAILABLE, DecisionCheck, ToolCall, ToolOutcome, Verdict,
 )
 from workflows.recovery import UNDO_KEY_SUFFIX
 from workflows.retries import ToolTimeouts, tool_timeouts
 from workflows.validation import BoundedValidator, PatternError, schema_problem
+
+# Why the policy file did not load, as this attempt's judgement of a roster's decision found it.
+_JUDGED_UNDER_PROBLEM: contextvars.ContextVar[str | None] = contextvars.ContextVar("judged_under_problem", default=None)
 
 # Writes a run's packed records to the audit sink (activities/audit.py AuditActivities.write).
 RecordWriter = Callable[[bytes], Awaitable[int]]
@@ -413,9 +417,12 @@ class ToolActivities:
 
     def __init__(
         self, registry: ToolRegistry = REGISTRY, keys: KeyRing | None = None, ledger: EffectLedger | None = None,
-        records: RecordWriter | None = None,
+        records: RecordWriter | None = None, judge: Callable[[DecisionCheck], Awaitable[Verdict]] | None = None,
     ) -> None:
         self.registry = registry
+        # The policy activities' judging of a decision (PolicyActivities.judge_decision), where
+        # this process has the policy file: the first call after a roster's decision is judged here.
+        self.judge = judge
         self.keys = keys  # verifies the capability every write attempt must carry
         self.ledger = ledger  # each write (undos too) started at most once, whoever asks (activities/effect_ledger.py)
         # The audit sink's writer (AuditActivities.write): the records a write takes along go in
@@ -440,6 +447,8 @@ class ToolActivities:
                 refused = capability_refusal(self.keys, call)
                 if refused is not None:
                     raise refused
+            if call.judge is not None or (call.capability is not None and call.capability.judge_digest):
+                await self._judged(call)
             if call.records is not None:
                 await self._write_records(call.records)
             try:
@@ -491,6 +500,28 @@ class ToolActivities:
                 await self._settle(key, "unknown")
                 raise
             return await self._settled(spec, call, key, bounded_observation(result))
+
+    async def _judged(self, call: ToolCall) -> None:
+        """The first call after a decision the run took on its roster: the decision, and the
+        approved plan's re-check, judged under the current file as the policy activity judges
+        them (and logged as it logs them), before anything else of the call happens. Raises
+        (non-retryable, the tool not called) when they do not hold, or this worker cannot judge:
+        the run then judges the decision again through the policy activity."""
+        cap = call.capability
+        if cap is not None and cap.judge_digest and (call.judge is None or json_digest(call.judge.model_dump(mode="json")) != cap.judge_digest):
+            raise ApplicationError("write refused: the capability names a decision check the call does not carry",
+                                   type=CAPABILITY_INVALID, non_retryable=True)
+        assert call.judge is not None
+        if self.judge is None:
+            raise ApplicationError(
+                "this worker does not judge decisions (no policy file in this process): the run judges it through "
+                "the policy activity", type=JUDGE_UNAVAILABLE, non_retryable=True)
+        verdict = await self.judge(call.judge)
+        _JUDGED_UNDER_PROBLEM.set(verdict.policy_problem)
+        refusal = verdict.refusal or (verdict.then.refusal if verdict.then is not None else None)
+        if refusal is not None:
+            raise ApplicationError(f"not started: the decision does not hold under the current policy file: {refusal}",
+                                   type=DECISION_NOT_HELD, non_retryable=True)
 
     async def _write_records(self, records: str) -> None:
         """The run's records before this write, into the audit sink before the tool is called
@@ -591,4 +622,8 @@ class ToolActivities:
         it); a read's is only an observation for the planner."""
         if spec.effect == ToolEffect.READ_ONLY or self.keys is None:
             return outcome
+        if call.judge is not None:
+            # The file this worker judged the decision by did not load: the run says so, as a
+            # policy activity's verdict would have made it (attested with the outcome).
+            outcome = outcome.model_copy(update={"policy_problem": _JUDGED_UNDER_PROBLEM.get()})
         return attest(self.keys, attested_call(call), outcome)

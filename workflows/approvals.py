@@ -14,7 +14,7 @@ from workflows import policy
 from workflows import revision as revisions
 from workflows.budgets import DECISIONS_WINDOW, PROPOSAL_BYTES, REASON_CHARS, REVISIONS_KEPT, clip
 from workflows.commands import Call, Checkpoint, Wait
-from workflows.contract import AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Revision, RevisionRequest
+from workflows.contract import DELEGATE, AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Revision, RevisionRequest
 from workflows.identity import same_person
 from workflows.run_model import Decision, DecisionKind, IllegalState, Program, RunFailed, RunModel, S, require
 from workflows.run_state import PendingApproval
@@ -74,7 +74,8 @@ class Approvals(RunModel):
         data = self.data
         if ask is None or ask.tenant_policy is None or data.policy is None:
             return
-        data.policy = data.policy.model_copy(update={"policy": ask.tenant_policy, "policy_hash": ask.policy_hash})
+        # Its roster was judged under the snapshot's file: decisions are judged by the activity now.
+        data.policy = data.policy.model_copy(update={"policy": ask.tenant_policy, "policy_hash": ask.policy_hash, "rosters": []})
 
     def screen_decision(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool:
         """The cheap, state-only checks a decision passes on arrival (signal handler).
@@ -309,6 +310,36 @@ class Approvals(RunModel):
             return None
         return self.authority_check(from_step=data.next_step, approval=pending.model_copy(update={"approvals": approvals}))
 
+    def on_roster(self, kind: DecisionKind, decision: Decision, check: DecisionCheck) -> Verdict | None:
+        """The verdict of the run's roster (attested with its policy snapshot) on an approval that
+        puts the plan in force, when the plan's next step is one tool call: the run takes it at
+        once, and that call's tool worker judges the decision and the plan's re-check again under
+        the current file before the tool (``ToolCall.judge``). None: the policy activity judges it."""
+        data, snapshot = self.data, self.data.policy
+        pending, plan = data.pending_approval, data.plan
+        # A compensation run's undos are judged as undos (Recovery): the activity judges its approval.
+        if (kind != "approve" or isinstance(decision, RevisionRequest) or check.then is None or snapshot is None
+                or not snapshot.rosters or pending is None or plan is None or data.next_step >= len(plan.steps)
+                or self.request.compensate_run is not None):
+            return None
+        step = plan.steps[data.next_step]
+        if step.group is not None or step.tool == DELEGATE:
+            return None
+        policies = policy.roster_policies(snapshot.rosters, pending, decision, self.request.requested_by)
+        if policies is None:
+            return None
+        return Verdict(policy_hash=snapshot.policy_hash, policies=policies,
+                       then=Verdict(policy_hash=snapshot.policy_hash))
+
+    def approval_lapsed(self, refusal: Refusal, at: datetime, ask: Verdict | None) -> None:
+        """A decision taken on the roster, judged again before the plan's first tool under the
+        current file (the policy activity's attested verdict), no longer holds: the tool was not
+        called, and the run asks for a new approval on what the file asks now."""
+        require(self.state == S.EXECUTING_TOOL and self.data.approval is not None, "no approved plan's first call")
+        self.request_approval(
+            at=at, reason=f"approval no longer holds [{refusal.rule}]: {refusal.message}; a new approval is needed", ask=ask
+        )
+
     def _reviser_alone(self, pending: PendingApproval, approvals: list[AcceptedApproval]) -> bool:
         """Only the plan's revisers approved it, which the tenant does not allow alone."""
         allowed = self.tenant is not None and self.tenant.reviser_may_approve_alone
@@ -529,20 +560,19 @@ class Inbox(RunModel):
             # (a cancel, a failure) still answers it (the run's ending).
             kind, decision = self.inbox[0]
             then = self.authority_if_approved(kind, decision)
-            verdict = yield Call(
-                "policy_check_decision",
-                DecisionCheck(
-                    tenant=self.request.tenant,
-                    workflow_id=self.workflow_id,
-                    requested_by=self.request.requested_by,
-                    first_run_id=self.data.first_run_id,
-                    requester_verified=self.data.requester_verified,
-                    then=then,
-                    **self.decision_check(kind, decision),
-                ),
-                Verdict,
-                f"policy check · {kind}",
+            check = DecisionCheck(
+                tenant=self.request.tenant,
+                workflow_id=self.workflow_id,
+                requested_by=self.request.requested_by,
+                first_run_id=self.data.first_run_id,
+                requester_verified=self.data.requester_verified,
+                then=then,
+                **self.decision_check(kind, decision),
             )
+            verdict = self.on_roster(kind, decision, check)
+            on_roster = verdict is not None
+            if verdict is None:
+                verdict = yield Call("policy_check_decision", check, Verdict, f"policy check · {kind}")
             self.inbox.pop(0)
             ids = self.ids(f"decision:{decision.decision_id}")
             self.decide(
@@ -551,6 +581,9 @@ class Inbox(RunModel):
             )
             # The approved plan's re-check came with the verdict: the run enters the plan on it.
             self.remember_check(then, verdict.then)
+            if on_roster and self.state == S.APPROVED:
+                # Taken on the roster: the tool worker of the plan's first call judges it again.
+                self.judge_at_tool = check
             self.answer(decision.decision_id)
             return
         if self.workflow_time >= wake:

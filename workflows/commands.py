@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from workflows.states import RunState
-from workflows.wire import AuthorityCheck, ToolCall
+from workflows.wire import AuthorityCheck, DecisionCheck, ToolCall
 
 # What wakes a wait besides its timer: a decision in the inbox, a handoff, continue-as-new
 # being wanted, records for the audit sink, the run's Updates running out.
@@ -84,6 +84,9 @@ class Mint:
     activity_id: str
     check: AuthorityCheck
     ttl_seconds: float
+    # A decision taken on the run's roster: the call carries it, the capability names its digest,
+    # and the tool worker judges it before the tool.
+    judge: DecisionCheck | None = None
 
 
 @dataclass(frozen=True)

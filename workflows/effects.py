@@ -170,7 +170,8 @@ class Effects(Publishing):
             case RunChild():
                 return await self.child(command)
             case Mint():
-                return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds)
+                return self.mint(command.call, command.activity_id, command.check, ttl_seconds=command.ttl_seconds,
+                                 judge=command.judge)
             case Checkpoint():
                 await self.checkpoint(end=command.end)
             case Show():

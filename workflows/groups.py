@@ -18,7 +18,7 @@ from typing import Any
 from workflows import retries
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, Checkpoint, Landed, Mint, RunChild, RunGroup, RunTool, Wait
-from workflows.contract import DELEGATE, HandoffRequest, PlanStep, ToolEffect
+from workflows.contract import DELEGATE, PlanStep, ToolEffect
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.states import EffectOutcome, RunState
 from workflows.wire import CHILD_CANCELLED, CHILD_HANDED_OFF, HANDOFF_NOT_STARTED, CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict

@@ -230,6 +230,7 @@ def mint(
     now: datetime,
     ttl_seconds: float,
     rerun_unknown: bool = False,
+    judge_digest: str = "",
 ) -> Capability:
     """The capability of exactly one write attempt, minted by the run's own workflow code once
     the keyed re-check allowed it; the tool activity verifies it before calling the tool."""
@@ -247,6 +248,7 @@ def mint(
         expires_at=now + timedelta(seconds=ttl_seconds),
         mac="",
         rerun_unknown=rerun_unknown,
+        judge_digest=judge_digest,
     )
     kid, mac = ring.sign(fields.fields())
     return Capability.model_validate({**fields.model_dump(), "key_id": kid, "mac": mac})

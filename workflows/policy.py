@@ -22,8 +22,8 @@ from workflows.contract import (
     canonical_json,
 )
 from workflows.policy_file import AmountRule, TenantPolicy
-from workflows.wire import PlanReview, Refusal
-from workflows.run_state import RunData
+from workflows.wire import ApproverRoster, PlanReview, Refusal
+from workflows.run_state import PendingApproval, RunData
 from workflows.budgets import UPDATES_CONTINUE_AT, clip
 from workflows import wording
 from workflows.display import show_value
@@ -606,4 +606,24 @@ def start_freshness_refusal(issued_at: datetime | None, started_at: datetime | N
         )
     if age < -START_CLOCK_SKEW:
         return Refusal(rule="signature_stale", message=f"the start claims to be issued {-age:.0f}s in the future")
+    return None
+
+
+def roster_policies(
+    rosters: list[ApproverRoster], pending: PendingApproval, decision: ApprovalDecision, requested_by: str,
+) -> list[str] | None:
+    """The Cedar policies that permitted this approval on the run's roster (judged with its policy
+    snapshot), or None: the roster does not decide it and the policy activity judges it. Only
+    the one approval a request opened as it was asks for (none given yet, no escalation stage,
+    nobody revised the plan), of the whole plan, unsigned: exactly what the roster was judged on."""
+    if (decision.steps is not None or decision.signature or decision.attested_by or pending.approvals
+            or pending.approvals_required != 1 or pending.stage or pending.editors or pending.revisers):
+        return None
+    roster = next((r for r in rosters if r.risk == pending.risk and r.roles == pending.roles), None)
+    if roster is None:
+        return None
+    if decision.approver in roster.people:
+        return roster.people[decision.approver]
+    if roster.anyone is not None and not same_person(decision.approver, requested_by):
+        return roster.anyone
     return None

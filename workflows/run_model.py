@@ -38,6 +38,7 @@ from workflows.states import EffectOutcome, IllegalTransition, Refs, RunState, T
 from workflows.validation import Validation
 from workflows.wire import (
     AuthorityCheck,
+    DecisionCheck,
     PlanReview,
     Proposal,
     RecoverySource,
@@ -167,6 +168,8 @@ class Phases(Protocol):
         new_id: Callable[[int], str] | None = None,
     ) -> None: ...
     def authority_if_approved(self, kind: DecisionKind, decision: Decision) -> AuthorityCheck | None: ...
+    def on_roster(self, kind: DecisionKind, decision: Decision, check: DecisionCheck) -> Verdict | None: ...
+    def approval_lapsed(self, refusal: Refusal, at: datetime, ask: Verdict | None) -> None: ...
     def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None: ...
     def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None: ...
 
@@ -310,6 +313,9 @@ class RunModel(Phases):
         # (Drive.next forgets it at the next wait): the write it covers mints on it, no second
         # check (Steps.checked_verdict).
         self.checked: tuple[AuthorityCheck, Verdict] | None = None
+        # A decision the run took on its roster: the plan's first call carries it, for its tool
+        # worker to judge again before the tool (Steps._execute_step).
+        self.judge_at_tool: DecisionCheck | None = None
 
     def carried_over(self, generation: int) -> None:
         """The carried state's seal held: this run is that generation of the run chain."""

@@ -16,7 +16,7 @@ from workflows import keys
 from workflows.contract import json_digest
 from workflows.run_state import RunOutcome, RunRequest
 from workflows.states import TransitionRecord, record_link
-from workflows.wire import AuthorityCheck, ToolCall
+from workflows.wire import AuthorityCheck, DecisionCheck, ToolCall
 
 # Counted where the workflow code meets a key it lacks, or a forgery (Prometheus, the worker's).
 KEY_MISSING_METRIC = "tether_key_missing"
@@ -120,12 +120,18 @@ class Keyed:
             ).add(1)
             raise
 
-    def mint(self, call: ToolCall, activity_id: str, check: AuthorityCheck, *, ttl_seconds: float) -> ToolCall:
+    def mint(self, call: ToolCall, activity_id: str, check: AuthorityCheck, *, ttl_seconds: float,
+             judge: DecisionCheck | None = None) -> ToolCall:
         """The write attempt's capability for exactly this call, minted with the fleet key once
-        the keyed re-check under the current file allowed it: nothing else can make a tool write."""
+        the keyed re-check under the current file allowed it: nothing else can make a tool write.
+        ``judge``: the re-check is a decision taken on the run's roster, which the call carries and
+        the capability binds, for the tool worker to judge before the tool."""
         wf = workflow.info()
+        if judge is not None:
+            call = call.model_copy(update={"judge": judge})
         return call.model_copy(update={"capability": keys.mint(
             self.ring(), call, workflow_id=wf.workflow_id, run_id=wf.run_id, activity_id=activity_id,
             request_id=check.request_id, plan_hash=check.plan_hash, now=workflow.now(),
             ttl_seconds=ttl_seconds, rerun_unknown=check.undo is not None and check.undo.rerun,
+            judge_digest=json_digest(judge.model_dump(mode="json")) if judge is not None else "",
         )})

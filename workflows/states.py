@@ -67,8 +67,11 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     # (or after a cancel, with on_cancel=compensate).
     # EXECUTING_TOOL again for each step of a parallel group that ends (its result on the record
     # as it lands); the group's barrier then moves on.
+    # AWAITING_APPROVAL when a decision the run took on its roster does not hold under the
+    # current file, judged again before the plan's first call: the call does not start.
     S.EXECUTING_TOOL: frozenset(
-        {S.EXECUTING_TOOL, S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.COMPENSATING, S.HANDED_OFF, S.CANCELLED}
+        {S.EXECUTING_TOOL, S.OBSERVING_RESULT, S.RETRY_WAIT, S.EXECUTION_FAILED, S.COMPENSATING, S.HANDED_OFF, S.CANCELLED,
+         S.AWAITING_APPROVAL}
     ),
     S.RETRY_WAIT: frozenset({S.EXECUTING_TOOL, S.EXECUTION_FAILED, S.CANCELLED, S.COMPENSATING}),
     # EXECUTING_TOOL for the next step of the plan that was already approved.

@@ -17,16 +17,23 @@ from workflows.run_state import PendingApproval
 from workflows.states import EffectOutcome, Refs
 from workflows.wire import (
     CAPABILITY_EXPIRED,
+    CAPABILITY_INVALID,
     CAPABILITY_KEY_MISSING,
+    DECISION_NOT_HELD,
+    JUDGE_UNAVAILABLE,
     LEDGER_UNAVAILABLE,
     RECORDS_NOT_WRITTEN,
     AuthorityCheck,
+    DecisionCheck,
     Refusal,
     ToolCall,
     ToolOutcome,
     Verdict,
 )
 
+# The first call after a roster's decision did not start: the decision did not hold, its worker
+# cannot judge, or (a worker of an older build) does not know the capability's judge.
+JUDGED_NOT_STARTED = (DECISION_NOT_HELD, JUDGE_UNAVAILABLE, CAPABILITY_INVALID)
 # A write that reached workers lacking its capability's key this many times in a row fails.
 MAX_BOUNCES = 50
 # The failure a forced hand-off's in-flight attempt counts as when the hand-off is refused.
@@ -409,7 +416,7 @@ class Steps(RunModel):
         data_state = self.data.lifecycle.state
         timeouts = retries.tool_timeouts(info.timeout_seconds)
         writes = info.effect != ToolEffect.READ_ONLY
-        activity_id = None
+        activity_id = judge = None
         if writes:
             # Every write attempt carries a capability for exactly this call: the keyed re-check
             # under the current file allows it, then the run's own code mints it with the fleet
@@ -421,6 +428,8 @@ class Steps(RunModel):
                 # The re-check that let the run enter this step covers its first attempt; a retry,
                 # an undo, or a step entered after a wait is checked here.
                 verdict = self.checked_verdict(check, take=True)
+                # A decision taken on the roster: its re-check is the tool worker's, before the tool.
+                judge = self.judge_at_tool if verdict is not None else None
                 if verdict is None:
                     verdict = yield Call(
                         "policy_check_authority", check.model_copy(update={"call": call}), Verdict,
@@ -432,7 +441,10 @@ class Steps(RunModel):
                 )
                 self.decide(lambda now: self.write_refused(refusal, now), policies=verdict.policies if verdict else None)
                 return
-            call = yield Mint(call, activity_id, check, timeouts.start_to_close)
+            call = yield Mint(call, activity_id, check, timeouts.start_to_close, judge)
+        elif self.judge_at_tool is not None:
+            judge = self.judge_at_tool
+            call = call.model_copy(update={"judge": judge})
         # A read is no place the run rests: the sink gets its records later. A write takes them
         # along: its tool worker appends them before it calls the tool.
         yield Show()
@@ -446,8 +458,15 @@ class Steps(RunModel):
             summary=f"{step.tool} · " + ("" if not writes else f"{info.effect.value} · ")
             + (f"compensation {step.tool_call_id}" if data_state == S.COMPENSATING else f"step {self.data.next_step + 1}"),
         )
+        # The decision went with this attempt, once: a retry is a new attempt (a write's has a
+        # re-check of its own; after a read, the re-check before the plan's next write judges the
+        # approvals in force again).
+        self.judge_at_tool = None
         if isinstance(answer, ToolFailure):
             failure = answer
+            if judge is not None and failure.code in JUDGED_NOT_STARTED:
+                yield from self._judge_again(judge, failure)
+                return
             if activity_id and failure.code in RECORDS_NOT_WRITTEN:
                 # The records before the write did not reach the sink, so the tool was not called:
                 # the run writes them itself, on the sink's backoff, and schedules the write again.
@@ -465,7 +484,24 @@ class Steps(RunModel):
             yield from self._attempt_failed(failure)
             return
         self.bounces = 0
+        if judge is not None and writes:  # the outcome is attested: what the worker's file is, as a verdict says
+            self.data.policy_problem = answer.policy_problem
         self.decide(lambda now: self.tool_succeeded(answer, now))
+
+    def _judge_again(self, judge: DecisionCheck, failure: ToolFailure) -> Program[None]:
+        """The tool worker did not start the first call after a decision the run took on its
+        roster: the decision did not hold under the current file, or that worker cannot judge.
+        The policy activity judges it again (attested): refused, the run asks for a new approval;
+        allowed, the call is scheduled again on that verdict."""
+        self.capability_bounced(failure)
+        verdict = yield Call("policy_check_decision", judge, Verdict, "policy check · approve, judged again")
+        then = verdict.then
+        refusal = verdict.refusal or (then.refusal if then is not None else None)
+        if refusal is not None:
+            ask = then if then is not None and then.refusal is not None else None
+            self.decide(lambda now: self.approval_lapsed(refusal, now, ask), policies=(ask or verdict).policies)
+            return
+        self.remember_check(judge.then, then)
 
     def _attempt_failed(self, failure: ToolFailure) -> Program[None]:
         """The retry rule for a failed attempt: the step ends, or the run waits out the backoff

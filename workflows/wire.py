@@ -59,12 +59,15 @@ class Capability(BaseModel):
     # An undo of an unsafe tool whose earlier start may have applied, run again on an approver's
     # recorded instruction (``tether compensate RUN --rerun-unknown STEP``).
     rerun_unknown: bool = False
+    # The sha256 of the decision check the tool worker must judge allowed before this write
+    # (``ToolCall.judge``): a capability minted on a roster's decision is good only with it.
+    judge_digest: str = ""
 
     @model_serializer(mode="wrap")
     def _without_unset_rerun(self, handler: Any) -> dict[str, Any]:
-        # The re-run instruction only when given: a capability without one reads (and is MAC'd,
-        # and is scheduled) as before it existed.
-        return {k: v for k, v in handler(self).items() if not (k == "rerun_unknown" and v is False)}
+        # The re-run instruction and the judge only when given: a capability without them reads
+        # (and is MAC'd, and is scheduled) as before they existed.
+        return omit_defaults(handler(self), {"rerun_unknown": False, "judge_digest": ""})
 
     def fields(self) -> dict[str, Any]:
         """What the mac covers (everything but the mac; the key id is added by the ring)."""
@@ -107,6 +110,13 @@ CHILD_HANDED_OFF = "child_handed_off"
 # An activity found a seal or capability naming a key id this worker does not hold.
 KEY_MISSING = "key_missing"
 
+# A decision the run took on its roster (``PolicySnapshot.rosters``) is judged again by the tool
+# worker of the first call after it (``ToolCall.judge``), before the tool: refused under the
+# current file, or that worker cannot judge. The tool was not called; the run judges the decision
+# again through the policy activity.
+DECISION_NOT_HELD = "decision_not_held"
+JUDGE_UNAVAILABLE = "judge_unavailable"
+
 
 class ToolCall(BaseModel):
     """Input of the ``execute_tool`` activity."""
@@ -127,6 +137,14 @@ class ToolCall(BaseModel):
     # costing an activity of their own; neither the capability nor the attestation covers them
     # (the sink checks their chain and signature itself).
     records: str | None = None
+    # The first call after a decision the run took on its roster: the decision's check (with the
+    # approved plan's re-check, ``then``), judged by the tool worker under the current file before
+    # the tool, as the policy activity would have judged it (a write's capability names its digest).
+    judge: DecisionCheck | None = None
+
+    @model_serializer(mode="wrap")
+    def _judge_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"judge": None})
 
 
 class ToolOutcome(BaseModel):
@@ -139,6 +157,12 @@ class ToolOutcome(BaseModel):
     # A write's: the fleet key's MAC over the request and this answer (workflows/keys.py), made by the
     # activity and checked by the workflow code before the run acts on it.
     attestation: str | None = None
+    # A write that judged a roster's decision (``ToolCall.judge``): why the policy file did not load.
+    policy_problem: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _problem_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"policy_problem": None})
 
 
 class ProposedStep(BaseModel):
@@ -208,6 +232,27 @@ class PolicySnapshot(BaseModel):
     # Webhook name -> the events it takes ([notify.webhooks]); no URLs or secrets. The run
     # schedules a notification only where a webhook (or an escalation stage) asks for it.
     webhooks: dict[str, list[str]] = Field(default_factory=dict)
+    # Who may approve the run's plans, judged with the snapshot (Cedar, under ``policy_hash``):
+    # a decision that matches a roster is taken at once, and judged again before its first tool.
+    rosters: list[ApproverRoster] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _rosters_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"rosters": []})
+
+
+class ApproverRoster(BaseModel):
+    """Who may take the one approval a request of this risk and these roles asks for, as the
+    first approver, with nobody having revised the plan (Cedar's ``approve``, judged by the policy
+    activity for each person the tenant lists without a key, and once for anyone it does not list
+    where the tenant's rules judge them all alike)."""
+
+    risk: str
+    roles: list[str]
+    people: dict[str, list[str]] = Field(default_factory=dict)  # approver -> the policies that permit
+    # The policies that permit anyone the tenant does not list, other than the requester; None: not
+    # judged alike (the tenant lists its approvers, or has Cedar policies of its own).
+    anyone: list[str] | None = None
 
 
 class Refusal(BaseModel):
@@ -480,3 +525,5 @@ class AuditAck(BaseModel):
 AuthorityCheck.model_rebuild()
 DecisionCheck.model_rebuild()
 Verdict.model_rebuild()
+ToolCall.model_rebuild()
+PolicySnapshot.model_rebuild()

@@ -38,7 +38,7 @@ from tests.conftest import (
 )
 from tests.helpers.cli import Cli
 from workflows.contract import DecideRequest, DecideResult
-from workflows.wire import DecisionCheck, Verdict
+from workflows.wire import DecisionCheck, PolicySnapshot, SnapshotRequest, Verdict
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import RunState as S
 
@@ -368,6 +368,10 @@ class SlowRules(PolicyActivities):
         super().__init__(POLICY)
         self.delay = delay
         self.started = asyncio.Event()
+
+    async def policy_snapshot(self, request: SnapshotRequest) -> PolicySnapshot:
+        # No roster (as a snapshot of a build before rosters): every decision is this check's.
+        return (await super().policy_snapshot(request)).model_copy(update={"rosters": []})
 
     @activity.defn(name="policy_check_decision")
     async def check_decision(self, check: DecisionCheck) -> Verdict:

@@ -223,13 +223,15 @@ async def test_tool_withdrawn_after_approval_sends_the_run_back_to_approval(
         policy_file.write_text(policy_file.read_text().replace('"issue_refund", "post_ledger_entry"', '"post_ledger_entry"', 1))
         ok = decide("bob", snap)
         await handle.signal("approve", ok)
+        # bob is on the run's roster: the approval is taken, and the write's tool worker (then the
+        # policy activity) refuses it before the tool: back to approval from the step it entered.
         for _ in range(200):
             timeline = await handle.query("timeline", result_type=list[TransitionRecord])
-            if any(r.from_state == S.APPROVED and r.to_state == S.AWAITING_APPROVAL for r in timeline):
+            if any(r.from_state == S.EXECUTING_TOOL and r.to_state == S.AWAITING_APPROVAL for r in timeline):
                 break
         else:
             raise AssertionError("the run did not go back to AWAITING_APPROVAL")
-        back = next(r for r in timeline if r.from_state == S.APPROVED)
+        back = next(r for r in timeline if r.from_state == S.EXECUTING_TOOL)
         assert "tool_withdrawn" in back.reason
         assert back.refs.policies == ["default.tools"]  # the Cedar policy that stopped the write
         assert billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}") == []

@@ -130,8 +130,8 @@ class Scripted:
                 raise AssertionError(f"the script has no answer to {command}")
             case RunTool():
                 return (True, self.tools.pop(0)) if self.tools else (False, None)
-            case Mint():
-                return True, command.call
+            case Mint():  # as Effects.mint, less the capability: the call carries a roster's decision
+                return True, command.call if command.judge is None else command.call.model_copy(update={"judge": command.judge})
             case Probe():
                 return True, Readings(suggested=False, history_bytes=0, history_events=0,
                                       handlers_finished=not engine.verdicts, notifying=len(self.notes))

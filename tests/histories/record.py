@@ -116,6 +116,11 @@ async def main() -> None:
         request = DecideRequest(kind="approve", **approval_for(snap, "bob").model_dump())
         await h.execute_update("decide", request, result_type=DecideResult)
 
+    async def roster_path(client: Client, h: WorkflowHandle) -> None:
+        # bob is on the run's roster: his approval goes to the write with no activity between,
+        # and the write's tool worker judges it (ToolCall.judge).
+        await decide_path(client, h)
+
     async def decide_refused_path(client: Client, h: WorkflowHandle) -> None:
         # Issue 19: a policy refusal through the Update is on the record (the handler's path).
         snap = await wait_for_state(h, "AWAITING_APPROVAL")
@@ -163,6 +168,7 @@ async def main() -> None:
         ("unsafe_unknown_outcome", steps("email"), {}, unsafe_path),
         ("continue_as_new", steps("refund"), {}, continue_as_new_path),
         ("decide", steps("refund"), {}, decide_path),
+        ("roster", steps("refund", "get"), {}, roster_path),
         ("decide_refused", steps("refund"), {}, decide_refused_path),
         ("revise", steps("refund"), {}, revise_path),
         ("partial", steps("get", "refund", "email"), {}, partial_path),
@@ -202,6 +208,9 @@ async def main() -> None:
         finally:
             await env.shutdown()
 
+    only = set(sys.argv[1:])  # names: record only these paths (the others stay as recorded)
+    if only:
+        paths = [p for p in paths if p[0] in only]
     try:
         await record([p for p in paths if p[0] != "continue_as_new"], [])
         # A server that suggests continue-as-new after a few dozen events.

@@ -1,15 +1,18 @@
-"""The approval path (issue 40): from a person's decision to the write it allows, one policy
-activity, and the records before the write travel with it.
+"""The approval path: from a person's decision to the write it allows, no activity of its own,
+and the records before the write travel with it.
 
-- Between the decide Update and the write's schedule the run asks one activity: the decision's
-  policy check, which also re-checks the approved plan's remaining writes under the current file.
+- Between the decide Update and the write's schedule the run asks no activity: the decision is
+  on the run's roster (judged with its setup), and the write's tool worker judges it and the
+  approved plan's remaining writes under the current file before the tool, logging the lines the
+  policy activity would. A decision off the roster takes the policy activity (one).
 - The records before a write are in the audit sink when the tool is called (the tool itself looks),
   though no ``audit_append`` ran: the tool worker appended them in the same activity.
 - A sink that fails when a write takes its records along: the tool is not called; the run writes
   them itself on the sink's backoff, then the write runs, once.
-- A policy tightened while the plan waits: the decision is accepted, the re-check judged with it
-  refuses, and the run asks again (a new request for what the current file asks); nothing is
-  written. Real dev servers, real workers.
+- A policy tightened while the plan waits: the decision is accepted on the roster, the write's
+  tool worker refuses the plan's re-check, the policy activity judges it again and refuses, and the
+  run asks again (a new request for what the current file asks); nothing is written. Real dev
+  servers, real workers.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import tether.client as tether_client
 from activities.audit import AuditActivities
 from activities.audit_sink import JsonlAuditSink
 from activities.audit_verify import verify_streams
+from activities.judgements import log_from_env
 from activities.keys import KeyRing
 from activities.policy import PolicyStore
 from activities.tools import ToolContext, ToolEffect, ToolRegistry, tool
@@ -72,7 +76,7 @@ def between(events: list[tuple[str, str]], start: tuple[str, str], end: tuple[st
     return [name for kind, name in events[i + 1 : j] if kind == "scheduled"]
 
 
-async def test_one_activity_between_a_decision_and_its_write_and_the_records_go_with_it(
+async def test_no_activity_between_a_decision_and_its_write_and_the_records_go_with_it(
     dev_env: WorkflowEnvironment,
 ) -> None:
     tag = unique("path")
@@ -89,7 +93,13 @@ async def test_one_activity_between_a_decision_and_its_write_and_the_records_go_
         trail = await audit_collected(dev_env.client, handle.id)
 
     events = await scheduled(handle)
-    assert between(events, ("update", "decide"), ("scheduled", "execute_tool")) == ["policy_check_decision"], events
+    assert between(events, ("update", "decide"), ("scheduled", "execute_tool")) == [], events
+    # The write's tool worker judged the decision and the plan, as the policy activity does: its
+    # lines are on the judgement log, under the write's activity.
+    lines = [e for e in log_from_env().read(workflow_id=handle.id) if e.get("check") in ("decision", "plan")]
+    decided = [e for e in lines if e["check"] == "decision"]
+    assert [(e["person"], e["allowed"]) for e in decided] == [("bob", True)], lines
+    assert decided[0]["activity_id"].startswith(snap.plan.steps[0].tool_call_id), decided
     # After the decision no record needed an activity of its own: they went with the write, and
     # with the end view (before it, the run rested waiting: its records were written then).
     assert ("scheduled", "audit_append") not in events[events.index(("update", "decide")) :], events
@@ -161,7 +171,8 @@ async def test_a_policy_tightened_while_the_plan_waits_is_judged_with_the_decisi
         answer = await handle.execute_update(
             "decide", DecideRequest(**approval_for(snap, "bob").model_dump(), kind="approve"), result_type=DecideResult
         )
-        # bob may decide: his approval is accepted; the plan's re-check, judged with it, refuses.
+        # bob may decide (the roster says so): his approval is accepted; the plan's re-check,
+        # judged by the write's tool worker and then by the policy activity, refuses.
         assert answer.outcome == "transition" and answer.state == RunState.APPROVED, answer
         again = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert again.pending_approval.request_id != snap.pending_approval.request_id
@@ -172,9 +183,32 @@ async def test_a_policy_tightened_while_the_plan_waits_is_judged_with_the_decisi
         refund_key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
         assert billing.refunds(refund_key) == []
         events = await scheduled(handle)
-        # One policy activity judged the decision and the plan (then the run rests again, waiting).
+        # The write's worker refused it before the tool; one policy activity judged the decision
+        # and the plan again (then the run rests again, waiting).
+        after = events[events.index(("update", "decide")) + 1 :]
+        assert [name for kind, name in after if name.startswith("policy_") or name == "execute_tool"] == [
+            "execute_tool", "policy_check_decision"], events
+
+
+async def test_a_decision_off_the_roster_is_judged_by_the_policy_activity(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    from tests.activities.test_policy import refund
+
+    path = tightening_policy(tmp_path / "policy.toml", high_above=None)
+    async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(path))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([refund(3100)]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        # mallory is not an approver: the roster does not decide her approval; the activity refuses it.
+        answer = await handle.execute_update(
+            "decide", DecideRequest(**approval_for(snap, "mallory").model_dump(), kind="approve"), result_type=DecideResult
+        )
+        assert answer.outcome == "refused" and answer.rule == "tenant_membership", answer
+        events = await scheduled(handle)
         after = events[events.index(("update", "decide")) + 1 :]
         assert [name for kind, name in after if name.startswith("policy_")] == ["policy_check_decision"], events
+        refund_key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
+        assert billing.refunds(refund_key) == []
 
 
 async def test_a_policy_file_that_stops_loading_keeps_the_last_good_one_and_the_run_says_so(

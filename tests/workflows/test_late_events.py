@@ -214,8 +214,13 @@ async def test_cancel_racing_an_approval_settles_once(
     key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
     refunds = billing.refunds(key)
     if "EXECUTING_TOOL" in path(records):
-        # The approval won: the tool call settled before the run ended.
-        assert len(refunds) == 1
+        # The approval won: the step was entered, and its call settled before the run ended. The
+        # record says whether the call reached the tool before the cancel reached the call (ok:
+        # one refund) or not (failed: none); the approval no longer waits for an activity, so
+        # the cancel can meet the call before its worker calls the tool.
+        outcomes = [r.refs.outcome for r in records if r.refs.outcome]
+        expected = {"ok": [1], "failed": [0], "unknown": [0, 1]}[outcomes[-1]]
+        assert len(refunds) in expected, [(r.to_state.value, r.reason, r.refs.outcome) for r in records]
     else:
         assert refunds == []
     # Whether the timeline ends in CANCELLED whatever the interleaving is what the two tests
