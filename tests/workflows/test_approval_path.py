@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
@@ -157,8 +158,21 @@ def tightening_policy(path: Path, *, high_above: int | None) -> Path:
     return path
 
 
-async def test_a_policy_tightened_while_the_plan_waits_is_judged_with_the_decision(
-    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+async def decide_as(handle: WorkflowHandle, snap, who: str) -> DecideResult:  # type: ignore[no-untyped-def]
+    request = DecideRequest(**approval_for(snap, who).model_dump(), kind="approve")
+    return await handle.execute_update("decide", request, result_type=DecideResult)
+
+
+async def after_decide(handle: WorkflowHandle) -> list[str]:
+    """The policy activities and tool calls the run scheduled after the decide Update, in order."""
+    events = await scheduled(handle)
+    return [name for kind, name in events[events.index(("update", "decide")) + 1 :]
+            if name.startswith("policy_") or name == "execute_tool"]
+
+
+@pytest.mark.parametrize("approver", ["bob", "mallory"])
+async def test_a_policy_tightened_while_the_plan_waits_writes_nothing(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, approver: str
 ) -> None:
     from tests.activities.test_policy import refund
 
@@ -168,9 +182,14 @@ async def test_a_policy_tightened_while_the_plan_waits_is_judged_with_the_decisi
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.pending_approval.approvals_required == 1
         tightening_policy(path, high_above=3000)  # now a high-risk refund: two approvals
-        answer = await handle.execute_update(
-            "decide", DecideRequest(**approval_for(snap, "bob").model_dump(), kind="approve"), result_type=DecideResult
-        )
+        answer = await decide_as(handle, snap, approver)
+        refund_key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
+        if approver == "mallory":
+            # Not an approver: the roster does not decide her approval; the activity refuses it.
+            assert answer.outcome == "refused" and answer.rule == "tenant_membership", answer
+            assert await after_decide(handle) == ["policy_check_decision"]
+            assert billing.refunds(refund_key) == []
+            return
         # bob may decide (the roster says so): his approval is accepted; the plan's re-check,
         # judged by the write's tool worker and then by the policy activity, refuses.
         assert answer.outcome == "transition" and answer.state == RunState.APPROVED, answer
@@ -180,35 +199,10 @@ async def test_a_policy_tightened_while_the_plan_waits_is_judged_with_the_decisi
         timeline = await tether_client.timeline(dev_env.client, handle.id)
         asked = [r for r in timeline if r.to_state == RunState.AWAITING_APPROVAL]
         assert "approval no longer holds" in asked[-1].reason, [r.reason for r in timeline]
-        refund_key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
         assert billing.refunds(refund_key) == []
-        events = await scheduled(handle)
         # The write's worker refused it before the tool; one policy activity judged the decision
         # and the plan again (then the run rests again, waiting).
-        after = events[events.index(("update", "decide")) + 1 :]
-        assert [name for kind, name in after if name.startswith("policy_") or name == "execute_tool"] == [
-            "execute_tool", "policy_check_decision"], events
-
-
-async def test_a_decision_off_the_roster_is_judged_by_the_policy_activity(
-    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
-) -> None:
-    from tests.activities.test_policy import refund
-
-    path = tightening_policy(tmp_path / "policy.toml", high_above=None)
-    async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(path))) as worker:
-        handle = await start_run(dev_env.client, worker, make_request([refund(3100)]))
-        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        # mallory is not an approver: the roster does not decide her approval; the activity refuses it.
-        answer = await handle.execute_update(
-            "decide", DecideRequest(**approval_for(snap, "mallory").model_dump(), kind="approve"), result_type=DecideResult
-        )
-        assert answer.outcome == "refused" and answer.rule == "tenant_membership", answer
-        events = await scheduled(handle)
-        after = events[events.index(("update", "decide")) + 1 :]
-        assert [name for kind, name in after if name.startswith("policy_")] == ["policy_check_decision"], events
-        refund_key = f"{handle.id}:{snap.plan.steps[0].tool_call_id}"
-        assert billing.refunds(refund_key) == []
+        assert await after_decide(handle) == ["execute_tool", "policy_check_decision"]
 
 
 async def test_a_policy_file_that_stops_loading_keeps_the_last_good_one_and_the_run_says_so(
