@@ -516,7 +516,11 @@ class ToolActivities:
             raise ApplicationError(
                 "this worker does not judge decisions (no policy file in this process): the run judges it through "
                 "the policy activity", type=JUDGE_UNAVAILABLE, non_retryable=True)
-        verdict = await self.judge(call.judge)
+        try:
+            verdict = await self.judge(call.judge)
+        except Exception as e:  # the file cannot be judged by here: the policy activity waits for it
+            raise ApplicationError(f"this worker cannot judge the decision now ({e}): the run judges it through the "
+                                   "policy activity", type=JUDGE_UNAVAILABLE, non_retryable=True) from None
         _JUDGED_UNDER_PROBLEM.set(verdict.policy_problem)
         refusal = verdict.refusal or (verdict.then.refusal if verdict.then is not None else None)
         if refusal is not None:

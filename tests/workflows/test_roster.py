@@ -31,7 +31,7 @@ from workflows.run_state import PendingApproval
 from workflows.states import RunState
 from workflows.wire import (
     CAPABILITY_INVALID, DECISION_NOT_HELD, JUDGE_UNAVAILABLE, ApproverRoster, DecisionCheck, Proposal, ProposedStep,
-    ToolCall, ToolOutcome,
+    ToolCall, ToolOutcome, Verdict,
 )
 
 S = RunState
@@ -292,6 +292,13 @@ async def test_the_tool_worker_judges_the_decision_and_refuses_what_the_current_
     with pytest.raises(ApplicationError) as unable:
         await env.run(ToolActivities(PEEKS, ring).execute_tool, call.model_copy(update={"judge": decision_check()}))
     assert unable.value.type == JUDGE_UNAVAILABLE
+    # A file this worker cannot judge by: the tool is not called, the policy activity judges.
+    async def broken(check: DecisionCheck) -> Verdict:
+        raise ApplicationError("policy.toml: cannot be read; fix the policy file", type="policy_file_invalid")
+
+    with pytest.raises(ApplicationError) as unable:
+        await env.run(ToolActivities(PEEKS, ring, judge=broken).execute_tool, call.model_copy(update={"judge": decision_check()}))
+    assert unable.value.type == JUDGE_UNAVAILABLE and unable.value.non_retryable
     # bob may approve: the read runs.
     outcome = await env.run(ToolActivities(PEEKS, ring, judge=rules.judge_decision).execute_tool,
                             call.model_copy(update={"judge": decision_check()}))
