@@ -553,6 +553,11 @@ class Inbox(RunModel):
             yield Checkpoint()
             # A refusal recorded while waiting goes to the sink now, not at the next step.
             yield Wait(remaining, summary, until=("inbox", "handoff", "continue", "audit", "updates"))
+        # A forced hand-off naming the plan's next call: the execution it ended had taken an
+        # approval and scheduled that call in one task (a decision on the roster), and the reset
+        # went back to before both; the call may have applied, on the record as in flight.
+        if (yield from self._in_flight_handoff()):
+            return
         if (yield from self._take_handoff()):
             return
         if self.inbox:
