@@ -230,7 +230,9 @@ async def test_a_run_wedged_by_a_forged_answer_to_an_unsafe_write_ends_handed_of
         trail = await audit_collected(client, handle.id)
     if by == "dana":
         assert outcome.state == RunState.HANDED_OFF
-        [ended] = [r for r in outcome.timeline if r.to_state == RunState.HANDED_OFF]
+        # (The approval took effect in the task that scheduled the email, so the reset went back
+        # to before it: the approval signal it reapplies is refused on the record, run_ended.)
+        [ended] = [r for r in outcome.timeline if r.kind == "transition" and r.to_state == RunState.HANDED_OFF]
         assert ended.refs.outcome == "unknown" and ended.refs.tool_call_id == tool_call_id
         assert ended.actor == "operator:dana"
         assert "was in flight when its run was ended: it may have applied, outcome unknown; not run again" in ended.reason
