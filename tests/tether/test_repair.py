@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
@@ -20,6 +21,7 @@ from tether.client import run_outcome
 from tests.conftest import ROOT, Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
 from tests.helpers.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWrite, TamperedAgentRun
 from tests.helpers.cli import Cli
+from workflows.contract import DecideRequest, DecideResult
 from workflows.run_state import RunOutcome
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 777, "reason": "repair"}}]
@@ -35,22 +37,31 @@ async def wait_stuck(env: WorkflowEnvironment, run_id: str) -> tether_client.Stu
     raise AssertionError(f"run {run_id} never got stuck")
 
 
-async def approved_on(env: WorkflowEnvironment, queue: str, build: type, steps: list[dict], monkeypatch) -> tuple:
-    """A run of ``steps`` approved by bob on a bad ``build`` of AgentRun, once it is stuck."""
+async def approved_on(env: WorkflowEnvironment, queue: str, build: type, steps: list[dict], monkeypatch,
+                      how: str = "signal") -> tuple:
+    """A run of ``steps`` approved by bob (a signal, or the decide Update) on a bad ``build`` of
+    AgentRun, once it is stuck."""
     with monkeypatch.context() as m:
         m.setattr(worker_module, "AgentRun", build)
         broken = worker_module.create_worker(env.client, task_queue=queue)
     async with broken:
         handle = await start_run(env.client, broken, make_request(steps))
-        await handle.signal("approve", approval_for(await wait_for_state(handle, "AWAITING_APPROVAL"), "bob"))
+        decision = approval_for(await wait_for_state(handle, "AWAITING_APPROVAL"), "bob")
+        if how == "signal":
+            await handle.signal("approve", decision)
+        else:
+            await handle.execute_update("decide", DecideRequest(**decision.model_dump(), kind="approve"), result_type=DecideResult)
         return handle, await wait_stuck(env, handle.id)
 
 
+# "update": bob is on the run's roster, so his decide Update took the approval and scheduled the
+# refund in one workflow task: the reset goes back to before the Update, and applies it again.
+@pytest.mark.parametrize("how", ["signal", "update"])
 async def test_a_stuck_run_is_listed_with_its_error_and_repair_brings_it_to_completion_writing_once(
-    dev_env: WorkflowEnvironment, billing: Billing, monkeypatch
+    dev_env: WorkflowEnvironment, billing: Billing, monkeypatch, how: str
 ) -> None:
     queue = unique("repair")
-    handle, stuck = await approved_on(dev_env, queue, TamperedAgentRun, REFUND, monkeypatch)
+    handle, stuck = await approved_on(dev_env, queue, TamperedAgentRun, REFUND, monkeypatch, how)
     assert BROKEN in stuck.error and stuck.cause == "WORKFLOW_WORKER_UNHANDLED_FAILURE", stuck
     def written() -> list[str]:
         return [r["idempotency_key"] for r in billing.get("/refunds")["refunds"] if r["idempotency_key"].startswith(handle.id)]
