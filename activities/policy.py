@@ -98,7 +98,8 @@ def approver_rosters(
     if len(listed) > ROSTER_PEOPLE:
         return []
     rosters = []
-    for risk in ("normal", "high"):
+    # A tenant with no high-risk rule asks nothing at that level: no roster for it.
+    for risk in ("normal", "high") if tenant.high_risk is not None else ("normal",):
         roles = request_roles(tenant, risk)
 
         def judged(person: str) -> cedar.Judgement:

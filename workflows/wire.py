@@ -254,6 +254,10 @@ class ApproverRoster(BaseModel):
     # judged alike (the tenant lists its approvers, or has Cedar policies of its own).
     anyone: list[str] | None = None
 
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"people": {}, "anyone": None})  # in every run's setup
+
 
 class Refusal(BaseModel):
     rule: str  # which rule refused: four_eyes, role, tenant_membership, signature, ...
