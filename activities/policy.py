@@ -501,6 +501,8 @@ class PolicyActivities:
                         extra=escalation_fields(tenant, check, review, judged, len(approvals_judged)))
         deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
         verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)
+        if check.roster:
+            verdict.rosters = approver_rosters(tenant, policies, check.tenant, check.requested_by)
         if refusal is not None:
             # A new request asks for what the current file asks, and for someone who can give it.
             review = review or remaining_review(tenant, check)

@@ -331,6 +331,20 @@ class Approvals(RunModel):
         return Verdict(policy_hash=snapshot.policy_hash, policies=policies,
                        then=Verdict(policy_hash=snapshot.policy_hash))
 
+    def asks_roster(self) -> bool:
+        """Does the plan about to be judged at planning time ask for approval, with a roster in the
+        run's snapshot (the tenant's people can be judged so)? Then that check brings it again."""
+        snapshot = self.data.policy
+        return snapshot is not None and bool(snapshot.rosters) and self.review().needs_approval
+
+    def take_rosters(self, verdict: Verdict | None) -> None:
+        """The roster judged with the planning-time check (attested), for the request just opened:
+        a decision is taken on what the file said as the request opened, not as the run began."""
+        snapshot = self.data.policy
+        if verdict is None or verdict.rosters is None or snapshot is None or self.state != S.AWAITING_APPROVAL:
+            return
+        self.data.policy = snapshot.model_copy(update={"rosters": verdict.rosters})
+
     def approval_lapsed(self, refusal: Refusal, at: datetime, ask: Verdict | None) -> None:
         """A decision taken on the roster, judged again before the plan's first tool under the
         current file (the policy activity's attested verdict), no longer holds: the tool was not

@@ -109,8 +109,10 @@ class Drive(RunModel):
                 # Whether its writes need a person, judged by the current file (Cedar's
                 # auto_approve, on the judgement log: what-if sees a loosening too). Auto-approved
                 # by the run's snapshot: the current file must agree, or a person decides.
-                verdict = yield from self._authority(from_step=0)
+                # A plan that asks for approval has the run's roster judged again as it does.
+                verdict = yield from self._authority(from_step=0, roster=self.asks_roster())
                 self.decide(lambda now: self.after_validated(now, _refusal(verdict), verdict), policies=_policies(verdict))
+                self.take_rosters(verdict)
             elif state == S.AWAITING_APPROVAL:
                 yield from self._await_decision()
             elif state == S.APPROVED:

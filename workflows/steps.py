@@ -369,14 +369,17 @@ class Steps(RunModel):
 
     # ------------------------------------------------------------------ the program
 
-    def _authority(self, *, from_step: int) -> Program[Verdict | None]:
+    def _authority(self, *, from_step: int, roster: bool = False) -> Program[Verdict | None]:
         """Re-check, through the policy activity, the approvals of the plan's remaining writes
         under the current file; none when this execution has just had exactly this check allowed
         (a decision's activity judged it with the decision). An allowed verdict also covers the
-        write at ``from_step`` if it comes next: one check a write."""
+        write at ``from_step`` if it comes next: one check a write. ``roster``: the verdict brings
+        the run's roster again (a plan about to ask for approval)."""
         check = self.authority_check(from_step=from_step)
         if check is None:
             return None
+        if roster:
+            check = check.model_copy(update={"roster": True})
         verdict = self.checked_verdict(check)
         if verdict is None:
             verdict = yield Call("policy_check_authority", check, Verdict, "policy re-check before writes")

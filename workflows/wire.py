@@ -415,6 +415,9 @@ class AuthorityCheck(BaseModel):
     # under the plan hash that covered it; in a compensation run, the person who asked for it.
     undo: CompensationCall | None = None
     compensator: str = ""
+    # A plan that asks for approval: the verdict brings the run's roster again, judged under the
+    # current file as the request opens (``Verdict.rosters``).
+    roster: bool = False
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
@@ -486,10 +489,12 @@ class Verdict(BaseModel):
     then: Verdict | None = None
     # The policy file changed and did not load: why (the last good policy judged this).
     policy_problem: str | None = None
+    # Asked for (``AuthorityCheck.roster``): the run's roster under the file that judged this.
+    rosters: list[ApproverRoster] | None = None
 
     @model_serializer(mode="wrap")
     def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
-        return omit_defaults(handler(self), {"policies": [], "then": None, "policy_problem": None})  # as DecisionCheck's
+        return omit_defaults(handler(self), {"policies": [], "then": None, "policy_problem": None, "rosters": None})
 
 
 class RecoveryRequest(BaseModel):

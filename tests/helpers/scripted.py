@@ -31,7 +31,7 @@ from workflows.policy_file import TenantPolicy
 from workflows.run_model import Decision, DecisionKind, ToolFailure
 from workflows.run_state import RunData, RunRequest
 from workflows.states import TransitionRecord
-from workflows.wire import Notification, NotificationResult, PolicySnapshot, Proposal, Refusal, ToolOutcome, Verdict
+from workflows.wire import ApproverRoster, Notification, NotificationResult, PolicySnapshot, Proposal, Refusal, ToolOutcome, Verdict
 
 START = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -65,6 +65,7 @@ class Scripted:
         self.proposals = list(proposals)
         self.tools = list(tools)
         self.refusals: dict[str, Refusal] = {}
+        self.rosters: list[ApproverRoster] | None = None  # what a planning-time check's roster says
         self.notes: list[Notification] = []
         self.commands: list[Command] = []  # every command the engine gave, in order
         self.command: Command | None = None  # the one under way, not answered yet
@@ -118,7 +119,9 @@ class Scripted:
             case Call(name="plan"):
                 return (True, self.proposals.pop(0)) if self.proposals else (False, None)
             case Call(name="policy_check_authority") | Call(name="policy_check_handoff"):
-                return True, Verdict(policy_hash="h")
+                # A check that asks for the roster gets ``rosters`` (None: the snapshot's again).
+                asked = getattr(command.arg, "roster", False)
+                return True, Verdict(policy_hash="h", rosters=self.rosters if asked else None)
             case Call(name="policy_check_decision"):
                 check = command.arg
                 refusal = self.refusals.pop(check.decision.decision_id, None) or policy.approver_refusal(

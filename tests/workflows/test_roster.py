@@ -197,6 +197,31 @@ def test_which_decisions_the_roster_decides(rosters: list, pending: dict, decisi
     assert policy.roster_policies(rosters, rostered(**pending), made, "alice") == decided
 
 
+def test_the_roster_is_judged_again_as_the_request_opens() -> None:
+    # The run's setup put bob on the roster; by the time the plan asks, the file puts carol there
+    # instead: the planning-time check's attested roster is the one decisions are taken on.
+    run = Scripted()
+    assert run.engine.data.policy is not None
+    run.engine.data.policy.rosters = [ROSTER]
+    run.rosters = [ApproverRoster(risk="normal", roles=["approver"], people={"carol": ["p.carol"]})]
+    run.proposals.append(Proposal(steps=[REFUND]))
+    run.go()
+    assert run.engine.state == S.AWAITING_APPROVAL
+    asked = [c.arg for c in run.commands if isinstance(c, Call) and c.name == "policy_check_authority"]
+    assert [a.roster for a in asked] == [True]
+    assert run.engine.data.policy.rosters == run.rosters
+    before = len(calls(run))
+    run.decide("approve", approval(run, "bob"))
+    assert "policy_check_decision" in calls(run)[before:]  # bob is no longer on it: the activity judges
+    run = Scripted()
+    run.engine.data.policy.rosters = [ROSTER]  # type: ignore[union-attr]
+    run.rosters = [ApproverRoster(risk="normal", roles=["approver"], people={"carol": ["p.carol"]})]
+    run.proposals.append(Proposal(steps=[REFUND]))
+    run.go()
+    run.decide("approve", approval(run, "carol"), until=first_call)
+    assert "policy_check_decision" not in calls(run) and run.command.call.judge is not None  # type: ignore[union-attr]
+
+
 def test_a_rejection_is_the_policy_activitys() -> None:
     run = waiting([REFUND])
     run.decide("reject", approval(run, reason="no"))
