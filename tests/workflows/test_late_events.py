@@ -247,8 +247,13 @@ async def test_cancel_and_approval_in_one_workflow_task_end_cancelled_on_the_tim
     assert final.state == S.CANCELLED, f"run ended Temporal-cancelled but its state is {final.state.value}"
     moves = [r for r in records if r.kind == "transition"]
     assert moves[-1].to_state == S.CANCELLED and "customer withdrew" in moves[-1].reason
-    # The approval the cancel overtook is answered on the record, not dropped (issue 19).
-    assert [(r.kind, r.rule) for r in records if r.refs.decision_id == "together"] == [("refused", "run_ended")]
+    # The approval is answered on the record once, not dropped (issue 19): refused, where the
+    # cancel overtook it, or taken in arrival order (bob is on the run's roster, so no activity
+    # stands between it and the write), the write then stopped by the cancel before it started.
+    decided = [(r.kind, r.rule, r.to_state) for r in records if r.refs.decision_id == "together"]
+    assert decided in ([("refused", "run_ended", S.CANCELLED)], [("transition", None, S.APPROVED)]), decided
+    if decided[0][0] == "transition":
+        assert [r.refs.outcome for r in records if r.refs.outcome] == ["failed"], [r.reason for r in records]
     assert billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}") == []
 
 
