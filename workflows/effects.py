@@ -61,7 +61,6 @@ from workflows.wire import (
     HANDOFF_NOT_STARTED,
     AuditAck,
     AuditBatch,
-    AuthorityCheck,
     ToolCall,
     ToolOutcome,
 )
@@ -95,8 +94,6 @@ END_RECORDS = 200
 CHILD_OUTCOME_SEALED = "tether-child-outcome-sealed"
 # The patch under which a hand-off of the run wakes a parallel group with children.
 GROUP_HANDOFF_WAKES = "tether-group-handoff-wakes"
-# The patch under which a plan that asks for approval has its roster judged again as it does.
-ROSTER_AT_REQUEST = "tether-roster-at-request"
 
 
 class Effects(Publishing):
@@ -149,12 +146,9 @@ class Effects(Publishing):
         match command:
             case Call():
                 options = PLANNER if command.options == "planner" else SETUP
-                arg = command.arg
-                if isinstance(arg, AuthorityCheck) and arg.roster and not workflow.patched(ROSTER_AT_REQUEST):
-                    arg = arg.model_copy(update={"roster": False})  # a history recorded before it asks as it did
                 try:
                     return await self.activity(
-                        command.name, arg, command.result_type, command.summary,
+                        command.name, command.arg, command.result_type, command.summary,
                         timeout=options[0], retry=options[1], attested=command.attested, show=command.show,
                     )
                 except ActivityError as err:
