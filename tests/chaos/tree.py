@@ -99,8 +99,12 @@ async def tree_cancel_round(
         await root.cancel(reason="chaos cancel of the tree")
         if kill:
             # The cancel is on the root's history; the worker dies before it can carry it out.
+            # The next worker holds its reads too: an attempt of the dead worker's that the server
+            # retries (its heartbeat timed out) before the cancel has come down the tree to its
+            # run waits there, and the cancel must reach it (on a busy machine the retry can come
+            # first, and a read made then is the server's retry, not a run that missed its cancel).
             worker.kill()
-            worker = start_worker(address, billing.url, queue, chaos_dir, tool_timeout=CANCEL_TOOL_TIMEOUT)
+            worker = start_worker(address, billing.url, queue, chaos_dir, "before", tool_timeout=CANCEL_TOOL_TIMEOUT)
             await worker.wait_for_output("worker ready")
         for wid in ids:
             result.runs[wid] = await _ended(client, wid)
