@@ -83,6 +83,7 @@ def judge_decision(
 
 ROSTER_PEOPLE = 64  # a tenant listing more approvers gets no roster: its decisions take the policy activity
 ROSTER_PROBE = "tether.roster.anyone"  # judged for anyone the tenant does not list
+ROSTER_CACHE = 1024  # rosters a policy worker keeps (a tenant's requesters under one file version)
 
 
 def approver_rosters(
@@ -254,6 +255,8 @@ class PolicyActivities:
         # disagreements are logged (``shadow`` on the judgement's line) and counted.
         self.shadow = shadow
         self.shadow_disagreements: Counter[str] = Counter()
+        # Rosters by (file digest, tenant, requester), oldest out first past ROSTER_CACHE.
+        self.roster_cache: dict[tuple[str, str, str], list[ApproverRoster]] = {}
 
     def _tenant(self, name: str) -> tuple[TenantPolicy | None, str]:
         try:
@@ -267,6 +270,24 @@ class PolicyActivities:
             return self.store.policies(name)
         except PolicyFileError as e:
             raise ApplicationError(f"{e}; fix the policy file", type="policy_file_invalid") from None
+
+    def _rosters(self, name: str, requested_by: str, digest: str) -> list[ApproverRoster]:
+        """The roster of this tenant's runs by this requester under the file of ``digest``, judged
+        once per file version (every run's setup and request ask for it). A speed-up only: a file
+        that will not judge (it changed since ``digest``, its Cedar does not load) gives none, and
+        the run's decisions take the policy activity."""
+        key = (digest, name, requested_by)
+        if key not in self.roster_cache:
+            try:
+                tenant, policies, judged_under = self.store.policies(name)
+            except PolicyFileError:
+                return []
+            if judged_under != digest:
+                return []
+            if len(self.roster_cache) >= ROSTER_CACHE:
+                self.roster_cache.pop(next(iter(self.roster_cache)))
+            self.roster_cache[key] = approver_rosters(tenant, policies, name, requested_by)
+        return self.roster_cache[key]
 
     def _signers(self) -> dict[str, Signer]:
         try:
@@ -302,9 +323,7 @@ class PolicyActivities:
         webhooks = {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {}
         rosters: list[ApproverRoster] = []
         if refusal is None and request.workflow_id:
-            _, policies, judged_under = self._policies(request.tenant)
-            if judged_under == digest:  # the file did not change between the two reads
-                rosters = approver_rosters(tenant, policies, request.tenant, request.requested_by)
+            rosters = self._rosters(request.tenant, request.requested_by, digest)
         return PolicySnapshot(
             tenant=request.tenant,
             policy=tenant,
@@ -502,7 +521,7 @@ class PolicyActivities:
         deciding = sorted({p for j in judged for p in j.policies if refusal is None or not j.allowed})
         verdict = Verdict(refusal=refusal, policy_hash=digest, policies=deciding)
         if check.roster:
-            verdict.rosters = approver_rosters(tenant, policies, check.tenant, check.requested_by)
+            verdict.rosters = self._rosters(check.tenant, check.requested_by, digest)
         if refusal is not None:
             # A new request asks for what the current file asks, and for someone who can give it.
             review = review or remaining_review(tenant, check)

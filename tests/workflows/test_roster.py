@@ -329,3 +329,11 @@ async def test_the_tool_worker_judges_the_decision_and_refuses_what_the_current_
     outcome = await env.run(ToolActivities(PEEKS, ring, judge=rules.judge_decision).execute_tool,
                             call.model_copy(update={"judge": decision_check()}))
     assert "peeked" in outcome.observation
+
+
+def test_the_policy_worker_judges_a_roster_once_per_file_and_none_for_a_file_that_moved_on() -> None:
+    rules = PolicyActivities(PolicyStore(None), KeyRing.of(b"k" * 64))
+    _, _, digest = rules.store.policies("default")
+    first = rules._rosters("default", "alice", digest)
+    assert first and rules._rosters("default", "alice", digest) is first  # judged once, for every run
+    assert rules._rosters("default", "alice", "0" * 64) == []  # not the file in force: no roster
