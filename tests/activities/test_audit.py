@@ -477,6 +477,15 @@ async def test_a_slow_verdict_is_accepted_verdict_pending_exit_3_and_status_show
     assert code == 0 and "decision   slow by user:bob: APPROVED" in out, (out, err)
 
 
+async def _both_branches_collected(client, run_id: str, audit_dir: str):  # type: ignore[no-untyped-def]
+    while True:
+        trail = await audit_collected(client, run_id, audit_dir)
+        first = trail.branches[0]
+        if len(trail.branches) == 2 and first.records and first.records[-1].to_state == S.COMPLETED:
+            return trail
+        await asyncio.sleep(0.05)
+
+
 async def test_a_reset_to_a_later_point_shares_the_records_before_it(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
@@ -496,7 +505,9 @@ async def test_a_reset_to_a_later_point_shares_the_records_before_it(
         )
         reset = dev_env.client.get_workflow_handle(handle.id, result_type=RunOutcome)
         assert (await asyncio.wait_for(reset.result(), 30)).state == S.COMPLETED
-        trail = await audit_collected(dev_env.client, handle.id, str(audit_dir))
+        # The first run's end records reach the sink from its end view, by the collector, on their
+        # own time: wait for them too, not only for the current run's.
+        trail = await asyncio.wait_for(_both_branches_collected(dev_env.client, handle.id, str(audit_dir)), 60)
     first, second = trail.branches
     assert second.origin == "reset" and second.parent_run_id == first.run_id
     n = second.at_seq
