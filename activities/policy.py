@@ -464,6 +464,13 @@ class PolicyActivities:
         just before a write (``check.call``) or before the steps that lead to one."""
         return self._attested(check, await self._authority(check))
 
+    async def judge_plan(self, check: AuthorityCheck) -> Verdict:
+        """``policy_check_authority``'s verdict on a plan's check, for the planner call that
+        brought the plan to answer with it (attested there, with the run's setup)."""
+        verdict = await self._authority(check)
+        verdict.policy_problem = self.store.problem
+        return verdict
+
     async def _authority(self, check: AuthorityCheck, *, first: int = 0) -> Verdict:
         tenant, policies, digest = self._policies(check.tenant)
 

@@ -18,7 +18,8 @@ from activities.keys import KeyRing, attest
 from activities.policy import PolicyActivities
 from activities.tools import ToolActivities
 from workflows.contract import ToolCatalog
-from workflows.wire import PlannerInput, Proposal, RunSetup, SnapshotRequest
+from workflows.plan_check import check_digest, first_check, proposes_writes
+from workflows.wire import PlanJudged, PlannerInput, Proposal, RunSetup, SnapshotRequest
 
 
 class SetupActivities:
@@ -46,12 +47,35 @@ class SetupActivities:
         if request.setup is None:
             return await self._propose(request)
         setup = await self.snapshot(request.setup)
+        judged = None
         if setup.policy.requester_refusal is None and setup.policy.policy is not None:
             budgets = setup.policy.policy.budgets
-            proposal = await self._propose(request.model_copy(update={"setup": None, "max_depth": budgets.max_depth}), setup.catalog)
+            asked = request.model_copy(update={"setup": None, "max_depth": budgets.max_depth, "max_steps": None, "max_model_tokens": None})
+            proposal = await self._propose(asked, setup.catalog)
+            judged = await self._judged(request, setup, proposal)
         else:
             proposal = Proposal()
-        return attest(self._ring(), request, proposal.model_copy(update={"setup": setup}))
+        return attest(self._ring(), request, proposal.model_copy(update={"setup": setup, "judged": judged}))
+
+    async def _judged(self, request: PlannerInput, setup: RunSetup, proposal: Proposal) -> PlanJudged | None:
+        """The plan's planning-time re-check, judged now under the current file, for a plan the
+        run will check so (one activity less for the run). Only a speed-up: where it cannot be
+        judged here, the run asks the policy activity, which says why."""
+        try:
+            if not proposes_writes(proposal, setup.catalog):
+                return None  # nothing to check (the common case): said before any copy is made
+            # Built from what the run will read: the answer as it arrives (the setup's catalog
+            # compacted on the way), so both build the same check.
+            seen = RunSetup.model_validate_json(setup.model_dump_json())
+            proposed = Proposal.model_validate_json(proposal.model_dump_json())
+            check = first_check(request, seen, proposed, first_run_id=activity.info().workflow_run_id or "")
+            if check is None:
+                return None
+            return PlanJudged(check=check_digest(check), verdict=await self.rules.judge_plan(check))
+        except Exception as e:
+            activity.logger.warning("the first plan's re-check was not judged in advance (the run asks the policy "
+                                    "activity): %s", " ".join(f"{type(e).__name__}: {e}".split())[:300])
+            return None
 
     async def _propose(self, request: PlannerInput, catalog: ToolCatalog | None = None) -> Proposal:
         """The run's planner, offered the tools this worker serves."""

@@ -46,7 +46,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.engine import Engine
     from workflows.identity import LOOK_ALIKE
     from workflows.published import BUILD, STATE_ATTRIBUTE
-    from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, ToolFailure, derived_id
+    from workflows.contract import derived_id
+    from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, ToolFailure
     from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot
     from workflows.states import IllegalTransition, RunState, TransitionRecord
 

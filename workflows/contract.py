@@ -359,6 +359,16 @@ def json_digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
+def derived_digest(kind: str, *parts: str) -> str:
+    """What an id is made of: the run chain, the decision, the plan; never the run's random
+    stream, so a reset run makes the same ids and another run never does."""
+    return hashlib.sha256("\x1f".join((kind, *parts)).encode()).hexdigest()
+
+
+def derived_id(kind: str, *parts: str) -> str:
+    return f"{kind}-{derived_digest(kind, *parts)[:24]}"
+
+
 class Plan(BaseModel):
     steps: list[PlanStep]
     plan_hash: str

@@ -78,6 +78,8 @@ class Drive(RunModel):
             data.planning_rounds = 1  # the first planner call: its proposal, or how it failed
             if first is not None:
                 yield from self._planned(first)
+                if self.state != S.VALIDATED:
+                    self.prejudged = None  # judged for a plan the run did not take
             elif failure is not None:
                 self.decide(lambda now: self.planner_failed(failure, now))
         if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:

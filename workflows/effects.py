@@ -61,6 +61,7 @@ from workflows.wire import (
     HANDOFF_NOT_STARTED,
     AuditAck,
     AuditBatch,
+    Proposal,
     ToolCall,
     ToolOutcome,
 )
@@ -285,6 +286,10 @@ class Effects(Publishing):
             raise
         if attested:
             self.check(activity_id, name, asked, result)
+        if isinstance(result, Proposal) and result.judged is not None and not attested:
+            # Only an attested answer (the first, with the setup) judges in advance: a later
+            # planner answer is untrusted input, whoever wrote it.
+            result = result.model_copy(update={"judged": None})
         return result
 
     async def tool(

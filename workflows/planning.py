@@ -10,10 +10,11 @@ from datetime import datetime
 from workflows import policy
 from workflows.budgets import ANSWER_CHARS, clip
 from workflows.commands import Call, Publish
-from workflows.contract import ExecutedStep, Plan, json_digest
+from workflows.contract import ExecutedStep, Limits, Plan
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.states import Refs, RunState
-from workflows.validation import Validation, validate_proposal
+from workflows.plan_check import proposal_basis, validated
+from workflows.validation import Validation
 from workflows.wire import PlannerInput, Proposal, Refusal, SnapshotRequest, Verdict
 
 # Observations handed back to the planner, newest first, in all (older ones keep only their
@@ -111,21 +112,17 @@ class Planning(RunModel):
     def validate(self, proposal: Proposal, new_id: Callable[[int], str]) -> Validation:
         """The one validation a plan gets, proposed or revised: the catalog snapshot, the
         tools' schemas, the tenant's tools and the step budget (with what the run already did)."""
-        result = validate_proposal(
+        return validated(
             proposal,
             self.catalog,
-            executed_steps=self.data.steps_executed,
+            self.tenant,
             limits=self.limits,
+            spent=self.data.spent,
+            executed_steps=self.data.steps_executed,
             new_id=new_id,
             tool_refusal=self.cannot_give,
             delegation_problem=self.delegation_problem,
         )
-        if result.plan is not None:
-            # The tenant's require_recovery: a write with no recovery path never reaches approval.
-            refusal = policy.recovery_refusal(result.plan, self.catalog, self.tenant, self.data.spent)
-            if refusal is not None:
-                result = Validation(plan=None, problems=[f"[{refusal.rule}] {refusal.message}"])
-        return result
 
     def _adopt(self, plan: Plan) -> None:
         """``plan`` becomes the run's current plan, the next version; nothing of it has run."""
@@ -203,6 +200,9 @@ class Planning(RunModel):
         planner failed (how, the second); the run then takes its setup alone and records it."""
         yield Publish(listed_as=S.PLANNING)  # corrects a start that listed the run otherwise
         answer = yield self._ask_planner(1, setup=self.snapshot_request(self.workflow_id, self.started_at))
+        if not isinstance(answer, ToolFailure):
+            # Taken once, for the check the run builds at VALIDATED for this very plan.
+            self.prejudged = answer.judged
         if isinstance(answer, ToolFailure):
             return None, answer
         return answer, None
@@ -242,6 +242,8 @@ class Planning(RunModel):
                 setup=setup,
                 depth=self.depth(),
                 max_depth=self.max_depth(),
+                # What validating the first plan depends on besides the setup (judged in advance).
+                **(self._validation_limits() if setup is not None else {}),
             ),
             Proposal,
             f"plan · {self.request.planner} · round {round}",
@@ -253,12 +255,19 @@ class Planning(RunModel):
             catch=True,
         )
 
+    def _validation_limits(self) -> dict[str, int | None]:
+        """The start's limits that validating a plan depends on, where not the defaults (so a
+        first call with none of its own asks as before)."""
+        limits = self.request.limits
+        return {"max_steps": limits.max_steps if limits.max_steps != Limits().max_steps else None,
+                "max_model_tokens": limits.max_model_tokens}
+
     def _planned(self, proposal: Proposal) -> Program[None]:
         """The planner answered (PLANNING): a handoff that came meanwhile first, then the proposal."""
         data = self.data
         if (yield from self._take_handoff()):
             return
-        ids = self.ids(f"plan:{data.planning_rounds}:{json_digest(proposal.model_dump(mode='json', exclude={'setup', 'attestation'}))}")
+        ids = self.ids(proposal_basis(data.planning_rounds, proposal))
         self.decide(lambda now: self.proposal(proposal, at=now, new_id=ids))
 
 

@@ -8,7 +8,6 @@ are passed in.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -32,12 +31,14 @@ from workflows.contract import (
     run_catalog,
     ToolInfo,
 )
+from workflows.plan_check import tool_call_ids
 from workflows.policy_file import TenantPolicy
 from workflows.run_state import PendingApproval, RunData, RunOutcome, RunRequest
 from workflows.states import EffectOutcome, IllegalTransition, Refs, RunState, TransitionRecord
 from workflows.validation import Validation
 from workflows.wire import (
     AuthorityCheck,
+    PlanJudged,
     DecisionCheck,
     PlanReview,
     Proposal,
@@ -114,16 +115,6 @@ def notify_event(record: TransitionRecord) -> str | None:
     if to in (S.FAILED, S.EXECUTION_FAILED):
         return "failed"
     return None
-
-
-def derived_digest(kind: str, *parts: str) -> str:
-    """What an id is made of: the run chain, the decision, the plan; never the run's random
-    stream, so a reset run makes the same ids and another run never does."""
-    return hashlib.sha256("\x1f".join((kind, *parts)).encode()).hexdigest()
-
-
-def derived_id(kind: str, *parts: str) -> str:
-    return f"{kind}-{derived_digest(kind, *parts)[:24]}"
 
 
 class Phases(Protocol):
@@ -319,6 +310,9 @@ class RunModel(Phases):
         # A decision the run took on its roster: the plan's first call carries it, for its tool
         # worker to judge again before the tool (Steps._execute_step).
         self.judge_at_tool: DecisionCheck | None = None
+        # The first plan's re-check, judged by the planner call that brought it (attested with
+        # the run's setup): taken only for a check of its digest (Steps._authority).
+        self.prejudged: PlanJudged | None = None
 
     def carried_over(self, generation: int) -> None:
         """The carried state's seal held: this run is that generation of the run chain."""
@@ -341,8 +335,7 @@ class RunModel(Phases):
     def ids(self, basis: str) -> Callable[[int], str]:
         """Tool call ids (and so idempotency keys) from the run chain and the decision that made
         the plan: a reset or a replay makes the same ones, another run never does."""
-        first = self.data.first_run_id
-        return lambda n: f"tc-{n:03d}-{derived_digest('tc', first, basis, str(n))[:12]}"
+        return tool_call_ids(self.data.first_run_id, basis)
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded

@@ -6,12 +6,11 @@ cancel or handoff that meets a step under way.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
-
 from workflows import retries
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, Checkpoint, Mint, RunTool, Show, Sleep, Wait
-from workflows.contract import PlanStep, ToolCatalog, ToolEffect
+from workflows.contract import PlanStep, ToolEffect
+from workflows.plan_check import check_context, check_digest, unapproved, write_steps
 from workflows.run_model import Program, RunFailed, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval
 from workflows.states import EffectOutcome, Refs
@@ -48,11 +47,7 @@ class Steps(RunModel):
         assert plan is not None
         key = (plan.plan_hash, plan.version, len(plan.steps), len(catalog.tools) if catalog else 0)
         if self._writes[0] != key:
-            found = self.catalog
-            self._writes = (key, [
-                i for i, s in enumerate(plan.steps)
-                if (info := found.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
-            ])
+            self._writes = (key, write_steps(plan, self.catalog))
         return self._writes[1]
 
     def authority_check(self, *, from_step: int, approval: PendingApproval | None = None) -> AuthorityCheck | None:
@@ -64,26 +59,16 @@ class Steps(RunModel):
             return self._undo_check()
         if data.plan is None:
             return None
-        remaining = data.plan.steps[from_step:]
-        writes = [data.plan.steps[i] for i in self._write_steps() if i >= from_step]
-        if not writes:
-            return None
-        tools = [s.tool for s in writes]
-        approval = approval or data.approval
         # The remaining steps, their catalog entries and what the run has done: the current
         # file judges them (auto-approval, or the roles and count an approval needs now).
-        context: dict[str, Any] = dict(
-            tenant=self.request.tenant,
-            tools=tools,
-            steps=remaining,
-            # Each tool's entry once, in the order the steps first name it.
-            catalog=ToolCatalog(tools=list({s.tool: i for s in remaining if (i := self.catalog.get(s.tool))}.values())),
-            spent=data.spent,
-            workflow_id=self.workflow_id,
-            first_run_id=data.first_run_id,
+        context = check_context(
+            data.plan, self._write_steps(), self.catalog, from_step=from_step, tenant=self.request.tenant,
+            spent=data.spent, workflow_id=self.workflow_id, first_run_id=data.first_run_id,
             requested_by=self.request.requested_by,
-            plan_hash=data.plan.plan_hash,
         )
+        if context is None:
+            return None
+        approval = approval or data.approval
         grant = self.request.grant
         if approval is None and grant is not None and self.covered_by_parent(from_step):
             # A child run: its parent's approval, judged again for these steps under the current
@@ -95,7 +80,7 @@ class Steps(RunModel):
             )
         if approval is None:
             # Ran without approval: the current policy must still say so, for what is left.
-            return AuthorityCheck(approvals=[], roles=[], approvals_required=0, **context)
+            return unapproved(context)
         if grant is not None and approval is self.data.approval and self.lent_approval():
             context.update(approved_in=grant.parent, approved_in_run=grant.parent_first_run)
         return AuthorityCheck(
@@ -380,11 +365,21 @@ class Steps(RunModel):
             return None
         if roster:
             check = check.model_copy(update={"roster": True})
-        verdict = self.checked_verdict(check)
+        verdict = self.checked_verdict(check) or self._prejudged(check)
         if verdict is None:
             verdict = yield Call("policy_check_authority", check, Verdict, "policy re-check before writes")
             self.remember_check(check, verdict)
         return verdict
+
+    def _prejudged(self, check: AuthorityCheck) -> Verdict | None:
+        """The verdict the first planner call brought on exactly ``check`` (its setup's answer,
+        attested), taken once: it stands as the activity's would (it covers the write it
+        precedes). Any other check, or a later one, goes to the policy activity."""
+        judged, self.prejudged = self.prejudged, None
+        if judged is None or judged.check != check_digest(check):
+            return None
+        self.remember_check(check, judged.verdict)
+        return judged.verdict
 
     def remember_check(self, check: AuthorityCheck | None, verdict: Verdict | None) -> None:
         """A re-check's verdict stands for the same check until the run next waits: an allowed

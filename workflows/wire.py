@@ -19,6 +19,7 @@ from workflows.contract import (
     ExecutedStep,
     Grant,
     HandoffRequest,
+    Limits,
     NotApproved,
     PlanStep,
     PlaybookStep,
@@ -192,7 +193,25 @@ class Proposal(BaseModel):
     # The first call of a run that plans also takes the run's setup (PlannerInput.setup): one
     # activity instead of two. Then the whole answer is attested by the fleet key.
     setup: RunSetup | None = None
+    # With the setup: the planning-time re-check of this very plan, judged as the planner
+    # answered (the run takes it for exactly the check it would send: PlanJudged).
+    judged: PlanJudged | None = None
     attestation: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _judged_when_set(self, handler: Any) -> dict[str, Any]:
+        return omit_defaults(handler(self), {"judged": None})  # recorded answers read as they did
+
+
+class PlanJudged(BaseModel):
+    """The planning-time re-check of a run's first plan, judged by the policy in the planner call
+    that brought the plan and the run's setup (workflows/plan_check.py): the digest of the
+    AuthorityCheck the run builds for that plan, and the verdict on it under the file as it was
+    when the planner answered. The run takes the verdict only for a check of that digest, and only
+    from that attested answer; any other plan is checked by ``policy_check_authority``."""
+
+    check: str
+    verdict: Verdict
 
 
 class PlannerInput(BaseModel):
@@ -212,10 +231,19 @@ class PlannerInput(BaseModel):
     # known yet: its setup says): a run that may not delegate is not offered the delegate step.
     depth: int = 0
     max_depth: int | None = None
+    # With ``setup``: the start's limits that validating the plan depends on, where they are not
+    # the defaults (the run's first plan is validated and judged in advance: PlanJudged).
+    max_steps: int | None = None
+    max_model_tokens: int | None = None
 
     @model_serializer(mode="wrap")
     def _depth_when_set(self, handler: Any) -> dict[str, Any]:
-        return omit_defaults(handler(self), {"depth": 0, "max_depth": None})  # recorded inputs read as they did
+        # Recorded inputs read (and are attested) as they were.
+        return omit_defaults(handler(self), {"depth": 0, "max_depth": None, "max_steps": None, "max_model_tokens": None})
+
+    def limits(self) -> Limits:
+        """The start's limits as far as validating a plan goes (the rest at their defaults)."""
+        return Limits(max_steps=self.max_steps or Limits().max_steps, max_model_tokens=self.max_model_tokens)
 
 
 class PolicySnapshot(BaseModel):

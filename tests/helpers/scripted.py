@@ -31,7 +31,9 @@ from workflows.policy_file import TenantPolicy
 from workflows.run_model import Decision, DecisionKind, ToolFailure
 from workflows.run_state import RunData, RunRequest
 from workflows.states import TransitionRecord
-from workflows.wire import ApproverRoster, Notification, NotificationResult, PolicySnapshot, Proposal, Refusal, ToolOutcome, Verdict
+from workflows.wire import (
+    ApproverRoster, Notification, NotificationResult, PolicySnapshot, Proposal, Refusal, RunSetup, ToolOutcome, Verdict,
+)
 
 START = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -50,17 +52,22 @@ class Scripted:
         proposals: Iterable[Proposal] = (),
         tools: Iterable[ToolOutcome | ToolFailure] = (),
         webhooks: dict[str, list[str]] | None = None,
+        first_plan: bool = False,
         **limits: Any,
     ) -> None:
-        data = RunData(
+        # The run's setup; with ``first_plan`` it comes with the first planner answer, as a run
+        # started by the server takes it (Planning._first_plan), else the run starts holding it.
+        self.setup = RunSetup(
             catalog=REGISTRY.catalog(),
             policy=PolicySnapshot(tenant="default", policy=tenant or TenantPolicy(), policy_hash="h", source="test",
                                   webhooks=webhooks or {}),
         )
+        data = RunData() if first_plan else RunData(catalog=self.setup.catalog, policy=self.setup.policy)
         request = RunRequest(goal="g", requested_by="alice", limits=limits)
         self.audit: list[TransitionRecord] = []  # records written since the last checkpoint
         self.engine = Engine(data, request, workflow_id="wf", on_record=self.audit.append,
-                             new_request_id=lambda: uuid.uuid4().hex, started_at=START)
+                             new_request_id=lambda: uuid.uuid4().hex, started_at=START,
+                             first_run_id="run-1" if first_plan else "")
         self.now = START
         self.proposals = list(proposals)
         self.tools = list(tools)
@@ -117,7 +124,10 @@ class Scripted:
             self.audit.clear()  # every record to the sink
         match command:
             case Call(name="plan"):
-                return (True, self.proposals.pop(0)) if self.proposals else (False, None)
+                if not self.proposals:
+                    return False, None
+                proposal = self.proposals.pop(0)
+                return True, proposal.model_copy(update={"setup": self.setup}) if command.arg.setup else proposal
             case Call(name="policy_check_authority") | Call(name="policy_check_handoff"):
                 # A check that asks for the roster gets ``rosters`` (None: the snapshot's again).
                 asked = getattr(command.arg, "roster", False)

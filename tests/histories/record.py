@@ -169,6 +169,8 @@ async def main() -> None:
         ("continue_as_new", steps("refund"), {}, continue_as_new_path),
         ("decide", steps("refund"), {}, decide_path),
         ("roster", steps("refund", "get"), {}, roster_path),
+        # The same path, its first plan's re-check judged by the planner call (PlanJudged).
+        ("plan_judged", steps("refund", "get"), {}, roster_path),
         ("decide_refused", steps("refund"), {}, decide_refused_path),
         ("revise", steps("refund"), {}, revise_path),
         ("partial", steps("get", "refund", "email"), {}, partial_path),

@@ -250,3 +250,28 @@ def test_a_policy_problem_carried_to_every_run_is_bounded(tmp_path: Path) -> Non
     problem = store.problem
     assert problem is not None and len(problem) <= PROBLEM_CHARS and "\n" not in problem, problem
     assert "launch0" in problem and problem.endswith(f"(kept the last good policy, hash {store.load()[1][:12]})")
+
+
+async def test_the_first_plans_re_check_comes_with_the_planners_answer(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """From the start to the request: the planner call, which brings the run's setup and the plan's
+    re-check judged under the current file as the planner answered, and the records before the
+    rest; no policy activity. The request asks what that check said (a high-risk refund: two)."""
+    from tests.activities.test_policy import refund
+
+    path = tightening_policy(tmp_path / "policy.toml", high_above=3000)
+    async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(path))) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([refund(3100)]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        assert snap.pending_approval.approvals_required == 2
+        assert [name for _, name in await scheduled(handle)] == ["plan", "audit_append"]
+        # Judged and logged as the policy activity does, under the planner call.
+        lines = [e for e in log_from_env().read(workflow_id=handle.id) if e.get("check") == "plan"]
+        assert lines and all(e["activity_id"].startswith("plan.") for e in lines), lines
+        for who, outcome in (("bob", "accepted"), ("carol", "transition")):  # the first of two, then the second
+            answer = await decide_as(handle, await wait_for_state(handle, "AWAITING_APPROVAL"), who)
+            assert answer.outcome == outcome, answer
+        outcome = await tether_client.run_outcome(handle)
+        assert outcome.state == RunState.COMPLETED, outcome
+        assert len(billing.refunds(f"{handle.id}:{snap.plan.steps[0].tool_call_id}")) == 1
