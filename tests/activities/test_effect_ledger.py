@@ -244,7 +244,9 @@ async def test_a_plain_reset_to_every_completed_workflow_task_repeats_no_write(
         assert counts_in_db(billing, handle.id) == {"refunds": 1, "ledger": 1, "emails": 1}
         events = (await handle.fetch_history()).events
         points = [e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED]
-        assert len(points) >= 10, points
+        # At least: the start, the planner's answer (the setup and the plan's re-check with it),
+        # the rest, the approval, each of the three writes' results, the last plan: each a point.
+        assert len(points) >= 8, points
         ended = {}
         for point in points:
             reset = await client.workflow_service.reset_workflow_execution(
