@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from workflows import policy
-from workflows.contract import DELEGATE, Plan, ToolCatalog, ToolEffect, derived_digest, json_digest, run_catalog
+from workflows.contract import DELEGATE, Limits, Plan, ToolCatalog, ToolEffect, derived_digest, json_digest, run_catalog
+from workflows.policy_file import TenantPolicy
 from workflows.validation import Validation, validate_proposal
 from workflows.wire import AuthorityCheck, PlannerInput, Proposal, RunSetup
 
@@ -32,9 +33,9 @@ def proposal_basis(round: int, proposal: Proposal) -> str:
 def validated(
     proposal: Proposal,
     catalog: ToolCatalog,
-    tenant: Any,
+    tenant: TenantPolicy | None,
     *,
-    limits: Any,
+    limits: Limits,
     spent: dict[str, float],
     executed_steps: int,
     new_id: Callable[[int], str],
@@ -55,14 +56,19 @@ def validated(
     return result
 
 
+def writes(catalog: ToolCatalog, tool: str) -> bool:
+    """Does a call of ``tool`` write (or is it a tool the catalog lacks)?"""
+    info = catalog.get(tool)
+    return info is None or info.effect != ToolEffect.READ_ONLY
+
+
 def write_steps(plan: Plan, catalog: ToolCatalog) -> list[int]:
-    """The indexes of the plan's steps that write (or call a tool the catalog lacks)."""
-    return [i for i, s in enumerate(plan.steps) if (info := catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY]
+    """The indexes of the plan's steps that write."""
+    return [i for i, s in enumerate(plan.steps) if writes(catalog, s.tool)]
 
 
 def proposes_writes(proposal: Proposal, catalog: ToolCatalog) -> bool:
-    """Does a step of the proposal write (or name a tool the catalog lacks)?"""
-    return not all((info := catalog.get(s.tool)) is not None and info.effect == ToolEffect.READ_ONLY for s in proposal.steps)
+    return any(writes(catalog, s.tool) for s in proposal.steps)
 
 
 def check_context(
