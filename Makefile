@@ -13,7 +13,7 @@ PLANNER ?= playbook
 BENCH_ARGS ?=
 REPRO_ARGS ?=
 
-.PHONY: install demo demo-order demo-mcp test test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling bench-policy
+.PHONY: install demo demo-order demo-mcp test test-replay test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling bench-policy
 
 # Editable in setuptools' compat mode: the checkout's folder on the venv's path, so what runs from
 # the checkout but is not installed (client.py, examples/, tests/, bench/) imports in every process
@@ -53,6 +53,11 @@ demo-mcp: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+
+# The whole suite with the workflow cache off (issue 55): no worker keeps a run between its
+# workflow tasks, so every task and every query of every test rebuilds its run from history.
+test-replay: $(STAMP)
+	TETHER_MAX_CACHED_WORKFLOWS=0 $(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # The suite on a busy machine: two CPU-bound processes run beside it, stopped at the end
 # whatever the result (and on Ctrl-C).

@@ -51,6 +51,7 @@ from workflows.display import escape_text
 from workflows.published import BUILD
 
 DEFAULT_TOOLS = "examples.billing.tools"
+CACHE_SETTING = "TETHER_MAX_CACHED_WORKFLOWS"
 # The metrics endpoint answers anyone who can reach it: this machine only, unless told.
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
@@ -135,6 +136,14 @@ def create_worker(
         collector=collector,
         workflow_runner=options.pop("workflow_runner", None),
     )
+    # TETHER_MAX_CACHED_WORKFLOWS=0: no run is kept between its workflow tasks, so every task
+    # and every query rebuilds the run from its history, as a fresh worker does (`make
+    # test-replay` runs the whole suite so; a worker short of memory can run so too).
+    cached = os.environ.get(CACHE_SETTING, "").strip()
+    if cached and "max_cached_workflows" not in options:
+        if not cached.isdigit():
+            raise SystemExit(f"{CACHE_SETTING}={cached!r}: give a number of runs (0: keep none between tasks)")
+        options["max_cached_workflows"] = int(cached)
     return Worker(
         client,
         task_queue=task_queue,

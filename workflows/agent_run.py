@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.effects import Effects
     from workflows.engine import Engine
     from workflows.identity import LOOK_ALIKE
-    from workflows.published import BUILD, STATE_ATTRIBUTE
+    from workflows.published import BUILD, HISTORY_IDS, STATE_ATTRIBUTE
     from workflows.contract import derived_id
     from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, ToolFailure
     from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot
@@ -126,6 +126,7 @@ class AgentRun:
                 f"older_build: this run was started by a worker build older than {BUILD}, which this worker "
                 f"does not replay: run a worker of the build that started it until it ends (tether drain lists them)"
             )
+        self.effects.history_ids = workflow.patched(HISTORY_IDS)
         # What a cancel request the run takes stops (the cancel Update), as a Temporal cancel does.
         self._program_task = asyncio.current_task()
         if self.engine.cancel_taken is not None and self._program_task is not None:

@@ -27,6 +27,7 @@ from temporalio.workflow import ActivityCancellationType
 from workflows import keys
 from workflows import metrics as run_metrics
 from workflows.budgets import clip
+from workflows.contract import derived_digest
 from workflows.commands import (
     Call,
     Checkpoint,
@@ -113,6 +114,9 @@ class Effects(Publishing):
         self.audit_error: str | None = None
         self.notifying = 0  # notify activities in flight
         self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
+        # Whether this run's activity ids derive from history alone (HISTORY_IDS): False only
+        # when replaying a run an earlier build started (agent_run sets it as the run begins).
+        self.history_ids = True
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
         self._landed: list[Landed] | None = None
         # The parallel group under way: its command, its attempts' tasks, what has landed, and
@@ -258,14 +262,7 @@ class Effects(Publishing):
         if show:
             self.show()
         self.calls += 1
-        # Ours, not the SDK's sequence number, so the attestation can bind it; and bound to this
-        # execution: the suffix digests a draw from the run's random stream (a reset reseeds it)
-        # and the workflow task's time (the reset point's task is done again later than the
-        # original did it, before the reseed reaches the workflow). A reset run replays the ids
-        # (and answers) of the prefix it copied, but what it asks from the reset point on is
-        # answered for it alone: another execution's answer never verifies here.
-        drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
-        activity_id = f"{name}.{self.calls}.{hashlib.sha256(drawn.encode()).hexdigest()[:12]}"
+        activity_id = f"{name}.{self.calls}.{self.execution_binding()}"
         # What was asked, as it was sent (the run may change a model it holds meanwhile).
         asked = keys.digest(arg) if attested else ""
         try:
@@ -291,6 +288,22 @@ class Effects(Publishing):
             # planner answer is untrusted input, whoever wrote it.
             result = result.model_copy(update={"judged": None})
         return result
+
+    def execution_binding(self) -> str:
+        """What binds an activity id to this execution, from values every replay path sees
+        alike (docs/architecture.md "Ids"): the run's random seed, which Temporal derives from
+        the run id in force at this point of the history (the original's for a reset run's
+        copied prefix, the reset run's own from the reset point on), and the workflow task's
+        place in the history (the reset point's task is done again at a later event than the
+        original did it, even where its signals reach the workflow before the new seed does).
+        Never the task's clock or a draw from the random stream: a query answered by a worker
+        that rebuilds the run sees another clock, and any other reader of the stream moves it."""
+        if not self.history_ids:
+            # A run an earlier build started: its ids as that build made them, so it replays.
+            drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
+            return hashlib.sha256(drawn.encode()).hexdigest()[:12]
+        seed = f"{workflow.random_seed():x}"
+        return derived_digest("activity", seed, str(workflow.info().get_current_history_length()))[:12]
 
     async def tool(
         self,

@@ -19,4 +19,7 @@ COLLECT_EXTERN = "tether_audit_collect"
 # started by an earlier build: those runs drain on the build that started them
 # (docs/changing-workflows.md). A new command order is a new build id, never a patch branch.
 BUILD = "tether-build-9"
+# The patch under which a run's activity ids derive from history alone (issue 55): runs started
+# before it replay with the ids they made (a random draw and the task's clock).
+HISTORY_IDS = "tether-history-ids"
 CHANGE_VERSION_ATTRIBUTE = SearchAttributeKey.for_keyword_list("TemporalChangeVersion")

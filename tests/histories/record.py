@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -36,23 +37,15 @@ def steps(*names: str) -> list[dict]:
     return [catalog[n] for n in names]
 
 
-async def main() -> None:
-    # Imported here: the sandbox re-imports this module, and the workflow must not see them run.
-    from examples.billing.service import make_server
-    from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
-    from workflows.published import SEARCH_ATTRIBUTES
+Drive = Callable[[Client, WorkflowHandle], Awaitable[None]]
+
+
+def shapes(billing: Any) -> list[tuple[str, list[dict], dict, Drive]]:
+    """Every run shape the histories record, each as (name, playbook, request overrides, how a
+    person drives it): the replay conformance harness runs the same ones live
+    (tests/workflows/test_replay_conformance.py)."""
+    from tests.conftest import approval_for, wait_for_state
     from workflows.contract import ApprovalDecision, DecideRequest, DecideResult, HandoffRequest
-
-    db = HERE / f".record-{uuid.uuid4().hex[:6]}.db"
-    server = make_server(0, str(db))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    billing = Billing(url=f"http://127.0.0.1:{server.server_address[1]}", db=db)
-    os.environ["BILLING_URL"] = billing.url
-    # The workers' key ring for the recording: a fixture (no secret), committed beside the
-    # histories, since replaying them checks every attestation and seal with it.
-    from activities.keys import KEY_SETTING
-
-    os.environ[KEY_SETTING] = str(RING)
 
     async def approve(handle: WorkflowHandle, approver: str = "bob") -> None:
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
@@ -154,7 +147,7 @@ async def main() -> None:
         billing.fail_next("emails", 1, status=503, when="after_commit")
         await approve(h)
 
-    paths: list[tuple[str, list[dict], dict, Callable[[Client, WorkflowHandle], Awaitable[None]]]] = [
+    return [
         ("read_only", steps("get"), {}, nothing),
         ("approve", steps("get", "refund"), {}, approve_path),
         ("reject", steps("refund"), {}, reject_path),
@@ -181,6 +174,26 @@ async def main() -> None:
         ("delegate", [{"delegate": {"goal": "look up the order", "tools": ["get_order"], "max_steps": 2,
                                     "playbook": steps("get")}}, *steps("refund")], {}, approve_path),
     ]
+
+
+async def main() -> None:
+    # Imported here: the sandbox re-imports this module, and the workflow must not see them run.
+    from examples.billing.service import make_server
+    from tests.conftest import Billing, make_request, running_worker, start_run
+    from workflows.published import SEARCH_ATTRIBUTES
+
+    db = HERE / f".record-{uuid.uuid4().hex[:6]}.db"
+    server = make_server(0, str(db))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    billing = Billing(url=f"http://127.0.0.1:{server.server_address[1]}", db=db)
+    os.environ["BILLING_URL"] = billing.url
+    # The workers' key ring for the recording: a fixture (no secret), committed beside the
+    # histories, since replaying them checks every attestation and seal with it.
+    from activities.keys import KEY_SETTING
+
+    os.environ[KEY_SETTING] = str(RING)
+
+    paths = shapes(billing)
 
     async def record(paths: list, extra_args: list[str]) -> None:
         env = await WorkflowEnvironment.start_local(

@@ -17,6 +17,9 @@ HERE = Path(__file__).resolve().parents[1] / "histories"
 # This build's histories (make record-histories). A build replays only the histories it started:
 # runs an earlier build started drain on that build (docs/changing-workflows.md).
 HISTORIES = sorted(HERE.glob("*.json"))
+# The previous build's (build 10, before activity ids derived from history alone): runs it
+# started replay on this build (the HISTORY_IDS patch keeps their ids).
+PREVIOUS = sorted((HERE / "build10").glob("*.json"))
 PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new", "continued", "decide"}
 
 
@@ -39,9 +42,10 @@ def load(path: Path) -> WorkflowHistory:
 def test_every_main_path_is_recorded() -> None:
     assert PATHS | {"revise", "partial", "decide_refused", "compensated"} <= {p.stem for p in HISTORIES}
     assert not [p for p in HERE.iterdir() if p.is_dir() and p.name.startswith("v")], "older builds' histories are retired"
+    assert {p.stem for p in HISTORIES} <= {p.stem for p in PREVIOUS} | {"plan_judged"}, "the previous build's stay beside them"
 
 
-@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+@pytest.mark.parametrize("path", HISTORIES + PREVIOUS, ids=[p.stem for p in HISTORIES] + [f"build10-{p.stem}" for p in PREVIOUS])
 async def test_history_replays_on_the_current_code(path: Path) -> None:
     result = await replayer().replay_workflow(load(path), raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
