@@ -410,4 +410,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tether.connection import exit_process
+
+    exit_process(main())  # past the Temporal client's teardown crash (sdk-python #300)

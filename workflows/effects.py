@@ -303,7 +303,7 @@ class Effects(Publishing):
             drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
             return hashlib.sha256(drawn.encode()).hexdigest()[:12]
         seed = f"{workflow.random_seed():x}"
-        return derived_digest("activity", seed, str(workflow.info().get_current_history_length()))[:12]
+        return derived_digest("activity", seed)[:12]
 
     async def tool(
         self,

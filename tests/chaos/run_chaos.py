@@ -237,4 +237,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tether.connection import exit_process
+
+    exit_process(main())  # past the Temporal runtime's teardown crash (sdk-python #300)

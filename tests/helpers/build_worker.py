@@ -96,3 +96,6 @@ if __name__ == "__main__":
 
     workflows.published.BUILD = sys.argv[4]  # before anything imports it
     asyncio.run(_serve(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[5], sys.argv[6]))
+    from tether.connection import exit_process
+
+    exit_process(0)  # past the Temporal runtime's teardown crash (sdk-python #300)

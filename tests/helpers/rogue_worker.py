@@ -49,3 +49,6 @@ async def main(address: str, namespace: str, queue: str, fleet_kid: str, forged:
 
 if __name__ == "__main__":
     asyncio.run(main(*sys.argv[1:6]))
+    from tether.connection import exit_process
+
+    exit_process(0)  # past the Temporal runtime's teardown crash (sdk-python #300)

@@ -241,3 +241,6 @@ async def main() -> None:
 
 if __name__ == "__main__":
     asyncio.run(main())
+    from tether.connection import exit_process
+
+    exit_process(0)  # past the Temporal runtime's teardown crash (sdk-python #300)

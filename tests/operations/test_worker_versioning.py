@@ -50,7 +50,8 @@ async def _pinned_to(handle: WorkflowHandle) -> tuple[str, list[str]]:
     """The build the run's current execution is pinned to, and the build markers it wrote."""
     description = await handle.describe()
     info = description.raw_description.workflow_execution_info.versioning_info
-    return info.deployment_version.build_id, list(description.typed_search_attributes.get(CHANGE_VERSION_ATTRIBUTE) or [])
+    markers = description.typed_search_attributes.get(CHANGE_VERSION_ATTRIBUTE) or []
+    return info.deployment_version.build_id, [m for m in markers if m.startswith("tether-build-")]
 
 
 async def _start(client: Any, queue: str) -> WorkflowHandle:

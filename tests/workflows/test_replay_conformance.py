@@ -94,7 +94,9 @@ async def _ask_all_along(handle: WorkflowHandle, stop: asyncio.Event) -> tuple[i
     return answers, failures
 
 
-LIVE = [s for s in shapes(None) if s[0] not in ("continue_as_new",)]
+# Live: every shape but two, which the offline ways cover at every task: continue-as-new needs a
+# server that suggests it early, and the replan's driver must approve a 3-second request in time.
+LIVE = [s for s in shapes(None) if s[0] not in ("continue_as_new", "replan")]
 
 
 @pytest.mark.parametrize("group", [0, 1, 2])
@@ -184,7 +186,9 @@ async def test_an_id_drawn_from_a_stream_a_query_reads_fails_the_harness(
     monkeypatch.setattr(Effects, "execution_binding", drawn)
     monkeypatch.setattr(Effects, "__init__", init)
     monkeypatch.setattr(Engine, "steps", steps_query)
-    async with running_worker(dev_env.client) as worker:
+    # The run kept between tasks (make test-replay turns the cache off for the suite): the queries
+    # move the stream of the run the next task goes on with.
+    async with running_worker(dev_env.client, max_cached_workflows=100) as worker:
         history = await _approved_refund(dev_env, worker, ask_steps=3)
     problems = await _problems(history, KeyRing.from_env(), ways=("cold",))
     assert problems, "a stream a query moves gave the same ids on replay"
