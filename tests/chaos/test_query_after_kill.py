@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from tether.client import timed_out
@@ -37,6 +37,8 @@ async def _query_until_ended(handle: WorkflowHandle, ended: asyncio.Event) -> tu
         try:
             await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=timedelta(seconds=2))
             answers += 1
+        except WorkflowQueryFailedError as e:  # the worker could not answer: its replay failed
+            failures.append(str(e))
         except RPCError as e:
             # Not answered in time, or no worker polling (the dead one's replacement not up yet):
             # the query's, not the run's.
@@ -153,7 +155,7 @@ async def _kill_inside(stack: Stack, nth: int, folder: Path) -> tuple[str, RunSt
         request = RunRequest(goal=f"Refund order {case}", requested_by="alice", playbook=_demo_refund(case))
         handle = await start_run(stack.client, request, run_id=f"kill-{case}", queue=queue)
         approving = asyncio.create_task(_approve_when_asked(handle))
-        await _wait(marker.exists, 600, f"activity {nth} held")
+        await _wait(lambda: marker.exists() and bool(marker.read_text()), 600, f"activity {nth} held")
         held = marker.read_text()
         worker.kill()
         ended = asyncio.Event()
@@ -161,6 +163,12 @@ async def _kill_inside(stack: Stack, nth: int, folder: Path) -> tuple[str, RunSt
         worker = _plain_worker(stack, queue, folder)
         await worker.wait_for_output("worker ready")
         try:
+            # A planner call's attempt the dead worker held ends at its two-minute deadline:
+            # wait for the run's end itself, then read how it ended.
+            try:
+                await handle.result()
+            except WorkflowFailureError:
+                pass
             state, timeline = await _ended(stack.client, handle.id)
         finally:
             ended.set()
