@@ -26,7 +26,7 @@ from workflows import policy
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, RunChild, RunGroup
 from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlanStep, PlaybookStep, ToolEffect, first_error
-from workflows.run_model import Program, RunModel, S, ToolFailure, require
+from workflows.run_model import IllegalState, Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
 from workflows.wire import CHILD_CANCELLED, CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, RecoverySource, Refusal, ToolOutcome, Verdict
 
@@ -145,15 +145,50 @@ class Delegating(RunModel):
         return grant is not None and approval is not None and bool(grant.approved_request) \
             and approval.request_id == grant.approved_request
 
+    def is_write(self, step: PlanStep | PlaybookStep) -> bool:
+        return (info := self.catalog.get(step.tool)) is None or info.effect != ToolEffect.READ_ONLY
+
+    def cover_left(self) -> list[int]:
+        """The grant's covered writes (indexes into ``Grant.covered``) no write of this run has
+        spent yet: the parent's approval named each once."""
+        grant = self.request.grant
+        if grant is None:
+            return []
+        spent = set(self.data.cover_spent.values())
+        return [i for i in range(len(grant.covered)) if i not in spent]
+
+    def _cover_for(self, step: PlanStep, left: list[int]) -> int | None:
+        """The first of ``left`` that names exactly ``step`` (its tool and arguments)."""
+        covered = require(self.request.grant, "no grant").covered
+        return next((i for i in left if covered[i].tool == step.tool and covered[i].args == step.args), None)
+
     def covered_by_parent(self, from_step: int = 0) -> bool:
         """Does the parent's approval cover the plan's remaining writes: each one a write its
-        approved plan named, the same tool and the same arguments?"""
+        approved plan named and no write of this run has spent yet (a multiset: named once,
+        covered once), the same tool and the same arguments?"""
         grant, plan = self.request.grant, self.data.plan
         if grant is None or not grant.approved or plan is None:
             return False
-        covered = [(s.tool, s.args) for s in grant.covered]
-        writes = [s for s in plan.steps[from_step:] if (info := self.catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY]
-        return bool(writes) and all((s.tool, s.args) in covered for s in writes)
+        writes = [s for s in plan.steps[from_step:] if self.is_write(s)]
+        # A write that has spent its cover already (a retry's re-check) stays covered by it.
+        pending = [s for s in writes if s.tool_call_id not in self.data.cover_spent]
+        left = self.cover_left()
+        for step in pending:
+            index = self._cover_for(step, left)
+            if index is None:
+                return False
+            left.remove(index)
+        return bool(writes)
+
+    def spend_cover(self, step: PlanStep) -> None:
+        """A write about to run under the parent's lent approval spends the cover it has (once,
+        whatever its retries): no later write, equal or not, is covered by it."""
+        if not self.lent_approval() or not self.is_write(step) or step.tool_call_id in self.data.cover_spent:
+            return
+        index = self._cover_for(step, self.cover_left())
+        if index is None:
+            raise IllegalState("a write under the parent's approval that it does not cover")
+        self.data.cover_spent[step.tool_call_id] = index
 
     def lend_approval(self, at: datetime) -> None:
         """The parent's approval covers the plan (and the current file still says so): it is

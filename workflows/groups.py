@@ -60,6 +60,7 @@ class Groups(RunModel):
         if max_calls is not None and self.data.tool_calls >= max_calls:
             return None
         self.data.tool_calls += 1
+        self.spend_cover(step)
         refs = self.step_refs(step)
         return ToolCall(
             tool=step.tool, args=step.args, tool_call_id=step.tool_call_id, idempotency_key=refs.idempotency_key or "",

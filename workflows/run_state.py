@@ -143,6 +143,10 @@ class RunData(BaseModel):
     # Sum of each numeric argument, per "tool.field", over executed steps that may have applied:
     # auto-approval and high-risk limits apply to these sums, so they cannot be split.
     spent: dict[str, float] = Field(default_factory=dict)
+    # A child run's: which of its grant's covered writes (an index into Grant.covered) each of
+    # its writes spent, by tool call id. The parent's approval named each once: spent, it covers
+    # no other write (carried by continue-as-new; a reset replays it).
+    cover_spent: dict[str, int] = Field(default_factory=dict)
     first_run_id: str = ""
     requester_verified: bool = False
     replans: int = 0
@@ -166,6 +170,11 @@ class RunData(BaseModel):
     plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan
     plan_revisers: list[str] = Field(default_factory=list)  # of them, who changed its steps (not a partial approval)
     not_approved: list[NotApproved] = Field(default_factory=list)  # for the next planner call
+
+    @model_serializer(mode="wrap")
+    def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
+        # Carried state sealed before a field existed reads (and digests) as it was.
+        return omit_defaults(handler(self), {"cover_spent": {}})
 
     @property
     def steps_executed(self) -> int:

@@ -141,6 +141,8 @@ class Steps(RunModel):
             )
             return None
         data.tool_calls += 1  # every call the workflow schedules, retries included
+        if self.state == S.EXECUTING_TOOL:
+            self.spend_cover(step)
         refs = self.step_refs(step)
         return ToolCall(
             tool=step.tool,

@@ -19,6 +19,7 @@ step result. Invariants, checked as the runs go:
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import Counter
 from datetime import datetime, timedelta, timezone
@@ -65,6 +66,7 @@ class Tree:
         self.tenant = TenantPolicy(budgets=Budgets(max_depth=max_depth, max_parallel=3))
         self.sent: Counter[str] = Counter()
         self.runs = 0
+        self.lent: dict[str, dict[str, str]] = {}  # each child's writes under a lent approval, by key
         self.ended: dict[str, RunOutcome] = {}  # each child's outcome, by its workflow id
         self.skip_to: datetime | None = None  # the time the next answer lands at, when later
 
@@ -127,6 +129,13 @@ class Tree:
             assert approval is not None and approval.approvals, f"a write of {tool} with no approval in force"
             if engine.lent_approval():
                 assert (tool, args) in [(c.tool, c.args) for c in grant.covered], "a lent approval for a write it did not name"
+                # Named once, covered once: the writes run under it (each once, retries aside)
+                # are never more than its plan named, however many rounds propose them.
+                lent = self.lent.setdefault(engine.workflow_id, {})
+                lent[key] = json.dumps([tool, args], sort_keys=True)
+                named = Counter(json.dumps([c.tool, c.args], sort_keys=True) for c in grant.covered)
+                over = [w for w, n in Counter(lent.values()).items() if n > named[w]]
+                assert not over, f"a lent approval covering more writes than it named: {over}"
         self.sent[key] += 1
         if effect(tool) == ToolEffect.UNSAFE:
             assert self.sent[key] == 1, f"unsafe write {key} sent twice"
