@@ -275,6 +275,9 @@ class RunOutcome(BaseModel):
     steps_digest: str = ""
     # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
     compensations: list[CompensationCall] = Field(default_factory=list)
+    # What the run's writes (its children's included) may have applied, per "tool.field"
+    # (RunData.spent): a child's is charged back to its parent.
+    spent: dict[str, float] = Field(default_factory=dict)
     # A child run's: its workflow code's seal (the fleet key) over this outcome and its grant,
     # which the parent checks before it acts on the child's end (``sealing.Keyed.check_outcome``).
     seal: str = ""
@@ -287,10 +290,10 @@ class RunOutcome(BaseModel):
         # The run's result is written into its history: the fields a bounded result leaves at
         # their defaults (no steps, no timeline, nothing before, no compensations) are left out;
         # read back, they are the same.
-        return {k: v for k, v in handler(self).items() if not (k in _OUTCOME_OPTIONAL and v in ([], 0, ""))}
+        return {k: v for k, v in handler(self).items() if not (k in _OUTCOME_OPTIONAL and v in ([], 0, "", {}))}
 
 
-_OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_digest", "compensations", "seal"})
+_OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_digest", "compensations", "spent", "seal"})
 
 
 RunData.model_rebuild()

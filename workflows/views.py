@@ -28,6 +28,8 @@ class Views(RunModel):
             steps_before=data.executed_before,
             steps_digest=data.executed_digest,
             compensations=data.compensations,
+            # A child's (this build's) sums, charged back to its parent; a root's result is as it was.
+            spent=dict(data.spent) if self.child_ids else {},
         )
 
     def steps(self) -> list[ExecutedStep]:

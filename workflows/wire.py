@@ -106,6 +106,12 @@ CHILD_CANCELLED = "child_cancelled"
 HANDOFF_NOT_STARTED = "handoff_not_started"
 # A child run that handed off: a write of it may have applied (its parent is handed off too).
 CHILD_HANDED_OFF = "child_handed_off"
+# The child run of a delegate step exists already (this run was reset, or repaired, after it
+# started it): it is never started again.
+CHILD_EXISTS = "child_exists"
+# A child run this run can neither start nor read the end of (it runs on, or its record does
+# not say): what it wrote is not known, and a person takes this run.
+CHILD_UNREACHABLE = "child_unreachable"
 
 
 # An activity found a seal or capability naming a key id this worker does not hold.

@@ -72,7 +72,9 @@ class Tree:
 
     def engine(self, request: RunRequest, workflow_id: str) -> Engine:
         data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=self.tenant, policy_hash="h", source="test"))
-        return Engine(data, request, workflow_id=workflow_id, new_request_id=lambda: uuid.uuid4().hex, started_at=START)
+        engine = Engine(data, request, workflow_id=workflow_id, new_request_id=lambda: uuid.uuid4().hex, started_at=START)
+        engine.child_ids = request.grant is not None  # as the workflow sets it for a child this build starts
+        return engine
 
     # ------------------------------------------------------------------ proposals
 
