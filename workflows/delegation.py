@@ -364,15 +364,16 @@ class Delegating(RunModel):
             # The child ended before the cancel reached it: its end counts as any.
             self.decide(partial(self.handoff_later, taken[0]))
         if isinstance(result, ToolFailure) and result.code == CHILD_EXISTS:
-            result = yield from self._adopt_child(run.child_id)
+            result = yield from self._adopt_child(run.child_id, require(self.current_step(), "no delegate step"))
         yield from self.child_undos(run.child_id, result)
         self.decide(lambda now: self.child_ended(result, now))
 
-    def _adopt_child(self, child: str) -> Program[RunOutcome | ToolFailure]:
+    def _adopt_child(self, child: str, step: PlanStep) -> Program[RunOutcome | ToolFailure]:
         """The child of this step exists already (this run was reset or repaired after its first
         start of it): never started again. Closed, its end is the step's (what its closed record
         says, attested by the fleet key); running or unreadable, what it wrote is unknown: the step
-        ends ``unknown`` and a person takes this run, naming the child."""
+        ends ``unknown`` and a person takes this run, naming the child; so does one that ended
+        otherwise when its grant could write (a read-only one's end counts as any)."""
         source = yield Call(
             "recovery_source", RecoveryRequest(run_id=child, tenant=self.request.tenant), RecoverySource,
             f"adopt child · {child}", show=False,
@@ -380,6 +381,10 @@ class Delegating(RunModel):
         if source.refusal is not None or source.state is None:
             why = source.refusal.message if source.refusal is not None else "its record names no state"
             return ToolFailure(CHILD_UNREACHABLE, f"child run {child} exists and cannot be adopted: {why}", True)
+        if source.state != S.COMPLETED and self.cancelled_outcome(step) == "unknown":
+            # Ended otherwise (cancelled as the earlier execution closed, failed, handed off): a
+            # write of it may have applied, and its record, not this run, says which.
+            return ToolFailure(CHILD_UNREACHABLE, f"child run {child} exists and ended {source.state.value}", True)
         return RunOutcome(run_id=child, state=source.state, answer=f"adopted: child run {child} had ended {source.state.value}",
                           compensations=source.compensations)
 

@@ -276,7 +276,7 @@ class Groups(RunModel):
                 if isinstance(run, RunChild):
                     if isinstance(result, ToolFailure) and result.code == CHILD_EXISTS:
                         # Started by an execution of this run before a reset: never again.
-                        result = yield from self._adopt_child(run.child_id)
+                        result = yield from self._adopt_child(run.child_id, plan.steps[index])
                         self.at = item.at
                     children.append((run.child_id, result))
                     result = self.child_answer(plan.steps[index], result)

@@ -213,3 +213,49 @@ def test_the_approver_sees_what_a_delegation_will_write() -> None:
     three = plan(*(delegate(refund("A-1002", 4000, r), tools=("issue_refund",)) for r in "abc"))
     assert not policy.review_plan(one, CATALOG, auto).needs_approval
     assert policy.review_plan(three, CATALOG, auto).needs_approval
+
+
+async def test_a_reset_of_the_parent_while_its_child_runs_never_says_not_applied(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """The child waits for its own approval (it may write); the parent is reset to before it
+    started the child. The reset parent meets the child (never a second one) and cannot adopt a
+    running one: the delegate step ends ``unknown`` and the parent is HANDED_OFF naming the child,
+    never EXECUTION_FAILED as if nothing had applied. Approved, the child refunds once."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tests.activities.test_effect_ledger import counts_in_db
+    from tests.operations.test_reset import outcome_of
+    from tests.workflows.test_delegation import writing_child, writing_delegation
+
+    client = dev_env.client
+    reason = uuid.uuid4().hex
+    async with running_worker(client, planners=writing_child(reason)) as worker:
+        handle = await start_run(client, worker, make_request([writing_delegation()], on_failure="compensate"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        child = await started_child(dev_env, child_id)
+        await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        events = (await handle.fetch_history()).events
+        started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
+        point = max(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < started)
+        reset = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+                reason="test: reset before the child's start", workflow_task_finish_event_id=point,
+                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            )
+        )
+        parent = await outcome_of(client, handle.id, reset.run_id)
+        child_snap = await wait_for_state(child, "AWAITING_APPROVAL", "CANCELLED", timeout=60)
+        if child_snap.state == S.AWAITING_APPROVAL:  # still running: bob approves its refund
+            await child.signal("approve", approval_for(child_snap, "bob"))
+            await wait_for_state(child, "COMPLETED", timeout=60)
+        child_runs = [e async for e in client.list_workflows(f"WorkflowId = '{child_id}'")]
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    assert parent.timeline[-1].refs.outcome == "unknown" and child_id in parent.timeline[-1].reason
+    assert len(child_runs) == 1
+    assert counts_in_db(billing, child_id)["refunds"] <= 1
