@@ -230,11 +230,19 @@ class RunSnapshot(BaseModel):
     depth: int = 0
     grant_tools: list[str] = Field(default_factory=list)
     children: list[str] = Field(default_factory=list)
+    # In a tree: the writes the parent's approval named for this child, and how many of them its
+    # writes have spent; and what the run's writes (its children's, charged back) may have
+    # applied, per "tool.field" (RunData.spent), next to what the tree had done when it started.
+    covered: int = 0
+    covered_spent: int = 0
+    spent: dict[str, float] = Field(default_factory=dict)
+    tree_spent: dict[str, float] = Field(default_factory=dict)
 
     @model_serializer(mode="wrap")
     def _tree_when_set(self, handler: Any) -> dict[str, Any]:
         # Left out for a run outside any tree: snapshots and views read as they did.
-        return omit_defaults(handler(self), {"parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": []})
+        return omit_defaults(handler(self), {"parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": [],
+                                             "covered": 0, "covered_spent": 0, "spent": {}, "tree_spent": {}})
 
 
 class RunView(Packed):

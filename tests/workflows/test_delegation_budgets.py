@@ -12,6 +12,8 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 
 from activities.planning import BUILTIN_PLANNERS
+from tether.cli.output import format_status
+from tether.client import status
 from activities.policy_file import PolicyStore
 from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, timeline, wait_for_state
 from tests.workflows.test_delegation import delegate, refund, refunds_with, started_child
@@ -52,12 +54,16 @@ async def test_one_approval_covering_a_named_refund_makes_at_most_one_refund(dev
         child = await started_child(dev_env, f"{handle.id}.{snap.plan.steps[0].tool_call_id}")
         child_snap = await wait_for_state(child, "AWAITING_APPROVAL", "COMPLETED", "FAILED", timeout=90)
         records = await timeline(child)
+        shown = format_status(await status(dev_env.client, child.id, live=True))
         await handle.cancel()
     assert child_snap.state == S.AWAITING_APPROVAL, child_snap.last_error
     assert child_snap.pending_approval is not None and child_snap.approved_by == []
     assert len(refunds_with(billing, reason)) == 1
     covered = [r for r in records if "covered by the approval of parent run" in r.reason]
     assert len(covered) == 1  # the approval was lent once, for the one refund it named
+    # `tether status` of the child: what it spent of the approval and of the budgets.
+    assert "approval   the parent's approval named 1 write(s): 1 spent, 0 left" in shown, shown
+    assert "spent      issue_refund.amount_cents 3000" in shown, shown
 
 
 AUTO_5000 = """
@@ -109,6 +115,7 @@ async def test_three_delegations_under_a_5000_cent_sum_wait_for_an_approver(
     refunded = [len(refunds_with(billing, reason)) for reason in reasons]
     assert sum(refunded) <= 1, refunded  # at most 4,000 cents without a person
     assert waiting is not None and waiting.state == S.AWAITING_APPROVAL, waiting and waiting.last_error
+    assert waiting.tree_spent["issue_refund.amount_cents"] == 4000  # the first child's, charged back
 
 
 async def _approve_tree(env: WorkflowEnvironment, handle, child_id: str) -> None:
