@@ -123,6 +123,7 @@ class Delegating(RunModel):
             requested_by=self.request.requested_by,
             parent_goal=self.request.goal[:2000],
             spent=self.tree_spent(step_id),
+            sums_unknown=self.sums_unknown(step_id),
             **coverage,
         )
 
@@ -141,6 +142,25 @@ class Delegating(RunModel):
                 if self.is_write(named):
                     policy.spend(totals, named.tool, named.args)
         return totals
+
+    def sums_unknown(self, step_id: str) -> bool:
+        """Are the tree's sums unknown to a child started for ``step_id``: this run's are (its
+        grant says so), or a sibling in its parallel group may write amounts nobody named (a
+        planner other than its playbook plans it)?"""
+        grant, plan = self.request.grant, self.data.plan
+        if grant is not None and grant.sums_unknown:
+            return True
+        step = next((s for s in plan.steps if s.tool_call_id == step_id), None) if plan else None
+        if plan is None or step is None or step.group is None:
+            return False
+        for sibling in plan.steps:
+            if sibling.group != step.group or sibling.tool != DELEGATE or sibling.tool_call_id == step_id:
+                continue
+            delegation = Delegation.model_validate(sibling.args)
+            planned = delegation.planner not in (None, "playbook") or not delegation.playbook
+            if planned and any(self.is_write(PlaybookStep(tool=t)) for t in delegation.tools):
+                return True
+        return False
 
     def child_request(self, delegation: Delegation, grant: Grant) -> RunRequest:
         return RunRequest(

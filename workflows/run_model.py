@@ -423,7 +423,13 @@ class RunModel(Phases):
 
     def review(self) -> PlanReview:
         plan = require(self.data.plan, "no validated plan to review")
-        return policy.review_plan(plan, self.catalog, self.tenant, self.totals())
+        tenant, grant = self.tenant, self.request.grant
+        if grant is not None and grant.sums_unknown:
+            # The tree's sums are not known here (a sibling may write amounts nobody named): no
+            # amount rule auto-approves, each write asks.
+            base = tenant or policy.DEFAULT_TENANT_POLICY
+            tenant = base.model_copy(update={"auto_approve": base.auto_approve.model_copy(update={"limits": []})})
+        return policy.review_plan(plan, self.catalog, tenant, self.totals())
 
     def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
         """How a person shows on the timeline: verified identities say how (their own

@@ -266,3 +266,29 @@ async def test_a_reset_of_the_parent_while_its_child_runs_never_says_not_applied
     assert parent.timeline[-1].refs.outcome == "unknown" and child_id in parent.timeline[-1].reason
     assert len(child_runs) == 1
     assert counts_in_db(billing, child_id)["refunds"] <= 1
+
+
+async def test_three_delegations_at_once_under_a_5000_cent_sum_wait_for_an_approver(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The same three 4,000-cent refunds as delegations of one parallel group, each child's planner
+    proposing its own (nobody named the amounts): no child knows what its siblings spend, so no
+    amount rule auto-approves any of them; each waits for an approver, nothing is refunded."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(AUTO_5000)
+    reasons = [uuid.uuid4().hex for _ in range(3)]
+    planners = {**BUILTIN_PLANNERS, "refunder": Refunder(4000)}
+    bodies = []
+    for reason in reasons:
+        body = delegate(tools=("issue_refund",), goal=f"refund 4,000 cents for {reason}", max_steps=2)
+        body["delegate"]["planner"] = "refunder"
+        bodies.append(body)
+    async with running_worker(dev_env.client, planners=planners, policy=PolicyStore(policy)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([{"parallel": bodies}], limits={"max_steps": 10}))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")  # delegations that may write: bob approves the plan
+        await handle.signal("approve", approval_for(snap, "bob"))
+        children = [await started_child(dev_env, f"{handle.id}.{step.tool_call_id}") for step in snap.plan.steps]
+        ended = [await wait_for_state(child, "AWAITING_APPROVAL", "COMPLETED", "FAILED", timeout=90) for child in children]
+        await handle.cancel()
+    assert [s.state for s in ended] == [S.AWAITING_APPROVAL] * 3, [s.last_error for s in ended]
+    assert [len(refunds_with(billing, reason)) for reason in reasons] == [0, 0, 0]
