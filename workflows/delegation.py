@@ -129,14 +129,18 @@ class Delegating(RunModel):
 
     def tree_spent(self, step_id: str) -> dict[str, float]:
         """The sums a child started for ``step_id`` is judged on: the tree's (this run's totals),
-        and the writes its siblings in the same parallel group name, in flight beside it."""
+        and the writes its siblings in the same parallel group make or name, in flight beside it."""
         totals = dict(self.totals())
         plan = self.data.plan
         step = next((s for s in plan.steps if s.tool_call_id == step_id), None) if plan else None
         if plan is None or step is None or step.group is None:
             return totals
         for sibling in plan.steps:
-            if sibling.group != step.group or sibling.tool != DELEGATE or sibling.tool_call_id == step_id:
+            if sibling.group != step.group or sibling.tool_call_id == step_id:
+                continue
+            if sibling.tool != DELEGATE:  # this run's own write beside the child
+                if self.is_write(sibling):
+                    policy.spend(totals, sibling.tool, sibling.args)
                 continue
             for named in policy.named_steps(Delegation.model_validate(sibling.args).playbook or [], nested=True):
                 if self.is_write(named):
