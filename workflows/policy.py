@@ -26,7 +26,7 @@ from workflows.wire import ApproverRoster, PlanReview, Refusal
 from workflows.run_state import PendingApproval, RunData
 from workflows.budgets import UPDATES_CONTINUE_AT, clip
 from workflows import wording
-from workflows.display import show_value
+from workflows.display import escape_text, show_value
 from workflows.identity import same_person
 from workflows.contract import DELEGATE, Compensation, CompensationCall, Delegation, PlaybookStep
 from workflows.wire import ToolCall
@@ -256,7 +256,7 @@ def delegated(args: dict[str, Any], catalog: ToolCatalog) -> tuple[list[Playbook
 def _describe_delegation(args: dict[str, Any], catalog: ToolCatalog, named: list[PlaybookStep], tools: list[str]) -> str:
     """A delegate step for the approver: the child's grant, and the writes it will make under this
     approval (each as any write: its summary fields, money in words, its undo)."""
-    grant = ", ".join(wording.escape_text(t, 64) for t in tools)
+    grant = ", ".join(escape_text(t, 64) for t in tools)
     if named:
         what = "; ".join(_describe_step(s.tool, s.args, catalog.get(s.tool)) for s in named)
         return f"{DELEGATE} (a child run that may write with {grant}; under this approval it writes: {what})"
@@ -276,7 +276,9 @@ def review_plan(
     for w in named:
         spend(totals, w.tool, w.args)
     blind = [i for i, (ws, tools) in handed.items() if tools and not ws]  # may write, names nothing
-    gated = [s for s in plan.steps if s.tool != DELEGATE and _step_needs_approval(s, catalog.get(s.tool), tenant, totals)]
+    gated: list[PlanStep | PlaybookStep] = [
+        s for s in plan.steps if s.tool != DELEGATE and _step_needs_approval(s, catalog.get(s.tool), tenant, totals)
+    ]
     gated += [w for w in named if _step_needs_approval(w, catalog.get(w.tool), tenant, totals)]
     gated += [plan.steps[i] for i in blind]
     actions = [(s.tool, catalog.get(s.tool)) for s in plan.steps if s.tool != DELEGATE] + [(w.tool, catalog.get(w.tool)) for w in named]
