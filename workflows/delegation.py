@@ -410,5 +410,5 @@ class Delegating(RunModel):
             # write of it may have applied, and its record, not this run, says which.
             return ToolFailure(CHILD_UNREACHABLE, f"child run {child} exists and ended {source.state.value}", True)
         return RunOutcome(run_id=child, state=source.state, answer=f"adopted: child run {child} had ended {source.state.value}",
-                          compensations=source.compensations)
+                          compensations=source.compensations, spent=source.spent)
 

@@ -545,9 +545,16 @@ class RecoverySource(BaseModel):
     state: RunState | None = None
     compensations: list[CompensationCall] = Field(default_factory=list)
     refusal: Refusal | None = None
+    # A child run's sums (RunSnapshot.spent): a parent that adopts it charges them to its own.
+    spent: dict[str, float] = Field(default_factory=dict)
     # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
     # activity and checked by the workflow code before the run acts on it.
     attestation: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _spent_when_set(self, handler: Any) -> dict[str, Any]:
+        # Answers recorded (and attested) before the field existed read as they were.
+        return omit_defaults(handler(self), {"spent": {}})
 
 
 class AuditBatch(Packed):
