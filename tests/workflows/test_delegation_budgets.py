@@ -118,7 +118,7 @@ async def test_three_delegations_under_a_5000_cent_sum_wait_for_an_approver(
     assert waiting.tree_spent["issue_refund.amount_cents"] == 4000  # the first child's, charged back
 
 
-async def _approve_tree(env: WorkflowEnvironment, handle, child_id: str) -> None:
+async def _approve_tree(env: WorkflowEnvironment, handle, *child_ids: str) -> None:
     """bob approves whatever of the tree asks (the parent's plan, or the child's own), until the
     parent's execution ends."""
     from temporalio.client import WorkflowExecutionStatus
@@ -128,7 +128,7 @@ async def _approve_tree(env: WorkflowEnvironment, handle, child_id: str) -> None
 
     approved: set[str] = set()
     while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-        for run in (handle, env.client.get_workflow_handle(child_id)):
+        for run in (handle, *(env.client.get_workflow_handle(c) for c in child_ids)):
             try:
                 snap = await snapshot(run)
             except RPCError:
@@ -139,6 +139,30 @@ async def _approve_tree(env: WorkflowEnvironment, handle, child_id: str) -> None
         await asyncio.sleep(0.05)
 
 
+async def _reset_to_each(client, handle, points: list[int]) -> dict:
+    """Reset the run (its first execution, as the Web UI's Reset does) to each of ``points`` in
+    turn; how each reset run ended: {point: (state, its last record's reason)}."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tests.activities.test_effect_ledger import reset_run_outcome
+
+    ended = {}
+    for point in points:
+        reset = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=handle.id, run_id=handle.result_run_id),
+                reason=f"test: reset to workflow task {point}", workflow_task_finish_event_id=point,
+                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            )
+        )
+        again, _ = await asyncio.wait_for(reset_run_outcome(client, handle.id, reset.run_id), 120)
+        ended[point] = (again.state, again.timeline[-1].reason)
+    return ended
+
+
 async def test_a_reset_of_the_parent_to_every_workflow_task_runs_its_child_once(
     dev_env: WorkflowEnvironment, billing: Billing
 ) -> None:
@@ -146,11 +170,9 @@ async def test_a_reset_of_the_parent_to_every_workflow_task_runs_its_child_once(
     of its completed workflow tasks in turn: the reset parent never starts the child again (it
     adopts the closed one: its end, its undos), one refund and one email in the billing database,
     and no reset parent ends as if the child's writes were not applied."""
-    from temporalio.api.common.v1 import WorkflowExecution
-    from temporalio.api.enums.v1 import EventType, ResetReapplyType
-    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+    from temporalio.api.enums.v1 import EventType
 
-    from tests.activities.test_effect_ledger import counts_in_db, reset_run_outcome
+    from tests.activities.test_effect_ledger import counts_in_db
     from tether.client import run_outcome
 
     client = dev_env.client
@@ -171,21 +193,41 @@ async def test_a_reset_of_the_parent_to_every_workflow_task_runs_its_child_once(
         started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
         closed = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED)
         assert min(points) < started < closed < max(points), (points, started, closed)
-        ended = {}
-        for point in points:
-            reset = await client.workflow_service.reset_workflow_execution(
-                ResetWorkflowExecutionRequest(
-                    namespace=client.namespace,
-                    workflow_execution=WorkflowExecution(workflow_id=handle.id, run_id=handle.result_run_id),
-                    reason=f"test: reset to workflow task {point}", workflow_task_finish_event_id=point,
-                    request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
-                )
-            )
-            again, _ = await asyncio.wait_for(reset_run_outcome(client, handle.id, reset.run_id), 120)
-            ended[point] = (again.state, again.timeline[-1].reason)
+        ended = await _reset_to_each(client, handle, points)
         child_runs = [e async for e in client.list_workflows(f"WorkflowId = '{child_id}'")]
     assert len(child_runs) == 1, [c.run_id for c in child_runs]  # started once, whatever the resets
     assert counts_in_db(billing, handle.id) == {"refunds": 1, "ledger": 0, "emails": 1}
+    assert {state for state, _ in ended.values()} == {S.COMPLETED}, ended
+
+
+async def test_a_reset_of_the_parent_of_a_group_of_children_runs_each_once(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Two delegations in one parallel group, each a named refund under bob's approval of the
+    parent's plan; the parent reset to each of its workflow tasks: each child runs once, two
+    refunds in the billing database, every reset parent COMPLETED (it adopts the closed children)."""
+    from temporalio.api.enums.v1 import EventType
+
+    from tests.activities.test_effect_ledger import counts_in_db
+    from tether.client import run_outcome
+
+    client = dev_env.client
+    bodies = [delegate(refund("A-1002", cents, "reset a group"), tools=("issue_refund",), goal=f"refund {cents}")
+              for cents in (600, 800)]
+    async with running_worker(client) as worker:
+        handle = await start_run(client, worker, make_request([{"parallel": bodies}]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        child_ids = [f"{handle.id}.{s.tool_call_id}" for s in snap.plan.steps]
+        await asyncio.wait_for(_approve_tree(dev_env, handle, *child_ids), 120)
+        first = await run_outcome(handle)
+        assert first.state == S.COMPLETED, first.timeline[-1].reason
+        assert counts_in_db(billing, handle.id)["refunds"] == 2
+        events = (await handle.fetch_history()).events
+        points = [e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED]
+        ended = await _reset_to_each(client, handle, points)
+        runs = [len([e async for e in client.list_workflows(f"WorkflowId = '{c}'")]) for c in child_ids]
+    assert runs == [1, 1]
+    assert counts_in_db(billing, handle.id)["refunds"] == 2
     assert {state for state, _ in ended.values()} == {S.COMPLETED}, ended
 
 
