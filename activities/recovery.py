@@ -54,7 +54,7 @@ class RecoveryActivities:
             # The ledger is the witness of what was undone: without it nothing is, and the run
             # says why (a ledger that is only unreachable for now raises instead: read again).
             return refused("ledger_unavailable", f"{e}; nothing was undone: restore it, then tether compensate again")
-        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=standing)
+        return RecoverySource(run_id=request.run_id, state=snap.state, compensations=standing, spent=snap.spent)
 
     async def standing(self, compensations: list[CompensationCall]) -> list[CompensationCall]:
         """The original's compensations as the undo ledger says they stand now: done by a

@@ -42,7 +42,7 @@ with workflow.unsafe.imports_passed_through():
         RevisionRequest,
         first_error,
     )
-    from workflows.effects import Effects
+    from workflows.effects import CHILD_ONCE, Effects
     from workflows.engine import Engine
     from workflows.identity import LOOK_ALIKE
     from workflows.published import BUILD, HISTORY_IDS, STATE_ATTRIBUTE
@@ -134,6 +134,8 @@ class AgentRun:
         try:
             self._verify_carryover()
             self.engine.grant_problem = self.effects.grant_problem(self.request)
+            # A child this build started: its ids derive from its parent's chain and step.
+            self.engine.child_ids = self.request.grant is not None and workflow.patched(CHILD_ONCE)
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
@@ -161,7 +163,7 @@ class AgentRun:
         return outcome
 
     def _outcome(self) -> RunOutcome:
-        return self.effects.seal_outcome(self.request, self.engine.outcome(workflow.info().workflow_id))
+        return self.effects.seal_outcome(self.request, self.engine.outcome(workflow.info().workflow_id), chain=self.engine.child_ids)
 
     async def _drive(self, *, ending: bool = False) -> None:
         """The run's one loop: the engine says what to do next, effects carry it out, the engine

@@ -253,7 +253,7 @@ class Approvals(RunModel):
         escalated = [r for stage in before.escalation[: before.stage] for r in stage.roles]
         subset = self.validate(proposal, new_id).plan
         if subset is not None:
-            _, roles = policy.request_terms(policy.review_plan(subset, self.catalog, self.tenant, data.spent), self.tenant)
+            _, roles = policy.request_terms(policy.review_plan(subset, self.catalog, self.tenant, self.totals()), self.tenant)
             refusal = policy.approver_refusal(
                 self.tenant,
                 approver=decision.approver,

@@ -169,10 +169,23 @@ class Grant(Contract):
     approved_request: str = Field("", max_length=128)
     approved_plan: str = Field("", max_length=128)
     parent_first_run: str = Field("", max_length=256)
+    # What the tree had done and had in flight when the parent started this child, per
+    # "tool.field" (RunData.spent's sums): the child's plans are judged on these plus its own,
+    # so delegation cannot split an amount rule's sum.
+    spent: dict[str, float] = Field(default_factory=dict, max_length=256)
+    # A sibling in flight beside it (same parallel group) may write amounts nobody named (its
+    # planner proposes them): the tree's sums are not known, so no amount rule auto-approves
+    # this child's writes (each asks its approval). Inherited down the tree.
+    sums_unknown: bool = False
     seal: str = Field("", max_length=200)
 
     def sealed_digest(self) -> str:
         return json_digest(self.model_dump(mode="json", exclude={"seal"}))
+
+    @model_serializer(mode="wrap")
+    def _spent_when_set(self, handler: Any) -> dict[str, Any]:
+        # Grants sealed before the field existed read (and digest) as they were.
+        return omit_defaults(handler(self), {"spent": {}, "sums_unknown": False})
 
 
 class Compensation(Contract):

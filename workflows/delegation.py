@@ -26,9 +26,9 @@ from workflows import policy
 from workflows.budgets import REASON_CHARS, clip
 from workflows.commands import Call, RunChild, RunGroup
 from workflows.contract import DELEGATE, STRICT, WORKFLOW_ID_CHARS, Delegation, Grant, HandoffRequest, Limits, PlanStep, PlaybookStep, ToolEffect, first_error
-from workflows.run_model import Program, RunModel, S, ToolFailure, require
+from workflows.run_model import IllegalState, Program, RunModel, S, ToolFailure, require
 from workflows.run_state import PendingApproval, RunOutcome, RunRequest
-from workflows.wire import CHILD_CANCELLED, CHILD_HANDED_OFF, CHILD_WOKEN, RecoveryRequest, RecoverySource, Refusal, ToolOutcome, Verdict
+from workflows.wire import CHILD_CANCELLED, CHILD_EXISTS, CHILD_HANDED_OFF, CHILD_UNREACHABLE, CHILD_WOKEN, RecoveryRequest, RecoverySource, Refusal, ToolOutcome, Verdict
 
 # Approvals a grant lends at most (more: the child asks its own).
 GRANT_APPROVALS = 20
@@ -99,7 +99,7 @@ class Delegating(RunModel):
         # the writes the delegation's playbook names: the approved plan hash covers them.
         approval = self.data.approval if self.data.approval is not None and not self.lent_approval() else None
         covered = [
-            PlaybookStep(tool=s.tool, args=s.args) for s in (delegation.playbook or [])
+            PlaybookStep(tool=s.tool, args=s.args) for s in policy.named_steps(delegation.playbook or [])
             if approval is not None and s.tool in tools and (info := self.catalog.get(s.tool)) is not None
             and info.effect != ToolEffect.READ_ONLY
         ]
@@ -122,8 +122,49 @@ class Delegating(RunModel):
             max_steps=min(delegation.max_steps, self.limits.max_steps - self.data.steps_executed),
             requested_by=self.request.requested_by,
             parent_goal=self.request.goal[:2000],
+            spent=self.tree_spent(step_id),
+            sums_unknown=self.sums_unknown(step_id),
             **coverage,
         )
+
+    def tree_spent(self, step_id: str) -> dict[str, float]:
+        """The sums a child started for ``step_id`` is judged on: the tree's (this run's totals),
+        and the writes its siblings in the same parallel group make or name, in flight beside it."""
+        totals = dict(self.totals())
+        plan = self.data.plan
+        step = next((s for s in plan.steps if s.tool_call_id == step_id), None) if plan else None
+        if plan is None or step is None or step.group is None:
+            return totals
+        for sibling in plan.steps:
+            if sibling.group != step.group or sibling.tool_call_id == step_id:
+                continue
+            if sibling.tool != DELEGATE:  # this run's own write beside the child
+                if self.is_write(sibling):
+                    policy.spend(totals, sibling.tool, sibling.args)
+                continue
+            for named in policy.named_steps(Delegation.model_validate(sibling.args).playbook or [], nested=True):
+                if self.is_write(named):
+                    policy.spend(totals, named.tool, named.args)
+        return totals
+
+    def sums_unknown(self, step_id: str) -> bool:
+        """Are the tree's sums unknown to a child started for ``step_id``: this run's are (its
+        grant says so), or a sibling in its parallel group may write amounts nobody named (a
+        planner other than its playbook plans it)?"""
+        grant, plan = self.request.grant, self.data.plan
+        if grant is not None and grant.sums_unknown:
+            return True
+        step = next((s for s in plan.steps if s.tool_call_id == step_id), None) if plan else None
+        if plan is None or step is None or step.group is None:
+            return False
+        for sibling in plan.steps:
+            if sibling.group != step.group or sibling.tool != DELEGATE or sibling.tool_call_id == step_id:
+                continue
+            delegation = Delegation.model_validate(sibling.args)
+            planned = delegation.planner not in (None, "playbook") or not delegation.playbook
+            if planned and any(self.is_write(PlaybookStep(tool=t)) for t in delegation.tools):
+                return True
+        return False
 
     def child_request(self, delegation: Delegation, grant: Grant) -> RunRequest:
         return RunRequest(
@@ -145,15 +186,50 @@ class Delegating(RunModel):
         return grant is not None and approval is not None and bool(grant.approved_request) \
             and approval.request_id == grant.approved_request
 
+    def is_write(self, step: PlanStep | PlaybookStep) -> bool:
+        return (info := self.catalog.get(step.tool)) is None or info.effect != ToolEffect.READ_ONLY
+
+    def cover_left(self) -> list[int]:
+        """The grant's covered writes (indexes into ``Grant.covered``) no write of this run has
+        spent yet: the parent's approval named each once."""
+        grant = self.request.grant
+        if grant is None:
+            return []
+        spent = set(self.data.cover_spent.values())
+        return [i for i in range(len(grant.covered)) if i not in spent]
+
+    def _cover_for(self, step: PlanStep, left: list[int]) -> int | None:
+        """The first of ``left`` that names exactly ``step`` (its tool and arguments)."""
+        covered = require(self.request.grant, "no grant").covered
+        return next((i for i in left if covered[i].tool == step.tool and covered[i].args == step.args), None)
+
     def covered_by_parent(self, from_step: int = 0) -> bool:
         """Does the parent's approval cover the plan's remaining writes: each one a write its
-        approved plan named, the same tool and the same arguments?"""
+        approved plan named and no write of this run has spent yet (a multiset: named once,
+        covered once), the same tool and the same arguments?"""
         grant, plan = self.request.grant, self.data.plan
         if grant is None or not grant.approved or plan is None:
             return False
-        covered = [(s.tool, s.args) for s in grant.covered]
-        writes = [s for s in plan.steps[from_step:] if (info := self.catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY]
-        return bool(writes) and all((s.tool, s.args) in covered for s in writes)
+        writes = [s for s in plan.steps[from_step:] if self.is_write(s)]
+        # A write that has spent its cover already (a retry's re-check) stays covered by it.
+        pending = [s for s in writes if s.tool_call_id not in self.data.cover_spent]
+        left = self.cover_left()
+        for step in pending:
+            index = self._cover_for(step, left)
+            if index is None:
+                return False
+            left.remove(index)
+        return bool(writes)
+
+    def spend_cover(self, step: PlanStep) -> None:
+        """A write about to run under the parent's lent approval spends the cover it has (once,
+        whatever its retries): no later write, equal or not, is covered by it."""
+        if not self.lent_approval() or not self.is_write(step) or step.tool_call_id in self.data.cover_spent:
+            return
+        index = self._cover_for(step, self.cover_left())
+        if index is None:
+            raise IllegalState("a write under the parent's approval that it does not cover")
+        self.data.cover_spent[step.tool_call_id] = index
 
     def lend_approval(self, at: datetime) -> None:
         """The parent's approval covers the plan (and the current file still says so): it is
@@ -182,6 +258,10 @@ class Delegating(RunModel):
         if isinstance(result, ToolFailure):
             return result
         self.data.tool_calls += result.steps_executed
+        # What the child's writes may have applied is the tree's: charged to this run's sums,
+        # which judge its next plans and the grants of its later children.
+        for key, value in result.spent.items():
+            self.data.spent[key] = self.data.spent.get(key, 0) + value
         summary = {"child": self.child_id(step.tool_call_id), "state": result.state.value, "answer": result.answer}
         observation = json.dumps(summary, sort_keys=True)
         if result.state == S.COMPLETED:
@@ -197,11 +277,13 @@ class Delegating(RunModel):
         answer = self.child_answer(step, result)
         if isinstance(answer, ToolOutcome):
             self.tool_succeeded(answer, at)
-        elif answer.code == CHILD_HANDED_OFF:
+        elif answer.code in (CHILD_HANDED_OFF, CHILD_UNREACHABLE):
             # A write of the child's may have applied: a person takes the parent too.
-            self._end_step(step, "unknown", CHILD_HANDED_OFF)
-            self.move(S.HANDED_OFF, at=at, actor="runtime", refs=self._end_refs(step, "unknown", CHILD_HANDED_OFF),
-                      reason=f"child run {self.child_id(step.tool_call_id)} handed off: a write of it may have applied; needs a human")
+            self._end_step(step, "unknown", answer.code)
+            why = "handed off" if answer.code == CHILD_HANDED_OFF else "cannot be adopted (it runs on, or its record does not say)"
+            self.move(S.HANDED_OFF, at=at, actor="runtime", refs=self._end_refs(step, "unknown", answer.code),
+                      reason=f"child run {self.child_id(step.tool_call_id)} {why}: a write of it may have applied; "
+                             f"outcome unknown, needs a human")
         else:
             self.tool_failed(answer, at)
 
@@ -305,5 +387,28 @@ class Delegating(RunModel):
         if taken is not None:
             # The child ended before the cancel reached it: its end counts as any.
             self.decide(partial(self.handoff_later, taken[0]))
+        if isinstance(result, ToolFailure) and result.code == CHILD_EXISTS:
+            result = yield from self._adopt_child(run.child_id, require(self.current_step(), "no delegate step"))
         yield from self.child_undos(run.child_id, result)
         self.decide(lambda now: self.child_ended(result, now))
+
+    def _adopt_child(self, child: str, step: PlanStep) -> Program[RunOutcome | ToolFailure]:
+        """The child of this step exists already (this run was reset or repaired after its first
+        start of it): never started again. Closed, its end is the step's (what its closed record
+        says, attested by the fleet key); running or unreadable, what it wrote is unknown: the step
+        ends ``unknown`` and a person takes this run, naming the child; so does one that ended
+        otherwise when its grant could write (a read-only one's end counts as any)."""
+        source = yield Call(
+            "recovery_source", RecoveryRequest(run_id=child, tenant=self.request.tenant), RecoverySource,
+            f"adopt child · {child}", show=False,
+        )
+        if source.refusal is not None or source.state is None:
+            why = source.refusal.message if source.refusal is not None else "its record names no state"
+            return ToolFailure(CHILD_UNREACHABLE, f"child run {child} exists and cannot be adopted: {why}", True)
+        if source.state != S.COMPLETED and self.cancelled_outcome(step) == "unknown":
+            # Ended otherwise (cancelled as the earlier execution closed, failed, handed off): a
+            # write of it may have applied, and its record, not this run, says which.
+            return ToolFailure(CHILD_UNREACHABLE, f"child run {child} exists and ended {source.state.value}", True)
+        return RunOutcome(run_id=child, state=source.state, answer=f"adopted: child run {child} had ended {source.state.value}",
+                          compensations=source.compensations, spent=source.spent)
+

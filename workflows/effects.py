@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
+from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError, WorkflowAlreadyStartedError
 from temporalio.workflow import ActivityCancellationType
 
@@ -58,6 +58,7 @@ from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import TransitionRecord, first_published, implied_links
 from workflows.wire import (
     CHILD_CANCELLED,
+    CHILD_EXISTS,
     CHILD_WOKEN,
     HANDOFF_NOT_STARTED,
     AuditAck,
@@ -96,6 +97,9 @@ END_RECORDS = 200
 CHILD_OUTCOME_SEALED = "tether-child-outcome-sealed"
 # The patch under which a hand-off of the run wakes a parallel group with children.
 GROUP_HANDOFF_WAKES = "tether-group-handoff-wakes"
+# The patch under which a child is started once (its id never reused) and a child's ids derive
+# from its parent's chain and step.
+CHILD_ONCE = "tether-child-once"
 
 
 class Effects(Publishing):
@@ -487,6 +491,7 @@ class Effects(Publishing):
         sealed = workflow.patched(CHILD_OUTCOME_SEALED)
         handle = self._children.get(command.child_id)
         if handle is None:
+            once = workflow.patched(CHILD_ONCE)
             info = workflow.info()
             grant = command.request.grant.model_copy(update={"parent_run": info.run_id})
             with self.keyed():
@@ -500,6 +505,9 @@ class Effects(Publishing):
                     result_type=RunOutcome,
                     task_queue=info.task_queue,
                     parent_close_policy=workflow.ParentClosePolicy.REQUEST_CANCEL,
+                    # A child runs once: its id is its parent's chain and step, and a reset or
+                    # repaired parent meets the one its first start made (closed ones too).
+                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE if once else WorkflowIDReusePolicy.ALLOW_DUPLICATE,
                     cancellation_type=workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED,
                     search_attributes=TypedSearchAttributes([
                         SearchAttributePair(TENANT_ATTRIBUTE, request.tenant),
@@ -508,9 +516,11 @@ class Effects(Publishing):
                     static_summary=command.summary,
                 )
             except WorkflowAlreadyStartedError:
-                return ToolFailure("child_exists", f"child run {command.child_id} exists already (a reset of this run?)", True)
+                return ToolFailure(CHILD_EXISTS, f"child run {command.child_id} exists already (a reset of this run?)", True)
             self._children[command.child_id] = handle
-            self._child_seals[command.child_id] = grant.seal
+            # Its outcome is sealed for the grant as this run's chain makes it (a reset of this run
+            # awaits the child an earlier execution started, under that execution's run id).
+            self._child_seals[command.child_id] = self.chain_seal(command.request.grant) if once else grant.seal
         elif self.engine.child_cancel is not None:
             handle.cancel(self.engine.child_cancel)
         engine = self.engine

@@ -21,7 +21,7 @@ from workflows.commands import Call, Checkpoint, Landed, Mint, RunChild, RunGrou
 from workflows.contract import DELEGATE, PlanStep, ToolEffect
 from workflows.run_model import Program, RunModel, S, ToolFailure, require
 from workflows.states import EffectOutcome, RunState
-from workflows.wire import CHILD_CANCELLED, CHILD_HANDED_OFF, HANDOFF_NOT_STARTED, CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict
+from workflows.wire import CHILD_CANCELLED, CHILD_EXISTS, CHILD_HANDED_OFF, CHILD_UNREACHABLE, HANDOFF_NOT_STARTED, CAPABILITY_EXPIRED, CAPABILITY_KEY_MISSING, LEDGER_UNAVAILABLE, RECORDS_NOT_WRITTEN, Refusal, ToolCall, ToolOutcome, Verdict
 
 # Steps of a group that run at once when the policy sets no max_parallel.
 DEFAULT_PARALLEL = 8
@@ -60,6 +60,7 @@ class Groups(RunModel):
         if max_calls is not None and self.data.tool_calls >= max_calls:
             return None
         self.data.tool_calls += 1
+        self.spend_cover(step)
         refs = self.step_refs(step)
         return ToolCall(
             tool=step.tool, args=step.args, tool_call_id=step.tool_call_id, idempotency_key=refs.idempotency_key or "",
@@ -107,13 +108,14 @@ class Groups(RunModel):
                   reason=f"{what}: {why} in {delay:g}s; its siblings go on")
         return delay, None
 
-    def member_handed_off(self, index: int, members: list[int], done: int, at: datetime) -> RunState:
-        """A child run of the group handed off: a write of it may have applied; the run is handed
-        off at the barrier (its siblings go on)."""
+    def member_handed_off(self, index: int, members: list[int], done: int, code: str, at: datetime) -> RunState:
+        """A child run of the group handed off (or exists and cannot be adopted): a write of it may
+        have applied; the run is handed off at the barrier (its siblings go on)."""
         step = require(self.data.plan, "no plan").steps[index]
-        self._end_step(step, "unknown", CHILD_HANDED_OFF)
-        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", refs=self._end_refs(step, "unknown", CHILD_HANDED_OFF),
-                  reason=f"child run {step.tool_call_id} handed off: a write of it may have applied ({self._where(step, members, done)})")
+        self._end_step(step, "unknown", code)
+        what = "handed off" if code == CHILD_HANDED_OFF else "cannot be adopted"
+        self.move(S.EXECUTING_TOOL, at=at, actor="runtime", refs=self._end_refs(step, "unknown", code),
+                  reason=f"child run {self.child_id(step.tool_call_id)} {what}: a write of it may have applied ({self._where(step, members, done)})")
         return S.HANDED_OFF
 
     def member_cancelled(self, index: int, members: list[int], done: int, at: datetime) -> RunState:
@@ -272,11 +274,15 @@ class Groups(RunModel):
                     ended[index] = self.decide(partial(self.member_cancelled, index, members, done))
                     continue
                 if isinstance(run, RunChild):
+                    if isinstance(result, ToolFailure) and result.code == CHILD_EXISTS:
+                        # Started by an execution of this run before a reset: never again.
+                        result = yield from self._adopt_child(run.child_id, plan.steps[index])
+                        self.at = item.at
                     children.append((run.child_id, result))
                     result = self.child_answer(plan.steps[index], result)
-                    if isinstance(result, ToolFailure) and result.code == CHILD_HANDED_OFF:
+                    if isinstance(result, ToolFailure) and result.code in (CHILD_HANDED_OFF, CHILD_UNREACHABLE):
                         done += 1
-                        ended[index] = self.decide(partial(self.member_handed_off, index, members, done))
+                        ended[index] = self.decide(partial(self.member_handed_off, index, members, done, result.code))
                         continue
                 if isinstance(result, ToolOutcome):
                     done += 1

@@ -117,7 +117,7 @@ class Planning(RunModel):
             self.catalog,
             self.tenant,
             limits=self.limits,
-            spent=self.data.spent,
+            spent=self.totals(),
             executed_steps=self.data.steps_executed,
             new_id=new_id,
             tool_refusal=self.cannot_give,

@@ -26,9 +26,9 @@ from workflows.wire import ApproverRoster, PlanReview, Refusal
 from workflows.run_state import PendingApproval, RunData
 from workflows.budgets import UPDATES_CONTINUE_AT, clip
 from workflows import wording
-from workflows.display import show_value
+from workflows.display import escape_text, show_value
 from workflows.identity import same_person
-from workflows.contract import DELEGATE, Compensation, CompensationCall
+from workflows.contract import DELEGATE, Compensation, CompensationCall, Delegation, PlaybookStep
 from workflows.wire import ToolCall
 from workflows.states import RunState
 
@@ -195,7 +195,7 @@ def _rule_holds(rule: AmountRule, tool: str, totals: dict[str, float]) -> bool:
     return rule.matches(tool, {rule.field: totals[key]})
 
 
-def _step_needs_approval(step: PlanStep, info: ToolInfo | None, tenant: TenantPolicy, totals: dict[str, float]) -> bool:
+def _step_needs_approval(step: PlanStep | PlaybookStep, info: ToolInfo | None, tenant: TenantPolicy, totals: dict[str, float]) -> bool:
     if info is None:
         return True
     if not info.requires_approval:
@@ -223,22 +223,75 @@ def _destructive(info: ToolInfo | None) -> bool:
     return info is None or info.destructive  # an unknown tool is assumed the worst
 
 
+def named_steps(playbook: list[PlaybookStep], *, nested: bool = False) -> list[PlaybookStep]:
+    """The tool steps a playbook names, its groups' too (in order); ``nested``: its delegations'
+    as well (a grandchild asks its own approval: the parent's covers no write of it)."""
+    steps: list[PlaybookStep] = []
+    for step in playbook:
+        if step.parallel is not None:
+            steps.extend(named_steps(step.parallel, nested=nested))
+        elif step.delegate is not None:
+            if nested:
+                steps.extend(named_steps(step.delegate.playbook or [], nested=nested))
+        elif step.tool:
+            steps.append(step)
+    return steps
+
+
+def _writes(info: ToolInfo | None) -> bool:
+    return info is None or info.effect != ToolEffect.READ_ONLY
+
+
+def delegated(args: dict[str, Any], catalog: ToolCatalog) -> tuple[list[PlaybookStep], list[str]]:
+    """What a delegate step hands on that writes: the writes its playbook names (its groups' and
+    its delegations' too), and the tools of its grant that write."""
+    try:
+        delegation = Delegation.model_validate(args)
+    except ValueError:
+        return [], ["?"]  # not a delegation (validation says so): judged as the worst
+    named = [s for s in named_steps(delegation.playbook or []) if _writes(catalog.get(s.tool))]
+    return named, [t for t in delegation.tools if _writes(catalog.get(t))]
+
+
+def _describe_delegation(args: dict[str, Any], catalog: ToolCatalog, named: list[PlaybookStep], tools: list[str]) -> str:
+    """A delegate step for the approver: the child's grant, and the writes it will make under this
+    approval (each as any write: its summary fields, money in words, its undo)."""
+    grant = ", ".join(escape_text(t, 64) for t in tools)
+    if named:
+        what = "; ".join(_describe_step(s.tool, s.args, catalog.get(s.tool)) for s in named)
+        return f"{DELEGATE} (a child run that may write with {grant}; under this approval it writes: {what})"
+    return f"{DELEGATE} (a child run that may write with {grant}; it names no writes: each asks its own approval)"
+
+
 def review_plan(
     plan: Plan, catalog: ToolCatalog, tenant: TenantPolicy | None, spent: dict[str, float] | None = None
 ) -> PlanReview:
-    """What policy says about ``plan``, given what the run has already done (``spent``)."""
+    """What policy says about ``plan``, given what the run has already done (``spent``). A
+    delegation is judged by what it hands on: the writes its playbook names are the plan's (its
+    sums, its approvals), and one whose grant can write naming none is a write itself."""
     tenant = tenant or DEFAULT_TENANT_POLICY
+    handed = {i: delegated(s.args, catalog) for i, s in enumerate(plan.steps) if s.tool == DELEGATE}
+    named = [w for ws, _ in handed.values() for w in ws]
     totals = _totals(plan.steps, spent or {})
-    gated = [s for s in plan.steps if _step_needs_approval(s, catalog.get(s.tool), tenant, totals)]
+    for w in named:
+        spend(totals, w.tool, w.args)
+    blind = [i for i, (ws, tools) in handed.items() if tools and not ws]  # may write, names nothing
+    gated: list[PlanStep | PlaybookStep] = [
+        s for s in plan.steps if s.tool != DELEGATE and _step_needs_approval(s, catalog.get(s.tool), tenant, totals)
+    ]
+    gated += [w for w in named if _step_needs_approval(w, catalog.get(w.tool), tenant, totals)]
+    gated += [plan.steps[i] for i in blind]
+    actions = [(s.tool, catalog.get(s.tool)) for s in plan.steps if s.tool != DELEGATE] + [(w.tool, catalog.get(w.tool)) for w in named]
     high_risk = tenant.high_risk
     high = high_risk is not None and (
-        any(_rule_holds(rule, s.tool, totals) for s in plan.steps for rule in high_risk.when)
-        or (high_risk.destructive and any(_destructive(catalog.get(s.tool)) for s in plan.steps))
+        any(_rule_holds(rule, tool, totals) for tool, _ in actions for rule in high_risk.when)
+        or (high_risk.destructive and any(_destructive(info) for _, info in actions))
     )
     writes = [
+        _describe_delegation(s.args, catalog, *handed[i]) if i in handed else
         _describe_step(s.tool, s.args, catalog.get(s.tool), plan.undo[i] if plan.undo is not None else False)
         for i, s in enumerate(plan.steps)
-        if (info := catalog.get(s.tool)) is None or info.effect != ToolEffect.READ_ONLY
+        if (handed[i][1] if i in handed else _writes(catalog.get(s.tool)))
     ]
     summary = (
         f"{len(writes)} of {len(plan.steps)} step(s) write: " + "; ".join(writes)

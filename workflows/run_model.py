@@ -194,6 +194,7 @@ class Phases(Protocol):
     def max_depth(self) -> int | None: ...
     def grant_refusal(self, tool: str) -> str | None: ...
     def covered_by_parent(self, from_step: int = 0) -> bool: ...
+    def spend_cover(self, step: PlanStep) -> None: ...
     def lent_approval(self) -> bool: ...
     def lend_approval(self, at: datetime) -> None: ...
     def delegation_problem(self, args: dict[str, Any]) -> str | None: ...
@@ -203,6 +204,7 @@ class Phases(Protocol):
     def child_answer(self, step: PlanStep, result: RunOutcome | ToolFailure) -> ToolOutcome | ToolFailure: ...
     def child_undos(self, child: str, result: RunOutcome | ToolFailure) -> Program[None]: ...
     def child_id(self, step_id: str) -> str: ...
+    def _adopt_child(self, child: str, step: PlanStep) -> Program[RunOutcome | ToolFailure]: ...
     def _await_children(self, command: RunChild | RunGroup) -> Program[tuple[Any, tuple[HandoffRequest, Verdict] | None]]: ...
     def cancelled_outcome(self, step: PlanStep) -> Literal["unknown", "failed"]: ...
     def handed_off_with_children(
@@ -335,7 +337,16 @@ class RunModel(Phases):
     def ids(self, basis: str) -> Callable[[int], str]:
         """Tool call ids (and so idempotency keys) from the run chain and the decision that made
         the plan: a reset or a replay makes the same ones, another run never does."""
-        return tool_call_ids(self.data.first_run_id, basis)
+        return tool_call_ids(self.id_chain(), basis)
+
+    def id_chain(self) -> str:
+        """What a run's ids derive from: its chain's first run; a child's (started by this build,
+        ``child_ids``), its workflow id, which is its parent's and the parent's step: a start of it
+        again (its parent reset or repaired) makes the same ids, and the effect ledger knows them."""
+        grant = self.request.grant
+        if self.child_ids and grant is not None and grant.child == self.workflow_id:
+            return f"child:{grant.child}"
+        return self.data.first_run_id
 
     def on_record(self, record: TransitionRecord | None) -> None:
         if record is not None:  # None: a refusal in a flood, counted but not recorded
@@ -398,9 +409,27 @@ class RunModel(Phases):
             idempotency_key=f"{self.workflow_id}:{step.tool_call_id}",
         )
 
+    def totals(self) -> dict[str, float]:
+        """What the tree this run is part of has done (and had in flight) that the run knows of,
+        per "tool.field": its own writes and its children's, charged back as they end, and a
+        child's grant's sums (the tree's when its parent started it). Amount rules judge these."""
+        grant = self.request.grant
+        if grant is None or not grant.spent:
+            return self.data.spent
+        totals = dict(grant.spent)
+        for key, value in self.data.spent.items():
+            totals[key] = totals.get(key, 0) + value
+        return totals
+
     def review(self) -> PlanReview:
         plan = require(self.data.plan, "no validated plan to review")
-        return policy.review_plan(plan, self.catalog, self.tenant, self.data.spent)
+        tenant, grant = self.tenant, self.request.grant
+        if grant is not None and grant.sums_unknown:
+            # The tree's sums are not known here (a sibling may write amounts nobody named): no
+            # amount rule auto-approves, each write asks.
+            base = tenant or policy.DEFAULT_TENANT_POLICY
+            tenant = base.model_copy(update={"auto_approve": base.auto_approve.model_copy(update={"limits": []})})
+        return policy.review_plan(plan, self.catalog, tenant, self.totals())
 
     def actor(self, name: str, verified: bool = False, via: str | None = None) -> str:
         """How a person shows on the timeline: verified identities say how (their own
@@ -431,6 +460,9 @@ class RunModel(Phases):
 
     # Why the run's grant was refused at its start (the workflow checks its seal), or None.
     grant_problem: str | None = None
+    # A child run's ids derive from its parent's chain and step (set by the workflow for runs this
+    # build started; a recorded history of an earlier build replays its own).
+    child_ids: bool = False
     # Plan indexes of the steps the running RunGroup carries, in its order (for a cancel, and
     # the tree's children under way).
     group_running: list[int] | None = None

@@ -143,6 +143,10 @@ class RunData(BaseModel):
     # Sum of each numeric argument, per "tool.field", over executed steps that may have applied:
     # auto-approval and high-risk limits apply to these sums, so they cannot be split.
     spent: dict[str, float] = Field(default_factory=dict)
+    # A child run's: which of its grant's covered writes (an index into Grant.covered) each of
+    # its writes spent, by tool call id. The parent's approval named each once: spent, it covers
+    # no other write (carried by continue-as-new; a reset replays it).
+    cover_spent: dict[str, int] = Field(default_factory=dict)
     first_run_id: str = ""
     requester_verified: bool = False
     replans: int = 0
@@ -166,6 +170,11 @@ class RunData(BaseModel):
     plan_editors: list[str] = Field(default_factory=list)  # who revised the current plan
     plan_revisers: list[str] = Field(default_factory=list)  # of them, who changed its steps (not a partial approval)
     not_approved: list[NotApproved] = Field(default_factory=list)  # for the next planner call
+
+    @model_serializer(mode="wrap")
+    def _new_fields_when_set(self, handler: Any) -> dict[str, Any]:
+        # Carried state sealed before a field existed reads (and digests) as it was.
+        return omit_defaults(handler(self), {"cover_spent": {}})
 
     @property
     def steps_executed(self) -> int:
@@ -221,11 +230,19 @@ class RunSnapshot(BaseModel):
     depth: int = 0
     grant_tools: list[str] = Field(default_factory=list)
     children: list[str] = Field(default_factory=list)
+    # In a tree: the writes the parent's approval named for this child, and how many of them its
+    # writes have spent; and what the run's writes (its children's, charged back) may have
+    # applied, per "tool.field" (RunData.spent), next to what the tree had done when it started.
+    covered: int = 0
+    covered_spent: int = 0
+    spent: dict[str, float] = Field(default_factory=dict)
+    tree_spent: dict[str, float] = Field(default_factory=dict)
 
     @model_serializer(mode="wrap")
     def _tree_when_set(self, handler: Any) -> dict[str, Any]:
         # Left out for a run outside any tree: snapshots and views read as they did.
-        return omit_defaults(handler(self), {"parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": []})
+        return omit_defaults(handler(self), {"parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": [],
+                                             "covered": 0, "covered_spent": 0, "spent": {}, "tree_spent": {}})
 
 
 class RunView(Packed):
@@ -266,6 +283,9 @@ class RunOutcome(BaseModel):
     steps_digest: str = ""
     # The compensations of the run's ok writes (done or not): what ``tether compensate`` runs.
     compensations: list[CompensationCall] = Field(default_factory=list)
+    # What the run's writes (its children's included) may have applied, per "tool.field"
+    # (RunData.spent): a child's is charged back to its parent.
+    spent: dict[str, float] = Field(default_factory=dict)
     # A child run's: its workflow code's seal (the fleet key) over this outcome and its grant,
     # which the parent checks before it acts on the child's end (``sealing.Keyed.check_outcome``).
     seal: str = ""
@@ -278,10 +298,10 @@ class RunOutcome(BaseModel):
         # The run's result is written into its history: the fields a bounded result leaves at
         # their defaults (no steps, no timeline, nothing before, no compensations) are left out;
         # read back, they are the same.
-        return {k: v for k, v in handler(self).items() if not (k in _OUTCOME_OPTIONAL and v in ([], 0, ""))}
+        return {k: v for k, v in handler(self).items() if not (k in _OUTCOME_OPTIONAL and v in ([], 0, "", {}))}
 
 
-_OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_digest", "compensations", "seal"})
+_OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_digest", "compensations", "spent", "seal"})
 
 
 RunData.model_rebuild()

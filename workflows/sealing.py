@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from temporalio import workflow
 
 from workflows import keys
-from workflows.contract import json_digest
+from workflows.contract import Grant, json_digest
 from workflows.run_state import RunOutcome, RunRequest
 from workflows.states import TransitionRecord, record_link
 from workflows.wire import AuthorityCheck, DecisionCheck, ToolCall
@@ -69,13 +69,22 @@ class Keyed:
             return "the grant's tenant or requester differs from the run's"
         return None
 
-    def seal_outcome(self, request: RunRequest, outcome: RunOutcome) -> RunOutcome:
-        """A child run's outcome, sealed for its grant: its parent acts on no other."""
+    def seal_outcome(self, request: RunRequest, outcome: RunOutcome, *, chain: bool = False) -> RunOutcome:
+        """A child run's outcome, sealed for its grant: its parent acts on no other. ``chain``
+        (a child this build started): for its grant as its parent's chain made it, whichever of
+        the parent's executions started it (a reset parent awaits the child the one before did)."""
         if request.grant is None:
             return outcome
         with self.keyed():
-            outcome.seal = keys.seal_outcome(self.ring(), request.grant.seal, outcome.sealed_digest())
+            grant_seal = self.chain_seal(request.grant) if chain else request.grant.seal
+            outcome.seal = keys.seal_outcome(self.ring(), grant_seal, outcome.sealed_digest())
         return outcome
+
+    def chain_seal(self, grant: Grant) -> str:
+        """The fleet key's seal over ``grant`` less the parent execution that started the child:
+        the same for every execution of the parent's chain that makes it (from the same history)."""
+        with self.keyed():
+            return keys.seal_grant(self.ring(), grant.model_copy(update={"parent_run": "-", "seal": ""}).sealed_digest())
 
     def check_outcome(self, grant_seal: str, child_id: str, outcome: RunOutcome) -> None:
         """The child's end as its own workflow code sealed it for this grant, or a forgery (a

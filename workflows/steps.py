@@ -63,7 +63,7 @@ class Steps(RunModel):
         # file judges them (auto-approval, or the roles and count an approval needs now).
         context = check_context(
             data.plan, self._write_steps(), self.catalog, from_step=from_step, tenant=self.request.tenant,
-            spent=data.spent, workflow_id=self.workflow_id, first_run_id=data.first_run_id,
+            spent=self.totals(), workflow_id=self.workflow_id, first_run_id=data.first_run_id,
             requested_by=self.request.requested_by,
         )
         if context is None:
@@ -141,6 +141,8 @@ class Steps(RunModel):
             )
             return None
         data.tool_calls += 1  # every call the workflow schedules, retries included
+        if self.state == S.EXECUTING_TOOL:
+            self.spend_cover(step)
         refs = self.step_refs(step)
         return ToolCall(
             tool=step.tool,

@@ -28,6 +28,8 @@ class Views(RunModel):
             steps_before=data.executed_before,
             steps_digest=data.executed_digest,
             compensations=data.compensations,
+            # A child's (this build's) sums, charged back to its parent; a root's result is as it was.
+            spent=dict(data.spent) if self.child_ids else {},
         )
 
     def steps(self) -> list[ExecutedStep]:
@@ -73,7 +75,10 @@ class Views(RunModel):
         grant = self.request.grant
         tree: dict[str, Any] = {}
         if grant is not None:
-            tree.update(parent=grant.parent, parent_goal=grant.parent_goal, depth=grant.depth, grant_tools=grant.tools)
+            tree.update(parent=grant.parent, parent_goal=grant.parent_goal, depth=grant.depth, grant_tools=grant.tools,
+                        covered=len(grant.covered), covered_spent=len(self.data.cover_spent), tree_spent=dict(grant.spent))
+            if not self.child_ids:  # a child an earlier build started: its view reads as it was
+                tree.update(covered=0, covered_spent=0, tree_spent={})
         plan = self.data.plan
         if plan is not None:
             delegated = {s.tool_call_id for s in self.data.executed if s.tool == DELEGATE}
@@ -82,6 +87,8 @@ class Views(RunModel):
             # A group's children under way.
             delegated |= {plan.steps[i].tool_call_id for i in self.group_running or [] if plan.steps[i].tool == DELEGATE}
             tree["children"] = [f"{self.workflow_id}.{s.tool_call_id}" for s in plan.steps if s.tool_call_id in delegated]
+        if self.child_ids:  # a child this build started (a recorded view reads as it was)
+            tree["spent"] = dict(self.data.spent)
         return tree
 
     def _plan_tools(self) -> list[ToolInfo]:

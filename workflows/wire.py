@@ -106,6 +106,12 @@ CHILD_CANCELLED = "child_cancelled"
 HANDOFF_NOT_STARTED = "handoff_not_started"
 # A child run that handed off: a write of it may have applied (its parent is handed off too).
 CHILD_HANDED_OFF = "child_handed_off"
+# The child run of a delegate step exists already (this run was reset, or repaired, after it
+# started it): it is never started again.
+CHILD_EXISTS = "child_exists"
+# A child run this run can neither start nor read the end of (it runs on, or its record does
+# not say): what it wrote is not known, and a person takes this run.
+CHILD_UNREACHABLE = "child_unreachable"
 
 
 # An activity found a seal or capability naming a key id this worker does not hold.
@@ -539,9 +545,16 @@ class RecoverySource(BaseModel):
     state: RunState | None = None
     compensations: list[CompensationCall] = Field(default_factory=list)
     refusal: Refusal | None = None
+    # A child run's sums (RunSnapshot.spent): a parent that adopts it charges them to its own.
+    spent: dict[str, float] = Field(default_factory=dict)
     # The fleet key's MAC over the request and this answer (workflows/keys.py), made by the
     # activity and checked by the workflow code before the run acts on it.
     attestation: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _spent_when_set(self, handler: Any) -> dict[str, Any]:
+        # Answers recorded (and attested) before the field existed read as they were.
+        return omit_defaults(handler(self), {"spent": {}})
 
 
 class AuditBatch(Packed):

@@ -64,6 +64,18 @@ class Overreacher:
         return Proposal(steps=[ProposedStep(tool="issue_refund", args=refund("A-1003", 300, self.reason)["args"])])
 
 
+def writing_delegation() -> dict:
+    """A delegation whose grant can refund and which names no write: its child's planner
+    proposes one (``writing_child``), which no approval of the parent's covers."""
+    body = delegate(tools=("issue_refund",), goal="child: refund A-1003")
+    body["delegate"]["planner"] = "overreach"
+    return body
+
+
+def writing_child(reason: str) -> dict:
+    return {**BUILTIN_PLANNERS, "overreach": Overreacher(reason)}
+
+
 async def started_child(env: WorkflowEnvironment, child_id: str):
     """The child's handle, once the parent has started it (waits for that event, not a time)."""
     from temporalio.service import RPCError
@@ -381,11 +393,11 @@ async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_p
     policy.write_text(POLICY.format(inbox=raw_public(keys["inbox"]), alice=raw_public(keys["alice"]),
                                     bob=raw_public(keys["bob"]), tenant=tenant, signed=unique("tree-signed")))
     reason = uuid.uuid4().hex
-    async with running_worker(dev_env.client, policy=PolicyStore(policy)) as worker:
-        request = make_request([delegate(refund("A-1002", 300, reason), tools=("issue_refund",))],
-                               goal="Parent: refund A-1002 via a child", tenant=tenant)
+    async with running_worker(dev_env.client, policy=PolicyStore(policy), planners=writing_child(reason)) as worker:
+        request = make_request([writing_delegation()], goal="Parent: refund A-1002 via a child", tenant=tenant)
         root = await start_run(dev_env.client, worker, request)
-        snap = await wait_for_state(root, "EXECUTING_TOOL")
+        snap = await wait_for_state(root, "AWAITING_APPROVAL")  # a delegation that may write: bob approves
+        await root.signal("approve", approval_for(snap, "bob"))
         child = await started_child(dev_env, f"{root.id}.{snap.plan.steps[0].tool_call_id}")
         await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
         # The list reads visibility, which catches up with the run a moment later: wait for it.
@@ -689,9 +701,10 @@ async def test_a_handoff_of_the_parent_while_its_writing_child_awaits_approval(d
     from workflows.contract import HandoffRequest
 
     reason = uuid.uuid4().hex
-    async with running_worker(dev_env.client) as worker:
-        handle = await start_run(dev_env.client, worker, make_request([delegate(refund("A-1002", 300, reason), tools=("issue_refund",))]))
-        snap = await wait_for_state(handle, "EXECUTING_TOOL")
+    async with running_worker(dev_env.client, planners=writing_child(reason)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([writing_delegation()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")  # a delegation that may write: bob approves
+        await handle.signal("approve", approval_for(snap, "bob"))
         child = await started_child(dev_env, f"{handle.id}.{snap.plan.steps[0].tool_call_id}")
         await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
         await handle.signal("handoff", HandoffRequest(by="dana", reason="the customer called"))

@@ -14,11 +14,16 @@ step result. Invariants, checked as the runs go:
 - a child calls only tools its grant gives;
 - no write runs without an approval in force (a lent one only for a write the parent's approved
   plan named: the same tool and arguments);
-- every unsafe write is sent at most once.
+- every unsafe write is sent at most once;
+- a lent approval covers no more writes than the parent's plan named (each once);
+- a parent that meets its child existing (as a reset of it would: the child ran, or runs on)
+  adopts it and never takes it as not applied: a delegate step whose child (or a run under it)
+  may have written and did not complete, or still runs, ends ``unknown``.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import Counter
 from datetime import datetime, timedelta, timezone
@@ -35,7 +40,8 @@ from workflows.engine import Engine
 from workflows.policy_file import Budgets, TenantPolicy
 from workflows.run_state import RunData, RunOutcome, RunRequest
 from workflows.states import TERMINAL, RunState
-from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySource, ToolOutcome, Verdict
+from workflows.run_model import ToolFailure
+from workflows.wire import CHILD_EXISTS, PolicySnapshot, Proposal, ProposedStep, RecoverySource, Refusal, ToolOutcome, Verdict
 
 S = RunState
 CATALOG = REGISTRY.catalog()
@@ -65,12 +71,18 @@ class Tree:
         self.tenant = TenantPolicy(budgets=Budgets(max_depth=max_depth, max_parallel=3))
         self.sent: Counter[str] = Counter()
         self.runs = 0
+        self.written: set[str] = set()  # the keys of the writes sent
+        self.existing: set[str] = set()  # children a parent met as existing (a reset of it)
+        self.running: set[str] = set()  # of them, those whose record says they run on
+        self.lent: dict[str, dict[str, str]] = {}  # each child's writes under a lent approval, by key
         self.ended: dict[str, RunOutcome] = {}  # each child's outcome, by its workflow id
         self.skip_to: datetime | None = None  # the time the next answer lands at, when later
 
     def engine(self, request: RunRequest, workflow_id: str) -> Engine:
         data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=self.tenant, policy_hash="h", source="test"))
-        return Engine(data, request, workflow_id=workflow_id, new_request_id=lambda: uuid.uuid4().hex, started_at=START)
+        engine = Engine(data, request, workflow_id=workflow_id, new_request_id=lambda: uuid.uuid4().hex, started_at=START)
+        engine.child_ids = request.grant is not None  # as the workflow sets it for a child this build starts
+        return engine
 
     # ------------------------------------------------------------------ proposals
 
@@ -127,7 +139,16 @@ class Tree:
             assert approval is not None and approval.approvals, f"a write of {tool} with no approval in force"
             if engine.lent_approval():
                 assert (tool, args) in [(c.tool, c.args) for c in grant.covered], "a lent approval for a write it did not name"
+                # Named once, covered once: the writes run under it (each once, retries aside)
+                # are never more than its plan named, however many rounds propose them.
+                lent = self.lent.setdefault(engine.workflow_id, {})
+                lent[key] = json.dumps([tool, args], sort_keys=True)
+                named = Counter(json.dumps([c.tool, c.args], sort_keys=True) for c in grant.covered)
+                over = [w for w, n in Counter(lent.values()).items() if n > named[w]]
+                assert not over, f"a lent approval covering more writes than it named: {over}"
         self.sent[key] += 1
+        if effect(tool) != ToolEffect.READ_ONLY:
+            self.written.add(key)
         if effect(tool) == ToolEffect.UNSAFE:
             assert self.sent[key] == 1, f"unsafe write {key} sent twice"
 
@@ -153,12 +174,37 @@ class Tree:
             if self.skip_to is not None:  # nobody approved: time runs to the request's expiry
                 now, self.skip_to = max(now, self.skip_to), None
             e.on(command, answer, now + timedelta(seconds=1))
-        return e.outcome(workflow_id)
+        self.check_adopted(e)
+        outcome = e.outcome(workflow_id)
+        outcome.steps = list(e.data.executed)  # as run_outcome fills them in
+        return outcome
 
-    def child(self, e: Engine, command: RunChild) -> RunOutcome:
+    def child(self, e: Engine, command: RunChild) -> RunOutcome | ToolFailure:
+        """The child's end; or, as for a parent reset after an earlier execution of it started the
+        child: the child exists (it ran, or runs on), and the parent must adopt it, never start it
+        again nor take it as not applied."""
         self.check_grant(e, command)
         self.ended[command.child_id] = self.run(command.request, command.child_id)
-        return self.ended[command.child_id]
+        mode = self.draw(st.sampled_from(["started", "started", "exists", "runs_on"]))
+        if mode == "started":
+            return self.ended[command.child_id]
+        if mode == "runs_on":
+            self.running.add(command.child_id)  # its record says it is still running
+        self.existing.add(command.child_id)
+        return ToolFailure(CHILD_EXISTS, "exists", True)
+
+    def check_adopted(self, e: Engine) -> None:
+        """A parent that met an existing child: never 'failed' (not applied) when that child
+        wrote; a running one ends the step unknown and hands the parent off."""
+        for step in e.data.executed:
+            child = f"{e.workflow_id}.{step.tool_call_id}"
+            if step.tool != DELEGATE or child not in self.existing:
+                continue
+            ended = self.ended[child]
+            # A write sent by the child or any run under it (their ids start with the child's).
+            wrote = any(key.startswith((f"{child}:", f"{child}.")) for key in self.written)
+            if child in self.running or (ended.state != S.COMPLETED and wrote):
+                assert step.outcome == "unknown", f"a child that may have written taken as {step.outcome}: {child}"
 
     def answer(self, e: Engine, command: Any) -> Any:
         if isinstance(command, Probe):
@@ -171,6 +217,8 @@ class Tree:
             if command.name in ("policy_check_authority", "policy_check_decision", "policy_check_handoff"):
                 return Verdict(policy_hash="h")
             if command.name == "recovery_source":  # a completed child's undos, as its record says
+                if command.arg.run_id in self.running:
+                    return RecoverySource(run_id=command.arg.run_id, refusal=Refusal(rule="still_running", message="running"))
                 ended = self.ended[command.arg.run_id]
                 return RecoverySource(run_id=ended.run_id, state=ended.state, compensations=ended.compensations)
             raise AssertionError(f"no answer to {command.name}")

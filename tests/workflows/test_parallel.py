@@ -292,8 +292,21 @@ async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev
 
 
 def writer(tag: str, n: int) -> dict:
-    """A delegation whose child writes (an idempotent refund): it waits for its own approval."""
-    return {"delegate": {"goal": f"refund {n}", "tools": ["group_refund"], "max_steps": 2, "playbook": [step("group_refund", tag, n)]}}
+    """A delegation whose child writes (an idempotent refund its planner proposes, which the
+    delegation does not name): it waits for its own approval."""
+    return {"delegate": {"goal": f"refund {n}", "tools": ["group_refund"], "max_steps": 2, "planner": "group-refunder"}}
+
+
+class GroupRefunder:
+    """The writer child's planner: the refund ``step("group_refund", tag, n)`` would make, once."""
+
+    def __init__(self, tag: str, n: int) -> None:
+        self.step = step("group_refund", tag, n)
+
+    async def propose(self, request, catalog):
+        if request.executed:
+            return Proposal(answer="done")
+        return Proposal(steps=[ProposedStep(tool=self.step["tool"], args=self.step["args"])])
 
 
 async def test_a_handoff_during_a_group_cancels_its_open_children_and_waits_for_its_read(
@@ -307,9 +320,16 @@ async def test_a_handoff_during_a_group_cancels_its_open_children_and_waits_for_
 
     tag = uuid.uuid4().hex[:8]
     playbook = [group(writer(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
-    async with running_worker(dev_env.client, registry=REGISTRY) as worker:
+    from activities.planning import BUILTIN_PLANNERS
+
+    planners = {**BUILTIN_PLANNERS, "group-refunder": GroupRefunder(tag, 1)}
+    async with running_worker(dev_env.client, registry=REGISTRY, planners=planners) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(playbook))
+        # A delegation that may write is the plan's write: bob approves the parent's plan.
+        await handle.signal("approve", approval_for(await wait_for_state(handle, "AWAITING_APPROVAL"), "bob"))
         # The second child's read and the parent's own are running.
-        handle, ids = await all_running(dev_env.client, worker, playbook, tag, 2)
+        await started(tag, 2)
+        ids = [f"{handle.id}.{s.tool_call_id}" for s in (await snapshot(handle)).plan.steps[:2]]
         await wait_for_state(await started_child(dev_env, ids[0]), "AWAITING_APPROVAL", timeout=60)
         await handle.signal("handoff", HandoffRequest(by="dana", reason="the customer called"))
         for child_id in ids:

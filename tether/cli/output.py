@@ -61,6 +61,11 @@ def step_lines(plan: object, tools: Sequence[object] = ()) -> list[str]:
     return lines
 
 
+def _sums(sums: dict[str, float]) -> str:
+    """A run's sums per "tool.field", as the amount rules judge them."""
+    return ", ".join(f"{show(key)} {value:g}" for key, value in sorted(sums.items()))
+
+
 def format_status(s: client.RunStatus) -> str:
     """A run's status for a terminal. Everything a requester, model, tool or signal sender could
     have written (ids, reasons, summaries, arguments, answers) goes through workflows/display.py."""
@@ -74,6 +79,13 @@ def format_status(s: client.RunStatus) -> str:
     if s.parent:  # a child run: whose, and what its grant gives it
         lines.append(f"child of   {show(s.parent)} (depth {s.depth}): {show(s.parent_goal, 200)}")
         lines.append(f"grant      tools {', '.join(show(t) for t in s.grant_tools)}")
+        if s.covered:
+            lines.append(f"approval   the parent's approval named {s.covered} write(s): {s.covered_spent} spent, "
+                         f"{s.covered - s.covered_spent} left")
+        if s.tree_spent:
+            lines.append(f"tree had   {_sums(s.tree_spent)} (when its parent started it: its plans are judged on these too)")
+    if s.spent:  # a child: what its writes (its own children's included) may have applied
+        lines.append(f"spent      {_sums(s.spent)}")
     for child in s.children:
         lines.append(f"child      {show(child)}  ({invoked_as()} status {show(shlex.quote(child))})")
     if s.published_at is not None:

@@ -1,0 +1,336 @@
+"""Delegation cannot go around the gate (issue 56), on the dev server with real workers and the
+real billing service: the writes a parent's approval names for a delegation are spent once, and
+a child's plan is judged on what the tree has done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+from temporalio.testing import WorkflowEnvironment
+
+from activities.planning import BUILTIN_PLANNERS
+from tether.cli.output import format_status
+from tether.client import status
+from activities.policy_file import PolicyStore
+from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, timeline, wait_for_state
+from tests.workflows.test_delegation import delegate, refund, refunds_with, started_child
+from workflows.contract import ToolCatalog
+from workflows.states import RunState
+from workflows.wire import PlannerInput, Proposal, ProposedStep
+
+S = RunState
+
+
+class Repeater:
+    """A child's planner gone wrong (a model: untrusted): it proposes the same write every round,
+    ``rounds`` times, then answers."""
+
+    def __init__(self, step: dict, rounds: int = 3) -> None:
+        self.step, self.rounds = step, rounds
+
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
+        if len(request.executed) >= self.rounds:
+            return Proposal(answer="done")
+        return Proposal(steps=[ProposedStep(tool=self.step["tool"], args=self.step["args"])])
+
+
+async def test_one_approval_covering_a_named_refund_makes_at_most_one_refund(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """bob approves a plan whose delegation names one 3,000-cent refund; the child's planner
+    proposes it in three rounds. The first runs under bob's approval, spent; the second asks the
+    child's own approval (nobody gave it: nothing more is refunded)."""
+    reason = uuid.uuid4().hex
+    named = refund("A-1002", 3000, reason)
+    planners = {**BUILTIN_PLANNERS, "repeat": Repeater(named)}
+    body = delegate(named, tools=("issue_refund",), goal="refund the named amount", max_steps=5)
+    body["delegate"]["planner"] = "repeat"
+    async with running_worker(dev_env.client, planners=planners) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([body]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")  # the delegated refund is the plan's write
+        assert "under this approval it writes: issue_refund" in snap.pending_approval.summary
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child = await started_child(dev_env, f"{handle.id}.{snap.plan.steps[0].tool_call_id}")
+        child_snap = await wait_for_state(child, "AWAITING_APPROVAL", "COMPLETED", "FAILED", timeout=90)
+        records = await timeline(child)
+        shown = format_status(await status(dev_env.client, child.id, live=True))
+        await handle.cancel()
+    assert child_snap.state == S.AWAITING_APPROVAL, child_snap.last_error
+    assert child_snap.pending_approval is not None and child_snap.approved_by == []
+    assert len(refunds_with(billing, reason)) == 1
+    covered = [r for r in records if "covered by the approval of parent run" in r.reason]
+    assert len(covered) == 1  # the approval was lent once, for the one refund it named
+    # `tether status` of the child: what it spent of the approval and of the budgets.
+    assert "approval   the parent's approval named 1 write(s): 1 spent, 0 left" in shown, shown
+    assert "spent      issue_refund.amount_cents 3000" in shown, shown
+
+
+AUTO_5000 = """
+[tenants.default.auto_approve]
+limits = [{ tool = "issue_refund", field = "amount_cents", max = 5000 }]
+"""
+
+
+class Refunder:
+    """Each child's planner: one refund of ``cents`` (the reason its goal names), then done."""
+
+    def __init__(self, cents: int) -> None:
+        self.cents = cents
+
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
+        if request.executed:
+            return Proposal(answer="done")
+        return Proposal(steps=[ProposedStep(tool="issue_refund", args=refund("A-1002", self.cents, request.goal.split()[-1])["args"])])
+
+
+async def test_three_delegations_under_a_5000_cent_sum_wait_for_an_approver(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The tenant auto-approves refunds while the run's sum stays within 5,000 cents. Three
+    delegations each refund 4,000: the first child's runs alone; the second's is judged on the
+    tree's sum (8,000: the first child's charged back to the parent) and waits for an approver."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(AUTO_5000)
+    reasons = [uuid.uuid4().hex for _ in range(3)]
+    planners = {**BUILTIN_PLANNERS, "refunder": Refunder(4000)}
+    bodies = []
+    for reason in reasons:
+        body = delegate(tools=("issue_refund",), goal=f"refund 4,000 cents for {reason}", max_steps=2)
+        body["delegate"]["planner"] = "refunder"
+        bodies.append(body)
+    async with running_worker(dev_env.client, planners=planners, policy=PolicyStore(policy)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request(bodies, limits={"max_steps": 10}))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL", "EXECUTING_TOOL")
+        if snap.state == S.AWAITING_APPROVAL:  # the parent's plan may ask first: bob approves it
+            await handle.signal("approve", approval_for(snap, "bob"))
+        waiting = None
+        for step in snap.plan.steps:
+            child = await started_child(dev_env, f"{handle.id}.{step.tool_call_id}")
+            child_snap = await wait_for_state(child, "AWAITING_APPROVAL", "COMPLETED", "FAILED", timeout=90)
+            if child_snap.state != S.COMPLETED:
+                waiting = child_snap
+                break
+        await handle.cancel()
+    refunded = [len(refunds_with(billing, reason)) for reason in reasons]
+    assert sum(refunded) <= 1, refunded  # at most 4,000 cents without a person
+    assert waiting is not None and waiting.state == S.AWAITING_APPROVAL, waiting and waiting.last_error
+    assert waiting.tree_spent["issue_refund.amount_cents"] == 4000  # the first child's, charged back
+
+
+async def _approve_tree(env: WorkflowEnvironment, handle, *child_ids: str) -> None:
+    """bob approves whatever of the tree asks (the parent's plan, or the child's own), until the
+    parent's execution ends."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    from tests.conftest import snapshot
+
+    approved: set[str] = set()
+    while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+        for run in (handle, *(env.client.get_workflow_handle(c) for c in child_ids)):
+            try:
+                snap = await snapshot(run)
+            except RPCError:
+                continue  # not started yet
+            if snap.state == S.AWAITING_APPROVAL and snap.pending_approval.request_id not in approved:
+                approved.add(snap.pending_approval.request_id)
+                await run.signal("approve", approval_for(snap, "bob"))
+        await asyncio.sleep(0.05)
+
+
+async def _reset_to_each(client, handle, points: list[int]) -> dict:
+    """Reset the run (its first execution, as the Web UI's Reset does) to each of ``points`` in
+    turn; how each reset run ended: {point: (state, its last record's reason)}."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tests.activities.test_effect_ledger import reset_run_outcome
+
+    ended = {}
+    for point in points:
+        reset = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=handle.id, run_id=handle.result_run_id),
+                reason=f"test: reset to workflow task {point}", workflow_task_finish_event_id=point,
+                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            )
+        )
+        again, _ = await asyncio.wait_for(reset_run_outcome(client, handle.id, reset.run_id), 120)
+        ended[point] = (again.state, again.timeline[-1].reason)
+    return ended
+
+
+async def test_a_reset_of_the_parent_to_every_workflow_task_runs_its_child_once(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """A parent whose child made an approved refund and email, reset (the Web UI's Reset) to each
+    of its completed workflow tasks in turn: the reset parent never starts the child again (it
+    adopts the closed one: its end, its undos), one refund and one email in the billing database,
+    and no reset parent ends as if the child's writes were not applied."""
+    from temporalio.api.enums.v1 import EventType
+
+    from tests.activities.test_effect_ledger import counts_in_db
+    from tether.client import run_outcome
+
+    client = dev_env.client
+    to = f"{uuid.uuid4().hex[:10]}@example.com"
+    writes = (refund("A-1002", 700, "reset the parent"),
+              {"tool": "send_email", "args": {"to": to, "subject": "your refund", "body": "sent once"}})
+    async with running_worker(client) as worker:
+        handle = await start_run(client, worker, make_request([delegate(*writes, tools=("issue_refund", "send_email"), goal="refund and tell")]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL", "EXECUTING_TOOL")
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        await asyncio.wait_for(_approve_tree(dev_env, handle, child_id), 120)
+        first = await run_outcome(handle)
+        assert first.state == S.COMPLETED, first.timeline[-1].reason
+        assert counts_in_db(billing, handle.id) == {"refunds": 1, "ledger": 0, "emails": 1}
+        events = (await handle.fetch_history()).events
+        points = [e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED]
+        # Before the child's start, the task that started it, while it ran, after its end.
+        started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
+        closed = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED)
+        assert min(points) < started < closed < max(points), (points, started, closed)
+        ended = await _reset_to_each(client, handle, points)
+        child_runs = [e async for e in client.list_workflows(f"WorkflowId = '{child_id}'")]
+    assert len(child_runs) == 1, [c.run_id for c in child_runs]  # started once, whatever the resets
+    assert counts_in_db(billing, handle.id) == {"refunds": 1, "ledger": 0, "emails": 1}
+    assert {state for state, _ in ended.values()} == {S.COMPLETED}, ended
+
+
+async def test_a_reset_of_the_parent_of_a_group_of_children_runs_each_once(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """Two delegations in one parallel group, each a named refund under bob's approval of the
+    parent's plan; the parent reset to each of its workflow tasks: each child runs once, two
+    refunds in the billing database, every reset parent COMPLETED (it adopts the closed children)."""
+    from temporalio.api.enums.v1 import EventType
+
+    from tests.activities.test_effect_ledger import counts_in_db
+    from tether.client import run_outcome
+
+    client = dev_env.client
+    bodies = [delegate(refund("A-1002", cents, "reset a group"), tools=("issue_refund",), goal=f"refund {cents}")
+              for cents in (600, 800)]
+    async with running_worker(client) as worker:
+        handle = await start_run(client, worker, make_request([{"parallel": bodies}]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        child_ids = [f"{handle.id}.{s.tool_call_id}" for s in snap.plan.steps]
+        await asyncio.wait_for(_approve_tree(dev_env, handle, *child_ids), 120)
+        first = await run_outcome(handle)
+        assert first.state == S.COMPLETED, first.timeline[-1].reason
+        assert counts_in_db(billing, handle.id)["refunds"] == 2
+        events = (await handle.fetch_history()).events
+        points = [e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED]
+        ended = await _reset_to_each(client, handle, points)
+        runs = [len([e async for e in client.list_workflows(f"WorkflowId = '{c}'")]) for c in child_ids]
+    assert runs == [1, 1]
+    assert counts_in_db(billing, handle.id)["refunds"] == 2
+    assert {state for state, _ in ended.values()} == {S.COMPLETED}, ended
+
+
+def test_the_approver_sees_what_a_delegation_will_write() -> None:
+    """The parent's risk summary lists the writes a delegation names (tool, summary fields, money
+    in words, undo) and the child's grant; they count for the approval and the sums. A delegation
+    whose grant can write and names no playbook is a write; a read-only one is not."""
+    from tests.workflows.test_delegation_properties import CATALOG
+    from workflows import policy
+    from workflows.contract import DELEGATE, Plan, PlanStep
+    from workflows.policy_file import AmountRule, AutoApprove, TenantPolicy
+
+    def plan(*steps: dict) -> Plan:
+        return Plan(plan_hash="h", steps=[PlanStep(tool_call_id=f"tc-{i}", tool=DELEGATE if "delegate" in s else s["tool"],
+                                                    args=s["delegate"] if "delegate" in s else s["args"]) for i, s in enumerate(steps)])
+
+    named = plan(delegate(refund("A-1002", 3000, "late"), tools=("issue_refund",)))
+    review = policy.review_plan(named, CATALOG, None)
+    assert review.needs_approval
+    assert review.summary.startswith("1 of 1 step(s) write: tether.delegate (a child run that may write with issue_refund; "
+                                     "under this approval it writes: issue_refund (can be undone by void_refund"), review.summary
+    assert "30.00 EUR (3000)" in review.summary, review.summary
+
+    blind = policy.review_plan(plan(delegate(tools=("issue_refund", "get_order"))), CATALOG, None)
+    assert blind.needs_approval and "it names no writes: each asks its own approval" in blind.summary
+    reads = policy.review_plan(plan(delegate({"tool": "get_order", "args": {"order_id": "A-1001"}})), CATALOG, None)
+    assert not reads.needs_approval and reads.summary == "1 step(s), all read-only"
+
+    # Named writes count in the plan's sums: three delegations of 4,000 under a 5,000 auto-approval.
+    auto = TenantPolicy(auto_approve=AutoApprove(limits=[AmountRule(tool="issue_refund", field="amount_cents", max=5000)]))
+    one = plan(delegate(refund("A-1002", 4000, "a"), tools=("issue_refund",)))
+    three = plan(*(delegate(refund("A-1002", 4000, r), tools=("issue_refund",)) for r in "abc"))
+    assert not policy.review_plan(one, CATALOG, auto).needs_approval
+    assert policy.review_plan(three, CATALOG, auto).needs_approval
+
+
+async def test_a_reset_of_the_parent_while_its_child_runs_never_says_not_applied(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """The child waits for its own approval (it may write); the parent is reset to before it
+    started the child. The reset parent meets the child (never a second one) and cannot adopt a
+    running one: the delegate step ends ``unknown`` and the parent is HANDED_OFF naming the child,
+    never EXECUTION_FAILED as if nothing had applied. Approved, the child refunds once."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tests.activities.test_effect_ledger import counts_in_db
+    from tests.operations.test_reset import outcome_of
+    from tests.workflows.test_delegation import writing_child, writing_delegation
+
+    client = dev_env.client
+    reason = uuid.uuid4().hex
+    async with running_worker(client, planners=writing_child(reason)) as worker:
+        handle = await start_run(client, worker, make_request([writing_delegation()], on_failure="compensate"))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        child = await started_child(dev_env, child_id)
+        await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        events = (await handle.fetch_history()).events
+        started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
+        point = max(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < started)
+        reset = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+                reason="test: reset before the child's start", workflow_task_finish_event_id=point,
+                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            )
+        )
+        parent = await outcome_of(client, handle.id, reset.run_id)
+        child_snap = await wait_for_state(child, "AWAITING_APPROVAL", "CANCELLED", timeout=60)
+        if child_snap.state == S.AWAITING_APPROVAL:  # still running: bob approves its refund
+            await child.signal("approve", approval_for(child_snap, "bob"))
+            await wait_for_state(child, "COMPLETED", timeout=60)
+        child_runs = [e async for e in client.list_workflows(f"WorkflowId = '{child_id}'")]
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    assert parent.timeline[-1].refs.outcome == "unknown" and child_id in parent.timeline[-1].reason
+    assert len(child_runs) == 1
+    assert counts_in_db(billing, child_id)["refunds"] <= 1
+
+
+async def test_three_delegations_at_once_under_a_5000_cent_sum_wait_for_an_approver(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The same three 4,000-cent refunds as delegations of one parallel group, each child's planner
+    proposing its own (nobody named the amounts): no child knows what its siblings spend, so no
+    amount rule auto-approves any of them; each waits for an approver, nothing is refunded."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(AUTO_5000)
+    reasons = [uuid.uuid4().hex for _ in range(3)]
+    planners = {**BUILTIN_PLANNERS, "refunder": Refunder(4000)}
+    bodies = []
+    for reason in reasons:
+        body = delegate(tools=("issue_refund",), goal=f"refund 4,000 cents for {reason}", max_steps=2)
+        body["delegate"]["planner"] = "refunder"
+        bodies.append(body)
+    async with running_worker(dev_env.client, planners=planners, policy=PolicyStore(policy)) as worker:
+        handle = await start_run(dev_env.client, worker, make_request([{"parallel": bodies}], limits={"max_steps": 10}))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")  # delegations that may write: bob approves the plan
+        await handle.signal("approve", approval_for(snap, "bob"))
+        children = [await started_child(dev_env, f"{handle.id}.{step.tool_call_id}") for step in snap.plan.steps]
+        ended = [await wait_for_state(child, "AWAITING_APPROVAL", "COMPLETED", "FAILED", timeout=90) for child in children]
+        await handle.cancel()
+    assert [s.state for s in ended] == [S.AWAITING_APPROVAL] * 3, [s.last_error for s in ended]
+    assert [len(refunds_with(billing, reason)) for reason in reasons] == [0, 0, 0]
