@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from activities.audit_sink import JsonlAuditSink, PostgresAuditSink
-from activities.postgres import LOCK
+from activities.postgres import LOCK, OWNED_ELSEWHERE
 
 LEDGER_FILE = "undo-ledger.sqlite3"
 LEDGER_TABLE = "tether_undo_ledger"
@@ -281,6 +281,10 @@ class PostgresEffectLedger:
         await conn.execute(LOCK, (LEDGER_TABLE,))
         cur = await conn.execute("SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL", (LEDGER_TABLE, MARKER_TABLE))
         table, marked = await cur.fetchone()
+        if table:
+            row = await (await conn.execute(OWNED_ELSEWHERE, (LEDGER_TABLE,))).fetchone()
+            if row and row[0]:
+                return  # the owner's tables (activities/db_roles.py): made, marked and granted by setup
         if not table and marked and not self.new_ledger:
             cur = await conn.execute(f"SELECT created_at FROM {MARKER_TABLE} WHERE ledger = %s", (LEDGER_TABLE,))
             row = await cur.fetchone()
