@@ -35,6 +35,7 @@ with ``--new-ledger``, accepting that what the old one recorded may be started a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sqlite3
 import threading
@@ -369,6 +370,22 @@ def ledger_for(sink: Any, *, new_ledger: bool = False) -> EffectLedger:
         return PostgresEffectLedger(sink, new_ledger)
     root = sink.root if isinstance(sink, JsonlAuditSink) else JsonlAuditSink.from_env().root
     return SqliteEffectLedger(root / LEDGER_FILE, new_ledger)
+
+
+def local_ledger_id(sink: Any) -> str | None:
+    """The id of the local (SQLite) ledger beside ``sink``, as workers name it to each other in
+    their identities (``... ledger=ID``): the same file, the same id, whichever process opens it;
+    None for the fleet's PostgreSQL ledger, which every worker of the fleet shares. A local
+    ledger serves one queue alone: a second ledger on it would start again what the first did."""
+    if isinstance(sink, PostgresAuditSink):
+        return None
+    ledger = ledger_for(sink)
+    assert isinstance(ledger, SqliteEffectLedger)
+    try:
+        created = json.loads(ledger.marker.read_text()).get("created_at", "")
+    except (OSError, ValueError):
+        created = ""
+    return hashlib.sha256(f"{ledger.path.resolve()}|{created}".encode()).hexdigest()[:12]
 
 
 async def check_ledger(sink: Any, *, new_ledger: bool = False) -> None:
