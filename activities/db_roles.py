@@ -34,7 +34,7 @@ from typing import Any
 
 from activities.audit_sink import AUDIT_TABLE
 from activities.audit_sink import SCHEMA as AUDIT_SCHEMA
-from activities.effect_ledger import LEDGER_TABLE, MARKER_TABLE
+from activities.effect_ledger import GENERATION_TABLE, LEDGER_TABLE, MARKER_TABLE, WITNESS_TABLE
 from activities.effect_ledger import SCHEMA as LEDGER_SCHEMA
 from activities.judgements import PG_SCHEMA as JUDGEMENT_SCHEMA
 from activities.judgements import PG_TABLE as JUDGEMENT_TABLE
@@ -54,6 +54,9 @@ WRITER_GRANTS = {
     JUDGEMENT_TABLE: "SELECT, INSERT",
     LEDGER_TABLE: "SELECT, INSERT, UPDATE",
     MARKER_TABLE: "SELECT, INSERT",
+    # The ledger's generation and its witness move on with every new claim.
+    GENERATION_TABLE: "SELECT, INSERT, UPDATE",
+    WITNESS_TABLE: "SELECT, INSERT, UPDATE",
 }
 
 

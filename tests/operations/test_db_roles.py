@@ -131,13 +131,14 @@ async def test_the_cli_can_neither_disable_the_trigger_nor_delete_a_record(stack
     # A worker appends and keeps the ledger; it never rewrites or removes a record or a judgement.
     for statement in ("DELETE FROM tether_audit", "UPDATE tether_audit SET record = '{}'", "TRUNCATE tether_audit",
                       "DELETE FROM tether_judgements", "UPDATE tether_judgements SET line = '{}'",
-                      "DELETE FROM tether_undo_ledger", "DELETE FROM tether_ledger_created",
+                      "DELETE FROM tether_undo_ledger", "DELETE FROM tether_ledger_created", "DELETE FROM tether_ledger_witness",
                       "ALTER TABLE tether_audit DISABLE TRIGGER tether_audit_append_only",
                       "DROP TRIGGER tether_audit_append_only ON tether_audit", "CREATE TABLE mine (x int)"):
         _refused(worker, statement)
     with psycopg.connect(_as(server, user="tether", dbname=database)) as admin:
         owners = dict(admin.execute("SELECT tablename, tableowner FROM pg_tables WHERE schemaname = 'public'").fetchall())
-        assert owners == dict.fromkeys(("tether_audit", "tether_judgements", "tether_undo_ledger", "tether_ledger_created"), "tether_owner")
+        assert owners == dict.fromkeys(("tether_audit", "tether_judgements", "tether_undo_ledger", "tether_ledger_created",
+                                      "tether_ledger_generation", "tether_ledger_witness"), "tether_owner")
         # No service can be the owner: it cannot log in, and no login role of the stack is a member of it.
         can_login, = admin.execute("SELECT rolcanlogin FROM pg_roles WHERE rolname = 'tether_owner'").fetchone()
         assert can_login is False
