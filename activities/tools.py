@@ -54,7 +54,7 @@ from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error, json_digest
 from workflows.wire import (
     ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, CAPABILITY_INVALID, DECISION_NOT_HELD, JUDGE_UNAVAILABLE, LEDGER_UNAVAILABLE,
-    RECORD_UNVERIFIED, SINK_UNAVAILABLE, DecisionCheck, ToolCall, ToolOutcome, Verdict,
+    RECORD_UNVERIFIED, SINK_UNAVAILABLE, UNKNOWN_TOOL, DecisionCheck, ToolCall, ToolOutcome, Verdict,
 )
 from workflows.recovery import UNDO_KEY_SUFFIX
 from workflows.retries import ToolTimeouts, tool_timeouts
@@ -439,7 +439,7 @@ class ToolActivities:
                 raise ApplicationError(
                     f"tool {call.tool!r} is not registered on this worker; start the worker with "
                     f"the module that defines it (--tools / TETHER_TOOLS)",
-                    type="unknown_tool",
+                    type=UNKNOWN_TOOL,
                     non_retryable=True,
                 )
             if spec.effect != ToolEffect.READ_ONLY:
