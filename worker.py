@@ -208,9 +208,13 @@ async def serve(
         audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR
     except ValueError as e:
         raise SystemExit(f"invalid audit sink: {e}") from None
+    ledger_id = None
     try:
-        # A ledger lost where one was: refuse to start (unless --new-ledger), not every write.
+        # A ledger lost where one was, or older than the fleet's: refuse to start (unless
+        # --new-ledger), not every write.
         await check_ledger(audit.sink, new_ledger=new_ledger)
+        # Which effect ledger this worker keeps, for its identity; a local one serves its queue alone.
+        ledger_id = local_ledger_id(audit.sink, new_ledger=new_ledger)
     except LedgerUnavailable as e:
         raise SystemExit(f"effect ledger: {e}") from None
     except Exception as e:  # noqa: BLE001 (not reachable now: each write waits for it, the error on the run)
@@ -246,8 +250,6 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
-    # Which effect ledger this worker keeps, in its identity; a local one serves its queue alone.
-    ledger_id = local_ledger_id(audit.sink)
     try:
         problem = await ledger_conflict(client, queue, ledger_id, ledger_for(audit.sink).describe()) if ledger_id else None
     except TetherError as e:

@@ -308,11 +308,14 @@ class SqliteEffectLedger:
 
         return await asyncio.to_thread(self._run, work)
 
-    async def aclose(self) -> None:
+    def _close(self) -> None:
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+    async def aclose(self) -> None:
+        self._close()
 
 
 SCHEMA = f"""
@@ -480,15 +483,19 @@ def ledger_for(sink: Any, *, new_ledger: bool = False) -> EffectLedger:
     return SqliteEffectLedger(root / LEDGER_FILE, new_ledger)
 
 
-def local_ledger_id(sink: Any) -> str | None:
+def local_ledger_id(sink: Any, *, new_ledger: bool = False) -> str | None:
     """The id of the local (SQLite) ledger beside ``sink``, as workers name it to each other in
     their identities (``... ledger=ID``): the same file, the same id, whichever process opens it;
     None for the fleet's PostgreSQL ledger, which every worker of the fleet shares. A local
     ledger serves one queue alone: a second ledger on it would start again what the first did."""
     if isinstance(sink, PostgresAuditSink):
         return None
-    ledger = ledger_for(sink)
+    ledger = ledger_for(sink, new_ledger=new_ledger)
     assert isinstance(ledger, SqliteEffectLedger)
+    try:
+        ledger._run(lambda conn: None)  # made (and marked) now if it is not yet: its id never changes
+    finally:
+        ledger._close()
     try:
         created = json.loads(ledger.marker.read_text()).get("created_at", "")
     except (OSError, ValueError):
