@@ -255,6 +255,10 @@ def _record(service: Service, pid: int | None) -> None:
         record["services"].pop(service.name, None)
     else:
         record["services"][service.name] = pid
+    if service.name == "worker" and pid is not None:
+        # The planners its runs may name (`tether start --planner` checks against them first).
+        record["planners"] = [spec.partition("=")[0].strip() for spec in
+                              os.environ.get("TETHER_PLANNERS", "").split(",") if spec.strip()]
     STATE_DIR.mkdir(exist_ok=True)
     STACK_FILE.write_text(json.dumps(record, indent=2) + "\n")
     if pid is not None:

@@ -56,8 +56,8 @@ from tether.client.decisions import (
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, compensate, compensate_refusal, compensation_id, compensation_judged, person_name, policy_file,
-    policy_tenant, start_run, tenant_refusal,
+    cancel, compensate, compensate_refusal, compensation_id, compensation_judged, person_name, planner_refusal,
+    policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
 __all__ = [
@@ -157,6 +157,7 @@ __all__ = [
     "stuck_task",
     "task_queue",
     "tenant_refusal",
+    "planner_refusal",
     "timed_out",
     "timeline",
     "undo_standing",
