@@ -259,6 +259,10 @@ def _record(service: Service, pid: int | None) -> None:
         # The planners its runs may name (`tether start --planner` checks against them first).
         record["planners"] = [spec.partition("=")[0].strip() for spec in
                               os.environ.get("TETHER_PLANNERS", "").split(",") if spec.strip()]
+        # What it was started with, kept once it stops: the no-worker hint names the command
+        # that starts this stack's worker with its tools (tether/client/workers.py).
+        record["worker_env"] = {k: (worker_policy() if k == "TETHER_POLICY" else os.environ[k]) for k in
+                                ("TETHER_TOOLS", "TETHER_POLICY", "TETHER_PLANNERS", "PYTHONPATH") if os.environ.get(k)}
     STATE_DIR.mkdir(exist_ok=True)
     STACK_FILE.write_text(json.dumps(record, indent=2) + "\n")
     if pid is not None:

@@ -146,6 +146,10 @@ async def test_the_cli_follows_its_checkouts_stack_and_a_typod_tenant_gets_did_y
         assert devstack(second, claims, "down", "billing").returncode == 0
 
 
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def _serving_pid(where: Path) -> int:
     return int((where / ".tether/worker.pid").read_text())
 
@@ -194,5 +198,16 @@ async def test_a_worker_restart_never_leaves_the_stack_without_a_worker_and_load
         new = _serving_pid(where)
         assert new != old and _alive(new) and not _alive(old)
         assert "say_hello" in (where / ".tether/worker.log").read_text()
+
+        # With no worker, the hint names the command that starts this stack's worker with its
+        # tools, not the demo's.
+        assert devstack(where, claims, "down", "worker", **settings).returncode == 0
+        started = cli(where, "start", "--goal", "hello", "--requested-by", "alice", "--playbook",
+                      str(ROOT / "examples/billing/refund.playbook.json"), TETHER_TASK_QUEUE=queue)
+        assert started.returncode == 0, started
+        hint = one_line(started.stderr)
+        assert f"no worker polls task queue '{queue}'" in hint and "examples.devstack up worker" in hint, hint
+        assert f"TETHER_TOOLS=examples.billing.tools,my_tools" in hint and f"PYTHONPATH={mine}" in hint, hint
+        await dev_env.client.get_workflow_handle(started.stdout.split()[1]).terminate("test over")
     finally:
         assert devstack(where, claims, "down", "worker", **settings).returncode == 0

@@ -18,6 +18,17 @@ from tether.pollers import HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, _gone_w
 
 
 def start_worker_hint(queue: str) -> str:
+    import shlex
+
+    from tether.connection import checkout_stack
+
+    stack = checkout_stack()
+    settings = stack.get("worker_env")
+    if stack.get("task_queue") == queue and isinstance(settings, dict) and settings:
+        # This checkout's dev stack, whose worker was started with tools (a policy, planners) of
+        # its own: the same again, not the demo's.
+        words = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(settings.items()))
+        return f"`{words} .venv/bin/python -m examples.devstack up worker` (this stack's worker, with its tools)"
     if queue == DEFAULT_TASK_QUEUE:
         return "`make worker`"
     if queue == MCP_TASK_QUEUE:
