@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -212,12 +213,17 @@ class SqliteEffectLedger:
             raise LedgerUnavailable(f"the ledger's witness {self.witness} cannot be read ({e})") from None
 
     def _witness(self, generation: int) -> None:
-        """The fleet reached ``generation``: said beside the sink (never lowered by this process)."""
-        if int(self._witnessed().get("generation", 0)) >= generation:
-            return
-        tmp = self.witness.with_name(f".{self.witness.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"ledger": self.path.name, "generation": generation, "at": _now().isoformat()}) + "\n")
-        os.replace(tmp, self.witness)
+        """The fleet reached ``generation``: said beside the sink, after the claim committed. A
+        witness that cannot be written leaves the ledger ahead of it, which is safe (only a
+        ledger behind its witness is refused): logged, never the claim's failure."""
+        tmp = self.witness.with_name(f".{self.witness.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            if int(self._witnessed().get("generation", 0)) >= generation:
+                return
+            tmp.write_text(json.dumps({"ledger": self.path.name, "generation": generation, "at": _now().isoformat()}) + "\n")
+            os.replace(tmp, self.witness)
+        except (OSError, LedgerUnavailable) as e:
+            logging.getLogger("tether.ledger").warning("ledger witness %s not written: %s", self.witness, e)
 
     def _generation(self, conn: sqlite3.Connection) -> int:
         """The ledger's generation, checked against the witness: an older copy is refused (or,
