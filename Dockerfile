@@ -26,12 +26,14 @@ ENV PATH=/opt/tether/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 # One folder per secret: each is the mount point of a volume of its own (docker-compose.yml),
-# and an empty volume takes the folder's owner and mode on first use.
+# and an empty volume takes the folder's owner and mode on first use. The superuser's and
+# Temporal's database passwords are read by other images' users (PostgreSQL's, Temporal's).
 RUN groupadd --system --gid 10001 tether \
     && useradd --system --uid 10001 --gid tether --home-dir /app --shell /usr/sbin/nologin tether \
-    && mkdir -p /app /data /keys/payload /keys/state /keys/inbox /keys/public \
-    && chown tether:tether /app /data /keys /keys/payload /keys/state /keys/inbox /keys/public \
-    && chmod 700 /keys /keys/payload /keys/state /keys/inbox /keys/public
+    && mkdir -p /app /data /keys/payload /keys/state /keys/inbox /keys/public /keys/db-admin /keys/db-temporal /keys/db-worker /keys/db-cli /keys/db-inbox \
+    && chown tether:tether /app /data /keys /keys/payload /keys/state /keys/inbox /keys/public /keys/db-admin /keys/db-temporal /keys/db-worker /keys/db-cli /keys/db-inbox \
+    && chmod 700 /keys /keys/payload /keys/state /keys/inbox /keys/public /keys/db-worker /keys/db-cli /keys/db-inbox \
+    && chmod 755 /keys/db-admin /keys/db-temporal
 COPY --from=build /opt/tether /opt/tether
 WORKDIR /app
 # What the example stack runs from the working directory (`python -m` puts it on the path; the

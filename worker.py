@@ -43,8 +43,9 @@ from activities.loading import LoadError
 from activities.planning import Planner, load_planners
 from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
-from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for
+from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
 from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
+from tether.pollers import live_pollers
 from tether.plugin import WORKFLOW_RUNNER, TetherPlugin, create_replayer, in_one_batch  # noqa: F401  (create_replayer: named here too)
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
@@ -154,6 +155,29 @@ def create_worker(
     ))
 
 
+# A worker's identity ends with the effect ledger it keeps: `` ledger=ID`` (a local one's id,
+# activities/effect_ledger.local_ledger_id) or `` ledger=shared`` (the fleet's PostgreSQL).
+LEDGER_MARK = " ledger="
+
+
+async def ledger_conflict(client: Client, queue: str, ledger_id: str, where: str) -> str | None:
+    """Why a worker keeping the local ledger ``ledger_id`` must not serve ``queue`` (None: it may):
+    a live worker polls it that keeps another ledger (or does not say which). Two ledgers on one
+    queue each start again what the other did: a reset run taken by the other worker sends an
+    approved email a second time."""
+    pollers = await live_pollers(client, queue)
+    others = [p for p in pollers or [] if not p.endswith(f"{LEDGER_MARK}{ledger_id}")]
+    if not others:
+        return None
+    return (
+        f"task queue {queue!r} is served by another worker with another effect ledger "
+        f"({escape_text(', '.join(others), 300)}), and this worker's ledger is local ({where}): two ledgers on one "
+        "queue would each start a write the other already made. Give every worker of the queue the fleet's "
+        "ledger: set TETHER_AUDIT_DSN=postgresql://... on all of them (docs/production.md, \"Scaling workers\"), "
+        "or stop the other worker first"
+    )
+
+
 async def serve(
     tool_modules: Sequence[str],
     queue: str,
@@ -193,9 +217,13 @@ async def serve(
         audit = AuditActivities()  # TETHER_AUDIT_DSN or TETHER_AUDIT_DIR
     except ValueError as e:
         raise SystemExit(f"invalid audit sink: {e}") from None
+    ledger_id = None
     try:
-        # A ledger lost where one was: refuse to start (unless --new-ledger), not every write.
+        # A ledger lost where one was, or older than the fleet's: refuse to start (unless
+        # --new-ledger), not every write.
         await check_ledger(audit.sink, new_ledger=new_ledger)
+        # Which effect ledger this worker keeps, for its identity; a local one serves its queue alone.
+        ledger_id = local_ledger_id(audit.sink, new_ledger=new_ledger)
     except LedgerUnavailable as e:
         raise SystemExit(f"effect ledger: {e}") from None
     except Exception as e:  # noqa: BLE001 (not reachable now: each write waits for it, the error on the run)
@@ -231,9 +259,18 @@ async def serve(
         if mcp_servers is not None:
             await mcp_servers.aclose()
         raise SystemExit(str(e)) from None
+    try:
+        problem = await ledger_conflict(client, queue, ledger_id, ledger_for(audit.sink).describe()) if ledger_id else None
+    except TetherError as e:
+        problem = str(e)
+    if problem:
+        if mcp_servers is not None:
+            await mcp_servers.aclose()
+        raise SystemExit(problem)
     rules = PolicyActivities(policy, keys, shadow=shadow)
     worker = create_worker(client, task_queue=queue, registry=registry, policy=policy, keys=keys, audit=audit, rules=rules,
-                           planners=planners, new_ledger=new_ledger, deployment=deployment)
+                           planners=planners, new_ledger=new_ledger, deployment=deployment,
+                           identity=f"{client.identity}{LEDGER_MARK}{ledger_id or 'shared'}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

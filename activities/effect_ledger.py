@@ -25,6 +25,15 @@ The names are those of the undo ledger it grew from: an existing undo ledger is 
 as it is (same columns; writes' keys join the undos'). The CLI reads the same place to say where
 each write stands (``client.undo_standing``).
 
+**The ledger knows it is the newest.** Every new claim advances the ledger's generation, and
+the fleet writes the generation it reached to a witness beside the audit sink
+(``ledger-witness.json`` in the sink's folder; the table ``tether_ledger_witness`` in
+PostgreSQL). A ledger whose generation is below the witness's is a copy from before some of the
+fleet's writes (a restored backup, volume or machine): it would answer "never started" for a
+write that went out, so it is :class:`LedgerUnavailable` like a missing one, checked at worker
+start and on every claim and read, until the operator's ``--new-ledger`` accepts it (what it
+lacks may then be started again).
+
 **The ledger is a witness: losing it is an error, never an empty answer.** Where a ledger was
 created a marker says so (``undo-ledger.sqlite3.created`` beside the file; a row of
 ``tether_ledger_created`` in PostgreSQL). A ledger missing where the marker says one was is
@@ -35,7 +44,10 @@ with ``--new-ledger``, accepting that what the old one recorded may be started a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
+import os
 import sqlite3
 import threading
 from dataclasses import dataclass, field
@@ -44,13 +56,19 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from activities.audit_sink import JsonlAuditSink, PostgresAuditSink
-from activities.postgres import LOCK
+from activities.postgres import LOCK, OWNED_ELSEWHERE
 
 LEDGER_FILE = "undo-ledger.sqlite3"
 LEDGER_TABLE = "tether_undo_ledger"
 # Where a ledger was created: a file beside the SQLite ledger, a row of this table in PostgreSQL.
 MARKER_SUFFIX = ".created"
 MARKER_TABLE = "tether_ledger_created"
+# The ledger's generation, advanced by every new claim, and its witness beside the audit sink
+# (a file in the sink's folder; a table in PostgreSQL): a ledger whose generation is below the
+# witness's is an older copy (restored from a backup), refused like a missing one.
+GENERATION_TABLE = "tether_ledger_generation"
+WITNESS_TABLE = "tether_ledger_witness"
+WITNESS_FILE = "ledger-witness.json"
 NEW_LEDGER_HINT = (
     "start the worker with --new-ledger to begin an empty one (what the old one recorded may then be started again)"
 )
@@ -110,6 +128,13 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _older(generation: int, witnessed: int, at: Any) -> str:
+    return (
+        f"the ledger is older than the fleet's (generation {generation}, the fleet reached {witnessed} at {at}): "
+        f"a restored copy? What went out since would start again; {NEW_LEDGER_HINT}"
+    )
+
+
 def _entry(row: Any) -> LedgerEntry:
     key, state, tool, by_workflow, by_run, at, outcome = row
     when = at if isinstance(at, datetime) else datetime.fromisoformat(at)
@@ -165,6 +190,7 @@ class SqliteEffectLedger:
                 f"CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (key TEXT PRIMARY KEY, state TEXT NOT NULL, tool TEXT NOT NULL, "
                 "by_workflow TEXT NOT NULL, by_run TEXT NOT NULL, at TEXT NOT NULL, outcome TEXT NOT NULL DEFAULT '')"
             )
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {GENERATION_TABLE} (ledger TEXT PRIMARY KEY, generation INTEGER NOT NULL)")
         except BaseException:
             conn.close()
             raise
@@ -174,16 +200,65 @@ class SqliteEffectLedger:
         self._conn = conn
         return conn
 
-    def _run(self, work: Any) -> Any:
+    @property
+    def witness(self) -> Path:
+        return self.path.with_name(WITNESS_FILE)
+
+    def _witnessed(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.witness.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise LedgerUnavailable(f"the ledger's witness {self.witness} cannot be read ({e})") from None
+
+    def _witness(self, generation: int) -> None:
+        """The fleet reached ``generation``: said beside the sink, after the claim committed. A
+        witness that cannot be written leaves the ledger ahead of it, which is safe (only a
+        ledger behind its witness is refused): logged, never the claim's failure."""
+        tmp = self.witness.with_name(f".{self.witness.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            if int(self._witnessed().get("generation", 0)) >= generation:
+                return
+            tmp.write_text(json.dumps({"ledger": self.path.name, "generation": generation, "at": _now().isoformat()}) + "\n")
+            os.replace(tmp, self.witness)
+        except (OSError, LedgerUnavailable) as e:
+            logging.getLogger("tether.ledger").warning("ledger witness %s not written: %s", self.witness, e)
+
+    def _generation(self, conn: sqlite3.Connection) -> int:
+        """The ledger's generation, checked against the witness: an older copy is refused (or,
+        on the operator's --new-ledger, takes the witness's generation)."""
+        row = conn.execute(f"SELECT generation FROM {GENERATION_TABLE} WHERE ledger = ?", (LEDGER_TABLE,)).fetchone()
+        generation = row[0] if row else 0
+        seen = self._witnessed()
+        witnessed = int(seen.get("generation", 0))
+        if generation < witnessed:
+            if not self.new_ledger:
+                raise LedgerUnavailable(_older(generation, witnessed, seen.get("at", "?")))
+            generation = witnessed
+            conn.execute(f"INSERT OR REPLACE INTO {GENERATION_TABLE} (ledger, generation) VALUES (?, ?)", (LEDGER_TABLE, generation))
+        return generation
+
+    def _run(self, work: Any, *, advance: bool = False) -> Any:
+        """``work(conn)`` in one transaction, the ledger checked to be the newest first.
+        ``advance``: a new claim when ``work`` returns None: the generation moves on, and the
+        witness with it once committed."""
         with self._lock:
             conn = self._connection()
             conn.execute("BEGIN IMMEDIATE")  # one writer at a time, across worker processes
             try:
+                generation = self._generation(conn)
                 result = work(conn)
+                if advance and result is None:
+                    generation += 1
+                    conn.execute(f"INSERT OR REPLACE INTO {GENERATION_TABLE} (ledger, generation) VALUES (?, ?)",
+                                 (LEDGER_TABLE, generation))
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+            if advance and result is None:
+                self._witness(generation)
             return result
 
     async def claim(self, key: str, *, tool: str, workflow_id: str, run_id: str) -> LedgerEntry | None:
@@ -197,7 +272,7 @@ class SqliteEffectLedger:
             )
             return None
 
-        return await asyncio.to_thread(self._run, work)
+        return await asyncio.to_thread(lambda: self._run(work, advance=True))
 
     async def reclaim(self, key: str, *, workflow_id: str, run_id: str) -> None:
         await asyncio.to_thread(self._run, lambda conn: conn.execute(
@@ -239,11 +314,14 @@ class SqliteEffectLedger:
 
         return await asyncio.to_thread(self._run, work)
 
-    async def aclose(self) -> None:
+    def _close(self) -> None:
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+    async def aclose(self) -> None:
+        self._close()
 
 
 SCHEMA = f"""
@@ -259,6 +337,15 @@ CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (
 CREATE TABLE IF NOT EXISTS {MARKER_TABLE} (
     ledger      text        PRIMARY KEY,
     created_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS {GENERATION_TABLE} (
+    ledger      text        PRIMARY KEY,
+    generation  bigint      NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {WITNESS_TABLE} (
+    ledger      text        PRIMARY KEY,
+    generation  bigint      NOT NULL,
+    at          timestamptz NOT NULL DEFAULT now()
 );
 """
 
@@ -281,6 +368,10 @@ class PostgresEffectLedger:
         await conn.execute(LOCK, (LEDGER_TABLE,))
         cur = await conn.execute("SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL", (LEDGER_TABLE, MARKER_TABLE))
         table, marked = await cur.fetchone()
+        if table:
+            row = await (await conn.execute(OWNED_ELSEWHERE, (LEDGER_TABLE,))).fetchone()
+            if row and row[0]:
+                return  # the owner's tables (activities/db_roles.py): made, marked and granted by setup
         if not table and marked and not self.new_ledger:
             cur = await conn.execute(f"SELECT created_at FROM {MARKER_TABLE} WHERE ledger = %s", (LEDGER_TABLE,))
             row = await cur.fetchone()
@@ -294,12 +385,43 @@ class PostgresEffectLedger:
             await conn.execute(f"DELETE FROM {MARKER_TABLE} WHERE ledger = %s", (LEDGER_TABLE,))
         await conn.execute(f"INSERT INTO {MARKER_TABLE} (ledger) VALUES (%s) ON CONFLICT DO NOTHING", (LEDGER_TABLE,))
 
-    async def _with_connection(self, work: Any) -> Any:
+    async def _generation(self, conn: Any, *, lock: bool = False) -> int:
+        """The ledger's generation, checked against the witness; ``lock``: held for this
+        transaction (a claim: a reader, with SELECT only, does not lock)."""
+        cur = await conn.execute(f"SELECT generation FROM {GENERATION_TABLE} WHERE ledger = %s" + (" FOR UPDATE" if lock else ""),
+                                 (LEDGER_TABLE,))
+        row = await cur.fetchone()
+        generation = row[0] if row else 0
+        cur = await conn.execute(f"SELECT generation, at FROM {WITNESS_TABLE} WHERE ledger = %s", (LEDGER_TABLE,))
+        seen = await cur.fetchone()
+        if seen is not None and generation < seen[0]:
+            if not self.new_ledger:
+                raise LedgerUnavailable(_older(generation, seen[0], seen[1].isoformat(timespec="seconds")))
+            generation = seen[0]
+            await self._set_generation(conn, generation, witness=False)
+        return generation
+
+    async def _set_generation(self, conn: Any, generation: int, *, witness: bool = True) -> None:
+        await conn.execute(
+            f"INSERT INTO {GENERATION_TABLE} (ledger, generation) VALUES (%s, %s) "
+            "ON CONFLICT (ledger) DO UPDATE SET generation = EXCLUDED.generation", (LEDGER_TABLE, generation))
+        if witness:
+            await conn.execute(
+                f"INSERT INTO {WITNESS_TABLE} (ledger, generation) VALUES (%s, %s) ON CONFLICT (ledger) DO UPDATE "
+                f"SET generation = GREATEST({WITNESS_TABLE}.generation, EXCLUDED.generation), at = now()",
+                (LEDGER_TABLE, generation))
+
+    async def _with_connection(self, work: Any, *, advance: bool = False) -> Any:
+        """``work(conn)`` in one transaction, the ledger checked to be the newest first.
+        ``advance``: a new claim when ``work`` returns None: the generation and its witness move on."""
         async def in_transaction(conn: Any) -> Any:
             async with conn.transaction():
                 if not self._ready:
                     await self._open(conn)
+                generation = await self._generation(conn, lock=advance)
                 result = await work(conn)
+                if advance and result is None:
+                    await self._set_generation(conn, generation + 1)
             self._ready = True
             return result
 
@@ -318,7 +440,7 @@ class PostgresEffectLedger:
             cur = await conn.execute(f"SELECT {_COLUMNS} FROM {LEDGER_TABLE} WHERE key = %s", (key,))
             return _entry(await cur.fetchone())
 
-        return await self._with_connection(work)
+        return await self._with_connection(work, advance=True)
 
     async def reclaim(self, key: str, *, workflow_id: str, run_id: str) -> None:
         await self._with_connection(lambda conn: conn.execute(
@@ -365,6 +487,26 @@ def ledger_for(sink: Any, *, new_ledger: bool = False) -> EffectLedger:
         return PostgresEffectLedger(sink, new_ledger)
     root = sink.root if isinstance(sink, JsonlAuditSink) else JsonlAuditSink.from_env().root
     return SqliteEffectLedger(root / LEDGER_FILE, new_ledger)
+
+
+def local_ledger_id(sink: Any, *, new_ledger: bool = False) -> str | None:
+    """The id of the local (SQLite) ledger beside ``sink``, as workers name it to each other in
+    their identities (``... ledger=ID``): the same file, the same id, whichever process opens it;
+    None for the fleet's PostgreSQL ledger, which every worker of the fleet shares. A local
+    ledger serves one queue alone: a second ledger on it would start again what the first did."""
+    if isinstance(sink, PostgresAuditSink):
+        return None
+    ledger = ledger_for(sink, new_ledger=new_ledger)
+    assert isinstance(ledger, SqliteEffectLedger)
+    try:
+        ledger._run(lambda conn: None)  # made (and marked) now if it is not yet: its id never changes
+    finally:
+        ledger._close()
+    try:
+        created = json.loads(ledger.marker.read_text()).get("created_at", "")
+    except (OSError, ValueError):
+        created = ""
+    return hashlib.sha256(f"{ledger.path.resolve()}|{created}".encode()).hexdigest()[:12]
 
 
 async def check_ledger(sink: Any, *, new_ledger: bool = False) -> None:

@@ -188,8 +188,9 @@ CREATE INDEX IF NOT EXISTS {PG_TABLE}_at ON {PG_TABLE} (at);
 
 @dataclass
 class PostgresJudgementLog:
-    """The fleet's judgement log, beside the PostgreSQL audit sink: one row per judgement (a
-    retried activity's row is replaced by its last attempt's)."""
+    """The fleet's judgement log, beside the PostgreSQL audit sink: one row per judgement,
+    append-only (a worker may INSERT, never UPDATE: activities/db_roles.py; a retried activity's
+    row is its first attempt's, which judged the same request)."""
 
     dsn: str
     failures: int = 0
@@ -210,7 +211,7 @@ class PostgresJudgementLog:
                 cur.executemany(
                     f"INSERT INTO {PG_TABLE} (workflow_id, run_id, activity_id, idx, tenant, at, line) "
                     "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (workflow_id, run_id, activity_id, idx) "
-                    "DO UPDATE SET tenant = EXCLUDED.tenant, at = EXCLUDED.at, line = EXCLUDED.line",
+                    "DO NOTHING",
                     [(e.get("workflow_id", ""), e.get("run_id", ""), e.get("activity_id", ""), e.get("index", 0),
                       e.get("tenant", ""), e.get("at"), json.dumps(e, ensure_ascii=False)) for e in entries],
                 )

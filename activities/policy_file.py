@@ -273,8 +273,9 @@ def resolve_key_files(document: PolicyDocument, path: Path, *, strict: bool = Tr
             complete = False
             if strict:
                 raise PolicyFileError(
-                    f"{path}: key {where}.public_key_file: cannot read {key_path} ({e.strerror}); "
-                    "make it with `tether keygen --out KEY.pem`"
+                    f"{path}: key {where}.public_key_file: cannot read {key_path} ({e.strerror}; a relative "
+                    f"path is read from the policy file's folder, {path.parent.resolve()}); point it at the key, "
+                    "or make one with `tether keygen --out KEY.pem`"
                 ) from None
     return complete
 
@@ -289,28 +290,66 @@ def _public_key_problem(value: str) -> str | None:
     return None
 
 
-def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
-    """Everything wrong with a policy file as a whole, one line each (file, line, key), for
-    the worker to refuse to start on. Runtime reads (``PolicyStore``) only check the schema.
+def _loose_booleans(model: Any, raw: Any, loc: tuple) -> list[tuple[tuple, Any]]:
+    """Where ``raw`` (the TOML as written) gives a true/false setting of ``model`` something
+    else (``four_eyes = "yes"``, which a lax parse would take as true): (key path, value)."""
+    import typing
 
-    ``tool_names``: every tool the worker serves (its registry, and any other tool sources).
+    from pydantic import BaseModel
+
+    found: list[tuple[tuple, Any]] = []
+    if not isinstance(raw, dict) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return found
+    hints = typing.get_type_hints(model)
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        if key not in raw:
+            continue
+        value, hint = raw[key], hints.get(name)
+        inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if hint is bool or inner == [bool]:
+            if not isinstance(value, bool):
+                found.append((loc + (key,), value))
+        elif typing.get_origin(hint) is dict or any(typing.get_origin(a) is dict for a in inner):
+            dict_hint = next(a for a in [hint, *inner] if typing.get_origin(a) is dict)
+            item = typing.get_args(dict_hint)[1]
+            for k, v in (value.items() if isinstance(value, dict) else []):
+                found += _loose_booleans(item, v, loc + (key, k))
+        else:
+            for candidate in inner:
+                found += _loose_booleans(candidate, value, loc + (key,))
+    return found
+
+
+def check_policy_file(path: Path, tool_names: Collection[str] | None) -> list[str]:
+    """Everything wrong with a policy file as a whole, one line each (file, line, key): what
+    the worker refuses to start on, and what ``tether policy validate`` reports (one check for
+    both). Runtime reads (``PolicyStore``) only check the schema.
+
+    ``tool_names``: every tool the worker serves (its registry, and any other tool sources);
+    None: not known here (``tether policy validate``), tool names are not checked.
     """
     try:
         text = path.read_text()
     except (FileNotFoundError, IsADirectoryError):
         return [f"policy file not found: {path}"]
-    try:
-        document = parse_policy(text, str(path))
-        resolve_key_files(document, path)
-        load_cedar_files(document, path)
-    except PolicyFileError as e:
-        return str(e).splitlines()
-
     problems: list[str] = []
 
     def problem(loc: tuple, message: str) -> None:
         line = _locate(text, loc)
         problems.append(f"{path}: {f'line {line}, ' if line else ''}key {'.'.join(map(str, loc))}: {message}")
+
+    try:
+        document = parse_policy(text, str(path))
+    except PolicyFileError as e:
+        return str(e).splitlines()
+    for loc, value in _loose_booleans(PolicyDocument, tomllib.loads(text), ()):
+        problem(loc, f"must be true or false (a TOML boolean, unquoted), not {value!r}")
+    try:
+        resolve_key_files(document, path)
+        load_cedar_files(document, path)
+    except PolicyFileError as e:
+        return problems + str(e).splitlines()
 
     if not document.tenants:
         problems.append(f"{path}: line 1, key tenants: no [tenants.NAME] table: every run would be refused (a missing "
@@ -327,7 +366,7 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
             if tenant_name not in document.tenants:
                 problem(at + ("may_attest",), f"unknown tenant {tenant_name!r}")
     raw_tenants = tomllib.loads(text).get("tenants", {})
-    known = set(tool_names)
+    known = set(tool_names or ())
     for hook_name, hook in document.notify.webhooks.items():
         if hook.secret_file is not None and not (path.parent / hook.secret_file).is_file():
             problem(("notify", "webhooks", hook_name, "secret_file"), f"no such file: {path.parent / hook.secret_file}")
@@ -348,7 +387,7 @@ def check_policy_file(path: Path, tool_names: Collection[str]) -> list[str]:
         named += [(at + ("auto_approve", "limits"), r.tool) for r in tenant.auto_approve.limits]
         named += [(at + ("high_risk", "when"), r.tool) for r in (tenant.high_risk.when if tenant.high_risk else [])]
         for loc, tool in named:
-            if tool not in known:
+            if tool_names is not None and tool not in known:
                 problem(loc, f"unknown tool {tool!r}; the worker has {', '.join(sorted(known)) or 'no tools'}")
         if tenant.tools == []:
             problem(at + ("tools",), "empty: this tenant may use no tool")
@@ -387,11 +426,13 @@ def validate_file(path: Path) -> tuple[list[str], str]:
         return [f"{path}: cannot read it ({e.strerror})"], ""
     if path.suffix == ".cedar":
         return cedar.check_text(text, str(path))
-    try:
-        document = parse_policy(text, str(path))
-        own = load_cedar_files(document, path)
-    except PolicyFileError as e:
-        return str(e).splitlines(), ""
+    # Everything the worker would refuse (types, key files, Cedar files, roles, ...), but the
+    # tool names: which tools a worker serves is the worker's (it checks them at start).
+    problems = check_policy_file(path, None)
+    if problems:
+        return problems, ""
+    document = parse_policy(text, str(path))
+    own = load_cedar_files(document, path)
     exported = {name: cedar.export_tenant(name, t) for name, t in document.tenants.items() if name not in own}
     problems = [p for name, t in exported.items() for p in cedar.cedar_problems(t, f"{path} (tenant {name}, exported)")]
     return problems, (

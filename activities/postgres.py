@@ -31,6 +31,10 @@ DSN_ENV = "TETHER_AUDIT_DSN"
 CONNECT_TIMEOUT = 5
 # Several workers may create a table at once: one at a time, per table name.
 LOCK = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+# A table that exists and is owned by a role this one is not (the production stack's
+# ``tether_owner``, activities/db_roles.py): its DDL is the owner's, never run by a service.
+OWNED_ELSEWHERE = "SELECT NOT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass(%s)"
+SETUP_HINT = "create it as its owner (python -m activities.db_roles setup; docs/production.md)"
 CAUSE_CHARS = 300
 
 T = TypeVar("T")
@@ -78,6 +82,35 @@ def _mapped(err: Exception) -> Exception:
     return err
 
 
+def _refused(err: Exception, table: Table) -> PostgresUnavailable | None:
+    """A role that may not create a missing table: what to do about it (else None)."""
+    import psycopg
+
+    if isinstance(err, psycopg.errors.InsufficientPrivilege):
+        return PostgresUnavailable(f"table {table.name} is missing and this role may not create it: {SETUP_HINT} ({cause(err)})")
+    return None
+
+
+async def _create(statement: Awaitable[Any], table: Table) -> None:
+    try:
+        await statement
+    except Exception as e:
+        refused = _refused(e, table)
+        if refused is None:
+            raise
+        raise refused from e
+
+
+def _created(statement: Callable[[], Any], table: Table) -> None:
+    try:
+        statement()
+    except Exception as e:
+        refused = _refused(e, table)
+        if refused is None:
+            raise
+        raise refused from e
+
+
 @dataclass(frozen=True)
 class Table:
     """A table a store keeps: its name (the lock's key) and its idempotent DDL (``CREATE ... IF
@@ -110,7 +143,9 @@ class Postgres:
             for table in self.tables:
                 async with conn.transaction():
                     await conn.execute(LOCK, (table.name,))
-                    await conn.execute(table.schema)
+                    row = await (await conn.execute(OWNED_ELSEWHERE, (table.name,))).fetchone()
+                    if not (row and row[0]):
+                        await _create(conn.execute(table.schema), table)
         except BaseException:
             await conn.close()
             raise
@@ -158,7 +193,9 @@ class PostgresSync:
             for table in self.tables:
                 with conn.transaction():
                     conn.execute(LOCK, (table.name,))
-                    conn.execute(table.schema)
+                    row = conn.execute(OWNED_ELSEWHERE, (table.name,)).fetchone()
+                    if not (row and row[0]):
+                        _created(lambda: conn.execute(table.schema), table)
         except BaseException:
             conn.close()
             raise

@@ -54,7 +54,7 @@ from activities.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error, json_digest
 from workflows.wire import (
     ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, CAPABILITY_INVALID, DECISION_NOT_HELD, JUDGE_UNAVAILABLE, LEDGER_UNAVAILABLE,
-    RECORD_UNVERIFIED, SINK_UNAVAILABLE, DecisionCheck, ToolCall, ToolOutcome, Verdict,
+    RECORD_UNVERIFIED, SINK_UNAVAILABLE, UNKNOWN_TOOL, DecisionCheck, ToolCall, ToolOutcome, Verdict,
 )
 from workflows.recovery import UNDO_KEY_SUFFIX
 from workflows.retries import ToolTimeouts, tool_timeouts
@@ -277,7 +277,10 @@ def load_tool_modules(modules: Iterable[str], registry: ToolRegistry = REGISTRY)
     for name in modules:
         name = name.strip()
         if name:
-            import_named(name, "tool module")
+            module = import_named(name, "tool module")
+            if not any(isinstance(value, ToolSpec) for value in vars(module).values()):
+                raise LoadError(f"tool module {name!r} declares no tool: decorate a function in it with "
+                                f"@tool(effect=...), {EFFECTS_HELP}")
     try:
         registry.check()
     except ValueError as e:
@@ -285,9 +288,23 @@ def load_tool_modules(modules: Iterable[str], registry: ToolRegistry = REGISTRY)
     return registry
 
 
+# What a @tool declaration says when its effect is missing or wrong: the four, with what each means.
+EFFECTS_HELP = (
+    "an effect is one of ToolEffect.READ_ONLY (no side effect), IDEMPOTENT (the target dedupes by the "
+    "idempotency key), RECONCILABLE (an earlier effect can be looked up by its key) or UNSAFE (neither: "
+    "runs at most once)"
+)
+
+
+class ToolDeclarationError(TypeError):
+    """A @tool declaration that cannot make a tool: says what to write instead."""
+
+
 def tool(
+    fn: ToolFn | None = None,
+    /,
     *,
-    effect: ToolEffect | str,
+    effect: ToolEffect | str | None = None,
     requires_approval: bool | None = None,
     timeout: float = 30.0,
     max_retries: int = 3,
@@ -306,7 +323,16 @@ def tool(
     ``("void_refund", {"refund_id": "/result/refund_id"})``. The approver sees it, the plan hash
     covers it, and a run with ``on_failure="compensate"`` runs it (docs/writing-tools.md).
     """
-    effect = ToolEffect(effect)
+    if fn is not None:  # @tool without its arguments
+        raise ToolDeclarationError(
+            f"@tool on {getattr(fn, '__name__', fn)!r} needs its effect: @tool(effect=ToolEffect.IDEMPOTENT), "
+            f"{EFFECTS_HELP}")
+    if effect is None:
+        raise ToolDeclarationError(f"@tool() needs effect=...: {EFFECTS_HELP}")
+    try:
+        effect = ToolEffect(effect)
+    except ValueError:
+        raise ToolDeclarationError(f"@tool(effect={effect!r}) is no effect: {EFFECTS_HELP}") from None
     declared = as_compensation(compensate)
 
     def decorate(fn: ToolFn) -> ToolSpec:
@@ -314,8 +340,9 @@ def tool(
         hints = get_type_hints(fn)
         model = hints.get(params[0]) if params else None
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            raise TypeError(
-                f"tool {fn.__name__}: the first parameter must be annotated with a pydantic model"
+            raise ToolDeclarationError(
+                f"tool {fn.__name__}: the first parameter must be annotated with a pydantic model "
+                "(def my_tool(args: MyArgs, ctx: ToolContext) -> dict)"
             )
         spec = ToolSpec(
             name=name or fn.__name__,
@@ -439,7 +466,7 @@ class ToolActivities:
                 raise ApplicationError(
                     f"tool {call.tool!r} is not registered on this worker; start the worker with "
                     f"the module that defines it (--tools / TETHER_TOOLS)",
-                    type="unknown_tool",
+                    type=UNKNOWN_TOOL,
                     non_retryable=True,
                 )
             if spec.effect != ToolEffect.READ_ONLY:

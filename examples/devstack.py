@@ -4,8 +4,11 @@
     python -m examples.devstack restart [worker] [inbox]
     python -m examples.devstack down
 
-``restart`` (default: the worker) stops the named services and starts them again with the
-current environment: ``TETHER_TOOLS=examples.billing.tools,my_tools TETHER_POLICY=my_policy.toml
+``restart`` (default: the worker) starts the named services again with the current environment.
+A worker is replaced without a gap: the new one starts beside the old, and only once it says it
+is ready is the old one stopped; a new one that fails to start leaves the old one serving and
+says why. (The inbox, bound to its port, is stopped, then started.) Tool modules load from the
+installed packages, the checkout, the folder you run this from, and your ``PYTHONPATH``: ``TETHER_TOOLS=examples.billing.tools,my_tools TETHER_POLICY=my_policy.toml
 python -m examples.devstack restart worker inbox`` swaps the demo's worker for one serving your
 tools under your policy (docs/writing-tools.md); ``TETHER_PLANNERS`` adds your planners.
 
@@ -133,7 +136,8 @@ class Service:
 def worker_policy() -> str:
     """The policy file the stack's worker and inbox apply: TETHER_POLICY, else the example's
     (recorded in stack.json, where the checkout's CLI checks a tenant before it starts a run)."""
-    return os.environ.get("TETHER_POLICY") or str(ROOT / "examples/billing/policy.toml")
+    # Relative to where you run this (the worker itself runs in the checkout).
+    return os.path.abspath(os.environ["TETHER_POLICY"]) if os.environ.get("TETHER_POLICY") else str(ROOT / "examples/billing/policy.toml")
 
 
 def _worker_ready(name: str = "worker") -> bool:
@@ -251,6 +255,14 @@ def _record(service: Service, pid: int | None) -> None:
         record["services"].pop(service.name, None)
     else:
         record["services"][service.name] = pid
+    if service.name == "worker" and pid is not None:
+        # The planners its runs may name (`tether start --planner` checks against them first).
+        record["planners"] = [spec.partition("=")[0].strip() for spec in
+                              os.environ.get("TETHER_PLANNERS", "").split(",") if spec.strip()]
+        # What it was started with, kept once it stops: the no-worker hint names the command
+        # that starts this stack's worker with its tools (tether/client/workers.py).
+        record["worker_env"] = {k: (worker_policy() if k == "TETHER_POLICY" else os.environ[k]) for k in
+                                ("TETHER_TOOLS", "TETHER_POLICY", "TETHER_PLANNERS", "PYTHONPATH") if os.environ.get(k)}
     STATE_DIR.mkdir(exist_ok=True)
     STACK_FILE.write_text(json.dumps(record, indent=2) + "\n")
     if pid is not None:
@@ -339,6 +351,10 @@ def start(service: Service) -> None:
         genkey(ROOT / os.environ.get(KEY_SETTING, DEFAULT_STATE_KEY), if_missing=True)
     env = {**os.environ, "BILLING_URL": f"http://127.0.0.1:{BILLING_PORT}",
            "TEMPORAL_ADDRESS": f"127.0.0.1:{TEMPORAL_PORT}", "PYTHONUNBUFFERED": "1"}
+    if service.name.endswith(("worker", WORKER_NEXT)):
+        # The worker runs in the checkout; your tool modules load from where you are too (the
+        # folder you ran this from, then your PYTHONPATH), as `python worker.py` there would.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
     with open(service.logfile, "w") as log:
         proc = subprocess.Popen(
             service.command(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
@@ -359,6 +375,34 @@ def start(service: Service) -> None:
         time.sleep(0.2)
     _record(service, proc.pid)
     print(f"{service.name}: started (pid {proc.pid}, log {os.path.relpath(service.logfile)})")
+
+
+WORKER_NEXT = "-next"
+
+
+def replace_worker(service: Service) -> None:
+    """Start a new worker beside the running one, wait until it says it is ready, then stop the
+    old one: the stack always has a worker. A new one that fails leaves the old one serving."""
+    old = _pid(service.pidfile)
+    if old is None:
+        start(service)
+        return
+    name = service.name + WORKER_NEXT
+    new = Service(name, service.command, lambda: _worker_ready(name), timeout=service.timeout, default=False)
+    try:
+        start(new)
+    except SystemExit as e:
+        new.pidfile.unlink(missing_ok=True)
+        _record(new, None)
+        raise SystemExit(f"{e}\n{service.name}: the new worker did not start; the old one (pid {old}) still serves, "
+                         "unchanged. Fix the cause and restart again.") from None
+    stop(service)  # the old one finishes its tasks in flight (SIGTERM)
+    pid = _pid(new.pidfile)
+    os.replace(new.pidfile, service.pidfile)
+    os.replace(new.logfile, service.logfile)
+    _record(new, None)
+    _record(service, pid)
+    print(f"{service.name}: replaced (pid {old} -> {pid}, log {os.path.relpath(service.logfile)})")
 
 
 def stop(service: Service) -> None:
@@ -390,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action == "restart":
         names = args.services or ["worker"]
         for name in reversed(names):
-            stop(SERVICES[name])
+            if not name.endswith("worker"):  # a worker is replaced in place, below
+                stop(SERVICES[name])
     if args.action in ("up", "restart"):
         if {"worker", "inbox"} & set(names):
             # The example policy's signed tenant and [signers.inbox] list these keys: make them first.
@@ -398,7 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             ensure_keys(KEYS_DIR, DEMO_SIGNERS)
         for name in names:
-            start(SERVICES[name])
+            if args.action == "restart" and name.endswith("worker"):
+                replace_worker(SERVICES[name])
+            else:
+                start(SERVICES[name])
         if "dev-server" in names:
             print(f"Temporal Web UI: http://localhost:{UI_PORT}")
         if "inbox" in names:

@@ -22,6 +22,7 @@ from workflows.wire import (
     JUDGE_UNAVAILABLE,
     LEDGER_UNAVAILABLE,
     RECORDS_NOT_WRITTEN,
+    UNKNOWN_TOOL,
     AuthorityCheck,
     DecisionCheck,
     Refusal,
@@ -35,6 +36,8 @@ from workflows.wire import (
 JUDGED_NOT_STARTED = (DECISION_NOT_HELD, JUDGE_UNAVAILABLE, CAPABILITY_INVALID)
 # A write that reached workers lacking its capability's key this many times in a row fails.
 MAX_BOUNCES = 50
+# A write no worker serves the tool of waits for one, this long at most between tries.
+TOOL_WAIT_SECONDS = 60
 # The failure a forced hand-off's in-flight attempt counts as when the hand-off is refused.
 
 
@@ -472,6 +475,15 @@ class Steps(RunModel):
                 # the run writes them itself, on the sink's backoff, and schedules the write again.
                 self.capability_bounced(failure)
                 yield Checkpoint()
+                return
+            if activity_id and failure.code == UNKNOWN_TOOL:
+                # No worker of the queue serves the tool (one started with other tools): it was
+                # not called, and the approval stands; the run says which tool it waits for and
+                # schedules the write again, backing off, until a worker that serves it takes it.
+                self.bounces += 1
+                self.capability_bounced(failure)
+                yield Checkpoint()
+                yield Sleep(min(TOOL_WAIT_SECONDS, 2 ** min(self.bounces, 6)), "waiting for a worker that serves the tool")
                 return
             bounced = (CAPABILITY_KEY_MISSING, CAPABILITY_EXPIRED, LEDGER_UNAVAILABLE)
             if activity_id and failure.code in bounced and self.bounces < MAX_BOUNCES:

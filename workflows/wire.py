@@ -93,6 +93,9 @@ CAPABILITY_EXPIRED = "capability_expired"
 # The tool worker could not reach its undo ledger (activities/undo_ledger.py) to claim an undo:
 # the tool was not called, and the run schedules the attempt again as for a capability that bounced.
 LEDGER_UNAVAILABLE = "ledger_unavailable"
+# The worker that took the attempt does not serve the tool (started with other tool modules):
+# the tool was not called; the run waits for a worker that serves it and schedules it again.
+UNKNOWN_TOOL = "unknown_tool"
 # The audit sink failed, or refused the records a write took along (activities/audit.py): the
 # tool was not called; the run writes them itself (audit backoff) and schedules the write again.
 SINK_UNAVAILABLE = "audit_sink_unavailable"

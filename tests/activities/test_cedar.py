@@ -259,7 +259,41 @@ def test_policy_export_writes_cedar_that_validates(tmp_path: Path, capsys: pytes
     assert '@id("default.four_eyes")' in out.read_text() and '@id("acme.tools")' in out.read_text()
     assert starter.main(["policy", "validate", str(out)]) == 0
     assert "Cedar policies, valid against the schema" in capsys.readouterr().out
-    assert starter.main(["policy", "validate", str(ROOT / "examples/billing/policy.toml")]) == 0
+    # (the image's copy: the example's signed tenant names key files only `make demo` makes)
+    assert starter.main(["policy", "validate", str(ROOT / "examples/billing/policy.image.toml")]) == 0
+
+
+def test_policy_validate_refuses_what_the_worker_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 58: `tether policy validate` passed a file the worker refused (a key file it cannot
+    read, relative to the policy file; `four_eyes = "yes"`). One check for both now: the same
+    problems, the same lines, from both."""
+    import starter
+    from activities.policy_file import check_policy_file
+    from activities.tools import REGISTRY
+
+    folder = tmp_path / "conf"
+    (folder / "keys").mkdir(parents=True)
+    policy = folder / "policy.toml"
+    text = ('[tenants.default]\ntools = ["get_order", "issue_refund"]\nfour_eyes = "yes"\n\n'
+            '[tenants.default.auto_approve]\nread_only = 1\n\n'
+            '[tenants.default.approvers.bob]\nroles = ["approver"]\npublic_key_file = "keys/bob.pub"\n')
+    policy.write_text(text)
+    assert starter.main(["policy", "validate", str(policy)]) == 2
+    shown = capsys.readouterr().err
+    worker = check_policy_file(policy, REGISTRY.tools)
+    assert worker and all(line in shown for line in worker), (worker, shown)
+    assert f"{policy}: line 3, key tenants.default.four_eyes: must be true or false" in shown and "'yes'" in shown
+    assert "key tenants.default.auto_approve.read_only: must be true or false" in shown
+    assert f"cannot read {folder / 'keys/bob.pub'}" in shown and "relative path is read from the policy file's folder" in shown
+    # Fixed, both accept it: the key file found beside the policy file, whatever the caller's folder.
+    from activities.keys import genkey  # noqa: F401 (the fleet ring's; an approver's key is `tether keygen`)
+
+    assert starter.main(["keygen", "--out", str(folder / "keys/bob.pem")]) == 0
+    (folder / "keys/bob.pem.pub").rename(folder / "keys/bob.pub")
+    policy.write_text(text.replace('"yes"', "true").replace("= 1", "= true"))
+    capsys.readouterr()
+    assert starter.main(["policy", "validate", str(policy)]) == 0, capsys.readouterr().err
+    assert check_policy_file(policy, REGISTRY.tools) == []
 
 
 def test_policy_validate_names_file_line_and_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

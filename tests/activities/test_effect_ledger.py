@@ -316,6 +316,72 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
     assert requests_to(billing, VOIDS) == voids
 
 
+async def test_a_ledger_restored_from_an_earlier_copy_is_refused_and_no_email_repeats(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 58: the ledger restored from a consistent copy taken before an approved unsafe email
+    (as a restored volume or machine would be), a worker started without --new-ledger, a plain
+    reset to before the email: before, the email went out again (1 -> 2). The ledger's generation
+    is below the one the fleet witnessed: refused at worker start and on the claim, like a
+    missing ledger; the email is not sent again."""
+    from activities.audit_sink import JsonlAuditSink
+    from activities.effect_ledger import WITNESS_FILE, check_ledger
+
+    import tether.client as tether_client
+
+    audit = tmp_path / "audit"
+    monkeypatch.setenv("TETHER_AUDIT_DIR", str(audit))  # this test's sink and ledger only
+    client = dev_env.client
+    queue = unique("restored")
+    to = f"{uuid.uuid4().hex[:10]}@example.com"
+    email = [{"tool": "send_email", "args": {"to": to, "subject": "your refund", "body": "sent once"}}]
+    async with running_worker(client, task_queue=queue) as worker:
+        # The ledger holds an earlier write when the copy is taken.
+        earlier = await start_run(client, worker, make_request(
+            [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 100, "reason": "before the copy"}}]))
+        await earlier.signal("approve", approval_for(await wait_for_state(earlier, "AWAITING_APPROVAL"), "bob"))
+        assert (await run_outcome(earlier)).state.value == "COMPLETED"
+        handle = await start_run(client, worker, make_request(email))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        copy = tmp_path / "backup.sqlite3"
+        with sqlite3.connect(audit / LEDGER_FILE) as live, sqlite3.connect(copy) as backup:
+            live.backup(backup)  # a consistent copy, before the email
+        await handle.signal("approve", approval_for(snap, "bob"))
+        first = await run_outcome(handle)
+        assert first.state.value == "COMPLETED" and counts_in_db(billing, handle.id)["emails"] == 1
+    # Restored, the workers stopped (as a restore is done): the copy is the ledger now.
+    (audit / LEDGER_FILE).unlink()
+    for extra in ("-wal", "-shm"):
+        (audit / (LEDGER_FILE + extra)).unlink(missing_ok=True)
+    with sqlite3.connect(copy) as backup, sqlite3.connect(audit / LEDGER_FILE) as restored:
+        backup.backup(restored)
+    assert (audit / WITNESS_FILE).exists()
+    # A worker starting on it is refused (worker.py calls this before it serves) ...
+    with pytest.raises(LedgerUnavailable, match="older than the fleet's.*--new-ledger"):
+        await check_ledger(JsonlAuditSink(audit))
+    # ... and one that serves anyway (built without that check) starts no write on it: a plain
+    # reset to the workflow task that scheduled the email.
+    async with running_worker(client, task_queue=queue):
+        events = (await handle.fetch_history()).events
+        scheduled = next(e for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                         and e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool")
+        point = scheduled.activity_task_scheduled_event_attributes.workflow_task_completed_event_id
+        reset = await client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
+            namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id, run_id=handle.result_run_id),
+            reason="test: reset after the ledger was restored", workflow_task_finish_event_id=point,
+            request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL))
+        reset_handle = client.get_workflow_handle(handle.id, run_id=reset.run_id)
+        # The write bounced on the ledger's refusal, each attempt, and the run ended on it.
+        while (await reset_handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+            await asyncio.sleep(0.1)
+        shown = await tether_client.status(client, handle.id)
+        assert shown.state.value == "EXECUTION_FAILED" and shown.last_error.startswith("ledger_unavailable: "), shown
+    assert counts_in_db(billing, handle.id)["emails"] == 1
+    # The operator's word begins anew from the copy: what it lacks may be started again.
+    await check_ledger(JsonlAuditSink(audit), new_ledger=True)
+    await check_ledger(JsonlAuditSink(audit))
+
+
 async def test_a_dropped_postgres_ledger_is_an_error_until_the_operator_begins_a_new_one(postgres: str) -> None:
     """The fleet's ledger (PostgreSQL, beside the audit sink): its table dropped, every worker's
     claim and every client's read is LedgerUnavailable, not an empty ledger; --new-ledger begins
@@ -356,6 +422,56 @@ async def test_a_dropped_postgres_ledger_is_an_error_until_the_operator_begins_a
     again = ledger_for(PostgresAuditSink(dsn))  # the new one is marked: used as it is
     try:
         assert (await again.entries([key]))[key].by_run == "r3"
+    finally:
+        await again.aclose()
+
+
+async def test_a_postgres_ledger_restored_from_an_earlier_copy_is_refused_until_the_operator_accepts_it(postgres: str) -> None:
+    """The fleet's ledger restored from a copy taken before a write (its tables, as a
+    table-level restore puts them back): the witness beside the audit table holds the generation
+    the fleet reached, so every worker's claim and every client's read is refused, not answered
+    "never started"; --new-ledger accepts it."""
+    import psycopg
+
+    from activities.audit_sink import PostgresAuditSink
+    from activities.effect_ledger import GENERATION_TABLE, LEDGER_TABLE, ledger_for
+
+    name = f"restored_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(postgres, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    dsn = postgres.rsplit("/", 1)[0] + f"/{name}"
+    before, email = f"wf-{uuid.uuid4().hex[:8]}:tc-1", f"wf-{uuid.uuid4().hex[:8]}:tc-2"
+    live = ledger_for(PostgresAuditSink(dsn))
+    try:
+        assert await live.claim(before, tool="issue_refund", workflow_id="wf", run_id="r1") is None
+        await live.done(before, "{}", workflow_id="wf", run_id="r1")
+        with psycopg.connect(dsn, autocommit=True) as conn:  # the copy
+            for table in (LEDGER_TABLE, GENERATION_TABLE):
+                conn.execute(f"CREATE TABLE copy_{table} AS TABLE {table}")
+        assert await live.claim(email, tool="send_email", workflow_id="wf", run_id="r1") is None
+        await live.done(email, "{}", workflow_id="wf", run_id="r1")
+    finally:
+        await live.aclose()
+    with psycopg.connect(dsn, autocommit=True) as conn:  # the restore
+        for table in (LEDGER_TABLE, GENERATION_TABLE):
+            conn.execute(f"DELETE FROM {table}")
+            conn.execute(f"INSERT INTO {table} SELECT * FROM copy_{table}")
+    ledger = ledger_for(PostgresAuditSink(dsn))
+    try:
+        with pytest.raises(LedgerUnavailable, match="older than the fleet's.*--new-ledger"):
+            await ledger.claim(email, tool="send_email", workflow_id="wf", run_id="r2")
+        with pytest.raises(LedgerUnavailable, match="older"):
+            await ledger.entries([before])
+    finally:
+        await ledger.aclose()
+    accepted = ledger_for(PostgresAuditSink(dsn), new_ledger=True)
+    try:
+        assert set(await accepted.entries([before, email])) == {before}
+    finally:
+        await accepted.aclose()
+    again = ledger_for(PostgresAuditSink(dsn))  # accepted: used as it is from now on
+    try:
+        assert set(await again.entries([before, email])) == {before}
     finally:
         await again.aclose()
 

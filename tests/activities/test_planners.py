@@ -197,6 +197,32 @@ def test_tether_tools_lists_a_module_from_the_current_directory_as_the_worker_do
     assert worker.stderr.strip().splitlines()[-1].startswith("planner 'x': my_tools:track_parcel")
 
 
+def test_tool_declaration_mistakes_name_the_four_effects_and_a_module_without_tools_is_refused(tmp_path: Path) -> None:
+    """Issue 58: `@tool` mistakes gave raw Python errors that did not list the effects, and a
+    module with no tools listed an empty table with exit 0. Each is one line now, exit 2, and
+    the worker refuses the same module the same way."""
+    header = "from pydantic import BaseModel\nfrom tether import ToolContext, ToolEffect, tool\n\n\nclass A(BaseModel):\n    x: str\n\n\n"
+    mistakes = {
+        "no_parens": "@tool\ndef f(args: A, ctx: ToolContext) -> dict:\n    return {}\n",
+        "no_effect": "@tool()\ndef f(args: A, ctx: ToolContext) -> dict:\n    return {}\n",
+        "bad_effect": "@tool(effect='write')\ndef f(args: A, ctx: ToolContext) -> dict:\n    return {}\n",
+    }
+    for name, body in mistakes.items():
+        (tmp_path / f"{name}.py").write_text(header + body)
+        result = tether("tools", "--tools", name, cwd=tmp_path)
+        assert result.returncode == 2 and result.stdout == "", (name, result)
+        [line] = result.stderr.splitlines()
+        assert name in line and all(e in line for e in ("READ_ONLY", "IDEMPOTENT", "RECONCILABLE", "UNSAFE")), line
+    (tmp_path / "helpers_only.py").write_text(header + "def f(args: A) -> dict:\n    return {}\n")
+    result = tether("tools", "--tools", "helpers_only", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == "", result
+    [line] = result.stderr.splitlines()
+    assert "tool module 'helpers_only' declares no tool" in line and "@tool(effect=" in line, line
+    worker = subprocess.run([sys.executable, str(ROOT / "worker.py"), "--tools", "helpers_only"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 1 and "declares no tool" in worker.stderr.strip().splitlines()[-1], worker.stderr
+
+
 async def test_a_planner_of_plain_code_runs_governed(dev_env: WorkflowEnvironment, billing: Billing) -> None:
     planners = load_planners(["desk=examples.agents.order_desk:OrderDesk"])
     async with running_worker(dev_env.client, planners=planners) as worker:

@@ -144,3 +144,70 @@ async def test_the_cli_follows_its_checkouts_stack_and_a_typod_tenant_gets_did_y
         assert elsewhere.returncode == 2 and "cannot reach Temporal at 127.0.0.1:1" in elsewhere.stderr, elsewhere
     finally:
         assert devstack(second, claims, "down", "billing").returncode == 0
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _serving_pid(where: Path) -> int:
+    return int((where / ".tether/worker.pid").read_text())
+
+
+def _alive(pid: int) -> bool:
+    from examples.devstack import _alive as running  # a zombie (exited, not reaped yet) is not
+
+    return running(pid)
+
+
+async def test_a_worker_restart_never_leaves_the_stack_without_a_worker_and_loads_your_tools(dev_env, tmp_path: Path) -> None:
+    """Issue 58: `restart worker` stopped the old worker before the new one failed (a bad tool
+    module): no worker. Now the new one starts beside the old, and the old stops only once the
+    new one is ready; tool modules load from the caller's folder and PYTHONPATH."""
+    from tether.pollers import live_pollers
+
+    where = checkout(tmp_path / "checkout")
+    claims = tmp_path / "claims"
+    port = dev_env.client.service_client.config.target_host.rsplit(":", 1)[1]
+    queue = f"restart-{os.urandom(4).hex()}"
+    settings = {"TETHER_TEMPORAL_PORT": port, "TETHER_TASK_QUEUE": queue}
+    up = devstack(where, claims, "up", "worker", **settings)
+    try:
+        assert up.returncode == 0 and "worker: started" in up.stdout, up
+        old = _serving_pid(where)
+
+        # A new worker that cannot start (a tool module that is not there): the old one serves on.
+        failed = devstack(where, claims, "restart", "worker", TETHER_TOOLS="no_such_tools", **settings)
+        assert failed.returncode != 0, failed
+        assert "no_such_tools" in failed.stderr and f"the old one (pid {old}) still serves" in failed.stderr, failed.stderr
+        assert _serving_pid(where) == old and _alive(old)
+        assert not (where / ".tether/worker-next.pid").exists()
+        assert len(await live_pollers(dev_env.client, queue) or []) == 1
+
+        # Your own tools, in a folder of your own outside the checkout, run from there (the
+        # folder is on the path) and from anywhere with PYTHONPATH: the new worker serves them.
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "my_tools.py").write_text(
+            "from pydantic import BaseModel\nfrom tether import ToolContext, ToolEffect, tool\n\n\n"
+            "class Hello(BaseModel):\n    name: str\n\n\n"
+            "@tool(effect=ToolEffect.READ_ONLY)\ndef say_hello(args: Hello, ctx: ToolContext) -> dict:\n"
+            "    \"\"\"Greets.\"\"\"\n    return {\"hello\": args.name}\n")
+        swapped = devstack(where, claims, "restart", "worker", TETHER_TOOLS="examples.billing.tools,my_tools", PYTHONPATH=str(mine), **settings)
+        assert swapped.returncode == 0 and f"worker: replaced (pid {old} -> " in swapped.stdout, swapped
+        new = _serving_pid(where)
+        assert new != old and _alive(new) and not _alive(old)
+        assert "say_hello" in (where / ".tether/worker.log").read_text()
+
+        # With no worker, the hint names the command that starts this stack's worker with its
+        # tools, not the demo's.
+        assert devstack(where, claims, "down", "worker", **settings).returncode == 0
+        started = cli(where, "start", "--goal", "hello", "--requested-by", "alice", "--playbook",
+                      str(ROOT / "examples/billing/refund.playbook.json"), TETHER_TASK_QUEUE=queue)
+        assert started.returncode == 0, started
+        hint = one_line(started.stderr)
+        assert f"no worker polls task queue '{queue}'" in hint and "examples.devstack up worker" in hint, hint
+        assert f"TETHER_TOOLS=examples.billing.tools,my_tools" in hint and f"PYTHONPATH={mine}" in hint, hint
+        await dev_env.client.get_workflow_handle(started.stdout.split()[1]).terminate("test over")
+    finally:
+        assert devstack(where, claims, "down", "worker", **settings).returncode == 0

@@ -26,7 +26,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra")
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
-ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen", "state-keygen", "inbox-keygen"}
+ONE_SHOT = {"temporal-schema", "temporal-setup", "keygen", "state-keygen", "inbox-keygen", "db-keygen", "db-setup"}
 LONG_RUNNING = {
     "postgresql", "temporal", "temporal-ui", "codec-server", "billing", "worker", "prometheus", "inbox",
 }
@@ -109,7 +109,10 @@ def test_health_checks_and_start_order() -> None:
             elif name != "prometheus":
                 assert condition == "service_healthy", (name, dep, condition)
 
-    assert _depends("temporal-schema") == {"postgresql": "service_healthy"}
+    # The database's passwords first (the superuser's is PostgreSQL's own start), then its roles.
+    assert _depends("postgresql") == {"db-keygen": "service_completed_successfully"}
+    assert _depends("db-setup") == {"postgresql": "service_healthy", "db-keygen": "service_completed_successfully"}
+    assert _depends("temporal-schema") == {"db-setup": "service_completed_successfully"}
     assert _depends("temporal") == {"temporal-schema": "service_completed_successfully"}
     assert _depends("temporal-setup") == {"temporal": "service_started"}
     assert _depends("temporal-ui")["temporal-setup"] == "service_completed_successfully"
@@ -118,18 +121,21 @@ def test_health_checks_and_start_order() -> None:
         "temporal-setup": "service_completed_successfully",
         "keygen": "service_completed_successfully",
         "state-keygen": "service_completed_successfully",
+        "db-setup": "service_completed_successfully",
         "billing": "service_healthy",
     }
     # Each key job writes a volume of its own (test_each_secret_only_where_it_is_needed): none
     # waits for another, and each service waits for the jobs whose keys it reads.
-    assert all(not _depends(job) for job in ("keygen", "state-keygen", "inbox-keygen"))
+    assert all(not _depends(job) for job in ("keygen", "state-keygen", "inbox-keygen", "db-keygen"))
     assert _depends("inbox") == {
         "temporal-setup": "service_completed_successfully", "keygen": "service_completed_successfully",
         "inbox-keygen": "service_completed_successfully", "state-keygen": "service_completed_successfully",
+        "db-setup": "service_completed_successfully",
     }
     assert _depends("cli") == {
         "temporal-setup": "service_completed_successfully", "keygen": "service_completed_successfully",
         "state-keygen": "service_completed_successfully",  # the fleet's public keys
+        "db-setup": "service_completed_successfully",
     }
 
     # One start order exists (no cycle), and it is the documented one.
@@ -158,7 +164,12 @@ def test_schema_and_server_use_postgresql() -> None:
     for db, env_name in (("temporal", "DBNAME"), ("temporal_visibility", "VISIBILITY_DBNAME")):
         assert server[env_name] == db
         assert re.search(rf"^migrate {db} /etc/temporal/schema/postgresql/v12/", script, re.M), db
-    assert _interpolate_default(server["POSTGRES_PWD"]) == _interpolate_default(schema["SQL_PASSWORD"])
+    # Temporal's own role, its password read from its secret by both (never the superuser's).
+    assert server["POSTGRES_USER"] == schema["SQL_USER"] == "temporal"
+    assert "POSTGRES_PWD" not in server and "SQL_PASSWORD" not in schema
+    assert 'SQL_PASSWORD="$$(cat /keys/db-temporal/password)"' in script
+    assert 'POSTGRES_PWD="$$(cat /keys/db-temporal/password)"' in SERVICES["temporal"]["entrypoint"][2]
+    assert SERVICES["temporal"]["entrypoint"][2].endswith('exec /etc/temporal/entrypoint.sh "$$@"')
     dyn = server["DYNAMIC_CONFIG_FILE_PATH"]
     (mount,) = SERVICES["temporal"]["configs"]
     assert mount["target"] == f"/etc/temporal/{dyn}" and mount["source"] in COMPOSE["configs"]
@@ -217,12 +228,13 @@ def test_worker_environment_and_scaling() -> None:
     # `--scale worker=3` needs no fixed name and no host port.
     assert "container_name" not in worker and "ports" not in worker
     assert all("container_name" not in svc for svc in SERVICES.values())
-    # One audit sink for the fleet: the stack's PostgreSQL, a database the schema job creates;
-    # the CLI reads the same one.
-    dsn = env["TETHER_AUDIT_DSN"]
-    assert dsn.startswith("postgresql://") and dsn.endswith("@postgresql:5432/tether_audit")
-    assert _env("cli")["TETHER_AUDIT_DSN"] == dsn
-    assert "--database tether_audit create-database" in SERVICES["temporal-schema"]["command"][0]
+    # One audit sink for the fleet: the stack's PostgreSQL, a database db-setup creates; the CLI
+    # and the inbox read the same one, each as a role of its own (tests/operations/test_db_roles.py).
+    for name, role in (("worker", "tether_worker"), ("cli", "tether_cli"), ("inbox", "tether_inbox")):
+        assert _env(name)["TETHER_AUDIT_DSN"] == (
+            f"postgresql://{role}@postgresql:5432/tether_audit?passfile=/keys/db-{name}/pgpass"), name
+    setup = SERVICES["db-setup"]["command"]
+    assert setup[setup.index("--database") + 1] == "tether_audit"
     # The CLI shares the worker's connection settings.
     cli = _env("cli")
     assert {k: cli[k] for k in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE")} == {
@@ -242,7 +254,15 @@ SECRETS = {
     "inbox signing key": ("tether-inbox-key", "inbox-keygen", {"inbox"}),
     # Not a secret, but the fleet's word: what verifies its records and views, signs nothing.
     "fleet public keys": ("tether-public-keys", "state-keygen", {"inbox", "cli"}),
+    # Database passwords, one per role: db-setup sets each role's from its file.
+    "database superuser password": ("tether-db-admin", "db-keygen", {"postgresql", "db-setup"}),
+    "Temporal's database password": ("tether-db-temporal", "db-keygen", {"temporal-schema", "temporal", "db-setup"}),
+    "worker's database password": ("tether-db-worker", "db-keygen", {"worker", "db-setup"}),
+    "cli's database password": ("tether-db-cli", "db-keygen", {"cli", "db-setup"}),
+    "inbox's database password": ("tether-db-inbox", "db-keygen", {"inbox", "db-setup"}),
 }
+# Read by another image's user (PostgreSQL's, Temporal's): the folder is not the tether user's alone.
+FOREIGN_READERS = {"tether-db-admin", "tether-db-temporal"}
 
 
 def _mounts(service: str) -> dict[str, tuple[str, bool]]:
@@ -345,18 +365,20 @@ def test_each_secret_only_where_it_is_needed() -> None:
     # What each service can read, spelled out: the cli and the codec server hold nothing that signs.
     can_read = {name: {s for s, (v, _, _) in SECRETS.items() if v in {src for src, _ in _mounts(name).values()}}
                 for name in SERVICES}
-    assert can_read["cli"] == {"payload keys", "fleet public keys"}
+    assert can_read["cli"] == {"payload keys", "fleet public keys", "cli's database password"}
     assert can_read["codec-server"] == {"payload keys"}
-    assert can_read["worker"] == {"payload keys", "state key ring"}
-    assert can_read["inbox"] == {"payload keys", "inbox signing key", "fleet public keys"}
-    assert all(not can_read[n] for n in ("postgresql", "temporal", "temporal-ui", "prometheus", "billing",
-                                         "temporal-schema", "temporal-setup"))
+    assert can_read["worker"] == {"payload keys", "state key ring", "worker's database password"}
+    assert can_read["inbox"] == {"payload keys", "inbox signing key", "fleet public keys", "inbox's database password"}
+    assert can_read["postgresql"] == {"database superuser password"}
+    assert can_read["temporal"] == can_read["temporal-schema"] == {"Temporal's database password"}
+    assert all(not can_read[n] for n in ("temporal-ui", "prometheus", "billing", "temporal-setup"))
     # The image makes each mount point for its user (an empty volume takes its owner and mode).
     dockerfile = (ROOT / "Dockerfile").read_text()
     for volume, job, _ in SECRETS.values():
         target = next(t for t, (src, _) in _mounts(job).items() if src == volume)
         assert re.search(rf"mkdir -p [^\n]*{re.escape(target)}(\s|$)", dockerfile), target
-        assert re.search(rf"chmod 700 [^\n]*{re.escape(target)}(\s|$)", dockerfile), target
+        mode = "755" if volume in FOREIGN_READERS else "700"
+        assert re.search(rf"chmod {mode} [^\n]*{re.escape(target)}(\s|$)", dockerfile), target
 
 
 def test_production_doc_names_the_secrets_as_the_compose_file_mounts_them() -> None:

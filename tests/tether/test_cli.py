@@ -306,3 +306,67 @@ def test_processes_making_the_demo_keys_at_once_end_with_one_whole_pair_each(tmp
         assert (folder / f"{name}.pem").stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [".ensure.lock", *(f"{n}.pem" for n in names), *(f"{n}.pem.pub" for n in names)])
+
+
+def test_a_typod_planner_is_refused_before_the_start(tmp_path: Path) -> None:
+    """Issue 58: `--planner` typos were found after the start (the run id used up), `--tenant`
+    typos before it. The worker's planners are known where it is configured (TETHER_PLANNERS,
+    or the dev stack's record): a name not among them is refused before anything is sent."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TEMPORAL_"))}
+    env.update(TEMPORAL_ADDRESS="127.0.0.1:1", TETHER_PLANNERS="refunds=examples.agents.refund_agent:planner")
+    start = [str(BIN / "tether"), "start", "--goal", "g", "--requested-by", "alice", "--id", "typo-run"]
+    done = subprocess.run([*start, "--planner", "refund"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done
+    line = one_line(done.stderr)
+    assert "no planner 'refund': did you mean 'refunds'?" in line and "model, playbook, refunds" in line, line
+    assert "nothing was started" in line
+    # A planner the worker has goes on to the start (here: no server to start it on).
+    done = subprocess.run([*start, "--planner", "refunds"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "no planner" not in done.stderr and "cannot reach Temporal" in done.stderr, done
+
+
+async def test_ctrl_c_during_start_wait_says_the_run_goes_on(dev_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """Issue 58: Ctrl-C during `start --wait` printed nothing, and the run went on. It says so now,
+    and how to follow the run."""
+    import signal
+
+    from temporalio.api.taskqueue.v1 import TaskQueue
+    from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest
+
+    client = dev_env.client
+    queue = unique("ctrl-c")
+    taken = asyncio.Event()
+
+    async def holding_poller() -> None:
+        # Polls the queue and answers nothing: the run is served (its task taken), never settled.
+        while True:
+            task = await client.workflow_service.poll_workflow_task_queue(PollWorkflowTaskQueueRequest(
+                namespace=client.namespace, task_queue=TaskQueue(name=queue), identity="holding-poller"))
+            if task.task_token:
+                taken.set()
+
+    poller = asyncio.create_task(holding_poller())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TEMPORAL_"))}
+    env.update(TEMPORAL_ADDRESS=client.service_client.config.target_host, TETHER_TASK_QUEUE=queue,
+               PYTHONUNBUFFERED="1")
+    proc = await asyncio.create_subprocess_exec(
+        str(BIN / "tether"), "start", "--goal", "Refund A-1001", "--requested-by", "alice", "--playbook",
+        str(ROOT / "examples/billing/refund.playbook.json"), "--wait", "--wait-timeout", "600",
+        env=env, cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await proc.stdout.readline()).decode()
+        run_id = re.match(r"started (\S+)", line)[1]
+        await taken.wait()  # the run's task is held: the command is waiting now
+        proc.send_signal(signal.SIGINT)
+        out, err = await proc.communicate()
+    finally:
+        poller.cancel()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 130, (out, err)
+    said = err.decode()
+    assert f"interrupted: run {run_id} goes on" in said and f"tether status {run_id}" in said, said
+    handle = client.get_workflow_handle(run_id)
+    assert (await handle.describe()).status.name == "RUNNING"
+    await handle.terminate("test over")

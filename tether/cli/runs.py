@@ -72,11 +72,28 @@ async def cmd_start(args: argparse.Namespace) -> int:
         raise client.invalid("run request", e) from None
     if (unknown := client.tenant_refusal(request.tenant, client.policy_file())) is not None:
         raise unknown  # a typo'd tenant: nothing started
+    if (unknown := client.planner_refusal(request.planner)) is not None:
+        raise unknown  # a typo'd planner: nothing started, the run's id not used up
     run_id = args.id or f"run-{uuid.uuid4().hex[:12]}"
     if args.key:
         request = client.sign_request(request, run_id, Path(args.key))
+    import asyncio  # (not at import: `tether --help` imports nothing heavy)
+
     conn = await client.connect()
     await client.start_run(conn, request, run_id=run_id, allow_id_reuse=args.allow_id_reuse)
+    try:
+        return await _follow_start(args, conn, run_id)
+    except asyncio.CancelledError:  # Ctrl-C: this command stops, the run it started does not
+        clear = "\r\x1b[K" if sys.stderr.isatty() else ""  # the --wait progress line, if any
+        print(f"{clear}interrupted: run {show(run_id)} goes on (stopping this command does not stop it); follow it "
+              f"with `tether status {show(run_id)}` or `tether timeline {show(run_id)}`, stop it with "
+              f"`tether cancel {show(run_id)} --by NAME --reason ...`", file=sys.stderr, flush=True)
+        raise
+
+
+async def _follow_start(args: argparse.Namespace, conn: Any, run_id: str) -> int:
+    """What `start` says once the run exists: its id, whether a worker serves it, and with
+    --wait where it settled."""
     # The run exists now, whatever follows: say so first (--json --wait prints the status instead).
     if not args.json:
         print(f"started {show(run_id)}", flush=True)

@@ -56,8 +56,8 @@ from tether.client.decisions import (
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, compensate, compensate_refusal, compensation_id, compensation_judged, person_name, policy_file,
-    policy_tenant, start_run, tenant_refusal,
+    cancel, compensate, compensate_refusal, compensation_id, compensation_judged, person_name, planner_refusal,
+    policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
 __all__ = [
@@ -132,6 +132,7 @@ __all__ = [
     "person_name",
     "plan_summary",
     "plan_to_run",
+    "planner_refusal",
     "policy_file",
     "policy_tenant",
     "public_keys",

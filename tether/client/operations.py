@@ -133,6 +133,33 @@ def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
                       field="tenant", rule="tenant_unknown")
 
 
+def planner_refusal(planner: str) -> TetherError | None:
+    """A start naming a planner the worker does not have, refused before anything is sent (a
+    typo would otherwise use the run's id up on a run that fails at once). The worker has the
+    built-in planners and those it is configured with: TETHER_PLANNERS, as the worker reads it,
+    else what the checkout's dev stack recorded; with neither here, the worker's is the only word."""
+    import difflib
+
+    from activities.planning import BUILTIN_PLANNERS
+
+    configured = os.environ.get("TETHER_PLANNERS")
+    if configured is not None:
+        names = [spec.partition("=")[0].strip() for spec in configured.split(",") if spec.strip()]
+        where = "TETHER_PLANNERS"
+    else:
+        names = checkout_stack().get("planners")
+        if not isinstance(names, list):
+            return None
+        where = "the dev stack's worker"
+    known = sorted({*BUILTIN_PLANNERS, *map(str, names)})
+    if planner in known:
+        return None
+    near = difflib.get_close_matches(planner, known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(escape_text(n)) for n in near)}? " if near else ""
+    return TetherError(f"no planner {escape_text(planner)!r}: {hint}the worker has {', '.join(known)} ({where}); "
+                       "nothing was started", USAGE)
+
+
 def policy_file() -> Path | None:
     """The policy file a client checks against: TETHER_POLICY, else the one the checkout's dev
     stack's worker applies (none: the worker's alone decides)."""

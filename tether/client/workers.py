@@ -4,21 +4,31 @@ is told when none does, or none takes the run's task: which queue, and how to st
 
 from __future__ import annotations
 
-import os
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.api.enums.v1 import PendingWorkflowTaskState, TaskQueueKind, TaskQueueType
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.api.enums.v1 import PendingWorkflowTaskState
+from temporalio.service import RPCError
 
 from workflows.display import escape_text
-from tether.connection import DEFAULT_TASK_QUEUE, MCP_TASK_QUEUE, TetherError, rpc_error, task_queue, timed_out
+from tether.connection import DEFAULT_TASK_QUEUE, MCP_TASK_QUEUE, TetherError, rpc_error, task_queue
+# Which workers poll a queue and are alive: tether/pollers.py (a worker asks it too, at start).
+from tether.pollers import HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, _gone_workers, _probe_unsupported, live_pollers  # noqa: F401
 
 
 def start_worker_hint(queue: str) -> str:
+    import shlex
+
+    from tether.connection import checkout_stack
+
+    stack = checkout_stack()
+    settings = stack.get("worker_env")
+    if stack.get("task_queue") == queue and isinstance(settings, dict) and settings:
+        # This checkout's dev stack, whose worker was started with tools (a policy, planners) of
+        # its own: the same again, not the demo's.
+        words = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(settings.items()))
+        return f"`{words} .venv/bin/python -m examples.devstack up worker` (this stack's worker, with its tools)"
     if queue == DEFAULT_TASK_QUEUE:
         return "`make worker`"
     if queue == MCP_TASK_QUEUE:
@@ -35,99 +45,12 @@ def no_worker_message(queue: str) -> str:
     return f"no worker polls task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
 
 
-# A live worker's long polls last up to a minute each, and Temporal lists a poller for minutes
-# after its last poll: a poller not seen for longer than this is gone (TETHER_POLLER_FRESH).
-POLLER_FRESH = timedelta(seconds=float(os.environ.get("TETHER_POLLER_FRESH") or 75))
-
-
-# Workers report themselves every minute by default (Runtime worker_heartbeat_interval), and say
-# so when they shut down: one not heard from for longer than this is gone.
-HEARTBEAT_FRESH = timedelta(seconds=150)
-
-
-# The one-round-trip calls that judge whether a worker serves: short, so no command hangs on them.
-PROBE_TIMEOUT = timedelta(seconds=5)
-
-
-def _probe_unsupported(err: RPCError) -> bool:
-    """A server (or an authorizer) that does not offer the call: judge without it."""
-    return err.status in (
-        RPCStatusCode.UNIMPLEMENTED, RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.FAILED_PRECONDITION,
-        RPCStatusCode.INVALID_ARGUMENT,
-    )
-
-
-async def _gone_workers(client: Client, queue: str, now: datetime) -> dict[str, datetime | None] | None:
-    """The workers on ``queue`` that said they stopped, or have not reported for HEARTBEAT_FRESH
-    (ListWorkers, from the workers' own heartbeats), by identity: when they were last heard from
-    (None: never). An identity with one process still reporting RUNNING is not gone. None: not
-    available."""
-    from temporalio.api.enums.v1 import WorkerStatus
-    from temporalio.api.workflowservice.v1 import ListWorkersRequest
-
-    quoted = queue.replace("\\", "\\\\").replace("'", "\\'")
-    try:
-        response = await client.workflow_service.list_workers(
-            ListWorkersRequest(namespace=client.namespace, page_size=200, query=f"TaskQueue = '{quoted}'"),
-            timeout=PROBE_TIMEOUT,
-        )
-    except RPCError as e:
-        if _probe_unsupported(e) or timed_out(e):
-            return None
-        raise rpc_error(e, queue) from None
-    gone: dict[str, datetime | None] = {}
-    running = set()
-    for info in response.workers_info:
-        beat = info.worker_heartbeat
-        seen = beat.heartbeat_time.ToDatetime(timezone.utc) if beat.HasField("heartbeat_time") else None
-        if beat.status == WorkerStatus.WORKER_STATUS_RUNNING and seen is not None and now - seen <= HEARTBEAT_FRESH:
-            running.add(beat.worker_identity)  # one process of this identity reports itself alive
-        else:
-            last = gone.get(beat.worker_identity)
-            gone[beat.worker_identity] = seen if last is None or (seen is not None and seen > last) else last
-    return {identity: seen for identity, seen in gone.items() if identity not in running}
-
-
 async def worker_serving(client: Client, queue: str) -> bool | None:
-    """Whether a live worker serves ``queue`` (workflow tasks), judged without waiting on one.
-
-    Temporal lists a poller for minutes after its worker died, so a listed poller is not
-    enough: one counts only if it polled within POLLER_FRESH and its worker has not reported
-    itself stopped (or silent) in its heartbeats (ListWorkers), or it polled after that report:
-    a worker restarted in place (the same identity, as a container's PID 1 on the same host)
-    serves from its first poll, before its first heartbeat. False: none does; None: this
-    server does not let us tell (DescribeTaskQueue refused). Callers that act on a run still
-    find out for sure when a worker takes (or never takes) the run's task.
-    """
-    try:
-        response = await client.workflow_service.describe_task_queue(
-            DescribeTaskQueueRequest(
-                namespace=client.namespace,
-                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
-                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-            ),
-            timeout=PROBE_TIMEOUT,
-        )
-    except RPCError as e:
-        if _probe_unsupported(e) or timed_out(e):
-            return None
-        raise rpc_error(e, queue) from None
-    now = datetime.now(timezone.utc)
-    fresh = {
-        p.identity: p.last_access_time.ToDatetime(timezone.utc) for p in response.pollers
-        if p.HasField("last_access_time") and now - p.last_access_time.ToDatetime(timezone.utc) <= POLLER_FRESH
-    }
-    if not fresh:
-        return False
-    gone = await _gone_workers(client, queue, now) or {}
-
-    def alive(identity: str, polled: datetime) -> bool:
-        if identity not in gone:
-            return True
-        stopped = gone[identity]
-        return stopped is not None and polled > stopped  # polled after it said it stopped: restarted
-
-    return any(alive(identity, polled) for identity, polled in fresh.items())
+    """Whether a live worker serves ``queue`` (:func:`live_pollers`). False: none does; None:
+    this server does not let us tell. Callers that act on a run still find out for sure when a
+    worker takes (or never takes) the run's task."""
+    pollers = await live_pollers(client, queue)
+    return None if pollers is None else bool(pollers)
 
 
 async def has_worker(client: Client, queue: str) -> bool:
