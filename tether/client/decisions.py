@@ -33,7 +33,7 @@ from workflows.run_state import PendingApproval, RunSnapshot
 from workflows.states import RunState, TransitionRecord
 from tether.connection import PENDING, REFUSED, TetherError, rpc_error
 from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
-from tether.runs import describe as _describe, published_view, stuck_task
+from tether.runs import ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.errors import _refused, _refused_update, invalid
 from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign
@@ -225,29 +225,47 @@ async def decide(
 async def pending_request(
     client: Client, run_id: str, *, held: RunSnapshot | None = None
 ) -> tuple[RunSnapshot, PendingApproval]:
-    """The run's pending request (a worker is there to take a decision), or REFUSED.
+    """The run's pending request, read from the view it published and the fleet's key signed
+    (a worker is there to take a decision), or REFUSED.
 
-    ``held``: the run as the caller already read it (this function, or a status whose worker
-    probe it judged): taken as it is when it holds a pending request, with no call; one that
-    holds none (a published view a moment behind the run) is read again, as without one.
+    Never from the ``snapshot`` query: whoever started the run may answer it. A run that has
+    published nothing yet is REFUSED (``not_published``), one whose view does not verify too
+    (``view_unverified``): no decision is sent to either.
 
-    Asked first (the ``snapshot`` query, briefly): the view a run publishes where it rests lags
-    a moment behind a revision or a new request. Where no worker of the run's build answers at
-    once (another build's worker took the query, or none is left), read from the view it
-    published, so no query routing decides whether a decision is sent: the decide Update judges
-    it against the run's own state. Either way the steps shown must hash to the plan hash the
-    request binds (``approval_offer_problem``), or nothing is offered."""
-    if held is not None and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
-        if isinstance(held, RunStatus) and held.worker_serving is False and held.task_queue is not None:
+    ``held``: the run as the caller already read it from its signed view (a ``RunStatus`` with
+    ``published_at``): taken as it is when it holds a pending request, with no call. The view
+    lags a moment behind a run that is just coming to rest on a request (a revision, a new
+    request): it is read again for up to PENDING_QUERY_SECONDS until it holds one. Either way
+    the steps shown must hash to the plan hash the request binds (``approval_offer_problem``),
+    or nothing is offered."""
+    signed = isinstance(held, RunStatus) and held.published_at is not None and not held.unpublished
+    if signed and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
+        if held.worker_serving is False and held.task_queue is not None:
             raise TetherError(no_worker_message(held.task_queue), rule="no_worker")  # as its probe said
         return held, held_request(held)
-    await require_worker(client, run_id)
-    try:
-        snap = await snapshot(client, run_id, timeout=PENDING_QUERY_SECONDS)
-    except TetherError:
-        view = await published_view(await _describe(client, run_id))
-        snap = view.snapshot if view is not None else await snapshot(client, run_id)
-    return snap, held_request(snap)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PENDING_QUERY_SECONDS
+    description = await _describe(client, run_id)
+    await require_worker(client, run_id, description)
+    while True:
+        try:
+            view = await published_view(description)
+        except ViewUnverified as e:
+            raise TetherError(f"run {run_id}: {e}: no decision is sent to it", REFUSED, rule="view_unverified") from None
+        if view is None:
+            raise TetherError(
+                f"run {run_id} is not published yet: it has published no view the fleet's key signed, so what it "
+                f"answers is no one's word; no decision is sent to it (`tether status {run_id}`)",
+                REFUSED, rule="not_published",
+            )
+        snap = view.snapshot
+        if snap.state == RunState.AWAITING_APPROVAL and snap.pending_approval is not None or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.2)
+        description = await _describe(client, run_id)
+    # As read from its signed view: a later call given it (``held``) takes it as it is.
+    status = RunStatus(**snap.model_dump(), published_at=view.published_at, task_queue=description.task_queue)
+    return status, held_request(status)
 
 
 def held_request(snap: RunSnapshot) -> PendingApproval:
@@ -264,7 +282,7 @@ def held_request(snap: RunSnapshot) -> PendingApproval:
     return pending
 
 
-# How long `approve` asks the run for its pending request before it reads the published view.
+# How long `approve` waits for a run's signed view to hold its pending request (it publishes where it rests).
 PENDING_QUERY_SECONDS = 2.0
 
 

@@ -145,27 +145,18 @@ class Inbox:
             runs = await tether.list_runs(
                 temporal, state=RunState.AWAITING_APPROVAL.value, tenant=tenant_name, limit=MAX_RUNS_LISTED
             )
-            # What each run published where it waits (no worker, nothing reaches the run); a run
-            # that has published nothing yet is asked.
-            snaps = await asyncio.gather(*(self._published(r) for r in runs))
+            # What each run published where it waits, signed by the fleet (no worker, nothing
+            # reaches the run). A run that has published nothing yet, or whose view does not
+            # verify, is never listed nor asked: whoever started it may answer its queries.
+            snaps = [(r.view.snapshot, r.view.published_at) for r in runs if r.view is not None]
             can_attest = desk.attester(document, self.public_key, tenant_name) is not None
             for snap, published_at in snaps:
-                if snap is None or snap.tenant != tenant_name:
+                if snap.tenant != tenant_name:
                     continue
                 if desk.decide_refusal(tenant, snap, person.name, now=now, can_attest=can_attest) is None:
                     rows.append({**self._row(snap, now), "as_of": self._as_of(published_at, now)})
         rows.sort(key=lambda r: r["expires_at"])
         return rows
-
-    async def _published(self, row: tether.RunSummary) -> tuple[RunSnapshot | None, datetime | None]:
-        if row.view is not None:
-            return row.view.snapshot, row.view.published_at
-        if row.view_unverified:
-            return None, None  # only runs whose view the fleet signed are listed
-        try:
-            return await tether.snapshot(await self.client(), row.run_id), None
-        except tether.TetherError:
-            return None, None  # ended or gone since the list was made, or nobody serves it
 
     @staticmethod
     def _as_of(published_at: datetime | None, now: datetime) -> str:
@@ -201,8 +192,8 @@ class Inbox:
             if e.rule == "unknown_run":
                 raise NotYours() from None
             raise
-        if snap.tenant not in desk.tenants_of(document, person.name):
-            raise NotYours()
+        if snap.tenant not in desk.tenants_of(document, person.name) or snap.unpublished:
+            raise NotYours()  # a run that has published nothing is no one's to decide (its tenant is a claim)
         return document, snap, records
 
     async def _visible(self, person: Person, run_id: str, live: bool = False):  # noqa: ANN202
