@@ -23,7 +23,7 @@ from activities.policy_file import PolicyFileError, PolicyStore
 from tether.connection import TetherError
 from tether.inbox import desk, pages
 from tether.inbox.guards import MAX_BODY_BYTES, SECURITY_HEADERS, BodyLimit, loopback_host, same_origin
-from tether.inbox.identity import DEV_SESSION_SECONDS, SESSION_COOKIE, DevLogin, Person, Unauthenticated, Verifier
+from tether.inbox.identity import DEV_SESSION_SECONDS, SESSION_COOKIE, DevLogin, Person, Unauthenticated, Verifier, load_subjects
 from tether.inbox.service import DecisionBody, Inbox, InboxConfig, NotYours, signing_key
 from workflows.contract import STRICT
 
@@ -60,10 +60,11 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         verifier = dev.verifier
     else:
         try:
+            subjects = load_subjects(config.subjects) if config.subjects is not None else None
             verifier = Verifier(jwks=config.jwks or "", issuer=config.issuer or "", audience=config.audience or "",
-                                claim=config.claim)
+                                claim=config.claim, subjects=subjects)
         except ValueError as e:
-            raise TetherError(str(e), field="jwks") from None
+            raise TetherError(str(e), field="subjects" if str(e).startswith("--subjects") else "jwks") from None
     key_path, public_key = signing_key(config.key)
     inbox = Inbox(config=config, store=store, verifier=verifier, dev=dev, temporal=temporal,
                   key_path=key_path, public_key=public_key)

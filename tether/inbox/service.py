@@ -42,6 +42,7 @@ class InboxConfig:
     issuer: str | None = None
     audience: str | None = None
     claim: str = "preferred_username"
+    subjects: Path | None = None  # the subjects file: each person's sign-in subject (identity.load_subjects)
     header: str | None = "X-Forwarded-Assertion"
     key: Path | None = None  # the inbox's Ed25519 signing key (PEM), for attestations
     web_ui: str = "http://localhost:8233"
