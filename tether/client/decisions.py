@@ -234,8 +234,8 @@ async def pending_request(
 
     ``held``: the run as the caller already read it from its signed view (a ``RunStatus`` with
     ``published_at``): taken as it is when it holds a pending request, with no call. The view
-    lags a moment behind a run that is just coming to rest on a request (a revision, a new
-    request): it is read again for up to PENDING_QUERY_SECONDS until it holds one. Either way
+    lags a moment behind a run that is just coming to rest on a request (its first, a revision,
+    a new one): it is read again for up to PENDING_QUERY_SECONDS until it holds one. Either way
     the steps shown must hash to the plan hash the request binds (``approval_offer_problem``),
     or nothing is offered."""
     signed = isinstance(held, RunStatus) and held.published_at is not None and not held.unpublished
@@ -252,14 +252,17 @@ async def pending_request(
             view = await published_view(description)
         except ViewUnverified as e:
             raise TetherError(f"run {run_id}: {e}: no decision is sent to it", REFUSED, rule="view_unverified") from None
-        if view is None:
+        if view is None and loop.time() > deadline:
             raise TetherError(
                 f"run {run_id} is not published yet: it has published no view the fleet's key signed, so what it "
                 f"answers is no one's word; no decision is sent to it (`tether status {run_id}`)",
                 REFUSED, rule="not_published",
             )
-        snap = view.snapshot
-        if snap.state == RunState.AWAITING_APPROVAL and snap.pending_approval is not None or loop.time() > deadline:
+        if view is not None and (
+            view.snapshot.state == RunState.AWAITING_APPROVAL and view.snapshot.pending_approval is not None
+            or loop.time() > deadline
+        ):
+            snap = view.snapshot
             break
         await asyncio.sleep(0.2)
         description = await _describe(client, run_id)
