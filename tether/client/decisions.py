@@ -35,7 +35,7 @@ from tether.connection import PENDING, REFUSED, TetherError, rpc_error
 from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
 from tether.runs import ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.errors import _refused, _refused_update, invalid
-from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
+from tether.client.workers import PROBE_TIMEOUT, has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign
 from tether.client.shown import approval_offer_problem
 from tether.client.reads import RunStatus, read_run, snapshot, timeline
@@ -193,7 +193,10 @@ async def revise(
             decision=revision.as_decision(), steps_digest=revision.revised_hash(),
         )
         revision.signature = sign(given.key, payload)
-    record = await _send_decision(client, run_id, revision, timeout)
+    try:
+        record = await _send_decision(client, run_id, revision, timeout)
+    except TetherError as e:
+        raise _unmatched(e, snap, revision.plan_hash) from None
     return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
@@ -218,8 +221,28 @@ async def decide(
     # A stale plan hash is sent all the same: the run records the attempt, and refuses it
     # (stale_plan_hash) on its timeline.
     decision = build_decision(snap, kind, given)
-    record = await _send_decision(client, run_id, decision, timeout)
+    try:
+        record = await _send_decision(client, run_id, decision, timeout)
+    except TetherError as e:
+        raise _unmatched(e, snap, decision.plan_hash) from None
     return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+def _unmatched(error: TetherError, snap: RunSnapshot, given: str) -> TetherError:
+    """A refusal for a plan hash that is not the pending plan's, said as what it is: the hash
+    given matches no plan under review (an earlier version's, or none). The run's own words name
+    the pending hash, which a person would paste and so approve a plan they never reviewed: never
+    shown here."""
+    if error.rule != "stale_plan_hash":
+        return error
+    run_id = snap.run_id
+    earlier = any(r.previous_plan_hash.startswith(given) for r in snap.revisions)
+    return TetherError(
+        f"plan hash {given[:HASH_PREFIX]} {'is an earlier version of the plan (revised since) and ' if earlier else ''}"
+        f"does not match the plan under review: nothing was decided (the run "
+        f"recorded the attempt). Review the plan with `tether status {run_id}`, then decide the plan you reviewed "
+        f"[rule: {error.rule}]", REFUSED, rule=error.rule,
+    )
 
 
 async def pending_request(
@@ -312,9 +335,13 @@ async def _send_decision(
             # The decide Update: only a malformed or repeated decision, or one the run has no
             # room for until it continues as new, is refused before history; the answer is the
             # run's own record of the decision (policy check included).
+            # An id of its own (never the decision's alone: the same decision id sent again is the
+            # run's to refuse, not Temporal's to answer with the first one's result), so whether
+            # Temporal holds it can be asked (``_update_held``).
+            update_id = f"{decision.decision_id}.{uuid.uuid4().hex[:12]}"
             update = await handle.start_update(
                 "decide", decision, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
-                rpc_timeout=timedelta(seconds=timeout),
+                id=update_id, rpc_timeout=timedelta(seconds=timeout),
             )
             result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
             break
@@ -332,10 +359,15 @@ async def _send_decision(
             # Not acknowledged in time: a worker is in the middle of the run's task (the policy
             # check runs in it, and the acceptance goes out with it), or no worker is there.
             task = await _pending_task(handle)
-            if task is not None and task.attempt > 1:
-                raise _task_failing_error(run_id) from None
             if task is not None and task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
                 raise pending_verdict from None
+            if await _update_held(client, run_id, update_id) is not False:
+                # Temporal took it in: a worker of the run's build judges it when it takes the
+                # run's task, however long that is (a task retried after timing out on a worker
+                # that is gone included). Sent, pending; never "not sent".
+                raise await _sent_untaken(client, run_id, decision.decision_id, timeout) from None
+            if task is not None and task.attempt > 1:
+                raise _task_failing_error(run_id) from None
             raise await no_answer(client, run_id, timeout) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
@@ -362,6 +394,44 @@ async def _send_decision(
         return result.record  # the run's own record of it, in its answer: nothing more to ask
     # A run of an older build answers with the verdict alone: its record is read back.
     return await _await_record(client, run_id, decision.decision_id, timeout)
+
+
+async def _update_held(client: Client, run_id: str, update_id: str) -> bool | None:
+    """Whether Temporal holds the decide Update ``update_id`` of the run (admitted, or further):
+    False only when it says it has none; None when it cannot tell."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import UpdateWorkflowExecutionLifecycleStage
+    from temporalio.api.update.v1 import UpdateRef, WaitPolicy
+    from temporalio.api.workflowservice.v1 import PollWorkflowExecutionUpdateRequest
+
+    try:
+        await client.workflow_service.poll_workflow_execution_update(
+            PollWorkflowExecutionUpdateRequest(
+                namespace=client.namespace,
+                update_ref=UpdateRef(workflow_execution=WorkflowExecution(workflow_id=run_id), update_id=update_id),
+                identity=client.identity,
+                wait_policy=WaitPolicy(
+                    lifecycle_stage=UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_ADMITTED
+                ),
+            ),
+            timeout=PROBE_TIMEOUT,
+        )
+    except RPCError as e:
+        return False if e.status == RPCStatusCode.NOT_FOUND else None
+    return True
+
+
+async def _sent_untaken(client: Client, run_id: str, decision_id: str, waited: float) -> TetherError:
+    """A decision Temporal holds that no worker has taken within ``waited`` seconds: sent and
+    pending (exit 3), with its id, how to follow it, and why it waits (which queue, and how to
+    start a worker of it)."""
+    why = str(await no_answer(client, run_id, waited))
+    return TetherError(
+        f"decision {decision_id} sent and pending: Temporal holds it, and no worker has taken it yet ({why}); "
+        f"a worker of the run's build judges it when it takes the run's task: follow it with "
+        f"`tether status {run_id}` (its verdict shows as decision {decision_id}); do not send it again",
+        PENDING, rule="pending",
+    )
 
 
 # How soon a decision is sent again that Temporal refused while the run's workflow task failed.
