@@ -57,6 +57,8 @@ def step_lines(plan: object, tools: Sequence[object] = ()) -> list[str]:
     lines = []
     for v in client.step_views(plan, tools):  # type: ignore[arg-type]
         lines.append(f"  {v.n}. {show(v.tool)}: {v.effect}")
+        if v.description:  # the tool's own words (its docstring), its first paragraph
+            lines.append(f"       ({show(' '.join(v.description.split(chr(10) * 2)[0].split()), 300)})")
         lines.extend(f"       {client.shown_arg(a)}" for a in v.args)
     return lines
 
@@ -73,6 +75,11 @@ def format_status(s: client.RunStatus) -> str:
         f"tenant     {show(s.tenant)}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if not s.unpublished:  # who asked, and for what: the why beside the what
+        if s.goal is not None:
+            lines.append(f"goal       {show(s.goal, 600)}")
+        if s.requested_by:
+            lines.append(f"asked by   {show(s.requested_by)} ({'signed' if s.requester_verified else 'claimed'})")
     if s.parent:  # a child run: whose, and what its grant gives it
         lines.append(f"child of   {show(s.parent)} (depth {s.depth}): {show(s.parent_goal, 200)}")
         lines.append(f"grant      tools {', '.join(show(t) for t in s.grant_tools)}")

@@ -45,6 +45,8 @@ class RunStatus(RunSnapshot):
     stuck: StuckTask | None = None  # its workflow task keeps failing
     # Why the effect ledger could not be read: where each write stands is then unknown.
     ledger_error: str | None = None
+    # The goal it was started with (``run_goal``): read by ``status`` for a run whose view verified.
+    goal: str | None = None
     # Set when the run has published no signed view yet: what is shown is only what Temporal
     # lists of it (its state, a claim; its start), or with ``live`` its unsigned answer, and
     # nothing pending (no Approve is offered on it).
@@ -83,6 +85,26 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
         raise TetherError(f"run {run_id} could not answer: {e}") from None
 
 
+async def run_goal(client: Client, run_id: str) -> str | None:
+    """The goal the run was started with, as Temporal recorded its start (the first event of its
+    current execution: a continued or reset run carries the same request). Only for a run whose
+    signed view was read: the goal of a run that published nothing is no one's word. None: it
+    cannot be read here (another version's input, a key this client lacks)."""
+    from workflows.run_state import RunRequest
+
+    handle = client.get_workflow_handle(run_id)
+    try:
+        async for event in handle.fetch_history_events(page_size=1, rpc_timeout=QUERY_TIMEOUT):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            if not payloads:
+                return None
+            request = (await client.data_converter.decode(payloads[:1], [RunRequest]))[0]
+            return request.goal if isinstance(request, RunRequest) else None
+    except Exception:  # noqa: BLE001 (gone, another version's input, encrypted with another key)
+        return None
+    return None
+
+
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
@@ -95,7 +117,7 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
 
 
-async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
+async def status(client: Client, run_id: str, *, live: bool = False, goal: bool = True) -> RunStatus:
     """The run's state, and for a run that has ended the reason on its final record.
 
     By default from what the run published where it last rested (its memo; ``published_at``
@@ -104,6 +126,8 @@ async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatu
     Each write's undo is shown as the effect ledger says it stands (``ledger_standing``).
     """
     result = (await read_run(client, run_id, live=live))[0]
+    if goal and not result.unpublished:  # ``goal``: for a person to read (not a wait's end)
+        result.goal = await run_goal(client, run_id)
     if result.ended:
         result.compensations, result.ledger_error = await ledger_standing(result.compensations)
     return result
@@ -252,5 +276,5 @@ async def wait_settled(
             progress(snap, loop.time() - began)
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
-            return await status(client, run_id, live=True)  # as the query just saw it, not as last published
+            return await status(client, run_id, live=True, goal=False)  # as the query just saw it, not as last published
         await asyncio.sleep(0.2)

@@ -32,6 +32,7 @@ from workflows.states import TERMINAL, RunState, TransitionRecord
 
 log = logging.getLogger("tether.inbox")
 MAX_RUNS_LISTED = 200
+MAX_GOALS_KEPT = 1000  # goals kept in memory (the oldest read goes first)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Inbox:
     csrf_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     key_path: Path | None = None
     public_key: str | None = None
+    goals: dict[str, str] = field(default_factory=dict)  # run id -> its goal (``_goal``)
 
     # ------------------------------------------------------------------ identity
 
@@ -234,6 +236,7 @@ class Inbox:
                 "args": step.args,
                 "money": {a.name: a.money for a in view.args if a.money},
                 "summary": {a.name: a.value for a in view.summary},
+                "description": " ".join(view.description.split("\n\n")[0].split()),  # the tool's own words
                 "done": view.n <= snap.step,
             })
         pending = snap.pending_approval
@@ -248,6 +251,7 @@ class Inbox:
         return {
             "run_id": snap.run_id,
             "tenant": snap.tenant,
+            "goal": await self._goal(snap.run_id),
             "state": snap.state.value,
             "state_version": snap.state_version,
             "ended": snap.state in TERMINAL,
@@ -284,6 +288,17 @@ class Inbox:
             "stuck": None if snap.stuck is None else f"its workflow task keeps failing (attempt {snap.stuck.attempt}): {snap.stuck.error}",
             "web_ui": f"{self.config.web_ui.rstrip('/')}/namespaces/{quote(self.config.namespace)}/workflows/{quote(snap.run_id)}",
         }
+
+    async def _goal(self, run_id: str) -> str | None:
+        """The run's goal (``client.run_goal``), read once per run: a run's start never changes."""
+        if run_id not in self.goals:
+            goal = await tether.run_goal(await self.client(), run_id)
+            if goal is None:
+                return None  # read again next time (it may be readable then)
+            if len(self.goals) >= MAX_GOALS_KEPT:
+                self.goals.pop(next(iter(self.goals)))
+            self.goals[run_id] = goal
+        return self.goals[run_id]
 
     @staticmethod
     def _record(r: TransitionRecord) -> dict[str, Any]:
