@@ -54,6 +54,10 @@ async def test_decisions_sent_with_the_runs_workers_stopped_are_pending_then_jud
         assert code == tether_client.REFUSED, (out, err)
         assert "does not match the plan under review" in err and f"tether status {run}" in err, err
         assert plan_hash[:12] not in out + err
+        # --by as the policy writes the person, or refused before anything is sent: never folded.
+        for name in ("Bob", "ＢＯＢ"):
+            code, out, err = await cli("approve", run, "--by", name, "--plan-hash", plan_hash[:12])
+            assert code == tether_client.USAGE and "--by" in err and "'bob'" in err, (name, out, err)
 
     await a_poller_seen_just_now(dev_env, queue)
     outcomes = {}

@@ -1,7 +1,7 @@
 """Nothing unsigned is shown as a run: a run that was only started (``AgentRunState``
 AWAITING_APPROVAL set by whoever started it) and answered by a plain worker of the starter's own
 is never listed as waiting, never offered for approval, and never sent a decision: not by the
-inbox, `tether status`, `tether list` or `tether approve`. A real run beside it is."""
+inbox, `tether status`, `tether list`, `tether timeline` or `tether approve`. A real run beside it is."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ async def test_a_started_only_run_answering_queries_is_never_listed_or_offered_f
         assert code == 0, (out, err)
         rogue_lines = [line for line in out.splitlines() if rogue.run_id in line]
         assert rogue_lines and all("not published yet" in line for line in rogue_lines), out
+        code, out, err = await cli("timeline", rogue.run_id)  # the sink has nothing of it; the run is not asked
+        assert code == 2 and "not published yet" in err and "carol" not in out, (out, err)
         code, out, err = await cli("approve", rogue.run_id, "--by", "bob", "--unreviewed")
         assert code == tether_client.REFUSED, (code, out, err)
         assert "not published yet" in err, err

@@ -127,6 +127,7 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     pending = snap.pending_approval
     if pending is None:
         raise TetherError(f"run {snap.run_id} has no pending approval", REFUSED)
+    refuse_folded(given.by)
     try:
         decision = DecideRequest(
             kind=kind,
@@ -148,6 +149,22 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
         )
         decision.signature = sign(given.key, payload)
     return decision
+
+
+def refuse_folded(name: str) -> None:
+    """A decider's name exactly as the policy writes people: "Bob" or fullwidth "ＢＯＢ" is refused
+    (naming the field), never folded onto bob, as the inbox refuses such a sign-in."""
+    from workflows.identity import normalize_name
+
+    try:
+        normal = normalize_name(name)
+    except ValueError as e:
+        raise TetherError(f"invalid name {name[:80]!r}: {e}", field="by", detail=str(e)) from None
+    if normal != name:
+        raise TetherError(
+            f"name {name[:80]!r} is not written as the policy names people ({normal!r}): refused, never folded",
+            field="by", detail=f"write the name as the policy does: {normal!r}",
+        )
 
 
 def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
@@ -174,6 +191,7 @@ async def revise(
     the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...).
     ``held``: the run as the caller read it, as for ``decide``."""
     snap, pending = await pending_request(client, run_id, held=held)
+    refuse_folded(given.by)
     try:
         revision = ReviseDecideRequest(
             kind="revise",
