@@ -396,4 +396,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_command(sub, "status", "a run's state, plan, approval, why it ended", _status_args, cmd_status)
     add_command(sub, "timeline", "a run's audit timeline", _timeline_args, cmd_timeline)
     add_command(sub, "list", "find runs by state and tenant", _list_args, cmd_list)
-    add_command(sub, "audit", "check the audit sink's signatures and chain", _audit_args, cmd_audit)
+    add_command(sub, "audit", "verify the audit sink's trails", _audit_args, cmd_audit)
