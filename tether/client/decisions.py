@@ -30,7 +30,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from workflows import policy
 from workflows.contract import DecideRequest, DecideResult, HandoffRequest, Plan, ReviseDecideRequest
 from workflows.run_state import PendingApproval, RunSnapshot
-from workflows.states import RunState, TransitionRecord
+from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import PENDING, REFUSED, TetherError, rpc_error
 from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
 from tether.runs import ViewUnverified, describe as _describe, published_view, stuck_task
@@ -301,7 +301,7 @@ async def pending_request(
             )
         if view is not None and (
             view.snapshot.state == RunState.AWAITING_APPROVAL and view.snapshot.pending_approval is not None
-            or loop.time() > deadline
+            or view.snapshot.state in TERMINAL or loop.time() > deadline
         ):
             snap = view.snapshot
             break
