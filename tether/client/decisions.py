@@ -377,6 +377,8 @@ async def _send_decision(
             # Not acknowledged in time: a worker is in the middle of the run's task (the policy
             # check runs in it, and the acceptance goes out with it), or no worker is there.
             task = await _pending_task(handle)
+            if task is not None and task.attempt > 1 and await _task_failed(client, run_id):
+                raise _task_failing_error(run_id) from None  # failing (not timing out): nothing is taken
             if task is not None and task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
                 raise pending_verdict from None
             if await _update_held(client, run_id, update_id) is not False:
@@ -384,8 +386,6 @@ async def _send_decision(
                 # run's task, however long that is (a task retried after timing out on a worker
                 # that is gone included). Sent, pending; never "not sent".
                 raise await _sent_untaken(client, run_id, decision.decision_id, timeout) from None
-            if task is not None and task.attempt > 1:
-                raise _task_failing_error(run_id) from None
             raise await no_answer(client, run_id, timeout) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
@@ -412,6 +412,16 @@ async def _send_decision(
         return result.record  # the run's own record of it, in its answer: nothing more to ask
     # A run of an older build answers with the verdict alone: its record is read back.
     return await _await_record(client, run_id, decision.decision_id, timeout)
+
+
+async def _task_failed(client: Client, run_id: str) -> bool:
+    """Whether the run's workflow task keeps failing (a WorkflowTaskFailed event begins the
+    streak), not only timing out on a worker that is gone."""
+    try:
+        stuck = await stuck_task(client, await _describe(client, run_id))
+    except TetherError:
+        return False
+    return stuck is not None and stuck.event_id is not None
 
 
 async def _update_held(client: Client, run_id: str, update_id: str) -> bool | None:
