@@ -28,7 +28,7 @@ async def stack(dev_env, tmp_path_factory) -> Stack:
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_the_goal_the_requester_and_the_tools_own_words_are_where_a_person_decides(stack: Stack, dev_env) -> None:
+async def test_the_goal_and_who_asked_are_where_a_person_decides(stack: Stack, dev_env) -> None:
     run_id = await stack.start(requested_by="alice", goal=GOAL, playbook=REFUND)
     snap = await stack.wait(run_id, "AWAITING_APPROVAL")
     await stack.visible(run_id)
