@@ -91,3 +91,51 @@ def verify_streams(publics: Any, workflow_id: str, streams: dict[str, list[Trans
             problems.append((first.seq, f"record seq {first.seq} of run {run_id}: not chained to a record before it"))
     check.problems = [why for _, why in sorted(problems, key=lambda p: p[0])]
     return check
+
+
+@dataclass
+class StreamEnd:
+    """Where one stream (run id) of a trail ends, as its records say: ``ended`` (the terminal
+    state its last transition reached), ``continued`` (another stream of the workflow id goes on
+    from one of its records: continued as new, or reset), or neither: open, or cut short."""
+
+    run_id: str
+    records: int
+    last_seq: int
+    ended: str | None = None
+    continued_in: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.ended is not None
+
+    def words(self) -> str:
+        if self.ended is not None:
+            return f"complete, {self.records} record(s), ended {self.ended}"
+        if self.continued_in is not None:
+            return f"continued in run {self.continued_in} after seq {self.last_seq} ({self.records} record(s))"
+        return f"open or cut short after seq {self.last_seq} ({self.records} record(s))"
+
+
+def stream_ends(streams: dict[str, list[TransitionRecord]]) -> list[StreamEnd]:
+    """Where each stream of a workflow id ends (``StreamEnd``), in the order they begin. A run's
+    end is its transition to a final state: the sink holds it only if nothing cut the trail
+    there. A stream that another continues from is not an end."""
+    from workflows.states import TERMINAL
+
+    firsts = {run_id: min(records, key=lambda r: r.seq) for run_id, records in streams.items() if records}
+    ends = []
+    for run_id, records in streams.items():
+        ordered = sorted(records, key=lambda r: r.seq)
+        if not ordered:
+            continue
+        end = StreamEnd(run_id=run_id, records=len(ordered), last_seq=ordered[-1].seq)
+        moves = [r for r in ordered if r.kind == "transition"]
+        if moves and moves[-1].to_state in TERMINAL:
+            end.ended = moves[-1].to_state.value
+        links = {record_link(r): r.seq for r in ordered}
+        for other, first in firsts.items():
+            if other != run_id and first.prev in links:
+                end.continued_in = other
+        ends.append(end)
+    return sorted(ends, key=lambda e: (min(r.seq for r in streams[e.run_id]), e.run_id))

@@ -270,7 +270,7 @@ async def test_a_start_with_a_view_of_its_own_is_unverified_and_never_waiting_on
             await fake.terminate("test over")
         # The real run's view verifies, and approval is offered on it.
         status = await tether_client.status(client, real.id)
-        assert status.view_unverified is None and status.published_at is not None
+        assert status.unpublished is None and status.published_at is not None
         assert tether_client.approval_offer_problem(status) is None
 
 

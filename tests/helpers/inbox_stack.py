@@ -94,11 +94,21 @@ class Stack:
         deadline = loop.time() + timeout
         while True:
             snap = await tether_client.snapshot(self.client, run_id)
-            if snap.state.value in states:
+            # As its answer says and as it published (signed), which the inbox and the CLI read:
+            # a query can answer from a task whose view is not written yet.
+            if snap.state.value in states and await self._published(run_id, snap.state.value):
                 return snap
             if loop.time() > deadline:
                 raise AssertionError(f"{run_id} is {snap.state.value}, expected {states}")
             await asyncio.sleep(0.1)
+
+    async def _published(self, run_id: str, state: str) -> bool:
+        from workflows.states import PUBLISHED
+
+        if state not in {s.value for s in PUBLISHED}:
+            return True  # a state passed through is not published: the answer is all there is
+        view = await tether_client.published_view(await self.client.get_workflow_handle(run_id).describe())
+        return view is not None and view.snapshot.state.value == state
 
     async def visible(self, run_id: str, timeout: float = 15.0) -> None:
         """Visibility is eventually consistent: wait until the list shows the run waiting."""

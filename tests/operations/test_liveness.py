@@ -131,10 +131,11 @@ async def test_status_of_a_run_that_published_nothing_does_not_wait_on_its_dead_
     assert await tether_client.published_view(await run.describe()) is None
     cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]
     # The dead worker holds the run: a query would wait on it until Temporal gives up, and fail.
-    # status answers with what Temporal lists, and says why.
+    # status asks nothing of a run that published nothing (its answer would be unsigned): it says
+    # so, with what Temporal lists as a claim.
     code, out, err = await cli("status", run.id)
     assert code == 0, (code, out, err)
-    assert f"run        {run.id}" in out and "has published nothing yet" in out and "may have died" in out, out
+    assert f"run        {run.id}" in out and "state      not published yet" in out and "a claim" in out, out
     # --live waits for an answer, and gets none.
     code, out, err = await cli("status", "--live", run.id)
     assert code == 2 and not out, (code, out, err)

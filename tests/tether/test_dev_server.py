@@ -124,7 +124,8 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
         await other.cancel()
 
         code, _, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", "0" * 64)
-        assert code == 1 and "stale plan hash" in err and "[rule: stale_plan_hash]" in err
+        assert code == 1 and "does not match the plan under review" in err and "[rule: stale_plan_hash]" in err
+        assert f"tether status {run_id}" in err and plan_hash[:12] not in err  # no hash to paste
 
         code, out, err = await cli("approve", run_id, "--by", "bob", "--plan-hash", plan_hash, "--comment", "ok")
         assert code == 0, err

@@ -346,7 +346,7 @@ def test_a_jwks_url_is_read_through_pyjwkclient() -> None:
     try:
         verifier = Verifier(jwks=f"http://127.0.0.1:{server.server_port}/jwks.json", issuer=ISSUER, audience=AUDIENCE,
                             claim="preferred_username")
-        assert verifier.verify(sso.token("Bob")) == "bob"
+        assert verifier.verify(sso.token("bob")) == "bob"
         rotated = Sso(kid="sso-2")  # a key the set does not have
         with pytest.raises(Unauthenticated):
             verifier.verify(rotated.token("bob"))

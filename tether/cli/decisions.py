@@ -65,6 +65,10 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
     shown = plan_hash == pending.plan_hash and snap.plan is not None
     if shown:
         assert snap.plan is not None
+        if asks:  # the why beside the what, before the person is asked
+            goal = await client.run_goal(conn, args.run)
+            print(f"run {show(args.run)}: asked by {show(snap.requested_by)} "
+                  f"({'signed' if snap.requester_verified else 'claimed'}): {show(goal or '(goal not readable here)', 600)}")
         print(f"{kind} plan v{snap.plan.version} {show(plan_hash)} of run {show(args.run)}, request "
               f"{show(pending.request_id)} ({client.approvals_needed(pending)}):")
         for line in step_lines(snap.plan, snap.tools):

@@ -22,6 +22,9 @@ def _inbox_args(p: argparse.ArgumentParser) -> None:
                    help="the JWTs' required aud (env TETHER_INBOX_AUDIENCE)")
     p.add_argument("--claim", default="preferred_username", metavar="CLAIM",
                    help="the claim naming the person as the policy file does (default preferred_username)")
+    p.add_argument("--subjects", default=os.environ.get("TETHER_INBOX_SUBJECTS") or None, metavar="TOML",
+                   help="each person's sign-in subject ([people.NAME] oidc_subject = \"SUB\"): a bound person signs in "
+                   "with that subject only, whatever the name claim says (env TETHER_INBOX_SUBJECTS)")
     p.add_argument("--header", default="X-Forwarded-Assertion", metavar="NAME",
                    help="an identity-aware proxy's assertion header (default X-Forwarded-Assertion; '' for none)")
     p.add_argument("--policy", metavar="PATH", help="the policy file (default TETHER_POLICY, else the example's)")
@@ -43,6 +46,7 @@ async def cmd_inbox(args: argparse.Namespace) -> int:
         issuer=args.issuer,
         audience=args.audience,
         claim=args.claim,
+        subjects=Path(args.subjects) if args.subjects else None,
         header=args.header or None,
         key=Path(args.key),
         web_ui=args.web_ui,

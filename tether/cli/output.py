@@ -57,6 +57,8 @@ def step_lines(plan: object, tools: Sequence[object] = ()) -> list[str]:
     lines = []
     for v in client.step_views(plan, tools):  # type: ignore[arg-type]
         lines.append(f"  {v.n}. {show(v.tool)}: {v.effect}")
+        if v.description:  # the tool's own words (its docstring), its first paragraph
+            lines.append(f"       ({show(' '.join(v.description.split(chr(10) * 2)[0].split()), 300)})")
         lines.extend(f"       {client.shown_arg(a)}" for a in v.args)
     return lines
 
@@ -69,13 +71,20 @@ def _sums(sums: dict[str, float]) -> str:
 def format_status(s: client.RunStatus) -> str:
     """A run's status for a terminal. Everything a requester, model, tool or signal sender could
     have written (ids, reasons, summaries, arguments, answers) goes through workflows/display.py."""
+    state = f"{s.state.value} (version {s.state_version}, was {s.previous_state.value if s.previous_state else '-'})"
+    if s.unpublished:  # what Temporal lists, or the run answers, is a claim: never shown as its state
+        state = "not published yet" + (f" (its live answer, unsigned: {state})" if s.state_version else "")
     lines = [
         f"run        {show(s.run_id)}",
-        f"state      {s.state.value} (version {s.state_version}, was "
-        f"{s.previous_state.value if s.previous_state else '-'})",
+        f"state      {state}",
         f"tenant     {show(s.tenant)}",
         f"steps      {s.step} executed, {s.retries} retries",
     ]
+    if not s.unpublished:  # who asked, and for what: the why beside the what
+        if s.goal is not None:
+            lines.append(f"goal       {show(s.goal, 600)}")
+        if s.requested_by:
+            lines.append(f"asked by   {show(s.requested_by)} ({'signed' if s.requester_verified else 'claimed'})")
     if s.parent:  # a child run: whose, and what its grant gives it
         lines.append(f"child of   {show(s.parent)} (depth {s.depth}): {show(s.parent_goal, 200)}")
         lines.append(f"grant      tools {', '.join(show(t) for t in s.grant_tools)}")
@@ -91,12 +100,10 @@ def format_status(s: client.RunStatus) -> str:
     if s.published_at is not None:
         moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")
-    if s.view_unverified:
-        lines.append(f"view       {show(s.view_unverified, 400)} (read live instead)")
+    if s.unpublished:
+        lines.append(f"view       {show(s.unpublished, 600)}")
     if s.worker_serving is False and s.task_queue is not None:
         lines.append(f"worker     {client.no_worker_message(s.task_queue)}")
-    if s.unanswered:
-        lines.append(f"worker     {s.unanswered}")
     if s.stuck is not None:
         lines.append(f"stuck      its workflow task keeps failing (attempt {s.stuck.attempt}, {show(s.stuck.cause)}): "
                      f"{show(s.stuck.error, 400)}")
@@ -191,6 +198,11 @@ def format_list(rows: Sequence[client.RunSummary]) -> str:
     for row in rows:
         started = row.started.isoformat() if row.started else "-"
         closed = f"  (closed by Temporal: {row.status})" if row.closed_by_temporal else ""
+        # Its state is what Temporal lists (a claim) unless the fleet signed what it published.
+        if row.view_unverified:
+            closed += "  UNVERIFIED: its published view is not the fleet's; nothing of it is the run's word"
+        elif row.view is None and row.published_at is None:
+            closed += "  not published yet: its state is a claim until it publishes"
         lines.append(f"{show(row.run_id):<28} {show(row.state or '-'):<18} {row.status or '-':<11} "
                      f"{show(row.tenant or '-'):<12} {(client.age(row.published_at) + ' ago') if row.published_at else '-':<11} {started}{closed}")
         if row.parent:

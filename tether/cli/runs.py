@@ -317,24 +317,57 @@ async def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _audit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["verify"], help="verify: signatures and chain links of the sink's records")
+    p.add_argument("action", choices=["verify"], help="verify: signatures, chain links and where each trail ends")
     p.add_argument("run", nargs="?", help="the run (workflow id); or --all")
     p.add_argument("--all", action="store_true", help="every run the audit sink holds")
     p.add_argument("--audit-dir", metavar="DIR", help="the workers' audit sink (env TETHER_AUDIT_DIR / TETHER_AUDIT_DSN)")
+    p.add_argument("--complete", action="store_true",
+                   help="every trail must have reached its run's end, even one Temporal says still runs (default: "
+                   "each whose run has ended, or that Temporal does not hold or cannot be asked about)")
+
+
+async def _run_ended(conn: Any, workflow_id: str) -> tuple[bool, int | None, str | None]:
+    """Whether Temporal says the run has ended (True too where it no longer holds it: retention
+    follows the end), how many records its signed final view says it wrote, and its run id."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    if conn is None:
+        return True, None, None
+    try:
+        description = await conn.get_workflow_handle(workflow_id).describe()
+    except RPCError:
+        return True, None, None  # not held (any more): its retention began at its end
+    if description.status == WorkflowExecutionStatus.RUNNING:
+        return False, None, description.run_id
+    try:
+        view = await client.published_view(description)
+    except client.TetherError:
+        view = None
+    return True, (view.snapshot.timeline_records if view else None), description.run_id
 
 
 async def cmd_audit(args: argparse.Namespace) -> int:
     """`tether audit verify RUN | --all`: every record in the audit sink, its signature and its
-    chain link, with the public keys alone; names the first that fails and exits 1."""
+    chain link, with the public keys alone; and where each stream ends ("complete, N records,
+    ended STATE" or "open or cut short after seq N"), checked against Temporal where it still
+    holds the run. A trail that does not verify, or that is cut short where its run has ended
+    (or with ``--complete``), exits 1."""
     from activities.audit import sink_from_env, verify_streams
+    from activities.audit_verify import stream_ends
 
     if bool(args.run) == bool(args.all):
         raise client.TetherError("name one run, or --all", USAGE)
     publics = client.public_keys()
+    try:
+        conn = await client.connect()
+    except client.TetherError as e:
+        conn = None  # checked from the sink alone: each trail must then have reached its end
+        print(f"note: {show(str(e), 300)}: every trail must have reached its end", file=sys.stderr)
     sink = sink_from_env(args.audit_dir)
     try:
         ids = [args.run] if args.run else await sink.workflow_ids()
-        checked, bad = 0, 0
+        checked, bad, complete, still_open, cut = 0, 0, 0, 0, 0
         for workflow_id in ids:
             streams = await sink.read(workflow_id)
             if args.run and not streams:
@@ -345,11 +378,34 @@ async def cmd_audit(args: argparse.Namespace) -> int:
             if check.problems:
                 bad += 1
                 print(f"{show(workflow_id)}: {len(check.problems)} problem(s); first: {show(check.problems[0], 400)}")
+            ended, written, current = await _run_ended(conn, workflow_id)
+            must_end = ended or args.complete
+            short = False
+            for end in stream_ends(streams):
+                words = end.words()
+                if end.run_id == current and written is not None and end.last_seq < written:
+                    end.ended = None
+                    words = (f"open or cut short after seq {end.last_seq} ({end.records} record(s); its run's signed "
+                             f"final view says it wrote {written})")
+                if end.ended is None and end.continued_in is None:
+                    short = short or must_end
+                    if must_end:
+                        words += ": its run has ended" if ended else ": --complete"
+                    else:
+                        words += ": its run is still running"
+                print(f"{show(workflow_id)} run {show(end.run_id)}: {words}")
+            if short:
+                cut += 1
+            elif any(e.ended for e in stream_ends(streams)):
+                complete += 1
+            else:
+                still_open += 1
     finally:
         await sink.aclose()
     print(f"{checked} record(s) of {len(ids)} run(s) checked against {show(publics.source)}: "
-          + (f"{bad} run(s) with records that are not the fleet's" if bad else "every signature and chain link verifies"))
-    return client.REFUSED if bad else client.OK
+          + (f"{bad} run(s) with records that are not the fleet's" if bad else "every signature and chain link verifies")
+          + f"; {complete} trail(s) complete, {still_open} open (still running), {cut} cut short")
+    return client.REFUSED if bad or cut else client.OK
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -357,4 +413,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_command(sub, "status", "a run's state, plan, approval, why it ended", _status_args, cmd_status)
     add_command(sub, "timeline", "a run's audit timeline", _timeline_args, cmd_timeline)
     add_command(sub, "list", "find runs by state and tenant", _list_args, cmd_list)
-    add_command(sub, "audit", "check the audit sink's signatures and chain", _audit_args, cmd_audit)
+    add_command(sub, "audit", "verify the audit sink's trails", _audit_args, cmd_audit)

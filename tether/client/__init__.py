@@ -44,7 +44,7 @@ from tether.client.shown import (
 )
 from tether.client.sink import ledger_standing, undo_standing
 from tether.client.reads import (
-    RunStatus, UNPUBLISHED_QUERY_SECONDS, closed_note, read_run, run_outcome, snapshot, status, timeline,
+    RunStatus, closed_note, read_run, run_goal, run_outcome, snapshot, status, timeline,
     wait_settled,
 )
 from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full_timeline
@@ -89,7 +89,6 @@ __all__ = [
     "TAKE_SECONDS",
     "TASK_FAILING_RETRY",
     "TetherError",
-    "UNPUBLISHED_QUERY_SECONDS",
     "USAGE",
     "VERDICT_TIMEOUT",
     "Verdict",
@@ -146,6 +145,7 @@ __all__ = [
     "revised_steps",
     "rpc_error",
     "run_build",
+    "run_goal",
     "run_outcome",
     "shown_arg",
     "sign",

@@ -17,7 +17,6 @@ from workflows.states import TransitionRecord
 from tether.connection import TetherError, rpc_error
 from tether.runs import ViewUnverified, public_keys, published_view
 from tether.client.workers import no_worker_message, worker_serving
-from tether.client.reads import snapshot, timeline
 
 
 class AuditBranch(BaseModel):
@@ -126,8 +125,9 @@ async def audit_trail(
         unchecked = f"Temporal has no run {run_id} (any more): the records are the sink's alone"
     published_at = None
     if current is not None:
-        # What the run published where it last rested fills the sink's gaps and says how many
-        # records it had written; only a run that has published nothing is asked (a query).
+        # What the run published where it last rested, signed, fills the sink's gaps and says how
+        # many records it had written. A run that has published nothing is never asked: whoever
+        # started it may answer its queries (`timeline --live` asks, as asked).
         try:
             view = await published_view(description)
         except ViewUnverified as e:
@@ -135,13 +135,11 @@ async def audit_trail(
         if view is not None:
             window, snap, published_at = view.timeline, view.snapshot, view.published_at
         elif unchecked is None:
-            try:
-                queue = description.task_queue
-                if await worker_serving(client, queue) is False:
-                    raise TetherError(no_worker_message(queue), rule="no_worker")
-                window, snap = await timeline(client, run_id), await snapshot(client, run_id)
-            except (TetherError, RPCError) as e:
-                unchecked = f"the run did not answer ({e}): the records are the sink's alone"
+            queue = description.task_queue
+            unchecked = (f"run {run_id} is not published yet (no view the fleet's key signed): the records are the "
+                         f"sink's alone (`tether timeline --live {run_id}` asks the run, unsigned)")
+            if await worker_serving(client, queue) is False:
+                unchecked = f"{no_worker_message(queue)}; {unchecked}"
     try:
         sink = sink_from_env(audit_dir, dsn)
         try:

@@ -30,12 +30,12 @@ from temporalio.service import RPCError, RPCStatusCode
 from workflows import policy
 from workflows.contract import DecideRequest, DecideResult, HandoffRequest, Plan, ReviseDecideRequest
 from workflows.run_state import PendingApproval, RunSnapshot
-from workflows.states import RunState, TransitionRecord
+from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import PENDING, REFUSED, TetherError, rpc_error
 from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
-from tether.runs import describe as _describe, published_view, stuck_task
+from tether.runs import ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.errors import _refused, _refused_update, invalid
-from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
+from tether.client.workers import PROBE_TIMEOUT, has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign
 from tether.client.shown import approval_offer_problem
 from tether.client.reads import RunStatus, read_run, snapshot, timeline
@@ -127,6 +127,7 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     pending = snap.pending_approval
     if pending is None:
         raise TetherError(f"run {snap.run_id} has no pending approval", REFUSED)
+    refuse_folded(given.by)
     try:
         decision = DecideRequest(
             kind=kind,
@@ -148,6 +149,22 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
         )
         decision.signature = sign(given.key, payload)
     return decision
+
+
+def refuse_folded(name: str) -> None:
+    """A decider's name exactly as the policy writes people: "Bob" or fullwidth "ＢＯＢ" is refused
+    (naming the field), never folded onto bob, as the inbox refuses such a sign-in."""
+    from workflows.identity import normalize_name
+
+    try:
+        normal = normalize_name(name)
+    except ValueError as e:
+        raise TetherError(f"invalid name {name[:80]!r}: {e}", field="by", detail=str(e)) from None
+    if normal != name:
+        raise TetherError(
+            f"name {name[:80]!r} is not written as the policy names people ({normal!r}): refused, never folded",
+            field="by", detail=f"write the name as the policy does: {normal!r}",
+        )
 
 
 def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
@@ -174,6 +191,7 @@ async def revise(
     the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...).
     ``held``: the run as the caller read it, as for ``decide``."""
     snap, pending = await pending_request(client, run_id, held=held)
+    refuse_folded(given.by)
     try:
         revision = ReviseDecideRequest(
             kind="revise",
@@ -193,7 +211,10 @@ async def revise(
             decision=revision.as_decision(), steps_digest=revision.revised_hash(),
         )
         revision.signature = sign(given.key, payload)
-    record = await _send_decision(client, run_id, revision, timeout)
+    try:
+        record = await _send_decision(client, run_id, revision, timeout)
+    except TetherError as e:
+        raise _unmatched(e, snap, revision.plan_hash) from None
     return Verdict(run_id=run_id, decision_id=revision.decision_id, record=record, plan=snap.plan, pending=pending)
 
 
@@ -218,36 +239,77 @@ async def decide(
     # A stale plan hash is sent all the same: the run records the attempt, and refuses it
     # (stale_plan_hash) on its timeline.
     decision = build_decision(snap, kind, given)
-    record = await _send_decision(client, run_id, decision, timeout)
+    try:
+        record = await _send_decision(client, run_id, decision, timeout)
+    except TetherError as e:
+        raise _unmatched(e, snap, decision.plan_hash) from None
     return Verdict(run_id=run_id, decision_id=decision.decision_id, record=record, plan=snap.plan, pending=pending)
+
+
+def _unmatched(error: TetherError, snap: RunSnapshot, given: str) -> TetherError:
+    """A refusal for a plan hash that is not the pending plan's, said as what it is: the hash
+    given matches no plan under review (an earlier version's, or none). The run's own words name
+    the pending hash, which a person would paste and so approve a plan they never reviewed: never
+    shown here."""
+    if error.rule != "stale_plan_hash":
+        return error
+    run_id = snap.run_id
+    earlier = any(r.previous_plan_hash.startswith(given) for r in snap.revisions)
+    return TetherError(
+        f"plan hash {given[:HASH_PREFIX]} {'is an earlier version of the plan (revised since) and ' if earlier else ''}"
+        f"does not match the plan under review: nothing was decided (the run "
+        f"recorded the attempt). Review the plan with `tether status {run_id}`, then decide the plan you reviewed "
+        f"[rule: {error.rule}]", REFUSED, rule=error.rule,
+    )
 
 
 async def pending_request(
     client: Client, run_id: str, *, held: RunSnapshot | None = None
 ) -> tuple[RunSnapshot, PendingApproval]:
-    """The run's pending request (a worker is there to take a decision), or REFUSED.
+    """The run's pending request, read from the view it published and the fleet's key signed
+    (a worker is there to take a decision), or REFUSED.
 
-    ``held``: the run as the caller already read it (this function, or a status whose worker
-    probe it judged): taken as it is when it holds a pending request, with no call; one that
-    holds none (a published view a moment behind the run) is read again, as without one.
+    Never from the ``snapshot`` query: whoever started the run may answer it. A run that has
+    published nothing yet is REFUSED (``not_published``), one whose view does not verify too
+    (``view_unverified``): no decision is sent to either.
 
-    Asked first (the ``snapshot`` query, briefly): the view a run publishes where it rests lags
-    a moment behind a revision or a new request. Where no worker of the run's build answers at
-    once (another build's worker took the query, or none is left), read from the view it
-    published, so no query routing decides whether a decision is sent: the decide Update judges
-    it against the run's own state. Either way the steps shown must hash to the plan hash the
-    request binds (``approval_offer_problem``), or nothing is offered."""
-    if held is not None and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
-        if isinstance(held, RunStatus) and held.worker_serving is False and held.task_queue is not None:
+    ``held``: the run as the caller already read it from its signed view (a ``RunStatus`` with
+    ``published_at``): taken as it is when it holds a pending request, with no call. The view
+    lags a moment behind a run that is just coming to rest on a request (its first, a revision,
+    a new one): it is read again for up to PENDING_QUERY_SECONDS until it holds one. Either way
+    the steps shown must hash to the plan hash the request binds (``approval_offer_problem``),
+    or nothing is offered."""
+    signed = isinstance(held, RunStatus) and held.published_at is not None and not held.unpublished
+    if signed and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
+        if held.worker_serving is False and held.task_queue is not None:
             raise TetherError(no_worker_message(held.task_queue), rule="no_worker")  # as its probe said
         return held, held_request(held)
-    await require_worker(client, run_id)
-    try:
-        snap = await snapshot(client, run_id, timeout=PENDING_QUERY_SECONDS)
-    except TetherError:
-        view = await published_view(await _describe(client, run_id))
-        snap = view.snapshot if view is not None else await snapshot(client, run_id)
-    return snap, held_request(snap)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PENDING_QUERY_SECONDS
+    description = await _describe(client, run_id)
+    await require_worker(client, run_id, description)
+    while True:
+        try:
+            view = await published_view(description)
+        except ViewUnverified as e:
+            raise TetherError(f"run {run_id}: {e}: no decision is sent to it", REFUSED, rule="view_unverified") from None
+        if view is None and loop.time() > deadline:
+            raise TetherError(
+                f"run {run_id} is not published yet: it has published no view the fleet's key signed, so what it "
+                f"answers is no one's word; no decision is sent to it (`tether status {run_id}`)",
+                REFUSED, rule="not_published",
+            )
+        if view is not None and (
+            view.snapshot.state == RunState.AWAITING_APPROVAL and view.snapshot.pending_approval is not None
+            or view.snapshot.state in TERMINAL or loop.time() > deadline
+        ):
+            snap = view.snapshot
+            break
+        await asyncio.sleep(0.2)
+        description = await _describe(client, run_id)
+    # As read from its signed view: a later call given it (``held``) takes it as it is.
+    status = RunStatus(**snap.model_dump(), published_at=view.published_at, task_queue=description.task_queue)
+    return status, held_request(status)
 
 
 def held_request(snap: RunSnapshot) -> PendingApproval:
@@ -264,7 +326,7 @@ def held_request(snap: RunSnapshot) -> PendingApproval:
     return pending
 
 
-# How long `approve` asks the run for its pending request before it reads the published view.
+# How long `approve` waits for a run's signed view to hold its pending request (it publishes where it rests).
 PENDING_QUERY_SECONDS = 2.0
 
 
@@ -291,9 +353,13 @@ async def _send_decision(
             # The decide Update: only a malformed or repeated decision, or one the run has no
             # room for until it continues as new, is refused before history; the answer is the
             # run's own record of the decision (policy check included).
+            # An id of its own (never the decision's alone: the same decision id sent again is the
+            # run's to refuse, not Temporal's to answer with the first one's result), so whether
+            # Temporal holds it can be asked (``_update_held``).
+            update_id = f"{decision.decision_id}.{uuid.uuid4().hex[:12]}"
             update = await handle.start_update(
                 "decide", decision, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
-                rpc_timeout=timedelta(seconds=timeout),
+                id=update_id, rpc_timeout=timedelta(seconds=timeout),
             )
             result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
             break
@@ -311,10 +377,15 @@ async def _send_decision(
             # Not acknowledged in time: a worker is in the middle of the run's task (the policy
             # check runs in it, and the acceptance goes out with it), or no worker is there.
             task = await _pending_task(handle)
-            if task is not None and task.attempt > 1:
-                raise _task_failing_error(run_id) from None
+            if task is not None and task.attempt > 1 and await _task_failed(client, run_id):
+                raise _task_failing_error(run_id) from None  # failing (not timing out): nothing is taken
             if task is not None and task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
                 raise pending_verdict from None
+            if await _update_held(client, run_id, update_id) is not False:
+                # Temporal took it in: a worker of the run's build judges it when it takes the
+                # run's task, however long that is (a task retried after timing out on a worker
+                # that is gone included). Sent, pending; never "not sent".
+                raise await _sent_untaken(client, run_id, decision.decision_id, timeout) from None
             raise await no_answer(client, run_id, timeout) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
@@ -341,6 +412,54 @@ async def _send_decision(
         return result.record  # the run's own record of it, in its answer: nothing more to ask
     # A run of an older build answers with the verdict alone: its record is read back.
     return await _await_record(client, run_id, decision.decision_id, timeout)
+
+
+async def _task_failed(client: Client, run_id: str) -> bool:
+    """Whether the run's workflow task keeps failing (a WorkflowTaskFailed event begins the
+    streak), not only timing out on a worker that is gone."""
+    try:
+        stuck = await stuck_task(client, await _describe(client, run_id))
+    except TetherError:
+        return False
+    return stuck is not None and stuck.event_id is not None
+
+
+async def _update_held(client: Client, run_id: str, update_id: str) -> bool | None:
+    """Whether Temporal holds the decide Update ``update_id`` of the run (admitted, or further):
+    False only when it says it has none; None when it cannot tell."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import UpdateWorkflowExecutionLifecycleStage
+    from temporalio.api.update.v1 import UpdateRef, WaitPolicy
+    from temporalio.api.workflowservice.v1 import PollWorkflowExecutionUpdateRequest
+
+    try:
+        await client.workflow_service.poll_workflow_execution_update(
+            PollWorkflowExecutionUpdateRequest(
+                namespace=client.namespace,
+                update_ref=UpdateRef(workflow_execution=WorkflowExecution(workflow_id=run_id), update_id=update_id),
+                identity=client.identity,
+                wait_policy=WaitPolicy(
+                    lifecycle_stage=UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_ADMITTED
+                ),
+            ),
+            timeout=PROBE_TIMEOUT,
+        )
+    except RPCError as e:
+        return False if e.status == RPCStatusCode.NOT_FOUND else None
+    return True
+
+
+async def _sent_untaken(client: Client, run_id: str, decision_id: str, waited: float) -> TetherError:
+    """A decision Temporal holds that no worker has taken within ``waited`` seconds: sent and
+    pending (exit 3), with its id, how to follow it, and why it waits (which queue, and how to
+    start a worker of it)."""
+    why = str(await no_answer(client, run_id, waited))
+    return TetherError(
+        f"decision {decision_id} sent and pending: Temporal holds it, and no worker has taken it yet ({why}); "
+        f"a worker of the run's build judges it when it takes the run's task: follow it with "
+        f"`tether status {run_id}` (its verdict shows as decision {decision_id}); do not send it again",
+        PENDING, rule="pending",
+    )
 
 
 # How soon a decision is sent again that Temporal refused while the run's workflow task failed.

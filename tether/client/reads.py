@@ -43,13 +43,14 @@ class RunStatus(RunSnapshot):
     task_queue: str | None = None
     worker_serving: bool | None = None  # a worker serves the run's queue now (None: cannot tell)
     stuck: StuckTask | None = None  # its workflow task keeps failing
-    # Why the view in its memo was not shown: not signed by the fleet for this run (read live).
-    view_unverified: str | None = None
     # Why the effect ledger could not be read: where each write stands is then unknown.
     ledger_error: str | None = None
-    # Set when the run had published nothing and no worker answered at once: what is shown is
-    # only what Temporal lists (its state, start), and why.
-    unanswered: str | None = None
+    # The goal it was started with (``run_goal``): read by ``status`` for a run whose view verified.
+    goal: str | None = None
+    # Set when the run has published no signed view yet: what is shown is only what Temporal
+    # lists of it (its state, a claim; its start), or with ``live`` its unsigned answer, and
+    # nothing pending (no Approve is offered on it).
+    unpublished: str | None = None
 
     @property
     def ended(self) -> bool:
@@ -84,6 +85,26 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
         raise TetherError(f"run {run_id} could not answer: {e}") from None
 
 
+async def run_goal(client: Client, run_id: str) -> str | None:
+    """The goal the run was started with, as Temporal recorded its start (the first event of its
+    current execution: a continued or reset run carries the same request). Only for a run whose
+    signed view was read: the goal of a run that published nothing is no one's word. None: it
+    cannot be read here (another version's input, a key this client lacks)."""
+    from workflows.run_state import RunRequest
+
+    handle = client.get_workflow_handle(run_id)
+    try:
+        async for event in handle.fetch_history_events(page_size=1, rpc_timeout=QUERY_TIMEOUT):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            if not payloads:
+                return None
+            request = (await client.data_converter.decode(payloads[:1], [RunRequest]))[0]
+            return request.goal if isinstance(request, RunRequest) else None
+    except Exception:  # noqa: BLE001 (gone, another version's input, encrypted with another key)
+        return None
+    return None
+
+
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
@@ -96,7 +117,7 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
         raise TetherError(f"run {run_id} could not answer: {e}") from None
 
 
-async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatus:
+async def status(client: Client, run_id: str, *, live: bool = False, goal: bool = True) -> RunStatus:
     """The run's state, and for a run that has ended the reason on its final record.
 
     By default from what the run published where it last rested (its memo; ``published_at``
@@ -105,26 +126,20 @@ async def status(client: Client, run_id: str, *, live: bool = False) -> RunStatu
     Each write's undo is shown as the effect ledger says it stands (``ledger_standing``).
     """
     result = (await read_run(client, run_id, live=live))[0]
+    if goal and not result.unpublished:  # ``goal``: for a person to read (not a wait's end)
+        result.goal = await run_goal(client, run_id)
     if result.ended:
         result.compensations, result.ledger_error = await ledger_standing(result.compensations)
     return result
 
 
-# A run that has published nothing yet is asked (the snapshot query) for at most this long when
-# not read live: a worker that died holding it looks alive for a minute (its pollers and last
-# heartbeat), and the query would wait on it until Temporal gives up (ten seconds). A live
-# worker answers from its cache in milliseconds; one that does not in time leaves the answer
-# to what Temporal lists (and `--live`).
-UNPUBLISHED_QUERY_SECONDS = 0.5
-
-
 def _listed_snapshot(description: Any) -> RunSnapshot:
-    """What Temporal lists of a run that has published nothing: its listed state and start."""
+    """What Temporal lists of a run that has published nothing: its start and tenant; its state
+    RECEIVED (the listed one is a claim, kept in ``listed_state``), nothing pending."""
     attrs = description.typed_search_attributes
-    listed = attrs.get(STATE_ATTRIBUTE)
     return RunSnapshot(
         run_id=description.id, tenant=attrs.get(TENANT_ATTRIBUTE) or "",
-        state=RunState(listed) if listed in RunState.__members__ else RunState.RECEIVED,
+        state=RunState.RECEIVED,
         previous_state=None, state_version=0, plan=None, pending_approval=None, step=0, retries=0, last_error=None,
         approved_by=[], answer=None, created_at=description.start_time, updated_at=None,
     )
@@ -132,37 +147,42 @@ def _listed_snapshot(description: Any) -> RunSnapshot:
 
 async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
     """``status`` and the records it was read with (the published view's latest records, or
-    the ``timeline`` query's window when ``live``)."""
+    the ``timeline`` query's window when ``live``).
+
+    Only what the fleet's key vouches for is shown as the run: its signed view. A view that does
+    not verify raises ViewUnverified (never read live instead: whoever started the run may
+    answer its queries). A run that has published nothing yet is ``unpublished``: what Temporal
+    lists of it (a claim) and nothing pending, so nothing offers Approve on it; ``live`` adds its
+    query answer, marked unsigned, still with nothing pending."""
     description = await _describe(client, run_id)
     queue = description.task_queue
     serving = await worker_serving(client, queue)
-    unverified = None
     try:
-        view = None if live else await published_view(description)
+        view = await published_view(description)
     except ViewUnverified as e:
-        # Read live where a worker can answer; nothing of the memo is shown as the run's.
-        view, unverified = None, str(e)
+        raise ViewUnverified(f"run {run_id}: {e}; nothing of it is shown as the run's") from None
+    if serving is False and (live or view is None):
+        # Nobody can answer a query, and a run that has published nothing will not until one serves it.
+        raise TetherError(no_worker_message(queue), rule="no_worker")
     if view is None:
-        if serving is False:
-            if unverified:
-                raise ViewUnverified(f"run {run_id}: {unverified}; and {no_worker_message(queue)}")
-            raise TetherError(no_worker_message(queue), rule="no_worker")
-        try:
-            snap = await snapshot(client, run_id, timeout=None if live else UNPUBLISHED_QUERY_SECONDS)
-        except TetherError as e:
-            if unverified:  # what Temporal lists is no better than the memo: nothing is shown
-                raise ViewUnverified(f"run {run_id}: {unverified}; and the run did not answer ({e})") from None
-            if live or e.rule != "no_worker":
-                raise
-            snap, records = _listed_snapshot(description), []
-            result = RunStatus(**snap.model_dump(), unanswered=(
-                f"the run has published nothing yet (it publishes where it rests) and no worker answered within "
-                f"{UNPUBLISHED_QUERY_SECONDS:g}s on task queue '{escape_text(queue)}': the one holding it may have died "
-                f"(`tether status --live {run_id}` waits for an answer)"
-            ))
-        else:
+        listed = description.typed_search_attributes.get(STATE_ATTRIBUTE)
+        note = (f"not published yet: the run has published no signed view (it publishes where it rests), so "
+                f"nothing of it is the fleet's word{'; Temporal lists it as ' + escape_text(listed, 40) + ', a claim' if listed else ''}"
+                f"; no decision can be sent to it until it publishes")
+        records: list[TransitionRecord] = []
+        snap = None
+        if live:
+            # As the run answers now, shown for its progress only: unsigned, nothing pending.
+            snap = (await snapshot(client, run_id)).model_copy(update={"pending_approval": None})
             records = await timeline(client, run_id)
-            result = RunStatus(**snap.model_dump())
+            note += " (the state below is the run's live answer, unsigned)"
+        result = RunStatus(**(snap or _listed_snapshot(description)).model_dump(), unpublished=note)
+        if snap is None:
+            result.listed_state = listed
+    elif live:
+        snap = await snapshot(client, run_id)
+        records = await timeline(client, run_id)
+        result = RunStatus(**snap.model_dump())
     else:
         # The view holds the latest few records, and the run does not publish it again for every
         # decision it refuses while it waits (a flood would write one each): the audit sink has
@@ -175,7 +195,6 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         if listed and listed != result.state.value:
             result.listed_state = listed  # it has moved on since it published (states.to_publish)
     result.task_queue = queue
-    result.view_unverified = unverified
     result.worker_serving = serving
     result.temporal_status = description.status.name if description.status else None
     result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
@@ -257,5 +276,5 @@ async def wait_settled(
             progress(snap, loop.time() - began)
         waiting = approval_settles and snap.state == RunState.AWAITING_APPROVAL
         if waiting or snap.state in TERMINAL or loop.time() > deadline:
-            return await status(client, run_id, live=True)  # as the query just saw it, not as last published
+            return await status(client, run_id, live=True, goal=False)  # as the query just saw it, not as last published
         await asyncio.sleep(0.2)

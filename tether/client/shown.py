@@ -51,6 +51,7 @@ class StepView:
     writes: bool
     args: list[ArgView]
     summary: list[ArgView]  # the tool's declared summary fields
+    description: str = ""  # the tool's own description (its docstring), for the approver; not escaped here
 
 
 def step_views(plan: Plan | None, tools: Sequence[Any]) -> list[StepView]:
@@ -71,6 +72,7 @@ def step_views(plan: Plan | None, tools: Sequence[Any]) -> list[StepView]:
             n=n, tool=step.tool, effect=effect_words(info, undo),
             writes=info is None or info.effect != ToolEffect.READ_ONLY,
             args=args, summary=[a for a in args if a.name in fields],
+            description=info.description if info else "",
         ))
     return views
 

@@ -58,13 +58,15 @@ async def has_worker(client: Client, queue: str) -> bool:
     return await worker_serving(client, queue) is not False
 
 
-async def require_worker(client: Client, run_id: str) -> None:
+async def require_worker(client: Client, run_id: str, description: Any = None) -> None:
     """Raise, naming the run's task queue, when no worker serves it: the run cannot answer a
-    query or act on a decision until one does. A run that has closed needs one for queries too."""
-    try:
-        description = await client.get_workflow_handle(run_id).describe(rpc_timeout=PROBE_TIMEOUT)
-    except RPCError as e:
-        raise rpc_error(e, run_id) from None
+    query or act on a decision until one does. A run that has closed needs one for queries too.
+    ``description``: the run as the caller just described it (not described again)."""
+    if description is None:
+        try:
+            description = await client.get_workflow_handle(run_id).describe(rpc_timeout=PROBE_TIMEOUT)
+        except RPCError as e:
+            raise rpc_error(e, run_id) from None
     if not await has_worker(client, description.task_queue):
         raise TetherError(no_worker_message(description.task_queue), rule="no_worker")
     waiting = untaken_seconds(description)

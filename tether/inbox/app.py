@@ -3,7 +3,7 @@
     tether inbox --port 8900 --dev-login                       # local: a sign-in page
     tether inbox --port 8900 --jwks https://sso/jwks.json --issuer https://sso --audience tether
 
-Pages: ``/`` (waiting on me), ``/runs/{id}`` (the run, and the decide form), ``/login`` (dev).
+Pages: ``/`` (waiting on me), ``/run?id=ID`` (the run, and the decide form), ``/login`` (dev).
 JSON: ``GET /api/approvals``, ``GET /api/runs/{id}``, ``POST /api/runs/{id}/decisions``.
 Every request needs a verified identity (401 otherwise); every decision goes through
 ``client.decide``, signed as an attestation when the policy trusts this inbox's key.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Form, Request
+from fastapi import FastAPI, Form, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from temporalio.client import Client
@@ -23,7 +23,7 @@ from activities.policy_file import PolicyFileError, PolicyStore
 from tether.connection import TetherError
 from tether.inbox import desk, pages
 from tether.inbox.guards import MAX_BODY_BYTES, SECURITY_HEADERS, BodyLimit, loopback_host, same_origin
-from tether.inbox.identity import DEV_SESSION_SECONDS, SESSION_COOKIE, DevLogin, Person, Unauthenticated, Verifier
+from tether.inbox.identity import DEV_SESSION_SECONDS, SESSION_COOKIE, DevLogin, Person, Unauthenticated, Verifier, load_subjects
 from tether.inbox.service import DecisionBody, Inbox, InboxConfig, NotYours, signing_key
 from workflows.contract import STRICT
 
@@ -60,10 +60,11 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         verifier = dev.verifier
     else:
         try:
+            subjects = load_subjects(config.subjects) if config.subjects is not None else None
             verifier = Verifier(jwks=config.jwks or "", issuer=config.issuer or "", audience=config.audience or "",
-                                claim=config.claim)
+                                claim=config.claim, subjects=subjects)
         except ValueError as e:
-            raise TetherError(str(e), field="jwks") from None
+            raise TetherError(str(e), field="subjects" if str(e).startswith("--subjects") else "jwks") from None
     key_path, public_key = signing_key(config.key)
     inbox = Inbox(config=config, store=store, verifier=verifier, dev=dev, temporal=temporal,
                   key_path=key_path, public_key=public_key)
@@ -191,29 +192,22 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         rows = await inbox.waiting(person)
         return page(request, "_waiting_rows.html", person=person, rows=rows)
 
-    # The live fragment before the page: a run id may hold `/` (`{run_id:path}`).
-    @app.get("/runs/{run_id:path}/live", response_class=HTMLResponse)
-    async def run_live(request: Request, run_id: str, shown: str = "") -> Response:
+    # A run's pages take its id as data: ``/run?id=ID`` (pages.run_href, what every link says),
+    # so no id (``..``, ``/``, ``%2f``, ``?``, ``#``, Unicode) opens another run. ``/runs/{id}``
+    # stays for links made before; a run id may hold `/` there (`{run_id:path}`), the live
+    # fragment's route first.
+    async def live_fragment(request: Request, run_id: str, shown: str) -> Response:
         person = await inbox.identify(request)
         run = await inbox.run(person, run_id)
         return page(request, "_run_live.html", person=person, run=run, shown_request=shown)
 
-    @app.get("/runs/{run_id:path}", response_class=HTMLResponse)
-    async def run_page(request: Request, run_id: str) -> Response:
+    async def run_view(request: Request, run_id: str) -> Response:
         person = await inbox.identify(request)
         run = await inbox.run(person, run_id)
         return page(request, "run.html", person=person, run=run, outcome=None, shown=run["pending"])
 
-    @app.post("/runs/{run_id:path}/decide", response_class=HTMLResponse)
-    async def decide_form(
-        request: Request,
-        run_id: str,
-        kind: str = Form(...),
-        request_id: str = Form(...),
-        plan_hash: str = Form(...),
-        comment: str = Form(""),
-        csrf: str = Form(""),
-    ) -> Response:
+    async def decide_posted(request: Request, run_id: str, kind: str, request_id: str, plan_hash: str,
+                            comment: str, csrf: str) -> Response:
         person = await inbox.identify(request)
         if not inbox.csrf_ok(person, csrf):
             log.info("403 decide on %s by %s: bad CSRF token", run_id, person.name)
@@ -234,6 +228,36 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         if run is None:
             return page(request, "outcome.html", status, person=person, outcome=outcome, run_id=run_id)
         return page(request, "run.html", status, person=person, run=run, outcome=outcome, shown=run["pending"])
+
+    @app.get("/run/live", response_class=HTMLResponse)
+    async def run_live_by_id(request: Request, id: str = Query(..., max_length=4096), shown: str = "") -> Response:
+        return await live_fragment(request, id, shown)
+
+    @app.get("/run", response_class=HTMLResponse)
+    async def run_page_by_id(request: Request, id: str = Query(..., max_length=4096)) -> Response:
+        return await run_view(request, id)
+
+    @app.post("/run/decide", response_class=HTMLResponse)
+    async def decide_form_by_id(
+        request: Request, id: str = Query(..., max_length=4096), kind: str = Form(...), request_id: str = Form(...),
+        plan_hash: str = Form(...), comment: str = Form(""), csrf: str = Form(""),
+    ) -> Response:
+        return await decide_posted(request, id, kind, request_id, plan_hash, comment, csrf)
+
+    @app.get("/runs/{run_id:path}/live", response_class=HTMLResponse)
+    async def run_live(request: Request, run_id: str, shown: str = "") -> Response:
+        return await live_fragment(request, run_id, shown)
+
+    @app.get("/runs/{run_id:path}", response_class=HTMLResponse)
+    async def run_page(request: Request, run_id: str) -> Response:
+        return await run_view(request, run_id)
+
+    @app.post("/runs/{run_id:path}/decide", response_class=HTMLResponse)
+    async def decide_form(
+        request: Request, run_id: str, kind: str = Form(...), request_id: str = Form(...), plan_hash: str = Form(...),
+        comment: str = Form(""), csrf: str = Form(""),
+    ) -> Response:
+        return await decide_posted(request, run_id, kind, request_id, plan_hash, comment, csrf)
 
     # ------------------------------------------------------------------ JSON
 

@@ -4,8 +4,13 @@ Production: every request carries a JWT (``Authorization: Bearer``, or an identi
 proxy's assertion header such as ``X-Forwarded-Assertion``), verified by PyJWT against a JWKS
 (a file, or a URL read through ``PyJWKClient``): signature by a key of the set, ``alg`` one of
 the asymmetric algorithms below and the key's own (never ``none``, never HMAC), ``iss``,
-``aud``, ``exp`` required, ``nbf`` honoured. The configured claim names the person as the policy
-file knows them (normalised as the runtime normalises names).
+``aud``, ``exp`` required, ``nbf`` honoured.
+
+One person per sign-in: a token's stable claim (``iss`` and ``sub``) is mapped to the policy's
+person where the inbox's subjects file names it (``[people.NAME] oidc_subject = "SUB"``,
+``load_subjects``); a person bound so is nobody else's sign-in, whatever its name claim says.
+Otherwise the configured claim names the person as the policy file does, exactly: a value that
+differs from its normal form ("Bob", fullwidth "ＢＯＢ") is refused, never folded onto someone.
 
 Local: ``--dev-login`` makes a key of its own at start and mints tokens for the people the
 policy lists, kept in an HttpOnly, SameSite=Strict cookie; the same verifier checks them.
@@ -52,11 +57,50 @@ class Person:
         return self.source != "bearer"
 
 
-class Verifier:
-    """Verifies tokens against one JWKS, for one issuer and audience."""
+def load_subjects(path: Path) -> dict[str, str]:
+    """The inbox's subjects file (TOML): ``[people.NAME] oidc_subject = "SUB"`` (or a list of
+    them), each ``sub`` of the configured issuer bound to one person; returns sub -> person.
+    ValueError naming what is wrong: a name not in its normal form, a subject given twice."""
+    import tomllib
 
-    def __init__(self, *, jwks: str | dict[str, Any], issuer: str, audience: str, claim: str) -> None:
+    try:
+        document = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"--subjects {path}: not a readable TOML file ({e})") from None
+    people = document.get("people")
+    if not isinstance(people, dict) or set(document) - {"people"}:
+        raise ValueError(f"--subjects {path}: expected only [people.NAME] tables with oidc_subject")
+    subjects: dict[str, str] = {}
+    for name, entry in people.items():
+        if _normal(name) != name:
+            raise ValueError(f"--subjects {path}: person {name!r} is not written in its normal form {_normal(name)!r}")
+        given = entry.get("oidc_subject") if isinstance(entry, dict) else None
+        listed = [given] if isinstance(given, str) else given
+        if not isinstance(listed, list) or not listed or not all(isinstance(s, str) and s for s in listed) or set(entry) != {"oidc_subject"}:
+            raise ValueError(f"--subjects {path}: people.{name}: expected oidc_subject = \"SUB\" (or a list of them)")
+        for sub in listed:
+            if subjects.setdefault(sub, name) != name:
+                raise ValueError(f"--subjects {path}: subject {sub!r} is bound to both {subjects[sub]!r} and {name!r}")
+    return subjects
+
+
+def _normal(raw: str) -> str | None:
+    try:
+        return normalize_name(raw)
+    except ValueError:
+        return None
+
+
+class Verifier:
+    """Verifies tokens against one JWKS, for one issuer and audience. ``subjects``: the inbox's
+    subjects file (``load_subjects``: sub -> person)."""
+
+    def __init__(
+        self, *, jwks: str | dict[str, Any], issuer: str, audience: str, claim: str, subjects: dict[str, str] | None = None
+    ) -> None:
         self.issuer, self.audience, self.claim = issuer, audience, claim
+        self.subjects = dict(subjects or {})
+        self.bound = set(self.subjects.values())  # people who sign in only with their own subject
         self._client: jwt.PyJWKClient | None = None
         self._set: jwt.PyJWKSet | None = None
         if isinstance(jwks, dict):
@@ -113,13 +157,23 @@ class Verifier:
         except Exception as e:  # noqa: BLE001  (PyJWT's errors, and a key of another type than the token's
             # algorithm makes cryptography raise TypeError: every malformed token is a 401, never a 500)
             raise Unauthenticated(type(e).__name__) from None
+        # The issuer is this verifier's one (checked above): its ``sub`` is the stable claim.
+        sub = claims.get("sub")
+        if isinstance(sub, str) and sub in self.subjects:
+            return self.subjects[sub]
         raw = claims.get(self.claim)
         if not isinstance(raw, str):
             raise Unauthenticated(f"the token has no {self.claim!r} claim")
-        try:
-            return normalize_name(raw)
-        except ValueError:
-            raise Unauthenticated(f"the {self.claim!r} claim is not a usable name") from None
+        name = _normal(raw)
+        if name is None:
+            raise Unauthenticated(f"the {self.claim!r} claim is not a usable name")
+        if name != raw:
+            # Never folded: "Bob", "ＢＯＢ" and "bob" may be three accounts of the sign-in layer.
+            raise Unauthenticated(f"the {self.claim!r} claim is not written as the policy names people "
+                                  "(a different case or width): refused, never folded onto someone")
+        if name in self.bound:
+            raise Unauthenticated(f"{name} signs in only with the subject the inbox's subjects file binds to them")
+        return name
 
 
 class DevLogin:

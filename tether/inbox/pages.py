@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import quote
 
 import jinja2
 from fastapi.templating import Jinja2Templates
@@ -23,4 +24,13 @@ def templates() -> Jinja2Templates:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True)
     env.filters["t"] = lambda v, limit=None: escape_text("" if v is None else v, limit)
     env.filters["v"] = lambda v, limit=None: show_value(v, limit)
+    env.filters["run_href"] = run_href
     return Jinja2Templates(env=env)
+
+
+def run_href(run_id: str, what: str = "") -> str:
+    """The inbox's link to a run (``what``: "", "/live" or "/decide"): its id as data, in the
+    query, every character but letters and digits percent-encoded. Never in the path, where a
+    browser resolves ``..`` and ``.`` (also ``%2e%2e``) and a ``/`` makes a second segment: the
+    row of ``tiny/../victim-2`` would open ``victim-2``."""
+    return f"/run{what}?id={quote(run_id, safe='')}"

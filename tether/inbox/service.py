@@ -32,6 +32,7 @@ from workflows.states import TERMINAL, RunState, TransitionRecord
 
 log = logging.getLogger("tether.inbox")
 MAX_RUNS_LISTED = 200
+MAX_GOALS_KEPT = 1000  # goals kept in memory (the oldest read goes first)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class InboxConfig:
     issuer: str | None = None
     audience: str | None = None
     claim: str = "preferred_username"
+    subjects: Path | None = None  # the subjects file: each person's sign-in subject (identity.load_subjects)
     header: str | None = "X-Forwarded-Assertion"
     key: Path | None = None  # the inbox's Ed25519 signing key (PEM), for attestations
     web_ui: str = "http://localhost:8233"
@@ -73,6 +75,7 @@ class Inbox:
     csrf_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     key_path: Path | None = None
     public_key: str | None = None
+    goals: dict[str, str] = field(default_factory=dict)  # run id -> its goal (``_goal``)
 
     # ------------------------------------------------------------------ identity
 
@@ -145,27 +148,18 @@ class Inbox:
             runs = await tether.list_runs(
                 temporal, state=RunState.AWAITING_APPROVAL.value, tenant=tenant_name, limit=MAX_RUNS_LISTED
             )
-            # What each run published where it waits (no worker, nothing reaches the run); a run
-            # that has published nothing yet is asked.
-            snaps = await asyncio.gather(*(self._published(r) for r in runs))
+            # What each run published where it waits, signed by the fleet (no worker, nothing
+            # reaches the run). A run that has published nothing yet, or whose view does not
+            # verify, is never listed nor asked: whoever started it may answer its queries.
+            snaps = [(r.view.snapshot, r.view.published_at) for r in runs if r.view is not None]
             can_attest = desk.attester(document, self.public_key, tenant_name) is not None
             for snap, published_at in snaps:
-                if snap is None or snap.tenant != tenant_name:
+                if snap.tenant != tenant_name:
                     continue
                 if desk.decide_refusal(tenant, snap, person.name, now=now, can_attest=can_attest) is None:
                     rows.append({**self._row(snap, now), "as_of": self._as_of(published_at, now)})
         rows.sort(key=lambda r: r["expires_at"])
         return rows
-
-    async def _published(self, row: tether.RunSummary) -> tuple[RunSnapshot | None, datetime | None]:
-        if row.view is not None:
-            return row.view.snapshot, row.view.published_at
-        if row.view_unverified:
-            return None, None  # only runs whose view the fleet signed are listed
-        try:
-            return await tether.snapshot(await self.client(), row.run_id), None
-        except tether.TetherError:
-            return None, None  # ended or gone since the list was made, or nobody serves it
 
     @staticmethod
     def _as_of(published_at: datetime | None, now: datetime) -> str:
@@ -201,8 +195,8 @@ class Inbox:
             if e.rule == "unknown_run":
                 raise NotYours() from None
             raise
-        if snap.tenant not in desk.tenants_of(document, person.name):
-            raise NotYours()
+        if snap.tenant not in desk.tenants_of(document, person.name) or snap.unpublished:
+            raise NotYours()  # a run that has published nothing is no one's to decide (its tenant is a claim)
         return document, snap, records
 
     async def _visible(self, person: Person, run_id: str, live: bool = False):  # noqa: ANN202
@@ -242,6 +236,7 @@ class Inbox:
                 "args": step.args,
                 "money": {a.name: a.money for a in view.args if a.money},
                 "summary": {a.name: a.value for a in view.summary},
+                "description": " ".join(view.description.split("\n\n")[0].split()),  # the tool's own words
                 "done": view.n <= snap.step,
             })
         pending = snap.pending_approval
@@ -256,6 +251,7 @@ class Inbox:
         return {
             "run_id": snap.run_id,
             "tenant": snap.tenant,
+            "goal": await self._goal(snap.run_id),
             "state": snap.state.value,
             "state_version": snap.state_version,
             "ended": snap.state in TERMINAL,
@@ -292,6 +288,17 @@ class Inbox:
             "stuck": None if snap.stuck is None else f"its workflow task keeps failing (attempt {snap.stuck.attempt}): {snap.stuck.error}",
             "web_ui": f"{self.config.web_ui.rstrip('/')}/namespaces/{quote(self.config.namespace)}/workflows/{quote(snap.run_id)}",
         }
+
+    async def _goal(self, run_id: str) -> str | None:
+        """The run's goal (``client.run_goal``), read once per run: a run's start never changes."""
+        if run_id not in self.goals:
+            goal = await tether.run_goal(await self.client(), run_id)
+            if goal is None:
+                return None  # read again next time (it may be readable then)
+            if len(self.goals) >= MAX_GOALS_KEPT:
+                self.goals.pop(next(iter(self.goals)))
+            self.goals[run_id] = goal
+        return self.goals[run_id]
 
     @staticmethod
     def _record(r: TransitionRecord) -> dict[str, Any]:
