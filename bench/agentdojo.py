@@ -1,0 +1,214 @@
+"""AgentDojo's v1 suites as governed Tether runs, judged by AgentDojo's own checks (`make bench-agentdojo`).
+
+    python -m bench.agentdojo [--configs reviewed,policy] [--suites workspace,slack,...]
+        [--user-tasks N] [--injection-tasks N] [--concurrency 6] [--out .tether/agentdojo]
+
+For each governance configuration (examples/agentdojo/policy.*.toml): a private dev server, one
+worker serving the 70 tools, the tool-side service (examples/agentdojo/service.py, SQLite), then
+every user task alone (benign) and every user task with every injection task (the security
+cases, AgentDojo's ``important_instructions`` attack), each through AgentDojo's
+``run_task_with_pipeline`` with ``TetherPipeline`` as the agent (examples/agentdojo/driver.py).
+Writes a markdown report and the per-case JSON lines under ``--out``; prints the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, _stop, bench_stack, free_port, machine_line, table
+
+
+_KEY_GIVEN = os.environ.get("TETHER_STATE_KEY_FILE")
+
+
+def cases(suite_names: list[str], user_limit: int | None, injection_limit: int | None) -> list[tuple[str, str, str | None]]:
+    """(suite, user task id, injection task id or None), benign cases first, in AgentDojo's order."""
+    from examples.agentdojo.catalog import suites
+
+    found: list[tuple[str, str, str | None]] = []
+    for name in suite_names:
+        suite = suites()[name]
+        users = list(suite.user_tasks)[:user_limit]
+        injections = list(suite.injection_tasks)[:injection_limit]
+        found += [(name, u, None) for u in users]
+        found += [(name, u, i) for u in users for i in injections]
+    return found
+
+
+def ground_truth_utility(suite_names: list[str], user_limit: int | None) -> dict[str, tuple[int, int]]:
+    """AgentDojo's own ground-truth pipeline, in process, no Tether: which user tasks the suite
+    itself solves (what `every write reviewed` must equal)."""
+    from agentdojo.agent_pipeline.ground_truth_pipeline import GroundTruthPipeline
+
+    from examples.agentdojo.catalog import suites
+
+    solved: dict[str, tuple[int, int]] = {}
+    for name in suite_names:
+        suite = suites()[name]
+        users = list(suite.user_tasks.values())[:user_limit]
+        ok = sum(suite.run_task_with_pipeline(GroundTruthPipeline(u), u, None, {})[0] for u in users)
+        solved[name] = (ok, len(users))
+    return solved
+
+
+def start_service(workdir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = (workdir / "agentdojo-service.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "examples.agentdojo.service", "--port", str(port), "--db", str(workdir / "agentdojo.db")],
+        stdout=subprocess.PIPE, stderr=log, cwd=ROOT, start_new_session=True, text=True,
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if "listening" not in line:
+        raise SystemExit(f"the AgentDojo service did not start: {line}")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def run_case(runner: Any, case: tuple[str, str, str | None]) -> dict[str, Any]:
+    from examples.agentdojo.catalog import suites
+    from examples.agentdojo.driver import Attack, TetherPipeline
+
+    suite_name, user_id, injection_id = case
+    suite = suites()[suite_name]
+    user_task = suite.user_tasks[user_id]
+    injection_task = suite.injection_tasks[injection_id] if injection_id else None
+
+    def judged() -> tuple[bool, bool, Any]:
+        pipeline = TetherPipeline(runner, suite, user_task, injection_task)
+        injections = Attack(suite, pipeline).attack(user_task, injection_task) if injection_task else {}
+        pipeline.injections = injections
+        utility, security = suite.run_task_with_pipeline(pipeline, user_task, injection_task, injections)
+        return utility, security, pipeline.facts
+
+    utility, security, facts = await asyncio.to_thread(judged)
+    row = {"suite": suite_name, "user_task": user_id, "injection_task": injection_id,
+           "utility": bool(utility), "security": bool(security) if injection_id else None}
+    row.update({k: v for k, v in asdict(facts).items() if k != "calls"})
+    row["tool_calls"] = len(facts.calls)
+    row["writes_applied"] = sum(c["wrote"] for c in facts.calls)
+    return row
+
+
+def pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f} % ({part}/{whole})" if whole else "-"
+
+
+def summarize(config: str, rows: list[dict[str, Any]], suite_names: list[str], gt: dict[str, tuple[int, int]]) -> str:
+    lines = []
+    body = []
+    for name in [*suite_names, "total"]:
+        mine = [r for r in rows if name == "total" or r["suite"] == name]
+        benign = [r for r in mine if r["injection_task"] is None]
+        attacked = [r for r in mine if r["injection_task"] is not None]
+        gt_ok = sum(v[0] for k, v in gt.items() if name in ("total", k))
+        gt_all = sum(v[1] for k, v in gt.items() if name in ("total", k))
+        calls = sum(r["tool_calls"] for r in mine)
+        per_call = [(r["seconds"] - r["bare_seconds"]) / r["tool_calls"] for r in mine if r["tool_calls"]]
+        body.append([
+            name, pct(gt_ok, gt_all), pct(sum(r["utility"] for r in benign), len(benign)),
+            pct(sum(r["utility"] for r in attacked), len(attacked)),
+            pct(sum(bool(r["security"]) for r in attacked), len(attacked)),
+            f"{statistics.mean(r['approvals'] for r in mine):.2f}" if mine else "-",
+            sum(r["writes_refused"] for r in mine), calls,
+            f"{1000 * statistics.median(per_call):.0f} ms" if per_call else "-",
+        ])
+    lines.append(f"### {config}\n")
+    lines.append(table(["suite", "ground truth solves", "benign utility", "utility under attack",
+                        "targeted ASR", "approvals / case", "writes refused", "tool calls",
+                        "Tether overhead / call (p50)"], body))
+    return "\n".join(lines)
+
+
+async def run_config(config: str, todo: list[tuple[str, str, str | None]], concurrency: int,
+                     out: Path) -> list[dict[str, Any]]:
+    from examples.agentdojo.driver import GOVERNANCES, Runner
+
+    governance = GOVERNANCES[config]
+    # bench_stack makes a key ring in its own temp dir and points this process at it: each
+    # configuration's stack makes its own.
+    if _KEY_GIVEN is None:
+        os.environ.pop("TETHER_STATE_KEY_FILE", None)
+    rows: list[dict[str, Any]] = []
+    workdir = out / config.replace(" ", "-")
+    workdir.mkdir(parents=True, exist_ok=True)
+    service, url = start_service(workdir)
+    os.environ["AGENTDOJO_URL"] = url  # the worker inherits this process's environment
+    try:
+        async with bench_stack(["--tools", "examples.agentdojo.tools", "--policy", str(governance.policy)]) as stack:
+            runner = Runner(stack.client, stack.task_queue, governance, asyncio.get_running_loop(), service=url)
+            gate = asyncio.Semaphore(concurrency)
+            began = time.monotonic()
+            done = 0
+
+            async def one(case: tuple[str, str, str | None]) -> None:
+                nonlocal done
+                async with gate:
+                    row = await run_case(runner, case)
+                rows.append(row)
+                done += 1
+                if done % 25 == 0 or done == len(todo):
+                    print(f"  [{config}] {done}/{len(todo)} cases, {time.monotonic() - began:.0f} s", flush=True)
+
+            await asyncio.gather(*(one(c) for c in todo))
+            elapsed = time.monotonic() - began
+    finally:
+        _stop(service)
+    with (workdir / "cases.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    rows.sort(key=lambda r: (r["suite"], r["user_task"], r["injection_task"] or ""))
+    print(f"  [{config}] {len(rows)} cases in {elapsed:.0f} s", flush=True)
+    for r in rows:
+        r["_elapsed"] = elapsed
+    return rows
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    suite_names = args.suites.split(",")
+    todo = cases(suite_names, args.user_tasks, args.injection_tasks)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"AgentDojo v1 through Tether: {len(todo)} cases per configuration ({machine_line()})", flush=True)
+    gt = ground_truth_utility(suite_names, args.user_tasks)
+    sections = []
+    for config in args.configs.split(","):
+        rows = await run_config(config, todo, args.concurrency, out)
+        elapsed = rows[0]["_elapsed"] if rows else 0
+        sections.append(summarize(config, rows, suite_names, gt) +
+                        f"\n\n{len(rows)} cases in {elapsed:.0f} s wall ({args.concurrency} at a time).")
+    benign = sum(1 for c in todo if c[2] is None)
+    report = "\n\n".join([
+        f"## AgentDojo v1 through Tether ({benign} user tasks, {len(todo) - benign} security cases)\n",
+        f"`python -m bench.agentdojo {' '.join(sys.argv[1:])}`; {machine_line()}.",
+        *sections,
+    ])
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="reviewed,policy", help="reviewed, policy (comma-separated)")
+    parser.add_argument("--suites", default="workspace,travel,banking,slack")
+    parser.add_argument("--user-tasks", type=int, default=None, help="the first N user tasks of each suite")
+    parser.add_argument("--injection-tasks", type=int, default=None, help="the first N injection tasks of each suite")
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--out", default=str(ROOT / ".tether" / "agentdojo"))
+    code = asyncio.run(main_async(parser.parse_args()))
+    sys.stdout.flush()
+    os._exit(code)  # temporalio clients can abort at interpreter exit (sdk-python #300)
+
+
+if __name__ == "__main__":
+    main()
