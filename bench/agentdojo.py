@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -32,17 +33,21 @@ _KEY_GIVEN = os.environ.get("TETHER_STATE_KEY_FILE")
 
 
 def cases(suite_names: list[str], user_limit: int | None, injection_limit: int | None) -> list[tuple[str, str, str | None]]:
-    """(suite, user task id, injection task id or None), benign cases first, in AgentDojo's order."""
+    """(suite, user task id, injection task id or None), in AgentDojo's order within a suite."""
     from examples.agentdojo.catalog import suites
 
-    found: list[tuple[str, str, str | None]] = []
+    benign: list[tuple[str, str, str | None]] = []
+    attacked: list[list[tuple[str, str, str | None]]] = []
     for name in suite_names:
         suite = suites()[name]
         users = list(suite.user_tasks)[:user_limit]
         injections = list(suite.injection_tasks)[:injection_limit]
-        found += [(name, u, None) for u in users]
-        found += [(name, u, i) for u in users for i in injections]
-    return found
+        benign += [(name, u, None) for u in users]
+        attacked.append([(name, u, i) for u in users for i in injections])
+    # Every user task first, then the security cases of the suites in turn: a run stopped early
+    # has measured part of each suite.
+    mixed = [c for turn in itertools.zip_longest(*attacked) for c in turn if c is not None]
+    return benign + mixed
 
 
 def ground_truth_utility(suite_names: list[str], user_limit: int | None) -> dict[str, tuple[int, int]]:
@@ -141,6 +146,7 @@ async def run_config(config: str, todo: list[tuple[str, str, str | None]], concu
     rows: list[dict[str, Any]] = []
     workdir = out / config.replace(" ", "-")
     workdir.mkdir(parents=True, exist_ok=True)
+    log = (workdir / "cases.jsonl").open("w")  # each case as it ends: a run stopped early keeps them
     service, url = start_service(workdir)
     os.environ["AGENTDOJO_URL"] = url  # the worker inherits this process's environment
     try:
@@ -154,7 +160,10 @@ async def run_config(config: str, todo: list[tuple[str, str, str | None]], concu
                 nonlocal done
                 async with gate:
                     row = await run_case(runner, case)
+                row["at"] = time.monotonic() - began
                 rows.append(row)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
                 done += 1
                 if done % 25 == 0 or done == len(todo):
                     print(f"  [{config}] {done}/{len(todo)} cases, {time.monotonic() - began:.0f} s", flush=True)
@@ -163,13 +172,9 @@ async def run_config(config: str, todo: list[tuple[str, str, str | None]], concu
             elapsed = time.monotonic() - began
     finally:
         _stop(service)
-    with (workdir / "cases.jsonl").open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+        log.close()
     rows.sort(key=lambda r: (r["suite"], r["user_task"], r["injection_task"] or ""))
     print(f"  [{config}] {len(rows)} cases in {elapsed:.0f} s", flush=True)
-    for r in rows:
-        r["_elapsed"] = elapsed
     return rows
 
 
@@ -182,8 +187,13 @@ async def main_async(args: argparse.Namespace) -> int:
     gt = ground_truth_utility(suite_names, args.user_tasks)
     sections = []
     for config in args.configs.split(","):
-        rows = await run_config(config, todo, args.concurrency, out)
-        elapsed = rows[0]["_elapsed"] if rows else 0
+        if args.report_only:  # what an earlier (maybe stopped) run wrote
+            path = out / config / "cases.jsonl"
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            todo = [c for c in todo if (c[0], c[1], c[2]) in {(r["suite"], r["user_task"], r["injection_task"]) for r in rows}]
+        else:
+            rows = await run_config(config, todo, args.concurrency, out)
+        elapsed = max((r["at"] for r in rows), default=0)
         sections.append(summarize(config, rows, suite_names, gt) +
                         f"\n\n{len(rows)} cases in {elapsed:.0f} s wall ({args.concurrency} at a time).")
     benign = sum(1 for c in todo if c[2] is None)
@@ -204,6 +214,7 @@ def main() -> int:
     parser.add_argument("--user-tasks", type=int, default=None, help="the first N user tasks of each suite")
     parser.add_argument("--injection-tasks", type=int, default=None, help="the first N injection tasks of each suite")
     parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--report-only", action="store_true", help="the report from --out's cases.jsonl files")
     parser.add_argument("--out", default=str(ROOT / ".tether" / "agentdojo"))
     code = asyncio.run(main_async(parser.parse_args()))
     sys.stdout.flush()

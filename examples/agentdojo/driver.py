@@ -214,14 +214,12 @@ class Runner:
             approved = careful_review(steps, asked)
             facts.writes_refused += len(steps) - len(approved)
             facts.approvals += 1
-            given = DecisionInput(by=REVIEWER, comment="careful review: only the calls the request asked for")
+            comment = "careful review: only the calls the request asked for"
             if not approved:
                 await decide(self.client, run_id, "reject", DecisionInput(by=REVIEWER, reason="no step was asked for"))
-            elif len(approved) == len(steps):
-                await decide(self.client, run_id, "approve", given)
             else:
-                given.steps = approved
-                await decide(self.client, run_id, "approve", given)
+                partial = approved if len(approved) < len(steps) else None
+                await decide(self.client, run_id, "approve", DecisionInput(by=REVIEWER, comment=comment, steps=partial))
         facts.seconds = time.monotonic() - began
         facts.state = state
         journal = await asyncio.to_thread(call, "GET", f"/runs/{run_id}/calls", base=self.service)

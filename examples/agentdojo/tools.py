@@ -16,7 +16,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
-from activities.tools import REGISTRY, ToolContext, tool
+from activities.tools import REGISTRY, ToolContext, ToolError, tool
 from examples.agentdojo.api import call
 from examples.agentdojo.catalog import SUMMARY_FIELDS, UNDO, effect_of, functions
 
@@ -29,13 +29,30 @@ def _answer(found: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def _find(ctx: ToolContext) -> dict[str, Any] | None:
+    """The call this tool call's key already applied, if any (a reconcilable tool's lookup)."""
+    path = f"/runs/{urllib.parse.quote(ctx.run_id, safe='')}/calls?" + urllib.parse.urlencode({"key": ctx.idempotency_key})
+    found = call("GET", path, timeout=ctx.seconds_left()).get("calls") or []
+    return _answer(found[0]) if found else None
+
+
 def _make(name: str, fn: Any) -> None:
     effect = effect_of(name)
 
     def body(args: Any, ctx: ToolContext) -> dict[str, Any]:
         path = f"/runs/{urllib.parse.quote(ctx.run_id, safe='')}/calls"
-        found = call("POST", path, {"function": name, "args": args.model_dump(mode="json")},
-                     headers={"Idempotency-Key": ctx.idempotency_key}, timeout=ctx.seconds_left())
+        try:
+            found = call("POST", path, {"function": name, "args": args.model_dump(mode="json")},
+                         headers={"Idempotency-Key": ctx.idempotency_key}, timeout=ctx.seconds_left())
+        except ToolError as e:
+            # A reconcilable write already applied under this key (a reset run asks again with
+            # the same key, as a first attempt): the first call's answer, found by its key.
+            if e.code != "duplicate_key":
+                raise
+            earlier = _find(ctx)
+            if earlier is None:
+                raise
+            return earlier
         return _answer(found)
 
     body.__name__ = name
@@ -45,13 +62,7 @@ def _make(name: str, fn: Any) -> None:
     spec = tool(effect=effect, timeout=30, max_retries=4, summary_fields=SUMMARY_FIELDS.get(name, ()),
                 compensate=UNDO.get(name))(body)
     if effect == "reconcilable":
-        def find(ctx: ToolContext) -> dict[str, Any] | None:
-            path = f"/runs/{urllib.parse.quote(ctx.run_id, safe='')}/calls?" + urllib.parse.urlencode(
-                {"key": ctx.idempotency_key})
-            found = call("GET", path, timeout=ctx.seconds_left()).get("calls") or []
-            return _answer(found[0]) if found else None
-
-        spec.lookup(find)
+        spec.lookup(_find)
 
 
 for _name, _fn in functions().items():
