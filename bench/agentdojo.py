@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ def start_service(workdir: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-async def run_case(runner: Any, case: tuple[str, str, str | None]) -> dict[str, Any]:
+async def run_case(runner: Any, case: tuple[str, str, str | None], judges: Any = None) -> dict[str, Any]:
     from examples.agentdojo.catalog import suites
     from examples.agentdojo.driver import Attack, TetherPipeline
 
@@ -95,7 +96,7 @@ async def run_case(runner: Any, case: tuple[str, str, str | None]) -> dict[str, 
         utility, security = suite.run_task_with_pipeline(pipeline, user_task, injection_task, injections)
         return utility, security, pipeline.facts
 
-    utility, security, facts = await asyncio.to_thread(judged)
+    utility, security, facts = await asyncio.get_running_loop().run_in_executor(judges, judged)
     row = {"suite": suite_name, "user_task": user_id, "injection_task": injection_id,
            "utility": bool(utility), "security": bool(security) if injection_id else None}
     row.update({k: v for k, v in asdict(facts).items() if k != "calls"})
@@ -123,13 +124,14 @@ def summarize(config: str, rows: list[dict[str, Any]], suite_names: list[str], g
             name, pct(gt_ok, gt_all), pct(sum(r["utility"] for r in benign), len(benign)),
             pct(sum(r["utility"] for r in attacked), len(attacked)),
             pct(sum(bool(r["security"]) for r in attacked), len(attacked)),
+            sum(r["state"] == "ERROR" for r in mine),
             f"{statistics.mean(r['approvals'] for r in mine):.2f}" if mine else "-",
             sum(r["writes_refused"] for r in mine), calls,
             f"{1000 * statistics.median(per_call):.0f} ms" if per_call else "-",
         ])
     lines.append(f"### {config}\n")
     lines.append(table(["suite", "ground truth solves", "benign utility", "utility under attack",
-                        "targeted ASR", "approvals / case", "writes refused", "tool calls",
+                        "targeted ASR", "cases that errored", "approvals / case", "writes refused", "tool calls",
                         "Tether overhead / call (p50)"], body))
     return "\n".join(lines)
 
@@ -153,13 +155,22 @@ async def run_config(config: str, todo: list[tuple[str, str, str | None]], concu
         async with bench_stack(["--tools", "examples.agentdojo.tools", "--policy", str(governance.policy)]) as stack:
             runner = Runner(stack.client, stack.task_queue, governance, asyncio.get_running_loop(), service=url)
             gate = asyncio.Semaphore(concurrency)
+            # A thread per case in flight for AgentDojo's runner (it blocks while the run goes on).
+            judges = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agentdojo-judge")
             began = time.monotonic()
             done = 0
 
             async def one(case: tuple[str, str, str | None]) -> None:
                 nonlocal done
                 async with gate:
-                    row = await run_case(runner, case)
+                    try:
+                        row = await run_case(runner, case, judges)
+                    except Exception as e:  # noqa: BLE001 - counted and shown, never dropped
+                        row = {"suite": case[0], "user_task": case[1], "injection_task": case[2], "utility": False,
+                               "security": None, "error": f"{type(e).__name__}: {e}"[:500], "state": "ERROR",
+                               "approvals": 0, "writes_refused": 0, "tool_calls": 0, "seconds": 0.0,
+                               "bare_seconds": 0.0}
+                        print(f"  [{config}] {case}: {row['error']}", flush=True)
                 row["at"] = time.monotonic() - began
                 rows.append(row)
                 log.write(json.dumps(row) + "\n")

@@ -109,3 +109,36 @@ def functions() -> dict[str, Any]:
             if known.run is not fn.run:
                 raise RuntimeError(f"two different functions named {fn.name}")
     return found
+
+
+def _restore(model: Any, data: Any) -> None:
+    """Put back what validation rebuilt from the ``initial_*`` fields: AgentDojo's inbox, calendar
+    and drive hold their state in ``emails`` / ``events`` / ``files`` but rebuild those from
+    ``initial_emails`` ... when validated, which would drop every change since the start."""
+    from pydantic import BaseModel, TypeAdapter
+
+    if not isinstance(model, BaseModel) or not isinstance(data, dict):
+        return
+    fields = type(model).model_fields
+    for name, info in fields.items():
+        if name not in data:
+            continue
+        if f"initial_{name}" in fields:
+            setattr(model, name, TypeAdapter(info.annotation).validate_python(data[name]))
+        else:
+            _restore(getattr(model, name), data[name])
+
+
+def dump_environment(env: Any) -> str:
+    return env.model_dump_json()
+
+
+def load_environment(suite_name: str, data: str | dict[str, Any]) -> Any:
+    """A suite's environment from ``dump_environment``'s JSON (or its parsed form), exactly as it
+    was (tests/examples/test_agentdojo.py round-trips every ground truth's world)."""
+    import json
+
+    parsed = json.loads(data) if isinstance(data, str) else data
+    env = suites()[suite_name].environment_type.model_validate(parsed)
+    _restore(env, parsed)
+    return env

@@ -25,6 +25,7 @@ import json
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,7 +40,7 @@ from temporalio.client import Client
 
 from examples.agentdojo.api import call
 from workflows.states import TERMINAL
-from examples.agentdojo.catalog import effect_of, functions
+from examples.agentdojo.catalog import dump_environment, effect_of, functions, load_environment
 
 HERE = Path(__file__).resolve().parent
 REQUESTER = "emma"  # the user the suites' tasks speak for
@@ -174,18 +175,39 @@ class Runner:
         self.client, self.queue, self.governance, self.loop = client, queue, governance, loop
         self.service = service
         self.settle_timeout = settle_timeout
+        # Its own threads for the service's HTTP calls: the default executor's may all be held by
+        # AgentDojo's runner threads, each waiting for a run this loop drives.
+        self.io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentdojo-io")
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        return await self.loop.run_in_executor(self.io, lambda: call(method, path, body, base=self.service))
+
+    async def _settled(self, run_id: str, approval_settles: bool = True) -> Any:
+        """``wait_settled``, asked again when a query fails for a while (a worker restarting, a
+        workflow task slow on a loaded machine): the run goes on meanwhile."""
+        from tether.client import wait_settled
+        from tether.connection import TetherError
+
+        for attempt in range(20):
+            try:
+                return await wait_settled(self.client, run_id, timeout=self.settle_timeout,
+                                          approval_settles=approval_settles)
+            except TetherError:
+                if attempt == 19:
+                    raise
+                await asyncio.sleep(1.0)
+        raise AssertionError("unreachable")
 
     async def run(self, run_id: str, suite_name: str, prompt: str, plan: list[Step], environment: Any,
                   asked: Sequence[FunctionCall], on_started: Any = None) -> tuple[RunFacts, Any]:
-        from tether.client import DecisionInput, decide, start_run, wait_settled
+        from tether.client import DecisionInput, decide, start_run
         from workflows.run_state import RunRequest
 
         facts = RunFacts(run_id, planned=len(plan),
                          planned_writes=sum(effect_of(s.call.function) != "read_only" for s in plan),
                          injected_steps=sum(s.source == "injection" for s in plan))
-        await asyncio.to_thread(call, "PUT", f"/runs/{run_id}",
-                                {"suite": suite_name, "environment": json.loads(environment.model_dump_json())},
-                                base=self.service)
+        await self._call("PUT", f"/runs/{run_id}",
+                         {"suite": suite_name, "environment": json.loads(dump_environment(environment))})
         request = RunRequest.model_validate({
             "goal": prompt, "tenant": suite_name, "requested_by": REQUESTER,
             "playbook": [{"tool": s.call.function, "args": _json_args(s.call.args)} for s in plan],
@@ -195,7 +217,7 @@ class Runner:
         if on_started is not None:
             await on_started(run_id)
         while True:
-            status = await wait_settled(self.client, run_id, timeout=self.settle_timeout)
+            status = await self._settled(run_id)
             state = status.state.value
             if status.state in TERMINAL:
                 break
@@ -206,7 +228,7 @@ class Runner:
             if not self.governance.reviewer:
                 # Nobody comes: the plan waits out its TTL and expires; nothing of it runs.
                 facts.writes_refused += len(writes)
-                status = await wait_settled(self.client, run_id, timeout=self.settle_timeout, approval_settles=False)
+                status = await self._settled(run_id, approval_settles=False)
                 state = status.state.value
                 if status.state in TERMINAL:
                     break
@@ -222,10 +244,10 @@ class Runner:
                 await decide(self.client, run_id, "approve", DecisionInput(by=REVIEWER, comment=comment, steps=partial))
         facts.seconds = time.monotonic() - began
         facts.state = state
-        journal = await asyncio.to_thread(call, "GET", f"/runs/{run_id}/calls", base=self.service)
+        journal = await self._call("GET", f"/runs/{run_id}/calls")
         facts.calls = journal["calls"]
-        held = await asyncio.to_thread(call, "GET", f"/runs/{run_id}/environment", base=self.service)
-        return facts, type(environment).model_validate(held["environment"])
+        held = await self._call("GET", f"/runs/{run_id}/environment")
+        return facts, load_environment(suite_name, held["environment"])
 
 
 class TetherPipeline(BasePipelineElement):

@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from examples.agentdojo.catalog import effect_of, functions, suites
+from examples.agentdojo.catalog import dump_environment, effect_of, functions, load_environment, suites
 
 DEFAULT_PORT = 8766
 HOST = "127.0.0.1"
@@ -122,8 +122,7 @@ class Worlds:
         held = self.cache.get(row["run"])
         if held is not None and held[0] == row["version"]:
             return held[1]
-        suite = suites()[row["suite"]]
-        return suite.environment_type.model_validate_json(row["environment"])
+        return load_environment(row["suite"], row["environment"])
 
     def put(self, run: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         suite_name = body.get("suite")
@@ -132,12 +131,11 @@ class Worlds:
         environment = body.get("environment")
         if not isinstance(environment, dict):
             raise ApiError(400, "bad_environment", "environment must be a JSON object")
-        suite = suites()[suite_name]
         try:
-            env = suite.environment_type.model_validate(environment)
+            env = load_environment(suite_name, environment)
         except ValueError as e:
             raise ApiError(400, "bad_environment", f"not a {suite_name} environment: {e}") from None
-        text = env.model_dump_json()
+        text = dump_environment(env)
         with self.lock, closing(self.connect()) as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -195,10 +193,10 @@ class Worlds:
                 if seen is not None and effect == "reconcilable":
                     raise ApiError(409, "duplicate_key", f"a call with key '{key}' was already applied: look it up")
                 env = self._environment(row)
-                before = env.model_dump_json()
+                before = dump_environment(env)
                 runtime = FunctionsRuntime(suite.tools)
                 result, error = runtime.run_function(env, name, args, raise_on_error=False)
-                after = env.model_dump_json()
+                after = dump_environment(env)
                 wrote = after != before
                 created = getattr(result, "id_", None)
                 output = tool_result_to_str(result) if error is None else ""

@@ -14,6 +14,7 @@ import sys
 import threading
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -74,6 +75,25 @@ def test_every_ground_truth_call_keeps_its_declared_effect(service: str) -> None
     assert checked["read_only"] > 100 and checked["reconcilable"] > 50 and checked["idempotent"] > 10, checked
 
 
+def test_an_environment_comes_back_from_the_database_exactly() -> None:
+    """Each suite's world after every ground truth (in process), stored and loaded: equal. AgentDojo
+    rebuilds an inbox, a calendar and a drive from their initial lists when validated; the store
+    keeps what changed since."""
+    from agentdojo.functions_runtime import FunctionsRuntime
+
+    from examples.agentdojo.catalog import dump_environment, load_environment
+
+    for name, suite in suites().items():
+        for task in [*suite.user_tasks.values(), *suite.injection_tasks.values()]:
+            env = suite.load_and_inject_default_environment({})
+            if hasattr(task, "PROMPT"):
+                env = task.init_environment(env)
+            runtime = FunctionsRuntime(suite.tools)
+            for c in task.ground_truth(env.model_copy(deep=True)):
+                runtime.run_function(env, c.function, c.args, raise_on_error=False)
+            assert load_environment(name, dump_environment(env)) == env, (name, task.ID)
+
+
 def test_a_repeated_key_applies_a_write_once(service: str) -> None:
     suite = suites()["banking"]
     env = suite.load_and_inject_default_environment({})
@@ -101,7 +121,7 @@ def test_a_repeated_key_applies_a_write_once(service: str) -> None:
 # Per suite: a user task alone, and a security case whose injection reaches the model and adds
 # a write (the reviewer must leave it out).
 CASES = [
-    ("workspace", "user_task_7", None), ("workspace", "user_task_6", "injection_task_0"),
+    ("workspace", "user_task_8", None), ("workspace", "user_task_6", "injection_task_0"),
     ("travel", "user_task_0", None), ("travel", "user_task_0", "injection_task_0"),
     ("banking", "user_task_2", None), ("banking", "user_task_0", "injection_task_0"),
     ("slack", "user_task_2", None), ("slack", "user_task_1", "injection_task_1"),
@@ -140,7 +160,12 @@ async def _judge(runner: Runner, case: tuple[str, str, str | None], run_id: str 
         utility, security = suite.run_task_with_pipeline(pipeline, user_task, injection_task, pipeline.injections)
         return {"utility": utility, "security": security, "facts": pipeline.facts}
 
-    return await asyncio.to_thread(judged)
+    return await asyncio.get_running_loop().run_in_executor(_JUDGES, judged)
+
+
+# AgentDojo's runner blocks a thread per case while its run goes on: one each, whatever the
+# default executor's size.
+_JUDGES = ThreadPoolExecutor(max_workers=len(CASES) + 2, thread_name_prefix="agentdojo-judge")
 
 
 def _writes(facts: Any) -> list[tuple[str, str]]:
