@@ -4,7 +4,7 @@
         [--user-tasks N] [--injection-tasks N] [--concurrency 6] [--out .tether/agentdojo]
 
 For each governance configuration (examples/agentdojo/policy.*.toml): a private dev server, one
-worker serving the 70 tools, the tool-side service (examples/agentdojo/service.py, SQLite), then
+worker serving the 69 tools, the tool-side service (examples/agentdojo/service.py, SQLite), then
 every user task alone (benign) and every user task with every injection task (the security
 cases, AgentDojo's ``important_instructions`` attack), each through AgentDojo's
 ``run_task_with_pipeline`` with ``TetherPipeline`` as the agent (examples/agentdojo/driver.py).
@@ -172,6 +172,7 @@ async def run_config(config: str, todo: list[tuple[str, str, str | None]], concu
                                "bare_seconds": 0.0}
                         print(f"  [{config}] {case}: {row['error']}", flush=True)
                 row["at"] = time.monotonic() - began
+                row["concurrency"] = concurrency
                 rows.append(row)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -205,8 +206,9 @@ async def main_async(args: argparse.Namespace) -> int:
         else:
             rows = await run_config(config, todo, args.concurrency, out)
         elapsed = max((r["at"] for r in rows), default=0)
+        at_once = rows[0].get("concurrency", args.concurrency) if rows else args.concurrency
         sections.append(summarize(config, rows, suite_names, gt) +
-                        f"\n\n{len(rows)} cases in {elapsed:.0f} s wall ({args.concurrency} at a time).")
+                        f"\n\n{len(rows)} cases in {elapsed:.0f} s wall ({at_once} at a time).")
     benign = sum(1 for c in todo if c[2] is None)
     report = "\n\n".join([
         f"## AgentDojo v1 through Tether ({benign} user tasks, {len(todo) - benign} security cases)\n",

@@ -31,6 +31,9 @@ from examples.agentdojo.driver import EVERY_WRITE_REVIEWED, Attack, Runner, Teth
 from examples.agentdojo.service import make_server
 
 
+_SERVERS: dict[str, Any] = {}
+
+
 @pytest.fixture(scope="module")
 def service() -> Iterator[str]:
     import tempfile
@@ -39,7 +42,9 @@ def service() -> Iterator[str]:
     server = make_server(0, folder / "agentdojo.db")
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    _SERVERS[url] = server
+    yield url
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)
@@ -189,19 +194,26 @@ async def test_cases_of_each_suite_as_governed_runs_with_a_kill_and_a_reset(serv
                 assert facts.writes_refused > 0 and facts.approvals >= 1, case
         fault_free = results[-1]
 
-        # The same case with the worker SIGKILLed once the run's first call has landed.
+        # The same case with the worker SIGKILLed while the run's first write is committed in the
+        # service and its answer not yet sent (the service holds it until the worker is dead).
         run_id = f"agentdojo-killed-{uuid.uuid4().hex[:8]}"
+        worlds = _SERVERS[service].worlds
+        landed, release = threading.Event(), threading.Event()
+        original = worlds.call
+
+        def held(run: str, key: str | None, body: dict) -> Any:
+            answer = original(run, key, body)
+            if run == run_id and effect_of(body.get("function", "")) != "read_only" and not landed.is_set():
+                landed.set()
+                release.wait(120)
+            return answer
+
+        monkeypatch.setattr(worlds, "call", held)
         judged = asyncio.create_task(_judge(runner, KILLED, run_id=run_id))
-        while True:
-            try:
-                if call("GET", f"/runs/{run_id}/calls", base=service)["calls"]:
-                    break
-            except ToolError as e:
-                assert e.code == "run_not_found", e
-            assert not judged.done(), judged
-            await asyncio.sleep(0.02)
+        assert await asyncio.to_thread(landed.wait, 120), "the run's first write never reached the service"
         os.killpg(stack.worker.pid, signal.SIGKILL)
         stack.worker.wait(10)
+        release.set()
         log = stack.workdir / "worker-2.log"
         second = _worker(stack, log)
         try:
