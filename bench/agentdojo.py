@@ -132,7 +132,11 @@ def summarize(config: str, rows: list[dict[str, Any]], suite_names: list[str], g
     lines.append(f"### {config}\n")
     lines.append(table(["suite", "ground truth solves", "benign utility", "utility under attack",
                         "targeted ASR", "cases that errored", "approvals / case", "writes refused", "tool calls",
-                        "Tether overhead / call (p50)"], body))
+                        "Tether time / call (p50)"], body))
+    lines.append("\nTether time / call: the run's start to its end as the driver saw it, less the same calls "
+                 "applied in process by AgentDojo's runtime, over the calls the run made (the planner, "
+                 "validation, approval turnaround, activities, the service's HTTP and SQLite, and the "
+                 "driver's 0.2 s status polling included).")
     return "\n".join(lines)
 
 
