@@ -203,7 +203,16 @@ async def main_async(args: argparse.Namespace) -> int:
     gt = ground_truth_utility(suite_names, args.user_tasks)
     sections = []
     for config in args.configs.split(","):
-        if args.report_only:  # what an earlier (maybe stopped) run wrote
+        if args.rerun_failed:  # the cases an earlier run ended FAILED or ERROR, run again in place
+            path = out / config / "cases.jsonl"
+            kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            again = [(r["suite"], r["user_task"], r["injection_task"]) for r in kept if r["state"] in ("FAILED", "ERROR")]
+            fresh = await run_config(config, again, args.concurrency, out / "rerun")
+            fresh_by = {(r["suite"], r["user_task"], r["injection_task"]): r for r in fresh}
+            rows = [fresh_by.get((r["suite"], r["user_task"], r["injection_task"]), r) for r in kept]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            todo = [c for c in todo if (c[0], c[1], c[2]) in {(r["suite"], r["user_task"], r["injection_task"]) for r in rows}]
+        elif args.report_only:  # what an earlier (maybe stopped) run wrote
             path = out / config / "cases.jsonl"
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             todo = [c for c in todo if (c[0], c[1], c[2]) in {(r["suite"], r["user_task"], r["injection_task"]) for r in rows}]
@@ -231,6 +240,8 @@ def main() -> int:
     parser.add_argument("--user-tasks", type=int, default=None, help="the first N user tasks of each suite")
     parser.add_argument("--injection-tasks", type=int, default=None, help="the first N injection tasks of each suite")
     parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--rerun-failed", action="store_true",
+                        help="run again the cases --out's cases.jsonl has FAILED or ERROR, then report")
     parser.add_argument("--report-only", action="store_true", help="the report from --out's cases.jsonl files")
     parser.add_argument("--out", default=str(ROOT / ".tether" / "agentdojo"))
     code = asyncio.run(main_async(parser.parse_args()))

@@ -211,6 +211,9 @@ class Runner:
         request = RunRequest.model_validate({
             "goal": prompt, "tenant": suite_name, "requested_by": REQUESTER,
             "playbook": [{"tool": s.call.function, "args": _json_args(s.call.args)} for s in plan],
+            # A request's default is 20 steps; the longest replayed plan (travel, a user task of
+            # 18 calls with an injection's 4) has 22. The policy's budget (100) still applies.
+            "limits": {"max_steps": 100},
         })
         began = time.monotonic()
         await start_run(self.client, request, run_id=run_id, queue=self.queue)
