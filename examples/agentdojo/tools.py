@@ -59,7 +59,9 @@ def _make(name: str, fn: Any) -> None:
     body.__qualname__ = name
     body.__doc__ = fn.description
     body.__annotations__ = {"args": fn.parameters, "ctx": ToolContext, "return": dict}
-    spec = tool(effect=effect, timeout=30, max_retries=4, summary_fields=SUMMARY_FIELDS.get(name, ()),
+    # 10 s: one HTTP call to a local service that applies one in-memory function; a worker that
+    # dies mid-call is then known gone within seconds (heartbeats every 4 s).
+    spec = tool(effect=effect, timeout=10, max_retries=4, summary_fields=SUMMARY_FIELDS.get(name, ()),
                 compensate=UNDO.get(name))(body)
     if effect == "reconcilable":
         spec.lookup(_find)
