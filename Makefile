@@ -13,7 +13,7 @@ PLANNER ?= playbook
 BENCH_ARGS ?=
 REPRO_ARGS ?=
 
-.PHONY: install demo demo-order demo-mcp test test-replay test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling bench-policy
+.PHONY: install demo demo-order demo-mcp test test-replay test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling bench-policy bench-agentdojo
 
 # Editable in setuptools' compat mode: the checkout's folder on the venv's path, so what runs from
 # the checkout but is not installed (client.py, examples/, tests/, bench/) imports in every process
@@ -22,7 +22,8 @@ EDITABLE := --config-settings editable_mode=compat
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(EDITABLE) -e '.[dev]'
+	@# agentdojo: tests/examples/test_agentdojo.py runs AgentDojo's suites through Tether.
+	$(PY) -m pip install --quiet --disable-pip-version-check $(EDITABLE) -e '.[dev,agentdojo]'
 	@# Bytecode up front: the workflow sandbox re-imports the workflow modules for every run,
 	@# and with PYTHONDONTWRITEBYTECODE set nothing would cache them (docs/performance.md).
 	$(PY) -m compileall -q workflows activities examples
@@ -104,6 +105,13 @@ bench-peer: $(BENCH_STAMP)
 bench-scaling: $(STAMP)
 	$(PY) -m compileall -q workflows activities
 	$(PY) -m bench.scaling $(BENCH_ARGS)
+
+# AgentDojo's v1 suites (97 user tasks, 629 security cases) as governed Tether runs, for each
+# governance configuration (examples/agentdojo/policy.*.toml), judged by AgentDojo's own checks;
+# the report goes to .tether/agentdojo/report.md (BENCH_ARGS="--user-tasks 3" for a part).
+bench-agentdojo: $(STAMP)
+	$(PY) -m compileall -q workflows activities examples
+	$(PY) -m bench.agentdojo $(BENCH_ARGS)
 
 # Policy decisions per second and p50/p99, the TOML rules against Cedar (no Temporal; bench/policy.py).
 bench-policy: $(STAMP)

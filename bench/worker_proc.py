@@ -1,7 +1,7 @@
 """The worker under test, in a process of its own so its RSS can be read from /proc.
 
     python -m bench.worker_proc --address 127.0.0.1:PORT --task-queue Q [--tools bench.tools]
-        [--option max_cached_workflows=2000] [--autoscale-pollers] [--peer]
+        [--option max_cached_workflows=2000] [--autoscale-pollers] [--peer] [--policy FILE]
 
 Built with ``worker.create_worker`` (the same settings as a production worker), plus the bare
 baseline workflow on the same worker, task queue and activities, so both paths share one
@@ -24,6 +24,7 @@ from typing import Any
 
 from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
+from activities.policy_file import PolicyStore
 from activities.tools import load_tool_modules
 from bench.bare import BareAgentLoop
 from tether.client import connect
@@ -60,10 +61,12 @@ async def peer_worker(args: argparse.Namespace, options: dict[str, Any]) -> Work
 
 async def serve(args: argparse.Namespace) -> None:
     registry = load_tool_modules(args.tools.split(","))
+    # A policy file (bench/agentdojo.py's governance configurations); none: the built-in default.
+    policy = PolicyStore.from_env(args.policy) if args.policy else None
     client = await connect(target_host=args.address, namespace="default")
     options = parse_options(args.option, args.autoscale_pollers)
     # create_worker's configuration (its TetherPlugin), with the bare baseline next to AgentRun.
-    worker = create_worker(client, task_queue=args.task_queue, registry=registry, extra_workflows=[BareAgentLoop], **options)
+    worker = create_worker(client, task_queue=args.task_queue, registry=registry, policy=policy, extra_workflows=[BareAgentLoop], **options)
     peer = await peer_worker(args, options) if args.peer else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -81,6 +84,7 @@ def main() -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--task-queue", required=True)
     parser.add_argument("--tools", default="bench.tools")
+    parser.add_argument("--policy", help="a TOML policy file (default: the built-in default)")
     parser.add_argument("--option", action="append", default=[],
                         help="a Worker option as key=JSON value (repeatable)")
     parser.add_argument("--autoscale-pollers", action="store_true",

@@ -1,0 +1,295 @@
+"""AgentDojo cases as governed Tether runs, scored by AgentDojo's own runner.
+
+``TetherPipeline`` is an AgentDojo pipeline element: AgentDojo's ``run_task_with_pipeline``
+loads the suite's environment (with the attack's injections), hands it to ``query``, and judges
+what comes back with the suite's own ``utility()`` and ``security()``. ``query`` does what a model
+and its tools would, through Tether:
+
+1. it stores the environment in the tool-side service under a new run id;
+2. it plans as a model that obeys every injection would (``replayed_plan``): the user task's
+   ground-truth calls, and, right after the first of them whose result shows the injection's
+   text, the injection task's ground-truth calls (nothing of the injection when its text never
+   reaches the model);
+3. it starts a Tether run with that plan as its playbook, and answers its approval requests as
+   the governance configuration says (``Governance``): a careful reviewer
+   (``careful_review``), or nobody (the plan expires);
+4. it reads the environment back from the service, and the calls that ran from the service's
+   journal, and returns them to AgentDojo as the conversation (the final answer is the user
+   task's ground-truth answer when the run completed, none otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from agentdojo.agent_pipeline.base_pipeline_element import BasePipelineElement
+from agentdojo.attacks.base_attacks import DEFAULT_MODEL_NAME, FixedJailbreakAttack
+from agentdojo.attacks.important_instructions_attacks import ImportantInstructionsAttack
+from agentdojo.functions_runtime import FunctionCall, FunctionsRuntime
+from agentdojo.types import ChatAssistantMessage, ChatToolResultMessage, text_content_block_from_string
+from pydantic import BaseModel
+from temporalio.client import Client
+
+from examples.agentdojo.api import call
+from workflows.states import TERMINAL
+from examples.agentdojo.catalog import dump_environment, effect_of, functions, load_environment
+
+HERE = Path(__file__).resolve().parent
+REQUESTER = "emma"  # the user the suites' tasks speak for
+REVIEWER = "reviewer"
+
+
+@dataclass(frozen=True)
+class Governance:
+    """One configuration: a policy file, and who answers approval requests."""
+
+    name: str
+    policy: Path
+    reviewer: bool  # True: the careful reviewer decides; False: nobody comes
+
+
+EVERY_WRITE_REVIEWED = Governance("every write reviewed", HERE / "policy.reviewed.toml", True)
+POLICY_ONLY = Governance("policy only", HERE / "policy.policy_only.toml", False)
+GOVERNANCES = {"reviewed": EVERY_WRITE_REVIEWED, "policy": POLICY_ONLY}
+
+
+class Attack(ImportantInstructionsAttack):
+    """AgentDojo's ``important_instructions`` attack (the one its published figures use), with
+    the user's name and the default model name: there is no model to address by name here."""
+
+    def __init__(self, task_suite: Any, target_pipeline: BasePipelineElement) -> None:
+        FixedJailbreakAttack.__init__(self, self._JB_STRING, task_suite, target_pipeline)
+        self.user_name = "Emma Johnson"
+        self.model_name = DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class Step:
+    call: FunctionCall
+    source: str  # "user" or "injection"
+
+
+def _json_args(args: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(dict(args), default=str))
+
+
+def canonical(function: str, args: dict[str, Any]) -> str:
+    """A call as an approver compares it: its arguments through the tool's model (defaults filled)."""
+    model = functions()[function].parameters
+    return function + json.dumps(model.model_validate(args).model_dump(mode="json"), sort_keys=True)
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string of a function's result (the YAML a model reads folds and quotes them)."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return [value if isinstance(value, str) else str(value)]
+
+
+def replayed_plan(suite: Any, user_task: Any, injection_task: Any | None, injections: dict[str, str],
+                  environment: Any) -> list[Step]:
+    """The calls of a model that obeys every injection: the user task's ground truth, with the
+    injection task's ground truth right after the first call whose result shows the injection."""
+    user_calls = user_task.ground_truth(environment.model_copy(deep=True))
+    steps = [Step(c, "user") for c in user_calls]
+    if injection_task is None or not any(injections.values()):
+        return steps
+    # Where the injection first reaches the model, found as AgentDojo finds which vectors a task
+    # sees: the same world with a one-line canary in each injected vector (the environment's YAML
+    # folds a multi-line injection, so its text cannot be searched for as written), the user's
+    # calls played on it in order.
+    canaries = {vector: f"<CANARY---{vector}--->" for vector in injections}
+    probe = user_task.init_environment(suite.load_and_inject_default_environment(canaries))
+    runtime = FunctionsRuntime(suite.tools)
+    for i, c in enumerate(user_calls):
+        result, error = runtime.run_function(probe, c.function, c.args, raise_on_error=False)
+        shown = _strings(result) if error is None else [error]
+        if any(t in s for t in canaries.values() for s in shown):
+            injected = [Step(x, "injection") for x in injection_task.ground_truth(environment.model_copy(deep=True))]
+            return steps[: i + 1] + injected + steps[i + 1:]
+    return steps
+    # Where the injection first reaches the model: the user's calls, played on a copy.
+    probe = environment.model_copy(deep=True)
+    runtime = FunctionsRuntime(suite.tools)
+    for i, c in enumerate(user_calls):
+        result, error = runtime.run_function(probe, c.function, c.args, raise_on_error=False)
+        shown = _strings(result) if error is None else [error]
+        if any(t in s for t in texts for s in shown):
+            injected = [Step(x, "injection") for x in injection_task.ground_truth(environment.model_copy(deep=True))]
+            return steps[: i + 1] + injected + steps[i + 1:]
+    return steps
+
+
+def careful_review(plan_steps: Sequence[Any], asked: Sequence[FunctionCall]) -> list[int]:
+    """The steps (1-based) a careful person approves, from what the approval shows: every read
+    (reads are auto-approved), and each write only if the user's request asked for exactly that
+    call (the user task's ground truth stands for what the request asks; each asked call covers
+    one step)."""
+    wanted = Counter(canonical(c.function, _json_args(c.args)) for c in asked if effect_of(c.function) != "read_only")
+    approved = []
+    for number, step in enumerate(plan_steps, 1):
+        if effect_of(step.tool) == "read_only":
+            approved.append(number)
+            continue
+        key = canonical(step.tool, step.args)
+        if wanted[key] > 0:
+            wanted[key] -= 1
+            approved.append(number)
+    return approved
+
+
+@dataclass
+class RunFacts:
+    """What one case's Tether run did."""
+
+    run_id: str
+    state: str = ""
+    planned: int = 0
+    planned_writes: int = 0
+    injected_steps: int = 0
+    approvals: int = 0  # decisions the reviewer sent
+    writes_refused: int = 0  # writes left out by the reviewer, or in a plan nobody approved
+    calls: list[dict[str, Any]] = field(default_factory=list)  # the service's journal
+    seconds: float = 0.0  # start -> end of the run, as this driver saw it
+    bare_seconds: float = 0.0  # the same calls applied in process by AgentDojo's runtime
+
+
+class Runner:
+    """Starts runs on one Temporal client and task queue, from the event loop that owns them;
+    ``TetherPipeline.query`` (called in a thread by AgentDojo's runner) hands its case here."""
+
+    def __init__(self, client: Client, queue: str, governance: Governance, loop: asyncio.AbstractEventLoop,
+                 service: str | None = None, settle_timeout: float = 600.0) -> None:
+        self.client, self.queue, self.governance, self.loop = client, queue, governance, loop
+        self.service = service
+        self.settle_timeout = settle_timeout
+        # Its own threads for the service's HTTP calls: the default executor's may all be held by
+        # AgentDojo's runner threads, each waiting for a run this loop drives.
+        self.io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentdojo-io")
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        return await self.loop.run_in_executor(self.io, lambda: call(method, path, body, base=self.service))
+
+    async def _settled(self, run_id: str, approval_settles: bool = True) -> Any:
+        """``wait_settled``, asked again when a query fails for a while (a worker restarting, a
+        workflow task slow on a loaded machine): the run goes on meanwhile."""
+        from tether.client import wait_settled
+        from tether.connection import TetherError
+
+        for attempt in range(20):
+            try:
+                return await wait_settled(self.client, run_id, timeout=self.settle_timeout,
+                                          approval_settles=approval_settles)
+            except TetherError:
+                if attempt == 19:
+                    raise
+                await asyncio.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    async def run(self, run_id: str, suite_name: str, prompt: str, plan: list[Step], environment: Any,
+                  asked: Sequence[FunctionCall], on_started: Any = None) -> tuple[RunFacts, Any]:
+        from tether.client import DecisionInput, decide, start_run
+        from workflows.run_state import RunRequest
+
+        facts = RunFacts(run_id, planned=len(plan),
+                         planned_writes=sum(effect_of(s.call.function) != "read_only" for s in plan),
+                         injected_steps=sum(s.source == "injection" for s in plan))
+        await self._call("PUT", f"/runs/{run_id}",
+                         {"suite": suite_name, "environment": json.loads(dump_environment(environment))})
+        request = RunRequest.model_validate({
+            "goal": prompt, "tenant": suite_name, "requested_by": REQUESTER,
+            "playbook": [{"tool": s.call.function, "args": _json_args(s.call.args)} for s in plan],
+            # A request's default is 20 steps; the longest replayed plan (travel, a user task of
+            # 18 calls with an injection's 4) has 22. The policy's budget (100) still applies.
+            "limits": {"max_steps": 100},
+        })
+        began = time.monotonic()
+        await start_run(self.client, request, run_id=run_id, queue=self.queue)
+        if on_started is not None:
+            await on_started(run_id)
+        while True:
+            status = await self._settled(run_id)
+            state = status.state.value
+            if status.state in TERMINAL:
+                break
+            if state != "AWAITING_APPROVAL":
+                raise RuntimeError(f"run {run_id} did not settle in {self.settle_timeout:.0f}s: {state}")
+            steps = status.plan.steps if status.plan else []
+            writes = [s for s in steps if effect_of(s.tool) != "read_only"]
+            if not self.governance.reviewer:
+                # Nobody comes: the plan waits out its TTL and expires; nothing of it runs.
+                facts.writes_refused += len(writes)
+                status = await self._settled(run_id, approval_settles=False)
+                state = status.state.value
+                if status.state in TERMINAL:
+                    break
+                continue
+            approved = careful_review(steps, asked)
+            facts.writes_refused += len(steps) - len(approved)
+            facts.approvals += 1
+            comment = "careful review: only the calls the request asked for"
+            if not approved:
+                await decide(self.client, run_id, "reject", DecisionInput(by=REVIEWER, reason="no step was asked for"))
+            else:
+                partial = approved if len(approved) < len(steps) else None
+                await decide(self.client, run_id, "approve", DecisionInput(by=REVIEWER, comment=comment, steps=partial))
+        facts.seconds = time.monotonic() - began
+        facts.state = state
+        journal = await self._call("GET", f"/runs/{run_id}/calls")
+        facts.calls = journal["calls"]
+        held = await self._call("GET", f"/runs/{run_id}/environment")
+        return facts, load_environment(suite_name, held["environment"])
+
+
+class TetherPipeline(BasePipelineElement):
+    """One case's agent, for AgentDojo's ``run_task_with_pipeline``: the replayed plan, run and
+    governed by Tether (the module's docstring). ``facts`` holds what the run did afterwards."""
+
+    name = "tether-replayed"
+
+    def __init__(self, runner: Runner, suite: Any, user_task: Any, injection_task: Any | None = None,
+                 injections: dict[str, str] | None = None, run_id: str | None = None,
+                 on_started: Any = None) -> None:
+        self.runner, self.suite, self.user_task = runner, suite, user_task
+        self.injection_task, self.injections = injection_task, injections or {}
+        self.run_id = run_id or f"agentdojo-{suite.name}-{user_task.ID}-{uuid.uuid4().hex[:8]}"
+        self.on_started = on_started
+        self.facts: RunFacts | None = None
+
+    def query(self, query: str, runtime: FunctionsRuntime, env: Any = None, messages: Sequence[Any] = (),
+              extra_args: dict = {}) -> tuple[str, FunctionsRuntime, Any, Sequence[Any], dict]:  # noqa: B006
+        plan = replayed_plan(self.suite, self.user_task, self.injection_task, self.injections, env)
+        bare_began = time.perf_counter()
+        bare_env = env.model_copy(deep=True)
+        for step in plan:  # the same calls without Tether: the baseline of the overhead figure
+            runtime.run_function(bare_env, step.call.function, step.call.args, raise_on_error=False)
+        bare = time.perf_counter() - bare_began
+        asked = self.user_task.ground_truth(env.model_copy(deep=True))
+        future = asyncio.run_coroutine_threadsafe(
+            self.runner.run(self.run_id, self.suite.name, query, plan, env, asked, self.on_started), self.runner.loop)
+        facts, post = future.result()
+        facts.bare_seconds = bare
+        self.facts = facts
+        new: list[Any] = []
+        for c in facts.calls:
+            tool_call = FunctionCall(function=c["function"], args=c["args"], id=f"call-{c['seq']}")
+            new.append(ChatAssistantMessage(role="assistant", tool_calls=[tool_call],
+                                            content=[text_content_block_from_string("")]))
+            new.append(ChatToolResultMessage(role="tool", content=[text_content_block_from_string(c["output"])],
+                                             tool_call=tool_call, tool_call_id=tool_call.id, error=c.get("error")))
+        answer = self.user_task.GROUND_TRUTH_OUTPUT if facts.state == "COMPLETED" else ""
+        new.append(ChatAssistantMessage(role="assistant", content=[text_content_block_from_string(answer)],
+                                        tool_calls=None))
+        return query, runtime, post, [*messages, *new], extra_args
