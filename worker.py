@@ -46,7 +46,7 @@ from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_m
 from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
 from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
 from tether.pollers import live_pollers
-from tether.plugin import WORKFLOW_RUNNER, TetherPlugin, create_replayer, in_one_batch  # noqa: F401  (create_replayer: named here too)
+from tether.plugin import WORKFLOW_RUNNER, TetherPlugin, create_replayer  # noqa: F401  (create_replayer: named here too)
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
 from workflows.published import BUILD
@@ -145,14 +145,14 @@ def create_worker(
         if not cached.isdigit():
             raise SystemExit(f"{CACHE_SETTING}={cached!r}: give a number of runs (0: keep none between tasks)")
         options["max_cached_workflows"] = int(cached)
-    return in_one_batch(Worker(
+    return Worker(
         client,
         task_queue=task_queue,
         plugins=[plugin, *options.pop("plugins", ())],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         deployment_config=options.pop("deployment_config", deployment_config(deployment)),
         **options,
-    ))
+    )
 
 
 # A worker's identity ends with the effect ledger it keeps: `` ledger=ID`` (a local one's id,

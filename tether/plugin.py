@@ -92,21 +92,5 @@ def create_replayer(
     TETHER_STATE_KEY_FILE), since replay checks every attestation and seal the run acted on.
     ``workflows`` replace ``AgentRun`` (an older or a broken build, replayed on purpose)."""
     plugin = TetherPlugin(keys=keys, workflows=workflows, data_converter=data_converter, workflow_runner=workflow_runner)
-    return in_one_batch(Replayer(workflows=[], plugins=[plugin, *options.pop("plugins", ())], **options))
+    return Replayer(workflows=[], plugins=[plugin, *options.pop("plugins", ())], **options)
 
-
-def in_one_batch(target: Any) -> Any:
-    """A worker or a replayer (``target``, returned) that applies every job of a workflow
-    activation before the workflow code runs on any of them: SDK logic flag 2,
-    PROCESS_WORKFLOW_ACTIVATION_JOBS_AS_SINGLE_BATCH, which temporalio records in each task it
-    shapes (a replay follows what the task recorded, so runs started before it replay as they
-    ran). Without it the first task of a reset run runs its signals' code before the reset's new
-    random seed is applied, and asks with the original execution's activity ids
-    (docs/architecture.md "Ids"). temporalio means to make the flag its default; an SDK that no
-    longer has the setter has it on already."""
-    setter = getattr(target, "_set_default_workflow_logic_flag", None)
-    if setter is not None:
-        from temporalio.worker._workflow_instance import _WorkflowLogicFlag
-
-        setter(_WorkflowLogicFlag.PROCESS_WORKFLOW_ACTIVATION_JOBS_AS_SINGLE_BATCH, enabled=True)
-    return target

@@ -41,10 +41,17 @@ class Hold(Interceptor):
 
 
 async def main(queue: str, nth: str, marker: str) -> None:
-    from worker import create_worker
+    from activities.audit import AuditActivities
+    from activities.effect_ledger import local_ledger_id
+    from worker import LEDGER_MARK, create_worker
 
     client = await connect()
-    async with create_worker(client, task_queue=queue, interceptors=[Hold(int(nth), Path(marker))]):
+    # Named with its ledger as `worker.py` names itself: the worker that replaces it keeps the
+    # same local ledger, and a worker refuses a queue another ledger serves.
+    audit = AuditActivities()
+    identity = f"{client.identity}{LEDGER_MARK}{local_ledger_id(audit.sink) or 'shared'}"
+    async with create_worker(client, task_queue=queue, audit=audit, identity=identity,
+                             interceptors=[Hold(int(nth), Path(marker))]):
         print("worker ready", flush=True)
         await asyncio.Event().wait()
 

@@ -127,7 +127,7 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     pending = snap.pending_approval
     if pending is None:
         raise TetherError(f"run {snap.run_id} has no pending approval", REFUSED)
-    refuse_folded(given.by)
+    _refuse_folded(given.by)
     try:
         decision = DecideRequest(
             kind=kind,
@@ -151,7 +151,7 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     return decision
 
 
-def refuse_folded(name: str) -> None:
+def _refuse_folded(name: str) -> None:
     """A decider's name exactly as the policy writes people: "Bob" or fullwidth "ＢＯＢ" is refused
     (naming the field), never folded onto bob, as the inbox refuses such a sign-in."""
     from workflows.identity import normalize_name
@@ -191,7 +191,7 @@ async def revise(
     the rule (``invalid_revision`` and the validation reason, stale, not awaiting, role, ...).
     ``held``: the run as the caller read it, as for ``decide``."""
     snap, pending = await pending_request(client, run_id, held=held)
-    refuse_folded(given.by)
+    _refuse_folded(given.by)
     try:
         revision = ReviseDecideRequest(
             kind="revise",
