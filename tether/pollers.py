@@ -110,3 +110,48 @@ async def live_pollers(client: Client, queue: str) -> list[str] | None:
         return stopped is not None and polled > stopped  # polled after it said it stopped: restarted
 
     return sorted(identity for identity, polled in fresh.items() if alive(identity, polled))
+
+
+# A worker's identity names the tools it serves: `` tools=a,b,c`` (before its ledger mark,
+# worker.LEDGER_MARK), or `` tools=*`` when the list is too long for an identity (Temporal keeps
+# identities short) or a name cannot be listed so. Only the worker writes it; a poller that does
+# not say (an older build, another SDK) is taken to serve anything.
+TOOLS_MARK = " tools="
+UNLISTED = "*"
+TOOLS_MARK_CHARS = 600
+
+
+def tools_mark(names: object) -> str:
+    """The identity's mark for a worker serving the tools ``names`` (an iterable of names)."""
+    listed = sorted(str(n) for n in names)  # type: ignore[attr-defined]
+    text = ",".join(listed)
+    if len(text) > TOOLS_MARK_CHARS or any(not n or any(c in n for c in ", *") for n in listed):
+        text = UNLISTED
+    return f"{TOOLS_MARK}{text}"
+
+
+def identity_tools(identity: str) -> frozenset[str] | None:
+    """The tools a worker's identity says it serves (None: it does not say, or `*`)."""
+    _, mark, rest = identity.rpartition(TOOLS_MARK)
+    if not mark:
+        return None
+    listed = rest.split(" ", 1)[0]
+    if listed == UNLISTED:
+        return None
+    return frozenset(n for n in listed.split(",") if n)
+
+
+async def served_tools(client: Client, queue: str) -> frozenset[str] | None:
+    """The tools the live workers polling ``queue`` serve, together (:func:`live_pollers`, each
+    by its identity's mark). None: cannot tell (the server does not say who polls, or a live
+    worker does not list its tools). Empty: no live worker."""
+    pollers = await live_pollers(client, queue)
+    if pollers is None:
+        return None
+    served: set[str] = set()
+    for identity in pollers:
+        tools = identity_tools(identity)
+        if tools is None:
+            return None
+        served |= tools
+    return frozenset(served)
