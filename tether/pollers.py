@@ -1,12 +1,14 @@
 """Which live workers poll a task queue, judged without waiting on one: Temporal's pollers
 (DescribeTaskQueue), less those whose workers said they stopped (ListWorkers). The client asks
 it before it waits on a worker (tether/client/workers.py); a worker asks it at start, to see who
-else serves its queue (worker.py).
+else serves its queue (worker.py). And which tools those workers serve, as each one's identity
+lists them (`tether status` and the inbox warn of a run whose tools none serves).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 
 from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
@@ -122,9 +124,9 @@ UNLISTED = "*"
 TOOLS_MARK_CHARS = 400
 
 
-def tools_mark(names: object) -> str:
-    """The identity's mark for a worker serving the tools ``names`` (an iterable of names)."""
-    listed = sorted(str(n) for n in names)  # type: ignore[attr-defined]
+def tools_mark(names: Iterable[str]) -> str:
+    """The identity's mark for a worker serving the tools ``names``."""
+    listed = sorted(names)
     text = ",".join(listed)
     if len(text) > TOOLS_MARK_CHARS or any(not n or any(c in n for c in ", *") for n in listed):
         text = UNLISTED

@@ -208,7 +208,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
     result.stuck = await stuck_task(client, description)
     if not result.ended and serving is not False:
-        result.waits_for_tools = await unserved_tools(client, queue, result)
+        result.waits_for_tools = await _unserved_tools(client, queue, result)
     result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
         moves = [r for r in records if r.kind == "transition"]
@@ -230,7 +230,7 @@ def _remaining_tools(snap: RunSnapshot) -> list[str]:
     return list(dict.fromkeys(s.tool for s in snap.plan.steps[snap.step:] if s.tool != DELEGATE))
 
 
-async def unserved_tools(client: Client, queue: str, snap: RunSnapshot) -> list[str]:
+async def _unserved_tools(client: Client, queue: str, snap: RunSnapshot) -> list[str]:
     """``RunStatus.waits_for_tools``: what no live worker on ``queue`` serves of the tools the
     run's remaining steps call, and the tool of the step whose write the run says waits
     (`unknown_tool`, the workflow's own word: workflows/steps.py) even when the workers do not
@@ -239,7 +239,7 @@ async def unserved_tools(client: Client, queue: str, snap: RunSnapshot) -> list[
 
 
 def unserved(snap: RunSnapshot, served: frozenset[str] | None) -> list[str]:
-    """``unserved_tools`` given what the live workers serve (``served_tools``; None: cannot tell)."""
+    """``_unserved_tools`` given what the live workers serve (``served_tools``; None: cannot tell)."""
     remaining = _remaining_tools(snap)
     missing = [t for t in remaining if t not in served] if served else []
     if snap.last_error and snap.last_error.startswith(f"{UNKNOWN_TOOL}:") and snap.plan is not None:
