@@ -115,13 +115,14 @@ async def live_pollers(client: Client, queue: str) -> list[str] | None:
 
 
 # A worker's identity names the tools it serves: `` tools=a,b,c`` (before its ledger mark,
-# worker.LEDGER_MARK), or `` tools=*`` when the list is too long for an identity (Temporal refuses
-# identities over limit.maxIDLength, 1000 by default: host, pid and ledger id take the rest) or a
-# name cannot be listed so. Only the worker writes it; a poller that does not say (an older
+# worker.LEDGER_MARK), or `` tools=*`` when the list is longer than TOOLS_MARK_CHARS or a name
+# cannot be listed so. Kept short: every task-started event of a run's history carries its
+# worker's identity (history bytes bring continue-as-new nearer), and Temporal refuses identities
+# over limit.maxIDLength (1000 by default). Only the worker writes it; a poller that does not say (an older
 # build, another SDK, a long list) is taken to serve anything: no warning is made up.
 TOOLS_MARK = " tools="
 UNLISTED = "*"
-TOOLS_MARK_CHARS = 400
+TOOLS_MARK_CHARS = 200
 
 
 def tools_mark(names: Iterable[str]) -> str:
