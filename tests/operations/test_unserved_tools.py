@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from types import SimpleNamespace
 
 import httpx
 
@@ -17,7 +18,9 @@ from activities.policy_file import PolicyStore
 from activities.tools import REGISTRY, ToolRegistry
 from tether.cli.output import format_status
 from tether.pollers import identity_tools, tools_mark
-from tests.conftest import make_request, running_worker, unique
+from tests.activities.test_effect_ledger import counts_in_db
+from tests.conftest import Billing, make_request, running_worker, unique
+from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import inbox_stack
 
 
@@ -35,7 +38,7 @@ async def _waits_for(client, run_id: str, expected: list[str]) -> tether_client.
         await asyncio.sleep(0.2)
 
 
-async def test_status_and_inbox_say_which_tools_no_worker_serves_and_still_offer_approve(dev_env, tmp_path) -> None:
+async def test_status_and_inbox_say_which_tools_no_worker_serves_and_still_offer_approve(dev_env, tmp_path, billing: Billing) -> None:
     client = dev_env.client
     queue = unique("unserved")
     async with inbox_stack(dev_env, tmp_path) as stack:
@@ -65,11 +68,18 @@ async def test_status_and_inbox_say_which_tools_no_worker_serves_and_still_offer
                 rows = (await http.get("/api/approvals", headers=bob)).json()["approvals"]
                 row = next(r for r in rows if r["run_id"] == run_id)
                 assert "send_email" in row["waits_for"], row
-        # A worker that serves it polls: nothing is waited for, and the page says nothing of it.
+            # `tether approve` says the same before it sends; the approval is taken all the same.
+            code, out, err = await Cli(dev_env, SimpleNamespace(task_queue=queue))("approve", run_id, "--by", "bob", "--unreviewed")
+            assert code == 0 and "warning: waits for tool send_email: no live worker on task queue" in out, (code, out, err)
+            await _waits_for(client, run_id, ["send_email"])  # the write reached a worker without it: it waits
+            assert counts_in_db(billing, run_id)["emails"] == 0
+        # A worker that serves it polls: nothing is waited for, and the write runs once.
         async with running_worker(client, task_queue=queue, policy=policy):
             shown = await _waits_for(client, run_id, [])
             assert "waits      " not in format_status(shown)
             async with httpx.AsyncClient(base_url=stack.url) as http:
                 run = (await http.get(f"/api/runs/{run_id}", headers=bob)).json()
-                assert run["waits_for"] is None and run["may_decide"] is True, run
-            await client.get_workflow_handle(run_id).terminate("test over")
+                assert run["waits_for"] is None, run
+            outcome = await tether_client.run_outcome(client.get_workflow_handle(run_id))
+        assert outcome.state.value == "COMPLETED", outcome
+        assert counts_in_db(billing, run_id)["emails"] == 1
