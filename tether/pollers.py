@@ -149,7 +149,11 @@ async def served_tools(client: Client, queue: str) -> frozenset[str] | None:
     """The tools the live workers polling ``queue`` serve, together (:func:`live_pollers`, each
     by its identity's mark). None: cannot tell (the server does not say who polls, or a live
     worker does not list its tools). Empty: no live worker."""
-    pollers = await live_pollers(client, queue)
+    return served_by(await live_pollers(client, queue))
+
+
+def served_by(pollers: list[str] | None) -> frozenset[str] | None:
+    """``served_tools`` of the live pollers' identities (:func:`live_pollers`) already read."""
     if pollers is None:
         return None
     served: set[str] = set()

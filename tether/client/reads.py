@@ -23,8 +23,8 @@ from workflows.wire import UNKNOWN_TOOL
 from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
 from tether.runs import StuckTask, ViewUnverified, describe as _describe, published_view, stuck_task
-from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
-from tether.pollers import served_tools
+from tether.client.workers import no_answer, no_worker_message, require_worker
+from tether.pollers import live_pollers, served_by
 from tether.client.sink import _sink_records, ledger_standing
 
 
@@ -164,7 +164,8 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     query answer, marked unsigned, still with nothing pending."""
     description = await _describe(client, run_id)
     queue = description.task_queue
-    serving = await worker_serving(client, queue)
+    pollers = await live_pollers(client, queue)  # once: whether a worker serves, and which tools
+    serving = None if pollers is None else bool(pollers)
     try:
         view = await published_view(description)
     except ViewUnverified as e:
@@ -207,8 +208,8 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     result.temporal_status = description.status.name if description.status else None
     result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
     result.stuck = await stuck_task(client, description)
-    if not result.ended and serving is not False:
-        result.waits_for_tools = await _unserved_tools(client, queue, result)
+    if not result.ended and serving:
+        result.waits_for_tools = unserved(result, served_by(pollers))
     result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
         moves = [r for r in records if r.kind == "transition"]
@@ -230,16 +231,11 @@ def _remaining_tools(snap: RunSnapshot) -> list[str]:
     return list(dict.fromkeys(s.tool for s in snap.plan.steps[snap.step:] if s.tool != DELEGATE))
 
 
-async def _unserved_tools(client: Client, queue: str, snap: RunSnapshot) -> list[str]:
-    """``RunStatus.waits_for_tools``: what no live worker on ``queue`` serves of the tools the
-    run's remaining steps call, and the tool of the step whose write the run says waits
-    (`unknown_tool`, the workflow's own word: workflows/steps.py) even when the workers do not
-    list theirs."""
-    return unserved(snap, await served_tools(client, queue) if _remaining_tools(snap) else None)
-
-
 def unserved(snap: RunSnapshot, served: frozenset[str] | None) -> list[str]:
-    """``_unserved_tools`` given what the live workers serve (``served_tools``; None: cannot tell)."""
+    """``RunStatus.waits_for_tools``: what no live worker serves (``served``, from
+    tether/pollers.py; None: cannot tell) of the tools the run's remaining steps call, and the
+    tool of the step whose write the run says waits (`unknown_tool`, the workflow's own word:
+    workflows/steps.py) even when the workers do not list theirs."""
     remaining = _remaining_tools(snap)
     missing = [t for t in remaining if t not in served] if served else []
     if snap.last_error and snap.last_error.startswith(f"{UNKNOWN_TOOL}:") and snap.plan is not None:
