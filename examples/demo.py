@@ -219,7 +219,10 @@ def worker_problem() -> str | None:
     async def ask() -> frozenset[str] | None:
         return await served_tools(await client.connect(), client.task_queue())
 
-    served = asyncio.run(ask())
+    try:
+        served = asyncio.run(ask())
+    except client.TetherError:
+        return None  # the server is not there: the demo's first command says so, with what to do
     missing = [t for t in playbook_tools() if served and t not in served]
     if not missing:
         return None
