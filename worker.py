@@ -45,7 +45,7 @@ from activities.setup import SetupActivities
 from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
 from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
 from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
-from tether.pollers import live_pollers
+from tether.pollers import live_pollers, tools_mark
 from tether.plugin import WORKFLOW_RUNNER, TetherPlugin, create_replayer  # noqa: F401  (create_replayer: named here too)
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
@@ -145,6 +145,10 @@ def create_worker(
         if not cached.isdigit():
             raise SystemExit(f"{CACHE_SETTING}={cached!r}: give a number of runs (0: keep none between tasks)")
         options["max_cached_workflows"] = int(cached)
+    # Its identity says which tools it serves (before its ledger mark): `tether status` and the
+    # inbox tell a run whose tools no live worker serves (tether/pollers.served_tools).
+    head, mark, ledger = (options.pop("identity", None) or client.identity).partition(LEDGER_MARK)
+    options["identity"] = f"{head}{tools_mark(registry.tools)}{mark}{ledger}"
     return Worker(
         client,
         task_queue=task_queue,

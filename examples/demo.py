@@ -24,6 +24,8 @@ from workflows.run_state import RunSnapshot
 from workflows.states import TERMINAL, RunState
 
 PLAYBOOK = "examples/billing/refund.playbook.json"
+DEMO_TOOLS = "examples.billing.tools"  # the module its worker serves (worker.DEFAULT_TOOLS)
+ROOT = Path(__file__).resolve().parent.parent
 GOAL = "Refund order A-1001 (damaged on arrival)"
 # Settings a pasted command needs when they differ from the defaults (another server, queue).
 CONNECTION_ENV = ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "TETHER_TASK_QUEUE")
@@ -191,12 +193,72 @@ def main_order() -> int:
     return 0
 
 
+def playbook_tools() -> list[str]:
+    """The tools the demo's playbook calls, in order."""
+    import json
+
+    def tools(steps: object) -> list[str]:
+        found: list[str] = []
+        for entry in steps if isinstance(steps, list) else []:
+            if isinstance(entry, dict):
+                found += [entry["tool"]] if isinstance(entry.get("tool"), str) else tools(entry.get("parallel"))
+        return found
+
+    return list(dict.fromkeys(tools(json.loads((ROOT / PLAYBOOK).read_text()))))
+
+
+def worker_problem() -> str | None:
+    """What to tell a person whose stack's worker does not serve the demo's tools (one started
+    with their own, `devstack restart worker` with TETHER_TOOLS): `up` left it serving, and the
+    demo's runs would wait for a worker that serves them. Judged from the live workers' own
+    word (each lists its tools in its identity: tether/pollers.served_tools); None: they serve
+    them, or it cannot be told (the demo then runs, and `tether status` says what a run waits for)."""
+    from examples.devstack import stack_record
+    from tether.pollers import served_tools
+
+    async def ask() -> frozenset[str] | None:
+        return await served_tools(await client.connect(), client.task_queue())
+
+    try:
+        served = asyncio.run(ask())
+    except client.TetherError:
+        return None  # the server is not there: the demo's first command says so, with what to do
+    missing = [t for t in playbook_tools() if served and t not in served]
+    if not missing:
+        return None
+    started_with = stack_record().get("worker_env") or {}
+    python = os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(ROOT) else sys.executable
+    unset = " ".join(f"-u {k}" for k in ("TETHER_TOOLS", "TETHER_POLICY", "TETHER_PLANNERS", "PYTHONPATH"))
+    mine = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted(started_with.items()))
+    lines = [
+        f"make demo: the worker serving task queue {client.task_queue()!r} serves other tools "
+        f"({', '.join(sorted(served or ())) or 'none'}), not the demo's: it lacks {', '.join(missing)} "
+        f"(module {DEMO_TOOLS}). Nothing was started: the demo's runs would wait for a worker that serves them.",
+    ]
+    if mine:
+        lines.append(f"It was started with: {mine}")
+    lines += [
+        "To go back to the demo's worker (its tools and policy):",
+        f"  env {unset} {shlex.quote(python)} -m examples.devstack restart worker",
+    ]
+    if "TETHER_POLICY" in started_with:
+        lines.append(f"  env {unset} {shlex.quote(python)} -m examples.devstack restart inbox   (it reads your policy too)")
+    lines.append("then `make demo` again (or `make down && make demo` for a fresh stack).")
+    if mine:
+        lines.append(f"To go back to yours afterwards: {mine} {shlex.quote(python)} -m examples.devstack restart worker")
+    return "\n".join(lines)
+
+
 def main() -> int:
     if sys.argv[1:] == ["order"]:
         return main_order()
     if "TEMPORAL_ADDRESS" not in os.environ and TEMPORAL_PORT != 7233:
         # A stack on its own ports (examples/devstack.py): the demo and its commands use it.
         os.environ["TEMPORAL_ADDRESS"] = f"127.0.0.1:{TEMPORAL_PORT}"
+    problem = worker_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if os.environ.get("PLANNER", "playbook").strip() == "model":
         return main_model()
     fresh_order()

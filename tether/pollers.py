@@ -1,12 +1,14 @@
 """Which live workers poll a task queue, judged without waiting on one: Temporal's pollers
 (DescribeTaskQueue), less those whose workers said they stopped (ListWorkers). The client asks
 it before it waits on a worker (tether/client/workers.py); a worker asks it at start, to see who
-else serves its queue (worker.py).
+else serves its queue (worker.py). And which tools those workers serve, as each one's identity
+lists them (`tether status` and the inbox warn of a run whose tools none serves).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 
 from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
@@ -110,3 +112,54 @@ async def live_pollers(client: Client, queue: str) -> list[str] | None:
         return stopped is not None and polled > stopped  # polled after it said it stopped: restarted
 
     return sorted(identity for identity, polled in fresh.items() if alive(identity, polled))
+
+
+# A worker's identity names the tools it serves: `` tools=a,b,c`` (before its ledger mark,
+# worker.LEDGER_MARK), or `` tools=*`` when the list is longer than TOOLS_MARK_CHARS or a name
+# cannot be listed so. Kept short: every task-started event of a run's history carries its
+# worker's identity (history bytes bring continue-as-new nearer), and Temporal refuses identities
+# over limit.maxIDLength (1000 by default). Only the worker writes it; a poller that does not say (an older
+# build, another SDK, a long list) is taken to serve anything: no warning is made up.
+TOOLS_MARK = " tools="
+UNLISTED = "*"
+TOOLS_MARK_CHARS = 200
+
+
+def tools_mark(names: Iterable[str]) -> str:
+    """The identity's mark for a worker serving the tools ``names``."""
+    listed = sorted(names)
+    text = ",".join(listed)
+    if len(text) > TOOLS_MARK_CHARS or any(not n or any(c in n for c in ", *") for n in listed):
+        text = UNLISTED
+    return f"{TOOLS_MARK}{text}"
+
+
+def identity_tools(identity: str) -> frozenset[str] | None:
+    """The tools a worker's identity says it serves (None: it does not say, or `*`)."""
+    _, mark, rest = identity.rpartition(TOOLS_MARK)
+    if not mark:
+        return None
+    listed = rest.split(" ", 1)[0]
+    if listed == UNLISTED:
+        return None
+    return frozenset(n for n in listed.split(",") if n)
+
+
+async def served_tools(client: Client, queue: str) -> frozenset[str] | None:
+    """The tools the live workers polling ``queue`` serve, together (:func:`live_pollers`, each
+    by its identity's mark). None: cannot tell (the server does not say who polls, or a live
+    worker does not list its tools). Empty: no live worker."""
+    return served_by(await live_pollers(client, queue))
+
+
+def served_by(pollers: list[str] | None) -> frozenset[str] | None:
+    """``served_tools`` of the live pollers' identities (:func:`live_pollers`) already read."""
+    if pollers is None:
+        return None
+    served: set[str] = set()
+    for identity in pollers:
+        tools = identity_tools(identity)
+        if tools is None:
+            return None
+        served |= tools
+    return frozenset(served)

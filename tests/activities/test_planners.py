@@ -383,3 +383,29 @@ async def test_one_agent_plans_concurrent_runs_without_crossing_them(dev_env: Wo
         f"Refunded 49.99 on order A-1001 (refund {refunds[0][0]['refund_id']}).",
         f"Refunded 8.99 on order A-1003 (refund {refunds[1][0]['refund_id']}).",
     ]
+
+
+async def test_the_agents_sdk_example_module_plans_every_run_its_worker_takes(dev_env: WorkflowEnvironment, billing: Billing) -> None:
+    """Issue 58: the SDK's ScriptedModel plays a fixed list of replies, so a worker planned one
+    run with it and refused the next. The example module's model answers from each call's input:
+    one worker plans run after run (two at once here), each approved and its order refunded once."""
+    from examples.agents.sdk_refund_agent import planner
+
+    async with running_worker(dev_env.client, planners={"sdk_refunds": planner}) as worker:
+        handles = [await start_run(dev_env.client, worker, make_request([], planner="sdk_refunds", goal=f"Refund order {order}"))
+                   for order in ("A-1001", "A-1002")]
+        for handle in handles:
+            snap = await wait_for_state(handle, "AWAITING_APPROVAL", timeout=60)
+            assert [s.tool for s in snap.plan.steps] == ["issue_refund"], snap.plan
+            await handle.signal("approve", approval_for(snap, "bob"))
+        outcomes = [await run_outcome(h) for h in handles]
+        # And a third, after those: the model has not run out.
+        third = await start_run(dev_env.client, worker, make_request([], planner="sdk_refunds", goal="Refund order A-1003"))
+        snap = await wait_for_state(third, "AWAITING_APPROVAL", timeout=60)
+        await third.signal("approve", approval_for(snap, "bob"))
+        outcomes.append(await run_outcome(third))
+    for order, outcome in zip(("A-1001", "A-1002", "A-1003"), outcomes):
+        assert outcome.state == S.COMPLETED, outcome
+        [refund] = refunds_of(billing, outcome)
+        assert refund["order_id"] == order, refund
+        assert outcome.answer == f"Refunded {refund['amount_cents'] / 100:.2f} on order {order} (refund {refund['refund_id']})."

@@ -2,9 +2,10 @@
 `.tether/`), with the demo stack `make demo` starts (Temporal dev server, billing service,
 worker, inbox: real processes, on ports of the test's own).
 
-- docs/writing-tools.md: its files are saved and every command block runs, in order, in one
-  shell: a new tool module goes from nothing to an approved, completed run whose credit the
-  billing service holds once.
+- docs/writing-tools.md: its files are saved in a folder of one's own (``~/goodwill``, in a
+  fresh home, outside the checkout) and every command block runs, in order, in one shell: a new
+  tool module goes from nothing to an approved, completed run whose credit the billing service
+  holds once.
 - docs/model-planner.md: the blocks marked ``<!-- tested -->`` (the planners of your own,
   loaded by the stack's worker from TETHER_PLANNERS) run and complete."""
 
@@ -46,13 +47,13 @@ class Stack:
     def __init__(self, copy: Path, env: dict[str, str], seconds_to_start: float) -> None:
         self.copy, self.env, self.seconds_to_start = copy, env, seconds_to_start
 
-    def shell(self, script: str, answers: str = "") -> subprocess.CompletedProcess[str]:
+    def shell(self, script: str, answers: str = "", **env: str) -> subprocess.CompletedProcess[str]:
         """``script`` in one bash, stopping at the first failing command; its stdin a terminal
         with ``answers`` typed ahead (`tether approve` asks there, as it does a person)."""
         leader, follower = pty.openpty()
         try:
             os.write(leader, answers.encode())
-            return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=self.copy, env=self.env,
+            return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=self.copy, env={**self.env, **env},
                                   stdin=follower, capture_output=True, text=True, timeout=300)
         finally:
             os.close(follower)
@@ -110,18 +111,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                        capture_output=True, timeout=120)
 
 
-def test_writing_tools_takes_a_new_tool_module_to_an_approved_run(stack: Stack) -> None:
+def test_writing_tools_takes_a_new_tool_module_to_an_approved_run(stack: Stack, tmp_path: Path) -> None:
     parts = page_parts("docs/writing-tools.md")
     files = [(m["file"], m["body"]) for m in parts if m["file"]]
     commands = [m["body"] for m in parts if m["lang"] == "bash"]
     assert [name for name, _ in files] == ["goodwill.py", "goodwill_policy.toml", "goodwill.playbook.json"]
-    assert len(commands) == 5, "the page's command blocks changed: check what this test runs"
+    assert len(commands) == 6, "the page's command blocks changed: check what this test runs"
     *to_the_run, back = commands
+    setup = to_the_run[0]
+    assert "mkdir -p ~/goodwill && cd ~/goodwill" in setup
 
     began = time.monotonic()
+    home = tmp_path / "home"  # the person's home: their folder goes there, outside the checkout
+    (home / "goodwill").mkdir(parents=True)
     for name, body in files:
-        (stack.copy / name).write_text(body)
-    done = stack.shell("\n".join(to_the_run), answers="y\n")
+        (home / "goodwill" / name).write_text(body)
+    done = stack.shell("\n".join(to_the_run), answers="y\n", HOME=str(home))
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     # 3: the tools, as the worker will serve them.
@@ -130,7 +135,8 @@ def test_writing_tools_takes_a_new_tool_module_to_an_approved_run(stack: Stack) 
     # (the demo's worker replaced by the new one once it was ready: never no worker)
     assert "worker: replaced (pid " in out and "inbox: started" in out
     assert "with tools: goodwill_credit, order_balance, take_back_credit;" in stack.worker_log()
-    assert "goodwill_policy.toml" in stack.worker_log()
+    assert f"{home}/goodwill/goodwill_policy.toml" in stack.worker_log()
+    assert not (stack.copy / "goodwill.py").exists()  # nothing of the user's went into the checkout
     # 5: it waited for an approval, showing the write's arguments, the amount as money.
     run_id = re.search(r"started (goodwill-\d+)", out)[1]
     assert "AWAITING_APPROVAL" in out and "amount_cents: 5.00 EUR (500)" in out and "take_back_credit" in out, out
@@ -144,7 +150,7 @@ def test_writing_tools_takes_a_new_tool_module_to_an_approved_run(stack: Stack) 
     assert [(r["order_id"], r["amount_cents"]) for r in refunds] == [("A-1002", 500)]
     assert run_id in refunds[0]["idempotency_key"]
     # 7: back to the demo's worker.
-    back_out = stack.shell(back)
+    back_out = stack.shell(f"{setup}\n{back}", HOME=str(home))  # the same shell: $TETHER set
     assert back_out.returncode == 0, back_out.stdout + back_out.stderr
     assert "with tools: get_order, issue_refund" in stack.worker_log()
     print(f"\nwriting-tools.md: stack up {stack.seconds_to_start:.1f} s; the page's commands to a completed run "

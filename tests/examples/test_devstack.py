@@ -4,6 +4,7 @@ for every service: the port claims and the readiness rule are the same for all."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -209,5 +210,62 @@ async def test_a_worker_restart_never_leaves_the_stack_without_a_worker_and_load
         assert f"no worker polls task queue '{queue}'" in hint and "examples.devstack up worker" in hint, hint
         assert f"TETHER_TOOLS=examples.billing.tools,my_tools" in hint and f"PYTHONPATH={mine}" in hint, hint
         await dev_env.client.get_workflow_handle(started.stdout.split()[1]).terminate("test over")
+    finally:
+        assert devstack(where, claims, "down", "worker", **settings).returncode == 0
+
+
+MY_TOOLS = (
+    "from pydantic import BaseModel\nfrom tether import ToolContext, ToolEffect, tool\n\n\n"
+    "class Hello(BaseModel):\n    name: str\n\n\n"
+    "@tool(effect=ToolEffect.READ_ONLY)\ndef say_hello(args: Hello, ctx: ToolContext) -> dict:\n"
+    "    \"\"\"Greets.\"\"\"\n    return {\"hello\": args.name}\n"
+)
+
+
+async def test_make_demo_on_a_stack_whose_worker_serves_other_tools_says_so_and_how_to_go_back(dev_env, tmp_path: Path) -> None:
+    """Issue 58: after `restart worker` with your own tools, `make demo` reused that worker and
+    failed with "unknown tool 'get_order'" and no hint. Now it says which tools the worker lacks,
+    what it was started with, and the command that brings the demo's worker back (followed here
+    as printed); nothing is started."""
+    from tether.pollers import served_tools
+
+    where = checkout(tmp_path / "checkout")
+    claims = tmp_path / "claims"
+    port = dev_env.client.service_client.config.target_host.rsplit(":", 1)[1]
+    queue = f"demo-{os.urandom(4).hex()}"
+    settings = {"TETHER_TEMPORAL_PORT": port, "TETHER_TASK_QUEUE": queue}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "my_tools.py").write_text(MY_TOOLS)
+    (mine / "policy.toml").write_text(
+        '[tenants.default]\ntools = ["say_hello"]\nfour_eyes = true\n'
+        '[tenants.default.approvers]\nbob = { roles = ["approver"] }\n'
+    )
+    up = devstack(where, claims, "up", "worker", TETHER_TOOLS="my_tools", PYTHONPATH=str(mine),
+                  TETHER_POLICY=str(mine / "policy.toml"), **settings)
+    try:
+        assert up.returncode == 0 and "worker: started" in up.stdout, up
+        while await served_tools(dev_env.client, queue) != frozenset({"say_hello"}):
+            await asyncio.sleep(0.2)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TETHER_", "TEMPORAL_"))}
+        env.update(PYTHONDONTWRITEBYTECODE="1", TETHER_STACKS_DIR=str(claims), **settings)
+        demo = subprocess.run([sys.executable, "-m", "examples.demo"], cwd=where, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert demo.returncode == 2, demo
+        said = demo.stderr
+        assert "serves other tools (say_hello)" in said and "lacks get_order, issue_refund, post_ledger_entry, send_email" in said, said
+        assert "It was started with:" in said and "TETHER_TOOLS=my_tools" in said and f"PYTHONPATH={mine}" in said, said
+        assert "To go back to yours afterwards: " in said, said
+        assert "unknown tool" not in said + demo.stdout and "$ " not in demo.stdout, demo  # nothing was started
+        lines = said.splitlines()
+        back = lines[lines.index("To go back to the demo's worker (its tools and policy):") + 1].strip()
+        assert back.startswith("env -u TETHER_TOOLS") and back.endswith("-m examples.devstack restart worker"), back
+        # Followed as printed, from a shell that still has your settings exported.
+        followed = subprocess.run(back, shell=True, cwd=where, capture_output=True, text=True, timeout=120,
+                                  env={**env, "TETHER_TOOLS": "my_tools", "PYTHONPATH": str(mine),
+                                       "TETHER_POLICY": str(mine / "policy.toml")})
+        assert followed.returncode == 0 and "worker: replaced" in followed.stdout, followed
+        while not {"get_order", "issue_refund", "post_ledger_entry", "send_email"} <= (await served_tools(dev_env.client, queue) or set()):
+            await asyncio.sleep(0.2)
     finally:
         assert devstack(where, claims, "down", "worker", **settings).returncode == 0

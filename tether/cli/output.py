@@ -104,6 +104,8 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"view       {show(s.unpublished, 600)}")
     if s.worker_serving is False and s.task_queue is not None:
         lines.append(f"worker     {client.no_worker_message(s.task_queue)}")
+    if s.waits_for_tools and s.task_queue is not None:
+        lines.append(f"waits      {client.unserved_message(s.task_queue, s.waits_for_tools)}")
     if s.stuck is not None:
         lines.append(f"stuck      its workflow task keeps failing (attempt {s.stuck.attempt}, {show(s.stuck.cause)}): "
                      f"{show(s.stuck.error, 400)}")

@@ -30,12 +30,13 @@ from tether.connection import (
     checkout_stack, connect, connect_config, deployment_name, exit_process, rpc_error, task_queue, timed_out,
 )
 from tether.repair import RepairResult, repair, reset_judged
+from tether.pollers import served_tools
 from tether.runs import StuckTask, ViewUnverified, public_keys, published_view, stuck_task
 
 from tether.client.errors import invalid
 from tether.client.workers import (
     HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, TAKE_SECONDS, has_worker, no_answer, no_worker_message,
-    require_worker, start_worker_hint, untaken_message, untaken_seconds, worker_serving,
+    require_worker, start_worker_hint, unserved_message, untaken_message, untaken_seconds, worker_serving,
 )
 from tether.client.signing import ensure_keys, keygen, load_private_key, sign, sign_request
 from tether.client.shown import (
@@ -45,7 +46,7 @@ from tether.client.shown import (
 from tether.client.sink import ledger_standing, undo_standing
 from tether.client.reads import (
     RunStatus, closed_note, read_run, run_goal, run_outcome, snapshot, status, timeline,
-    wait_settled,
+    unserved, wait_settled,
 )
 from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full_timeline
 from tether.client.listing import DESCRIBE_CONCURRENCY, RunSummary, build_order, drain, list_query, list_runs, run_build
@@ -147,6 +148,7 @@ __all__ = [
     "run_build",
     "run_goal",
     "run_outcome",
+    "served_tools",
     "shown_arg",
     "sign",
     "sign_request",
@@ -161,6 +163,8 @@ __all__ = [
     "timed_out",
     "timeline",
     "undo_standing",
+    "unserved",
+    "unserved_message",
     "untaken_message",
     "untaken_seconds",
     "wait_settled",

@@ -34,6 +34,7 @@ class RunSummary(BaseModel):
     view_unverified: str | None = None  # its memo holds a view the fleet did not sign for it
     stuck: StuckTask | None = None  # with ``list_runs(stuck=True)``: its workflow task keeps failing
     parent: str | None = None  # a child run's parent, as the server records it (not a claim of the run's)
+    task_queue: str | None = None  # the queue its tasks go to (the server's record)
 
 
 # Describes at once when listing runs stuck: one each, a few at a time.
@@ -121,6 +122,7 @@ async def list_runs(
                     view=view,
                     view_unverified=unverified,
                     parent=wf.parent_id,
+                    task_queue=wf.task_queue,
                 )
             )
     except RPCError as e:

@@ -9,18 +9,22 @@ import asyncio
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import Field
+
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
 from workflows.display import escape_text
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
-from workflows.contract import ExecutedStep
+from workflows.contract import DELEGATE, ExecutedStep
 from workflows.run_state import RunOutcome, RunSnapshot
+from workflows.wire import UNKNOWN_TOOL
 from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
 from tether.runs import StuckTask, ViewUnverified, describe as _describe, published_view, stuck_task
-from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
+from tether.client.workers import no_answer, no_worker_message, require_worker
+from tether.pollers import live_pollers, served_by
 from tether.client.sink import _sink_records, ledger_standing
 
 
@@ -42,6 +46,10 @@ class RunStatus(RunSnapshot):
     listed_state: str | None = None
     task_queue: str | None = None
     worker_serving: bool | None = None  # a worker serves the run's queue now (None: cannot tell)
+    # The tools the run's remaining steps call that no live worker on its queue serves (each
+    # worker's identity lists its tools), or the one its write waits for (the run's last error
+    # says `unknown_tool`): approved, it waits until a worker that serves them polls.
+    waits_for_tools: list[str] = Field(default_factory=list)
     stuck: StuckTask | None = None  # its workflow task keeps failing
     # Why the effect ledger could not be read: where each write stands is then unknown.
     ledger_error: str | None = None
@@ -156,7 +164,8 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     query answer, marked unsigned, still with nothing pending."""
     description = await _describe(client, run_id)
     queue = description.task_queue
-    serving = await worker_serving(client, queue)
+    pollers = await live_pollers(client, queue)  # once: whether a worker serves, and which tools
+    serving = None if pollers is None else bool(pollers)
     try:
         view = await published_view(description)
     except ViewUnverified as e:
@@ -199,6 +208,8 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
     result.temporal_status = description.status.name if description.status else None
     result.closed_by_temporal = closed_note(result.state.value, result.temporal_status)
     result.stuck = await stuck_task(client, description)
+    if not result.ended and serving:
+        result.waits_for_tools = unserved(result, served_by(pollers))
     result.last_decision = next((r for r in reversed(records) if r.refs.decision_id), None)
     if result.ended:
         moves = [r for r in records if r.kind == "transition"]
@@ -211,6 +222,27 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
                 # "the replan budget is used up" says little without what failed validation.
                 result.end_reason += f"; last validation: {moves[-2].reason}"
     return result, records
+
+
+def _remaining_tools(snap: RunSnapshot) -> list[str]:
+    """The tools the plan's steps not yet executed call, in plan order, each once."""
+    if snap.plan is None:
+        return []
+    return list(dict.fromkeys(s.tool for s in snap.plan.steps[snap.step:] if s.tool != DELEGATE))
+
+
+def unserved(snap: RunSnapshot, served: frozenset[str] | None) -> list[str]:
+    """``RunStatus.waits_for_tools``: what no live worker serves (``served``, from
+    tether/pollers.py; None: cannot tell) of the tools the run's remaining steps call, and the
+    tool of the step whose write the run says waits (`unknown_tool`, the workflow's own word:
+    workflows/steps.py) even when the workers do not list theirs."""
+    remaining = _remaining_tools(snap)
+    missing = [t for t in remaining if t not in served] if served else []
+    if snap.last_error and snap.last_error.startswith(f"{UNKNOWN_TOOL}:") and snap.plan is not None:
+        waiting = snap.plan.steps[min(snap.step, len(snap.plan.steps) - 1)].tool
+        if waiting not in missing and (served is None or waiting not in served):
+            missing.insert(0, waiting)
+    return missing
 
 
 async def run_outcome(handle: WorkflowHandle) -> RunOutcome:

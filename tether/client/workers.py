@@ -45,6 +45,17 @@ def no_worker_message(queue: str) -> str:
     return f"no worker polls task queue '{escape_text(queue)}' — start one with {start_worker_hint(queue)}"
 
 
+def unserved_message(queue: str, tools: list[str]) -> str:
+    """What a person is told of a run whose tools no live worker on its queue serves."""
+    names = ", ".join(escape_text(t, 80) for t in tools[:20]) + (f" and {len(tools) - 20} more" if len(tools) > 20 else "")
+    return (
+        f"waits for tool{'s' if len(tools) > 1 else ''} {names}: no live worker on task queue '{escape_text(queue)}' "
+        f"serves {'them' if len(tools) > 1 else 'it'} — an approval is kept and its writes wait (nothing is called) "
+        f"until one does; start a worker with {'these tools' if len(tools) > 1 else 'this tool'} "
+        f"(the module that defines it: docs/writing-tools.md), e.g. {start_worker_hint(queue)}"
+    )
+
+
 async def worker_serving(client: Client, queue: str) -> bool | None:
     """Whether a live worker serves ``queue`` (:func:`live_pollers`). False: none does; None:
     this server does not let us tell. Callers that act on a run still find out for sure when a

@@ -143,6 +143,7 @@ class Inbox:
         temporal = await self.client()
         now = datetime.now(timezone.utc)
         rows: list[dict[str, Any]] = []
+        served: dict[str, frozenset[str] | None] = {}  # per task queue, asked once per listing
         for tenant_name in desk.tenants_of(document, person.name):
             tenant = document.tenants[tenant_name]
             runs = await tether.list_runs(
@@ -151,13 +152,18 @@ class Inbox:
             # What each run published where it waits, signed by the fleet (no worker, nothing
             # reaches the run). A run that has published nothing yet, or whose view does not
             # verify, is never listed nor asked: whoever started it may answer its queries.
-            snaps = [(r.view.snapshot, r.view.published_at) for r in runs if r.view is not None]
+            snaps = [(r.view.snapshot, r.view.published_at, r.task_queue) for r in runs if r.view is not None]
             can_attest = desk.attester(document, self.public_key, tenant_name) is not None
-            for snap, published_at in snaps:
+            for snap, published_at, queue in snaps:
                 if snap.tenant != tenant_name:
                     continue
                 if desk.decide_refusal(tenant, snap, person.name, now=now, can_attest=can_attest) is None:
-                    rows.append({**self._row(snap, now), "as_of": self._as_of(published_at, now)})
+                    # Tools no live worker on its queue serves: listed all the same, with a warning.
+                    if queue and queue not in served:
+                        served[queue] = await tether.served_tools(temporal, queue)
+                    missing = tether.unserved(snap, served.get(queue)) if queue else []
+                    rows.append({**self._row(snap, now), "as_of": self._as_of(published_at, now),
+                                 "waits_for": tether.unserved_message(queue, missing) if missing and queue else None})
         rows.sort(key=lambda r: r["expires_at"])
         return rows
 
@@ -285,6 +291,10 @@ class Inbox:
             "published_at": snap.published_at.isoformat() if snap.published_at else None,
             "worker": None if snap.worker_serving is not False or snap.task_queue is None
             else tether.no_worker_message(snap.task_queue),
+            # Tools no live worker on the run's queue serves: Approve is still offered (the approval
+            # is kept, its writes wait), with this said beside it.
+            "waits_for": None if not snap.waits_for_tools or snap.task_queue is None
+            else tether.unserved_message(snap.task_queue, snap.waits_for_tools),
             "stuck": None if snap.stuck is None else f"its workflow task keeps failing (attempt {snap.stuck.attempt}): {snap.stuck.error}",
             "web_ui": f"{self.config.web_ui.rstrip('/')}/namespaces/{quote(self.config.namespace)}/workflows/{quote(snap.run_id)}",
         }
