@@ -55,6 +55,7 @@ async def test_one_approval_covering_a_named_refund_makes_at_most_one_refund(dev
         child_snap = await wait_for_state(child, "AWAITING_APPROVAL", "COMPLETED", "FAILED", timeout=90)
         records = await timeline(child)
         shown = format_status(await status(dev_env.client, child.id, live=True))
+        root = await status(dev_env.client, handle.id)  # the root's signed view, and its tree's
         await handle.cancel()
     assert child_snap.state == S.AWAITING_APPROVAL, child_snap.last_error
     assert child_snap.pending_approval is not None and child_snap.approved_by == []
@@ -64,6 +65,12 @@ async def test_one_approval_covering_a_named_refund_makes_at_most_one_refund(dev
     # `tether status` of the child: what it spent of the approval and of the budgets.
     assert "approval   the parent's approval named 1 write(s): 1 spent, 0 left" in shown, shown
     assert "spent      issue_refund.amount_cents 3000" in shown, shown
+    # `tether status` of the root: each child's spend, read from the child's own signed view.
+    assert [(c.run_id, c.covered, c.covered_spent, c.spent) for c in root.tree] == [
+        (child.id, 1, 1, {"issue_refund.amount_cents": 3000})], root.tree
+    shown_root = format_status(root)
+    assert (f"child      {child.id}  AWAITING_APPROVAL; approval 1 of 1 named write(s) spent; "
+            "spent issue_refund.amount_cents 3000") in shown_root, shown_root
 
 
 AUTO_5000 = """

@@ -44,8 +44,8 @@ from tether.client.shown import (
 )
 from tether.client.sink import ledger_standing, undo_standing
 from tether.client.reads import (
-    RunStatus, closed_note, read_run, run_goal, run_outcome, snapshot, status, timeline,
-    wait_settled,
+    TREE_NODES, ChildSpend, RunStatus, closed_note, read_run, run_goal, run_outcome, snapshot, status, timeline,
+    tree_spend, wait_settled,
 )
 from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full_timeline
 from tether.client.listing import DESCRIBE_CONCURRENCY, RunSummary, build_order, drain, list_query, list_runs, run_build
@@ -65,6 +65,7 @@ __all__ = [
     "AuditBranch",
     "AuditTrail",
     "CONTINUING_RETRY",
+    "ChildSpend",
     "DEFAULT_TASK_QUEUE",
     "DEPLOYMENT_ENV",
     "DESCRIBE_CONCURRENCY",
@@ -88,6 +89,7 @@ __all__ = [
     "StuckTask",
     "TAKE_SECONDS",
     "TASK_FAILING_RETRY",
+    "TREE_NODES",
     "TetherError",
     "USAGE",
     "VERDICT_TIMEOUT",
@@ -160,6 +162,7 @@ __all__ = [
     "tenant_refusal",
     "timed_out",
     "timeline",
+    "tree_spend",
     "undo_standing",
     "untaken_message",
     "untaken_seconds",

@@ -9,6 +9,7 @@ import asyncio
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import BaseModel
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
@@ -19,9 +20,24 @@ from workflows.contract import ExecutedStep
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
-from tether.runs import StuckTask, ViewUnverified, describe as _describe, published_view, stuck_task
+from tether.runs import StuckTask, ViewUnverified, describe as _describe, open_children, published_view, stuck_task
 from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
 from tether.client.sink import _sink_records, ledger_standing
+
+
+class ChildSpend(BaseModel):
+    """One child of a delegation tree as its own signed view says (``read_run``): where it
+    stands, what it spent of the approval its parent lent it and of the budgets. ``error``: why
+    its view could not be read (then nothing else of it is shown as its word)."""
+
+    run_id: str
+    parent: str
+    depth: int = 1  # below the run whose status this is
+    state: RunState | None = None
+    covered: int = 0
+    covered_spent: int = 0
+    spent: dict[str, float] = {}
+    error: str | None = None
 
 
 class RunStatus(RunSnapshot):
@@ -51,6 +67,9 @@ class RunStatus(RunSnapshot):
     # lists of it (its state, a claim; its start), or with ``live`` its unsigned answer, and
     # nothing pending (no Approve is offered on it).
     unpublished: str | None = None
+    # A root's (or any parent's) delegation tree, its children depth first (``tree_spend``):
+    # what each child spent of the approval lent to it and of the budgets.
+    tree: list[ChildSpend] = []
 
     @property
     def ended(self) -> bool:
@@ -130,19 +149,56 @@ async def status(client: Client, run_id: str, *, live: bool = False, goal: bool 
         result.goal = await run_goal(client, run_id)
     if result.ended:
         result.compensations, result.ledger_error = await ledger_standing(result.compensations)
+    if goal:  # its children: those its view names, and its open ones as the server records them
+        result.tree = await tree_spend(client, result)
     return result
 
 
-def _listed_snapshot(description: Any) -> RunSnapshot:
-    """What Temporal lists of a run that has published nothing: its start and tenant; its state
-    RECEIVED (the listed one is a claim, kept in ``listed_state``), nothing pending."""
-    attrs = description.typed_search_attributes
-    return RunSnapshot(
-        run_id=description.id, tenant=attrs.get(TENANT_ATTRIBUTE) or "",
-        state=RunState.RECEIVED,
-        previous_state=None, state_version=0, plan=None, pending_approval=None, step=0, retries=0, last_error=None,
-        approved_by=[], answer=None, created_at=description.start_time, updated_at=None,
-    )
+# A tree is bounded by the policy's max_depth (a few levels) and each level by the parent's
+# steps: the walk stops here all the same.
+TREE_NODES = 64
+
+
+async def tree_spend(client: Client, root: RunSnapshot) -> list[ChildSpend]:
+    """The delegation tree below ``root``, depth first: the children each run's signed view
+    names (closed ones included) and its open ones as the server records them (a parent waiting
+    on a child may not have published since it started it). Each child is read from its own
+    signed view, never its query answers (whoever can poll its queue may answer those)."""
+    found: list[ChildSpend] = []
+    todo = [(root.run_id, list(root.children), 0)]
+    seen = {root.run_id}
+    while todo and len(found) < TREE_NODES:
+        parent, named, depth = todo.pop()
+        try:
+            pending = open_children(await _describe(client, parent))
+        except TetherError:
+            pending = []
+        kids = [k for k in dict.fromkeys([*named, *pending]) if k not in seen]
+        seen.update(kids)
+        for child_id in reversed(kids):
+            todo.append((child_id, [], depth + 1))
+        nodes = []
+        for child_id in kids:
+            node = ChildSpend(run_id=child_id, parent=parent, depth=depth + 1)
+            try:
+                snap = (await read_run(client, child_id))[0]
+            except TetherError as e:
+                node.error = str(e)
+            else:
+                if snap.unpublished:
+                    node.error = "not published yet: nothing of it is the fleet's word"
+                else:
+                    node.state, node.covered, node.covered_spent, node.spent = (
+                        snap.state, snap.covered, snap.covered_spent, snap.spent)
+                    todo_entry = next(t for t in todo if t[0] == child_id)
+                    todo_entry[1].extend(snap.children)
+            nodes.append(node)
+        found.extend(nodes)
+
+    def below(parent: str) -> list[ChildSpend]:  # depth first: each child's subtree right after it
+        return [m for n in found if n.parent == parent for m in (n, *below(n.run_id))]
+
+    return below(root.run_id)
 
 
 async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
