@@ -341,3 +341,68 @@ async def test_three_delegations_at_once_under_a_5000_cent_sum_wait_for_an_appro
         await handle.cancel()
     assert [s.state for s in ended] == [S.AWAITING_APPROVAL] * 3, [s.last_error for s in ended]
     assert [len(refunds_with(billing, reason)) for reason in reasons] == [0, 0, 0]
+
+
+async def test_compensate_of_a_root_undoes_the_writes_of_its_children_it_did_not_take(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """A parent handed off on a child it could not adopt (reset while the child waited for its
+    own approval); approved, the child refunds and completes. The parent holds no undo of that
+    refund (its step is ``unknown``): `tether compensate PARENT` acts on its tree and undoes the
+    child's refund, by a compensation run of the child's; `tether status PARENT` shows the child's
+    spend."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tether import client as tether_client
+    from tests.operations.test_reset import outcome_of
+    from tests.workflows.test_delegation import writing_child, writing_delegation
+
+    client = dev_env.client
+    reason = uuid.uuid4().hex
+    async with running_worker(client, planners=writing_child(reason)) as worker:
+        handle = await start_run(client, worker, make_request([writing_delegation()]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        child = await started_child(dev_env, child_id)
+        await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        events = (await handle.fetch_history()).events
+        started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
+        point = max(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < started)
+        reset = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+                reason="test: reset before the child's start", workflow_task_finish_event_id=point,
+                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            )
+        )
+        parent = await outcome_of(client, handle.id, reset.run_id)
+        assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+        # The child still runs: the tree is not compensated while it may write.
+        try:
+            await tether_client.compensate_tree(client, handle.id, by="carol", queue=worker.task_queue)
+        except tether_client.TetherError as e:
+            assert e.rule == "tree_open" and child_id in str(e), e
+        else:
+            raise AssertionError("a tree with an open child was compensated")
+        child_snap = await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        await child.signal("approve", approval_for(child_snap, "bob"))
+        await wait_for_state(child, "COMPLETED", timeout=60)
+        assert len(refunds_with(billing, reason)) == 1
+        root = await status(client, handle.id)
+        started_undo = await tether_client.compensate_tree(client, handle.id, by="carol", queue=worker.task_queue)
+        undos = [await wait_for_state(h, "COMPENSATED", "AWAITING_APPROVAL", "HANDED_OFF", "FAILED", timeout=60)
+                 for h in started_undo]
+        for h, undo in zip(started_undo, undos):
+            if undo.state == S.AWAITING_APPROVAL:  # the child's refund had its own approval: the undo asks one
+                await h.signal("approve", approval_for(undo, "bob"))
+        ended = [await wait_for_state(h, "COMPENSATED", "HANDED_OFF", "FAILED", timeout=60) for h in started_undo]
+    assert [c.run_id for c in root.tree] == [child_id] and root.tree[0].state == S.COMPLETED
+    assert root.tree[0].spent == {"issue_refund.amount_cents": 300}, root.tree
+    # The parent wrote nothing of its own: the one compensation run is the child's.
+    assert [h.id for h in started_undo] == [f"{child_id}-compensate"]
+    assert [e.state for e in ended] == [S.COMPENSATED], [e.timeline[-1].reason for e in ended]
+    refunds = refunds_with(billing, reason)
+    assert len(refunds) == 1 and refunds[0]["voided_at"] is not None, refunds

@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from tether.cli.base import add_command, client, published, states
 from tether.cli.output import format_list, format_status, invoked_as, print_json, print_verdict
@@ -99,29 +100,39 @@ def _compensate_args(p: argparse.ArgumentParser) -> None:
 async def cmd_compensate(args: argparse.Namespace) -> int:
     conn = await client.connect()
     policy_path = args.policy or os.environ.get("TETHER_POLICY") or None
-    handle = await client.compensate(
+    # The run and its delegation tree: a child's writes its parent did not take are undone too.
+    handles = await client.compensate_tree(
         conn, args.run, by=args.by, key=Path(args.key) if args.key else None, rerun_unknown=args.rerun_unknown or (),
         policy_path=Path(policy_path) if policy_path else None,
     )
-    print(f"started {show(handle.id)}: the compensation of {show(args.run)}")
+    for handle in handles:
+        of = handle.id.removesuffix("-compensate")
+        print(f"started {show(handle.id)}: the compensation of {show(of)}"
+              + (f" (a child of {show(args.run)})" if of != args.run else ""))
     if not args.wait:
         return client.OK
-    status = await client.wait_settled(conn, handle.id, args.wait_timeout)
+    codes = [await _compensated(conn, handle.id, args.wait_timeout) for handle in handles]
+    return client.REFUSED if client.REFUSED in codes else max(codes)
+
+
+async def _compensated(conn: Any, run_id: str, wait_timeout: float) -> int:
+    """Wait for one compensation run to settle: done (0), ended otherwise (1), still waiting (3)."""
+    status = await client.wait_settled(conn, run_id, wait_timeout)
     print(format_status(status))
     if status.state == states.RunState.COMPENSATED:
         return client.OK  # the undos are done
     if status.ended:
         why = f": {show(status.end_reason)}" if status.end_reason else ""
-        print(f"error: compensation {show(handle.id)} ended in {status.state.value}{why}", file=sys.stderr)
+        print(f"error: compensation {show(run_id)} ended in {status.state.value}{why}", file=sys.stderr)
         return client.REFUSED
     pending = status.pending_approval
     if status.state == states.RunState.AWAITING_APPROVAL and pending is not None:
         waits = (f"its approval ({client.approvals_needed(pending)}; request expires "
                  f"{pending.expires_at.isoformat(timespec='seconds')}): "
-                 f"{invoked_as()} approve {show(shlex.quote(handle.id))} --by NAME")
+                 f"{invoked_as()} approve {show(shlex.quote(run_id))} --by NAME")
     else:
-        waits = f"{status.state.value} after {args.wait_timeout:g}s"
-    print(f"error: compensation {show(handle.id)} is not done, nothing is undone yet; it waits on {waits}", file=sys.stderr)
+        waits = f"{status.state.value} after {wait_timeout:g}s"
+    print(f"error: compensation {show(run_id)} is not done, nothing is undone yet; it waits on {waits}", file=sys.stderr)
     return client.PENDING
 
 
@@ -162,5 +173,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_command(sub, "handoff", "hand a run to a human: HANDED_OFF", _handoff_args, cmd_handoff)
     add_command(sub, "cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel)
     add_command(sub, "repair", "reset a stuck run to its last task that replays", _repair_args, cmd_repair)
-    add_command(sub, "compensate", "undo an ended run's kept writes", _compensate_args, cmd_compensate)
+    add_command(sub, "compensate", "undo an ended run's kept writes (its children's too)", _compensate_args, cmd_compensate)
     add_command(sub, "drain", "runs an older worker build still holds (exit 1 while any)", _drain_args, cmd_drain)

@@ -56,7 +56,7 @@ from tether.client.decisions import (
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, compensate, compensate_refusal, compensation_id, compensation_judged, person_name, planner_refusal,
+    cancel, compensate, compensate_refusal, compensate_tree, compensation_id, compensation_judged, person_name, planner_refusal,
     policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
@@ -106,6 +106,7 @@ __all__ = [
     "closed_note",
     "compensate",
     "compensate_refusal",
+    "compensate_tree",
     "compensation_id",
     "compensation_judged",
     "connect",

@@ -38,7 +38,7 @@ from tether.client.errors import _refused_update, invalid
 from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign, sign_request
 from tether.client.sink import ledger_standing
-from tether.client.reads import snapshot, timeline
+from tether.client.reads import snapshot, timeline, tree_spend
 from tether.client.decisions import VERDICT_TIMEOUT
 
 
@@ -295,6 +295,54 @@ async def compensate(
         raise
     await compensation_judged(client, new_id, timeout)
     return handle
+
+
+async def compensate_tree(
+    client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
+    rerun_unknown: Sequence[str] = (), policy_path: Path | None = None, timeout: float = VERDICT_TIMEOUT,
+) -> list[WorkflowHandle]:
+    """``compensate`` of a run and its delegation tree, as one unit: the run's own compensation
+    (a completed child's undos are already the parent's), then one for each child whose writes
+    no run above it took as its undos (a child the parent handed off on, or adopted as unknown,
+    or one that ended without completing): its writes are undone too. Refused, before anything
+    starts, while a child of the tree is still open (it may still write) or cannot be read.
+    Returns the compensation runs started, the run's first (none of its own: only its
+    children's). Each is ``compensate``: the same checks, judgement and undo ledger."""
+    snap = await snapshot(client, run_id)
+    if snap.state not in TERMINAL:
+        raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
+    tree = await tree_spend(client, snap)
+    open_ = [c.run_id for c in tree if c.error is not None or c.state not in TERMINAL]
+    if open_:
+        raise TetherError(
+            f"run {run_id} has children that may still write or cannot be read: {', '.join(map(escape_text, open_))}; "
+            f"cancel or hand them off (or wait for their end), then compensate", REFUSED, rule="tree_open")
+    taken = {c.of for c in snap.compensations}  # the undos a run above a child holds
+    steps = {run_id: set(taken)}  # each run's writes: a --rerun-unknown STEP goes to the run that wrote it
+    targets = []
+    for child in tree:
+        child_snap = await snapshot(client, child.run_id)
+        if any(c.tool and c.of not in taken for c in child_snap.compensations):
+            targets.append(child.run_id)
+        steps[child.run_id] = {c.of for c in child_snap.compensations}
+        taken |= steps[child.run_id]
+    if stray := [s for s in rerun_unknown if not any(s in of for of in steps.values())]:
+        raise TetherError(f"--rerun-unknown {', '.join(map(escape_text, stray))}: no write of run {run_id} or its "
+                          "children has that tool call id; nothing was started", USAGE)
+    handles: list[WorkflowHandle] = []
+    nothing: TetherError | None = None
+    for target in (run_id, *targets):
+        try:
+            handles.append(await compensate(
+                client, target, by=by, key=key, queue=queue, policy_path=policy_path, timeout=timeout,
+                rerun_unknown=[s for s in rerun_unknown if s in steps[target]]))
+        except TetherError as e:
+            if e.rule != "nothing_to_compensate":
+                raise  # the ones started go on: each is a governed run of its own
+            nothing = nothing or e
+    if not handles and nothing is not None:
+        raise nothing
+    return handles
 
 
 async def compensation_judged(client: Client, run_id: str, timeout: float) -> RunSnapshot:
