@@ -343,43 +343,54 @@ async def test_three_delegations_at_once_under_a_5000_cent_sum_wait_for_an_appro
     assert [len(refunds_with(billing, reason)) for reason in reasons] == [0, 0, 0]
 
 
-async def test_compensate_of_a_root_undoes_the_writes_of_its_children_it_did_not_take(
-    dev_env: WorkflowEnvironment, billing: Billing
-) -> None:
-    """A parent handed off on a child it could not adopt (reset while the child waited for its
-    own approval); approved, the child refunds and completes. The parent holds no undo of that
-    refund (its step is ``unknown``): `tether compensate PARENT` acts on its tree and undoes the
-    child's refund, by a compensation run of the child's; `tether status PARENT` shows the child's
-    spend."""
+async def _handed_off_on_its_running_child(dev_env: WorkflowEnvironment, worker):
+    """A parent reset to before it started its child while the child waits for its own approval
+    (it may write): the reset parent ends HANDED_OFF on it (it cannot adopt a running child) and
+    the child runs on, its parent ended. Returns the parent's handle and the child's."""
     from temporalio.api.common.v1 import WorkflowExecution
     from temporalio.api.enums.v1 import EventType, ResetReapplyType
     from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 
-    from tether import client as tether_client
     from tests.operations.test_reset import outcome_of
-    from tests.workflows.test_delegation import writing_child, writing_delegation
+    from tests.workflows.test_delegation import writing_delegation
+
+    client = dev_env.client
+    handle = await start_run(client, worker, make_request([writing_delegation()]))
+    snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+    await handle.signal("approve", approval_for(snap, "bob"))
+    child = await started_child(dev_env, f"{handle.id}.{snap.plan.steps[0].tool_call_id}")
+    await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+    events = (await handle.fetch_history()).events
+    started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
+    point = max(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < started)
+    reset = await client.workflow_service.reset_workflow_execution(
+        ResetWorkflowExecutionRequest(
+            namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+            reason="test: reset before the child's start", workflow_task_finish_event_id=point,
+            request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+        )
+    )
+    parent = await outcome_of(client, handle.id, reset.run_id)
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    return handle, child
+
+
+async def test_compensate_of_a_root_undoes_the_writes_of_its_children_it_did_not_take(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """A parent handed off on a child it could not adopt; approved, the child refunds and
+    completes. The parent holds no undo of that refund (its step is ``unknown``): `tether
+    compensate PARENT` acts on its tree and undoes the child's refund, by a compensation run of
+    the child's (refused while the child may still write); `tether status PARENT` shows the
+    child's spend."""
+    from tether import client as tether_client
+    from tests.workflows.test_delegation import writing_child
 
     client = dev_env.client
     reason = uuid.uuid4().hex
     async with running_worker(client, planners=writing_child(reason)) as worker:
-        handle = await start_run(client, worker, make_request([writing_delegation()]))
-        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-        await handle.signal("approve", approval_for(snap, "bob"))
-        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
-        child = await started_child(dev_env, child_id)
-        await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
-        events = (await handle.fetch_history()).events
-        started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
-        point = max(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < started)
-        reset = await client.workflow_service.reset_workflow_execution(
-            ResetWorkflowExecutionRequest(
-                namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
-                reason="test: reset before the child's start", workflow_task_finish_event_id=point,
-                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
-            )
-        )
-        parent = await outcome_of(client, handle.id, reset.run_id)
-        assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+        handle, child = await _handed_off_on_its_running_child(dev_env, worker)
+        child_id = child.id
         # The child still runs: the tree is not compensated while it may write.
         try:
             await tether_client.compensate_tree(client, handle.id, by="carol", queue=worker.task_queue)
@@ -406,3 +417,30 @@ async def test_compensate_of_a_root_undoes_the_writes_of_its_children_it_did_not
     assert [e.state for e in ended] == [S.COMPENSATED], [e.timeline[-1].reason for e in ended]
     refunds = refunds_with(billing, reason)
     assert len(refunds) == 1 and refunds[0]["voided_at"] is not None, refunds
+
+
+async def test_cancel_of_a_root_reaches_a_child_its_ended_parent_cannot(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """The parent ended (HANDED_OFF on its running child): `tether cancel PARENT` of the ended
+    parent alone would say "already finished" and leave the child waiting to write. Acting on
+    the tree, it cancels the child itself, judged by the child's policy: CANCELLED, nothing
+    refunded."""
+    from tether import client as tether_client
+    from tests.workflows.test_delegation import writing_child
+
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client, planners=writing_child(reason)) as worker:
+        handle, child = await _handed_off_on_its_running_child(dev_env, worker)
+        try:
+            await tether_client.cancel(dev_env.client, handle.id, reason="stop the tree", by="bob")
+        except tether_client.TetherError as e:
+            assert e.rule == "run_ended"
+        else:
+            raise AssertionError("an ended run took a cancel")
+        done = await tether_client.cancel_tree(dev_env.client, handle.id, reason="stop the tree", by="bob")
+        await wait_for_state(child, "CANCELLED", timeout=60)
+        records = await timeline(child)
+    assert [(run, result.state) for run, result in done] == [(child.id, S.CANCELLED)], done
+    assert records[-1].to_state == S.CANCELLED and records[-1].actor == "user:bob", records[-1]
+    assert refunds_with(billing, reason) == []

@@ -50,9 +50,12 @@ def _cancel_args(p: argparse.ArgumentParser) -> None:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     client.person_name(args.by)  # a usage error before connecting
-    done = await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
-                               key=Path(args.key) if args.key else None)
-    print(f"{done.state.value}: {show(done.reason)} (decision {show(done.decision_id)})")
+    # The run and its delegation tree: a child whose parent has ended is sent the cancel itself.
+    done = await client.cancel_tree(await client.connect(), args.run, reason=args.reason, by=args.by,
+                                    key=Path(args.key) if args.key else None)
+    for run_id, verdict in done:
+        who = f"child {show(run_id)}: " if run_id != args.run else ""
+        print(f"{who}{verdict.state.value}: {show(verdict.reason)} (decision {show(verdict.decision_id)})")
     return client.OK
 
 
@@ -171,7 +174,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_command(sub, "handoff", "hand a run to a human: HANDED_OFF", _handoff_args, cmd_handoff)
-    add_command(sub, "cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel)
+    add_command(sub, "cancel", "cancel a run and its open children (ends in CANCELLED)", _cancel_args, cmd_cancel)
     add_command(sub, "repair", "reset a stuck run to its last task that replays", _repair_args, cmd_repair)
     add_command(sub, "compensate", "undo an ended run's kept writes (its children's too)", _compensate_args, cmd_compensate)
     add_command(sub, "drain", "runs an older worker build still holds (exit 1 while any)", _drain_args, cmd_drain)

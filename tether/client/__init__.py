@@ -56,7 +56,7 @@ from tether.client.decisions import (
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, compensate, compensate_refusal, compensate_tree, compensation_id, compensation_judged, person_name, planner_refusal,
+    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, compensation_id, compensation_judged, person_name, planner_refusal,
     policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
@@ -102,6 +102,7 @@ __all__ = [
     "build_decision",
     "build_order",
     "cancel",
+    "cancel_tree",
     "checkout_stack",
     "closed_note",
     "compensate",

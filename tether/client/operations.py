@@ -219,6 +219,40 @@ async def cancel(
     return result
 
 
+async def cancel_tree(
+    client: Client, run_id: str, *, reason: str, by: str, key: Path | None = None, timeout: float = VERDICT_TIMEOUT,
+) -> list[tuple[str, DecideResult]]:
+    """``cancel`` of a run and its delegation tree, as one unit. A running run's cancel reaches
+    its open children through its own code (each settles first); a child whose parent has ended
+    (a parent reset or handed off while its child ran on) has nobody to reach it, and is sent
+    the cancel itself, each judged by its own policy. Returns each run cancelled with its
+    verdict, the run's first; a run that has ended with no open child left: REFUSED
+    (``run_ended``), as ``cancel``."""
+    done: list[tuple[str, DecideResult]] = []
+    try:
+        done.append((run_id, await cancel(client, run_id, reason=reason, by=by, key=key, timeout=timeout)))
+        ended_root = None
+    except TetherError as e:
+        if e.rule != "run_ended":
+            raise
+        ended_root = e
+    tree = await tree_spend(client, await snapshot(client, run_id))
+    states_of = {c.run_id: c.state for c in tree}
+    for child in tree:
+        parent_state = states_of.get(child.parent) if child.parent != run_id else (None if ended_root is None else RunState.COMPLETED)
+        if child.state is None or child.state in TERMINAL or parent_state is None or parent_state not in TERMINAL:
+            continue  # ended, unread, or its parent runs and reaches it
+        try:
+            done.append((child.run_id, await cancel(client, child.run_id, reason=reason, by=by, key=key, timeout=timeout)))
+        except TetherError as e:
+            if e.rule != "run_ended":  # it ended meanwhile: nothing to cancel
+                raise
+        states_of[child.run_id] = RunState.CANCELLED  # its children are its own to reach
+    if not done and ended_root is not None:
+        raise ended_root
+    return done
+
+
 def compensation_id(run_id: str) -> str:
     """The workflow id of a run's compensation runs: one at a time; a new one may follow one
     that ended however it ended (refused, failed, cancelled, terminated, handed off)."""
