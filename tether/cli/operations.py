@@ -174,7 +174,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_command(sub, "handoff", "hand a run to a human: HANDED_OFF", _handoff_args, cmd_handoff)
-    add_command(sub, "cancel", "cancel a run and its open children (ends in CANCELLED)", _cancel_args, cmd_cancel)
+    add_command(sub, "cancel", "cancel a run, its tree too", _cancel_args, cmd_cancel)
     add_command(sub, "repair", "reset a stuck run to its last task that replays", _repair_args, cmd_repair)
-    add_command(sub, "compensate", "undo an ended run's kept writes (its children's too)", _compensate_args, cmd_compensate)
+    add_command(sub, "compensate", "undo an ended tree's kept writes", _compensate_args, cmd_compensate)
     add_command(sub, "drain", "runs an older worker build still holds (exit 1 while any)", _drain_args, cmd_drain)

@@ -143,6 +143,7 @@ async def status(client: Client, run_id: str, *, live: bool = False, goal: bool 
     says when): no worker is needed and nothing reaches the run. ``live``: the ``snapshot`` and
     ``timeline`` queries, through a worker. A run that has published nothing yet is read live.
     Each write's undo is shown as the effect ledger says it stands (``ledger_standing``).
+    ``goal`` (for a person to read): its goal, and its delegation tree's spend (``tree``).
     """
     result = (await read_run(client, run_id, live=live))[0]
     if goal and not result.unpublished:  # ``goal``: for a person to read (not a wait's end)
