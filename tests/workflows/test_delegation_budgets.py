@@ -444,3 +444,49 @@ async def test_cancel_of_a_root_reaches_a_child_its_ended_parent_cannot(
     assert [(run, result.state) for run, result in done] == [(child.id, S.CANCELLED)], done
     assert records[-1].to_state == S.CANCELLED and records[-1].actor == "user:bob", records[-1]
     assert refunds_with(billing, reason) == []
+
+
+async def test_repair_of_a_root_repairs_the_stuck_child_it_waits_on(
+    dev_env: WorkflowEnvironment, billing: Billing, monkeypatch
+) -> None:
+    """A bad build leaves the child stuck after its approved refund; its parent waits on it, not
+    stuck itself, so `tether repair PARENT` of the run alone says "not stuck" and the tree would
+    wait for ever. Acting on the tree, it repairs the child; today's worker then completes the
+    child and the parent: one refund."""
+    import pytest
+
+    import worker as worker_module
+    from tether import client as tether_client
+    from tests.conftest import unique
+    from tests.helpers.tampered import StuckAfterFirstWrite
+    from tests.tether.test_repair import wait_stuck
+
+    client, queue, reason = dev_env.client, unique("tree-repair"), uuid.uuid4().hex
+    body = delegate(refund("A-1002", 500, reason), tools=("issue_refund",), goal="refund the named amount", max_steps=3)
+    with monkeypatch.context() as m:
+        m.setattr(worker_module, "AgentRun", StuckAfterFirstWrite)
+        broken = worker_module.create_worker(client, task_queue=queue)
+    async with broken:
+        handle = await start_run(client, broken, make_request([body]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        await started_child(dev_env, child_id)
+        await wait_stuck(dev_env, child_id)
+    assert len(refunds_with(billing, reason)) == 1  # the write happened before it stuck
+    with pytest.raises(tether_client.TetherError, match="is not stuck"):
+        await tether_client.repair(client, handle.id)
+    done = await tether_client.repair_tree(client, handle.id)
+    assert [d.run_id for d in done] == [child_id], done
+    # Today's worker comes after the repair (its retry of the stuck task would heal it alone).
+    async with running_worker(client, task_queue=queue):
+        outcome = await asyncio.wait_for(run_outcome_of(client, handle.id), 120)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert len(refunds_with(billing, reason)) == 1
+
+
+async def run_outcome_of(client, run_id: str):
+    from tether.client import run_outcome
+    from workflows.run_state import RunOutcome
+
+    return await run_outcome(client.get_workflow_handle(run_id, result_type=RunOutcome))

@@ -68,22 +68,25 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
 
 
 async def cmd_repair(args: argparse.Namespace) -> int:
-    done = await client.repair(
+    # The run and its delegation tree: each stuck run of it (a parent waits on a stuck child).
+    repaired = await client.repair_tree(
         await client.connect(), args.run, reason=args.reason, event_id=args.event_id,
     )
-    if args.json:
-        print_json(done.model_dump(mode="json"))
+    if args.json:  # one repair: its object (as ever); a tree's several: a list of them
+        shown = [done.model_dump(mode="json") for done in repaired]
+        print_json(shown[0] if len(shown) == 1 else shown)
         return client.OK
-    if done.failure is not None:
-        print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
-              f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
-    if done.skipped:
-        print(f"later completed tasks that do not replay on this code: events {', '.join(map(str, done.skipped))}")
-    print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}: "
-          f"new run {show(done.to_run_id)}")
-    print(f"signals and Updates applied again: {done.reapplied}; tool calls run again under their own "
-          f"idempotency keys: {', '.join(show(t) for t in done.rerun) or 'none'}")
-    print(f"follow it: {invoked_as()} status {show(shlex.quote(done.run_id))}")
+    for done in repaired:
+        if done.failure is not None:
+            print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
+                  f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
+        if done.skipped:
+            print(f"later completed tasks that do not replay on this code: events {', '.join(map(str, done.skipped))}")
+        print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}: "
+              f"new run {show(done.to_run_id)}")
+        print(f"signals and Updates applied again: {done.reapplied}; tool calls run again under their own "
+              f"idempotency keys: {', '.join(show(t) for t in done.rerun) or 'none'}")
+        print(f"follow it: {invoked_as()} status {show(shlex.quote(done.run_id))}")
     return client.OK
 
 

@@ -56,7 +56,7 @@ from tether.client.decisions import (
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, compensation_id, compensation_judged, person_name, planner_refusal,
+    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, repair_tree, snapshot_or_listed, compensation_id, compensation_judged, person_name, planner_refusal,
     policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
@@ -142,6 +142,7 @@ __all__ = [
     "published_view",
     "read_run",
     "repair",
+    "repair_tree",
     "require_worker",
     "reset_judged",
     "resolve_plan_hash",
@@ -155,6 +156,7 @@ __all__ = [
     "sign",
     "sign_request",
     "snapshot",
+    "snapshot_or_listed",
     "start_run",
     "start_worker_hint",
     "status",

@@ -33,12 +33,14 @@ from workflows.details import start_details, start_summary
 from workflows.contract import CancelRequest, CompensationCall, DecideResult, first_error
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import TERMINAL, RunState
+from tether.repair import RepairResult, repair
+from tether.runs import describe, stuck_task
 from tether.connection import PENDING, QUERY_TIMEOUT, REFUSED, USAGE, TetherError, checkout_stack, rpc_error, task_queue
 from tether.client.errors import _refused_update, invalid
 from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign, sign_request
 from tether.client.sink import ledger_standing
-from tether.client.reads import snapshot, timeline, tree_spend
+from tether.client.reads import read_run, snapshot, timeline, tree_spend
 from tether.client.decisions import VERDICT_TIMEOUT
 
 
@@ -251,6 +253,40 @@ async def cancel_tree(
     if not done and ended_root is not None:
         raise ended_root
     return done
+
+
+async def repair_tree(client: Client, run_id: str, *, reason: str | None = None, event_id: int | None = None,
+                      workflows: Sequence[type] = ()) -> list[RepairResult]:
+    """``repair`` of a run and its delegation tree, as one unit: each run of the tree whose
+    workflow tasks keep failing is repaired (a parent waiting on a stuck child is not stuck
+    itself, and waits for ever otherwise), the run first, then its children depth first.
+    ``event_id`` names a task of the run itself (then only it is reset). A tree with no stuck run:
+    REFUSED, as ``repair`` says of the run."""
+    if event_id is not None:
+        return [await repair(client, run_id, reason=reason, event_id=event_id, workflows=workflows)]
+    tree = await tree_spend(client, await snapshot_or_listed(client, run_id))
+    done: list[RepairResult] = []
+    for node in (run_id, *(c.run_id for c in tree)):
+        try:
+            description = await describe(client, node)
+        except TetherError:
+            continue  # a child that cannot be described: its own `status` says why
+        if description.status != WorkflowExecutionStatus.RUNNING or await stuck_task(client, description) is None:
+            continue
+        done.append(await repair(client, node, reason=reason, workflows=workflows, base_run_id=description.run_id))
+    if not done:
+        # Nothing in the tree is stuck: the run's own answer (not stuck, or not running).
+        done.append(await repair(client, run_id, reason=reason, workflows=workflows))
+    return done
+
+
+async def snapshot_or_listed(client: Client, run_id: str) -> RunSnapshot:
+    """The run's snapshot as far as the tree walk needs it (its id and the children its signed
+    view names); a run that cannot answer (stuck, no worker) is walked by its open children alone."""
+    try:
+        return (await read_run(client, run_id))[0]
+    except TetherError:
+        return RunSnapshot.model_construct(run_id=run_id, children=[])
 
 
 def compensation_id(run_id: str) -> str:
