@@ -490,3 +490,66 @@ async def run_outcome_of(client, run_id: str):
     from workflows.run_state import RunOutcome
 
     return await run_outcome(client.get_workflow_handle(run_id, result_type=RunOutcome))
+
+
+async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The child of a parent is wedged: a keyless client completes its email's activity with a
+    forged answer while the honest worker is inside the call (the email is out), and every task of
+    the child fails from then on. The parent waits on it, not stuck itself: `tether handoff
+    PARENT --force` of the run alone says "not stuck", and a plain hand-off would wait for ever on
+    a child that takes no cancel. Acting on the tree, the child is handed off by force and then
+    the parent: both HANDED_OFF, one email (the effect ledger holds its key)."""
+    import threading
+
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter as CONVERTER_CLIENT
+
+    from tether import client as tether_client
+    from tests.activities.test_forgery import HELD, RELEASED, WEDGED_POLICY, emails_to, events_of
+    from tests.conftest import task_failure, unique
+    from tests.operations.test_reset import outcome_of
+    from workflows.wire import ToolOutcome
+
+    client = dev_env.client
+    queue, to = unique("wedged-tree"), f"{uuid.uuid4().hex[:10]}@example.com"
+    email = {"tool": "held_email", "args": {"to": to, "subject": "Refund", "body": "Your refund is on its way."}}
+    body = delegate(email, tools=("held_email",), goal="tell the customer", max_steps=2)
+    forger = await Client.connect(
+        client.service_client.config.target_host, namespace=client.namespace, data_converter=CONVERTER_CLIENT,
+    )
+    (tmp_path / "policy.toml").write_text(WEDGED_POLICY)
+    async with running_worker(client, task_queue=queue, registry=HELD, policy=PolicyStore(tmp_path / "policy.toml")) as worker:
+        try:
+            handle = await start_run(client, worker, make_request([body]))
+            snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+            await handle.signal("approve", approval_for(snap, "bob"))
+            child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+            await started_child(dev_env, child_id)
+            while len(emails_to(billing, to)) < 1:  # the honest worker is inside the call: the email is out
+                await asyncio.sleep(0.05)
+            base = (await client.get_workflow_handle(child_id).describe()).run_id
+            [scheduled] = [e.activity_task_scheduled_event_attributes
+                           for e in await events_of(client, child_id, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
+                           if e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"]
+            await forger.get_async_activity_handle(workflow_id=child_id, run_id=base, activity_id=scheduled.activity_id).complete(
+                ToolOutcome(observation='{"sent": false}', digest="0" * 64, size=15)
+            )
+            await task_failure(client, child_id, "forgery")
+        finally:
+            RELEASED.setdefault(to, threading.Event()).set()  # the honest answer comes too late
+        try:
+            await tether_client.handoff(client, handle.id, by="dana", reason="wedged child", force=True)
+        except tether_client.TetherError as e:
+            assert "is not stuck" in str(e), e
+        else:
+            raise AssertionError("a forced hand-off of a run that is not stuck went through")
+        done = await tether_client.handoff_tree(client, handle.id, by="dana", reason="wedged child", force=True)
+        child_out = await outcome_of(client, child_id, None)
+        parent_out = await outcome_of(client, handle.id, None)
+    assert [run for run, _ in done][:1] == [child_id], done
+    assert child_out.state == S.HANDED_OFF and child_out.timeline[-1].actor == "operator:dana", child_out.timeline[-1]
+    assert parent_out.state == S.HANDED_OFF, parent_out.timeline[-1].reason
+    assert len(emails_to(billing, to)) == 1

@@ -27,18 +27,24 @@ def _handoff_args(p: argparse.ArgumentParser) -> None:
 
 
 async def cmd_handoff(args: argparse.Namespace) -> int:
-    verdict = await client.handoff(
+    # The run and its delegation tree: with --force, each stuck run of it first (a stuck child
+    # takes no cancel, and its parent's hand-off would wait on it).
+    verdicts = await client.handoff_tree(
         await client.connect(), args.run, by=args.by, reason=args.reason, decision_id=args.decision_id,
         key=Path(args.key) if args.key else None, force=args.force,
     )
-    if (done := verdict.reset) is not None:
-        if done.failure is not None:
-            print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
-                  f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
-        print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}, the "
-              f"hand-off applied again: new run {show(done.to_run_id)}")
-        print(f"in flight, may have applied, not run again: {', '.join(show(t) for t in done.in_flight) or 'none'}")
-    return print_verdict(verdict)
+    for run_id, verdict in verdicts:
+        if run_id != args.run:
+            print(f"child {show(run_id)}:")
+        if (done := verdict.reset) is not None:
+            if done.failure is not None:
+                print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
+                      f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
+            print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}, the "
+                  f"hand-off applied again: new run {show(done.to_run_id)}")
+            print(f"in flight, may have applied, not run again: {', '.join(show(t) for t in done.in_flight) or 'none'}")
+        print_verdict(verdict)
+    return client.OK
 
 
 def _cancel_args(p: argparse.ArgumentParser) -> None:

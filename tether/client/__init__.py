@@ -56,7 +56,7 @@ from tether.client.decisions import (
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, repair_tree, snapshot_or_listed, compensation_id, compensation_judged, person_name, planner_refusal,
+    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, handoff_tree, repair_tree, snapshot_or_listed, compensation_id, compensation_judged, person_name, planner_refusal,
     policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
@@ -121,6 +121,7 @@ __all__ = [
     "freshness",
     "full_timeline",
     "handoff",
+    "handoff_tree",
     "has_worker",
     "held_request",
     "invalid",

@@ -41,7 +41,7 @@ from tether.client.workers import has_worker, no_answer, no_worker_message, requ
 from tether.client.signing import sign, sign_request
 from tether.client.sink import ledger_standing
 from tether.client.reads import read_run, snapshot, timeline, tree_spend
-from tether.client.decisions import VERDICT_TIMEOUT
+from tether.client.decisions import VERDICT_TIMEOUT, Verdict, handoff
 
 
 async def start_run(
@@ -287,6 +287,47 @@ async def snapshot_or_listed(client: Client, run_id: str) -> RunSnapshot:
         return (await read_run(client, run_id))[0]
     except TetherError:
         return RunSnapshot.model_construct(run_id=run_id, children=[])
+
+
+async def handoff_tree(
+    client: Client, run_id: str, *, by: str, reason: str, decision_id: str | None = None, key: Path | None = None,
+    timeout: float = VERDICT_TIMEOUT, force: bool = False, workflows: Sequence[type] = (),
+) -> list[tuple[str, Verdict]]:
+    """``handoff`` of a run and its delegation tree, as one unit. Without ``force``: the run's
+    own hand-off (its code cancels its open children first). ``force``: each stuck run of the
+    tree is handed off by force, the deepest first (a stuck child takes no cancel, so its
+    parent's hand-off would wait on it for ever); then the run itself, by force when it is stuck,
+    else as a hand-off (a parent whose child handed off hands itself off too: one that has ended
+    meanwhile is left as it ended). Returns each run handed off with its verdict, the run's last;
+    a tree with nothing stuck: as ``handoff --force`` of the run says."""
+    if not force:
+        return [(run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,
+                                       timeout=timeout))]
+    tree = await tree_spend(client, await snapshot_or_listed(client, run_id))
+    done: list[tuple[str, Verdict]] = []
+    for child in reversed(tree):  # depth first, reversed: each child before its parent
+        try:
+            description = await describe(client, child.run_id)
+        except TetherError:
+            continue
+        if description.status == WorkflowExecutionStatus.RUNNING and await stuck_task(client, description) is not None:
+            done.append((child.run_id, await handoff(client, child.run_id, by=by, reason=reason, key=key, timeout=timeout,
+                                                     force=True, workflows=workflows)))
+    description = await describe(client, run_id)
+    stuck = description.status == WorkflowExecutionStatus.RUNNING and await stuck_task(client, description) is not None
+    if stuck or not done:  # the run's own, under the decision id asked for (a child's each its own)
+        done.append((run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,
+                                           timeout=timeout, force=True, workflows=workflows)))
+    elif description.status == WorkflowExecutionStatus.RUNNING:
+        try:
+            done.append((run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,
+                                               timeout=timeout)))
+        except TetherError as e:
+            # Refused because it ended (or hands itself off) on its child's hand-off: left so.
+            if e.code != REFUSED or (e.rule != "handoff_pending" and
+                                     (await describe(client, run_id)).status == WorkflowExecutionStatus.RUNNING):
+                raise
+    return done
 
 
 def compensation_id(run_id: str) -> str:

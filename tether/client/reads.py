@@ -202,6 +202,18 @@ async def tree_spend(client: Client, root: RunSnapshot) -> list[ChildSpend]:
     return below(root.run_id)
 
 
+def _listed_snapshot(description: Any) -> RunSnapshot:
+    """What Temporal lists of a run that has published nothing: its start and tenant; its state
+    RECEIVED (the listed one is a claim, kept in ``listed_state``), nothing pending."""
+    attrs = description.typed_search_attributes
+    return RunSnapshot(
+        run_id=description.id, tenant=attrs.get(TENANT_ATTRIBUTE) or "",
+        state=RunState.RECEIVED,
+        previous_state=None, state_version=0, plan=None, pending_approval=None, step=0, retries=0, last_error=None,
+        approved_by=[], answer=None, created_at=description.start_time, updated_at=None,
+    )
+
+
 async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[RunStatus, list[TransitionRecord]]:
     """``status`` and the records it was read with (the published view's latest records, or
     the ``timeline`` query's window when ``live``).
