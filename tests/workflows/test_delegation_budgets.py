@@ -9,6 +9,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from activities.planning import BUILTIN_PLANNERS
@@ -453,8 +454,6 @@ async def test_repair_of_a_root_repairs_the_stuck_child_it_waits_on(
     stuck itself, so `tether repair PARENT` of the run alone says "not stuck" and the tree would
     wait for ever. Acting on the tree, it repairs the child; today's worker then completes the
     child and the parent: one refund."""
-    import pytest
-
     import worker as worker_module
     from tether import client as tether_client
     from tests.conftest import unique
@@ -553,3 +552,68 @@ async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
     assert child_out.state == S.HANDED_OFF and child_out.timeline[-1].actor == "operator:dana", child_out.timeline[-1]
     assert parent_out.state == S.HANDED_OFF, parent_out.timeline[-1].reason
     assert len(emails_to(billing, to)) == 1
+
+
+class Rephraser:
+    """A child's planner (a model: untrusted) that proposes the named refund alone the first time
+    it is asked, and after a lookup the next (a reset of the child to before its planning asks
+    it again): the same named write, in another plan."""
+
+    def __init__(self, step: dict) -> None:
+        self.step, self.asked = step, 0
+
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
+        if request.executed:
+            return Proposal(answer="done")
+        self.asked += 1
+        steps = [ProposedStep(tool=self.step["tool"], args=self.step["args"])]
+        if self.asked > 1:
+            steps.insert(0, ProposedStep(tool="get_order", args={"order_id": "A-1002"}))
+        return Proposal(steps=steps)
+
+
+# Open (found in this round, not fixed): the child's spending of a lent approval is its own
+# state (RunData.cover_spent), which a reset of the child to before the spend forgets; a plan the
+# planner makes again differently has other tool call ids, so the effect ledger sees new keys.
+# The fix needs the spend recorded outside the child's history (a ledger claim of the grant's
+# covered write, by its key). Strict: this test fails the suite once the hole is closed.
+@pytest.mark.xfail(strict=True, reason="issue 56: a reset child spends a lent approval again (two refunds)")
+async def test_a_reset_of_a_child_to_before_its_planning_spends_the_lent_approval_once(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """The child spent the parent's approval on the named refund and completed. Reset to its
+    first workflow task, it plans again, and its planner proposes the same refund after a lookup
+    (another plan: other tool call ids, other idempotency keys). The approval named one refund:
+    at most one is made."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tests.operations.test_reset import outcome_of
+
+    client, reason = dev_env.client, uuid.uuid4().hex
+    named = refund("A-1002", 3000, reason)
+    planners = {**BUILTIN_PLANNERS, "rephrase": Rephraser(named)}
+    body = delegate(named, tools=("issue_refund", "get_order"), goal="refund the named amount", max_steps=5)
+    body["delegate"]["planner"] = "rephrase"
+    async with running_worker(client, planners=planners) as worker:
+        handle = await start_run(client, worker, make_request([body]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        await started_child(dev_env, child_id)
+        await outcome_of(client, handle.id, None)
+        assert len(refunds_with(billing, reason)) == 1
+        events = (await client.get_workflow_handle(child_id).fetch_history()).events
+        first = min(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+        reset = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=child_id),
+                reason="test: reset the child to its first task", workflow_task_finish_event_id=first,
+                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            )
+        )
+        again = await asyncio.wait_for(
+            wait_for_state(client.get_workflow_handle(child_id, run_id=reset.run_id), "AWAITING_APPROVAL", "COMPLETED",
+                           "FAILED", "HANDED_OFF", timeout=90), 120)
+    assert len(refunds_with(billing, reason)) <= 1, (again.state, [s.tool for s in again.plan.steps] if again.plan else None)
