@@ -85,6 +85,12 @@ async def describe(client: Client, run_id: str) -> Any:
         raise rpc_error(e, run_id) from None
 
 
+def open_children(description: Any) -> list[str]:
+    """The workflow ids of the run's open child executions, as the server records them (its
+    pending children: a delegation's child the run started and has not seen end)."""
+    return [c.workflow_id for c in description.raw_description.pending_children]
+
+
 async def stuck_task(client: Client, description: Any) -> StuckTask | None:
     """Whether the run's workflow task keeps failing (its pending task is past its first attempt),
     and with what: the WorkflowTaskFailed event that began the streak, read from the history's

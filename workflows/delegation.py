@@ -231,6 +231,17 @@ class Delegating(RunModel):
             raise IllegalState("a write under the parent's approval that it does not cover")
         self.data.cover_spent[step.tool_call_id] = index
 
+    def cover_key(self, step: PlanStep) -> str | None:
+        """The idempotency key of a write under the parent's lent approval: the slot of the
+        named write it spends (``<workflow id>:cover-<i>``), not its tool call's. A reset of this
+        run to before the spend forgets it (``cover_spent`` is this run's state), and a plan made
+        again differently has other tool call ids: the same slot's key meets the effect ledger's
+        record of the write instead of writing it twice. None: not such a write."""
+        index = self.data.cover_spent.get(step.tool_call_id)
+        if index is None and self.lent_approval() and self.is_write(step):
+            index = self._cover_for(step, self.cover_left())
+        return None if index is None else f"{self.workflow_id}:cover-{index}"
+
     def lend_approval(self, at: datetime) -> None:
         """The parent's approval covers the plan (and the current file still says so): it is
         the approval in force here; the writes run under it, each re-checked as any write."""

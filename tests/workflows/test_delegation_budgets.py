@@ -9,6 +9,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from activities.planning import BUILTIN_PLANNERS
@@ -55,6 +56,7 @@ async def test_one_approval_covering_a_named_refund_makes_at_most_one_refund(dev
         child_snap = await wait_for_state(child, "AWAITING_APPROVAL", "COMPLETED", "FAILED", timeout=90)
         records = await timeline(child)
         shown = format_status(await status(dev_env.client, child.id, live=True))
+        root = await status(dev_env.client, handle.id)  # the root's signed view, and its tree's
         await handle.cancel()
     assert child_snap.state == S.AWAITING_APPROVAL, child_snap.last_error
     assert child_snap.pending_approval is not None and child_snap.approved_by == []
@@ -64,6 +66,12 @@ async def test_one_approval_covering_a_named_refund_makes_at_most_one_refund(dev
     # `tether status` of the child: what it spent of the approval and of the budgets.
     assert "approval   the parent's approval named 1 write(s): 1 spent, 0 left" in shown, shown
     assert "spent      issue_refund.amount_cents 3000" in shown, shown
+    # `tether status` of the root: each child's spend, read from the child's own signed view.
+    assert [(c.run_id, c.covered, c.covered_spent, c.spent) for c in root.tree] == [
+        (child.id, 1, 1, {"issue_refund.amount_cents": 3000})], root.tree
+    shown_root = format_status(root)
+    assert (f"child      {child.id}  AWAITING_APPROVAL; approval 1 of 1 named write(s) spent; "
+            "spent issue_refund.amount_cents 3000") in shown_root, shown_root
 
 
 AUTO_5000 = """
@@ -334,3 +342,275 @@ async def test_three_delegations_at_once_under_a_5000_cent_sum_wait_for_an_appro
         await handle.cancel()
     assert [s.state for s in ended] == [S.AWAITING_APPROVAL] * 3, [s.last_error for s in ended]
     assert [len(refunds_with(billing, reason)) for reason in reasons] == [0, 0, 0]
+
+
+async def _handed_off_on_its_running_child(dev_env: WorkflowEnvironment, worker):
+    """A parent reset to before it started its child while the child waits for its own approval
+    (it may write): the reset parent ends HANDED_OFF on it (it cannot adopt a running child) and
+    the child runs on, its parent ended. Returns the parent's handle and the child's."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tests.operations.test_reset import outcome_of
+    from tests.workflows.test_delegation import writing_delegation
+
+    client = dev_env.client
+    handle = await start_run(client, worker, make_request([writing_delegation()]))
+    snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+    await handle.signal("approve", approval_for(snap, "bob"))
+    child = await started_child(dev_env, f"{handle.id}.{snap.plan.steps[0].tool_call_id}")
+    await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+    events = (await handle.fetch_history()).events
+    started = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)
+    point = max(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < started)
+    reset = await client.workflow_service.reset_workflow_execution(
+        ResetWorkflowExecutionRequest(
+            namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id),
+            reason="test: reset before the child's start", workflow_task_finish_event_id=point,
+            request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+        )
+    )
+    parent = await outcome_of(client, handle.id, reset.run_id)
+    assert parent.state == S.HANDED_OFF, parent.timeline[-1].reason
+    return handle, child
+
+
+async def test_compensate_of_a_root_undoes_the_writes_of_its_children_it_did_not_take(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """A parent handed off on a child it could not adopt; approved, the child refunds and
+    completes. The parent holds no undo of that refund (its step is ``unknown``): `tether
+    compensate PARENT` acts on its tree and undoes the child's refund, by a compensation run of
+    the child's (refused while the child may still write); `tether status PARENT` shows the
+    child's spend."""
+    from tether import client as tether_client
+    from tests.workflows.test_delegation import writing_child
+
+    client = dev_env.client
+    reason = uuid.uuid4().hex
+    async with running_worker(client, planners=writing_child(reason)) as worker:
+        handle, child = await _handed_off_on_its_running_child(dev_env, worker)
+        child_id = child.id
+        # The child still runs: the tree is not compensated while it may write.
+        try:
+            await tether_client.compensate_tree(client, handle.id, by="carol", queue=worker.task_queue)
+        except tether_client.TetherError as e:
+            assert e.rule == "tree_open" and child_id in str(e), e
+        else:
+            raise AssertionError("a tree with an open child was compensated")
+        child_snap = await wait_for_state(child, "AWAITING_APPROVAL", timeout=60)
+        await child.signal("approve", approval_for(child_snap, "bob"))
+        await wait_for_state(child, "COMPLETED", timeout=60)
+        assert len(refunds_with(billing, reason)) == 1
+        root = await status(client, handle.id)
+        started_undo = await tether_client.compensate_tree(client, handle.id, by="carol", queue=worker.task_queue)
+        undos = [await wait_for_state(h, "COMPENSATED", "AWAITING_APPROVAL", "HANDED_OFF", "FAILED", timeout=60)
+                 for h in started_undo]
+        for h, undo in zip(started_undo, undos):
+            if undo.state == S.AWAITING_APPROVAL:  # the child's refund had its own approval: the undo asks one
+                await h.signal("approve", approval_for(undo, "bob"))
+        ended = [await wait_for_state(h, "COMPENSATED", "HANDED_OFF", "FAILED", timeout=60) for h in started_undo]
+    assert [c.run_id for c in root.tree] == [child_id] and root.tree[0].state == S.COMPLETED
+    assert root.tree[0].spent == {"issue_refund.amount_cents": 300}, root.tree
+    # The parent wrote nothing of its own: the one compensation run is the child's.
+    assert [h.id for h in started_undo] == [f"{child_id}-compensate"]
+    assert [e.state for e in ended] == [S.COMPENSATED], [e.timeline[-1].reason for e in ended]
+    refunds = refunds_with(billing, reason)
+    assert len(refunds) == 1 and refunds[0]["voided_at"] is not None, refunds
+
+
+async def test_cancel_of_a_root_reaches_a_child_its_ended_parent_cannot(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """The parent ended (HANDED_OFF on its running child): `tether cancel PARENT` of the ended
+    parent alone would say "already finished" and leave the child waiting to write. Acting on
+    the tree, it cancels the child itself, judged by the child's policy: CANCELLED, nothing
+    refunded."""
+    from tether import client as tether_client
+    from tests.workflows.test_delegation import writing_child
+
+    reason = uuid.uuid4().hex
+    async with running_worker(dev_env.client, planners=writing_child(reason)) as worker:
+        handle, child = await _handed_off_on_its_running_child(dev_env, worker)
+        try:
+            await tether_client.cancel(dev_env.client, handle.id, reason="stop the tree", by="bob")
+        except tether_client.TetherError as e:
+            assert e.rule == "run_ended"
+        else:
+            raise AssertionError("an ended run took a cancel")
+        done = await tether_client.cancel_tree(dev_env.client, handle.id, reason="stop the tree", by="bob")
+        await wait_for_state(child, "CANCELLED", timeout=60)
+        records = await timeline(child)
+    assert [(run, result.state) for run, result in done] == [(child.id, S.CANCELLED)], done
+    assert records[-1].to_state == S.CANCELLED and records[-1].actor == "user:bob", records[-1]
+    assert refunds_with(billing, reason) == []
+
+
+async def test_repair_of_a_root_repairs_the_stuck_child_it_waits_on(
+    dev_env: WorkflowEnvironment, billing: Billing, monkeypatch
+) -> None:
+    """A bad build leaves the child stuck after its approved refund; its parent waits on it, not
+    stuck itself, so `tether repair PARENT` of the run alone says "not stuck" and the tree would
+    wait for ever. Acting on the tree, it repairs the child; today's worker then completes the
+    child and the parent: one refund."""
+    import worker as worker_module
+    from tether import client as tether_client
+    from tests.conftest import unique
+    from tests.helpers.tampered import StuckAfterFirstWrite
+    from tests.tether.test_repair import wait_stuck
+
+    client, queue, reason = dev_env.client, unique("tree-repair"), uuid.uuid4().hex
+    body = delegate(refund("A-1002", 500, reason), tools=("issue_refund",), goal="refund the named amount", max_steps=3)
+    with monkeypatch.context() as m:
+        m.setattr(worker_module, "AgentRun", StuckAfterFirstWrite)
+        broken = worker_module.create_worker(client, task_queue=queue)
+    async with broken:
+        handle = await start_run(client, broken, make_request([body]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        await started_child(dev_env, child_id)
+        await wait_stuck(dev_env, child_id)
+    assert len(refunds_with(billing, reason)) == 1  # the write happened before it stuck
+    with pytest.raises(tether_client.TetherError, match="is not stuck"):
+        await tether_client.repair(client, handle.id)
+    done = await tether_client.repair_tree(client, handle.id)
+    assert [d.run_id for d in done] == [child_id], done
+    # Today's worker comes after the repair (its retry of the stuck task would heal it alone).
+    async with running_worker(client, task_queue=queue):
+        outcome = await asyncio.wait_for(run_outcome_of(client, handle.id), 120)
+    assert outcome.state == S.COMPLETED, outcome.timeline[-1].reason
+    assert len(refunds_with(billing, reason)) == 1
+
+
+async def run_outcome_of(client, run_id: str):
+    from tether.client import run_outcome
+    from workflows.run_state import RunOutcome
+
+    return await run_outcome(client.get_workflow_handle(run_id, result_type=RunOutcome))
+
+
+async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
+    dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
+) -> None:
+    """The child of a parent is wedged: a keyless client completes its email's activity with a
+    forged answer while the honest worker is inside the call (the email is out), and every task of
+    the child fails from then on. The parent waits on it, not stuck itself: `tether handoff
+    PARENT --force` of the run alone says "not stuck", and a plain hand-off would wait for ever on
+    a child that takes no cancel. Acting on the tree, the child is handed off by force and then
+    the parent: both HANDED_OFF, one email (the effect ledger holds its key)."""
+    import threading
+
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter as CONVERTER_CLIENT
+
+    from tether import client as tether_client
+    from tests.activities.test_forgery import HELD, RELEASED, WEDGED_POLICY, emails_to, events_of
+    from tests.conftest import task_failure, unique
+    from tests.operations.test_reset import outcome_of
+    from workflows.wire import ToolOutcome
+
+    client = dev_env.client
+    queue, to = unique("wedged-tree"), f"{uuid.uuid4().hex[:10]}@example.com"
+    email = {"tool": "held_email", "args": {"to": to, "subject": "Refund", "body": "Your refund is on its way."}}
+    body = delegate(email, tools=("held_email",), goal="tell the customer", max_steps=2)
+    forger = await Client.connect(
+        client.service_client.config.target_host, namespace=client.namespace, data_converter=CONVERTER_CLIENT,
+    )
+    (tmp_path / "policy.toml").write_text(WEDGED_POLICY)
+    async with running_worker(client, task_queue=queue, registry=HELD, policy=PolicyStore(tmp_path / "policy.toml")) as worker:
+        try:
+            handle = await start_run(client, worker, make_request([body]))
+            snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+            await handle.signal("approve", approval_for(snap, "bob"))
+            child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+            await started_child(dev_env, child_id)
+            while len(emails_to(billing, to)) < 1:  # the honest worker is inside the call: the email is out
+                await asyncio.sleep(0.05)
+            base = (await client.get_workflow_handle(child_id).describe()).run_id
+            [scheduled] = [e.activity_task_scheduled_event_attributes
+                           for e in await events_of(client, child_id, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
+                           if e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"]
+            await forger.get_async_activity_handle(workflow_id=child_id, run_id=base, activity_id=scheduled.activity_id).complete(
+                ToolOutcome(observation='{"sent": false}', digest="0" * 64, size=15)
+            )
+            await task_failure(client, child_id, "forgery")
+        finally:
+            RELEASED.setdefault(to, threading.Event()).set()  # the honest answer comes too late
+        try:
+            await tether_client.handoff(client, handle.id, by="dana", reason="wedged child", force=True)
+        except tether_client.TetherError as e:
+            assert "is not stuck" in str(e), e
+        else:
+            raise AssertionError("a forced hand-off of a run that is not stuck went through")
+        done = await tether_client.handoff_tree(client, handle.id, by="dana", reason="wedged child", force=True)
+        child_out = await outcome_of(client, child_id, None)
+        parent_out = await outcome_of(client, handle.id, None)
+    assert [run for run, _ in done][:1] == [child_id], done
+    assert child_out.state == S.HANDED_OFF and child_out.timeline[-1].actor == "operator:dana", child_out.timeline[-1]
+    assert parent_out.state == S.HANDED_OFF, parent_out.timeline[-1].reason
+    assert len(emails_to(billing, to)) == 1
+
+
+class Rephraser:
+    """A child's planner (a model: untrusted) that proposes the named refund alone the first time
+    it is asked, and after a lookup the next (a reset of the child to before its planning asks
+    it again): the same named write, in another plan."""
+
+    def __init__(self, step: dict) -> None:
+        self.step, self.asked = step, 0
+
+    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
+        if request.executed:
+            return Proposal(answer="done")
+        self.asked += 1
+        steps = [ProposedStep(tool=self.step["tool"], args=self.step["args"])]
+        if self.asked > 1:
+            steps.insert(0, ProposedStep(tool="get_order", args={"order_id": "A-1002"}))
+        return Proposal(steps=steps)
+
+
+async def test_a_reset_of_a_child_to_before_its_planning_spends_the_lent_approval_once(
+    dev_env: WorkflowEnvironment, billing: Billing
+) -> None:
+    """The child spent the parent's approval on the named refund and completed. Reset to its
+    first workflow task, it plans again, and its planner proposes the same refund after a lookup
+    (another plan: other tool call ids, other idempotency keys). The approval named one refund:
+    at most one is made: the write's idempotency key is the named write's (``cover_key``), which
+    the effect ledger already holds."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType, ResetReapplyType
+    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+
+    from tests.operations.test_reset import outcome_of
+
+    client, reason = dev_env.client, uuid.uuid4().hex
+    named = refund("A-1002", 3000, reason)
+    planners = {**BUILTIN_PLANNERS, "rephrase": Rephraser(named)}
+    body = delegate(named, tools=("issue_refund", "get_order"), goal="refund the named amount", max_steps=5)
+    body["delegate"]["planner"] = "rephrase"
+    async with running_worker(client, planners=planners) as worker:
+        handle = await start_run(client, worker, make_request([body]))
+        snap = await wait_for_state(handle, "AWAITING_APPROVAL")
+        await handle.signal("approve", approval_for(snap, "bob"))
+        child_id = f"{handle.id}.{snap.plan.steps[0].tool_call_id}"
+        await started_child(dev_env, child_id)
+        await outcome_of(client, handle.id, None)
+        assert len(refunds_with(billing, reason)) == 1
+        events = (await client.get_workflow_handle(child_id).fetch_history()).events
+        first = min(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+        reset = await client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=child_id),
+                reason="test: reset the child to its first task", workflow_task_finish_event_id=first,
+                request_id=uuid.uuid4().hex, reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL,
+            )
+        )
+        again = await asyncio.wait_for(
+            wait_for_state(client.get_workflow_handle(child_id, run_id=reset.run_id), "AWAITING_APPROVAL", "COMPLETED",
+                           "FAILED", "HANDED_OFF", timeout=90), 120)
+    assert [s.tool for s in again.plan.steps] == ["get_order", "issue_refund"]  # another plan: other tool call ids
+    assert again.state == S.COMPLETED, again.last_error
+    assert len(refunds_with(billing, reason)) == 1

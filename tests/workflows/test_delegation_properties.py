@@ -16,6 +16,10 @@ step result. Invariants, checked as the runs go:
   plan named: the same tool and arguments);
 - every unsafe write is sent at most once;
 - a lent approval covers no more writes than the parent's plan named (each once);
+- any run of the tree may be reset (its first execution run to its end or cut anywhere, a new
+  one replaying its first K commands with their answers, each asked again the same, then going
+  on): what the first did stays done, the effect ledger answers a key already written, a child
+  started again is met as existing; the invariants above hold over both executions;
 - a parent that meets its child existing (as a reset of it would: the child ran, or runs on)
   adopts it and never takes it as not applied: a delegate step whose child (or a run under it)
   may have written and did not complete, or still runs, ends ``unknown``.
@@ -77,10 +81,15 @@ class Tree:
         self.lent: dict[str, dict[str, str]] = {}  # each child's writes under a lent approval, by key
         self.ended: dict[str, RunOutcome] = {}  # each child's outcome, by its workflow id
         self.skip_to: datetime | None = None  # the time the next answer lands at, when later
+        self.ledger: set[str] = set()  # the effect ledger: keys whose write was sent (a reset's re-send meets it)
+        self.signals: list[ApprovalDecision] = []  # the decisions delivered while answering the current command
+        self.resets = 0
 
     def engine(self, request: RunRequest, workflow_id: str) -> Engine:
         data = RunData(catalog=CATALOG, policy=PolicySnapshot(tenant="default", policy=self.tenant, policy_hash="h", source="test"))
-        engine = Engine(data, request, workflow_id=workflow_id, new_request_id=lambda: uuid.uuid4().hex, started_at=START)
+        counter = iter(range(10**6))  # derived ids (the workflow's derive from history): a reset asks the same
+        engine = Engine(data, request, workflow_id=workflow_id, new_request_id=lambda: f"req-{workflow_id}-{next(counter)}",
+                        started_at=START)
         engine.child_ids = request.grant is not None  # as the workflow sets it for a child this build starts
         return engine
 
@@ -106,6 +115,14 @@ class Tree:
     def proposal(self, engine: Engine) -> Proposal:
         if engine.data.steps_executed and self.draw(st.booleans()):
             return Proposal(answer="done")
+        named = [p for p in engine.request.playbook if p.tool] if engine.request.grant is not None else []
+        if named and self.draw(st.booleans()):
+            # The child's planner proposes what its parent named (as a playbook planner does),
+            # sometimes after a lookup: the same writes in another plan (a reset asks it again).
+            steps = [ProposedStep(tool=p.tool, args=p.args) for p in named]
+            if "get_order" in engine.request.grant.tools and self.draw(st.booleans()):
+                steps.insert(0, ProposedStep(tool="get_order", args=dict(STEPS["get_order"])))
+            return Proposal(steps=steps)
         steps = [ProposedStep(tool=t, args=a) for t, a in (self.step(engine.depth()) for _ in range(self.draw(st.integers(1, 3))))]
         if len(steps) >= 2 and self.draw(st.booleans()):  # the first two as a parallel group
             steps[0] = steps[0].model_copy(update={"group": 1})
@@ -146,6 +163,10 @@ class Tree:
                 named = Counter(json.dumps([c.tool, c.args], sort_keys=True) for c in grant.covered)
                 over = [w for w, n in Counter(lent.values()).items() if n > named[w]]
                 assert not over, f"a lent approval covering more writes than it named: {over}"
+        if key in self.ledger:  # sent before (a reset ran it again): the ledger answers, nothing is sent
+            return
+        if effect(tool) != ToolEffect.READ_ONLY:
+            self.ledger.add(key)
         self.sent[key] += 1
         if effect(tool) != ToolEffect.READ_ONLY:
             self.written.add(key)
@@ -155,35 +176,71 @@ class Tree:
     # ------------------------------------------------------------------ driving
 
     def run(self, request: RunRequest, workflow_id: str) -> RunOutcome:
-        """Drive one run to its end (its children too, as it starts them)."""
+        """Drive one run to its end (its children too, as it starts them). Sometimes it is reset
+        (as `temporal workflow reset` does): its first execution runs to its end, or is cut
+        anywhere, and a new one replays its first K commands with the answers they had, then goes
+        on with new ones; what the first execution did in the world stays done."""
         self.runs += 1
+        log: list[tuple[Any, ...]] = []
+        reset = self.draw(st.booleans())
+        cut = self.draw(st.one_of(st.none(), st.integers(1, 80))) if reset else None
+        e = self.drive(request, workflow_id, log, replay=[], cut=cut)
+        if reset:
+            self.resets += 1
+            # Any task; often an early one (before its planning: the planner is asked again).
+            point = self.draw(st.integers(0, len(log) if self.draw(st.booleans()) else min(len(log), 12)))
+            e = self.drive(request, workflow_id, [], replay=log[:point], cut=None)
+        self.check_adopted(e)
+        outcome = e.outcome(workflow_id)
+        outcome.steps = list(e.data.executed)  # as run_outcome fills them in
+        return outcome
+
+    def drive(self, request: RunRequest, workflow_id: str, log: list[tuple[Any, ...]], *,
+              replay: list[tuple[Any, ...]], cut: int | None) -> Engine:
+        """One execution: ``replay`` the commands of an earlier one (each must be asked again, the
+        same; its answer and the decisions delivered with it given again), then new answers, until
+        it ends or ``cut`` commands (a worker gone, the run reset meanwhile)."""
         e = self.engine(request, workflow_id)
         now = START
         e.start()
         ending = False
-        for _ in range(MAX_COMMANDS):
+        for i in range(MAX_COMMANDS):
+            if cut is not None and i >= cut and i >= len(replay):
+                break
             now += timedelta(seconds=1)
             command = e.next(now)
+            if i < len(replay):
+                kind, key, answer, signals, now, at = replay[i]
+                assert (type(command).__name__, getattr(getattr(command, "call", None), "idempotency_key", None)) == (kind, key), \
+                    f"a reset's replay asked {command}, not the {kind} of its history"
+                for decision in signals:
+                    e.receive("approve", decision, e.at)
             if isinstance(command, End):
+                log.append(("End", None, None, [], now, now))
                 if ending:
                     break
                 ending = True
                 e.start(ending=True)
                 continue
-            answer = self.answer(e, command)
-            if self.skip_to is not None:  # nobody approved: time runs to the request's expiry
-                now, self.skip_to = max(now, self.skip_to), None
-            e.on(command, answer, now + timedelta(seconds=1))
-        self.check_adopted(e)
-        outcome = e.outcome(workflow_id)
-        outcome.steps = list(e.data.executed)  # as run_outcome fills them in
-        return outcome
+            if i >= len(replay):
+                self.signals = []
+                answer = self.answer(e, command)
+                if self.skip_to is not None:  # nobody approved: time runs to the request's expiry
+                    now, self.skip_to = max(now, self.skip_to), None
+                signals, at = list(self.signals), now + timedelta(seconds=1)
+            key = getattr(getattr(command, "call", None), "idempotency_key", None)
+            log.append((type(command).__name__, key, answer, signals, now, at))
+            e.on(command, answer, at)
+        return e
 
     def child(self, e: Engine, command: RunChild) -> RunOutcome | ToolFailure:
         """The child's end; or, as for a parent reset after an earlier execution of it started the
         child: the child exists (it ran, or runs on), and the parent must adopt it, never start it
         again nor take it as not applied."""
         self.check_grant(e, command)
+        if command.child_id in self.ended:  # a reset parent starts it again: the server says it exists
+            self.existing.add(command.child_id)
+            return ToolFailure(CHILD_EXISTS, "exists", True)
         self.ended[command.child_id] = self.run(command.request, command.child_id)
         mode = self.draw(st.sampled_from(["started", "started", "exists", "runs_on"]))
         if mode == "started":
@@ -245,6 +302,7 @@ class Tree:
                 decision = ApprovalDecision(decision_id=uuid.uuid4().hex, approver="bob", plan_hash=pending.plan_hash,
                                             request_id=pending.request_id)
                 e.receive("approve", decision, e.at)
+                self.signals.append(decision)
             else:
                 self.skip_to = pending.expires_at
             return None
@@ -257,5 +315,27 @@ class Tree:
 @given(data=st.data(), max_depth=st.integers(0, 3))
 def test_random_delegation_trees_never_widen_a_grant_or_write_unapproved(data: st.DataObject, max_depth: int) -> None:
     tree = Tree(data, max_depth)
+    outcome = tree.run(RunRequest(goal="g", requested_by="alice", limits={"max_steps": 12, "max_replans": 2}), "root")
+    assert outcome.state in TERMINAL, f"the root did not end in {MAX_COMMANDS} commands: {outcome.state.value}"
+
+
+class NamedWrites(Tree):
+    """A root whose plan delegates named writes (the approval it lends names each), whose child's
+    planner proposes them (sometimes after a lookup, or something else): with random resets of
+    either run at any task, the lent approval covers each named write once."""
+
+    def proposal(self, engine: Engine) -> Proposal:
+        if engine.request.grant is None and not engine.data.steps_executed:
+            writes = self.draw(st.lists(st.sampled_from(["issue_refund", "send_email", "post_ledger_entry"]), min_size=1, max_size=3))
+            args = {"goal": "the named writes", "tools": sorted({*writes, "get_order"}), "max_steps": 6,
+                    "playbook": [{"tool": w, "args": dict(STEPS[w])} for w in writes]}
+            return Proposal(steps=[ProposedStep(tool=DELEGATE, args=args)])
+        return super().proposal(engine)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data(), max_depth=st.integers(1, 3))
+def test_a_lent_approval_covers_each_named_write_once_whatever_is_reset(data: st.DataObject, max_depth: int) -> None:
+    tree = NamedWrites(data, max_depth)
     outcome = tree.run(RunRequest(goal="g", requested_by="alice", limits={"max_steps": 12, "max_replans": 2}), "root")
     assert outcome.state in TERMINAL, f"the root did not end in {MAX_COMMANDS} commands: {outcome.state.value}"

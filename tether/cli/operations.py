@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from tether.cli.base import add_command, client, published, states
 from tether.cli.output import format_list, format_status, invoked_as, print_json, print_verdict
@@ -26,18 +27,24 @@ def _handoff_args(p: argparse.ArgumentParser) -> None:
 
 
 async def cmd_handoff(args: argparse.Namespace) -> int:
-    verdict = await client.handoff(
+    # The run and its delegation tree: with --force, each stuck run of it first (a stuck child
+    # takes no cancel, and its parent's hand-off would wait on it).
+    verdicts = await client.handoff_tree(
         await client.connect(), args.run, by=args.by, reason=args.reason, decision_id=args.decision_id,
         key=Path(args.key) if args.key else None, force=args.force,
     )
-    if (done := verdict.reset) is not None:
-        if done.failure is not None:
-            print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
-                  f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
-        print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}, the "
-              f"hand-off applied again: new run {show(done.to_run_id)}")
-        print(f"in flight, may have applied, not run again: {', '.join(show(t) for t in done.in_flight) or 'none'}")
-    return print_verdict(verdict)
+    for run_id, verdict in verdicts:
+        if run_id != args.run:
+            print(f"child {show(run_id)}:")
+        if (done := verdict.reset) is not None:
+            if done.failure is not None:
+                print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
+                      f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
+            print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}, the "
+                  f"hand-off applied again: new run {show(done.to_run_id)}")
+            print(f"in flight, may have applied, not run again: {', '.join(show(t) for t in done.in_flight) or 'none'}")
+        print_verdict(verdict)
+    return client.OK
 
 
 def _cancel_args(p: argparse.ArgumentParser) -> None:
@@ -49,9 +56,12 @@ def _cancel_args(p: argparse.ArgumentParser) -> None:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     client.person_name(args.by)  # a usage error before connecting
-    done = await client.cancel(await client.connect(), args.run, reason=args.reason, by=args.by,
-                               key=Path(args.key) if args.key else None)
-    print(f"{done.state.value}: {show(done.reason)} (decision {show(done.decision_id)})")
+    # The run and its delegation tree: a child whose parent has ended is sent the cancel itself.
+    done = await client.cancel_tree(await client.connect(), args.run, reason=args.reason, by=args.by,
+                                    key=Path(args.key) if args.key else None)
+    for run_id, verdict in done:
+        who = f"child {show(run_id)}: " if run_id != args.run else ""
+        print(f"{who}{verdict.state.value}: {show(verdict.reason)} (decision {show(verdict.decision_id)})")
     return client.OK
 
 
@@ -64,22 +74,25 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
 
 
 async def cmd_repair(args: argparse.Namespace) -> int:
-    done = await client.repair(
+    # The run and its delegation tree: each stuck run of it (a parent waits on a stuck child).
+    repaired = await client.repair_tree(
         await client.connect(), args.run, reason=args.reason, event_id=args.event_id,
     )
-    if args.json:
-        print_json(done.model_dump(mode="json"))
+    if args.json:  # one repair: its object (as ever); a tree's several: a list of them
+        shown = [done.model_dump(mode="json") for done in repaired]
+        print_json(shown[0] if len(shown) == 1 else shown)
         return client.OK
-    if done.failure is not None:
-        print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
-              f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
-    if done.skipped:
-        print(f"later completed tasks that do not replay on this code: events {', '.join(map(str, done.skipped))}")
-    print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}: "
-          f"new run {show(done.to_run_id)}")
-    print(f"signals and Updates applied again: {done.reapplied}; tool calls run again under their own "
-          f"idempotency keys: {', '.join(show(t) for t in done.rerun) or 'none'}")
-    print(f"follow it: {invoked_as()} status {show(shlex.quote(done.run_id))}")
+    for done in repaired:
+        if done.failure is not None:
+            print(f"run {show(done.run_id)} was stuck: workflow task attempt {done.failure.attempt} failing since event "
+                  f"{done.failure.event_id} ({show(done.failure.cause)}): {show(done.failure.error, 400)}")
+        if done.skipped:
+            print(f"later completed tasks that do not replay on this code: events {', '.join(map(str, done.skipped))}")
+        print(f"reset run {show(done.from_run_id)} to the workflow task completed at event {done.event_id}: "
+              f"new run {show(done.to_run_id)}")
+        print(f"signals and Updates applied again: {done.reapplied}; tool calls run again under their own "
+              f"idempotency keys: {', '.join(show(t) for t in done.rerun) or 'none'}")
+        print(f"follow it: {invoked_as()} status {show(shlex.quote(done.run_id))}")
     return client.OK
 
 
@@ -99,29 +112,39 @@ def _compensate_args(p: argparse.ArgumentParser) -> None:
 async def cmd_compensate(args: argparse.Namespace) -> int:
     conn = await client.connect()
     policy_path = args.policy or os.environ.get("TETHER_POLICY") or None
-    handle = await client.compensate(
+    # The run and its delegation tree: a child's writes its parent did not take are undone too.
+    handles = await client.compensate_tree(
         conn, args.run, by=args.by, key=Path(args.key) if args.key else None, rerun_unknown=args.rerun_unknown or (),
         policy_path=Path(policy_path) if policy_path else None,
     )
-    print(f"started {show(handle.id)}: the compensation of {show(args.run)}")
+    for handle in handles:
+        of = handle.id.removesuffix("-compensate")
+        print(f"started {show(handle.id)}: the compensation of {show(of)}"
+              + (f" (a child of {show(args.run)})" if of != args.run else ""))
     if not args.wait:
         return client.OK
-    status = await client.wait_settled(conn, handle.id, args.wait_timeout)
+    codes = [await _compensated(conn, handle.id, args.wait_timeout) for handle in handles]
+    return client.REFUSED if client.REFUSED in codes else max(codes)
+
+
+async def _compensated(conn: Any, run_id: str, wait_timeout: float) -> int:
+    """Wait for one compensation run to settle: done (0), ended otherwise (1), still waiting (3)."""
+    status = await client.wait_settled(conn, run_id, wait_timeout)
     print(format_status(status))
     if status.state == states.RunState.COMPENSATED:
         return client.OK  # the undos are done
     if status.ended:
         why = f": {show(status.end_reason)}" if status.end_reason else ""
-        print(f"error: compensation {show(handle.id)} ended in {status.state.value}{why}", file=sys.stderr)
+        print(f"error: compensation {show(run_id)} ended in {status.state.value}{why}", file=sys.stderr)
         return client.REFUSED
     pending = status.pending_approval
     if status.state == states.RunState.AWAITING_APPROVAL and pending is not None:
         waits = (f"its approval ({client.approvals_needed(pending)}; request expires "
                  f"{pending.expires_at.isoformat(timespec='seconds')}): "
-                 f"{invoked_as()} approve {show(shlex.quote(handle.id))} --by NAME")
+                 f"{invoked_as()} approve {show(shlex.quote(run_id))} --by NAME")
     else:
-        waits = f"{status.state.value} after {args.wait_timeout:g}s"
-    print(f"error: compensation {show(handle.id)} is not done, nothing is undone yet; it waits on {waits}", file=sys.stderr)
+        waits = f"{status.state.value} after {wait_timeout:g}s"
+    print(f"error: compensation {show(run_id)} is not done, nothing is undone yet; it waits on {waits}", file=sys.stderr)
     return client.PENDING
 
 
@@ -160,7 +183,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_command(sub, "handoff", "hand a run to a human: HANDED_OFF", _handoff_args, cmd_handoff)
-    add_command(sub, "cancel", "cancel a run (ends in CANCELLED)", _cancel_args, cmd_cancel)
+    add_command(sub, "cancel", "cancel a run, its tree too", _cancel_args, cmd_cancel)
     add_command(sub, "repair", "reset a stuck run to its last task that replays", _repair_args, cmd_repair)
-    add_command(sub, "compensate", "undo an ended run's kept writes", _compensate_args, cmd_compensate)
+    add_command(sub, "compensate", "undo an ended tree's kept writes", _compensate_args, cmd_compensate)
     add_command(sub, "drain", "runs an older worker build still holds (exit 1 while any)", _drain_args, cmd_drain)

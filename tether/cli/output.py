@@ -68,6 +68,23 @@ def _sums(sums: dict[str, float]) -> str:
     return ", ".join(f"{show(key)} {value:g}" for key, value in sorted(sums.items()))
 
 
+def _tree_lines(tree: list[client.ChildSpend]) -> list[str]:
+    """A delegation tree, one child a line (indented by depth): its state, what it spent of the
+    approval lent to it and of the budgets."""
+    lines = []
+    for c in tree:
+        head = f"child      {'  ' * (c.depth - 1)}{show(c.run_id)}"
+        if c.error is not None or c.state is None:
+            lines.append(f"{head}  unread: {show(c.error or 'no view', 300)}")
+            continue
+        what = [c.state.value]
+        if c.covered:
+            what.append(f"approval {c.covered_spent} of {c.covered} named write(s) spent")
+        what.append(f"spent {_sums(c.spent)}" if c.spent else "spent nothing")
+        lines.append(f"{head}  {'; '.join(what)}  ({invoked_as()} status {show(shlex.quote(c.run_id))})")
+    return lines
+
+
 def format_status(s: client.RunStatus) -> str:
     """A run's status for a terminal. Everything a requester, model, tool or signal sender could
     have written (ids, reasons, summaries, arguments, answers) goes through workflows/display.py."""
@@ -95,8 +112,11 @@ def format_status(s: client.RunStatus) -> str:
             lines.append(f"tree had   {_sums(s.tree_spent)} (when its parent started it: its plans are judged on these too)")
     if s.spent:  # a child: what its writes (its own children's included) may have applied
         lines.append(f"spent      {_sums(s.spent)}")
-    for child in s.children:
-        lines.append(f"child      {show(child)}  ({invoked_as()} status {show(shlex.quote(child))})")
+    if s.tree:  # the tree below it, each child as its own signed view says
+        lines.extend(_tree_lines(s.tree))
+    else:
+        for child in s.children:
+            lines.append(f"child      {show(child)}  ({invoked_as()} status {show(shlex.quote(child))})")
     if s.published_at is not None:
         moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")

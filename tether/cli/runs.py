@@ -234,7 +234,7 @@ async def _tree_trails(conn: Any, root: str, audit_dir: str | None) -> list[tupl
     while todo and len(found) < TREE_RUNS:
         run_id = todo.pop(0)
         try:
-            children = (await client.status(conn, run_id)).children
+            children = (await client.status(conn, run_id, goal=False)).children
         except client.TetherError:
             continue  # a child whose view cannot be read: its own `timeline` says why
         for child_id in children:
@@ -286,7 +286,7 @@ async def _undone_later(conn: Any, run_id: str) -> str:
     """After an ended run's own records: what compensation runs did to its writes since (the undo
     ledger's word), each naming the run, so the timeline links them."""
     try:
-        status = await client.status(conn, run_id)
+        status = await client.status(conn, run_id, goal=False)
     except client.TetherError:
         return ""
     return "".join(

@@ -45,8 +45,8 @@ from tether.client.shown import (
 )
 from tether.client.sink import ledger_standing, undo_standing
 from tether.client.reads import (
-    RunStatus, closed_note, read_run, run_goal, run_outcome, snapshot, status, timeline,
-    unserved, wait_settled,
+    TREE_NODES, ChildSpend, RunStatus, closed_note, read_run, run_goal, run_outcome, snapshot, status, timeline,
+    tree_spend, unserved, wait_settled,
 )
 from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full_timeline
 from tether.client.listing import DESCRIBE_CONCURRENCY, RunSummary, build_order, drain, list_query, list_runs, run_build
@@ -57,7 +57,7 @@ from tether.client.decisions import (
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, compensate, compensate_refusal, compensation_id, compensation_judged, person_name, planner_refusal,
+    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, handoff_tree, repair_tree, snapshot_or_listed, compensation_id, compensation_judged, person_name, planner_refusal,
     policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
@@ -66,6 +66,7 @@ __all__ = [
     "AuditBranch",
     "AuditTrail",
     "CONTINUING_RETRY",
+    "ChildSpend",
     "DEFAULT_TASK_QUEUE",
     "DEPLOYMENT_ENV",
     "DESCRIBE_CONCURRENCY",
@@ -89,6 +90,7 @@ __all__ = [
     "StuckTask",
     "TAKE_SECONDS",
     "TASK_FAILING_RETRY",
+    "TREE_NODES",
     "TetherError",
     "USAGE",
     "VERDICT_TIMEOUT",
@@ -101,10 +103,12 @@ __all__ = [
     "build_decision",
     "build_order",
     "cancel",
+    "cancel_tree",
     "checkout_stack",
     "closed_note",
     "compensate",
     "compensate_refusal",
+    "compensate_tree",
     "compensation_id",
     "compensation_judged",
     "connect",
@@ -118,6 +122,7 @@ __all__ = [
     "freshness",
     "full_timeline",
     "handoff",
+    "handoff_tree",
     "has_worker",
     "held_request",
     "invalid",
@@ -139,6 +144,7 @@ __all__ = [
     "published_view",
     "read_run",
     "repair",
+    "repair_tree",
     "require_worker",
     "reset_judged",
     "resolve_plan_hash",
@@ -153,6 +159,7 @@ __all__ = [
     "sign",
     "sign_request",
     "snapshot",
+    "snapshot_or_listed",
     "start_run",
     "start_worker_hint",
     "status",
@@ -162,6 +169,7 @@ __all__ = [
     "tenant_refusal",
     "timed_out",
     "timeline",
+    "tree_spend",
     "undo_standing",
     "unserved",
     "unserved_message",

@@ -33,13 +33,15 @@ from workflows.details import start_details, start_summary
 from workflows.contract import CancelRequest, CompensationCall, DecideResult, first_error
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import TERMINAL, RunState
+from tether.repair import RepairResult, repair
+from tether.runs import describe, stuck_task
 from tether.connection import PENDING, QUERY_TIMEOUT, REFUSED, USAGE, TetherError, checkout_stack, rpc_error, task_queue
 from tether.client.errors import _refused_update, invalid
 from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign, sign_request
 from tether.client.sink import ledger_standing
-from tether.client.reads import snapshot, timeline
-from tether.client.decisions import VERDICT_TIMEOUT
+from tether.client.reads import read_run, snapshot, timeline, tree_spend
+from tether.client.decisions import VERDICT_TIMEOUT, Verdict, handoff
 
 
 async def start_run(
@@ -219,6 +221,115 @@ async def cancel(
     return result
 
 
+async def cancel_tree(
+    client: Client, run_id: str, *, reason: str, by: str, key: Path | None = None, timeout: float = VERDICT_TIMEOUT,
+) -> list[tuple[str, DecideResult]]:
+    """``cancel`` of a run and its delegation tree, as one unit. A running run's cancel reaches
+    its open children through its own code (each settles first); a child whose parent has ended
+    (a parent reset or handed off while its child ran on) has nobody to reach it, and is sent
+    the cancel itself, each judged by its own policy. Returns each run cancelled with its
+    verdict, the run's first; a run that has ended with no open child left: REFUSED
+    (``run_ended``), as ``cancel``."""
+    done: list[tuple[str, DecideResult]] = []
+    try:
+        done.append((run_id, await cancel(client, run_id, reason=reason, by=by, key=key, timeout=timeout)))
+        ended_root = None
+    except TetherError as e:
+        if e.rule != "run_ended":
+            raise
+        ended_root = e
+    tree = await tree_spend(client, await snapshot(client, run_id))
+    states_of = {c.run_id: c.state for c in tree}
+    for child in tree:
+        parent_state = states_of.get(child.parent) if child.parent != run_id else (None if ended_root is None else RunState.COMPLETED)
+        if child.state is None or child.state in TERMINAL or parent_state is None or parent_state not in TERMINAL:
+            continue  # ended, unread, or its parent runs and reaches it
+        try:
+            done.append((child.run_id, await cancel(client, child.run_id, reason=reason, by=by, key=key, timeout=timeout)))
+        except TetherError as e:
+            if e.rule != "run_ended":  # it ended meanwhile: nothing to cancel
+                raise
+        states_of[child.run_id] = RunState.CANCELLED  # its children are its own to reach
+    if not done and ended_root is not None:
+        raise ended_root
+    return done
+
+
+async def repair_tree(client: Client, run_id: str, *, reason: str | None = None, event_id: int | None = None,
+                      workflows: Sequence[type] = ()) -> list[RepairResult]:
+    """``repair`` of a run and its delegation tree, as one unit: each run of the tree whose
+    workflow tasks keep failing is repaired (a parent waiting on a stuck child is not stuck
+    itself, and waits for ever otherwise), the run first, then its children depth first.
+    ``event_id`` names a task of the run itself (then only it is reset). A tree with no stuck run:
+    REFUSED, as ``repair`` says of the run."""
+    if event_id is not None:
+        return [await repair(client, run_id, reason=reason, event_id=event_id, workflows=workflows)]
+    tree = await tree_spend(client, await snapshot_or_listed(client, run_id))
+    done: list[RepairResult] = []
+    for node in (run_id, *(c.run_id for c in tree)):
+        try:
+            description = await describe(client, node)
+        except TetherError:
+            continue  # a child that cannot be described: its own `status` says why
+        if description.status != WorkflowExecutionStatus.RUNNING or await stuck_task(client, description) is None:
+            continue
+        done.append(await repair(client, node, reason=reason, workflows=workflows, base_run_id=description.run_id))
+    if not done:
+        # Nothing in the tree is stuck: the run's own answer (not stuck, or not running).
+        done.append(await repair(client, run_id, reason=reason, workflows=workflows))
+    return done
+
+
+async def snapshot_or_listed(client: Client, run_id: str) -> RunSnapshot:
+    """The run's snapshot as far as the tree walk needs it (its id and the children its signed
+    view names); a run that cannot answer (stuck, no worker) is walked by its open children alone."""
+    try:
+        return (await read_run(client, run_id))[0]
+    except TetherError:
+        return RunSnapshot.model_construct(run_id=run_id, children=[])
+
+
+async def handoff_tree(
+    client: Client, run_id: str, *, by: str, reason: str, decision_id: str | None = None, key: Path | None = None,
+    timeout: float = VERDICT_TIMEOUT, force: bool = False, workflows: Sequence[type] = (),
+) -> list[tuple[str, Verdict]]:
+    """``handoff`` of a run and its delegation tree, as one unit. Without ``force``: the run's
+    own hand-off (its code cancels its open children first). ``force``: each stuck run of the
+    tree is handed off by force, the deepest first (a stuck child takes no cancel, so its
+    parent's hand-off would wait on it for ever); then the run itself, by force when it is stuck,
+    else as a hand-off (a parent whose child handed off hands itself off too: one that has ended
+    meanwhile is left as it ended). Returns each run handed off with its verdict, the run's last;
+    a tree with nothing stuck: as ``handoff --force`` of the run says."""
+    if not force:
+        return [(run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,
+                                       timeout=timeout))]
+    tree = await tree_spend(client, await snapshot_or_listed(client, run_id))
+    done: list[tuple[str, Verdict]] = []
+    for child in reversed(tree):  # depth first, reversed: each child before its parent
+        try:
+            description = await describe(client, child.run_id)
+        except TetherError:
+            continue
+        if description.status == WorkflowExecutionStatus.RUNNING and await stuck_task(client, description) is not None:
+            done.append((child.run_id, await handoff(client, child.run_id, by=by, reason=reason, key=key, timeout=timeout,
+                                                     force=True, workflows=workflows)))
+    description = await describe(client, run_id)
+    stuck = description.status == WorkflowExecutionStatus.RUNNING and await stuck_task(client, description) is not None
+    if stuck or not done:  # the run's own, under the decision id asked for (a child's each its own)
+        done.append((run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,
+                                           timeout=timeout, force=True, workflows=workflows)))
+    elif description.status == WorkflowExecutionStatus.RUNNING:
+        try:
+            done.append((run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,
+                                               timeout=timeout)))
+        except TetherError as e:
+            # Refused because it ended (or hands itself off) on its child's hand-off: left so.
+            if e.code != REFUSED or (e.rule != "handoff_pending" and
+                                     (await describe(client, run_id)).status == WorkflowExecutionStatus.RUNNING):
+                raise
+    return done
+
+
 def compensation_id(run_id: str) -> str:
     """The workflow id of a run's compensation runs: one at a time; a new one may follow one
     that ended however it ended (refused, failed, cancelled, terminated, handed off)."""
@@ -295,6 +406,54 @@ async def compensate(
         raise
     await compensation_judged(client, new_id, timeout)
     return handle
+
+
+async def compensate_tree(
+    client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
+    rerun_unknown: Sequence[str] = (), policy_path: Path | None = None, timeout: float = VERDICT_TIMEOUT,
+) -> list[WorkflowHandle]:
+    """``compensate`` of a run and its delegation tree, as one unit: the run's own compensation
+    (a completed child's undos are already the parent's), then one for each child whose writes
+    no run above it took as its undos (a child the parent handed off on, or adopted as unknown,
+    or one that ended without completing): its writes are undone too. Refused, before anything
+    starts, while a child of the tree is still open (it may still write) or cannot be read.
+    Returns the compensation runs started, the run's first (none of its own: only its
+    children's). Each is ``compensate``: the same checks, judgement and undo ledger."""
+    snap = await snapshot(client, run_id)
+    if snap.state not in TERMINAL:
+        raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
+    tree = await tree_spend(client, snap)
+    open_ = [c.run_id for c in tree if c.error is not None or c.state not in TERMINAL]
+    if open_:
+        raise TetherError(
+            f"run {run_id} has children that may still write or cannot be read: {', '.join(map(escape_text, open_))}; "
+            f"cancel or hand them off (or wait for their end), then compensate", REFUSED, rule="tree_open")
+    taken = {c.of for c in snap.compensations}  # the undos a run above a child holds
+    steps = {run_id: set(taken)}  # each run's writes: a --rerun-unknown STEP goes to the run that wrote it
+    targets = []
+    for child in tree:
+        child_snap = await snapshot(client, child.run_id)
+        if any(c.tool and c.of not in taken for c in child_snap.compensations):
+            targets.append(child.run_id)
+        steps[child.run_id] = {c.of for c in child_snap.compensations}
+        taken |= steps[child.run_id]
+    if stray := [s for s in rerun_unknown if not any(s in of for of in steps.values())]:
+        raise TetherError(f"--rerun-unknown {', '.join(map(escape_text, stray))}: no write of run {run_id} or its "
+                          "children has that tool call id; nothing was started", USAGE)
+    handles: list[WorkflowHandle] = []
+    nothing: TetherError | None = None
+    for target in (run_id, *targets):
+        try:
+            handles.append(await compensate(
+                client, target, by=by, key=key, queue=queue, policy_path=policy_path, timeout=timeout,
+                rerun_unknown=[s for s in rerun_unknown if s in steps[target]]))
+        except TetherError as e:
+            if e.rule != "nothing_to_compensate":
+                raise  # the ones started go on: each is a governed run of its own
+            nothing = nothing or e
+    if not handles and nothing is not None:
+        raise nothing
+    return handles
 
 
 async def compensation_judged(client: Client, run_id: str, timeout: float) -> RunSnapshot:

@@ -9,7 +9,7 @@ import asyncio
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.exceptions import ApplicationError, CancelledError
@@ -22,10 +22,25 @@ from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.wire import UNKNOWN_TOOL
 from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
-from tether.runs import StuckTask, ViewUnverified, describe as _describe, published_view, stuck_task
-from tether.client.workers import no_answer, no_worker_message, require_worker
+from tether.runs import StuckTask, ViewUnverified, describe as _describe, open_children, published_view, stuck_task
+from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
 from tether.pollers import live_pollers, served_by
 from tether.client.sink import _sink_records, ledger_standing
+
+
+class ChildSpend(BaseModel):
+    """One child of a delegation tree as its own signed view says (``read_run``): where it
+    stands, what it spent of the approval its parent lent it and of the budgets. ``error``: why
+    its view could not be read (then nothing else of it is shown as its word)."""
+
+    run_id: str
+    parent: str
+    depth: int = 1  # below the run whose status this is
+    state: RunState | None = None
+    covered: int = 0
+    covered_spent: int = 0
+    spent: dict[str, float] = {}
+    error: str | None = None
 
 
 class RunStatus(RunSnapshot):
@@ -59,6 +74,9 @@ class RunStatus(RunSnapshot):
     # lists of it (its state, a claim; its start), or with ``live`` its unsigned answer, and
     # nothing pending (no Approve is offered on it).
     unpublished: str | None = None
+    # A root's (or any parent's) delegation tree, its children depth first (``tree_spend``):
+    # what each child spent of the approval lent to it and of the budgets.
+    tree: list[ChildSpend] = []
 
     @property
     def ended(self) -> bool:
@@ -132,13 +150,63 @@ async def status(client: Client, run_id: str, *, live: bool = False, goal: bool 
     says when): no worker is needed and nothing reaches the run. ``live``: the ``snapshot`` and
     ``timeline`` queries, through a worker. A run that has published nothing yet is read live.
     Each write's undo is shown as the effect ledger says it stands (``ledger_standing``).
+    ``goal`` (for a person to read): its goal, and its delegation tree's spend (``tree``).
     """
     result = (await read_run(client, run_id, live=live))[0]
     if goal and not result.unpublished:  # ``goal``: for a person to read (not a wait's end)
         result.goal = await run_goal(client, run_id)
     if result.ended:
         result.compensations, result.ledger_error = await ledger_standing(result.compensations)
+    if goal:  # its children: those its view names, and its open ones as the server records them
+        result.tree = await tree_spend(client, result)
     return result
+
+
+# A tree is bounded by the policy's max_depth (a few levels) and each level by the parent's
+# steps: the walk stops here all the same.
+TREE_NODES = 64
+
+
+async def tree_spend(client: Client, root: RunSnapshot) -> list[ChildSpend]:
+    """The delegation tree below ``root``, depth first: the children each run's signed view
+    names (closed ones included) and its open ones as the server records them (a parent waiting
+    on a child may not have published since it started it). Each child is read from its own
+    signed view, never its query answers (whoever can poll its queue may answer those)."""
+    found: list[ChildSpend] = []
+    todo = [(root.run_id, list(root.children), 0)]
+    seen = {root.run_id}
+    while todo and len(found) < TREE_NODES:
+        parent, named, depth = todo.pop()
+        try:
+            pending = open_children(await _describe(client, parent))
+        except TetherError:
+            pending = []
+        kids = [k for k in dict.fromkeys([*named, *pending]) if k not in seen]
+        seen.update(kids)
+        for child_id in reversed(kids):
+            todo.append((child_id, [], depth + 1))
+        nodes = []
+        for child_id in kids:
+            node = ChildSpend(run_id=child_id, parent=parent, depth=depth + 1)
+            try:
+                snap = (await read_run(client, child_id))[0]
+            except TetherError as e:
+                node.error = str(e)
+            else:
+                if snap.unpublished:
+                    node.error = "not published yet: nothing of it is the fleet's word"
+                else:
+                    node.state, node.covered, node.covered_spent, node.spent = (
+                        snap.state, snap.covered, snap.covered_spent, snap.spent)
+                    todo_entry = next(t for t in todo if t[0] == child_id)
+                    todo_entry[1].extend(snap.children)
+            nodes.append(node)
+        found.extend(nodes)
+
+    def below(parent: str) -> list[ChildSpend]:  # depth first: each child's subtree right after it
+        return [m for n in found if n.parent == parent for m in (n, *below(n.run_id))]
+
+    return below(root.run_id)
 
 
 def _listed_snapshot(description: Any) -> RunSnapshot:
