@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from workflows.budgets import clip
+import json
 from typing import Any
 
-from workflows.contract import DELEGATE, ExecutedStep, ToolInfo
+from workflows.budgets import clip
+from workflows.contract import DELEGATE, ExecutedStep, ToolEffect, ToolInfo
 from workflows.run_model import RunModel, S
-from workflows.run_state import RunOutcome, RunSnapshot
+from workflows.run_state import ReadFound, RunOutcome, RunSnapshot
 from workflows.states import TEMPORAL_STATUS
 
 
@@ -66,6 +67,7 @@ class Views(RunModel):
             policy_problem=data.policy_problem,
             updates=self.updates,
             tools=self._plan_tools(),
+            found=self._found(),
             revisions=data.revisions,
             **self._tree(),
         )
@@ -98,6 +100,27 @@ class Views(RunModel):
         names = dict.fromkeys(s.tool for s in data.plan.steps)
         return [info for name in names if (info := self.catalog.get(name)) is not None]
 
+    def _found(self) -> list[ReadFound]:
+        """What the latest ok read steps (FOUND_STEPS) found: their results as the tools' summary
+        fields say, bounded to a few hundred characters a step (``bounded_fields``)."""
+        found = []
+        for step in self.data.executed:
+            info = self.catalog.get(step.tool) if self.data.catalog is not None else None
+            if step.status != "ok" or info is None or info.effect != ToolEffect.READ_ONLY or not step.observation:
+                continue
+            try:
+                result: Any = json.loads(step.observation)  # the tool's JSON (cut short: shown as text)
+            except ValueError:
+                result = {"result": step.observation}
+            if not isinstance(result, dict):
+                result = {"result": result}
+            found.append(ReadFound(
+                tool=step.tool,
+                args=bounded_fields(step.args, info.summary_fields),
+                fields=bounded_fields(result, info.summary_fields),
+            ))
+        return found[-FOUND_STEPS:]
+
     def final_failure(self) -> str | None:
         """A run that ended FAILED or EXECUTION_FAILED fails its execution (Temporal's status
         tells the outcome): the failure's message, naming the final reason. None: it does not."""
@@ -107,3 +130,36 @@ class Views(RunModel):
         timeline = self.data.lifecycle.timeline
         final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
         return f"run ended {state.value}: {clip(final, 300)}"
+
+
+# The read steps a view shows what they found (the latest), and what it keeps of each: a few
+# fields, each value and the whole bounded, so a view stays small whatever a tool returns.
+FOUND_STEPS = 6
+FOUND_FIELDS = 8
+FOUND_VALUE_CHARS = 120
+FOUND_STEP_CHARS = 400
+
+
+def bounded_fields(values: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The fields of ``values`` a tool's summary fields name (all of them, in order, when none is
+    there), one level of nesting as ``a.b``; scalars only, strings clipped, at most FOUND_FIELDS
+    and FOUND_STEP_CHARS in all. Pure: the same answer for the same result on every replay."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, (dict, list))})
+        elif not isinstance(value, list):
+            flat[key] = value
+    chosen = [n for n in names if n in flat] or list(flat)
+    out: dict[str, Any] = {}
+    used = 0
+    for name in chosen[:FOUND_FIELDS]:
+        value = flat[name]
+        if isinstance(value, str):
+            value = clip(value, FOUND_VALUE_CHARS)
+        key = clip(str(name), 64)
+        used += len(key) + len(str(value))
+        if used > FOUND_STEP_CHARS:
+            break
+        out[key] = value
+    return out

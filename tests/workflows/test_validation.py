@@ -146,7 +146,7 @@ def test_approval_needed_for_writes_only_by_default() -> None:
     review = policy.review_plan(write, CATALOG, None)
     assert (review.needs_approval, review.risk, review.approvals_required) == (True, "normal", 1)
     # The risk summary names what writes and the declared fields, never personal data.
-    assert review.summary == "1 of 2 step(s) write: send_email (cannot be undone; subject=\"Hi\")"
+    assert review.summary == "1 of 2 step(s) write: send_email (cannot be undone; unsafe: never re-run; subject=\"Hi\")"
 
 
 # ----------------------------------------------------------------------------- bounded-cost patterns

@@ -263,6 +263,8 @@ class Inbox:
             "plan_hash": snap.plan.plan_hash if snap.plan else None,
             "plan_version": snap.plan.version if snap.plan else 0,
             "steps": steps,
+            # What the read steps found (the signed view's; escaped by the page): what the plan depends on.
+            "found": [f.model_dump(mode="json") for f in snap.found],
             "writes": writes,
             "pending": None if pending is None else {
                 **self._row(snap, now),
