@@ -235,6 +235,9 @@ class RunSnapshot(BaseModel):
     # What the run's latest ok read steps found (bounded: workflows/views.py): what the plan an
     # approver decides depends on.
     found: list[ReadFound] = Field(default_factory=list)
+    # A compensation run (``tether compensate``): the run whose writes it puts back
+    # (``compensations`` names each, with its arguments).
+    compensates: str | None = None
     revisions: list[Revision] = Field(default_factory=list)
     # A child run: its parent, the parent's goal, its depth and the tools its grant gives; a
     # parent: the child runs its delegate steps started (their workflow ids).
@@ -254,7 +257,7 @@ class RunSnapshot(BaseModel):
     @model_serializer(mode="wrap")
     def _tree_when_set(self, handler: Any) -> dict[str, Any]:
         # Left out for a run outside any tree (or with no read found): snapshots and views read as they did.
-        return omit_defaults(handler(self), {"found": [], "parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": [],
+        return omit_defaults(handler(self), {"found": [], "compensates": None, "parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": [],
                                              "covered": 0, "covered_spent": 0, "spent": {}, "tree_spent": {}})
 
 

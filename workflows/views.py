@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from workflows.budgets import clip
+from workflows.budgets import FOUND_STEPS, bounded_fields, clip
 from workflows.contract import DELEGATE, ExecutedStep, ToolEffect, ToolInfo
 from workflows.run_model import RunModel, S
 from workflows.run_state import ReadFound, RunOutcome, RunSnapshot
@@ -68,6 +68,7 @@ class Views(RunModel):
             updates=self.updates,
             tools=self._plan_tools(),
             found=self._found(),
+            compensates=self.request.compensate_run,
             revisions=data.revisions,
             **self._tree(),
         )
@@ -98,6 +99,8 @@ class Views(RunModel):
         if data.plan is None or data.catalog is None:
             return []
         names = dict.fromkeys(s.tool for s in data.plan.steps)
+        if self.request.compensate_run is not None:  # and the writes it puts back (their money)
+            names.update(dict.fromkeys(c.of_tool for c in data.compensations))
         return [info for name in names if (info := self.catalog.get(name)) is not None]
 
     def _found(self) -> list[ReadFound]:
@@ -131,35 +134,3 @@ class Views(RunModel):
         final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
         return f"run ended {state.value}: {clip(final, 300)}"
 
-
-# The read steps a view shows what they found (the latest), and what it keeps of each: a few
-# fields, each value and the whole bounded, so a view stays small whatever a tool returns.
-FOUND_STEPS = 6
-FOUND_FIELDS = 8
-FOUND_VALUE_CHARS = 120
-FOUND_STEP_CHARS = 400
-
-
-def bounded_fields(values: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The fields of ``values`` a tool's summary fields name (all of them, in order, when none is
-    there), one level of nesting as ``a.b``; scalars only, strings clipped, at most FOUND_FIELDS
-    and FOUND_STEP_CHARS in all. Pure: the same answer for the same result on every replay."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, (dict, list))})
-        elif not isinstance(value, list):
-            flat[key] = value
-    chosen = [n for n in names if n in flat] or list(flat)
-    out: dict[str, Any] = {}
-    used = 0
-    for name in chosen[:FOUND_FIELDS]:
-        value = flat[name]
-        if isinstance(value, str):
-            value = clip(value, FOUND_VALUE_CHARS)
-        key = clip(str(name), 64)
-        used += len(key) + len(str(value))
-        if used > FOUND_STEP_CHARS:
-            break
-        out[key] = value
-    return out

@@ -104,3 +104,42 @@ async def test_what_the_reads_found_and_each_tools_words_are_in_the_signed_view_
         page = (await http.get(f"/run?id={run_id}", headers=bob)).text
         assert 'id="found"' in page and "ada@example.com" in page, page
         assert "Refund (part of) an order" in page and "unsafe: never re-run" in page, page
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_compensations_view_names_the_run_it_undoes_with_its_writes_and_amounts(
+    stack: Stack, dev_env, billing
+) -> None:
+    """bob asks to undo a completed refund: the compensation run's signed view names the run it
+    undoes and each write it puts back, with the write's arguments and the money in words;
+    `tether status` and the inbox page show them."""
+    refund = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 1250, "reason": "undo me"}}]
+    run_id = await stack.start(requested_by="alice", goal="Refund then undo", playbook=refund)
+    await stack.wait(run_id, "AWAITING_APPROVAL")
+    cli = Cli(dev_env, stack.worker)
+    code, out, err = await cli("approve", run_id, "--by", "bob", "--unreviewed")
+    assert code == 0, out + err
+    await stack.wait(run_id, "COMPLETED")
+    code, out, err = await cli("compensate", run_id, "--by", "bob")
+    assert code == 0, out + err
+    undo = f"{run_id}-compensate"
+    await stack.wait(undo, "AWAITING_APPROVAL")
+    await stack.visible(undo)
+
+    status = await tether_client.status(stack.client, undo)  # the signed published view
+    assert status.compensates == run_id
+    [write] = status.compensations
+    assert (write.of_tool, write.tool, write.of_args) == ("issue_refund", "void_refund", {"order_id": "A-1002", "amount_cents": 1250})
+    code, out, err = await cli("status", undo)
+    assert code == 0, err
+    assert f"undoes     run {run_id}" in out, out
+    assert 'issue_refund (order_id: "A-1002", amount_cents: 12.50 EUR (1250)): kept; undo: void_refund' in out, out
+
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        bob = {"Authorization": f"Bearer {stack.sso.token('bob')}"}
+        run = (await http.get(f"/api/runs/{undo}", headers=bob)).json()
+        assert run["compensates"] == run_id
+        assert run["writes"][0]["args"] == {"order_id": "A-1002", "amount_cents": 1250}
+        assert run["writes"][0]["money"] == {"amount_cents": "12.50 EUR"}
+        page = (await http.get(f"/run?id={undo}", headers=bob)).text
+        assert 'id="compensates"' in page and "12.50 EUR" in page, page

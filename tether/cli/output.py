@@ -162,12 +162,15 @@ def format_status(s: client.RunStatus) -> str:
             lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
                          + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
         lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
+    if s.compensates:  # a compensation run: whose writes it puts back (each below, with its amounts)
+        lines.append(f"undoes     run {show(s.compensates, 256)}: its write(s) below, newest first")
     for c in s.compensations:
-        # Each ok write and where its undo stands (ids and names, escaped).
+        # Each ok write and where its undo stands (ids and names, escaped), with what it wrote.
         standing = wording.write_standing(c)
         if s.ledger_error and c.tool and c.status == "unknown" and not c.undone_by:
             standing = f"unknown (the ledger cannot be read); undo: {show(c.tool, 64)}"
-        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {standing}")
+        wrote = ", ".join(client.shown_arg(a, 120) for a in client.write_args(c, s.tools))
+        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}" + (f" ({wrote})" if wrote else "") + f": {standing}")
     if s.ledger_error:
         lines.append(f"ledger     {show(s.ledger_error, 400)}: where each write stands is unknown")
     elif s.ended and s.state in policy.COMPENSABLE_STATES | {states.RunState.COMPLETED} and any(
