@@ -356,13 +356,14 @@ class RunSetup(BaseModel):
     def _compact(self) -> dict[str, Any]:
         # Fields at their defaults are left out of the marker (read back, they are the same), and
         # so are the schemas' ``title`` annotations (validation ignores them). Each tool's
-        # description stays, bounded (DESCRIPTION_CHARS): the run's view shows it to an approver
-        # beside the step (the planner activity takes the full one from its own catalog).
+        # description stays, its first paragraph on one line, bounded (DESCRIPTION_CHARS): the
+        # run's view shows it to an approver beside the step (the planner activity takes the
+        # full one from its own catalog).
         catalog = self.catalog.model_dump(mode="json", exclude_defaults=True)
         for tool in catalog.get("tools", []):
             tool["args_schema"] = untitled(tool["args_schema"])
             if "description" in tool:
-                tool["description"] = clip(tool["description"], DESCRIPTION_CHARS)
+                tool["description"] = clip(" ".join(tool["description"].split("\n\n")[0].split()), DESCRIPTION_CHARS)
         compact = {"catalog": catalog, "policy": self.policy.model_dump(mode="json", exclude_defaults=True)}
         return compact if self.attestation is None else {**compact, "attestation": self.attestation}
 

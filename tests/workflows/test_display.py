@@ -88,11 +88,12 @@ def test_the_run_setup_marker_keeps_what_the_run_decides_with() -> None:
               "properties": {"title": {"title": "Title", "type": "string"}, "n": {"title": "N", "type": "integer"}}}
     assert untitled(schema) == {"type": "object", "required": ["title"],
                                 "properties": {"title": {"type": "string"}, "n": {"type": "integer"}}}
-    tool = ToolInfo(name="t", description="long words " * 40, effect=ToolEffect.IDEMPOTENT, requires_approval=True,
+    tool = ToolInfo(name="t", description="long  words\n" * 40 + "\nsecond paragraph", effect=ToolEffect.IDEMPOTENT, requires_approval=True,
                     args_schema=schema, timeout_seconds=5.0, max_retries=2, summary_fields=["title"])
     setup = RunSetup(catalog=ToolCatalog(tools=[tool]), policy=PolicySnapshot(tenant="acme", policy={}, policy_hash="h" * 64, source="test"))
     back = RunSetup.model_validate_json(setup.model_dump_json()).catalog.tools[0]
-    assert back == tool.model_copy(update={"description": clip(tool.description, DESCRIPTION_CHARS), "args_schema": untitled(schema)})
+    assert back == tool.model_copy(update={"description": clip("long words " * 39 + "long words", DESCRIPTION_CHARS),
+                                           "args_schema": untitled(schema)})
     assert len(back.description) == DESCRIPTION_CHARS and back.description.startswith("long words long words")
     again = RunSetup(catalog=ToolCatalog(tools=[back]), policy=setup.policy)
     assert again.model_dump_json() == setup.model_dump_json()
