@@ -474,9 +474,13 @@ class AuthorityCheck(BaseModel):
             if name in out and out[name] == default:
                 del out[name]
         if self.catalog is not None:
-            # Without the descriptions, which decide nothing (they are for people, in the view).
-            out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True,
-                                                     exclude={"tools": {"__all__": {"description"}}})
+            # Descriptions included (bounded, as the run keeps them): the attestations of runs
+            # recorded before cover them (a delegating run's tether.delegate entry has one).
+            out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True)
+        if isinstance(out.get("undo"), dict):
+            # The written arguments an undo keeps are for people (a compensation's view), not
+            # for the check: left out, as in the checks runs recorded before attested.
+            out["undo"].pop("of_args", None)
         return out
 
 

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 import tether.client as tether_client
-from examples.fake_openai import FakeOpenAI, call, text, tool_calls  # noqa: F401
+from examples.fake_openai import FakeOpenAI, call, tool_calls
 from tests.conftest import BIN
 from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import Stack, inbox_stack
