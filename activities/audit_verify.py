@@ -47,6 +47,9 @@ class TrailCheck:
 
     records: int = 0
     problems: list[str] = field(default_factory=list)  # the first one names the first bad record
+    # The seqs of each stream (run id) a verified signature of the fleet's covers: only such a
+    # record's final mark says where the stream ends (``stream_ends``).
+    covered: dict[str, set[int]] = field(default_factory=dict)
 
 
 def verify_streams(publics: Any, workflow_id: str, streams: dict[str, list[TransitionRecord]]) -> TrailCheck:
@@ -81,6 +84,7 @@ def verify_streams(publics: Any, workflow_id: str, streams: dict[str, list[Trans
                 problems.append((record.seq, f"record seq {record.seq} of run {run_id}: not covered by a signature of the fleet's"))
             after = record
         covered[run_id] = good
+        check.covered[run_id] = {r.seq for r in good}
     links: dict[int, set[str]] = {}
     for records in covered.values():
         for record in records:
@@ -95,9 +99,10 @@ def verify_streams(publics: Any, workflow_id: str, streams: dict[str, list[Trans
 
 @dataclass
 class StreamEnd:
-    """Where one stream (run id) of a trail ends, as its records say: ``ended`` (the terminal
-    state its last transition reached), ``continued`` (another stream of the workflow id goes on
-    from one of its records: continued as new, or reset), or neither: open, or cut short."""
+    """Where one stream (run id) of a trail ends, as its records say: ``ended`` (its last record
+    bears the run's final mark, signed with it: the state it ended in), ``continued`` (another
+    stream of the workflow id goes on from one of its records: continued as new, or reset), or
+    neither: open, or cut short."""
 
     run_id: str
     records: int
@@ -117,12 +122,13 @@ class StreamEnd:
         return f"open or cut short after seq {self.last_seq} ({self.records} record(s))"
 
 
-def stream_ends(streams: dict[str, list[TransitionRecord]]) -> list[StreamEnd]:
+def stream_ends(streams: dict[str, list[TransitionRecord]], check: TrailCheck) -> list[StreamEnd]:
     """Where each stream of a workflow id ends (``StreamEnd``), in the order they begin. A run's
-    end is its transition to a final state: the sink holds it only if nothing cut the trail
-    there. A stream that another continues from is not an end."""
-    from workflows.states import TERMINAL
-
+    end is its last record, which the run marks final (``TransitionRecord.final``) and signs: a
+    trail cut anywhere, even after its terminal transition, ends on an unmarked record, and no
+    one without the fleet's key can mark one: a mark counts only on a record ``check``
+    (``verify_streams``) found covered by the fleet's signature. A stream that another continues
+    from is not an end."""
     firsts = {run_id: min(records, key=lambda r: r.seq) for run_id, records in streams.items() if records}
     ends = []
     for run_id, records in streams.items():
@@ -130,9 +136,8 @@ def stream_ends(streams: dict[str, list[TransitionRecord]]) -> list[StreamEnd]:
         if not ordered:
             continue
         end = StreamEnd(run_id=run_id, records=len(ordered), last_seq=ordered[-1].seq)
-        moves = [r for r in ordered if r.kind == "transition"]
-        if moves and moves[-1].to_state in TERMINAL:
-            end.ended = moves[-1].to_state.value
+        if ordered[-1].final and ordered[-1].seq in check.covered.get(run_id, set()):
+            end.ended = ordered[-1].to_state.value
         links = {record_link(r): r.seq for r in ordered}
         for other, first in firsts.items():
             if other != run_id and first.prev in links:

@@ -7,6 +7,8 @@ the thing is produced; docs/architecture.md lists them for users.
 
 from __future__ import annotations
 
+from typing import Any
+
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -79,3 +81,36 @@ def clip(text: str, limit: int) -> str:
         return text
     tail = f"… (+{len(text) - limit} chars)"
     return text[: max(limit - len(tail), 0)] + tail
+
+
+# The read steps a view shows what they found (the latest), and what it keeps of each: a few
+# fields, each value and the whole bounded, so a view stays small whatever a tool returns.
+FOUND_STEPS = 6
+FOUND_FIELDS = 8
+FOUND_VALUE_CHARS = 120
+FOUND_STEP_CHARS = 400
+
+
+def bounded_fields(values: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The fields of ``values`` a tool's summary fields name (all of them, in order, when none is
+    there), one level of nesting as ``a.b``; scalars only, strings clipped, at most FOUND_FIELDS
+    and FOUND_STEP_CHARS in all. Pure: the same answer for the same result on every replay."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, (dict, list))})
+        elif not isinstance(value, list):
+            flat[key] = value
+    chosen = [n for n in names if n in flat] or list(flat)
+    out: dict[str, Any] = {}
+    used = 0
+    for name in chosen[:FOUND_FIELDS]:
+        value = flat[name]
+        if isinstance(value, str):
+            value = clip(value, FOUND_VALUE_CHARS)
+        key = clip(str(name), 64)
+        used += len(key) + len(str(value))
+        if used > FOUND_STEP_CHARS:
+            break
+        out[key] = value
+    return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from workflows import policy, recovery
+from workflows.budgets import bounded_fields
 from workflows.contract import CompensationCall, Plan, PlanStep, ToolEffect
 from workflows.run_model import RunModel, S, require
 from workflows.states import Refs
@@ -75,6 +76,7 @@ class Compensating(RunModel):
             plan_hash=plan.plan_hash,
             approved_by=[a.approver for a in data.approval.approvals] if data.approval else [],
         )
+        call.of_args = bounded_fields(step.args, info.summary_fields if info else [])
         data.compensations.append(call)
         if call.tool is not None:
             return f"; undo: {call.tool}"

@@ -600,12 +600,16 @@ class CompensationCall(BaseModel):
     # An approver's recorded instruction to run an unsafe undo whose outcome is unknown again
     # (``tether compensate RUN --rerun-unknown STEP``); it is in the undo's capability.
     rerun: bool = False
+    # The write's own arguments as its tool's summary fields name them (bounded:
+    # workflows/budgets.py bounded_fields): what a compensation's view says it puts back.
+    of_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_serializer(mode="wrap")
     def _without_unset_standing(self, handler: Any) -> dict[str, Any]:
         # Left out at their defaults: an undo that is only the run's own reads (and hashes, in
         # the authority check it rides in) as it did before the ledger existed.
-        return {k: v for k, v in handler(self).items() if not (k in _STANDING and v in ("", None, False))}
+        return {k: v for k, v in handler(self).items()
+                if not (k in _STANDING and v in ("", None, False)) and not (k == "of_args" and not v)}
 
     @property
     def tool_call_id(self) -> str:

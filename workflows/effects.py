@@ -636,6 +636,9 @@ class Effects(Publishing):
         worker's audit collector (activities/audit.py) writes them from there once the run has
         closed: nothing after the end acts on them, so the run need not wait for the sink (an
         activity and a workflow task less per run). Past END_RECORDS they are written first."""
+        if end and self.audit:
+            # Marked before it is sealed: the signature covers where the trail ends.
+            self.audit[-1].final = True
         if end and len(self.audit) <= END_RECORDS:
             self.show()
             self.publish_view(ending=True)

@@ -40,7 +40,8 @@ NOTIFICATIONS = "tether_notifications"
 REFUSAL_RULES: tuple[tuple[str, str], ...] = (
     ("duplicate decision_id", "duplicate_decision"),
     ("run is ", "not_awaiting_approval"),
-    ("stale plan hash", "stale_plan_hash"),
+    ("plan hash ", "stale_plan_hash"),
+    ("stale plan hash", "stale_plan_hash"),  # the words of records an earlier build wrote
     ("approval expired", "approval_expired"),
     ("approver is empty", "empty_approver"),
     ("another decision", "decision_already_accepted"),

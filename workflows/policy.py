@@ -51,7 +51,9 @@ def decision_refusal(
     if decision.plan_hash != pending.plan_hash:
         return Refusal(
             rule="stale_plan_hash",
-            message=f"stale plan hash {decision.plan_hash[:12]}: the pending plan is {pending.plan_hash[:12]}",
+            # Never the pending hash: a hash to paste invites approving a plan not reviewed.
+            message=f"plan hash {decision.plan_hash[:12]} does not match the plan under review: "
+            "read the plan with `tether status RUN` (or the inbox) and decide on what it shows",
         )
     if pending.request_id and decision.request_id != pending.request_id:
         # Bound to one request, not only to a plan hash: the same plan proposed again later is

@@ -186,6 +186,16 @@ class RunData(BaseModel):
         return self.executed_ok_before + sum(1 for s in self.executed if s.status == "ok")
 
 
+class ReadFound(BaseModel):
+    """What a read step found, as a person deciding is shown it (workflows/views.py): the step's
+    arguments and the fields of its result the tool's summary fields name (its first fields when
+    it names none), each bounded. Untrusted text: shown only escaped (workflows/display.py)."""
+
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    fields: dict[str, Any] = Field(default_factory=dict)
+
+
 class RunSnapshot(BaseModel):
     """Result of the ``snapshot`` query."""
 
@@ -222,6 +232,12 @@ class RunSnapshot(BaseModel):
     # The run's catalog entries (taken at run start) for the tools its plan calls: what an
     # approver is shown about each step (effect, summary fields), as the run itself judges them.
     tools: list[ToolInfo] = Field(default_factory=list)
+    # What the run's latest ok read steps found (bounded: workflows/views.py): what the plan an
+    # approver decides depends on.
+    found: list[ReadFound] = Field(default_factory=list)
+    # A compensation run (``tether compensate``): the run whose writes it puts back
+    # (``compensations`` names each, with its arguments).
+    compensates: str | None = None
     revisions: list[Revision] = Field(default_factory=list)
     # A child run: its parent, the parent's goal, its depth and the tools its grant gives; a
     # parent: the child runs its delegate steps started (their workflow ids).
@@ -240,8 +256,8 @@ class RunSnapshot(BaseModel):
 
     @model_serializer(mode="wrap")
     def _tree_when_set(self, handler: Any) -> dict[str, Any]:
-        # Left out for a run outside any tree: snapshots and views read as they did.
-        return omit_defaults(handler(self), {"parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": [],
+        # Left out for a run outside any tree (or with no read found): snapshots and views read as they did.
+        return omit_defaults(handler(self), {"found": [], "compensates": None, "parent": None, "parent_goal": "", "depth": 0, "grant_tools": [], "children": [],
                                              "covered": 0, "covered_spent": 0, "spent": {}, "tree_spent": {}})
 
 

@@ -212,6 +212,10 @@ class TransitionRecord(BaseModel):
     # run that wrote it to the sink, the seq and this record's link, made by the workflow code on
     # the last record of each batch it sends out: through the chain it covers the records before.
     sig: str = ""
+    # The run's last record: nothing of this run follows it (workflows/effects.py, the end's
+    # checkpoint). Covered by the record's link, so by the signature over it: a trail cut short
+    # cannot end on a marked record, and an auditor knows an end without Temporal's copy of the run.
+    final: bool = False
 
 
 def record_link(record: TransitionRecord) -> str:

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from workflows.budgets import clip
+import json
 from typing import Any
 
-from workflows.contract import DELEGATE, ExecutedStep, ToolInfo
+from workflows.budgets import FOUND_STEPS, bounded_fields, clip
+from workflows.contract import DELEGATE, ExecutedStep, ToolEffect, ToolInfo
 from workflows.run_model import RunModel, S
-from workflows.run_state import RunOutcome, RunSnapshot
+from workflows.run_state import ReadFound, RunOutcome, RunSnapshot
 from workflows.states import TEMPORAL_STATUS
 
 
@@ -66,6 +67,8 @@ class Views(RunModel):
             policy_problem=data.policy_problem,
             updates=self.updates,
             tools=self._plan_tools(),
+            found=self._found(),
+            compensates=self.request.compensate_run,
             revisions=data.revisions,
             **self._tree(),
         )
@@ -96,7 +99,30 @@ class Views(RunModel):
         if data.plan is None or data.catalog is None:
             return []
         names = dict.fromkeys(s.tool for s in data.plan.steps)
+        if self.request.compensate_run is not None:  # and the writes it puts back (their money)
+            names.update(dict.fromkeys(c.of_tool for c in data.compensations))
         return [info for name in names if (info := self.catalog.get(name)) is not None]
+
+    def _found(self) -> list[ReadFound]:
+        """What the latest ok read steps (FOUND_STEPS) found: their results as the tools' summary
+        fields say, bounded to a few hundred characters a step (``bounded_fields``)."""
+        found = []
+        for step in self.data.executed:
+            info = self.catalog.get(step.tool) if self.data.catalog is not None else None
+            if step.status != "ok" or info is None or info.effect != ToolEffect.READ_ONLY or not step.observation:
+                continue
+            try:
+                result: Any = json.loads(step.observation)  # the tool's JSON (cut short: shown as text)
+            except ValueError:
+                result = {"result": step.observation}
+            if not isinstance(result, dict):
+                result = {"result": result}
+            found.append(ReadFound(
+                tool=step.tool,
+                args=bounded_fields(step.args, info.summary_fields),
+                fields=bounded_fields(result, info.summary_fields),
+            ))
+        return found[-FOUND_STEPS:]
 
     def final_failure(self) -> str | None:
         """A run that ended FAILED or EXECUTION_FAILED fails its execution (Temporal's status
@@ -107,3 +133,4 @@ class Views(RunModel):
         timeline = self.data.lifecycle.timeline
         final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
         return f"run ended {state.value}: {clip(final, 300)}"
+

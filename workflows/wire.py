@@ -26,6 +26,7 @@ from workflows.contract import (
     ToolCatalog,
     json_digest,
 )
+from workflows.budgets import clip
 from workflows.contract import omit_defaults
 from workflows.policy_file import EscalationStage, TenantPolicy
 from workflows.states import Packed, RunState, TransitionRecord
@@ -336,6 +337,11 @@ class SnapshotRequest(BaseModel):
         return omit_defaults(handler(self), {"requester_signature": None, "nonce": None, "issued_at": None, "grant": None})
 
 
+# A tool's description as a run keeps it (its catalog, its view): what an approver reads beside
+# the step, bounded so a long docstring or an MCP server's prose does not grow every history.
+DESCRIPTION_CHARS = 240
+
+
 class RunSetup(BaseModel):
     """What a run snapshots as it starts, with its first planner call or in one activity
     (``run_setup``): the tool catalog and the tenant's policy."""
@@ -349,12 +355,15 @@ class RunSetup(BaseModel):
     @model_serializer(mode="plain")
     def _compact(self) -> dict[str, Any]:
         # Fields at their defaults are left out of the marker (read back, they are the same), and
-        # so is what the workflow never reads: the tools' descriptions (the planner activity
-        # takes them from its own catalog) and the schemas' ``title`` annotations (validation
-        # ignores them). What the run decides with is all here.
-        catalog = self.catalog.model_dump(mode="json", exclude_defaults=True, exclude={"tools": {"__all__": {"description"}}})
+        # so are the schemas' ``title`` annotations (validation ignores them). Each tool's
+        # description stays, its first paragraph on one line, bounded (DESCRIPTION_CHARS): the
+        # run's view shows it to an approver beside the step (the planner activity takes the
+        # full one from its own catalog).
+        catalog = self.catalog.model_dump(mode="json", exclude_defaults=True)
         for tool in catalog.get("tools", []):
             tool["args_schema"] = untitled(tool["args_schema"])
+            if "description" in tool:
+                tool["description"] = clip(" ".join(tool["description"].split("\n\n")[0].split()), DESCRIPTION_CHARS)
         compact = {"catalog": catalog, "policy": self.policy.model_dump(mode="json", exclude_defaults=True)}
         return compact if self.attestation is None else {**compact, "attestation": self.attestation}
 
@@ -465,7 +474,13 @@ class AuthorityCheck(BaseModel):
             if name in out and out[name] == default:
                 del out[name]
         if self.catalog is not None:
+            # Descriptions included (bounded, as the run keeps them): the attestations of runs
+            # recorded before cover them (a delegating run's tether.delegate entry has one).
             out["catalog"] = self.catalog.model_dump(mode=info.mode, exclude_defaults=True)
+        if isinstance(out.get("undo"), dict):
+            # The written arguments an undo keeps are for people (a compensation's view), not
+            # for the check: left out, as in the checks runs recorded before attested.
+            out["undo"].pop("of_args", None)
         return out
 
 

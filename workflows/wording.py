@@ -43,6 +43,8 @@ def effect_words(info: Any, undo: Any = False) -> str:
     else:
         comp = info.compensate if undo is False else undo
         words = f"can be undone by {escape_text(comp.tool, 64)}" if isinstance(comp, Compensation) else "cannot be undone"
+    if info.effect == ToolEffect.UNSAFE:
+        words += "; unsafe: never re-run"  # at most once: an attempt that may have applied is never repeated
     return words + ("; may destroy data" if info.destructive else "")
 
 

@@ -173,7 +173,7 @@ async def test_governed_git_run_commits_exactly_once_after_approval(ts_env: Work
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         assert snap.pending_approval is not None
         summary = snap.pending_approval.summary
-        assert "2 of 3 step(s) write" in summary and "git__git_commit (cannot be undone; message=\"Add hello\")" in summary
+        assert "2 of 3 step(s) write" in summary and "git__git_commit (cannot be undone; unsafe: never re-run; message=\"Add hello\")" in summary
         assert commits(repo) == ["initial"] and snap.step == 0, "nothing runs before the approval"
         await approve(handle)
         outcome = await run_outcome(handle)

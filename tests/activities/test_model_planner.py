@@ -289,7 +289,7 @@ async def test_prompt_injection_in_a_tool_result_cannot_move_money_without_a_hum
             if refused:
                 break
             await asyncio.sleep(0.05)
-        assert refused and refused[0].kind == "refused" and "stale plan hash" in refused[0].reason
+        assert refused and refused[0].kind == "refused" and "does not match the plan under review" in refused[0].reason
         assert (await snapshot(handle)).state == S.AWAITING_APPROVAL
         assert [r["amount_cents"] for r in billing.get("/refunds?order_id=Z-9001")["refunds"]] == [4999]
         # A human looks at it and says no.

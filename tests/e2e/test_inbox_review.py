@@ -49,8 +49,8 @@ async def test_a_long_argument_money_and_effects_are_shown_in_full(stack: Stack,
     steps = page.locator("table.steps tbody tr")
     await expect(steps).to_have_count(4)
     for n, does in enumerate(["read-only", "can be undone by void_refund", "can be undone by reverse_ledger_entry",
-                              "cannot be undone"]):
-        await expect(steps.nth(n).locator("td.effect")).to_have_text(does)
+                              "cannot be undone; unsafe: never re-run"]):
+        await expect(steps.nth(n).locator("td.effect .does")).to_have_text(does)
     await expect(steps.nth(1).locator("td.args")).to_contain_text("amount_cents: 49.99 EUR (4999)")
     await expect(steps.nth(2).locator("td.args")).to_contain_text("amount_cents: -49.99 EUR (-4999)")
     # The whole email body is on the page, its end visible where Approve is offered.

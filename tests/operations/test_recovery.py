@@ -184,7 +184,7 @@ def test_the_refund_playbook_shows_the_undo_in_its_approval() -> None:
     engine = planned(PLAYBOOK, TenantPolicy())
     summary = engine.data.pending_approval.summary
     assert 'issue_refund (can be undone by void_refund; order_id="A-1001", amount_cents=49.99 EUR (4999))' in summary
-    assert 'send_email (cannot be undone; subject="Your refund for order A-1001")' in summary
+    assert 'send_email (cannot be undone; unsafe: never re-run; subject="Your refund for order A-1001")' in summary
 
 
 def test_an_undo_tool_name_from_a_server_is_shown_escaped() -> None:
@@ -353,7 +353,7 @@ async def approved_run(env: WorkflowEnvironment, worker, **request) -> RunOutcom
     summary = snap.pending_approval.summary
     assert 'issue_refund (can be undone by void_refund; order_id="A-1002", amount_cents=15.00 EUR (1500))' in summary
     assert 'post_ledger_entry (can be undone by reverse_ledger_entry; order_id="A-1002", amount_cents=-15.00 EUR (-1500))' in summary
-    assert 'send_email (cannot be undone; subject="Your refund")' in summary
+    assert 'send_email (cannot be undone; unsafe: never re-run; subject="Your refund")' in summary
     await handle.signal("approve", approval_for(snap, "bob"))
     return await tether_client.run_outcome(handle)
 

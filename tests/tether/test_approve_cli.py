@@ -270,6 +270,6 @@ def test_money_comes_only_from_the_schema_and_effects_read_as_words() -> None:
     assert effect_words(info(ToolEffect.READ_ONLY)) == "read-only"
     assert effect_words(info(ToolEffect.IDEMPOTENT), undo) == "can be undone by void_refund"
     assert effect_words(info(ToolEffect.IDEMPOTENT, compensate=undo), None) == "cannot be undone"  # not in the hash
-    assert effect_words(info(ToolEffect.UNSAFE, destructive=True), None) == "cannot be undone; may destroy data"
+    assert effect_words(info(ToolEffect.UNSAFE, destructive=True), None) == "cannot be undone; unsafe: never re-run; may destroy data"
     assert effect_words(info(ToolEffect.RECONCILABLE, compensate=undo)) == "can be undone by void_refund"  # older plan
     assert effect_words(None).startswith("unknown tool")

@@ -5,6 +5,7 @@ worker and the JSONL audit sink."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -89,3 +90,50 @@ async def test_a_trail_cut_short_fails_verify_and_all_counts_complete_and_cut(
         assert code == 0 and "its run is still running" in out and "0 cut short" in out, out + err
         code, out, err = await cli("audit", "verify", waiting.id, "--complete")
         assert code == 1 and ": --complete" in out, out + err
+
+
+async def test_the_end_is_a_signed_mark_so_a_cut_trail_fails_with_temporal_gone(
+    dev_env: WorkflowEnvironment, billing: Billing, audit_dir: Path, tmp_path: Path
+) -> None:
+    """The run marks its last record final and signs it: from the sink alone (Temporal's copy of
+    the run gone, the server unreachable) a full trail is complete and a cut one is not; the mark
+    can be neither added to a cut trail nor taken off a full one without breaking a signature."""
+    client = dev_env.client
+    async with running_worker(client) as worker:
+        cli = Cli(dev_env, worker)
+        victim = await completed(client, worker)
+    [(run_id, records)] = (await JsonlAuditSink(audit_dir).read(victim)).items()
+    last = records[-1]
+    assert last.final and last.sig and last.to_state == RunState.COMPLETED
+    assert [r.seq for r in records if r.final] == [last.seq]  # only the end is marked
+    no_temporal = {"TEMPORAL_ADDRESS": "127.0.0.1:9"}  # Temporal forgot the run: the sink alone
+    full_dir = tmp_path / "full"
+    copy_trail(audit_dir, full_dir, victim, run_id)
+    code, out, err = await cli("audit", "verify", victim, "--audit-dir", str(full_dir), env=no_temporal)
+    assert code == 0, out + err
+    assert f"run {run_id}: complete, {len(records)} record(s), ended COMPLETED" in out, out
+
+    # Cut back to the last signed record before the end: every link and signature left holds.
+    keep = max(r.seq for r in records if r.sig and r.seq < last.seq)
+    cut_dir = tmp_path / "cut"
+    path = copy_trail(audit_dir, cut_dir, victim, run_id)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:keep]))
+    assert verify_streams(public_keys(), victim, await JsonlAuditSink(cut_dir).read(victim)).problems == []
+    code, out, err = await cli("audit", "verify", victim, "--audit-dir", str(cut_dir), env=no_temporal)
+    assert code == 1, out + err
+    assert f"run {run_id}: open or cut short after seq {keep} ({keep} record(s))" in out, out
+    assert "0 trail(s) complete, 0 open (still running), 1 cut short" in out, out
+
+    # Marking the cut trail's last record final breaks its signature; so does taking the mark off.
+    for name, lines_then in (("forged", lines[:keep]), ("unmarked", lines)):
+        body = [json.loads(line) for line in lines_then]
+        if name == "forged":
+            body[-1]["final"] = True
+        else:
+            body[-1].pop("final")
+        target = copy_trail(audit_dir, tmp_path / name, victim, run_id)
+        target.write_text("".join(json.dumps(b) + "\n" for b in body))
+        code, out, err = await cli("audit", "verify", victim, "--audit-dir", str(tmp_path / name), env=no_temporal)
+        assert code == 1 and "with records that are not the fleet's" in out, (name, out + err)
+        assert f"run {run_id}: open or cut short after seq" in out, (name, out)

@@ -229,7 +229,7 @@ async def test_an_approver_reads_money_effects_in_words_and_the_approvals_left(s
         listed = (await http.get("/", headers=bob)).text
         page = (await http.get(f"/runs/{run_id}", headers=bob)).text
     assert [s["does"] for s in run["steps"]] == [
-        "read-only", "can be undone by void_refund", "can be undone by reverse_ledger_entry", "cannot be undone"]
+        "read-only", "can be undone by void_refund", "can be undone by reverse_ledger_entry", "cannot be undone; unsafe: never re-run"]
     assert run["steps"][1]["money"] == {"amount_cents": "49.99 EUR"} and run["steps"][2]["money"] == {"amount_cents": "-49.99 EUR"}
     assert run["pending"]["approvals_needed"] == "0 of 1 approval(s); 1 more needed from someone with role approver"
     # No markup characters where the plan is shown (the timeline quotes the run's own records).

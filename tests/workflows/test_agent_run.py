@@ -192,8 +192,8 @@ async def test_refused_decisions_change_nothing_and_are_recorded(
         outcome = await run_outcome(handle)
     assert outcome.state == S.COMPLETED
     reasons = refusals(outcome)
-    assert any("approve refused: stale plan hash" in r for r in reasons)
-    assert any("reject refused: stale plan hash" in r for r in reasons)
+    assert any("approve refused: plan hash" in r and "does not match the plan under review" in r for r in reasons)
+    assert any("reject refused: plan hash" in r and "does not match the plan under review" in r for r in reasons)
     assert any("duplicate decision_id good" in r for r in reasons)
     assert path(outcome).count("APPROVED") == 1
     assert is_legal_path(outcome.timeline)

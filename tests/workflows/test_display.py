@@ -77,20 +77,26 @@ def test_the_start_details_say_what_the_summary_does_not() -> None:
 
 
 def test_the_run_setup_marker_keeps_what_the_run_decides_with() -> None:
-    """run_setup's marker leaves out the tools' descriptions and the schemas' title annotations
-    (a property named ``title`` stays); read back, every other field is the same."""
+    """run_setup's marker leaves out the schemas' title annotations (a property named ``title``
+    stays) and bounds each tool's description (the view shows it to approvers); read back, every
+    other field is the same, and bounding again changes nothing (the attestation covers it)."""
     from workflows.contract import ToolCatalog, ToolEffect, ToolInfo
-    from workflows.wire import PolicySnapshot, RunSetup, untitled
+    from workflows.budgets import clip
+    from workflows.wire import DESCRIPTION_CHARS, PolicySnapshot, RunSetup, untitled
 
     schema = {"title": "Args", "type": "object", "required": ["title"],
               "properties": {"title": {"title": "Title", "type": "string"}, "n": {"title": "N", "type": "integer"}}}
     assert untitled(schema) == {"type": "object", "required": ["title"],
                                 "properties": {"title": {"type": "string"}, "n": {"type": "integer"}}}
-    tool = ToolInfo(name="t", description="long words " * 20, effect=ToolEffect.IDEMPOTENT, requires_approval=True,
+    tool = ToolInfo(name="t", description="long  words\n" * 40 + "\nsecond paragraph", effect=ToolEffect.IDEMPOTENT, requires_approval=True,
                     args_schema=schema, timeout_seconds=5.0, max_retries=2, summary_fields=["title"])
     setup = RunSetup(catalog=ToolCatalog(tools=[tool]), policy=PolicySnapshot(tenant="acme", policy={}, policy_hash="h" * 64, source="test"))
     back = RunSetup.model_validate_json(setup.model_dump_json()).catalog.tools[0]
-    assert back == tool.model_copy(update={"description": "", "args_schema": untitled(schema)})
+    assert back == tool.model_copy(update={"description": clip("long words " * 39 + "long words", DESCRIPTION_CHARS),
+                                           "args_schema": untitled(schema)})
+    assert len(back.description) == DESCRIPTION_CHARS and back.description.startswith("long words long words")
+    again = RunSetup(catalog=ToolCatalog(tools=[back]), policy=setup.policy)
+    assert again.model_dump_json() == setup.model_dump_json()
 
 
 def test_plain_text_takes_the_fast_path_to_the_same_result() -> None:

@@ -170,7 +170,7 @@ async def test_approval_for_the_old_plan_after_a_replan_is_refused(
     check_timeline(outcome.timeline, tools_by_call(outcome, [old.plan, new.plan]))
     assert outcome.state == S.COMPLETED
     (stale,) = [r for r in outcome.timeline if r.refs.decision_id == "old-plan"]
-    assert stale.kind == "refused" and "stale plan hash" in stale.reason
+    assert stale.kind == "refused" and "does not match the plan under review" in stale.reason
     approved = next(r for r in outcome.timeline if r.to_state == S.APPROVED)
     assert approved.refs.decision_id == "new-plan" and approved.refs.plan_hash == new.plan.plan_hash
     # Only the second plan's refund happened.

@@ -146,7 +146,7 @@ def test_approval_needed_for_writes_only_by_default() -> None:
     review = policy.review_plan(write, CATALOG, None)
     assert (review.needs_approval, review.risk, review.approvals_required) == (True, "normal", 1)
     # The risk summary names what writes and the declared fields, never personal data.
-    assert review.summary == "1 of 2 step(s) write: send_email (cannot be undone; subject=\"Hi\")"
+    assert review.summary == "1 of 2 step(s) write: send_email (cannot be undone; unsafe: never re-run; subject=\"Hi\")"
 
 
 # ----------------------------------------------------------------------------- bounded-cost patterns
@@ -238,3 +238,13 @@ def test_a_python_tool_whose_pattern_cannot_run_in_linear_time_is_left_out_with_
     assert "invalid perl operator" in registry.refused["lookaround"]
     shown = format_tools(describe_tools(registry))
     assert "lookaround  python  left out" in shown and "cannot run in linear time" in shown
+
+
+def test_a_hash_that_matches_no_plan_is_refused_without_handing_over_the_pending_one() -> None:
+    """A mistyped or stale hash is refused on the record in words that send the person to the
+    plan under review, never with the pending hash to paste into an approval."""
+    pending = "9f2c4e1d7a6b5c3e8f0a1b2c3d4e5f60"
+    refusal = policy.decision_refusal(decision(plan_hash="0a0a0a0a0a0a"), _awaiting(pending), now=NOW)
+    assert refusal is not None and refusal.rule == "stale_plan_hash"
+    assert "does not match the plan under review" in refusal.message and "tether status" in refusal.message
+    assert pending[:8] not in refusal.message, refusal.message

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tether.cli.base import add_command, client
-from tether.cli.output import invoked_as, print_verdict, step_lines
+from tether.cli.output import found_lines, invoked_as, print_verdict, step_lines
 from tether.cli.plans import load_steps_file, parse_edits, revision_diff
 from workflows.display import escape_text as show  # the standard library's alone
 
@@ -71,7 +71,7 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
                   f"({'signed' if snap.requester_verified else 'claimed'}): {show(goal or '(goal not readable here)', 600)}")
         print(f"{kind} plan v{snap.plan.version} {show(plan_hash)} of run {show(args.run)}, request "
               f"{show(pending.request_id)} ({client.approvals_needed(pending)}):")
-        for line in step_lines(snap.plan, snap.tools):
+        for line in [*found_lines(snap.found), *step_lines(snap.plan, snap.tools)]:
             print(line)
         if steps:
             dropped = [n for n in range(1, len(snap.plan.steps) + 1) if n not in steps]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tether.cli.base import client, policy, states, wording
 from workflows.display import escape_text as show  # the standard library's alone
+from workflows.display import show_value
 
 PROG = "tether"
 # Model fields as the options that set them, so a validation error names what the user typed.
@@ -60,6 +61,17 @@ def step_lines(plan: object, tools: Sequence[object] = ()) -> list[str]:
         if v.description:  # the tool's own words (its docstring), its first paragraph
             lines.append(f"       ({show(' '.join(v.description.split(chr(10) * 2)[0].split()), 300)})")
         lines.extend(f"       {client.shown_arg(a)}" for a in v.args)
+    return lines
+
+
+def found_lines(found: Sequence[object]) -> list[str]:
+    """What the run's read steps found (its view's ``found``): the tool, its arguments, the
+    result's fields as the tool's summary fields say, every name and value escaped."""
+    lines = []
+    for f in found:
+        args = ", ".join(f"{show(k, 64)}: {show_value(v, 120)}" for k, v in f.args.items())  # type: ignore[attr-defined]
+        fields = ", ".join(f"{show(k, 64)}: {show_value(v, 120)}" for k, v in f.fields.items())  # type: ignore[attr-defined]
+        lines.append(f"found      {show(f.tool, 64)} ({args}): {fields or '-'}")  # type: ignore[attr-defined]
     return lines
 
 
@@ -149,6 +161,7 @@ def format_status(s: client.RunStatus) -> str:
         lines.append(f"decision   {show(d.refs.decision_id, 128)} by {show(d.actor, 120)}: {verdict}: "
                      f"{show(d.reason, 300)}" + (f" [rule: {d.rule}]" if d.rule else "")
                      + (f" [policies: {show(', '.join(d.refs.policies), 300)}]" if d.refs.policies else ""))
+    lines.extend(found_lines(s.found))
     if s.plan is not None:
         lines.append(f"plan       v{s.plan.version} {show(s.plan.plan_hash)}")
         lines.extend(step_lines(s.plan, s.tools))
@@ -171,12 +184,15 @@ def format_status(s: client.RunStatus) -> str:
             lines.append(f"escalation stage {p.stage} of {len(p.escalation)}"
                          + (f"; roles {show(', '.join(p.roles), 300)}" if p.roles else ""))
         lines.append(f"           revise:  {invoked_as()} revise {show(shlex.quote(s.run_id))} --by NAME --reason TEXT --step N KEY=VALUE")
+    if s.compensates:  # a compensation run: whose writes it puts back (each below, with its amounts)
+        lines.append(f"undoes     run {show(s.compensates, 256)}: its write(s) below, newest first")
     for c in s.compensations:
-        # Each ok write and where its undo stands (ids and names, escaped).
+        # Each ok write and where its undo stands (ids and names, escaped), with what it wrote.
         standing = wording.write_standing(c)
         if s.ledger_error and c.tool and c.status == "unknown" and not c.undone_by:
             standing = f"unknown (the ledger cannot be read); undo: {show(c.tool, 64)}"
-        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}: {standing}")
+        wrote = ", ".join(client.shown_arg(a, 120) for a in client.write_args(c, s.tools))
+        lines.append(f"write      {show(c.of, 128)} {show(c.of_tool, 64)}" + (f" ({wrote})" if wrote else "") + f": {standing}")
     if s.ledger_error:
         lines.append(f"ledger     {show(s.ledger_error, 400)}: where each write stands is unknown")
     elif s.ended and s.state in policy.COMPENSABLE_STATES | {states.RunState.COMPLETED} and any(

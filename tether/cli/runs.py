@@ -381,7 +381,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
             ended, written, current = await _run_ended(conn, workflow_id)
             must_end = ended or args.complete
             short = False
-            for end in stream_ends(streams):
+            for end in stream_ends(streams, check):
                 words = end.words()
                 if end.run_id == current and written is not None and end.last_seq < written:
                     end.ended = None
@@ -396,7 +396,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
                 print(f"{show(workflow_id)} run {show(end.run_id)}: {words}")
             if short:
                 cut += 1
-            elif any(e.ended for e in stream_ends(streams)):
+            elif any(e.ended for e in stream_ends(streams, check)):
                 complete += 1
             else:
                 still_open += 1

@@ -41,7 +41,7 @@ from tether.client.workers import (
 from tether.client.signing import ensure_keys, keygen, load_private_key, sign, sign_request
 from tether.client.shown import (
     ArgView, StepView, age, approval_offer_problem, approvals_needed, freshness, plan_summary, shown_arg,
-    step_views,
+    step_views, write_args,
 )
 from tether.client.sink import ledger_standing, undo_standing
 from tether.client.reads import (
@@ -177,4 +177,5 @@ __all__ = [
     "untaken_seconds",
     "wait_settled",
     "worker_serving",
+    "write_args",
 ]

@@ -77,6 +77,14 @@ def step_views(plan: Plan | None, tools: Sequence[Any]) -> list[StepView]:
     return views
 
 
+def write_args(call: Any, tools: Sequence[Any]) -> list[ArgView]:
+    """The arguments of the write a compensation puts back (``CompensationCall.of_args``), money
+    in amount and currency as the write's tool declares it (when the view carries that tool)."""
+    info = next((t for t in tools if t.name == call.of_tool), None)
+    properties = (info.args_schema.get("properties") or {}) if info else {}
+    return [ArgView(k, v, money(v, properties.get(k), call.of_args)) for k, v in call.of_args.items()]
+
+
 def shown_arg(arg: ArgView, limit: int | None = None) -> str:
     """``name: value`` for a terminal, money as ``600.00 EUR (60000)``; escaped."""
     value = show_value(arg.value, limit)

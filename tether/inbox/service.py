@@ -251,6 +251,7 @@ class Inbox:
         compensations = await tether.undo_standing(snap.compensations) if snap.state in TERMINAL else snap.compensations
         writes = [
             {"of": c.of, "of_tool": c.of_tool, "undo": c.tool, "status": c.status, "standing": wording.standing(c),
+             "args": c.of_args, "money": {a.name: a.money for a in tether.write_args(c, snap.tools) if a.money},
              "by": c.undone_by or None, "at": c.undone_at.isoformat() if c.undone_at else None}
             for c in compensations
         ]
@@ -269,7 +270,10 @@ class Inbox:
             "plan_hash": snap.plan.plan_hash if snap.plan else None,
             "plan_version": snap.plan.version if snap.plan else 0,
             "steps": steps,
+            # What the read steps found (the signed view's; escaped by the page): what the plan depends on.
+            "found": [f.model_dump(mode="json") for f in snap.found],
             "writes": writes,
+            "compensates": snap.compensates,  # a compensation run: the run whose writes it puts back
             "pending": None if pending is None else {
                 **self._row(snap, now),
                 "approvals_required": pending.approvals_required,
