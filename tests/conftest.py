@@ -424,11 +424,20 @@ async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 
     deadline = loop.time() + timeout
     while True:
         snap = await snapshot(handle)
-        if snap.state.value in states:
+        if snap.state.value in states and (snap.state.value != "AWAITING_APPROVAL" or await _published_as(handle, snap)):
             return snap
         if loop.time() > deadline:
-            raise AssertionError(f"run {handle.id} is {snap.state.value}, expected one of {states}")
+            raise AssertionError(f"run {handle.id} is {snap.state.value}, expected one of {states} (as published)")
         await asyncio.sleep(0.05)
+
+
+async def _published_as(handle: WorkflowHandle, snap: RunSnapshot) -> bool:
+    """Whether the run's signed view (what the CLI and the inbox decide from) shows the request the
+    query answered with: a query can answer from a task whose view is not written yet."""
+    view = await tether_client.published_view(await handle.describe())
+    pending = view.snapshot.pending_approval if view is not None else None
+    return (view is not None and view.snapshot.state == snap.state and pending is not None
+            and snap.pending_approval is not None and pending.request_id == snap.pending_approval.request_id)
 
 
 def approval_for(

@@ -36,7 +36,7 @@ def _find(ctx: ToolContext) -> dict[str, Any] | None:
     return _answer(found[0]) if found else None
 
 
-def _make(name: str, fn: Any) -> None:
+def _make(name: str, fn: Any) -> Any:
     effect = effect_of(name)
 
     def body(args: Any, ctx: ToolContext) -> dict[str, Any]:
@@ -65,8 +65,10 @@ def _make(name: str, fn: Any) -> None:
                 compensate=UNDO.get(name))(body)
     if effect == "reconcilable":
         spec.lookup(_find)
+    return spec
 
 
+# Each tool a name of this module too, as a decorated function would be: a worker loading the
+# module sees what it declares (activities.tools.load_tool_modules).
 for _name, _fn in functions().items():
-    if REGISTRY.get(_name) is None:
-        _make(_name, _fn)
+    globals()[_name] = REGISTRY.get(_name) or _make(_name, _fn)

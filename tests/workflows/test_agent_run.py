@@ -106,6 +106,7 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
         and "AgentRunState" in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
     ]
     from workflows.published import BUILD, HISTORY_IDS
+    from workflows.wire import DESCRIPTION_CHARS
 
     assert patches == [BUILD, HISTORY_IDS]
     assert local == []
@@ -127,13 +128,14 @@ async def test_a_new_run_writes_one_patch_marker_and_little_else(ts_env: Workflo
     written = json.loads(events[-1].workflow_execution_completed_event_attributes.result.payloads[0].data)
     assert not {"steps", "timeline", "steps_before", "steps_digest", "compensations"} & set(written), written
     assert RunOutcome.model_validate(written) == raw
-    # The setup's answer: no tool descriptions, no schema titles (what the run decides with
+    # The setup's answer: each tool's description as one bounded line (what people read), no schema titles (what the run decides with
     # stays), attested by the fleet key.
     first = json.loads(next(e.activity_task_completed_event_attributes.result.payloads[0].data for e in events
                             if e.HasField("activity_task_completed_event_attributes")))
     assert first["attestation"].count(":") == 1 and first["steps"]
     setup = first["setup"]
-    assert setup["catalog"]["tools"] and all("description" not in t and '"title"' not in json.dumps(t["args_schema"])
+    assert setup["catalog"]["tools"] and all(len(t.get("description", "")) <= DESCRIPTION_CHARS and "\n" not in t.get("description", "")
+                                                 and '"title"' not in json.dumps(t["args_schema"])
                                              for t in setup["catalog"]["tools"])
     assert raw.timeline == [] and raw.records == len(outcome.timeline) == outcome.timeline[-1].seq
     assert raw.steps == [] and raw.steps_executed == len(outcome.steps) == 3  # the steps query has them
