@@ -433,8 +433,12 @@ async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 
 
 async def _published_as(handle: WorkflowHandle, snap: RunSnapshot) -> bool:
     """Whether the run's signed view (what the CLI and the inbox decide from) shows the request the
-    query answered with: a query can answer from a task whose view is not written yet."""
-    view = await tether_client.published_view(await handle.describe())
+    query answered with: a query can answer from a task whose view is not written yet, and a reset
+    run carries its original's view (signed for another run) until it publishes its own."""
+    try:
+        view = await tether_client.published_view(await handle.describe())
+    except tether_client.TetherError:  # a reset run's memo is its original's until it publishes its own
+        return False
     pending = view.snapshot.pending_approval if view is not None else None
     return (view is not None and view.snapshot.state == snap.state and pending is not None
             and snap.pending_approval is not None and pending.request_id == snap.pending_approval.request_id)
