@@ -294,14 +294,12 @@ class Effects(Publishing):
         return result
 
     def execution_binding(self) -> str:
-        """What binds an activity id to this execution, from values every replay path sees
-        alike (docs/architecture.md "Ids"): the run's random seed, which Temporal derives from
-        the run id in force at this point of the history (the original's for a reset run's
-        copied prefix, the reset run's own from the reset point on), and the workflow task's
-        place in the history (the reset point's task is done again at a later event than the
-        original did it, even where its signals reach the workflow before the new seed does).
-        Never the task's clock or a draw from the random stream: a query answered by a worker
-        that rebuilds the run sees another clock, and any other reader of the stream moves it."""
+        """What binds an activity id to this execution, from a value every replay path sees
+        alike (docs/architecture.md "Ids"): the run's random seed, read without drawing, which
+        Temporal derives from the run id in force at this point of the history (the original's
+        for a reset run's copied prefix, the reset run's own from the reset point on). Never the
+        task's clock or the history's length (a worker rebuilding the run to answer a query saw
+        both differ) nor a draw from the random stream (any other reader of it moves it)."""
         if not self.history_ids:
             # A run an earlier build started: its ids as that build made them, so it replays.
             drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
