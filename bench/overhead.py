@@ -305,6 +305,7 @@ async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, 
             upserts=statistics.mean(f.upserts for f in facts),
             trouble=sum(f.task_trouble for f in facts),
             kinds=facts[0].kinds if facts else {},
+            kind_bytes=facts[0].kind_bytes if facts else {},
             wcpu=sum(b.worker_cpu for b in mine) / (runs * steps) * 1000,
             scpu=sum(b.server_cpu for b in mine) / (runs * steps) * 1000,
             per_round=[b.runs / b.seconds for b in mine],
@@ -406,9 +407,10 @@ async def report(client: Client, rounds: Rounds, base: str = BARE) -> dict[str, 
               f"stacks in {next(iter(rounds.profiles.values())).parent}):")
         print(profile_report(rounds.profiles, {n: stats[n]["runs"] * steps for n in names}))
     print()
-    print("history events of one run, by type:")
+    print("history events of one run, by type (count / bytes):")
     kinds = sorted(set().union(*(stats[n]["kinds"] for n in names)))
-    print(table(["event type", *names], [[k, *(stats[n]["kinds"].get(k, 0) for n in names)] for k in kinds]))
+    cell = lambda n, k: f"{stats[n]['kinds'].get(k, 0)} / {stats[n]['kind_bytes'].get(k, 0)}"  # noqa: E731
+    print(table(["event type", *names], [[k, *(cell(n, k) for n in names)] for k in kinds]))
     return stats
 
 

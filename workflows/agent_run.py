@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.effects import CHILD_ONCE, Effects
     from workflows.engine import Engine
     from workflows.identity import LOOK_ALIKE
-    from workflows.published import BUILD, HISTORY_IDS, STATE_ATTRIBUTE
+    from workflows.published import BUILD, PREVIOUS_BUILD, STATE_ATTRIBUTE
     from workflows.contract import derived_id
     from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, ToolFailure
     from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot
@@ -119,14 +119,19 @@ class AgentRun:
                 # Listed as it ends (the start said it would plan), like every other failure.
                 workflow.upsert_search_attributes([STATE_ATTRIBUTE.value_set(S.FAILED.value)])
             raise ApplicationError(self._start_error, type="invalid_start_input", non_retryable=True)
-        if not workflow.patched(BUILD):
+        # One marker a run: this build's. Asked first, so a run this build starts writes no other.
+        if workflow.patched(BUILD):
+            self.effects.this_build = True
+        elif workflow.patched(PREVIOUS_BUILD):
+            self.effects.this_build = False
+        else:
             # Replaying a history an earlier build started: not ours to judge (the task fails,
             # the run waits for a worker of its own build).
             raise OlderBuild(
-                f"older_build: this run was started by a worker build older than {BUILD}, which this worker "
-                f"does not replay: run a worker of the build that started it until it ends (tether drain lists them)"
+                f"older_build: this run was started by a worker build older than {PREVIOUS_BUILD}, which this "
+                f"worker does not replay: run a worker of the build that started it until it ends (tether drain "
+                f"lists them)"
             )
-        self.effects.history_ids = workflow.patched(HISTORY_IDS)
         # What a cancel request the run takes stops (the cancel Update), as a Temporal cancel does.
         self._program_task = asyncio.current_task()
         if self.engine.cancel_taken is not None and self._program_task is not None:
@@ -135,7 +140,7 @@ class AgentRun:
             self._verify_carryover()
             self.engine.grant_problem = self.effects.grant_problem(self.request)
             # A child this build started: its ids derive from its parent's chain and step.
-            self.engine.child_ids = self.request.grant is not None and workflow.patched(CHILD_ONCE)
+            self.engine.child_ids = self.request.grant is not None and self.effects.fixed(CHILD_ONCE)
             await self._drive()
         except asyncio.CancelledError:
             self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))

@@ -93,6 +93,10 @@ AUDIT_BACKOFF_MAX = 60.0
 # At its end a run leaves up to this many records for the audit collector, with its view
 # (their packed size stays far below the memo's limit); more are written by the run first.
 END_RECORDS = 200
+# Live patches: fixes that reached runs of the previous build (published.PREVIOUS_BUILD) while
+# they were open, each where its marker stands in the run's history; this build's runs have every
+# one without a marker (Effects.fixed). They go when the previous build's runs do
+# (docs/changing-workflows.md).
 # The patch under which a parent checks its child's sealed outcome.
 CHILD_OUTCOME_SEALED = "tether-child-outcome-sealed"
 # The patch under which a hand-off of the run wakes a parallel group with children.
@@ -118,9 +122,10 @@ class Effects(Publishing):
         self.audit_error: str | None = None
         self.notifying = 0  # notify activities in flight
         self.calls = 0  # activities this execution scheduled: their ids, which attestations bind
-        # Whether this run's activity ids derive from history alone (HISTORY_IDS): False only
-        # when replaying a run an earlier build started (agent_run sets it as the run begins).
-        self.history_ids = True
+        # Whether this build started the run (published.BUILD): its activity ids derive from
+        # history alone and every live patch's fix is on without a marker. False only for a run
+        # of PREVIOUS_BUILD (agent_run sets it as the run begins).
+        self.this_build = True
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
         self._landed: list[Landed] | None = None
         # The parallel group under way: its command, its attempts' tasks, what has landed, and
@@ -137,6 +142,12 @@ class Effects(Publishing):
         self._viewed: tuple[Any, ...] | None = None  # what the published view (memo) last said
         # start_run sets the tenant and continue-as-new carries it: upsert it only when missing.
         self._tenant_published = start_attributes.get(TENANT_ATTRIBUTE) == self.request.tenant
+
+    def fixed(self, patch: str) -> bool:
+        """Whether a live patch's fix is on for this run: always for a run this build started (no
+        marker written); for a run of the previous build, where its history says (the marker, or
+        written now where the run meets the fix for the first time)."""
+        return self.this_build or workflow.patched(patch)
 
     async def perform(self, command: Command) -> Any:
         """Carry out one command of the engine's; its result goes back to the engine. A cancel
@@ -300,7 +311,7 @@ class Effects(Publishing):
         for a reset run's copied prefix, the reset run's own from the reset point on). Never the
         task's clock or the history's length (a worker rebuilding the run to answer a query saw
         both differ) nor a draw from the random stream (any other reader of it moves it)."""
-        if not self.history_ids:
+        if not self.this_build:
             # A run an earlier build started: its ids as that build made them, so it replays.
             drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
             return hashlib.sha256(drawn.encode()).hexdigest()[:12]
@@ -402,7 +413,7 @@ class Effects(Publishing):
             slots = asyncio.Semaphore(command.limit)
             landed: list[Landed] = []
             self._landed = landed
-            wakes = any(isinstance(run, RunChild) for run in command.members) and workflow.patched(GROUP_HANDOFF_WAKES)
+            wakes = any(isinstance(run, RunChild) for run in command.members) and self.fixed(GROUP_HANDOFF_WAKES)
 
             async def one(index: int, run: RunTool | RunChild) -> None:
                 async with slots:
@@ -486,10 +497,10 @@ class Effects(Publishing):
         (``child_cancel``, the reason the child's record names)."""
         # Children started by this build seal their outcome (a recorded history of an earlier
         # build replays without the check).
-        sealed = workflow.patched(CHILD_OUTCOME_SEALED)
+        sealed = self.fixed(CHILD_OUTCOME_SEALED)
         handle = self._children.get(command.child_id)
         if handle is None:
-            once = workflow.patched(CHILD_ONCE)
+            once = self.fixed(CHILD_ONCE)
             info = workflow.info()
             grant = command.request.grant.model_copy(update={"parent_run": info.run_id})
             with self.keyed():

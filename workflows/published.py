@@ -15,11 +15,12 @@ VIEW_MEMO = "tether"
 # to it (worker configuration, like the key ring; activities/audit.py).
 COLLECT_EXTERN = "tether_audit_collect"
 # The build: every run it starts says so with this one marker at its start (and Temporal's
-# TemporalChangeVersion search attribute, which `tether drain` reads). It replays no history
-# started by an earlier build: those runs drain on the build that started them
-# (docs/changing-workflows.md). A new command order is a new build id, never a patch branch.
-BUILD = "tether-build-9"
-# The patch under which a run's activity ids derive from history alone (issue 55): runs started
-# before it replay with the ids they made (a random draw and the task's clock).
-HISTORY_IDS = "tether-history-ids"
+# TemporalChangeVersion search attribute, which `tether drain` reads). A new command order is a
+# new build id, never a patch branch (docs/changing-workflows.md). Its runs make their activity
+# ids from history alone and have every fix the live patches (workflows/effects.py) bring.
+BUILD = "tether-build-10"
+# The one earlier build whose runs this build still replays: they made their activity ids from a
+# random draw and the task's clock, and take each fix where their history says (its patch
+# marker). Runs of any build before it drain on the build that started them.
+PREVIOUS_BUILD = "tether-build-9"
 CHANGE_VERSION_ATTRIBUTE = SearchAttributeKey.for_keyword_list("TemporalChangeVersion")

@@ -95,6 +95,9 @@ if __name__ == "__main__":
     import workflows.published
 
     workflows.published.BUILD = sys.argv[4]  # before anything imports it
+    # That build replays the one before it, as this build replays its previous one.
+    prefix, number = sys.argv[4].rsplit("-", 1)
+    workflows.published.PREVIOUS_BUILD = f"{prefix}-{int(number) - 1}" if number.isdigit() else workflows.published.PREVIOUS_BUILD
     asyncio.run(_serve(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[5], sys.argv[6]))
     from tether.connection import exit_process
 

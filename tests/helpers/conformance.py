@@ -121,15 +121,15 @@ def _ours(activity_id: str) -> str:
 
 
 def ours_from_the_start(history: WorkflowHistory) -> bool:
-    """Whether the run made its ids from history (the HISTORY_IDS patch): a run an earlier build
-    started made them from the task's clock, and replays them so (its first task, done again by
-    this build, would make this build's)."""
-    from workflows.published import HISTORY_IDS
+    """Whether the run made its ids from history (this build started it: its marker, BUILD): a
+    run the previous build started made them from the task's clock, and replays them so (its
+    first task, done again by this build, would make this build's)."""
+    from workflows.published import BUILD
 
     for event in history.events:
         if event.HasField("marker_recorded_event_attributes"):
             data = event.marker_recorded_event_attributes.details["patch-data"].payloads
-            if data and HISTORY_IDS in data[0].data.decode(errors="replace"):
+            if data and f'"{BUILD}"' in data[0].data.decode(errors="replace"):
                 return True
     return False
 

@@ -24,7 +24,8 @@ REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents"
 
 
 def other_build(step: int) -> str:
-    """The build ``step`` builds after (or, negative, before) this one."""
+    """The build ``step`` builds after (or, negative, before) this one. This build replays the
+    previous one's runs (published.PREVIOUS_BUILD): an older build it does not replay is -2."""
     prefix, number = BUILD.rsplit("-", 1)
     return f"{prefix}-{int(number) + step}"
 
@@ -34,7 +35,7 @@ async def test_an_older_builds_run_is_approved_while_a_newer_builds_worker_polls
 ) -> None:
     client = dev_env.client
     queue = unique("two-builds")
-    older = other_build(-1)
+    older = other_build(-2)
     old = await start_build_worker(dev_env, queue, older)
     try:
         run = await start_run(client, SimpleNamespace(task_queue=queue), make_request(REFUND))  # type: ignore[arg-type]
@@ -65,7 +66,7 @@ async def test_drain_compares_builds_by_their_order(dev_env: WorkflowEnvironment
     client = dev_env.client
     queue = unique("drain-order")
     runs = {}
-    for step in (-1, 1):
+    for step in (-2, 1):
         worker = await start_build_worker(dev_env, queue, other_build(step))
         try:
             runs[step] = await start_run(client, SimpleNamespace(task_queue=queue), make_request(REFUND))  # type: ignore[arg-type]
@@ -75,7 +76,7 @@ async def test_drain_compares_builds_by_their_order(dev_env: WorkflowEnvironment
     cli = Cli(dev_env, SimpleNamespace(task_queue=queue))  # type: ignore[arg-type]
     code, out, err = await cli("drain", "--json")
     listed = {row["run_id"] for row in json.loads(out)}
-    assert code == 1 and runs[-1].id in listed and runs[1].id not in listed, (code, out, err)
+    assert code == 1 and runs[-2].id in listed and runs[1].id not in listed, (code, out, err)
     for handle in runs.values():
         await handle.terminate("test over")
 
@@ -85,7 +86,7 @@ async def test_no_worker_of_the_runs_build_left_approve_says_so_and_sends_nothin
 ) -> None:
     client = dev_env.client
     queue = unique("gone-build")
-    old = await start_build_worker(dev_env, queue, other_build(-1))
+    old = await start_build_worker(dev_env, queue, other_build(-2))
     try:
         run = await start_run(client, SimpleNamespace(task_queue=queue), make_request(REFUND))  # type: ignore[arg-type]
         await wait_published(dev_env, run.id, "AWAITING_APPROVAL")

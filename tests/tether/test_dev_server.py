@@ -25,7 +25,7 @@ from tests.conftest import (
     wait_for_state,
 )
 from workflows.budgets import CARRY_AMORTIZE
-from workflows.published import BUILD, HISTORY_IDS, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.published import BUILD, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.contract import ApprovalDecision
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
@@ -229,12 +229,12 @@ async def test_continue_as_new_keeps_state_timeline_and_search_attributes(
         sent = await flood_until_continued(current, first_run, "stale")
         description = await handle.describe()
         # It did not continue at the suggestion, but once its history was CARRY_AMORTIZE times
-        # what continuing writes (its markers are the build's and the history ids').
+        # what continuing writes (its one marker is the build's).
         events = [e async for e in env.client.get_workflow_handle(handle.id, run_id=first_run).fetch_history_events()]
         carried = events[-1].workflow_execution_continued_as_new_event_attributes.input.ByteSize()
         patches = [e.marker_recorded_event_attributes.details["patch-data"].payloads[0].data for e in events
                    if e.HasField("marker_recorded_event_attributes") and e.marker_recorded_event_attributes.marker_name == "core_patch"]
-        assert [json.loads(p)["id"] if p.startswith(b"{") else json.loads(p) for p in patches] == [BUILD, HISTORY_IDS], patches
+        assert [json.loads(p)["id"] if p.startswith(b"{") else json.loads(p) for p in patches] == [BUILD], patches
         assert len(events) > 2 * CAN_THRESHOLD
         assert sum(e.ByteSize() for e in events) >= 0.9 * CARRY_AMORTIZE * carried, (len(events), carried)
         assert description.typed_search_attributes.get(STATE_ATTRIBUTE) == "AWAITING_APPROVAL"
@@ -274,7 +274,7 @@ async def test_refusals_the_policy_checks_leave_no_local_activity_behind(
         await resting(current)
         refused = [r for r in await timeline(current) if r.kind == "refused"]
     markers = [e.marker_recorded_event_attributes.marker_name for e in events if e.HasField("marker_recorded_event_attributes")]
-    assert markers == ["core_patch", "core_patch"], markers  # the build's and the history ids', nothing else
+    assert markers == ["core_patch"], markers  # the build's, nothing else
     checks = [e for e in events if e.HasField("activity_task_scheduled_event_attributes")
               and e.activity_task_scheduled_event_attributes.activity_type.name == "policy_check_decision"]
     assert checks and events[-1].HasField("workflow_execution_continued_as_new_event_attributes")

@@ -17,9 +17,9 @@ HERE = Path(__file__).resolve().parents[1] / "histories"
 # This build's histories (make record-histories). A build replays only the histories it started:
 # runs an earlier build started drain on that build (docs/changing-workflows.md).
 HISTORIES = sorted(HERE.glob("*.json"))
-# The previous build's (build 10, before activity ids derived from history alone): runs it
-# started replay on this build (the HISTORY_IDS patch keeps their ids).
-PREVIOUS = sorted((HERE / "build10").glob("*.json"))
+# The previous build's (published.PREVIOUS_BUILD, whose activity ids came from a random draw and
+# the task's clock): runs it started replay on this build with the ids they made.
+PREVIOUS = sorted((HERE / "previous").glob("*.json"))
 PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new", "continued", "decide"}
 
 
@@ -45,7 +45,7 @@ def test_every_main_path_is_recorded() -> None:
     assert {p.stem for p in HISTORIES} <= {p.stem for p in PREVIOUS} | {"plan_judged"}, "the previous build's stay beside them"
 
 
-@pytest.mark.parametrize("path", HISTORIES + PREVIOUS, ids=[p.stem for p in HISTORIES] + [f"build10-{p.stem}" for p in PREVIOUS])
+@pytest.mark.parametrize("path", HISTORIES + PREVIOUS, ids=[p.stem for p in HISTORIES] + [f"previous-{p.stem}" for p in PREVIOUS])
 async def test_history_replays_on_the_current_code(path: Path) -> None:
     result = await replayer().replay_workflow(load(path), raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
@@ -72,7 +72,7 @@ def test_the_build_id_is_compatibility_data() -> None:
     """Every run this build starts names it in its one marker: renaming it is a new build."""
     from workflows.published import BUILD
 
-    assert BUILD == "tether-build-9"
+    assert BUILD == "tether-build-10"
 
 
 def test_no_history_holds_a_local_activity() -> None:

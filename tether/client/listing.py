@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
+from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, PREVIOUS_BUILD, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.contract import NAME_PATTERN
 from workflows.run_state import RunView
 from workflows.states import RunState
@@ -71,15 +71,16 @@ def run_build(markers: Sequence[str] | None) -> str | None:
 
 async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
     """The open runs started by a build older than this one (by build order: their first task
-    wrote an earlier build's marker, or none). Their build's workers must serve them until this
-    list is empty (docs/changing-workflows.md); a newer build's runs are never listed."""
+    wrote an earlier build's marker, or none) that this build does not replay: all but the
+    previous build's (PREVIOUS_BUILD). Their build's workers must serve them until this list is
+    empty (docs/changing-workflows.md); a newer build's runs are never listed."""
     rows = []
     ours = build_order(BUILD)
     try:
         async for wf in client.list_workflows("WorkflowType = 'AgentRun' AND ExecutionStatus = 'Running'", limit=limit):
             attrs = wf.typed_search_attributes
             started_by = run_build(attrs.get(CHANGE_VERSION_ATTRIBUTE))
-            if started_by is not None and build_order(started_by) >= ours:
+            if started_by is not None and (build_order(started_by) >= ours or started_by == PREVIOUS_BUILD):
                 continue
             rows.append(RunSummary(
                 run_id=wf.id, state=attrs.get(STATE_ATTRIBUTE), tenant=attrs.get(TENANT_ATTRIBUTE),
