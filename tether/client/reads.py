@@ -70,6 +70,9 @@ class RunStatus(RunSnapshot):
     ledger_error: str | None = None
     # The goal it was started with (``run_goal``): read by ``status`` for a run whose view verified.
     goal: str | None = None
+    # A child run's root (``root_of``): the run whose requester it acts for (its ``requested_by``
+    # is the root's). None: a root, or a child whose ancestors' signed views could not be read.
+    root: str | None = None
     # Set when the run has published no signed view yet: what is shown is only what Temporal
     # lists of it (its state, a claim; its start), or with ``live`` its unsigned answer, and
     # nothing pending (no Approve is offered on it).
@@ -131,6 +134,31 @@ async def run_goal(client: Client, run_id: str) -> str | None:
     return None
 
 
+# A tree is at most the policy's max_depth deep (Grant.depth <= 16): the walk up stops there.
+ROOT_HOPS = 16
+
+
+async def root_of(client: Client, snap: RunSnapshot) -> str | None:
+    """The root of a child run's delegation tree: on whose behalf it acts (a child's
+    ``requested_by`` is its root's requester). Walked up from parent to parent, each read from its
+    own signed view (never a query answer). None: ``snap`` is a root, or an ancestor's view could
+    not be read or verified (then nobody's word names the root)."""
+    parent = snap.parent
+    for _ in range(ROOT_HOPS):
+        if not parent:
+            return None
+        try:
+            view = await published_view(await _describe(client, parent))
+        except TetherError:
+            return None
+        if view is None:
+            return None
+        if not view.snapshot.parent:
+            return parent
+        parent = view.snapshot.parent
+    return None
+
+
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
@@ -155,6 +183,7 @@ async def status(client: Client, run_id: str, *, live: bool = False, goal: bool 
     result = (await read_run(client, run_id, live=live))[0]
     if goal and not result.unpublished:  # ``goal``: for a person to read (not a wait's end)
         result.goal = await run_goal(client, run_id)
+        result.root = await root_of(client, result)
     if result.ended:
         result.compensations, result.ledger_error = await ledger_standing(result.compensations)
     if goal:  # its children: those its view names, and its open ones as the server records them
