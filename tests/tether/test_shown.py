@@ -207,7 +207,7 @@ async def test_a_run_nobody_serves_says_so_within_two_seconds(dev_env: WorkflowE
         (["start", "--goal", "g", "--playbook", str(playbook), "--requested-by", "alice", "--id", run_id,
           "--wait", "--wait-timeout", "600"], 1),
         (["status", run_id], 2),
-        (["approve", run_id, "--by", "bob", "--unreviewed"], 2),
+        (["approve", run_id, "--by", "bob", "--unreviewed"], 1),  # refused: not sent, nothing decided
         (["timeline", run_id], 2),
         (["handoff", run_id, "--by", "dana", "--reason", "r"], 2),
     ):
