@@ -17,7 +17,7 @@ from workflows.display import markdown_text as text
 from workflows.display import approve_command, shell_word, show_value
 from workflows import wording
 from workflows.contract import Plan, ToolCatalog, run_catalog
-from workflows.run_state import RunData, RunRequest
+from workflows.run_state import RunData, RunRequest, found_steps
 from workflows.states import RunState
 
 S = RunState
@@ -108,6 +108,24 @@ def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
     return lines
 
 
+def _found_lines(data: RunData, catalog: ToolCatalog, workflow_id: str) -> list[str]:
+    """What the read steps found, for the person deciding: only the fields the tool names in its
+    summary_fields (each value in a code span). The details are shown as they are, never through
+    the payload codec: other result fields (a customer's email) stay in the signed view, read by
+    `tether status` and the inbox; the line says so."""
+    lines = []
+    for f in found_steps(data.executed, catalog):
+        info = catalog.get(f.tool)
+        named = [k for k in (info.summary_fields if info else []) if k in f.fields]
+        args = ", ".join(f"{text(k, 40)} {code(show_value(v, 120))}" for k, v in f.args.items() if k in (info.summary_fields if info else []))
+        shown = " · ".join(f"{text(k, 40)} {code(show_value(f.fields[k], 120))}" for k in named)
+        rest = len(f.fields) - len(named)
+        more = (f"{'; ' if shown else ''}{rest} more field(s): {code(f'tether status {shell_word(workflow_id)}', 300)}"
+                if rest else "")
+        lines.append(f"- {code(f.tool, 64)}" + (f" ({args})" if args else "") + f" found: {shown}{more}")
+    return ["", "**What the run found:**", "", *lines] if lines else []
+
+
 def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None) -> str:
     lc = data.lifecycle
     lines = [f"**State:** `{lc.state.value}` (version {lc.state_version})"]
@@ -141,6 +159,8 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
     if lc.refusals:
         lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
     plan, catalog = data.plan, run_catalog(data.catalog)
+    if waiting:
+        lines += _found_lines(data, catalog, workflow_id)
     if plan is not None and not lc.terminal:
         lines += ["", f"**Plan** v{plan.version} {code(plan.plan_hash)}", ""]
         if data.revisions:  # who revised it last, and the paths changed (values are in the steps)
