@@ -140,7 +140,12 @@ def format_status(s: client.RunStatus) -> str:
     else:
         for child in s.children:
             lines.append(f"child      {show(child)}  ({invoked_as()} status {show(shlex.quote(child))})")
-    if s.published_at is not None:
+    if s.live_signed is True and s.published_at is not None:
+        lines.append(f"view       its live answer, signed by the fleet's key ({client.freshness(s.published_at).replace('published', 'answered')})")
+    elif s.live_signed is False:
+        lines.append("view       its live answer, UNSIGNED (its build has no signed `view` query): not the fleet's word; "
+                     "nothing pending is shown (without --live: its signed published view)")
+    elif s.published_at is not None:
         moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")
     if s.unpublished:
