@@ -15,16 +15,15 @@ import html
 import pytest
 import pytest_asyncio
 
-from examples.fake_openai import FakeOpenAI, call, tool_calls
 from tests.conftest import BIN, Billing
 from tests.e2e.conftest import SCREENSHOT_DIR, UiEnv
 from tests.e2e.test_webui import rendered
 from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import Stack, inbox_stack
 from tests.helpers.terminal import in_terminal
+from tests.tether.test_why_beside_what import GOAL, a_model_looks_up_then_refunds
 
 EXPECT_TIMEOUT_MS = 15_000
-GOAL = "Refund order A-1001: the parcel arrived broken (ticket T-77)"
 SHOTS = SCREENSHOT_DIR / "screenshots"
 # The CLI's text as a terminal shows it, for a screenshot (the text itself is escaped: html.escape).
 TERMINAL_PAGE = """<!doctype html><meta charset="utf-8"><style>
@@ -59,20 +58,7 @@ async def test_a_newcomers_approval_of_the_demo_refund_on_every_surface(
     expect.set_options(timeout=EXPECT_TIMEOUT_MS)
     SHOTS.mkdir(parents=True, exist_ok=True)
     page = browser_page
-    # The model looks the order up (a read: it runs at once), then proposes the refund and the email.
-    with FakeOpenAI() as fake:
-        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
-        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-        fake.script(
-            tool_calls(call("get_order", {"order_id": "A-1001"})),
-            tool_calls(call("issue_refund", {"order_id": "A-1001", "amount_cents": 4999, "reason": "broken"}),
-                       call("send_email", {"to": "ada@example.com", "subject": "Your refund", "body": "Refunded."})),
-        )
-        run_id = await stack.start(requested_by="alice", goal=GOAL, planner="model", playbook=[])
-        await stack.wait(run_id, "AWAITING_APPROVAL")
-        await stack.visible(run_id)
+    run_id = await a_model_looks_up_then_refunds(stack, monkeypatch)
 
     # ------------------------------------------------------------------ the inbox
     await page.set_viewport_size({"width": 1280, "height": 720})

@@ -23,6 +23,26 @@ GOAL = "Refund order A-1001: the parcel arrived broken (ticket T-77)"
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_cents": 7550, "reason": "broken"}}]
 
 
+async def a_model_looks_up_then_refunds(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The demo refund as a newcomer's model runs it: it looks order A-1001 up (a read: it runs
+    at once), then proposes a 49.99 EUR refund and an email; alice asked. Its run id, once it
+    waits on an approver and is listed so."""
+    with FakeOpenAI() as fake:
+        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        fake.script(
+            tool_calls(call("get_order", {"order_id": "A-1001"})),
+            tool_calls(call("issue_refund", {"order_id": "A-1001", "amount_cents": 4999, "reason": "broken"}),
+                       call("send_email", {"to": "ada@example.com", "subject": "Your refund", "body": "Refunded."})),
+        )
+        run_id = await stack.start(requested_by="alice", goal=GOAL, planner="model", playbook=[])
+        await stack.wait(run_id, "AWAITING_APPROVAL")
+        await stack.visible(run_id)
+    return run_id
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(dev_env, tmp_path_factory) -> Stack:
     async with inbox_stack(dev_env, tmp_path_factory.mktemp("why")) as s:
@@ -67,19 +87,7 @@ async def test_what_the_reads_found_and_each_tools_words_are_in_the_signed_view_
     decides, the published view (signed) carries what the lookup found, as the tool's summary
     fields say (its first fields when it names none), and each tool's description and its effect
     in words; `tether status` and the inbox page show them, escaped."""
-    with FakeOpenAI() as fake:
-        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
-        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-        fake.script(
-            tool_calls(call("get_order", {"order_id": "A-1001"})),
-            tool_calls(call("issue_refund", {"order_id": "A-1001", "amount_cents": 4999, "reason": "broken"}),
-                       call("send_email", {"to": "ada@example.com", "subject": "Refund", "body": "Refunded."})),
-        )
-        run_id = await stack.start(requested_by="alice", goal=GOAL, planner="model", playbook=[])
-        await stack.wait(run_id, "AWAITING_APPROVAL")
-        await stack.visible(run_id)
+    run_id = await a_model_looks_up_then_refunds(stack, monkeypatch)
 
     status = await tether_client.status(stack.client, run_id)  # the signed published view
     assert not status.unpublished
