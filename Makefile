@@ -84,9 +84,11 @@ inbox: $(STAMP)
 	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(VENV)/bin/tether inbox --port $${TETHER_INBOX_PORT:-8900} --dev-login \
 		--policy $${TETHER_POLICY:-examples/billing/policy.toml} --key .tether/keys/inbox.pem
 
-# Refresh the Web UI screenshots (docs/*.png, shown in docs/web-ui.md) from the browser test (needs chromium).
+# Refresh the screenshots from the browser tests (needs chromium; not part of `make test`):
+# docs/webui-*.png and inbox-*.png (docs/web-ui.md, docs/inbox.md), and docs/screenshots/approval-*.png
+# (docs/approving.md: the demo refund waiting on bob in the inbox, the CLI and the Web UI).
 screenshots: $(STAMP)
-	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q  # webui-*.png and inbox-*.png
+	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q -p no:randomly
 
 # Governed vs bare Temporal loop, side by side on one dev server + one worker (bench/).
 bench: $(STAMP)

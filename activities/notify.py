@@ -85,10 +85,15 @@ def slack_text(value: object, limit: int | None = None) -> str:
 
 
 def body(event: Notification) -> dict:
-    """The JSON posted: ids, state, the escaped summary, expiry, how to approve, a link."""
+    """The JSON posted: ids, state, why (goal, who asked, on whose behalf) and what (the escaped
+    risk summary: each write, money in words, effect in words), expiry, how to approve, a link."""
     url = link(event)
     expires = event.expires_at.isoformat() if event.expires_at else None
     parts = [f"*{event.event.replace('_', ' ')}*: run {slack_text(event.run_id, 200)} ({slack_text(event.tenant, 128)}) is {event.state}"]
+    if event.goal:
+        parts.append(f"goal: {slack_text(event.goal, 600)}")
+    if event.requested_by:
+        parts.append(f"asked by {asked_by(event)}")
     if event.summary:
         parts.append(slack_text(event.summary, 1000))
     if expires:
@@ -109,8 +114,24 @@ def body(event: Notification) -> dict:
         "reason": escape_text(event.reason, 600),
         "expires_at": expires,
         "approve_command": event.approve_command,
+        "goal": escape_text(event.goal, 600),
+        "requested_by": escape_text(event.requested_by, 128),
+        "requester_verified": event.requester_verified,
+        "parent": event.parent,
+        "parent_goal": escape_text(event.parent_goal, 600),
+        "root": event.root,
         "link": url,
     }
+
+
+def asked_by(event: Notification) -> str:
+    """Who asked (signed or claimed) and, for a child run, on whose behalf; for ``text``."""
+    who = f"{slack_text(event.requested_by, 128)} ({'signed' if event.requester_verified else 'claimed'})"
+    if event.root:
+        who += f" on behalf of root run {slack_text(event.root, 200)}"
+    if event.parent:
+        who += f", for parent {slack_text(event.parent, 200)}: {slack_text(event.parent_goal, 300)}"
+    return who
 
 
 class NotifyActivities:

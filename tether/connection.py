@@ -5,7 +5,8 @@ codes, and the names of the task queue and the Worker Deployment.
 
     0 OK        done
     1 REFUSED   the run refused it (stale plan hash, four-eyes, not a member, not awaiting
-                approval, already finished) or, for a wait, the run ended other than COMPLETED
+                approval, already finished), a decision not sent (no worker to take it: nothing
+                decided) or, for a wait, the run ended other than COMPLETED
     2 USAGE     bad input, unknown run, Temporal unreachable
     3 PENDING   a decision the run accepted but has not judged yet (a slow policy check): the
                 verdict follows on the run's record (`tether status RUN`)

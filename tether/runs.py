@@ -53,6 +53,12 @@ async def published_view(description: Any) -> RunView | None:
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
     if view is None:
         return None
+    return verified_view(description, view, "")
+
+
+def verified_view(description: Any, view: RunView, what: str) -> RunView:
+    """``view`` when the fleet's key signed it for the run ``description`` names, else
+    ViewUnverified (``what``: which view, for the message; "" for the published one)."""
     from activities.audit_verify import view_problem
 
     try:
@@ -60,7 +66,7 @@ async def published_view(description: Any) -> RunView | None:
     except TetherError as e:
         why = f"it cannot be verified here ({e})"
     if why is not None:
-        raise ViewUnverified(f"unverified: {why}")
+        raise ViewUnverified(f"{what + ' ' if what else ''}unverified: {why}")
     return view
 
 

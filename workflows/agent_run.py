@@ -48,7 +48,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.published import BUILD, PREVIOUS_BUILD, STATE_ATTRIBUTE
     from workflows.contract import derived_id
     from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, ToolFailure
-    from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot
+    from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot, RunView
     from workflows.states import IllegalTransition, RunState, TransitionRecord
 
 S = RunState
@@ -363,6 +363,15 @@ class AgentRun:
         return self.engine.snapshot(
             workflow.info().workflow_id, audit_waiting=len(self.effects.audit), audit_error=self.effects.audit_error
         )
+
+    @workflow.query(
+        name="view",
+        description="The snapshot as the run stands now with its latest records, signed for this "
+        "run by the fleet's key as its published view is (RunView): a live answer a client can "
+        "check, where a keyless poller's answer would not verify.",
+    )
+    def view(self, *args: Any) -> RunView:
+        return self.effects.live_view()
 
     @workflow.query(
         name="timeline",

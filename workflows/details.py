@@ -17,7 +17,7 @@ from workflows.display import markdown_text as text
 from workflows.display import approve_command, shell_word, show_value
 from workflows import wording
 from workflows.contract import Plan, ToolCatalog, run_catalog
-from workflows.run_state import RunData, RunRequest
+from workflows.run_state import RunData, RunRequest, found_steps
 from workflows.states import RunState
 
 S = RunState
@@ -77,28 +77,53 @@ def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
     # The plan hash covers the steps' tools and arguments and the undos; the catalog entries
     # give the effect and the summary fields.
     key = (plan.plan_hash, plan.version, plan.undo is None,
-           tuple((i.effect.value, tuple(i.summary_fields)) if i else None for i in infos))
+           tuple((i.effect.value, i.destructive, i.compensate.tool if i.compensate else None, tuple(i.summary_fields),
+                  tuple(repr(((i.args_schema.get("properties") or {}).get(k) or {}).get(wording.MONEY_KEYWORD))
+                        for k in i.summary_fields)) if i else None for i in infos))
     found = _PLAN_STEPS.get(key) if plan.plan_hash else None
     if found is not None:
         return found
     lines = []
     for i, (step, info) in enumerate(zip(steps, infos), start=1):
         effect = info.effect.value if info else "?"
-        # The declared summary fields, each value only inside a code span.
+        # The declared summary fields, each value only inside a code span; money in words with
+        # the raw value beside it (``75.50 EUR (7550)``), as the CLI and the inbox say it.
         fields = [
-            f"{text(k, 40)} {code(show_value(step.args[k], 200))}"
+            f"{text(k, 40)} {code(wording.arg_words(k, step.args[k], info.args_schema, step.args) or show_value(step.args[k], 200))}"
             for k in (info.summary_fields if info else [])
             if k in step.args
         ]
         # The undo the plan hash covers, for each write (plans hashed before recovery: none).
+        undo = False
         if plan.undo is not None and info is not None and info.effect.value != "read_only":
-            comp = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
-            fields.append(f"undo {code(comp.tool, 64)}" if comp else "no recovery path")
-        lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + "".join(f" · {f}" for f in fields))
+            undo = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
+            fields.append(f"undo {code(undo.tool, 64)}" if undo else "no recovery path")
+        # What it does in plain words (unsafe: never re-run), as every other surface says it.
+        words = text(wording.effect_words(info, undo)) if info is not None and info.effect.value != "read_only" else ""
+        lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + (f" ({words})" if words else "")
+                     + "".join(f" · {f}" for f in fields))
     if len(_PLAN_STEPS) >= _PLAN_STEPS_KEPT:
         _PLAN_STEPS.clear()
     _PLAN_STEPS[key] = lines
     return lines
+
+
+def _found_lines(data: RunData, catalog: ToolCatalog, workflow_id: str) -> list[str]:
+    """What the read steps found, for the person deciding: only the fields the tool names in its
+    summary_fields (each value in a code span). The details are shown as they are, never through
+    the payload codec: other result fields (a customer's email) stay in the signed view, read by
+    `tether status` and the inbox; the line says so."""
+    lines = []
+    for f in found_steps(data.executed, catalog):
+        info = catalog.get(f.tool)
+        named = [k for k in (info.summary_fields if info else []) if k in f.fields]
+        args = ", ".join(f"{text(k, 40)} {code(show_value(v, 120))}" for k, v in f.args.items() if k in (info.summary_fields if info else []))
+        shown = " · ".join(f"{text(k, 40)} {code(show_value(f.fields[k], 120))}" for k in named)
+        rest = len(f.fields) - len(named)
+        more = (f"{'; ' if shown else ''}{rest} more field(s): {code(f'tether status {shell_word(workflow_id)}', 300)}"
+                if rest else "")
+        lines.append(f"- {code(f.tool, 64)}" + (f" ({args})" if args else "") + f" found: {shown}{more}")
+    return ["", "**What the run found:**", "", *lines] if lines else []
 
 
 def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued: bool, audit_error: str | None) -> str:
@@ -114,9 +139,15 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
         f"**Tenant** {code(request.tenant, 80)} · **requested by** {requester} · "
         f"{data.steps_executed} step(s) executed · {data.retries} retries",
     ]
-    if continued:
-        # A continued run has no static summary of its own (continue-as-new cannot set one).
+    waiting = data.pending_approval is not None and lc.state == S.AWAITING_APPROVAL
+    if continued or waiting:
+        # A continued run has no static summary of its own (continue-as-new cannot set one); a
+        # run waiting on a person shows why beside what, where that person reads it.
         lines += ["", f"**Goal:** {text(request.goal, 300)}"]
+    grant = request.grant
+    if grant is not None:  # a child acts for its tree's requester: on whose behalf, and for what
+        lines += ["", f"**On behalf of** root run {code(grant.root, 256)} · **child of** {code(grant.parent, 256)}: "
+                  f"{text(grant.parent_goal, 300)}"]
     if data.approved_by:
         lines += ["", "**Approved by** " + ", ".join(code(a, 80) for a in data.approved_by)]
     if data.last_error:
@@ -128,6 +159,8 @@ def _details(data: RunData, request: RunRequest, *, workflow_id: str, continued:
     if lc.refusals:
         lines += ["", f"**Refused events:** {sum(lc.refusals.values())} (see snapshot.refusals)"]
     plan, catalog = data.plan, run_catalog(data.catalog)
+    if waiting:
+        lines += _found_lines(data, catalog, workflow_id)
     if plan is not None and not lc.terminal:
         lines += ["", f"**Plan** v{plan.version} {code(plan.plan_hash)}", ""]
         if data.revisions:  # who revised it last, and the paths changed (values are in the steps)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from workflows.budgets import clip
 from workflows.display import approve_command
 from workflows.run_model import RunModel, notify_event
 from workflows.states import Refs
 from workflows.wire import Notification, NotificationResult
+
+GOAL_CHARS = 600  # of a goal in an event (a requester's text: bounded; the body escapes it)
 
 
 class Outbox(RunModel):
@@ -49,9 +52,23 @@ class Outbox(RunModel):
                     expires_at=waiting.expires_at if waiting else None,
                     approve_command=approve_command(self.workflow_id, waiting.plan_hash) if waiting else None,
                     reason=record.reason,
+                    **(self._why() if waiting else {}),
                 )
             )
         return out
+
+    def _why(self) -> dict[str, object]:
+        """Why the run asks, for an approval request's event: the goal, who asked and, for a
+        child, on whose behalf (its grant names the root; the requester is the root's)."""
+        grant = self.request.grant
+        return {
+            "goal": clip(self.request.goal, GOAL_CHARS),
+            "requested_by": self.request.requested_by,
+            "requester_verified": self.data.requester_verified,
+            "parent": grant.parent if grant else None,
+            "parent_goal": clip(grant.parent_goal, GOAL_CHARS) if grant else "",
+            "root": grant.root if grant else None,
+        }
 
     def notification_done(self, note: Notification, result: NotificationResult, at: datetime) -> None:
         """Webhooks no retry reached are on the record (the run did not wait for them)."""

@@ -138,6 +138,13 @@ class Publishing(Keyed):
             self.seal(self.audit)
             by_seq = {r.seq: r for r in [*timeline, *implied_links(self.audit)]}
             timeline = [by_seq[seq] for seq in sorted(by_seq)]
+        workflow.upsert_memo({VIEW_MEMO: self.signed_view(timeline).packed()})
+
+    def signed_view(self, timeline: list[TransitionRecord]) -> RunView:
+        """The run's view now, signed for this run by the fleet's key: the memo's (where it rests)
+        and the ``view`` query's (its live answer). Whoever completes a task can write a memo, and
+        whoever polls the queue can answer a query; only this signature makes either the run's
+        word (tether status, the inbox, the audit collector)."""
         info = workflow.info()
         view = RunView(
             snapshot=self.snapshot(),
@@ -145,11 +152,14 @@ class Publishing(Keyed):
             published_at=workflow.now(),
             continued_from=info.continued_run_id,
         )
-        # Signed for this run: whoever completes a task can write a memo, and only this
-        # signature makes it the run's word (tether status, the inbox, the audit collector).
         with self.keyed():
             view.sig = self.ring().sign_statement(keys.view_statement(info.workflow_id, info.run_id, keys.view_digest(view)))
-        workflow.upsert_memo({VIEW_MEMO: view.packed()})
+        return view
+
+    def live_view(self) -> RunView:
+        """The ``view`` query's answer: the view as the run stands now (its latest records, their
+        links left out), signed as the published one is."""
+        return self.signed_view([r.model_copy(update={"prev": ""}) for r in self.data.lifecycle.timeline[-VIEW_RECORDS:]])
 
     def _details(self) -> str:
         return run_details(

@@ -6,12 +6,13 @@ its result.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer, model_validator
 
-from workflows.budgets import REQUEST_BUDGET
+from workflows.budgets import FOUND_STEPS, REQUEST_BUDGET, bounded_fields
 from workflows.contract import (
     AcceptedApproval,
     Grant,
@@ -26,6 +27,7 @@ from workflows.contract import (
     PlaybookStep,
     Revision,
     ToolCatalog,
+    ToolEffect,
     ToolInfo,
     omit_defaults,
     json_digest,
@@ -322,3 +324,26 @@ _OUTCOME_OPTIONAL = frozenset({"steps", "timeline", "steps_before", "steps_diges
 
 RunData.model_rebuild()
 RunRequest.model_rebuild()
+
+
+def found_steps(executed: list[ExecutedStep], catalog: Any) -> list[ReadFound]:
+    """What the latest ok read steps (FOUND_STEPS) found: their results as the tools' summary
+    fields say, bounded to a few hundred characters a step (``bounded_fields``). Pure: the view
+    (workflows/views.py) and the Web UI's details (workflows/details.py) read the same."""
+    found = []
+    for step in executed:
+        info = catalog.get(step.tool) if catalog is not None else None
+        if step.status != "ok" or info is None or info.effect != ToolEffect.READ_ONLY or not step.observation:
+            continue
+        try:
+            result: Any = json.loads(step.observation)  # the tool's JSON (cut short: shown as text)
+        except ValueError:
+            result = {"result": step.observation}
+        if not isinstance(result, dict):
+            result = {"result": result}
+        found.append(ReadFound(
+            tool=step.tool,
+            args=bounded_fields(step.args, info.summary_fields),
+            fields=bounded_fields(result, info.summary_fields),
+        ))
+    return found[-FOUND_STEPS:]

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from workflows.budgets import FOUND_STEPS, bounded_fields, clip
-from workflows.contract import DELEGATE, ExecutedStep, ToolEffect, ToolInfo
+from workflows.budgets import clip
+from workflows.contract import DELEGATE, ExecutedStep, ToolInfo
 from workflows.run_model import RunModel, S
-from workflows.run_state import ReadFound, RunOutcome, RunSnapshot
+from workflows.run_state import ReadFound, RunOutcome, RunSnapshot, found_steps
 from workflows.states import TEMPORAL_STATUS
 
 
@@ -104,25 +103,7 @@ class Views(RunModel):
         return [info for name in names if (info := self.catalog.get(name)) is not None]
 
     def _found(self) -> list[ReadFound]:
-        """What the latest ok read steps (FOUND_STEPS) found: their results as the tools' summary
-        fields say, bounded to a few hundred characters a step (``bounded_fields``)."""
-        found = []
-        for step in self.data.executed:
-            info = self.catalog.get(step.tool) if self.data.catalog is not None else None
-            if step.status != "ok" or info is None or info.effect != ToolEffect.READ_ONLY or not step.observation:
-                continue
-            try:
-                result: Any = json.loads(step.observation)  # the tool's JSON (cut short: shown as text)
-            except ValueError:
-                result = {"result": step.observation}
-            if not isinstance(result, dict):
-                result = {"result": result}
-            found.append(ReadFound(
-                tool=step.tool,
-                args=bounded_fields(step.args, info.summary_fields),
-                fields=bounded_fields(result, info.summary_fields),
-            ))
-        return found[-FOUND_STEPS:]
+        return found_steps(self.data.executed, self.catalog if self.data.catalog is not None else None)
 
     def final_failure(self) -> str | None:
         """A run that ended FAILED or EXECUTION_FAILED fails its execution (Temporal's status
@@ -133,4 +114,5 @@ class Views(RunModel):
         timeline = self.data.lifecycle.timeline
         final = next((r.reason for r in reversed(timeline) if r.kind == "transition"), "")
         return f"run ended {state.value}: {clip(final, 300)}"
+
 

@@ -513,6 +513,14 @@ class Notification(BaseModel):
     expires_at: datetime | None = None
     approve_command: str | None = None
     reason: str = ""  # the record's reason, escaped
+    # Why the run asks (an approval request's): its goal (bounded; escaped in the body), who asked (signed or
+    # claimed) and, for a child run, its parent's goal and its tree's root (on whose behalf).
+    goal: str = ""
+    requested_by: str = ""
+    requester_verified: bool = False
+    parent: str | None = None
+    parent_goal: str = ""
+    root: str | None = None
     max_attempts: int = 4  # the last attempt reports dead webhooks instead of failing
 
 

@@ -130,10 +130,18 @@ async def signed_events_and_a_dead_webhook(
         f'[notify.webhooks.pager]\nurl = "{dead.url}"\nevents = ["awaiting_approval"]\n'
     )
     async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(policy))) as worker:
-        handle = await start_run(ts_env.client, worker, make_request([READ, REFUND]))
+        goal = "Refund A-1002: late <parcel> \x1b[2J & more"
+        handle = await start_run(ts_env.client, worker, make_request([READ, REFUND], goal=goal))
         snap = await wait_for_state(handle, "AWAITING_APPROVAL")
         await until(lambda: good.events)
         event = good.events[0]
+        # The why beside the what, in the signed body: the goal (escaped), who asked, and each
+        # write with its money and its effect in words.
+        assert event["goal"] == "Refund A-1002: late <parcel> \\x1b[2J & more", event["goal"]
+        assert (event["requested_by"], event["requester_verified"], event["root"]) == ("alice", False, None)
+        assert "goal: Refund A-1002: late &lt;parcel&gt; \\x1b[2J &amp; more" in event["text"], event["text"]
+        assert "asked by alice (claimed)" in event["text"] and "\x1b" not in event["text"]
+        assert "issue_refund (can be undone by void_refund" in event["summary"], event["summary"]
         pending = snap.pending_approval
         assert event["event"] == "awaiting_approval" and event["run_id"] == handle.id
         assert (event["tenant"], event["state"], event["plan_hash"], event["request_id"]) == (
@@ -143,7 +151,7 @@ async def signed_events_and_a_dead_webhook(
         assert event["approve_command"] == f"tether approve {handle.id} --by NAME --plan-hash {pending.plan_hash[:12]}"
         assert event["link"].endswith(f"/workflows/{handle.id}") and event["link"] in event["text"]
         # Values only as the tools' declared summary fields (order, amount): never the reason text.
-        assert "amount_cents=70.00 EUR (7000)" in event["summary"] and "parcel" not in json.dumps(event)
+        assert "amount_cents=70.00 EUR (7000)" in event["summary"] and "parcel</b>" not in json.dumps(event)
         assert event["text"].startswith("*awaiting approval*: run ")
 
         # The very same request again (a replay) and a forged one: the receiver refuses both.

@@ -26,12 +26,22 @@ class RogueRun:
 
     def __init__(self) -> None:
         self.answer: dict[str, Any] = {}
+        self.view: dict[str, Any] | None = None
         self.got: list[Any] = []
 
     @workflow.run
     async def run(self, answer: dict[str, Any]) -> None:
+        # ``__view__``: what it answers the ``view`` query with (a real run's signed view it
+        # copied); without one it does not answer that query.
+        self.view = answer.pop("__view__", None)
         self.answer = answer
         await workflow.wait_condition(lambda: False)
+
+    @workflow.query(name="view")
+    def view_query(self) -> dict[str, Any]:
+        if self.view is None:
+            raise RuntimeError("no such query here")
+        return self.view
 
     @workflow.query(name="snapshot")
     def snapshot(self) -> dict[str, Any]:
@@ -66,12 +76,16 @@ class Rogue:
 
 
 @asynccontextmanager
-async def rogue_run(client: Client, answer: dict[str, Any], *, tenant: str, run_id: str | None = None) -> AsyncIterator[Rogue]:
+async def rogue_run(
+    client: Client, answer: dict[str, Any], *, tenant: str, run_id: str | None = None, view: dict[str, Any] | None = None
+) -> AsyncIterator[Rogue]:
     """Start the rogue's run (``answer`` is its ``snapshot``; its run_id is set to the run's) and
     serve it until the block ends, then end it."""
     run_id = run_id or f"urgent-refund-{uuid.uuid4().hex[:8]}"
     queue = f"rogue-{uuid.uuid4().hex[:8]}"
     answer = {**answer, "run_id": run_id, "tenant": tenant}
+    if view is not None:
+        answer["__view__"] = view
     async with Worker(client, task_queue=queue, workflows=[RogueRun]):
         handle = await client.start_workflow(
             "AgentRun", answer, id=run_id, task_queue=queue,

@@ -50,8 +50,9 @@ async def test_a_stopped_worker_is_named_by_start_wait_status_and_approve(
     assert code == 1 and out.startswith("started run-") and message in err, (code, out, err)
     assert len(err.strip().splitlines()) == 1, err
     # status answers from what the run published, and says no worker serves its queue (issue 34);
-    # approve needs a worker to judge the decision: one line naming the queue and the fix, exit 2.
+    # approve needs a worker to judge the decision: not sent, one line naming the queue and the
+    # fix, exit 1 (refused: nothing decided; never 2, which says the input was wrong).
     code, out, err = await cli("status", run_id)
     assert code == 0 and "AWAITING_APPROVAL" in out and f"'{queue}'" in out and "no worker" in out, (code, out, err)
     code, out, err = await cli("approve", run_id, "--by", "bob", "--unreviewed")
-    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (code, out, err)
+    assert code == 1 and "not sent" in err and message in err and len(err.strip().splitlines()) == 1, (code, out, err)

@@ -124,7 +124,11 @@ async def test_hostile_text_reaches_no_terminal_and_no_markdown_unescaped(
         details = (await handle.query("__temporal_workflow_metadata")).current_details
         assert details.startswith("**State:** `AWAITING_APPROVAL`")
         no_control(details)
-        prose = outside_code_spans(details)
+        # The goal, shown while the run waits on a person (the why beside the what): prose,
+        # escaped and inert; everything else a sender wrote only inside code spans.
+        [goal] = [line for line in details.splitlines() if line.startswith("**Goal:** ")]
+        assert_inert(outside_code_spans(goal))
+        prose = outside_code_spans(details.replace(goal, ""))
         for live in ("click", "evil", "<img", "APPROVED by", "\n# Approved", "1200"):
             assert live not in prose, (live, prose)
         assert "subject `" in details and "\\x1b[2J" in details
@@ -203,7 +207,7 @@ async def test_a_run_nobody_serves_says_so_within_two_seconds(dev_env: WorkflowE
         (["start", "--goal", "g", "--playbook", str(playbook), "--requested-by", "alice", "--id", run_id,
           "--wait", "--wait-timeout", "600"], 1),
         (["status", run_id], 2),
-        (["approve", run_id, "--by", "bob", "--unreviewed"], 2),
+        (["approve", run_id, "--by", "bob", "--unreviewed"], 1),  # refused: not sent, nothing decided
         (["timeline", run_id], 2),
         (["handoff", run_id, "--by", "dana", "--reason", "r"], 2),
     ):

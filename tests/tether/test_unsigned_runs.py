@@ -88,3 +88,32 @@ async def test_a_started_only_run_answering_queries_is_never_listed_or_offered_f
         assert "not published yet" in err, err
 
         assert await rogue.received() == []  # no decision ever reached the rogue's code
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_status_live_reads_the_runs_signed_answer_and_never_an_unsigned_one_as_the_run(stack: Stack, dev_env) -> None:
+    """`tether status --live`: a run of this build answers its ``view`` query signed by the
+    fleet's key for itself, checked as its published view is (its pending approval shown, with
+    the command to approve). A keyless poller that copies that signed answer for a run of its own
+    is refused (the signature names the real run); one that answers no ``view`` query is shown
+    only as its unsigned answer, marked, with nothing pending."""
+    real = await stack.start(requested_by="alice")
+    await stack.wait(real, "AWAITING_APPROVAL")
+    cli = Cli(dev_env, stack.worker)
+    code, out, err = await cli("status", real, "--live")
+    assert code == 0, err
+    assert "view       its live answer, signed by the fleet's key (as answered at " in out, out
+    assert "state      AWAITING_APPROVAL" in out and "approve: " in out, out
+    signed = await stack.client.get_workflow_handle(real).query("view")
+    answer = (await tether_client.snapshot(stack.client, real)).model_dump(mode="json")
+
+    async with rogue_run(stack.client, answer, tenant=stack.tenant, view=signed) as rogue:
+        code, out, err = await cli("status", rogue.run_id, "--live")
+        assert code != 0 and "its live answer unverified" in err and "AWAITING_APPROVAL" not in out, (code, out, err)
+        code, out, err = await cli("approve", rogue.run_id, "--by", "bob", "--unreviewed")
+        assert code == tether_client.REFUSED and await rogue.received() == [], (code, out, err)
+    async with rogue_run(stack.client, answer, tenant=stack.tenant) as rogue:
+        code, out, err = await cli("status", rogue.run_id, "--live")
+        assert code == 0, err
+        assert "state      not published yet (its live answer, unsigned" in out and "approve: " not in out, out
+    await stack.client.get_workflow_handle(real).cancel()

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tether.cli.base import add_command, client
-from tether.cli.output import found_lines, invoked_as, print_verdict, step_lines
+from tether.cli.output import asked_by, found_lines, invoked_as, print_verdict, step_lines
 from tether.cli.plans import load_steps_file, parse_edits, revision_diff
 from workflows.display import escape_text as show  # the standard library's alone
 
@@ -67,8 +67,10 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
         assert snap.plan is not None
         if asks:  # the why beside the what, before the person is asked
             goal = await client.run_goal(conn, args.run)
-            print(f"run {show(args.run)}: asked by {show(snap.requested_by)} "
-                  f"({'signed' if snap.requester_verified else 'claimed'}): {show(goal or '(goal not readable here)', 600)}")
+            root = await client.root_of(conn, snap) if snap.parent else None
+            print(f"run {show(args.run)}: asked by {asked_by(snap, root)}: {show(goal or '(goal not readable here)', 600)}")
+            if snap.parent:  # a child: the parent's goal it works toward
+                print(f"child of {show(snap.parent)}: {show(snap.parent_goal, 300)}")
         print(f"{kind} plan v{snap.plan.version} {show(plan_hash)} of run {show(args.run)}, request "
               f"{show(pending.request_id)} ({client.approvals_needed(pending)}):")
         for line in [*found_lines(snap.found), *step_lines(snap.plan, snap.tools)]:

@@ -97,6 +97,17 @@ def _tree_lines(tree: list[client.ChildSpend]) -> list[str]:
     return lines
 
 
+def asked_by(snap: object, root: str | None) -> str:
+    """Who asked (signed or claimed) and, for a child run, on whose behalf: its delegation tree's
+    root (a child's requester is its root's); escaped."""
+    who = f"{show(snap.requested_by)} ({'signed' if snap.requester_verified else 'claimed'})"  # type: ignore[attr-defined]
+    if not snap.parent:  # type: ignore[attr-defined]
+        return who
+    if root is None:
+        return f"{who}, on behalf of the root of its tree (not readable from a signed view here)"
+    return f"{who}, on behalf of root run {show(root)}"
+
+
 def format_status(s: client.RunStatus) -> str:
     """A run's status for a terminal. Everything a requester, model, tool or signal sender could
     have written (ids, reasons, summaries, arguments, answers) goes through workflows/display.py."""
@@ -113,7 +124,7 @@ def format_status(s: client.RunStatus) -> str:
         if s.goal is not None:
             lines.append(f"goal       {show(s.goal, 600)}")
         if s.requested_by:
-            lines.append(f"asked by   {show(s.requested_by)} ({'signed' if s.requester_verified else 'claimed'})")
+            lines.append(f"asked by   {asked_by(s, s.root)}")
     if s.parent:  # a child run: whose, and what its grant gives it
         lines.append(f"child of   {show(s.parent)} (depth {s.depth}): {show(s.parent_goal, 200)}")
         lines.append(f"grant      tools {', '.join(show(t) for t in s.grant_tools)}")
@@ -129,7 +140,12 @@ def format_status(s: client.RunStatus) -> str:
     else:
         for child in s.children:
             lines.append(f"child      {show(child)}  ({invoked_as()} status {show(shlex.quote(child))})")
-    if s.published_at is not None:
+    if s.live_signed is True and s.published_at is not None:
+        lines.append(f"view       its live answer, signed by the fleet's key ({client.freshness(s.published_at).replace('published', 'answered')})")
+    elif s.live_signed is False:
+        lines.append("view       its live answer, UNSIGNED (its build has no signed `view` query): not the fleet's word; "
+                     "nothing pending is shown (without --live: its signed published view)")
+    elif s.published_at is not None:
         moved = f"; listed as {show(s.listed_state)} since (--live for now)" if s.listed_state else ""
         lines.append(f"view       {client.freshness(s.published_at)}{moved}")
     if s.unpublished:

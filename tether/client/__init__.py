@@ -45,7 +45,7 @@ from tether.client.shown import (
 )
 from tether.client.sink import ledger_standing, undo_standing
 from tether.client.reads import (
-    TREE_NODES, ChildSpend, RunStatus, closed_note, read_run, run_goal, run_outcome, snapshot, status, timeline,
+    TREE_NODES, ChildSpend, RunStatus, closed_note, read_run, root_of, run_goal, run_outcome, snapshot, status, timeline,
     tree_spend, unserved, wait_settled,
 )
 from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full_timeline
@@ -152,6 +152,7 @@ __all__ = [
     "revised_steps",
     "rpc_error",
     "run_build",
+    "root_of",
     "run_goal",
     "run_outcome",
     "served_tools",

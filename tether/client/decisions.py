@@ -266,6 +266,24 @@ def _unmatched(error: TetherError, snap: RunSnapshot, given: str) -> TetherError
 async def pending_request(
     client: Client, run_id: str, *, held: RunSnapshot | None = None
 ) -> tuple[RunSnapshot, PendingApproval]:
+    """``_pending_request``; a run no worker serves now is REFUSED (exit 1): nothing is sent, so
+    nothing is decided (never USAGE: the person's input was fine, the outcome is "not sent")."""
+    try:
+        return await _pending_request(client, run_id, held=held)
+    except TetherError as e:
+        if e.rule != "no_worker":
+            raise
+        raise not_sent(e, run_id) from None
+
+
+def not_sent(error: TetherError, run_id: str) -> TetherError:
+    """A decision refused before it was sent (no worker to take it): REFUSED, saying so."""
+    return TetherError(f"not sent: nothing was decided on run {run_id}: {error}", REFUSED, rule=error.rule)
+
+
+async def _pending_request(
+    client: Client, run_id: str, *, held: RunSnapshot | None = None
+) -> tuple[RunSnapshot, PendingApproval]:
     """The run's pending request, read from the view it published and the fleet's key signed
     (a worker is there to take a decision), or REFUSED.
 
@@ -386,7 +404,8 @@ async def _send_decision(
                 # run's task, however long that is (a task retried after timing out on a worker
                 # that is gone included). Sent, pending; never "not sent".
                 raise await _sent_untaken(client, run_id, decision.decision_id, timeout) from None
-            raise await no_answer(client, run_id, timeout) from None
+            # Temporal says it holds no such Update: nothing was sent.
+            raise not_sent(await no_answer(client, run_id, timeout), run_id) from None
         except asyncio.TimeoutError:
             # Accepted: it is on the run's record, and will be judged; not an error, not a verdict.
             raise pending_verdict from None

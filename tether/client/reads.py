@@ -18,11 +18,11 @@ from temporalio.service import RPCError
 from workflows.display import escape_text
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.contract import DELEGATE, ExecutedStep
-from workflows.run_state import RunOutcome, RunSnapshot
+from workflows.run_state import RunOutcome, RunSnapshot, RunView
 from workflows.wire import UNKNOWN_TOOL
 from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
-from tether.runs import StuckTask, ViewUnverified, describe as _describe, open_children, published_view, stuck_task
+from tether.runs import StuckTask, ViewUnverified, describe as _describe, open_children, published_view, stuck_task, verified_view
 from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
 from tether.pollers import live_pollers, served_by
 from tether.client.sink import _sink_records, ledger_standing
@@ -55,8 +55,12 @@ class RunStatus(RunSnapshot):
     closed_by_temporal: str | None = None
     # The run's record of the latest decision or handoff (its verdict, once the run has one).
     last_decision: TransitionRecord | None = None
-    # Read from what the run published (its memo) at this workflow time; None: read live (queries).
+    # Read from what the run published (its memo), or its signed live answer, at this workflow
+    # time; None: read live from its unsigned queries.
     published_at: datetime | None = None
+    # Read live (``live``): True from its signed ``view`` answer; False from its unsigned
+    # ``snapshot`` (a build without the view query: nothing pending, never the run's word).
+    live_signed: bool | None = None
     # The state the run is listed in (AgentRunState) when it has moved on since it published.
     listed_state: str | None = None
     task_queue: str | None = None
@@ -70,6 +74,9 @@ class RunStatus(RunSnapshot):
     ledger_error: str | None = None
     # The goal it was started with (``run_goal``): read by ``status`` for a run whose view verified.
     goal: str | None = None
+    # A child run's root (``root_of``): the run whose requester it acts for (its ``requested_by``
+    # is the root's). None: a root, or a child whose ancestors' signed views could not be read.
+    root: str | None = None
     # Set when the run has published no signed view yet: what is shown is only what Temporal
     # lists of it (its state, a claim; its start), or with ``live`` its unsigned answer, and
     # nothing pending (no Approve is offered on it).
@@ -131,6 +138,53 @@ async def run_goal(client: Client, run_id: str) -> str | None:
     return None
 
 
+# A tree is at most the policy's max_depth deep (Grant.depth <= 16): the walk up stops there.
+ROOT_HOPS = 16
+
+
+async def root_of(client: Client, snap: RunSnapshot) -> str | None:
+    """The root of a child run's delegation tree: on whose behalf it acts (a child's
+    ``requested_by`` is its root's requester). Walked up from parent to parent, each read from its
+    own signed view (never a query answer). None: ``snap`` is a root, or an ancestor's view could
+    not be read or verified (then nobody's word names the root)."""
+    parent = snap.parent
+    for _ in range(ROOT_HOPS):
+        if not parent:
+            return None
+        try:
+            view = await published_view(await _describe(client, parent))
+        except TetherError:
+            return None
+        if view is None:
+            return None
+        if not view.snapshot.parent:
+            return parent
+        parent = view.snapshot.parent
+    return None
+
+
+async def live_view(client: Client, description: Any) -> RunView | None:
+    """The run's ``view`` query: its view as it stands now, signed by the fleet's key for this
+    run as its published view is, and checked the same way (ViewUnverified otherwise: a keyless
+    poller's answer, or another run's). None: the run does not answer it (a build without the
+    query, or a failed query): only its unsigned ``snapshot`` is there, never the run's word."""
+    handle = client.get_workflow_handle(description.id)
+    try:
+        view = await handle.query("view", result_type=RunView, rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as e:
+        if timed_out(e):
+            raise await no_answer(client, description.id, QUERY_TIMEOUT.total_seconds()) from None
+        raise rpc_error(e, description.id) from None
+    except WorkflowQueryFailedError:
+        return None
+    if not isinstance(view, RunView):
+        raise ViewUnverified(f"run {description.id}: its live answer is not a view; nothing of it is shown as the run's")
+    try:
+        return verified_view(description, view, "its live answer")
+    except ViewUnverified as e:
+        raise ViewUnverified(f"run {description.id}: {e}; nothing of it is shown as the run's") from None
+
+
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
@@ -155,6 +209,7 @@ async def status(client: Client, run_id: str, *, live: bool = False, goal: bool 
     result = (await read_run(client, run_id, live=live))[0]
     if goal and not result.unpublished:  # ``goal``: for a person to read (not a wait's end)
         result.goal = await run_goal(client, run_id)
+        result.root = await root_of(client, result)
     if result.ended:
         result.compensations, result.ledger_error = await ledger_standing(result.compensations)
     if goal:  # its children: those its view names, and its open ones as the server records them
@@ -248,18 +303,29 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
                 f"; no decision can be sent to it until it publishes")
         records: list[TransitionRecord] = []
         snap = None
-        if live:
+        signed = await live_view(client, description) if live else None
+        if signed is not None:
+            # Its live answer, signed by the fleet's key for this run: the run's word, as of now.
+            records = signed.timeline
+            result = RunStatus(**signed.snapshot.model_dump(), published_at=signed.published_at, live_signed=True)
+        elif live:
             # As the run answers now, shown for its progress only: unsigned, nothing pending.
             snap = (await snapshot(client, run_id)).model_copy(update={"pending_approval": None})
             records = await timeline(client, run_id)
             note += " (the state below is the run's live answer, unsigned)"
-        result = RunStatus(**(snap or _listed_snapshot(description)).model_dump(), unpublished=note)
-        if snap is None:
-            result.listed_state = listed
+        if signed is None:
+            result = RunStatus(**(snap or _listed_snapshot(description)).model_dump(), unpublished=note)
+            if snap is None:
+                result.listed_state = listed
     elif live:
-        snap = await snapshot(client, run_id)
-        records = await timeline(client, run_id)
-        result = RunStatus(**snap.model_dump())
+        signed = await live_view(client, description)
+        if signed is not None:  # the run's word as of now, signed as its published view is
+            records = signed.timeline
+            result = RunStatus(**signed.snapshot.model_dump(), published_at=signed.published_at, live_signed=True)
+        else:  # a build without the signed answer: shown marked unsigned, nothing pending
+            snap = (await snapshot(client, run_id)).model_copy(update={"pending_approval": None})
+            records = await timeline(client, run_id)
+            result = RunStatus(**snap.model_dump(), live_signed=False)
     else:
         # The view holds the latest few records, and the run does not publish it again for every
         # decision it refuses while it waits (a flood would write one each): the audit sink has

@@ -76,6 +76,7 @@ class Inbox:
     key_path: Path | None = None
     public_key: str | None = None
     goals: dict[str, str] = field(default_factory=dict)  # run id -> its goal (``_goal``)
+    roots: dict[str, str] = field(default_factory=dict)  # child run id -> its tree's root (``_root``)
 
     # ------------------------------------------------------------------ identity
 
@@ -162,7 +163,7 @@ class Inbox:
                     if queue and queue not in served:
                         served[queue] = await tether.served_tools(temporal, queue)
                     missing = tether.unserved(snap, served.get(queue)) if queue else []
-                    rows.append({**self._row(snap, now), "as_of": self._as_of(published_at, now),
+                    rows.append({**self._row(snap, now), **await self._why(snap), "as_of": self._as_of(published_at, now),
                                  "waits_for": tether.unserved_message(queue, missing) if missing and queue else None})
         rows.sort(key=lambda r: r["expires_at"])
         return rows
@@ -258,15 +259,10 @@ class Inbox:
         return {
             "run_id": snap.run_id,
             "tenant": snap.tenant,
-            "goal": await self._goal(snap.run_id),
+            **await self._why(snap),
             "state": snap.state.value,
             "state_version": snap.state_version,
             "ended": snap.state in TERMINAL,
-            "requested_by": snap.requested_by,
-            "requester_verified": snap.requester_verified,
-            # A child run: its parent and the parent's goal (from the run's signed view).
-            "parent": snap.parent,
-            "parent_goal": snap.parent_goal,
             "plan_hash": snap.plan.plan_hash if snap.plan else None,
             "plan_version": snap.plan.version if snap.plan else 0,
             "steps": steps,
@@ -302,6 +298,31 @@ class Inbox:
             "stuck": None if snap.stuck is None else f"its workflow task keeps failing (attempt {snap.stuck.attempt}): {snap.stuck.error}",
             "web_ui": f"{self.config.web_ui.rstrip('/')}/namespaces/{quote(self.config.namespace)}/workflows/{quote(snap.run_id)}",
         }
+
+    async def _why(self, snap: RunSnapshot) -> dict[str, Any]:
+        """Why the run asks, beside what it will do: its goal, who asked (signed or claimed)
+        and, for a child, its parent's goal and the root it acts for (from signed views)."""
+        return {
+            "goal": await self._goal(snap.run_id),
+            "requested_by": snap.requested_by,
+            "requester_verified": snap.requester_verified,
+            "parent": snap.parent,
+            "parent_goal": snap.parent_goal,
+            "root": await self._root(snap),
+        }
+
+    async def _root(self, snap: RunSnapshot) -> str | None:
+        """A child run's root (``client.root_of``), read once per run: a tree's root never changes."""
+        if not snap.parent:
+            return None
+        if snap.run_id not in self.roots:
+            root = await tether.root_of(await self.client(), snap)
+            if root is None:
+                return None  # read again next time
+            if len(self.roots) >= MAX_GOALS_KEPT:
+                self.roots.pop(next(iter(self.roots)))
+            self.roots[snap.run_id] = root
+        return self.roots[snap.run_id]
 
     async def _goal(self, run_id: str) -> str | None:
         """The run's goal (``client.run_goal``), read once per run: a run's start never changes."""
