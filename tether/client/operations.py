@@ -206,7 +206,7 @@ async def cancel(
         )
         result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
     except WorkflowUpdateFailedError as e:
-        raise _refused_update(e) from None
+        raise _refused_update(e, "cancel") from None
     except (WorkflowUpdateRPCTimeoutOrCancelledError, asyncio.TimeoutError):
         if update is None:
             raise await no_answer(client, run_id, timeout) from None
