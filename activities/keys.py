@@ -33,11 +33,12 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Interceptor, WorkflowInboundInterceptor, WorkflowInterceptorClassInput
@@ -218,7 +219,11 @@ class KeyRingInterceptor(Interceptor):
         return None
 
 
-def attest(ring: ring_math.KeyRing, request: Any, result: Any) -> Any:
+# An activity answer (a pydantic model with an ``attestation`` field), given back attested.
+Answer = TypeVar("Answer", bound=BaseModel)
+
+
+def attest(ring: ring_math.KeyRing, request: Any, result: Answer) -> Answer:
     """An activity's answer, attested for the run that asked (its workflow id and this activity's
     id come from the server's task, never from the request)."""
     info = activity.info()

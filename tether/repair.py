@@ -245,7 +245,7 @@ async def _reset_point(
     # A worker's own configuration (TetherPlugin), with the fleet's ring (TETHER_STATE_KEY_FILE):
     # replay checks every seal and attestation.
     replayer = create_replayer(workflows=workflows, data_converter=client.data_converter)
-    skipped = []
+    skipped: list[int] = []
     for candidate in list(reversed(completed))[:REPAIR_CANDIDATES]:
         started = candidate.workflow_task_completed_event_attributes.started_event_id
         if settled and _pending_at(events, tools, started):

@@ -77,9 +77,9 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
             dropped = [n for n in range(1, len(snap.plan.steps) + 1) if n not in steps]
             print(f"  only step(s) {', '.join(map(str, steps))}; dropped from the plan: "
                   f"{', '.join(map(str, dropped)) or 'none'}")
-        queue = getattr(snap, "task_queue", None)
+        queue = snap.task_queue if isinstance(snap, client.RunStatus) else None
         missing = client.unserved(snap, await client.served_tools(conn, queue)) if kind == "approve" and queue else []
-        if missing:  # as the inbox says beside Approve: the approval is kept, its writes wait
+        if missing and queue:  # as the inbox says beside Approve: the approval is kept, its writes wait
             print(f"warning: {client.unserved_message(queue, missing)}")
     if asks:
         try:

@@ -9,10 +9,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tether.cli.base import USAGE, add_command, client
 from workflows.display import escape_text as show  # the standard library's alone
+
+if TYPE_CHECKING:
+    from activities.judgements import JudgementLog
 
 # `tether policy what-if` / `explain`: the judgement log could not be read at all (a missing file,
 # no permission, the database down); after 0-3 (client.py), apart from 2 "NEW_POLICY is invalid".
@@ -155,15 +158,16 @@ def what_if(args: argparse.Namespace) -> int:
     changes = judge_again(recorded, proposed)
     runs = {e.get("workflow_id") for e in recorded}
     for change in changes:
-        e = change.entry
-        who = f" by {e['person']}" if e.get("person") else ""
-        step = e.get("request", {}).get("resource", {})
+        entry = change.entry
+        who = f" by {entry['person']}" if entry.get("person") else ""
+        step = entry.get("request", {}).get("resource", {})
         what = f" step {step.get('id')}" if isinstance(step, dict) and step.get("type", "").endswith("Step") else ""
-        amounts = _step_amounts(e)
-        was = "allowed" if e.get("allowed") else f"refused ({e.get('rule')})"
+        amounts = _step_amounts(entry)
+        was = "allowed" if entry.get("allowed") else f"refused ({entry.get('rule')})"
         now = "allowed" if change.allowed else f"refused ({change.rule})"
         by = ", ".join(change.policies) or "no policy"
-        print(show(f"{e.get('workflow_id')} {e.get('at', '')[:19]} {e.get('check')} {e.get('action')}{who}{what}"
+        print(show(f"{entry.get('workflow_id')} {entry.get('at', '')[:19]} {entry.get('check')} "
+                   f"{entry.get('action')}{who}{what}"
                    f"{' (' + amounts + ')' if amounts else ''}: {was} -> {now} by {by}: {change.meaning}", 600))
     if uncompared := before_escalation(recorded, proposed):
         print(f"note: {uncompared} plan(s) that needed approval were logged before judgement lines recorded their "
@@ -173,7 +177,7 @@ def what_if(args: argparse.Namespace) -> int:
     return client.REFUSED if changes else client.OK
 
 
-def read_judgements(log: Any, **filters: Any) -> list[dict[str, Any]]:
+def read_judgements(log: JudgementLog, **filters: Any) -> list[dict[str, Any]]:
     """The judgement log's signed judgement lines (explain, what-if): the lines of another shape
     and those the fleet did not sign are skipped and counted on stderr (they change no exit code);
     a log that cannot be read at all is exit LOG_UNREADABLE, apart from "NEW_POLICY is invalid"."""
@@ -197,7 +201,7 @@ def _step_amounts(entry: dict[str, Any]) -> str:
     resource = entry.get("request", {}).get("resource")
     if not isinstance(resource, dict) or not str(resource.get("type", "")).endswith("Step"):
         return ""
-    step = next((e for e in entry.get("entities", []) if e.get("uid") == resource), {})
+    step: dict[str, Any] = next((e for e in entry.get("entities", []) if e.get("uid") == resource), {})
     tool = step.get("attrs", {}).get("tool") if isinstance(step.get("attrs"), dict) else None
     return " ".join(str(w) for w in (tool, _amount_words(step)) if w)
 

@@ -30,12 +30,12 @@ from tether.connection import (
     checkout_stack, connect, connect_config, deployment_name, exit_process, rpc_error, task_queue, timed_out,
 )
 from tether.repair import RepairResult, repair, reset_judged
-from tether.pollers import served_tools
+from tether.pollers import HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, served_tools
 from tether.runs import StuckTask, ViewUnverified, public_keys, published_view, stuck_task
 
 from tether.client.errors import invalid
 from tether.client.workers import (
-    HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, TAKE_SECONDS, has_worker, no_answer, no_worker_message,
+    TAKE_SECONDS, has_worker, no_answer, no_worker_message,
     require_worker, start_worker_hint, unserved_message, untaken_message, untaken_seconds, worker_serving,
 )
 from tether.client.signing import ensure_keys, keygen, load_private_key, sign, sign_request

@@ -35,7 +35,8 @@ from tether.connection import PENDING, REFUSED, TetherError, rpc_error
 from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
 from tether.runs import ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.errors import _refused, _refused_update, invalid
-from tether.client.workers import PROBE_TIMEOUT, has_worker, no_answer, no_worker_message, require_worker
+from tether.pollers import PROBE_TIMEOUT
+from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign
 from tether.client.shown import approval_offer_problem
 from tether.client.reads import RunStatus, read_run, snapshot, timeline
@@ -169,7 +170,7 @@ def _refuse_folded(name: str) -> None:
 
 def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
     """The whole plan as ``{tool, args}`` steps with the edits applied (the run validates it)."""
-    steps = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
+    steps: list[dict[str, Any]] = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
     for number, key, value in edits:
         if number > len(steps):
             raise TetherError(f"--step {number}: the pending plan has {len(steps)} step(s)", REFUSED)
@@ -193,7 +194,8 @@ async def revise(
     snap, pending = await pending_request(client, run_id, held=held)
     _refuse_folded(given.by)
     try:
-        revision = ReviseDecideRequest(
+        # The steps as the user gave them, validated here (as the run validates them).
+        revision = ReviseDecideRequest.model_validate(dict(
             kind="revise",
             decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
             editor=given.by,
@@ -202,7 +204,7 @@ async def revise(
             steps=steps,
             reason=given.reason or "",
             attested_by=given.attest_as,
-        )
+        ))
     except ValidationError as e:
         raise invalid("revision", e) from None
     if given.key is not None:
@@ -280,7 +282,8 @@ async def pending_request(
     the steps shown must hash to the plan hash the request binds (``approval_offer_problem``),
     or nothing is offered."""
     signed = isinstance(held, RunStatus) and held.published_at is not None and not held.unpublished
-    if signed and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
+    if signed and isinstance(held, RunStatus) and held.state == RunState.AWAITING_APPROVAL \
+            and held.pending_approval is not None:
         if held.worker_serving is False and held.task_queue is not None:
             raise TetherError(no_worker_message(held.task_queue), rule="no_worker")  # as its probe said
         return held, held_request(held)
@@ -471,7 +474,7 @@ def _task_failing(err: RPCError) -> bool:
     return err.status == RPCStatusCode.FAILED_PRECONDITION and "workflow task in failed state" in err.message.lower()
 
 
-async def _pending_task(handle: WorkflowHandle) -> Any:
+async def _pending_task(handle: WorkflowHandle[Any, Any]) -> Any:
     """The run's pending workflow task (STARTED: a worker is working on the run right now;
     attempt > 1: it keeps failing); None: none, or the run cannot be described."""
     try:

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel
+from temporalio.api.deployment.v1 import WorkerDeploymentVersion
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -43,7 +42,7 @@ def _deployment_error(err: RPCError, deployment: str) -> TetherError:
     return rpc_error(err, deployment)
 
 
-def _routed_build(version: Any, legacy: str) -> str | None:
+def _routed_build(version: WorkerDeploymentVersion | None, legacy: str) -> str | None:
     """The build a routing field names (None: unversioned workers, or nothing)."""
     if version is not None and version.build_id:
         return version.build_id

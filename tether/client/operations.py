@@ -18,6 +18,7 @@ from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateHandle,
     WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
@@ -51,7 +52,7 @@ async def start_run(
     run_id: str,
     queue: str | None = None,
     allow_id_reuse: bool = False,
-) -> WorkflowHandle:
+) -> WorkflowHandle[Any, Any]:
     """Start an AgentRun the one way: search attributes and Web UI summary set from the start.
 
     The id of a run that has finished is not reused unless asked for: decisions and signatures
@@ -149,11 +150,12 @@ def planner_refusal(planner: str) -> TetherError | None:
         names = [spec.partition("=")[0].strip() for spec in configured.split(",") if spec.strip()]
         where = "TETHER_PLANNERS"
     else:
-        names = checkout_stack().get("planners")
-        if not isinstance(names, list):
+        listed = checkout_stack().get("planners")
+        if not isinstance(listed, list):
             return None
+        names = [str(n) for n in listed]
         where = "the dev stack's worker"
-    known = sorted({*BUILTIN_PLANNERS, *map(str, names)})
+    known = sorted({*BUILTIN_PLANNERS, *names})
     if planner in known:
         return None
     near = difflib.get_close_matches(planner, known, n=3, cutoff=0.6)
@@ -198,7 +200,7 @@ async def cancel(
             plan_hash="", kind="cancel", decision_id=request.decision_id, signer=request.by,
         )
         request.signature = sign(key, payload)
-    update = None
+    update: WorkflowUpdateHandle[DecideResult] | None = None
     try:
         update = await handle.start_update(
             "cancel", request, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
@@ -286,7 +288,8 @@ async def snapshot_or_listed(client: Client, run_id: str) -> RunSnapshot:
     try:
         return (await read_run(client, run_id))[0]
     except TetherError:
-        return RunSnapshot.model_construct(run_id=run_id, children=[])
+        # A partial snapshot: the tree walk (tree_spend) reads its run_id and children alone.
+        return RunSnapshot.model_construct(run_id=run_id, children=[])  # type: ignore[call-arg]
 
 
 async def handoff_tree(
@@ -367,7 +370,7 @@ def compensate_refusal(
 async def compensate(
     client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
     rerun_unknown: Sequence[str] = (), policy_path: Path | None = None, timeout: float = VERDICT_TIMEOUT,
-) -> WorkflowHandle:
+) -> WorkflowHandle[Any, Any]:
     """Start the governed compensation run of an ended run: it undoes the ok writes the
     original's approvals covered (read from the original's record by the worker, not sent
     from here), as ``by`` — who must hold an approval role of the run's tenant. Nothing a
@@ -411,7 +414,7 @@ async def compensate(
 async def compensate_tree(
     client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
     rerun_unknown: Sequence[str] = (), policy_path: Path | None = None, timeout: float = VERDICT_TIMEOUT,
-) -> list[WorkflowHandle]:
+) -> list[WorkflowHandle[Any, Any]]:
     """``compensate`` of a run and its delegation tree, as one unit: the run's own compensation
     (a completed child's undos are already the parent's), then one for each child whose writes
     no run above it took as its undos (a child the parent handed off on, or adopted as unknown,
@@ -440,7 +443,7 @@ async def compensate_tree(
     if stray := [s for s in rerun_unknown if not any(s in of for of in steps.values())]:
         raise TetherError(f"--rerun-unknown {', '.join(map(escape_text, stray))}: no write of run {run_id} or its "
                           "children has that tool call id; nothing was started", USAGE)
-    handles: list[WorkflowHandle] = []
+    handles: list[WorkflowHandle[Any, Any]] = []
     nothing: TetherError | None = None
     for target in (run_id, *targets):
         try:

@@ -15,6 +15,7 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, Work
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
+from workflows.agent_run import AgentRun
 from workflows.display import escape_text
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.contract import DELEGATE, ExecutedStep
@@ -102,7 +103,7 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
     handle = client.get_workflow_handle(run_id)
     rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
     try:
-        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
+        return await handle.query(AgentRun.snapshot, rpc_timeout=rpc_timeout)
     except RPCError as e:
         if timed_out(e):
             raise await no_answer(client, run_id, rpc_timeout.total_seconds()) from None
@@ -134,7 +135,7 @@ async def run_goal(client: Client, run_id: str) -> str | None:
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
-        return await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+        return await handle.query(AgentRun.timeline, rpc_timeout=QUERY_TIMEOUT)
     except RPCError as e:
         if timed_out(e):
             raise await no_answer(client, run_id, QUERY_TIMEOUT.total_seconds()) from None
@@ -264,7 +265,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         # The view holds the latest few records, and the run does not publish it again for every
         # decision it refuses while it waits (a flood would write one each): the audit sink has
         # every record of this execution, the decisions among them.
-        from activities.audit import merge_timeline
+        from activities.audit_sink import merge_timeline
 
         records = merge_timeline(await _sink_records(description.id, description.run_id), view.timeline)
         result = RunStatus(**view.snapshot.model_dump(), published_at=view.published_at)
@@ -313,7 +314,7 @@ def unserved(snap: RunSnapshot, served: frozenset[str] | None) -> list[str]:
     return missing
 
 
-async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
+async def run_outcome(handle: WorkflowHandle[Any, Any]) -> RunOutcome:
     """How a run ended (waits for it), whatever Temporal status it ended with.
 
     Completed: the workflow's result. Failed with a RunOutcome (FAILED, EXECUTION_FAILED): the
@@ -331,9 +332,9 @@ async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
         if isinstance(cause, ApplicationError) and cause.details and cause.type in RunState.__members__:
             return await _with_timeline(handle, RunOutcome.model_validate(cause.details[0]))
         if isinstance(cause, CancelledError):
-            snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
+            snap = await handle.query(AgentRun.snapshot, rpc_timeout=QUERY_TIMEOUT)
             if snap.state == RunState.CANCELLED:
-                records = await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+                records = await handle.query(AgentRun.timeline, rpc_timeout=QUERY_TIMEOUT)
                 return RunOutcome(
                     run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records,
                     records=snap.timeline_records,
@@ -342,14 +343,14 @@ async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
     return await _with_timeline(handle, raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw))
 
 
-async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutcome:
+async def _with_timeline(handle: WorkflowHandle[Any, Any], outcome: RunOutcome) -> RunOutcome:
     if not outcome.records or outcome.timeline:
         return outcome  # a run recorded before: its result carried both
     # The chain's last run (a run that continued as new ended in a later one than started).
     last = handle._client.get_workflow_handle(handle.id)  # noqa: SLF001 (the handle's own client)
-    outcome.timeline = await last.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+    outcome.timeline = await last.query(AgentRun.timeline, rpc_timeout=QUERY_TIMEOUT)
     if outcome.steps_executed and not outcome.steps:
-        outcome.steps = await last.query("steps", result_type=list[ExecutedStep], rpc_timeout=QUERY_TIMEOUT)
+        outcome.steps = await last.query(AgentRun.steps, rpc_timeout=QUERY_TIMEOUT)
     return outcome
 
 

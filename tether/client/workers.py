@@ -94,7 +94,8 @@ def untaken_seconds(description: Any) -> float | None:
         return None
     if task.attempt > 1:
         return None  # a task that failed is retried with a backoff: a worker did take it
-    return (datetime.now(timezone.utc) - task.scheduled_time.ToDatetime(timezone.utc)).total_seconds()
+    scheduled: datetime = task.scheduled_time.ToDatetime(timezone.utc)
+    return (datetime.now(timezone.utc) - scheduled).total_seconds()
 
 
 def untaken_message(run_id: str, queue: str, waited: float) -> str:

@@ -12,6 +12,7 @@ Every request needs a verified identity (401 otherwise); every decision goes thr
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Form, Query, Request
@@ -78,7 +79,7 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
     app.mount("/static", StaticFiles(directory=str(pages.STATIC)), name="static")
 
     @app.middleware("http")
-    async def security(request: Request, call_next):  # noqa: ANN001, ANN202
+    async def security(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if dev is not None and not loopback_host(request):
             # A DNS-rebound page (its own name for 127.0.0.1) is same-origin to the browser: dev
             # sign-in answers only to the loopback names it is bound to.
