@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # `tether policy what-if` / `explain`: the judgement log could not be read at all (a missing file,
 # no permission, the database down); after 0-3 (client.py), apart from 2 "NEW_POLICY is invalid".
-LOG_UNREADABLE = 4
+LOG_UNREADABLE = 4  # client.JudgementLogUnreadable.code
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
     from activities.policy_file import validate_file
 
     if args.action != "show" and not args.target:
-        raise client.TetherError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)", USAGE)
+        raise client.UsageError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)")
     if args.action == "validate":
         problems, checked = validate_file(Path(args.target))
         for problem in problems:
@@ -67,9 +67,9 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         try:
             document = parse_policy(path.read_text(), str(path))
         except OSError as e:
-            raise client.TetherError(f"{path}: cannot read it ({e.strerror})", USAGE) from None
+            raise client.UsageError(f"{path}: cannot read it ({e.strerror})") from None
         except PolicyFileError as e:
-            raise client.TetherError(f"{e}; `tether policy validate {path}` lists every problem", USAGE) from None
+            raise client.UsageError(f"{e}; `tether policy validate {path}` lists every problem") from None
         text = cedar.export_document(document)
         if args.out:
             Path(args.out).write_text(text)
@@ -84,9 +84,9 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         log = log_from_env(args.audit_dir)
         found = read_judgements(log, workflow_id=args.target)
         if not found:
-            raise client.TetherError(
+            raise client.UsageError(
                 f"no judgement of run {args.target} in {log.describe()}: the run made no decision or write yet, or its "
-                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN)", USAGE)
+                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN)")
         print(f"run {show(args.target)}: {len(found)} Cedar judgement(s), from {show(log.describe())}")
         for entry in found:
             print("\n".join(format_judgement(entry)))
@@ -95,7 +95,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         return what_if(args)
     if args.action == "show":
         return await show_policy(args)
-    raise client.TetherError(f"unknown policy action {args.action!r}", USAGE)
+    raise client.UsageError(f"unknown policy action {args.action!r}")
 
 
 async def show_policy(args: argparse.Namespace) -> int:
@@ -110,7 +110,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     try:
         document, digest = store.load()
     except (PolicyFileError, OSError) as e:
-        raise client.TetherError(f"{e}; `tether policy validate {chosen}` lists every problem", USAGE) from None
+        raise client.UsageError(f"{e}; `tether policy validate {chosen}` lists every problem") from None
     print(f"policy  {show(store.source)}")
     print(f"hash    {digest}")
     for name, tenant in sorted((document.tenants if document else {}).items()):
@@ -123,8 +123,8 @@ async def show_policy(args: argparse.Namespace) -> int:
     _, records = await client.read_run(temporal, args.run)
     recorded = recorded_policy_hash(records) or recorded_policy_hash(await client.timeline(temporal, args.run))
     if recorded is None:
-        raise client.TetherError(f"run {args.run} has recorded no policy hash yet (it records one when its worker takes "
-                          "it): try again in a moment", USAGE)
+        raise client.UsageError(f"run {args.run} has recorded no policy hash yet (it records one when its worker takes "
+                          "it): try again in a moment")
     same = recorded == digest
     print(f"run     {show(args.run)}: policy hash {recorded} (recorded at its start): "
           + ("the same file" if same else "ANOTHER policy than this file: it was judged by the worker's file, "
@@ -145,7 +145,7 @@ def what_if(args: argparse.Namespace) -> int:
         try:
             since = datetime.now(timezone.utc) - timedelta(seconds=float(parse_duration(args.since)))
         except (ValueError, TypeError) as e:
-            raise client.TetherError(f"--since {args.since!r}: {e}", USAGE) from None
+            raise client.UsageError(f"--since {args.since!r}: {e}") from None
     try:
         proposed = ProposedPolicy(Path(args.target))
     except ValueError as e:
@@ -186,8 +186,8 @@ def read_judgements(log: JudgementLog, **filters: Any) -> list[dict[str, Any]]:
     try:
         found = log.read(publics=client.public_keys(), **filters)
     except LogUnreadable as e:
-        raise client.TetherError(f"could not read the judgement log: {e}; point at the workers' log with --audit-dir, "
-                          "env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN", LOG_UNREADABLE) from None
+        raise client.JudgementLogUnreadable(f"could not read the judgement log: {e}; point at the workers' log with "
+                                            "--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN") from None
     if log.skipped:
         print(f"warning: {show(log.describe())}: {log.skipped} line(s) skipped: not a judgement line", file=sys.stderr)
     if log.unverified:

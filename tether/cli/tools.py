@@ -26,11 +26,11 @@ async def cmd_tools(args: argparse.Namespace) -> int:
     try:
         config = config_from_env(args.mcp_config)
     except McpConfigError as e:
-        raise client.TetherError(f"invalid MCP config: {e}", USAGE) from None
+        raise client.UsageError(f"invalid MCP config: {e}") from None
     try:  # resolved as the worker resolves them (activities/loading.py)
         registry = load_tool_modules(modules, REGISTRY)
     except LoadError as e:
-        raise client.TetherError(str(e), USAGE) from None
+        raise client.UsageError(str(e)) from None
     if config is None:
         print(mcp.format_tools(mcp.describe_tools(registry)))
         return client.OK

@@ -14,7 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.run_state import RunSnapshot
 from workflows.states import TransitionRecord
-from tether.connection import TetherError, rpc_error
+from tether.connection import TetherError, UsageError, rpc_error
 from tether.runs import ViewUnverified, public_keys, published_view
 from tether.client.workers import no_worker_message, worker_serving
 
@@ -147,9 +147,9 @@ async def audit_trail(
         finally:
             await sink.aclose()
     except Exception as e:  # the sink cannot be read: say which and why
-        raise TetherError(f"cannot read the audit sink: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        raise UsageError(f"cannot read the audit sink: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     if current is None and not streams:
-        raise TetherError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it",
+        raise UsageError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it",
                           rule="unknown_run")
     runs = sorted({*streams, *([current] if current else [])})
     branches = await asyncio.gather(*(_origin(client, run_id, r) for r in runs))

@@ -9,7 +9,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.display import escape_text
-from tether.connection import DEPLOYMENT_ENV, QUERY_TIMEOUT, TetherError, rpc_error
+from tether.connection import DEPLOYMENT_ENV, QUERY_TIMEOUT, TetherError, UsageError, rpc_error
 from tether.client.listing import build_order
 
 
@@ -35,7 +35,7 @@ class DeploymentStatus(BaseModel):
 
 def _deployment_error(err: RPCError, deployment: str) -> TetherError:
     if err.status == RPCStatusCode.NOT_FOUND:
-        return TetherError(
+        return UsageError(
             f"Temporal knows no Worker Deployment {escape_text(deployment)!r}: its workers register it with their first "
             f"poll (start them with {DEPLOYMENT_ENV}={escape_text(deployment)})"
         )
@@ -56,7 +56,7 @@ async def _count_open(client: Client, clause: str) -> int:
     try:
         return (await client.count_workflows(query, rpc_timeout=QUERY_TIMEOUT)).count
     except RPCError as e:
-        raise TetherError(f"counting runs failed: {e.message}") from None
+        raise UsageError(f"counting runs failed: {e.message}") from None
 
 
 async def deployment_status(client: Client, deployment: str) -> DeploymentStatus:

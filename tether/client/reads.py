@@ -22,7 +22,7 @@ from workflows.contract import DELEGATE, ExecutedStep
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.wire import UNKNOWN_TOOL
 from workflows.states import TERMINAL, RunState, TransitionRecord
-from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
+from tether.connection import QUERY_TIMEOUT, NoWorker, TetherError, UsageError, rpc_error, timed_out
 from tether.runs import StuckTask, ViewUnverified, describe as _describe, open_children, published_view, stuck_task
 from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
 from tether.pollers import live_pollers, served_by
@@ -109,7 +109,7 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
             raise await no_answer(client, run_id, rpc_timeout.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
-        raise TetherError(f"run {run_id} could not answer: {e}") from None
+        raise UsageError(f"run {run_id} could not answer: {e}") from None
 
 
 async def run_goal(client: Client, run_id: str) -> str | None:
@@ -141,7 +141,7 @@ async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
             raise await no_answer(client, run_id, QUERY_TIMEOUT.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
-        raise TetherError(f"run {run_id} could not answer: {e}") from None
+        raise UsageError(f"run {run_id} could not answer: {e}") from None
 
 
 async def status(client: Client, run_id: str, *, live: bool = False, goal: bool = True) -> RunStatus:
@@ -241,7 +241,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         raise ViewUnverified(f"run {run_id}: {e}; nothing of it is shown as the run's") from None
     if serving is False and (live or view is None):
         # Nobody can answer a query, and a run that has published nothing will not until one serves it.
-        raise TetherError(no_worker_message(queue), rule="no_worker")
+        raise NoWorker(no_worker_message(queue))
     if view is None:
         listed = description.typed_search_attributes.get(STATE_ATTRIBUTE)
         note = (f"not published yet: the run has published no signed view (it publishes where it rests), so "

@@ -360,7 +360,7 @@ class Inbox:
         except tether.TetherError as e:
             if e.code == tether.PENDING:  # accepted, the run is still checking it: not an error
                 return self._outcome(decision_id, "sent", reason=str(e))
-            if e.code != tether.REFUSED:
+            if not isinstance(e, tether.Refused):
                 raise
             # The same decision again (a double click, a re-sent form): show what the first got.
             waits = 25 if e.rule == "duplicate_decision" else 1  # the first may still be in flight
