@@ -31,7 +31,7 @@ def test_the_installed_code_type_checks_strict() -> None:
 
 
 def test_a_phase_method_renamed_misspelled_or_resigned_fails_the_check(tmp_path: Path) -> None:
-    """The hostile copy: Handoff's ``_take_handoff`` renamed (Steps, Planning and Inbox still call
+    """The hostile copy: Handoff's ``_take_handoff`` renamed (Steps, Planning and Decisions still call
     it), Compensating's ``_undo_check`` called by a misspelled name in Steps, and its ``on_cancel``
     given a parameter Handoff does not pass. Each runs without complaint until a run reaches it;
     the checker names all three."""

@@ -15,7 +15,6 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, Work
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
-from workflows.agent_run import AgentRun
 from workflows.display import escape_text
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.contract import DELEGATE, ExecutedStep
@@ -103,7 +102,9 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
     handle = client.get_workflow_handle(run_id)
     rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
     try:
-        return await handle.query(AgentRun.snapshot, rpc_timeout=rpc_timeout)
+        # By name: the client does not load the workflow's module (tests/tether/test_tether_package.py).
+        snap: RunSnapshot = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
+        return snap
     except RPCError as e:
         if timed_out(e):
             raise await no_answer(client, run_id, rpc_timeout.total_seconds()) from None
@@ -135,7 +136,9 @@ async def run_goal(client: Client, run_id: str) -> str | None:
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
-        return await handle.query(AgentRun.timeline, rpc_timeout=QUERY_TIMEOUT)
+        records: list[TransitionRecord] = await handle.query("timeline", result_type=list[TransitionRecord],
+                                                             rpc_timeout=QUERY_TIMEOUT)
+        return records
     except RPCError as e:
         if timed_out(e):
             raise await no_answer(client, run_id, QUERY_TIMEOUT.total_seconds()) from None
@@ -332,9 +335,9 @@ async def run_outcome(handle: WorkflowHandle[Any, Any]) -> RunOutcome:
         if isinstance(cause, ApplicationError) and cause.details and cause.type in RunState.__members__:
             return await _with_timeline(handle, RunOutcome.model_validate(cause.details[0]))
         if isinstance(cause, CancelledError):
-            snap = await handle.query(AgentRun.snapshot, rpc_timeout=QUERY_TIMEOUT)
+            snap = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=QUERY_TIMEOUT)
             if snap.state == RunState.CANCELLED:
-                records = await handle.query(AgentRun.timeline, rpc_timeout=QUERY_TIMEOUT)
+                records = await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
                 return RunOutcome(
                     run_id=snap.run_id, state=snap.state, answer=snap.answer, steps=[], timeline=records,
                     records=snap.timeline_records,
@@ -348,9 +351,9 @@ async def _with_timeline(handle: WorkflowHandle[Any, Any], outcome: RunOutcome) 
         return outcome  # a run recorded before: its result carried both
     # The chain's last run (a run that continued as new ended in a later one than started).
     last = handle._client.get_workflow_handle(handle.id)  # noqa: SLF001 (the handle's own client)
-    outcome.timeline = await last.query(AgentRun.timeline, rpc_timeout=QUERY_TIMEOUT)
+    outcome.timeline = await last.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
     if outcome.steps_executed and not outcome.steps:
-        outcome.steps = await last.query(AgentRun.steps, rpc_timeout=QUERY_TIMEOUT)
+        outcome.steps = await last.query("steps", result_type=list[ExecutedStep], rpc_timeout=QUERY_TIMEOUT)
     return outcome
 
 
