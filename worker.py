@@ -147,8 +147,8 @@ def create_worker(
         options["max_cached_workflows"] = int(cached)
     # Its identity says which tools it serves (before its ledger mark): `tether status` and the
     # inbox tell a run whose tools no live worker serves (tether/pollers.served_tools).
-    head, mark, ledger = (options.pop("identity", None) or client.identity).partition(LEDGER_MARK)
-    options["identity"] = f"{head}{tools_mark(registry.tools)}{mark}{ledger}"
+    head, mark, ledger_named = (options.pop("identity", None) or client.identity).partition(LEDGER_MARK)
+    options["identity"] = f"{head}{tools_mark(registry.tools)}{mark}{ledger_named}"
     return Worker(
         client,
         task_queue=task_queue,
@@ -239,8 +239,8 @@ async def serve(
     # not wait for a run. A down server's tools are only warned about (it may come back).
     down = [f"{name}__" for name in (mcp_servers.unavailable if mcp_servers else {})]
     problems = check_policy_file(policy.path, registry.tools) if policy.path else []
-    for problem in [p for p in problems if any(prefix in p for prefix in down)]:
-        logging.warning("policy names a tool of an MCP server that is down: %s", problem)
+    for unserved in [p for p in problems if any(prefix in p for prefix in down)]:
+        logging.warning("policy names a tool of an MCP server that is down: %s", unserved)
     problems = [p for p in problems if not any(prefix in p for prefix in down)]
     if problems:
         if mcp_servers is not None:
@@ -387,8 +387,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    status: int | str | None = None
     try:
-        status: int | str | None = main()
+        main()
     except SystemExit as e:  # configuration errors: one line, exit 1
         status = e.code
     if isinstance(status, str):

@@ -61,7 +61,7 @@ class AuditActivities:
             "run_id": info.workflow_run_id or batch.run_id,
             "records": with_links(sorted(batch.records, key=lambda r: r.seq)),
         })
-        self._refuse_unsigned(info.workflow_id, batch)
+        self._refuse_unsigned(info.workflow_id or "", batch)  # none: no run's, refused
         try:
             return await self.sink.append(batch)
         except Exception as e:  # any sink error: visible on the run, in the log, in a metric
@@ -80,6 +80,7 @@ class AuditActivities:
     def _refuse_unsigned(self, workflow_id: str, batch: AuditBatch) -> None:
         """Only the run's own signed records, into its own stream: anything else is refused
         whole (nothing of the batch is written), logged and counted."""
+        why: str | None
         if batch.workflow_id != workflow_id:
             why = f"the batch names workflow {batch.workflow_id[:200]!r}, not the run that asks"
         elif self.publics is None:

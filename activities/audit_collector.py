@@ -79,7 +79,7 @@ class AuditCollector(Interceptor, Plugin):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: dict[tuple[str, str], datetime] = {}  # named, not yet seen closed
         self._wake = asyncio.Event()
-        self._writing: set[asyncio.Task[None]] = set()
+        self._writing: set[asyncio.Task[bool]] = set()
         self._seen: dict[tuple[str, str], None] = {}
         self._can_list = True
 

@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from activities.postgres import Postgres, Table, dsn_from_env
 from workflows.wire import AuditBatch
@@ -167,7 +167,7 @@ def _line(batch: AuditBatch, record: TransitionRecord) -> bytes:
     return json.dumps(raw, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
-def _last_seq(f) -> int:
+def _last_seq(f: BinaryIO) -> int:
     """The seq of the last complete line; a torn tail (killed mid-write) is truncated."""
     f.seek(0, os.SEEK_END)
     size = f.tell()

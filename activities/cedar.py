@@ -69,7 +69,7 @@ from activities.cedar_text import (  # noqa: F401
     SCHEMA_PATH,
     STEP_ACTIONS,
     _statements,
-    annotations,
+    policy_annotations,
     cedar_string,
     decimal_text,
     schema,
@@ -106,7 +106,7 @@ __all__ = [
     "_skeleton",
     "_statements",
     "action_name",
-    "annotations",
+    "policy_annotations",
     "cedar_problems",
     "cedar_string",
     "check_text",
@@ -160,10 +160,10 @@ def cedar_problems(text: str, source: str) -> list[str]:
     result = cedarpy.validate_policies(text, schema())
     for error in result.errors:
         index = int(error.policy_id.removeprefix("policy")) if error.policy_id.startswith("policy") else -1
-        line = statements[index][0] if 0 <= index < len(statements) else None
+        at = statements[index][0] if 0 <= index < len(statements) else None
         message = error.error.removeprefix(f"for policy `{error.policy_id}`, ")
         name = parsed.ids.get(error.policy_id, error.policy_id)
-        problems.append(f"{source}: {f'line {line}, ' if line else ''}policy {name}: {message}")
+        problems.append(f"{source}: {f'line {at}, ' if at else ''}policy {name}: {message}")
     seen: dict[str, int] = {}
     for index, (pid, ident) in enumerate(parsed.ids.items()):
         line = statements[index][0] if index < len(statements) else 0

@@ -31,7 +31,7 @@ from activities.cedar_text import (
     _action,
     _statements,
     _uid,
-    annotations,
+    policy_annotations,
     decimal_text,
     size_problem,
 )
@@ -66,7 +66,7 @@ class Policies:
         ids: dict[str, str] = {}
         rules: dict[str, str] = {}
         for index, (_, statement) in enumerate(_statements(text)):
-            pid, notes = f"policy{index}", annotations(statement)
+            pid, notes = f"policy{index}", policy_annotations(statement)
             ids[pid] = notes.get("id") or pid
             rules[pid] = notes.get("rule") or ids[pid]
         return cls(text=text, policy_set=policy_set, ids=ids, rules=rules)

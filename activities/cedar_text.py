@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterable, Iterator
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from pathlib import Path
+from typing import TypedDict
 
 import cedarpy
 
@@ -22,7 +23,20 @@ STEP_ACTIONS = ("auto_approve", "execute_write")
 ACTIONS = PERSON_ACTIONS + STEP_ACTIONS
 # The action groups of the schema, as entities: without the schema per call, the engine learns
 # from these that an approve_steps is an approve.
-ACTION_GROUPS = (
+class EntityRef(TypedDict):
+    type: str
+    id: str
+
+
+class ActionGroup(TypedDict):
+    """An action's entity in Cedar's JSON form, with the groups it is ``in``."""
+
+    uid: EntityRef
+    attrs: dict[str, str]
+    parents: list[EntityRef]
+
+
+ACTION_GROUPS: tuple[ActionGroup, ...] = (
     {"uid": {"type": f"{NS}::Action", "id": "approve_steps"}, "attrs": {}, "parents": [{"type": f"{NS}::Action", "id": "approve"}]},
 )
 # When several forbid policies decide one request, the refusal names the rule the TOML engine
@@ -166,7 +180,7 @@ def size_problem(text: str, source: str) -> str | None:
     return None
 
 
-def annotations(statement: str) -> dict[str, str]:
+def policy_annotations(statement: str) -> dict[str, str]:
     """A policy's annotations (``@id("...")``, ``@rule("...")``), read from its text."""
     found: dict[str, str] = {}
     pos = 0

@@ -370,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    host, port = server.server_address[:2]
+    bound, port = server.server_address[:2]
+    host = bound.decode() if isinstance(bound, bytes) else bound
     print(
         f"codec server listening on http://{host}:{port} (keys {', '.join(keyring.keys)}; "
         f"active {keyring.active}; origins {', '.join(sorted(server.config.origins))}; "

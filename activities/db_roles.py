@@ -30,6 +30,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from activities.audit_sink import AUDIT_TABLE
@@ -146,7 +147,7 @@ def _password(path: str) -> str:
 
 
 def setup(admin_dsn: str, *, database: str = DEFAULT_DATABASE, writer: str | None = None,
-          readers: list[str] = (), temporal: tuple[str, str] | None = None) -> list[str]:
+          readers: Sequence[str] = (), temporal: tuple[str, str] | None = None) -> list[str]:
     """As the administrator of ``admin_dsn``: Temporal's role (``temporal`` = (role, password
     file): LOGIN CREATEDB, no superuser), Tether's database owned by ``tether_owner``, its
     tables, roles and grants (:func:`script`), each login role's password from its passfile.
@@ -156,7 +157,7 @@ def setup(admin_dsn: str, *, database: str = DEFAULT_DATABASE, writer: str | Non
 
     done = []
     writer_role, writer_pw = read_pgpass(Path(writer)) if writer else (WRITER, None)
-    reader_roles = [read_pgpass(Path(r)) for r in readers] or [(r, None) for r in READERS]
+    reader_roles: list[tuple[str, str | None]] = [read_pgpass(Path(r)) for r in readers] or [(r, None) for r in READERS]
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
         if temporal:
             role, pw_file = temporal

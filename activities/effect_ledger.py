@@ -53,10 +53,13 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 from activities.audit_sink import JsonlAuditSink, PostgresAuditSink
 from activities.postgres import LOCK, OWNED_ELSEWHERE
+
+T = TypeVar("T")
 
 LEDGER_FILE = "undo-ledger.sqlite3"
 LEDGER_TABLE = "tether_undo_ledger"
@@ -206,7 +209,8 @@ class SqliteEffectLedger:
 
     def _witnessed(self) -> dict[str, Any]:
         try:
-            return json.loads(self.witness.read_text())
+            witnessed: dict[str, Any] = json.loads(self.witness.read_text())
+            return witnessed
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
@@ -411,10 +415,10 @@ class PostgresEffectLedger:
                 f"SET generation = GREATEST({WITNESS_TABLE}.generation, EXCLUDED.generation), at = now()",
                 (LEDGER_TABLE, generation))
 
-    async def _with_connection(self, work: Any, *, advance: bool = False) -> Any:
+    async def _with_connection(self, work: Callable[[Any], Awaitable[T]], *, advance: bool = False) -> T:
         """``work(conn)`` in one transaction, the ledger checked to be the newest first.
         ``advance``: a new claim when ``work`` returns None: the generation and its witness move on."""
-        async def in_transaction(conn: Any) -> Any:
+        async def in_transaction(conn: Any) -> T:
             async with conn.transaction():
                 if not self._ready:
                     await self._open(conn)

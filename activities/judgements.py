@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from activities import cedar
 from activities.audit_sink import DEFAULT_AUDIT_DIR
+from activities.keys import PublicKeys
 from activities.policy_file import PolicyFileError, load_cedar_files, parse_policy
 from activities.postgres import PostgresSync, Table, cause, dsn_from_env
 from workflows import keys as ring_math
@@ -74,7 +75,7 @@ def judgement_line(entry: Any) -> bool:
     )
 
 
-def unsigned_problem(publics: Any, entry: Any) -> str | None:
+def unsigned_problem(publics: PublicKeys, entry: Any) -> str | None:
     """Why this line is not one the fleet signed (None: it is)."""
     if not isinstance(entry, dict):
         return "not a judgement line"
@@ -260,7 +261,7 @@ def _matches(entry: dict[str, Any], since: datetime | None, tenant: str | None, 
     return True
 
 
-def entries(judgements: Iterable[Any], *, ids: dict[str, str] | None = None, **common: Any) -> list[dict[str, Any]]:
+def entries(judgements: Iterable[Any], *, ids: Mapping[str, str] | None = None, **common: Any) -> list[dict[str, Any]]:
     """Log lines for Cedar judgements (activities.cedar.Judgement), numbered within their activity.
     ``ids``: the policies' positional ids to their ``@id`` (``Policies.ids``), so that an
     evaluation error names the policy as records do."""
@@ -286,7 +287,7 @@ def entries(judgements: Iterable[Any], *, ids: dict[str, str] | None = None, **c
 _ERROR_POLICY = re.compile(r"^error while evaluating policy `([^`]*)`: (.*)$", re.S)
 
 
-def _named_error(error: str, ids: dict[str, str]) -> str:
+def _named_error(error: str, ids: Mapping[str, str]) -> str:
     """Cedar's ``error while evaluating policy `policy11`: ...`` naming the policy by its @id."""
     m = _ERROR_POLICY.match(error)
     return f"error while evaluating policy `{ids.get(m[1], m[1])}`: {m[2]}" if m else error

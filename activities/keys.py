@@ -33,17 +33,18 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Interceptor, WorkflowInboundInterceptor, WorkflowInterceptorClassInput
 
 from workflows import keys as ring_math
-from workflows.keys import EXTERN, MissingKey, key_id
+from workflows.keys import EXTERN, KeyNotHeld, key_id
 from workflows.wire import (
     CAPABILITY_EXPIRED,
     CAPABILITY_INVALID,
@@ -61,7 +62,7 @@ PUBLIC_SUFFIX = ".pub"
 MIN_KEY_CHARS = 32
 _SIGNING_LABEL = b"tether statement signing key v1"
 
-__all__ = ["KeyRing", "KeyRingError", "KeyRingInterceptor", "MissingKey", "PublicKeys", "key_id", "attest", "genkey"]
+__all__ = ["KeyRing", "KeyRingError", "KeyRingInterceptor", "KeyNotHeld", "PublicKeys", "key_id", "attest", "genkey"]
 
 
 class KeyRingError(ValueError):
@@ -82,7 +83,7 @@ class KeyRing(ring_math.KeyRing):
     def signer(self, kid: str) -> Any:
         key = self.keys.get(kid)
         if key is None:
-            raise MissingKey(kid)
+            raise KeyNotHeld(kid)
         sign = _SIGNERS.get(key)
         if sign is None:
             sign = _SIGNERS[key] = _signing_key(key).sign
@@ -218,7 +219,11 @@ class KeyRingInterceptor(Interceptor):
         return None
 
 
-def attest(ring: ring_math.KeyRing, request: Any, result: Any) -> Any:
+# An activity answer (a pydantic model with an ``attestation`` field), given back attested.
+Answer = TypeVar("Answer", bound=BaseModel)
+
+
+def attest(ring: ring_math.KeyRing, request: Any, result: Answer) -> Answer:
     """An activity's answer, attested for the run that asked (its workflow id and this activity's
     id come from the server's task, never from the request)."""
     info = activity.info()
@@ -280,7 +285,7 @@ def capability_refusal(keys: KeyRing | None, call: ToolCall) -> ApplicationError
         return invalid(f"the capability is for another call ({', '.join(wrong)} differ)")
     try:
         good = keys.verify(cap.key_id, cap.fields(), cap.mac)
-    except MissingKey:
+    except KeyNotHeld:
         message = report_missing(cap.key_id, "capability")
         return ApplicationError(message, cap.key_id, type=CAPABILITY_KEY_MISSING, non_retryable=True)
     if not good:

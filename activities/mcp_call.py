@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from activities.mcp_session import CONNECT_TIMEOUT_SECONDS, Connection, McpUnavailable, _reason, list_tools
-from activities.tools import ToolContext, ToolError
+from activities.tools import LookupFn, ToolContext, ToolError, ToolFn
 
 IDEMPOTENCY_META_KEY = "io.tether/idempotency-key"
 # What a server may put in an isError result's _meta: the error code the timeline shows, and
@@ -82,14 +82,14 @@ async def call_tool(connection: Connection, tool: str, args: dict[str, Any], ctx
     return _value(result)
 
 
-def _tool_fn(connection: Connection, tool: str, timeout: float):
+def _tool_fn(connection: Connection, tool: str, timeout: float) -> ToolFn:
     async def fn(args: dict[str, Any], ctx: ToolContext) -> Any:
         return await call_tool(connection, tool, args, ctx, timeout)
 
     return fn
 
 
-def _lookup_fn(connection: Connection, tool: str, arg: str, timeout: float):
+def _lookup_fn(connection: Connection, tool: str, arg: str, timeout: float) -> LookupFn:
     async def lookup(ctx: ToolContext) -> Any:
         found = await call_tool(connection, tool, {arg: ctx.idempotency_key}, ctx, timeout)
         return None if found in (None, "", "null", [], {}) else found

@@ -80,7 +80,7 @@ def tool_specs(
         timeout = override.timeout or config.timeout
         lookup = None
         if effect == ToolEffect.RECONCILABLE:
-            if override.lookup in published:
+            if override.lookup is not None and override.lookup in published:
                 lookup = _lookup_fn(connection, override.lookup, override.lookup_arg, timeout)
             else:
                 effect, why = ToolEffect.UNSAFE, f"override reconcilable, but lookup tool {override.lookup!r} is not published: unsafe"

@@ -45,7 +45,7 @@ class Connection:
     def __init__(self, name: str, config: ServerConfig) -> None:
         self.name, self.config = name, config
         self._session: Any = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._lock = asyncio.Lock()
 
@@ -66,7 +66,7 @@ class Connection:
             )
         )
 
-    async def _own(self, ready: asyncio.Future, stop: asyncio.Event) -> None:
+    async def _own(self, ready: asyncio.Future[Any], stop: asyncio.Event) -> None:
         try:
             from mcp import ClientSession
 
@@ -87,7 +87,7 @@ class Connection:
     async def session(self) -> Any:
         """The live session, started (or restarted) when there is none or it stopped answering."""
         async with self._lock:
-            if self._session is not None and not self._task.done():
+            if self._session is not None and self._task is not None and not self._task.done():
                 try:
                     # Cheap on a live session; a dead one is found here, before the call is sent.
                     await asyncio.wait_for(self._session.send_ping(), PING_TIMEOUT_SECONDS)
@@ -96,7 +96,7 @@ class Connection:
                     log.warning("MCP server %r stopped answering (%s); reconnecting", self.name, _reason(e))
                     await self._close()
             self._stop = asyncio.Event()
-            ready: asyncio.Future = asyncio.get_running_loop().create_future()
+            ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # the session
             self._task = asyncio.create_task(self._own(ready, self._stop), name=f"mcp-{self.name}")
             try:
                 self._session = await asyncio.wait_for(asyncio.shield(ready), CONNECT_TIMEOUT_SECONDS + 5)
@@ -145,7 +145,7 @@ async def list_tools(session: Any, server: str = "?", left_out: dict[str, str] |
 
     tools, cursor = [], None
     for _ in range(1000):  # a server that never stops paginating is not followed forever
-        params = PaginatedRequestParams(cursor=cursor) if cursor else None
+        params: PaginatedRequestParams | None = PaginatedRequestParams(cursor=cursor) if cursor else None
         try:
             page = await session.list_tools(params=params)
             entries, cursor = list(page.tools), page.next_cursor

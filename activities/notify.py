@@ -34,6 +34,7 @@ import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from temporalio import activity
@@ -84,7 +85,7 @@ def slack_text(value: object, limit: int | None = None) -> str:
     return escape_text(value, limit).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def body(event: Notification) -> dict:
+def body(event: Notification) -> dict[str, Any]:
     """The JSON posted: ids, state, why (goal, who asked, on whose behalf) and what (the escaped
     risk summary: each write, money in words, effect in words), expiry, how to approve, a link."""
     url = link(event)
@@ -218,7 +219,7 @@ async def _post(url: str, payload: bytes, headers: dict[str, str]) -> str | None
     found = await loop.run_in_executor(_RESOLVER, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
     family, kind, proto, _, address = found[0]
     reader, writer = await asyncio.open_connection(
-        address[0], address[1], family=family, proto=proto,
+        str(address[0]), int(address[1]), family=family, proto=proto,
         ssl=ssl.create_default_context() if tls else None, server_hostname=host if tls else None,
         limit=MAX_RESPONSE_HEAD,
     )

@@ -37,7 +37,7 @@ import re
 import time
 from datetime import timedelta
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from temporalio import activity
@@ -48,6 +48,9 @@ from workflows.budgets import PROPOSAL_BYTES
 from workflows.contract import DELEGATE, ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect, run_catalog
 from workflows.policy import may_delegate
 from workflows.wire import PlannerInput, Proposal, ProposedStep
+
+if TYPE_CHECKING:  # openai is imported where a model is asked
+    from openai.types.chat import ChatCompletionMessageParam
 
 
 class Planner(Protocol):
@@ -269,10 +272,10 @@ def build_messages(
     *,
     observation_chars: int = MODEL_OBSERVATION_CHARS,
     context_chars: int = MODEL_CONTEXT_CHARS,
-) -> list[dict[str, Any]]:
+) -> list[ChatCompletionMessageParam]:
     """The chat: instructions, the goal, each executed step as a tool call with its (bounded)
     result, and the validation feedback on the last proposal, if any."""
-    messages: list[dict[str, Any]] = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": f"Goal: {request.goal}"},
     ]
@@ -587,7 +590,7 @@ def load_planners(specs: Iterable[str]) -> dict[str, Planner]:
                 planner = found()
             except Exception as e:
                 raise LoadError(f"planner {name!r}: {target.strip()}() failed: {type(e).__name__}: {e}") from None
-        if not callable(getattr(planner, "propose", None)):
+        if planner is None or not callable(getattr(planner, "propose", None)):
             raise LoadError(
                 f"planner {name!r}: {target.strip()} is neither a planner (an object with "
                 f"async propose(request, catalog)) nor a function returning one"

@@ -320,7 +320,8 @@ class PolicyActivities:
             # Verified only by a signature that checked out, never by the absence of a rule.
             verified = refusal is None and has_key(tenant, request.requested_by)
         document, _ = self.store.load()
-        webhooks = {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {}
+        webhooks: dict[str, list[str]] = (
+            {name: list(hook.events) for name, hook in document.notify.webhooks.items()} if document else {})
         rosters: list[ApproverRoster] = []
         if refusal is None and request.workflow_id:
             rosters = self._rosters(request.tenant, request.requested_by, digest)

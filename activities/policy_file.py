@@ -47,7 +47,7 @@ _HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
 _KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'.]+)\s*=")
 
 
-def _locate(text: str, loc: tuple) -> int | None:
+def _locate(text: str, loc: tuple[str | int, ...]) -> int | None:
     """The line (1-based) where the key at ``loc`` is written, best effort."""
     wanted = [str(p) for p in loc if not isinstance(p, int)]
     best, best_len = None, 0
@@ -160,7 +160,9 @@ class PolicyStore:
                           "force until the file is fixed", self.path, e, self._cache[2][:12])
                 return self._cache[1], self._cache[2]
             self._bad = None
-        return self._cache[1], self._cache[2]
+        cached = self._cache
+        assert cached is not None, "_read stores what it read, or raises"
+        return cached[1], cached[2]
 
     def _read(self, stat: os.stat_result) -> None:
         assert self.path is not None
@@ -173,11 +175,13 @@ class PolicyStore:
             digest.update(cedar_texts[name].encode())
         self._cedar = cedar_texts
         # A key file that is not there yet (keygen still to run): its appearing is a new version.
+        holders: list[Signer | Approver] = [
+            *document.signers.values(),
+            *(a for tenant in document.tenants.values() for a in (tenant.approvers or {}).values()),
+        ]
         self._missing_keys = tuple(
             (self.path.parent / holder.public_key_file).resolve()
-            for holder in [*document.signers.values(),
-                           *(a for tenant in document.tenants.values() for a in (tenant.approvers or {}).values())]
-            if holder.public_key_file is not None and holder.public_key is None
+            for holder in holders if holder.public_key_file is not None and holder.public_key is None
         )
         version = (stat.st_mtime_ns, stat.st_size, stat.st_ino, *self._cedar_versions(document),
                    *(p.exists() for p in self._missing_keys))
@@ -290,14 +294,14 @@ def _public_key_problem(value: str) -> str | None:
     return None
 
 
-def _loose_booleans(model: Any, raw: Any, loc: tuple) -> list[tuple[tuple, Any]]:
+def _loose_booleans(model: Any, raw: Any, loc: tuple[str | int, ...]) -> list[tuple[tuple[str | int, ...], Any]]:
     """Where ``raw`` (the TOML as written) gives a true/false setting of ``model`` something
     else (``four_eyes = "yes"``, which a lax parse would take as true): (key path, value)."""
     import typing
 
     from pydantic import BaseModel
 
-    found: list[tuple[tuple, Any]] = []
+    found: list[tuple[tuple[str | int, ...], Any]] = []
     if not isinstance(raw, dict) or not (isinstance(model, type) and issubclass(model, BaseModel)):
         return found
     hints = typing.get_type_hints(model)
@@ -335,7 +339,7 @@ def check_policy_file(path: Path, tool_names: Collection[str] | None) -> list[st
         return [f"policy file not found: {path}"]
     problems: list[str] = []
 
-    def problem(loc: tuple, message: str) -> None:
+    def problem(loc: tuple[str | int, ...], message: str) -> None:
         line = _locate(text, loc)
         problems.append(f"{path}: {f'line {line}, ' if line else ''}key {'.'.join(map(str, loc))}: {message}")
 
@@ -383,7 +387,7 @@ def check_policy_file(path: Path, tool_names: Collection[str] | None) -> list[st
                             at + ("escalation", level),
                             f"stage {i + 1} notifies {hook_name!r}: no [notify.webhooks.{hook_name}]",
                         )
-        named = [(at + ("tools",), t) for t in tenant.tools or []]
+        named: list[tuple[tuple[str | int, ...], str]] = [(at + ("tools",), t) for t in tenant.tools or []]
         named += [(at + ("auto_approve", "limits"), r.tool) for r in tenant.auto_approve.limits]
         named += [(at + ("high_risk", "when"), r.tool) for r in (tenant.high_risk.when if tenant.high_risk else [])]
         for loc, tool in named:

@@ -151,7 +151,7 @@ class ToolSpec:
             description=self.description,
             effect=self.effect,
             requires_approval=self.requires_approval,
-            args_schema=self.args_schema if self.args_model is None else self.args_model.model_json_schema(),
+            args_schema=(self.args_schema or {}) if self.args_model is None else self.args_model.model_json_schema(),
             timeout_seconds=self.timeout_seconds,
             max_retries=self.max_retries,
             summary_fields=list(self.summary_fields),
@@ -241,7 +241,7 @@ def _arg_names(spec: ToolSpec) -> set[str] | None:
     return set(props) if isinstance(props, dict) else None
 
 
-def as_compensation(value: Compensation | dict | tuple | None) -> Compensation | None:
+def as_compensation(value: Compensation | dict[str, Any] | tuple[str, dict[str, Any]] | None) -> Compensation | None:
     """``compensate=`` as given: a Compensation, {"tool": ..., "args": {...}} or (tool, args)."""
     if value is None or isinstance(value, Compensation):
         return value
@@ -311,7 +311,7 @@ def tool(
     name: str | None = None,
     registry: ToolRegistry | None = None,
     summary_fields: tuple[str, ...] = (),
-    compensate: Compensation | dict | tuple | None = None,
+    compensate: Compensation | dict[str, Any] | tuple[str, dict[str, Any]] | None = None,
 ) -> Callable[[ToolFn], ToolSpec]:
     """Declare a tool. ``requires_approval`` defaults to "the tool writes" (effect != read_only).
 
@@ -587,7 +587,7 @@ class ToolActivities:
         undo = key.endswith(UNDO_KEY_SUFFIX)
         what = "undo" if undo else "write"
         try:
-            held = await self.ledger.claim(key, tool=spec.name, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+            held = await self.ledger.claim(key, tool=spec.name, workflow_id=info.workflow_id or "", run_id=info.workflow_run_id or "")
         except Exception as e:  # noqa: BLE001 (any ledger error: the tool is not called)
             log.warning("effect ledger %s unavailable for %s: %s", self.ledger.describe(), key[:200], e)
             # Our own words for a lost ledger (what to do: --new-ledger); else only the error's
@@ -624,7 +624,7 @@ class ToolActivities:
                 f"(started at {held.at.isoformat(timespec='seconds')}): not started twice at once",
                 type=UNDO_IN_FLIGHT if undo else IN_FLIGHT,
             )
-        await self.ledger.reclaim(key, workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+        await self.ledger.reclaim(key, workflow_id=info.workflow_id or "", run_id=info.workflow_run_id or "")
         return True  # idempotent: the target dedupes on the same key; reconcilable: look it up first
 
     async def _settle(self, key: str | None, state: str) -> None:
@@ -641,7 +641,7 @@ class ToolActivities:
         if key is not None and self.ledger is not None:
             info = activity.info()
             try:
-                await self.ledger.done(key, outcome.model_dump_json(), workflow_id=info.workflow_id, run_id=info.workflow_run_id)
+                await self.ledger.done(key, outcome.model_dump_json(), workflow_id=info.workflow_id or "", run_id=info.workflow_run_id or "")
             except Exception as e:  # noqa: BLE001 (the write happened: the run gets its outcome)
                 # The claim stays ``claimed``: a later call under the key looks up, re-runs an
                 # idempotent tool, or refuses an unsafe one (may have applied); never blind.

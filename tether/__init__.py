@@ -1,6 +1,6 @@
 """Tether for programs: connect to Temporal, configure a worker or a replayer, repair a stuck run.
 
-    from tether import connect, TetherError, TetherPlugin
+    from tether import connect, TetherError, TetherPlugin   # TetherError: Refused, UsageError, Pending, ...
     from tether.repair import repair
     from tether import tool, ToolContext, ToolError, ToolEffect   # for tool authors
 
@@ -22,11 +22,19 @@ if TYPE_CHECKING:
         PENDING,
         REFUSED,
         USAGE,
+        NoWorker,
+        Pending,
+        Refused,
         TetherError,
+        Unreachable,
+        UsageError,
         connect,
         deployment_name,
         task_queue,
     )
+    from tether.plugin import TetherPlugin, create_replayer
+    from activities.tools import ToolContext, ToolError, tool
+    from workflows.contract import ToolEffect
 
 __all__ = [
     "DEFAULT_TASK_QUEUE",
@@ -34,11 +42,16 @@ __all__ = [
     "PENDING",
     "REFUSED",
     "USAGE",
+    "NoWorker",
+    "Pending",
+    "Refused",
     "TetherError",
     "TetherPlugin",
     "ToolContext",
     "ToolEffect",
     "ToolError",
+    "Unreachable",
+    "UsageError",
     "connect",
     "create_replayer",
     "deployment_name",
@@ -48,8 +61,8 @@ __all__ = [
 
 # The connection's names (tether.connection imports Temporal): loaded on first use, so that the CLI
 # (tether.cli) prints its help and its usage errors without Temporal.
-_CONNECTION = ("DEFAULT_TASK_QUEUE", "OK", "PENDING", "REFUSED", "USAGE", "TetherError", "connect",
-               "deployment_name", "task_queue")
+_CONNECTION = ("DEFAULT_TASK_QUEUE", "OK", "PENDING", "REFUSED", "USAGE", "TetherError", "UsageError", "Refused",
+               "Pending", "NoWorker", "Unreachable", "connect", "deployment_name", "task_queue")
 # What a tool author imports, and where it lives (loaded on first use, as the worker's parts are).
 _TOOLS = {"tool": "activities.tools", "ToolContext": "activities.tools", "ToolError": "activities.tools",
           "ToolEffect": "workflows.contract"}

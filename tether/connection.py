@@ -24,7 +24,7 @@ import re
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from temporalio.client import Client
 from temporalio.envconfig import ClientConfig
@@ -42,20 +42,53 @@ DEPLOYMENT_ENV = "TETHER_DEPLOYMENT"
 
 
 class TetherError(Exception):
-    """A failed operation, as one line for a person, with the CLI's exit code.
+    """A failed operation, as one line for a person. What kind of failure it is is its class
+    (one of the five below; catch ``TetherError`` for all), and the class is the CLI's exit code
+    (``code``): callers branch on the type, never on the message.
 
     ``field`` names the input that was invalid (a model field such as ``approver``), so a front
-    end can point at its own option for it.
+    end can point at its own option for it. ``rule``: the run's rule that refused it
+    (four_eyes, stale_plan_hash, ...) or the client's own (unknown_run, no_worker, ...), when
+    one did. Rules stay text: a tenant's Cedar policy names its own (``@rule``).
     """
 
-    def __init__(
-        self, message: str, code: int = USAGE, *, field: str | None = None, detail: str = "", rule: str | None = None
-    ) -> None:
+    code: ClassVar[int] = USAGE
+
+    def __init__(self, message: str, *, field: str | None = None, detail: str = "", rule: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
         self.field = field
         self.detail = detail or message
-        self.rule = rule  # the run's rule that refused it (four_eyes, stale_plan_hash, ...), when one did
+        self.rule = rule
+
+
+class UsageError(TetherError):
+    """Bad input, an unknown run, a call Temporal would not take: nothing was done (exit 2)."""
+
+
+class Refused(TetherError):
+    """The run (or its policy, on the client's copy) refused it, or a waited-for run ended other
+    than COMPLETED (exit 1)."""
+
+    code = REFUSED
+
+
+class Pending(TetherError):
+    """The run accepted the request and has not judged it yet: the verdict follows on its
+    record (exit 3)."""
+
+    code = PENDING
+
+
+class NoWorker(TetherError):
+    """No worker serves the run's task queue (or none took its task): nothing reached the run
+    (exit 2)."""
+
+    def __init__(self, message: str, *, field: str | None = None, detail: str = "", rule: str | None = "no_worker") -> None:
+        super().__init__(message, field=field, detail=detail, rule=rule)
+
+
+class Unreachable(TetherError):
+    """Temporal cannot be reached (or stopped answering): nothing was sent (exit 2)."""
 
 
 def exit_process(code: int | None) -> None:
@@ -100,7 +133,7 @@ def task_queue() -> str:
 def deployment_name(given: str | None) -> str:
     name = given or os.environ.get(DEPLOYMENT_ENV) or ""
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,200}", name):
-        raise TetherError(
+        raise UsageError(
             f"give the Worker Deployment with --deployment NAME (env {DEPLOYMENT_ENV}), as its workers were started"
             if not name else f"invalid deployment name {name[:80]!r}: letters, digits, '-' and '_'",
             field="deployment",
@@ -142,9 +175,9 @@ async def connect(**overrides: Any) -> Client:
             config["data_converter"] = data_converter_from_env()
         return await Client.connect(**config)
     except KeyFileError as e:
-        raise TetherError(f"payload encryption: {e}") from None
+        raise UsageError(f"payload encryption: {e}") from None
     except RuntimeError as e:
-        raise TetherError(
+        raise Unreachable(
             f"cannot reach Temporal at {config['target_host']} ({connect_cause(str(e))}); {CONNECT_HINT}"
         ) from None
 
@@ -161,13 +194,13 @@ def rpc_error(err: RPCError, run_id: str) -> TetherError:
     """A Temporal call's failure for run ``run_id``, as what a person does next."""
     if err.status == RPCStatusCode.NOT_FOUND:
         if "completed" in err.message.lower():
-            return TetherError(f"run {run_id} already finished", REFUSED)
-        return TetherError(f"unknown run {run_id!r}: check the id with `tether list`", rule="unknown_run")
+            return Refused(f"run {run_id} already finished")
+        return UsageError(f"unknown run {run_id!r}: check the id with `tether list`", rule="unknown_run")
     if timed_out(err):
-        return TetherError(f"no worker answered for run {run_id}: start one with `make worker`")
+        return NoWorker(f"no worker answered for run {run_id}: start one with `make worker`", rule=None)
     if err.status == RPCStatusCode.RESOURCE_EXHAUSTED:
         # E.g. Temporal's limit of 10 decide Updates in flight per run: nothing was sent.
-        return TetherError(f"Temporal is limiting calls to run {run_id} ({err.message}): nothing was sent; try again in a moment")
+        return UsageError(f"Temporal is limiting calls to run {run_id} ({err.message}): nothing was sent; try again in a moment")
     if err.status == RPCStatusCode.UNAVAILABLE:
-        return TetherError(f"Temporal became unreachable ({err.message.splitlines()[0] if err.message else 'unavailable'})")
-    return TetherError(f"Temporal refused the call for {run_id}: {err.message}")
+        return Unreachable(f"Temporal became unreachable ({err.message.splitlines()[0] if err.message else 'unavailable'})")
+    return UsageError(f"Temporal refused the call for {run_id}: {err.message}")

@@ -20,7 +20,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
-from tether.connection import QUERY_TIMEOUT, REFUSED, USAGE, TetherError, rpc_error
+from tether.connection import QUERY_TIMEOUT, REFUSED, Refused, TetherError, UsageError, rpc_error
 from tether.runs import StuckTask, ViewUnverified, describe, published_view, stuck_task
 from workflows.contract import HandoffRequest
 
@@ -71,7 +71,7 @@ def moved_on(run_id: str, judged: str, current: Any, *, ours: str | None = None,
     else:
         what = f"run {current.run_id} is current ({status_name}), not run {judged} that was judged"
     done = f" (this command's reset made run {ours}, and another reset came after it)" if ours else ""
-    return TetherError(f"the run moved on: {what}{done}; look at it again: tether status {run_id}", REFUSED)
+    return Refused(f"the run moved on: {what}{done}; look at it again: tether status {run_id}")
 
 
 async def reset_judged(
@@ -162,7 +162,7 @@ async def repair(
         raise moved_on(run_id, base_run_id, description)
     if description.status != WorkflowExecutionStatus.RUNNING:
         status_name = description.status.name if description.status else "closed"
-        raise TetherError(f"run {run_id} is {status_name}: only a running run can be repaired", REFUSED)
+        raise Refused(f"run {run_id} is {status_name}: only a running run can be repaired")
     stuck, events, chosen, skipped = await _judged(
         client, description, workflows, event_id=event_id,
         not_stuck=None if event_id is not None else (
@@ -178,11 +178,10 @@ async def repair(
     rerun = [call.tool_call_id for call, _ in calls]
     unsafe = [f"{call.tool_call_id} ({call.tool}, effect {effect})" for call, effect in calls if effect not in RERUN_SAFE]
     if unsafe:
-        raise TetherError(
+        raise Refused(
             f"resetting run {run_id} to event {chosen.event_id} would run {', '.join(unsafe)} again, which is not "
             f"safe to repeat: end the run on the record instead, without running it again "
-            f"(`tether handoff {run_id} --force --by NAME --reason TEXT`)", REFUSED
-        )
+            f"(`tether handoff {run_id} --force --by NAME --reason TEXT`)")
     reapplied = sum(
         1 for e in dropped
         if e.event_type in (EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ADMITTED,
@@ -205,11 +204,11 @@ async def _judged(
     ``no_point``) with the later ones skipped."""
     stuck = await stuck_task(client, description)
     if stuck is None and not_stuck is not None:
-        raise TetherError(not_stuck, REFUSED)
+        raise Refused(not_stuck)
     events = await _history_events(client, description.id, description.run_id)
     chosen, skipped = await _reset_point(client, description.id, events, stuck, workflows, event_id=event_id, settled=settled)
     if chosen is None:
-        raise TetherError(no_point, REFUSED)
+        raise Refused(no_point)
     return stuck, events, chosen, skipped
 
 
@@ -239,13 +238,13 @@ async def _reset_point(
     if event_id is not None:
         completed = [e for e in completed if e.event_id == event_id]
         if not completed:
-            raise TetherError(f"event {event_id} of run {run_id} is no completed workflow task before the failure")
+            raise UsageError(f"event {event_id} of run {run_id} is no completed workflow task before the failure")
     tools = {e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
              and e.activity_task_scheduled_event_attributes.activity_type.name == "execute_tool"}
     # A worker's own configuration (TetherPlugin), with the fleet's ring (TETHER_STATE_KEY_FILE):
     # replay checks every seal and attestation.
     replayer = create_replayer(workflows=workflows, data_converter=client.data_converter)
-    skipped = []
+    skipped: list[int] = []
     for candidate in list(reversed(completed))[:REPAIR_CANDIDATES]:
         started = candidate.workflow_task_completed_event_attributes.started_event_id
         if settled and _pending_at(events, tools, started):
@@ -288,7 +287,7 @@ async def _tool_effects(description: Any) -> dict[str, str]:
     try:
         return {t.name: t.effect.value for t in load_tool_modules(modules, REGISTRY).catalog().tools}
     except LoadError as e:
-        raise TetherError(f"{e} (TETHER_TOOLS)", USAGE) from None
+        raise UsageError(f"{e} (TETHER_TOOLS)") from None
 
 
 async def _dropped_calls(client: Client, dropped: list[Any], effects: dict[str, str]) -> list[tuple[Any, str]]:

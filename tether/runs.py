@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
-from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error
+from tether.connection import QUERY_TIMEOUT, TetherError, UsageError, rpc_error
 from workflows.published import VIEW_MEMO
 from workflows.run_state import RunView
 
@@ -37,7 +37,7 @@ def public_keys() -> Any:
         try:
             _PUBLIC_KEYS = PublicKeys.from_env()
         except KeyRingError as e:
-            raise TetherError(str(e)) from None
+            raise UsageError(str(e)) from None
     return _PUBLIC_KEYS
 
 
@@ -49,7 +49,7 @@ async def published_view(description: Any) -> RunView | None:
         # Published packed (RunView.packed): a binary payload, read back as bytes.
         view = view if view is None or isinstance(view, RunView) else RunView.model_validate(view)
     except (ValueError, TypeError, KeyError, ValidationError) as e:  # another version's, or encrypted by a key not here
-        raise TetherError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
+        raise UsageError(f"run {description.id} published a view this client cannot read ({type(e).__name__}): "
                           f"is TETHER_ENCRYPTION_KEY_FILE the workers' key?") from None
     if view is None:
         return None

@@ -143,7 +143,7 @@ class AgentRun:
             self.engine.child_ids = self.request.grant is not None and self.effects.fixed(CHILD_ONCE)
             await self._drive()
         except asyncio.CancelledError:
-            self._decide(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
+            self._apply(lambda now: self.engine.cancelled(workflow.cancellation_reason(), now))
             if self.data.lifecycle.state == S.COMPENSATING:
                 await self._drive()  # on_cancel=compensate: put the ok writes back first
             await self._drive(ending=True)
@@ -189,10 +189,10 @@ class AgentRun:
             except asyncio.CancelledError:
                 landed = effects.take_landed()
                 if landed is not None:  # the cancel met a parallel group: what each did is kept
-                    self._decide(lambda now: engine.group_settled_on_cancel(landed))
+                    self._apply(lambda now: engine.group_settled_on_cancel(landed))
                 settled = effects.take_settled()
                 if settled is not None:  # the cancel met a tool call: what it did is kept
-                    self._decide(lambda now: engine.tool_settled_on_cancel(*settled))
+                    self._apply(lambda now: engine.tool_settled_on_cancel(*settled))
                 raise
             engine.on(command, result, workflow.now())
 
@@ -409,7 +409,7 @@ class AgentRun:
 
     # ------------------------------------------------------------------ helpers
 
-    def _decide(self, step: Callable[[Any], T]) -> T:
+    def _apply(self, step: Callable[[Any], T]) -> T:
         """Run one engine decision at workflow time; a move the table denies, or a state the
         engine cannot act in, fails the run."""
         try:

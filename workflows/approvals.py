@@ -458,7 +458,7 @@ BEFORE_ASKING = frozenset({S.RECEIVED, S.PLANNING, S.VALIDATED, S.VALIDATION_FAI
 EARLY_DECISIONS = 8  # held at most; more are refused at once, as before
 
 
-class Inbox(RunModel):
+class Decisions(RunModel):
     """Decisions as they arrive and as the run answers them; a waiting plan's wait."""
 
     def receive(self, kind: DecisionKind, decision: Decision, at: datetime) -> None:
@@ -594,7 +594,7 @@ class Inbox(RunModel):
                 verdict = yield Call("policy_check_decision", check, Verdict, f"policy check · {kind}")
             self.inbox.pop(0)
             ids = self.ids(f"decision:{decision.decision_id}")
-            self.decide(
+            self.apply(
                 lambda now: self.settle_decision(kind, decision, verdict.refusal, now, verdict.verified, new_id=ids),
                 policies=verdict.policies,
             )
@@ -606,6 +606,6 @@ class Inbox(RunModel):
             self.answer(decision.decision_id)
             return
         if self.workflow_time >= wake:
-            self.decide(lambda now: self.timer_fired(now, bool(pending.escalation)))
+            self.apply(lambda now: self.timer_fired(now, bool(pending.escalation)))
         # Otherwise woken to continue as new (or to write refusals to the sink): the loop does
         # that and comes back here.

@@ -62,7 +62,7 @@ class Carry(RunModel):
         suggested = self.wants_continue(seen) or self.updates_exhausted(seen.handlers_finished)
         if suggested and self.early:
             # Not carried: refused on the record here, so their Updates end and the run continues.
-            self.decide(lambda now: self.refuse_early(now))
+            self.apply(lambda now: self.refuse_early(now))
             seen = yield Probe()
         if not suggested and self.loops % 16:
             return
@@ -82,7 +82,7 @@ class Carry(RunModel):
         # Held early decisions are not carried (a continue for size, not suggested, reaches here
         # with some): refused on the record first, never lost.
         if self.early:
-            self.decide(lambda now: self.refuse_early(now))
+            self.apply(lambda now: self.refuse_early(now))
         # Every record to the sink and the view published first; then nothing is awaited until
         # the run continues, so the state sealed is the state carried (signals that come in
         # meanwhile wait for the next loop).

@@ -370,7 +370,7 @@ class Delegating(RunModel):
             request, verdict = yield from self._judge_handoff()
             if verdict.refusal is not None:
                 refusal = verdict.refusal
-                self.decide(lambda now: self.refuse_handoff(request, refusal, now), policies=verdict.policies)
+                self.apply(lambda now: self.refuse_handoff(request, refusal, now), policies=verdict.policies)
             else:
                 taken = (request, verdict)
                 self.child_cancel = f"by {request.by}: parent run {self.workflow_id} handed off: {request.reason}"
@@ -393,15 +393,15 @@ class Delegating(RunModel):
         if taken is not None and isinstance(result, ToolFailure) and result.code == CHILD_CANCELLED:
             request, verdict = taken
             step = require(self.current_step(), "no delegate step")
-            self.decide(lambda now: self.handed_off_with_children(request, verdict, [step], now), policies=verdict.policies)
+            self.apply(lambda now: self.handed_off_with_children(request, verdict, [step], now), policies=verdict.policies)
             return
         if taken is not None:
             # The child ended before the cancel reached it: its end counts as any.
-            self.decide(partial(self.handoff_later, taken[0]))
+            self.apply(partial(self.handoff_later, taken[0]))
         if isinstance(result, ToolFailure) and result.code == CHILD_EXISTS:
             result = yield from self._adopt_child(run.child_id, require(self.current_step(), "no delegate step"))
         yield from self.child_undos(run.child_id, result)
-        self.decide(lambda now: self.child_ended(result, now))
+        self.apply(lambda now: self.child_ended(result, now))
 
     def _adopt_child(self, child: str, step: PlanStep) -> Program[RunOutcome | ToolFailure]:
         """The child of this step exists already (this run was reset or repaired after its first

@@ -59,7 +59,7 @@ class Drive(RunModel):
         data = self.data
         first = failure = None
         if self.grant_problem is not None and data.lifecycle.state == S.RECEIVED:
-            self.decide(self.grant_refused)  # a grant not the fleet's for this child: nothing runs
+            self.apply(self.grant_refused)  # a grant not the fleet's for this child: nothing runs
             return
         if data.catalog is None or data.policy is None:
             # One snapshot per run: validation must not change under a run's feet. A run that
@@ -73,7 +73,7 @@ class Drive(RunModel):
                 )
             data.catalog, data.policy = setup.catalog, setup.policy
         if data.lifecycle.state == S.RECEIVED:
-            self.decide(self.received)
+            self.apply(self.received)
         if data.lifecycle.state == S.PLANNING and self.request.compensate_run is None and data.planning_rounds == 0:
             data.planning_rounds = 1  # the first planner call: its proposal, or how it failed
             if first is not None:
@@ -81,13 +81,13 @@ class Drive(RunModel):
                 if self.state != S.VALIDATED:
                     self.prejudged = None  # judged for a plan the run did not take
             elif failure is not None:
-                self.decide(lambda now: self.planner_failed(failure, now))
+                self.apply(lambda now: self.planner_failed(failure, now))
         if data.lifecycle.state == S.RECEIVED and self.request.compensate_run is not None:
             # A compensation run: its first judgement is whether its requester may ask it (the
             # current file: Cedar's compensate), what `tether compensate` waits for.
             judged = yield self.person_check("compensate", self.request.requested_by)
             if judged.refusal is not None:
-                self.decide(lambda now: self.compensation_refused(judged.refusal, now), policies=judged.policies)
+                self.apply(lambda now: self.compensation_refused(judged.refusal, now), policies=judged.policies)
             else:
                 # The original's closed record says what its approvals covered (attested by the
                 # fleet key: a keyless poller cannot say what gets undone).
@@ -98,7 +98,7 @@ class Drive(RunModel):
                     f"recovery source · {self.request.compensate_run}",
                     show=False,
                 )
-                self.decide(lambda now: self.begin_compensation(source, now), policies=judged.policies)
+                self.apply(lambda now: self.begin_compensation(source, now), policies=judged.policies)
 
         while not data.lifecycle.terminal:
             yield from self._maybe_continue_as_new()
@@ -106,20 +106,20 @@ class Drive(RunModel):
             if state == S.PLANNING:
                 yield from self._plan()
             elif state == S.VALIDATION_FAILED:
-                self.decide(self.after_validation_failed)
+                self.apply(self.after_validation_failed)
             elif state == S.VALIDATED:
                 # Whether its writes need a person, judged by the current file (Cedar's
                 # auto_approve, on the judgement log: what-if sees a loosening too). Auto-approved
                 # by the run's snapshot: the current file must agree, or a person decides.
                 # A plan that asks for approval has the run's roster judged again as it does.
                 verdict = yield from self._authority(from_step=0, roster=self.asks_roster())
-                self.decide(lambda now: self.after_validated(now, _refusal(verdict), verdict), policies=_policies(verdict))
+                self.apply(lambda now: self.after_validated(now, _refusal(verdict), verdict), policies=_policies(verdict))
                 self.take_rosters(verdict)
             elif state == S.AWAITING_APPROVAL:
                 yield from self._await_decision()
             elif state == S.APPROVED:
                 verdict = yield from self._authority(from_step=data.next_step)
-                self.decide(lambda now: self.after_approved(_refusal(verdict), now, verdict), policies=_policies(verdict))
+                self.apply(lambda now: self.after_approved(_refusal(verdict), now, verdict), policies=_policies(verdict))
             elif state == S.EXECUTING_TOOL:
                 if self.delegating():
                     yield from self._delegate_step()
@@ -127,13 +127,13 @@ class Drive(RunModel):
                     yield from (self._execute_group() if self.in_group() else self._execute_step())
             elif state == S.COMPENSATING:
                 # The same step path as the plan's steps: one way to call a tool.
-                if self.decide(self.compensation_ready):
+                if self.apply(self.compensation_ready):
                     yield from self._execute_step()
             elif state == S.OBSERVING_RESULT:
                 verdict = None
                 if self.current_step() is not None:
                     verdict = yield from self._authority(from_step=data.next_step)
-                self.decide(lambda now: self.after_observation(_refusal(verdict), now, verdict), policies=_policies(verdict))
+                self.apply(lambda now: self.after_observation(_refusal(verdict), now, verdict), policies=_policies(verdict))
             else:
                 raise RunFailed(f"no handler for working state {state.value}", "IllegalState")
             if data.lifecycle.state != S.AWAITING_APPROVAL and self.inbox:

@@ -15,7 +15,7 @@ phases call one another only through what ``run_model.Phases`` declares: the typ
 
 from __future__ import annotations
 
-from workflows.approvals import Approvals, Inbox
+from workflows.approvals import Approvals, Decisions
 from workflows.carry import Carry
 from workflows.compensating import Compensating
 from workflows.delegation import Delegating
@@ -29,6 +29,6 @@ from workflows.timers import Timers
 from workflows.views import Views
 
 
-class Engine(Drive, Planning, Approvals, Timers, Inbox, Steps, Groups, Delegating, Handoff, Compensating, Outbox, Carry, Views):
+class Engine(Drive, Planning, Approvals, Timers, Decisions, Steps, Groups, Delegating, Handoff, Compensating, Outbox, Carry, Views):
     """One run's decisions, and what it asks for next (``next``) and takes the result of
     (``on``). Every state change goes through ``data.lifecycle.move``."""

@@ -197,10 +197,10 @@ class Groups(RunModel):
         while pending:
             calls: list[tuple[int, ToolCall]] = []
             for index in pending:
-                call = self.decide(partial(self.group_call, index, tries.get(index, 0) + 1))
+                call = self.apply(partial(self.group_call, index, tries.get(index, 0) + 1))
                 if call is None:
                     done += 1
-                    ended[index] = self.decide(partial(
+                    ended[index] = self.apply(partial(
                         self.member_not_started, index, "tool_call_budget", "the run's tool call budget is spent"))
                 else:
                     calls.append((index, call))
@@ -218,7 +218,7 @@ class Groups(RunModel):
                     for i, _ in writes:
                         done += 1
                         self.data.tool_calls -= 1
-                        ended[i] = self.decide(
+                        ended[i] = self.apply(
                             partial(self.member_not_started, i, refusal.rule,
                                     f"the current policy refuses it [{refusal.rule}]: {refusal.message}"),
                             policies=verdict.policies if verdict else None,
@@ -265,13 +265,13 @@ class Groups(RunModel):
                 if isinstance(result, ToolFailure) and result.code == HANDOFF_NOT_STARTED:
                     done, held_back = done + 1, held_back + 1
                     self.data.tool_calls -= 1  # not called: the hand-off was taken first
-                    ended[index] = self.decide(partial(
+                    ended[index] = self.apply(partial(
                         self.member_not_started, index, HANDOFF_NOT_STARTED, "a hand-off of the run was taken first"))
                     continue
                 if isinstance(run, RunChild) and taken is not None and isinstance(result, ToolFailure) and result.code == CHILD_CANCELLED:
                     done += 1
                     stopped.append(plan.steps[index])
-                    ended[index] = self.decide(partial(self.member_cancelled, index, members, done))
+                    ended[index] = self.apply(partial(self.member_cancelled, index, members, done))
                     continue
                 if isinstance(run, RunChild):
                     if isinstance(result, ToolFailure) and result.code == CHILD_EXISTS:
@@ -282,11 +282,11 @@ class Groups(RunModel):
                     result = self.child_answer(plan.steps[index], result)
                     if isinstance(result, ToolFailure) and result.code in (CHILD_HANDED_OFF, CHILD_UNREACHABLE):
                         done += 1
-                        ended[index] = self.decide(partial(self.member_handed_off, index, members, done, result.code))
+                        ended[index] = self.apply(partial(self.member_handed_off, index, members, done, result.code))
                         continue
                 if isinstance(result, ToolOutcome):
                     done += 1
-                    self.decide(partial(self.member_succeeded, index, result, members, done))
+                    self.apply(partial(self.member_succeeded, index, result, members, done))
                     continue
                 failure = result if isinstance(result, ToolFailure) else ToolFailure("cancelled", "not started", False, started=False)
                 if failure.code in NOT_CALLED and not_called < MAX_NOT_CALLED:
@@ -295,7 +295,7 @@ class Groups(RunModel):
                     pending.append(index)
                     delay = max(delay, 1.0)
                     continue
-                wait, end = self.decide(partial(self.member_failed, index, failure, tries.get(index, 0), members, done + 1))
+                wait, end = self.apply(partial(self.member_failed, index, failure, tries.get(index, 0), members, done + 1))
                 if wait is None:
                     done += 1
                     ended[index] = require(end, "no end")
@@ -311,11 +311,11 @@ class Groups(RunModel):
                 if stopped or held_back:
                     # Every attempt has ended: the run is a person's now (a retry due is not made).
                     also = f"parallel group {plan.steps[members[0]].group}: {held_back} step(s) not started" if held_back else None
-                    self.decide(partial(self.handed_off_with_children, request, verdict, stopped, ended=True, also=also),
+                    self.apply(partial(self.handed_off_with_children, request, verdict, stopped, ended=True, also=also),
                                 policies=verdict.policies)
                     return
-                self.decide(partial(self.handoff_later, request))  # each child ended first
+                self.apply(partial(self.handoff_later, request))  # each child ended first
             if pending:
                 yield Checkpoint()
                 yield Wait(delay, "retry backoff (parallel group)")
-        self.decide(lambda now: self.group_done(members, ended, now))
+        self.apply(lambda now: self.group_done(members, ended, now))

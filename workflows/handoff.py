@@ -177,7 +177,7 @@ class Handoff(RunModel):
             self.cancel_taken = (request, verdict.verified)
             return True
 
-        return self.decide(judged, policies=verdict.policies)
+        return self.apply(judged, policies=verdict.policies)
 
     def cancel_unjudged(self, request: CancelRequest, why: str, at: datetime) -> None:
         """The policy check of a cancel request failed for good: refused, saying why."""
@@ -200,7 +200,7 @@ class Handoff(RunModel):
         if self.pending_handoff is None or not self.can_take_handoff():
             return False
         request, verdict = yield from self._judge_handoff()
-        return self.decide(
+        return self.apply(
             lambda now: self.take_handoff(request, now, detail, verdict.refusal, verdict.verified, refs=refs),
             policies=verdict.policies,
         )

@@ -29,7 +29,7 @@ from workflows.wire import Capability, ToolCall, args_digest
 EXTERN = "tether_key_ring"
 
 
-class MissingKey(LookupError):
+class KeyNotHeld(LookupError):
     """A seal, capability or attestation names a key id this worker does not hold."""
 
     def __init__(self, key_id: str) -> None:
@@ -69,10 +69,10 @@ class KeyRing:
         return list(self.keys)[-1]
 
     def mac(self, kid: str, fields: Mapping[str, Any]) -> str:
-        """HMAC-SHA256 by key ``kid`` over the canonical JSON of ``fields``; MissingKey if not held."""
+        """HMAC-SHA256 by key ``kid`` over the canonical JSON of ``fields``; KeyNotHeld if not held."""
         key = self.keys.get(kid)
         if key is None:
-            raise MissingKey(kid)
+            raise KeyNotHeld(kid)
         return hmac.new(key, canonical_json({**fields, "key_id": kid}).encode(), hashlib.sha256).hexdigest()
 
     def sign(self, fields: Mapping[str, Any]) -> tuple[str, str]:
@@ -81,7 +81,7 @@ class KeyRing:
         return kid, self.mac(kid, fields)
 
     def verify(self, kid: str, fields: Mapping[str, Any], mac: str) -> bool:
-        """Does ``mac`` verify under key ``kid``? MissingKey when the ring lacks that id."""
+        """Does ``mac`` verify under key ``kid``? KeyNotHeld when the ring lacks that id."""
         return hmac.compare_digest(self.mac(kid, fields), mac)
 
     def signer(self, kid: str) -> Callable[[bytes], bytes]:
@@ -165,7 +165,7 @@ def seal_valid(ring: KeyRing, sealed: str | None, workflow_id: str, run_id: str,
         return False
     try:
         return ring.verify(kid, seal_fields(workflow_id, run_id, generation, digest), mac)
-    except MissingKey:
+    except KeyNotHeld:
         raise KeyMissing(missing_message(kid, "the carried state's seal"), kid) from None
 
 
@@ -189,7 +189,7 @@ def grant_valid(ring: KeyRing, sealed: str, digest: str) -> bool:
         return False
     try:
         return ring.verify(kid, grant_fields(digest), mac)
-    except MissingKey:
+    except KeyNotHeld:
         raise KeyMissing(missing_message(kid, "the run's grant"), kid) from None
 
 
@@ -211,7 +211,7 @@ def outcome_valid(ring: KeyRing, sealed: str, grant_seal: str, digest: str) -> b
         return False
     try:
         return ring.verify(kid, outcome_fields(grant_seal, digest), mac)
-    except MissingKey:
+    except KeyNotHeld:
         raise KeyMissing(missing_message(kid, "the child run's outcome"), kid) from None
 
 
@@ -307,7 +307,7 @@ def check_attested(
         raise Forgery(forgery_message(what, workflow_id, "it bears no attestation by the fleet key"))
     try:
         good = ring.verify(kid, attestation_fields(kind, workflow_id, activity_id, request, result), mac)
-    except MissingKey:
+    except KeyNotHeld:
         raise KeyMissing(missing_message(kid, what), kid) from None
     if not good:
         raise Forgery(forgery_message(what, workflow_id, "its attestation does not verify for this request and answer"))

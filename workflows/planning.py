@@ -213,7 +213,7 @@ class Planning(RunModel):
             return
         budget = self.token_budget_refusal()
         if budget is not None:
-            self.decide(
+            self.apply(
                 lambda now: self.move(
                     S.FAILED, at=now, actor="runtime", reason=budget, refs=Refs(error_code="model_token_budget")
                 )
@@ -222,7 +222,7 @@ class Planning(RunModel):
         data.planning_rounds += 1
         answer = yield self._ask_planner(data.planning_rounds)
         if isinstance(answer, ToolFailure):
-            self.decide(lambda now: self.planner_failed(answer, now))
+            self.apply(lambda now: self.planner_failed(answer, now))
             return
         yield from self._planned(answer)
 
@@ -268,7 +268,7 @@ class Planning(RunModel):
         if (yield from self._take_handoff()):
             return
         ids = self.ids(proposal_basis(data.planning_rounds, proposal))
-        self.decide(lambda now: self.proposal(proposal, at=now, new_id=ids))
+        self.apply(lambda now: self.proposal(proposal, at=now, new_id=ids))
 
 
 def _bounded_context(executed: list[ExecutedStep]) -> list[ExecutedStep]:

@@ -170,7 +170,7 @@ class Phases(Protocol):
     def next_timer(self, escalate: bool = True) -> tuple[datetime, str]: ...
     def timer_fired(self, at: datetime, escalate: bool = True) -> None: ...
 
-    # approvals.Inbox
+    # approvals.Decisions
     def receive(self, kind: DecisionKind, decision: Decision, at: datetime) -> None: ...
     def take_verdict(self, decision_id: str) -> DecideResult: ...
     def answer(self, decision_id: str) -> None: ...
@@ -290,7 +290,7 @@ class RunModel(Phases):
         # many this execution took; writes scheduled again for a capability; loops of the
         # program, and the history bytes at which a deferred continue-as-new is due.
         self.inbox: list[tuple[DecisionKind, Decision]] = []
-        # Decisions for a request the run has not asked yet (approvals.Inbox.hold_early).
+        # Decisions for a request the run has not asked yet (approvals.Decisions.hold_early).
         self.early: list[tuple[DecisionKind, Decision]] = []
         self.pending_handoff: HandoffRequest | None = None
         # A cancel request being judged (the policy activity), and the one the run took (with
@@ -321,10 +321,11 @@ class RunModel(Phases):
         """The carried state's seal held: this run is that generation of the run chain."""
         self.data.generation = generation
 
-    def decide(self, step: Callable[[datetime], T], *, policies: Sequence[str] | None = None) -> T:
-        """One decision at the current workflow time; a move the table denies, or a state the
-        engine cannot act in, fails the run. ``policies``: the Cedar policies that decided the
-        policy check it follows, named on the records it writes (``refs.policies``)."""
+    def apply(self, step: Callable[[datetime], T], *, policies: Sequence[str] | None = None) -> T:
+        """Apply one engine step (``step``, a decision of the engine's) at the current workflow
+        time; a move the table denies, or a state the engine cannot act in, fails the run.
+        ``policies``: the Cedar policies that decided the policy check it follows, named on the
+        records it writes (``refs.policies``)."""
         before = self.deciding_policies
         if policies:
             self.deciding_policies = list(policies)

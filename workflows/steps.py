@@ -413,7 +413,7 @@ class Steps(RunModel):
         if (yield from self._take_handoff(detail=detail, refs=refs)):
             self.step_handed_off()
             return
-        call = self.decide(self.next_tool_call)
+        call = self.apply(self.next_tool_call)
         if call is None:
             return
         data_state = self.data.lifecycle.state
@@ -442,7 +442,7 @@ class Steps(RunModel):
                 refusal = (verdict.refusal if verdict else None) or Refusal(
                     rule="capability_invalid", message="no re-check for this write"
                 )
-                self.decide(lambda now: self.write_refused(refusal, now), policies=verdict.policies if verdict else None)
+                self.apply(lambda now: self.write_refused(refusal, now), policies=verdict.policies if verdict else None)
                 return
             call = yield Mint(call, activity_id, check, timeouts.start_to_close, judge)
         elif self.judge_at_tool is not None:
@@ -498,7 +498,7 @@ class Steps(RunModel):
         self.bounces = 0
         if judge is not None and writes:  # the outcome is attested: what the worker's file is, as a verdict says
             self.data.policy_problem = answer.policy_problem
-        self.decide(lambda now: self.tool_succeeded(answer, now))
+        self.apply(lambda now: self.tool_succeeded(answer, now))
 
     def _judge_again(self, judge: DecisionCheck, failure: ToolFailure) -> Program[None]:
         """The tool worker did not start the first call after a decision the run took on its
@@ -511,19 +511,19 @@ class Steps(RunModel):
         refusal = verdict.refusal or (then.refusal if then is not None else None)
         if refusal is not None:
             ask = then if then is not None and then.refusal is not None else None
-            self.decide(lambda now: self.approval_lapsed(refusal, now, ask), policies=(ask or verdict).policies)
+            self.apply(lambda now: self.approval_lapsed(refusal, now, ask), policies=(ask or verdict).policies)
             return
         self.remember_check(judge.then, then)
 
     def _attempt_failed(self, failure: ToolFailure) -> Program[None]:
         """The retry rule for a failed attempt: the step ends, or the run waits out the backoff
         (a handoff cuts it short) and tries again."""
-        delay = self.decide(lambda now: self.tool_failed(failure, now))
+        delay = self.apply(lambda now: self.tool_failed(failure, now))
         if delay is None:
             return
         yield Checkpoint()
         yield Wait(delay, "retry backoff", until=("handoff",))
-        self.decide(self.retry)
+        self.apply(self.retry)
 
     def _in_flight_handoff(self) -> Program[bool]:
         """A forced hand-off (`tether handoff RUN --force`) named this step's call: its attempt was

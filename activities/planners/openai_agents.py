@@ -31,7 +31,7 @@ from workflows.contract import ToolCatalog
 from workflows.wire import PlannerInput, Proposal
 
 try:
-    from agents import Agent, FunctionTool, RunConfig, Runner
+    from agents import Agent, FunctionTool, RunConfig, Runner, TResponseInputItem
 except ImportError as e:  # pragma: no cover - the dev extra installs it
     raise ImportError(f"the OpenAI Agents SDK planner needs openai-agents: pip install openai-agents ({e})") from None
 
@@ -57,9 +57,9 @@ def proposed_tools(catalog: ToolCatalog) -> list[FunctionTool]:
     ]
 
 
-def run_input(request: PlannerInput) -> list[dict[str, Any]]:
+def run_input(request: PlannerInput) -> list[TResponseInputItem]:
     """The run so far as the agent's input items."""
-    items: list[dict[str, Any]] = [{"role": "user", "content": f"Goal: {request.goal}"}]
+    items: list[TResponseInputItem] = [{"role": "user", "content": f"Goal: {request.goal}"}]
     for step in planning.bound_observations(request.executed):
         items.append({"type": "function_call", "call_id": step.tool_call_id, "name": planning.function_name(step.tool),
                       "arguments": json.dumps(step.args, sort_keys=True)})

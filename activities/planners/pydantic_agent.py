@@ -30,7 +30,7 @@ from workflows.contract import ToolCatalog
 from workflows.wire import PlannerInput, Proposal
 
 try:
-    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai import Agent, AgentRunResult, DeferredToolRequests
     from pydantic_ai.exceptions import UserError
     from pydantic_ai.messages import (
         ModelMessage,
@@ -91,7 +91,7 @@ class AgentPlanner:
     async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
         history = message_history(request)
         try:
-            result = await self.agent.run(
+            result: AgentRunResult[str | DeferredToolRequests] = await self.agent.run(
                 message_history=history,
                 toolsets=[external_tools(catalog)],
                 output_type=[str, DeferredToolRequests],

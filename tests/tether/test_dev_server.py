@@ -11,6 +11,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from tether.client import run_outcome
 from tests.helpers.cli import Cli
+from tests.helpers.flooded_run import FloodedRun, OlderRun
 from tests.conftest import (
     approval_for,
     CAN_THRESHOLD,
@@ -173,6 +174,22 @@ async def test_cli_end_to_end_with_exit_codes(dev_env: WorkflowEnvironment, bill
     code, _, err = await cli("status", "x", env={"TEMPORAL_ADDRESS": "127.0.0.1:1"})
     assert code == 2 and "cannot reach Temporal" in err and "make dev-server" in err
     assert len(err.strip().splitlines()) == 1
+
+
+async def test_a_cancel_refused_before_history_says_refused_and_its_rule(dev_env: WorkflowEnvironment) -> None:
+    """A cancel Update the run's validator refuses (continuing as new: sent again, it counts in
+    the continued run) is REFUSED with its rule, exit 1: never a traceback. An older build's
+    plain error is REFUSED with its message, no rule."""
+    async with running_worker(dev_env.client, extra_workflows=[FloodedRun, OlderRun]) as worker:
+        cli = Cli(dev_env, worker)
+        for workflow, said in (("FloodedRun", "cancel refused: this run has taken 1500 decide Updates and continues "
+                                "as new first: send it again [rule: continuing_as_new]"),
+                               ("OlderRun", "this build takes no cancel request")):
+            handle = await dev_env.client.start_workflow(workflow, id=unique(workflow), task_queue=worker.task_queue)
+            code, out, err = await cli("cancel", handle.id, "--by", "dana", "--reason", "withdrawn")
+            assert (code, out) == (1, ""), (code, out, err)
+            assert len(err.strip().splitlines()) == 1 and said in err and "unexpected" not in err, err
+            await handle.terminate("test over")
 
 
 # ----------------------------------------------------------------------------- continue-as-new

@@ -50,3 +50,29 @@ def test_a_tenant_the_policy_does_not_name_is_refused_by_name() -> None:
     # A name that is no name is a usage error before anything is sent (Temporal unreachable here).
     done = tether("cancel", "run-1", "--by", "bob\x1b[2J", "--reason", "r")
     assert done.returncode == 2 and done.stderr.startswith("error: --by:") and "\x1b" not in done.stderr, done
+
+
+def test_what_went_wrong_is_a_type_and_the_exit_code_is_the_types() -> None:
+    """Callers branch on the class (``except client.Refused``), never on a message or a code
+    number; every one is a TetherError, and the CLI exits with its class's code."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    kinds = (client.Refused, client.UsageError, client.Pending, client.NoWorker, client.Unreachable)
+    assert all(issubclass(k, client.TetherError) for k in kinds)
+    assert [k.code for k in kinds] == [client.REFUSED, client.USAGE, client.PENDING, client.USAGE, client.USAGE]
+    assert client.JudgementLogUnreadable.code == 4
+
+    def failed(status: RPCStatusCode, message: str) -> client.TetherError:
+        return client.rpc_error(RPCError(message, status, b""), "run-1")
+
+    finished = failed(RPCStatusCode.NOT_FOUND, "workflow execution already completed")
+    unknown = failed(RPCStatusCode.NOT_FOUND, "workflow not found")
+    silent = failed(RPCStatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    gone = failed(RPCStatusCode.UNAVAILABLE, "connection refused")
+    assert (type(finished), type(unknown), type(silent), type(gone)) == (
+        client.Refused, client.UsageError, client.NoWorker, client.Unreachable)
+    assert (unknown.rule, silent.rule) == ("unknown_run", None)  # no worker answered: not a probe's verdict
+    assert client.NoWorker("no worker serves it").rule == "no_worker"
+    # Temporal unreachable: the CLI says so in one line, exit 2 (the Unreachable type's code).
+    done = tether("status", "run-1")
+    assert done.returncode == client.Unreachable.code and "cannot reach Temporal" in done.stderr, done

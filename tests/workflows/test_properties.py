@@ -585,7 +585,7 @@ def test_unsafe_unknown_outcome_hands_off_naming_the_call() -> None:
 
 
 def test_a_decision_the_engine_cannot_act_on_is_an_illegal_state_not_a_crash() -> None:
-    # The workflow turns IllegalState into a non-retryable failure of the run (RunModel.decide, RunFailed);
+    # The workflow turns IllegalState into a non-retryable failure of the run (RunModel.apply, RunFailed);
     # an assert or bare exception would retry the workflow task forever.
     driver = Driver("expire")
     with pytest.raises(IllegalState, match="nothing pending"):

@@ -15,6 +15,12 @@ if TYPE_CHECKING:
     from temporalio import client as temporal
     from workflows import contract, policy, published, run_state, states, wording
 
+# The command modules import these from here (the modules, on first use).
+__all__ = [
+    "USAGE", "add_command", "client", "contract", "policy", "published", "pydantic", "run_state", "states",
+    "temporal", "wording",
+]
+
 # client.USAGE (argparse's own code too): a usage error is told before anything is imported.
 USAGE = 2
 

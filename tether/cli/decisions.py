@@ -40,9 +40,9 @@ def _step_numbers(text: str | None) -> list[int] | None:
     try:
         numbers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise client.TetherError(f"--steps: expected step numbers like 1,2, got {text[:60]!r}") from None
+        raise client.UsageError(f"--steps: expected step numbers like 1,2, got {text[:60]!r}") from None
     if not numbers:
-        raise client.TetherError("--steps: name at least one step")
+        raise client.UsageError("--steps: name at least one step")
     return numbers
 
 
@@ -51,10 +51,10 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
     or, on a terminal, the plan shown here and confirmed; ``--unreviewed`` says neither."""
     steps = _step_numbers(getattr(args, "steps", None))
     if args.plan_hash is not None and args.unreviewed:
-        raise client.TetherError("--plan-hash and --unreviewed exclude each other: name the plan you reviewed, or say you did not")
+        raise client.UsageError("--plan-hash and --unreviewed exclude each other: name the plan you reviewed, or say you did not")
     asks = args.plan_hash is None and not args.unreviewed
     if asks and not sys.stdin.isatty():
-        raise client.TetherError(
+        raise client.UsageError(
             f"{kind}: name the plan you reviewed with --plan-hash HASH (its first {client.HASH_PREFIX} characters "
             f"will do: `{invoked_as()} status {shlex.quote(args.run)}` prints it), or pass --unreviewed to {kind} "
             f"whatever plan is pending (the run's record says so); on a terminal, tether shows the plan and asks"
@@ -79,9 +79,9 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
             dropped = [n for n in range(1, len(snap.plan.steps) + 1) if n not in steps]
             print(f"  only step(s) {', '.join(map(str, steps))}; dropped from the plan: "
                   f"{', '.join(map(str, dropped)) or 'none'}")
-        queue = getattr(snap, "task_queue", None)
+        queue = snap.task_queue if isinstance(snap, client.RunStatus) else None
         missing = client.unserved(snap, await client.served_tools(conn, queue)) if kind == "approve" and queue else []
-        if missing:  # as the inbox says beside Approve: the approval is kept, its writes wait
+        if missing and queue:  # as the inbox says beside Approve: the approval is kept, its writes wait
             print(f"warning: {client.unserved_message(queue, missing)}")
     if asks:
         try:
@@ -99,9 +99,7 @@ async def _decide(args: argparse.Namespace, kind: str) -> int:
     try:
         # The request read above is the one decided: no second read, no second worker probe.
         verdict = await client.decide(conn, args.run, kind, given, held=snap)  # type: ignore[arg-type]
-    except client.TetherError as e:
-        if e.code != client.PENDING:
-            raise
+    except client.Pending as e:
         print(e)  # accepted, not judged yet: not an error, and not a verdict (exit 3)
         return e.code
     code = print_verdict(verdict)
@@ -153,7 +151,7 @@ def _revise_args(p: argparse.ArgumentParser) -> None:
 
 async def cmd_revise(args: argparse.Namespace) -> int:
     if bool(args.step) == bool(args.steps_file):
-        raise client.TetherError("revise: give --step N KEY=VALUE (repeatable) or --steps-file PATH")
+        raise client.UsageError("revise: give --step N KEY=VALUE (repeatable) or --steps-file PATH")
     conn = await client.connect()
     snap, _ = await client.pending_request(conn, args.run)  # read once: the revision is of this request
     assert snap.plan is not None  # a pending request binds a plan (client.held_request)

@@ -38,7 +38,7 @@ async def cmd_inbox(args: argparse.Namespace) -> int:
     from tether.inbox.app import InboxConfig, serve
 
     if args.port < 1 or args.port > 65535:
-        raise client.TetherError(f"--port must be 1-65535, not {args.port}", field="port")
+        raise client.UsageError(f"--port must be 1-65535, not {args.port}", field="port")
     config = InboxConfig(
         policy=Path(args.policy or os.environ.get("TETHER_POLICY") or "examples/billing/policy.toml"),
         dev_login=args.dev_login,

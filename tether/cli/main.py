@@ -97,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every command goes through the client: imported once the arguments parse (not for --help).
     failed, run_failed = client.TetherError, temporal.WorkflowFailureError
     try:
-        return asyncio.run(args.fn(args))
+        code: int = asyncio.run(args.fn(args))  # every command's body returns its exit code
+        return code
     except failed as e:
         print(error_line(e), file=sys.stderr)
         return e.code

@@ -17,11 +17,11 @@ def parse_edits(edits: Sequence[Sequence[str]]) -> list[tuple[int, str, Any]]:
     out: list[tuple[int, str, Any]] = []
     for edit in edits:
         if len(edit) < 2 or not edit[0].isdigit() or int(edit[0]) < 1:
-            raise client.TetherError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
+            raise client.UsageError("--step: expected a step number (1, 2, ...) and KEY=VALUE pairs, e.g. --step 2 amount_cents=1000")
         for pair in edit[1:]:
             key, sep, text = pair.partition("=")
             if not sep or not key:
-                raise client.TetherError(f"--step: {pair[:60]!r} is not KEY=VALUE")
+                raise client.UsageError(f"--step: {pair[:60]!r} is not KEY=VALUE")
             try:
                 value: Any = json.loads(text)
             except json.JSONDecodeError:
@@ -37,12 +37,12 @@ def load_steps_file(path: Path, what: str = "steps file", model: type[pydantic.B
     try:
         raw = json.loads(path.read_text())
     except (FileNotFoundError, IsADirectoryError):
-        raise client.TetherError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
+        raise client.UsageError(f"{what if what.endswith(' file') else what + ' file'} not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise client.TetherError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
+        raise client.UsageError(f"{what} {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
     raw = raw.get("steps") if isinstance(raw, dict) else raw
     if not isinstance(raw, list):
-        raise client.TetherError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
+        raise client.UsageError(f"{what} {path} must be a JSON list of {{\"tool\", \"args\"}} steps")
     try:
         return [model.model_validate(s) for s in raw]
     except pydantic.ValidationError as e:

@@ -9,14 +9,17 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tether.cli.base import USAGE, add_command, client
 from workflows.display import escape_text as show  # the standard library's alone
 
+if TYPE_CHECKING:
+    from activities.judgements import JudgementLog
+
 # `tether policy what-if` / `explain`: the judgement log could not be read at all (a missing file,
 # no permission, the database down); after 0-3 (client.py), apart from 2 "NEW_POLICY is invalid".
-LOG_UNREADABLE = 4
+LOG_UNREADABLE = 4  # client.JudgementLogUnreadable.code
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +49,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
     from activities.policy_file import validate_file
 
     if args.action != "show" and not args.target:
-        raise client.TetherError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)", USAGE)
+        raise client.UsageError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)")
     if args.action == "validate":
         problems, checked = validate_file(Path(args.target))
         for problem in problems:
@@ -64,9 +67,9 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         try:
             document = parse_policy(path.read_text(), str(path))
         except OSError as e:
-            raise client.TetherError(f"{path}: cannot read it ({e.strerror})", USAGE) from None
+            raise client.UsageError(f"{path}: cannot read it ({e.strerror})") from None
         except PolicyFileError as e:
-            raise client.TetherError(f"{e}; `tether policy validate {path}` lists every problem", USAGE) from None
+            raise client.UsageError(f"{e}; `tether policy validate {path}` lists every problem") from None
         text = cedar.export_document(document)
         if args.out:
             Path(args.out).write_text(text)
@@ -81,9 +84,9 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         log = log_from_env(args.audit_dir)
         found = read_judgements(log, workflow_id=args.target)
         if not found:
-            raise client.TetherError(
+            raise client.UsageError(
                 f"no judgement of run {args.target} in {log.describe()}: the run made no decision or write yet, or its "
-                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN)", USAGE)
+                "worker logs elsewhere (--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN)")
         print(f"run {show(args.target)}: {len(found)} Cedar judgement(s), from {show(log.describe())}")
         for entry in found:
             print("\n".join(format_judgement(entry)))
@@ -92,7 +95,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
         return what_if(args)
     if args.action == "show":
         return await show_policy(args)
-    raise client.TetherError(f"unknown policy action {args.action!r}", USAGE)
+    raise client.UsageError(f"unknown policy action {args.action!r}")
 
 
 async def show_policy(args: argparse.Namespace) -> int:
@@ -107,7 +110,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     try:
         document, digest = store.load()
     except (PolicyFileError, OSError) as e:
-        raise client.TetherError(f"{e}; `tether policy validate {chosen}` lists every problem", USAGE) from None
+        raise client.UsageError(f"{e}; `tether policy validate {chosen}` lists every problem") from None
     print(f"policy  {show(store.source)}")
     print(f"hash    {digest}")
     for name, tenant in sorted((document.tenants if document else {}).items()):
@@ -120,8 +123,8 @@ async def show_policy(args: argparse.Namespace) -> int:
     _, records = await client.read_run(temporal, args.run)
     recorded = recorded_policy_hash(records) or recorded_policy_hash(await client.timeline(temporal, args.run))
     if recorded is None:
-        raise client.TetherError(f"run {args.run} has recorded no policy hash yet (it records one when its worker takes "
-                          "it): try again in a moment", USAGE)
+        raise client.UsageError(f"run {args.run} has recorded no policy hash yet (it records one when its worker takes "
+                          "it): try again in a moment")
     same = recorded == digest
     print(f"run     {show(args.run)}: policy hash {recorded} (recorded at its start): "
           + ("the same file" if same else "ANOTHER policy than this file: it was judged by the worker's file, "
@@ -142,7 +145,7 @@ def what_if(args: argparse.Namespace) -> int:
         try:
             since = datetime.now(timezone.utc) - timedelta(seconds=float(parse_duration(args.since)))
         except (ValueError, TypeError) as e:
-            raise client.TetherError(f"--since {args.since!r}: {e}", USAGE) from None
+            raise client.UsageError(f"--since {args.since!r}: {e}") from None
     try:
         proposed = ProposedPolicy(Path(args.target))
     except ValueError as e:
@@ -155,15 +158,16 @@ def what_if(args: argparse.Namespace) -> int:
     changes = judge_again(recorded, proposed)
     runs = {e.get("workflow_id") for e in recorded}
     for change in changes:
-        e = change.entry
-        who = f" by {e['person']}" if e.get("person") else ""
-        step = e.get("request", {}).get("resource", {})
+        entry = change.entry
+        who = f" by {entry['person']}" if entry.get("person") else ""
+        step = entry.get("request", {}).get("resource", {})
         what = f" step {step.get('id')}" if isinstance(step, dict) and step.get("type", "").endswith("Step") else ""
-        amounts = _step_amounts(e)
-        was = "allowed" if e.get("allowed") else f"refused ({e.get('rule')})"
+        amounts = _step_amounts(entry)
+        was = "allowed" if entry.get("allowed") else f"refused ({entry.get('rule')})"
         now = "allowed" if change.allowed else f"refused ({change.rule})"
         by = ", ".join(change.policies) or "no policy"
-        print(show(f"{e.get('workflow_id')} {e.get('at', '')[:19]} {e.get('check')} {e.get('action')}{who}{what}"
+        print(show(f"{entry.get('workflow_id')} {entry.get('at', '')[:19]} {entry.get('check')} "
+                   f"{entry.get('action')}{who}{what}"
                    f"{' (' + amounts + ')' if amounts else ''}: {was} -> {now} by {by}: {change.meaning}", 600))
     if uncompared := before_escalation(recorded, proposed):
         print(f"note: {uncompared} plan(s) that needed approval were logged before judgement lines recorded their "
@@ -173,7 +177,7 @@ def what_if(args: argparse.Namespace) -> int:
     return client.REFUSED if changes else client.OK
 
 
-def read_judgements(log: Any, **filters: Any) -> list[dict[str, Any]]:
+def read_judgements(log: JudgementLog, **filters: Any) -> list[dict[str, Any]]:
     """The judgement log's signed judgement lines (explain, what-if): the lines of another shape
     and those the fleet did not sign are skipped and counted on stderr (they change no exit code);
     a log that cannot be read at all is exit LOG_UNREADABLE, apart from "NEW_POLICY is invalid"."""
@@ -182,8 +186,8 @@ def read_judgements(log: Any, **filters: Any) -> list[dict[str, Any]]:
     try:
         found = log.read(publics=client.public_keys(), **filters)
     except LogUnreadable as e:
-        raise client.TetherError(f"could not read the judgement log: {e}; point at the workers' log with --audit-dir, "
-                          "env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN", LOG_UNREADABLE) from None
+        raise client.JudgementLogUnreadable(f"could not read the judgement log: {e}; point at the workers' log with "
+                                            "--audit-dir, env TETHER_AUDIT_DIR or TETHER_AUDIT_DSN") from None
     if log.skipped:
         print(f"warning: {show(log.describe())}: {log.skipped} line(s) skipped: not a judgement line", file=sys.stderr)
     if log.unverified:
@@ -197,7 +201,7 @@ def _step_amounts(entry: dict[str, Any]) -> str:
     resource = entry.get("request", {}).get("resource")
     if not isinstance(resource, dict) or not str(resource.get("type", "")).endswith("Step"):
         return ""
-    step = next((e for e in entry.get("entities", []) if e.get("uid") == resource), {})
+    step: dict[str, Any] = next((e for e in entry.get("entities", []) if e.get("uid") == resource), {})
     tool = step.get("attrs", {}).get("tool") if isinstance(step.get("attrs"), dict) else None
     return " ".join(str(w) for w in (tool, _amount_words(step)) if w)
 

@@ -50,7 +50,7 @@ def _load_playbook(path: str | None) -> list[contract.PlaybookStep]:
 async def cmd_start(args: argparse.Namespace) -> int:
     playbook = _load_playbook(args.playbook)
     if args.planner == "playbook" and not playbook:
-        raise client.TetherError("the playbook planner needs steps: pass --playbook PATH")
+        raise client.UsageError("the playbook planner needs steps: pass --playbook PATH")
     try:
         request = run_state.RunRequest(
             goal=args.goal,
@@ -188,7 +188,7 @@ async def cmd_timeline(args: argparse.Namespace) -> int:
         # worker needed, nothing reaches the run.
         records = trail.line()
         if not records and trail.unchecked:
-            raise client.TetherError(trail.unchecked)  # it has published nothing, and nobody can ask it
+            raise client.UsageError(trail.unchecked)  # it has published nothing, and nobody can ask it
         if args.json:
             print_json([r.model_dump(mode="json") for r in records])
         else:
@@ -353,11 +353,11 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     ended STATE" or "open or cut short after seq N"), checked against Temporal where it still
     holds the run. A trail that does not verify, or that is cut short where its run has ended
     (or with ``--complete``), exits 1."""
-    from activities.audit import sink_from_env, verify_streams
-    from activities.audit_verify import stream_ends
+    from activities.audit_sink import sink_from_env
+    from activities.audit_verify import stream_ends, verify_streams
 
     if bool(args.run) == bool(args.all):
-        raise client.TetherError("name one run, or --all", USAGE)
+        raise client.UsageError("name one run, or --all")
     publics = client.public_keys()
     try:
         conn = await client.connect()
@@ -371,8 +371,7 @@ async def cmd_audit(args: argparse.Namespace) -> int:
         for workflow_id in ids:
             streams = await sink.read(workflow_id)
             if args.run and not streams:
-                raise client.TetherError(f"unknown run {args.run!r}: the audit sink ({sink.describe()}) holds no record of it",
-                                         USAGE, rule="unknown_run")
+                raise client.UsageError(f"unknown run {args.run!r}: the audit sink ({sink.describe()}) holds no record of it", rule="unknown_run")
             check = verify_streams(publics, workflow_id, streams)
             checked += check.records
             if check.problems:

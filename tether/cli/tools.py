@@ -18,18 +18,19 @@ def _tools_args(p: argparse.ArgumentParser) -> None:
 async def cmd_tools(args: argparse.Namespace) -> int:
     """The tools a worker with these options would serve, with each one's effect and why."""
     from activities import mcp
+    from activities.mcp_config import McpConfigError, config_from_env
     from activities.loading import LoadError
     from activities.tools import REGISTRY, load_tool_modules
 
     modules = [m for m in args.tools.split(",") if m.strip()]
     try:
-        config = mcp.config_from_env(args.mcp_config)
-    except mcp.McpConfigError as e:
-        raise client.TetherError(f"invalid MCP config: {e}", USAGE) from None
+        config = config_from_env(args.mcp_config)
+    except McpConfigError as e:
+        raise client.UsageError(f"invalid MCP config: {e}") from None
     try:  # resolved as the worker resolves them (activities/loading.py)
         registry = load_tool_modules(modules, REGISTRY)
     except LoadError as e:
-        raise client.TetherError(str(e), USAGE) from None
+        raise client.UsageError(str(e)) from None
     if config is None:
         print(mcp.format_tools(mcp.describe_tools(registry)))
         return client.OK

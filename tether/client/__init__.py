@@ -2,8 +2,9 @@
 
 The ``tether`` CLI, the inbox, the demo, the benchmarks and the tests all go through these
 functions; none of them needs argparse. Each returns a pydantic model or raises
-:class:`TetherError`, whose ``code`` is the CLI's exit code (0 OK, 1 REFUSED, 2 USAGE, 3 PENDING:
-``tether.connection`` says what each means, and where the connection's settings come from).
+:class:`TetherError`: its class says what went wrong (``Refused``, ``UsageError``, ``Pending``,
+``NoWorker``, ``Unreachable``) and is the CLI's exit code (``code``: 0 OK, 1 REFUSED, 2 USAGE,
+3 PENDING; ``tether.connection`` says what each means, and where the connection's settings come from).
 
     from tether.client import DecisionInput, connect, decide, start_run, wait_settled
     from workflows.models import RunRequest
@@ -26,16 +27,17 @@ what programs use from ``tether.connection``, ``tether.repair`` and ``tether.run
 from __future__ import annotations
 
 from tether.connection import (
-    DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, MCP_TASK_QUEUE, OK, PENDING, QUERY_TIMEOUT, REFUSED, USAGE, TetherError,
+    DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, MCP_TASK_QUEUE, OK, PENDING, QUERY_TIMEOUT, REFUSED, USAGE, NoWorker, Pending,
+    Refused, TetherError, Unreachable, UsageError,
     checkout_stack, connect, connect_config, deployment_name, exit_process, rpc_error, task_queue, timed_out,
 )
 from tether.repair import RepairResult, repair, reset_judged
-from tether.pollers import served_tools
+from tether.pollers import HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, served_tools
 from tether.runs import StuckTask, ViewUnverified, public_keys, published_view, stuck_task
 
-from tether.client.errors import invalid
+from tether.client.errors import JudgementLogUnreadable, invalid
 from tether.client.workers import (
-    HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, TAKE_SECONDS, has_worker, no_answer, no_worker_message,
+    TAKE_SECONDS, has_worker, no_answer, no_worker_message,
     require_worker, start_worker_hint, unserved_message, untaken_message, untaken_seconds, worker_serving,
 )
 from tether.client.signing import ensure_keys, keygen, load_private_key, sign, sign_request
@@ -75,14 +77,18 @@ __all__ = [
     "DeploymentStatus",
     "HASH_PREFIX",
     "HEARTBEAT_FRESH",
+    "JudgementLogUnreadable",
     "MCP_TASK_QUEUE",
+    "NoWorker",
     "OK",
     "PENDING",
     "PENDING_QUERY_SECONDS",
     "POLLER_FRESH",
     "PROBE_TIMEOUT",
+    "Pending",
     "QUERY_TIMEOUT",
     "REFUSED",
+    "Refused",
     "RepairResult",
     "RunStatus",
     "RunSummary",
@@ -93,6 +99,8 @@ __all__ = [
     "TREE_NODES",
     "TetherError",
     "USAGE",
+    "Unreachable",
+    "UsageError",
     "VERDICT_TIMEOUT",
     "Verdict",
     "ViewUnverified",

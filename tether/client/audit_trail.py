@@ -14,7 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.run_state import RunSnapshot
 from workflows.states import TransitionRecord
-from tether.connection import TetherError, rpc_error
+from tether.connection import TetherError, UsageError, rpc_error
 from tether.runs import ViewUnverified, public_keys, published_view
 from tether.client.workers import no_worker_message, worker_serving
 
@@ -109,7 +109,7 @@ async def audit_trail(
     A run Temporal no longer has (retention), or that no worker answers for, is shown from the
     sink alone; ``unchecked`` then says why its completeness could not be checked.
     """
-    from activities.audit import sink_from_env
+    from activities.audit_sink import sink_from_env
 
     current: str | None = None
     window: list[TransitionRecord] = []
@@ -134,7 +134,7 @@ async def audit_trail(
             view, unchecked = None, f"{e}: the records are the sink's alone"
         if view is not None:
             window, snap, published_at = view.timeline, view.snapshot, view.published_at
-        elif unchecked is None:
+        elif unchecked is None and description is not None:
             queue = description.task_queue
             unchecked = (f"run {run_id} is not published yet (no view the fleet's key signed): the records are the "
                          f"sink's alone (`tether timeline --live {run_id}` asks the run, unsigned)")
@@ -147,9 +147,9 @@ async def audit_trail(
         finally:
             await sink.aclose()
     except Exception as e:  # the sink cannot be read: say which and why
-        raise TetherError(f"cannot read the audit sink: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        raise UsageError(f"cannot read the audit sink: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     if current is None and not streams:
-        raise TetherError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it",
+        raise UsageError(f"unknown run {run_id!r}: neither Temporal nor the audit sink ({sink.describe()}) has it",
                           rule="unknown_run")
     runs = sorted({*streams, *([current] if current else [])})
     branches = await asyncio.gather(*(_origin(client, run_id, r) for r in runs))
@@ -166,7 +166,7 @@ async def audit_trail(
             parent = by_id.get(branch.parent_run_id or "")
             branch.at_seq = max((r.seq for r in parent.records), default=0) if parent else None
 
-    def start(b: AuditBranch) -> tuple:
+    def start(b: AuditBranch) -> tuple[int, datetime, str]:
         # In the order the executions wrote their first record; one with none yet goes last.
         return (0, b.records[0].at, b.run_id) if b.records else (1, datetime.min.replace(tzinfo=timezone.utc), b.run_id)
 
@@ -182,7 +182,7 @@ async def audit_trail(
         closed=closed,
         audit_error=snap.audit_error if snap else None, unchecked=unchecked, published_at=published_at,
     )
-    from activities.audit import verify_streams
+    from activities.audit_verify import verify_streams
 
     try:
         check = verify_streams(public_keys(), run_id, streams)

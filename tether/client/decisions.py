@@ -31,11 +31,12 @@ from workflows import policy
 from workflows.contract import DecideRequest, DecideResult, HandoffRequest, Plan, ReviseDecideRequest
 from workflows.run_state import PendingApproval, RunSnapshot
 from workflows.states import TERMINAL, RunState, TransitionRecord
-from tether.connection import PENDING, REFUSED, TetherError, rpc_error
+from tether.connection import PENDING, REFUSED, NoWorker, Pending, Refused, TetherError, UsageError, rpc_error
 from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
 from tether.runs import ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.errors import _refused, _refused_update, invalid
-from tether.client.workers import PROBE_TIMEOUT, has_worker, no_answer, no_worker_message, require_worker
+from tether.pollers import PROBE_TIMEOUT
+from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign
 from tether.client.shown import approval_offer_problem
 from tether.client.reads import RunStatus, read_run, snapshot, timeline
@@ -114,7 +115,7 @@ def resolve_plan_hash(given: str | None, pending: str) -> str:
         return pending
     text = given.strip().lower()
     if not re.fullmatch(r"[0-9a-f]+", text) or len(text) < HASH_PREFIX:
-        raise TetherError(
+        raise UsageError(
             f"plan hash {given[:80]!r}: give the plan's hash, or at least its first {HASH_PREFIX} hex characters "
             f"(as `tether status RUN` prints it)", field="plan_hash", detail=f"give at least {HASH_PREFIX} hex characters of the plan hash",
         )
@@ -126,7 +127,7 @@ def build_decision(snap: RunSnapshot, kind: Literal["approve", "reject"], given:
     ``policy.signature_payload``); the approval contract lives here for every client."""
     pending = snap.pending_approval
     if pending is None:
-        raise TetherError(f"run {snap.run_id} has no pending approval", REFUSED)
+        raise Refused(f"run {snap.run_id} has no pending approval")
     _refuse_folded(given.by)
     try:
         decision = DecideRequest(
@@ -159,9 +160,9 @@ def _refuse_folded(name: str) -> None:
     try:
         normal = normalize_name(name)
     except ValueError as e:
-        raise TetherError(f"invalid name {name[:80]!r}: {e}", field="by", detail=str(e)) from None
+        raise UsageError(f"invalid name {name[:80]!r}: {e}", field="by", detail=str(e)) from None
     if normal != name:
-        raise TetherError(
+        raise UsageError(
             f"name {name[:80]!r} is not written as the policy names people ({normal!r}): refused, never folded",
             field="by", detail=f"write the name as the policy does: {normal!r}",
         )
@@ -169,10 +170,10 @@ def _refuse_folded(name: str) -> None:
 
 def revised_steps(plan: Plan, edits: Sequence[tuple[int, str, Any]]) -> list[dict[str, Any]]:
     """The whole plan as ``{tool, args}`` steps with the edits applied (the run validates it)."""
-    steps = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
+    steps: list[dict[str, Any]] = [{"tool": s.tool, "args": dict(s.args)} for s in plan.steps]
     for number, key, value in edits:
         if number > len(steps):
-            raise TetherError(f"--step {number}: the pending plan has {len(steps)} step(s)", REFUSED)
+            raise Refused(f"--step {number}: the pending plan has {len(steps)} step(s)")
         steps[number - 1]["args"][key] = value
     return steps
 
@@ -193,7 +194,8 @@ async def revise(
     snap, pending = await pending_request(client, run_id, held=held)
     _refuse_folded(given.by)
     try:
-        revision = ReviseDecideRequest(
+        # The steps as the user gave them, validated here (as the run validates them).
+        revision = ReviseDecideRequest.model_validate(dict(
             kind="revise",
             decision_id=given.decision_id if given.decision_id is not None else uuid.uuid4().hex,
             editor=given.by,
@@ -202,7 +204,7 @@ async def revise(
             steps=steps,
             reason=given.reason or "",
             attested_by=given.attest_as,
-        )
+        ))
     except ValidationError as e:
         raise invalid("revision", e) from None
     if given.key is not None:
@@ -255,11 +257,11 @@ def _unmatched(error: TetherError, snap: RunSnapshot, given: str) -> TetherError
         return error
     run_id = snap.run_id
     earlier = any(r.previous_plan_hash.startswith(given) for r in snap.revisions)
-    return TetherError(
+    return Refused(
         f"plan hash {given[:HASH_PREFIX]} {'is an earlier version of the plan (revised since) and ' if earlier else ''}"
         f"does not match the plan under review: nothing was decided (the run "
         f"recorded the attempt). Review the plan with `tether status {run_id}`, then decide the plan you reviewed "
-        f"[rule: {error.rule}]", REFUSED, rule=error.rule,
+        f"[rule: {error.rule}]", rule=error.rule,
     )
 
 
@@ -298,9 +300,10 @@ async def _pending_request(
     the steps shown must hash to the plan hash the request binds (``approval_offer_problem``),
     or nothing is offered."""
     signed = isinstance(held, RunStatus) and held.published_at is not None and not held.unpublished
-    if signed and held.state == RunState.AWAITING_APPROVAL and held.pending_approval is not None:
+    if signed and isinstance(held, RunStatus) and held.state == RunState.AWAITING_APPROVAL \
+            and held.pending_approval is not None:
         if held.worker_serving is False and held.task_queue is not None:
-            raise TetherError(no_worker_message(held.task_queue), rule="no_worker")  # as its probe said
+            raise NoWorker(no_worker_message(held.task_queue))  # as its probe said
         return held, held_request(held)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + PENDING_QUERY_SECONDS
@@ -310,12 +313,11 @@ async def _pending_request(
         try:
             view = await published_view(description)
         except ViewUnverified as e:
-            raise TetherError(f"run {run_id}: {e}: no decision is sent to it", REFUSED, rule="view_unverified") from None
+            raise Refused(f"run {run_id}: {e}: no decision is sent to it", rule="view_unverified") from None
         if view is None and loop.time() > deadline:
-            raise TetherError(
+            raise Refused(
                 f"run {run_id} is not published yet: it has published no view the fleet's key signed, so what it "
-                f"answers is no one's word; no decision is sent to it (`tether status {run_id}`)",
-                REFUSED, rule="not_published",
+                f"answers is no one's word; no decision is sent to it (`tether status {run_id}`)", rule="not_published",
             )
         if view is not None and (
             view.snapshot.state == RunState.AWAITING_APPROVAL and view.snapshot.pending_approval is not None
@@ -335,12 +337,12 @@ def held_request(snap: RunSnapshot) -> PendingApproval:
     shown do not hash to the plan hash the request binds (``approval_offer_problem``)."""
     pending = snap.pending_approval
     if snap.state != RunState.AWAITING_APPROVAL or pending is None:
-        raise TetherError(
-            f"run {snap.run_id} is {snap.state.value}, not awaiting approval", REFUSED, rule="not_awaiting_approval"
+        raise Refused(
+            f"run {snap.run_id} is {snap.state.value}, not awaiting approval", rule="not_awaiting_approval"
         )
     problem = approval_offer_problem(snap)
     if problem is not None:
-        raise TetherError(f"run {snap.run_id}: {problem}", REFUSED, rule="plan_unverified")
+        raise Refused(f"run {snap.run_id}: {problem}", rule="plan_unverified")
     return pending
 
 
@@ -357,10 +359,9 @@ async def _send_decision(
 ) -> TransitionRecord | None:
     """Through the decide Update; the run's record of it, or REFUSED / PENDING with the rule."""
     handle = client.get_workflow_handle(run_id)
-    pending_verdict = TetherError(
+    pending_verdict = Pending(
         f"decision {decision.decision_id} accepted, verdict pending: the run is still checking it "
         f"(`tether status {run_id}` shows the verdict once it is there)",
-        PENDING,
     )
     deadline = asyncio.get_running_loop().time() + timeout
     resent = False  # sent again after Temporal refused it while the run's task failed
@@ -412,7 +413,7 @@ async def _send_decision(
         except RPCError as e:
             if not _task_failing(e):
                 error = rpc_error(e, run_id)
-                if resent and error.code == REFUSED:
+                if resent and isinstance(error, Refused):
                     # Sent while the run's task failed, Temporal may have kept it: the run took it
                     # and ended before this resend. Its record says so.
                     if (record := await _record_now(client, run_id, decision.decision_id)) is not None:
@@ -426,7 +427,7 @@ async def _send_decision(
             resent = True
             await asyncio.sleep(TASK_FAILING_RETRY)
     if result is not None and result.outcome == "refused":
-        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
+        raise Refused(f"{result.reason} [rule: {result.rule}]", rule=result.rule)
     if result is not None and result.record is not None:
         return result.record  # the run's own record of it, in its answer: nothing more to ask
     # A run of an older build answers with the verdict alone: its record is read back.
@@ -473,11 +474,10 @@ async def _sent_untaken(client: Client, run_id: str, decision_id: str, waited: f
     pending (exit 3), with its id, how to follow it, and why it waits (which queue, and how to
     start a worker of it)."""
     why = str(await no_answer(client, run_id, waited))
-    return TetherError(
+    return Pending(
         f"decision {decision_id} sent and pending: Temporal holds it, and no worker has taken it yet ({why}); "
         f"a worker of the run's build judges it when it takes the run's task: follow it with "
-        f"`tether status {run_id}` (its verdict shows as decision {decision_id}); do not send it again",
-        PENDING, rule="pending",
+        f"`tether status {run_id}` (its verdict shows as decision {decision_id}); do not send it again", rule="pending",
     )
 
 
@@ -490,7 +490,7 @@ def _task_failing(err: RPCError) -> bool:
     return err.status == RPCStatusCode.FAILED_PRECONDITION and "workflow task in failed state" in err.message.lower()
 
 
-async def _pending_task(handle: WorkflowHandle) -> Any:
+async def _pending_task(handle: WorkflowHandle[Any, Any]) -> Any:
     """The run's pending workflow task (STARTED: a worker is working on the run right now;
     attempt > 1: it keeps failing); None: none, or the run cannot be described."""
     try:
@@ -502,7 +502,7 @@ async def _pending_task(handle: WorkflowHandle) -> Any:
 
 
 def _task_failing_error(run_id: str) -> TetherError:
-    return TetherError(
+    return UsageError(
         f"run {run_id} takes no decision while its workflow task keeps failing: `tether status {run_id}` says why "
         f"(older_build: a worker of another build took it, run one of the run's own build; otherwise "
         f"`tether repair {run_id}`)", rule="task_failing",
@@ -537,9 +537,9 @@ async def handoff(
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     if description.status != WorkflowExecutionStatus.RUNNING:
-        raise TetherError(f"run {run_id} already finished", REFUSED)
+        raise Refused(f"run {run_id} already finished")
     if not await has_worker(client, description.task_queue):
-        raise TetherError(no_worker_message(description.task_queue))
+        raise NoWorker(no_worker_message(description.task_queue))
     reset = None
     if force:
         reset = await _forced_reset(client, description, workflows)
@@ -548,11 +548,10 @@ async def handoff(
         except ValidationError as e:
             raise invalid("handoff", e) from None
     elif (stuck := await stuck_task(client, description)) is not None:
-        raise TetherError(
+        raise Refused(
             f"run {run_id} is stuck (workflow task attempt {stuck.attempt} failing: {stuck.cause}): it takes no "
             f"signal, a hand-off included. Heal it (`tether repair {run_id}`) or end it on the record "
-            f"(`tether handoff {run_id} --force --by NAME --reason TEXT`)", REFUSED
-        )
+            f"(`tether handoff {run_id} --force --by NAME --reason TEXT`)")
     if key is not None:
         snap = await snapshot(client, run_id)
         payload = policy.signature_payload(
@@ -574,9 +573,9 @@ async def handoff(
     except TetherError as e:
         if reset is None:
             raise
-        raise TetherError(
+        raise Refused(
             f"{e}; run {reset.from_run_id} was reset all the same (new run {reset.to_run_id}), which does not run "
-            f"again what was in flight: {', '.join(reset.in_flight) or 'nothing'} (may have applied)", REFUSED, rule=e.rule,
+            f"again what was in flight: {', '.join(reset.in_flight) or 'nothing'} (may have applied)", rule=e.rule,
         ) from None
     return Verdict(run_id=run_id, decision_id=request.decision_id or "", record=record, reset=reset)
 

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel
+from temporalio.api.deployment.v1 import WorkerDeploymentVersion
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.display import escape_text
-from tether.connection import DEPLOYMENT_ENV, QUERY_TIMEOUT, TetherError, rpc_error
+from tether.connection import DEPLOYMENT_ENV, QUERY_TIMEOUT, TetherError, UsageError, rpc_error
 from tether.client.listing import build_order
 
 
@@ -36,14 +35,14 @@ class DeploymentStatus(BaseModel):
 
 def _deployment_error(err: RPCError, deployment: str) -> TetherError:
     if err.status == RPCStatusCode.NOT_FOUND:
-        return TetherError(
+        return UsageError(
             f"Temporal knows no Worker Deployment {escape_text(deployment)!r}: its workers register it with their first "
             f"poll (start them with {DEPLOYMENT_ENV}={escape_text(deployment)})"
         )
     return rpc_error(err, deployment)
 
 
-def _routed_build(version: Any, legacy: str) -> str | None:
+def _routed_build(version: WorkerDeploymentVersion | None, legacy: str) -> str | None:
     """The build a routing field names (None: unversioned workers, or nothing)."""
     if version is not None and version.build_id:
         return version.build_id
@@ -57,7 +56,7 @@ async def _count_open(client: Client, clause: str) -> int:
     try:
         return (await client.count_workflows(query, rpc_timeout=QUERY_TIMEOUT)).count
     except RPCError as e:
-        raise TetherError(f"counting runs failed: {e.message}") from None
+        raise UsageError(f"counting runs failed: {e.message}") from None
 
 
 async def deployment_status(client: Client, deployment: str) -> DeploymentStatus:

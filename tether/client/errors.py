@@ -11,19 +11,26 @@ from temporalio.exceptions import ApplicationError
 
 from workflows.contract import first_error
 from workflows.states import TransitionRecord
-from tether.connection import REFUSED, TetherError
+from tether.connection import Refused, TetherError, UsageError
+
+
+class JudgementLogUnreadable(TetherError):
+    """`tether policy what-if` / `explain`: the judgement log could not be read at all (a missing
+    file, no permission, the database down): exit 4, apart from 2 "NEW_POLICY is invalid"."""
+
+    code = 4
 
 
 def invalid(what: str, err: ValidationError) -> TetherError:
     """A pydantic error as a usage error naming the field (never a traceback)."""
     first = err.errors()[0]
     names = [str(p) for p in first["loc"] if not isinstance(p, int)]
-    return TetherError(f"invalid {what}: {first_error(err)}", field=names[-1] if names else None, detail=first["msg"])
+    return UsageError(f"invalid {what}: {first_error(err)}", field=names[-1] if names else None, detail=first["msg"])
 
 
 def _refused(record: TransitionRecord | None) -> None:
     if record is not None and record.kind == "refused":
-        raise TetherError(f"{record.reason} [rule: {record.rule}]", REFUSED, rule=record.rule)
+        raise Refused(f"{record.reason} [rule: {record.rule}]", rule=record.rule)
 
 
 def _refused_update(err: WorkflowUpdateFailedError, kind: str) -> TetherError:
@@ -34,6 +41,6 @@ def _refused_update(err: WorkflowUpdateFailedError, kind: str) -> TetherError:
     message = str(getattr(cause, "message", None) or cause or err)
     rule = cause.type if isinstance(cause, ApplicationError) else None
     if not rule or not rule.islower():  # ValueError, TypeError: a class name, not a rule
-        return TetherError(message, REFUSED)
+        return Refused(message)
     why = message.removeprefix(f"{kind} refused [{rule}]: ")
-    return TetherError(f"{kind} refused: {why} [rule: {rule}]", REFUSED, rule=rule)
+    return Refused(f"{kind} refused: {why} [rule: {rule}]", rule=rule)

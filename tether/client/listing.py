@@ -17,7 +17,7 @@ from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, PREVIOUS_BUILD,
 from workflows.contract import NAME_PATTERN
 from workflows.run_state import RunView
 from workflows.states import RunState
-from tether.connection import TetherError
+from tether.connection import TetherError, UsageError
 from tether.runs import StuckTask, ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.reads import closed_note
 
@@ -45,9 +45,9 @@ def list_query(state: str | None, tenant: str | None) -> str:
     """The visibility query for runs; inputs are checked first (they are quoted into it)."""
     state = state.upper() if state else state  # `--state awaiting_approval` means the same
     if state and state not in RunState.__members__:
-        raise TetherError(f"unknown state {state!r}; one of {', '.join(RunState.__members__)}", field="state")
+        raise UsageError(f"unknown state {state!r}; one of {', '.join(RunState.__members__)}", field="state")
     if tenant and not re.match(NAME_PATTERN, tenant):
-        raise TetherError(f"invalid tenant {tenant!r}", field="tenant")
+        raise UsageError(f"invalid tenant {tenant!r}", field="tenant")
     clauses = ["WorkflowType = 'AgentRun'"]
     if state:
         clauses.append(f"{STATE_ATTRIBUTE.name} = '{state}'")
@@ -87,7 +87,7 @@ async def drain(client: Client, *, limit: int = 1000) -> list[RunSummary]:
                 status=wf.status.name if wf.status else None, started=wf.start_time,
             ))
     except RPCError as e:
-        raise TetherError(f"listing failed: {e.message}") from None
+        raise UsageError(f"listing failed: {e.message}") from None
     return rows
 
 
@@ -98,7 +98,7 @@ async def list_runs(
     ``stuck``: only running runs whose workflow task keeps failing, each with its error (one
     describe per running run)."""
     if limit < 1:
-        raise TetherError(f"limit must be at least 1, not {limit}", field="limit")
+        raise UsageError(f"limit must be at least 1, not {limit}", field="limit")
     query = list_query(state, tenant) + (" AND ExecutionStatus = 'Running'" if stuck else "")
     rows = []
     try:
@@ -127,7 +127,7 @@ async def list_runs(
                 )
             )
     except RPCError as e:
-        raise TetherError(f"listing failed: {e.message}") from None
+        raise UsageError(f"listing failed: {e.message}") from None
     if not stuck:
         return rows
     gate = asyncio.Semaphore(DESCRIBE_CONCURRENCY)

@@ -18,6 +18,7 @@ from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateHandle,
     WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
@@ -35,7 +36,7 @@ from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import TERMINAL, RunState
 from tether.repair import RepairResult, repair
 from tether.runs import describe, stuck_task
-from tether.connection import PENDING, QUERY_TIMEOUT, REFUSED, USAGE, TetherError, checkout_stack, rpc_error, task_queue
+from tether.connection import PENDING, QUERY_TIMEOUT, REFUSED, NoWorker, Pending, Refused, TetherError, UsageError, checkout_stack, rpc_error, task_queue
 from tether.client.errors import _refused_update, invalid
 from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
 from tether.client.signing import sign, sign_request
@@ -51,7 +52,7 @@ async def start_run(
     run_id: str,
     queue: str | None = None,
     allow_id_reuse: bool = False,
-) -> WorkflowHandle:
+) -> WorkflowHandle[Any, Any]:
     """Start an AgentRun the one way: search attributes and Web UI summary set from the start.
 
     The id of a run that has finished is not reused unless asked for: decisions and signatures
@@ -82,7 +83,7 @@ async def start_run(
             static_details=start_details(request),
         )
     except WorkflowAlreadyStartedError:
-        raise TetherError(f"a run with id {run_id!r} already exists: pick another id", rule="already_started") from None
+        raise UsageError(f"a run with id {run_id!r} already exists: pick another id", rule="already_started") from None
     except RPCError as e:
         raise rpc_error(e, run_id) from None
 
@@ -96,7 +97,7 @@ def person_name(by: str) -> str:
     try:
         return TypeAdapter(Name).validate_python(by)
     except ValidationError as e:
-        raise TetherError(f"invalid name: {first_error(e)}", field="by", detail=first_error(e)) from None
+        raise UsageError(f"invalid name: {first_error(e)}", field="by", detail=first_error(e)) from None
 
 
 def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
@@ -112,9 +113,9 @@ def tenant_refusal(tenant: str, policy_path: Path | None) -> TetherError | None:
     return None
 
 
-def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
-    """``tenant``'s policy in the file; a tenant it does not name raises with the nearest names
-    it does ("did you mean"), with ``code``; a file that cannot be read, a usage error."""
+def policy_tenant(tenant: str, policy_path: Path) -> Any:
+    """``tenant``'s policy in the file; a tenant it does not name is a usage error with the
+    nearest names it does ("did you mean"), as is a file that cannot be read."""
     import difflib
 
     from activities.policy_file import PolicyFileError, PolicyStore
@@ -124,14 +125,14 @@ def policy_tenant(tenant: str, policy_path: Path, code: int = USAGE) -> Any:
         tenant_policy, _ = store.tenant(tenant)
         document, _ = store.load()
     except (PolicyFileError, OSError, ValueError) as e:
-        raise TetherError(f"cannot read the policy file {policy_path}: {e}") from None
+        raise UsageError(f"cannot read the policy file {policy_path}: {e}") from None
     if tenant_policy is not None:
         return tenant_policy
     known = sorted(document.tenants) if document is not None else []
     near = difflib.get_close_matches(tenant, known, n=3, cutoff=0.6)
     hint = (f"did you mean {' or '.join(repr(escape_text(n)) for n in near)}?" if near
             else f"its tenants: {', '.join(map(escape_text, known)) or 'none'}")
-    raise TetherError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}: {hint}", code,
+    raise UsageError(f"tenant {escape_text(tenant)!r} is not in the policy file {policy_path}: {hint}",
                       field="tenant", rule="tenant_unknown")
 
 
@@ -149,17 +150,18 @@ def planner_refusal(planner: str) -> TetherError | None:
         names = [spec.partition("=")[0].strip() for spec in configured.split(",") if spec.strip()]
         where = "TETHER_PLANNERS"
     else:
-        names = checkout_stack().get("planners")
-        if not isinstance(names, list):
+        listed = checkout_stack().get("planners")
+        if not isinstance(listed, list):
             return None
+        names = [str(n) for n in listed]
         where = "the dev stack's worker"
-    known = sorted({*BUILTIN_PLANNERS, *map(str, names)})
+    known = sorted({*BUILTIN_PLANNERS, *names})
     if planner in known:
         return None
     near = difflib.get_close_matches(planner, known, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(repr(escape_text(n)) for n in near)}? " if near else ""
-    return TetherError(f"no planner {escape_text(planner)!r}: {hint}the worker has {', '.join(known)} ({where}); "
-                       "nothing was started", USAGE)
+    return UsageError(f"no planner {escape_text(planner)!r}: {hint}the worker has {', '.join(known)} ({where}); "
+                       "nothing was started")
 
 
 def policy_file() -> Path | None:
@@ -188,9 +190,9 @@ async def cancel(
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     if description.status != WorkflowExecutionStatus.RUNNING:
-        raise TetherError(f"run {run_id} already finished", REFUSED, rule="run_ended")
+        raise Refused(f"run {run_id} already finished", rule="run_ended")
     if not await has_worker(client, description.task_queue):
-        raise TetherError(no_worker_message(description.task_queue))
+        raise NoWorker(no_worker_message(description.task_queue))
     if key is not None:
         snap = await snapshot(client, run_id)
         payload = policy.signature_payload(
@@ -198,7 +200,7 @@ async def cancel(
             plan_hash="", kind="cancel", decision_id=request.decision_id, signer=request.by,
         )
         request.signature = sign(key, payload)
-    update = None
+    update: WorkflowUpdateHandle[DecideResult] | None = None
     try:
         update = await handle.start_update(
             "cancel", request, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=DecideResult,
@@ -206,18 +208,18 @@ async def cancel(
         )
         result = await asyncio.wait_for(update.result(rpc_timeout=timedelta(seconds=timeout)), timeout)
     except WorkflowUpdateFailedError as e:
-        raise _refused_update(e) from None
+        raise _refused_update(e, "cancel") from None
     except (WorkflowUpdateRPCTimeoutOrCancelledError, asyncio.TimeoutError):
         if update is None:
             raise await no_answer(client, run_id, timeout) from None
-        raise TetherError(
+        raise Pending(
             f"cancel {request.decision_id} accepted, verdict pending: the run is judging it, or waits for a tool in "
-            f"flight to settle (`tether status {run_id}` shows the verdict once it is there)", PENDING,
+            f"flight to settle (`tether status {run_id}` shows the verdict once it is there)",
         ) from None
     except RPCError as e:
         raise rpc_error(e, run_id) from None
     if result.outcome == "refused":
-        raise TetherError(f"{result.reason} [rule: {result.rule}]", REFUSED, rule=result.rule)
+        raise Refused(f"{result.reason} [rule: {result.rule}]", rule=result.rule)
     return result
 
 
@@ -286,7 +288,8 @@ async def snapshot_or_listed(client: Client, run_id: str) -> RunSnapshot:
     try:
         return (await read_run(client, run_id))[0]
     except TetherError:
-        return RunSnapshot.model_construct(run_id=run_id, children=[])
+        # A partial snapshot: the tree walk (tree_spend) reads its run_id and children alone.
+        return RunSnapshot.model_construct(run_id=run_id, children=[])  # type: ignore[call-arg]
 
 
 async def handoff_tree(
@@ -324,7 +327,7 @@ async def handoff_tree(
                                                timeout=timeout)))
         except TetherError as e:
             # Refused because it ended (or hands itself off) on its child's hand-off: left so.
-            if e.code != REFUSED or (e.rule != "handoff_pending" and
+            if not isinstance(e, Refused) or (e.rule != "handoff_pending" and
                                      (await describe(client, run_id)).status == WorkflowExecutionStatus.RUNNING):
                 raise
     return done
@@ -345,29 +348,28 @@ def compensate_refusal(
     (when this client has it) does not let ``by`` compensate."""
     if snap.state not in policy.COMPENSABLE_STATES | {RunState.COMPLETED}:
         states = ", ".join(sorted(s.value for s in policy.COMPENSABLE_STATES | {RunState.COMPLETED}))
-        return TetherError(f"run {snap.run_id} ended {snap.state.value}: its writes are kept; only runs ended {states} "
-                           "are compensated [rule: not_compensable]", REFUSED, rule="not_compensable")
+        return Refused(f"run {snap.run_id} ended {snap.state.value}: its writes are kept; only runs ended {states} "
+                           "are compensated [rule: not_compensable]", rule="not_compensable")
     if policy_path is not None:
         from activities.policy_file import PolicyFileError, PolicyStore
 
         try:
             tenant_policy, _ = PolicyStore(policy_path).tenant(snap.tenant)
         except (PolicyFileError, OSError, ValueError) as e:
-            return TetherError(f"cannot read the policy file {policy_path}: {e}")
+            return UsageError(f"cannot read the policy file {policy_path}: {e}")
         refusal = policy.compensator_refusal(tenant_policy, by)
         if refusal is not None:
-            return TetherError(f"{refusal.message} [rule: {refusal.rule}]", REFUSED, rule=refusal.rule)
+            return Refused(f"{refusal.message} [rule: {refusal.rule}]", rule=refusal.rule)
     if not any(c.tool and c.status != "ok" for c in standing):
         done = [c for c in standing if c.status == "ok"]
-        return TetherError(f"run {snap.run_id} has no write left to undo ({len(done)} undone) [rule: nothing_to_compensate]",
-                           REFUSED, rule="nothing_to_compensate")
+        return Refused(f"run {snap.run_id} has no write left to undo ({len(done)} undone) [rule: nothing_to_compensate]", rule="nothing_to_compensate")
     return None
 
 
 async def compensate(
     client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
     rerun_unknown: Sequence[str] = (), policy_path: Path | None = None, timeout: float = VERDICT_TIMEOUT,
-) -> WorkflowHandle:
+) -> WorkflowHandle[Any, Any]:
     """Start the governed compensation run of an ended run: it undoes the ok writes the
     original's approvals covered (read from the original's record by the worker, not sent
     from here), as ``by`` — who must hold an approval role of the run's tenant. Nothing a
@@ -377,14 +379,14 @@ async def compensate(
     the compensation run has judged the request (``compensation_judged``): refused, REFUSED."""
     snap = await snapshot(client, run_id)  # its tenant; the worker checks everything again
     if snap.state not in TERMINAL:
-        raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
+        raise Refused(f"run {run_id} is {snap.state.value}: only an ended run is compensated")
     # Refused here, before anything starts, where this client can tell (a refused request leaves
     # no Failed execution behind); the compensation run's worker judges everything again.
     standing, unread = await ledger_standing(snap.compensations)
     if unread is not None:
         # What no run undid yet is what the ledger says: without it, nothing is started.
-        raise TetherError(f"run {run_id} is not compensated now: {unread}; fix the workers' audit sink "
-                          "(TETHER_AUDIT_DIR / TETHER_AUDIT_DSN) and try again", USAGE, rule="ledger_unavailable")
+        raise UsageError(f"run {run_id} is not compensated now: {unread}; fix the workers' audit sink "
+                          "(TETHER_AUDIT_DIR / TETHER_AUDIT_DSN) and try again", rule="ledger_unavailable")
     refused = compensate_refusal(by, snap, standing, policy_path)
     if refused is not None:
         raise refused
@@ -402,7 +404,7 @@ async def compensate(
         handle = await start_run(client, request, run_id=new_id, queue=queue, allow_id_reuse=True)
     except TetherError as e:
         if e.rule == "already_started":
-            raise TetherError(f"run {run_id} is being compensated now by {new_id}: see `tether status {new_id}`", REFUSED) from None
+            raise Refused(f"run {run_id} is being compensated now by {new_id}: see `tether status {new_id}`") from None
         raise
     await compensation_judged(client, new_id, timeout)
     return handle
@@ -411,7 +413,7 @@ async def compensate(
 async def compensate_tree(
     client: Client, run_id: str, *, by: str, key: Path | None = None, queue: str | None = None,
     rerun_unknown: Sequence[str] = (), policy_path: Path | None = None, timeout: float = VERDICT_TIMEOUT,
-) -> list[WorkflowHandle]:
+) -> list[WorkflowHandle[Any, Any]]:
     """``compensate`` of a run and its delegation tree, as one unit: the run's own compensation
     (a completed child's undos are already the parent's), then one for each child whose writes
     no run above it took as its undos (a child the parent handed off on, or adopted as unknown,
@@ -421,13 +423,13 @@ async def compensate_tree(
     children's). Each is ``compensate``: the same checks, judgement and undo ledger."""
     snap = await snapshot(client, run_id)
     if snap.state not in TERMINAL:
-        raise TetherError(f"run {run_id} is {snap.state.value}: only an ended run is compensated", REFUSED)
+        raise Refused(f"run {run_id} is {snap.state.value}: only an ended run is compensated")
     tree = await tree_spend(client, snap)
     open_ = [c.run_id for c in tree if c.error is not None or c.state not in TERMINAL]
     if open_:
-        raise TetherError(
+        raise Refused(
             f"run {run_id} has children that may still write or cannot be read: {', '.join(map(escape_text, open_))}; "
-            f"cancel or hand them off (or wait for their end), then compensate", REFUSED, rule="tree_open")
+            f"cancel or hand them off (or wait for their end), then compensate", rule="tree_open")
     taken = {c.of for c in snap.compensations}  # the undos a run above a child holds
     steps = {run_id: set(taken)}  # each run's writes: a --rerun-unknown STEP goes to the run that wrote it
     targets = []
@@ -438,9 +440,9 @@ async def compensate_tree(
         steps[child.run_id] = {c.of for c in child_snap.compensations}
         taken |= steps[child.run_id]
     if stray := [s for s in rerun_unknown if not any(s in of for of in steps.values())]:
-        raise TetherError(f"--rerun-unknown {', '.join(map(escape_text, stray))}: no write of run {run_id} or its "
-                          "children has that tool call id; nothing was started", USAGE)
-    handles: list[WorkflowHandle] = []
+        raise UsageError(f"--rerun-unknown {', '.join(map(escape_text, stray))}: no write of run {run_id} or its "
+                          "children has that tool call id; nothing was started")
+    handles: list[WorkflowHandle[Any, Any]] = []
     nothing: TetherError | None = None
     for target in (run_id, *targets):
         try:
@@ -474,10 +476,10 @@ async def compensation_judged(client: Client, run_id: str, timeout: float) -> Ru
         if snap.state != RunState.RECEIVED:
             break
         if loop.time() >= deadline:
-            raise TetherError(f"compensation {run_id} started, verdict pending: the run has not judged it yet "
-                              f"(`tether status {run_id}` shows it)", PENDING)
+            raise Pending(f"compensation {run_id} started, verdict pending: the run has not judged it yet "
+                              f"(`tether status {run_id}` shows it)")
         await asyncio.sleep(0.2)
     if snap.state == RunState.FAILED:
         final = (await timeline(client, run_id))[-1]
-        raise TetherError(f"{final.reason} [rule: {final.refs.error_code}]", REFUSED, rule=final.refs.error_code)
+        raise Refused(f"{final.reason} [rule: {final.refs.error_code}]", rule=final.refs.error_code)
     return snap

@@ -21,7 +21,7 @@ from workflows.contract import DELEGATE, ExecutedStep
 from workflows.run_state import RunOutcome, RunSnapshot, RunView
 from workflows.wire import UNKNOWN_TOOL
 from workflows.states import TERMINAL, RunState, TransitionRecord
-from tether.connection import QUERY_TIMEOUT, TetherError, rpc_error, timed_out
+from tether.connection import QUERY_TIMEOUT, NoWorker, TetherError, UsageError, rpc_error, timed_out
 from tether.runs import StuckTask, ViewUnverified, describe as _describe, open_children, published_view, stuck_task, verified_view
 from tether.client.workers import no_answer, no_worker_message, require_worker, worker_serving
 from tether.pollers import live_pollers, served_by
@@ -109,13 +109,15 @@ async def snapshot(client: Client, run_id: str, *, timeout: float | None = None)
     handle = client.get_workflow_handle(run_id)
     rpc_timeout = QUERY_TIMEOUT if timeout is None else min(QUERY_TIMEOUT, timedelta(seconds=timeout))
     try:
-        return await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
+        # By name: the client does not load the workflow's module (tests/tether/test_tether_package.py).
+        snap: RunSnapshot = await handle.query("snapshot", result_type=RunSnapshot, rpc_timeout=rpc_timeout)
+        return snap
     except RPCError as e:
         if timed_out(e):
             raise await no_answer(client, run_id, rpc_timeout.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
-        raise TetherError(f"run {run_id} could not answer: {e}") from None
+        raise UsageError(f"run {run_id} could not answer: {e}") from None
 
 
 async def run_goal(client: Client, run_id: str) -> str | None:
@@ -188,13 +190,15 @@ async def live_view(client: Client, description: Any) -> RunView | None:
 async def timeline(client: Client, run_id: str) -> list[TransitionRecord]:
     handle = client.get_workflow_handle(run_id)
     try:
-        return await handle.query("timeline", result_type=list[TransitionRecord], rpc_timeout=QUERY_TIMEOUT)
+        records: list[TransitionRecord] = await handle.query("timeline", result_type=list[TransitionRecord],
+                                                             rpc_timeout=QUERY_TIMEOUT)
+        return records
     except RPCError as e:
         if timed_out(e):
             raise await no_answer(client, run_id, QUERY_TIMEOUT.total_seconds()) from None
         raise rpc_error(e, run_id) from None
     except WorkflowQueryFailedError as e:
-        raise TetherError(f"run {run_id} could not answer: {e}") from None
+        raise UsageError(f"run {run_id} could not answer: {e}") from None
 
 
 async def status(client: Client, run_id: str, *, live: bool = False, goal: bool = True) -> RunStatus:
@@ -295,7 +299,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         raise ViewUnverified(f"run {run_id}: {e}; nothing of it is shown as the run's") from None
     if serving is False and (live or view is None):
         # Nobody can answer a query, and a run that has published nothing will not until one serves it.
-        raise TetherError(no_worker_message(queue), rule="no_worker")
+        raise NoWorker(no_worker_message(queue))
     if view is None:
         listed = description.typed_search_attributes.get(STATE_ATTRIBUTE)
         note = (f"not published yet: the run has published no signed view (it publishes where it rests), so "
@@ -330,7 +334,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         # The view holds the latest few records, and the run does not publish it again for every
         # decision it refuses while it waits (a flood would write one each): the audit sink has
         # every record of this execution, the decisions among them.
-        from activities.audit import merge_timeline
+        from activities.audit_sink import merge_timeline
 
         records = merge_timeline(await _sink_records(description.id, description.run_id), view.timeline)
         result = RunStatus(**view.snapshot.model_dump(), published_at=view.published_at)
@@ -379,7 +383,7 @@ def unserved(snap: RunSnapshot, served: frozenset[str] | None) -> list[str]:
     return missing
 
 
-async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
+async def run_outcome(handle: WorkflowHandle[Any, Any]) -> RunOutcome:
     """How a run ended (waits for it), whatever Temporal status it ended with.
 
     Completed: the workflow's result. Failed with a RunOutcome (FAILED, EXECUTION_FAILED): the
@@ -408,7 +412,7 @@ async def run_outcome(handle: WorkflowHandle) -> RunOutcome:
     return await _with_timeline(handle, raw if isinstance(raw, RunOutcome) else RunOutcome.model_validate(raw))
 
 
-async def _with_timeline(handle: WorkflowHandle, outcome: RunOutcome) -> RunOutcome:
+async def _with_timeline(handle: WorkflowHandle[Any, Any], outcome: RunOutcome) -> RunOutcome:
     if not outcome.records or outcome.timeline:
         return outcome  # a run recorded before: its result carried both
     # The chain's last run (a run that continued as new ended in a later one than started).

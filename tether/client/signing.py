@@ -15,7 +15,7 @@ from typing import Any
 
 from workflows import policy
 from workflows.run_state import RunRequest
-from tether.connection import TetherError
+from tether.connection import UsageError
 
 
 def sign_request(request: RunRequest, run_id: str, key: Path) -> RunRequest:
@@ -44,7 +44,7 @@ def keygen(path: Path, *, force: bool = False) -> str:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     if path.exists() and not force:
-        raise TetherError(f"{path} exists; pass --force to overwrite")
+        raise UsageError(f"{path} exists; pass --force to overwrite")
     key = Ed25519PrivateKey.generate()
     public = base64.b64encode(
         key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -62,7 +62,7 @@ def keygen(path: Path, *, force: bool = False) -> str:
                 f.write(data)
             os.replace(aside, target)
     except OSError as e:
-        raise TetherError(f"cannot write {path}: {e.strerror}") from None
+        raise UsageError(f"cannot write {path}: {e.strerror}") from None
     return public
 
 
@@ -93,9 +93,9 @@ def load_private_key(path: Path) -> Any:
     try:
         key = load_pem_private_key(path.read_bytes(), password=None)
     except (FileNotFoundError, IsADirectoryError):
-        raise TetherError(f"key file not found: {path}") from None
+        raise UsageError(f"key file not found: {path}") from None
     except (ValueError, TypeError) as e:
-        raise TetherError(f"{path} is not a PEM private key ({e}); make one with `tether keygen`") from None
+        raise UsageError(f"{path} is not a PEM private key ({e}); make one with `tether keygen`") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise TetherError(f"{path} is not an Ed25519 key; make one with `tether keygen`")
+        raise UsageError(f"{path} is not an Ed25519 key; make one with `tether keygen`")
     return key

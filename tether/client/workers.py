@@ -12,7 +12,7 @@ from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.service import RPCError
 
 from workflows.display import escape_text
-from tether.connection import DEFAULT_TASK_QUEUE, MCP_TASK_QUEUE, TetherError, rpc_error, task_queue
+from tether.connection import DEFAULT_TASK_QUEUE, MCP_TASK_QUEUE, NoWorker, TetherError, rpc_error, task_queue
 # Which workers poll a queue and are alive: tether/pollers.py (a worker asks it too, at start).
 from tether.pollers import HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, _gone_workers, _probe_unsupported, live_pollers  # noqa: F401
 
@@ -79,10 +79,10 @@ async def require_worker(client: Client, run_id: str, description: Any = None) -
         except RPCError as e:
             raise rpc_error(e, run_id) from None
     if not await has_worker(client, description.task_queue):
-        raise TetherError(no_worker_message(description.task_queue), rule="no_worker")
+        raise NoWorker(no_worker_message(description.task_queue))
     waiting = untaken_seconds(description)
     if waiting is not None and waiting > TAKE_SECONDS:
-        raise TetherError(untaken_message(run_id, description.task_queue, waiting), rule="no_worker")
+        raise NoWorker(untaken_message(run_id, description.task_queue, waiting))
 
 
 def untaken_seconds(description: Any) -> float | None:
@@ -94,7 +94,8 @@ def untaken_seconds(description: Any) -> float | None:
         return None
     if task.attempt > 1:
         return None  # a task that failed is retried with a backoff: a worker did take it
-    return (datetime.now(timezone.utc) - task.scheduled_time.ToDatetime(timezone.utc)).total_seconds()
+    scheduled: datetime = task.scheduled_time.ToDatetime(timezone.utc)
+    return (datetime.now(timezone.utc) - scheduled).total_seconds()
 
 
 def untaken_message(run_id: str, queue: str, waited: float) -> str:
@@ -113,9 +114,8 @@ async def no_answer(client: Client, run_id: str, waited: float) -> TetherError:
     queue = description.task_queue if description is not None else task_queue()
     untaken = untaken_seconds(description) if description is not None else None
     if untaken is not None and untaken > TAKE_SECONDS:
-        return TetherError(untaken_message(run_id, queue, untaken), rule="no_worker")
-    return TetherError(
+        return NoWorker(untaken_message(run_id, queue, untaken))
+    return NoWorker(
         f"no worker answered for run {run_id} within {waited:g}s on task queue '{escape_text(queue)}' — "
         f"start one with {start_worker_hint(queue)} (if one runs, see its log: it may be overloaded)",
-        rule="no_worker",
     )

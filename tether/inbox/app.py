@@ -12,6 +12,7 @@ Every request needs a verified identity (401 otherwise); every decision goes thr
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Form, Query, Request
@@ -20,7 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from temporalio.client import Client
 
 from activities.policy_file import PolicyFileError, PolicyStore
-from tether.connection import TetherError
+from tether.connection import TetherError, UsageError
 from tether.inbox import desk, pages
 from tether.inbox.guards import MAX_BODY_BYTES, SECURITY_HEADERS, BodyLimit, loopback_host, same_origin
 from tether.inbox.identity import DEV_SESSION_SECONDS, SESSION_COOKIE, DevLogin, Person, Unauthenticated, Verifier, load_subjects
@@ -35,14 +36,14 @@ def check_config(config: InboxConfig) -> None:
     """Refuse what is unsafe or incomplete before serving anything (TetherError, exit code 2)."""
     if config.dev_login:
         if config.host not in ("127.0.0.1", "localhost"):
-            raise TetherError(
+            raise UsageError(
                 f"--dev-login lets anyone pick who they are: it is refused unless bound to 127.0.0.1 (not {config.host})",
                 field="dev_login",
             )
         if config.jwks:
-            raise TetherError("--dev-login and --jwks exclude each other", field="dev_login")
+            raise UsageError("--dev-login and --jwks exclude each other", field="dev_login")
     elif not (config.jwks and config.issuer and config.audience):
-        raise TetherError(
+        raise UsageError(
             "the inbox needs an identity: --jwks FILE|URL --issuer ISS --audience AUD (or --dev-login on 127.0.0.1)",
             field="jwks",
         )
@@ -54,7 +55,7 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
         store = PolicyStore(config.policy)
         store.load()
     except PolicyFileError as e:
-        raise TetherError(f"policy: {e}") from None
+        raise UsageError(f"policy: {e}") from None
     dev = DevLogin() if config.dev_login else None
     if dev is not None:
         verifier = dev.verifier
@@ -64,7 +65,7 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
             verifier = Verifier(jwks=config.jwks or "", issuer=config.issuer or "", audience=config.audience or "",
                                 claim=config.claim, subjects=subjects)
         except ValueError as e:
-            raise TetherError(str(e), field="subjects" if str(e).startswith("--subjects") else "jwks") from None
+            raise UsageError(str(e), field="subjects" if str(e).startswith("--subjects") else "jwks") from None
     key_path, public_key = signing_key(config.key)
     inbox = Inbox(config=config, store=store, verifier=verifier, dev=dev, temporal=temporal,
                   key_path=key_path, public_key=public_key)
@@ -78,7 +79,7 @@ def create_app(config: InboxConfig, temporal: Client | None = None) -> FastAPI:
     app.mount("/static", StaticFiles(directory=str(pages.STATIC)), name="static")
 
     @app.middleware("http")
-    async def security(request: Request, call_next):  # noqa: ANN001, ANN202
+    async def security(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if dev is not None and not loopback_host(request):
             # A DNS-rebound page (its own name for 127.0.0.1) is same-origin to the browser: dev
             # sign-in answers only to the loopback names it is bound to.

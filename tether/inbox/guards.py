@@ -4,11 +4,11 @@ size cap, the loopback host for the dev sign-in, and same-origin posts.
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 SECURITY_HEADERS = {
     # No inline script or style anywhere: only the inbox's own static files.
@@ -29,18 +29,20 @@ class BodyLimit:
     Content-Length at once, and by counting as it streams in (chunked, or a lying length), when
     the app is told the client went away and whatever it answers is dropped."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
         declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.limit:
-            return await self._refuse(send)
+            await self._refuse(send)
+            return
         seen, started, refused = 0, False, False
 
-        async def counted() -> dict:
+        async def counted() -> Message:
             nonlocal seen, refused
             if refused:
                 return {"type": "http.disconnect"}
@@ -53,7 +55,7 @@ class BodyLimit:
                 return {"type": "http.disconnect"}
             return message
 
-        async def tracked(message: dict) -> None:
+        async def tracked(message: Message) -> None:
             nonlocal started
             if refused:
                 return  # the 413 went out: the app's own answer is dropped
@@ -66,7 +68,7 @@ class BodyLimit:
             if not refused:
                 raise
 
-    async def _refuse(self, send: Any) -> None:
+    async def _refuse(self, send: Send) -> None:
         response = JSONResponse({"error": "too_large", "detail": f"request body over {self.limit} bytes"}, 413,
                                 headers={"Connection": "close"})
         await response({"type": "http"}, None, send)  # type: ignore[arg-type]

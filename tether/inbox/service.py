@@ -27,8 +27,10 @@ from tether.inbox import desk
 from tether.inbox.identity import SESSION_COOKIE, DevLogin, Person, Unauthenticated, Verifier
 from workflows import wording
 from workflows.contract import Contract
+from workflows.policy_file import PolicyDocument
 from workflows.run_state import RunSnapshot
 from workflows.states import TERMINAL, RunState, TransitionRecord
+from workflows.wire import Refusal
 
 log = logging.getLogger("tether.inbox")
 MAX_RUNS_LISTED = 200
@@ -112,7 +114,8 @@ class Inbox:
 
     # ------------------------------------------------------------------ reading
 
-    def document(self):  # noqa: ANN201
+    def document(self) -> PolicyDocument | None:
+        """The policy file's document (None: no file, the built-in default applies)."""
         document, _ = self.store.load()
         return document
 
@@ -127,7 +130,7 @@ class Inbox:
         mine = self.policy()["policy_hash"]
         same = None if run_hash is None else run_hash == mine
         note = None
-        if same is False:
+        if same is False and run_hash is not None:
             note = (f"this run was judged under policy {run_hash[:12]}, not this inbox's file "
                     f"{self.store.source} ({mine[:12]}): the roles it needs are the run's own; who you are (your "
                     "roles) is this inbox's file; the run decides")
@@ -145,6 +148,8 @@ class Inbox:
         now = datetime.now(timezone.utc)
         rows: list[dict[str, Any]] = []
         served: dict[str, frozenset[str] | None] = {}  # per task queue, asked once per listing
+        if document is None:
+            return rows  # no policy file: the built-in default lists no approvers
         for tenant_name in desk.tenants_of(document, person.name):
             tenant = document.tenants[tenant_name]
             runs = await tether.list_runs(
@@ -192,7 +197,9 @@ class Inbox:
             "time_left": desk.time_left(pending.expires_at, now),
         }
 
-    async def _member_snapshot(self, person: Person, run_id: str, live: bool = False):  # noqa: ANN202
+    async def _member_snapshot(
+        self, person: Person, run_id: str, live: bool = False
+    ) -> tuple[PolicyDocument, tether.RunStatus, list[TransitionRecord]]:
         """The policy, the run's status as it published it (``live``: as the run answers now)
         and its latest records, when the policy lists the person in its tenant."""
         document = self.document()
@@ -202,11 +209,13 @@ class Inbox:
             if e.rule == "unknown_run":
                 raise NotYours() from None
             raise
-        if snap.tenant not in desk.tenants_of(document, person.name) or snap.unpublished:
+        if document is None or snap.tenant not in desk.tenants_of(document, person.name) or snap.unpublished:
             raise NotYours()  # a run that has published nothing is no one's to decide (its tenant is a claim)
         return document, snap, records
 
-    async def _visible(self, person: Person, run_id: str, live: bool = False):  # noqa: ANN202
+    async def _visible(
+        self, person: Person, run_id: str, live: bool = False
+    ) -> tuple[PolicyDocument, tether.RunStatus, list[TransitionRecord], str | None, Refusal | None]:
         """The run, when the person may see it: they may decide it now, or a decision of theirs
         counted on it; or, a member of its tenant, they are told why not when the run was judged
         under another policy file than this inbox's. GET and POST answer the same (404 otherwise:
@@ -372,7 +381,7 @@ class Inbox:
         except tether.TetherError as e:
             if e.code == tether.PENDING:  # accepted, the run is still checking it: not an error
                 return self._outcome(decision_id, "sent", reason=str(e))
-            if e.code != tether.REFUSED:
+            if not isinstance(e, tether.Refused):
                 raise
             # The same decision again (a double click, a re-sent form): show what the first got.
             waits = 25 if e.rule == "duplicate_decision" else 1  # the first may still be in flight
