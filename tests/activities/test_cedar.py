@@ -21,7 +21,7 @@ import pytest
 
 from activities import cedar
 from activities.policy import cedar_approver_problem, judge_writes, parse_policy
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 
 def signed_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -374,7 +374,8 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     from activities.judgements import log_from_env
     from activities.policy import PolicyActivities, PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
+    from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+    from tests.helpers.waiting import wait_for_state
 
     live = tmp_path / "policy.toml"
     live.write_text(RECORDED_POLICY % 5000)  # refunds up to 50.00 need nobody
@@ -491,7 +492,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
     from activities.judgements import ProposedPolicy, log_from_env
     from activities.policy import PolicyActivities, PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import make_request, running_worker, start_run
+    from tests.helpers.runs import make_request, running_worker, start_run
 
     live = tmp_path / "policy.toml"
     live.write_text(RECORDED_POLICY % 5000)
@@ -519,7 +520,8 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
 async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, billing: Any, tmp_path: Path) -> None:
     from activities.policy import PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import make_request, running_worker, start_run, wait_for_state
+    from tests.helpers.runs import make_request, running_worker, start_run
+    from tests.helpers.waiting import wait_for_state
     from workflows.contract import HandoffRequest
 
     live = tmp_path / "policy.toml"
@@ -603,7 +605,7 @@ def test_the_judgement_log_in_postgres_is_read_like_the_json_lines(
 def _validate(path: Path) -> subprocess.CompletedProcess:
     """`tether policy validate` in a process of its own: a parser that overflows its stack kills
     the process (SIGSEGV), which must never be the test's own."""
-    from tests.conftest import BIN
+    from tests.helpers.paths import BIN
 
     return subprocess.run([str(BIN / "tether"), "policy", "validate", str(path)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)

@@ -27,7 +27,10 @@ from activities.effect_ledger import LEDGER_FILE, LedgerUnavailable, SqliteEffec
 from activities.keys import KeyRing
 from activities.tools import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.operations.test_reset import outcome_of
 from workflows import keys
 from workflows.run_state import RunOutcome

@@ -51,7 +51,9 @@ from activities.codec import (
     new_key_line,
 )
 from tether.client import run_outcome
-from tests.conftest import approval_for, Billing, make_request, running_worker, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows.agent_run import AgentRun
 from workflows.published import SEARCH_ATTRIBUTES
 from workflows.run_state import RunOutcome

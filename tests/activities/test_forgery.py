@@ -27,18 +27,10 @@ from activities.keys import KeyRing
 from activities.policy import PolicyStore
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import EmailArgs, call
-from tests.conftest import (
-    ROOT,
-    audit_collected,
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    start_run,
-    task_failure,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.paths import ROOT
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, task_failure, wait_for_state
 from tests.helpers.cli import Cli
 from tests.helpers.rogue import CONVERTER, continue_as_new, rogue_answer
 from workflows.contract import CompensationCall, ToolEffect

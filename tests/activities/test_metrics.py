@@ -26,7 +26,8 @@ import tether.client as tether_client
 from activities.metrics import prometheus_runtime
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refusal_rule
 from workflows.contract import ApprovalDecision
 from workflows.run_state import RunOutcome

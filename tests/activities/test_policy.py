@@ -22,7 +22,11 @@ from temporalio.worker import Worker
 from activities.policy import PolicyFileError, PolicyStore, check_policy_file, parse_policy
 from activities.tools import REGISTRY
 from tether.client import run_outcome
-from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import ROOT
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, cancel_and_settle, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows import policy
 from workflows.contract import ApprovalDecision, HandoffRequest
 from workflows.run_state import RunSnapshot, RunOutcome

@@ -282,7 +282,7 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
     import tether.client as tether_client
     from activities.policy import PolicyStore
     from tether.inbox.app import InboxConfig, create_app
-    from tests.conftest import make_request, running_worker
+    from tests.helpers.runs import make_request, running_worker
     from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Sso, _serve, free_port
 
     tenant = f"fleet-{uuid.uuid4().hex[:8]}"
@@ -416,7 +416,8 @@ async def test_what_if_sees_a_recorded_runs_escalation_change(
     from activities.judgements import log_from_env
     from activities.policy import PolicyActivities, PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
+    from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+    from tests.helpers.waiting import wait_for_state
     from tests.activities.test_cedar import refund_step
     from workflows.run_state import RunSnapshot
 

@@ -24,7 +24,10 @@ from activities.keys import genkey
 from activities.policy import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.rogue import continue_as_new, rogue_answer, schedule_tool
-from tests.conftest import task_failure, Billing, approval_for, flood_until_continued, make_request, running_worker, snapshot, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, flood_until_continued, make_request, running_worker, unique
+from tests.helpers.waiting import task_failure, wait_for_state
 from workflows.contract import canonical_json
 from workflows.wire import Capability, PolicySnapshot, Proposal, ProposedStep, ToolCall, args_digest
 from workflows.run_state import RunData, RunOutcome
@@ -456,7 +459,7 @@ def test_a_worker_without_the_fleets_key_ring_refuses_to_start(tmp_path: Path) -
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers.paths import ROOT
 
     missing = tmp_path / "nowhere" / "state.keys"
     env = {**os.environ, "TETHER_STATE_KEY_FILE": str(missing), "TEMPORAL_ADDRESS": "127.0.0.1:1"}

@@ -28,7 +28,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from examples.devstack import dev_server_command
 from tether.client import run_outcome, start_run, timed_out
 from tests.chaos.markers import gate_name, marker_name
-from tests.conftest import approval_for, Billing
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for
 from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState, TransitionRecord
@@ -219,6 +220,17 @@ def start_worker(
 
 
 # ----------------------------------------------------------------------------- one kill round
+
+
+@dataclass
+class Stack:
+    """A stack of real processes per test module (the ``stack`` fixture, tests/chaos/conftest.py):
+    a dev server on a SQLite file and the billing service, in a folder of their own."""
+
+    server: DevServer
+    billing: BillingProc
+    workdir: Path
+    client: Client
 
 
 @dataclass

@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 
 import tether.client as tether_client
-from tests.conftest import Billing
-from tests.e2e.conftest import SCREENSHOT_DIR
+from tests.helpers.billing import Billing
+from tests.helpers.browser import SCREENSHOT_DIR
 from tether.inbox import desk
 from tests.helpers.inbox_stack import Stack, inbox_stack
 

@@ -8,7 +8,7 @@ import os
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from tests.conftest import BIN, ROOT
+from tests.helpers.paths import BIN, ROOT
 
 
 class Cli:

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 import tether.client as tether_client
 from activities.policy import PolicyStore
 from tether.inbox.app import InboxConfig, create_app
-from tests.conftest import make_request, running_worker
+from tests.helpers.runs import make_request, running_worker
 
 ISSUER = "https://sso.example.test"
 AUDIENCE = "tether-inbox"

@@ -22,7 +22,9 @@ from temporalio.testing import WorkflowEnvironment
 import tether.client as tether_client
 from tether.client.workers import _gone_workers
 from tests.helpers.build_worker import start_build_worker
-from tests.conftest import Billing, make_request, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
 from tests.tether.test_published_views import wait_published
 from workflows.published import BUILD

@@ -30,15 +30,10 @@ from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySourc
 from workflows.run_state import RunData, RunRequest
 from workflows.recovery import PointerError, compensation_call, resolve_pointer, result_document
 from tests.helpers.invariants import check_timeline, tools_by_call
-from tests.conftest import (
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    snapshot,
-    start_run,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 
@@ -179,7 +174,7 @@ def test_tether_tools_shows_each_tools_undo() -> None:
 
 
 def test_the_refund_playbook_shows_the_undo_in_its_approval() -> None:
-    from tests.conftest import PLAYBOOK
+    from tests.helpers.runs import PLAYBOOK
 
     engine = planned(PLAYBOOK, TenantPolicy())
     summary = engine.data.pending_approval.summary
@@ -613,7 +608,7 @@ async def test_on_cancel_compensate_puts_the_ok_writes_back_after_a_cancel(
     ts_env = dev_env
     from temporalio.client import WorkflowFailureError
 
-    from tests.conftest import timeline
+    from tests.helpers.queries import timeline
 
     billing.fail_next("orders", 10, status=503)  # the read after the writes keeps retrying
     plan = [REFUND, LEDGER, {"tool": "get_order", "args": {"order_id": "A-1002"}}]

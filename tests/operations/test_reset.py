@@ -16,7 +16,9 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows.contract import RevisionRequest
 from workflows.run_state import RunOutcome
 

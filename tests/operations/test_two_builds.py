@@ -15,7 +15,9 @@ from temporalio.testing import WorkflowEnvironment
 import tether.client as tether_client
 from tether.client import TetherError
 from tests.helpers.build_worker import start_build_worker
-from tests.conftest import Billing, make_request, running_worker, start_run, task_failure, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, running_worker, start_run, unique
+from tests.helpers.waiting import task_failure, wait_for_state
 from tests.helpers.cli import Cli
 from tests.tether.test_published_views import wait_published
 from workflows.published import BUILD

@@ -16,7 +16,10 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
-from tests.conftest import BIN, ROOT, Billing, running_worker, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN, ROOT
+from tests.helpers.runs import running_worker, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
 from tests.helpers.terminal import in_terminal
 

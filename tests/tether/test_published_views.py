@@ -18,7 +18,9 @@ import tether.client as tether_client
 from activities.policy import PolicyStore
 from tether.client import run_outcome
 from tether.inbox.app import InboxConfig, create_app
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public, write_pem
 from tests.helpers.cli import Cli
 from workflows.run_state import RunView

@@ -18,7 +18,10 @@ import tether.client as tether_client
 import tether.repair as tether_repair
 import worker as worker_module
 from tether.client import run_outcome
-from tests.conftest import ROOT, Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import ROOT
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, wait_for_state
 from tests.helpers.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWrite, TamperedAgentRun
 from tests.helpers.cli import Cli
 from workflows.contract import DecideRequest, DecideResult

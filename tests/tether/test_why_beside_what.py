@@ -13,7 +13,7 @@ import pytest_asyncio
 
 import tether.client as tether_client
 from examples.fake_openai import FakeOpenAI, call, tool_calls
-from tests.conftest import BIN
+from tests.helpers.paths import BIN
 from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import Stack, inbox_stack
 from tests.helpers.terminal import in_terminal

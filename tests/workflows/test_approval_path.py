@@ -34,7 +34,9 @@ from activities.judgements import log_from_env
 from activities.keys import KeyRing
 from activities.policy import PolicyStore
 from activities.tools import ToolContext, ToolEffect, ToolRegistry, tool
-from tests.conftest import Billing, approval_for, audit_collected, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, wait_for_state
 from workflows.contract import DecideRequest, DecideResult
 from workflows.states import RunState
 

@@ -20,7 +20,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, flood_until_continued, make_request, running_worker, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, flood_until_continued, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.contract import DecideResult, ReviseDecideRequest
 from workflows.wire import PlannerInput

@@ -21,7 +21,10 @@ from activities.keys import KeyRing
 from activities.planning import BUILTIN_PLANNERS
 from activities.policy_file import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers import held_tools
 from tests.helpers.cli import Cli
 from tests.helpers.invariants import check_timeline
@@ -330,7 +333,7 @@ async def test_a_keyless_poller_that_starts_a_child_with_a_forged_grant_gets_it_
     parent the server records as the grant says: without the fleet key its grant's seal cannot be
     made, and the child refuses it before anything runs."""
     from tests.helpers.rogue import rogue_answer, start_child
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     reason = uuid.uuid4().hex
     queue = unique("tq")
@@ -384,7 +387,7 @@ async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_p
     from tether.client import list_runs
     from tether.cli.output import format_list
     from tether.inbox.app import InboxConfig, create_app
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
     from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public
 
     keys = {n: ed25519.Ed25519PrivateKey.generate() for n in ("alice", "bob", "inbox")}
@@ -546,7 +549,7 @@ async def test_a_handoff_of_a_parent_from_the_wrong_person_cancels_no_child(
 def signed_tenant(tmp_path: Path) -> tuple[str, Path, Path]:
     """A tenant that requires signed starts; alice's key signs hers. (tenant, policy file, key)"""
     from tether.client.signing import keygen
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     key, tenant, policy = tmp_path / "alice.pem", unique("signed"), tmp_path / "policy.toml"
     public = keygen(key)
@@ -557,7 +560,7 @@ def signed_tenant(tmp_path: Path) -> tuple[str, Path, Path]:
 
 async def signed_root(env: WorkflowEnvironment, worker, tenant: str, key: Path, playbook: list):
     from tether.client.signing import sign_request
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     run_id = unique("run")
     return await start_run(env.client, worker, sign_request(make_request(playbook, tenant=tenant), run_id, key), run_id=run_id)
@@ -586,7 +589,7 @@ async def test_in_a_signed_start_tenant_a_copied_grant_without_its_parent_is_ref
 ) -> None:
     """A client starts a workflow with a real child's grant (read from history), no server
     parent: refused before anything runs, nothing written."""
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     tenant, policy, key = signed_tenant(tmp_path)
     reason = uuid.uuid4().hex

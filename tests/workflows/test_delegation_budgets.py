@@ -16,7 +16,10 @@ from activities.planning import BUILTIN_PLANNERS
 from tether.cli.output import format_status
 from tether.client import status
 from activities.policy_file import PolicyStore
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.workflows.test_delegation import delegate, refund, refunds_with, started_child
 from workflows.contract import ToolCatalog
 from workflows.states import RunState
@@ -132,7 +135,7 @@ async def _approve_tree(env: WorkflowEnvironment, handle, *child_ids: str) -> No
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError
 
-    from tests.conftest import snapshot
+    from tests.helpers.queries import snapshot
 
     approved: set[str] = set()
     while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
@@ -456,7 +459,7 @@ async def test_repair_of_a_root_repairs_the_stuck_child_it_waits_on(
     child and the parent: one refund."""
     import worker as worker_module
     from tether import client as tether_client
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
     from tests.helpers.tampered import StuckAfterFirstWrite
     from tests.tether.test_repair import wait_stuck
 
@@ -508,7 +511,8 @@ async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
 
     from tether import client as tether_client
     from tests.activities.test_forgery import HELD, RELEASED, WEDGED_POLICY, emails_to, events_of
-    from tests.conftest import task_failure, unique
+    from tests.helpers.runs import unique
+    from tests.helpers.waiting import task_failure
     from tests.operations.test_reset import outcome_of
     from workflows.wire import ToolOutcome
 

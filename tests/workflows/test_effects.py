@@ -26,7 +26,10 @@ from worker import create_replayer
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import call
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline
 from workflows.agent_run import AgentRun
 from workflows.contract import HandoffRequest, ToolEffect

@@ -21,7 +21,10 @@ from activities.policy_file import PolicyStore
 from activities.keys import KeyRing
 from tether.client import run_outcome
 from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline
 from worker import create_replayer
 from workflows.contract import ExecutedStep, PlaybookStep, ToolCatalog, ToolInfo, Limits

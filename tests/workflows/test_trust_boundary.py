@@ -26,18 +26,10 @@ import tether.client as tether_client
 from activities.policy import PolicyStore
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, tool
 from tether.client import run_outcome
-from tests.conftest import (
-    task_failure,
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    snapshot,
-    start_run,
-    timeline,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import task_failure, wait_for_state
 from tests.helpers.forger import Forger
 from tests.activities.test_policy import sign
 from tests.helpers.invariants import check_timeline, tools_by_call
