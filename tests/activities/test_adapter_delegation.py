@@ -21,7 +21,7 @@ from activities.tools import REGISTRY, load_tool_modules
 from examples.fake_openai import FakeOpenAI, Recorded, call, text, tool_calls
 from tests.helpers.billing import Billing
 from tests.helpers.runs import make_request, running_worker, start_run
-from tests.workflows.test_delegation import child_outcome
+from tests.helpers.delegation import child_outcome
 from tether.client import run_outcome
 from workflows.contract import DELEGATE, ToolCatalog
 from workflows.run_state import RunOutcome

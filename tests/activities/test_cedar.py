@@ -24,17 +24,11 @@ from activities.policy import cedar_approver_problem, judge_writes, parse_policy
 from tests.helpers.paths import ROOT
 
 
-def signed_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Judgement lines as the policy activity logs them: signed with the fleet's ring."""
-    from activities.judgements import sign
-    from activities.keys import KeyRing
-
-    ring = KeyRing.from_env()
-    return [sign(ring, line) for line in lines]
 from workflows import policy
 from workflows.contract import AcceptedApproval, Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.wire import AuthorityCheck
 from workflows.policy_file import AmountRule, Approver, AutoApprove, HighRisk, TenantPolicy
+from tests.helpers.policies import RECORDED_POLICY, refund_step, signed_lines
 
 EXAMPLES = [ROOT / "examples/billing/policy.toml", ROOT / "examples/billing/policy.image.toml", ROOT / "examples/git/policy.toml"]
 STRANGERS = ["mallory", "a1ice", "b0b", "rnallory", "zed"]  # a1ice looks like alice, rnallory like mallory
@@ -343,22 +337,6 @@ def test_a_tenants_own_cedar_files_are_checked_at_start(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- recorded runs
-
-RECORDED_POLICY = """
-[tenants.default]
-tools = ["get_order", "issue_refund"]
-[tenants.default.approvers]
-alice = { roles = ["approver"] }
-bob = { roles = ["approver"] }
-[tenants.default.auto_approve]
-limits = [{ tool = "issue_refund", field = "amount_cents", max = %d }]
-"""
-
-
-def refund_step(amount: int) -> dict:
-    # A-9999 does not exist: nothing is refunded whatever happens; the checks before it are made.
-    return {"tool": "issue_refund", "args": {"order_id": "A-9999", "amount_cents": amount, "reason": "what-if"}}
-
 
 async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     ts_env: Any, billing: Any, tmp_path: Path, audit_dir: Path, capsys: pytest.CaptureFixture[str]

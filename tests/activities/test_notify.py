@@ -24,7 +24,7 @@ from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run
 from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline, tools_by_call
-from tests.workflows.test_decisions import replays
+from tests.helpers.replay import replays
 from workflows.contract import DecideResult
 from workflows.run_state import RunSnapshot
 from workflows.states import RunState

@@ -32,6 +32,8 @@ from workflows.contract import ApprovalDecision, HandoffRequest
 from workflows.run_state import RunSnapshot, RunOutcome
 from workflows.states import TransitionRecord
 from workflows.states import RunState, is_legal_path
+from tests.helpers.signing import sign
+from tests.helpers.policies import refund
 
 S = RunState
 
@@ -69,10 +71,6 @@ FRANK_PUBLIC = base64.b64encode(
 ).decode()
 
 
-def refund(amount: int, order: str = "A-1002") -> dict:
-    return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": amount, "reason": "policy test"}}
-
-
 GET = {"tool": "get_order", "args": {"order_id": "A-1001"}}
 
 
@@ -91,14 +89,6 @@ def policy_file(tmp_path: Path) -> Path:
 async def policy_worker(env: WorkflowEnvironment, path: Path) -> AsyncIterator[Worker]:
     async with running_worker(env.client, policy=PolicyStore.from_env(str(path))) as worker:
         yield worker
-
-
-def sign(key: Ed25519PrivateKey, workflow_id: str, snap: RunSnapshot, kind: str, decision: ApprovalDecision) -> str:
-    """What `tether approve --key` sends: a signature over policy.signature_payload."""
-    payload = policy.decision_signature_payload(
-        workflow_id=workflow_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind=kind, decision=decision
-    )
-    return base64.b64encode(key.sign(payload)).decode()
 
 
 def decide(approver: str, target: RunSnapshot | str, decision_id: str | None = None, **kw: object) -> ApprovalDecision:

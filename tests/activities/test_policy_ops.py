@@ -20,7 +20,7 @@ from activities import cedar
 from activities.judgements import JsonlJudgementLog, PostgresJudgementLog, entries
 from activities.policy import parse_policy
 from tether.cli.policy import LOG_UNREADABLE
-from tests.activities.test_cedar import RECORDED_POLICY, signed_lines
+from tests.helpers.policies import RECORDED_POLICY, signed_lines
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect, ToolInfo
 
 CATALOG = ToolCatalog(tools=[ToolInfo(name="issue_refund", effect=ToolEffect.IDEMPOTENT, requires_approval=True,
@@ -418,7 +418,7 @@ async def test_what_if_sees_a_recorded_runs_escalation_change(
     from tether.client import run_outcome
     from tests.helpers.runs import approval_for, make_request, running_worker, start_run
     from tests.helpers.waiting import wait_for_state
-    from tests.activities.test_cedar import refund_step
+    from tests.helpers.policies import refund_step
     from workflows.run_state import RunSnapshot
 
     def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own

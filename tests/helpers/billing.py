@@ -4,10 +4,12 @@ the refunds it recorded (the ``billing`` fixture in tests/conftest.py serves one
 from __future__ import annotations
 
 import json
+import sqlite3
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
 
 
 @dataclass
@@ -44,3 +46,19 @@ class Billing:
 
     def refunds(self, key: str | None = None) -> list[dict]:
         return self.get("/refunds" + (f"?idempotency_key={key}" if key else ""))["refunds"]
+
+
+def counts_in_db(billing: Billing, key_prefix: str) -> dict[str, int]:
+    """Refunds, ledger entries and emails whose key starts with ``key_prefix``, read from the
+    billing service's own database (not its API)."""
+    with sqlite3.connect(billing.db) as db:
+        like = key_prefix.replace("%", r"\%").replace("_", r"\_") + "%"
+        return {
+            "refunds": db.execute(r"SELECT count(*) FROM refunds WHERE idempotency_key LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
+            "ledger": db.execute(r"SELECT count(*) FROM ledger WHERE key LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
+            "emails": db.execute(r"SELECT count(*) FROM emails WHERE request_ref LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
+        }
+
+
+def emails_to(billing: Billing, to: str) -> list[dict]:
+    return billing.get(f"/emails?to={to}")["emails"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
+from tests.helpers.inbox_stack import Stack
 from tests.helpers.paths import ROOT
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -48,3 +49,12 @@ class UiEnv:
     env: WorkflowEnvironment
     ui_url: str
     address: str
+
+
+EXPECT_TIMEOUT_MS = 15_000
+
+
+async def sign_in(page, stack: Stack, name: str) -> None:
+    await page.goto(f"{stack.dev_url}/login")
+    await page.click(f"#signin-{name}")
+    await page.wait_for_url(f"{stack.dev_url}/")

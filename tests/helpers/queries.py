@@ -4,7 +4,7 @@ observations (from its history)."""
 from __future__ import annotations
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowHandle
+from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from workflows.run_state import RunSnapshot
@@ -38,3 +38,7 @@ async def observations(handle: WorkflowHandle) -> list[str]:
         if scheduled.get(done.scheduled_event_id) == "execute_tool":
             found.append(converter.from_payloads(done.result.payloads, [ToolOutcome])[0].observation)
     return found
+
+
+async def events_of(client: Client, workflow_id: str, kind: EventType.ValueType) -> list:
+    return [e for e in (await client.get_workflow_handle(workflow_id).fetch_history()).events if e.event_type == kind]

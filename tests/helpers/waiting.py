@@ -4,12 +4,14 @@ workflow task failing with a message, the audit sink holding a run's last record
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
 from tests.helpers.queries import snapshot
-from workflows.run_state import RunSnapshot
+from workflows.run_state import RunSnapshot, RunView
 
 
 async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 20.0) -> RunSnapshot:
@@ -65,3 +67,33 @@ async def audit_collected(client: Client, run_id: str, audit_dir: str | None = N
         if trail.written in {r.seq for r in current.records} - set(current.from_window):
             return trail
         await asyncio.sleep(0.05)
+
+
+async def until(check: Any, what: str) -> Any:
+    """Until ``check()`` gives a truthy value, which it returns: an event, bounded only against a hang."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 120
+    while not (value := await check()):
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.1)
+    return value
+
+
+async def wait_published(env: WorkflowEnvironment, run_id: str, state: str) -> RunView:
+    """Until the run's memo holds a view in ``state`` (it publishes where it rests)."""
+    for _ in range(300):
+        view = await tether_client.published_view(await env.client.get_workflow_handle(run_id).describe())
+        if view is not None and view.snapshot.state.value == state:
+            return view
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"run {run_id} never published a view in {state} (last: {view and view.snapshot.state})")
+
+
+async def wait_stuck(env: WorkflowEnvironment, run_id: str) -> tether_client.StuckTask:
+    """Until the run's workflow task has failed and is being tried again."""
+    for _ in range(600):
+        stuck = await tether_client.stuck_task(env.client, await env.client.get_workflow_handle(run_id).describe())
+        if stuck is not None:
+            return stuck
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"run {run_id} never got stuck")

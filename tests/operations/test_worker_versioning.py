@@ -22,8 +22,8 @@ from tests.helpers.paths import BIN
 from tests.helpers.runs import flood_until_continued, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
-from tests.operations.test_liveness import until
-from tests.operations.test_two_builds import other_build
+from tests.helpers.waiting import until
+from tests.helpers.builds import other_build
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "versioning"}}]

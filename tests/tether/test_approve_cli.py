@@ -18,7 +18,7 @@ from tests.helpers.queries import timeline
 from tests.helpers.runs import running_worker, unique
 from tests.helpers.waiting import wait_for_state
 from tests.helpers.round_trips import counting_proxy
-from tests.tether.test_cli import POLICY, one_line
+from tests.helpers.cli import POLICY, one_line
 from tests.helpers.cli import Cli
 from tests.helpers.terminal import in_terminal
 from workflows.run_state import RunOutcome

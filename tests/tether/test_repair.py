@@ -26,18 +26,9 @@ from tests.helpers.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWri
 from tests.helpers.cli import Cli
 from workflows.contract import DecideRequest, DecideResult
 from workflows.run_state import RunOutcome
+from tests.helpers.waiting import wait_stuck
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 777, "reason": "repair"}}]
-
-
-async def wait_stuck(env: WorkflowEnvironment, run_id: str) -> tether_client.StuckTask:
-    """Until the run's workflow task has failed and is being tried again."""
-    for _ in range(600):
-        stuck = await tether_client.stuck_task(env.client, await env.client.get_workflow_handle(run_id).describe())
-        if stuck is not None:
-            return stuck
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"run {run_id} never got stuck")
 
 
 async def approved_on(env: WorkflowEnvironment, queue: str, build: type, steps: list[dict], monkeypatch,

@@ -26,8 +26,8 @@ from tests.helpers.queries import timeline
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
-from tests.workflows.test_effects import DONE, REGISTRY, _event, approved_run, emails
-from tests.operations.test_recovery import LEDGER, REFUND
+from tests.helpers.effect_tools import DONE, REGISTRY, _event, approved_run, emails
+from tests.helpers.recovery import LEDGER, REFUND
 from workflows import policy
 from workflows.commands import Call
 from workflows.contract import CancelRequest

@@ -28,6 +28,7 @@ from workflows.contract import DecideResult, ReviseDecideRequest
 from workflows.wire import PlannerInput
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import RunState
+from tests.helpers.replay import replays
 
 S = RunState
 
@@ -100,15 +101,6 @@ def revision(snap: RunSnapshot, steps: list[dict], editor: str = "carol", **extr
 
 def with_amount(amount: Any) -> dict:
     return {**REFUND, "args": {**REFUND["args"], "amount_cents": amount}}
-
-
-async def replays(handle: WorkflowHandle) -> None:
-    """The run's own history replays on this code: the new commands are deterministic."""
-    from worker import create_replayer
-
-    replayer = create_replayer()
-    result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
-    assert result.replay_failure is None, result.replay_failure
 
 
 async def planner_inputs(handle: WorkflowHandle) -> list[PlannerInput]:

@@ -15,7 +15,7 @@ from tests.helpers.runs import approval_for, make_request, running_worker, uniqu
 from tests.helpers.waiting import wait_for_state
 from tests.helpers.rogue import complete, rogue_answer
 from activities.planning import BUILTIN_PLANNERS
-from tests.workflows.test_delegation import Overreacher, delegate, refund, refunds_with, started_child
+from tests.helpers.delegation import Overreacher, delegate, refund, refunds_with, started_child
 from workflows.run_state import RunOutcome
 from workflows.states import RunState
 
