@@ -199,7 +199,7 @@ async def test_a_child_that_claims_its_parents_approval_for_other_arguments_asks
 
 
 async def test_the_documented_example_delegates_a_read_only_lookup_then_refunds(dev_env: WorkflowEnvironment, billing: Billing) -> None:
-    """docs/architecture.md's worked example (examples/billing/delegate.playbook.json): a child
+    """docs/contract.md's worked example (examples/billing/delegate.playbook.json): a child
     looks up three orders at once, read-only; the parent then refunds, with bob's approval."""
     playbook = json.loads((Path(__file__).resolve().parents[2] / "examples/billing/delegate.playbook.json").read_text())
     async with running_worker(dev_env.client) as worker:
