@@ -223,7 +223,8 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
     from temporalio.contrib.pydantic import pydantic_data_converter
 
     from activities.metrics import prometheus_runtime
-    from tests.helpers.metrics import free_port, scrape, value
+    from tests.helpers.metrics import scrape, value
+    from tests.helpers.ports import free_port
 
     root = tmp_path / "audit"
     root.mkdir()

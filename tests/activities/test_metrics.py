@@ -29,7 +29,8 @@ from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refus
 from workflows.contract import ApprovalDecision
 from workflows.run_state import RunOutcome
 from workflows.states import RunState
-from tests.helpers.metrics import free_port, scrape, value
+from tests.helpers.metrics import scrape, value
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

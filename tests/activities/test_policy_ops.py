@@ -136,7 +136,7 @@ def test_a_log_that_cannot_be_read_has_its_own_exit_code(
 def test_a_judgement_table_that_cannot_be_reached_has_its_own_exit_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.helpers.inbox_stack import free_port
+    from tests.helpers.ports import free_port
 
     # Nothing listens there: the database is down.
     monkeypatch.setenv("TETHER_AUDIT_DSN", f"postgresql://tether@127.0.0.1:{free_port()}/tether")
@@ -283,7 +283,8 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
     from activities.policy import PolicyStore
     from tether.inbox.app import InboxConfig, create_app
     from tests.helpers.runs import make_request, running_worker
-    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Sso, _serve, free_port
+    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Sso, _serve
+    from tests.helpers.ports import free_port
 
     tenant = f"fleet-{uuid.uuid4().hex[:8]}"
     worker_file, inbox_file = tmp_path / "worker.toml", tmp_path / "inbox.toml"

@@ -345,7 +345,7 @@ async def test_two_workers_one_missing_the_fleets_newest_key_every_run_completes
     from activities.keys import KeyRing
     from activities.metrics import prometheus_runtime
     from tests.helpers.forger import NewerWorker
-    from tests.helpers.metrics import free_port
+    from tests.helpers.ports import free_port
     from worker import create_worker
 
     env = dev_env

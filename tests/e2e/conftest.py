@@ -10,7 +10,6 @@ missing browser is a failure, because `.ci/run` installs one.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,16 +18,11 @@ import pytest_asyncio
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from tests.helpers.ports import free_port
 from tests.helpers.browser import CHROMIUM_ARGS, UiEnv, find_chromium
 from tests.helpers.parts import unavailable
 from tests.helpers.paths import BIN
 from workflows.published import SEARCH_ATTRIBUTES
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
 def chromium() -> str:

@@ -1,21 +1,13 @@
-"""The worker's Prometheus endpoint as a test reads it: a free port, the samples scraped, a sum
-over labels."""
+"""The worker's Prometheus endpoint as a test reads it: the samples scraped, a sum over labels."""
 
 from __future__ import annotations
 
 import re
-import socket
 import urllib.request
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:

@@ -23,7 +23,8 @@ from tether.inbox.app import InboxConfig, create_app
 from tether.inbox.identity import SESSION_COOKIE
 from tests.helpers.billing import Billing
 from tests.helpers.runs import make_request
-from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, inbox_stack
+from tests.helpers.ports import free_port
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -21,7 +21,8 @@ from tether.inbox.app import InboxConfig, create_app
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import wait_for_state
-from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public, write_pem
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, raw_public, write_pem
+from tests.helpers.ports import free_port
 from tests.helpers.cli import Cli
 from tests.helpers.waiting import wait_published
 

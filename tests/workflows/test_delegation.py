@@ -301,7 +301,8 @@ async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_p
     from tether.cli.output import format_list
     from tether.inbox.app import InboxConfig, create_app
     from tests.helpers.runs import unique
-    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public
+    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, raw_public
+    from tests.helpers.ports import free_port
 
     keys = {n: ed25519.Ed25519PrivateKey.generate() for n in ("alice", "bob", "inbox")}
     tenant = unique("tree")
