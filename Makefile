@@ -52,8 +52,9 @@ demo-order: $(STAMP)
 demo-mcp: $(STAMP)
 	$(PY) -m examples.git.demo
 
+# --durations=15: the 15 slowest tests at the end, so a test that grew slow shows in every run.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=15 $(PYTEST_ARGS)
 
 # The whole suite with the workflow cache off (issue 55): no worker keeps a run between its
 # workflow tasks, so every task and every query of every test rebuilds its run from history.

@@ -170,7 +170,7 @@ _SECRET_PATTERNS = (
 
 
 # The delegate step as a model calls it (function names allow no dot): a child run with a
-# narrowed grant, which plans with the same planner (docs/architecture.md, "Delegation").
+# narrowed grant, which plans with the same planner (docs/contract.md, "Delegation and parallel steps").
 DELEGATE_FUNCTION = "tether_delegate"
 DELEGATE_DEFINITION = {
     "type": "function",

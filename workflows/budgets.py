@@ -2,7 +2,7 @@
 
 Temporal refuses any payload over 2 MiB (the workflow task then fails and retries forever) and
 terminates a run past 50 MB or 50,000 events of history. Each budget below is enforced where
-the thing is produced; docs/architecture.md lists them for users.
+the thing is produced; docs/contract.md lists them for users.
 """
 
 from __future__ import annotations

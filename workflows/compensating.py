@@ -19,7 +19,7 @@ class Compensating(RunModel):
     """Putting the run's ok writes back, newest first."""
 
     def _undo_check(self) -> AuthorityCheck | None:
-        """COMPENSATING: the re-check of the next undo (docs/architecture.md, "Recovery"). Its
+        """COMPENSATING: the re-check of the next undo (docs/operations.md, "Recovery"). Its
         authority is the approval (or auto-approval) of the plan hash that covered it, named in
         the capability; a compensation run adds the person who asked for it, judged now."""
         undo = self.current_undo()

@@ -3,7 +3,7 @@
 The names tool authors and clients use (``ToolEffect``, ``Compensation``, ``Limits``), the
 signals' and the ``decide`` Update's payloads, and the records a run's queries show (plans,
 executed steps, approvals, revisions, compensations). JSON field and class names here are public
-API (docs/architecture.md) and are written into histories: they are never renamed. Every
+API (docs/contract.md) and are written into histories: they are never renamed. Every
 workflow, signal, query and activity takes exactly one model, so the pydantic data converter
 never has to guess. ``workflows.models`` re-exports the models of every layer, for tool modules
 and clients.
@@ -83,7 +83,7 @@ class Limits(Contract):
 
 # What a run does when a step fails with its outcome known (``failed``): "stop" ends it in
 # EXECUTION_FAILED, the ok writes kept; "compensate" runs their declared compensations in reverse
-# order (COMPENSATING -> COMPENSATED). docs/architecture.md, "Recovery".
+# order (COMPENSATING -> COMPENSATED). docs/operations.md, "Recovery".
 OnFailure = Literal["stop", "compensate"]
 
 

@@ -328,7 +328,7 @@ def review_plan(
 
 # Runs `tether compensate` may undo: they ended with ok writes a person has to deal with.
 # A cancelled run too: a cancel during COMPENSATING ends CANCELLED naming what is left, and
-# `tether compensate` continues from there (docs/architecture.md, "Recovery").
+# `tether compensate` continues from there (docs/operations.md, "Recovery").
 COMPENSABLE_STATES = frozenset({RunState.HANDED_OFF, RunState.EXECUTION_FAILED, RunState.CANCELLED})
 
 

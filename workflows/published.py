@@ -1,6 +1,6 @@
 """What a run publishes for people and tools to find it by, with no worker needed: the search
 attributes, the memo holding its view, and the build that started it. Public names: the Web UI,
-`temporal workflow list --query`, `tether` and the inbox read them (docs/architecture.md)."""
+`temporal workflow list --query`, `tether` and the inbox read them (docs/contract.md)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class RunRequest(Contract):
     nonce: str | None = Field(None, min_length=8, max_length=128)
     issued_at: datetime | None = None
     # Set by the runtime only, when a run continues as new: the state it carries over, and the
-    # worker's seal over it. A start input that carries state is refused (docs/architecture.md).
+    # worker's seal over it. A start input that carries state is refused (docs/contract.md).
     carryover: RunData | None = None
     carryover_seal: str | None = Field(None, max_length=200)
     # Set by a parent run's workflow code only: this run is its child, and may do what the grant

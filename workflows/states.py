@@ -42,7 +42,7 @@ class RunState(str, Enum):
 
 S = RunState
 
-# The table from docs/architecture.md. Everything not listed here is denied.
+# The table from docs/contract.md. Everything not listed here is denied.
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     # COMPENSATING: a compensation run (`tether compensate`) starts undoing at once; VALIDATED:
     # one of a COMPLETED run, whose undos are a plan of their own to approve first.

@@ -19,8 +19,9 @@ from activities.planning import DELEGATE_DEFINITION, DELEGATE_FUNCTION, Planner,
 from activities.policy import PolicyStore
 from activities.tools import REGISTRY, load_tool_modules
 from examples.fake_openai import FakeOpenAI, Recorded, call, text, tool_calls
-from tests.conftest import Billing, make_request, running_worker, start_run
-from tests.workflows.test_delegation import child_outcome
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, running_worker, start_run
+from tests.helpers.delegation import child_outcome
 from tether.client import run_outcome
 from workflows.contract import DELEGATE, ToolCatalog
 from workflows.run_state import RunOutcome

@@ -23,19 +23,11 @@ from activities.audit_sink import JsonlAuditSink, PostgresAuditSink, audit_path,
 from activities.policy import PolicyActivities, PolicyStore
 from activities.keys import KeyRing
 from tether.client import run_outcome
-from tests.conftest import (
-    audit_collected,
-    BIN,
-    ROOT,
-    Billing,
-    Postgres,
-    approval_for,
-    make_request,
-    running_worker,
-    start_run,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN, ROOT
+from tests.helpers.postgres import Postgres
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, wait_for_state
 from tests.helpers.cli import Cli
 from workflows.contract import DecideRequest, DecideResult
 from workflows.wire import DecisionCheck, PolicySnapshot, SnapshotRequest, Verdict
@@ -231,7 +223,8 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
     from temporalio.contrib.pydantic import pydantic_data_converter
 
     from activities.metrics import prometheus_runtime
-    from tests.activities.test_metrics import free_port, scrape, value
+    from tests.helpers.metrics import scrape, value
+    from tests.helpers.ports import free_port
 
     root = tmp_path / "audit"
     root.mkdir()

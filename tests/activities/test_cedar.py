@@ -21,20 +21,14 @@ import pytest
 
 from activities import cedar
 from activities.policy import cedar_approver_problem, judge_writes, parse_policy
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 
-def signed_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Judgement lines as the policy activity logs them: signed with the fleet's ring."""
-    from activities.judgements import sign
-    from activities.keys import KeyRing
-
-    ring = KeyRing.from_env()
-    return [sign(ring, line) for line in lines]
 from workflows import policy
 from workflows.contract import AcceptedApproval, Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.wire import AuthorityCheck
 from workflows.policy_file import AmountRule, Approver, AutoApprove, HighRisk, TenantPolicy
+from tests.helpers.policies import RECORDED_POLICY, refund_step, signed_lines
 
 EXAMPLES = [ROOT / "examples/billing/policy.toml", ROOT / "examples/billing/policy.image.toml", ROOT / "examples/git/policy.toml"]
 STRANGERS = ["mallory", "a1ice", "b0b", "rnallory", "zed"]  # a1ice looks like alice, rnallory like mallory
@@ -344,22 +338,6 @@ def test_a_tenants_own_cedar_files_are_checked_at_start(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- recorded runs
 
-RECORDED_POLICY = """
-[tenants.default]
-tools = ["get_order", "issue_refund"]
-[tenants.default.approvers]
-alice = { roles = ["approver"] }
-bob = { roles = ["approver"] }
-[tenants.default.auto_approve]
-limits = [{ tool = "issue_refund", field = "amount_cents", max = %d }]
-"""
-
-
-def refund_step(amount: int) -> dict:
-    # A-9999 does not exist: nothing is refunded whatever happens; the checks before it are made.
-    return {"tool": "issue_refund", "args": {"order_id": "A-9999", "amount_cents": amount, "reason": "what-if"}}
-
-
 async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     ts_env: Any, billing: Any, tmp_path: Path, audit_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -374,7 +352,8 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     from activities.judgements import log_from_env
     from activities.policy import PolicyActivities, PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
+    from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+    from tests.helpers.waiting import wait_for_state
 
     live = tmp_path / "policy.toml"
     live.write_text(RECORDED_POLICY % 5000)  # refunds up to 50.00 need nobody
@@ -491,7 +470,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
     from activities.judgements import ProposedPolicy, log_from_env
     from activities.policy import PolicyActivities, PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import make_request, running_worker, start_run
+    from tests.helpers.runs import make_request, running_worker, start_run
 
     live = tmp_path / "policy.toml"
     live.write_text(RECORDED_POLICY % 5000)
@@ -519,7 +498,8 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
 async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, billing: Any, tmp_path: Path) -> None:
     from activities.policy import PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import make_request, running_worker, start_run, wait_for_state
+    from tests.helpers.runs import make_request, running_worker, start_run
+    from tests.helpers.waiting import wait_for_state
     from workflows.contract import HandoffRequest
 
     live = tmp_path / "policy.toml"
@@ -603,7 +583,7 @@ def test_the_judgement_log_in_postgres_is_read_like_the_json_lines(
 def _validate(path: Path) -> subprocess.CompletedProcess:
     """`tether policy validate` in a process of its own: a parser that overflows its stack kills
     the process (SIGSEGV), which must never be the test's own."""
-    from tests.conftest import BIN
+    from tests.helpers.paths import BIN
 
     return subprocess.run([str(BIN / "tether"), "policy", "validate", str(path)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)

@@ -17,7 +17,7 @@ import pytest
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyType
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
@@ -27,23 +27,13 @@ from activities.effect_ledger import LEDGER_FILE, LedgerUnavailable, SqliteEffec
 from activities.keys import KeyRing
 from activities.tools import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, unique, wait_for_state
-from tests.operations.test_reset import outcome_of
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from workflows import keys
-from workflows.run_state import RunOutcome
 from workflows.wire import LEDGER_UNAVAILABLE, ToolCall, ToolOutcome
-
-
-def counts_in_db(billing: Billing, key_prefix: str) -> dict[str, int]:
-    """Refunds, ledger entries and emails whose key starts with ``key_prefix``, read from the
-    billing service's own database (not its API)."""
-    with sqlite3.connect(billing.db) as db:
-        like = key_prefix.replace("%", r"\%").replace("_", r"\_") + "%"
-        return {
-            "refunds": db.execute(r"SELECT count(*) FROM refunds WHERE idempotency_key LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
-            "ledger": db.execute(r"SELECT count(*) FROM ledger WHERE key LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
-            "emails": db.execute(r"SELECT count(*) FROM emails WHERE request_ref LIKE ? ESCAPE '\'", (like,)).fetchone()[0],
-        }
+from tests.helpers.resets import reset_run_outcome
+from tests.helpers.billing import counts_in_db, emails_to
 
 
 def write_call(tool: str, args: dict, key: str, *, workflow_id: str = "wf", run_id: str = "wf-run",
@@ -204,20 +194,6 @@ async def test_a_lost_ledger_is_an_error_not_an_empty_ledger(billing: Billing, t
 # ----------------------------------------------------------------------------- plain resets
 
 
-async def reset_run_outcome(client: Client, workflow_id: str, run_id: str) -> tuple[RunOutcome, bool]:
-    """How a reset run ends; where it waits for an approval again (the reapplied one came before
-    the run asked for it, and was refused), bob approves again, as an operator's approver would."""
-    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
-    approved = False
-    while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-        snap = await snapshot(handle)
-        if snap.state.value == "AWAITING_APPROVAL" and not approved:
-            await handle.signal("approve", approval_for(snap, "bob"))
-            approved = True
-        await asyncio.sleep(0.05)
-    return await outcome_of(client, workflow_id, run_id), approved
-
-
 def three_writes(to: str) -> list[dict]:
     """A refund (idempotent), a ledger entry (reconcilable), an email (unsafe)."""
     return [
@@ -281,7 +257,7 @@ async def test_a_deleted_ledger_repeats_no_undo_and_status_says_unknown(
     refused; a compensation run started anyway undoes nothing (before: the void was sent again)."""
     import tether.client as tether_client
     from tether.cli.output import format_status
-    from tests.operations.test_recovery import VOIDS, approved_run, requests_to
+    from tests.helpers.recovery import VOIDS, approved_run, requests_to
 
     monkeypatch.setenv("TETHER_AUDIT_DIR", str(tmp_path / "audit"))  # this test's sink and ledger only
     billing.fail_next("emails", 1, status=400)
@@ -485,8 +461,6 @@ async def test_a_capability_replayed_by_a_rogue_poller_under_the_same_activity_i
     capability matches the run, the attempt and the call). The tool worker answers from its
     ledger: one email, not two."""
     from tests.helpers.rogue import rogue_answer, schedule_tool
-    from tests.activities.test_trust_chain import emails
-
     client = dev_env.client
     to = f"{uuid.uuid4().hex[:10]}@example.com"
     queue = unique("tq")
@@ -501,7 +475,7 @@ async def test_a_capability_replayed_by_a_rogue_poller_under_the_same_activity_i
         await handle.signal("approve", approval_for(snap, "bob"))
         await wait_for_state(handle, "RETRY_WAIT")
     # No worker of the run's queue now: its next workflow task goes to whoever polls.
-    assert len(emails(billing, to)) == 1
+    assert len(emails_to(billing, to)) == 1
     scheduled = next(
         e.activity_task_scheduled_event_attributes for e in (await handle.fetch_history()).events
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
@@ -529,7 +503,7 @@ async def test_a_capability_replayed_by_a_rogue_poller_under_the_same_activity_i
     answer = pydantic_data_converter.payload_converter.from_payloads(
         last.activity_task_completed_event_attributes.result.payloads, [ToolOutcome])[0]
     assert to in answer.observation and answer.attestation is not None
-    assert len(emails(billing, to)) == 1
+    assert len(emails_to(billing, to)) == 1
 
 
 async def test_a_worker_refuses_to_start_on_a_lost_ledger_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

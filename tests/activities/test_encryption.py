@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -51,7 +50,10 @@ from activities.codec import (
     new_key_line,
 )
 from tether.client import run_outcome
-from tests.conftest import approval_for, Billing, make_request, running_worker, start_run, wait_for_state
+from tests.helpers.ports import free_port
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows.agent_run import AgentRun
 from workflows.published import SEARCH_ATTRIBUTES
 from workflows.run_state import RunOutcome
@@ -195,12 +197,6 @@ async def test_replayer_replays_with_the_codec(encrypted_run: EncryptedRun) -> N
     assert result.replay_failure is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _call(url: str, method: str, body: dict | None = None, headers: dict | None = None):
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
@@ -217,7 +213,7 @@ def _call(url: str, method: str, body: dict | None = None, headers: dict | None 
 def codec_server(keys: Keys, tmp_path_factory: pytest.TempPathFactory):
     token_file = tmp_path_factory.mktemp("codec") / "token"
     token_file.write_text(TOKEN + "\n")
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != KEY_FILE_ENV}
     proc = subprocess.Popen(
         [sys.executable, "-m", "activities.codec", "--port", str(port), "--key-file", str(keys.rotated),

@@ -25,27 +25,20 @@ import pytest
 import tether.client as tether_client
 from activities.keys import KeyRing
 from activities.policy import PolicyStore
-from activities.tools import ToolContext, ToolRegistry, tool
-from examples.billing.tools import EmailArgs, call
-from tests.conftest import (
-    ROOT,
-    audit_collected,
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    start_run,
-    task_failure,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.paths import ROOT
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, task_failure, wait_for_state
 from tests.helpers.cli import Cli
 from tests.helpers.rogue import CONVERTER, continue_as_new, rogue_answer
-from workflows.contract import CompensationCall, ToolEffect
+from workflows.contract import CompensationCall
 from workflows.wire import RecoverySource, ToolCall, ToolOutcome
 from temporalio.contrib.pydantic import pydantic_data_converter as CONVERTER_CLIENT
 from workflows.run_state import RunData, RunOutcome, RunRequest
 from workflows.states import RunState
+from tests.helpers.queries import events_of
+from tests.helpers.billing import emails_to
+from tests.helpers.wedged import HELD, RELEASED, WEDGED_POLICY
 
 REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 123, "reason": "victim"}}
 READ = {"tool": "get_order", "args": {"order_id": "A-1001"}}
@@ -64,10 +57,6 @@ async def victims_refund(client: Client, worker, billing: Billing) -> tuple[Comp
 
 def voided(billing: Billing, refund: dict) -> bool:
     return next(r for r in billing.refunds() if r["refund_id"] == refund["refund_id"])["voided_at"] is not None
-
-
-async def events_of(client: Client, workflow_id: str, kind: EventType.ValueType) -> list:
-    return [e for e in (await client.get_workflow_handle(workflow_id).fetch_history()).events if e.event_type == kind]
 
 
 async def test_a_rogue_worker_answering_recovery_source_makes_no_undo(dev_env: WorkflowEnvironment, billing: Billing) -> None:
@@ -153,29 +142,6 @@ async def test_a_forged_continue_as_new_state_makes_no_undo(dev_env: WorkflowEnv
     assert not await events_of(client, waiting.id, EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
 
 
-HELD = ToolRegistry()
-RELEASED: dict[str, threading.Event] = {}  # recipient -> the test lets the honest call answer
-
-
-@tool(effect=ToolEffect.UNSAFE, timeout=60, name="held_email", registry=HELD)
-def held_email(args: EmailArgs, ctx: ToolContext) -> dict:
-    """Sends the email, then holds its answer until the test says (a forger answers meanwhile)."""
-    sent = call("POST", "/emails", args.model_dump(), headers={"X-Request-Ref": ctx.idempotency_key})
-    RELEASED.setdefault(args.to, threading.Event()).wait(60)
-    return sent
-
-
-WEDGED_POLICY = """
-[tenants.default]
-tools = ["held_email"]
-approval_roles = ["approver"]
-
-[tenants.default.approvers]
-bob = { roles = ["approver"] }
-dana = { roles = ["support"] }
-"""
-
-
 @pytest.mark.parametrize("by", ["dana", "mallory"])
 async def test_a_run_wedged_by_a_forged_answer_to_an_unsafe_write_ends_handed_off_on_the_record(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, by: str
@@ -246,10 +212,6 @@ async def test_a_run_wedged_by_a_forged_answer_to_an_unsafe_write_ends_handed_of
     assert len(emails_to(billing, to)) == 1  # sent once, by the attempt the forger answered; never again
     assert [b.origin for b in trail.branches] == ["first", "reset"]
     assert f"tether handoff --force by {by}: forged answer" in (trail.branches[1].reason or "")
-
-
-def emails_to(billing: Billing, to: str) -> list[dict]:
-    return billing.get(f"/emails?to={to}")["emails"]
 
 
 def scheduled_call(scheduled) -> ToolCall:  # noqa: ANN001

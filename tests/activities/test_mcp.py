@@ -26,7 +26,10 @@ from activities.mcp_config import parse_config
 from activities.tools import ToolRegistry
 from tests.chaos.harness import Proc, free_port
 from tether.client import run_outcome
-from tests.conftest import ROOT, approval_for, observations, make_request, running_worker, snapshot, start_run, unique, wait_for_state
+from tests.helpers.paths import ROOT
+from tests.helpers.queries import observations, snapshot
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from examples.fake_openai import FakeOpenAI, call, text, tool_calls
 from workflows.contract import ToolEffect
 from workflows.run_state import RunOutcome

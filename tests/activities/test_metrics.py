@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -26,42 +23,16 @@ import tether.client as tether_client
 from activities.metrics import prometheus_runtime
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from workflows.metrics import KINDS, REFUSAL_RULES, RULES, refusal_labels, refusal_rule
 from workflows.contract import ApprovalDecision
 from workflows.run_state import RunOutcome
 from workflows.states import RunState
+from tests.helpers.metrics import scrape, value
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
-    with _opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    samples = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            samples.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
-    return samples
-
-
-def value(samples, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` (with or without a ``_total`` suffix) matching ``labels``."""
-    return sum(
-        v
-        for n, lab, v in samples
-        if n in (name, name + "_total") and all(lab.get(k) == want for k, want in labels.items())
-    )
 
 
 def test_refusal_rules_cover_the_policy_reasons() -> None:

@@ -32,7 +32,10 @@ from activities.planning import (
 from activities.tools import ToolContext, ToolRegistry, tool
 from examples.billing.tools import OrderRef, RefundArgs
 from tether.client import run_outcome
-from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from examples.fake_openai import FakeOpenAI, call, error, text, tool_calls, usage
 from workflows.contract import ApprovalDecision, ExecutedStep, ToolCatalog, ToolEffect
 from workflows.wire import PlannerInput

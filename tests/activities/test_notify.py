@@ -20,9 +20,11 @@ from temporalio.testing import WorkflowEnvironment
 from activities.notify import verify
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline, tools_by_call
-from tests.workflows.test_decisions import replays
+from tests.helpers.replay import replays
 from workflows.contract import DecideResult
 from workflows.run_state import RunSnapshot
 from workflows.states import RunState

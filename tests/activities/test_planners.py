@@ -24,7 +24,9 @@ from activities.planning import BUILTIN_PLANNERS, load_planners
 from activities.policy import PolicyStore
 from tether.client import run_outcome
 from examples.agents.refund_agent import refund_model
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
 

@@ -22,12 +22,18 @@ from temporalio.worker import Worker
 from activities.policy import PolicyFileError, PolicyStore, check_policy_file, parse_policy
 from activities.tools import REGISTRY
 from tether.client import run_outcome
-from tests.conftest import approval_for, ROOT, Billing, cancel_and_settle, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import ROOT
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, cancel_and_settle, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows import policy
 from workflows.contract import ApprovalDecision, HandoffRequest
 from workflows.run_state import RunSnapshot, RunOutcome
 from workflows.states import TransitionRecord
 from workflows.states import RunState, is_legal_path
+from tests.helpers.signing import sign
+from tests.helpers.policies import refund
 
 S = RunState
 
@@ -65,10 +71,6 @@ FRANK_PUBLIC = base64.b64encode(
 ).decode()
 
 
-def refund(amount: int, order: str = "A-1002") -> dict:
-    return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": amount, "reason": "policy test"}}
-
-
 GET = {"tool": "get_order", "args": {"order_id": "A-1001"}}
 
 
@@ -87,14 +89,6 @@ def policy_file(tmp_path: Path) -> Path:
 async def policy_worker(env: WorkflowEnvironment, path: Path) -> AsyncIterator[Worker]:
     async with running_worker(env.client, policy=PolicyStore.from_env(str(path))) as worker:
         yield worker
-
-
-def sign(key: Ed25519PrivateKey, workflow_id: str, snap: RunSnapshot, kind: str, decision: ApprovalDecision) -> str:
-    """What `tether approve --key` sends: a signature over policy.signature_payload."""
-    payload = policy.decision_signature_payload(
-        workflow_id=workflow_id, first_run_id=snap.first_run_id, tenant=snap.tenant, kind=kind, decision=decision
-    )
-    return base64.b64encode(key.sign(payload)).decode()
 
 
 def decide(approver: str, target: RunSnapshot | str, decision_id: str | None = None, **kw: object) -> ApprovalDecision:

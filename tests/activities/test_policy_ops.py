@@ -20,7 +20,7 @@ from activities import cedar
 from activities.judgements import JsonlJudgementLog, PostgresJudgementLog, entries
 from activities.policy import parse_policy
 from tether.cli.policy import LOG_UNREADABLE
-from tests.activities.test_cedar import RECORDED_POLICY, signed_lines
+from tests.helpers.policies import RECORDED_POLICY, signed_lines
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect, ToolInfo
 
 CATALOG = ToolCatalog(tools=[ToolInfo(name="issue_refund", effect=ToolEffect.IDEMPOTENT, requires_approval=True,
@@ -136,7 +136,7 @@ def test_a_log_that_cannot_be_read_has_its_own_exit_code(
 def test_a_judgement_table_that_cannot_be_reached_has_its_own_exit_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.helpers.inbox_stack import free_port
+    from tests.helpers.ports import free_port
 
     # Nothing listens there: the database is down.
     monkeypatch.setenv("TETHER_AUDIT_DSN", f"postgresql://tether@127.0.0.1:{free_port()}/tether")
@@ -282,8 +282,9 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
     import tether.client as tether_client
     from activities.policy import PolicyStore
     from tether.inbox.app import InboxConfig, create_app
-    from tests.conftest import make_request, running_worker
-    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Sso, _serve, free_port
+    from tests.helpers.runs import make_request, running_worker
+    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Sso, _serve
+    from tests.helpers.ports import free_port
 
     tenant = f"fleet-{uuid.uuid4().hex[:8]}"
     worker_file, inbox_file = tmp_path / "worker.toml", tmp_path / "inbox.toml"
@@ -416,8 +417,9 @@ async def test_what_if_sees_a_recorded_runs_escalation_change(
     from activities.judgements import log_from_env
     from activities.policy import PolicyActivities, PolicyStore
     from tether.client import run_outcome
-    from tests.conftest import approval_for, make_request, running_worker, start_run, wait_for_state
-    from tests.activities.test_cedar import refund_step
+    from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+    from tests.helpers.waiting import wait_for_state
+    from tests.helpers.policies import refund_step
     from workflows.run_state import RunSnapshot
 
     def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own

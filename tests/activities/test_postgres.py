@@ -17,7 +17,7 @@ from activities.audit_sink import PostgresAuditSink
 from activities.effect_ledger import ledger_for
 from activities.judgements import PostgresJudgementLog
 from activities.postgres import Postgres, PostgresSync, PostgresUnavailable, Table, dsn_from_env
-from tests.conftest import Postgres as Server
+from tests.helpers.postgres import Postgres as Server
 from workflows.states import RunState, TransitionRecord
 from workflows.wire import AuditBatch
 

@@ -27,11 +27,11 @@ from activities.audit_verify import verify_streams
 from activities.judgements import JsonlJudgementLog, sign as sign_line
 from activities.keys import KeyRing, PublicKeys
 from tether.inbox import desk
-from tests.conftest import (
-    Billing, approval_for, audit_collected, make_request, running_worker, start_run, unique, wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, wait_for_state
 from tests.helpers.cli import Cli
-from tests.operations.test_reset import outcome_of, reset_before_signal
+from tests.helpers.resets import outcome_of, reset_before_signal
 from tests.helpers.rogue import rogue_answer, schedule
 from workflows.published import STATE_ATTRIBUTE, TENANT_ATTRIBUTE, VIEW_MEMO
 from workflows.run_state import RunSnapshot, RunView

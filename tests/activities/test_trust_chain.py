@@ -24,7 +24,10 @@ from activities.keys import genkey
 from activities.policy import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.rogue import continue_as_new, rogue_answer, schedule_tool
-from tests.conftest import task_failure, Billing, approval_for, flood_until_continued, make_request, running_worker, snapshot, unique, wait_for_state
+from tests.helpers.billing import Billing, emails_to
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, flood_until_continued, make_request, running_worker, unique
+from tests.helpers.waiting import task_failure, wait_for_state
 from workflows.contract import canonical_json
 from workflows.wire import Capability, PolicySnapshot, Proposal, ProposedStep, ToolCall, args_digest
 from workflows.run_state import RunData, RunOutcome
@@ -34,10 +37,6 @@ CONVERTER = pydantic_data_converter.payload_converter
 
 def email_step(to: str) -> dict:
     return {"tool": "send_email", "args": {"to": to, "subject": "hello", "body": "forged?"}}
-
-
-def emails(billing: Billing, to: str) -> list[dict]:
-    return billing.get(f"/emails?to={to}")["emails"]
 
 
 async def tool_failures(client: Client, workflow_id: str, run_id: str | None = None) -> list[str]:
@@ -69,7 +68,7 @@ async def test_a_rogue_poller_cannot_make_a_tool_write(dev_env: WorkflowEnvironm
         snap = await wait_for_state(legit, "AWAITING_APPROVAL")
         await legit.signal("approve", approval_for(snap, "bob"))
         assert (await legit.result()).state.value == "COMPLETED"
-    assert len(emails(billing, to)) == 1
+    assert len(emails_to(billing, to)) == 1
     history = await legit.fetch_history()
     scheduled = [
         e.activity_task_scheduled_event_attributes
@@ -108,7 +107,7 @@ async def test_a_rogue_poller_cannot_make_a_tool_write(dev_env: WorkflowEnvironm
     assert all(f.startswith("capability_invalid: write refused") for f in failures), failures
     assert sorted(f.split(": ", 2)[2][:14] for f in failures) == ["no capability ", "the capability", "the capability"], failures
     assert any("another call" in f for f in failures) and any("does not verify" in f for f in failures), failures
-    assert len(emails(billing, to)) == 1  # only the approved one
+    assert len(emails_to(billing, to)) == 1  # only the approved one
 
 
 async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
@@ -156,14 +155,14 @@ async def test_an_older_seal_or_a_captured_continue_as_new_input_is_refused(
         for target in (handle.id, other.id):
             message = await task_failure(client, target, "forgery")
             assert "the carried state" in message and "seal" in message
-    assert emails(billing, to) == []
+    assert emails_to(billing, to) == []
 
 
 # ----------------------------------------------------------------------------- fresh signed starts
 
 
 def secure_policy(path: Path, extra: str = "") -> Path:
-    from tests.workflows.test_trust_boundary import POLICY
+    from tests.helpers.signing import POLICY
 
     path.write_text(POLICY.replace("require_signatures = true\n", f"require_signatures = true\n{extra}", 1))
     return path
@@ -174,7 +173,7 @@ async def test_a_captured_signed_start_replayed_after_the_window_is_refused(
 ) -> None:
     from cryptography.hazmat.primitives import serialization
 
-    from tests.workflows.test_trust_boundary import KEYS, signed
+    from tests.helpers.signing import KEYS, signed
 
     client = dev_env.client
     path = secure_policy(tmp_path / "policy.toml", 'start_signature_ttl = "3s"\n')
@@ -228,7 +227,7 @@ def test_start_signature_ttl_takes_seconds_or_durations() -> None:
 
 
 def tight_policy(path: Path, *, roles: str = '["approver"]', signatures: bool = False) -> Path:
-    from tests.workflows.test_trust_boundary import KEYS, public
+    from tests.helpers.signing import KEYS, public
 
     path.write_text(f"""
 [tenants.tight]
@@ -247,8 +246,8 @@ carol = {{ roles = ["approver", "finance"], public_key = "{public(KEYS['carol'])
 async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approval_that_can_be_given(
     ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path
 ) -> None:
-    from tests.activities.test_policy import refund
-    from tests.workflows.test_trust_boundary import signed
+    from tests.helpers.policies import refund
+    from tests.helpers.signing import signed
 
     path = tight_policy(tmp_path / "policy.toml")
     get = {"tool": "get_order", "args": {"order_id": "A-1002"}}
@@ -346,7 +345,7 @@ async def test_two_workers_one_missing_the_fleets_newest_key_every_run_completes
     from activities.keys import KeyRing
     from activities.metrics import prometheus_runtime
     from tests.helpers.forger import NewerWorker
-    from tests.activities.test_metrics import free_port
+    from tests.helpers.ports import free_port
     from worker import create_worker
 
     env = dev_env
@@ -415,7 +414,7 @@ async def test_two_workers_one_missing_the_fleets_newest_key_every_run_completes
         for run_id, _ in runs:
             outcomes.append(await asyncio.wait_for(run_outcome(env.client.get_workflow_handle(run_id, result_type=RunOutcome)), 60))
     assert [o.state.value for o in outcomes] == ["COMPLETED"] * 3
-    assert all(len(emails(billing, to)) == 1 for _, to in runs)
+    assert all(len(emails_to(billing, to)) == 1 for _, to in runs)
 
 
 async def test_a_capability_by_a_key_the_worker_lacks_is_not_refused_for_good(tmp_path: Path) -> None:
@@ -456,7 +455,7 @@ def test_a_worker_without_the_fleets_key_ring_refuses_to_start(tmp_path: Path) -
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers.paths import ROOT
 
     missing = tmp_path / "nowhere" / "state.keys"
     env = {**os.environ, "TETHER_STATE_KEY_FILE": str(missing), "TEMPORAL_ADDRESS": "127.0.0.1:1"}
@@ -507,7 +506,7 @@ async def test_status_and_list_say_when_temporal_closed_a_run_left_waiting(dev_e
 async def test_a_retry_the_current_policy_no_longer_allows_is_not_started(ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path) -> None:
     """Retries carry a fresh capability from a fresh re-check: a tool withdrawn while the first
     attempt's failure waits out its backoff is not called again; the step ends naming why."""
-    from tests.workflows.test_trust_boundary import POLICY
+    from tests.helpers.signing import POLICY
 
     path = tmp_path / "policy.toml"
     path.write_text(POLICY)

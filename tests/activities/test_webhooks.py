@@ -19,7 +19,10 @@ from temporalio.testing import WorkflowEnvironment
 from activities.notify import body, deliver
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import Billing, make_request, running_worker, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import timeline
+from tests.helpers.runs import make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows.wire import Notification
 from workflows.run_state import RunOutcome
 

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from temporalio.client import Client
 
-from tests.chaos.harness import BillingProc, DevServer
-
-
-@dataclass
-class Stack:
-    server: DevServer
-    billing: BillingProc
-    workdir: Path
-    client: Client
+from tests.chaos.harness import BillingProc, DevServer, Stack
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -11,7 +11,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,8 +26,10 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 from examples.devstack import dev_server_command
 from tether.client import run_outcome, start_run, timed_out
+from tests.helpers.ports import free_port
 from tests.chaos.markers import gate_name, marker_name
-from tests.conftest import approval_for, Billing
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for
 from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState, TransitionRecord
@@ -73,12 +74,6 @@ EXHAUST_TOOLS = {"idempotent": "chaos_refund_short"}
 # Billing delay: every write's response waits this long after its commit. "During" holds the
 # response itself (the service's --gate-dir, CHAOS_HOLD=during) until the harness releases it.
 BILLING_DELAY_MS = 1000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -219,6 +214,17 @@ def start_worker(
 
 
 # ----------------------------------------------------------------------------- one kill round
+
+
+@dataclass
+class Stack:
+    """A stack of real processes per test module (the ``stack`` fixture, tests/chaos/conftest.py):
+    a dev server on a SQLite file and the billing service, in a folder of their own."""
+
+    server: DevServer
+    billing: BillingProc
+    workdir: Path
+    client: Client
 
 
 @dataclass

@@ -32,7 +32,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from tests.chaos.conftest import Stack
+from tests.chaos.harness import Stack
 from tests.chaos.harness import EFFECTS, POINTS, SCENARIOS, check_result, effect_round, kill_round
 
 

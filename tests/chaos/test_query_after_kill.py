@@ -20,11 +20,11 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowQuer
 from temporalio.service import RPCError, RPCStatusCode
 
 from tether.client import timed_out
-from tests.chaos.conftest import Stack
+from tests.chaos.harness import Stack
 from tether.client import start_run
 from tests.chaos.harness import (HELD_TOOL_TIMEOUT, Proc, _ended, _env, _marker, _release, _start_approved, _unique, _wait,
                                  start_worker)
-from tests.conftest import approval_for
+from tests.helpers.runs import approval_for
 from workflows.run_state import RunRequest, RunSnapshot
 from workflows.states import RunState
 
@@ -102,7 +102,7 @@ def _order() -> str:
 def _demo_refund(case: str) -> list[dict]:
     """The demo refund (examples/billing/refund.playbook.json) on an order and a mailbox of the
     case's own: the cases run side by side on one billing service."""
-    from tests.conftest import PLAYBOOK
+    from tests.helpers.runs import PLAYBOOK
 
     steps = json.loads(json.dumps(PLAYBOOK).replace("A-1001", case).replace("ada@example.com", f"{case}@example.com"))
     return steps

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tests.chaos.conftest import Stack
+from tests.chaos.harness import Stack
 from tests.chaos.harness import TOOLS, _await_state, _marker, _unique, start_worker
 from tests.helpers.invariants import check_timeline, tools_by_call
 from tether.client import run_outcome, start_run
-from tests.conftest import approval_for
+from tests.helpers.runs import approval_for
 from workflows.contract import Limits
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import RunState

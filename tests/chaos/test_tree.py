@@ -4,7 +4,7 @@ group under a child (tests/chaos/tree.py). Nothing stranded, nothing called afte
 
 from __future__ import annotations
 
-from tests.chaos.conftest import Stack
+from tests.chaos.harness import Stack
 from tests.chaos.tree import check_tree, tree_rounds
 
 

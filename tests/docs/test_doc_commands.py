@@ -16,7 +16,6 @@ import os
 import pty
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from workflows.states import TERMINAL
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"(?:<!-- (?:file: (?P<file>[^ ]+)|(?P<tested>tested)) -->\n)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.S)
@@ -35,12 +35,6 @@ BLOCK = re.compile(r"(?:<!-- (?:file: (?P<file>[^ ]+)|(?P<tested>tested)) -->\n)
 def page_parts(page: str) -> list[re.Match[str]]:
     """Every fenced block of the page, in order, with the file or `tested` mark before it."""
     return list(BLOCK.finditer((ROOT / page).read_text()))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:

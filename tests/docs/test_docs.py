@@ -69,10 +69,10 @@ def test_user_docs_stay_inside_the_repository_and_carry_no_history() -> None:
         assert not re.search(r"Migration note|\bissue #?\d+\b", text, re.I), page
 
 
-def test_architecture_transition_table_is_the_codes() -> None:
+def test_the_contracts_transition_table_is_the_codes() -> None:
     from workflows.states import TRANSITIONS, RunState
 
-    text = (ROOT / "docs/architecture.md").read_text()
+    text = (ROOT / "docs/contract.md").read_text()
     rows = re.findall(r"^\| ([A-Z_]+) \| (.+) \|$", text, re.M)
     documented = {
         RunState(src): {RunState(t.strip()) for t in re.sub(r"\([^)]*\)", "", targets).split(",")}

@@ -10,11 +10,7 @@ missing browser is a failure, because `.ci/run` installs one.
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,44 +18,11 @@ import pytest_asyncio
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from tests.conftest import BIN, ROOT, unavailable
+from tests.helpers.ports import free_port
+from tests.helpers.browser import CHROMIUM_ARGS, UiEnv, find_chromium
+from tests.helpers.parts import unavailable
+from tests.helpers.paths import BIN
 from workflows.published import SEARCH_ATTRIBUTES
-
-CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-# What a browser on a closed network needs: no sandbox (we run as root in CI), no GPU, and no
-# background traffic to Google (updates, sync, field trials, QUIC probes, proxy auto-detection).
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-quic",
-    "--disable-sync",
-    "--no-first-run",
-    "--no-default-browser-check",
-    "--no-proxy-server",
-]
-# Where the test writes its screenshots; `make screenshots` points it at docs/.
-SCREENSHOT_DIR = Path(os.environ.get("TETHER_SCREENSHOT_DIR") or ROOT / "build" / "e2e-screenshots")
-
-
-def find_chromium() -> str | None:
-    explicit = os.environ.get("TETHER_CHROMIUM")
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    for name in CHROMIUM_NAMES:
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
 def chromium() -> str:
@@ -73,13 +36,6 @@ def chromium() -> str:
             "no Chromium found (apt-get install chromium, or set TETHER_CHROMIUM=/path/to/chrome)"
         )
     return path
-
-
-@dataclass
-class UiEnv:
-    env: WorkflowEnvironment
-    ui_url: str
-    address: str
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

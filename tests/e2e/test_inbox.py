@@ -14,12 +14,12 @@ import pytest
 import pytest_asyncio
 
 import tether.client as tether_client
-from tests.conftest import Billing
-from tests.e2e.conftest import SCREENSHOT_DIR
+from tests.helpers.billing import Billing
+from tests.helpers.browser import SCREENSHOT_DIR
 from tether.inbox import desk
 from tests.helpers.inbox_stack import Stack, inbox_stack
+from tests.helpers.browser import EXPECT_TIMEOUT_MS, sign_in
 
-EXPECT_TIMEOUT_MS = 15_000
 # What a person could type into the browser's console (Playwright's evaluate is not an inline
 # script: the page's CSP does not apply to it).
 FORCED_FORM = """([action, fields]) => {
@@ -39,12 +39,6 @@ FORCED_FETCH = """async ([url, body]) => (await fetch(url, {method: "POST",
 async def stack(chromium, dev_env, tmp_path_factory) -> Stack:
     async with inbox_stack(dev_env, tmp_path_factory.mktemp("inbox-e2e"), jwks=False, dev_login=True) as s:
         yield s
-
-
-async def sign_in(page, stack: Stack, name: str) -> None:
-    await page.goto(f"{stack.dev_url}/login")
-    await page.click(f"#signin-{name}")
-    await page.wait_for_url(f"{stack.dev_url}/")
 
 
 @pytest.mark.asyncio(loop_scope="session")

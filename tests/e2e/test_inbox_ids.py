@@ -10,7 +10,8 @@ import pytest
 import pytest_asyncio
 
 import tether.client as tether_client
-from tests.conftest import Billing, make_request
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request
 from tests.helpers.inbox_stack import Stack, inbox_stack
 
 EXPECT_TIMEOUT_MS = 15_000

@@ -9,9 +9,10 @@ import pytest_asyncio
 
 import tether.client as tether_client
 from tether.inbox import desk
-from tests.conftest import PLAYBOOK, Billing
-from tests.e2e.conftest import SCREENSHOT_DIR
-from tests.e2e.test_inbox import EXPECT_TIMEOUT_MS, sign_in
+from tests.helpers.billing import Billing
+from tests.helpers.runs import PLAYBOOK
+from tests.helpers.browser import SCREENSHOT_DIR
+from tests.helpers.browser import EXPECT_TIMEOUT_MS, sign_in
 from tests.helpers.inbox_stack import Stack, inbox_stack
 
 # 648 characters: what matters is at the end.

@@ -34,17 +34,11 @@ from datetime import timezone
 from temporalio.client import Client
 
 from tether.client import run_outcome
-from tests.conftest import (
-    BIN,
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    start_run,
-    unique,
-    wait_for_state,
-)
-from tests.e2e.conftest import SCREENSHOT_DIR, UiEnv
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
+from tests.helpers.browser import SCREENSHOT_DIR, UiEnv
 from workflows.run_state import RunOutcome
 from workflows.states import RunState
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import select
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from examples.billing.service import make_server
+from tests.helpers.ports import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -423,14 +423,8 @@ def test_delay_happens_after_commit(start_billing):
 # -- as a process ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_cli_runs_and_exits_cleanly_on_sigterm(tmp_path):
-    port = _free_port()
+    port = free_port()
     db = tmp_path / "nested" / "cli.db"
     proc = subprocess.Popen(
         [sys.executable, "-m", "examples.billing.service", "--port", str(port), "--db", str(db)],

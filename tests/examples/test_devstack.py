@@ -8,18 +8,12 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checkout(path: Path) -> Path:

@@ -8,7 +8,8 @@ import os
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from tests.conftest import BIN, ROOT
+from activities.policy import PolicyStore
+from tests.helpers.paths import BIN, ROOT
 
 
 class Cli:
@@ -31,3 +32,16 @@ class Cli:
         )
         out, err = await proc.communicate()
         return proc.returncode, out.decode(), err.decode()
+
+
+POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
+
+
+SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cli"}}]
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]

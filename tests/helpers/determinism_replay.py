@@ -165,7 +165,7 @@ async def _replay(paths: Sequence[Path]) -> dict[str, dict[str, str | None]]:
     # The replayer tests/workflows/test_replay.py replays with (its key ring, its interceptors, if it has
     # a replayer() of its own), with the sandbox's checks on and the capture added.
     try:
-        from tests.workflows.test_replay import replayer as base
+        from tests.helpers.replay import replayer as base
     except ImportError:
         from workflows.agent_run import AgentRun
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,16 +25,11 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 import tether.client as tether_client
 from activities.policy import PolicyStore
 from tether.inbox.app import InboxConfig, create_app
-from tests.conftest import make_request, running_worker
+from tests.helpers.ports import free_port
+from tests.helpers.runs import make_request, running_worker
 
 ISSUER = "https://sso.example.test"
 AUDIENCE = "tether-inbox"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def raw_public(key: ed25519.Ed25519PrivateKey) -> str:

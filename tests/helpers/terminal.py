@@ -6,7 +6,7 @@ import os
 import pty
 import subprocess
 
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 
 def in_terminal(argv: list[str], env: dict[str, str], answer: str) -> tuple[int, str]:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 # What a clean checkout does not have, or a build must not read: local state and build output.
 NOT_SOURCE = (".git", ".venv", ".tether", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache",

@@ -44,7 +44,8 @@ def shapes(billing: Any) -> list[tuple[str, list[dict], dict, Drive]]:
     """Every run shape the histories record, each as (name, playbook, request overrides, how a
     person drives it): the replay conformance harness runs the same ones live
     (tests/workflows/test_replay_conformance.py)."""
-    from tests.conftest import approval_for, wait_for_state
+    from tests.helpers.runs import approval_for
+    from tests.helpers.waiting import wait_for_state
     from workflows.contract import ApprovalDecision, DecideRequest, DecideResult, HandoffRequest
 
     async def approve(handle: WorkflowHandle, approver: str = "bob") -> None:
@@ -179,7 +180,8 @@ def shapes(billing: Any) -> list[tuple[str, list[dict], dict, Drive]]:
 async def main() -> None:
     # Imported here: the sandbox re-imports this module, and the workflow must not see them run.
     from examples.billing.service import make_server
-    from tests.conftest import Billing, make_request, running_worker, start_run
+    from tests.helpers.billing import Billing
+    from tests.helpers.runs import make_request, running_worker, start_run
     from workflows.published import SEARCH_ATTRIBUTES
 
     db = HERE / f".record-{uuid.uuid4().hex[:6]}.db"

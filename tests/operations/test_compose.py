@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.ports import free_port
 from tests.helpers.wheel import build_wheel, install_wheel
 from workflows.published import SEARCH_ATTRIBUTES
 
@@ -558,7 +559,6 @@ def lay_out_image(target: Path) -> tuple[Path, Path]:
 async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env: Any, postgres: str, tmp_path: Path) -> None:
     import asyncio
     import os
-    import socket
     import sys
     import sysconfig
     import uuid
@@ -573,11 +573,6 @@ async def test_the_image_layout_starts_every_service_of_the_compose_file(dev_env
         "examples/billing/model.py", "examples/billing/policy.image.toml", "examples/billing/refund.playbook.json",
         "examples/billing/routes.py", "examples/billing/service.py", "examples/billing/tools.py"]
     assert not list(site.rglob("*.pem*")) and not list(app.rglob("*.pem*"))
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     ports = {"8081": free_port(), "8765": free_port(), "9000": free_port(), "8900": free_port()}
     # Each named volume a folder of its own; a service sees only the volumes it mounts (a path it

@@ -12,7 +12,9 @@ from temporalio import workflow
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from tests.conftest import Billing, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE, PREVIOUS_BUILD
 

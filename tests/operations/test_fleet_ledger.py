@@ -13,7 +13,7 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 
 from tests.chaos.harness import Proc
-from tests.conftest import unique
+from tests.helpers.runs import unique
 
 ROOT = Path(__file__).resolve().parents[2]
 

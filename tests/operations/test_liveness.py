@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from datetime import timezone
 from types import SimpleNamespace
-from typing import Any
 
 from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -22,23 +21,16 @@ from temporalio.testing import WorkflowEnvironment
 import tether.client as tether_client
 from tether.client.workers import _gone_workers
 from tests.helpers.build_worker import start_build_worker
-from tests.conftest import Billing, make_request, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
-from tests.tether.test_published_views import wait_published
+from tests.helpers.waiting import wait_published
 from workflows.published import BUILD
+from tests.helpers.waiting import until
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "liveness"}}]
 READ_ONLY = [{"tool": "get_order", "args": {"order_id": "A-1002"}}]  # runs with no approval
-
-
-async def until(check: Any, what: str) -> Any:
-    """Until ``check()`` gives a truthy value, which it returns: an event, bounded only against a hang."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 120
-    while not (value := await check()):
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.1)
-    return value
 
 
 async def test_a_worker_restarted_in_place_serves_at_once(dev_env: WorkflowEnvironment, billing: Billing) -> None:

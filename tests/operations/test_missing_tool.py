@@ -14,8 +14,10 @@ from temporalio.testing import WorkflowEnvironment
 import examples.billing.tools  # noqa: F401 (registers the billing tools)
 import tether.client as tether_client
 from activities.tools import REGISTRY, ToolRegistry
-from tests.activities.test_effect_ledger import counts_in_db
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import counts_in_db
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 
 
 async def test_an_approved_write_whose_tool_no_worker_serves_waits_then_runs_once(

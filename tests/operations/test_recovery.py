@@ -30,23 +30,15 @@ from workflows.wire import PolicySnapshot, Proposal, ProposedStep, RecoverySourc
 from workflows.run_state import RunData, RunRequest
 from workflows.recovery import PointerError, compensation_call, resolve_pointer, result_document
 from tests.helpers.invariants import check_timeline, tools_by_call
-from tests.conftest import (
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    snapshot,
-    start_run,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
+from tests.helpers.recovery import EMAIL, LEDGER, PLAN, REFUND, REVERSALS, VOIDS, approved_run, requests_to
 
 S = RunState
-REFUND = {"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 1500, "reason": "damaged"}}
-LEDGER = {"tool": "post_ledger_entry", "args": {"order_id": "A-1002", "amount_cents": -1500, "memo": "refund A-1002"}}
-EMAIL = {"tool": "send_email", "args": {"to": "grace@example.com", "subject": "Your refund", "body": "refunded"}}
-PLAN = [REFUND, LEDGER, EMAIL]
 
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -179,7 +171,7 @@ def test_tether_tools_shows_each_tools_undo() -> None:
 
 
 def test_the_refund_playbook_shows_the_undo_in_its_approval() -> None:
-    from tests.conftest import PLAYBOOK
+    from tests.helpers.runs import PLAYBOOK
 
     engine = planned(PLAYBOOK, TenantPolicy())
     summary = engine.data.pending_approval.summary
@@ -344,18 +336,6 @@ def test_an_undo_tool_the_tenant_may_not_use_hands_off_instead_of_running() -> N
 
 def path(outcome: RunOutcome) -> list[str]:
     return [r.to_state.value for r in outcome.timeline if r.kind == "transition"]
-
-
-async def approved_run(env: WorkflowEnvironment, worker, **request) -> RunOutcome:
-    handle = await start_run(env.client, worker, make_request(PLAN, **request))
-    snap = await wait_for_state(handle, "AWAITING_APPROVAL")
-    # The approver sees how each write is undone, and which cannot be.
-    summary = snap.pending_approval.summary
-    assert 'issue_refund (can be undone by void_refund; order_id="A-1002", amount_cents=15.00 EUR (1500))' in summary
-    assert 'post_ledger_entry (can be undone by reverse_ledger_entry; order_id="A-1002", amount_cents=-15.00 EUR (-1500))' in summary
-    assert 'send_email (cannot be undone; unsafe: never re-run; subject="Your refund")' in summary
-    await handle.signal("approve", approval_for(snap, "bob"))
-    return await tether_client.run_outcome(handle)
 
 
 def undo_state(billing: Billing, outcome: RunOutcome) -> tuple[list[dict], list[dict]]:
@@ -613,7 +593,7 @@ async def test_on_cancel_compensate_puts_the_ok_writes_back_after_a_cancel(
     ts_env = dev_env
     from temporalio.client import WorkflowFailureError
 
-    from tests.conftest import timeline
+    from tests.helpers.queries import timeline
 
     billing.fail_next("orders", 10, status=503)  # the read after the writes keeps retrying
     plan = [REFUND, LEDGER, {"tool": "get_order", "args": {"order_id": "A-1002"}}]
@@ -792,12 +772,6 @@ def age_claim(ledger, key: str) -> None:
 # ----------------------------------------------------------------------------- nothing uses up recovery
 
 EXAMPLE_POLICY = Path(__file__).resolve().parents[2] / "examples/billing/policy.toml"
-VOIDS, REVERSALS = "POST /refunds/{id}/void", "POST /ledger/{id}/reverse"
-
-
-def requests_to(billing: Billing, *labels: str) -> list[int]:
-    counts = billing.get("/admin/stats")["requests"]
-    return [counts.get(label, 0) for label in labels]
 
 
 def shown(status) -> str:

@@ -15,19 +15,14 @@ from temporalio.testing import WorkflowEnvironment
 import tether.client as tether_client
 from tether.client import TetherError
 from tests.helpers.build_worker import start_build_worker
-from tests.conftest import Billing, make_request, running_worker, start_run, task_failure, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, running_worker, start_run, unique
+from tests.helpers.waiting import task_failure, wait_for_state
 from tests.helpers.cli import Cli
-from tests.tether.test_published_views import wait_published
-from workflows.published import BUILD
+from tests.helpers.waiting import wait_published
+from tests.helpers.builds import other_build
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "two builds"}}]
-
-
-def other_build(step: int) -> str:
-    """The build ``step`` builds after (or, negative, before) this one. This build replays the
-    previous one's runs (published.PREVIOUS_BUILD): an older build it does not replay is -2."""
-    prefix, number = BUILD.rsplit("-", 1)
-    return f"{prefix}-{int(number) + step}"
 
 
 async def test_an_older_builds_run_is_approved_while_a_newer_builds_worker_polls(

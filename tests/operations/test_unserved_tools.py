@@ -18,8 +18,9 @@ from activities.policy_file import PolicyStore
 from activities.tools import REGISTRY, ToolRegistry
 from tether.cli.output import format_status
 from tether.pollers import identity_tools, tools_mark
-from tests.activities.test_effect_ledger import counts_in_db
-from tests.conftest import Billing, make_request, running_worker, unique
+from tests.helpers.billing import counts_in_db
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, running_worker, unique
 from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import inbox_stack
 

@@ -17,10 +17,13 @@ from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
 from tests.helpers.build_worker import start_build_worker
-from tests.conftest import BIN, Billing, flood_until_continued, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN
+from tests.helpers.runs import flood_until_continued, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
-from tests.operations.test_liveness import until
-from tests.operations.test_two_builds import other_build
+from tests.helpers.waiting import until
+from tests.helpers.builds import other_build
 from workflows.published import BUILD, CHANGE_VERSION_ATTRIBUTE
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "versioning"}}]

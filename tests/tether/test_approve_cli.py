@@ -12,9 +12,13 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 
 from tether.client import run_outcome
-from tests.conftest import BIN, ROOT, Billing, running_worker, timeline, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN, ROOT
+from tests.helpers.queries import timeline
+from tests.helpers.runs import running_worker, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.round_trips import counting_proxy
-from tests.tether.test_cli import POLICY, one_line
+from tests.helpers.cli import POLICY, one_line
 from tests.helpers.cli import Cli
 from tests.helpers.terminal import in_terminal
 from workflows.run_state import RunOutcome

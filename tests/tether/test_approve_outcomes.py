@@ -16,9 +16,10 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from tests.conftest import Billing, running_worker, unique
+from tests.helpers.billing import Billing
+from tests.helpers.runs import running_worker, unique
 from tests.helpers.cli import Cli
-from tests.tether.test_cli import POLICY, SMALL_REFUND
+from tests.helpers.cli import POLICY, SMALL_REFUND
 
 
 async def a_poller_seen_just_now(env: WorkflowEnvironment, queue: str) -> None:

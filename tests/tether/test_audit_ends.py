@@ -15,9 +15,9 @@ import tether.client as tether_client
 from activities.audit_sink import JsonlAuditSink, audit_path
 from activities.audit_verify import verify_streams
 from tether.runs import public_keys
-from tests.conftest import (
-    Billing, approval_for, audit_collected, make_request, running_worker, start_run, wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import audit_collected, wait_for_state
 from tests.helpers.cli import Cli
 from workflows.states import TERMINAL, RunState
 

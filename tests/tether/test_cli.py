@@ -15,25 +15,19 @@ from pathlib import Path
 
 from temporalio.testing import WorkflowEnvironment
 
-from activities.policy import PolicyStore
-from tests.conftest import BIN, ROOT, Billing, running_worker, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN, ROOT
+from tests.helpers.runs import running_worker, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
 from tests.helpers.terminal import in_terminal
+from tests.helpers.cli import POLICY, SMALL_REFUND, one_line
 
-POLICY = PolicyStore(ROOT / "examples/billing/policy.toml")
-SMALL_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 7000, "reason": "cli"}}]
 # More than the order's total (permanent error) and above 500.00 (high risk: carol and erin).
 HUGE_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 999_999, "reason": "cli"}}]
 UNKNOWN_TOOL = [{"tool": "wire_money", "args": {}}]
 # Two refunds of A-1001 (49.99): the second is over what is left (permanent), so the first is undone.
 OVER_REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_cents": 3000, "reason": "cli"}}] * 2
-
-
-def one_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 async def test_every_subcommand_exit_codes_and_one_line_errors(

@@ -12,19 +12,11 @@ from temporalio.testing import WorkflowEnvironment
 from tether.client import run_outcome
 from tests.helpers.cli import Cli
 from tests.helpers.flooded_run import FloodedRun, OlderRun
-from tests.conftest import (
-    approval_for,
-    CAN_THRESHOLD,
-    Billing,
-    flood_until_continued,
-    make_request,
-    running_worker,
-    snapshot,
-    start_run,
-    timeline,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, flood_until_continued, make_request, running_worker, start_run, unique
+from tests.helpers.servers import CAN_THRESHOLD
+from tests.helpers.waiting import wait_for_state
 from workflows.budgets import CARRY_AMORTIZE
 from workflows.published import BUILD, STATE_ATTRIBUTE, TENANT_ATTRIBUTE
 from workflows.contract import ApprovalDecision

@@ -24,8 +24,10 @@ import starter
 from activities.policy import check_policy_file, parse_policy, signature_refusal
 from tether.inbox import desk
 from tether.inbox.app import InboxConfig, check_config, create_app
-from tests.conftest import PLAYBOOK, Billing
-from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack, raw_public
+from tests.helpers.billing import Billing
+from tests.helpers.runs import PLAYBOOK
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, inbox_stack, raw_public
+from tests.helpers.ports import free_port
 from tests.helpers.round_trips import counting_proxy
 from workflows import policy
 from workflows.contract import ApprovalDecision

@@ -21,8 +21,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 import tether.client as tether_client
 from tether.inbox.app import InboxConfig, create_app
 from tether.inbox.identity import SESSION_COOKIE
-from tests.conftest import Billing, make_request
-from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, inbox_stack
+from tests.helpers.ports import free_port
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -12,7 +12,8 @@ import pytest
 import pytest_asyncio
 
 from tether.inbox.app import InboxConfig, create_app
-from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, free_port, inbox_stack
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Stack, _serve, inbox_stack
+from tests.helpers.ports import free_port
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Billing
+from tests.helpers.billing import Billing
 from tests.helpers.inbox_stack import Stack, inbox_stack
 
 HANG = 300.0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.wheel import build_wheel, checkout_copy, install_wheel
 
 INSTALLED = {"tether", "workflows", "activities", "worker.py", "starter.py"}

@@ -14,7 +14,8 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from tests.conftest import Billing, running_worker, unique
+from tests.helpers.billing import Billing
+from tests.helpers.runs import running_worker, unique
 from tests.helpers.cli import Cli
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 250, "reason": "no worker"}}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import tether.client as client
-from tests.conftest import BIN, ROOT
+from tests.helpers.paths import BIN, ROOT
 
 
 def tether(*args: str) -> subprocess.CompletedProcess:

@@ -18,22 +18,15 @@ import tether.client as tether_client
 from activities.policy import PolicyStore
 from tether.client import run_outcome
 from tether.inbox.app import InboxConfig, create_app
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
-from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public, write_pem
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
+from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, raw_public, write_pem
+from tests.helpers.ports import free_port
 from tests.helpers.cli import Cli
-from workflows.run_state import RunView
+from tests.helpers.waiting import wait_published
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1002", "amount_cents": 321, "reason": "published"}}]
-
-
-async def wait_published(env: WorkflowEnvironment, run_id: str, state: str) -> RunView:
-    """Until the run's memo holds a view in ``state`` (it publishes where it rests)."""
-    for _ in range(300):
-        view = await tether_client.published_view(await env.client.get_workflow_handle(run_id).describe())
-        if view is not None and view.snapshot.state.value == state:
-            return view
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"run {run_id} never published a view in {state} (last: {view and view.snapshot.state})")
 
 
 async def wait_listed(env: WorkflowEnvironment, run_id: str, state: str) -> None:

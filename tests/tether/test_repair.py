@@ -18,23 +18,17 @@ import tether.client as tether_client
 import tether.repair as tether_repair
 import worker as worker_module
 from tether.client import run_outcome
-from tests.conftest import ROOT, Billing, audit_collected, approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import ROOT
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, wait_for_state
 from tests.helpers.tampered import BROKEN, STUCK_AFTER_WRITE, StuckAfterFirstWrite, TamperedAgentRun
 from tests.helpers.cli import Cli
 from workflows.contract import DecideRequest, DecideResult
 from workflows.run_state import RunOutcome
+from tests.helpers.waiting import wait_stuck
 
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1003", "amount_cents": 777, "reason": "repair"}}]
-
-
-async def wait_stuck(env: WorkflowEnvironment, run_id: str) -> tether_client.StuckTask:
-    """Until the run's workflow task has failed and is being tried again."""
-    for _ in range(600):
-        stuck = await tether_client.stuck_task(env.client, await env.client.get_workflow_handle(run_id).describe())
-        if stuck is not None:
-            return stuck
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"run {run_id} never got stuck")
 
 
 async def approved_on(env: WorkflowEnvironment, queue: str, build: type, steps: list[dict], monkeypatch,

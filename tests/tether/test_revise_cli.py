@@ -9,8 +9,9 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 
 from tether.client import run_outcome
-from tests.conftest import Billing, running_worker, unique
-from tests.tether.test_cli import POLICY, one_line
+from tests.helpers.billing import Billing
+from tests.helpers.runs import running_worker, unique
+from tests.helpers.cli import POLICY, one_line
 from tests.helpers.cli import Cli
 from workflows.run_state import RunOutcome
 

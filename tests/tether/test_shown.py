@@ -16,15 +16,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import (
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    start_run,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
 from workflows.states import TEMPORAL_STATUS, RunState
 

@@ -14,7 +14,8 @@ import pytest_asyncio
 
 import tether.client as tether_client
 from examples.fake_openai import FakeOpenAI, call, tool_calls
-from tests.conftest import BIN, make_request
+from tests.helpers.paths import BIN
+from tests.helpers.runs import make_request
 from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import Stack, inbox_stack
 from tests.helpers.terminal import in_terminal

@@ -10,17 +10,10 @@ from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
 from tether.client import run_outcome
-from tests.conftest import (
-    approval_for,
-    Billing,
-    make_request,
-    running_worker,
-    snapshot,
-    start_run,
-    timeline,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from workflows.contract import ApprovalDecision, HandoffRequest
 from workflows.run_state import RunOutcome, RunSnapshot, RunView
 from workflows.states import RunState, is_legal_path

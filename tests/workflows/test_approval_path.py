@@ -34,7 +34,9 @@ from activities.judgements import log_from_env
 from activities.keys import KeyRing
 from activities.policy import PolicyStore
 from activities.tools import ToolContext, ToolEffect, ToolRegistry, tool
-from tests.conftest import Billing, approval_for, audit_collected, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, wait_for_state
 from workflows.contract import DecideRequest, DecideResult
 from workflows.states import RunState
 
@@ -174,7 +176,7 @@ async def after_decide(handle: WorkflowHandle) -> list[str]:
 async def test_a_policy_tightened_while_the_plan_waits_writes_nothing(
     dev_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, approver: str
 ) -> None:
-    from tests.activities.test_policy import refund
+    from tests.helpers.policies import refund
 
     path = tightening_policy(tmp_path / "policy.toml", high_above=None)
     async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(path))) as worker:
@@ -211,7 +213,7 @@ async def test_a_policy_file_that_stops_loading_keeps_the_last_good_one_and_the_
     """Issue 43: a change that does not load (here 2,000 nested parentheses in a tenant's Cedar
     file, which once killed the parser's process) leaves the worker judging by the last good
     policy: the run goes on, and its status, snapshot and Web UI details say which problem."""
-    from tests.activities.test_policy import refund
+    from tests.helpers.policies import refund
 
     cedar_file = tmp_path / "tenant.cedar"
     cedar_file.write_text('@id("anyone may decide")\npermit (principal, action, resource);\n')
@@ -258,7 +260,7 @@ async def test_the_first_plans_re_check_comes_with_the_planners_answer(
     """From the start to the request: the planner call, which brings the run's setup and the plan's
     re-check judged under the current file as the planner answered, and the records before the
     rest; no policy activity. The request asks what that check said (a high-risk refund: two)."""
-    from tests.activities.test_policy import refund
+    from tests.helpers.policies import refund
 
     path = tightening_policy(tmp_path / "policy.toml", high_above=3000)
     async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(path))) as worker:

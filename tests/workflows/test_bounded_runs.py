@@ -22,7 +22,10 @@ from activities.audit_sink import JsonlAuditSink, merge_timeline
 from activities.tools import ToolContext, ToolRegistry, tool
 from tether.client import run_outcome
 from tether.client.decisions import _send_decision
-from tests.conftest import Billing, audit_collected, approval_for, make_request, running_worker, snapshot, start_run, timeline, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import audit_collected, wait_for_state
 from tests.helpers.forger import NewerWorker
 from workflows.budgets import QUERY_BUDGET, REFUSALS_RECORDED, RESULT_BUDGET
 from workflows.contract import DecideRequest, DecideResult, ToolEffect, canonical_json
@@ -451,7 +454,7 @@ async def test_a_query_storm_on_runs_flooded_until_they_continue_as_new_breaks_n
     four loops query its timeline, then approved. Every run completes: none stuck, none FAILED,
     no workflow task failure in any execution, every history replays. Short here: `make soak`
     runs 20."""
-    from tests.conftest import flood_until_continued
+    from tests.helpers.runs import flood_until_continued
 
     env = small_history_env
     async with running_worker(env.client) as worker:

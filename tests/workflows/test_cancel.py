@@ -20,12 +20,14 @@ from worker import create_replayer
 import tether.client as tether_client
 from activities.keys import KeyRing
 from activities.policy import PolicyActivities, PolicyStore
-from tests.conftest import (
-    ROOT, Billing, approval_for, make_request, running_worker, start_run, timeline, unique, wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.paths import ROOT
+from tests.helpers.queries import timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.cli import Cli
-from tests.workflows.test_effects import DONE, REGISTRY, _event, approved_run, emails
-from tests.operations.test_recovery import LEDGER, REFUND
+from tests.helpers.effect_tools import DONE, REGISTRY, _event, approved_run, emails
+from tests.helpers.recovery import LEDGER, REFUND
 from workflows import policy
 from workflows.commands import Call
 from workflows.contract import CancelRequest

@@ -20,12 +20,15 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.policy import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, flood_until_continued, make_request, running_worker, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, flood_until_continued, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.contract import DecideResult, ReviseDecideRequest
 from workflows.wire import PlannerInput
 from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import RunState
+from tests.helpers.replay import replays
 
 S = RunState
 
@@ -98,15 +101,6 @@ def revision(snap: RunSnapshot, steps: list[dict], editor: str = "carol", **extr
 
 def with_amount(amount: Any) -> dict:
     return {**REFUND, "args": {**REFUND["args"], "amount_cents": amount}}
-
-
-async def replays(handle: WorkflowHandle) -> None:
-    """The run's own history replays on this code: the new commands are deterministic."""
-    from worker import create_replayer
-
-    replayer = create_replayer()
-    result = await replayer.replay_workflow(await handle.fetch_history(), raise_on_replay_failure=False)
-    assert result.replay_failure is None, result.replay_failure
 
 
 async def planner_inputs(handle: WorkflowHandle) -> list[PlannerInput]:

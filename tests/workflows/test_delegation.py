@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from temporalio.client import WorkflowFailureError
@@ -21,103 +19,21 @@ from activities.keys import KeyRing
 from activities.planning import BUILTIN_PLANNERS
 from activities.policy_file import PolicyStore
 from tether.client import run_outcome
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers import held_tools
 from tests.helpers.cli import Cli
 from tests.helpers.invariants import check_timeline
 from worker import create_replayer
-from workflows.contract import DELEGATE, Grant, ToolCatalog
+from workflows.contract import DELEGATE, Grant
 from workflows.run_state import RunOutcome, RunRequest
-from workflows.states import RunState, TransitionRecord
-from workflows.wire import PlannerInput, Proposal, ProposedStep
+from workflows.states import RunState
+from workflows.wire import Proposal, ProposedStep
+from tests.helpers.delegation import LOOKUP, Overreacher, cancel_requested, cancelled_states, child_outcome, delegate, refund, refunds_with, refusals, started_child, woken_twice, writing_child, writing_delegation
 
 S = RunState
-LOOKUP = {"tool": "get_order", "args": {"order_id": "A-1001"}}
-
-
-def refund(order: str = "A-1002", cents: int = 700, reason: str = "delegation test") -> dict:
-    return {"tool": "issue_refund", "args": {"order_id": order, "amount_cents": cents, "reason": reason}}
-
-
-def delegate(*playbook: dict, tools: tuple[str, ...] = ("get_order",), max_steps: int = 3, goal: str = "look up the order") -> dict:
-    body: dict = {"goal": goal, "tools": list(tools), "max_steps": max_steps}
-    if playbook:
-        body["playbook"] = list(playbook)
-    return {"delegate": body}
-
-
-def refunds_with(billing: Billing, reason: str) -> list:
-    return [r for r in billing.get("/refunds")["refunds"] if r.get("reason") == reason]
-
-
-class Overreacher:
-    """A parent that delegates a lookup; as the child, it proposes a refund (a model gone wrong)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    async def propose(self, request: PlannerInput, catalog: ToolCatalog) -> Proposal:
-        if request.executed:
-            return Proposal(answer="done")
-        if request.goal.startswith("parent:"):
-            return Proposal(steps=[ProposedStep(tool=DELEGATE, args={"goal": "child: look up A-1003", "tools": ["get_order"], "max_steps": 2})])
-        return Proposal(steps=[ProposedStep(tool="issue_refund", args=refund("A-1003", 300, self.reason)["args"])])
-
-
-def writing_delegation() -> dict:
-    """A delegation whose grant can refund and which names no write: its child's planner
-    proposes one (``writing_child``), which no approval of the parent's covers."""
-    body = delegate(tools=("issue_refund",), goal="child: refund A-1003")
-    body["delegate"]["planner"] = "overreach"
-    return body
-
-
-def writing_child(reason: str) -> dict:
-    return {**BUILTIN_PLANNERS, "overreach": Overreacher(reason)}
-
-
-async def started_child(env: WorkflowEnvironment, child_id: str):
-    """The child's handle, once the parent has started it (waits for that event, not a time)."""
-    from temporalio.service import RPCError
-
-    handle = env.client.get_workflow_handle(child_id)
-    for _ in range(600):
-        try:
-            await handle.describe()
-            return handle
-        except RPCError:
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"the child {child_id} was never started")
-
-
-async def cancel_requested(env: WorkflowEnvironment, run_id: str) -> None:
-    """Wait for the run's history to hold the cancel request (an event, not a time)."""
-    from temporalio.api.enums.v1 import EventType
-
-    handle = env.client.get_workflow_handle(run_id)
-    for _ in range(600):
-        events = (await handle.fetch_history()).events
-        if any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED for e in events):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"no cancel request reached {run_id}")
-
-
-async def cancelled_states(env: WorkflowEnvironment, run_ids: list[str]) -> list[RunState]:
-    """Each run's state once its execution has ended cancelled (its result raises)."""
-    ended = []
-    for run_id in run_ids:
-        handle = env.client.get_workflow_handle(run_id)
-        with pytest.raises(WorkflowFailureError):
-            await asyncio.wait_for(handle.result(), 60)
-        ended.append((await snapshot(handle)).state)
-    return ended
-
-
-async def child_outcome(env: WorkflowEnvironment, parent: RunOutcome) -> tuple[str, RunOutcome]:
-    step = next(s for s in parent.steps if s.tool == DELEGATE)
-    child_id = f"{parent.run_id}.{step.tool_call_id}"
-    return child_id, await run_outcome(env.client.get_workflow_handle(child_id))
 
 
 async def test_a_parent_delegates_a_lookup_then_refunds_with_approval(dev_env: WorkflowEnvironment, billing: Billing) -> None:
@@ -283,7 +199,7 @@ async def test_a_child_that_claims_its_parents_approval_for_other_arguments_asks
 
 
 async def test_the_documented_example_delegates_a_read_only_lookup_then_refunds(dev_env: WorkflowEnvironment, billing: Billing) -> None:
-    """docs/architecture.md's worked example (examples/billing/delegate.playbook.json): a child
+    """docs/contract.md's worked example (examples/billing/delegate.playbook.json): a child
     looks up three orders at once, read-only; the parent then refunds, with bob's approval."""
     playbook = json.loads((Path(__file__).resolve().parents[2] / "examples/billing/delegate.playbook.json").read_text())
     async with running_worker(dev_env.client) as worker:
@@ -330,7 +246,7 @@ async def test_a_keyless_poller_that_starts_a_child_with_a_forged_grant_gets_it_
     parent the server records as the grant says: without the fleet key its grant's seal cannot be
     made, and the child refuses it before anything runs."""
     from tests.helpers.rogue import rogue_answer, start_child
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     reason = uuid.uuid4().hex
     queue = unique("tq")
@@ -384,8 +300,9 @@ async def test_a_childs_own_request_is_in_the_inbox_and_the_list_linked_to_its_p
     from tether.client import list_runs
     from tether.cli.output import format_list
     from tether.inbox.app import InboxConfig, create_app
-    from tests.conftest import unique
-    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, free_port, raw_public
+    from tests.helpers.runs import unique
+    from tests.helpers.inbox_stack import AUDIENCE, ISSUER, POLICY, Sso, _serve, raw_public
+    from tests.helpers.ports import free_port
 
     keys = {n: ed25519.Ed25519PrivateKey.generate() for n in ("alice", "bob", "inbox")}
     tenant = unique("tree")
@@ -459,16 +376,6 @@ async def test_a_run_whose_id_leaves_no_room_for_a_childs_is_refused_not_wedged(
         outcome = await asyncio.wait_for(run_outcome(await start_run(dev_env.client, worker, request, run_id=run_id)), 60)
     assert outcome.state == S.FAILED
     assert any("too long to name a child run by" in r.reason for r in outcome.timeline)
-
-
-async def refusals(handle, rule: str, count: int) -> list:
-    """The run's refused records of ``rule``, once there are ``count`` (an event, not a time)."""
-    for _ in range(600):
-        found = [r for r in await handle.query("timeline", result_type=list[TransitionRecord]) if r.kind == "refused" and r.rule == rule]
-        if len(found) >= count:
-            return found
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"no {count} refusal(s) [{rule}] on {handle.id}")
 
 
 async def test_a_handoff_of_the_parent_while_its_child_runs_cancels_the_child_first(dev_env: WorkflowEnvironment) -> None:
@@ -546,7 +453,7 @@ async def test_a_handoff_of_a_parent_from_the_wrong_person_cancels_no_child(
 def signed_tenant(tmp_path: Path) -> tuple[str, Path, Path]:
     """A tenant that requires signed starts; alice's key signs hers. (tenant, policy file, key)"""
     from tether.client.signing import keygen
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     key, tenant, policy = tmp_path / "alice.pem", unique("signed"), tmp_path / "policy.toml"
     public = keygen(key)
@@ -557,7 +464,7 @@ def signed_tenant(tmp_path: Path) -> tuple[str, Path, Path]:
 
 async def signed_root(env: WorkflowEnvironment, worker, tenant: str, key: Path, playbook: list):
     from tether.client.signing import sign_request
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     run_id = unique("run")
     return await start_run(env.client, worker, sign_request(make_request(playbook, tenant=tenant), run_id, key), run_id=run_id)
@@ -586,7 +493,7 @@ async def test_in_a_signed_start_tenant_a_copied_grant_without_its_parent_is_ref
 ) -> None:
     """A client starts a workflow with a real child's grant (read from history), no server
     parent: refused before anything runs, nothing written."""
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
 
     tenant, policy, key = signed_tenant(tmp_path)
     reason = uuid.uuid4().hex
@@ -631,52 +538,6 @@ def test_a_grant_is_a_starts_authority_only_when_sealed_for_this_run_tenant_and_
     }
     assert [name for name, request in hostile.items() if granted_start(ring, request)] == []
     assert not granted_start(None, ask)  # a worker with no ring takes no grant as authority
-
-
-def woken_twice(plan: Proposal, ended: Callable[[Any], Any]):
-    """The engine (the workflow's own code), driven here with ``plan``: the first wait on its
-    children (a RunChild, a RunGroup) is woken by dana's hand-off (judged: taken); as the second
-    wait begins erin's arrives, and the wait answers ``ended(command)``. (engine, the waits as
-    (command, child_cancel), the tools called after)."""
-    import uuid as uuid_
-    from datetime import timedelta
-
-    from workflows.commands import Call, End, Probe, Readings, RunChild, RunGroup, RunTool
-    from workflows.contract import HandoffRequest
-    from workflows.engine import Engine
-    from workflows.policy_file import TenantPolicy
-    from workflows.run_model import ToolFailure
-    from workflows.run_state import RunData
-    from workflows.wire import CHILD_WOKEN, PolicySnapshot, Verdict
-    from tests.workflows.test_delegation_properties import CATALOG, START
-
-    policy = PolicySnapshot(tenant="default", policy=TenantPolicy(), policy_hash="h", source="test")
-    e = Engine(RunData(catalog=CATALOG, policy=policy), RunRequest(goal="g", requested_by="alice"), workflow_id="root",
-               new_request_id=lambda: uuid_.uuid4().hex, started_at=START)
-    now, waits, tools = START, [], []
-    e.start()
-    for _ in range(200):
-        now += timedelta(seconds=1)
-        command = e.next(now)
-        answer = None
-        if isinstance(command, End):
-            break
-        if isinstance(command, Call):
-            answer = plan if command.name == "plan" else Verdict(policy_hash="h")
-        elif isinstance(command, Probe):
-            answer = Readings(suggested=False, history_bytes=0, history_events=0, handlers_finished=True, notifying=0)
-        elif isinstance(command, (RunChild, RunGroup)):
-            waits.append((command, e.child_cancel))
-            if len(waits) == 1:  # dana's hand-off wakes the wait; the children run on
-                e.receive_handoff(HandoffRequest(by="dana", reason="customer called"), now)
-                answer = ToolFailure(CHILD_WOKEN, "woken", False)
-            else:
-                e.receive_handoff(HandoffRequest(by="erin", reason="me too"), now)
-                answer = ended(command)
-        elif isinstance(command, RunTool):
-            tools.append(command.call.tool)
-        e.on(command, answer, now)
-    return e, waits, tools
 
 
 def test_a_handoff_taken_as_the_child_ends_on_its_own_is_taken_at_the_next_point() -> None:

@@ -16,8 +16,11 @@ from activities.planning import BUILTIN_PLANNERS
 from tether.cli.output import format_status
 from tether.client import status
 from activities.policy_file import PolicyStore
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, timeline, wait_for_state
-from tests.workflows.test_delegation import delegate, refund, refunds_with, started_child
+from tests.helpers.billing import Billing
+from tests.helpers.queries import timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
+from tests.helpers.delegation import delegate, refund, refunds_with, started_child
 from workflows.contract import ToolCatalog
 from workflows.states import RunState
 from workflows.wire import PlannerInput, Proposal, ProposedStep
@@ -132,7 +135,7 @@ async def _approve_tree(env: WorkflowEnvironment, handle, *child_ids: str) -> No
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError
 
-    from tests.conftest import snapshot
+    from tests.helpers.queries import snapshot
 
     approved: set[str] = set()
     while (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
@@ -154,7 +157,7 @@ async def _reset_to_each(client, handle, points: list[int]) -> dict:
     from temporalio.api.enums.v1 import ResetReapplyType
     from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 
-    from tests.activities.test_effect_ledger import reset_run_outcome
+    from tests.helpers.resets import reset_run_outcome
 
     ended = {}
     for point in points:
@@ -180,7 +183,7 @@ async def test_a_reset_of_the_parent_to_every_workflow_task_runs_its_child_once(
     and no reset parent ends as if the child's writes were not applied."""
     from temporalio.api.enums.v1 import EventType
 
-    from tests.activities.test_effect_ledger import counts_in_db
+    from tests.helpers.billing import counts_in_db
     from tether.client import run_outcome
 
     client = dev_env.client
@@ -216,7 +219,7 @@ async def test_a_reset_of_the_parent_of_a_group_of_children_runs_each_once(
     refunds in the billing database, every reset parent COMPLETED (it adopts the closed children)."""
     from temporalio.api.enums.v1 import EventType
 
-    from tests.activities.test_effect_ledger import counts_in_db
+    from tests.helpers.billing import counts_in_db
     from tether.client import run_outcome
 
     client = dev_env.client
@@ -243,7 +246,7 @@ def test_the_approver_sees_what_a_delegation_will_write() -> None:
     """The parent's risk summary lists the writes a delegation names (tool, summary fields, money
     in words, undo) and the child's grant; they count for the approval and the sums. A delegation
     whose grant can write and names no playbook is a write; a read-only one is not."""
-    from tests.workflows.test_delegation_properties import CATALOG
+    from tests.helpers.delegation import CATALOG
     from workflows import policy
     from workflows.contract import DELEGATE, Plan, PlanStep
     from workflows.policy_file import AmountRule, AutoApprove, TenantPolicy
@@ -283,9 +286,9 @@ async def test_a_reset_of_the_parent_while_its_child_runs_never_says_not_applied
     from temporalio.api.enums.v1 import EventType, ResetReapplyType
     from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 
-    from tests.activities.test_effect_ledger import counts_in_db
-    from tests.operations.test_reset import outcome_of
-    from tests.workflows.test_delegation import writing_child, writing_delegation
+    from tests.helpers.billing import counts_in_db
+    from tests.helpers.resets import outcome_of
+    from tests.helpers.delegation import writing_child, writing_delegation
 
     client = dev_env.client
     reason = uuid.uuid4().hex
@@ -352,8 +355,8 @@ async def _handed_off_on_its_running_child(dev_env: WorkflowEnvironment, worker)
     from temporalio.api.enums.v1 import EventType, ResetReapplyType
     from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 
-    from tests.operations.test_reset import outcome_of
-    from tests.workflows.test_delegation import writing_delegation
+    from tests.helpers.resets import outcome_of
+    from tests.helpers.delegation import writing_delegation
 
     client = dev_env.client
     handle = await start_run(client, worker, make_request([writing_delegation()]))
@@ -385,7 +388,7 @@ async def test_compensate_of_a_root_undoes_the_writes_of_its_children_it_did_not
     the child's (refused while the child may still write); `tether status PARENT` shows the
     child's spend."""
     from tether import client as tether_client
-    from tests.workflows.test_delegation import writing_child
+    from tests.helpers.delegation import writing_child
 
     client = dev_env.client
     reason = uuid.uuid4().hex
@@ -428,7 +431,7 @@ async def test_cancel_of_a_root_reaches_a_child_its_ended_parent_cannot(
     the tree, it cancels the child itself, judged by the child's policy: CANCELLED, nothing
     refunded."""
     from tether import client as tether_client
-    from tests.workflows.test_delegation import writing_child
+    from tests.helpers.delegation import writing_child
 
     reason = uuid.uuid4().hex
     async with running_worker(dev_env.client, planners=writing_child(reason)) as worker:
@@ -456,9 +459,9 @@ async def test_repair_of_a_root_repairs_the_stuck_child_it_waits_on(
     child and the parent: one refund."""
     import worker as worker_module
     from tether import client as tether_client
-    from tests.conftest import unique
+    from tests.helpers.runs import unique
     from tests.helpers.tampered import StuckAfterFirstWrite
-    from tests.tether.test_repair import wait_stuck
+    from tests.helpers.waiting import wait_stuck
 
     client, queue, reason = dev_env.client, unique("tree-repair"), uuid.uuid4().hex
     body = delegate(refund("A-1002", 500, reason), tools=("issue_refund",), goal="refund the named amount", max_steps=3)
@@ -507,9 +510,12 @@ async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
     from temporalio.contrib.pydantic import pydantic_data_converter as CONVERTER_CLIENT
 
     from tether import client as tether_client
-    from tests.activities.test_forgery import HELD, RELEASED, WEDGED_POLICY, emails_to, events_of
-    from tests.conftest import task_failure, unique
-    from tests.operations.test_reset import outcome_of
+    from tests.helpers.billing import emails_to
+    from tests.helpers.queries import events_of
+    from tests.helpers.wedged import HELD, RELEASED, WEDGED_POLICY
+    from tests.helpers.runs import unique
+    from tests.helpers.waiting import task_failure
+    from tests.helpers.resets import outcome_of
     from workflows.wire import ToolOutcome
 
     client = dev_env.client
@@ -584,7 +590,7 @@ async def test_a_reset_of_a_child_to_before_its_planning_spends_the_lent_approva
     from temporalio.api.enums.v1 import EventType, ResetReapplyType
     from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 
-    from tests.operations.test_reset import outcome_of
+    from tests.helpers.resets import outcome_of
 
     client, reason = dev_env.client, uuid.uuid4().hex
     named = refund("A-1002", 3000, reason)

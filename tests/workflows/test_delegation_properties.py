@@ -30,14 +30,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
-from activities.tools import REGISTRY
 from workflows.commands import Call, Checkpoint, End, Landed, Mint, Probe, Readings, RunChild, RunGroup, RunTool, Sleep, Wait
 from workflows.contract import DELEGATE, ApprovalDecision, ToolEffect
 from workflows.engine import Engine
@@ -46,11 +45,10 @@ from workflows.run_state import RunData, RunOutcome, RunRequest
 from workflows.states import TERMINAL, RunState
 from workflows.run_model import ToolFailure
 from workflows.wire import CHILD_EXISTS, PolicySnapshot, Proposal, ProposedStep, RecoverySource, Refusal, ToolOutcome, Verdict
+from tests.helpers.delegation import CATALOG, START
 
 S = RunState
-CATALOG = REGISTRY.catalog()
 TOOLS = [t.name for t in CATALOG.tools]
-START = datetime(2026, 1, 1, tzinfo=timezone.utc)
 OK_RESULT = '{"refund_id": "R-1", "entry_id": "L-1", "email_id": "E-1"}'
 STEPS = {
     "get_order": {"order_id": "A-1001"},

@@ -17,7 +17,11 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from tether.client import run_outcome
-from tests.conftest import BIN, ROOT, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN, ROOT
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline, tools_by_call
 from tests.helpers.cli import Cli
 from workflows.run_state import RunOutcome

@@ -26,7 +26,10 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 from tether.client import run_outcome
-from tests.conftest import approval_for, Billing, make_request, running_worker, snapshot, start_run, timeline, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from examples.fake_openai import FakeOpenAI, call, text, tool_calls
 from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.contract import ApprovalDecision, HandoffRequest

@@ -21,7 +21,10 @@ from activities.policy_file import PolicyStore
 from activities.keys import KeyRing
 from tether.client import run_outcome
 from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
-from tests.conftest import Billing, approval_for, make_request, running_worker, snapshot, start_run, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.invariants import check_timeline
 from worker import create_replayer
 from workflows.contract import ExecutedStep, PlaybookStep, ToolCatalog, ToolInfo, Limits
@@ -262,7 +265,7 @@ async def test_a_group_whose_children_ask_more_steps_than_the_run_has_is_refused
 async def test_a_cancel_during_a_group_with_children_leaves_nothing_stranded(dev_env: WorkflowEnvironment, handed_off: bool) -> None:
     """``handed_off``: the cancel comes while a hand-off of the run is being taken (the children's
     cancel requested, the parent's read still held): it reaches every attempt all the same."""
-    from tests.workflows.test_delegation import cancel_requested, cancelled_states
+    from tests.helpers.delegation import cancel_requested, cancelled_states
     from workflows.contract import HandoffRequest
 
     tag = uuid.uuid4().hex[:8]
@@ -315,7 +318,7 @@ async def test_a_handoff_during_a_group_cancels_its_open_children_and_waits_for_
     """One child awaits its own approval (it would wait for its TTL), one runs a held read, the
     parent runs a held read: a hand-off of the parent cancels both children at once, the held
     read is waited for (not cancelled) and on the record, then the parent is HANDED_OFF."""
-    from tests.workflows.test_delegation import cancel_requested, cancelled_states, started_child
+    from tests.helpers.delegation import cancel_requested, cancelled_states, started_child
     from workflows.contract import HandoffRequest
 
     tag = uuid.uuid4().hex[:8]
@@ -363,7 +366,7 @@ async def test_a_handoff_during_a_group_from_someone_the_policy_refuses_cancels_
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     from tests.helpers.inbox_stack import raw_public
-    from tests.workflows.test_delegation import refusals
+    from tests.helpers.delegation import refusals
     from workflows.contract import HandoffRequest
 
     policy = tmp_path / "policy.toml"
@@ -384,7 +387,7 @@ async def test_a_handoff_during_a_group_from_someone_the_policy_refuses_cancels_
 
 
 async def test_two_handoffs_at_once_during_a_group_one_is_taken(dev_env: WorkflowEnvironment) -> None:
-    from tests.workflows.test_delegation import cancel_requested
+    from tests.helpers.delegation import cancel_requested
     from workflows.contract import HandoffRequest
 
     tag = uuid.uuid4().hex[:8]
@@ -415,8 +418,8 @@ def test_a_handoff_taken_during_a_group_whose_children_cancel_nothing(second: st
     child completed before the cancel reached it: the group ends as any, and the hand-off is taken
     at the next point, before the next step runs (one that arrived meanwhile refused). ``not_started``:
     the second child was kept from starting: the run is handed off once the group has ended."""
-    from tests.workflows.test_delegation import LOOKUP, delegate, woken_twice
-    from tests.workflows.test_delegation_properties import START
+    from tests.helpers.delegation import LOOKUP, delegate, woken_twice
+    from tests.helpers.delegation import START
     from workflows.commands import Landed
     from workflows.contract import DELEGATE
     from workflows.run_model import ToolFailure

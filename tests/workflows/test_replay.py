@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowHistory
-from temporalio.worker import Replayer
 
 from tests.histories.incompatible import ReorderedAgentRun
 from workflows.agent_run import AgentRun
+from tests.helpers.replay import replayer
 
 HERE = Path(__file__).resolve().parents[1] / "histories"
 # This build's histories (make record-histories). A build replays only the histories it started:
@@ -21,15 +21,6 @@ HISTORIES = sorted(HERE.glob("*.json"))
 # the task's clock): runs it started replay on this build with the ids they made.
 PREVIOUS = sorted((HERE / "previous").glob("*.json"))
 PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new", "continued", "decide"}
-
-
-def replayer(*workflows: type) -> Replayer:
-    """A replayer holding the recording's key ring: replay checks every attestation and seal."""
-    from activities.keys import KeyRing
-    from tests.histories.record import RING
-    from worker import create_replayer
-
-    return create_replayer(keys=KeyRing.from_env(str(RING)), workflows=workflows)
 
 
 def load(path: Path) -> WorkflowHistory:

@@ -25,7 +25,9 @@ from temporalio.client import WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from tests.conftest import Billing, approval_for, make_request, running_worker, start_run, unique, wait_for_state
+from tests.helpers.billing import Billing
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import wait_for_state
 from tests.helpers.conformance import WAYS, Recording, conform, ours_from_the_start, task_starts
 from tests.histories.record import shapes, steps
 from workflows.effects import Effects

@@ -39,7 +39,7 @@ def test_a_seed_dependent_order_is_caught_between_seeds(tmp_path: Path) -> None:
     (audit batches go by local activity, whose inputs history does not keep)."""
     import shutil
 
-    from tests.workflows.test_determinism_mutants import Mutant, inject
+    from tests.helpers.mutants import Mutant, inject
 
     shutil.copytree(ROOT / "workflows", tmp_path / "workflows", ignore=shutil.ignore_patterns("__pycache__"))
     # A set of five strings, in its order, ends up in the run's records: one of 120 orders,

@@ -25,7 +25,7 @@ from workflows.states import (
 S = RunState
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
-# The table in docs/architecture.md, written out independently: the code's table must equal it.
+# The table in docs/contract.md, written out independently: the code's table must equal it.
 CONTRACT = {
     "RECEIVED": "PLANNING, VALIDATED, COMPENSATING, CANCELLED, FAILED",
     "PLANNING": "VALIDATED, VALIDATION_FAILED, COMPLETED, HANDED_OFF, CANCELLED, COMPENSATING, FAILED",

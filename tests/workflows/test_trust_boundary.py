@@ -6,7 +6,6 @@ request, and the refusal on the timeline with its rule."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +15,6 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowUpdateFailedError, WorkflowFailureError, WorkflowHandle
@@ -26,60 +24,20 @@ import tether.client as tether_client
 from activities.policy import PolicyStore
 from activities.tools import REGISTRY, ToolContext, ToolError, ToolRegistry, tool
 from tether.client import run_outcome
-from tests.conftest import (
-    task_failure,
-    Billing,
-    approval_for,
-    make_request,
-    running_worker,
-    snapshot,
-    start_run,
-    timeline,
-    unique,
-    wait_for_state,
-)
+from tests.helpers.billing import Billing
+from tests.helpers.queries import snapshot, timeline
+from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
+from tests.helpers.waiting import task_failure, wait_for_state
 from tests.helpers.forger import Forger
-from tests.activities.test_policy import sign
 from tests.helpers.invariants import check_timeline, tools_by_call
 from workflows.contract import ApprovalDecision, HandoffRequest, Plan, PlanStep, ToolCatalog, ToolEffect
 from workflows.policy_file import TenantPolicy
 from workflows.wire import PolicySnapshot
-from workflows.run_state import RunData, RunOutcome, RunSnapshot
+from workflows.run_state import RunData, RunOutcome
 from workflows.states import Lifecycle, RunState, TransitionRecord
+from tests.helpers.signing import KEYS, POLICY, signed
 
 S = RunState
-KEYS = {name: Ed25519PrivateKey.generate() for name in ("alice", "bob", "carol", "erin")}
-
-
-def public(key: Ed25519PrivateKey) -> str:
-    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return base64.b64encode(raw).decode()
-
-
-# The "secure" tenant requires signatures; refunds over 100.00 are high risk (two finance
-# approvers); refunds are auto-approved up to 50.00 in all.
-POLICY = f"""
-[tenants.secure]
-require_signatures = true
-tools = ["get_order", "issue_refund", "post_ledger_entry", "send_email", "hold_then_fail"]
-[tenants.secure.approvers]
-alice = {{ roles = ["approver"], public_key = "{public(KEYS['alice'])}" }}
-bob = {{ roles = ["approver"], public_key = "{public(KEYS['bob'])}" }}
-carol = {{ roles = ["approver", "finance"], public_key = "{public(KEYS['carol'])}" }}
-erin = {{ roles = ["finance"], public_key = "{public(KEYS['erin'])}" }}
-[tenants.secure.high_risk]
-approvals = 2
-roles = ["finance"]
-when = [{{ tool = "issue_refund", field = "amount_cents", above = 10000 }}]
-
-[tenants.shop]
-tools = ["get_order", "issue_refund", "hold_then_fail"]
-[tenants.shop.approvers]
-bob = {{ roles = ["approver"] }}
-dana = {{ roles = ["approver"] }}
-[tenants.shop.auto_approve]
-limits = [{{ tool = "issue_refund", field = "amount_cents", max = 5000 }}]
-"""
 
 
 def refund(amount: int, order: str = "A-1002", reason: str = "trust test") -> dict:
@@ -100,13 +58,6 @@ def policy_file(tmp_path: Path) -> Path:
 async def secure_worker(env: WorkflowEnvironment, path: Path, **options: Any) -> AsyncIterator[Any]:
     async with running_worker(env.client, policy=PolicyStore.from_env(str(path)), **options) as worker:
         yield worker
-
-
-def signed(who: str, snap: RunSnapshot, kind: str = "approve", *, as_name: str | None = None, **fields: Any) -> ApprovalDecision:
-    """A decision by ``as_name`` (default: who), signed with ``who``'s key."""
-    decision = approval_for(snap, as_name or who, **fields)
-    decision.signature = sign(KEYS[who], snap.run_id, snap, kind, decision)
-    return decision
 
 
 async def start_signed(env: WorkflowEnvironment, worker: Any, steps: list[dict], who: str = "alice", **fields: Any) -> WorkflowHandle:

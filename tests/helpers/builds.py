@@ -1,0 +1,12 @@
+"""Builds before and after this checkout's (workflows.published.BUILD), for the tests of two
+builds side by side."""
+
+from __future__ import annotations
+
+from workflows.published import BUILD
+
+
+def other_build(step: int) -> str:
+    """The build ``step`` builds after (or, negative, before) this one."""
+    prefix, number = BUILD.rsplit("-", 1)
+    return f"{prefix}-{int(number) + step}"
