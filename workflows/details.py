@@ -16,7 +16,7 @@ from workflows.display import markdown_code as code
 from workflows.display import markdown_text as text
 from workflows.display import approve_command, shell_word, show_value
 from workflows import wording
-from workflows.contract import Plan, ToolCatalog, run_catalog
+from workflows.contract import Compensation, Plan, ToolCatalog, run_catalog
 from workflows.run_state import RunData, RunRequest, found_steps
 from workflows.states import RunState
 
@@ -88,16 +88,18 @@ def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
         effect = info.effect.value if info else "?"
         # The declared summary fields, each value only inside a code span; money in words with
         # the raw value beside it (``75.50 EUR (7550)``), as the CLI and the inbox say it.
+        schema = info.args_schema if info else {}
         fields = [
-            f"{text(k, 40)} {code(wording.arg_words(k, step.args[k], info.args_schema, step.args) or show_value(step.args[k], 200))}"
+            f"{text(k, 40)} {code(wording.arg_words(k, step.args[k], schema, step.args) or show_value(step.args[k], 200))}"
             for k in (info.summary_fields if info else [])
             if k in step.args
         ]
-        # The undo the plan hash covers, for each write (plans hashed before recovery: none).
-        undo = False
+        # The undo the plan hash covers, for each write (plans hashed before recovery: none);
+        # False: no undo judged here (a read, or a plan hashed before recovery).
+        undo: Compensation | None | bool = False
         if plan.undo is not None and info is not None and info.effect.value != "read_only":
-            undo = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
-            fields.append(f"undo {code(undo.tool, 64)}" if undo else "no recovery path")
+            undo = comp = plan.undo[i - 1] if i - 1 < len(plan.undo) else None
+            fields.append(f"undo {code(comp.tool, 64)}" if comp else "no recovery path")
         # What it does in plain words (unsafe: never re-run), as every other surface says it.
         words = text(wording.effect_words(info, undo)) if info is not None and info.effect.value != "read_only" else ""
         lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + (f" ({words})" if words else "")

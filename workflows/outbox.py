@@ -5,6 +5,7 @@ that take them; webhooks no retry reached are put on the record.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from workflows.budgets import clip
 from workflows.display import approve_command
@@ -57,7 +58,7 @@ class Outbox(RunModel):
             )
         return out
 
-    def _why(self) -> dict[str, object]:
+    def _why(self) -> dict[str, Any]:
         """Why the run asks, for an approval request's event: the goal, who asked and, for a
         child, on whose behalf (its grant names the root; the requester is the root's)."""
         grant = self.request.grant

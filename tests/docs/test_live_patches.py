@@ -1,6 +1,7 @@
 """docs/changing-workflows.md lists the live patches exactly as the code has them: every
-`workflow.patched` call in workflows/ but the build marker, by patch id and where it is asked,
-each with its removal condition."""
+`workflow.patched` call in workflows/ but the builds' markers, and every `fixed` (a patch this
+build's runs have without its marker), by patch id and where it is asked, each with its removal
+condition."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ DOC = ROOT / "docs/changing-workflows.md"
 
 
 def patches_in_code() -> set[tuple[str, str, str]]:
-    """(patch id, file, Class.function) of every ``workflow.patched(X)`` in workflows/, X resolved
-    through the string constants of workflows/ (the build marker, BUILD, is not a patch)."""
+    """(patch id, file, Class.function) of every ``workflow.patched(X)`` and ``….fixed(X)`` in
+    workflows/, X resolved through the string constants of workflows/ (the builds' markers, BUILD
+    and PREVIOUS_BUILD, are not patches; ``Effects.fixed`` itself asks the patch it is given)."""
     files = sorted((ROOT / "workflows").glob("*.py"))
     constants: dict[str, str] = {}
     for path in files:
@@ -28,10 +30,13 @@ def patches_in_code() -> set[tuple[str, str, str]]:
             if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(child, [*where, child.name], path)
                 continue
-            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and child.func.attr == "patched"
-                    and isinstance(child.func.value, ast.Name) and child.func.value.id == "workflow"):
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and (
+                    child.func.attr == "fixed"
+                    or (child.func.attr == "patched" and isinstance(child.func.value, ast.Name) and child.func.value.id == "workflow")):
                 [arg] = child.args
-                if not (isinstance(arg, ast.Name) and arg.id == "BUILD"):
+                builds = isinstance(arg, ast.Name) and arg.id in ("BUILD", "PREVIOUS_BUILD")
+                given = where[-1:] == ["fixed"] and isinstance(arg, ast.Name) and arg.id not in constants
+                if not builds and not given:
                     patch = constants[arg.id] if isinstance(arg, ast.Name) else arg.value
                     found.add((patch, str(path.relative_to(ROOT)), ".".join(where)))
             visit(child, where, path)
@@ -71,4 +76,4 @@ def test_the_live_patches_listed_are_the_codes() -> None:
 
 def test_the_code_has_patches_to_list() -> None:
     """The reader finds the calls at all (a parser that found none would pass on an empty table)."""
-    assert {patch for patch, _, _ in patches_in_code()} >= {"tether-history-ids"}
+    assert {patch for patch, _, _ in patches_in_code()} >= {"tether-child-once"}

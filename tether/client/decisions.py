@@ -278,9 +278,9 @@ async def pending_request(
         raise not_sent(e, run_id) from None
 
 
-def not_sent(error: TetherError, run_id: str) -> TetherError:
+def not_sent(error: TetherError, run_id: str) -> Refused:
     """A decision refused before it was sent (no worker to take it): REFUSED, saying so."""
-    return TetherError(f"not sent: nothing was decided on run {run_id}: {error}", REFUSED, rule=error.rule)
+    return Refused(f"not sent: nothing was decided on run {run_id}: {error}", rule=error.rule)
 
 
 async def _pending_request(
