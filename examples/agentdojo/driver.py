@@ -170,6 +170,7 @@ class Runner:
         # Its own threads for the service's HTTP calls: the default executor's may all be held by
         # AgentDojo's runner threads, each waiting for a run this loop drives.
         self.io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentdojo-io")
+        self.asked: dict[str, list[FunctionCall]] = {}  # each run's request, for a reviewer deciding again
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
         return await self.loop.run_in_executor(self.io, lambda: call(method, path, body, base=self.service))
@@ -180,12 +181,12 @@ class Runner:
         from tether.client import wait_settled
         from tether.connection import TetherError
 
-        for attempt in range(20):
+        for attempt in range(60):
             try:
                 return await wait_settled(self.client, run_id, timeout=self.settle_timeout,
                                           approval_settles=approval_settles)
             except TetherError:
-                if attempt == 19:
+                if attempt == 59:
                     raise
                 await asyncio.sleep(1.0)
         raise AssertionError("unreachable")
@@ -199,6 +200,7 @@ class Runner:
         from tether.client import start_run
         from workflows.run_state import RunRequest
 
+        self.asked[run_id] = list(asked)
         facts = RunFacts(run_id, planned=len(plan),
                          planned_writes=sum(effect_of(s.call.function) != "read_only" for s in plan),
                          injected_steps=sum(s.source == "injection" for s in plan))
@@ -236,7 +238,9 @@ class Runner:
     async def govern(self, run_id: str, asked: Sequence[FunctionCall], facts: RunFacts) -> Any:
         """Answer the run's approval requests as the governance says until it ends; its last status."""
         from tether.client import DecisionInput, decide
+        from tether.connection import TetherError
 
+        failures = 0
         remaining = list(asked)  # a write the request asked for is approved once, in whichever plan
         while True:
             status = await self._settled(run_id)
@@ -256,6 +260,21 @@ class Runner:
                     break
                 continue
             approved = careful_review(steps, remaining)
+            try:
+                if not approved:
+                    await decide(self.client, run_id, "reject", DecisionInput(by=REVIEWER, reason="no step was asked for"))
+                else:
+                    partial = approved if len(approved) < len(steps) else None
+                    comment = "careful review: only the calls the request asked for"
+                    await decide(self.client, run_id, "approve", DecisionInput(by=REVIEWER, comment=comment, steps=partial))
+            except TetherError:
+                # No worker answered (one killed and not yet replaced), or the run had moved on:
+                # look again, and decide again on what it then waits for.
+                failures += 1
+                if failures > 60:
+                    raise
+                await asyncio.sleep(1.0)
+                continue
             for number in approved:
                 step = steps[number - 1]
                 if effect_of(step.tool) != "read_only":
@@ -264,12 +283,6 @@ class Runner:
                     remaining.pop(gone)
             facts.writes_refused += len(steps) - len(approved)
             facts.approvals += 1
-            comment = "careful review: only the calls the request asked for"
-            if not approved:
-                await decide(self.client, run_id, "reject", DecisionInput(by=REVIEWER, reason="no step was asked for"))
-            else:
-                partial = approved if len(approved) < len(steps) else None
-                await decide(self.client, run_id, "approve", DecisionInput(by=REVIEWER, comment=comment, steps=partial))
         return status
 
 
