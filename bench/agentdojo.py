@@ -147,18 +147,22 @@ def summarize(config: str, rows: list[dict[str, Any]], suite_names: list[str], g
             pct(sum(r["utility"] for r in attacked), len(attacked)),
             pct(sum(bool(r["security"]) for r in attacked), len(attacked)),
             sum(r["state"] == "ERROR" for r in mine),
+            f"{sum(r.get('injected_steps', 0) > 0 for r in attacked)}/{len(attacked)}",
+            sum(r["state"] == "REJECTED" for r in mine),
             f"{statistics.mean(r['approvals'] for r in mine):.2f}" if mine else "-",
             sum(r["writes_refused"] for r in mine), calls,
             f"{1000 * statistics.median(per_call):.0f} ms" if per_call else "-",
         ])
     lines.append(f"### {config}\n")
     lines.append(table(["suite", "ground truth solves", "benign utility", "utility under attack",
-                        "targeted ASR", "cases that errored", "approvals / case", "writes refused", "tool calls",
+                        "targeted ASR", "cases that errored", "injection acted on", "runs rejected", "approvals / case", "writes refused", "tool calls",
                         "Tether time / call (p50)"], body))
     lines.append("\nTether time / call: the run's start to its end as the driver saw it, less the same calls "
                  "applied in process by AgentDojo's runtime, over the calls the run made (the planner, "
                  "validation, approval turnaround, activities, the service's HTTP and SQLite, and the "
-                 "driver's 0.2 s status polling included).")
+                 "driver's 0.2 s status polling included). Injection acted on: security cases whose "
+                 "agent proposed the injection's calls (its text reached the model). Runs rejected: the "
+                 "reviewer approved no step of a plan (a plan of only the injection's writes), which ends the run.")
     return "\n".join(lines)
 
 
@@ -256,13 +260,12 @@ def _key(row: dict[str, Any]) -> tuple[str, str, str | None]:
 
 
 async def reset_run(stack: Any, runner: Any, run_id: str, rng: random.Random) -> dict[str, Any]:
-    """A plain reset of an ended run to a random workflow task after its first tool call (as
-    ``temporal workflow reset`` does: a new run from history up to there, signals reapplied),
-    the reset run governed to its end as the first was; what the world and the journal were
-    before and after."""
-    from temporalio.api.common.v1 import WorkflowExecution
-    from temporalio.api.enums.v1 import EventType, ResetReapplyType
-    from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+    """A plain ``temporal workflow reset`` (the CLI, its defaults: signals and updates
+    reapplied) of an ended run to a random workflow task after its first tool call; what the
+    world and the journal's writes were before."""
+    from temporalio.api.enums.v1 import EventType
+
+    from examples.devstack import BIN
 
     before = await runner._call("GET", f"/runs/{run_id}/environment")
     writes_before = [c["seq"] for c in (await runner._call("GET", f"/runs/{run_id}/calls"))["calls"] if c["wrote"]]
@@ -274,10 +277,13 @@ async def reset_run(stack: Any, runner: Any, run_id: str, rng: random.Random) ->
     points = [e.event_id for e in events
               if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id > tools[0]]
     point = rng.choice(points[:-1] or points)
-    await stack.client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
-        namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=run_id),
-        reason="bench: reset after a tool call", workflow_task_finish_event_id=point,
-        request_id=f"{run_id}-reset", reset_reapply_type=ResetReapplyType.RESET_REAPPLY_TYPE_SIGNAL))
+    reset = await asyncio.create_subprocess_exec(
+        str(BIN / "temporal"), "workflow", "reset", "--address", stack.address, "--namespace", stack.client.namespace,
+        "--workflow-id", run_id, "--event-id", str(point), "--reason", "bench: reset after a tool call",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    said, _ = await reset.communicate()
+    if reset.returncode != 0:
+        raise RuntimeError(f"temporal workflow reset exited {reset.returncode}: {said.decode(errors='replace')[-300:]}")
     return {"run": run_id, "point": point, "events": len(events), "before": before, "writes_before": writes_before}
 
 
@@ -349,14 +355,21 @@ async def fault_pass(config: str, stack: Any, runner: Any, todo: list[tuple[str,
             try:
                 got = await reset_run(stack, runner, row["run_id"], rng)
                 if "skipped" not in got:
-                    status = await runner.govern(row["run_id"], runner.asked[row["run_id"]], RunFacts(row["run_id"]))
+                    again = RunFacts(row["run_id"])
+                    status = await runner.govern(row["run_id"], runner.asked[row["run_id"]], again)
+                    got["decided_again"] = again.decided_again
                     after = await runner._call("GET", f"/runs/{row['run_id']}/environment")
                     journal = (await runner._call("GET", f"/runs/{row['run_id']}/calls"))["calls"]
+                    if status.state.value != row["state"]:
+                        got["why"] = await runner.why(row["run_id"])
                     got.update(state=status.state.value, same_state=status.state.value == row["state"],
                                same_world=after == got.pop("before"),
                                same_writes=[c["seq"] for c in journal if c["wrote"]] == got.pop("writes_before"))
             except Exception as e:  # noqa: BLE001 - counted and shown
-                got = {"run": row["run_id"], "error": f"{type(e).__name__}: {e}"[:300]}
+                import traceback
+
+                got = {"run": row["run_id"], "error": f"{type(e).__name__}: {e}"[:300],
+                       "where": traceback.format_exc()[-1500:]}
             resets.append(got)
 
     await asyncio.gather(*(reset_one(r) for r in rows if r.get("run_id") and r["state"] != "ERROR"))
@@ -377,6 +390,8 @@ async def fault_pass(config: str, stack: Any, runner: Any, todo: list[tuple[str,
         "reset_same_world": sum(bool(r.get("same_world")) for r in done_resets),
         "reset_same_writes": sum(bool(r.get("same_writes")) for r in done_resets),
         "reset_same_state": sum(bool(r.get("same_state")) for r in done_resets),
+        "reset_decided_again": sum(bool(r.get("decided_again")) for r in done_resets),
+        "reset_changed": [r for r in done_resets if not (r.get("same_world") and r.get("same_writes"))],
     }
 
 
@@ -394,11 +409,14 @@ def fault_section(config: str, f: dict[str, Any]) -> str:
             ["reset runs ending in the same state", f"{f['reset_same_state']}/{f['resets']}"],
             ["worlds unchanged by the reset run (no write applied again)", f"{f['reset_same_world']}/{f['resets']}"],
             ["journal's writes unchanged by the reset run", f"{f['reset_same_writes']}/{f['resets']}"],
+            ["reset runs whose reviewer had to decide again under a new decision id", f"{f['reset_decided_again']}/{f['resets']}"],
         ]),
         f"\n{n} cases under faults in {f['seconds']:.0f} s, resets included.",
     ]
     for d in f["differ"][:10]:
         lines.append(f"\n- differs: `{json.dumps(d)[:600]}`")
+    for r in f["reset_changed"][:10]:
+        lines.append(f"\n- reset changed the world: `{json.dumps({k: r.get(k) for k in ('run', 'point', 'state', 'decided_again')})}`")
     for e in f["reset_errors"][:5]:
         lines.append(f"\n- reset error: `{json.dumps(e)[:300]}`")
     return "\n".join(lines)

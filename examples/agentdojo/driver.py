@@ -153,6 +153,7 @@ class RunFacts:
     writes_refused: int = 0  # writes left out by the reviewer, or in a plan nobody approved
     calls: list[dict[str, Any]] = field(default_factory=list)  # the service's journal
     answer: str = ""  # the run's answer (a planner's final text)
+    decided_again: int = 0  # decisions sent again under a new id (the first id refused as already handled)
     error: str = ""  # why it failed, as the run says (last_error)
     seconds: float = 0.0  # start -> end of the run, as this driver saw it
     bare_seconds: float = 0.0  # the same calls applied in process by AgentDojo's runtime
@@ -185,7 +186,7 @@ class Runner:
             try:
                 return await wait_settled(self.client, run_id, timeout=self.settle_timeout,
                                           approval_settles=approval_settles)
-            except TetherError:
+            except TetherError:  # ViewUnverified too: a reset run's copied view, not yet its own
                 if attempt == 59:
                     raise
                 await asyncio.sleep(1.0)
@@ -222,11 +223,15 @@ class Runner:
         facts.state = status.state.value
         facts.answer = status.answer or ""
         if status.state.value not in ("COMPLETED", "EXPIRED", "REJECTED"):
-            from tether.client import timeline
-
-            last = (await timeline(self.client, run_id))[-1]  # what ended it, in the run's words
-            facts.error = f"{last.from_state.value} -> {last.to_state.value}: {last.reason}"[:500]
+            facts.error = await self.why(run_id)
         return facts, await self.outcome(run_id, suite_name, facts)
+
+    async def why(self, run_id: str) -> str:
+        """The run's last transition, in its own words (what ended a failed run)."""
+        from tether.client import timeline
+
+        last = (await timeline(self.client, run_id))[-1]
+        return f"{last.from_state.value} -> {last.to_state.value}: {last.reason}"[:500]
 
     async def outcome(self, run_id: str, suite_name: str, facts: RunFacts) -> Any:
         """The calls that ran (the service's journal, into ``facts``) and the environment they left."""
@@ -239,8 +244,10 @@ class Runner:
         """Answer the run's approval requests as the governance says until it ends; its last status."""
         from tether.client import DecisionInput, decide
         from tether.connection import TetherError
+        from tether.inbox.desk import decision_id
 
-        failures = 0
+        failures = moved = 0
+        spent: set[str] = set()
         remaining = list(asked)  # a write the request asked for is approved once, in whichever plan
         while True:
             status = await self._settled(run_id)
@@ -248,7 +255,12 @@ class Runner:
             if status.state in TERMINAL:
                 break
             if state != "AWAITING_APPROVAL":
-                raise RuntimeError(f"run {run_id} did not settle in {self.settle_timeout:.0f}s: {state}")
+                # The query saw it waiting and the status read after it had moved on (a decision
+                # taken meanwhile): look again; only a run that keeps working past the wait is stuck.
+                moved += 1
+                if moved > 5:
+                    raise RuntimeError(f"run {run_id} did not settle in {self.settle_timeout:.0f}s: {state}")
+                continue
             steps = status.plan.steps if status.plan else []
             writes = [s for s in steps if effect_of(s.tool) != "read_only"]
             if not self.governance.reviewer:
@@ -260,16 +272,31 @@ class Runner:
                     break
                 continue
             approved = careful_review(steps, remaining)
+            kind = "approve" if approved else "reject"
+            # The decision's id as the inbox makes it (one person's one decision on one request of
+            # one plan): after a reset the reviewer's same decision is the same one, and the steps
+            # a partial approval keeps get the same tool call ids, so the same idempotency keys.
+            pending = status.pending_approval
+            same = decision_id(run_id, pending.request_id, pending.plan_hash, REVIEWER, kind) if pending else None
+            if same in spent:
+                # That id was taken and refused (a reset run takes the reapplied decision before
+                # it asks again, and refuses it): the reviewer decides again under a new one.
+                same = None
             try:
                 if not approved:
-                    await decide(self.client, run_id, "reject", DecisionInput(by=REVIEWER, reason="no step was asked for"))
+                    await decide(self.client, run_id, "reject",
+                                 DecisionInput(by=REVIEWER, reason="no step was asked for", decision_id=same))
                 else:
                     partial = approved if len(approved) < len(steps) else None
                     comment = "careful review: only the calls the request asked for"
-                    await decide(self.client, run_id, "approve", DecisionInput(by=REVIEWER, comment=comment, steps=partial))
-            except TetherError:
+                    await decide(self.client, run_id, "approve",
+                                 DecisionInput(by=REVIEWER, comment=comment, steps=partial, decision_id=same))
+            except TetherError as e:
                 # No worker answered (one killed and not yet replaced), or the run had moved on:
                 # look again, and decide again on what it then waits for.
+                if e.rule == "duplicate_decision" and same is not None:
+                    spent.add(same)
+                    facts.decided_again += 1
                 failures += 1
                 if failures > 60:
                     raise
@@ -380,14 +407,12 @@ class PipelinePlanned(BasePipelineElement):
               extra_args: dict = {}) -> tuple[str, FunctionsRuntime, Any, Sequence[Any], dict]:  # noqa: B006
         case = self.case(env)
         asked = self.user_task.ground_truth(env.model_copy(deep=True))
+        # Kept after the run: a reset of it plans again (the model's owner forgets it).
         self.model.register(self.run_id, case)
-        try:
-            future = asyncio.run_coroutine_threadsafe(
-                self.runner.run(self.run_id, self.suite.name, query, [], env, asked, self.on_started,
-                                planner=PIPELINE_PLANNER), self.runner.loop)
-            facts, post = future.result()
-        finally:
-            self.model.forget(self.run_id)
+        future = asyncio.run_coroutine_threadsafe(
+            self.runner.run(self.run_id, self.suite.name, query, [], env, asked, self.on_started,
+                            planner=PIPELINE_PLANNER), self.runner.loop)
+        facts, post = future.result()
         facts.planned = len(case.user_calls)
         facts.planned_writes = sum(effect_of(f) != "read_only" for f, _ in case.user_calls)
         facts.injected_steps = len(case.injection_calls) if case.obeyed else 0
