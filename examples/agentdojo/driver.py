@@ -1,5 +1,11 @@
 """AgentDojo cases as governed Tether runs, scored by AgentDojo's own runner.
 
+Two agents, both AgentDojo pipeline elements: ``TetherPipeline`` (below: the replayed plan) and
+``PipelinePlanned`` (a run whose planner is AgentDojo's own pipeline, examples/agentdojo/
+planner.py, its model the one that obeys every injection, examples/agentdojo/model.py). Both
+store the world, start the run, answer its approval requests as the governance says
+(``Runner.govern``) and give AgentDojo the calls that ran and the world they left.
+
 ``TetherPipeline`` is an AgentDojo pipeline element: AgentDojo's ``run_task_with_pipeline``
 loads the suite's environment (with the attack's injections), hands it to ``query``, and judges
 what comes back with the suite's own ``utility()`` and ``security()``. ``query`` does what a model
