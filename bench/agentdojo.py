@@ -36,6 +36,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -44,8 +45,6 @@ from typing import Any
 
 from bench.common import ROOT, _stop, bench_stack, free_port, machine_line, table
 
-
-_KEY_GIVEN = os.environ.get("TETHER_STATE_KEY_FILE")
 
 
 def cases(suite_names: list[str], user_limit: int | None, injection_limit: int | None) -> list[tuple[str, str, str | None]]:
@@ -216,10 +215,6 @@ async def run_config(config: str, todo: list[tuple[str, str, str | None]], concu
     from examples.fake_openai import FakeOpenAI
 
     governance = GOVERNANCES[config]
-    # bench_stack makes a key ring in its own temp dir and points this process at it: each
-    # configuration's stack makes its own.
-    if _KEY_GIVEN is None:
-        os.environ.pop("TETHER_STATE_KEY_FILE", None)
     workdir = out / (config if driver == "replayed" else f"{config}-{driver}")
     workdir.mkdir(parents=True, exist_ok=True)
     log = (workdir / "cases.jsonl").open("w")  # each case as it ends: a run stopped early keeps them
@@ -376,9 +371,8 @@ async def fault_pass(config: str, stack: Any, runner: Any, todo: list[tuple[str,
     for proc in workers[1:]:
         _stop(proc)
     (workdir / "resets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in resets))
-    (workdir / "fault-differences.json").write_text(json.dumps(differ, indent=1))
     done_resets = [r for r in resets if "point" in r and "error" not in r]
-    return {
+    summary = {
         "cases": len(rows), "seconds": time.monotonic() - began, "kills": len(kills),
         "in_flight_at_kills": kills, "errored": sum(r["state"] == "ERROR" for r in rows),
         "verdicts_equal": sum((r["utility"], r["security"]) == (by_case[_key(r)]["utility"], by_case[_key(r)]["security"])
@@ -393,6 +387,8 @@ async def fault_pass(config: str, stack: Any, runner: Any, todo: list[tuple[str,
         "reset_decided_again": sum(bool(r.get("decided_again")) for r in done_resets),
         "reset_changed": [r for r in done_resets if not (r.get("same_world") and r.get("same_writes"))],
     }
+    (workdir / "faults-summary.json").write_text(json.dumps(summary, indent=1))  # --report-only reads it
+    return summary
 
 
 def fault_section(config: str, f: dict[str, Any]) -> str:
@@ -427,6 +423,14 @@ async def main_async(args: argparse.Namespace) -> int:
     todo = cases(suite_names, args.user_tasks, args.injection_tasks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not os.environ.get("TETHER_STATE_KEY_FILE"):
+        # One key ring for every configuration's stack: this process verifies the runs' views
+        # with the ring it read first (tether.runs.public_keys), whichever stack it talks to.
+        from activities.keys import genkey
+
+        ring = Path(tempfile.mkdtemp(prefix="agentdojo-keys-")) / "state.key"
+        genkey(ring)
+        os.environ["TETHER_STATE_KEY_FILE"] = str(ring)
     print(f"AgentDojo v1 through Tether: {len(todo)} cases per configuration ({machine_line()})", flush=True)
     gt = ground_truth_utility(suite_names, args.user_tasks)
     sections = []
@@ -447,6 +451,8 @@ async def main_async(args: argparse.Namespace) -> int:
         elif args.report_only:  # what an earlier (maybe stopped) run wrote
             path = out / folder / "cases.jsonl"
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if (out / folder / "faults-summary.json").exists():
+                faulted = json.loads((out / folder / "faults-summary.json").read_text())
             todo = [c for c in todo if (c[0], c[1], c[2]) in {(r["suite"], r["user_task"], r["injection_task"]) for r in rows}]
         else:
             rows, faulted = await run_config(config, todo, args.concurrency, out, args.driver, faults)
