@@ -111,7 +111,9 @@ bench-scaling: $(STAMP)
 
 # AgentDojo's v1 suites (97 user tasks, 629 security cases) as governed Tether runs, for each
 # governance configuration (examples/agentdojo/policy.*.toml), judged by AgentDojo's own checks;
-# the report goes to .tether/agentdojo/report.md (BENCH_ARGS="--user-tasks 3" for a part).
+# the report goes to .tether/agentdojo/report.md (BENCH_ARGS="--user-tasks 3" for a part;
+# "--driver pipeline": AgentDojo's own agent pipeline plans; "--faults": then again with the
+# worker SIGKILLed at random and every run reset, compared with the fault-free run).
 bench-agentdojo: $(STAMP)
 	$(PY) -m compileall -q workflows activities examples
 	$(PY) -m bench.agentdojo $(BENCH_ARGS)

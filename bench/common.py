@@ -174,6 +174,20 @@ async def _wait_for(predicate, what: str, proc: subprocess.Popen, log: Path, tim
         await asyncio.sleep(0.1)
 
 
+async def start_worker(stack: Stack, log: Path) -> subprocess.Popen:
+    """A worker process on the stack's server and task queue, with its options, ready (the
+    stack's own, or another one: bench/agentdojo.py's faults start one after each kill)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.worker_proc", "--address", stack.address,
+         "--task-queue", stack.task_queue, "--tools", "bench.tools", *stack.worker_options],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
+    )
+    await _wait_for(lambda: "bench worker ready" in log.read_text(errors="replace"), "bench worker", proc, log, 60)
+    return proc
+
+
 @asynccontextmanager
 async def bench_stack(
     worker_args: Sequence[str] = (), *, dynamic_config: Sequence[str] = (), keep: bool = False
@@ -205,28 +219,16 @@ async def bench_stack(
                     raise SystemExit(f"dev server did not start:\n{server_log.read_text()[-3000:]}")
                 await asyncio.sleep(0.3)
         task_queue = f"bench-{os.getpid()}"
-        worker_log = workdir / "worker.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if not env.get("TETHER_STATE_KEY_FILE"):  # a worker never creates its key ring
+        if not os.environ.get("TETHER_STATE_KEY_FILE"):  # a worker never creates its key ring
             from activities.keys import genkey
 
-            env["TETHER_STATE_KEY_FILE"] = str(workdir / "state.key")
-            genkey(Path(env["TETHER_STATE_KEY_FILE"]))
+            genkey(workdir / "state.key")
             # This process verifies the views the worker signs (``listed_pending``) with it.
-            os.environ["TETHER_STATE_KEY_FILE"] = env["TETHER_STATE_KEY_FILE"]
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        worker_proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.worker_proc", "--address", address,
-             "--task-queue", task_queue, "--tools", "bench.tools", *worker_args],
-            stdout=worker_log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-            start_new_session=True,
-        )
-        await _wait_for(
-            lambda: "bench worker ready" in worker_log.read_text(errors="replace"),
-            "bench worker", worker_proc, worker_log, 60,
-        )
-        yield Stack(address, task_queue, client, server, worker_proc, workdir, list(worker_args), metrics_port,
-                    list(dynamic_config))
+            os.environ["TETHER_STATE_KEY_FILE"] = str(workdir / "state.key")
+        stack = Stack(address, task_queue, client, server, None, workdir, list(worker_args),  # type: ignore[arg-type]
+                      metrics_port, list(dynamic_config))
+        worker_proc = stack.worker = await start_worker(stack, workdir / "worker.log")
+        yield stack
     finally:
         if worker_proc is not None:
             _stop(worker_proc)

@@ -2,6 +2,7 @@
 
     python -m bench.worker_proc --address 127.0.0.1:PORT --task-queue Q [--tools bench.tools]
         [--option max_cached_workflows=2000] [--autoscale-pollers] [--peer] [--policy FILE]
+        [--planner NAME=MODULE:ATTR ...]
 
 Built with ``worker.create_worker`` (the same settings as a production worker), plus the bare
 baseline workflow on the same worker, task queue and activities, so both paths share one
@@ -24,6 +25,7 @@ from typing import Any
 
 from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
+from activities.planning import load_planners
 from activities.policy_file import PolicyStore
 from activities.tools import load_tool_modules
 from bench.bare import BareAgentLoop
@@ -66,7 +68,9 @@ async def serve(args: argparse.Namespace) -> None:
     client = await connect(target_host=args.address, namespace="default")
     options = parse_options(args.option, args.autoscale_pollers)
     # create_worker's configuration (its TetherPlugin), with the bare baseline next to AgentRun.
-    worker = create_worker(client, task_queue=args.task_queue, registry=registry, policy=policy, extra_workflows=[BareAgentLoop], **options)
+    planners = load_planners(args.planner)  # the built-in ones, and those named (bench/agentdojo.py's pipeline)
+    worker = create_worker(client, task_queue=args.task_queue, registry=registry, policy=policy, planners=planners,
+                           extra_workflows=[BareAgentLoop], **options)
     peer = await peer_worker(args, options) if args.peer else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -89,6 +93,8 @@ def main() -> None:
                         help="a Worker option as key=JSON value (repeatable)")
     parser.add_argument("--autoscale-pollers", action="store_true",
                         help="PollerBehaviorAutoscaling for workflow and activity pollers")
+    parser.add_argument("--planner", action="append", default=[],
+                        help="a planner runs may name, NAME=MODULE:ATTR (repeatable), as worker.py's")
     parser.add_argument("--peer", action="store_true",
                         help="also serve pydantic-ai's agents (bench/peer_agents.py, extra `bench`)")
     asyncio.run(serve(parser.parse_args()))

@@ -11,7 +11,10 @@ scripted fails fast with a clear reason instead of hanging in retries.
 
 The script file is a JSON list, one reply per model call: ``{"text": "..."}`` (a final answer),
 ``{"tool_calls": [{"name": "get_order", "args": {...}}, ...]}`` (a plan), or
-``{"error": 429, "message": "..."}``. In tests:
+``{"error": 429, "message": "..."}``. Or, instead of a script, ``respond``: a function of each
+request (``Recorded``) returning its reply, for a model that answers from the conversation it
+is sent (examples/agentdojo/model.py); it answers the script's replies when it returns None.
+In tests:
 
     with FakeOpenAI() as fake:
         fake.script(tool_calls(call("get_order", {"order_id": "A-1001"})), text("Done."))
@@ -32,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -103,7 +106,10 @@ def error(status: int, message: str, *, code: str | None = None, headers: dict[s
 
 
 class FakeOpenAI:
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, respond: Callable[[Recorded], Reply | None] | None = None,
+                 record: bool = True) -> None:
+        self._respond = respond
+        self._keep = record  # False: ``requests`` stays empty (a bench's thousands of calls)
         self._replies: deque[Reply] = deque()
         self._lock = threading.Lock()
         self.requests: list[Recorded] = []
@@ -119,11 +125,12 @@ class FakeOpenAI:
                     body: Any = json.loads(raw or b"null")
                 except json.JSONDecodeError:
                     body = raw.decode(errors="replace")
-                fake._record(Recorded("POST", self.path, {k.lower(): v for k, v in self.headers.items()}, body, time.monotonic()))
+                recorded = Recorded("POST", self.path, {k.lower(): v for k, v in self.headers.items()}, body, time.monotonic())
+                fake._record(recorded)
                 if self.path.rstrip("/") != "/v1/chat/completions":
                     reply = error(404, f"no route {self.path}")
                 else:
-                    reply = fake._next()
+                    reply = (fake._respond(recorded) if fake._respond else None) or fake._next()
                 self._send(reply)
 
             def do_GET(self) -> None:  # noqa: N802
@@ -165,6 +172,8 @@ class FakeOpenAI:
         return [r for r in self.requests if r.path.rstrip("/") == "/v1/chat/completions"]
 
     def _record(self, request: Recorded) -> None:
+        if not self._keep:
+            return
         with self._lock:
             self.requests.append(request)
 

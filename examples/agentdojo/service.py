@@ -16,7 +16,8 @@ Repeats are answered as the catalog's effect says (examples/agentdojo/catalog.py
   caller looks the first call up (``GET /runs/{run}/calls?key=K``);
 - a read: applied again (it changes nothing), its journal row replaced.
 
-``GET /runs/{run}/calls`` lists the journal in order: what ran, what it returned, what it wrote.
+``GET /runs/{run}/calls`` lists the journal in order: what ran, what it returned, what it wrote;
+``GET /runs/{run}`` says which suite the run's world is (the pipeline planner's tools).
 
 Stdlib plus AgentDojo. Run with::
 
@@ -154,6 +155,12 @@ class Worlds:
         self.cache[run] = (0, env)
         return 201, {"run": run, "suite": suite_name, "created": True}
 
+    def run(self, run: str) -> dict[str, Any]:
+        """Which suite a run's world is, without the world (a planner offers the suite's tools)."""
+        with closing(self.connect()) as conn:
+            row = self._run(conn, run)
+        return {"run": run, "suite": row["suite"], "version": row["version"]}
+
     def environment(self, run: str) -> dict[str, Any]:
         with closing(self.connect()) as conn:
             row = self._run(conn, run)
@@ -239,6 +246,8 @@ def dispatch(worlds: Worlds, method: str, path: str, headers: Any, raw: bytes) -
     if m := re.fullmatch(_RUN, parts.path):
         if method == "PUT":
             return worlds.put(unquote(m["run"]), body)
+        if method == "GET":
+            return 200, worlds.run(unquote(m["run"]))
     elif m := re.fullmatch(_RUN + "/environment", parts.path):
         if method == "GET":
             return 200, worlds.environment(unquote(m["run"]))
