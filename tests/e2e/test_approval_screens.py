@@ -15,13 +15,14 @@ import html
 import pytest
 import pytest_asyncio
 
-from tests.conftest import BIN, Billing
-from tests.e2e.conftest import SCREENSHOT_DIR, UiEnv
-from tests.e2e.test_webui import rendered
+from tests.helpers.billing import Billing
+from tests.helpers.paths import BIN
+from tests.helpers.browser import SCREENSHOT_DIR, UiEnv
+from tests.helpers.browser import rendered
 from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import Stack, inbox_stack
 from tests.helpers.terminal import in_terminal
-from tests.tether.test_why_beside_what import GOAL, a_model_looks_up_then_refunds
+from tests.helpers.demo_refund import GOAL, a_model_looks_up_then_refunds
 
 EXPECT_TIMEOUT_MS = 15_000
 SHOTS = SCREENSHOT_DIR / "screenshots"

@@ -41,6 +41,7 @@ from tests.helpers.waiting import wait_for_state
 from tests.helpers.browser import SCREENSHOT_DIR, UiEnv
 from workflows.run_state import RunOutcome
 from workflows.states import RunState
+from tests.helpers.browser import rendered
 
 WAITING_QUERY = 'AgentRunState="AWAITING_APPROVAL"'
 LOOKUP = [{"tool": "get_order", "args": {"order_id": "A-1001"}}]
@@ -248,11 +249,6 @@ async def eventually(page, check, message: str, tries: int = 3) -> None:
             if attempt == tries - 1:
                 raise AssertionError(f"{message}\n{e}") from None
             await page.reload()
-
-
-def rendered(page, panel: str):
-    """A User Metadata panel: the UI renders each markdown field in an iframe of its own."""
-    return page.frame_locator(f"#user-metadata-{panel}").locator("body")
 
 
 async def show_run_columns(page) -> None:

@@ -58,3 +58,8 @@ async def sign_in(page, stack: Stack, name: str) -> None:
     await page.goto(f"{stack.dev_url}/login")
     await page.click(f"#signin-{name}")
     await page.wait_for_url(f"{stack.dev_url}/")
+
+
+def rendered(page, panel: str):
+    """A User Metadata panel: the UI renders each markdown field in an iframe of its own."""
+    return page.frame_locator(f"#user-metadata-{panel}").locator("body")

@@ -5,14 +5,9 @@ it was judged. And a plan hash that matches no plan says so, without a hash to p
 
 from __future__ import annotations
 
-import asyncio
 import json
-from datetime import timedelta
 from pathlib import Path
 
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest
-from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
@@ -20,20 +15,7 @@ from tests.helpers.billing import Billing
 from tests.helpers.runs import running_worker, unique
 from tests.helpers.cli import Cli
 from tests.helpers.cli import POLICY, SMALL_REFUND
-
-
-async def a_poller_seen_just_now(env: WorkflowEnvironment, queue: str) -> None:
-    """What a worker that died a moment ago leaves: a poller Temporal saw seconds ago, so the
-    worker probe counts the queue served; nobody takes its tasks."""
-    client = env.client
-    try:
-        await client.workflow_service.poll_workflow_task_queue(
-            PollWorkflowTaskQueueRequest(namespace=client.namespace, task_queue=TaskQueue(name=queue), identity="gone"),
-            timeout=timedelta(seconds=3),
-        )
-    except RPCError:
-        pass  # no task to take (the run waits for a person): the poll ran out, as a dying worker's does
-    assert await tether_client.worker_serving(client, queue) is True
+from tests.helpers.pollers import a_poller_seen_just_now
 
 
 async def test_decisions_sent_with_the_runs_workers_stopped_are_pending_then_judged(

@@ -15,10 +15,11 @@ from collections import Counter
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from tests.conftest import Billing, make_request, running_worker, unique
+from tests.helpers.billing import Billing
+from tests.helpers.runs import make_request, running_worker, unique
 from tests.helpers.cli import Cli
-from tests.tether.test_approve_outcomes import a_poller_seen_just_now
-from tests.tether.test_cli import POLICY
+from tests.helpers.pollers import a_poller_seen_just_now
+from tests.helpers.cli import POLICY
 
 # A write that needs an approval, as often as the test approves it (an email: no balance runs out).
 EMAIL = [{"tool": "send_email", "args": {"to": "ada@example.com", "subject": "Your refund", "body": "Done."}}]

@@ -13,35 +13,14 @@ import pytest
 import pytest_asyncio
 
 import tether.client as tether_client
-from examples.fake_openai import FakeOpenAI, call, tool_calls
 from tests.helpers.paths import BIN
 from tests.helpers.runs import make_request
 from tests.helpers.cli import Cli
 from tests.helpers.inbox_stack import Stack, inbox_stack
 from tests.helpers.terminal import in_terminal
+from tests.helpers.demo_refund import GOAL, a_model_looks_up_then_refunds
 
-GOAL = "Refund order A-1001: the parcel arrived broken (ticket T-77)"
 REFUND = [{"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_cents": 7550, "reason": "broken"}}]
-
-
-async def a_model_looks_up_then_refunds(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The demo refund as a newcomer's model runs it: it looks order A-1001 up (a read: it runs
-    at once), then proposes a 49.99 EUR refund and an email; alice asked. Its run id, once it
-    waits on an approver and is listed so."""
-    with FakeOpenAI() as fake:
-        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
-        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-        fake.script(
-            tool_calls(call("get_order", {"order_id": "A-1001"})),
-            tool_calls(call("issue_refund", {"order_id": "A-1001", "amount_cents": 4999, "reason": "broken"}),
-                       call("send_email", {"to": "ada@example.com", "subject": "Your refund", "body": "Refunded."})),
-        )
-        run_id = await stack.start(requested_by="alice", goal=GOAL, planner="model", playbook=[])
-        await stack.wait(run_id, "AWAITING_APPROVAL")
-        await stack.visible(run_id)
-    return run_id
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -198,8 +177,8 @@ async def test_a_child_run_asking_its_own_approval_says_on_whose_behalf_everywhe
     page, `tether status` and the approve prompt say who asked on whose behalf: the root run
     (walked up from signed views), and the parent's goal."""
     from activities.policy import PolicyStore
-    from tests.conftest import approval_for, running_worker
-    from tests.workflows.test_delegation import started_child, writing_child, writing_delegation
+    from tests.helpers.runs import approval_for, running_worker
+    from tests.helpers.delegation import started_child, writing_child, writing_delegation
 
     async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(stack.policy)),
                               planners=writing_child("on-behalf")) as worker:
