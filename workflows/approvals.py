@@ -14,8 +14,9 @@ from workflows import policy
 from workflows import revision as revisions
 from workflows.budgets import DECISIONS_WINDOW, PROPOSAL_BYTES, REASON_CHARS, REVISIONS_KEPT, clip
 from workflows.commands import Call, Checkpoint, Wait
-from workflows.contract import DELEGATE, AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Revision, RevisionRequest
+from workflows.contract import DELEGATE, AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Plan, Revision, RevisionRequest
 from workflows.identity import same_person
+from workflows.plan_check import proposal_basis
 from workflows.run_model import Decision, DecisionKind, IllegalState, Program, RunFailed, RunModel, S, require
 from workflows.run_state import PendingApproval
 from workflows.states import Refs
@@ -145,6 +146,10 @@ class Approvals(RunModel):
                 proposal = Proposal(oversized_bytes=len(body), oversized_digest=hashlib.sha256(body.encode()).hexdigest())
             else:
                 proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
+            if self.ids_from_plan:
+                # The plan it revises and the revised steps: the same revision made again (a
+                # reset run, decided again under another decision id) asks with the same ids.
+                ids = self.ids(f"revision:{plan.plan_hash}:{proposal_basis(plan.version, proposal)}")
             self._revise(proposal, plain, actor, at, ids, why=f"plan revised by {plain.approver}: {decision.reason}")
             return
         refs = self._decided(Refs(plan_hash=plain.plan_hash, decision_id=plain.decision_id,
@@ -155,7 +160,10 @@ class Approvals(RunModel):
             return
         kept = policy.partial_steps(plain, plan)
         if kept is not None:
-            self._approve_part(plain, kept, actor, at, require(new_id, "a partial approval needs tool call ids"), verified)
+            ids = require(new_id, "a partial approval needs tool call ids")
+            if self.ids_from_plan:
+                ids = kept_ids(plan, kept, self.data.steps_executed)
+            self._approve_part(plain, kept, actor, at, ids, verified)
             return
         self._approve(plain, actor, at, refs)
 
@@ -446,6 +454,14 @@ def _accepted(decision: ApprovalDecision, at: datetime) -> AcceptedApproval:
 
 def _by_revisers(pending: PendingApproval, approvals: list[AcceptedApproval]) -> bool:
     return bool(pending.revisers) and all(any(same_person(a.approver, r) for r in pending.revisers) for a in approvals)
+
+
+def kept_ids(plan: Plan, kept: list[int], executed: int) -> Callable[[int], str]:
+    """The tool call ids of a partial approval's plan: each kept step keeps its own (validation
+    numbers the subset's steps after the ``executed`` ones), so a reset run approving the same
+    part again, under any decision id, writes under the same idempotency keys."""
+    ids = [plan.steps[n - 1].tool_call_id for n in kept]
+    return lambda n: ids[n - executed - 1]
 
 
 def _plain(decision: Decision) -> ApprovalDecision:

@@ -175,6 +175,32 @@ def test_partial_approval_is_a_revision_then_an_approval() -> None:
     assert data.not_approved == [] and run.engine.state == S.COMPLETED
 
 
+def test_a_part_approved_again_under_another_decision_id_writes_under_the_same_keys() -> None:
+    """A reset run approved again (its first decision id taken, or a new one sent): the steps a
+    partial approval keeps, and a revision's steps, keep the tool call ids (idempotency keys)
+    the first execution wrote under, whatever the decision's id."""
+    def partly_approved() -> list[str]:
+        run = waiting()
+        original = {s.tool: s.tool_call_id for s in run.engine.data.plan.steps}
+        run.decide("approve", approval(run, steps=[2, 1]), until=state_is(run, S.APPROVED))
+        ids = [s.tool_call_id for s in run.engine.data.plan.steps]
+        assert ids == [original["get_order"], original["issue_refund"]]
+        return ids
+
+    assert partly_approved() == partly_approved()
+
+    steps = [{"tool": "issue_refund", "args": {"order_id": "A-1001", "amount_cents": 100, "reason": "r"}}]
+
+    def revise(run: Scripted) -> list[str]:
+        version = run.engine.data.plan.version
+        run.decide("revise", revision(run, steps),
+                   until=lambda _: run.engine.data.plan.version > version and run.engine.state == S.AWAITING_APPROVAL)
+        return [s.tool_call_id for s in run.engine.data.plan.steps]
+
+    first, again = revise(waiting()), revise(waiting())
+    assert first == again and len(first) == 1
+
+
 def test_steps_that_are_not_in_the_plan_are_refused() -> None:
     run = waiting()
     plan = run.engine.data.plan

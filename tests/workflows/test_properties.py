@@ -198,7 +198,10 @@ class Driver:
         plan = e.data.plan
         if plan is not None:
             self.step_tools.update({s.tool_call_id: s.tool for s in plan.steps})
-            self.plans.update({s.tool_call_id: plan for s in plan.steps if s.tool_call_id not in self.plans})
+            # The plan a step runs under: the latest that holds it before it ran (a partial
+            # approval's plan keeps the steps it keeps, ids and all).
+            ran = {s.tool_call_id for s in e.data.executed}
+            self.plans.update({s.tool_call_id: plan for s in plan.steps if s.tool_call_id not in ran})
             if plan.plan_hash not in self.hashes_seen:
                 self.hashes_seen.append(plan.plan_hash)
         pending = e.data.pending_approval
