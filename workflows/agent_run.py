@@ -124,7 +124,7 @@ class AgentRun:
             self.effects.this_build = True
         elif workflow.patched(PREVIOUS_BUILD):
             self.effects.this_build = False
-            self.engine.ids_from_plan = False  # a decision's ids as that build made them
+            self.engine.this_build = False  # its decisions' and write attempts' ids as that build made them
         else:
             # Replaying a history an earlier build started: not ours to judge (the task fails,
             # the run waits for a worker of its own build).

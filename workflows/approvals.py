@@ -146,7 +146,7 @@ class Approvals(RunModel):
                 proposal = Proposal(oversized_bytes=len(body), oversized_digest=hashlib.sha256(body.encode()).hexdigest())
             else:
                 proposal = Proposal(steps=[ProposedStep(tool=s.tool, args=s.args) for s in decision.steps])
-            if self.ids_from_plan:
+            if self.this_build:
                 # The plan it revises and the revised steps: the same revision made again (a
                 # reset run, decided again under another decision id) asks with the same ids.
                 ids = self.ids(f"revision:{plan.plan_hash}:{proposal_basis(plan.version, proposal)}")
@@ -161,7 +161,7 @@ class Approvals(RunModel):
         kept = policy.partial_steps(plain, plan)
         if kept is not None:
             ids = require(new_id, "a partial approval needs tool call ids")
-            if self.ids_from_plan:
+            if self.this_build:
                 ids = kept_ids(plan, kept, self.data.steps_executed)
             self._approve_part(plain, kept, actor, at, ids, verified)
             return

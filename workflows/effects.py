@@ -277,9 +277,11 @@ class Effects(Publishing):
         if show:
             self.show()
         self.calls += 1
-        activity_id = f"{name}.{self.calls}.{self.execution_binding()}"
+        # This build's ids say so with ':' (keys.clockless); the previous build's replay with '.'.
+        sep = ":" if self.this_build else "."
+        activity_id = f"{name}{sep}{self.calls}{sep}{self.execution_binding()}"
         # What was asked, as it was sent (the run may change a model it holds meanwhile).
-        asked = keys.digest(arg) if attested else ""
+        asked = keys.digest(arg, activity_id=activity_id) if attested else ""
         try:
             result: T = await workflow.execute_activity(
                 name,

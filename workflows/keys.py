@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from workflows.contract import canonical_json, json_digest
 from workflows.wire import Capability, ToolCall, args_digest
@@ -257,11 +258,35 @@ def mint(
 # ----------------------------------------------------------------------------- attestations
 
 
-def _digest(model: BaseModel) -> str:
+def clockless(activity_id: str) -> bool:
+    """Whether an attestation for this activity covers its request without the request's clock
+    readings: so for every activity a run of this build schedules, whose id this build writes
+    with ``:`` (``plan:3:<seed digest>``, ``<tool call>:<calls>:<bounces>``). A task a worker
+    rebuilds can read another time than the task read live (a retried or speculative task's
+    events are written when it completes): a request built from ``workflow.now()`` would then
+    differ from the one the answer was attested over, and the rebuilt run refuse its own answer
+    as forged. The previous build's ids (``.``) keep covering the whole request."""
+    return ":" in activity_id
+
+
+def _digest(model: BaseModel, *, without_clock: bool = False) -> str:
     # The attestation itself is not part of what it covers.
     if "attestation" in type(model).model_fields:
         model = model.model_copy(update={"attestation": None})
-    return json_digest(model.model_dump(mode="json"))
+    if not without_clock:
+        return json_digest(model.model_dump(mode="json"))
+    return json_digest(to_jsonable_python(_no_clock(model.model_dump(mode="python"))))
+
+
+def _no_clock(value: Any) -> Any:
+    """The value with every datetime in it (at any depth) read as None."""
+    if isinstance(value, datetime):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_clock(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_clock(v) for v in value]
+    return value
 
 
 def attested_call(call: ToolCall) -> ToolCall:
@@ -271,9 +296,10 @@ def attested_call(call: ToolCall) -> ToolCall:
     return call.model_copy(update={"capability": None, "records": None})
 
 
-def digest(model: BaseModel) -> str:
-    """What an attestation says of a request or an answer: its sha256 (the attestation aside)."""
-    return _digest(model)
+def digest(model: BaseModel, *, activity_id: str = "") -> str:
+    """What an attestation says of a request or an answer: its sha256 (the attestation aside);
+    of a request to ``activity_id``, without its clock readings where ``clockless`` says so."""
+    return _digest(model, without_clock=clockless(activity_id))
 
 
 def attestation_fields(kind: str, workflow_id: str, activity_id: str, request: BaseModel | str, result: BaseModel) -> dict[str, Any]:
@@ -283,7 +309,7 @@ def attestation_fields(kind: str, workflow_id: str, activity_id: str, request: B
         "kind": kind,
         "workflow_id": workflow_id,
         "activity_id": activity_id,
-        "request": request if isinstance(request, str) else _digest(request),
+        "request": request if isinstance(request, str) else _digest(request, without_clock=clockless(activity_id)),
         "result": _digest(result),
     }
 

@@ -466,11 +466,13 @@ class RunModel(Phases):
     # A child run's ids derive from its parent's chain and step (set by the workflow for runs this
     # build started; a recorded history of an earlier build replays its own).
     child_ids: bool = False
-    # A decision's new plan version takes its tool call ids from the plans, never from the
-    # decision's id (a reset run decided again under another id would write again): a partial
-    # approval's steps keep theirs, a revision's derive from the plan it revises and its steps.
-    # False only for a run of the previous build (the workflow sets it), which replays its own.
-    ids_from_plan: bool = True
+    # This build started the run (False only for a run of the previous build, which replays as it
+    # ran; the workflow sets it). Its rules: a decision's new plan version takes its tool call ids
+    # from the plans, never from the decision's id (a reset run decided again under another id
+    # would write again): a partial approval's steps keep theirs, a revision's derive from the
+    # plan it revises and its steps; a write attempt's activity id says its attestation leaves
+    # the request's clock readings out (keys.clockless).
+    this_build: bool = True
     # Plan indexes of the steps the running RunGroup carries, in its order (for a cancel, and
     # the tree's children under way).
     group_running: list[int] | None = None

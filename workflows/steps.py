@@ -424,7 +424,8 @@ class Steps(RunModel):
             # Every write attempt carries a capability for exactly this call: the keyed re-check
             # under the current file allows it, then the run's own code mints it with the fleet
             # key. Nothing else can make a tool write.
-            activity_id = f"{call.tool_call_id}.{self.data.tool_calls}.{self.bounces}"
+            sep = ":" if self.this_build else "."  # keys.clockless: this build's ids say so
+            activity_id = f"{call.tool_call_id}{sep}{self.data.tool_calls}{sep}{self.bounces}"
             check = self.authority_check(from_step=self.data.next_step)
             verdict = None
             if check is not None:

@@ -32,6 +32,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from temporalio import workflow
@@ -291,3 +292,19 @@ async def conform(replayer: Any, history: WorkflowHistory, start: int, way: str)
         if reused and not _signalled(history, start):
             problems.append(f"the reset run asks with ids the original used: {reused}")
     return problems
+
+
+def recording_replayer(keys: Any = None) -> Any:
+    """A replayer holding the recordings' key ring (or ``keys``), its workflow code watched by
+    ``Recording``."""
+    from activities.keys import KeyRing
+    from tests.histories.record import RING
+    from worker import create_replayer
+
+    return create_replayer(keys=keys or KeyRing.from_env(str(RING)), interceptors=[Recording()])
+
+
+def load_recorded(path: Path) -> WorkflowHistory:
+    """A recorded history (tests/histories), under the workflow id it was recorded with."""
+    workflow_id = "history-continue_as_new" if path.stem == "continued" else f"history-{path.stem}"
+    return WorkflowHistory.from_json(workflow_id, path.read_text())

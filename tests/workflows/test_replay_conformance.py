@@ -28,7 +28,7 @@ from temporalio.testing import WorkflowEnvironment
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import wait_for_state
-from tests.helpers.conformance import WAYS, Recording, conform, ours_from_the_start, task_starts
+from tests.helpers.conformance import WAYS, conform, load_recorded as _load, ours_from_the_start, recording_replayer as _replayer, task_starts
 from tests.histories.record import shapes, steps
 from workflows.effects import Effects
 from workflows.engine import Engine
@@ -36,19 +36,6 @@ from workflows.run_state import RunSnapshot
 
 HERE = Path(__file__).resolve().parents[1] / "histories"
 HISTORIES = sorted(HERE.glob("*.json"))
-
-
-def _replayer(keys: Any = None) -> Any:
-    from activities.keys import KeyRing
-    from tests.histories.record import RING
-    from worker import create_replayer
-
-    return create_replayer(keys=keys or KeyRing.from_env(str(RING)), interceptors=[Recording()])
-
-
-def _load(path: Path) -> WorkflowHistory:
-    workflow_id = "history-continue_as_new" if path.stem == "continued" else f"history-{path.stem}"
-    return WorkflowHistory.from_json(workflow_id, path.read_text())
 
 
 async def _problems(history: WorkflowHistory, keys: Any = None, ways: tuple[str, ...] = WAYS) -> list[str]:
