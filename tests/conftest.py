@@ -27,7 +27,13 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from temporalio.service import RPCError
+# A decision, cancel or compensation waits for the run's verdict (TETHER_VERDICT_TIMEOUT, 10 s
+# for a person at a terminal), then says it is pending. The suite waits for the verdict itself,
+# bounded only against a hang: a busy machine, or a worker rebuilding the run from history on
+# every task (`make test-replay`), only takes longer. Tests of the pending answer set their own.
+os.environ.setdefault("TETHER_VERDICT_TIMEOUT", "300")
+
+from temporalio.service import RPCError  # noqa: E402
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
@@ -416,8 +422,10 @@ async def timeline(handle: WorkflowHandle) -> list[TransitionRecord]:
     return await handle.query("timeline", result_type=list[TransitionRecord])
 
 
-async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 20.0) -> RunSnapshot:
-    """Poll the snapshot query until the run is in one of ``states`` (real time)."""
+async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 120.0) -> RunSnapshot:
+    """Poll the snapshot query until the run is in one of ``states``; ``timeout`` (real time)
+    bounds only a hang: a busy machine, or a worker rebuilding every run from history on every
+    task (`make test-replay`), only waits longer."""
     import asyncio
 
     loop = asyncio.get_running_loop()
