@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from temporalio.testing import WorkflowEnvironment
+
+# A decision, cancel or compensation waits for the run's verdict (TETHER_VERDICT_TIMEOUT, 10 s
+# for a person at a terminal), then says it is pending. The suite waits for the verdict itself,
+# bounded only against a hang: a busy machine, or a worker rebuilding the run from history on
+# every task (`make test-replay`), only takes longer. Tests of the pending answer set their own.
+os.environ.setdefault("TETHER_VERDICT_TIMEOUT", "300")
+
+from temporalio.testing import WorkflowEnvironment  # noqa: E402
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
 from examples.billing.db import SEED_ORDERS

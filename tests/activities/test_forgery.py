@@ -91,7 +91,7 @@ async def test_a_rogue_worker_answering_recovery_source_makes_no_undo(dev_env: W
         else:
             raise AssertionError("the rogue never answered recovery_source")
     finally:
-        rogue.kill()
+        rogue.terminate()
         rogue.wait()
     async with running_worker(client, task_queue=queue):
         message = await task_failure(client, compensation.id, "forgery")

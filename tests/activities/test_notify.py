@@ -43,6 +43,10 @@ class Receiver:
         self.raw: list[tuple[bytes, dict[str, str]]] = []
         self.refused: list[str] = []
         self.hits = 0
+        self.answered = 0
+        # Once ``hold()`` is called, each POST is kept unanswered until ``release()``.
+        self._open = threading.Event()
+        self._open.set()
         seen: set[str] = set()
         outer = self
 
@@ -50,6 +54,7 @@ class Receiver:
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.hits += 1
+                outer._open.wait()
                 if status is not None:
                     return self._answer(status)
                 ts = self.headers.get("X-Tether-Request-Timestamp", "")
@@ -66,6 +71,7 @@ class Receiver:
                 self._answer(200)
 
             def _answer(self, code: int) -> None:
+                outer.answered += 1
                 self.send_response(code)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -77,7 +83,14 @@ class Receiver:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     def close(self) -> None:
+        self.release()
         self.server.shutdown()
         self.server.server_close()
 
@@ -124,6 +137,9 @@ async def signed_events_and_a_dead_webhook(
     ts_env: WorkflowEnvironment, tmp_path: Path, receivers: tuple[Receiver, Receiver], server: str
 ) -> None:
     good, dead = receivers
+    # Every delivery to the dead webhook stays unanswered until the run's steps are done: they
+    # cannot have waited for it.
+    dead.hold()
     (tmp_path / "ops.secret").write_text(f"  {SECRET}\n")
     policy = tmp_path / "policy.toml"
     policy.write_text(
@@ -163,7 +179,7 @@ async def signed_events_and_a_dead_webhook(
         assert post(good.url, body.replace(b"AWAITING", b"APPROVED_"), sent) == 401
         assert good.refused == ["replay", "bad_signature"]
 
-        # The dead webhook is being retried meanwhile; the run does not wait for it.
+        # The dead webhook's delivery is held meanwhile; the run does not wait for it.
         decided = time.monotonic()
         verdict = await handle.execute_update(
             "decide", {"kind": "approve", **approval_for(snap, "bob").model_dump(exclude_none=True)},
@@ -172,16 +188,18 @@ async def signed_events_and_a_dead_webhook(
         assert verdict.state == S.APPROVED
         done = await wait_for_state(handle, "COMPLETED")
         ran = time.monotonic() - decided
+        assert done.step == 2 and dead.hits >= 1 and dead.answered == 0, (
+            f"the steps waited for the webhook ({dead.hits} deliveries, {dead.answered} answered)")
+        # Answered now (500, or the attempt's own deadline had passed): the run's result comes
+        # once the notification has been retried with backoff and given up.
+        dead.release()
         outcome = await run_outcome(handle)
         ended = time.monotonic() - decided
         await replays(handle)  # the notify activities started alongside the run replay too
-    assert done.step == 2 and ran < 2.0, f"the steps waited for the webhook: {ran:.2f}s"
-    # Backoff 0.5 + 1 + 2 s (skipped on the time-skipping server), then the run's result.
-    assert ended < 8.0, f"the end waited past the webhook's backoff: {ended:.2f}s"
     print(f"\n[{server}] approve -> COMPLETED {ran:.2f}s, -> result {ended:.2f}s")
     assert dead.hits == 4, "retried with backoff, then given up"
     [failed] = [r for r in outcome.timeline if r.kind == "notify_failed"]
-    assert failed.rule == "awaiting_approval" and "pager (http_500)" in failed.reason
+    assert failed.rule == "awaiting_approval" and ("pager (http_500)" in failed.reason or "pager (timeout)" in failed.reason), failed.reason
     assert len(good.events) == 1, "one delivery per event, however often the other webhook was retried"
     check_timeline(outcome.timeline, tools_by_call(outcome))
 

@@ -6,7 +6,7 @@ what it likes: the void of another run's refund. It cannot reach the billing ser
 
     python -m tests.helpers.rogue_worker ADDRESS NAMESPACE QUEUE FLEET_KEY_ID FORGED_SOURCE_JSON
 
-It prints "ready" once polling, and runs until killed.
+It prints "ready" once polling, and runs until stopped (SIGTERM).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
 import sys
 
 from temporalio import activity
@@ -42,9 +43,14 @@ async def main(address: str, namespace: str, queue: str, fleet_kid: str, forged:
 
     client = await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
     worker_module.RecoveryActivities = Forging  # type: ignore[misc]  (the rogue's own build)
+    # Stopped by SIGTERM as a worker is: the workflow task in its hands is finished first, so the
+    # next one reaches the honest worker as a first attempt, whose failure history records (a
+    # task killed in its hands times out, and Temporal records no failure of a later attempt).
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     async with create_worker(client, task_queue=queue, keys=ring):
         print("ready", flush=True)
-        await asyncio.Event().wait()
+        await stop.wait()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ from tests.helpers.queries import snapshot
 from workflows.run_state import RunSnapshot, RunView
 
 
-async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 20.0) -> RunSnapshot:
-    """Poll the snapshot query until the run is in one of ``states`` (real time)."""
+async def wait_for_state(handle: WorkflowHandle, *states: str, timeout: float = 120.0) -> RunSnapshot:
+    """Poll the snapshot query until the run is in one of ``states``; ``timeout`` (real time)
+    bounds only a hang: a busy machine, or a worker rebuilding every run from history on every
+    task (`make test-replay`), only waits longer."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

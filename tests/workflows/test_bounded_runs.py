@@ -439,7 +439,8 @@ async def task_failures(client, run_id: str) -> list[str]:
             failed = event.workflow_task_failed_event_attributes
             if (event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
                     and failed.cause != WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND):
-                found.append(f"{run} event {event.event_id}: {event.workflow_task_failed_event_attributes.failure.message[:300]}")
+                found.append(f"{run} event {event.event_id} ({WorkflowTaskFailedCause.Name(failed.cause)}): "
+                             f"{failed.failure.message[:300]}")
         replayed = await replayer.replay_workflow(history, raise_on_replay_failure=False)
         if replayed.replay_failure is not None:
             found.append(f"{run} does not replay: {str(replayed.replay_failure)[:300]}")

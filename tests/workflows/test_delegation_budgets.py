@@ -406,7 +406,13 @@ async def test_compensate_of_a_root_undoes_the_writes_of_its_children_it_did_not
         await child.signal("approve", approval_for(child_snap, "bob"))
         await wait_for_state(child, "COMPLETED", timeout=60)
         assert len(refunds_with(billing, reason)) == 1
-        root = await status(client, handle.id)
+        # The parent's status reads the tree from what each run published: the child's end is
+        # published once the audit sink has its records, after its query says COMPLETED.
+        for _ in range(3000):  # bounded only against a hang
+            root = await status(client, handle.id)
+            if root.tree and root.tree[0].state == S.COMPLETED:
+                break
+            await asyncio.sleep(0.1)
         started_undo = await tether_client.compensate_tree(client, handle.id, by="carol", queue=worker.task_queue)
         undos = [await wait_for_state(h, "COMPENSATED", "AWAITING_APPROVAL", "HANDED_OFF", "FAILED", timeout=60)
                  for h in started_undo]
