@@ -75,7 +75,7 @@ dev-server: $(STAMP)
 
 # A worker in the foreground (Ctrl-C stops it cleanly).
 worker: $(STAMP)
-	$(PY) -m activities.keys genkey --if-missing $${TETHER_STATE_KEY_FILE:-.tether/state.key} >/dev/null
+	$(PY) -m tether.store.keys genkey --if-missing $${TETHER_STATE_KEY_FILE:-.tether/state.key} >/dev/null
 	TEMPORAL_ADDRESS=$${TEMPORAL_ADDRESS:-127.0.0.1:7233} $(PY) worker.py --policy $${TETHER_POLICY:-examples/billing/policy.toml}
 
 # The approvers' web inbox in the foreground, with the dev sign-in on 127.0.0.1 (docs/inbox.md);

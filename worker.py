@@ -7,7 +7,7 @@ configured tool modules.
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); the defaults are localhost:7233 and
 namespace ``default``. Payload encryption: set ``TETHER_ENCRYPTION_KEY_FILE`` (see
-``activities/codec.py``).
+``tether/store/codec.py``).
 """
 
 from __future__ import annotations
@@ -28,22 +28,22 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities.audit import AuditActivities
-from activities.audit_collector import AuditCollector
-from activities.codec import EncryptionCodec
-from activities.keys import KeyRing, KeyRingError
-from activities.mcp_catalog import start_servers
-from activities.mcp_config import McpConfigError, config_from_env
-from activities.metrics import policy_info, prometheus_runtime, tracing_interceptors
+from tether.audit.collector import AuditCollector
+from tether.store.codec import EncryptionCodec
+from tether.store.keys import KeyRing, KeyRingError
+from tether.tools.mcp_catalog import start_servers
+from tether.tools.mcp_config import McpConfigError, config_from_env
+from tether.metrics import policy_info, prometheus_runtime, tracing_interceptors
 from activities.notify import NotifyActivities
-from activities.judgements import ProposedPolicy, log_from_env
-from activities.policy import PolicyActivities
-from activities.policy_file import PolicyFileError, PolicyStore, check_policy_file
+from tether.policy.judgements import ProposedPolicy, log_from_env
+from activities.policy_checks import PolicyActivities
+from tether.policy.files import PolicyFileError, PolicyStore, check_policy_file
 from activities.recovery import RecoveryActivities
-from activities.loading import LoadError
-from activities.planning import Planner, load_planners
+from tether.loading import LoadError
+from tether.planners.planning import Planner, load_planners
 from activities.setup import SetupActivities
-from activities.tools import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
-from activities.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
+from tether.tools.sdk import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
+from tether.store.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
 from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
 from tether.pollers import live_pollers, tools_mark
 from tether.plugin import WORKFLOW_RUNNER, TetherPlugin, create_replayer  # noqa: F401  (create_replayer: named here too)
@@ -99,7 +99,7 @@ def create_worker(
     # the activities attest their answers and verify capabilities.
     keys = keys or KeyRing.from_env()
     # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR), and the effect ledger beside it: each
-    # write and each undo is started at most once, whichever run asks (activities/effect_ledger.py).
+    # write and each undo is started at most once, whichever run asks (tether/store/effect_ledger.py).
     audit = audit or AuditActivities()
     ledger = ledger_for(audit.sink, new_ledger=new_ledger)
     rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
@@ -160,7 +160,7 @@ def create_worker(
 
 
 # A worker's identity ends with the effect ledger it keeps: `` ledger=ID`` (a local one's id,
-# activities/effect_ledger.local_ledger_id) or `` ledger=shared`` (the fleet's PostgreSQL).
+# tether/store/effect_ledger.local_ledger_id) or `` ledger=shared`` (the fleet's PostgreSQL).
 LEDGER_MARK = " ledger="
 
 

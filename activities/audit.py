@@ -1,14 +1,14 @@
 """The audit activities: every timeline record, in order, into the audit sink.
 
 **Audit sink.** The workflow keeps a bounded window of its timeline (workflows/budgets.py); every
-record also goes to the sink (activities/audit_sink.py: JSON lines or PostgreSQL), in order,
+record also goes to the sink (tether/audit/sink.py: JSON lines or PostgreSQL), in order,
 through the activity ``audit_append``, or along with a write (``execute_tool`` takes the run's
 packed records and writes them here first: ``AuditActivities.write``), or, for a run's last
-records, through the worker's audit collector (activities/audit_collector.py), which writes
+records, through the worker's audit collector (tether/audit/collector.py), which writes
 what the run left with its end view once the run has closed. Records are keyed by workflow id,
 **run id** and ``seq``; appends are idempotent per stream: a retried or repeated batch never
 writes a record twice. Only the run's own records, signed by the fleet for that run, are
-written (activities/audit_verify.py); anything else is refused whole.
+written (tether/audit/verify.py); anything else is refused whole.
 
 A sink that cannot write raises ``audit_sink_unavailable``; ``audit_append`` tries a few times
 in quick succession, then the workflow shows the error on the run and retries on a backoff
@@ -25,16 +25,16 @@ from typing import Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.audit_sink import SINK_FAILURES, AuditSink, sink_from_env
-from activities.audit_verify import RECORDS_REFUSED, batch_problem
-from activities.postgres import cause as db_cause
+from tether.audit.sink import SINK_FAILURES, AuditSink, sink_from_env
+from tether.audit.verify import RECORDS_REFUSED, batch_problem
+from tether.store.postgres import cause as db_cause
 from workflows.wire import RECORD_UNVERIFIED, SINK_UNAVAILABLE, AuditAck, AuditBatch
 from workflows.states import with_links
 
-# What moved to activities/audit_sink.py and activities/audit_verify.py, at its old import path
+# What moved to tether/audit/sink.py and tether/audit/verify.py, at its old import path
 # for one release (client.py and starter.py import it from here): import it from its own module.
-from activities.audit_sink import merge_timeline  # noqa: F401
-from activities.audit_verify import verify_streams  # noqa: F401
+from tether.audit.sink import merge_timeline  # noqa: F401
+from tether.audit.verify import verify_streams  # noqa: F401
 
 log = logging.getLogger("tether.audit")
 

@@ -39,7 +39,7 @@ from urllib.parse import quote, urlsplit
 
 from temporalio import activity
 
-from activities.policy_file import PolicyStore
+from tether.policy.files import PolicyStore
 from workflows.display import escape_text
 from workflows.policy_file import Webhook
 from workflows.wire import Notification, NotificationResult

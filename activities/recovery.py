@@ -12,8 +12,8 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.keys import KeyRing, attest
-from activities.effect_ledger import EffectLedger, LedgerEntry, LedgerUnavailable
+from tether.store.keys import KeyRing, attest
+from tether.store.effect_ledger import EffectLedger, LedgerEntry, LedgerUnavailable
 from workflows.contract import CompensationCall
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal
 from workflows.run_state import RunSnapshot
@@ -23,7 +23,7 @@ class RecoveryActivities:
     def __init__(self, client: Client, keys: KeyRing, ledger: EffectLedger | None = None) -> None:
         self.client = client
         self.keys = keys  # attests the answer: a keyless poller cannot say what gets undone
-        self.ledger = ledger  # what any run already undid, or started (activities/effect_ledger.py)
+        self.ledger = ledger  # what any run already undid, or started (tether/store/effect_ledger.py)
 
     @activity.defn(name="recovery_source")
     async def recovery_source(self, request: RecoveryRequest) -> RecoverySource:

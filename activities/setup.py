@@ -1,7 +1,7 @@
 """``run_setup``: what a run snapshots as it starts, in one activity.
 
-The tool catalog (activities/tools.py) and the tenant's policy with the start's signature check
-(activities/policy.py), answered together (one activity instead of two) and attested with the
+The tool catalog (tether/tools/sdk.py) and the tenant's policy with the start's signature check
+(activities/policy_checks.py), answered together (one activity instead of two) and attested with the
 fleet key: validation and every policy decision of the run rest on it. A run that plans takes
 it with its first planner call (``plan`` here wraps the planner activity).
 """
@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import planning
-from activities.keys import KeyRing, attest
-from activities.policy import PolicyActivities
-from activities.tools import ToolActivities
+from tether.planners import planning
+from tether.store.keys import KeyRing, attest
+from activities.policy_checks import PolicyActivities
+from tether.tools.sdk import ToolActivities
 from workflows.contract import ToolCatalog
 from workflows.plan_check import check_digest, first_check, proposes_writes
 from workflows.wire import PlanJudged, PlannerInput, Proposal, RunSetup, SnapshotRequest

@@ -426,7 +426,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if not os.environ.get("TETHER_STATE_KEY_FILE"):
         # One key ring for every configuration's stack: this process verifies the runs' views
         # with the ring it read first (tether.runs.public_keys), whichever stack it talks to.
-        from activities.keys import genkey
+        from tether.store.keys import genkey
 
         ring = Path(tempfile.mkdtemp(prefix="agentdojo-keys-")) / "state.key"
         genkey(ring)

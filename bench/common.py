@@ -220,7 +220,7 @@ async def bench_stack(
                 await asyncio.sleep(0.3)
         task_queue = f"bench-{os.getpid()}"
         if not os.environ.get("TETHER_STATE_KEY_FILE"):  # a worker never creates its key ring
-            from activities.keys import genkey
+            from tether.store.keys import genkey
 
             genkey(workdir / "state.key")
             # This process verifies the views the worker signs (``listed_pending``) with it.

@@ -1,4 +1,4 @@
-"""What the effect ledger costs a write (activities/effect_ledger.py): the CPU of the claim and
+"""What the effect ledger costs a write (tether/store/effect_ledger.py): the CPU of the claim and
 the settle that ``execute_tool`` adds to every write, against a write step's worker CPU.
 
 The ledger's part is measured on its own, in this process, on a SQLite ledger in a fresh folder
@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from activities.effect_ledger import LEDGER_FILE, SqliteEffectLedger
-from activities.tools import bounded_observation
+from tether.store.effect_ledger import LEDGER_FILE, SqliteEffectLedger
+from tether.tools.sdk import bounded_observation
 
 GOAL = 0.10
 

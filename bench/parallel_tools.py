@@ -7,7 +7,7 @@ import asyncio
 
 from pydantic import BaseModel, Field
 
-from activities.tools import ToolContext, tool
+from tether.tools.sdk import ToolContext, tool
 from workflows.contract import ToolEffect
 
 

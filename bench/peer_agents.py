@@ -34,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-    from activities.tools import ToolContext
+    from tether.tools.sdk import ToolContext
     from bench.tool_bodies import KeyArgs, read_value
 
 

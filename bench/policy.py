@@ -10,7 +10,7 @@ refusal), and a 3-step plan's pre-write check (``review_plan`` against the activ
 ``judge_writes``: Cedar's ``auto_approve`` and ``execute_write`` on every step).
 
 Every request is a new one: no answer is remembered. What is cached is what does not change
-between decisions (activities/cedar.py): the parsed policy set per policy hash, a tenant's people
+between decisions (tether/policy/cedar.py): the parsed policy set per policy hash, a tenant's people
 and a plan's runtime, parsed once per version of the tenant's rules; each decision's own entities
 (its run, its steps) are built and parsed each time. The "uncached" rows are the path before that:
 the policy text parsed, and the entities built and parsed whole, on every call.
@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from activities import cedar
-from activities.policy import judge_decision, judge_writes
-from activities.policy_file import parse_policy
+from tether.policy import cedar
+from activities.policy_checks import judge_decision, judge_writes
+from tether.policy.files import parse_policy
 from bench.common import machine_line, table
 from workflows import policy
 from workflows.contract import ApprovalDecision, Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo

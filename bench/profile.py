@@ -30,7 +30,7 @@ BUCKETS: list[tuple[str, tuple[str, ...]]] = [
     ("policy / catalog / carryover local activities",
      ("PolicyActivities", "SetupActivities", "tool_catalog", "carryover_seal", "carryover_verify")),
     ("tool activity body", ("ToolActivities.execute_tool", "peer_agents.py")),
-    ("planner activity body", ("activities/planning.py", "pydantic_ai/models/function.py")),
+    ("planner activity body", ("tether/planners/planning.py", "pydantic_ai/models/function.py")),
     ("sandbox: a new workflow instance (module re-import)", ("_Instance.__init__", "_create_workflow_instance")),
     ("workflow code (workflows/*.py, bench/bare.py)", ("workflows/", "bench/bare.py")),
     ("payload visiting and converter per activation",

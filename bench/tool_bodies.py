@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from activities.tools import ToolContext
+from tether.tools.sdk import ToolContext
 
 
 class KeyArgs(BaseModel):

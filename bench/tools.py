@@ -5,7 +5,7 @@ bodies are in bench/tool_bodies.py.
 
 from __future__ import annotations
 
-from activities.tools import tool
+from tether.tools.sdk import tool
 from bench.tool_bodies import read_value, write_value
 from workflows.contract import ToolEffect
 

@@ -25,9 +25,9 @@ from typing import Any
 
 from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
-from activities.planning import load_planners
-from activities.policy_file import PolicyStore
-from activities.tools import load_tool_modules
+from tether.planners.planning import load_planners
+from tether.policy.files import PolicyStore
+from tether.tools.sdk import load_tool_modules
 from bench.bare import BareAgentLoop
 from tether.client import connect
 from worker import create_worker

@@ -105,7 +105,7 @@ def dev_server_command(
     for key in SEARCH_ATTRIBUTES:
         cmd += ["--search-attribute", f"{key.name}=Keyword"]
     if os.environ.get("TETHER_ENCRYPTION_KEY_FILE"):
-        # Payloads are encrypted: the UI asks the codec server (`python -m activities.codec`,
+        # Payloads are encrypted: the UI asks the codec server (`python -m tether.store.codec`,
         # started by `make dev-server`) to decode them for the person looking.
         codec_port = os.environ.get("TETHER_CODEC_PORT", "8081")
         cmd += ["--ui-codec-endpoint", f"http://127.0.0.1:{codec_port}"]
@@ -168,7 +168,7 @@ SERVICES = {
     # Only with payload encryption on: lets the Web UI decode payloads for the person looking.
     "codec": Service(
         "codec",
-        lambda: [sys.executable, "-m", "activities.codec", "--port", str(CODEC_PORT),
+        lambda: [sys.executable, "-m", "tether.store.codec", "--port", str(CODEC_PORT),
                  "--key-file", str(KEY_FILE),
                  "--origin", f"http://localhost:{UI_PORT}", "--origin", f"http://127.0.0.1:{UI_PORT}"],
         lambda: port_open(CODEC_PORT),
@@ -346,7 +346,7 @@ def start(service: Service) -> None:
     STATE_DIR.mkdir(exist_ok=True)
     if service.name.endswith("worker"):
         # The dev stack's one key ring (workers never create one): made here once, shared.
-        from activities.keys import DEFAULT_STATE_KEY, KEY_SETTING, genkey
+        from tether.store.keys import DEFAULT_STATE_KEY, KEY_SETTING, genkey
 
         genkey(ROOT / os.environ.get(KEY_SETTING, DEFAULT_STATE_KEY), if_missing=True)
     env = {**os.environ, "BILLING_URL": f"http://127.0.0.1:{BILLING_PORT}",

@@ -55,7 +55,7 @@ def audit_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session", autouse=True)
 def state_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The fleet key ring of the workers built in tests (a worker never creates one)."""
-    from activities.keys import KEY_SETTING, genkey
+    from tether.store.keys import KEY_SETTING, genkey
 
     path = tmp_path_factory.mktemp("keys") / "state.keys"
     genkey(path)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         task_queue,
     )
     from tether.plugin import TetherPlugin, create_replayer
-    from activities.tools import ToolContext, ToolError, tool
+    from tether.tools.sdk import ToolContext, ToolError, tool
     from workflows.contract import ToolEffect
 
 __all__ = [
@@ -64,7 +64,7 @@ __all__ = [
 _CONNECTION = ("DEFAULT_TASK_QUEUE", "OK", "PENDING", "REFUSED", "USAGE", "TetherError", "UsageError", "Refused",
                "Pending", "NoWorker", "Unreachable", "connect", "deployment_name", "task_queue")
 # What a tool author imports, and where it lives (loaded on first use, as the worker's parts are).
-_TOOLS = {"tool": "activities.tools", "ToolContext": "activities.tools", "ToolError": "activities.tools",
+_TOOLS = {"tool": "tether.tools.sdk", "ToolContext": "tether.tools.sdk", "ToolError": "tether.tools.sdk",
           "ToolEffect": "workflows.contract"}
 
 

@@ -14,7 +14,7 @@ codes, and the names of the task queue and the Worker Deployment.
 Connection settings come from Temporal's environment configuration (TEMPORAL_ADDRESS,
 TEMPORAL_NAMESPACE, TLS and API-key variables, profiles); where they name no server, from the
 checkout's own dev stack (``.tether/stack.json``, ``examples/devstack.py``); payload encryption
-from ``TETHER_ENCRYPTION_KEY_FILE`` (``activities/codec.py``).
+from ``TETHER_ENCRYPTION_KEY_FILE`` (``tether/store/codec.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from temporalio.client import Client
 from temporalio.envconfig import ClientConfig
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.codec import KeyFileError, data_converter_from_env
+from tether.store.codec import KeyFileError, data_converter_from_env
 
 OK, REFUSED, USAGE, PENDING = 0, 1, 2, 3
 DEFAULT_TASK_QUEUE = "tether"
@@ -165,7 +165,7 @@ async def connect(**overrides: Any) -> Client:
     """Connect with Temporal's environment configuration and Tether's data converter.
 
     The converter is pydantic's; when ``TETHER_ENCRYPTION_KEY_FILE`` names a key file it also
-    encrypts every payload and failure message (``activities/codec.py``). Overrides (target_host,
+    encrypts every payload and failure message (``tether/store/codec.py``). Overrides (target_host,
     namespace, runtime, interceptors, data_converter, ...) go to ``Client.connect``. A server
     that cannot be reached raises :class:`TetherError` naming the address and the cause.
     """

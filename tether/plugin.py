@@ -24,9 +24,9 @@ from temporalio.plugin import SimplePlugin
 from temporalio.worker import Replayer, Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities.audit_collector import AuditCollector
-from activities.codec import data_converter_from_env
-from activities.keys import KeyRing, KeyRingInterceptor
+from tether.audit.collector import AuditCollector
+from tether.store.codec import data_converter_from_env
+from tether.store.keys import KeyRing, KeyRingInterceptor
 from workflows.agent_run import AgentRun
 
 PLUGIN_NAME = "tether.TetherPlugin"

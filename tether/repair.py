@@ -280,8 +280,8 @@ async def _tool_effects(description: Any) -> dict[str, str]:
         view = None
     if view is not None:
         return {t.name: t.effect.value for t in view.snapshot.tools}
-    from activities.loading import LoadError
-    from activities.tools import REGISTRY, load_tool_modules
+    from tether.loading import LoadError
+    from tether.tools.sdk import REGISTRY, load_tool_modules
 
     modules = os.environ.get("TETHER_TOOLS", "examples.billing.tools").split(",")
     try:

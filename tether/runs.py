@@ -32,7 +32,7 @@ def public_keys() -> Any:
     verifies a view or a record; TetherError naming the setting when there are none."""
     global _PUBLIC_KEYS
     if _PUBLIC_KEYS is None:
-        from activities.keys import KeyRingError, PublicKeys
+        from tether.store.keys import KeyRingError, PublicKeys
 
         try:
             _PUBLIC_KEYS = PublicKeys.from_env()
@@ -59,7 +59,7 @@ async def published_view(description: Any) -> RunView | None:
 def verified_view(description: Any, view: RunView, what: str) -> RunView:
     """``view`` when the fleet's key signed it for the run ``description`` names, else
     ViewUnverified (``what``: which view, for the message; "" for the published one)."""
-    from activities.audit_verify import view_problem
+    from tether.audit.verify import view_problem
 
     try:
         why = view_problem(public_keys(), description.id, description.run_id, view)

@@ -217,7 +217,7 @@ class ToolInfo(BaseModel):
     effect: ToolEffect
     requires_approval: bool
     args_schema: dict[str, Any]
-    # The tool decorator's defaults (activities/tools.py): a snapshot leaves them out.
+    # The tool decorator's defaults (tether/tools/sdk.py): a snapshot leaves them out.
     timeout_seconds: float = 30.0
     max_retries: int = 3
     # Arguments worth showing an approver (the target, the amount); never secrets or personal data.

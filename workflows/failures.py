@@ -33,7 +33,7 @@ def activity_failure(err: ActivityError) -> ToolFailure:
         return ToolFailure(code, "no result in time (timeout or worker crash): outcome unknown", False)
     if isinstance(cause, CancelledError):
         # The server cancels an attempt no worker had started; a started one reports how its
-        # tool ended (activities/tools.py), so a cancel of a started one is not expected.
+        # tool ended (tether/tools/sdk.py), so a cancel of a started one is not expected.
         started = bool(err.started_event_id)
         return ToolFailure("cancelled", "activity cancelled", False, started=started)
     return ToolFailure(type(cause).__name__ if cause else "error", str(cause or err), False)

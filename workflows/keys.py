@@ -86,7 +86,7 @@ class KeyRing:
         return hmac.compare_digest(self.mac(kid, fields), mac)
 
     def signer(self, kid: str) -> Callable[[bytes], bytes]:
-        """The Ed25519 signing function that key ``kid`` derives (activities/keys.py's ring
+        """The Ed25519 signing function that key ``kid`` derives (tether/store/keys.py's ring
         has them: the math needs a library workflow code does not import)."""
         raise KeyMissing(kid)
 
@@ -101,7 +101,7 @@ class KeyRing:
 # ----------------------------------------------------------------------------- signed statements
 # What the fleet says to people and auditors (records, views, judgement lines) is signed with
 # Ed25519 keys derived from the ring's keys, and verified with their public halves alone
-# (activities/keys.py: PublicKeys, `python -m activities.keys public`).
+# (tether/store/keys.py: PublicKeys, `python -m tether.store.keys public`).
 
 
 def statement_bytes(fields: Mapping[str, Any]) -> bytes:
@@ -140,7 +140,7 @@ def worker_ring(extern: Callable[[], Mapping[str, Callable[..., Any]]]) -> KeyRi
     if get is None:
         raise KeyMissing(
             "this worker was built without the fleet's key ring: build workers with "
-            "worker.create_worker (or pass activities.keys.KeyRingInterceptor(ring) to the Worker/Replayer)"
+            "worker.create_worker (or pass tether.store.keys.KeyRingInterceptor(ring) to the Worker/Replayer)"
         )
     return get()
 

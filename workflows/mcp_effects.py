@@ -2,7 +2,7 @@
 server's annotations, else the MCP spec's pessimistic defaults.
 
 Pure: no Temporal, no I/O, no ``mcp`` import (the hints come in as plain values), so the rule is
-unit-tested directly and shown as is by ``python -m activities.mcp tools``.
+unit-tested directly and shown as is by ``python -m tether.tools.mcp tools``.
 
 MCP annotations are hints a server makes about itself; the spec says clients must not base
 decisions on hints from untrusted servers. So an untrusted server's tools are all ``unsafe``

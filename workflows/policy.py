@@ -132,7 +132,7 @@ def may_replan(replans_used: int, limits: Limits) -> bool:
 #
 # The organisation's rules, per tenant: who approves, which tools, what is auto-approved, what
 # counts as high risk, approval TTLs and budgets. The file is read by an activity
-# (activities/policy_file.py); these models and the decisions below are pure.
+# (tether/policy/files.py); these models and the decisions below are pure.
 
 
 # No policy file: every write needs one approval from someone other than the requester.

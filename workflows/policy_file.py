@@ -1,5 +1,5 @@
 """The policy file's shapes: the organisation's rules, per tenant (the TOML file read by
-activities/policy_file.py): who approves, which tools, what is auto-approved, what counts as high
+tether/policy/files.py): who approves, which tools, what is auto-approved, what counts as high
 risk, approval TTLs, escalation, budgets and webhooks. The decisions over them live in
 workflows/policy.py.
 """
@@ -164,7 +164,7 @@ class TenantPolicy(Contract):
     escalation: Escalation = Field(default_factory=Escalation)
     budgets: Budgets = Field(default_factory=Budgets)
     # The tenant's own Cedar policies (files, relative to the policy file; schema:
-    # activities/tether.cedarschema): they decide who may do what in place of the rules above,
+    # tether/policy/tether.cedarschema): they decide who may do what in place of the rules above,
     # which `tether policy export` writes as Cedar to start from (docs/policy.md, "Cedar").
     cedar: list[str] | None = Field(None, min_length=1)
     # A signed start is good for this long after its issued_at: seconds, or "90s" / "10m" / "1h".

@@ -55,7 +55,7 @@ class Capability(BaseModel):
     tool: str
     args_digest: str  # sha256 of the arguments' canonical JSON
     idempotency_key: str
-    key_id: str  # the fleet key (activities/keys.py) that made ``mac``
+    key_id: str  # the fleet key (tether/store/keys.py) that made ``mac``
     expires_at: datetime  # the attempt's deadline: refused after it
     mac: str
     # An undo of an unsafe tool whose earlier start may have applied, run again on an approver's
@@ -141,7 +141,7 @@ class ToolCall(BaseModel):
     # 1 for the first call the workflow schedules, 2.. for its retries (reconcilable tools look
     # up their previous effect first when this is above 1).
     attempt: int = 1
-    # Required for every tool that is not read_only (activities/tools.py refuses the call without).
+    # Required for every tool that is not read_only (tether/tools/sdk.py refuses the call without).
     capability: Capability | None = None
     # A write's: the run's records not yet in the audit sink (AuditBatch, packed, base64). The
     # tool worker appends them before it calls the tool, so they travel with the write instead of
@@ -328,7 +328,7 @@ class SnapshotRequest(BaseModel):
     issued_at: datetime | None = None
     started_at: datetime | None = None  # when the run began (workflow time)
     # A child run's grant (its workflow code checked it): the start's authority in place of the
-    # requester's signature (activities/signatures.py, granted_start).
+    # requester's signature (tether/policy/signatures.py, granted_start).
     grant: Grant | None = None
 
     @model_serializer(mode="wrap")

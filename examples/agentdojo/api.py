@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from activities.tools import ToolError
+from tether.tools.sdk import ToolError
 
 HTTP_TIMEOUT_SECONDS = 30.0
 

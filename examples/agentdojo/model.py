@@ -30,7 +30,7 @@ from typing import Any
 from examples.fake_openai import Recorded, Reply, call, error, text, tool_calls
 
 RUN_HEADER = "x-tether-run"
-# What the planner says when a person left steps out (activities/planning.py, runtime_notes):
+# What the planner says when a person left steps out (tether/planners/planning.py, runtime_notes):
 # the model has then acted on the injection, whatever ran of it.
 LEFT_OUT = "were not approved and did not run"
 

@@ -46,7 +46,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import planning
+from tether.planners import planning
 from examples.agentdojo.api import call
 from examples.agentdojo.catalog import suites
 from workflows.contract import ToolCatalog

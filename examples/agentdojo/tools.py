@@ -16,7 +16,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
-from activities.tools import REGISTRY, ToolContext, ToolError, tool
+from tether.tools.sdk import REGISTRY, ToolContext, ToolError, tool
 from examples.agentdojo.api import call
 from examples.agentdojo.catalog import SUMMARY_FIELDS, UNDO, effect_of, functions
 
@@ -69,6 +69,6 @@ def _make(name: str, fn: Any) -> Any:
 
 
 # Each tool a name of this module too, as a decorated function would be: a worker loading the
-# module sees what it declares (activities.tools.load_tool_modules).
+# module sees what it declares (tether.tools.sdk.load_tool_modules).
 for _name, _fn in functions().items():
     globals()[_name] = REGISTRY.get(_name) or _make(_name, _fn)

@@ -18,7 +18,7 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from activities.planners.pydantic_agent import AgentPlanner
+from tether.planners.pydantic_agent import AgentPlanner
 
 ORDER = re.compile(r"\b[A-Z]-\d{4}\b")
 

@@ -25,7 +25,7 @@ from agents.models.interface import Model
 from agents.testing import assistant_message, function_call
 from agents.usage import Usage
 
-from activities.planners.openai_agents import AgentsSDKPlanner
+from tether.planners.openai_agents import AgentsSDKPlanner
 
 ORDER = re.compile(r"\b[A-Z]-\d{4}\b")
 

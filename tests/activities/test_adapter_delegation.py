@@ -15,9 +15,9 @@ import pytest
 from openai import AsyncOpenAI
 from temporalio.testing import WorkflowEnvironment
 
-from activities.planning import DELEGATE_DEFINITION, DELEGATE_FUNCTION, Planner, plan
-from activities.policy import PolicyStore
-from activities.tools import REGISTRY, load_tool_modules
+from tether.planners.planning import DELEGATE_DEFINITION, DELEGATE_FUNCTION, Planner, plan
+from activities.policy_checks import PolicyStore
+from tether.tools.sdk import REGISTRY, load_tool_modules
 from examples.fake_openai import FakeOpenAI, Recorded, call, text, tool_calls
 from tests.helpers.billing import Billing
 from tests.helpers.runs import make_request, running_worker, start_run
@@ -37,7 +37,7 @@ def pydantic_ai_planner(base_url: str) -> Planner:
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    from activities.planners.pydantic_agent import AgentPlanner
+    from tether.planners.pydantic_agent import AgentPlanner
 
     client = AsyncOpenAI(base_url=base_url, api_key="no-key", max_retries=0)
     return AgentPlanner(Agent(OpenAIChatModel("fake", provider=OpenAIProvider(openai_client=client)), instructions=INSTRUCTIONS))
@@ -46,7 +46,7 @@ def pydantic_ai_planner(base_url: str) -> Planner:
 def agents_sdk_planner(base_url: str) -> Planner:
     from agents import Agent, OpenAIChatCompletionsModel
 
-    from activities.planners.openai_agents import AgentsSDKPlanner
+    from tether.planners.openai_agents import AgentsSDKPlanner
 
     client = AsyncOpenAI(base_url=base_url, api_key="no-key", max_retries=0)
     return AgentsSDKPlanner(Agent(name="orders", instructions=INSTRUCTIONS,

@@ -19,9 +19,9 @@ from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
 from activities.audit import AuditActivities
-from activities.audit_sink import JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
-from activities.policy import PolicyActivities, PolicyStore
-from activities.keys import KeyRing
+from tether.audit.sink import JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
+from activities.policy_checks import PolicyActivities, PolicyStore
+from tether.store.keys import KeyRing
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
 from tests.helpers.paths import BIN, ROOT
@@ -190,7 +190,7 @@ async def test_a_view_the_collector_cannot_read_is_logged_and_the_others_are_wri
 ) -> None:
     """A run closed with a view no worker of ours wrote (a poller without the code, another
     build): the collector says so and goes on; the run beside it gets its records."""
-    from activities.audit_collector import AuditCollector
+    from tether.audit.collector import AuditCollector
 
     async with running_worker(dev_env.client, audit=AuditActivities(sink=JsonlAuditSink(tmp_path / "first"))) as worker:
         good = await start_run(dev_env.client, worker, make_request(REFUND[:1]))
@@ -222,7 +222,7 @@ async def test_a_sink_that_cannot_write_stops_the_write_shows_on_the_run_and_cat
 ) -> None:
     from temporalio.contrib.pydantic import pydantic_data_converter
 
-    from activities.metrics import prometheus_runtime
+    from tether.metrics import prometheus_runtime
     from tests.helpers.metrics import scrape, value
     from tests.helpers.ports import free_port
 
@@ -567,8 +567,8 @@ async def test_a_postgres_outage_shows_on_the_run_and_the_run_completes_once_it_
 
 
 def test_the_sink_is_chosen_from_the_environment_and_a_dsn_never_shows_its_password(monkeypatch) -> None:
-    from activities.audit_sink import sink_from_env
-    from activities.postgres import redact_dsn
+    from tether.audit.sink import sink_from_env
+    from tether.store.postgres import redact_dsn
 
     assert redact_dsn("postgresql://tether:s3cret@db:5432/audit") == "postgresql://tether:***@db:5432/audit"
     assert "s3cret" not in redact_dsn("host=db password=s3cret dbname=audit")

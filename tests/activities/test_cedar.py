@@ -1,4 +1,4 @@
-"""Cedar (activities/cedar.py): the exported example tenants decide as the TOML engine does.
+"""Cedar (tether/policy/cedar.py): the exported example tenants decide as the TOML engine does.
 
 The heart of it is ``test_cedar_decides_as_the_toml_rules``: for every tenant of every example
 policy file, and for random tenants covering every option the export reads, thousands of seeded
@@ -19,8 +19,8 @@ from typing import Any
 import cedarpy
 import pytest
 
-from activities import cedar
-from activities.policy import cedar_approver_problem, judge_writes, parse_policy
+from tether.policy import cedar
+from activities.policy_checks import cedar_approver_problem, judge_writes, parse_policy
 from tests.helpers.paths import ROOT
 
 
@@ -262,8 +262,8 @@ def test_policy_validate_refuses_what_the_worker_refuses(tmp_path: Path, capsys:
     read, relative to the policy file; `four_eyes = "yes"`). One check for both now: the same
     problems, the same lines, from both."""
     import starter
-    from activities.policy_file import check_policy_file
-    from activities.tools import REGISTRY
+    from tether.policy.files import check_policy_file
+    from tether.tools.sdk import REGISTRY
 
     folder = tmp_path / "conf"
     (folder / "keys").mkdir(parents=True)
@@ -280,7 +280,7 @@ def test_policy_validate_refuses_what_the_worker_refuses(tmp_path: Path, capsys:
     assert "key tenants.default.auto_approve.read_only: must be true or false" in shown
     assert f"cannot read {folder / 'keys/bob.pub'}" in shown and "relative path is read from the policy file's folder" in shown
     # Fixed, both accept it: the key file found beside the policy file, whatever the caller's folder.
-    from activities.keys import genkey  # noqa: F401 (the fleet ring's; an approver's key is `tether keygen`)
+    from tether.store.keys import genkey  # noqa: F401 (the fleet ring's; an approver's key is `tether keygen`)
 
     assert starter.main(["keygen", "--out", str(folder / "keys/bob.pem")]) == 0
     (folder / "keys/bob.pem.pub").rename(folder / "keys/bob.pub")
@@ -317,7 +317,7 @@ def test_policy_validate_names_file_line_and_problem(tmp_path: Path, capsys: pyt
 def test_a_tenants_own_cedar_files_are_checked_at_start(tmp_path: Path) -> None:
     """The worker and the inbox load the file through PolicyStore: a bad Cedar file stops them,
     naming its line; a good one decides for its tenant and is part of the policy hash."""
-    from activities.policy import PolicyFileError, PolicyStore, check_policy_file
+    from activities.policy_checks import PolicyFileError, PolicyStore, check_policy_file
 
     toml = tmp_path / "policy.toml"
     toml.write_text('[tenants.default]\ncedar = ["default.cedar"]\n[tenants.default.approvers]\nbob = {}\n')
@@ -349,8 +349,8 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
     def cli(argv: list[str]) -> Any:  # the CLI runs its own event loop: in a thread of its own
         return asyncio.to_thread(starter.main, argv)
 
-    from activities.judgements import log_from_env
-    from activities.policy import PolicyActivities, PolicyStore
+    from tether.policy.judgements import log_from_env
+    from activities.policy_checks import PolicyActivities, PolicyStore
     from tether.client import run_outcome
     from tests.helpers.runs import approval_for, make_request, running_worker, start_run
     from tests.helpers.waiting import wait_for_state
@@ -467,8 +467,8 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
 ) -> None:
     """A tighter shadow (refunds up to 20.00) on a live policy (up to 50.00): a 40.00 refund
     still runs without a person; its auto-approvals' disagreements are logged and counted."""
-    from activities.judgements import ProposedPolicy, log_from_env
-    from activities.policy import PolicyActivities, PolicyStore
+    from tether.policy.judgements import ProposedPolicy, log_from_env
+    from activities.policy_checks import PolicyActivities, PolicyStore
     from tether.client import run_outcome
     from tests.helpers.runs import make_request, running_worker, start_run
 
@@ -496,7 +496,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
 
 
 async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, billing: Any, tmp_path: Path) -> None:
-    from activities.policy import PolicyStore
+    from activities.policy_checks import PolicyStore
     from tether.client import run_outcome
     from tests.helpers.runs import make_request, running_worker, start_run
     from tests.helpers.waiting import wait_for_state
@@ -517,7 +517,7 @@ def test_what_if_reads_the_log_since_and_for_a_tenant(tmp_path: Path, capsys: py
     """--since and --tenant choose the judgements; a retried activity's lines count once; none
     logged is no change (exit 0), saying where it looked."""
     import starter
-    from activities.judgements import JsonlJudgementLog, entries
+    from tether.policy.judgements import JsonlJudgementLog, entries
 
     tenant = parse_policy(RECORDED_POLICY % 5000).tenants["default"]
     policies = cedar.policies_for("default", tenant)
@@ -553,7 +553,7 @@ def test_the_judgement_log_in_postgres_is_read_like_the_json_lines(
     """With TETHER_AUDIT_DSN the judgements go where the records go (table tether_judgements):
     a retried activity's row is its last attempt's; explain and what-if read it."""
     import starter
-    from activities.judgements import PostgresJudgementLog, entries, log_from_env
+    from tether.policy.judgements import PostgresJudgementLog, entries, log_from_env
 
     monkeypatch.setenv("TETHER_AUDIT_DSN", postgres)
     log = log_from_env()
@@ -699,7 +699,7 @@ def test_a_changed_policy_file_gives_the_new_answer_at_once(tmp_path: Path) -> N
     is a new content hash: the very next decision is judged by the new policy, nothing stale."""
     import os
 
-    from activities.policy import PolicyStore
+    from activities.policy_checks import PolicyStore
 
     toml, own = tmp_path / "policy.toml", tmp_path / "own.cedar"
     toml.write_text('[tenants.own]\ncedar = ["own.cedar"]\n[tenants.own.approvers]\nbob = { roles = ["approver"] }\n'
@@ -756,7 +756,7 @@ def test_a_tenant_at_a_freed_ones_address_is_not_taken_for_it() -> None:
 
 
 def cache_sizes() -> dict[str, tuple[int, int]]:
-    """Each cache of activities/cedar.py: (entries, bound)."""
+    """Each cache of tether/policy/cedar.py: (entries, bound)."""
     info = cedar._skeleton.cache_info()
     return {
         "policy sets": (len(cedar.POLICY_SETS), cedar.POLICY_SETS.size),
@@ -919,7 +919,7 @@ def test_a_forbid_that_overflows_is_a_validate_problem_and_refuses_live(tmp_path
     judged = cedar.judge_person(cedar.policies_of("default", tenant, OVERFLOWING), "default", tenant, action="approve",
                                 person="bob", requested_by="alice", stage=2)
     assert (judged.allowed, judged.rule, judged.policies) == (False, "policy_error", ("overflow",)), judged
-    from activities.policy import cedar_refusal
+    from activities.policy_checks import cedar_refusal
 
     refusal = cedar_refusal(judged, None, "bob", "approve", "default")
     assert refusal is not None and refusal.rule == "policy_error" and "overflow errored" in refusal.message, refusal

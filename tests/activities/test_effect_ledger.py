@@ -23,9 +23,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 import examples.billing.tools  # noqa: F401 (registers the billing tools)
-from activities.effect_ledger import LEDGER_FILE, LedgerUnavailable, SqliteEffectLedger
-from activities.keys import KeyRing
-from activities.tools import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
+from tether.store.effect_ledger import LEDGER_FILE, LedgerUnavailable, SqliteEffectLedger
+from tether.store.keys import KeyRing
+from tether.tools.sdk import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
@@ -300,8 +300,8 @@ async def test_a_ledger_restored_from_an_earlier_copy_is_refused_and_no_email_re
     reset to before the email: before, the email went out again (1 -> 2). The ledger's generation
     is below the one the fleet witnessed: refused at worker start and on the claim, like a
     missing ledger; the email is not sent again."""
-    from activities.audit_sink import JsonlAuditSink
-    from activities.effect_ledger import WITNESS_FILE, check_ledger
+    from tether.audit.sink import JsonlAuditSink
+    from tether.store.effect_ledger import WITNESS_FILE, check_ledger
 
     import tether.client as tether_client
 
@@ -364,8 +364,8 @@ async def test_a_dropped_postgres_ledger_is_an_error_until_the_operator_begins_a
     an empty one. A database of its own (the session's is shared)."""
     import psycopg
 
-    from activities.audit_sink import PostgresAuditSink
-    from activities.effect_ledger import LEDGER_TABLE, ledger_for
+    from tether.audit.sink import PostgresAuditSink
+    from tether.store.effect_ledger import LEDGER_TABLE, ledger_for
 
     name = f"ledger_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(postgres, autocommit=True) as admin:
@@ -409,8 +409,8 @@ async def test_a_postgres_ledger_restored_from_an_earlier_copy_is_refused_until_
     "never started"; --new-ledger accepts it."""
     import psycopg
 
-    from activities.audit_sink import PostgresAuditSink
-    from activities.effect_ledger import GENERATION_TABLE, LEDGER_TABLE, ledger_for
+    from tether.audit.sink import PostgresAuditSink
+    from tether.store.effect_ledger import GENERATION_TABLE, LEDGER_TABLE, ledger_for
 
     name = f"restored_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(postgres, autocommit=True) as admin:
@@ -521,8 +521,8 @@ async def test_a_worker_refuses_to_start_on_a_lost_ledger_unless_told(tmp_path: 
         await worker.serve(["examples.billing.tools"], unique("tq"))
     assert "effect ledger" in str(refused.value.code) and "--new-ledger" in str(refused.value.code)
     # With the operator's word the check passes; the new ledger begins with the first write.
-    from activities.audit_sink import JsonlAuditSink
-    from activities.effect_ledger import check_ledger
+    from tether.audit.sink import JsonlAuditSink
+    from tether.store.effect_ledger import check_ledger
 
     await check_ledger(JsonlAuditSink(folder), new_ledger=True)
     await check_ledger(JsonlAuditSink(tmp_path / "never"))

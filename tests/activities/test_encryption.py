@@ -40,7 +40,7 @@ from temporalio.client import Client
 from worker import create_replayer
 
 import tether.client as tether_client
-from activities.codec import (
+from tether.store.codec import (
     ENCODING,
     KEY_FILE_ENV,
     EncryptionCodec,
@@ -216,7 +216,7 @@ def codec_server(keys: Keys, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != KEY_FILE_ENV}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "activities.codec", "--port", str(port), "--key-file", str(keys.rotated),
+        [sys.executable, "-m", "tether.store.codec", "--port", str(port), "--key-file", str(keys.rotated),
          "--origin", UI_ORIGIN, "--token-file", str(token_file)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -320,7 +320,7 @@ def test_key_file_errors_are_explicit(tmp_path: Path) -> None:
     with pytest.raises(KeyFileError, match="cannot read"):
         Keyring.load(tmp_path / "missing.keys")
     out = subprocess.run(
-        [sys.executable, "-m", "activities.codec", "genkey", "--if-missing", str(tmp_path / "new.keys")],
+        [sys.executable, "-m", "tether.store.codec", "genkey", "--if-missing", str(tmp_path / "new.keys")],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )
     assert out.stdout == ""

@@ -23,8 +23,8 @@ from temporalio.testing import WorkflowEnvironment
 import pytest
 
 import tether.client as tether_client
-from activities.keys import KeyRing
-from activities.policy import PolicyStore
+from tether.store.keys import KeyRing
+from activities.policy_checks import PolicyStore
 from tests.helpers.billing import Billing
 from tests.helpers.paths import ROOT
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique

@@ -20,10 +20,10 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.mcp import describe_tools, format_tools
-from activities.mcp_catalog import McpServers, mcp_tools
-from activities.mcp_config import parse_config
-from activities.tools import ToolRegistry
+from tether.tools.mcp import describe_tools, format_tools
+from tether.tools.mcp_catalog import McpServers, mcp_tools
+from tether.tools.mcp_config import parse_config
+from tether.tools.sdk import ToolRegistry
 from tests.chaos.harness import Proc, free_port
 from tether.client import run_outcome
 from tests.helpers.paths import ROOT

@@ -20,8 +20,8 @@ from pathlib import Path
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 import tether.client as tether_client
-from activities.metrics import prometheus_runtime
-from activities.policy import PolicyStore
+from tether.metrics import prometheus_runtime
+from activities.policy_checks import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import wait_for_state
@@ -244,7 +244,7 @@ async def test_tracing_interceptor_when_otel_is_installed(dev_env, billing, monk
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from activities.metrics import tracing_interceptors
+    from tether.metrics import tracing_interceptors
 
     assert tracing_interceptors() == [] or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     exporter = InMemorySpanExporter()

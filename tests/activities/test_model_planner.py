@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.planning import (
+from tether.planners.planning import (
     MODEL_CONTEXT_CHARS,
     MODEL_OBSERVATION_CHARS,
     ModelPlanner,
@@ -29,7 +29,7 @@ from activities.planning import (
     build_messages,
     status_error,
 )
-from activities.tools import ToolContext, ToolRegistry, tool
+from tether.tools.sdk import ToolContext, ToolRegistry, tool
 from examples.billing.tools import OrderRef, RefundArgs
 from tether.client import run_outcome
 from tests.helpers.billing import Billing

@@ -18,10 +18,10 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, ToolReturnPart, Us
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from temporalio.testing import WorkflowEnvironment
 
-from activities.loading import LoadError
-from activities.planners.pydantic_agent import AgentPlanner
-from activities.planning import BUILTIN_PLANNERS, load_planners
-from activities.policy import PolicyStore
+from tether.loading import LoadError
+from tether.planners.pydantic_agent import AgentPlanner
+from tether.planners.planning import BUILTIN_PLANNERS, load_planners
+from activities.policy_checks import PolicyStore
 from tether.client import run_outcome
 from examples.agents.refund_agent import refund_model
 from tests.helpers.billing import Billing
@@ -169,7 +169,7 @@ def test_tether_tools_names_a_missing_module_in_one_line(tmp_path: Path) -> None
 def test_tether_tools_lists_a_module_from_the_current_directory_as_the_worker_does(tmp_path: Path) -> None:
     (tmp_path / "my_tools.py").write_text(textwrap.dedent('''\
         from pydantic import BaseModel
-        from activities.tools import ToolContext, tool
+        from tether.tools.sdk import ToolContext, tool
 
         class Ref(BaseModel):
             parcel_id: str
@@ -238,8 +238,8 @@ async def test_a_planner_of_plain_code_runs_governed(dev_env: WorkflowEnvironmen
 async def test_the_fake_openai_endpoint_runs_the_model_planner_offline(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from activities.planning import ModelPlanner
-    from activities.tools import REGISTRY, load_tool_modules
+    from tether.planners.planning import ModelPlanner
+    from tether.tools.sdk import REGISTRY, load_tool_modules
     from temporalio.exceptions import ApplicationError
     from workflows.wire import PlannerInput
 
@@ -282,7 +282,7 @@ def agents_sdk_refunder(seen: list[list]) -> "AgentsSDKPlanner":
     from agents import Agent as SDKAgent
     from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
 
-    from activities.planners.openai_agents import AgentsSDKPlanner
+    from tether.planners.openai_agents import AgentsSDKPlanner
 
     def respond(call):
         items = [i for i in call.input if isinstance(i, dict)]
@@ -339,7 +339,7 @@ async def test_a_withdrawn_tool_is_refused_to_the_agents_sdk_agent(
 async def test_what_a_planner_returns_or_raises_is_checked_at_the_activity_boundary() -> None:
     from temporalio.exceptions import ApplicationError
 
-    from activities.planning import PlannerError, plan
+    from tether.planners.planning import PlannerError, plan
     from workflows.contract import ToolCatalog
     from workflows.wire import PlannerInput, Proposal
 

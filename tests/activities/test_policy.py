@@ -19,8 +19,8 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.policy import PolicyFileError, PolicyStore, check_policy_file, parse_policy
-from activities.tools import REGISTRY
+from activities.policy_checks import PolicyFileError, PolicyStore, check_policy_file, parse_policy
+from tether.tools.sdk import REGISTRY
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
 from tests.helpers.paths import ROOT

@@ -1,4 +1,4 @@
-"""The one PostgreSQL keeper (activities/postgres.py) under the audit sink, the effect ledger and
+"""The one PostgreSQL keeper (tether/store/postgres.py) under the audit sink, the effect ledger and
 the judgement log, against a real server: tables made once however many workers start at once,
 an outage and a bad statement as one typed error without the password, the connection back after."""
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from activities.audit_sink import PostgresAuditSink
-from activities.effect_ledger import ledger_for
-from activities.judgements import PostgresJudgementLog
-from activities.postgres import Postgres, PostgresSync, PostgresUnavailable, Table, dsn_from_env
+from tether.audit.sink import PostgresAuditSink
+from tether.store.effect_ledger import ledger_for
+from tether.policy.judgements import PostgresJudgementLog
+from tether.store.postgres import Postgres, PostgresSync, PostgresUnavailable, Table, dsn_from_env
 from tests.helpers.postgres import Postgres as Server
 from workflows.states import RunState, TransitionRecord
 from workflows.wire import AuditBatch
@@ -52,7 +52,7 @@ def batch(workflow_id: str, n: int = 1) -> AuditBatch:
 
 
 def judgement(workflow_id: str, index: int) -> dict[str, Any]:
-    # Shaped as activities/judgements.entries writes one (a line of another shape is skipped on read).
+    # Shaped as tether/policy/judgements.entries writes one (a line of another shape is skipped on read).
     return {"workflow_id": workflow_id, "run_id": "r1", "activity_id": "1", "index": index, "tenant": "default",
             "at": datetime.now(timezone.utc).isoformat(), "action": "approve", "allowed": True, "request": {},
             "entities": [], "policies": []}

@@ -22,10 +22,10 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from activities.audit_sink import JsonlAuditSink
-from activities.audit_verify import verify_streams
-from activities.judgements import JsonlJudgementLog, sign as sign_line
-from activities.keys import KeyRing, PublicKeys
+from tether.audit.sink import JsonlAuditSink
+from tether.audit.verify import verify_streams
+from tether.policy.judgements import JsonlJudgementLog, sign as sign_line
+from tether.store.keys import KeyRing, PublicKeys
 from tether.inbox import desk
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
@@ -85,7 +85,7 @@ def test_a_record_verifies_only_for_its_run_and_unchanged() -> None:
     ring = KeyRing.of(b"k" * 40, source="test")
     keys = ring.public_keys()
     from workflows import keys as ring_math
-    from activities.audit_verify import record_problem
+    from tether.audit.verify import record_problem
 
     record = forged(1, "approved")
     record.sig = ring.sign_statement(ring_math.record_statement("wf", "run-1", 1, record_link(record)))
@@ -187,7 +187,7 @@ async def test_a_runs_records_are_signed_chained_and_verified_by_the_cli(
         run_id = next(iter(streams))
         last = streams[run_id][-1]
         fake = forged(last.seq + 1, "send_email succeeded").model_copy(update={"prev": record_link(last), "sig": last.sig})
-        from activities.audit_sink import audit_path
+        from tether.audit.sink import audit_path
 
         with open(audit_path(audit_dir, handle.id, run_id), "ab") as f:
             f.write(json.dumps({**fake.model_dump(mode="json"), "workflow_id": handle.id, "run_id": run_id}).encode() + b"\n")

@@ -20,8 +20,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from activities.keys import genkey
-from activities.policy import PolicyStore
+from tether.store.keys import genkey
+from activities.policy_checks import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.rogue import continue_as_new, rogue_answer, schedule_tool
 from tests.helpers.billing import Billing, emails_to
@@ -305,7 +305,7 @@ async def test_a_tightened_policy_stops_an_approved_write_and_asks_for_an_approv
 def carried_state(run_id: str, steps: list[dict]) -> tuple[dict, str, RunData]:
     """A run's state in AWAITING_APPROVAL, as a worker would carry it into continue-as-new."""
     import examples.billing.tools  # noqa: F401
-    from activities.tools import REGISTRY
+    from tether.tools.sdk import REGISTRY
     from workflows import policy as rules
     from workflows.engine import Engine
 
@@ -342,8 +342,8 @@ async def test_two_workers_one_missing_the_fleets_newest_key_every_run_completes
     attempt B takes is scheduled again; every run completes on A."""
     import urllib.request
 
-    from activities.keys import KeyRing
-    from activities.metrics import prometheus_runtime
+    from tether.store.keys import KeyRing
+    from tether.metrics import prometheus_runtime
     from tests.helpers.forger import NewerWorker
     from tests.helpers.ports import free_port
     from worker import create_worker
@@ -423,8 +423,8 @@ async def test_a_capability_by_a_key_the_worker_lacks_is_not_refused_for_good(tm
     from temporalio.exceptions import ApplicationError
     from temporalio.testing import ActivityEnvironment
 
-    from activities.keys import KeyRing
-    from activities.tools import REGISTRY, ToolActivities
+    from tether.store.keys import KeyRing
+    from tether.tools.sdk import REGISTRY, ToolActivities
 
     other = KeyRing.of(b"x" * 64)
     call = ToolCall(tool="send_email", args=email_step("nobody@example.com")["args"], tool_call_id="tc-1",
@@ -471,7 +471,7 @@ def test_a_worker_without_the_fleets_key_ring_refuses_to_start(tmp_path: Path) -
 
 
 def test_key_ids_are_fingerprints_and_the_newest_signs(tmp_path: Path) -> None:
-    from activities.keys import KeyRing, KeyNotHeld, key_id
+    from tether.store.keys import KeyRing, KeyNotHeld, key_id
 
     path = tmp_path / "ring"
     path.write_text("a" * 64 + "\n")  # a file written by an earlier version: one key, no id

@@ -119,7 +119,7 @@ def test_profile_buckets_put_each_sample_once_and_leave_idle_out(tmp_path) -> No
     stacks = tmp_path / "w.txt"
     stacks.write_text(
         "thread (1): MainThread;main (bench/worker_proc.py:1);AuditActivities.audit_append (activities/audit.py:48);"
-        "JsonlAuditSink.append (activities/audit_sink.py:110) 7\n"
+        "JsonlAuditSink.append (tether/audit/sink.py:110) 7\n"
         # audit_append inside payload visiting still counts once, in the first bucket that matches
         "thread (2);PayloadVisitor.visit (temporalio/bridge/_visitor.py:1);audit_append (x.py:1) 2\n"
         "thread (3);PayloadVisitor.visit (temporalio/bridge/_visitor.py:1) 5\n"

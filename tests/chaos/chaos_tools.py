@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from activities.tools import ToolContext, ToolError, tool
+from tether.tools.sdk import ToolContext, ToolError, tool
 from tests.chaos.markers import gate_name, marker_name
 from examples.billing.tools import EmailArgs, LedgerArgs, OrderRef, RefundArgs, ReverseArgs, VoidArgs, call
 from workflows.contract import ToolEffect

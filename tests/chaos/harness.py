@@ -202,7 +202,7 @@ def start_worker(
 ) -> Proc:
     """``faults``: CHAOS_SLOW / CHAOS_LOSE_RESPONSE for the chaos tools (chaos_tools.py)."""
     cmd = [sys.executable, "worker.py", "--tools", "tests.chaos.chaos_tools", "--task-queue", queue]
-    from activities.keys import KEY_SETTING, genkey
+    from tether.store.keys import KEY_SETTING, genkey
 
     if not os.environ.get(KEY_SETTING):
         # The workers of a chaos run share one key ring (a worker never creates one).

@@ -110,7 +110,7 @@ def _demo_refund(case: str) -> list[dict]:
 
 def _ring(stack: Stack) -> str:
     """The key ring the module's workers share (a worker never creates one)."""
-    from activities.keys import genkey
+    from tether.store.keys import genkey
 
     path = stack.workdir / "state.key"
     genkey(path, if_missing=True)
@@ -119,7 +119,7 @@ def _ring(stack: Stack) -> str:
 
 def _plain_worker(stack: Stack, queue: str, folder: Path) -> Proc:
     cmd = [sys.executable, "worker.py", "--tools", "examples.billing.tools", "--task-queue", queue]
-    from activities.keys import KEY_SETTING
+    from tether.store.keys import KEY_SETTING
 
     env = _env(TEMPORAL_ADDRESS=stack.server.address, BILLING_URL=stack.billing.url,
                **{KEY_SETTING: _ring(stack)})
@@ -127,7 +127,7 @@ def _plain_worker(stack: Stack, queue: str, folder: Path) -> Proc:
 
 
 def _held_worker(stack: Stack, queue: str, nth: int, marker: Path, folder: Path) -> Proc:
-    from activities.keys import KEY_SETTING
+    from tether.store.keys import KEY_SETTING
 
     cmd = [sys.executable, "-m", "tests.helpers.held_activity_worker", queue, str(nth), str(marker)]
     env = _env(TEMPORAL_ADDRESS=stack.server.address, BILLING_URL=stack.billing.url,

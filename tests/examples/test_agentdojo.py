@@ -23,7 +23,7 @@ from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyType
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 
-from activities.tools import ToolError
+from tether.tools.sdk import ToolError
 from bench.common import ROOT, bench_stack
 from examples.agentdojo.api import call
 from examples.agentdojo.catalog import effect_of, suites

@@ -18,7 +18,7 @@ from typing import Any
 
 import examples.billing.tools  # noqa: F401  (the tools the run uses)
 from activities.audit import AuditActivities
-from activities.audit_sink import AUDIT_TABLE, JsonlAuditSink, PostgresAuditSink, audit_path
+from tether.audit.sink import AUDIT_TABLE, JsonlAuditSink, PostgresAuditSink, audit_path
 from tether.client import connect, exit_process
 from workflows.wire import AuditBatch
 
@@ -62,7 +62,7 @@ class TornPostgresSink(Torn, PostgresAuditSink):
     hangs until killed (the server rolls the transaction back when the connection drops)."""
 
     async def tear(self, batch: AuditBatch) -> None:
-        conn = await self.db._connection()  # the sink's one connection (activities/postgres.py)
+        conn = await self.db._connection()  # the sink's one connection (tether/store/postgres.py)
         first = batch.records[0]
         await conn.execute(
             f"INSERT INTO {AUDIT_TABLE} (workflow_id, run_id, seq, first_run_id, record) VALUES (%s, %s, %s, %s, %s)",

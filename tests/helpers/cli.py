@@ -8,7 +8,7 @@ import os
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.policy import PolicyStore
+from activities.policy_checks import PolicyStore
 from tests.helpers.paths import BIN, ROOT
 
 

@@ -297,7 +297,7 @@ async def conform(replayer: Any, history: WorkflowHistory, start: int, way: str)
 def recording_replayer(keys: Any = None) -> Any:
     """A replayer holding the recordings' key ring (or ``keys``), its workflow code watched by
     ``Recording``."""
-    from activities.keys import KeyRing
+    from tether.store.keys import KeyRing
     from tests.histories.record import RING
     from worker import create_replayer
 

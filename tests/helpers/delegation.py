@@ -13,8 +13,8 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from activities.planning import BUILTIN_PLANNERS
-from activities.tools import REGISTRY
+from tether.planners.planning import BUILTIN_PLANNERS
+from tether.tools.sdk import REGISTRY
 from tests.helpers.billing import Billing
 from tests.helpers.queries import snapshot
 from tether.client import run_outcome

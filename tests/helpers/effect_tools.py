@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pydantic import BaseModel
 from temporalio.testing import WorkflowEnvironment
 
-from activities.tools import ToolContext, ToolRegistry, tool
+from tether.tools.sdk import ToolContext, ToolRegistry, tool
 from examples.billing.tools import call
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, start_run

@@ -42,7 +42,7 @@ class Hold(Interceptor):
 
 async def main(queue: str, nth: str, marker: str) -> None:
     from activities.audit import AuditActivities
-    from activities.effect_ledger import local_ledger_id
+    from tether.store.effect_ledger import local_ledger_id
     from worker import LEDGER_MARK, create_worker
 
     client = await connect()

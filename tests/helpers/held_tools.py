@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 
 from pydantic import BaseModel
 
-from activities.tools import ToolContext, ToolError, ToolRegistry, tool
+from tether.tools.sdk import ToolContext, ToolError, ToolRegistry, tool
 from examples.billing.tools import call
 from workflows.contract import ToolEffect
 

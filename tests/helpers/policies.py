@@ -12,8 +12,8 @@ def refund(amount: int, order: str = "A-1002") -> dict:
 
 def signed_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Judgement lines as the policy activity logs them: signed with the fleet's ring."""
-    from activities.judgements import sign
-    from activities.keys import KeyRing
+    from tether.policy.judgements import sign
+    from tether.store.keys import KeyRing
 
     ring = KeyRing.from_env()
     return [sign(ring, line) for line in lines]

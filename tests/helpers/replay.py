@@ -9,7 +9,7 @@ from temporalio.worker import Replayer
 
 def replayer(*workflows: type) -> Replayer:
     """A replayer holding the recording's key ring: replay checks every attestation and seal."""
-    from activities.keys import KeyRing
+    from tether.store.keys import KeyRing
     from tests.histories.record import RING
     from worker import create_replayer
 

@@ -23,7 +23,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import examples.billing.tools  # noqa: F401  (the catalog an honest worker would offer)
 import worker as worker_module
-from activities.keys import KeyRing, attest
+from tether.store.keys import KeyRing, attest
 from activities.recovery import RecoveryActivities
 from worker import create_worker
 from workflows.wire import RecoveryRequest, RecoverySource

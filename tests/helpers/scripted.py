@@ -20,7 +20,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
-from activities.tools import REGISTRY
+from tether.tools.sdk import REGISTRY
 from workflows import policy
 from workflows.commands import (
     Call, Checkpoint, Command, ContinueAsNew, End, Mint, Notify, Probe, Readings, RunTool, Show, Sleep, Wait,

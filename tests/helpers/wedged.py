@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from activities.tools import ToolContext, ToolRegistry, tool
+from tether.tools.sdk import ToolContext, ToolRegistry, tool
 from examples.billing.tools import EmailArgs, call
 from workflows.contract import ToolEffect
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from activities.audit_sink import PostgresAuditSink
-from activities.effect_ledger import ledger_for
-from activities.judgements import PostgresJudgementLog
+from tether.audit.sink import PostgresAuditSink
+from tether.store.effect_ledger import ledger_for
+from tether.policy.judgements import PostgresJudgementLog
 from workflows.states import RunState, TransitionRecord
 from workflows.wire import AuditBatch
 
@@ -67,7 +67,7 @@ def stack_database(postgres: str, tmp_path: Path) -> tuple[str, str]:
     for _ in range(2):
         for job in ("db-keygen", "db-setup"):
             argv = [local(w) for w in SERVICES[job]["command"]]
-            assert argv[:3] == ["python", "-m", "activities.db_roles"]
+            assert argv[:3] == ["python", "-m", "tether.store.db_roles"]
             if job == "db-setup":
                 argv[argv.index("--database") + 1] = database
                 argv += ["--admin-dsn", postgres]

@@ -13,7 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 
 import examples.billing.tools  # noqa: F401 (registers the billing tools)
 import tether.client as tether_client
-from activities.tools import REGISTRY, ToolRegistry
+from tether.tools.sdk import REGISTRY, ToolRegistry
 from tests.helpers.billing import counts_in_db
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique

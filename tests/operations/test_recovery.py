@@ -18,9 +18,9 @@ from pydantic import BaseModel, ValidationError
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from activities.mcp import describe_tools, format_tools
-from activities.policy import PolicyStore
-from activities.tools import REGISTRY, ToolContext, ToolRegistry, tool
+from tether.tools.mcp import describe_tools, format_tools
+from activities.policy_checks import PolicyStore
+from tether.tools.sdk import REGISTRY, ToolContext, ToolRegistry, tool
 from workflows import policy
 from workflows.engine import Engine
 from workflows.contract import Compensation, ToolEffect, CompensationCall
@@ -628,7 +628,7 @@ class _Undo(BaseModel):
 def _undo_tools(counts: dict[str, int], fail: dict[str, int]) -> ToolRegistry:
     """An undo of each effect class, counting its calls (``fail``: how many calls answer as a
     transient failure after they acted, the outcome unknown)."""
-    from activities.tools import ToolError
+    from tether.tools.sdk import ToolError
 
     registry = ToolRegistry()
 
@@ -666,7 +666,7 @@ async def run_undo(tools, undo: str, *, as_run: str, rerun: bool = False, attemp
 
     from temporalio.testing import ActivityEnvironment
 
-    from activities.keys import KeyRing
+    from tether.store.keys import KeyRing
     from workflows import keys
     from workflows.wire import ToolCall
 
@@ -688,8 +688,8 @@ async def test_the_tool_worker_starts_each_undo_once_whichever_run_asks(tmp_path
     recorded instruction."""
     from temporalio.exceptions import ApplicationError
 
-    from activities.tools import UNDO_IN_FLIGHT, UNDO_MAY_HAVE_APPLIED, ToolActivities
-    from activities.keys import KeyRing
+    from tether.tools.sdk import UNDO_IN_FLIGHT, UNDO_MAY_HAVE_APPLIED, ToolActivities
+    from tether.store.keys import KeyRing
     from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
 
     async def fresh(fail: dict[str, int] | None = None) -> tuple[ToolActivities, dict[str, int], SqliteUndoLedger]:
@@ -749,8 +749,8 @@ async def test_an_undo_whose_ledger_is_unavailable_is_not_started(tmp_path) -> N
     """No claim, no call: the attempt bounces (the run schedules it again, as for a capability)."""
     from temporalio.exceptions import ApplicationError
 
-    from activities.keys import KeyRing
-    from activities.tools import ToolActivities
+    from tether.store.keys import KeyRing
+    from tether.tools.sdk import ToolActivities
     from activities.undo_ledger import SqliteUndoLedger
     from workflows.wire import LEDGER_UNAVAILABLE
 
@@ -986,7 +986,7 @@ def send_cancellation(args: _Booking, ctx: ToolContext) -> dict:
 
 @tool(effect=ToolEffect.IDEMPOTENT, registry=BOOKINGS)
 def confirm_slot(args: _Booking, ctx: ToolContext) -> dict:
-    from activities.tools import ToolError
+    from tether.tools.sdk import ToolError
 
     raise ToolError("the slot is gone", code="slot_gone", permanent=True)
 
@@ -1031,7 +1031,7 @@ async def test_an_unsafe_undo_that_may_have_applied_runs_again_only_on_an_approv
 async def test_the_undo_ledger_holds_one_claim_per_undo_on_either_sink(backend: str, tmp_path, request) -> None:
     """The ledger's contract, the same beside either audit sink: one claim per key; a done
     entry keeps its outcome and who did it; a released one may be claimed again."""
-    from activities.audit_sink import JsonlAuditSink, PostgresAuditSink
+    from tether.audit.sink import JsonlAuditSink, PostgresAuditSink
     from activities.undo_ledger import ledger_for
 
     sink = PostgresAuditSink(request.getfixturevalue("postgres")) if backend == "postgres" else JsonlAuditSink(tmp_path)
@@ -1095,7 +1095,7 @@ _OUTCOMES = ["ok", "lost", "refused", "down", "crash"]  # applied?: yes, yes, no
 def _scripted_undo(effect: ToolEffect, script: list[str], applied: list[int], calls: list[int]) -> ToolRegistry:
     """One undo tool of ``effect`` whose calls answer as ``script`` says, counting its calls and
     the ones that applied."""
-    from activities.tools import ToolError
+    from tether.tools.sdk import ToolError
 
     registry = ToolRegistry()
 
@@ -1129,8 +1129,8 @@ def test_every_undo_is_applied_at_most_once_whatever_runs_ask_in_whatever_order(
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from activities.keys import KeyRing
-    from activities.tools import ToolActivities
+    from tether.store.keys import KeyRing
+    from tether.tools.sdk import ToolActivities
     from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
 
     @settings(max_examples=60, deadline=None)

@@ -14,8 +14,8 @@ import httpx
 
 import examples.billing.tools  # noqa: F401 (registers the billing tools)
 import tether.client as tether_client
-from activities.policy_file import PolicyStore
-from activities.tools import REGISTRY, ToolRegistry
+from tether.policy.files import PolicyStore
+from tether.tools.sdk import REGISTRY, ToolRegistry
 from tether.cli.output import format_status
 from tether.pollers import identity_tools, tools_mark
 from tests.helpers.billing import counts_in_db

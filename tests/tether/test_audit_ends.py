@@ -12,8 +12,8 @@ from pathlib import Path
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from activities.audit_sink import JsonlAuditSink, audit_path
-from activities.audit_verify import verify_streams
+from tether.audit.sink import JsonlAuditSink, audit_path
+from tether.audit.verify import verify_streams
 from tether.runs import public_keys
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run

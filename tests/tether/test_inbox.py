@@ -1,7 +1,7 @@
 """The approver's inbox over HTTP (a real uvicorn server, the session's dev server, a worker):
 identities are JWTs this test mints from its own keys; decisions go through the decide Update.
 
-Also the attestation rule itself (activities/policy.signature_refusal) and the inbox's pure
+Also the attestation rule itself (activities/policy_checks.signature_refusal) and the inbox's pure
 choices (tether/inbox/desk.py), tested directly.
 """
 
@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 import tether.client as tether_client
 import starter
-from activities.policy import check_policy_file, parse_policy, signature_refusal
+from activities.policy_checks import check_policy_file, parse_policy, signature_refusal
 from tether.inbox import desk
 from tether.inbox.app import InboxConfig, check_config, create_app
 from tests.helpers.billing import Billing

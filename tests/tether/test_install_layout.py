@@ -54,7 +54,7 @@ def test_the_inbox_files_are_package_data(wheel: Path) -> None:
     for folder in ("templates", "static"):
         files = sorted(p.relative_to(ROOT).as_posix() for p in (INBOX / folder).iterdir() if p.is_file())
         assert files and set(files) <= names, sorted(set(files) - names)
-    assert "activities/tether.cedarschema" in names
+    assert "tether/policy/tether.cedarschema" in names
     assert not [n for n in names if n.startswith("tether/inbox/") and n.endswith((".pem", ".keys", ".db"))]
 
 

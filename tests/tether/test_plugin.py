@@ -13,9 +13,9 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from activities.audit_collector import AuditCollector
-from activities.codec import EncryptionCodec, KEY_FILE_ENV, new_key_line
-from activities.keys import KeyRing, KeyRingInterceptor
+from tether.audit.collector import AuditCollector
+from tether.store.codec import EncryptionCodec, KEY_FILE_ENV, new_key_line
+from tether.store.keys import KeyRing, KeyRingInterceptor
 from tether import TetherPlugin, create_replayer
 from tether.plugin import WORKFLOW_RUNNER
 from workflows.agent_run import AgentRun

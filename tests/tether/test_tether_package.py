@@ -103,9 +103,9 @@ def test_the_image_installs_tether() -> None:
 def test_a_tool_author_imports_from_tether_alone() -> None:
     """`from tether import tool, ToolContext, ToolError, ToolEffect`: the very objects
     the worker uses, loaded on first use (a program that only connects does not load the tools)."""
-    code = ("import sys, tether; assert 'activities.tools' not in sys.modules, 'tools loaded at import'\n"
+    code = ("import sys, tether; assert 'tether.tools.sdk' not in sys.modules, 'tools loaded at import'\n"
             "from tether import ToolContext, ToolEffect, ToolError, tool\n"
-            "import activities.tools as t, workflows.contract as c\n"
+            "import tether.tools.sdk as t, workflows.contract as c\n"
             "assert (tool, ToolContext, ToolError, ToolEffect) == (t.tool, t.ToolContext, t.ToolError, c.ToolEffect)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

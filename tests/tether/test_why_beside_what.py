@@ -176,7 +176,7 @@ async def test_a_child_run_asking_its_own_approval_says_on_whose_behalf_everywhe
     refund no approval of the parent's covers, so the child asks bob itself. Its inbox row and
     page, `tether status` and the approve prompt say who asked on whose behalf: the root run
     (walked up from signed views), and the parent's goal."""
-    from activities.policy import PolicyStore
+    from activities.policy_checks import PolicyStore
     from tests.helpers.runs import approval_for, running_worker
     from tests.helpers.delegation import started_child, writing_child, writing_delegation
 

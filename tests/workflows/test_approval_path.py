@@ -28,12 +28,12 @@ from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
 from activities.audit import AuditActivities
-from activities.audit_sink import JsonlAuditSink
-from activities.audit_verify import verify_streams
-from activities.judgements import log_from_env
-from activities.keys import KeyRing
-from activities.policy import PolicyStore
-from activities.tools import ToolContext, ToolEffect, ToolRegistry, tool
+from tether.audit.sink import JsonlAuditSink
+from tether.audit.verify import verify_streams
+from tether.policy.judgements import log_from_env
+from tether.store.keys import KeyRing
+from activities.policy_checks import PolicyStore
+from tether.tools.sdk import ToolContext, ToolEffect, ToolRegistry, tool
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import audit_collected, wait_for_state
@@ -239,7 +239,7 @@ async def test_a_policy_file_that_stops_loading_keeps_the_last_good_one_and_the_
 def test_a_policy_problem_carried_to_every_run_is_bounded(tmp_path: Path) -> None:
     """Every verdict carries the problem into the run's state, views and details: a changed file
     with thousands of problems (one per policy) still gives one bounded line, naming the first."""
-    from activities.policy_file import PROBLEM_CHARS
+    from tether.policy.files import PROBLEM_CHARS
 
     cedar_file = tmp_path / "tenant.cedar"
     cedar_file.write_text('@id("anyone")\npermit (principal, action, resource);\n')

@@ -18,8 +18,8 @@ from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
 from activities.audit import AuditActivities
-from activities.audit_sink import JsonlAuditSink, merge_timeline
-from activities.tools import ToolContext, ToolRegistry, tool
+from tether.audit.sink import JsonlAuditSink, merge_timeline
+from tether.tools.sdk import ToolContext, ToolRegistry, tool
 from tether.client import run_outcome
 from tether.client.decisions import _send_decision
 from tests.helpers.billing import Billing
@@ -242,7 +242,7 @@ async def test_a_carried_state_from_a_newer_worker_continues(dev_env: WorkflowEn
     # A newer worker version wrote the state, with fields this version does not know, and
     # sealed it with the key the workers share: this version continues the run.
     import examples.billing.tools  # noqa: F401  (registers the billing tools)
-    from activities.tools import REGISTRY
+    from tether.tools.sdk import REGISTRY
     from workflows import policy as rules
     from workflows.engine import Engine
     from workflows.wire import PolicySnapshot, Proposal, ProposedStep

@@ -18,8 +18,8 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from worker import create_replayer
 
 import tether.client as tether_client
-from activities.keys import KeyRing
-from activities.policy import PolicyActivities, PolicyStore
+from tether.store.keys import KeyRing
+from activities.policy_checks import PolicyActivities, PolicyStore
 from tests.helpers.billing import Billing
 from tests.helpers.paths import ROOT
 from tests.helpers.queries import timeline

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from activities.policy import PolicyFileError, check_policy_file, parse_policy
-from activities.tools import REGISTRY
+from activities.policy_checks import PolicyFileError, check_policy_file, parse_policy
+from tether.tools.sdk import REGISTRY
 from tests.helpers.scripted import START, Scripted
 from workflows import policy
 from workflows.commands import Call, Command, Wait
@@ -264,7 +264,7 @@ def test_patch_paths() -> None:
 
 
 async def test_planners_hear_which_steps_were_not_approved() -> None:
-    from activities.planning import PlaybookPlanner, build_messages
+    from tether.planners.planning import PlaybookPlanner, build_messages
     from workflows.contract import ExecutedStep, NotApproved, PlaybookStep
     from workflows.contract import ToolCatalog
     from workflows.wire import PlannerInput

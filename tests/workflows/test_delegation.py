@@ -15,9 +15,9 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
-from activities.keys import KeyRing
-from activities.planning import BUILTIN_PLANNERS
-from activities.policy_file import PolicyStore
+from tether.store.keys import KeyRing
+from tether.planners.planning import BUILTIN_PLANNERS
+from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
 from tests.helpers.queries import snapshot, timeline
@@ -515,8 +515,8 @@ async def test_in_a_signed_start_tenant_a_copied_grant_without_its_parent_is_ref
 
 
 def test_a_grant_is_a_starts_authority_only_when_sealed_for_this_run_tenant_and_requester() -> None:
-    """The policy's start check (activities/signatures.py, granted_start) with the fleet's ring."""
-    from activities.signatures import granted_start
+    """The policy's start check (tether/policy/signatures.py, granted_start) with the fleet's ring."""
+    from tether.policy.signatures import granted_start
     from workflows import keys
     from workflows.wire import SnapshotRequest
 

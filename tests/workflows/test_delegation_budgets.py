@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
-from activities.planning import BUILTIN_PLANNERS
+from tether.planners.planning import BUILTIN_PLANNERS
 from tether.cli.output import format_status
 from tether.client import status
-from activities.policy_file import PolicyStore
+from tether.policy.files import PolicyStore
 from tests.helpers.billing import Billing
 from tests.helpers.queries import timeline
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run

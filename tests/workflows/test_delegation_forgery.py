@@ -14,7 +14,7 @@ from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, unique
 from tests.helpers.waiting import wait_for_state
 from tests.helpers.rogue import complete, rogue_answer
-from activities.planning import BUILTIN_PLANNERS
+from tether.planners.planning import BUILTIN_PLANNERS
 from tests.helpers.delegation import Overreacher, delegate, refund, refunds_with, started_child
 from workflows.run_state import RunOutcome
 from workflows.states import RunState

@@ -92,19 +92,19 @@ def test_nothing_imports_in_a_cycle() -> None:
 HOUSE = ("client.py", "worker.py", "starter.py", "tether", "activities", "inbox", "examples")
 PROGRAMS = {"client", "worker", "starter", "tether.cli", "tether.inbox", "inbox", "examples"}
 # The policy modules, in the order they import one another (each imports only those before it):
-# Cedar's words, its export of the TOML rules, its engine and its checks (activities.cedar, which
+# Cedar's words, its export of the TOML rules, its engine and its checks (tether.policy.cedar, which
 # the rest import); the policy file read, checked and kept in force (it loads the Cedar files it
 # names); signatures; the judgement log and what-if; the activities that judge and attest.
-POLICY_MODULES = ("activities.cedar_text", "activities.cedar_export", "activities.cedar_engine", "activities.cedar",
-                  "activities.policy_file", "activities.signatures", "activities.judgements", "activities.policy")
+POLICY_MODULES = ("tether.policy.cedar_text", "tether.policy.cedar_export", "tether.policy.cedar_engine", "tether.policy.cedar",
+                  "tether.policy.files", "tether.policy.signatures", "tether.policy.judgements", "activities.policy_checks")
 # Files split along their jobs, each family in the same order (each imports only those before it):
 # what the others use first, the module the programs import last (imported by none of the others).
 SPLIT_MODULES = {
     # the fleet-signature checks; the sinks; the collector of a run's end records; the activities
-    "audit": ("activities.audit_verify", "activities.audit_sink", "activities.audit_collector", "activities.audit"),
+    "audit": ("tether.audit.verify", "tether.audit.sink", "tether.audit.collector", "activities.audit"),
     # the config file; a server's session and listing; a call; the catalog; the `tools` listing
-    "mcp": ("activities.mcp_config", "activities.mcp_session", "activities.mcp_call", "activities.mcp_catalog",
-            "activities.mcp"),
+    "mcp": ("tether.tools.mcp_config", "tether.tools.mcp_session", "tether.tools.mcp_call", "tether.tools.mcp_catalog",
+            "tether.tools.mcp"),
     # the database; a request's model and the state; the routes; the HTTP server
     "billing": ("examples.billing.db", "examples.billing.model", "examples.billing.routes", "examples.billing.service"),
 }
@@ -179,12 +179,12 @@ def test_the_house_has_no_import_circle() -> None:
 
 def test_the_policy_modules_import_one_way() -> None:
     """Cedar imports none of the policy modules; the policy file, signatures and judgements none
-    after them; the activities (activities/policy.py) are imported by none of them."""
+    after them; the activities (activities/policy_checks.py) are imported by none of them."""
     graph = house_imports()
     backward = sorted(f"{m} imports {d}" for i, m in enumerate(POLICY_MODULES) for d in graph[m]
                       if d in POLICY_MODULES[i:])
     assert not backward, backward
-    assert "activities.cedar" in graph["activities.policy_file"]  # it loads the Cedar files a policy file names
+    assert "tether.policy.cedar" in graph["tether.policy.files"]  # it loads the Cedar files a policy file names
 
 
 def test_the_split_modules_import_one_way() -> None:
@@ -197,9 +197,9 @@ def test_the_split_modules_import_one_way() -> None:
 
 
 def test_what_moved_keeps_its_old_import_path() -> None:
-    """For one release, `from activities.policy import ...` still finds what moved out of it."""
-    import activities.policy as old
-    from activities import policy_file, signatures
+    """For one release, `from activities.policy_checks import ...` still finds what moved out of it."""
+    import activities.policy_checks as old
+    from tether.policy import files as policy_file, signatures
 
     moved = {**{n: policy_file for n in ("PolicyStore", "PolicyFileError", "parse_policy", "check_policy_file",
                                          "load_cedar_files", "resolve_key_files", "_locate", "DEFAULT_SOURCE",
@@ -263,8 +263,8 @@ def test_the_inbox_is_a_program_inside_the_package() -> None:
     assert "tether.client" in graph["tether.inbox.service"] and "tether.inbox.service" in graph["tether.inbox.app"]
     assert upward({**graph, "tether.repair": graph["tether.repair"] | {"tether.inbox.app"}}) == [
         "tether.repair imports tether.inbox.app"]
-    assert upward({**graph, "activities.keys": graph["activities.keys"] | {"tether.inbox.desk"}}) == [
-        "activities.keys imports tether.inbox.desk"]
+    assert upward({**graph, "tether.store.keys": graph["tether.store.keys"] | {"tether.inbox.desk"}}) == [
+        "tether.store.keys imports tether.inbox.desk"]
 
 
 def test_a_circle_is_found() -> None:
@@ -277,7 +277,7 @@ def test_a_circle_is_found() -> None:
 
 
 def test_the_cedar_modules_stay_under_600_lines() -> None:
-    """activities/cedar.py was split along its jobs (words, export, engine, checks): each stays
+    """tether/policy/cedar.py was split along its jobs (words, export, engine, checks): each stays
     small enough to read whole."""
     sizes = {p.name: len(p.read_text().splitlines()) for p in sorted((ROOT / "activities").glob("cedar*.py"))}
     assert set(sizes) >= {"cedar.py", "cedar_text.py", "cedar_export.py", "cedar_engine.py"}, sizes

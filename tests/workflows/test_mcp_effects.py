@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from activities.mcp_config import McpConfigError, parse_config
+from tether.tools.mcp_config import McpConfigError, parse_config
 from workflows.mcp_effects import Hints, effect_for
 from workflows.contract import Plan, PlanStep, ToolCatalog, ToolEffect, ToolInfo
 from workflows.policy_file import HighRisk, TenantPolicy
@@ -125,8 +125,8 @@ def test_destructive_tools_show_in_the_risk_summary_and_match_high_risk() -> Non
 def test_untrusted_listings_are_bounded_and_checked_before_they_reach_the_catalog(caplog) -> None:
     from mcp.types import Tool, ToolAnnotations
 
-    from activities.mcp_catalog import MAX_DESCRIPTION_CHARS, MAX_SERVER_CATALOG_CHARS, tool_specs
-    from activities.mcp_session import Connection
+    from tether.tools.mcp_catalog import MAX_DESCRIPTION_CHARS, MAX_SERVER_CATALOG_CHARS, tool_specs
+    from tether.tools.mcp_session import Connection
 
     ok = {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"type": "string"}}}
     config = parse_config(

@@ -16,9 +16,9 @@ import pytest
 from pydantic import ValidationError
 from temporalio.testing import WorkflowEnvironment
 
-from activities.policy import PolicyActivities
-from activities.policy_file import PolicyStore
-from activities.keys import KeyRing
+from activities.policy_checks import PolicyActivities
+from tether.policy.files import PolicyStore
+from tether.store.keys import KeyRing
 from tether.client import run_outcome
 from tests.helpers.held_tools import ATTEMPTS, GATES, IN_FLIGHT, MOST, ORDER, READ_ONLY, REGISTRY, started
 from tests.helpers.billing import Billing
@@ -323,7 +323,7 @@ async def test_a_handoff_during_a_group_cancels_its_open_children_and_waits_for_
 
     tag = uuid.uuid4().hex[:8]
     playbook = [group(writer(tag, 1), child(tag, 2), step("held_read", tag, 3)), step("after_read", tag)]
-    from activities.planning import BUILTIN_PLANNERS
+    from tether.planners.planning import BUILTIN_PLANNERS
 
     planners = {**BUILTIN_PLANNERS, "group-refunder": GroupRefunder(tag, 1)}
     async with running_worker(dev_env.client, registry=REGISTRY, planners=planners) as worker:

@@ -17,12 +17,12 @@ import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import ActivityEnvironment
 
-from activities import planning
-from activities.keys import KeyRing
-from activities.policy import PolicyActivities
-from activities.policy_file import PolicyStore
+from tether.planners import planning
+from tether.store.keys import KeyRing
+from activities.policy_checks import PolicyActivities
+from tether.policy.files import PolicyStore
 from activities.setup import SetupActivities
-from activities.tools import REGISTRY, ToolActivities
+from tether.tools.sdk import REGISTRY, ToolActivities
 from tests.helpers.scripted import Scripted
 from workflows.commands import Call, Command, Wait
 from workflows.plan_check import check_digest, first_check

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import examples.billing.tools  # noqa: F401  (registers the billing tools)
-from activities.tools import REGISTRY
+from tether.tools.sdk import REGISTRY
 from workflows import policy
 import pytest
 

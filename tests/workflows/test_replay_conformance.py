@@ -114,7 +114,7 @@ async def test_every_shape_live_on_a_cache_off_worker_queried_all_along(
                       if e.HasField("workflow_task_failed_event_attributes")]
             assert failed == [], (name, failed[:2])
             # And the history it made conforms offline too, cold and reset, at every task.
-            from activities.keys import KeyRing
+            from tether.store.keys import KeyRing
 
             problems = await _problems(history, KeyRing.from_env(), ways=("cold", "reset"))
             assert problems == [], (name, problems[:3])
@@ -137,7 +137,7 @@ async def test_an_id_read_off_the_tasks_clock_fails_the_harness(
     dev_env: WorkflowEnvironment, billing: Billing, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The mutant: the id's binding takes the task's time, as the build before this one did."""
-    from activities.keys import KeyRing
+    from tether.store.keys import KeyRing
 
     monkeypatch.setattr(Effects, "execution_binding", lambda self: workflow.now().isoformat())
     async with running_worker(dev_env.client) as worker:
@@ -152,7 +152,7 @@ async def test_an_id_drawn_from_a_stream_a_query_reads_fails_the_harness(
 ) -> None:
     """The mutant: the id's binding draws from the run's random stream, and a query handler draws
     from it too (live only: a replay answers no query)."""
-    from activities.keys import KeyRing
+    from tether.store.keys import KeyRing
 
     def drawn(self: Effects) -> str:
         self._stream = getattr(self, "_stream", None) or workflow.random()  # type: ignore[attr-defined]

@@ -16,10 +16,10 @@ from pydantic import BaseModel
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.keys import KeyRing
-from activities.policy import PolicyActivities, approver_rosters
-from activities.policy_file import PolicyStore
-from activities.tools import REGISTRY, ToolActivities, ToolContext, ToolEffect, ToolRegistry, tool
+from tether.store.keys import KeyRing
+from activities.policy_checks import PolicyActivities, approver_rosters
+from tether.policy.files import PolicyStore
+from tether.tools.sdk import REGISTRY, ToolActivities, ToolContext, ToolEffect, ToolRegistry, tool
 from tests.helpers.scripted import Scripted
 from workflows import keys as workflow_keys
 from workflows import policy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from activities.tools import REGISTRY
+from tether.tools.sdk import REGISTRY
 from workflows import policy, retries
 from workflows.contract import ApprovalDecision, Limits, Plan, PlanStep, ToolEffect
 from workflows.wire import Proposal, ProposedStep
@@ -207,7 +207,7 @@ def test_a_pattern_no_linear_engine_takes_is_refused_with_where_and_why() -> Non
 
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
-from activities.tools import ToolContext  # noqa: E402
+from tether.tools.sdk import ToolContext  # noqa: E402
 
 
 class LookaroundArgs(BaseModel):
@@ -221,8 +221,8 @@ class NestedArgs(BaseModel):
 
 
 def test_a_python_tool_whose_pattern_cannot_run_in_linear_time_is_left_out_with_why() -> None:
-    from activities.mcp import describe_tools, format_tools
-    from activities.tools import ToolRegistry, tool
+    from tether.tools.mcp import describe_tools, format_tools
+    from tether.tools.sdk import ToolRegistry, tool
 
     registry = ToolRegistry()
 

@@ -15,7 +15,7 @@ from tether.cli.base import USAGE, add_command, client
 from workflows.display import escape_text as show  # the standard library's alone
 
 if TYPE_CHECKING:
-    from activities.judgements import JudgementLog
+    from tether.policy.judgements import JudgementLog
 
 # `tether policy what-if` / `explain`: the judgement log could not be read at all (a missing file,
 # no permission, the database down); after 0-3 (client.py), apart from 2 "NEW_POLICY is invalid".
@@ -45,8 +45,8 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
 async def cmd_policy(args: argparse.Namespace) -> int:
     """Cedar (docs/policy.md, "Cedar"): export a policy file's rules, validate a file, explain a
     run's decisions, judge recorded decisions under a proposed policy."""
-    from activities import cedar
-    from activities.policy_file import validate_file
+    from tether.policy import cedar
+    from tether.policy.files import validate_file
 
     if args.action != "show" and not args.target:
         raise client.UsageError(f"`tether policy {args.action}` needs its TARGET (see `tether policy --help`)")
@@ -56,12 +56,12 @@ async def cmd_policy(args: argparse.Namespace) -> int:
             print(show(problem), file=sys.stderr)
         if problems:
             print(f"{len(problems)} problem(s): fix them and validate again (the schema: "
-                  f"activities/tether.cedarschema)", file=sys.stderr)
+                  f"tether/policy/tether.cedarschema)", file=sys.stderr)
             return USAGE
         print(f"{show(args.target)}: {checked}")
         return client.OK
     if args.action == "export":
-        from activities.policy_file import PolicyFileError, parse_policy
+        from tether.policy.files import PolicyFileError, parse_policy
 
         path = Path(args.target)
         try:
@@ -79,7 +79,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
         return client.OK
     if args.action == "explain":
-        from activities.judgements import log_from_env
+        from tether.policy.judgements import log_from_env
 
         log = log_from_env(args.audit_dir)
         found = read_judgements(log, workflow_id=args.target)
@@ -102,7 +102,7 @@ async def show_policy(args: argparse.Namespace) -> int:
     """`tether policy show [--policy FILE] [--run RUN]`: the file a process would read, its hash and
     tenants; with --run, the hash the run recorded at its start and whether it is this file's
     (exit 1 when it is not: the run was judged under another policy file)."""
-    from activities.policy_file import PolicyFileError, PolicyStore
+    from tether.policy.files import PolicyFileError, PolicyStore
     from tether.inbox.desk import recorded_policy_hash
 
     chosen = args.policy or args.target or os.environ.get("TETHER_POLICY") or None
@@ -137,7 +137,7 @@ def what_if(args: argparse.Namespace) -> int:
     exit 0 when none changes, 1 when some do (each printed), 2 when NEW_POLICY is invalid."""
     from datetime import datetime, timedelta, timezone
 
-    from activities.judgements import ProposedPolicy, before_escalation, log_from_env, what_if as judge_again
+    from tether.policy.judgements import ProposedPolicy, before_escalation, log_from_env, what_if as judge_again
     from workflows.policy_file import parse_duration
 
     since = None
@@ -181,7 +181,7 @@ def read_judgements(log: JudgementLog, **filters: Any) -> list[dict[str, Any]]:
     """The judgement log's signed judgement lines (explain, what-if): the lines of another shape
     and those the fleet did not sign are skipped and counted on stderr (they change no exit code);
     a log that cannot be read at all is exit LOG_UNREADABLE, apart from "NEW_POLICY is invalid"."""
-    from activities.judgements import LogUnreadable
+    from tether.policy.judgements import LogUnreadable
 
     try:
         found = log.read(publics=client.public_keys(), **filters)
@@ -237,7 +237,7 @@ def _entity_words(entity: dict[str, Any]) -> str:
 
 def format_judgement(entry: dict[str, Any]) -> list[str]:
     """A logged Cedar judgement: what was decided, by which policies, on which entity data."""
-    from activities.judgements import error_words, escalation_words
+    from tether.policy.judgements import error_words, escalation_words
 
     request = entry.get("request", {})
     by = ", ".join(entry.get("policies", [])) or "no policy"

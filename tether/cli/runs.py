@@ -353,8 +353,8 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     ended STATE" or "open or cut short after seq N"), checked against Temporal where it still
     holds the run. A trail that does not verify, or that is cut short where its run has ended
     (or with ``--complete``), exits 1."""
-    from activities.audit_sink import sink_from_env
-    from activities.audit_verify import stream_ends, verify_streams
+    from tether.audit.sink import sink_from_env
+    from tether.audit.verify import stream_ends, verify_streams
 
     if bool(args.run) == bool(args.all):
         raise client.UsageError("name one run, or --all")

@@ -17,17 +17,17 @@ def _tools_args(p: argparse.ArgumentParser) -> None:
 
 async def cmd_tools(args: argparse.Namespace) -> int:
     """The tools a worker with these options would serve, with each one's effect and why."""
-    from activities import mcp
-    from activities.mcp_config import McpConfigError, config_from_env
-    from activities.loading import LoadError
-    from activities.tools import REGISTRY, load_tool_modules
+    from tether.tools import mcp
+    from tether.tools.mcp_config import McpConfigError, config_from_env
+    from tether.loading import LoadError
+    from tether.tools.sdk import REGISTRY, load_tool_modules
 
     modules = [m for m in args.tools.split(",") if m.strip()]
     try:
         config = config_from_env(args.mcp_config)
     except McpConfigError as e:
         raise client.UsageError(f"invalid MCP config: {e}") from None
-    try:  # resolved as the worker resolves them (activities/loading.py)
+    try:  # resolved as the worker resolves them (tether/loading.py)
         registry = load_tool_modules(modules, REGISTRY)
     except LoadError as e:
         raise client.UsageError(str(e)) from None

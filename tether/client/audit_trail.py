@@ -109,7 +109,7 @@ async def audit_trail(
     A run Temporal no longer has (retention), or that no worker answers for, is shown from the
     sink alone; ``unchecked`` then says why its completeness could not be checked.
     """
-    from activities.audit_sink import sink_from_env
+    from tether.audit.sink import sink_from_env
 
     current: str | None = None
     window: list[TransitionRecord] = []
@@ -182,7 +182,7 @@ async def audit_trail(
         closed=closed,
         audit_error=snap.audit_error if snap else None, unchecked=unchecked, published_at=published_at,
     )
-    from activities.audit_verify import verify_streams
+    from tether.audit.verify import verify_streams
 
     try:
         check = verify_streams(public_keys(), run_id, streams)

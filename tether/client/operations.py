@@ -118,7 +118,7 @@ def policy_tenant(tenant: str, policy_path: Path) -> Any:
     nearest names it does ("did you mean"), as is a file that cannot be read."""
     import difflib
 
-    from activities.policy_file import PolicyFileError, PolicyStore
+    from tether.policy.files import PolicyFileError, PolicyStore
 
     store = PolicyStore(policy_path)
     try:
@@ -143,7 +143,7 @@ def planner_refusal(planner: str) -> TetherError | None:
     else what the checkout's dev stack recorded; with neither here, the worker's is the only word."""
     import difflib
 
-    from activities.planning import BUILTIN_PLANNERS
+    from tether.planners.planning import BUILTIN_PLANNERS
 
     configured = os.environ.get("TETHER_PLANNERS")
     if configured is not None:
@@ -351,7 +351,7 @@ def compensate_refusal(
         return Refused(f"run {snap.run_id} ended {snap.state.value}: its writes are kept; only runs ended {states} "
                            "are compensated [rule: not_compensable]", rule="not_compensable")
     if policy_path is not None:
-        from activities.policy_file import PolicyFileError, PolicyStore
+        from tether.policy.files import PolicyFileError, PolicyStore
 
         try:
             tenant_policy, _ = PolicyStore(policy_path).tenant(snap.tenant)

@@ -334,7 +334,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
         # The view holds the latest few records, and the run does not publish it again for every
         # decision it refuses while it waits (a flood would write one each): the audit sink has
         # every record of this execution, the decisions among them.
-        from activities.audit_sink import merge_timeline
+        from tether.audit.sink import merge_timeline
 
         records = merge_timeline(await _sink_records(description.id, description.run_id), view.timeline)
         result = RunStatus(**view.snapshot.model_dump(), published_at=view.published_at)

@@ -11,7 +11,7 @@ from workflows.states import TransitionRecord
 async def _sink_records(workflow_id: str, run_id: str) -> list[TransitionRecord]:
     """The records of this execution the audit sink (the workers', TETHER_AUDIT_DSN /
     TETHER_AUDIT_DIR) holds; none when this client cannot read it."""
-    from activities.audit_sink import sink_from_env
+    from tether.audit.sink import sink_from_env
 
     try:
         sink = sink_from_env()
@@ -36,8 +36,8 @@ async def ledger_standing(compensations: list[CompensationCall]) -> tuple[list[C
     """``undo_standing``, and why the ledger could not be read (None when it was)."""
     if not any(c.tool and c.status != "ok" for c in compensations):
         return compensations, None
-    from activities.audit_sink import sink_from_env
-    from activities.effect_ledger import ledger_for
+    from tether.audit.sink import sink_from_env
+    from tether.store.effect_ledger import ledger_for
     from activities.recovery import RecoveryActivities
 
     try:

@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from temporalio.client import Client
 
-from activities.policy_file import PolicyFileError, PolicyStore
+from tether.policy.files import PolicyFileError, PolicyStore
 from tether.connection import TetherError, UsageError
 from tether.inbox import desk, pages
 from tether.inbox.guards import MAX_BODY_BYTES, SECURITY_HEADERS, BodyLimit, loopback_host, same_origin

@@ -22,7 +22,7 @@ from pydantic import Field
 from temporalio.client import Client
 
 import tether.client as tether
-from activities.policy_file import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.inbox import desk
 from tether.inbox.identity import SESSION_COOKIE, DevLogin, Person, Unauthenticated, Verifier
 from workflows import wording

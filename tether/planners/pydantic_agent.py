@@ -1,7 +1,7 @@
 """A pydantic-ai ``Agent`` as a Tether planner.
 
     from pydantic_ai import Agent
-    from activities.planners.pydantic_agent import AgentPlanner
+    from tether.planners.pydantic_agent import AgentPlanner
 
     agent = Agent("openai:gpt-4.1-mini", instructions="You handle refunds for the billing team.")
     planner = AgentPlanner(agent)          # worker.py --planner refunds=mymodule:planner
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from activities import planning
+from tether.planners import planning
 from workflows.contract import ToolCatalog
 from workflows.wire import PlannerInput, Proposal
 

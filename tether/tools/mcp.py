@@ -25,10 +25,10 @@ at shutdown. A call sends the run's idempotency key in the request ``_meta``
 "outcome unknown" (a transient error), so an ``unsafe`` tool goes to HANDED_OFF, never a second
 call.
 
-The parts: the config file (activities/mcp_config.py); a server's session and its tool listing
-(activities/mcp_session.py); a call (activities/mcp_call.py); the catalog the listings make and
-the servers a worker keeps (activities/mcp_catalog.py). Here: what ``tether tools`` and
-``python -m activities.mcp tools --mcp-config PATH`` print.
+The parts: the config file (tether/tools/mcp_config.py); a server's session and its tool listing
+(tether/tools/mcp_session.py); a call (tether/tools/mcp_call.py); the catalog the listings make and
+the servers a worker keeps (tether/tools/mcp_catalog.py). Here: what ``tether tools`` and
+``python -m tether.tools.mcp tools --mcp-config PATH`` print.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from activities.loading import LoadError
-from activities.mcp_catalog import mcp_tools
-from activities.mcp_config import McpConfig, McpConfigError, config_from_env
-from activities.tools import REGISTRY, ToolRegistry, load_tool_modules
+from tether.loading import LoadError
+from tether.tools.mcp_catalog import mcp_tools
+from tether.tools.mcp_config import McpConfig, McpConfigError, config_from_env
+from tether.tools.sdk import REGISTRY, ToolRegistry, load_tool_modules
 from workflows.display import escape_text
 
 
@@ -103,7 +103,7 @@ async def print_tools(config: McpConfig, modules: Sequence[str] = ()) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m activities.mcp", description="Tools from MCP servers.")
+    parser = argparse.ArgumentParser(prog="python -m tether.tools.mcp", description="Tools from MCP servers.")
     sub = parser.add_subparsers(dest="command", required=True)
     tools = sub.add_parser("tools", help="list the tools a worker with this config gets, with their effect and why")
     tools.add_argument("--mcp-config", default=None, help="TOML file (env TETHER_MCP_CONFIG)")

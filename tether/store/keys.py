@@ -8,7 +8,7 @@ capabilities use it, every other key still verifies (rotation: append a key, rol
 drop the old line once no run can carry a seal by it).
 
 A worker never creates a key: ``make demo``, ``make dev-server``, ``make worker`` and the tests
-create the dev key up front (``python -m activities.keys genkey --if-missing PATH``). Every
+create the dev key up front (``python -m tether.store.keys genkey --if-missing PATH``). Every
 worker that may take a run's tasks must hold the key ids its seals and capabilities name; one
 that lacks an id fails the *workflow task* (another worker takes it), never the run.
 
@@ -17,9 +17,9 @@ published views and the policy activities' judgement lines with it, and anyone v
 with the public halves alone (``PublicKeys``): an auditor needs no secret. ``genkey`` writes them
 beside the ring (``PATH.pub``, one ``<key id> <base64 public key>`` a line).
 
-    python -m activities.keys genkey [--if-missing] [--public PUB] PATH  # a new newest key
-    python -m activities.keys public PATH                  # (re)write PATH.pub from the ring
-    python -m activities.keys ids PATH                     # the ids in a ring, newest last
+    python -m tether.store.keys genkey [--if-missing] [--public PUB] PATH  # a new newest key
+    python -m tether.store.keys public PATH                  # (re)write PATH.pub from the ring
+    python -m tether.store.keys ids PATH                     # the ids in a ring, newest last
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class KeyRing(ring_math.KeyRing):
                 raise KeyRingError(f"{source}: line {number}: a key holds at least {MIN_KEY_CHARS} characters")
             keys.append(line.encode())
         if not keys:
-            raise KeyRingError(f"{source}: holds no key; add one with `python -m activities.keys genkey {source}`")
+            raise KeyRingError(f"{source}: holds no key; add one with `python -m tether.store.keys genkey {source}`")
         return cls.of(*keys, source=source)
 
     @classmethod
@@ -124,7 +124,7 @@ class KeyRing(ring_math.KeyRing):
             raise KeyRingError(
                 f"no state key ring at {chosen} (set {KEY_SETTING}): every worker that shares runs needs "
                 f"the fleet's key file; a worker never creates one (create it once with "
-                f"`python -m activities.keys genkey {chosen}` and give every worker the same file)"
+                f"`python -m tether.store.keys genkey {chosen}` and give every worker the same file)"
             ) from None
         except OSError as e:
             raise KeyRingError(f"cannot read the state key ring {chosen} ({KEY_SETTING}): {e.strerror}") from None
@@ -174,7 +174,7 @@ class PublicKeys:
         except KeyRingError:
             raise KeyRingError(
                 f"no public keys to verify the fleet's signatures: set {PUBLIC_SETTING} to the fleet's "
-                f"public key file (`python -m activities.keys public RING` writes RING{PUBLIC_SUFFIX})"
+                f"public key file (`python -m tether.store.keys public RING` writes RING{PUBLIC_SUFFIX})"
             ) from None
 
     def text(self) -> str:

@@ -1,6 +1,6 @@
 """One MCP tool call (``tools/call``), run inside the worker's ``execute_tool`` activity
-(activities/tools.py) like every tool's: the run's idempotency key in the request ``_meta``, and
-the failure mapped to what the runtime needs to know (activities/mcp.py says how).
+(tether/tools/sdk.py) like every tool's: the run's idempotency key in the request ``_meta``, and
+the failure mapped to what the runtime needs to know (tether/tools/mcp.py says how).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from activities.mcp_session import CONNECT_TIMEOUT_SECONDS, Connection, McpUnavailable, _reason, list_tools
-from activities.tools import LookupFn, ToolContext, ToolError, ToolFn
+from tether.tools.mcp_session import CONNECT_TIMEOUT_SECONDS, Connection, McpUnavailable, _reason, list_tools
+from tether.tools.sdk import LookupFn, ToolContext, ToolError, ToolFn
 
 IDEMPOTENCY_META_KEY = "io.tether/idempotency-key"
 # What a server may put in an isError result's _meta: the error code the timeline shows, and

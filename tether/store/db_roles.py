@@ -1,6 +1,6 @@
 """Least privilege in Tether's PostgreSQL: who owns the tables, who may do what with them.
 
-The stores (activities/audit_sink.py, activities/judgements.py, activities/effect_ledger.py)
+The stores (tether/audit/sink.py, tether/policy/judgements.py, tether/store/effect_ledger.py)
 create their tables themselves when they may (the dev stack: one role that owns everything). In
 a deployment they must not: a role that owns the audit table can ``ALTER TABLE ... DISABLE
 TRIGGER``, delete records and enable it again, and ``tether audit verify`` would not know. So the
@@ -19,7 +19,7 @@ Each login role's password is a secret of its own (a libpq passfile the service'
 ``?passfile=``), written once by ``genpass``; ``setup`` sets each role's password from its file,
 so rotating one is: write the file, run ``setup`` again, restart the service.
 
-``python -m activities.db_roles sql`` prints the in-database part (roles, tables, grants) for a
+``python -m tether.store.db_roles sql`` prints the in-database part (roles, tables, grants) for a
 managed PostgreSQL, where an administrator runs it with psql (docs/production.md).
 """
 
@@ -33,13 +33,13 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from activities.audit_sink import AUDIT_TABLE
-from activities.audit_sink import SCHEMA as AUDIT_SCHEMA
-from activities.effect_ledger import GENERATION_TABLE, LEDGER_TABLE, MARKER_TABLE, WITNESS_TABLE
-from activities.effect_ledger import SCHEMA as LEDGER_SCHEMA
-from activities.judgements import PG_SCHEMA as JUDGEMENT_SCHEMA
-from activities.judgements import PG_TABLE as JUDGEMENT_TABLE
-from activities.postgres import redact_dsn
+from tether.audit.sink import AUDIT_TABLE
+from tether.audit.sink import SCHEMA as AUDIT_SCHEMA
+from tether.store.effect_ledger import GENERATION_TABLE, LEDGER_TABLE, MARKER_TABLE, WITNESS_TABLE
+from tether.store.effect_ledger import SCHEMA as LEDGER_SCHEMA
+from tether.policy.judgements import PG_SCHEMA as JUDGEMENT_SCHEMA
+from tether.policy.judgements import PG_TABLE as JUDGEMENT_TABLE
+from tether.store.postgres import redact_dsn
 
 OWNER = "tether_owner"
 WRITER = "tether_worker"
@@ -74,7 +74,7 @@ def script(writer: str = WRITER, readers: tuple[str, ...] = READERS) -> str:
     everyone = ", ".join([writer, *readers])
     roles = "".join([_role_clause(OWNER, False), _role_clause(writer, True), *(_role_clause(r, True) for r in readers)])
     grants = "".join(f"GRANT {privs} ON {table} TO {writer};\n" for table, privs in WRITER_GRANTS.items())
-    return f"""-- Tether's roles, tables and grants (activities/db_roles.py).
+    return f"""-- Tether's roles, tables and grants (tether/store/db_roles.py).
 DO $$ BEGIN
 {roles}END $$;
 -- The administrator acts as the owner to create what it owns (a CREATEROLE role may grant this).
@@ -183,7 +183,7 @@ def setup(admin_dsn: str, *, database: str = DEFAULT_DATABASE, writer: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m activities.db_roles", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tether.store.db_roles", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("genpass", help="write each password file that is missing")
     gen.add_argument("--password", action="append", default=[], metavar="FILE", help="a plain password (0644)")

@@ -1,7 +1,7 @@
 """The MCP config file: which servers a worker starts, and the operator's word on their tools.
 
 Read by the worker (``worker.py --mcp-config PATH`` / ``TETHER_MCP_CONFIG``) and by ``tether
-tools``; the file's shape is in activities/mcp.py and docs/mcp.md. Every mistake is an
+tools``; the file's shape is in tether/tools/mcp.py and docs/mcp.md. Every mistake is an
 :class:`McpConfigError` naming the line and key that are wrong.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from activities.toml_config import parse_toml
+from tether.tools.toml_config import parse_toml
 from workflows.contract import Compensation, ToolEffect
 
 _SERVER_NAME = r"^[A-Za-z0-9][A-Za-z0-9-]*(_[A-Za-z0-9-]+)*$"  # no "__": it separates server and tool

@@ -10,8 +10,8 @@ NAME=MODULE:ATTR``), and each run names one (``RunRequest.planner``):
   OpenAI, vLLM, Ollama, llama.cpp, ...), through the official ``openai`` package (extra
   ``openai``).
 - your own: any object with ``propose`` below, e.g. a pydantic-ai ``Agent`` through
-  :class:`activities.planners.pydantic_agent.AgentPlanner`, an OpenAI Agents SDK ``Agent``
-  through :class:`activities.planners.openai_agents.AgentsSDKPlanner`. See docs/model-planner.md.
+  :class:`tether.planners.pydantic_agent.AgentPlanner`, an OpenAI Agents SDK ``Agent``
+  through :class:`tether.planners.openai_agents.AgentsSDKPlanner`. See docs/model-planner.md.
 
 The model planner's configuration is read here, inside the activity, on every call: it never
 enters workflow code, history or the timeline.
@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.loading import LoadError, load_object
+from tether.loading import LoadError, load_object
 from workflows.budgets import PROPOSAL_BYTES
 from workflows.contract import DELEGATE, ExecutedStep, PlaybookStep, ToolCatalog, ToolEffect, run_catalog
 from workflows.policy import may_delegate

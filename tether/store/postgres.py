@@ -6,7 +6,7 @@ It owns what the three share: reading and checking the DSN (and redacting its pa
 person), connecting (one connection per process and store, reconnected after any error, a
 ``CONNECT_TIMEOUT`` to reach the server), creating a store's tables idempotently (under an
 advisory lock, ``LOCK``: several workers may start at once; the effect ledger creates its own
-under the same lock, once it has checked that no ledger was lost: activities/effect_ledger.py),
+under the same lock, once it has checked that no ledger was lost: tether/store/effect_ledger.py),
 and mapping the driver's errors to :class:`PostgresUnavailable`, one line that names the error
 without the DSN's secrets.
 
@@ -32,9 +32,9 @@ CONNECT_TIMEOUT = 5
 # Several workers may create a table at once: one at a time, per table name.
 LOCK = "SELECT pg_advisory_xact_lock(hashtext(%s))"
 # A table that exists and is owned by a role this one is not (the production stack's
-# ``tether_owner``, activities/db_roles.py): its DDL is the owner's, never run by a service.
+# ``tether_owner``, tether/store/db_roles.py): its DDL is the owner's, never run by a service.
 OWNED_ELSEWHERE = "SELECT NOT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass(%s)"
-SETUP_HINT = "create it as its owner (python -m activities.db_roles setup; docs/production.md)"
+SETUP_HINT = "create it as its owner (python -m tether.store.db_roles setup; docs/production.md)"
 CAUSE_CHARS = 300
 
 T = TypeVar("T")

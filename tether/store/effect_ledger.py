@@ -19,7 +19,7 @@ recorded re-run instruction (``tether compensate RUN --rerun-unknown STEP``).
 
 It lives where the audit sink lives: a SQLite file in the JSON-lines sink's folder
 (``TETHER_AUDIT_DIR``; ``undo-ledger.sqlite3``), or a table of the PostgreSQL sink
-(``tether_undo_ledger``, ``TETHER_AUDIT_DSN``; over the sink's connection, activities/postgres.py)
+(``tether_undo_ledger``, ``TETHER_AUDIT_DSN``; over the sink's connection, tether/store/postgres.py)
 for fleets whose workers run on several machines.
 The names are those of the undo ledger it grew from: an existing undo ledger is this ledger, used
 as it is (same columns; writes' keys join the undos'). The CLI reads the same place to say where
@@ -56,8 +56,8 @@ from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, Protocol, TypeVar
 
-from activities.audit_sink import JsonlAuditSink, PostgresAuditSink
-from activities.postgres import LOCK, OWNED_ELSEWHERE
+from tether.audit.sink import JsonlAuditSink, PostgresAuditSink
+from tether.store.postgres import LOCK, OWNED_ELSEWHERE
 
 T = TypeVar("T")
 
@@ -375,7 +375,7 @@ class PostgresEffectLedger:
         if table:
             row = await (await conn.execute(OWNED_ELSEWHERE, (LEDGER_TABLE,))).fetchone()
             if row and row[0]:
-                return  # the owner's tables (activities/db_roles.py): made, marked and granted by setup
+                return  # the owner's tables (tether/store/db_roles.py): made, marked and granted by setup
         if not table and marked and not self.new_ledger:
             cur = await conn.execute(f"SELECT created_at FROM {MARKER_TABLE} WHERE ledger = %s", (LEDGER_TABLE,))
             row = await cur.fetchone()

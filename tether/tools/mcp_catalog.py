@@ -15,10 +15,10 @@ from typing import Any
 
 import jsonschema
 
-from activities.mcp_call import _lookup_fn, _tool_fn
-from activities.mcp_config import McpConfig, ServerConfig, ToolOverride
-from activities.mcp_session import CONNECT_TIMEOUT_SECONDS, Connection, McpUnavailable, _reason, list_tools
-from activities.tools import ToolRegistry, ToolSpec
+from tether.tools.mcp_call import _lookup_fn, _tool_fn
+from tether.tools.mcp_config import McpConfig, ServerConfig, ToolOverride
+from tether.tools.mcp_session import CONNECT_TIMEOUT_SECONDS, Connection, McpUnavailable, _reason, list_tools
+from tether.tools.sdk import ToolRegistry, ToolSpec
 from workflows.contract import ToolEffect
 from workflows.mcp_effects import Hints, effect_for
 from workflows.validation import schema_problem

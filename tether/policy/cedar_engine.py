@@ -20,8 +20,8 @@ from typing import Any, Generic, TypeVar
 import cedarpy
 from cedarpy import pst
 
-from activities.cedar_export import export_tenant
-from activities.cedar_text import (
+from tether.policy.cedar_export import export_tenant
+from tether.policy.cedar_text import (
     ACTION_GROUPS,
     ACTIONS,
     MAX_POLICY_BYTES,

@@ -3,7 +3,7 @@ collector and ``tether audit verify`` make.
 
 A record or a view is the fleet's word only when the fleet's key signed it for the run it names
 (workflows/keys.py): whoever completes a task can schedule audit_append with records of its own,
-or write a memo. Verified with the public keys alone (activities/keys.PublicKeys).
+or write a memo. Verified with the public keys alone (tether/store/keys.PublicKeys).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Key file: one key per line, ``KEY_ID:BASE64_OF_32_RANDOM_BYTES``; ``#`` starts a
 FIRST key encrypts; every key listed decrypts. To rotate, put a new key on top and keep the old
 ones below for as long as histories encrypted with them exist (retention + any archive)::
 
-    python -m activities.codec genkey --id 2025-06 > new.keys && cat old.keys >> new.keys
+    python -m tether.store.codec genkey --id 2025-06 > new.keys && cat old.keys >> new.keys
 
 Each encrypted payload carries its key id in its metadata (``encryption-key-id``); the key id
 is also authenticated data, so a payload cannot be decrypted with a key it was not made with.
@@ -19,7 +19,7 @@ is also authenticated data, so a payload cannot be decrypted with a key it was n
 The codec server lets people who are allowed to see the data read it in the Web UI (or with
 ``temporal ... --codec-endpoint``)::
 
-    python -m activities.codec --port 8081 --key-file tether.keys \\
+    python -m tether.store.codec --port 8081 --key-file tether.keys \\
         --origin http://localhost:8233 [--token-file token.txt]
 
 ``POST /encode`` and ``POST /decode`` take and return ``{"payloads": [...]}`` (Temporal's JSON
@@ -95,7 +95,7 @@ class Keyring:
             if not sep or not KEY_ID_PATTERN.match(key_id):
                 raise KeyFileError(
                     f"{source} line {n}: expected KEY_ID:BASE64KEY (key id of letters, digits, "
-                    f"'.', '_' or '-'); create one with `python -m activities.codec genkey`"
+                    f"'.', '_' or '-'); create one with `python -m tether.store.codec genkey`"
                 )
             try:
                 key = base64.b64decode(encoded, validate=True)
@@ -307,7 +307,7 @@ def _split(value: str | None) -> list[str]:
 
 
 def _genkey(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m activities.codec genkey")
+    parser = argparse.ArgumentParser(prog="python -m tether.store.codec genkey")
     parser.add_argument("--id", default=None, help="key id (default: k-<random>)")
     parser.add_argument(
         "--if-missing", metavar="PATH",
@@ -333,9 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["genkey"]:
         return _genkey(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="python -m activities.codec",
+        prog="python -m tether.store.codec",
         description="Codec server: /encode and /decode for the Temporal Web UI and CLI. "
-        "`python -m activities.codec genkey` prints a new key line.",
+        "`python -m tether.store.codec genkey` prints a new key line.",
     )
     parser.add_argument("--host", default=os.environ.get("TETHER_CODEC_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("TETHER_CODEC_PORT", "8081")))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from decimal import ROUND_FLOOR
 
-from activities.cedar_text import NS, _action, _actions, _euid, cedar_string, decimal_text
+from tether.policy.cedar_text import NS, _action, _actions, _euid, cedar_string, decimal_text
 from workflows.policy_file import AmountRule, PolicyDocument, TenantPolicy
 
 
@@ -109,7 +109,7 @@ def export_tenant(name: str, tenant: TenantPolicy) -> str:
 def export_document(document: PolicyDocument) -> str:
     header = (
         "// Exported by `tether policy export` from the policy file's authorization rules.\n"
-        "// The schema: activities/tether.cedarschema (docs/policy.md, \"Cedar\").\n"
+        "// The schema: tether/policy/tether.cedarschema (docs/policy.md, \"Cedar\").\n"
     )
     parts = []
     for name, t in document.tenants.items():

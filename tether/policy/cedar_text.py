@@ -1,7 +1,7 @@
 """Cedar's words: the schema and its actions, literals (strings, decimals, entity uids) and the
 scanning of a Cedar text (its statements, annotations, and the sizes a parser survives), shared by
-the export (``activities/cedar_export.py``), the engine (``activities/cedar_engine.py``) and the
-checks (``activities/cedar.py``). Pure functions of their inputs."""
+the export (``tether/policy/cedar_export.py``), the engine (``tether/policy/cedar_engine.py``) and the
+checks (``tether/policy/cedar.py``). Pure functions of their inputs."""
 
 from __future__ import annotations
 

@@ -3,12 +3,12 @@
 Four parts, each a pure function of its inputs (no clock, no randomness; the policy files are
 read by the callers), each in its own module and importable from this one:
 
-- **the words** (``activities/cedar_text.py``): the schema and its actions, Cedar literals, and
+- **the words** (``tether/policy/cedar_text.py``): the schema and its actions, Cedar literals, and
   the scanning of a text (statements, annotations, the sizes a parser survives);
-- **the export** (``activities/cedar_export.py``): a tenant's TOML rules as equivalent Cedar
+- **the export** (``tether/policy/cedar_export.py``): a tenant's TOML rules as equivalent Cedar
   policies (``tether policy export``), each with an ``@id`` (``TENANT.RULE``, what records and
   ``tether policy explain`` name) and a ``@rule`` (the refusal rule the TOML engine names);
-- **the engine** (``activities/cedar_engine.py``): the world of a decision (``tether.cedarschema``),
+- **the engine** (``tether/policy/cedar_engine.py``): the world of a decision (``tether.cedarschema``),
   built from the same inputs the TOML rules (``workflows/policy.py``) take: the tenant's people and
   roles, the run's requester, the roles its pending request asks for, who approved and who revised
   it; a step's tool, what the catalog declares about it and the run's sums per amount; the parsed
@@ -28,7 +28,7 @@ from typing import Any
 import cedarpy
 
 # The parts, at this module's path (what the policy modules, the CLI, the bench and the tests import).
-from activities.cedar_engine import (  # noqa: F401
+from tether.policy.cedar_engine import (  # noqa: F401
     _BASES,
     _ERRORED,
     _PEOPLE,
@@ -56,8 +56,8 @@ from activities.cedar_engine import (  # noqa: F401
     step_requests,
     tenant_key,
 )
-from activities.cedar_export import export_document, export_tenant  # noqa: F401
-from activities.cedar_text import (  # noqa: F401
+from tether.policy.cedar_export import export_document, export_tenant  # noqa: F401
+from tether.policy.cedar_text import (  # noqa: F401
     ACTION_GROUPS,
     ACTIONS,
     MAX_NESTING,

@@ -1,7 +1,7 @@
 """An OpenAI Agents SDK ``Agent`` as a Tether planner.
 
     from agents import Agent
-    from activities.planners.openai_agents import AgentsSDKPlanner
+    from tether.planners.openai_agents import AgentsSDKPlanner
 
     agent = Agent(name="refunds", instructions="You refund orders.", model="gpt-4.1-mini")
     planner = AgentsSDKPlanner(agent)      # worker.py --planner refunds=mymodule:planner
@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from activities import planning
+from tether.planners import planning
 from workflows.contract import ToolCatalog
 from workflows.wire import PlannerInput, Proposal
 

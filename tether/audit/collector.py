@@ -27,8 +27,8 @@ from temporalio.worker import (
     WorkflowInterceptorClassInput,
 )
 
-from activities.audit_sink import SINK_FAILURES, AuditSink
-from activities.audit_verify import RECORDS_REFUSED, batch_problem, view_problem
+from tether.audit.sink import SINK_FAILURES, AuditSink
+from tether.audit.verify import RECORDS_REFUSED, batch_problem, view_problem
 from workflows.published import COLLECT_EXTERN, VIEW_MEMO
 from workflows.run_state import RunView
 from workflows.wire import AuditBatch

@@ -11,13 +11,13 @@ Two sinks, one contract:
   folder per workflow id, named by a readable prefix and a hash (``refund-A-1001-3f2c…``: bounded
   whatever the id's length or script), one file per run id. A line torn by a worker killed
   mid-write is cut off and written again by the retry.
-- PostgreSQL (``TETHER_AUDIT_DSN=postgresql://…``, kept by activities/postgres.py), for fleets
+- PostgreSQL (``TETHER_AUDIT_DSN=postgresql://…``, kept by tether/store/postgres.py), for fleets
   whose workers run on several machines: one append-only table (``tether_audit``; a trigger
   refuses UPDATE and DELETE) with a unique key on (workflow_id, run_id, seq); a batch is one
   transaction, ``ON CONFLICT DO NOTHING``.
 
 What writes to them: the audit activities (activities/audit.py) and the audit collector
-(activities/audit_collector.py); ``tether timeline RUN --all`` and ``tether audit verify`` read them.
+(tether/audit/collector.py); ``tether timeline RUN --all`` and ``tether audit verify`` read them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from activities.postgres import Postgres, Table, dsn_from_env
+from tether.store.postgres import Postgres, Table, dsn_from_env
 from workflows.wire import AuditBatch
 from workflows.states import TransitionRecord
 
@@ -215,7 +215,7 @@ class PostgresAuditSink:
     """The fleet's sink: every worker writes to one table, whichever machine runs a task."""
 
     dsn: str
-    # The worker's one connection (activities/postgres.py); the effect ledger's table shares it.
+    # The worker's one connection (tether/store/postgres.py); the effect ledger's table shares it.
     db: Postgres = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -46,11 +46,11 @@ from pydantic_core import PydanticCustomError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.keys import KeyRing, attest, capability_refusal
-from activities.effect_ledger import EffectLedger, LedgerUnavailable
-from activities.loading import LoadError, import_named
+from tether.store.keys import KeyRing, attest, capability_refusal
+from tether.store.effect_ledger import EffectLedger, LedgerUnavailable
+from tether.loading import LoadError, import_named
 from workflows.keys import attested_call
-from activities.metrics import tool_call_metrics
+from tether.metrics import tool_call_metrics
 from workflows.contract import Compensation, ToolCatalog, ToolEffect, ToolInfo, first_error, json_digest
 from workflows.wire import (
     ATTEMPT_STILL_RUNNING, CANCELLED_MID_CALL, CAPABILITY_INVALID, DECISION_NOT_HELD, JUDGE_UNAVAILABLE, LEDGER_UNAVAILABLE,
@@ -273,7 +273,7 @@ def compensation_problem(spec: ToolSpec, tools: dict[str, ToolSpec]) -> None:
 
 def load_tool_modules(modules: Iterable[str], registry: ToolRegistry = REGISTRY) -> ToolRegistry:
     """Import the tool modules (their tools register on import) and check the registry; raises
-    LoadError naming the module or tool that is wrong (activities/loading.py)."""
+    LoadError naming the module or tool that is wrong (tether/loading.py)."""
     for name in modules:
         name = name.strip()
         if name:
@@ -451,7 +451,7 @@ class ToolActivities:
         # this process has the policy file: the first call after a roster's decision is judged here.
         self.judge = judge
         self.keys = keys  # verifies the capability every write attempt must carry
-        self.ledger = ledger  # each write (undos too) started at most once, whoever asks (activities/effect_ledger.py)
+        self.ledger = ledger  # each write (undos too) started at most once, whoever asks (tether/store/effect_ledger.py)
         # The audit sink's writer (AuditActivities.write): the records a write takes along go in
         # before the tool is called.
         self.records = records

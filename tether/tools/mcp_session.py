@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from activities.mcp_config import ServerConfig
+from tether.tools.mcp_config import ServerConfig
 from workflows.contract import first_error
 
 log = logging.getLogger("tether.mcp")

@@ -2,8 +2,8 @@
 Cedar's verdicts on a decision, a handoff, a cancel and the writes, worded as refusals.
 
 The file itself (reading, checking, the store that keeps it in force) is
-``activities/policy_file.py``; signatures are ``activities/signatures.py``; the log of judgements
-and what-if are ``activities/judgements.py``; the decisions are the pure functions in
+``tether/policy/files.py``; signatures are ``tether/policy/signatures.py``; the log of judgements
+and what-if are ``tether/policy/judgements.py``; the decisions are the pure functions in
 ``workflows/policy.py``.
 """
 
@@ -18,14 +18,14 @@ from typing import Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import cedar, judgements
-from activities.keys import KeyRing, attest
-from activities.policy_file import PolicyFileError, PolicyStore
-from activities.signatures import decision_signature_refusal, granted_start, has_key, person_signature_refusal, signature_refusal
+from tether.policy import cedar, judgements
+from tether.store.keys import KeyRing, attest
+from tether.policy.files import PolicyFileError, PolicyStore
+from tether.policy.signatures import decision_signature_refusal, granted_start, has_key, person_signature_refusal, signature_refusal
 
-# What moved to activities/policy_file.py and activities/signatures.py (issue 44), at its old
+# What moved to tether/policy/files.py and tether/policy/signatures.py (issue 44), at its old
 # import path for one release: import it from its own module.
-from activities.policy_file import (  # noqa: F401
+from tether.policy.files import (  # noqa: F401
     DEFAULT_SOURCE,
     RELOAD_FAILURES,
     _locate,
@@ -34,7 +34,7 @@ from activities.policy_file import (  # noqa: F401
     parse_policy,
     resolve_key_files,
 )
-from activities.signatures import verify_signature  # noqa: F401
+from tether.policy.signatures import verify_signature  # noqa: F401
 from workflows import policy
 from workflows.identity import same_person
 from workflows.contract import AcceptedApproval, ApprovalDecision, Plan, ToolCatalog, ToolEffect

@@ -7,7 +7,7 @@ The file is TOML (``TETHER_POLICY`` or ``worker.py --policy PATH``; example:
 ``workflows/policy.py``. ``PolicyStore`` re-reads the file when it changes, so revoking an
 approver takes effect for runs already under way (approvals are re-checked before writes run);
 a change that does not load leaves the last good policy in force. The activities that apply it
-are ``activities/policy.py``.
+are ``activities/policy_checks.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 from temporalio import activity
 
-from activities import cedar
+from tether.policy import cedar
 from workflows import policy
 from workflows.budgets import clip
 from workflows.contract import SIGNER_NAME, STRICT

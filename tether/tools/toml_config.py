@@ -1,7 +1,7 @@
 """TOML configuration files validated by a pydantic model, with errors that name the file, the
 line and the key (``line 5, key servers.git.tools.git_add.effect: Input should be ...``).
 
-Used by the MCP config (activities/mcp_config.py); the policy file's ``parse_policy`` has the same
+Used by the MCP config (tether/tools/mcp_config.py); the policy file's ``parse_policy`` has the same
 steps and can be a call of :func:`parse_toml` (``_locate`` would then move here).
 """
 
@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from activities.policy_file import _locate  # the one line-locating helper for TOML config errors
+from tether.policy.files import _locate  # the one line-locating helper for TOML config errors
 
 M = TypeVar("M", bound=BaseModel)
 

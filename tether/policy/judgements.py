@@ -25,11 +25,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from activities import cedar
-from activities.audit_sink import DEFAULT_AUDIT_DIR
-from activities.keys import PublicKeys
-from activities.policy_file import PolicyFileError, load_cedar_files, parse_policy
-from activities.postgres import PostgresSync, Table, cause, dsn_from_env
+from tether.policy import cedar
+from tether.audit.sink import DEFAULT_AUDIT_DIR
+from tether.store.keys import PublicKeys
+from tether.policy.files import PolicyFileError, load_cedar_files, parse_policy
+from tether.store.postgres import PostgresSync, Table, cause, dsn_from_env
 from workflows import keys as ring_math
 from workflows.timers import duration_words
 from workflows.contract import json_digest
@@ -190,13 +190,13 @@ CREATE INDEX IF NOT EXISTS {PG_TABLE}_at ON {PG_TABLE} (at);
 @dataclass
 class PostgresJudgementLog:
     """The fleet's judgement log, beside the PostgreSQL audit sink: one row per judgement,
-    append-only (a worker may INSERT, never UPDATE: activities/db_roles.py; a retried activity's
+    append-only (a worker may INSERT, never UPDATE: tether/store/db_roles.py; a retried activity's
     row is its first attempt's, which judged the same request)."""
 
     dsn: str
     failures: int = 0
     unverified: int = 0
-    # One connection per process (activities/postgres.py), its statements one at a time.
+    # One connection per process (tether/store/postgres.py), its statements one at a time.
     skipped: int = 0
     db: PostgresSync = field(init=False, repr=False)
 
@@ -262,7 +262,7 @@ def _matches(entry: dict[str, Any], since: datetime | None, tenant: str | None, 
 
 
 def entries(judgements: Iterable[Any], *, ids: Mapping[str, str] | None = None, **common: Any) -> list[dict[str, Any]]:
-    """Log lines for Cedar judgements (activities.cedar.Judgement), numbered within their activity.
+    """Log lines for Cedar judgements (tether.policy.cedar.Judgement), numbered within their activity.
     ``ids``: the policies' positional ids to their ``@id`` (``Policies.ids``), so that an
     evaluation error names the policy as records do."""
     return [

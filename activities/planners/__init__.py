@@ -1,1 +1,0 @@
-"""Planners for agents people already have (the interface: activities/planning.py, Planner)."""
