@@ -42,7 +42,8 @@ from activities.recovery import RecoveryActivities
 from tether.loading import LoadError
 from tether.planners.planning import Planner, load_planners
 from activities.setup import SetupActivities
-from tether.tools.sdk import REGISTRY, ToolActivities, ToolRegistry, load_tool_modules
+from activities.tools import ToolActivities
+from tether.tools.sdk import REGISTRY, ToolRegistry, load_tool_modules
 from tether.store.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
 from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
 from tether.pollers import live_pollers, tools_mark

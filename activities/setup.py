@@ -16,7 +16,7 @@ from temporalio.exceptions import ApplicationError
 from tether.planners import planning
 from tether.store.keys import KeyRing, attest
 from activities.policy_checks import PolicyActivities
-from tether.tools.sdk import ToolActivities
+from activities.tools import ToolActivities
 from workflows.contract import ToolCatalog
 from workflows.plan_check import check_digest, first_check, proposes_writes
 from workflows.wire import PlanJudged, PlannerInput, Proposal, RunSetup, SnapshotRequest

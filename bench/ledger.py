@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tether.store.effect_ledger import LEDGER_FILE, SqliteEffectLedger
-from tether.tools.sdk import bounded_observation
+from activities.tools import bounded_observation
 
 GOAL = 0.10
 

@@ -25,7 +25,8 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 import examples.billing.tools  # noqa: F401 (registers the billing tools)
 from tether.store.effect_ledger import LEDGER_FILE, LedgerUnavailable, SqliteEffectLedger
 from tether.store.keys import KeyRing
-from tether.tools.sdk import IN_FLIGHT, MAY_HAVE_APPLIED, REGISTRY, ToolActivities
+from activities.tools import IN_FLIGHT, MAY_HAVE_APPLIED, ToolActivities
+from tether.tools.sdk import REGISTRY
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique

@@ -424,7 +424,8 @@ async def test_a_capability_by_a_key_the_worker_lacks_is_not_refused_for_good(tm
     from temporalio.testing import ActivityEnvironment
 
     from tether.store.keys import KeyRing
-    from tether.tools.sdk import REGISTRY, ToolActivities
+    from activities.tools import ToolActivities
+    from tether.tools.sdk import REGISTRY
 
     other = KeyRing.of(b"x" * 64)
     call = ToolCall(tool="send_email", args=email_step("nobody@example.com")["args"], tool_call_id="tc-1",

@@ -688,7 +688,7 @@ async def test_the_tool_worker_starts_each_undo_once_whichever_run_asks(tmp_path
     recorded instruction."""
     from temporalio.exceptions import ApplicationError
 
-    from tether.tools.sdk import UNDO_IN_FLIGHT, UNDO_MAY_HAVE_APPLIED, ToolActivities
+    from activities.tools import UNDO_IN_FLIGHT, UNDO_MAY_HAVE_APPLIED, ToolActivities
     from tether.store.keys import KeyRing
     from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
 
@@ -750,7 +750,7 @@ async def test_an_undo_whose_ledger_is_unavailable_is_not_started(tmp_path) -> N
     from temporalio.exceptions import ApplicationError
 
     from tether.store.keys import KeyRing
-    from tether.tools.sdk import ToolActivities
+    from activities.tools import ToolActivities
     from activities.undo_ledger import SqliteUndoLedger
     from workflows.wire import LEDGER_UNAVAILABLE
 
@@ -1130,7 +1130,7 @@ def test_every_undo_is_applied_at_most_once_whatever_runs_ask_in_whatever_order(
     from hypothesis import strategies as st
 
     from tether.store.keys import KeyRing
-    from tether.tools.sdk import ToolActivities
+    from activities.tools import ToolActivities
     from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
 
     @settings(max_examples=60, deadline=None)

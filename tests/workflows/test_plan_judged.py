@@ -22,7 +22,8 @@ from tether.store.keys import KeyRing
 from activities.policy_checks import PolicyActivities
 from tether.policy.files import PolicyStore
 from activities.setup import SetupActivities
-from tether.tools.sdk import REGISTRY, ToolActivities
+from activities.tools import ToolActivities
+from tether.tools.sdk import REGISTRY
 from tests.helpers.scripted import Scripted
 from workflows.commands import Call, Command, Wait
 from workflows.plan_check import check_digest, first_check

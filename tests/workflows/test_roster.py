@@ -19,7 +19,8 @@ from temporalio.testing import ActivityEnvironment
 from tether.store.keys import KeyRing
 from activities.policy_checks import PolicyActivities, approver_rosters
 from tether.policy.files import PolicyStore
-from tether.tools.sdk import REGISTRY, ToolActivities, ToolContext, ToolEffect, ToolRegistry, tool
+from activities.tools import ToolActivities
+from tether.tools.sdk import REGISTRY, ToolContext, ToolEffect, ToolRegistry, tool
 from tests.helpers.scripted import Scripted
 from workflows import keys as workflow_keys
 from workflows import policy
