@@ -16,7 +16,7 @@ REPRO_ARGS ?=
 .PHONY: install demo demo-order demo-mcp test test-replay test-busy dev-server worker inbox down clean screenshots record-histories chaos bench bench-waiting bench-peer bench-scaling bench-policy bench-agentdojo
 
 # Editable in setuptools' compat mode: the checkout's folder on the venv's path, so what runs from
-# the checkout but is not installed (client.py, examples/, tests/, bench/) imports in every process
+# the checkout but is not installed (examples/, tests/, bench/) imports in every process
 # of the venv, `.venv/bin/tether` included; `pip install .` installs only the package (pyproject.toml).
 EDITABLE := --config-settings editable_mode=compat
 

@@ -31,11 +31,6 @@ from tether.store.postgres import cause as db_cause
 from workflows.wire import RECORD_UNVERIFIED, SINK_UNAVAILABLE, AuditAck, AuditBatch
 from workflows.states import with_links
 
-# What moved to tether/audit/sink.py and tether/audit/verify.py, at its old import path
-# for one release (client.py and starter.py import it from here): import it from its own module.
-from tether.audit.sink import merge_timeline  # noqa: F401
-from tether.audit.verify import verify_streams  # noqa: F401
-
 log = logging.getLogger("tether.audit")
 
 

@@ -22,19 +22,6 @@ from tether.policy import cedar, judgements
 from tether.store.keys import KeyRing, attest
 from tether.policy.files import PolicyFileError, PolicyStore
 from tether.policy.signatures import decision_signature_refusal, granted_start, has_key, person_signature_refusal, signature_refusal
-
-# What moved to tether/policy/files.py and tether/policy/signatures.py (issue 44), at its old
-# import path for one release: import it from its own module.
-from tether.policy.files import (  # noqa: F401
-    DEFAULT_SOURCE,
-    RELOAD_FAILURES,
-    _locate,
-    check_policy_file,
-    load_cedar_files,
-    parse_policy,
-    resolve_key_files,
-)
-from tether.policy.signatures import verify_signature  # noqa: F401
 from workflows import policy
 from workflows.identity import same_person
 from workflows.contract import AcceptedApproval, ApprovalDecision, Plan, ToolCatalog, ToolEffect

@@ -592,7 +592,7 @@ class CompensationCall(BaseModel):
     approved_by: list[str] = Field(default_factory=list)  # empty: the policy auto-approved it
     error: str | None = None
     status: Literal["pending", "ok", "failed", "unknown"] = "pending"
-    # Where the undo ledger (activities/undo_ledger.py) says it stands, as a compensation run's
+    # Where the undo ledger (tether/store/effect_ledger.py) says it stands, as a compensation run's
     # ``recovery_source`` read it: the run (workflow id) that did it (``ok``) or started it with
     # its outcome unknown (``unknown``: it may have applied), and when.
     undone_by: str = ""

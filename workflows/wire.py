@@ -91,7 +91,7 @@ CAPABILITY_KEY_MISSING = "capability_key_missing"
 CAPABILITY_EXPIRED = "capability_expired"
 
 
-# The tool worker could not reach its undo ledger (activities/undo_ledger.py) to claim an undo:
+# The tool worker could not reach its undo ledger (tether/store/effect_ledger.py) to claim an undo:
 # the tool was not called, and the run schedules the attempt again as for a capability that bounced.
 LEDGER_UNAVAILABLE = "ledger_unavailable"
 # The worker that took the attempt does not serve the tool (started with other tool modules):

@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 from temporalio.testing import WorkflowEnvironment
 
 from tether.planners.planning import DELEGATE_DEFINITION, DELEGATE_FUNCTION, Planner, plan
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.tools.sdk import REGISTRY, load_tool_modules
 from examples.fake_openai import FakeOpenAI, Recorded, call, text, tool_calls
 from tests.helpers.billing import Billing

@@ -20,7 +20,8 @@ from temporalio.testing import WorkflowEnvironment
 import tether.client as tether_client
 from activities.audit import AuditActivities
 from tether.audit.sink import JsonlAuditSink, PostgresAuditSink, audit_path, bounded_name
-from activities.policy_checks import PolicyActivities, PolicyStore
+from activities.policy_checks import PolicyActivities
+from tether.policy.files import PolicyStore
 from tether.store.keys import KeyRing
 from tether.client import run_outcome
 from tests.helpers.billing import Billing

@@ -317,7 +317,7 @@ def test_policy_validate_names_file_line_and_problem(tmp_path: Path, capsys: pyt
 def test_a_tenants_own_cedar_files_are_checked_at_start(tmp_path: Path) -> None:
     """The worker and the inbox load the file through PolicyStore: a bad Cedar file stops them,
     naming its line; a good one decides for its tenant and is part of the policy hash."""
-    from activities.policy_checks import PolicyFileError, PolicyStore, check_policy_file
+    from tether.policy.files import check_policy_file, PolicyFileError, PolicyStore
 
     toml = tmp_path / "policy.toml"
     toml.write_text('[tenants.default]\ncedar = ["default.cedar"]\n[tenants.default.approvers]\nbob = {}\n')
@@ -350,7 +350,8 @@ async def test_what_if_on_recorded_runs_lists_exactly_the_decisions_that_change(
         return asyncio.to_thread(starter.main, argv)
 
     from tether.policy.judgements import log_from_env
-    from activities.policy_checks import PolicyActivities, PolicyStore
+    from activities.policy_checks import PolicyActivities
+    from tether.policy.files import PolicyStore
     from tether.client import run_outcome
     from tests.helpers.runs import approval_for, make_request, running_worker, start_run
     from tests.helpers.waiting import wait_for_state
@@ -468,7 +469,8 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
     """A tighter shadow (refunds up to 20.00) on a live policy (up to 50.00): a 40.00 refund
     still runs without a person; its auto-approvals' disagreements are logged and counted."""
     from tether.policy.judgements import ProposedPolicy, log_from_env
-    from activities.policy_checks import PolicyActivities, PolicyStore
+    from activities.policy_checks import PolicyActivities
+    from tether.policy.files import PolicyStore
     from tether.client import run_outcome
     from tests.helpers.runs import make_request, running_worker, start_run
 
@@ -496,7 +498,7 @@ async def test_a_shadow_policy_is_judged_beside_the_live_one_and_enforces_nothin
 
 
 async def test_a_handoff_names_the_policies_that_let_it_through(ts_env: Any, billing: Any, tmp_path: Path) -> None:
-    from activities.policy_checks import PolicyStore
+    from tether.policy.files import PolicyStore
     from tether.client import run_outcome
     from tests.helpers.runs import make_request, running_worker, start_run
     from tests.helpers.waiting import wait_for_state
@@ -699,7 +701,7 @@ def test_a_changed_policy_file_gives_the_new_answer_at_once(tmp_path: Path) -> N
     is a new content hash: the very next decision is judged by the new policy, nothing stale."""
     import os
 
-    from activities.policy_checks import PolicyStore
+    from tether.policy.files import PolicyStore
 
     toml, own = tmp_path / "policy.toml", tmp_path / "own.cedar"
     toml.write_text('[tenants.own]\ncedar = ["own.cedar"]\n[tenants.own.approvers]\nbob = { roles = ["approver"] }\n'

@@ -21,7 +21,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 import tether.client as tether_client
 from tether.metrics import prometheus_runtime
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import wait_for_state

@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from tether.loading import LoadError
 from tether.planners.pydantic_agent import AgentPlanner
 from tether.planners.planning import BUILTIN_PLANNERS, load_planners
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from examples.agents.refund_agent import refund_model
 from tests.helpers.billing import Billing

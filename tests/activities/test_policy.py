@@ -19,7 +19,7 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.policy_checks import PolicyFileError, PolicyStore, check_policy_file, parse_policy
+from tether.policy.files import check_policy_file, parse_policy, PolicyFileError, PolicyStore
 from tether.tools.sdk import REGISTRY
 from tether.client import run_outcome
 from tests.helpers.billing import Billing

@@ -18,7 +18,7 @@ import pytest
 import starter
 from tether.policy import cedar
 from tether.policy.judgements import JsonlJudgementLog, PostgresJudgementLog, entries
-from activities.policy_checks import parse_policy
+from tether.policy.files import parse_policy
 from tether.cli.policy import LOG_UNREADABLE
 from tests.helpers.policies import RECORDED_POLICY, signed_lines
 from workflows.contract import PlanStep, ToolCatalog, ToolEffect, ToolInfo
@@ -280,7 +280,7 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
     import httpx
 
     import tether.client as tether_client
-    from activities.policy_checks import PolicyStore
+    from tether.policy.files import PolicyStore
     from tether.inbox.app import InboxConfig, create_app
     from tests.helpers.runs import make_request, running_worker
     from tests.helpers.inbox_stack import AUDIENCE, ISSUER, Sso, _serve
@@ -365,7 +365,7 @@ async def test_the_inbox_reads_the_roles_a_run_needs_from_the_run_not_from_its_o
 def test_policy_show_names_the_file_its_hash_and_tenants(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from activities.policy_checks import PolicyStore
+    from tether.policy.files import PolicyStore
 
     path = policy(tmp_path, "fleet.toml", 5000)
     digest = PolicyStore(path).load()[1]
@@ -415,7 +415,8 @@ async def test_what_if_sees_a_recorded_runs_escalation_change(
     stage, or with it later, reports the plan's escalation and fay's approvals as refused (exit
     1); a stage with another role added (loosening) and one earlier are reported too."""
     from tether.policy.judgements import log_from_env
-    from activities.policy_checks import PolicyActivities, PolicyStore
+    from activities.policy_checks import PolicyActivities
+    from tether.policy.files import PolicyStore
     from tether.client import run_outcome
     from tests.helpers.runs import approval_for, make_request, running_worker, start_run
     from tests.helpers.waiting import wait_for_state

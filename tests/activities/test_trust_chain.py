@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
 from tether.store.keys import genkey
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.rogue import continue_as_new, rogue_answer, schedule_tool
 from tests.helpers.billing import Billing, emails_to

@@ -17,7 +17,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from activities.notify import body, deliver
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
 from tests.helpers.queries import timeline

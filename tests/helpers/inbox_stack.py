@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 import tether.client as tether_client
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.inbox.app import InboxConfig, create_app
 from tests.helpers.ports import free_port
 from tests.helpers.runs import make_request, running_worker

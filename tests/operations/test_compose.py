@@ -315,7 +315,7 @@ def test_one_policy_for_every_process() -> None:
     # TETHER_POLICY_FILE is the one host setting that replaces it everywhere at once.
     assert COMPOSE["configs"][POLICY_CONFIG]["file"] == "${TETHER_POLICY_FILE:-./examples/billing/policy.image.toml}"
     assert _config_file(POLICY_CONFIG).is_file()
-    from activities.policy_checks import check_policy_file
+    from tether.policy.files import check_policy_file
     from tether.tools.sdk import REGISTRY
 
     assert check_policy_file(_config_file(POLICY_CONFIG), REGISTRY.tools) == []
@@ -725,7 +725,7 @@ def _http_json(url: str, token: str) -> Any:
 
 
 def test_the_image_policy_is_the_example_policy_without_its_signed_tenant_and_signer() -> None:
-    from activities.policy_checks import check_policy_file, parse_policy
+    from tether.policy.files import check_policy_file, parse_policy
     from tether.tools.sdk import REGISTRY
 
     example = parse_policy((ROOT / "examples/billing/policy.toml").read_text())

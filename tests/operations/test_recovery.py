@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
 from tether.tools.mcp import describe_tools, format_tools
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.tools.sdk import REGISTRY, ToolContext, ToolRegistry, tool
 from workflows import policy
 from workflows.engine import Engine
@@ -690,7 +690,7 @@ async def test_the_tool_worker_starts_each_undo_once_whichever_run_asks(tmp_path
 
     from activities.tools import UNDO_IN_FLIGHT, UNDO_MAY_HAVE_APPLIED, ToolActivities
     from tether.store.keys import KeyRing
-    from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
+    from tether.store.effect_ledger import LEDGER_FILE, SqliteUndoLedger
 
     async def fresh(fail: dict[str, int] | None = None) -> tuple[ToolActivities, dict[str, int], SqliteUndoLedger]:
         counts: dict[str, int] = {}
@@ -751,7 +751,7 @@ async def test_an_undo_whose_ledger_is_unavailable_is_not_started(tmp_path) -> N
 
     from tether.store.keys import KeyRing
     from activities.tools import ToolActivities
-    from activities.undo_ledger import SqliteUndoLedger
+    from tether.store.effect_ledger import SqliteUndoLedger
     from workflows.wire import LEDGER_UNAVAILABLE
 
     (tmp_path / "not-a-folder").write_text("")
@@ -1032,7 +1032,7 @@ async def test_the_undo_ledger_holds_one_claim_per_undo_on_either_sink(backend: 
     """The ledger's contract, the same beside either audit sink: one claim per key; a done
     entry keeps its outcome and who did it; a released one may be claimed again."""
     from tether.audit.sink import JsonlAuditSink, PostgresAuditSink
-    from activities.undo_ledger import ledger_for
+    from tether.store.effect_ledger import ledger_for
 
     sink = PostgresAuditSink(request.getfixturevalue("postgres")) if backend == "postgres" else JsonlAuditSink(tmp_path)
     ledger = ledger_for(sink)
@@ -1131,7 +1131,7 @@ def test_every_undo_is_applied_at_most_once_whatever_runs_ask_in_whatever_order(
 
     from tether.store.keys import KeyRing
     from activities.tools import ToolActivities
-    from activities.undo_ledger import LEDGER_FILE, SqliteUndoLedger
+    from tether.store.effect_ledger import LEDGER_FILE, SqliteUndoLedger
 
     @settings(max_examples=60, deadline=None)
     @given(

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 import tether.client as tether_client
 import starter
-from activities.policy_checks import check_policy_file, parse_policy, signature_refusal
+from tether.policy.files import check_policy_file, parse_policy
+from tether.policy.signatures import signature_refusal
 from tether.inbox import desk
 from tether.inbox.app import InboxConfig, check_config, create_app
 from tests.helpers.billing import Billing

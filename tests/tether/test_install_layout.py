@@ -20,6 +20,8 @@ from tests.helpers.paths import ROOT
 from tests.helpers.wheel import build_wheel, checkout_copy, install_wheel
 
 INSTALLED = {"tether", "workflows", "activities", "worker.py", "starter.py"}
+# The modules of activities/: the activity classes the worker registers, one module each.
+ACTIVITY_MODULES = {"__init__.py", "audit.py", "notify.py", "policy_checks.py", "recovery.py", "setup.py", "tools.py"}
 INBOX = ROOT / "tether/inbox"
 
 
@@ -41,6 +43,12 @@ def test_the_wheel_holds_only_the_package(wheel: Path) -> None:
     # Not a module or package of the checkout's own beside them, at any depth under another name.
     for left_out in ("client.py", "inbox/", "examples/", "tests/", "bench/"):
         assert not [n for n in names if n.startswith(left_out)], left_out
+    # Each room holds its one job (issue 60): activities/ only the activity modules the worker
+    # registers; the libraries in tether/, by subsystem.
+    activities = {n.split("/")[1] for n in names if n.startswith("activities/") and n.endswith(".py")}
+    assert activities == ACTIVITY_MODULES, sorted(activities ^ ACTIVITY_MODULES)
+    rooms = {n.split("/")[1] for n in names if n.startswith("tether/") and n.count("/") >= 2}
+    assert {"policy", "audit", "store", "tools", "planners", "client", "cli", "inbox"} <= rooms, sorted(rooms)
     # The CLI's entry point is the installed starter module.
     with zipfile.ZipFile(wheel) as z:
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
@@ -49,7 +57,7 @@ def test_the_wheel_holds_only_the_package(wheel: Path) -> None:
 
 def test_the_inbox_files_are_package_data(wheel: Path) -> None:
     """Every template and static file of the checkout's inbox is in the wheel, under tether/inbox,
-    and the Cedar schema under activities: a file added to either folder ships with it."""
+    and the Cedar schema under tether/policy: a file added to either folder ships with it."""
     names = set(_names(wheel))
     for folder in ("templates", "static"):
         files = sorted(p.relative_to(ROOT).as_posix() for p in (INBOX / folder).iterdir() if p.is_file())

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tether.inbox.app import InboxConfig, create_app
 from tests.helpers.billing import Billing

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
 
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique

@@ -1,5 +1,5 @@
-"""The `tether` package: what programs import. Its face, the old import paths that keep working
-for one release, what it leaves out of a CLI's start, and that `pip install .` installs it."""
+"""The `tether` package: what programs import. Its face, the old import paths gone, what it leaves
+out of a CLI's start, and that `pip install .` installs it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import ast
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,50 +26,39 @@ def test_the_face_names_only_what_it_has() -> None:
         raise AssertionError("an unknown name must raise AttributeError")
 
 
-def test_the_old_import_paths_are_the_same_objects() -> None:
-    """`from client import repair, connect, TetherError` (and the worker's replayer) keep working
-    for one release: the very objects of the `tether` package, not copies."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # its own test below
-        import client
-    import tether.connection
-    import tether.plugin
-    import tether.repair
-    import worker
-
-    assert client.repair is tether.repair.repair and client.RepairResult is tether.repair.RepairResult
-    assert client.connect is tether.connection.connect and client.TetherError is tether.connection.TetherError
-    assert (client.OK, client.REFUSED, client.USAGE, client.PENDING) == (0, 1, 2, 3)
-    assert worker.create_replayer is tether.plugin.create_replayer and worker.WORKFLOW_RUNNER is tether.plugin.WORKFLOW_RUNNER
-    assert worker.TetherError is client.TetherError  # one error type: the CLI maps its code to the exit code
-
-
-def test_the_inbox_old_import_path_warns_and_gives_the_same_modules() -> None:
-    """`import inbox` / `from inbox.app import create_app` (the checkout's shim, for one release):
-    the very modules of `tether.inbox`, with a DeprecationWarning that says where they went."""
-    code = ("import json, warnings\n"
-            "with warnings.catch_warnings(record=True) as seen:\n"
-            "    warnings.simplefilter('always')\n"
-            "    from inbox.app import create_app\n"
-            "    from inbox import desk, identity\n"
-            "import tether.inbox.app, tether.inbox.desk, tether.inbox.identity\n"
-            "assert create_app is tether.inbox.app.create_app\n"
-            "assert (desk, identity) == (tether.inbox.desk, tether.inbox.identity)\n"
-            "print(json.dumps([str(w.message) for w in seen if w.category is DeprecationWarning]))\n")
+def test_the_old_import_paths_are_gone() -> None:
+    """The shims of earlier releases are gone (issue 60): `client`, `inbox`, `activities.undo_ledger`
+    and the libraries' old homes under activities/ do not import, from the checkout either; the
+    worker still names the replayer it configures."""
+    gone = ["client", "inbox", "activities.undo_ledger", "activities.policy_file", "activities.keys",
+            "activities.audit_sink", "activities.cedar", "activities.planners", "activities.planning"]
+    code = ("import importlib, json\n"
+            "out = {}\n"
+            f"for name in {gone!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "        out[name] = 'imported'\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        out[name] = e.name\n"
+            "print(json.dumps(out))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
-    (message,) = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "tether.inbox" in message
-    # As an error (python -W error): the import fails, so a caller finds out before the path goes.
-    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", "import inbox"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.returncode != 0 and "moved to `tether.inbox`" in done.stderr
+    assert json.loads(done.stdout) == {name: name for name in gone}
+    import activities.audit
+    import activities.policy_checks
+
+    # What the activity modules imported for their own use is not theirs to hand on any more.
+    assert not hasattr(activities.audit, "merge_timeline") and not hasattr(activities.audit, "verify_streams")
+    import tether.plugin
+    import worker
+
+    assert worker.create_replayer is tether.plugin.create_replayer and worker.WORKFLOW_RUNNER is tether.plugin.WORKFLOW_RUNNER
 
 
 def test_a_program_that_only_connects_does_not_load_the_worker() -> None:
-    """`import tether.client` (the CLI, the inbox; `client` too) loads neither the workflow nor the
-    worker's configuration: they come with the first repair or replayer."""
-    code = "import sys, tether.client, client, tether; print(sorted(m for m in ('tether.plugin', 'workflows.agent_run', 'worker') if m in sys.modules))"
+    """`import tether.client` (the CLI, the inbox) loads neither the workflow nor the worker's
+    configuration: they come with the first repair or replayer."""
+    code = "import sys, tether.client, tether; print(sorted(m for m in ('tether.plugin', 'workflows.agent_run', 'worker') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
     assert out.strip() == "[]"
 
@@ -79,7 +67,7 @@ def test_the_cli_imports_tether_without_temporal() -> None:
     """tether.cli lives in the package, so `tether --help` imports `tether`: its face loads the
     connection (Temporal) only when a name of it is first used, and that name is the connection's."""
     code = ("import sys, tether, tether.cli.main\n"
-            "print(sorted(m for m in ('temporalio', 'tether.connection', 'client', 'pydantic') if m in sys.modules))\n"
+            "print(sorted(m for m in ('temporalio', 'tether.connection', 'pydantic') if m in sys.modules))\n"
             "from tether import TetherError, connect\n"
             "import tether.connection as c\n"
             "print(connect is c.connect and TetherError is c.TetherError and tether.USAGE == c.USAGE == 2)\n")
@@ -148,40 +136,3 @@ def test_the_client_face_names_every_public_name_of_its_modules_once() -> None:
 def test_no_client_module_is_above_600_lines() -> None:
     sizes = {stem: len((CLIENT / f"{stem}.py").read_text().splitlines()) for stem in [*client_modules(), "__init__"]}
     assert {s: n for s, n in sizes.items() if n > 600} == {}, "split the module by job"
-
-
-def test_client_py_is_tether_client_with_a_warning() -> None:
-    """The old path, for one release: importing it warns, saying where to import from (an error
-    under -W error, as a careful script runs); what it names is tether.client's own objects,
-    every one of them, and the helpers it held are found where they went."""
-    code = ("import warnings, sys\n"
-            "with warnings.catch_warnings(record=True) as seen:\n"
-            "    warnings.simplefilter('always')\n"
-            "    import client\n"
-            "print(len(seen), seen[0].category.__name__, seen[0].filename, seen[0].message)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
-    assert out.stdout.split(" ", 3) == ["1", "DeprecationWarning", "<string>", "the top-level `client` module is "
-                                       "deprecated: import from tether.client\n"], out  # the importer's line, not the shim's
-    strict = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", "import client"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert strict.returncode == 1 and "import from tether.client" in strict.stderr.splitlines()[-1], strict.stderr
-
-    import tether.client
-    import tether.client.workers
-    from workflows.wording import money
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import client
-        from client import decide, start_run  # the form scripts use
-
-    assert (decide, start_run) == (tether.client.decide, tether.client.start_run)
-    assert client.__all__ == tether.client.__all__
-    assert [n for n in tether.client.__all__ if getattr(client, n) is not getattr(tether.client, n)] == []
-    assert client._gone_workers is tether.client.workers._gone_workers and client.money is money  # noqa: SLF001
-    try:
-        client.no_such_thing  # noqa: B018
-    except AttributeError as e:
-        assert "no_such_thing" in str(e) and "tether.client" in str(e)
-    else:
-        raise AssertionError("an unknown name must raise AttributeError")

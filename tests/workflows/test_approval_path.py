@@ -32,7 +32,7 @@ from tether.audit.sink import JsonlAuditSink
 from tether.audit.verify import verify_streams
 from tether.policy.judgements import log_from_env
 from tether.store.keys import KeyRing
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.tools.sdk import ToolContext, ToolEffect, ToolRegistry, tool
 from tests.helpers.billing import Billing
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique

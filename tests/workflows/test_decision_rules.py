@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.policy_checks import PolicyFileError, check_policy_file, parse_policy
+from tether.policy.files import check_policy_file, parse_policy, PolicyFileError
 from tether.tools.sdk import REGISTRY
 from tests.helpers.scripted import START, Scripted
 from workflows import policy

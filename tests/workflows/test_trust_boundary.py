@@ -21,7 +21,7 @@ from temporalio.client import WorkflowUpdateFailedError, WorkflowFailureError, W
 from temporalio.testing import WorkflowEnvironment
 
 import tether.client as tether_client
-from activities.policy_checks import PolicyStore
+from tether.policy.files import PolicyStore
 from tether.tools.sdk import REGISTRY, ToolContext, ToolError, ToolRegistry, tool
 from tether.client import run_outcome
 from tests.helpers.billing import Billing

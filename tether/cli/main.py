@@ -10,7 +10,7 @@ decision naming no plan, too), unknown run, Temporal unreachable; 3 accepted, ve
     .venv/bin/tether timeline RUN
     .venv/bin/tether list --state AWAITING_APPROVAL
 
-``python starter.py ...`` runs the same code. The operations themselves live in ``client.py``;
+``python starter.py ...`` runs the same code. The operations themselves live in ``tether.client``;
 this package only parses arguments and prints.
 """
 

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from tether.policy.judgements import JudgementLog
 
 # `tether policy what-if` / `explain`: the judgement log could not be read at all (a missing file,
-# no permission, the database down); after 0-3 (client.py), apart from 2 "NEW_POLICY is invalid".
-LOG_UNREADABLE = 4  # client.JudgementLogUnreadable.code
+# no permission, the database down); after 0-3 (tether.client), apart from 2 "NEW_POLICY is invalid".
+LOG_UNREADABLE = 4  # tether.client.JudgementLogUnreadable.code
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
