@@ -13,7 +13,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from tether.store.keys import KeyRing, attest
-from tether.store.effect_ledger import EffectLedger, LedgerEntry, LedgerUnavailable
+from tether.store.effect_ledger import EffectLedger, LedgerUnavailable, standing_in
 from workflows.contract import CompensationCall
 from workflows.wire import RecoveryRequest, RecoverySource, Refusal
 from workflows.run_state import RunSnapshot
@@ -62,17 +62,4 @@ class RecoveryActivities:
         have applied). The original's record is closed; its compensation runs wrote here."""
         if self.ledger is None:
             return compensations
-        return await self.standing_in(self.ledger, compensations)
-
-    @staticmethod
-    async def standing_in(ledger: EffectLedger, compensations: list[CompensationCall]) -> list[CompensationCall]:
-        entries = await ledger.entries([c.idempotency_key for c in compensations if c.tool and c.status != "ok"])
-        return [undo_standing(c, entries.get(c.idempotency_key)) for c in compensations]
-
-
-def undo_standing(call: CompensationCall, entry: LedgerEntry | None) -> CompensationCall:
-    """One compensation as the ledger says it stands (the ledger knows more than a closed record)."""
-    if entry is None or entry.state == "released" or call.status == "ok":
-        return call
-    status = "ok" if entry.state == "done" else "unknown"
-    return call.model_copy(update={"status": status, "undone_by": entry.by_workflow, "undone_at": entry.at})
+        return await standing_in(self.ledger, compensations)

@@ -3,7 +3,9 @@ forced hand-off makes. Repair is worker configuration: it replays the run's hist
 replayer a worker of this build would have (``tether.plugin``: the workflow, the fleet's key ring,
 the sandbox), and judges the writes a reset drops by the tools' effects.
 
-``tether.client`` names ``repair`` too.
+The worker's side, which the client library does not import: the CLI runs ``tether repair``
+(``repair_tree``) here, and hands a forced hand-off's reset to the client as
+:class:`HandoffReset` (``tether.client.handoff(..., forced=HandoffReset())``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import os
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -20,8 +23,10 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
+from tether.client.operations import snapshot_or_listed
+from tether.client.reads import tree_spend
 from tether.connection import QUERY_TIMEOUT, REFUSED, Refused, TetherError, UsageError, rpc_error
-from tether.runs import StuckTask, ViewUnverified, describe, published_view, stuck_task
+from tether.runs import RepairResult, StuckTask, ViewUnverified, describe, published_view, stuck_task
 from workflows.contract import HandoffRequest
 
 # Completed workflow tasks tried, newest first, for one that replays on this code.
@@ -33,21 +38,6 @@ RESET_IDS = uuid.UUID("5b0f3c1e-8a52-4d0e-9b57-3f2d6c1a9e47")
 RERUN_SAFE = {"read_only", "idempotent"}
 RESET_CLAIM_TYPE = "TetherResetClaim"  # a workflow type no worker serves: its id is the claim
 RESET_CLAIM_QUEUE = "tether-reset-claims"  # a task queue no worker polls
-
-
-class RepairResult(BaseModel):
-    """What ``tether repair`` (or a forced hand-off) did: the reset, where to, and what the new
-    run does again (or, a forced hand-off, never runs again)."""
-
-    run_id: str  # the workflow id
-    from_run_id: str  # the stuck execution
-    to_run_id: str  # the new execution the reset made
-    event_id: int  # the WorkflowTaskCompleted event reset to: that task is done again
-    failure: StuckTask | None = None
-    skipped: list[int] = []  # later completed tasks whose history does not replay on this code
-    reapplied: int = 0  # signals and Updates after the reset point, applied again to the new run
-    rerun: list[str] = []  # tool calls whose results the reset drops: run again under their keys
-    in_flight: list[str] = []  # a forced hand-off: writes the reset drops, not run again (they may have applied)
 
 
 def reset_request_id(base_run_id: str, event_id: int) -> str:
@@ -328,3 +318,44 @@ async def forced_reset(client: Client, description: Any, workflows: Sequence[typ
         run_id=run_id, from_run_id=description.run_id, to_run_id="", event_id=chosen.event_id, failure=stuck,
         skipped=skipped, reapplied=1, in_flight=in_flight,
     )
+
+
+@dataclass(frozen=True)
+class HandoffReset:
+    """The worker's side of a forced hand-off, handed to ``tether.client.handoff(..., forced=)`` by
+    the CLI: where a stuck run resets to (a replay of its history on this build's workflow code,
+    ``workflows`` replacing AgentRun) and the reset itself (compare-and-set, the hand-off applied)."""
+
+    workflows: Sequence[type] = ()
+
+    async def point(self, client: Client, description: Any) -> RepairResult:
+        return await forced_reset(client, description, self.workflows)
+
+    async def reset(self, client: Client, run_id: str, base_run_id: str, event_id: int, reason: str, *,
+                    handoff: HandoffRequest) -> str:
+        return await reset_judged(client, run_id, base_run_id, event_id, reason, handoff=handoff)
+
+
+async def repair_tree(client: Client, run_id: str, *, reason: str | None = None, event_id: int | None = None,
+                      workflows: Sequence[type] = ()) -> list[RepairResult]:
+    """``repair`` of a run and its delegation tree, as one unit: each run of the tree whose
+    workflow tasks keep failing is repaired (a parent waiting on a stuck child is not stuck
+    itself, and waits for ever otherwise), the run first, then its children depth first.
+    ``event_id`` names a task of the run itself (then only it is reset). A tree with no stuck run:
+    REFUSED, as ``repair`` says of the run."""
+    if event_id is not None:
+        return [await repair(client, run_id, reason=reason, event_id=event_id, workflows=workflows)]
+    tree = await tree_spend(client, await snapshot_or_listed(client, run_id))
+    done: list[RepairResult] = []
+    for node in (run_id, *(c.run_id for c in tree)):
+        try:
+            description = await describe(client, node)
+        except TetherError:
+            continue  # a child that cannot be described: its own `status` says why
+        if description.status != WorkflowExecutionStatus.RUNNING or await stuck_task(client, description) is None:
+            continue
+        done.append(await repair(client, node, reason=reason, workflows=workflows, base_run_id=description.run_id))
+    if not done:
+        # Nothing in the tree is stuck: the run's own answer (not stuck, or not running).
+        done.append(await repair(client, run_id, reason=reason, workflows=workflows))
+    return done

@@ -142,3 +142,18 @@ async def stuck_task(client: Client, description: Any) -> StuckTask | None:
     except RPCError as e:
         raise rpc_error(e, description.id) from None
     return stuck
+
+
+class RepairResult(BaseModel):
+    """What ``tether repair`` (or a forced hand-off) did: the reset, where to, and what the new
+    run does again (or, a forced hand-off, never runs again)."""
+
+    run_id: str  # the workflow id
+    from_run_id: str  # the stuck execution
+    to_run_id: str  # the new execution the reset made
+    event_id: int  # the WorkflowTaskCompleted event reset to: that task is done again
+    failure: StuckTask | None = None
+    skipped: list[int] = []  # later completed tasks whose history does not replay on this code
+    reapplied: int = 0  # signals and Updates after the reset point, applied again to the new run
+    rerun: list[str] = []  # tool calls whose results the reset drops: run again under their keys
+    in_flight: list[str] = []  # a forced hand-off: writes the reset drops, not run again (they may have applied)

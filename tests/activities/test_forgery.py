@@ -23,6 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 import pytest
 
 import tether.client as tether_client
+from tether.repair import repair
 from tether.store.keys import KeyRing
 from activities.policy_checks import PolicyStore
 from tests.helpers.billing import Billing
@@ -110,7 +111,7 @@ async def test_a_rogue_worker_answering_recovery_source_makes_no_undo(dev_env: W
         events = (await compensation.fetch_history()).events
         forged_at = min(e.event_id for e in events if e.HasField("activity_task_completed_event_attributes"))
         point = max(e.event_id for e in events if e.HasField("workflow_task_completed_event_attributes") and e.event_id < forged_at)
-        await tether_client.repair(client, compensation.id, reason="a worker without the fleet key answered it", event_id=point)
+        await repair(client, compensation.id, reason="a worker without the fleet key answered it", event_id=point)
         latest = client.get_workflow_handle(compensation.id, result_type=RunOutcome)
         outcome = await asyncio.wait_for(tether_client.run_outcome(latest), 300)
     assert outcome.state in (RunState.FAILED, RunState.COMPENSATED), outcome.state

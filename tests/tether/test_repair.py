@@ -138,7 +138,7 @@ async def test_two_repairs_at_once_one_slowed_make_one_reset_and_one_email(
     assert f"the run moved on: run {first.to_run_id} is current (COMPLETED), not run {base}" in err_b.decode()
     # A repair naming an execution that is no longer current is refused before it judges.
     try:
-        await tether_client.repair(dev_env.client, run_id, base_run_id=base)
+        await tether_repair.repair(dev_env.client, run_id, base_run_id=base)
         raise AssertionError("a repair of an execution no longer current went through")
     except tether_client.TetherError as e:
         assert e.code == 1 and f"the run moved on: run {first.to_run_id} is current" in str(e), e
@@ -172,7 +172,7 @@ async def test_two_resets_of_one_judgement_at_once_make_one_reset(
     monkeypatch.setattr(tether_repair, "describe", both_look_first)
     # Today's worker comes after the resets (its retry of the stuck task would complete the run).
     results = await asyncio.gather(
-        *(tether_client.reset_judged(dev_env.client, run_id, base, point, f"race {n}") for n in range(2)),
+        *(tether_repair.reset_judged(dev_env.client, run_id, base, point, f"race {n}") for n in range(2)),
         return_exceptions=True,
     )
     assert looked[:2] == [base, base]  # both judged the base run current

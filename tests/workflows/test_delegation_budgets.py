@@ -15,6 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 from tether.planners.planning import BUILTIN_PLANNERS
 from tether.cli.output import format_status
 from tether.client import status
+from tether.repair import HandoffReset, repair, repair_tree
 from tether.policy.files import PolicyStore
 from tests.helpers.billing import Billing
 from tests.helpers.queries import timeline
@@ -483,8 +484,8 @@ async def test_repair_of_a_root_repairs_the_stuck_child_it_waits_on(
         await wait_stuck(dev_env, child_id)
     assert len(refunds_with(billing, reason)) == 1  # the write happened before it stuck
     with pytest.raises(tether_client.TetherError, match="is not stuck"):
-        await tether_client.repair(client, handle.id)
-    done = await tether_client.repair_tree(client, handle.id)
+        await repair(client, handle.id)
+    done = await repair_tree(client, handle.id)
     assert [d.run_id for d in done] == [child_id], done
     # Today's worker comes after the repair (its retry of the stuck task would heal it alone).
     async with running_worker(client, task_queue=queue):
@@ -552,12 +553,14 @@ async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
         finally:
             RELEASED.setdefault(to, threading.Event()).set()  # the honest answer comes too late
         try:
-            await tether_client.handoff(client, handle.id, by="dana", reason="wedged child", force=True)
+            await tether_client.handoff(client, handle.id, by="dana", reason="wedged child", force=True,
+                                        forced=HandoffReset())
         except tether_client.TetherError as e:
             assert "is not stuck" in str(e), e
         else:
             raise AssertionError("a forced hand-off of a run that is not stuck went through")
-        done = await tether_client.handoff_tree(client, handle.id, by="dana", reason="wedged child", force=True)
+        done = await tether_client.handoff_tree(client, handle.id, by="dana", reason="wedged child", force=True,
+                                                forced=HandoffReset())
         child_out = await outcome_of(client, child_id, None)
         parent_out = await outcome_of(client, handle.id, None)
     assert [run for run, _ in done][:1] == [child_id], done

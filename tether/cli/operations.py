@@ -29,9 +29,12 @@ def _handoff_args(p: argparse.ArgumentParser) -> None:
 async def cmd_handoff(args: argparse.Namespace) -> int:
     # The run and its delegation tree: with --force, each stuck run of it first (a stuck child
     # takes no cancel, and its parent's hand-off would wait on it).
+    # A forced hand-off's reset is the worker's side (a replay on this build): handed to the client.
+    from tether.repair import HandoffReset
+
     verdicts = await client.handoff_tree(
         await client.connect(), args.run, by=args.by, reason=args.reason, decision_id=args.decision_id,
-        key=Path(args.key) if args.key else None, force=args.force,
+        key=Path(args.key) if args.key else None, force=args.force, forced=HandoffReset() if args.force else None,
     )
     for run_id, verdict in verdicts:
         if run_id != args.run:
@@ -75,7 +78,9 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
 
 async def cmd_repair(args: argparse.Namespace) -> int:
     # The run and its delegation tree: each stuck run of it (a parent waits on a stuck child).
-    repaired = await client.repair_tree(
+    from tether.repair import repair_tree
+
+    repaired = await repair_tree(
         await client.connect(), args.run, reason=args.reason, event_id=args.event_id,
     )
     if args.json:  # one repair: its object (as ever); a tree's several: a list of them

@@ -21,7 +21,8 @@ ledger, as a client reads them), ``reads`` (one run's status, queries and outcom
 ``audit_trail`` (every execution's records), ``listing`` (runs from visibility, builds),
 ``deployments`` (Worker Deployment versions), ``decisions`` (approve, reject, revise, hand off),
 ``operations`` (start, cancel, compensate). This face names the public API of them all, and
-what programs use from ``tether.connection``, ``tether.repair`` and ``tether.runs``.
+what programs use from ``tether.connection`` and ``tether.runs``. A repair, and a forced
+hand-off's reset, are the worker's side (``tether.repair``): the CLI hands them in.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ from tether.connection import (
     Refused, TetherError, Unreachable, UsageError,
     checkout_stack, connect, connect_config, deployment_name, exit_process, rpc_error, task_queue, timed_out,
 )
-from tether.repair import RepairResult, repair, reset_judged
 from tether.pollers import HEARTBEAT_FRESH, POLLER_FRESH, PROBE_TIMEOUT, served_tools
-from tether.runs import StuckTask, ViewUnverified, public_keys, published_view, stuck_task
+from tether.runs import RepairResult, StuckTask, ViewUnverified, public_keys, published_view, stuck_task
 
 from tether.client.errors import JudgementLogUnreadable, invalid
 from tether.client.workers import (
@@ -54,12 +54,12 @@ from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full
 from tether.client.listing import DESCRIBE_CONCURRENCY, RunSummary, build_order, drain, list_query, list_runs, run_build
 from tether.client.deployments import DeployedVersion, DeploymentStatus, deployment_status
 from tether.client.decisions import (
-    CONTINUING_RETRY, DecisionInput, HASH_PREFIX, PENDING_QUERY_SECONDS, TASK_FAILING_RETRY, VERDICT_TIMEOUT,
+    CONTINUING_RETRY, DecisionInput, ForcedReset, HASH_PREFIX, PENDING_QUERY_SECONDS, TASK_FAILING_RETRY, VERDICT_TIMEOUT,
     Verdict, build_decision, decide, handoff, held_request, pending_request, plan_to_run, resolve_plan_hash, revise,
     revised_steps,
 )
 from tether.client.operations import (
-    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, handoff_tree, repair_tree, snapshot_or_listed, compensation_id, compensation_judged, person_name, planner_refusal,
+    cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, handoff_tree, snapshot_or_listed, compensation_id, compensation_judged, person_name, planner_refusal,
     policy_file, policy_tenant, start_run, tenant_refusal,
 )
 
@@ -75,6 +75,7 @@ __all__ = [
     "DecisionInput",
     "DeployedVersion",
     "DeploymentStatus",
+    "ForcedReset",
     "HASH_PREFIX",
     "HEARTBEAT_FRESH",
     "JudgementLogUnreadable",
@@ -151,10 +152,7 @@ __all__ = [
     "public_keys",
     "published_view",
     "read_run",
-    "repair",
-    "repair_tree",
     "require_worker",
-    "reset_judged",
     "resolve_plan_hash",
     "revise",
     "revised_steps",

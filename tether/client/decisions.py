@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ValidationError
 from temporalio.client import (
@@ -32,8 +32,7 @@ from workflows.contract import DecideRequest, DecideResult, HandoffRequest, Plan
 from workflows.run_state import PendingApproval, RunSnapshot
 from workflows.states import TERMINAL, RunState, TransitionRecord
 from tether.connection import PENDING, REFUSED, NoWorker, Pending, Refused, TetherError, UsageError, rpc_error
-from tether.repair import RepairResult, forced_reset as _forced_reset, reset_judged
-from tether.runs import ViewUnverified, describe as _describe, published_view, stuck_task
+from tether.runs import RepairResult, ViewUnverified, describe as _describe, published_view, stuck_task
 from tether.client.errors import _refused, _refused_update, invalid
 from tether.pollers import PROBE_TIMEOUT
 from tether.client.workers import has_worker, no_answer, no_worker_message, require_worker
@@ -509,9 +508,19 @@ def _task_failing_error(run_id: str) -> TetherError:
     )
 
 
+class ForcedReset(Protocol):
+    """The worker's side of a forced hand-off (``tether.repair.HandoffReset``): where the stuck run
+    resets to, with the writes the reset leaves out, and the reset itself, the hand-off applied."""
+
+    async def point(self, client: Client, description: Any) -> RepairResult: ...
+
+    async def reset(self, client: Client, run_id: str, base_run_id: str, event_id: int, reason: str, *,
+                    handoff: HandoffRequest) -> str: ...
+
+
 async def handoff(
     client: Client, run_id: str, *, by: str, reason: str, decision_id: str | None = None,
-    key: Path | None = None, timeout: float = VERDICT_TIMEOUT, force: bool = False, workflows: Sequence[type] = (),
+    key: Path | None = None, timeout: float = VERDICT_TIMEOUT, force: bool = False, forced: ForcedReset | None = None,
 ) -> Verdict:
     """Hand the run to a human; returns the run's record of it (HANDED_OFF), or raises REFUSED
     with the rule (not a member of the tenant, already ended, a handoff already pending).
@@ -525,7 +534,9 @@ async def handoff(
     applied again: the new run takes it before it schedules anything. The tool calls the reset
     leaves out were in flight and may have applied: the hand-off names them
     (``HandoffRequest.in_flight``), the run never runs them again and records its step's outcome
-    as unknown.
+    as unknown. The reset is the worker's side (a replay of the run on this build's code):
+    ``forced`` does it (``tether.repair.HandoffReset``, which the CLI hands in); this library
+    only asks it.
     """
     try:
         request = HandoffRequest(by=by, reason=reason, decision_id=decision_id or uuid.uuid4().hex)
@@ -542,7 +553,10 @@ async def handoff(
         raise NoWorker(no_worker_message(description.task_queue))
     reset = None
     if force:
-        reset = await _forced_reset(client, description, workflows)
+        if forced is None:
+            raise UsageError("a forced hand-off resets the run, which is the worker's side: pass "
+                             "forced=tether.repair.HandoffReset() (`tether handoff --force` does)")
+        reset = await forced.point(client, description)
         try:
             request = HandoffRequest.model_validate({**request.model_dump(), "in_flight": reset.in_flight})
         except ValidationError as e:
@@ -561,7 +575,8 @@ async def handoff(
         request.signature = sign(key, payload)
     if reset is not None:
         why = f"tether handoff --force by {by}: {reason}"
-        reset.to_run_id = await reset_judged(client, run_id, reset.from_run_id, reset.event_id, why, handoff=request)
+        assert forced is not None
+        reset.to_run_id = await forced.reset(client, run_id, reset.from_run_id, reset.event_id, why, handoff=request)
     else:
         try:
             await handle.signal("handoff", request)

@@ -34,7 +34,6 @@ from workflows.details import start_details, start_summary
 from workflows.contract import CancelRequest, CompensationCall, DecideResult, first_error
 from workflows.run_state import RunOutcome, RunRequest, RunSnapshot
 from workflows.states import TERMINAL, RunState
-from tether.repair import RepairResult, repair
 from tether.runs import describe, stuck_task
 from tether.connection import PENDING, QUERY_TIMEOUT, REFUSED, NoWorker, Pending, Refused, TetherError, UsageError, checkout_stack, rpc_error, task_queue
 from tether.client.errors import _refused_update, invalid
@@ -42,7 +41,7 @@ from tether.client.workers import has_worker, no_answer, no_worker_message, requ
 from tether.client.signing import sign, sign_request
 from tether.client.sink import ledger_standing
 from tether.client.reads import read_run, snapshot, timeline, tree_spend
-from tether.client.decisions import VERDICT_TIMEOUT, Verdict, handoff
+from tether.client.decisions import VERDICT_TIMEOUT, ForcedReset, Verdict, handoff
 
 
 async def start_run(
@@ -257,31 +256,6 @@ async def cancel_tree(
     return done
 
 
-async def repair_tree(client: Client, run_id: str, *, reason: str | None = None, event_id: int | None = None,
-                      workflows: Sequence[type] = ()) -> list[RepairResult]:
-    """``repair`` of a run and its delegation tree, as one unit: each run of the tree whose
-    workflow tasks keep failing is repaired (a parent waiting on a stuck child is not stuck
-    itself, and waits for ever otherwise), the run first, then its children depth first.
-    ``event_id`` names a task of the run itself (then only it is reset). A tree with no stuck run:
-    REFUSED, as ``repair`` says of the run."""
-    if event_id is not None:
-        return [await repair(client, run_id, reason=reason, event_id=event_id, workflows=workflows)]
-    tree = await tree_spend(client, await snapshot_or_listed(client, run_id))
-    done: list[RepairResult] = []
-    for node in (run_id, *(c.run_id for c in tree)):
-        try:
-            description = await describe(client, node)
-        except TetherError:
-            continue  # a child that cannot be described: its own `status` says why
-        if description.status != WorkflowExecutionStatus.RUNNING or await stuck_task(client, description) is None:
-            continue
-        done.append(await repair(client, node, reason=reason, workflows=workflows, base_run_id=description.run_id))
-    if not done:
-        # Nothing in the tree is stuck: the run's own answer (not stuck, or not running).
-        done.append(await repair(client, run_id, reason=reason, workflows=workflows))
-    return done
-
-
 async def snapshot_or_listed(client: Client, run_id: str) -> RunSnapshot:
     """The run's snapshot as far as the tree walk needs it (its id and the children its signed
     view names); a run that cannot answer (stuck, no worker) is walked by its open children alone."""
@@ -294,7 +268,7 @@ async def snapshot_or_listed(client: Client, run_id: str) -> RunSnapshot:
 
 async def handoff_tree(
     client: Client, run_id: str, *, by: str, reason: str, decision_id: str | None = None, key: Path | None = None,
-    timeout: float = VERDICT_TIMEOUT, force: bool = False, workflows: Sequence[type] = (),
+    timeout: float = VERDICT_TIMEOUT, force: bool = False, forced: ForcedReset | None = None,
 ) -> list[tuple[str, Verdict]]:
     """``handoff`` of a run and its delegation tree, as one unit. Without ``force``: the run's
     own hand-off (its code cancels its open children first). ``force``: each stuck run of the
@@ -315,12 +289,12 @@ async def handoff_tree(
             continue
         if description.status == WorkflowExecutionStatus.RUNNING and await stuck_task(client, description) is not None:
             done.append((child.run_id, await handoff(client, child.run_id, by=by, reason=reason, key=key, timeout=timeout,
-                                                     force=True, workflows=workflows)))
+                                                     force=True, forced=forced)))
     description = await describe(client, run_id)
     stuck = description.status == WorkflowExecutionStatus.RUNNING and await stuck_task(client, description) is not None
     if stuck or not done:  # the run's own, under the decision id asked for (a child's each its own)
         done.append((run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,
-                                           timeout=timeout, force=True, workflows=workflows)))
+                                           timeout=timeout, force=True, forced=forced)))
     elif description.status == WorkflowExecutionStatus.RUNNING:
         try:
             done.append((run_id, await handoff(client, run_id, by=by, reason=reason, decision_id=decision_id, key=key,

@@ -37,13 +37,12 @@ async def ledger_standing(compensations: list[CompensationCall]) -> tuple[list[C
     if not any(c.tool and c.status != "ok" for c in compensations):
         return compensations, None
     from tether.audit.sink import sink_from_env
-    from tether.store.effect_ledger import ledger_for
-    from activities.recovery import RecoveryActivities
+    from tether.store.effect_ledger import ledger_for, standing_in
 
     try:
         ledger = ledger_for(sink_from_env())
         try:
-            return await RecoveryActivities.standing_in(ledger, compensations), None
+            return await standing_in(ledger, compensations), None
         finally:
             await ledger.aclose()
     except Exception as e:  # noqa: BLE001 (any reason: where each write stands is unknown)

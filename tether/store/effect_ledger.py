@@ -58,6 +58,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from tether.audit.sink import JsonlAuditSink, PostgresAuditSink
 from tether.store.postgres import LOCK, OWNED_ELSEWHERE
+from workflows.contract import CompensationCall
 
 T = TypeVar("T")
 
@@ -531,3 +532,19 @@ async def check_ledger(sink: Any, *, new_ledger: bool = False) -> None:
 UndoLedger = EffectLedger
 SqliteUndoLedger = SqliteEffectLedger
 PostgresUndoLedger = PostgresEffectLedger
+
+
+async def standing_in(ledger: EffectLedger, compensations: list[CompensationCall]) -> list[CompensationCall]:
+    """A run's compensations as ``ledger`` says they stand now: done by a compensation run
+    (``ok``), or started with the outcome unknown (``unknown``: it may have applied). Read by the
+    recovery activity and by a client alike (the ledger knows more than a closed record)."""
+    entries = await ledger.entries([c.idempotency_key for c in compensations if c.tool and c.status != "ok"])
+    return [call_standing(c, entries.get(c.idempotency_key)) for c in compensations]
+
+
+def call_standing(call: CompensationCall, entry: LedgerEntry | None) -> CompensationCall:
+    """One compensation as the ledger says it stands."""
+    if entry is None or entry.state == "released" or call.status == "ok":
+        return call
+    status = "ok" if entry.state == "done" else "unknown"
+    return call.model_copy(update={"status": status, "undone_by": entry.by_workflow, "undone_at": entry.at})
