@@ -28,26 +28,22 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities.audit import AuditActivities
-from tether.audit.collector import AuditCollector
 from tether.store.codec import EncryptionCodec
 from tether.store.keys import KeyRing, KeyRingError
 from tether.tools.mcp_catalog import start_servers
 from tether.tools.mcp_config import McpConfigError, config_from_env
 from tether.metrics import policy_info, prometheus_runtime, tracing_interceptors
-from activities.notify import NotifyActivities
-from tether.policy.judgements import ProposedPolicy, log_from_env
+from tether.policy.judgements import ProposedPolicy
 from activities.policy_checks import PolicyActivities
 from tether.policy.files import PolicyFileError, PolicyStore, check_policy_file
-from activities.recovery import RecoveryActivities
 from tether.loading import LoadError
 from tether.planners.planning import Planner, load_planners
-from activities.setup import SetupActivities
-from activities.tools import ToolActivities
 from tether.tools.sdk import REGISTRY, ToolRegistry, load_tool_modules
 from tether.store.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
 from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
-from tether.pollers import live_pollers, tools_mark
-from tether.plugin import WORKFLOW_RUNNER, TetherPlugin, create_replayer  # noqa: F401  (create_replayer: named here too)
+from tether.pollers import LEDGER_MARK, live_pollers
+from tether.plugin import TetherPlugin
+from tether.replay import WORKFLOW_RUNNER, create_replayer  # noqa: F401  (the replayer of this worker's histories)
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
 from workflows.published import BUILD
@@ -86,83 +82,36 @@ def create_worker(
     planners: Mapping[str, Planner] | None = None,
     **options: Any,
 ) -> Worker:
-    """The one way to build a Tether worker (the CLI, tests and benchmarks all use it).
+    """A Tether worker (the CLI, tests and benchmarks all use it): ``Worker(client, task_queue=...,
+    plugins=[TetherPlugin(...)])``, the plugin building the activities from the arguments
+    (tether/plugin.py says each), with a Worker Deployment version and the cache setting.
 
-    ``policy`` defaults to the built-in safe default (no policy file); ``rules``, the policy
-    activities, to those over ``policy``; ``planners``, the planners runs may name, to the
-    built-in ones (``load_planners`` adds your own). ``new_ledger``: begin an empty effect ledger
-    where one was created and is gone (else every write and undo is refused, ``ledger_unavailable``).
     ``deployment``: the Worker Deployment this worker is a version of (build id: the build
     marker, ``BUILD``); None: unversioned.
     """
-    # The fleet's key ring (TETHER_STATE_KEY_FILE, never created here): the workflow code seals
-    # carried state, mints every write's capability and checks every attested answer with it;
-    # the activities attest their answers and verify capabilities.
-    keys = keys or KeyRing.from_env()
-    # The audit sink (TETHER_AUDIT_DSN or TETHER_AUDIT_DIR), and the effect ledger beside it: each
-    # write and each undo is started at most once, whichever run asks (tether/store/effect_ledger.py).
-    audit = audit or AuditActivities()
-    ledger = ledger_for(audit.sink, new_ledger=new_ledger)
-    rules = rules or PolicyActivities(policy or PolicyStore(None), keys)
-    if rules.keys is None:
-        rules.keys = keys
-    if rules.judgements is None:  # each Cedar judgement, where the audit sink is (TETHER_AUDIT_DSN or _DIR)
-        rules.judgements = log_from_env()
-    # The tool worker judges the first call after a decision the run took on its roster, as the
-    # policy activity would (the same file, the same judgements logged).
-    tools = ToolActivities(registry, keys, ledger, records=audit.write, judge=rules.judge_decision)
-    notify = NotifyActivities(rules.store)
-    # What a run leaves with its end view, into the same sink once it has closed.
-    if audit.publics is None:
-        audit.publics = keys.public_keys()  # the sink takes only records the fleet signed
-    collector = AuditCollector(client, audit.sink, publics=audit.publics)
-    recovery = RecoveryActivities(client, keys, ledger)
-    setup = SetupActivities(tools, rules, planners)
-    # What a Tether worker is (the workflow, the sandbox, the ring as the workflow code's
-    # configuration, workflows/keys.py): the plugin a replay of its histories uses too.
-    plugin = TetherPlugin(
-        keys=keys,
-        workflows=[AgentRun, *extra_workflows],
-        activities=[
-            tools.execute_tool,
-            setup.plan,
-            setup.run_setup,
-            rules.check_decision,
-            rules.check_authority,
-            rules.check_handoff,
-            rules.check_person,
-            notify.notify,
-            audit.audit_append,
-            recovery.recovery_source,
-        ],
-        collector=collector,
-        workflow_runner=options.pop("workflow_runner", None),
-    )
-    # TETHER_MAX_CACHED_WORKFLOWS=0: no run is kept between its workflow tasks, so every task
-    # and every query rebuilds the run from its history, as a fresh worker does (`make
-    # test-replay` runs the whole suite so; a worker short of memory can run so too).
-    cached = os.environ.get(CACHE_SETTING, "").strip()
-    if cached and "max_cached_workflows" not in options:
-        if not cached.isdigit():
-            raise SystemExit(f"{CACHE_SETTING}={cached!r}: give a number of runs (0: keep none between tasks)")
-        options["max_cached_workflows"] = int(cached)
-    # Its identity says which tools it serves (before its ledger mark): `tether status` and the
-    # inbox tell a run whose tools no live worker serves (tether/pollers.served_tools).
-    head, mark, ledger_named = (options.pop("identity", None) or client.identity).partition(LEDGER_MARK)
-    options["identity"] = f"{head}{tools_mark(registry.tools)}{mark}{ledger_named}"
+    plugin = TetherPlugin(policy=policy, rules=rules, tools=registry, audit=audit, planners=planners, keys=keys,
+                          new_ledger=new_ledger, workflows=[AgentRun, *extra_workflows],
+                          workflow_runner=options.pop("workflow_runner", None))
     return Worker(
         client,
         task_queue=task_queue,
         plugins=[plugin, *options.pop("plugins", ())],
         graceful_shutdown_timeout=options.pop("graceful_shutdown_timeout", timedelta(seconds=10)),
         deployment_config=options.pop("deployment_config", deployment_config(deployment)),
-        **options,
+        **cache_option(options),
     )
 
 
-# A worker's identity ends with the effect ledger it keeps: `` ledger=ID`` (a local one's id,
-# tether/store/effect_ledger.local_ledger_id) or `` ledger=shared`` (the fleet's PostgreSQL).
-LEDGER_MARK = " ledger="
+def cache_option(options: dict[str, Any]) -> dict[str, Any]:
+    """TETHER_MAX_CACHED_WORKFLOWS=0: no run is kept between its workflow tasks, so every task
+    and every query rebuilds the run from its history, as a fresh worker does (`make
+    test-replay` runs the whole suite so; a worker short of memory can run so too)."""
+    cached = os.environ.get(CACHE_SETTING, "").strip()
+    if cached and "max_cached_workflows" not in options:
+        if not cached.isdigit():
+            raise SystemExit(f"{CACHE_SETTING}={cached!r}: give a number of runs (0: keep none between tasks)")
+        options["max_cached_workflows"] = int(cached)
+    return options
 
 
 async def ledger_conflict(client: Client, queue: str, ledger_id: str, where: str) -> str | None:

@@ -5,7 +5,8 @@
     from tether import tool, ToolContext, ToolError, ToolEffect   # for tool authors
 
 Modules: ``tether.connection`` (connect, TetherError and its exit codes, task queue and Worker
-Deployment names), ``tether.plugin`` (TetherPlugin: what a worker and a replayer are),
+Deployment names), ``tether.plugin`` (TetherPlugin: what a worker is, its activities built from
+its arguments), ``tether.replay`` (a replayer: the worker's workflow side),
 ``tether.runs`` (one run as Temporal holds it), ``tether.repair`` (a stuck run's reset),
 ``tether.client`` (the client API: start, read, decide, cancel, list; it names these too).
 ``tether.cli`` is the `tether` command (a program over the client, not part of this API).
@@ -76,10 +77,14 @@ def __getattr__(name: str) -> object:
         from tether import connection
 
         return getattr(connection, name)
-    if name in ("TetherPlugin", "create_replayer"):
+    if name == "TetherPlugin":
         from tether import plugin
 
-        return getattr(plugin, name)
+        return plugin.TetherPlugin
+    if name == "create_replayer":
+        from tether import replay
+
+        return replay.create_replayer
     if name in _TOOLS:
         import importlib
 

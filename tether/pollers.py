@@ -115,12 +115,15 @@ async def live_pollers(client: Client, queue: str) -> list[str] | None:
 
 
 # A worker's identity names the tools it serves: `` tools=a,b,c`` (before its ledger mark,
-# worker.LEDGER_MARK), or `` tools=*`` when the list is longer than TOOLS_MARK_CHARS or a name
+# LEDGER_MARK), or `` tools=*`` when the list is longer than TOOLS_MARK_CHARS or a name
 # cannot be listed so. Kept short: every task-started event of a run's history carries its
 # worker's identity (history bytes bring continue-as-new nearer), and Temporal refuses identities
 # over limit.maxIDLength (1000 by default). Only the worker writes it; a poller that does not say (an older
 # build, another SDK, a long list) is taken to serve anything: no warning is made up.
 TOOLS_MARK = " tools="
+# A worker's identity ends with the effect ledger it keeps: `` ledger=ID`` (a local one's id,
+# tether/store/effect_ledger.local_ledger_id) or `` ledger=shared`` (the fleet's PostgreSQL).
+LEDGER_MARK = " ledger="
 UNLISTED = "*"
 TOOLS_MARK_CHARS = 200
 

@@ -1,6 +1,6 @@
 """Repair: a stuck run reset to the last workflow task that replays on this code, and the reset a
 forced hand-off makes. Repair is worker configuration: it replays the run's history with the
-replayer a worker of this build would have (``tether.plugin``: the workflow, the fleet's key ring,
+replayer a worker of this build would have (``tether.replay``: the workflow, the fleet's key ring,
 the sandbox), and judges the writes a reset drops by the tools' effects.
 
 The worker's side, which the client library does not import: the CLI runs ``tether repair``
@@ -221,7 +221,7 @@ async def _reset_point(
     from temporalio.client import WorkflowHistory
 
     # The workflow and its worker configuration, imported only for a repair (a CLI starts lighter).
-    from tether.plugin import create_replayer
+    from tether.replay import create_replayer
 
     bound = stuck.event_id if stuck is not None and stuck.event_id else events[-1].event_id + 1
     completed = [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and e.event_id < bound]

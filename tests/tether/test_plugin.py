@@ -17,7 +17,7 @@ from tether.audit.collector import AuditCollector
 from tether.store.codec import EncryptionCodec, KEY_FILE_ENV, new_key_line
 from tether.store.keys import KeyRing, KeyRingInterceptor
 from tether import TetherPlugin, create_replayer
-from tether.plugin import WORKFLOW_RUNNER
+from tether.replay import WORKFLOW_RUNNER
 from workflows.agent_run import AgentRun
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
@@ -100,3 +100,25 @@ def test_a_replayer_may_name_its_own_workflow_in_place_of_agent_run() -> None:
     config = create_replayer(keys=recording_ring(), workflows=[TamperedAgentRun]).config(active_config=True)
     assert list(config["workflows"]) == [TamperedAgentRun]
     assert list(TetherPlugin(keys=recording_ring()).configure_replayer({"workflows": []})["workflows"]) == [AgentRun]
+
+
+async def test_the_plugin_alone_is_the_whole_recipe(dev_env: WorkflowEnvironment) -> None:
+    """`Worker(client, task_queue=..., plugins=[TetherPlugin(...)])` is a Tether worker: the plugin
+    builds its activities from its arguments (the policy, the tools), the audit collector, and the
+    identity that names the tools it serves; the worker builds no activity of its own."""
+    from temporalio.worker import Worker
+
+    from tether.policy.files import PolicyStore
+    from tether.tools.sdk import REGISTRY
+
+    ring = KeyRing.from_env()
+    plugin = TetherPlugin(policy=PolicyStore(None), tools=REGISTRY, keys=ring)
+    worker = Worker(dev_env.client, task_queue="plugin-recipe-never-polled", plugins=[plugin])
+    config = worker.config(active_config=True)
+    assert {getattr(a, "__temporal_activity_definition").name for a in config["activities"]} == ACTIVITIES
+    assert [type(i) for i in config["interceptors"] if isinstance(i, AuditCollector)] == [AuditCollector]
+    assert rings(config) == [ring] and list(config["workflows"]) == [AgentRun]
+    assert " tools=" in config["identity"] and plugin.rules.keys is ring and plugin.audit.publics is not None
+    # Two workers of one plugin: each its own activities (the ledger and collector are per client).
+    other = Worker(dev_env.client, task_queue="plugin-recipe-never-polled-2", plugins=[plugin])
+    assert other.config(active_config=True)["activities"][0] is not config["activities"][0]

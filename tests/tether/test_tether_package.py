@@ -49,10 +49,10 @@ def test_the_old_import_paths_are_gone() -> None:
 
     # What the activity modules imported for their own use is not theirs to hand on any more.
     assert not hasattr(activities.audit, "merge_timeline") and not hasattr(activities.audit, "verify_streams")
-    import tether.plugin
+    import tether.replay
     import worker
 
-    assert worker.create_replayer is tether.plugin.create_replayer and worker.WORKFLOW_RUNNER is tether.plugin.WORKFLOW_RUNNER
+    assert worker.create_replayer is tether.replay.create_replayer and worker.WORKFLOW_RUNNER is tether.replay.WORKFLOW_RUNNER
 
 
 def test_a_program_that_only_connects_does_not_load_the_worker() -> None:
