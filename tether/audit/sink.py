@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from tether.store.postgres import Postgres, Table, dsn_from_env
+from tether.store.tables import AUDIT_SCHEMA as SCHEMA, AUDIT_TABLE, DEFAULT_AUDIT_DIR
 from workflows.wire import AuditBatch
 from workflows.states import TransitionRecord
 
-DEFAULT_AUDIT_DIR = ".tether/audit"
-AUDIT_TABLE = "tether_audit"
 SINK_FAILURES = "tether_audit_sink_failures"
 _TAIL = 64 * 1024  # enough to hold the last complete record line
 _PREFIX_CHARS = 48
@@ -188,26 +187,6 @@ def _last_seq(f: BinaryIO) -> int:
         return int(json.loads(lines[-1])["seq"])
     except (ValueError, KeyError, TypeError):
         return 0
-
-
-SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS {AUDIT_TABLE} (
-    workflow_id    text        NOT NULL,
-    run_id         text        NOT NULL,
-    seq            bigint      NOT NULL,
-    first_run_id   text        NOT NULL,
-    continued_from text,
-    record         jsonb       NOT NULL,
-    written_at     timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT {AUDIT_TABLE}_key UNIQUE (workflow_id, run_id, seq)
-);
-CREATE OR REPLACE FUNCTION {AUDIT_TABLE}_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    RAISE EXCEPTION '{AUDIT_TABLE} is append-only: % refused', TG_OP;
-END $$;
-CREATE OR REPLACE TRIGGER {AUDIT_TABLE}_append_only BEFORE UPDATE OR DELETE ON {AUDIT_TABLE}
-    FOR EACH ROW EXECUTE FUNCTION {AUDIT_TABLE}_append_only();
-"""
 
 
 @dataclass

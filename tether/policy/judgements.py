@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tether.policy import cedar
-from tether.audit.sink import DEFAULT_AUDIT_DIR
 from tether.store.keys import PublicKeys
 from tether.policy.files import PolicyFileError, load_cedar_files, parse_policy
 from tether.store.postgres import PostgresSync, Table, cause, dsn_from_env
+from tether.store.tables import DEFAULT_AUDIT_DIR, JUDGEMENT_SCHEMA as PG_SCHEMA, JUDGEMENT_TABLE as PG_TABLE
 from workflows import keys as ring_math
 from workflows.timers import duration_words
 from workflows.contract import json_digest
@@ -169,22 +169,6 @@ class JsonlJudgementLog:
         except OSError as e:
             raise LogUnreadable(f"{self.path}: cannot read it ({e.strerror or e})") from None
         return [e for e in sorted(latest.values(), key=lambda e: (e.get("at", ""), key(e))) if _matches(e, since, tenant, workflow_id)]
-
-
-PG_TABLE = "tether_judgements"
-PG_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS {PG_TABLE} (
-    workflow_id text NOT NULL,
-    run_id text NOT NULL,
-    activity_id text NOT NULL,
-    idx integer NOT NULL,
-    tenant text NOT NULL,
-    at timestamptz NOT NULL,
-    line jsonb NOT NULL,
-    PRIMARY KEY (workflow_id, run_id, activity_id, idx)
-);
-CREATE INDEX IF NOT EXISTS {PG_TABLE}_at ON {PG_TABLE} (at);
-"""
 
 
 @dataclass

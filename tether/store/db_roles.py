@@ -33,12 +33,9 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from tether.audit.sink import AUDIT_TABLE
-from tether.audit.sink import SCHEMA as AUDIT_SCHEMA
 from tether.store.effect_ledger import GENERATION_TABLE, LEDGER_TABLE, MARKER_TABLE, WITNESS_TABLE
 from tether.store.effect_ledger import SCHEMA as LEDGER_SCHEMA
-from tether.policy.judgements import PG_SCHEMA as JUDGEMENT_SCHEMA
-from tether.policy.judgements import PG_TABLE as JUDGEMENT_TABLE
+from tether.store.tables import AUDIT_SCHEMA, AUDIT_TABLE, JUDGEMENT_SCHEMA, JUDGEMENT_TABLE
 from tether.store.postgres import redact_dsn
 
 OWNER = "tether_owner"

@@ -56,8 +56,8 @@ from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, Protocol, TypeVar
 
-from tether.audit.sink import JsonlAuditSink, PostgresAuditSink
-from tether.store.postgres import LOCK, OWNED_ELSEWHERE
+from tether.store.postgres import LOCK, OWNED_ELSEWHERE, Postgres
+from tether.store.tables import DEFAULT_AUDIT_DIR
 from workflows.contract import CompensationCall
 
 T = TypeVar("T")
@@ -360,7 +360,7 @@ class PostgresEffectLedger:
     """The fleet's ledger: a table in the audit sink's database, whichever machine runs the call,
     over the sink's own connection (one per worker)."""
 
-    sink: PostgresAuditSink
+    sink: Any  # the PostgreSQL audit sink (tether/audit/sink.py): its connection, ``db``
     new_ledger: bool = False
     _ready: bool = field(default=False, repr=False)
 
@@ -488,10 +488,16 @@ class PostgresEffectLedger:
 def ledger_for(sink: Any, *, new_ledger: bool = False) -> EffectLedger:
     """The ledger that lives where the audit sink does. ``new_ledger``: begin an empty one where
     one was created and is gone (the worker's ``--new-ledger``)."""
-    if isinstance(sink, PostgresAuditSink):
+    if on_postgres(sink):
         return PostgresEffectLedger(sink, new_ledger)
-    root = sink.root if isinstance(sink, JsonlAuditSink) else JsonlAuditSink.from_env().root
-    return SqliteEffectLedger(root / LEDGER_FILE, new_ledger)
+    root = getattr(sink, "root", None) or Path(os.environ.get("TETHER_AUDIT_DIR") or DEFAULT_AUDIT_DIR)
+    return SqliteEffectLedger(Path(root) / LEDGER_FILE, new_ledger)
+
+
+def on_postgres(sink: Any) -> bool:
+    """Whether ``sink`` is the PostgreSQL audit sink (its connection, ``db``): the ledger is then a
+    table beside it; else a SQLite file beside the JSON-lines sink's folders (``root``)."""
+    return isinstance(getattr(sink, "db", None), Postgres)
 
 
 def local_ledger_id(sink: Any, *, new_ledger: bool = False) -> str | None:
@@ -499,7 +505,7 @@ def local_ledger_id(sink: Any, *, new_ledger: bool = False) -> str | None:
     their identities (``... ledger=ID``): the same file, the same id, whichever process opens it;
     None for the fleet's PostgreSQL ledger, which every worker of the fleet shares. A local
     ledger serves one queue alone: a second ledger on it would start again what the first did."""
-    if isinstance(sink, PostgresAuditSink):
+    if on_postgres(sink):
         return None
     ledger = ledger_for(sink, new_ledger=new_ledger)
     assert isinstance(ledger, SqliteEffectLedger)
@@ -518,7 +524,7 @@ async def check_ledger(sink: Any, *, new_ledger: bool = False) -> None:
     """At worker start: raise LedgerUnavailable where the ledger is missing but one was created
     (the worker refuses to start rather than refuse every write). Other errors (a database not
     reachable yet) raise as they are: the caller decides."""
-    if isinstance(sink, PostgresAuditSink):
+    if on_postgres(sink):
         await PostgresEffectLedger(sink, new_ledger).entries(["-"])  # the sink stays open: the worker's
         return
     ledger = ledger_for(sink, new_ledger=new_ledger)
