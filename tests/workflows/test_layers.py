@@ -84,13 +84,13 @@ def test_nothing_imports_in_a_cycle() -> None:
 
 # ----------------------------------------------------------------------------- the whole house
 
-# The programs (client.py, tether.client's old import path for one release, worker.py, starter.py
-# and the CLI it runs, tether/cli/, the inbox, examples/) import `tether`, which imports
-# `activities`, which imports `workflows`: never the other way round, and nothing in a circle. The
-# inbox is a program shipped inside the package (tether/inbox/, a client of client.py): the rest of
-# `tether` imports none of it. inbox/ is its deprecated import path (a shim, for one release).
+# The house: the programs (worker.py, starter.py and the CLI it runs, tether/cli/, the inbox,
+# examples/) over the package's face, the worker's side (tether.plugin, tether.repair), the client
+# library and the activities, the libraries by subsystem (tether/policy, audit, tools, planners,
+# store, ...) and the deterministic workflow code at the bottom. docs/architecture.md draws it a
+# room a line, each on its floor ("Where things live"); the tests below hold the drawing to the
+# imports and check each house rule.
 HOUSE = ("worker.py", "starter.py", "tether", "activities", "examples")
-PROGRAMS = {"worker", "starter", "tether.cli", "tether.inbox", "examples"}
 # The policy modules, in the order they import one another (each imports only those before it):
 # Cedar's words, its export of the TOML rules, its engine and its checks (tether.policy.cedar, which
 # the rest import); the policy file read, checked and kept in force (it loads the Cedar files it
@@ -225,44 +225,6 @@ def test_what_the_house_imports_from_a_split_module_is_there() -> None:
     assert not missing, missing
 
 
-def upward(graph: dict[str, set[str]]) -> list[str]:
-    """The imports that go up: workflows importing the house, activities anything above it, the
-    rest of tether a program (the inbox and the CLI, inside the package, included)."""
-
-    def top(module: str) -> str:
-        for program in ("tether.inbox", "tether.cli"):  # programs inside the package
-            if module == program or module.startswith(program + "."):
-                return program
-        return module.split(".")[0]
-
-    above = {"workflows": {"activities", "tether", *PROGRAMS}, "activities": {"tether", *PROGRAMS}, "tether": PROGRAMS}
-    return sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps if top(d) in above.get(top(m), ()))
-
-
-def test_the_house_imports_only_downward() -> None:
-    """workflows imports none of the house; activities nothing above it; tether no program."""
-    assert upward(house_imports()) == []
-
-
-def test_the_inbox_is_a_program_inside_the_package() -> None:
-    """The inbox may use the client library; the rest of `tether` may not import the inbox."""
-    graph = house_imports()
-    assert "tether.client" in graph["tether.inbox.service"] and "tether.inbox.service" in graph["tether.inbox.app"]
-    assert upward({**graph, "tether.repair": graph["tether.repair"] | {"tether.inbox.app"}}) == [
-        "tether.repair imports tether.inbox.app"]
-    assert upward({**graph, "tether.store.keys": graph["tether.store.keys"] | {"tether.inbox.desk"}}) == [
-        "tether.store.keys imports tether.inbox.desk"]
-
-
-def test_a_circle_is_found() -> None:
-    """The check itself: a circle is reported, and an import inside a function is an edge."""
-    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
-    assert circles({"a": {"b"}, "b": set()}) == []
-    graph = house_imports()
-    assert "tether.plugin" in graph["tether.repair"]  # imported where a repair replays, not at the top
-    assert circles({**graph, "tether.plugin": graph["tether.plugin"] | {"worker"}})  # worker -> tether.plugin
-
-
 def test_the_cedar_modules_stay_under_600_lines() -> None:
     """tether/policy/cedar.py was split along its jobs (words, export, engine, checks): each stays
     small enough to read whole."""
@@ -325,27 +287,153 @@ def test_only_programs_import_the_cli() -> None:
 
 # ----------------------------------------------------------------------------- the house drawn
 
-HOUSE_ROW = re.compile(r"^(?P<room>[a-z.]+)\s*->\s*(?P<deps>.*)$")
+HOUSE_ROW = re.compile(r"^(?P<floor>[a-z ]*?)\s*\|\s*(?P<room>[a-z_.]+)\s*->\s*(?P<deps>.*)$")
+# The worker's side: what only a worker runs (its activities, its configuration, the program).
+WORKER_SIDE = ("activities", "worker", "tether.plugin")
+# A replay and a reset of a run on this build's workflow code: the worker's power. The CLI runs
+# it (`tether repair`) and hands a forced hand-off's reset to the client; the client and the
+# inbox never import it.
+WORKER_POWER = ("tether.repair",)
+CLIENT_SIDE = ("tether.client", "tether.cli", "tether.inbox")
 
 
 def room_of(module: str) -> str:
-    """A module's room in docs/architecture.md's drawing of the house."""
-    for room in ("tether.client", "tether.cli", "tether.inbox"):
-        if module == room or module.startswith(room + "."):
-            return room
-    return module.split(".")[0]
+    """A module's room in docs/architecture.md's drawing of the house: a top-level folder or
+    program, a package of `tether` (tether.policy, tether.client, ...), or one of its own modules."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "tether" and len(parts) > 1 else parts[0]
+
+
+def in_room(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in rooms)
+
+
+def house_drawn() -> tuple[list[str], dict[str, str], dict[str, set[str]]]:
+    """The floors top down, each room's floor, and the rooms it imports, as the doc draws them."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    block = re.search(r"<!-- house -->\n```text\n(.*?)\n```", text, re.S)
+    assert block, "docs/architecture.md has no drawing of the house (<!-- house --> and a text block)"
+    floors: list[str] = []
+    floor_of: dict[str, str] = {}
+    deps: dict[str, set[str]] = {}
+    for line in block.group(1).splitlines():
+        row = HOUSE_ROW.match(line)
+        assert row, f"not a row of the house: {line!r}"
+        if row["floor"].strip():
+            floors.append(row["floor"].strip())
+        assert floors, "the drawing's first row names its floor"
+        floor_of[row["room"]] = floors[-1]
+        deps[row["room"]] = set() if row["deps"].strip() == "(nothing)" else set(row["deps"].split())
+    return floors, floor_of, deps
+
+
+def rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph seen a room at a time."""
+    actual: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        room = actual.setdefault(room_of(module), set())
+        room |= {room_of(d) for d in deps} - {room_of(module)}
+    return actual
+
+
+def workflows_imports() -> dict[str, set[str]]:
+    """What each module of workflows/ imports of the rest of the house (top-level names)."""
+    house = {"activities", "tether", "worker", "starter", "examples", "tests", "bench"}
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "workflows").rglob("*.py")):
+        names: set[str] = set()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                names.add(n.module.split(".")[0])
+            elif isinstance(n, ast.Import):
+                names |= {a.name.split(".")[0] for a in n.names}
+        found[path.stem] = names & house
+    return found
+
+
+def back_up(graph: dict[str, set[str]], floor_of: dict[str, str], floors: list[str]) -> list[str]:
+    """Imports from a room to a room on a higher floor (floors top down)."""
+    rank = {f: i for i, f in enumerate(floors)}
+    return sorted(f"{r} ({floor_of[r]}) imports {d} ({floor_of[d]})" for r, ds in rooms(graph).items() for d in ds
+                  if rank[floor_of[d]] < rank[floor_of[r]])
+
+
+def worker_reached(graph: dict[str, set[str]]) -> list[str]:
+    """Imports by the client, the CLI or the inbox of the worker's side; by the client or the inbox
+    of the worker's power (a replay, a reset)."""
+    reach = []
+    for module, deps in graph.items():
+        if not in_room(module, CLIENT_SIDE):
+            continue
+        forbidden = WORKER_SIDE if in_room(module, ("tether.cli",)) else WORKER_SIDE + WORKER_POWER
+        reach += [f"{module} imports {d}" for d in deps if in_room(d, forbidden)]
+    return sorted(reach)
 
 
 def test_the_house_drawing_is_the_imports() -> None:
     """docs/architecture.md draws the whole house, a room a line: the drawing is the imports."""
-    text = (ROOT / "docs/architecture.md").read_text()
-    block = text.split("<!-- house -->", 1)[1].split("```text", 1)[1].split("```", 1)[0]
-    drawn = {m["room"]: set() if m["deps"].strip() == "(nothing)" else set(m["deps"].split())
-             for line in block.strip().splitlines() if (m := HOUSE_ROW.match(line.strip()))}
-    actual: dict[str, set[str]] = {}
-    for module, deps in house_imports().items():
-        room = actual.setdefault(room_of(module), set())
-        room |= {room_of(d) for d in deps} - {room_of(module)}
+    _, _, drawn = house_drawn()
+    actual = rooms(house_imports())
     assert drawn == actual, {r: (sorted(drawn.get(r, ())), sorted(actual.get(r, ()))) for r in {*drawn, *actual}
                              if drawn.get(r) != actual.get(r)}
-    assert not circles(actual)
+
+
+def test_nothing_runs_back_up() -> None:
+    """Each room imports only rooms on its own floor or below: the programs over the face, the
+    worker's side over the client and the activities, they over the libraries, the store and
+    workflows/ at the ground."""
+    floors, floor_of, _ = house_drawn()
+    assert back_up(house_imports(), floor_of, floors) == []
+
+
+def test_no_circle_of_modules_or_rooms() -> None:
+    graph = house_imports()
+    assert circles(graph) == [], "import circles between modules"
+    assert circles(rooms(graph)) == [], "import circles between rooms"
+
+
+def test_the_client_the_cli_and_the_inbox_never_reach_the_worker_side() -> None:
+    """tether.client, tether.cli and tether.inbox import nothing of activities/, worker.py or the
+    worker's configuration (tether.plugin); the client and the inbox not the repair either: a
+    forced hand-off's reset is handed to the client by the CLI (tether.repair.HandoffReset)."""
+    graph = house_imports()
+    assert worker_reached(graph) == []
+    assert "tether.repair" in graph["tether.cli.operations"]  # the CLI hands the reset in
+
+
+def test_workflows_imports_nothing_of_the_rest() -> None:
+    found = workflows_imports()
+    assert found and {m: sorted(names) for m, names in found.items() if names} == {}
+
+
+def test_activities_holds_only_the_activities() -> None:
+    """Every module of activities/ defines an activity the worker registers (a method under
+    ``@activity.defn``); the libraries live in tether/."""
+    lacking = []
+    for path in sorted((ROOT / "activities").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined = [d for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for d in n.decorator_list if "activity.defn" in ast.unparse(d)]
+        if not defined:
+            lacking.append(path.relative_to(ROOT).as_posix())
+    assert lacking == [], lacking
+    assert not [p for p in (ROOT / "activities").iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+def test_the_house_rules_catch_a_breach() -> None:
+    """The checks themselves, on the real graph with one edge added each: a circle, an import back
+    up, the client or the inbox reaching the worker's side or its power, workflows/ importing."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    graph = house_imports()
+    floors, floor_of, _ = house_drawn()
+    assert "tether.replay" in graph["tether.repair"]  # imported where a repair replays, not at the top
+    assert circles({**graph, "tether.plugin": graph["tether.plugin"] | {"worker"}})  # worker -> tether.plugin
+    assert back_up({**graph, "tether.store.keys": graph["tether.store.keys"] | {"tether.inbox.desk"}}, floor_of, floors) == [
+        "tether.store (ground) imports tether.inbox (programs)"]
+    for module, dep in (("tether.client.sink", "activities.recovery"), ("tether.client.decisions", "tether.repair"),
+                        ("tether.inbox.app", "tether.plugin"), ("tether.cli.runs", "worker")):
+        assert worker_reached({**graph, module: graph[module] | {dep}}) == [f"{module} imports {dep}"]
+    assert worker_reached({**graph, "tether.cli.runs": graph["tether.cli.runs"] | {"tether.repair"}}) == []
