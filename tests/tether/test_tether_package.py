@@ -30,8 +30,9 @@ def test_the_old_import_paths_are_gone() -> None:
     """The shims of earlier releases are gone (issue 60): `client`, `inbox`, `activities.undo_ledger`
     and the libraries' old homes under activities/ do not import, from the checkout either; the
     worker still names the replayer it configures."""
-    gone = ["client", "inbox", "activities.undo_ledger", "activities.policy_file", "activities.keys",
-            "activities.audit_sink", "activities.cedar", "activities.planners", "activities.planning"]
+    # Spelled so that a rewrite of moved modules' names (the move's script) passes them by.
+    gone = ["client", "inbox", *(f"activities.{m}" for m in ("undo_ledger", "policy_file", "keys", "audit_sink",
+                                                               "cedar", "planners", "planning"))]
     code = ("import importlib, json\n"
             "out = {}\n"
             f"for name in {gone!r}:\n"
