@@ -42,7 +42,7 @@ from tether.tools.sdk import REGISTRY, ToolRegistry, load_tool_modules
 from tether.store.effect_ledger import LedgerUnavailable, check_ledger, ledger_for, local_ledger_id
 from tether.connection import DEFAULT_TASK_QUEUE, DEPLOYMENT_ENV, TetherError, connect, deployment_name, exit_process, task_queue
 from tether.pollers import LEDGER_MARK, live_pollers
-from tether.plugin import TetherPlugin
+from activities.plugin import TetherPlugin
 from tether.replay import WORKFLOW_RUNNER, create_replayer  # noqa: F401  (the replayer of this worker's histories)
 from workflows.agent_run import AgentRun
 from workflows.display import escape_text
@@ -84,7 +84,7 @@ def create_worker(
 ) -> Worker:
     """A Tether worker (the CLI, tests and benchmarks all use it): ``Worker(client, task_queue=...,
     plugins=[TetherPlugin(...)])``, the plugin building the activities from the arguments
-    (tether/plugin.py says each), with a Worker Deployment version and the cache setting.
+    (activities/plugin.py says each), with a Worker Deployment version and the cache setting.
 
     ``deployment``: the Worker Deployment this worker is a version of (build id: the build
     marker, ``BUILD``); None: unversioned.

@@ -1,12 +1,12 @@
 """Tether for programs: connect to Temporal, configure a worker or a replayer, repair a stuck run.
 
-    from tether import connect, TetherError, TetherPlugin   # TetherError: Refused, UsageError, Pending, ...
+    from tether import connect, TetherError, create_replayer   # TetherError: Refused, UsageError, Pending, ...
+    from activities.plugin import TetherPlugin                  # a worker: Worker(client, plugins=[TetherPlugin(...)])
     from tether.repair import repair
     from tether import tool, ToolContext, ToolError, ToolEffect   # for tool authors
 
 Modules: ``tether.connection`` (connect, TetherError and its exit codes, task queue and Worker
-Deployment names), ``tether.plugin`` (TetherPlugin: what a worker is, its activities built from
-its arguments), ``tether.replay`` (a replayer: the worker's workflow side),
+Deployment names), ``tether.replay`` (a replayer: the worker's workflow side),
 ``tether.runs`` (one run as Temporal holds it), ``tether.repair`` (a stuck run's reset),
 ``tether.client`` (the client API: start, read, decide, cancel, list; it names these too).
 ``tether.cli`` is the `tether` command (a program over the client, not part of this API).
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         deployment_name,
         task_queue,
     )
-    from tether.plugin import TetherPlugin, create_replayer
+    from tether.replay import create_replayer
     from tether.tools.sdk import ToolContext, ToolError, tool
     from workflows.contract import ToolEffect
 
@@ -47,7 +47,6 @@ __all__ = [
     "Pending",
     "Refused",
     "TetherError",
-    "TetherPlugin",
     "ToolContext",
     "ToolEffect",
     "ToolError",
@@ -77,10 +76,6 @@ def __getattr__(name: str) -> object:
         from tether import connection
 
         return getattr(connection, name)
-    if name == "TetherPlugin":
-        from tether import plugin
-
-        return plugin.TetherPlugin
     if name == "create_replayer":
         from tether import replay
 

@@ -10,7 +10,7 @@ configuration a worker ran it with:
 - the data converter: pydantic's, with the payload codec when ``TETHER_ENCRYPTION_KEY_FILE``
   names a key (a worker takes its client's, made by ``tether.connection.connect``).
 
-A worker's activities are not here: :class:`tether.plugin.TetherPlugin` adds them (a replay does
+A worker's activities are not here: :class:`activities.plugin.TetherPlugin` adds them (a replay does
 no I/O), so a repair replays without importing activities/.
 """
 
@@ -38,7 +38,7 @@ WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.defau
 
 class WorkflowPlugin(SimplePlugin):
     """The workflow side of a Tether worker, for ``Replayer(plugins=[...])`` (and, through
-    :class:`tether.plugin.TetherPlugin`, ``Worker(plugins=[...])``).
+    :class:`activities.plugin.TetherPlugin`, ``Worker(plugins=[...])``).
 
     ``keys``: the fleet's ring (default: ``TETHER_STATE_KEY_FILE``, never created here).
     ``workflows``: the workflow classes (default: ``AgentRun``). ``data_converter``: a replayer's

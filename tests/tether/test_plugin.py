@@ -1,4 +1,4 @@
-"""TetherPlugin (tether/plugin.py): a worker and a replayer are configured by one plugin, so a
+"""TetherPlugin (activities/plugin.py): a worker and a replayer are configured by one plugin, so a
 replay runs a recorded history under the worker's own configuration: its workflow, its sandbox,
 its key ring, its converter. A replay under another ring, or without the plugin, is refused."""
 
@@ -16,7 +16,8 @@ from temporalio.worker import Replayer
 from tether.audit.collector import AuditCollector
 from tether.store.codec import EncryptionCodec, KEY_FILE_ENV, new_key_line
 from tether.store.keys import KeyRing, KeyRingInterceptor
-from tether import TetherPlugin, create_replayer
+from activities.plugin import TetherPlugin
+from tether import create_replayer
 from tether.replay import WORKFLOW_RUNNER
 from workflows.agent_run import AgentRun
 

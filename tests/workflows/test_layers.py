@@ -288,8 +288,9 @@ def test_only_programs_import_the_cli() -> None:
 # ----------------------------------------------------------------------------- the house drawn
 
 HOUSE_ROW = re.compile(r"^(?P<floor>[a-z ]*?)\s*\|\s*(?P<room>[a-z_.]+)\s*->\s*(?P<deps>.*)$")
-# The worker's side: what only a worker runs (its activities, its configuration, the program).
-WORKER_SIDE = ("activities", "worker", "tether.plugin")
+# The worker's side: what only a worker runs (its activities and the plugin that registers them,
+# activities/plugin.py; the program).
+WORKER_SIDE = ("activities", "worker")
 # A replay and a reset of a run on this build's workflow code: the worker's power. The CLI runs
 # it (`tether repair`) and hands a forced hand-off's reset to the client; the client and the
 # inbox never import it.
@@ -379,9 +380,9 @@ def test_the_house_drawing_is_the_imports() -> None:
 
 
 def test_nothing_runs_back_up() -> None:
-    """Each room imports only rooms on its own floor or below: the programs over the face, the
-    worker's side over the client and the activities, they over the libraries, the store and
-    workflows/ at the ground."""
+    """Each room imports only rooms on its own floor or below: the programs over the worker's side
+    (the activities and their plugin, the repair), that over the client, the client over the
+    libraries (the face among them), the store and workflows/ at the ground."""
     floors, floor_of, _ = house_drawn()
     assert back_up(house_imports(), floor_of, floors) == []
 
@@ -393,8 +394,8 @@ def test_no_circle_of_modules_or_rooms() -> None:
 
 
 def test_the_client_the_cli_and_the_inbox_never_reach_the_worker_side() -> None:
-    """tether.client, tether.cli and tether.inbox import nothing of activities/, worker.py or the
-    worker's configuration (tether.plugin); the client and the inbox not the repair either: a
+    """tether.client, tether.cli and tether.inbox import nothing of activities/ (the worker's
+    configuration, activities/plugin.py, included) or worker.py; the client and the inbox not the repair either: a
     forced hand-off's reset is handed to the client by the CLI (tether.repair.HandoffReset)."""
     graph = house_imports()
     assert worker_reached(graph) == []
@@ -408,10 +409,11 @@ def test_workflows_imports_nothing_of_the_rest() -> None:
 
 def test_activities_holds_only_the_activities() -> None:
     """Every module of activities/ defines an activity the worker registers (a method under
-    ``@activity.defn``); the libraries live in tether/."""
+    ``@activity.defn``), but plugin.py, the plugin that registers them (TetherPlugin: the
+    anchors' plugins live beside their activities too); the libraries live in tether/."""
     lacking = []
     for path in sorted((ROOT / "activities").rglob("*.py")):
-        if path.name == "__init__.py":
+        if path.name in ("__init__.py", "plugin.py"):
             continue
         tree = ast.parse(path.read_text())
         defined = [d for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -430,10 +432,10 @@ def test_the_house_rules_catch_a_breach() -> None:
     graph = house_imports()
     floors, floor_of, _ = house_drawn()
     assert "tether.replay" in graph["tether.repair"]  # imported where a repair replays, not at the top
-    assert circles({**graph, "tether.plugin": graph["tether.plugin"] | {"worker"}})  # worker -> tether.plugin
+    assert circles({**graph, "activities.plugin": graph["activities.plugin"] | {"worker"}})  # worker -> activities.plugin
     assert back_up({**graph, "tether.store.keys": graph["tether.store.keys"] | {"tether.inbox.desk"}}, floor_of, floors) == [
         "tether.store (ground) imports tether.inbox (programs)"]
     for module, dep in (("tether.client.sink", "activities.recovery"), ("tether.client.decisions", "tether.repair"),
-                        ("tether.inbox.app", "tether.plugin"), ("tether.cli.runs", "worker")):
+                        ("tether.inbox.app", "activities.plugin"), ("tether.cli.runs", "worker")):
         assert worker_reached({**graph, module: graph[module] | {dep}}) == [f"{module} imports {dep}"]
     assert worker_reached({**graph, "tether.cli.runs": graph["tether.cli.runs"] | {"tether.repair"}}) == []

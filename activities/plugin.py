@@ -1,6 +1,5 @@
-"""What a Tether worker is, in one place: :class:`TetherPlugin` builds a worker's activities from
-its arguments (the policy, the tools, the audit sink, the planners) over the worker's stores, and
-configures the worker with them and with the workflow side a replayer has too
+"""What a Tether worker is, in one place, beside the activities it registers (as the anchors'
+plugins live with theirs): :class:`TetherPlugin` builds a worker's activities from its arguments (the policy, the tools, the audit sink, the planners) over the worker's stores, and configures the worker with them and with the workflow side a replayer has too
 (:class:`tether.replay.WorkflowPlugin`: the workflow, the sandbox, the fleet's key ring, the
 converter). The whole recipe::
 
