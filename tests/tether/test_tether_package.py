@@ -59,7 +59,7 @@ def test_the_old_import_paths_are_gone() -> None:
 def test_a_program_that_only_connects_does_not_load_the_worker() -> None:
     """`import tether.client` (the CLI, the inbox) loads neither the workflow nor the worker's
     configuration: they come with the first repair or replayer."""
-    code = "import sys, tether.client, tether; print(sorted(m for m in ('tether.plugin', 'workflows.agent_run', 'worker') if m in sys.modules))"
+    code = "import sys, tether.client, tether; print(sorted(m for m in ('activities.plugin', 'tether.replay', 'workflows.agent_run', 'worker') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
     assert out.strip() == "[]"
 

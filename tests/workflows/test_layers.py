@@ -85,11 +85,12 @@ def test_nothing_imports_in_a_cycle() -> None:
 # ----------------------------------------------------------------------------- the whole house
 
 # The house: the programs (worker.py, starter.py and the CLI it runs, tether/cli/, the inbox,
-# examples/) over the package's face, the worker's side (tether.plugin, tether.repair), the client
-# library and the activities, the libraries by subsystem (tether/policy, audit, tools, planners,
-# store, ...) and the deterministic workflow code at the bottom. docs/architecture.md draws it a
-# room a line, each on its floor ("Where things live"); the tests below hold the drawing to the
-# imports and check each house rule.
+# examples/) over the worker's side (activities/ with the plugin that registers them, and
+# tether.repair), that over the client library, the client over the libraries by subsystem
+# (tether/policy, audit, tools, planners, ..., the face `tether` among them), the store and the
+# deterministic workflow code at the ground. docs/architecture.md draws it a room a line, each on
+# its floor ("Where things live"); the tests below hold the drawing to the imports and check each
+# house rule.
 HOUSE = ("worker.py", "starter.py", "tether", "activities", "examples")
 # The policy modules, in the order they import one another (each imports only those before it):
 # Cedar's words, its export of the TOML rules, its engine and its checks (tether.policy.cedar, which
