@@ -20,7 +20,7 @@ def checkout(path: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", ".tether")
     for folder in ("examples", "activities", "workflows", "tether"):
         shutil.copytree(ROOT / folder, path / folder, ignore=ignore)
-    for module in ("client.py", "worker.py", "starter.py"):
+    for module in ("worker.py", "starter.py"):
         shutil.copyfile(ROOT / module, path / module)
     return path
 
