@@ -20,8 +20,10 @@ from tests.helpers.paths import ROOT
 from tests.helpers.wheel import build_wheel, checkout_copy, install_wheel
 
 INSTALLED = {"tether", "workflows", "activities", "worker.py", "starter.py"}
-# The modules of activities/: the activity classes the worker registers, one module each.
-ACTIVITY_MODULES = {"__init__.py", "audit.py", "notify.py", "policy_checks.py", "recovery.py", "setup.py", "tools.py"}
+# The modules of activities/: the activity classes the worker registers, one module each, and the
+# plugin that registers them.
+ACTIVITY_MODULES = {"__init__.py", "audit.py", "notify.py", "plugin.py", "policy_checks.py", "recovery.py", "setup.py",
+                    "tools.py"}
 INBOX = ROOT / "tether/inbox"
 
 
