@@ -20,7 +20,8 @@ import cedarpy
 import pytest
 
 from tether.policy import cedar
-from activities.policy_checks import cedar_approver_problem, judge_writes, parse_policy
+from activities.policy_checks import cedar_approver_problem, judge_writes
+from tether.policy.files import parse_policy
 from tests.helpers.paths import ROOT
 
 

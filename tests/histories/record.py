@@ -191,7 +191,7 @@ async def main() -> None:
     os.environ["BILLING_URL"] = billing.url
     # The workers' key ring for the recording: a fixture (no secret), committed beside the
     # histories, since replaying them checks every attestation and seal with it.
-    from activities.keys import KEY_SETTING
+    from tether.store.keys import KEY_SETTING
 
     os.environ[KEY_SETTING] = str(RING)
 
