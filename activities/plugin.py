@@ -104,7 +104,7 @@ class TetherPlugin(WorkflowPlugin):
         ]
 
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
-        client = config["client"]  # type: ignore[typeddict-item]
+        client = config["client"]
         self.activities = self.activities_for(client)
         config = super().configure_worker(config)
         # Its identity says which tools it serves (before its ledger mark): `tether status` and the

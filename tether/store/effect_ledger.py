@@ -430,7 +430,8 @@ class PostgresEffectLedger:
             self._ready = True
             return result
 
-        return await self.sink.db.run(in_transaction)
+        done: T = await self.sink.db.run(in_transaction)
+        return done
 
     async def claim(self, key: str, *, tool: str, workflow_id: str, run_id: str) -> LedgerEntry | None:
         async def work(conn: Any) -> LedgerEntry | None:
