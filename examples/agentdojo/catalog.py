@@ -22,6 +22,7 @@ leaves the Slack suite).
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Any
 
@@ -142,3 +143,9 @@ def load_environment(suite_name: str, data: str | dict[str, Any]) -> Any:
     env = suites()[suite_name].environment_type.model_validate(parsed)
     _restore(env, parsed)
     return env
+
+
+def canonical(function: str, args: dict[str, Any]) -> str:
+    """A call as an approver compares it: its arguments through the tool's model (defaults filled)."""
+    model = functions()[function].parameters
+    return function + json.dumps(model.model_validate(args).model_dump(mode="json"), sort_keys=True)

@@ -46,7 +46,7 @@ from temporalio.client import Client
 
 from examples.agentdojo.api import call
 from workflows.states import TERMINAL
-from examples.agentdojo.catalog import dump_environment, effect_of, functions, load_environment
+from examples.agentdojo.catalog import canonical, dump_environment, effect_of, load_environment
 
 HERE = Path(__file__).resolve().parent
 REQUESTER = "emma"  # the user the suites' tasks speak for
@@ -85,12 +85,6 @@ class Step:
 
 def _json_args(args: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(dict(args), default=str))
-
-
-def canonical(function: str, args: dict[str, Any]) -> str:
-    """A call as an approver compares it: its arguments through the tool's model (defaults filled)."""
-    model = functions()[function].parameters
-    return function + json.dumps(model.model_validate(args).model_dump(mode="json"), sort_keys=True)
 
 
 def _strings(value: Any) -> list[str]:

@@ -45,7 +45,7 @@ class Case:
 
 
 def _key(function: str, args: dict[str, Any]) -> str:
-    from examples.agentdojo.driver import canonical
+    from examples.agentdojo.catalog import canonical
 
     try:
         return canonical(function, args)

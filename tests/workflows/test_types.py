@@ -73,9 +73,9 @@ def test_the_face_tether_names_typed_objects(tmp_path: Path) -> None:
     it is, never ``object``: a program using them is checked too."""
     program = tmp_path / "program.py"
     program.write_text("import tether\n" + "".join(f"reveal_type(tether.{name})\n" for name in (
-        "TetherPlugin", "tool", "ToolEffect", "Refused", "connect")))
+        "create_replayer", "tool", "ToolEffect", "Refused", "connect")))
     proc = mypy(ROOT, str(program))
     revealed = [line.split('Revealed type is "', 1)[1] for line in proc.stdout.splitlines() if "Revealed type" in line]
     assert len(revealed) == 5 and not any(r.startswith("builtins.object") for r in revealed), proc.stdout
-    assert revealed[0].startswith("def (") and "TetherPlugin" in revealed[0], revealed
+    assert revealed[0].startswith("def (") and "Replayer" in revealed[0], revealed
     assert revealed[3].startswith("def (") and "Refused" in revealed[3], revealed

@@ -54,10 +54,11 @@ from tether.client.audit_trail import AuditBranch, AuditTrail, audit_trail, full
 from tether.client.listing import DESCRIBE_CONCURRENCY, RunSummary, build_order, drain, list_query, list_runs, run_build
 from tether.client.deployments import DeployedVersion, DeploymentStatus, deployment_status
 from tether.client.decisions import (
-    CONTINUING_RETRY, DecisionInput, ForcedReset, HASH_PREFIX, PENDING_QUERY_SECONDS, TASK_FAILING_RETRY, VERDICT_TIMEOUT,
-    Verdict, build_decision, decide, handoff, held_request, pending_request, plan_to_run, resolve_plan_hash, revise,
+    CONTINUING_RETRY, DecisionInput, HASH_PREFIX, PENDING_QUERY_SECONDS, TASK_FAILING_RETRY, VERDICT_TIMEOUT,
+    Verdict, build_decision, decide, held_request, pending_request, plan_to_run, resolve_plan_hash, revise,
     revised_steps,
 )
+from tether.client.handoffs import ForcedReset, handoff
 from tether.client.operations import (
     cancel, cancel_tree, compensate, compensate_refusal, compensate_tree, handoff_tree, snapshot_or_listed, compensation_id, compensation_judged, person_name, planner_refusal,
     policy_file, policy_tenant, start_run, tenant_refusal,
@@ -156,9 +157,9 @@ __all__ = [
     "resolve_plan_hash",
     "revise",
     "revised_steps",
+    "root_of",
     "rpc_error",
     "run_build",
-    "root_of",
     "run_goal",
     "run_outcome",
     "served_tools",

@@ -41,7 +41,8 @@ from tether.client.workers import has_worker, no_answer, no_worker_message, requ
 from tether.client.signing import sign, sign_request
 from tether.client.sink import ledger_standing
 from tether.client.reads import read_run, snapshot, timeline, tree_spend
-from tether.client.decisions import VERDICT_TIMEOUT, ForcedReset, Verdict, handoff
+from tether.client.decisions import VERDICT_TIMEOUT, Verdict
+from tether.client.handoffs import ForcedReset, handoff
 
 
 async def start_run(

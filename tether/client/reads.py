@@ -141,7 +141,7 @@ async def run_goal(client: Client, run_id: str) -> str | None:
 
 
 # A tree is at most the policy's max_depth deep (Grant.depth <= 16): the walk up stops there.
-ROOT_HOPS = 16
+_ROOT_HOPS = 16
 
 
 async def root_of(client: Client, snap: RunSnapshot) -> str | None:
@@ -150,7 +150,7 @@ async def root_of(client: Client, snap: RunSnapshot) -> str | None:
     own signed view (never a query answer). None: ``snap`` is a root, or an ancestor's view could
     not be read or verified (then nobody's word names the root)."""
     parent = snap.parent
-    for _ in range(ROOT_HOPS):
+    for _ in range(_ROOT_HOPS):
         if not parent:
             return None
         try:
@@ -165,7 +165,7 @@ async def root_of(client: Client, snap: RunSnapshot) -> str | None:
     return None
 
 
-async def live_view(client: Client, description: Any) -> RunView | None:
+async def _live_view(client: Client, description: Any) -> RunView | None:
     """The run's ``view`` query: its view as it stands now, signed by the fleet's key for this
     run as its published view is, and checked the same way (ViewUnverified otherwise: a keyless
     poller's answer, or another run's). None: the run does not answer it (a build without the
@@ -307,7 +307,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
                 f"; no decision can be sent to it until it publishes")
         records: list[TransitionRecord] = []
         snap = None
-        signed = await live_view(client, description) if live else None
+        signed = await _live_view(client, description) if live else None
         if signed is not None:
             # Its live answer, signed by the fleet's key for this run: the run's word, as of now.
             records = signed.timeline
@@ -322,7 +322,7 @@ async def read_run(client: Client, run_id: str, *, live: bool = False) -> tuple[
             if snap is None:
                 result.listed_state = listed
     elif live:
-        signed = await live_view(client, description)
+        signed = await _live_view(client, description)
         if signed is not None:  # the run's word as of now, signed as its published view is
             records = signed.timeline
             result = RunStatus(**signed.snapshot.model_dump(), published_at=signed.published_at, live_signed=True)
