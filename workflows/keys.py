@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel
-from pydantic_core import to_jsonable_python
+from pydantic import BaseModel, TypeAdapter
 
 from workflows.contract import canonical_json, json_digest
 from workflows.wire import Capability, ToolCall, args_digest
@@ -275,7 +274,10 @@ def _digest(model: BaseModel, *, without_clock: bool = False) -> str:
         model = model.model_copy(update={"attestation": None})
     if not without_clock:
         return json_digest(model.model_dump(mode="json"))
-    return json_digest(to_jsonable_python(_no_clock(model.model_dump(mode="python"))))
+    return json_digest(_JSON.dump_python(_no_clock(model.model_dump(mode="python")), mode="json"))
+
+
+_JSON: TypeAdapter[Any] = TypeAdapter(Any)
 
 
 def _no_clock(value: Any) -> Any:

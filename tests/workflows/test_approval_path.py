@@ -270,7 +270,7 @@ async def test_the_first_plans_re_check_comes_with_the_planners_answer(
         assert [name for _, name in await scheduled(handle)] == ["plan", "audit_append"]
         # Judged and logged as the policy activity does, under the planner call.
         lines = [e for e in log_from_env().read(workflow_id=handle.id) if e.get("check") == "plan"]
-        assert lines and all(e["activity_id"].startswith("plan.") for e in lines), lines
+        assert lines and all(e["activity_id"].startswith("plan:") for e in lines), lines
         for who, outcome in (("bob", "accepted"), ("carol", "transition")):  # the first of two, then the second
             answer = await decide_as(handle, await wait_for_state(handle, "AWAITING_APPROVAL"), who)
             assert answer.outcome == outcome, answer
