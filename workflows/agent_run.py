@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.effects import CHILD_ONCE, Effects
     from workflows.engine import Engine
     from workflows.identity import LOOK_ALIKE
-    from workflows.published import BUILD, PREVIOUS_BUILD, STATE_ATTRIBUTE
+    from workflows.published import BUILD, HISTORY_IDS, PREVIOUS_BUILD, STATE_ATTRIBUTE
     from workflows.contract import derived_id
     from workflows.run_model import Decision, DecisionKind, IllegalState, RunFailed, ToolFailure
     from workflows.run_state import RunData, RunOutcome, RunRequest, RunSnapshot, RunView
@@ -124,6 +124,7 @@ class AgentRun:
             self.effects.this_build = True
         elif workflow.patched(PREVIOUS_BUILD):
             self.effects.this_build = False
+            self.effects.history_ids = workflow.patched(HISTORY_IDS)
             self.engine.this_build = False  # its decisions' and write attempts' ids as that build made them
         else:
             # Replaying a history an earlier build started: not ours to judge (the task fails,

@@ -126,6 +126,8 @@ class Effects(Publishing):
         # history alone and every live patch's fix is on without a marker. False only for a run
         # of PREVIOUS_BUILD (agent_run sets it as the run begins).
         self.this_build = True
+        # A run of the previous build that made its activity ids from the seed (HISTORY_IDS).
+        self.history_ids = False
         self._settled: tuple[ToolOutcome | None, ToolFailure | None] | None = None
         self._landed: list[Landed] | None = None
         # The parallel group under way: its command, its attempts' tasks, what has landed, and
@@ -313,7 +315,7 @@ class Effects(Publishing):
         for a reset run's copied prefix, the reset run's own from the reset point on). Never the
         task's clock or the history's length (a worker rebuilding the run to answer a query saw
         both differ) nor a draw from the random stream (any other reader of it moves it)."""
-        if not self.this_build:
+        if not self.this_build and not self.history_ids:
             # A run an earlier build started: its ids as that build made them, so it replays.
             drawn = f"{workflow.random().getrandbits(64):016x}:{workflow.now().isoformat()}"
             return hashlib.sha256(drawn.encode()).hexdigest()[:12]

@@ -23,4 +23,7 @@ BUILD = "tether-build-10"
 # random draw and the task's clock, and take each fix where their history says (its patch
 # marker). Runs of any build before it drain on the build that started them.
 PREVIOUS_BUILD = "tether-build-9"
+# The patch under which a run of the previous build made its activity ids from the run's seed
+# (the fix for a replaced worker's query, issue 55): such a run replays with those ids.
+HISTORY_IDS = "tether-history-ids"
 CHANGE_VERSION_ATTRIBUTE = SearchAttributeKey.for_keyword_list("TemporalChangeVersion")

@@ -20,6 +20,8 @@ HISTORIES = sorted(HERE.glob("*.json"))
 # The previous build's (published.PREVIOUS_BUILD, whose activity ids came from a random draw and
 # the task's clock): runs it started replay on this build with the ids they made.
 PREVIOUS = sorted((HERE / "previous").glob("*.json"))
+# The previous build's runs started after its tether-history-ids patch (ids from the seed).
+PREVIOUS_SEEDED = sorted((HERE / "previous" / "history-ids").glob("*.json"))
 PATHS = {"approve", "reject", "expiry", "replan", "retry", "handoff", "cancel", "continue_as_new", "continued", "decide"}
 
 
@@ -36,7 +38,8 @@ def test_every_main_path_is_recorded() -> None:
     assert {p.stem for p in HISTORIES} <= {p.stem for p in PREVIOUS} | {"plan_judged"}, "the previous build's stay beside them"
 
 
-@pytest.mark.parametrize("path", HISTORIES + PREVIOUS, ids=[p.stem for p in HISTORIES] + [f"previous-{p.stem}" for p in PREVIOUS])
+@pytest.mark.parametrize("path", HISTORIES + PREVIOUS + PREVIOUS_SEEDED, ids=[p.stem for p in HISTORIES]
+                         + [f"previous-{p.stem}" for p in PREVIOUS] + [f"previous-seeded-{p.stem}" for p in PREVIOUS_SEEDED])
 async def test_history_replays_on_the_current_code(path: Path) -> None:
     result = await replayer().replay_workflow(load(path), raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure}"
