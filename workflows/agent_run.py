@@ -42,7 +42,7 @@ with workflow.unsafe.imports_passed_through():
         RevisionRequest,
         first_error,
     )
-    from workflows.effects import CHILD_ONCE, Effects
+    from workflows.effects import CHILD_ONCE, QUEUE_CAP, Effects
     from workflows.engine import Engine
     from workflows.identity import LOOK_ALIKE
     from workflows.published import BUILD, HISTORY_IDS, PREVIOUS_BUILD, STATE_ATTRIBUTE
@@ -80,6 +80,8 @@ class AgentRun:
             new_request_id=lambda: derived_id("req", self.data.first_run_id, self.data.plan.plan_hash if self.data.plan else "",
                                               str(self.data.lifecycle.state_version)),
             started_at=info.start_time,
+            # A live patch: a run that queued more than that before keeps doing so on replay.
+            queue_capped=lambda: workflow.patched(QUEUE_CAP),
         )
         # The carried state bore the workers' seal (or there was none): a run failing on a
         # forged one publishes nothing of it.

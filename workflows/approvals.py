@@ -12,7 +12,7 @@ from typing import Any
 
 from workflows import policy
 from workflows import revision as revisions
-from workflows.budgets import DECISIONS_WINDOW, PROPOSAL_BYTES, REASON_CHARS, REVISIONS_KEPT, clip
+from workflows.budgets import DECISIONS_WINDOW, PROPOSAL_BYTES, QUEUED_PER_SENDER, REASON_CHARS, REVISIONS_KEPT, clip
 from workflows.commands import Call, Checkpoint, Wait
 from workflows.contract import DELEGATE, AcceptedApproval, ApprovalDecision, DecideResult, NotApproved, Plan, Revision, RevisionRequest
 from workflows.identity import same_person
@@ -481,10 +481,25 @@ class Decisions(RunModel):
         """Cheap, state-only checks now; the policy check follows in the run's program."""
         if self.hold_early(kind, decision):
             return
-        if self.screen_decision(kind, decision, at):
+        if self.screen_decision(kind, decision, at) and not self._queue_full(kind, decision, at):
             self.inbox.append((kind, decision))
         else:
             self.answer(decision.decision_id)  # nobody waits on a signal; forget its refusal
+
+    def _queue_full(self, kind: DecisionKind, decision: Decision, at: datetime) -> bool:
+        """Its sender has QUEUED_PER_SENDER decisions waiting for the policy check already: this
+        one is refused unjudged (rule ``queue_full``), on the record as any refusal."""
+        plain = _plain(decision)
+        queued = sum(1 for _, waiting in self.inbox if same_person(_plain(waiting).approver, plain.approver))
+        if queued < QUEUED_PER_SENDER or not self.queue_capped():
+            return False
+        refusal = Refusal(
+            rule="queue_full",
+            message=f"{queued} decisions from this sender are waiting for the policy check already: "
+            f"this one was not judged; send it again, under a new decision id, once they are settled",
+        )
+        self._refuse_decision(kind, plain, refusal, at)
+        return True
 
     def deciding(self, kind: DecisionKind, decision: Decision, at: datetime) -> DecideResult | None:
         """A decide Update arrives (counted: Temporal limits them per run). Answered at once when

@@ -41,6 +41,10 @@ REFUSALS_RECORDED = 3
 REFUSAL_KEYS = 64  # distinct (rule, actor) counters; more actors are counted under "*"
 
 REVISIONS_KEPT = 20  # revisions a run keeps in its state (snapshot.revisions); the timeline has all
+# Decisions one sender may have queued for the policy check at once; more are refused unjudged
+# (rule queue_full), so a flood costs the run no policy activity each and cannot keep its inbox
+# from emptying (it continues as new only with an empty inbox).
+QUEUED_PER_SENDER = 8
 DECISIONS_WINDOW = 256  # decision ids remembered for duplicate detection (plus a digest of all)
 # decide Updates one execution takes before it continues as new (Temporal: 2,000 per run).
 UPDATES_CONTINUE_AT = 1_500

@@ -104,6 +104,8 @@ GROUP_HANDOFF_WAKES = "tether-group-handoff-wakes"
 # The patch under which a child is started once (its id never reused) and a child's ids derive
 # from its parent's chain and step.
 CHILD_ONCE = "tether-child-once"
+# The patch under which a sender's decisions past budgets.QUEUED_PER_SENDER are refused unjudged.
+QUEUE_CAP = "tether-queue-cap"
 
 
 class Effects(Publishing):

@@ -71,6 +71,8 @@ RULES = frozenset(
         "continuing_as_new",
         # a cancel request the run judges (issue 43)
         "cancel_pending", "policy_check_failed",
+        # a sender's decisions past QUEUED_PER_SENDER, refused unjudged (issue 55)
+        "queue_full",
     }
 )
 

@@ -164,6 +164,7 @@ class Phases(Protocol):
     def asks_roster(self) -> bool: ...
     def take_rosters(self, verdict: Verdict | None) -> None: ...
     def refuse_unsettled(self, kind: DecisionKind, decision: Decision, at: datetime, *, ended: bool = False) -> None: ...
+    def _refuse_decision(self, kind: DecisionKind, decision: ApprovalDecision, refusal: Refusal, at: datetime) -> None: ...
     def after_approved(self, refusal: Refusal | None, at: datetime, ask: Verdict | None = None) -> None: ...
 
     # timers.Timers
@@ -264,6 +265,7 @@ class RunModel(Phases):
         new_request_id: Callable[[], str] = lambda: "",
         started_at: datetime | None = None,
         first_run_id: str = "",
+        queue_capped: Callable[[], bool] = lambda: True,
     ) -> None:
         # The run chain's first run (a continued run carries it).
         data.first_run_id = data.first_run_id or first_run_id
@@ -274,6 +276,9 @@ class RunModel(Phases):
         self.at = started_at  # workflow time: what the last Engine.next or on was given
         self._on_record = on_record  # metrics, the audit sink; called for every record written
         self.new_request_id = new_request_id  # one id per approval request (derived: a reset asks the same)
+        # Whether a sender's decisions past QUEUED_PER_SENDER are refused unjudged (asked only
+        # when one is: the workflow's live patch, so a run that queued more before keeps doing so).
+        self.queue_capped = queue_capped
         # Records someone is to be told about, with webhooks named besides the subscribers (an
         # escalation stage's notify); the workflow takes them before it waits.
         self.outbox: list[tuple[TransitionRecord, list[str]]] = []

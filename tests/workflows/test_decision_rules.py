@@ -342,3 +342,32 @@ def test_a_webhook_no_retry_reached_is_recorded_and_nothing_raises() -> None:
     run.deliver(NotificationResult(delivered=["ops"]))
     run.deliver(NotificationResult(delivered=["ops"]))
     assert run.engine.data.lifecycle.records == records
+
+def test_a_sender_floods_past_its_queue_and_the_rest_are_refused_unjudged() -> None:
+    """A sender's decisions past QUEUED_PER_SENDER, while the policy check has not taken its
+    queued ones, are refused on arrival (rule queue_full) with no policy activity each; another
+    approver's decision still queues and settles the plan. A run whose history queued more before
+    the fix (its patch not asked there) keeps queueing them all."""
+    from workflows.budgets import QUEUED_PER_SENDER
+
+    for capped in (True, False):
+        run = waiting()
+        run.engine.queue_capped = lambda: capped
+        own = [approval(run, "alice") for _ in range(QUEUED_PER_SENDER + 3)]
+        for decision in own:
+            run.engine.receive("approve", decision, run.now)  # all at once: the run judges none yet
+        bob = approval(run, "bob")
+        run.engine.receive("approve", bob, run.now)
+        queued = [d.decision_id for _, d in run.engine.inbox]
+        refused = [r for r in run.engine.data.lifecycle.timeline if r.kind == "refused"]
+        if capped:
+            assert queued == [d.decision_id for d in own[:QUEUED_PER_SENDER]] + [bob.decision_id]
+            assert [r.rule for r in refused][:3] == ["queue_full"] * 3 and all(r.actor == "user:alice" for r in refused)
+        else:
+            assert queued == [d.decision_id for d in [*own, bob]] and not refused
+        checks_before = sum(1 for c in run.commands if isinstance(c, Call) and c.name == "policy_check_decision")
+        run.go()
+        checks = sum(1 for c in run.commands if isinstance(c, Call) and c.name == "policy_check_decision") - checks_before
+        # alice may not approve her own run (four eyes): each queued one is judged and refused;
+        # bob's approves the plan, whose first call is under way.
+        assert checks == len(queued) and run.engine.state == S.EXECUTING_TOOL
