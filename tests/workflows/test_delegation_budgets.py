@@ -521,7 +521,7 @@ async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
     from tests.helpers.queries import events_of
     from tests.helpers.wedged import HELD, RELEASED, WEDGED_POLICY
     from tests.helpers.runs import unique
-    from tests.helpers.waiting import task_failure
+    from tests.helpers.waiting import task_failure, wait_stuck
     from tests.helpers.resets import outcome_of
     from workflows.wire import ToolOutcome
 
@@ -550,6 +550,9 @@ async def test_forced_handoff_of_a_root_ends_its_stuck_child_on_the_record(
                 ToolOutcome(observation='{"sent": false}', digest="0" * 64, size=15)
             )
             await task_failure(client, child_id, "forgery")
+            # Stuck as `tether status` says it: its task is being tried again (the failed one's
+            # retry is not always scheduled by the time its failure is in history).
+            await wait_stuck(dev_env, child_id)
         finally:
             RELEASED.setdefault(to, threading.Event()).set()  # the honest answer comes too late
         try:
