@@ -426,7 +426,10 @@ async def task_failures(client, run_id: str) -> list[str]:
     """Every workflow task failure recorded in any execution of the run, and every execution whose
     recorded history a fresh Replayer of today's code cannot replay. The server's own refusal of
     a completion that raced new events (UNHANDLED_COMMAND: the worker is sent them and tries
-    again) is how Temporal works, not a failure."""
+    again) and its flush of over 100 signals buffered while a task was out (FORCE_CLOSE_COMMAND:
+    the next task gets them all; a cache-off worker's task, replaying the whole history, is out
+    long enough for a flood) are how Temporal works, not failures: a run they ended would not
+    complete, which the test checks."""
     from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 
     from worker import create_replayer
@@ -438,7 +441,8 @@ async def task_failures(client, run_id: str) -> list[str]:
         for event in history.events:
             failed = event.workflow_task_failed_event_attributes
             if (event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
-                    and failed.cause != WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND):
+                    and failed.cause not in (WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND,
+                                             WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_FORCE_CLOSE_COMMAND)):
                 found.append(f"{run} event {event.event_id} ({WorkflowTaskFailedCause.Name(failed.cause)}): "
                              f"{failed.failure.message[:300]}")
         replayed = await replayer.replay_workflow(history, raise_on_replay_failure=False)
