@@ -140,9 +140,9 @@ async def test_a_newcomers_approval_of_the_demo_refund_on_every_surface(
     await every_surface(browser_page, stack, ui_env, run_id, GOAL, Expected(
         shots="approval",
         listed=("49.99 EUR (4999)", "unsafe: never re-run"),
-        found=("ada@example.com",),
+        found=("ada@example.com", "49.99 EUR"),
         steps=("49.99 EUR", "Refund (part of) an order"),
-        status=('customer_email: "ada@example.com"', "amount_cents: 49.99 EUR (4999)",
+        status=('customer_email: "ada@example.com"', "total_cents: 49.99 EUR (4999)", "amount_cents: 49.99 EUR (4999)",
                 "send_email: cannot be undone; unsafe: never re-run"),
         prompt=("49.99 EUR (4999)",),
         details=("get_order", "49.99 EUR (4999)", "unsafe: never re-run", "can be undone by void_refund"),
