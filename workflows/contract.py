@@ -233,6 +233,11 @@ class ToolInfo(BaseModel):
     # return type (None: undeclared): a read's money fields are shown in words (workflows/wording.py).
     result_schema: dict[str, Any] | None = None
 
+    @model_serializer(mode="wrap")
+    def _as_recorded(self, handler: Any) -> dict[str, Any]:
+        # A tool that declares no result reads as it did before result schemas existed.
+        return omit_defaults(handler(self), {"result_schema": None})
+
 
 class ToolCatalog(BaseModel):
     tools: list[ToolInfo] = Field(default_factory=list)

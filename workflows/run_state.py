@@ -201,6 +201,11 @@ class ReadFound(BaseModel):
     # tool's result schema declares them (workflows/wording.py: the same words as an argument's).
     money: dict[str, str] = Field(default_factory=dict)
 
+    @model_serializer(mode="wrap")
+    def _as_recorded(self, handler: Any) -> dict[str, Any]:
+        # Nothing in words: it reads (and is signed) as it did before money was said here.
+        return omit_defaults(handler(self), {"money": {}})
+
 
 class RunSnapshot(BaseModel):
     """Result of the ``snapshot`` query."""
