@@ -87,7 +87,8 @@ inbox: $(STAMP)
 
 # Refresh the screenshots from the browser tests (needs chromium; not part of `make test`):
 # docs/webui-*.png and inbox-*.png (docs/web-ui.md, docs/inbox.md), and docs/screenshots/approval-*.png
-# (docs/approving.md: the demo refund waiting on bob in the inbox, the CLI and the Web UI).
+# (docs/approving.md: the demo refund and a tool of one's own waiting on bob in the inbox, the CLI
+# and the Web UI, and that tool's compensation page).
 screenshots: $(STAMP)
 	CI=true TETHER_SCREENSHOT_DIR=docs $(PY) -m pytest tests/e2e -q -p no:randomly
 

@@ -229,6 +229,14 @@ class ToolInfo(BaseModel):
     source: str = "python"
     # How its effect is undone (None: no recovery path).
     compensate: Compensation | None = None
+    # The JSON schema of what it returns, where its function declares a pydantic model as its
+    # return type (None: undeclared): a read's money fields are shown in words (workflows/wording.py).
+    result_schema: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_recorded(self, handler: Any) -> dict[str, Any]:
+        # A tool that declares no result reads as it did before result schemas existed.
+        return omit_defaults(handler(self), {"result_schema": None})
 
 
 class ToolCatalog(BaseModel):

@@ -120,7 +120,9 @@ def _found_lines(data: RunData, catalog: ToolCatalog, workflow_id: str) -> list[
         info = catalog.get(f.tool)
         named = [k for k in (info.summary_fields if info else []) if k in f.fields]
         args = ", ".join(f"{text(k, 40)} {code(show_value(v, 120))}" for k, v in f.args.items() if k in (info.summary_fields if info else []))
-        shown = " · ".join(f"{text(k, 40)} {code(show_value(f.fields[k], 120))}" for k in named)
+        # Money in words beside the raw value, as the plan's lines show an argument's.
+        shown = " · ".join(f"{text(k, 40)} {code(show_value(f.fields[k], 120) if k not in f.money else f'{f.money[k]} ({show_value(f.fields[k], 120)})')}"
+                           for k in named)
         rest = len(f.fields) - len(named)
         more = (f"{'; ' if shown else ''}{rest} more field(s): {code(f'tether status {shell_word(workflow_id)}', 300)}"
                 if rest else "")

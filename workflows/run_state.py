@@ -35,6 +35,7 @@ from workflows.contract import (
 from workflows.identity import Name
 from workflows.policy_file import EscalationStage
 from workflows.states import EffectOutcome, Lifecycle, RunState, TransitionRecord, Packed
+from workflows.wording import money
 from workflows.wire import PolicySnapshot
 
 
@@ -196,6 +197,14 @@ class ReadFound(BaseModel):
     tool: str
     args: dict[str, Any] = Field(default_factory=dict)
     fields: dict[str, Any] = Field(default_factory=dict)
+    # The fields that are money, in words (``120.00 EUR``: shown beside the raw value), as the
+    # tool's result schema declares them (workflows/wording.py: the same words as an argument's).
+    money: dict[str, str] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _as_recorded(self, handler: Any) -> dict[str, Any]:
+        # Nothing in words: it reads (and is signed) as it did before money was said here.
+        return omit_defaults(handler(self), {"money": {}})
 
 
 class RunSnapshot(BaseModel):
@@ -341,9 +350,13 @@ def found_steps(executed: list[ExecutedStep], catalog: Any) -> list[ReadFound]:
             result = {"result": step.observation}
         if not isinstance(result, dict):
             result = {"result": result}
+        fields = bounded_fields(result, info.summary_fields)
+        declared = (info.result_schema or {}).get("properties") or {}
+        words = {k: shown for k, v in fields.items() if (shown := money(v, declared.get(k), result)) is not None}
         found.append(ReadFound(
             tool=step.tool,
             args=bounded_fields(step.args, info.summary_fields),
-            fields=bounded_fields(result, info.summary_fields),
+            fields=fields,
+            money=words,
         ))
     return found[-FOUND_STEPS:]

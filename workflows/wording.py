@@ -17,7 +17,9 @@ MONEY_KEYWORD = "x-money"
 
 def money(value: Any, schema: dict[str, Any] | None, args: dict[str, Any]) -> str | None:
     """An amount argument as a person reads it (``600.00 EUR``), from the tool's schema; None
-    when the schema declares no money there or the value is not a whole number of minor units."""
+    when the schema declares no money there or the value is not a whole number of minor units.
+    The same for a field of a read's result (``schema`` from the tool's result schema, ``args``
+    the result: a ``currency_arg`` names a field of it)."""
     declared = (schema or {}).get(MONEY_KEYWORD)
     if not isinstance(declared, dict) or isinstance(value, bool) or not isinstance(value, int):
         return None

@@ -37,10 +37,21 @@ class OrderRef(BaseModel):
     order_id: str = Field(pattern=ORDER_ID, description="order id, e.g. A-1001")
 
 
+class Order(BaseModel):
+    """An order as the service returns it; its total in the order's own currency (approvers read
+    what the lookup found as 49.99 EUR (4999))."""
+
+    id: str
+    customer_email: str
+    total_cents: int = Field(json_schema_extra={"x-money": {"currency_arg": "currency", "minor_units": 2}})
+    currency: str
+    status: str
+
+
 @tool(effect=ToolEffect.READ_ONLY, timeout=15)
-def get_order(args: OrderRef, ctx: ToolContext) -> dict:
+def get_order(args: OrderRef, ctx: ToolContext) -> Order:
     """Look up an order: customer, total and status."""
-    return call("GET", f"/orders/{urllib.parse.quote(args.order_id)}", timeout=ctx.seconds_left())
+    return Order.model_validate(call("GET", f"/orders/{urllib.parse.quote(args.order_id)}", timeout=ctx.seconds_left()))
 
 
 class RefundArgs(BaseModel):

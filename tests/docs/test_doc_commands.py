@@ -26,17 +26,10 @@ from pathlib import Path
 import pytest
 
 from workflows.states import TERMINAL
+from tests.helpers.doc_files import page_parts
 from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCK = re.compile(r"(?:<!-- (?:file: (?P<file>[^ ]+)|(?P<tested>tested)) -->\n)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.S)
-
-
-def page_parts(page: str) -> list[re.Match[str]]:
-    """Every fenced block of the page, in order, with the file or `tested` mark before it."""
-    return list(BLOCK.finditer((ROOT / page).read_text()))
-
-
 class Stack:
     def __init__(self, copy: Path, env: dict[str, str], seconds_to_start: float) -> None:
         self.copy, self.env, self.seconds_to_start = copy, env, seconds_to_start

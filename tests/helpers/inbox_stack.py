@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 import tether.client as tether_client
 from tether.policy.files import PolicyStore
 from tether.inbox.app import InboxConfig, create_app
+from tether.tools.sdk import REGISTRY, ToolRegistry
 from tests.helpers.ports import free_port
 from tests.helpers.runs import make_request, running_worker
 
@@ -149,7 +150,9 @@ async def _serve(app: Any, port: int) -> tuple[Any, asyncio.Task]:
 
 
 @asynccontextmanager
-async def inbox_stack(dev_env: Any, tmp: Path, *, jwks: bool = True, dev_login: bool = False) -> AsyncIterator[Stack]:
+async def inbox_stack(dev_env: Any, tmp: Path, *, jwks: bool = True, dev_login: bool = False,
+                      registry: ToolRegistry = REGISTRY) -> AsyncIterator[Stack]:
+    """``registry``: the tools its worker serves (a registry of one's own: tests/helpers/own_tool.py)."""
     suffix = uuid.uuid4().hex[:8]
     people = {n: ed25519.Ed25519PrivateKey.generate() for n in ("alice", "bob", "inbox")}
     for name, key in people.items():
@@ -160,7 +163,7 @@ async def inbox_stack(dev_env: Any, tmp: Path, *, jwks: bool = True, dev_login: 
                                     bob=raw_public(people["bob"]), tenant=tenant, signed=signed))
     sso = Sso()
     (tmp / "jwks.json").write_text(json.dumps(sso.jwks()))
-    async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(policy))) as worker:
+    async with running_worker(dev_env.client, policy=PolicyStore.from_env(str(policy)), registry=registry) as worker:
         stack = Stack(tenant=tenant, signed_tenant=signed, policy=policy, people=people, worker=worker,
                       client=dev_env.client, sso=sso, key_dir=tmp)
         servers = []

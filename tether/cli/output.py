@@ -70,7 +70,8 @@ def found_lines(found: Sequence[object]) -> list[str]:
     lines = []
     for f in found:
         args = ", ".join(f"{show(k, 64)}: {show_value(v, 120)}" for k, v in f.args.items())  # type: ignore[attr-defined]
-        fields = ", ".join(f"{show(k, 64)}: {show_value(v, 120)}" for k, v in f.fields.items())  # type: ignore[attr-defined]
+        # Money in words beside the raw value, as an argument is shown (client.shown_arg).
+        fields = ", ".join(client.shown_arg(client.ArgView(k, v, f.money.get(k)), 120) for k, v in f.fields.items())  # type: ignore[attr-defined]
         lines.append(f"found      {show(f.tool, 64)} ({args}): {fields or '-'}")  # type: ignore[attr-defined]
     return lines
 

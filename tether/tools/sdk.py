@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+from contextvars import ContextVar
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -99,6 +100,11 @@ class ToolSpec:
     why: str = "declared"  # where the effect came from (`tools` shows it)
     destructive: bool = False
     compensate: Compensation | None = None  # how its effect is undone (None: no recovery path)
+    # The pydantic model ``fn`` declares it returns (None: undeclared): its schema tells an
+    # approver which fields of a read's result are money.
+    result_model: type[BaseModel] | None = None
+    # Declared by a plain @tool (no ``registry=``): it belongs to whichever registry loads its module.
+    plain: bool = field(default=False, repr=False, compare=False)
 
     def lookup(self, fn: LookupFn) -> LookupFn:
         """Register the function that finds a previous effect by idempotency key.
@@ -122,6 +128,7 @@ class ToolSpec:
             destructive=self.destructive,
             source=self.source,
             compensate=self.compensate,
+            result_schema=None if self.result_model is None else self.result_model.model_json_schema(),
         )
 
     def parse_args(self, raw: dict[str, Any]) -> Any:
@@ -235,16 +242,36 @@ def compensation_problem(spec: ToolSpec, tools: dict[str, ToolSpec]) -> None:
             raise ValueError(f"tool {spec.name!r}: compensation argument {name!r} points at {pointer!r}, not an argument of {spec.name!r}")
 
 
+# The registry a plain ``@tool(...)`` registers into while load_tool_modules imports a module for
+# a registry of its own (unset: the process-wide REGISTRY).
+_LOADING: ContextVar[ToolRegistry | None] = ContextVar("tether_tools_loading", default=None)
+
+
 def load_tool_modules(modules: Iterable[str], registry: ToolRegistry = REGISTRY) -> ToolRegistry:
-    """Import the tool modules (their tools register on import) and check the registry; raises
-    LoadError naming the module or tool that is wrong (tether/loading.py)."""
+    """Import the tool modules and check ``registry``; raises LoadError naming the module or
+    tool that is wrong (tether/loading.py). A module's ``@tool`` declarations (without
+    ``registry=``) land in ``registry``: a registry of one's own (a test's, a second worker's in
+    one process) gets the module's tools and the process-wide one is left as it was; a module
+    imported before gives its tools to ``registry`` too."""
     for name in modules:
         name = name.strip()
         if name:
-            module = import_named(name, "tool module")
-            if not any(isinstance(value, ToolSpec) for value in vars(module).values()):
+            token = _LOADING.set(registry)
+            try:
+                module = import_named(name, "tool module")
+            finally:
+                _LOADING.reset(token)
+            specs = [value for value in vars(module).values() if isinstance(value, ToolSpec)]
+            if not specs:
                 raise LoadError(f"tool module {name!r} declares no tool: decorate a function in it with "
                                 f"@tool(effect=...), {EFFECTS_HELP}")
+            # Imported before (for another registry): its plain @tool declarations.
+            for spec in specs:
+                if spec.plain and registry.get(spec.name) is None and spec.name not in registry.refused:
+                    try:
+                        registry.register(spec)
+                    except ValueError as e:
+                        raise LoadError(f"tool module {name!r}: {e}") from None
     try:
         registry.check()
     except ValueError as e:
@@ -286,6 +313,10 @@ def tool(
     arguments as JSON pointers into the original call's arguments and result, e.g.
     ``("void_refund", {"refund_id": "/result/refund_id"})``. The approver sees it, the plan hash
     covers it, and a run with ``on_failure="compensate"`` runs it (docs/writing-tools.md).
+
+    A function annotated to return a pydantic model (``-> OrderTotal``) gives its schema to the
+    catalog: result fields declared as money (``x-money``, as on arguments) are shown to an
+    approver in words where a read step's result is (``120.00 EUR (12000)``).
     """
     if fn is not None:  # @tool without its arguments
         raise ToolDeclarationError(
@@ -303,6 +334,7 @@ def tool(
         params = list(inspect.signature(fn).parameters)
         hints = get_type_hints(fn)
         model = hints.get(params[0]) if params else None
+        returns = hints.get("return")
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise ToolDeclarationError(
                 f"tool {fn.__name__}: the first parameter must be annotated with a pydantic model "
@@ -321,7 +353,9 @@ def tool(
             description=inspect.cleandoc(fn.__doc__ or ""),
             summary_fields=tuple(summary_fields),
             compensate=declared,
+            result_model=returns if isinstance(returns, type) and issubclass(returns, BaseModel) else None,
+            plain=registry is None,
         )
-        return (registry or REGISTRY).register(spec)
+        return (registry or _LOADING.get() or REGISTRY).register(spec)
 
     return decorate
