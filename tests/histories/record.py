@@ -68,6 +68,14 @@ def shapes(billing: Any) -> list[tuple[str, list[dict], dict, Drive]]:
         await h.signal("approve", approval_for(snap, "bob", "ok"))
         await h.signal("approve", approval_for(snap, "bob", "ok"))
 
+    async def queue_full_path(client: Client, h: WorkflowHandle) -> None:
+        # A flood of alice's own approvals (four eyes refuses each): past QUEUED_PER_SENDER
+        # waiting for the policy check, the rest are refused unjudged (rule queue_full, the
+        # tether-queue-cap marker); then bob's approval.
+        snap = await wait_for_state(h, "AWAITING_APPROVAL")
+        await asyncio.gather(*(h.signal("approve", approval_for(snap, "alice", f"own-{i}")) for i in range(24)))
+        await approve(h)
+
     async def nothing(client: Client, h: WorkflowHandle) -> None:
         return None
 
@@ -153,6 +161,7 @@ def shapes(billing: Any) -> list[tuple[str, list[dict], dict, Drive]]:
         ("approve", steps("get", "refund"), {}, approve_path),
         ("reject", steps("refund"), {}, reject_path),
         ("refused_then_approved", steps("refund"), {}, refused_then_approved),
+        ("queue_full", steps("refund"), {}, queue_full_path),
         ("expiry", steps("refund"), {"limits": {"approval_ttl_seconds": 1}}, nothing),
         ("replan", steps("refund"), {"limits": {"approval_ttl_seconds": 3, "on_expiry": "replan", "max_replans": 1}}, replan_then_approve),
         ("retry", steps("refund"), {}, retry_path),
