@@ -77,7 +77,7 @@ def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
     # The plan hash covers the steps' tools and arguments and the undos; the catalog entries
     # give the effect and the summary fields.
     key = (plan.plan_hash, plan.version, plan.undo is None,
-           tuple((i.effect.value, i.destructive, i.compensate.tool if i.compensate else None, tuple(i.summary_fields),
+           tuple((i.effect.value, i.destructive, i.compensate.tool if i.compensate else None, tuple(i.summary_fields), i.description,
                   tuple(repr(((i.args_schema.get("properties") or {}).get(k) or {}).get(wording.MONEY_KEYWORD))
                         for k in i.summary_fields)) if i else None for i in infos))
     found = _PLAN_STEPS.get(key) if plan.plan_hash else None
@@ -102,8 +102,10 @@ def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
             fields.append(f"undo {code(comp.tool, 64)}" if comp else "no recovery path")
         # What it does in plain words (unsafe: never re-run), as every other surface says it.
         words = text(wording.effect_words(info, undo)) if info is not None and info.effect.value != "read_only" else ""
+        # What the tool says it does (its docstring's first line), which approvers read.
+        said = next((line.strip() for line in (info.description if info else "").splitlines() if line.strip()), "")
         lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + (f" ({words})" if words else "")
-                     + "".join(f" · {f}" for f in fields))
+                     + "".join(f" · {f}" for f in fields) + (f" — {text(said, 160)}" if said else ""))
     if len(_PLAN_STEPS) >= _PLAN_STEPS_KEPT:
         _PLAN_STEPS.clear()
     _PLAN_STEPS[key] = lines

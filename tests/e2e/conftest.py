@@ -76,7 +76,7 @@ async def browser_page(chromium: str, tmp_path: Path) -> AsyncIterator["object"]
             locale="en-US",
         )
         try:
-            context.set_default_timeout(15_000)
+            context.set_default_timeout(60_000)  # a bound against a hang (EXPECT_TIMEOUT_MS)
             page = context.pages[0] if context.pages else await context.new_page()
             yield page
         finally:

@@ -30,7 +30,9 @@ from tests.helpers.demo_refund import GOAL, a_model_looks_up_then_refunds
 from tests.helpers import own_tool
 from tests.helpers.own_tool import a_model_looks_up_then_credits, goodwill_tools
 
-EXPECT_TIMEOUT_MS = 15_000
+# A bound against a hang, not a margin: a loaded machine with the workflow cache off (make
+# test-replay) renders a page whose run replays its history first.
+EXPECT_TIMEOUT_MS = 60_000
 SHOTS = SCREENSHOT_DIR / "screenshots"
 # The CLI's text as a terminal shows it, for a screenshot (the text itself is escaped: html.escape).
 TERMINAL_PAGE = """<!doctype html><meta charset="utf-8"><style>
@@ -145,7 +147,8 @@ async def test_a_newcomers_approval_of_the_demo_refund_on_every_surface(
         status=('customer_email: "ada@example.com"', "total_cents: 49.99 EUR (4999)", "amount_cents: 49.99 EUR (4999)",
                 "send_email: cannot be undone; unsafe: never re-run"),
         prompt=("49.99 EUR (4999)",),
-        details=("get_order", "49.99 EUR (4999)", "unsafe: never re-run", "can be undone by void_refund"),
+        details=("get_order", "49.99 EUR (4999)", "unsafe: never re-run", "can be undone by void_refund",
+                 "Refund (part of) an order"),
     ))
     await stack.client.get_workflow_handle(run_id).cancel(reason="screenshots taken")
 
@@ -173,7 +176,8 @@ async def test_a_newcomers_approval_of_a_tool_of_their_own_on_every_surface(
                     "amount_cents: 5.00 EUR (500)", "can be undone by take_back_credit",
                     "Credit a customer for a bad experience"),
             prompt=("total_cents: 120.00 EUR (12000)", "amount_cents: 5.00 EUR (500)"),
-            details=("order_balance", "120.00 EUR (12000)", "5.00 EUR (500)", "can be undone by take_back_credit"),
+            details=("order_balance", "120.00 EUR (12000)", "5.00 EUR (500)", "can be undone by take_back_credit",
+                     "Credit a customer for a bad experience"),
         ))
 
         # bob approves; the credit is written; he asks to take it back: the compensation's page.

@@ -54,7 +54,9 @@ REFUND_STEPS = [
 ]
 APPROVER = "bob"
 # A 2-core CI box runs the dev server, the UI and Chromium at once: be patient, not flaky.
-EXPECT_TIMEOUT_MS = 10_000
+# A bound against a hang, not a margin: a loaded machine with the workflow cache off (make
+# test-replay) renders a page whose run replays its history first.
+EXPECT_TIMEOUT_MS = 60_000
 
 
 async def wait_visible(client: Client, query: str, run_id: str, timeout: float = 10.0) -> bool:
@@ -300,7 +302,7 @@ async def signal_from_ui(page, name: str, payload: dict) -> str | None:
     await dialog.get_by_text("Single JSON payload supported.").click()
     await page.wait_for_timeout(300)
     async with page.expect_response(
-        lambda r: f"/signal/{name}" in r.url and r.request.method == "POST", timeout=10_000
+        lambda r: f"/signal/{name}" in r.url and r.request.method == "POST", timeout=EXPECT_TIMEOUT_MS
     ) as response:
         await dialog.get_by_test_id("confirm-modal-button").click()
     assert (await response.value).ok, f"the UI's signal request failed: {(await response.value).status}"
