@@ -27,8 +27,11 @@ __all__ = ["approve_command", "escape_text", "markdown_code", "markdown_text", "
 _HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
 # Spaces other than the plain one look like a space but are not one (U+00A0, U+2007, U+3000...).
 _ODD_SPACES = frozenset(c for c in map(chr, range(0x80, 0x3001)) if unicodedata.category(c) == "Zs")
-# Markdown and HTML punctuation that can start a construct (CommonMark's escapable set).
-_MARKDOWN = frozenset("\\`*_{}[]()<>#+-.!|~=\"'&:$")
+# Markdown and HTML punctuation that can start a construct (CommonMark's escapable set), less
+# what the Temporal Web UI's renderer shows with its backslash (" ' =) and never starts a
+# construct inline (a run of = under a line needs a line of its own: escape_text keeps one
+# line), and the backslash, which escape_text has doubled already (the renderer shows one).
+_MARKDOWN = frozenset("`*_{}[]()<>#+-.!|~&:$")
 _ELLIPSIS = "…"
 
 
