@@ -40,7 +40,8 @@ from urllib.parse import quote, urlsplit
 from temporalio import activity
 
 from tether.policy.files import PolicyStore
-from workflows.display import escape_text
+from workflows.contract import ReadFound
+from workflows.display import escape_text, show_value
 from workflows.policy_file import Webhook
 from workflows.wire import Notification, NotificationResult
 
@@ -82,12 +83,18 @@ def link(event: Notification) -> str:
 def slack_text(value: object, limit: int | None = None) -> str:
     """Text for a Slack-compatible ``text`` field: escaped for a person (escape_text), then
     ``&``, ``<`` and ``>`` as Slack's entities, so no value can open link or mention markup."""
-    return escape_text(value, limit).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return slack_entities(escape_text(value, limit))
+
+
+def slack_entities(escaped: str) -> str:
+    """Text already escaped for a person, with ``&``, ``<`` and ``>`` as Slack's entities."""
+    return escaped.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def body(event: Notification) -> dict[str, Any]:
-    """The JSON posted: ids, state, why (goal, who asked, on whose behalf) and what (the escaped
-    risk summary: each write, money in words, effect in words), expiry, how to approve, a link."""
+    """The JSON posted: ids, state, why (goal, who asked, on whose behalf, what the reads found
+    and what each planned tool says it does) and what (the escaped risk summary: each write,
+    money in words, effect in words), expiry, how to approve, a link."""
     url = link(event)
     expires = event.expires_at.isoformat() if event.expires_at else None
     parts = [f"*{event.event.replace('_', ' ')}*: run {slack_text(event.run_id, 200)} ({slack_text(event.tenant, 128)}) is {event.state}"]
@@ -97,6 +104,8 @@ def body(event: Notification) -> dict[str, Any]:
         parts.append(f"asked by {asked_by(event)}")
     if event.summary:
         parts.append(slack_text(event.summary, 1000))
+    parts.extend(f"{slack_text(name, 64)} does: {slack_text(said, 300)}" for name, said in event.tools.items())
+    parts.extend(f"{slack_text(f.tool, 64)} found: {slack_entities(found_words(f))}" for f in event.found)
     if expires:
         parts.append(f"expires {expires}")
     if event.approve_command:
@@ -121,8 +130,29 @@ def body(event: Notification) -> dict[str, Any]:
         "parent": event.parent,
         "parent_goal": escape_text(event.parent_goal, 600),
         "root": event.root,
+        "found": [
+            {
+                "tool": escape_text(f.tool, 64),
+                "args": {escape_text(k, 64): show_value(v, 120) for k, v in f.args.items()},
+                "fields": {escape_text(k, 64): show_value(v, 120) for k, v in f.fields.items()},
+                "money": {escape_text(k, 64): v for k, v in f.money.items()},  # escaped (wording.money)
+            }
+            for f in event.found
+        ],
+        "tools": {escape_text(name, 64): escape_text(said, 300) for name, said in event.tools.items()},
         "link": url,
     }
+
+
+def found_words(found: ReadFound) -> str:
+    """What a read found, as one escaped line: its arguments, then each field, money in words
+    beside the raw value (``total_cents 49.99 EUR (4999)``, as the Web UI's details say it)."""
+    args = ", ".join(f"{escape_text(k, 64)} {show_value(v, 120)}" for k, v in found.args.items())
+    fields = ", ".join(
+        f"{escape_text(k, 64)} {found.money[k]} ({show_value(v, 120)})" if k in found.money else f"{escape_text(k, 64)} {show_value(v, 120)}"
+        for k, v in found.fields.items()
+    )
+    return (f"({args}) " if args else "") + (fields or "nothing shown here (tether status shows what it found)")
 
 
 def asked_by(event: Notification) -> str:

@@ -584,6 +584,24 @@ class Revision(BaseModel):
 _STANDING = frozenset({"undone_by", "undone_at", "rerun"})
 
 
+class ReadFound(BaseModel):
+    """What a read step found, as a person deciding is shown it (workflows/views.py): the step's
+    arguments and the fields of its result the tool's summary fields name (its first fields when
+    it names none), each bounded. Untrusted text: shown only escaped (workflows/display.py)."""
+
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    fields: dict[str, Any] = Field(default_factory=dict)
+    # The fields that are money, in words (``120.00 EUR``: shown beside the raw value), as the
+    # tool's result schema declares them (workflows/wording.py: the same words as an argument's).
+    money: dict[str, str] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _as_recorded(self, handler: Any) -> dict[str, Any]:
+        # Nothing in words: it reads (and is signed) as it did before money was said here.
+        return omit_defaults(handler(self), {"money": {}})
+
+
 class CompensationCall(BaseModel):
     """The undo of one ok write, built when the write succeeded (workflows/recovery.py).
 

@@ -17,7 +17,7 @@ from workflows.display import markdown_text as text
 from workflows.display import approve_command, shell_word, show_value
 from workflows import wording
 from workflows.contract import Compensation, Plan, ToolCatalog, run_catalog
-from workflows.run_state import RunData, RunRequest, found_steps
+from workflows.run_state import RunData, RunRequest, found_steps, shown_openly
 from workflows.states import RunState
 
 S = RunState
@@ -103,7 +103,7 @@ def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
         # What it does in plain words (unsafe: never re-run), as every other surface says it.
         words = text(wording.effect_words(info, undo)) if info is not None and info.effect.value != "read_only" else ""
         # What the tool says it does (its docstring's first line), which approvers read.
-        said = next((line.strip() for line in (info.description if info else "").splitlines() if line.strip()), "")
+        said = wording.tool_words(info)
         lines.append(f"{i}. {code(step.tool, 80)} · {effect}" + (f" ({words})" if words else "")
                      + "".join(f" · {f}" for f in fields) + (f" — {text(said, 160)}" if said else ""))
     if len(_PLAN_STEPS) >= _PLAN_STEPS_KEPT:
@@ -113,19 +113,19 @@ def _plan_steps(plan: Plan, catalog: ToolCatalog) -> list[str]:
 
 
 def _found_lines(data: RunData, catalog: ToolCatalog, workflow_id: str) -> list[str]:
-    """What the read steps found, for the person deciding: only the fields the tool names in its
-    summary_fields (each value in a code span). The details are shown as they are, never through
-    the payload codec: other result fields (a customer's email) stay in the signed view, read by
-    `tether status` and the inbox; the line says so."""
+    """What the read steps found, for the person deciding, as a surface outside the signed view
+    shows it (``shown_openly``: the fields the tool names and its money, each value in a code
+    span). The details are shown as they are, never through the payload codec: other result
+    fields (a customer's email) stay in the signed view, read by `tether status` and the inbox;
+    the line says so."""
     lines = []
-    for f in found_steps(data.executed, catalog):
-        info = catalog.get(f.tool)
-        named = [k for k in (info.summary_fields if info else []) if k in f.fields]
-        args = ", ".join(f"{text(k, 40)} {code(show_value(v, 120))}" for k, v in f.args.items() if k in (info.summary_fields if info else []))
+    for found in found_steps(data.executed, catalog):
+        f = shown_openly(found, catalog.get(found.tool))
+        args = ", ".join(f"{text(k, 40)} {code(show_value(v, 120))}" for k, v in f.args.items())
         # Money in words beside the raw value, as the plan's lines show an argument's.
-        shown = " · ".join(f"{text(k, 40)} {code(show_value(f.fields[k], 120) if k not in f.money else f'{f.money[k]} ({show_value(f.fields[k], 120)})')}"
-                           for k in named)
-        rest = len(f.fields) - len(named)
+        shown = " · ".join(f"{text(k, 40)} {code(show_value(v, 120) if k not in f.money else f'{f.money[k]} ({show_value(v, 120)})')}"
+                           for k, v in f.fields.items())
+        rest = len(found.fields) - len(f.fields)
         more = (f"{'; ' if shown else ''}{rest} more field(s): {code(f'tether status {shell_word(workflow_id)}', 300)}"
                 if rest else "")
         lines.append(f"- {code(f.tool, 64)}" + (f" ({args})" if args else "") + f" found: {shown}{more}")

@@ -10,10 +10,13 @@ from typing import Any
 from workflows.budgets import clip
 from workflows.display import approve_command
 from workflows.run_model import RunModel, notify_event
+from workflows.run_state import shown_openly
 from workflows.states import Refs
+from workflows.wording import tool_words
 from workflows.wire import Notification, NotificationResult
 
 GOAL_CHARS = 600  # of a goal in an event (a requester's text: bounded; the body escapes it)
+TOOL_WORDS_CHARS = 300  # of what a tool says it does (its author's text)
 
 
 class Outbox(RunModel):
@@ -60,9 +63,14 @@ class Outbox(RunModel):
 
     def _why(self) -> dict[str, Any]:
         """Why the run asks, for an approval request's event: the goal, who asked and, for a
-        child, on whose behalf (its grant names the root; the requester is the root's)."""
+        child, on whose behalf (its grant names the root; the requester is the root's); what its
+        reads found (as the Web UI's details show it) and what each planned tool says it does."""
         grant = self.request.grant
+        found = [shown_openly(f, self.catalog.get(f.tool)) for f in self.reads_found()]
+        planned = dict.fromkeys(s.tool for s in self.data.plan.steps) if self.data.plan else {}
         return {
+            "found": found,
+            "tools": {name: clip(said, TOOL_WORDS_CHARS) for name in planned if (said := tool_words(self.catalog.get(name)))},
             "goal": clip(self.request.goal, GOAL_CHARS),
             "requested_by": self.request.requested_by,
             "requester_verified": self.data.requester_verified,

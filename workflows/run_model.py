@@ -17,6 +17,7 @@ from workflows import policy
 from workflows.commands import Call, Command, Landed, RunChild, RunGroup
 from workflows.budgets import EXECUTED_OBSERVATION_CHARS, EXECUTED_WINDOW
 from workflows.contract import (
+    ReadFound,
     ApprovalDecision,
     CancelRequest,
     CompensationCall,
@@ -33,7 +34,7 @@ from workflows.contract import (
 )
 from workflows.plan_check import tool_call_ids
 from workflows.policy_file import TenantPolicy
-from workflows.run_state import PendingApproval, RunData, RunOutcome, RunRequest
+from workflows.run_state import PendingApproval, RunData, RunOutcome, RunRequest, found_steps
 from workflows.states import EffectOutcome, IllegalTransition, Refs, RunState, TransitionRecord
 from workflows.validation import Validation
 from workflows.wire import (
@@ -403,6 +404,11 @@ class RunModel(Phases):
 
     def tool_info(self, step: PlanStep) -> ToolInfo | None:
         return self.catalog.get(step.tool)
+
+    def reads_found(self) -> list[ReadFound]:
+        """What the run's latest ok read steps found (run_state.found_steps): what the plan an
+        approver decides depends on."""
+        return found_steps(self.data.executed, self.catalog if self.data.catalog is not None else None)
 
     def step_refs(self, step: PlanStep) -> Refs:
         undo = next((c for c in self.data.compensations if c.tool_call_id == step.tool_call_id), None)

@@ -25,6 +25,7 @@ from workflows.contract import (
     OnFailure,
     Plan,
     PlaybookStep,
+    ReadFound,
     Revision,
     ToolCatalog,
     ToolEffect,
@@ -189,24 +190,6 @@ class RunData(BaseModel):
         return self.executed_ok_before + sum(1 for s in self.executed if s.status == "ok")
 
 
-class ReadFound(BaseModel):
-    """What a read step found, as a person deciding is shown it (workflows/views.py): the step's
-    arguments and the fields of its result the tool's summary fields name (its first fields when
-    it names none), each bounded. Untrusted text: shown only escaped (workflows/display.py)."""
-
-    tool: str
-    args: dict[str, Any] = Field(default_factory=dict)
-    fields: dict[str, Any] = Field(default_factory=dict)
-    # The fields that are money, in words (``120.00 EUR``: shown beside the raw value), as the
-    # tool's result schema declares them (workflows/wording.py: the same words as an argument's).
-    money: dict[str, str] = Field(default_factory=dict)
-
-    @model_serializer(mode="wrap")
-    def _as_recorded(self, handler: Any) -> dict[str, Any]:
-        # Nothing in words: it reads (and is signed) as it did before money was said here.
-        return omit_defaults(handler(self), {"money": {}})
-
-
 class RunSnapshot(BaseModel):
     """Result of the ``snapshot`` query."""
 
@@ -360,3 +343,17 @@ def found_steps(executed: list[ExecutedStep], catalog: Any) -> list[ReadFound]:
             money=words,
         ))
     return found[-FOUND_STEPS:]
+
+
+def shown_openly(found: ReadFound, info: ToolInfo | None) -> ReadFound:
+    """What a surface outside the signed view shows of a read (the Web UI's details, which are
+    not encoded, and a webhook's body, posted to a third party): the arguments and result fields
+    the tool's summary fields name, and the result's money fields, in words. The rest (a
+    customer's email) stays in the signed view, read by ``tether status`` and the inbox."""
+    named = info.summary_fields if info is not None else []
+    return ReadFound(
+        tool=found.tool,
+        args={k: v for k, v in found.args.items() if k in named},
+        fields={k: v for k, v in found.fields.items() if k in named or k in found.money},
+        money=found.money,
+    )

@@ -8,7 +8,7 @@ from typing import Any
 from workflows.budgets import clip
 from workflows.contract import DELEGATE, ExecutedStep, ToolInfo
 from workflows.run_model import RunModel, S
-from workflows.run_state import ReadFound, RunOutcome, RunSnapshot, found_steps
+from workflows.run_state import RunOutcome, RunSnapshot
 from workflows.states import TEMPORAL_STATUS
 
 
@@ -66,7 +66,7 @@ class Views(RunModel):
             policy_problem=data.policy_problem,
             updates=self.updates,
             tools=self._plan_tools(),
-            found=self._found(),
+            found=self.reads_found(),
             compensates=self.request.compensate_run,
             revisions=data.revisions,
             **self._tree(),
@@ -101,9 +101,6 @@ class Views(RunModel):
         if self.request.compensate_run is not None:  # and the writes it puts back (their money)
             names.update(dict.fromkeys(c.of_tool for c in data.compensations))
         return [info for name in names if (info := self.catalog.get(name)) is not None]
-
-    def _found(self) -> list[ReadFound]:
-        return found_steps(self.data.executed, self.catalog if self.data.catalog is not None else None)
 
     def final_failure(self) -> str | None:
         """A run that ended FAILED or EXECUTION_FAILED fails its execution (Temporal's status

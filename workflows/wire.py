@@ -23,6 +23,7 @@ from workflows.contract import (
     NotApproved,
     PlanStep,
     PlaybookStep,
+    ReadFound,
     ToolCatalog,
     json_digest,
 )
@@ -521,6 +522,10 @@ class Notification(BaseModel):
     parent: str | None = None
     parent_goal: str = ""
     root: str | None = None
+    # And what the plan depends on: what its read steps found, as a surface outside the signed
+    # view shows it (run_state.shown_openly), and what each planned tool says it does.
+    found: list[ReadFound] = Field(default_factory=list)
+    tools: dict[str, str] = Field(default_factory=dict)
     max_attempts: int = 4  # the last attempt reports dead webhooks instead of failing
 
 

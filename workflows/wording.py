@@ -50,6 +50,13 @@ def effect_words(info: Any, undo: Any = False) -> str:
     return words + ("; may destroy data" if info.destructive else "")
 
 
+def tool_words(info: Any) -> str:
+    """What a tool says it does, as approvers read it: its description's (docstring's) first
+    line, raw (escaped where it is shown); empty for an unknown tool or none written."""
+    described = info.description if info is not None else ""
+    return next((line.strip() for line in described.splitlines() if line.strip()), "")
+
+
 def arg_words(name: str, value: Any, schema: dict[str, Any] | None, args: dict[str, Any]) -> str | None:
     """Money as a person reads it, with the raw value beside it; None: not money."""
     shown = money(value, ((schema or {}).get("properties") or {}).get(name), args)

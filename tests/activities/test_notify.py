@@ -18,6 +18,7 @@ import urllib.request
 from temporalio.testing import WorkflowEnvironment
 
 from activities.notify import verify
+from examples.fake_openai import FakeOpenAI, call, tool_calls
 from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
@@ -160,6 +161,9 @@ async def signed_events_and_a_dead_webhook(
         assert "goal: Refund A-1002: late &lt;parcel&gt; \\x1b[2J &amp; more" in event["text"], event["text"]
         assert "asked by alice (claimed)" in event["text"] and "\x1b" not in event["text"]
         assert "issue_refund (can be undone by void_refund" in event["summary"], event["summary"]
+        # What each planned tool says it does (the lookup has not run: nothing found yet).
+        assert event["tools"]["issue_refund"] == "Refund (part of) an order to the customer's payment method.", event["tools"]
+        assert "issue_refund does: Refund (part of) an order" in event["text"] and event["found"] == []
         pending = snap.pending_approval
         assert event["event"] == "awaiting_approval" and event["run_id"] == handle.id
         assert (event["tenant"], event["state"], event["plan_hash"], event["request_id"]) == (
@@ -202,6 +206,44 @@ async def signed_events_and_a_dead_webhook(
     assert failed.rule == "awaiting_approval" and ("pager (http_500)" in failed.reason or "pager (timeout)" in failed.reason), failed.reason
     assert len(good.events) == 1, "one delivery per event, however often the other webhook was retried"
     check_timeline(outcome.timeline, tools_by_call(outcome))
+
+
+async def test_the_request_says_what_the_lookup_found_and_what_each_tool_does(
+    ts_env: WorkflowEnvironment, billing: Billing, tmp_path: Path, receivers: tuple[Receiver, Receiver],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model looks order A-1002 up (a read: it runs before anyone is asked), then proposes a
+    refund. The approval request's event says what the lookup found as the Web UI's details do
+    (the fields the tool names and its money, in words: never the customer's email, which stays in
+    the signed view) and what each planned tool says it does."""
+    good, _ = receivers
+    (tmp_path / "ops.secret").write_text(SECRET)
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        '[tenants.default]\n[tenants.default.approvers]\nbob = { roles = ["approver"] }\n'
+        f'[notify.webhooks.ops]\nurl = "{good.url}"\nevents = ["awaiting_approval"]\nsecret_file = "ops.secret"\n'
+    )
+    with FakeOpenAI() as fake:
+        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
+        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        fake.script(
+            tool_calls(call("get_order", {"order_id": "A-1002"})),
+            tool_calls(call("issue_refund", {"order_id": "A-1002", "amount_cents": 7000, "reason": "late <b>parcel</b>"})),
+        )
+        async with running_worker(ts_env.client, policy=PolicyStore.from_env(str(policy))) as worker:
+            handle = await start_run(ts_env.client, worker, make_request([], planner="model", goal="Refund A-1002"))
+            await wait_for_state(handle, "AWAITING_APPROVAL")
+            await until(lambda: good.events)
+    [event] = good.events
+    assert event["event"] == "awaiting_approval"
+    assert event["found"] == [{"tool": "get_order", "args": {}, "fields": {"total_cents": "12000"},
+                               "money": {"total_cents": "120.00 EUR"}}], event["found"]
+    assert "get_order found: total_cents 120.00 EUR (12000)" in event["text"], event["text"]
+    assert "grace@example.com" not in json.dumps(event)
+    assert event["tools"] == {"issue_refund": "Refund (part of) an order to the customer's payment method."}, event["tools"]
+    assert "issue_refund does: Refund (part of) an order to the customer's payment method." in event["text"], event["text"]
 
 
 async def test_an_escalation_stage_tells_its_webhooks_and_the_expiry_is_told_last(

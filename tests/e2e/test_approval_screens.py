@@ -147,7 +147,7 @@ async def test_a_newcomers_approval_of_the_demo_refund_on_every_surface(
         status=('customer_email: "ada@example.com"', "total_cents: 49.99 EUR (4999)", "amount_cents: 49.99 EUR (4999)",
                 "send_email: cannot be undone; unsafe: never re-run"),
         prompt=("49.99 EUR (4999)",),
-        details=("get_order", "49.99 EUR (4999)", "unsafe: never re-run", "can be undone by void_refund",
+        details=("get_order found: total_cents 49.99 EUR (4999)", "unsafe: never re-run", "can be undone by void_refund",
                  "Refund (part of) an order"),
     ))
     await stack.client.get_workflow_handle(run_id).cancel(reason="screenshots taken")

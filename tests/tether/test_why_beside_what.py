@@ -95,11 +95,11 @@ async def test_what_the_reads_found_and_each_tools_words_are_in_the_signed_view_
         assert "Refund (part of) an order" in page and "unsafe: never re-run" in page, page
 
     # The Web UI's current details (never through the payload codec): the lookup named, its
-    # fields only as the tool's summary_fields name them (get_order names none: the email stays
-    # in the signed view), and where to read the rest.
+    # fields only as the tool's summary_fields name them and its money in words (get_order names
+    # none: the email stays in the signed view), and where to read the rest.
     details = (await stack.client.get_workflow_handle(run_id).query("__temporal_workflow_metadata")).current_details
     [found] = [line for line in details.splitlines() if line.startswith("- `get_order`")]
-    assert "found: " in found and "more field(s): `tether status " in found, found
+    assert "found: total\\_cents `49.99 EUR (4999)`; 4 more field(s): `tether status " in found, found
     assert "ada@example.com" not in details, details
 
 
