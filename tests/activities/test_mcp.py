@@ -30,7 +30,8 @@ from tests.helpers.paths import ROOT
 from tests.helpers.queries import observations, snapshot
 from tests.helpers.runs import approval_for, make_request, running_worker, start_run, unique
 from tests.helpers.waiting import wait_for_state
-from examples.fake_openai import FakeOpenAI, call, text, tool_calls
+from examples.fake_openai import call, text, tool_calls
+from tests.helpers.fake_model import fake_model
 from workflows.contract import ToolEffect
 from workflows.run_state import RunOutcome
 from workflows.states import RunState, is_legal_path
@@ -325,11 +326,7 @@ async def test_model_planner_is_offered_mcp_tools_and_its_proposal_is_checked_ag
     ts_env: WorkflowEnvironment, repo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     r = str(repo)
-    with FakeOpenAI() as fake:
-        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
-        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-mcp-0000000000")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with fake_model(monkeypatch, api_key="sk-test-mcp-0000000000") as fake:
         fake.script(
             tool_calls(call("git__git_add", {"repo_path": r, "files": []})),  # the server's schema: minItems 1
             tool_calls(call("git__git_status", {"repo_path": r})),

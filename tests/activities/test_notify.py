@@ -18,7 +18,8 @@ import urllib.request
 from temporalio.testing import WorkflowEnvironment
 
 from activities.notify import verify
-from examples.fake_openai import FakeOpenAI, call, tool_calls
+from examples.fake_openai import call, tool_calls
+from tests.helpers.fake_model import fake_model
 from tether.policy.files import PolicyStore
 from tether.client import run_outcome
 from tests.helpers.billing import Billing
@@ -223,11 +224,7 @@ async def test_the_request_says_what_the_lookup_found_and_what_each_tool_does(
         '[tenants.default]\n[tenants.default.approvers]\nbob = { roles = ["approver"] }\n'
         f'[notify.webhooks.ops]\nurl = "{good.url}"\nevents = ["awaiting_approval"]\nsecret_file = "ops.secret"\n'
     )
-    with FakeOpenAI() as fake:
-        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
-        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with fake_model(monkeypatch) as fake:
         fake.script(
             tool_calls(call("get_order", {"order_id": "A-1002"})),
             tool_calls(call("issue_refund", {"order_id": "A-1002", "amount_cents": 7000, "reason": "late <b>parcel</b>"})),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from examples.fake_openai import FakeOpenAI, call, tool_calls
+from examples.fake_openai import call, tool_calls
+from tests.helpers.fake_model import fake_model
 from tests.helpers.inbox_stack import Stack
 
 
@@ -16,11 +17,7 @@ async def a_model_looks_up_then_refunds(stack: Stack, monkeypatch: pytest.Monkey
     """The demo refund as a newcomer's model runs it: it looks order A-1001 up (a read: it runs
     at once), then proposes a 49.99 EUR refund and an email; alice asked. Its run id, once it
     waits on an approver and is listed so."""
-    with FakeOpenAI() as fake:
-        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
-        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with fake_model(monkeypatch) as fake:
         fake.script(
             tool_calls(call("get_order", {"order_id": "A-1001"})),
             tool_calls(call("issue_refund", {"order_id": "A-1001", "amount_cents": 4999, "reason": "broken"}),

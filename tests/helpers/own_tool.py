@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from examples.fake_openai import FakeOpenAI, call, text, tool_calls
+from examples.fake_openai import call, text, tool_calls
+from tests.helpers.fake_model import fake_model
 from tether.tools.sdk import ToolRegistry, load_tool_modules
 from tests.helpers.doc_files import page_files
 from tests.helpers.inbox_stack import Stack
@@ -46,11 +47,7 @@ async def a_model_looks_up_then_credits(stack: Stack, monkeypatch: pytest.Monkey
     once), then proposes the page's ``goodwill_credit``; alice asked. Yields its run id once it
     waits on an approver and is listed so; the model stays up to answer once the credit is made."""
     lookup, credit = json.loads(page_files(PAGE)[f"{MODULE}.playbook.json"])
-    with FakeOpenAI() as fake:
-        monkeypatch.setenv("TETHER_MODEL", "tether-test-model")
-        monkeypatch.setenv("OPENAI_BASE_URL", fake.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with fake_model(monkeypatch) as fake:
         fake.script(tool_calls(call(lookup["tool"], lookup["args"])), tool_calls(call(credit["tool"], credit["args"])),
                     text("Credited 5.00 EUR on order A-1002."))
         run_id = await stack.start(requested_by="alice", goal=GOAL, planner="model", playbook=[])
