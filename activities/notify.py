@@ -135,7 +135,7 @@ def body(event: Notification) -> dict[str, Any]:
                 "tool": escape_text(f.tool, 64),
                 "args": {escape_text(k, 64): show_value(v, 120) for k, v in f.args.items()},
                 "fields": {escape_text(k, 64): show_value(v, 120) for k, v in f.fields.items()},
-                "money": {escape_text(k, 64): v for k, v in f.money.items()},  # escaped (wording.money)
+                "money": {escape_text(k, 64): escape_text(v, 64) for k, v in f.money.items()},
             }
             for f in event.found
         ],
@@ -149,7 +149,8 @@ def found_words(found: ReadFound) -> str:
     beside the raw value (``total_cents 49.99 EUR (4999)``, as the Web UI's details say it)."""
     args = ", ".join(f"{escape_text(k, 64)} {show_value(v, 120)}" for k, v in found.args.items())
     fields = ", ".join(
-        f"{escape_text(k, 64)} {found.money[k]} ({show_value(v, 120)})" if k in found.money else f"{escape_text(k, 64)} {show_value(v, 120)}"
+        f"{escape_text(k, 64)} {escape_text(found.money[k], 64)} ({show_value(v, 120)})" if k in found.money
+        else f"{escape_text(k, 64)} {show_value(v, 120)}"
         for k, v in found.fields.items()
     )
     return (f"({args}) " if args else "") + (fields or "nothing shown here (tether status shows what it found)")

@@ -267,3 +267,30 @@ async def test_an_escalation_stage_tells_its_webhooks_and_the_expiry_is_told_las
     assert expired["state"] == "EXPIRED" and expired["approve_command"] is None
     assert escalated["event_id"] != expired["event_id"]
     check_timeline(outcome.timeline, tools_by_call(outcome))
+
+
+def test_what_a_request_says_it_found_and_each_tools_words_reach_the_receiver_escaped() -> None:
+    """Every text in ``found`` and ``tools`` is someone's (a tool's result, its author's words, or
+    whoever answered the workflow task that scheduled the notification): the body escapes each,
+    and ``text`` shows none as Slack markup."""
+    from activities.notify import body
+    from workflows.contract import ReadFound
+    from workflows.wire import Notification
+
+    hostile = "<!here> \x1b[2J\u202e"
+    event = Notification(
+        event_id="r:1:3", event="awaiting_approval", webhooks=["ops"], run_id="r", tenant="default",
+        state="AWAITING_APPROVAL",
+        found=[ReadFound(tool=f"get{hostile}", args={f"id{hostile}": hostile}, fields={"total": 5, "note": hostile},
+                         money={"total": f"5 {hostile}"})],
+        tools={f"refund{hostile}": f"Refunds.{hostile}"},
+    )
+    sent = body(event)
+    flat = json.dumps(sent, ensure_ascii=False)
+    for raw in ("\x1b", "\u202e"):
+        assert raw not in flat, flat
+    assert "<!here>" not in sent["text"] and "&lt;!here&gt;" in sent["text"], sent["text"]
+    [found] = sent["found"]
+    assert found["money"] == {"total": "5 <!here> \\x1b[2J\\u202e"}, found
+    assert found["fields"] == {"total": "5", "note": '"<!here> \\x1b[2J\\u202e"'}, found
+    assert sent["tools"] == {"refund<!here> \\x1b[2J\\u202e": "Refunds.<!here> \\x1b[2J\\u202e"}, sent["tools"]
